@@ -1,0 +1,23 @@
+"""Lightning callbacks for silent-data-corruption checks in DDP training.
+
+```python
+trainer = L.Trainer(strategy="ddp", callbacks=[NonFiniteGradientCheck(),
+                    RingReplayAudit(every_n_steps=100), WeightFingerprintCheck(every_n_steps=1)])
+```
+"""
+
+from lightning_sdc.callbacks import FaultInjector, NonFiniteGradientCheck, RingReplayAudit, WeightFingerprintCheck
+from sdc_core import Fault
+from sdc_core.errors import FingerprintMismatchError, NonFiniteGradientError, ReplayMismatchError, SDCError
+
+__all__ = [
+    "Fault",
+    "FaultInjector",
+    "FingerprintMismatchError",
+    "NonFiniteGradientCheck",
+    "NonFiniteGradientError",
+    "ReplayMismatchError",
+    "RingReplayAudit",
+    "SDCError",
+    "WeightFingerprintCheck",
+]

@@ -1,0 +1,88 @@
+"""Glue shared by the Lightning callbacks: strategy checks, the shared tap, topology, logging."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+
+from sdc_core.gradients import GradientTap
+from sdc_core.stats import CheckStats
+from sdc_core.topology import Topology
+
+_STASH = "_sdc_user_comm_hook"
+
+
+def require_supported_strategy(trainer: pl.Trainer, check: str) -> None:
+    """Raise ``ValueError`` naming the strategy unless it is DDP or a single device."""
+    strategy = trainer.strategy
+    if not isinstance(strategy, DDPStrategy | SingleDeviceStrategy):
+        raise ValueError(
+            f"{check} supports strategy='ddp' (and its variants) or a single device; got "
+            f"{type(strategy).__name__}. Sharded strategies (FSDP, DeepSpeed) are not supported."
+        )
+    if isinstance(strategy, DDPStrategy) and not hasattr(strategy, _STASH):
+        # Take the user's DDP comm hook from the strategy before it registers it, so the SDC
+        # tap can wrap it (DDP accepts one hook per model).
+        setattr(strategy, _STASH, (strategy._ddp_comm_hook, strategy._ddp_comm_state, strategy._ddp_comm_wrapper))
+        strategy._ddp_comm_hook = None
+
+
+def is_ddp(trainer: pl.Trainer) -> bool:
+    return isinstance(trainer.strategy, DDPStrategy) and trainer.world_size > 1
+
+
+def topology(trainer: pl.Trainer) -> Topology:
+    """Every rank's host, node and local rank: gathered once per strategy (a collective)."""
+    topo = getattr(trainer.strategy, "_sdc_topology", None)
+    if topo is None:
+        topo = Topology.gather(node_rank=trainer.node_rank, local_rank=trainer.local_rank)
+        trainer.strategy._sdc_topology = topo  # type: ignore[attr-defined]
+    return topo
+
+
+def gradient_tap(trainer: pl.Trainer, pl_module: pl.LightningModule) -> GradientTap:
+    """The single gradient tap on the DDP model, wrapping the user's comm hook if any."""
+    hook, state, wrapper = getattr(trainer.strategy, _STASH, (None, None, None))
+    if hook is not None and wrapper is not None:
+        hook = wrapper(hook)
+    names = {id(p): n for n, p in pl_module.named_parameters()}
+    return GradientTap.attach(trainer.strategy.model, names, inner_hook=hook, inner_state=state)
+
+
+def warn_inactive(check: str, why: str) -> None:
+    warnings.warn(f"{check} is inactive: {why}", UserWarning, stacklevel=3)
+
+
+def log_stats(trainer: pl.Trainer, stats: CheckStats, force: bool = False) -> None:
+    """Send the counters to every logger of the trainer (rank 0 writes; cheap on other ranks)."""
+    if not trainer.loggers or trainer.sanity_checking:
+        return
+    step = trainer.global_step
+    if not force and step % max(trainer.log_every_n_steps, 1) != 0:
+        return
+    metrics = stats.metrics()
+    for logger in trainer.loggers:
+        logger.log_metrics(metrics, step=step)
+        if force:
+            logger.save()
+
+
+@contextmanager
+def no_logging(pl_module: pl.LightningModule) -> Iterator[None]:
+    """Silence ``self.log``/``self.log_dict`` of a LightningModule (replays must not log)."""
+
+    def mute(*_args: Any, **_kwargs: Any) -> None:
+        return None
+
+    pl_module.log = mute  # type: ignore[method-assign]
+    pl_module.log_dict = mute  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del pl_module.log
+        del pl_module.log_dict

@@ -1,0 +1,222 @@
+"""Lightning callbacks over ``sdc_core``: they translate trainer events into core calls."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+
+from lightning_sdc import _common as c
+from sdc_core.errors import SDCError
+from sdc_core.faults import Fault
+from sdc_core.faults import FaultInjector as _CoreInjector
+from sdc_core.fingerprint import FingerprintConfig, WeightFingerprint
+from sdc_core.gradients import NonFiniteConfig, NonFiniteGradient
+from sdc_core.replay import ReplayConfig, RingReplay
+
+
+class _SDCCallback(Callback):
+    """Common plumbing: strategy check, topology, counters in checkpoints, logging."""
+
+    _core: Any
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit":
+            c.require_supported_strategy(trainer, type(self).__name__)
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._core.topology = c.topology(trainer)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        c.log_stats(trainer, self._core.stats)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        c.log_stats(trainer, self._core.stats, force=True)
+
+    def _failed(self, trainer: pl.Trainer) -> None:
+        c.log_stats(trainer, self._core.stats, force=True)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._core.stats.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._core.stats.load_state_dict(state_dict)
+
+
+class NonFiniteGradientCheck(_SDCCallback):
+    """Flag every rank whose LOCAL gradients hold NaN/Inf, before the all-reduce spreads them.
+
+    Args:
+        on_failure: ``"raise"`` (default) raises ``NonFiniteGradientError`` on every rank;
+            ``"skip_step"`` drops the optimizer step on every rank (the weights stay clean);
+            ``"warn"`` only warns. Every verdict is logged under ``sdc/nonfinite_gradient/``.
+        overflow_patience: under an fp16 GradScaler a rank is flagged only when it alone
+            overflows on this many consecutive steps; ordinary overflow stays the scaler's business.
+        max_names: offending parameter names reported per rank.
+
+    Cost: one ``aminmax`` read of the local gradients in the DDP communication hook, and one
+    4-byte all-reduce plus one host read per optimizer step. Without DDP, ``.grad`` is checked.
+    """
+
+    def __init__(self, on_failure: str = "raise", overflow_patience: int = 3, max_names: int = 5) -> None:
+        self._core = NonFiniteGradient(NonFiniteConfig(on_failure, overflow_patience, max_names))
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_fit_start(trainer, pl_module)
+        if c.is_ddp(trainer):
+            self._core.attach(c.gradient_tap(trainer, pl_module))
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        try:
+            self._core.verdict(trainer.global_step, pl_module.named_parameters(), scaler_active=scaler is not None)
+        except SDCError:
+            self._failed(trainer)
+            raise
+
+
+class WeightFingerprintCheck(_SDCCallback):
+    """Compare exact fingerprints of the replicas' weights after every ``every_n_steps`` steps.
+
+    Args:
+        every_n_steps: cadence in optimizer steps.
+        include_buffers: also compare buffers (BatchNorm running statistics excluded).
+        include_optimizer_state: also compare optimizer state tensors.
+
+    The comparison of step ``s`` is read at the end of the next training batch (or at the end of
+    training), so the host never waits for the GPU in the step that computed it. Raises
+    ``FingerprintMismatchError`` on every rank; with 3+ replicas the minority rank is named.
+    """
+
+    def __init__(
+        self, every_n_steps: int = 1, include_buffers: bool = False, include_optimizer_state: bool = False
+    ) -> None:
+        self._core = WeightFingerprint(FingerprintConfig(every_n_steps, include_buffers, include_optimizer_state))
+        self._seen_step = 0
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_fit_start(trainer, pl_module)
+        self._seen_step = trainer.global_step
+        if not c.is_ddp(trainer):
+            c.warn_inactive(type(self).__name__, "a single process has no replica to compare with")
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        try:
+            if c.is_ddp(trainer):
+                self._core.resolve()
+                if trainer.global_step != self._seen_step:
+                    self._seen_step = trainer.global_step
+                    if self._core.due(trainer.global_step - 1):
+                        self._core.start(trainer.global_step - 1, pl_module, trainer.optimizers)
+        except SDCError:
+            self._failed(trainer)
+            raise
+        super().on_train_batch_end(trainer, pl_module)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        try:
+            self._core.resolve()
+        except SDCError:
+            self._failed(trainer)
+            raise
+        super().on_train_end(trainer, pl_module)
+
+
+class RingReplayAudit(_SDCCallback):
+    """Every ``every_n_steps`` steps, a partner rank replays each rank's micro-batches.
+
+    Args:
+        every_n_steps: audit optimizer steps 0, n, 2n, ...
+        exact: demand bit equality instead of tolerances.
+        rtol: relative tolerance of loss, gradient norms and sums (default 1e-3).
+        atol: absolute floor of the tolerance denominators (default 1e-6).
+
+    The replay uses ``pl_module.sdc_replay_step(batch, batch_idx)`` when defined (it must
+    return the loss, or a dict with ``"loss"``), else ``training_step`` with logging muted. It
+    has no side effect on gradients, optimizer, buffers, RNG or loggers. Raises
+    ``ReplayMismatchError`` on every rank.
+    """
+
+    def __init__(self, every_n_steps: int = 100, exact: bool = False, rtol: float = 1e-3, atol: float = 1e-6) -> None:
+        self._core = RingReplay(ReplayConfig(every_n_steps, exact, rtol, atol))
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        if stage == "fit" and not pl_module.automatic_optimization and not hasattr(pl_module, "sdc_replay_step"):
+            raise ValueError(
+                "RingReplayAudit with manual optimization needs a side-effect free "
+                "`sdc_replay_step(batch, batch_idx)` on the LightningModule that returns the loss"
+            )
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_fit_start(trainer, pl_module)
+        if c.is_ddp(trainer):
+            names = [n for n, p in pl_module.named_parameters() if p.requires_grad]
+            self._core.attach(c.gradient_tap(trainer, pl_module), names)
+        else:
+            c.warn_inactive(type(self).__name__, "a single process has no partner to replay its batches")
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self._core.arm(trainer.global_step):
+            self._core.record(batch, batch_idx, pl_module.device)
+
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+        self._core.record_loss(loss)
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        replay_fn = getattr(pl_module, "sdc_replay_step", None) or pl_module.training_step
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+
+        def step_fn(batch: Any, batch_idx: int) -> torch.Tensor:
+            with c.no_logging(pl_module):
+                out = replay_fn(batch, batch_idx)
+            loss = out["loss"] if isinstance(out, dict) else out
+            loss = loss / trainer.accumulate_grad_batches
+            return scaler.scale(loss) if scaler is not None else loss
+
+        try:
+            self._core.audit(
+                trainer.global_step,
+                pl_module,
+                step_fn,
+                to_device=trainer.strategy.batch_to_device,
+                context=trainer.precision_plugin.train_step_context,
+            )
+        except SDCError:
+            self._failed(trainer)
+            raise
+
+
+class FaultInjector(Callback):
+    """Fire drills: simulate a faulty rank (see ``sdc_core.faults``). Never use in production.
+
+    Args:
+        faults: ``sdc_core.Fault`` objects or dicts of their fields (for YAML configs).
+    """
+
+    def __init__(self, faults: list[Fault] | list[dict[str, Any]]) -> None:
+        self.injector = _CoreInjector([f if isinstance(f, Fault) else Fault(**f) for f in faults])
+        self._handles: list[Any] = []
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.injector.install(pl_module, trainer.global_rank)
+
+        def after(optimizer: torch.optim.Optimizer, *_: Any) -> None:
+            self.injector.after_step(self.injector.step, pl_module, trainer.optimizers)
+
+        self._handles = [opt.register_step_post_hook(after) for opt in trainer.optimizers]
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self.injector.set_step(trainer.global_step)
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self.injector.remove()
+        for h in self._handles:
+            h.remove()
+        self._handles = []

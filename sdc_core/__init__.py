@@ -1,0 +1,44 @@
+"""sdc_core: the framework-neutral silent-data-corruption checks (torch and torch.distributed only).
+
+Three checks use the data-parallel replicas as witnesses of each other:
+
+* ``NonFiniteGradient``: NaN/Inf in a rank's LOCAL gradients, before the all-reduce;
+* ``RingReplay``: a partner rank recomputes a rank's micro-batches and compares;
+* ``WeightFingerprint``: replicas compare exact fingerprints of their weights after a step.
+
+A failure raises an ``SDCError`` subclass on every rank, in the same step, naming the faulty rank
+and host when the evidence allows. The Lightning and Accelerate adapters are thin layers on top.
+"""
+
+from sdc_core.errors import FingerprintMismatchError, NonFiniteGradientError, ReplayMismatchError, SDCError
+from sdc_core.faults import Fault, FaultInjector, flip_bit
+from sdc_core.fingerprint import FingerprintConfig, WeightFingerprint, tensor_digest, tensor_digests, vote
+from sdc_core.gradients import GradientTap, NonFiniteConfig, NonFiniteGradient
+from sdc_core.replay import ReplayConfig, RingReplay
+from sdc_core.stats import CheckStats
+from sdc_core.topology import Topology, ring_partners
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CheckStats",
+    "Fault",
+    "FaultInjector",
+    "FingerprintConfig",
+    "FingerprintMismatchError",
+    "GradientTap",
+    "NonFiniteConfig",
+    "NonFiniteGradient",
+    "NonFiniteGradientError",
+    "ReplayConfig",
+    "ReplayMismatchError",
+    "RingReplay",
+    "SDCError",
+    "Topology",
+    "WeightFingerprint",
+    "flip_bit",
+    "ring_partners",
+    "tensor_digest",
+    "tensor_digests",
+    "vote",
+]

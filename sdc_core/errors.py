@@ -1,0 +1,125 @@
+"""Typed exceptions raised by the SDC checks.
+
+Every rank raises the same exception, with the same fields, in the same step: the verdict is
+computed from data all ranks exchanged, never from one rank's local view.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+
+class SDCError(RuntimeError):
+    """A silent-data-corruption check failed.
+
+    Attributes:
+        check: ``"nonfinite_gradient"``, ``"ring_replay"`` or ``"weight_fingerprint"``.
+        step: the global optimizer step the evidence belongs to.
+        rank: the faulty global rank, or ``None`` when it cannot be localized.
+        suspects: sorted tuple of the ranks that may be faulty.
+        hosts: ``{rank: hostname}`` for every suspect.
+        details: JSON-ready evidence (tensor names, values, the pattern seen, node ranks).
+    """
+
+    check: str = "sdc"
+
+    def __init__(
+        self,
+        *,
+        step: int,
+        rank: int | None,
+        suspects: Iterable[int],
+        hosts: Mapping[int, str] | None = None,
+        details: Mapping[str, Any] | None = None,
+        reason: str = "",
+        check: str | None = None,
+    ) -> None:
+        if check is not None:
+            self.check = check
+        self.step = int(step)
+        self.rank = None if rank is None else int(rank)
+        self.suspects = tuple(sorted(int(r) for r in suspects))
+        self.hosts = {int(r): str(h) for r, h in (hosts or {}).items()}
+        self.details = dict(details or {})
+        self.reason = reason
+        super().__init__(self._message())
+
+    def _message(self) -> str:
+        nodes = self.details.get("node_ranks", {})
+
+        def where(r: int) -> str:
+            host = self.hosts.get(r, "?")
+            node = nodes.get(r, nodes.get(str(r)))
+            return f"rank {r} (host {host}" + (f", node {node})" if node is not None else ")")
+
+        if self.rank is not None:
+            who = f"{where(self.rank)} is faulty"
+            action = f"take host {self.hosts.get(self.rank, '?')} out of service"
+        elif self.suspects:
+            who = "cannot localize; suspects: " + ", ".join(where(r) for r in self.suspects)
+            action = "run with 3 or more replicas to localize, or test these hosts"
+        else:
+            who = "no rank could be named"
+            action = "inspect the details"
+        reason = f": {self.reason}" if self.reason else ""
+        return f"SDC check '{self.check}' failed at step {self.step}: {who}{reason}; {action}."
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form: every key a string, every value a plain type."""
+        return {
+            "type": type(self).__name__,
+            "check": self.check,
+            "step": self.step,
+            "rank": self.rank,
+            "suspects": list(self.suspects),
+            "hosts": {str(r): h for r, h in self.hosts.items()},
+            "details": _jsonable(self.details),
+            "message": str(self),
+        }
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        kwargs = {
+            "step": self.step,
+            "rank": self.rank,
+            "suspects": self.suspects,
+            "hosts": self.hosts,
+            "details": self.details,
+            "reason": self.reason,
+            "check": self.check,
+        }
+        return (_rebuild, (type(self), kwargs))
+
+
+def _rebuild(cls: type[SDCError], kwargs: dict[str, Any]) -> SDCError:
+    return cls(**kwargs)
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple | set | frozenset):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, bool | int | str) or value is None:
+        return value
+    if isinstance(value, float):
+        return value if value == value and abs(value) != float("inf") else repr(value)
+    return repr(value)
+
+
+class NonFiniteGradientError(SDCError):
+    """Local (pre-all-reduce) gradients of one or more ranks contained NaN or Inf."""
+
+    check = "nonfinite_gradient"
+
+
+class ReplayMismatchError(SDCError):
+    """A partner's replay of a rank's micro-batches disagreed with the rank's own result."""
+
+    check = "ring_replay"
+
+
+class FingerprintMismatchError(SDCError):
+    """The replicas' weight fingerprints differ after an optimizer step."""
+
+    check = "weight_fingerprint"

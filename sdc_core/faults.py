@@ -1,0 +1,174 @@
+"""Fault injection: simulate a faulty rank without touching the checks' code.
+
+For tests, demos and fire drills. Each fault fires on one global rank only; nothing here runs
+unless a fault is installed.
+
+* ``flip_bit(t, index, bit)``: flip bit ``bit`` of flat element ``index`` of any float tensor.
+* ``Fault(kind="module_output", ...)``: from step ``step`` on, perturb one element of a named
+  module's output (a faulty multiply-accumulate lane), ``persistent`` (every forward, replays
+  included) or ``intermittent`` (only the first forward of each step).
+* ``Fault(kind="nonfinite_gradient", ...)``: at step ``step``, a named parameter's local
+  gradient gets a NaN (or Inf) before the all-reduce.
+* ``Fault(kind="weight_bit_flip" | "optimizer_state", ...)``: right after optimizer step
+  ``step``, flip a bit of a named parameter, or of its optimizer state tensor ``state_key``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+_INT_VIEW = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+KINDS = ("module_output", "nonfinite_gradient", "weight_bit_flip", "optimizer_state")
+
+
+def flip_bit(t: torch.Tensor, index: int, bit: int) -> tuple[float, float]:
+    """Flip bit ``bit`` (0 = least significant) of flat element ``index`` of ``t`` in place.
+
+    Returns ``(old, new)`` values. Works for every floating dtype (and integer tensors).
+    """
+    width = t.element_size() * 8
+    if not 0 <= bit < width:
+        raise ValueError(f"bit must be in [0, {width}) for {t.dtype}, got {bit}")
+    if not 0 <= index < t.numel():
+        raise ValueError(f"index must be in [0, {t.numel()}), got {index}")
+    with torch.no_grad():
+        flat = t.view(-1) if t.is_contiguous() else None
+        if flat is None:
+            raise ValueError("flip_bit needs a contiguous tensor")
+        old = float(flat[index])
+        words = flat.view(_INT_VIEW[t.element_size()])
+        mask = -(2**63) if bit == 63 else (1 << bit)
+        if width < 64 and bit == width - 1:
+            mask = -(1 << bit)  # the sign bit of a narrower signed word
+        words[index] ^= mask
+        return old, float(flat[index])
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One simulated hardware fault (validated on construction)."""
+
+    kind: str
+    rank: int
+    step: int = 0
+    target: str = ""
+    index: int = 0
+    bit: int | None = None
+    factor: float = 1.5
+    mode: str = "persistent"
+    value: float = float("nan")
+    state_key: str = "exp_avg"
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
+        if self.mode not in ("persistent", "intermittent"):
+            raise ValueError(f"mode must be 'persistent' or 'intermittent', got {self.mode!r}")
+        for name in ("rank", "step", "index"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {v!r}")
+        if self.kind in ("weight_bit_flip", "optimizer_state") and self.bit is None:
+            raise ValueError(f"bit is required for kind={self.kind!r}")
+
+
+@dataclass
+class FaultInjector:
+    """Installs ``faults`` on this process's module; the adapter reports step boundaries."""
+
+    faults: Sequence[Fault]
+    rank: int = 0
+    step: int = 0
+    fired: list[dict[str, Any]] = field(default_factory=list)
+    _handles: list[Any] = field(default_factory=list)
+    _calls: dict[int, int] = field(default_factory=dict)
+
+    def install(self, module: nn.Module, rank: int) -> None:
+        """Register the forward and gradient hooks of this rank's faults."""
+        self.rank = rank
+        modules = dict(module.named_modules())
+        params = dict(module.named_parameters())
+        for i, fault in enumerate(self.faults):
+            if fault.rank != rank:
+                continue
+            if fault.kind == "module_output":
+                if fault.target not in modules:
+                    raise ValueError(f"no module named {fault.target!r}; known: {sorted(modules)[:10]}")
+                self._handles.append(modules[fault.target].register_forward_hook(self._output_hook(i, fault)))
+            elif fault.kind == "nonfinite_gradient":
+                if fault.target not in params:
+                    raise ValueError(f"no parameter named {fault.target!r}; known: {sorted(params)[:10]}")
+                self._handles.append(params[fault.target].register_hook(self._grad_hook(fault)))
+            elif fault.target not in params:
+                raise ValueError(f"no parameter named {fault.target!r}; known: {sorted(params)[:10]}")
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def set_step(self, step: int) -> None:
+        """The optimizer step the coming micro-batches belong to."""
+        if step != self.step:
+            self._calls.clear()
+        self.step = step
+
+    def after_step(self, step: int, module: nn.Module, optimizers: Iterable[torch.optim.Optimizer]) -> None:
+        """Apply weight and optimizer-state faults due right after optimizer step ``step``."""
+        params = dict(module.named_parameters())
+        for fault in self.faults:
+            if (
+                fault.rank != self.rank
+                or fault.step != step
+                or fault.kind not in ("weight_bit_flip", "optimizer_state")
+            ):
+                continue
+            p = params[fault.target]
+            if fault.kind == "weight_bit_flip":
+                old, new = flip_bit(p.data, fault.index % p.numel(), int(fault.bit))  # type: ignore[arg-type]
+            else:
+                state = next((opt.state[p] for opt in optimizers if p in opt.state), None)
+                if state is None or fault.state_key not in state:
+                    raise ValueError(f"no optimizer state {fault.state_key!r} for parameter {fault.target!r}")
+                t = state[fault.state_key]
+                old, new = flip_bit(t, fault.index % t.numel(), int(fault.bit))  # type: ignore[arg-type]
+            self.fired.append({"kind": fault.kind, "step": step, "target": fault.target, "old": old, "new": new})
+
+    def _output_hook(self, i: int, fault: Fault) -> Any:
+        def hook(_module: nn.Module, _inputs: Any, output: Any) -> Any:
+            if self.step < fault.step or not isinstance(output, torch.Tensor):
+                return None
+            self._calls[i] = self._calls.get(i, 0) + 1
+            if fault.mode == "intermittent" and self._calls[i] > 1:
+                return None
+            flat = output.detach().reshape(-1)
+            j = fault.index % flat.numel()
+            old = flat[j].clone()
+            if fault.bit is not None:
+                new = old.clone().reshape(1)
+                flip_bit(new, 0, fault.bit)
+                new = new[0]
+            else:
+                new = old * fault.factor
+            delta = torch.zeros_like(flat)
+            delta[j] = new - old
+            self.fired.append({"kind": fault.kind, "step": self.step, "target": fault.target})
+            return output + delta.view_as(output)
+
+        return hook
+
+    def _grad_hook(self, fault: Fault) -> Any:
+        def hook(grad: torch.Tensor) -> torch.Tensor | None:
+            if self.step != fault.step:
+                return None
+            grad = grad.clone()
+            grad.view(-1)[fault.index % grad.numel()] = fault.value
+            self.fired.append({"kind": fault.kind, "step": self.step, "target": fault.target})
+            return grad
+
+        return hook

@@ -1,0 +1,180 @@
+"""Who is where: ranks, hosts and nodes, replay partners, and the few collectives the checks use.
+
+Facts about each rank (hostname, node rank, local rank) are gathered once, at set-up, with one
+``all_gather_object``; nothing here runs per step except the small helpers the checks call on
+their own cadence.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def is_distributed() -> bool:
+    """True when a process group with more than one rank is initialized."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def collective_device() -> torch.device:
+    """The device tensors must live on for the default process group's backend."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _env_int(*names: str) -> int | None:
+    for name in names:
+        value = os.environ.get(name)
+        if value is not None and value.strip().lstrip("-").isdigit():
+            return int(value)
+    return None
+
+
+@dataclass(frozen=True)
+class RankFacts:
+    """What is known of one rank: its host, node rank and local rank."""
+
+    rank: int
+    host: str
+    node_rank: int
+    local_rank: int
+
+
+@dataclass(frozen=True)
+class Topology:
+    """The facts of every rank, identical on all ranks once gathered."""
+
+    ranks: tuple[RankFacts, ...]
+    rank: int
+
+    @property
+    def world_size(self) -> int:
+        return len(self.ranks)
+
+    @classmethod
+    def gather(cls, node_rank: int | None = None, local_rank: int | None = None) -> Topology:
+        """Collect every rank's facts (one ``all_gather_object``; call once, on every rank).
+
+        ``node_rank`` defaults to ``GROUP_RANK`` (torchrun), ``NODE_RANK`` (Lightning) or
+        ``SLURM_NODEID``; ``local_rank`` to ``LOCAL_RANK`` or ``SLURM_LOCALID``.
+        """
+        rank = dist.get_rank() if is_distributed() else 0
+        mine = RankFacts(
+            rank=rank,
+            host=socket.gethostname(),
+            node_rank=node_rank
+            if node_rank is not None
+            else (_env_int("GROUP_RANK", "NODE_RANK", "SLURM_NODEID") or 0),
+            local_rank=local_rank if local_rank is not None else (_env_int("LOCAL_RANK", "SLURM_LOCALID") or 0),
+        )
+        if not is_distributed():
+            return cls(ranks=(mine,), rank=0)
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, mine)
+        return cls(ranks=tuple(gathered), rank=rank)
+
+    def hosts(self, ranks: Any) -> dict[int, str]:
+        return {int(r): self.ranks[int(r)].host for r in ranks}
+
+    def node_ranks(self, ranks: Any) -> dict[int, int]:
+        return {int(r): self.ranks[int(r)].node_rank for r in ranks}
+
+    @property
+    def num_nodes(self) -> int:
+        return len({f.node_rank for f in self.ranks})
+
+    def partners(self) -> tuple[int, ...]:
+        """``partners()[r]`` is the rank that replays rank ``r``'s batch: a permutation.
+
+        With several nodes the ranks are ordered node by node and shifted by the largest node's
+        size, so every partner sits on another node whenever no node holds more than half the
+        ranks. On one node the partner is the next rank.
+        """
+        return ring_partners([f.node_rank for f in self.ranks])
+
+
+def ring_partners(node_of_rank: list[int]) -> tuple[int, ...]:
+    """Replay permutation for ranks placed on the given nodes (see ``Topology.partners``)."""
+    world = len(node_of_rank)
+    order = sorted(range(world), key=lambda r: (node_of_rank[r], r))
+    sizes: dict[int, int] = {}
+    for node in node_of_rank:
+        sizes[node] = sizes.get(node, 0) + 1
+    largest = max(sizes.values())
+    shift = largest if len(sizes) > 1 and 2 * largest <= world else 1
+    partner = [0] * world
+    for i, r in enumerate(order):
+        partner[r] = order[(i + shift) % world]
+    return tuple(partner)
+
+
+def all_reduce_max(values: torch.Tensor) -> torch.Tensor:
+    """In-place MAX all-reduce on the collective device (a no-op without a process group)."""
+    if is_distributed():
+        dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    return values
+
+
+def all_gather_tensor(value: torch.Tensor) -> torch.Tensor:
+    """Stack every rank's ``value`` (same shape on all ranks) along a new first dimension."""
+    if not is_distributed():
+        return value.unsqueeze(0)
+    out = [torch.empty_like(value) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, value)
+    return torch.stack(out)
+
+
+def all_gather_objects(obj: Any) -> list[Any]:
+    """Every rank's picklable ``obj``, in rank order (rare paths only: it pickles)."""
+    if not is_distributed():
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _to_cpu(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple) and not hasattr(obj, "_fields"):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return obj
+
+
+def exchange(sends: dict[int, Any], recv_from: list[int]) -> dict[int, Any]:
+    """Point-to-point exchange of picklable objects: ``sends[dst] = obj``; receive from each source.
+
+    Every rank must call this with a plan consistent with the others' (a send to ``d`` on rank
+    ``s`` matches ``s`` in ``recv_from`` on rank ``d``). Tensors travel as CPU copies and arrive
+    on the CPU; sizes travel first, then the payloads.
+    """
+    device = collective_device()
+    payloads: dict[int, torch.Tensor] = {}
+    for dst, obj in sends.items():
+        buf = io.BytesIO()
+        torch.save(_to_cpu(obj), buf)
+        payloads[dst] = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8).to(device)
+    sizes_out = {d: torch.tensor([p.numel()], dtype=torch.int64, device=device) for d, p in payloads.items()}
+    sizes_in = {s: torch.zeros(1, dtype=torch.int64, device=device) for s in recv_from}
+    works = [dist.isend(t, d) for d, t in sizes_out.items()]
+    works += [dist.irecv(t, s) for s, t in sizes_in.items()]
+    for w in works:
+        w.wait()
+    bufs_in = {s: torch.empty(int(t.item()), dtype=torch.uint8, device=device) for s, t in sizes_in.items()}
+    works = [dist.isend(p, d) for d, p in payloads.items()]
+    works += [dist.irecv(b, s) for s, b in bufs_in.items()]
+    for w in works:
+        w.wait()
+    return {
+        s: torch.load(io.BytesIO(b.cpu().numpy().tobytes()), weights_only=False, map_location="cpu")
+        for s, b in bufs_in.items()
+    }

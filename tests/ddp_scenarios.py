@@ -1,0 +1,299 @@
+"""Multi-process scenarios for the tests: run under ``torchrun``; each rank writes JSON results.
+
+``torchrun --nproc-per-node 3 tests/ddp_scenarios.py --out DIR --only a,b`` runs the named
+scenarios one after the other in the same process group (start-up is paid once), each a real
+``Trainer(strategy="ddp")`` fit, and writes ``DIR/<scenario>.rank<r>.json`` with what the rank
+saw: the exception's ``to_dict()`` (or None), the final weight digest, the callbacks' counters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import traceback
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as L
+import torch
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.plugins.precision import MixedPrecision
+from lightning.pytorch.strategies import DDPStrategy
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from lightning_sdc import (
+    Fault,
+    FaultInjector,
+    NonFiniteGradientCheck,
+    RingReplayAudit,
+    SDCError,
+    WeightFingerprintCheck,
+)
+from sdc_core.fingerprint import combine, tensor_digests
+
+
+class Net(L.LightningModule):
+    """A small MLP with BatchNorm, dropout, a frozen layer and two parameter groups."""
+
+    def __init__(self, optimizer: str = "sgd", frozen: bool = True, log_loss: bool = True) -> None:
+        super().__init__()
+        self.stem = nn.Linear(8, 16)
+        self.norm = nn.BatchNorm1d(16)
+        self.body = nn.Linear(16, 16)
+        self.drop = nn.Dropout(0.2)
+        self.head = nn.Linear(16, 1)
+        self.fixed = nn.Linear(16, 16)
+        if frozen:
+            self.fixed.requires_grad_(False)
+        self.optimizer = optimizer
+        self.log_loss = log_loss
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.norm(self.stem(x)))
+        h = self.drop(torch.relu(self.body(h))) + 0.1 * self.fixed(h)
+        return self.head(h)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = nn.functional.mse_loss(self(x).float(), y)
+        if self.log_loss:
+            self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        groups = [
+            {"params": list(self.stem.parameters()) + list(self.norm.parameters())},
+            {"params": list(self.body.parameters()) + list(self.head.parameters()), "lr": 0.02},
+        ]
+        if self.optimizer == "adam":
+            return torch.optim.Adam(groups, lr=0.01)
+        return torch.optim.SGD(groups, lr=0.05, momentum=0.9)
+
+
+def loader(n: int = 256, batch_size: int = 8) -> DataLoader:
+    g = torch.Generator().manual_seed(1234)
+    x = torch.randn(n, 8, generator=g)
+    y = x[:, :1] * 0.5 - x[:, 1:2] + 0.1 * torch.randn(n, 1, generator=g)
+    return DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=False)
+
+
+def weight_digest(module: nn.Module) -> int:
+    return int(combine(tensor_digests([p for p in module.parameters()])))
+
+
+def fit(
+    out: Path,
+    name: str,
+    callbacks: list[Any],
+    steps: int = 8,
+    model: Net | None = None,
+    ckpt_path: str | None = None,
+    save_ckpt: bool = False,
+    strategy_kwargs: dict[str, Any] | None = None,
+    **trainer_kwargs: Any,
+) -> dict[str, Any]:
+    """One ``trainer.fit``; returns what this rank saw."""
+    L.seed_everything(7, workers=True, verbose=False)
+    model = model or Net()
+    world = int(os.environ["WORLD_SIZE"])
+    local = int(os.environ["LOCAL_WORLD_SIZE"])
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=local,
+        num_nodes=world // local,
+        strategy=DDPStrategy(timeout=timedelta(seconds=90), **(strategy_kwargs or {})),
+        max_steps=steps,
+        logger=CSVLogger(out / "logs", name=name, version=0),
+        log_every_n_steps=1,
+        callbacks=callbacks,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        **trainer_kwargs,
+    )
+    error = None
+    try:
+        trainer.fit(model, loader(), ckpt_path=ckpt_path)
+    except SDCError as err:
+        error = err.to_dict()
+    if save_ckpt and error is None:
+        trainer.save_checkpoint(out / f"{name}.ckpt")
+    states = {type(cb).__name__: cb.state_dict() for cb in callbacks if hasattr(cb, "_core")}
+    return {
+        "error": error,
+        "weights": weight_digest(model),
+        "finite": all(bool(torch.isfinite(p).all()) for p in model.parameters()),
+        "global_step": trainer.global_step,
+        "states": states,
+        "fired": [f for cb in callbacks if isinstance(cb, FaultInjector) for f in cb.injector.fired],
+        "tap_inner": [cb.inner for cb in callbacks if isinstance(cb, TapProbe)],
+    }
+
+
+class TapProbe(L.Callback):
+    """Records which inner hook the SDC gradient tap wraps."""
+
+    inner = None
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        tap = getattr(trainer.strategy.model, "_sdc_gradient_tap", None)
+        self.inner = getattr(tap, "inner_hook", None).__name__ if tap else None
+
+
+def all_checks(replay_every: int = 2, **kw: Any) -> list[Any]:
+    return [
+        NonFiniteGradientCheck(),
+        RingReplayAudit(every_n_steps=replay_every, **kw),
+        WeightFingerprintCheck(every_n_steps=1),
+    ]
+
+
+def fp16_plugin() -> MixedPrecision:
+    return MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+
+
+SCENARIOS: dict[str, Any] = {
+    # clean runs: no alarm in any configuration users rely on
+    "clean": lambda o: fit(o, "clean", all_checks(), accumulate_grad_batches=2),
+    "clean_exact": lambda o: fit(o, "clean_exact", all_checks(replay_every=1, exact=True)),
+    "clean_bf16": lambda o: fit(o, "clean_bf16", all_checks(replay_every=1), precision="bf16-mixed"),
+    "clean_fp16": lambda o: fit(o, "clean_fp16", all_checks(replay_every=1), plugins=[fp16_plugin()]),
+    "clean_adam_buffers": lambda o: fit(
+        o,
+        "clean_adam_buffers",
+        [WeightFingerprintCheck(include_buffers=True, include_optimizer_state=True), RingReplayAudit(every_n_steps=3)],
+        model=Net(optimizer="adam"),
+    ),
+    # the audit leaves training bit-identical
+    "audit_off": lambda o: fit(o, "audit_off", [WeightFingerprintCheck()], steps=6),
+    "tap_only": lambda o: fit(o, "tap_only", [NonFiniteGradientCheck(), WeightFingerprintCheck()], steps=6),
+    "audit_on": lambda o: fit(o, "audit_on", [RingReplayAudit(every_n_steps=1), WeightFingerprintCheck()], steps=6),
+    # each check catches its fault class
+    "nonfinite": lambda o: fit(
+        o,
+        "nonfinite",
+        [
+            WeightFingerprintCheck(),
+            NonFiniteGradientCheck(),
+            FaultInjector([Fault("nonfinite_gradient", rank=1, step=3, target="body.weight", index=5)]),
+        ],
+    ),
+    "nonfinite_all": lambda o: fit(
+        o,
+        "nonfinite_all",
+        [
+            NonFiniteGradientCheck(),
+            FaultInjector(
+                [
+                    Fault("nonfinite_gradient", rank=r, step=2, target="head.weight")
+                    for r in range(int(os.environ["WORLD_SIZE"]))
+                ]
+            ),
+        ],
+    ),
+    "nonfinite_skip": lambda o: fit(
+        o,
+        "nonfinite_skip",
+        [
+            NonFiniteGradientCheck(on_failure="skip_step"),
+            WeightFingerprintCheck(),
+            FaultInjector([Fault("nonfinite_gradient", rank=2, step=2, target="stem.bias", value=float("inf"))]),
+        ],
+        steps=5,
+    ),
+    "fingerprint": lambda o: fit(
+        o,
+        "fingerprint",
+        [
+            FaultInjector([Fault("weight_bit_flip", rank=2, step=3, target="body.weight", index=7, bit=3)]),
+            WeightFingerprintCheck(),
+        ],
+    ),
+    "optimizer_state": lambda o: fit(
+        o,
+        "optimizer_state",
+        [
+            WeightFingerprintCheck(every_n_steps=2, include_optimizer_state=True),
+            FaultInjector(
+                [Fault("optimizer_state", rank=0, step=4, target="head.weight", bit=0, state_key="exp_avg_sq")]
+            ),
+        ],
+        model=Net(optimizer="adam"),
+    ),
+    "replay_persistent": lambda o: fit(
+        o,
+        "replay_persistent",
+        [
+            RingReplayAudit(every_n_steps=2),
+            FaultInjector([Fault("module_output", rank=1, step=3, target="head", index=4, factor=1.5)]),
+        ],
+    ),
+    "replay_intermittent": lambda o: fit(
+        o,
+        "replay_intermittent",
+        [
+            RingReplayAudit(every_n_steps=1),
+            FaultInjector(
+                [
+                    Fault(
+                        "module_output",
+                        rank=int(os.environ["WORLD_SIZE"]) - 1,
+                        step=2,
+                        target="stem",
+                        index=3,
+                        bit=27,
+                        mode="intermittent",
+                    )
+                ]
+            ),
+        ],
+        accumulate_grad_batches=2,
+    ),
+    "comm_hook": lambda o: fit(
+        o,
+        "comm_hook",
+        [
+            NonFiniteGradientCheck(),
+            RingReplayAudit(every_n_steps=1),
+            TapProbe(),
+            FaultInjector([Fault("nonfinite_gradient", rank=0, step=4, target="head.bias")]),
+        ],
+        strategy_kwargs={"ddp_comm_hook": _fp16_hook()},
+    ),
+    # checkpoint and resume keep the counters
+    "save": lambda o: fit(o, "save", all_checks(), steps=4, save_ckpt=True),
+    "resume": lambda o: fit(o, "resume", all_checks(), steps=8, ckpt_path=str(o / "save.ckpt")),
+}
+
+
+def _fp16_hook() -> Any:
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
+
+    return fp16_compress_hook
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--only", default=",".join(SCENARIOS))
+    args = parser.parse_args()
+    rank = int(os.environ["RANK"])
+    args.out.mkdir(parents=True, exist_ok=True)
+    for name in args.only.split(","):
+        try:
+            result = SCENARIOS[name](args.out)
+        except Exception:  # an unexpected failure is a result too
+            result = {"crash": traceback.format_exc()}
+        (args.out / f"{name}.rank{rank}.json").write_text(json.dumps(result, default=repr))
+        if "crash" in result:
+            raise SystemExit(f"scenario {name} crashed on rank {rank}:\n{result['crash']}")
+
+
+if __name__ == "__main__":
+    main()
