@@ -167,8 +167,9 @@ class WeightFingerprint:
         return is_distributed()
 
     def due(self, step: int) -> bool:
-        """Whether the step that just finished (``step`` = steps done so far) is compared."""
-        return step > 0 and step % self.config.every_n_steps == 0
+        """Whether the replicas are compared after optimizer step ``step`` (0-based): after every
+        ``every_n_steps``-th update, i.e. steps n-1, 2n-1, ..."""
+        return (step + 1) % self.config.every_n_steps == 0
 
     def start(self, step: int, module: nn.Module, optimizers: Iterable[torch.optim.Optimizer]) -> None:
         """Digest the replica after optimizer step ``step`` and start the O(1) comparison.

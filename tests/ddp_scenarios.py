@@ -219,9 +219,9 @@ SCENARIOS: dict[str, Any] = {
         o,
         "optimizer_state",
         [
-            WeightFingerprintCheck(every_n_steps=2, include_optimizer_state=True),
+            WeightFingerprintCheck(every_n_steps=1, include_optimizer_state=True),
             FaultInjector(
-                [Fault("optimizer_state", rank=0, step=4, target="head.weight", bit=0, state_key="exp_avg_sq")]
+                [Fault("optimizer_state", rank=0, step=4, target="head.weight", bit=20, state_key="exp_avg_sq")]
             ),
         ],
         model=Net(optimizer="adam"),
@@ -265,6 +265,55 @@ SCENARIOS: dict[str, Any] = {
             FaultInjector([Fault("nonfinite_gradient", rank=0, step=4, target="head.bias")]),
         ],
         strategy_kwargs={"ddp_comm_hook": _fp16_hook()},
+    ),
+    # fp16 GradScaler: one overflow is the scaler's business; the same lone rank again and again is not
+    "fp16_one_overflow": lambda o: fit(
+        o,
+        "fp16_one_overflow",
+        [
+            NonFiniteGradientCheck(),
+            FaultInjector([Fault("nonfinite_gradient", rank=1, step=3, target="head.weight", value=float("inf"))]),
+        ],
+        plugins=[fp16_plugin()],
+    ),
+    "fp16_sole_overflow": lambda o: fit(
+        o,
+        "fp16_sole_overflow",
+        [
+            NonFiniteGradientCheck(overflow_patience=3),
+            FaultInjector(
+                [
+                    Fault("nonfinite_gradient", rank=1, step=s, target="head.weight", value=float("inf"))
+                    for s in (3, 4, 5)
+                ]
+            ),
+        ],
+        plugins=[fp16_plugin()],
+    ),
+    # two replicas: a mismatch names both sides
+    "pair_fingerprint": lambda o: fit(
+        o,
+        "pair_fingerprint",
+        [
+            WeightFingerprintCheck(),
+            FaultInjector([Fault("weight_bit_flip", rank=1, step=2, target="head.bias", bit=30)]),
+        ],
+    ),
+    "pair_replay": lambda o: fit(
+        o,
+        "pair_replay",
+        [RingReplayAudit(every_n_steps=1), FaultInjector([Fault("module_output", rank=0, step=1, target="head")])],
+    ),
+    # several nodes: partners sit on another node; run with two torchrun agents
+    "multinode": lambda o: fit(
+        o,
+        "multinode",
+        [
+            NonFiniteGradientCheck(),
+            RingReplayAudit(every_n_steps=1),
+            WeightFingerprintCheck(),
+            FaultInjector([Fault("module_output", rank=3, step=2, target="head", factor=2.0)]),
+        ],
     ),
     # checkpoint and resume keep the counters
     "save": lambda o: fit(o, "save", all_checks(), steps=4, save_ckpt=True),

@@ -1,0 +1,55 @@
+"""Shared helpers: launch the multi-process scenarios with real ``torchrun`` and read results."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCENARIOS = Path(__file__).with_name("ddp_scenarios.py")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def worker_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["PYTHONWARNINGS"] = "ignore"
+    return env
+
+
+def torchrun(out: Path, scenarios: list[str], nproc: int, timeout: float = 420) -> subprocess.CompletedProcess:
+    """One single-node ``torchrun`` running ``scenarios`` in sequence; fails the test on a crash or hang."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        str(SCENARIOS),
+        "--out",
+        str(out),
+        "--only",
+        ",".join(scenarios),
+    ]
+    proc = subprocess.run(cmd, env=worker_env(), capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        pytest.fail(f"torchrun failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+    return proc
+
+
+def results(out: Path, scenario: str, world: int) -> list[dict[str, Any]]:
+    """Every rank's result of ``scenario``, in rank order."""
+    return [json.loads((out / f"{scenario}.rank{r}.json").read_text()) for r in range(world)]

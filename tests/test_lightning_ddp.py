@@ -1,0 +1,171 @@
+"""Real multi-process runs: ``torchrun`` with 3 gloo CPU ranks and ``Trainer(strategy="ddp")``.
+
+All scenarios of one world size run in one torchrun launch (start-up is paid once); each test
+then checks what every rank reported.
+"""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import results, torchrun
+
+WORLD = 3
+THREE_RANK = [
+    "clean", "clean_exact", "clean_bf16", "clean_fp16", "clean_adam_buffers",
+    "audit_off", "tap_only", "audit_on",
+    "nonfinite", "nonfinite_all", "nonfinite_skip", "fingerprint", "optimizer_state",
+    "replay_persistent", "replay_intermittent", "comm_hook",
+    "fp16_one_overflow", "fp16_sole_overflow", "save", "resume",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("ddp3")
+    torchrun(path, THREE_RANK, nproc=WORLD)
+    return path
+
+
+def error_on_every_rank(out: Path, scenario: str, error_type: str) -> dict[str, Any]:
+    """The error every rank raised; asserts it is the same on all ranks, in the same step."""
+    per_rank = results(out, scenario, WORLD)
+    errors = [r["error"] for r in per_rank]
+    assert all(e is not None for e in errors), f"some rank did not raise: {errors}"
+    assert all(e == errors[0] for e in errors), f"ranks disagree: {errors}"
+    assert errors[0]["type"] == error_type
+    return errors[0]
+
+
+def metrics_rows(out: Path, scenario: str) -> list[dict[str, str]]:
+    with open(out / "logs" / scenario / "version_0" / "metrics.csv") as f:
+        return list(csv.DictReader(f))
+
+
+def last_value(rows: list[dict[str, str]], key: str) -> float:
+    values = [float(r[key]) for r in rows if r.get(key)]
+    assert values, f"{key} never logged"
+    return values[-1]
+
+
+@pytest.mark.parametrize("scenario", ["clean", "clean_exact", "clean_bf16", "clean_fp16", "clean_adam_buffers"])
+def test_clean_runs_raise_nothing(out: Path, scenario: str) -> None:
+    per_rank = results(out, scenario, WORLD)
+    for r in per_rank:
+        assert r["error"] is None, r["error"]
+        assert r["global_step"] == 8
+        for state in r["states"].values():
+            assert state["runs"] > 0 and state["failures"] == 0
+    assert len({r["weights"] for r in per_rank}) == 1  # replicas stayed identical
+
+
+def test_clean_run_logs_sdc_metrics(out: Path) -> None:
+    rows = metrics_rows(out, "clean")
+    for check in ("nonfinite_gradient", "ring_replay", "weight_fingerprint"):
+        assert last_value(rows, f"sdc/{check}/runs") > 0
+        assert last_value(rows, f"sdc/{check}/failures") == 0
+        assert last_value(rows, f"sdc/{check}/time_ms_total") > 0
+    assert last_value(rows, "sdc/ring_replay/max_diff") == 0.0  # CPU fp32 replay is bit-exact
+    assert last_value(rows, "sdc/weight_fingerprint/last_verified_step") == 7
+
+
+def test_audit_and_tap_leave_training_bit_identical(out: Path) -> None:
+    off, tap, on = (results(out, s, WORLD)[0] for s in ("audit_off", "tap_only", "audit_on"))
+    assert on["states"]["RingReplayAudit"]["runs"] == 6  # every step was audited
+    assert off["weights"] == tap["weights"] == on["weights"]
+    # the replay never logs: as many train_loss rows with the audit as without
+    count = [sum(1 for r in metrics_rows(out, s) if r.get("train_loss")) for s in ("audit_off", "audit_on")]
+    assert count[0] == count[1] > 0
+
+
+def test_nonfinite_gradient_names_rank_and_parameter(out: Path) -> None:
+    err = error_on_every_rank(out, "nonfinite", "NonFiniteGradientError")
+    assert (err["check"], err["step"], err["rank"], err["suspects"]) == ("nonfinite_gradient", 3, 1, [1])
+    assert err["details"]["pattern"] == "one_rank"
+    assert err["details"]["parameters"] == {"1": ["body.weight"]}
+    assert set(err["hosts"]) == {"1"} and "rank 1" in err["message"]
+    assert last_value(metrics_rows(out, "nonfinite"), "sdc/nonfinite_gradient/failures") == 1
+
+
+def test_nonfinite_on_all_ranks_is_reported_as_divergence(out: Path) -> None:
+    err = error_on_every_rank(out, "nonfinite_all", "NonFiniteGradientError")
+    assert err["rank"] is None and err["suspects"] == [0, 1, 2]
+    assert err["details"]["pattern"] == "all_ranks"
+
+
+def test_skip_step_keeps_weights_clean(out: Path) -> None:
+    per_rank = results(out, "nonfinite_skip", WORLD)
+    for r in per_rank:
+        assert r["error"] is None and r["finite"]
+        assert r["states"]["NonFiniteGradientCheck"]["extra"]["skipped_steps"] == 1
+        assert r["states"]["WeightFingerprintCheck"]["failures"] == 0
+    assert len({r["weights"] for r in per_rank}) == 1
+    assert last_value(metrics_rows(out, "nonfinite_skip"), "sdc/nonfinite_gradient/skipped_steps") == 1
+
+
+def test_weight_bit_flip_is_attributed_by_majority(out: Path) -> None:
+    err = error_on_every_rank(out, "fingerprint", "FingerprintMismatchError")
+    assert (err["step"], err["rank"], err["suspects"]) == (3, 2, [2])
+    assert err["details"]["differing_tensors"] == {"2": ["param:body.weight"]}
+    assert err["details"]["groups"] == [[0, 1], [2]]
+
+
+def test_optimizer_state_flip_is_caught(out: Path) -> None:
+    err = error_on_every_rank(out, "optimizer_state", "FingerprintMismatchError")
+    assert (err["rank"], err["step"]) == (0, 4)  # seen right after the step that corrupted it
+    assert err["details"]["differing_tensors"]["0"] == ["optimizer0:head.weight:exp_avg_sq"]
+
+
+def test_persistent_compute_fault_is_attributed_by_two_pairs(out: Path) -> None:
+    err = error_on_every_rank(out, "replay_persistent", "ReplayMismatchError")
+    assert (err["step"], err["rank"], err["suspects"]) == (4, 1, [1])  # fault from step 3, audits every 2
+    pairs = {tuple(p) for p in err["details"]["mismatching_pairs"]}
+    partners = err["details"]["partners"]
+    assert pairs == {(1, partners[1]), (partners.index(1), 1)}
+    assert err["details"]["referees"] == {}
+
+
+def test_intermittent_fault_is_settled_by_a_referee(out: Path) -> None:
+    err = error_on_every_rank(out, "replay_intermittent", "ReplayMismatchError")
+    assert (err["step"], err["rank"]) == (2, 2)
+    assert len(err["details"]["mismatching_pairs"]) == 1
+    ((pair, referee),) = err["details"]["referees"].items()
+    assert pair.startswith("2->") and referee not in (2, int(pair.split("->")[1]))
+    assert "owner is faulty" in err["details"]["rulings"][pair]
+
+
+def test_user_comm_hook_is_wrapped_not_replaced(out: Path) -> None:
+    per_rank = results(out, "comm_hook", WORLD)
+    assert all(r["tap_inner"] == ["fp16_compress_hook"] for r in per_rank)
+    err = error_on_every_rank(out, "comm_hook", "NonFiniteGradientError")
+    assert (err["rank"], err["step"]) == (0, 4)
+    # the audits before the fault, on top of fp16 compression, raised nothing
+    assert per_rank[0]["states"]["RingReplayAudit"]["runs"] == 4
+
+
+def test_fp16_scaler_overflow_is_not_an_alarm(out: Path) -> None:
+    for r in results(out, "fp16_one_overflow", WORLD):
+        assert r["error"] is None
+        assert r["states"]["NonFiniteGradientCheck"]["extra"]["scaler_overflows"] >= 2  # start-up + injected
+
+
+def test_fp16_lone_rank_overflowing_repeatedly_is_flagged(out: Path) -> None:
+    err = error_on_every_rank(out, "fp16_sole_overflow", "NonFiniteGradientError")
+    assert (err["rank"], err["step"]) == (1, 5)
+    assert err["details"]["pattern"] == "one_rank_repeatedly"
+
+
+def test_counters_survive_checkpoint_and_resume(out: Path) -> None:
+    saved = results(out, "save", WORLD)[0]["states"]
+    resumed = results(out, "resume", WORLD)
+    for r in resumed:
+        assert r["error"] is None and r["global_step"] == 8
+    states = resumed[0]["states"]
+    # 4 steps before the checkpoint plus 4 after: the counters continued
+    assert saved["NonFiniteGradientCheck"]["runs"] == 4
+    assert states["NonFiniteGradientCheck"]["runs"] == 8
+    assert states["WeightFingerprintCheck"]["runs"] == saved["WeightFingerprintCheck"]["runs"] + 4
+    assert states["RingReplayAudit"]["last_verified_step"] == 6
