@@ -91,27 +91,30 @@ class Topology:
         return len({f.node_rank for f in self.ranks})
 
     def partners(self) -> tuple[int, ...]:
-        """``partners()[r]`` is the rank that replays rank ``r``'s batch: a permutation.
-
-        With several nodes the ranks are ordered node by node and shifted by the largest node's
-        size, so every partner sits on another node whenever no node holds more than half the
-        ranks. On one node the partner is the next rank.
-        """
+        """``partners()[r]`` is the rank that replays rank ``r``'s batch: one cycle through all
+        ranks, crossing nodes at every hop when the nodes are of equal size."""
         return ring_partners([f.node_rank for f in self.ranks])
 
 
 def ring_partners(node_of_rank: list[int]) -> tuple[int, ...]:
-    """Replay permutation for ranks placed on the given nodes (see ``Topology.partners``)."""
+    """Replay permutation for ranks placed on the given nodes (see ``Topology.partners``).
+
+    The ranks are interleaved across nodes (first rank of each node, then the second of each,
+    ...) and each replays the batch of the one before it in that cycle. One cycle through all
+    ranks means no two ranks replay each other (which would make a faulty rank and its partner
+    indistinguishable); with equal node sizes every partner sits on another node. On one node
+    the partner of ``r`` is ``r + 1``.
+    """
     world = len(node_of_rank)
-    order = sorted(range(world), key=lambda r: (node_of_rank[r], r))
-    sizes: dict[int, int] = {}
+    seen: dict[int, int] = {}
+    local_index = []
     for node in node_of_rank:
-        sizes[node] = sizes.get(node, 0) + 1
-    largest = max(sizes.values())
-    shift = largest if len(sizes) > 1 and 2 * largest <= world else 1
+        local_index.append(seen.get(node, 0))
+        seen[node] = local_index[-1] + 1
+    order = sorted(range(world), key=lambda r: (local_index[r], node_of_rank[r], r))
     partner = [0] * world
     for i, r in enumerate(order):
-        partner[r] = order[(i + shift) % world]
+        partner[r] = order[(i + 1) % world]
     return tuple(partner)
 
 

@@ -76,6 +76,20 @@ class Net(L.LightningModule):
         return torch.optim.SGD(groups, lr=0.05, momentum=0.9)
 
 
+class NetWithReplayStep(Net):
+    """Defines the side-effect free replay step the audit prefers over ``training_step``."""
+
+    replay_calls = 0
+
+    def training_step(self, batch: Any, batch_idx: int) -> dict[str, torch.Tensor]:
+        return {"loss": super().training_step(batch, batch_idx)}
+
+    def sdc_replay_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.replay_calls += 1
+        x, y = batch
+        return nn.functional.mse_loss(self(x).float(), y)
+
+
 def loader(n: int = 256, batch_size: int = 8) -> DataLoader:
     g = torch.Generator().manual_seed(1234)
     x = torch.randn(n, 8, generator=g)
@@ -132,6 +146,7 @@ def fit(
         "global_step": trainer.global_step,
         "states": states,
         "fired": [f for cb in callbacks if isinstance(cb, FaultInjector) for f in cb.injector.fired],
+        "replay_calls": getattr(model, "replay_calls", None),
         "tap_inner": [cb.inner for cb in callbacks if isinstance(cb, TapProbe)],
     }
 
@@ -314,6 +329,9 @@ SCENARIOS: dict[str, Any] = {
             WeightFingerprintCheck(),
             FaultInjector([Fault("module_output", rank=3, step=2, target="head", factor=2.0)]),
         ],
+    ),
+    "replay_step_hook": lambda o: fit(
+        o, "replay_step_hook", [RingReplayAudit(every_n_steps=2)], steps=4, model=NetWithReplayStep()
     ),
     # checkpoint and resume keep the counters
     "save": lambda o: fit(o, "save", all_checks(), steps=4, save_ckpt=True),

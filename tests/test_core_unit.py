@@ -266,6 +266,16 @@ def test_ring_partners_multi_node_cross_node(name):
         assert node_of[partners[r]] != node_of[r], f"rank {r} is replayed on its own node: {partners}"
 
 
+@pytest.mark.parametrize("name", sorted(MULTI_NODE_LAYOUTS))
+def test_ring_partners_no_mutual_pairs(name):
+    # if r and partners[r] replayed each other, a persistent fault on either would show the same
+    # two mismatching pairs, (r, p) and (p, r): the replay could not tell which rank is faulty
+    node_of = MULTI_NODE_LAYOUTS[name]
+    partners = ring_partners(node_of)
+    if len(node_of) >= 3:
+        assert all(partners[partners[r]] != r for r in range(len(node_of))), partners
+
+
 @pytest.mark.parametrize("node_of", [[0, 0, 0, 1], [0, 0, 1, 1, 1], [3, 3, 3, 3, 1, 2]])
 def test_ring_partners_unbalanced_is_still_a_derangement(node_of):
     partners = ring_partners(node_of)
@@ -285,24 +295,13 @@ def _layouts(world):
     return out
 
 
-def _replay_cases(xfail_involution=False):
-    cases = []
-    for world in range(2, 9):
-        for name, node_of in _layouts(world):
-            partners = ring_partners(node_of)
-            for f in range(world):
-                marks = []
-                if xfail_involution and world >= 3 and partners[partners[f]] == f:
-                    marks.append(
-                        pytest.mark.xfail(
-                            strict=True,
-                            reason="BUG: when partners[partners[f]] == f (every 2-node layout of equal nodes), "
-                            "explain() names both f and partners[f] as culprits and asks no referee, so a "
-                            "persistent fault is never localized",
-                        )
-                    )
-                cases.append(pytest.param(world, name, node_of, f, marks=marks, id=f"w{world}-{name}-f{f}"))
-    return cases
+def _replay_cases():
+    """(world, layout name, node_of) for worlds 2..8: one node, and two equal nodes when even."""
+    return [
+        pytest.param(world, name, node_of, id=f"w{world}-{name}")
+        for world in range(2, 9)
+        for name, node_of in _layouts(world)
+    ]
 
 
 def _simulate(world, node_of, wrong_as_owner, wrong_as_replayer):
@@ -331,58 +330,62 @@ def _simulate(world, node_of, wrong_as_owner, wrong_as_replayer):
     return partners, inverse, mismatching, settle(world, culprits, disputed, rulings)
 
 
-@pytest.mark.parametrize(("world", "layout", "node_of", "f"), _replay_cases(xfail_involution=True))
-def test_replay_persistent_fault(world, layout, node_of, f):
-    partners, inverse, mismatching, (rank, suspects, _) = _simulate(world, node_of, {f}, {f})
-    assert set(mismatching) == {(f, partners[f]), (inverse[f], f)}
-    if world >= 3:
-        assert (rank, suspects) == (f, (f,)), f"partners={partners}, pairs={mismatching}"
-    else:
-        assert (rank, suspects) == (None, (0, 1))
+@pytest.mark.parametrize(("world", "layout", "node_of"), _replay_cases())
+def test_replay_persistent_fault(world, layout, node_of):
+    wrong = {}
+    for f in range(world):
+        partners, inverse, mismatching, (rank, suspects, _) = _simulate(world, node_of, {f}, {f})
+        assert set(mismatching) == {(f, partners[f]), (inverse[f], f)}
+        expected = (f, (f,)) if world >= 3 else (None, (0, 1))
+        if (rank, suspects) != expected:
+            wrong[f] = (rank, suspects)
+    assert not wrong, f"faulty rank -> (rank, suspects) found, with partners {ring_partners(node_of)}: {wrong}"
 
 
-@pytest.mark.parametrize(("world", "layout", "node_of", "f"), _replay_cases())
-def test_replay_owner_only_fault(world, layout, node_of, f):
+@pytest.mark.parametrize(("world", "layout", "node_of"), _replay_cases())
+def test_replay_owner_only_fault(world, layout, node_of):
     partners = ring_partners(node_of)
-    pair = (f, partners[f])
-    mismatching = [pair]
-    culprits, disputed = explain(world, partners, mismatching)
-    assert culprits == set()
-    assert list(disputed) == [pair]
-    referee = pick_referee(*pair, world, node_of, set(pair))
-    if world < 3:
-        assert referee is None
-        rank, suspects, _ = settle(world, culprits, disputed, {})
-        assert (rank, suspects) == (None, (0, 1))
-        return
-    assert referee is not None and 0 <= referee < world and referee not in pair
-    # the referee's replay of the owner's batch agrees with the replayer: the owner is faulty
-    rank, suspects, _ = settle(world, culprits, disputed, {pair: (False, True)})
-    assert (rank, suspects) == (f, (f,))
-    # the whole protocol reaches the same verdict
-    _, _, simulated_pairs, (rank, suspects, _) = _simulate(world, node_of, {f}, set())
-    assert simulated_pairs == [pair]
-    assert (rank, suspects) == (f, (f,))
+    for f in range(world):
+        pair = (f, partners[f])
+        culprits, disputed = explain(world, partners, [pair])
+        assert culprits == set()
+        assert list(disputed) == [pair]
+        referee = pick_referee(*pair, world, node_of, set(pair))
+        if world < 3:
+            assert referee is None
+            assert settle(world, culprits, disputed, {})[:2] == (None, (0, 1))
+            continue
+        assert referee is not None and 0 <= referee < world and referee not in pair
+        # the referee's replay of the owner's batch agrees with the replayer: the owner is faulty
+        rank, suspects, _ = settle(world, culprits, disputed, {pair: (False, True)})
+        assert (rank, suspects) == (f, (f,))
+        # the whole protocol reaches the same verdict
+        _, _, simulated_pairs, (rank, suspects, _) = _simulate(world, node_of, {f}, set())
+        assert simulated_pairs == [pair]
+        assert (rank, suspects) == (f, (f,))
 
 
-@pytest.mark.parametrize(("world", "layout", "node_of", "f"), _replay_cases())
-def test_replay_replayer_only_fault(world, layout, node_of, f):
+@pytest.mark.parametrize(("world", "layout", "node_of"), _replay_cases())
+def test_replay_replayer_only_fault(world, layout, node_of):
     partners = ring_partners(node_of)
-    pair = (_inverse(partners)[f], f)
-    culprits, disputed = explain(world, partners, [pair])
-    assert culprits == set()
-    assert list(disputed) == [pair]
-    if world < 3:
-        assert pick_referee(*pair, world, node_of, set(pair)) is None
-        assert settle(world, culprits, disputed, {})[:2] == (None, (0, 1))
-        return
-    referee = pick_referee(*pair, world, node_of, set(pair))
-    assert referee is not None and referee not in pair
-    rank, suspects, _ = settle(world, culprits, disputed, {pair: (True, False)})
-    assert (rank, suspects) == (f, (f,))
-    _, _, simulated_pairs, (rank, suspects, _) = _simulate(world, node_of, set(), {f})
-    assert simulated_pairs == [pair]
-    assert (rank, suspects) == (f, (f,))
+    inverse = _inverse(partners)
+    for f in range(world):
+        pair = (inverse[f], f)
+        culprits, disputed = explain(world, partners, [pair])
+        assert culprits == set()
+        assert list(disputed) == [pair]
+        referee = pick_referee(*pair, world, node_of, set(pair))
+        if world < 3:
+            assert referee is None
+            assert settle(world, culprits, disputed, {})[:2] == (None, (0, 1))
+            continue
+        assert referee is not None and 0 <= referee < world and referee not in pair
+        # the referee's replay agrees with the owner: the replayer is faulty
+        rank, suspects, _ = settle(world, culprits, disputed, {pair: (True, False)})
+        assert (rank, suspects) == (f, (f,))
+        _, _, simulated_pairs, (rank, suspects, _) = _simulate(world, node_of, set(), {f})
+        assert simulated_pairs == [pair]
+        assert (rank, suspects) == (f, (f,))
 
 
 @pytest.mark.parametrize("ruling", [(True, True), (False, False)], ids=["both", "neither"])

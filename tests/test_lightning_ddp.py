@@ -19,7 +19,7 @@ THREE_RANK = [
     "audit_off", "tap_only", "audit_on",
     "nonfinite", "nonfinite_all", "nonfinite_skip", "fingerprint", "optimizer_state",
     "replay_persistent", "replay_intermittent", "comm_hook",
-    "fp16_one_overflow", "fp16_sole_overflow", "save", "resume",
+    "fp16_one_overflow", "fp16_sole_overflow", "replay_step_hook", "save", "resume",
 ]  # fmt: skip
 
 
@@ -169,3 +169,10 @@ def test_counters_survive_checkpoint_and_resume(out: Path) -> None:
     assert states["NonFiniteGradientCheck"]["runs"] == 8
     assert states["WeightFingerprintCheck"]["runs"] == saved["WeightFingerprintCheck"]["runs"] + 4
     assert states["RingReplayAudit"]["last_verified_step"] == 6
+
+
+def test_sdc_replay_step_is_used_when_defined(out: Path) -> None:
+    for r in results(out, "replay_step_hook", WORLD):
+        assert r["error"] is None
+        assert r["states"]["RingReplayAudit"]["runs"] == 2
+        assert r["replay_calls"] == 2  # one replayed micro-batch per audit (steps 0 and 2)
