@@ -8,7 +8,13 @@ trainer = L.Trainer(strategy="ddp", callbacks=[NonFiniteGradientCheck(),
 
 from lightning_sdc.callbacks import FaultInjector, NonFiniteGradientCheck, RingReplayAudit, WeightFingerprintCheck
 from sdc_core import Fault
-from sdc_core.errors import FingerprintMismatchError, NonFiniteGradientError, ReplayMismatchError, SDCError
+from sdc_core.errors import (
+    FingerprintMismatchError,
+    NonFiniteGradientError,
+    ReplayMismatchError,
+    ReplayUnavailableError,
+    SDCError,
+)
 
 __all__ = [
     "Fault",
@@ -17,6 +23,7 @@ __all__ = [
     "NonFiniteGradientCheck",
     "NonFiniteGradientError",
     "ReplayMismatchError",
+    "ReplayUnavailableError",
     "RingReplayAudit",
     "SDCError",
     "WeightFingerprintCheck",

@@ -10,7 +10,13 @@ A failure raises an ``SDCError`` subclass on every rank, in the same step, namin
 and host when the evidence allows. The Lightning and Accelerate adapters are thin layers on top.
 """
 
-from sdc_core.errors import FingerprintMismatchError, NonFiniteGradientError, ReplayMismatchError, SDCError
+from sdc_core.errors import (
+    FingerprintMismatchError,
+    NonFiniteGradientError,
+    ReplayMismatchError,
+    ReplayUnavailableError,
+    SDCError,
+)
 from sdc_core.faults import Fault, FaultInjector, flip_bit
 from sdc_core.fingerprint import FingerprintConfig, WeightFingerprint, tensor_digest, tensor_digests, vote
 from sdc_core.gradients import GradientTap, NonFiniteConfig, NonFiniteGradient
@@ -32,6 +38,7 @@ __all__ = [
     "NonFiniteGradientError",
     "ReplayConfig",
     "ReplayMismatchError",
+    "ReplayUnavailableError",
     "RingReplay",
     "SDCError",
     "Topology",

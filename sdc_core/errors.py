@@ -123,3 +123,12 @@ class FingerprintMismatchError(SDCError):
     """The replicas' weight fingerprints differ after an optimizer step."""
 
     check = "weight_fingerprint"
+
+
+class ReplayUnavailableError(RuntimeError):
+    """The ring replay audit could not run (a replay or batch transfer failed on some rank).
+
+    Not evidence of SDC, so not an ``SDCError``: raised on every rank alike so none is left
+    waiting in a collective. Usually the training step has a side effect or an input that does
+    not travel: define a side-effect free replay step, or turn the audit off.
+    """

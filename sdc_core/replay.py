@@ -47,11 +47,18 @@ import torch
 from torch import nn
 from torch.nn.utils.stateless import _reparametrize_module
 
-from sdc_core.errors import ReplayMismatchError
+from sdc_core.errors import ReplayMismatchError, ReplayUnavailableError
 from sdc_core.fingerprint import tensor_digest
 from sdc_core.gradients import GradientTap
 from sdc_core.stats import CheckStats
-from sdc_core.topology import Topology, all_gather_objects, all_gather_tensor, exchange, is_distributed
+from sdc_core.topology import (
+    TRANSFER_ERROR,
+    Topology,
+    all_gather_objects,
+    all_gather_tensor,
+    exchange,
+    is_distributed,
+)
 
 
 @dataclass(frozen=True)
@@ -371,15 +378,34 @@ class RingReplay:
             loss, grads = replay_gradients(module, self.names, batches, step_fn, to_device, context)
             return grad_digest(self.names, grads, loss)
 
+        def replay_payload(payload: dict[str, Any]) -> Digest:
+            if TRANSFER_ERROR in payload:
+                raise RuntimeError(payload[TRANSFER_ERROR])
+            return replay(payload["micro"])
+
         received = exchange({partners[me]: {"micro": micro, "digest": own}}, [inverse[me]])[inverse[me]]
-        mine = replay(received["micro"])
-        mismatch, diff, where = compare(received["digest"], mine, self.config, self.names)
-        table = all_gather_tensor(torch.tensor([float(mismatch), diff], dtype=torch.float64)).tolist()
+        failure = ""
+        try:
+            mine = replay_payload(received)
+            mismatch, diff, where = compare(received["digest"], mine, self.config, self.names)
+        except Exception as err:  # decided together below: no rank may be left in a collective
+            failure = f"{type(err).__name__}: {err}"
+            mine, mismatch, diff, where = None, False, 0.0, ""
+        row = torch.tensor([float(mismatch), diff, float(bool(failure))], dtype=torch.float64)
+        table = all_gather_tensor(row).tolist()
+        if any(failed for _, _, failed in table):
+            failures = all_gather_objects(failure)
+            raise ReplayUnavailableError(
+                f"RingReplayAudit could not replay at step {step}: "
+                + "; ".join(f"rank {r} replaying rank {inverse[r]}: {f}" for r, f in enumerate(failures) if f)
+                + ". Define a side-effect free `sdc_replay_step(batch, batch_idx)` (Lightning) or a `loss_fn`, "
+                "or turn the audit off."
+            )
         self.stats.runs += 1
-        worst = max((d for _, d in table if not math.isnan(d)), default=0.0)
+        worst = max((d for _, d, _ in table if not math.isnan(d)), default=0.0)
         if math.isfinite(worst):
             self.stats.max_diff = max(self.stats.max_diff, worst)
-        mismatching = [(inverse[q], q) for q, (bad, _) in enumerate(table) if bad]
+        mismatching = [(inverse[q], q) for q, (bad, _, _) in enumerate(table) if bad]
         if not mismatching:
             self.stats.last_verified_step = step
             self.stats.add_time(time.perf_counter() - t0)
@@ -408,11 +434,15 @@ class RingReplay:
         got = exchange(sends, recv_from) if referees else {}
         my_rulings: dict[tuple[int, int], tuple[bool, bool]] = {}
         for (o, q), t in referees.items():
-            if t == me:
-                ref = replay(got[o]["micro"])
+            if t != me:
+                continue
+            try:  # a referee that cannot replay gives no ruling: the pair stays suspect
+                ref = replay_payload(got[o])
                 agrees_owner = not compare(got[o]["digest"], ref, self.config, self.names)[0]
                 agrees_replayer = not compare(got[q]["replay"], ref, self.config, self.names)[0]
-                my_rulings[(o, q)] = (agrees_owner, agrees_replayer)
+            except Exception:
+                continue
+            my_rulings[(o, q)] = (agrees_owner, agrees_replayer)
         rulings: dict[tuple[int, int], tuple[bool, bool]] = {}
         for part in all_gather_objects(my_rulings):
             rulings.update(part)

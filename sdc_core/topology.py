@@ -161,11 +161,7 @@ def exchange(sends: dict[int, Any], recv_from: list[int]) -> dict[int, Any]:
     on the CPU; sizes travel first, then the payloads.
     """
     device = collective_device()
-    payloads: dict[int, torch.Tensor] = {}
-    for dst, obj in sends.items():
-        buf = io.BytesIO()
-        torch.save(_to_cpu(obj), buf)
-        payloads[dst] = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8).to(device)
+    payloads = {dst: _serialize(obj).to(device) for dst, obj in sends.items()}
     sizes_out = {d: torch.tensor([p.numel()], dtype=torch.int64, device=device) for d, p in payloads.items()}
     sizes_in = {s: torch.zeros(1, dtype=torch.int64, device=device) for s in recv_from}
     works = [dist.isend(t, d) for d, t in sizes_out.items()]
@@ -177,7 +173,26 @@ def exchange(sends: dict[int, Any], recv_from: list[int]) -> dict[int, Any]:
     works += [dist.irecv(b, s) for s, b in bufs_in.items()]
     for w in works:
         w.wait()
-    return {
-        s: torch.load(io.BytesIO(b.cpu().numpy().tobytes()), weights_only=False, map_location="cpu")
-        for s, b in bufs_in.items()
-    }
+    return {s: _deserialize(b) for s, b in bufs_in.items()}
+
+
+TRANSFER_ERROR = "__sdc_transfer_error__"
+
+
+def _serialize(obj: Any) -> torch.Tensor:
+    """Bytes of ``obj``; an object that cannot be pickled becomes ``{TRANSFER_ERROR: why}`` so the
+    receiver still gets a message and no rank is left waiting."""
+    buf = io.BytesIO()
+    try:
+        torch.save(_to_cpu(obj), buf)
+    except Exception as err:
+        buf = io.BytesIO()
+        torch.save({TRANSFER_ERROR: f"cannot send: {type(err).__name__}: {err}"}, buf)
+    return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+
+
+def _deserialize(data: torch.Tensor) -> Any:
+    try:
+        return torch.load(io.BytesIO(data.cpu().numpy().tobytes()), weights_only=False, map_location="cpu")
+    except Exception as err:
+        return {TRANSFER_ERROR: f"cannot receive: {type(err).__name__}: {err}"}

@@ -31,6 +31,7 @@ from lightning_sdc import (
     Fault,
     FaultInjector,
     NonFiniteGradientCheck,
+    ReplayUnavailableError,
     RingReplayAudit,
     SDCError,
     WeightFingerprintCheck,
@@ -74,6 +75,15 @@ class Net(L.LightningModule):
         if self.optimizer == "adam":
             return torch.optim.Adam(groups, lr=0.01)
         return torch.optim.SGD(groups, lr=0.05, momentum=0.9)
+
+
+class BrokenReplayOnRank1(Net):
+    """A replay step that fails on rank 1 only: the audit must not leave the others waiting."""
+
+    def sdc_replay_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if self.global_rank == 1:
+            raise KeyError("feature_x")
+        return self.training_step(batch, batch_idx)
 
 
 class NetWithReplayStep(Net):
@@ -136,6 +146,8 @@ def fit(
         trainer.fit(model, loader(), ckpt_path=ckpt_path)
     except SDCError as err:
         error = err.to_dict()
+    except ReplayUnavailableError as err:
+        error = {"type": type(err).__name__, "message": str(err)}
     if save_ckpt and error is None:
         trainer.save_checkpoint(out / f"{name}.ckpt")
     states = {type(cb).__name__: cb.state_dict() for cb in callbacks if hasattr(cb, "_core")}
@@ -332,6 +344,9 @@ SCENARIOS: dict[str, Any] = {
     ),
     "replay_step_hook": lambda o: fit(
         o, "replay_step_hook", [RingReplayAudit(every_n_steps=2)], steps=4, model=NetWithReplayStep()
+    ),
+    "replay_crash": lambda o: fit(
+        o, "replay_crash", [RingReplayAudit(every_n_steps=1)], steps=3, model=BrokenReplayOnRank1()
     ),
     # checkpoint and resume keep the counters
     "save": lambda o: fit(o, "save", all_checks(), steps=4, save_ckpt=True),

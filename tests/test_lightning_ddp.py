@@ -19,7 +19,7 @@ THREE_RANK = [
     "audit_off", "tap_only", "audit_on",
     "nonfinite", "nonfinite_all", "nonfinite_skip", "fingerprint", "optimizer_state",
     "replay_persistent", "replay_intermittent", "comm_hook",
-    "fp16_one_overflow", "fp16_sole_overflow", "replay_step_hook", "save", "resume",
+    "fp16_one_overflow", "fp16_sole_overflow", "replay_step_hook", "replay_crash", "save", "resume",
 ]  # fmt: skip
 
 
@@ -176,3 +176,9 @@ def test_sdc_replay_step_is_used_when_defined(out: Path) -> None:
         assert r["error"] is None
         assert r["states"]["RingReplayAudit"]["runs"] == 2
         assert r["replay_calls"] == 2  # one replayed micro-batch per audit (steps 0 and 2)
+
+
+def test_a_replay_that_fails_on_one_rank_raises_on_every_rank(out: Path) -> None:
+    err = error_on_every_rank(out, "replay_crash", "ReplayUnavailableError")
+    assert "rank 1 replaying rank 0: KeyError: 'feature_x'" in err["message"]
+    assert "sdc_replay_step" in err["message"]
