@@ -253,8 +253,9 @@ class NonFiniteGradient:
         warnings.warn(str(error), RuntimeWarning, stacklevel=2)
         if self.config.on_failure == "skip_step":
             self.stats.bump("skipped_steps")
-            for _, p in params:
-                p.grad = None
+            if not scaler_active:  # a GradScaler skips a non-finite step itself (and needs the grads to see it)
+                for _, p in params:
+                    p.grad = None
             return True
         return False
 
