@@ -1,8 +1,28 @@
-"""Accelerate hook set for the SDC checks (see issue: accelerate integration; not built yet).
+"""Accelerate hook set for the SDC checks.
 
-The exception classes are already shared with the Lightning callbacks.
+```python
+sdc = SDCHooks(accelerator)          # settings from `accelerate-sdc config`, ACCELERATE_SDC_*, keywords
+sdc.attach(model, optimizer)         # after accelerator.prepare(...)
+```
 """
 
-from sdc_core.errors import FingerprintMismatchError, NonFiniteGradientError, ReplayMismatchError, SDCError
+from accelerate_sdc.config import SDCConfigError, SDCSettings
+from accelerate_sdc.hooks import SDCHooks
+from sdc_core.errors import (
+    FingerprintMismatchError,
+    NonFiniteGradientError,
+    ReplayMismatchError,
+    ReplayUnavailableError,
+    SDCError,
+)
 
-__all__ = ["FingerprintMismatchError", "NonFiniteGradientError", "ReplayMismatchError", "SDCError"]
+__all__ = [
+    "FingerprintMismatchError",
+    "NonFiniteGradientError",
+    "ReplayMismatchError",
+    "ReplayUnavailableError",
+    "SDCConfigError",
+    "SDCError",
+    "SDCHooks",
+    "SDCSettings",
+]

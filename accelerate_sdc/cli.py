@@ -1,0 +1,150 @@
+"""``accelerate-sdc``: the SDC settings in the accelerate configuration workflow.
+
+accelerate-sdc config [--default] [--config_file F] [--<setting> VALUE ...]
+    Like ``accelerate config``: asks for each setting (or takes flags; ``--default`` takes the
+    defaults without asking) and writes them beside accelerate's own config
+    (``<accelerate config dir>/sdc_config.yaml``), where ``SDCHooks`` finds them at run time.
+
+accelerate-sdc launch [--config_file F] [accelerate launch arguments] script.py [args]
+    ``accelerate launch`` for an accelerate config YAML with an ``sdc:`` section: hands
+    accelerate a copy without that section and passes the settings to every process as
+    ``ACCELERATE_SDC_*`` variables (variables you set yourself still win).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import fields
+from pathlib import Path
+
+import yaml
+
+from accelerate_sdc import config
+
+_HELP = {
+    "nonfinite_gradient": "check local gradients for NaN/Inf before the all-reduce",
+    "on_failure": "what the gradient check does: raise, skip_step or warn",
+    "overflow_patience": "fp16: consecutive steps a lone rank may overflow before it is flagged",
+    "max_names": "offending parameter names reported per rank",
+    "replay_every_n_steps": "ring replay audit cadence in optimizer steps (0: off)",
+    "replay_exact": "demand bit equality in the replay comparison",
+    "replay_rtol": "relative tolerance of the replay comparison",
+    "replay_atol": "absolute floor of the replay comparison",
+    "fingerprint_every_n_steps": "weight fingerprint cadence in optimizer steps (0: off)",
+    "include_buffers": "fingerprint buffers too (BatchNorm statistics excluded)",
+    "include_optimizer_state": "fingerprint the optimizer state too",
+    "log_every_n_steps": "how often the counters go to the trackers",
+}
+
+
+def _config(args: argparse.Namespace) -> int:
+    path = Path(args.config_file) if args.config_file else config.default_file()
+    given = {f.name: getattr(args, f.name) for f in fields(config.SDCSettings) if getattr(args, f.name) is not None}
+    values: dict[str, object] = {}
+    interactive = not args.default and not given and sys.stdin.isatty()
+    for f in fields(config.SDCSettings):
+        if f.name in given:
+            values[f.name] = config._coerce(f.name, given[f.name], f"option --{f.name}")
+        elif interactive:
+            answer = input(f"{_HELP[f.name]} [{f.default}]: ").strip()
+            values[f.name] = config._coerce(f.name, answer, "your answer") if answer else f.default
+        else:
+            values[f.name] = f.default
+    config.SDCSettings(**values)  # type check only; the cross checks run below
+    os.environ.pop(config.CONFIG_FILE_ENV, None)
+    settings = _validated(values, f"accelerate-sdc config ({path})")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(settings, sort_keys=False))
+    print(f"SDC settings written to {path}")
+    return 0
+
+
+def _validated(values: dict[str, object], source: str) -> dict[str, object]:
+    """Run the same checks ``SDCHooks`` runs, reporting ``source``."""
+    saved = {k: v for k, v in os.environ.items() if k.startswith(config.ENV_PREFIX)}
+    for k in saved:
+        del os.environ[k]
+    os.environ[config.CONFIG_FILE_ENV] = os.devnull
+    try:
+        with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as tmp:
+            yaml.safe_dump(values, tmp)
+        os.environ[config.CONFIG_FILE_ENV] = tmp.name
+        try:
+            settings, _ = config.resolve()
+        except config.SDCConfigError as err:
+            raise config.SDCConfigError(str(err).replace(f"config file {tmp.name}", source)) from None
+        finally:
+            os.unlink(tmp.name)
+    finally:
+        os.environ.pop(config.CONFIG_FILE_ENV, None)
+        os.environ.update(saved)
+    return settings.to_dict()
+
+
+def _launch(rest: list[str]) -> int:
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--config_file", "--config-file", dest="config_file")
+    known, passthrough = parser.parse_known_args(rest)
+    if not known.config_file:
+        from accelerate.commands.config.config_args import default_config_file
+
+        known.config_file = default_config_file if os.path.isfile(default_config_file) else None
+    cmd = [sys.executable, "-m", "accelerate.commands.launch"]
+    env = dict(os.environ)
+    tmp_path = None
+    if known.config_file:
+        path = Path(known.config_file)
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except (OSError, yaml.YAMLError) as err:
+            raise config.SDCConfigError(f"cannot read accelerate config file {path}: {err}") from None
+        if isinstance(data, dict) and "sdc" in data:
+            sdc = config.read_file(path)  # names the key and the file on a bad value
+            _validated(sdc, f"config file {path}, section sdc")
+            for key, value in sdc.items():
+                env.setdefault(config.ENV_PREFIX + key.upper(), str(value))
+            data = {k: v for k, v in data.items() if k != "sdc"}
+            with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False, prefix="accelerate-") as tmp:
+                yaml.safe_dump(data, tmp)
+            tmp_path = tmp.name
+            cmd += ["--config_file", tmp_path]
+        else:
+            cmd += ["--config_file", str(path)]
+    try:
+        return subprocess.call(cmd + passthrough, env=env)
+    finally:
+        if tmp_path:
+            os.unlink(tmp_path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["launch"]:
+        try:
+            return _launch(argv[1:])
+        except config.SDCConfigError as err:
+            print(f"accelerate-sdc launch: {err}", file=sys.stderr)
+            return 2
+    parser = argparse.ArgumentParser(prog="accelerate-sdc", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    sub = parser.add_subparsers(dest="command", required=True)
+    cfg = sub.add_parser("config", help="write the SDC settings beside accelerate's config")
+    cfg.add_argument("--default", action="store_true", help="take the defaults without asking")
+    cfg.add_argument("--config_file", "--config-file", help="where to write (default: accelerate's config dir)")
+    for f in fields(config.SDCSettings):
+        cfg.add_argument(f"--{f.name}", help=f"{_HELP[f.name]} (default {f.default})")
+    sub.add_parser("launch", help="accelerate launch, for a config file with an sdc: section")
+    args = parser.parse_args(argv)
+    try:
+        return _config(args)
+    except config.SDCConfigError as err:
+        print(f"accelerate-sdc config: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,274 @@
+"""``SDCHooks``: the three SDC checks for hand-written Accelerate training loops.
+
+It translates Accelerate's events into ``sdc_core`` calls and nothing more:
+
+* the DDP communication hook (the shared gradient tap) feeds the non-finite check and the replay
+  audit with each rank's LOCAL gradients; it wraps a ``DistributedDataParallelKwargs(comm_hook=...)``
+  hook when ``SDCHooks`` is created before ``accelerator.prepare`` (DDP accepts one hook);
+* a forward pre-/post-hook on the unwrapped model records the micro-batches of audited steps
+  (inputs and RNG state) and the loss (``outputs.loss``, a scalar output, or ``loss_fn``);
+* ``optimizer.step`` is wrapped on the instance: on sync steps the non-finite verdict and the
+  replay audit run before the update, and the fingerprint after each real update (not on
+  accumulation steps, not on steps an fp16 GradScaler skipped);
+* counters go to ``accelerator.log`` under ``sdc/<check>/...`` and into ``save_state``.
+
+Cost: as ``sdc_core`` documents per check; the wrapper itself adds a few Python calls per step.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from accelerate.utils import DDPCommunicationHookType, send_to_device
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from accelerate_sdc import config
+from sdc_core.errors import SDCError
+from sdc_core.fingerprint import WeightFingerprint
+from sdc_core.gradients import GradientTap, NonFiniteGradient
+from sdc_core.replay import RingReplay
+from sdc_core.topology import Topology
+
+LossFn = Callable[..., torch.Tensor]
+
+
+class SDCHooks:
+    """The SDC checks for an ``Accelerator`` loop; settings from the config workflow or keywords.
+
+    Args:
+        accelerator: the ``Accelerator`` of the run.
+        loss_fn: ``loss_fn(outputs, *args, **kwargs)`` giving the loss you back-propagate, when it
+            is not ``outputs.loss`` or the model's scalar output (the replay recomputes it).
+        **settings: any field of ``SDCSettings`` (``nonfinite_gradient``, ``on_failure``,
+            ``replay_every_n_steps``, ``fingerprint_every_n_steps``, ...); 0 turns a cadence off.
+
+    Call ``attach(model, optimizer)`` on every process after ``accelerator.prepare`` and
+    ``finish()`` after the loop (it reads the last pending fingerprint comparison).
+    """
+
+    def __init__(self, accelerator: Any, loss_fn: LossFn | None = None, **settings: Any) -> None:
+        self.accelerator = accelerator
+        self.settings, self.sources = config.resolve(**settings)
+        self.loss_fn = loss_fn
+        nonfinite, replay, fingerprint = self.settings.nonfinite(), self.settings.replay(), self.settings.fingerprint()
+        self.nonfinite = NonFiniteGradient(nonfinite) if nonfinite else None
+        self.replay = RingReplay(replay) if replay else None
+        self.fingerprint = WeightFingerprint(fingerprint) if fingerprint else None
+        self.step = 0  # optimizer steps (sync steps) so far: the index of the coming update
+        self._updates = 0
+        self._inner_hook, self._inner_state = self._take_accelerate_comm_hook()
+        self._replaying = False
+        self._module: nn.Module | None = None
+        self._handles: list[Any] = []
+        accelerator.register_for_checkpointing(self)
+
+    @property
+    def checks(self) -> list[Any]:
+        return [c for c in (self.nonfinite, self.replay, self.fingerprint) if c is not None]
+
+    def _take_accelerate_comm_hook(self) -> tuple[Any, Any]:
+        """Take the hook ``DistributedDataParallelKwargs(comm_hook=...)`` would register, so the
+        tap can wrap it (only possible before ``prepare``; afterwards ``attach`` explains)."""
+        handler = getattr(self.accelerator, "ddp_handler", None)
+        taken = getattr(self.accelerator, "_sdc_taken_comm_hook", None)
+        if taken is not None:
+            return taken  # taken by an earlier SDCHooks of this accelerator
+        if handler is None or handler.comm_hook == DDPCommunicationHookType.NO:
+            return None, None
+        captured: dict[str, Any] = {}
+
+        class _Capture:
+            def register_comm_hook(self, state: Any, hook: Any) -> None:
+                captured.update(state=state, hook=hook)
+
+        handler.register_comm_hook(_Capture())
+        handler.comm_hook = DDPCommunicationHookType.NO
+        handler.comm_wrapper = DDPCommunicationHookType.NO
+        self.accelerator._sdc_taken_comm_hook = (captured.get("hook"), captured.get("state"))
+        return self.accelerator._sdc_taken_comm_hook
+
+    def attach(self, model: nn.Module, optimizer: Any, loss_fn: LossFn | None = None) -> SDCHooks:
+        """Hook the prepared ``model`` and ``optimizer`` (every process, after ``prepare``)."""
+        if self._module is not None:
+            raise RuntimeError("SDCHooks.attach was already called")
+        acc = self.accelerator
+        self.loss_fn = loss_fn or self.loss_fn
+        distributed = acc.num_processes > 1
+        if distributed and not isinstance(model, DistributedDataParallel):
+            raise ValueError(
+                f"SDCHooks supports DDP (multi-GPU or multi-CPU) or a single process; got "
+                f"distributed_type={acc.distributed_type} with a {type(model).__name__} model "
+                "(sharded strategies such as FSDP and DeepSpeed are not supported)"
+            )
+        module = acc.unwrap_model(model)
+        self._module = module
+        topo = Topology.gather(local_rank=acc.local_process_index)
+        for check in self.checks:
+            check.topology = topo
+        if distributed and (self.nonfinite or self.replay):
+            names = {id(p): n for n, p in module.named_parameters()}
+            try:
+                tap = GradientTap.attach(model, names, inner_hook=self._inner_hook, inner_state=self._inner_state)
+            except ValueError as err:
+                raise ValueError(
+                    f"{err} With Accelerate, create SDCHooks(accelerator) before accelerator.prepare(...) "
+                    "when DistributedDataParallelKwargs(comm_hook=...) is set."
+                ) from None
+            if self.nonfinite:
+                self.nonfinite.attach(tap)
+            if self.replay:
+                self.replay.attach(tap, [n for n, p in module.named_parameters() if p.requires_grad])
+                self._handles.append(module.register_forward_pre_hook(self._before_forward, with_kwargs=True))
+                self._handles.append(module.register_forward_hook(self._after_forward, with_kwargs=True))
+        elif not distributed:
+            for check, name in ((self.replay, "ring replay audit"), (self.fingerprint, "weight fingerprint check")):
+                if check is not None:
+                    warnings.warn(f"SDC {name} is inactive: a single process has no replica", UserWarning, stacklevel=2)
+            self.replay = self.fingerprint = None
+        self._wrap_step(optimizer)
+        return self
+
+    # -- replay capture ------------------------------------------------------------------------
+
+    def _before_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        assert self.replay is not None
+        if self._replaying or not module.training or not torch.is_grad_enabled():
+            return
+        if self.replay.arm(self.step):
+            device = next((p.device for p in module.parameters()), None)
+            self.replay.record((args, kwargs), len(self.replay._micro), device)
+
+    def _after_forward(self, module: nn.Module, args: tuple, kwargs: dict, outputs: Any) -> None:
+        assert self.replay is not None
+        if self._replaying or not module.training or not torch.is_grad_enabled() or self.replay._armed_step is None:
+            return
+        self.replay.record_loss(self._backward_loss(outputs, args, kwargs).detach())
+
+    def _backward_loss(self, outputs: Any, args: tuple, kwargs: dict) -> torch.Tensor:
+        """The loss as ``accelerator.backward`` back-propagates it (normalised, scaled)."""
+        if self.loss_fn is not None:
+            loss = self.loss_fn(outputs, *args, **kwargs)
+        elif getattr(outputs, "loss", None) is not None:
+            loss = outputs.loss
+        elif isinstance(outputs, dict) and "loss" in outputs:
+            loss = outputs["loss"]
+        elif isinstance(outputs, torch.Tensor) and outputs.numel() == 1:
+            loss = outputs
+        else:
+            raise ValueError(
+                "the ring replay audit cannot find the loss: the model returns neither `.loss` nor a scalar; "
+                "pass loss_fn=(outputs, *args, **kwargs) -> loss to SDCHooks or attach()"
+            )
+        loss = loss / self.accelerator.gradient_accumulation_steps
+        scaler = self.accelerator.scaler
+        return scaler.scale(loss) if scaler is not None else loss
+
+    @contextmanager
+    def _replay_mode(self) -> Iterator[None]:
+        self._replaying = True
+        try:
+            yield
+        finally:
+            self._replaying = False
+
+    def _replay_step(self, batch: tuple[tuple, dict], batch_idx: int) -> torch.Tensor:
+        assert self._module is not None
+        args, kwargs = batch
+        with self._replay_mode():
+            outputs = self._module(*args, **kwargs)
+        return self._backward_loss(outputs, args, kwargs)
+
+    # -- the step ------------------------------------------------------------------------------
+
+    def _wrap_step(self, optimizer: Any) -> None:
+        original = optimizer.step
+
+        def step(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return self._step(optimizer, original, *args, **kwargs)
+            except SDCError:
+                self.log(force=True)
+                raise
+
+        optimizer.step = step
+        self._handles.append(_Restore(optimizer))
+
+    def _step(self, optimizer: Any, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        acc = self.accelerator
+        if self.fingerprint is not None:
+            self.fingerprint.resolve()  # the comparison started after the previous update
+        if not acc.sync_gradients:
+            return original(*args, **kwargs)
+        assert self._module is not None
+        module, step = self._module, self.step
+        skipped = False
+        if self.nonfinite is not None:
+            skipped = self.nonfinite.verdict(step, module.named_parameters(), scaler_active=acc.scaler is not None)
+        if self.replay is not None:
+            self.replay.audit(step, module, self._replay_step, lambda b: send_to_device(b, acc.device))
+        out = original(*args, **kwargs)
+        self.step += 1
+        if not skipped and not getattr(optimizer, "step_was_skipped", False):
+            self._updates += 1
+            if self.fingerprint is not None and self.fingerprint.due(self._updates - 1):
+                self.fingerprint.start(step, module, [getattr(optimizer, "optimizer", optimizer)])
+        if self.step % self.settings.log_every_n_steps == 0:
+            self.log()
+        return out
+
+    def finish(self) -> None:
+        """Resolve the last pending fingerprint comparison and log (every process, after the loop)."""
+        try:
+            if self.fingerprint is not None:
+                self.fingerprint.resolve()
+        finally:
+            self.log(force=True)
+
+    def metrics(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for check in self.checks:
+            out.update(check.stats.metrics())
+        return out
+
+    def log(self, force: bool = False) -> None:
+        """Send the counters to every tracker (``accelerator.log``: the main process writes)."""
+        self.accelerator.log(self.metrics(), step=self.step)
+        if force:
+            for tracker in getattr(self.accelerator, "trackers", []):
+                writer = getattr(tracker, "writer", None)
+                if writer is not None and hasattr(writer, "flush"):
+                    writer.flush()
+
+    # -- checkpoints ---------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "updates": self._updates,
+            "checks": {c.stats.check: c.stats.state_dict() for c in self.checks},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        try:
+            step, updates, checks = int(state["step"]), int(state["updates"]), dict(state["checks"])
+        except (KeyError, TypeError, ValueError) as err:
+            raise ValueError(f"corrupted SDCHooks state: {err!r} in {state!r}") from err
+        for check in self.checks:
+            if check.stats.check in checks:
+                check.stats.load_state_dict(checks[check.stats.check])
+        self.step, self._updates = step, updates
+
+
+class _Restore:
+    """Handle that puts the optimizer's own ``step`` back."""
+
+    def __init__(self, optimizer: Any) -> None:
+        self.optimizer = optimizer
+
+    def remove(self) -> None:
+        self.optimizer.__dict__.pop("step", None)

@@ -1,0 +1,146 @@
+"""Accelerate scenarios for the tests: run under ``accelerate launch`` (or plain python for one process).
+
+``accelerate launch ... tests/accelerate_scenarios.py --out DIR --only a,b [--bf16-hook]`` runs
+the named scenarios one after the other with one ``Accelerator`` (its state is per process) and
+writes ``DIR/<scenario>.rank<r>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import traceback
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DDPCommunicationHookType, DistributedDataParallelKwargs, set_seed
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from accelerate_sdc import SDCError, SDCHooks
+from sdc_core import Fault, FaultInjector
+from sdc_core.fingerprint import combine, tensor_digests
+
+
+class Regressor(nn.Module):
+    """Returns its loss when given targets, like a Hugging Face model (``outputs.loss``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Linear(8, 16)
+        self.norm = nn.BatchNorm1d(16)
+        self.drop = nn.Dropout(0.2)
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> Any:
+        pred = self.head(self.drop(torch.relu(self.norm(self.stem(x)))))
+        return type("Out", (), {"loss": nn.functional.mse_loss(pred.float(), y)})()
+
+
+def loader() -> DataLoader:
+    g = torch.Generator().manual_seed(99)
+    x = torch.randn(384, 8, generator=g)
+    return DataLoader(TensorDataset(x, x[:, :1] - x[:, 1:2]), batch_size=8)
+
+
+def train(acc: Accelerator, name: str, steps: int = 6, faults: list[Fault] = (), save: Path | None = None,
+          load: Path | None = None, **settings: Any) -> dict[str, Any]:  # fmt: skip
+    set_seed(5)
+    for registry in (acc._custom_objects, acc._models, acc._optimizers, acc._dataloaders, acc._schedulers):
+        registry.clear()  # one model, optimizer and SDCHooks per scenario in this shared Accelerator
+    model = Regressor()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sdc = SDCHooks(acc, **settings)
+        model, opt, data = acc.prepare(model, opt, loader())
+        sdc.attach(model, opt)
+    injector = FaultInjector(list(faults))
+    injector.install(acc.unwrap_model(model), acc.process_index)
+    opt.optimizer.register_step_post_hook(
+        lambda *_: injector.after_step(injector.step, acc.unwrap_model(model), [opt.optimizer])
+    )
+    if load is not None:
+        acc.load_state(str(load))
+    error = None
+    try:
+        for batch in data:
+            injector.set_step(sdc.step)
+            with acc.accumulate(model):
+                loss = model(*batch).loss
+                acc.backward(loss)
+                opt.step()
+                opt.zero_grad()
+            if sdc.step >= steps:
+                break
+        sdc.finish()
+    except SDCError as err:
+        error = err.to_dict()
+    if save is not None and error is None:
+        acc.save_state(str(save))
+    hook = getattr(model, "_sdc_gradient_tap", None)
+    return {
+        "error": error,
+        "step": sdc.step,
+        "weights": int(combine(tensor_digests(list(acc.unwrap_model(model).parameters())))),
+        "state": sdc.state_dict(),
+        "settings": sdc.settings.to_dict(),
+        "sources": sdc.sources,
+        "inactive": [str(w.message) for w in caught if "inactive" in str(w.message)],
+        "tap_inner": getattr(getattr(hook, "inner_hook", None), "__name__", None),
+    }
+
+
+def scenarios(out: Path) -> dict[str, Any]:
+    return {
+        "settings": lambda acc: train(acc, "settings", steps=2),
+        "clean": lambda acc: train(
+            acc, "clean", replay_every_n_steps=2, fingerprint_every_n_steps=1, log_every_n_steps=1
+        ),
+        "audit_off": lambda acc: train(acc, "audit_off", replay_every_n_steps=0, fingerprint_every_n_steps=1),
+        "audit_on": lambda acc: train(acc, "audit_on", replay_every_n_steps=1, fingerprint_every_n_steps=1),
+        "nonfinite": lambda acc: train(acc, "nonfinite", replay_every_n_steps=0, faults=[
+            Fault("nonfinite_gradient", rank=1, step=2, target="stem.weight")]),
+        "fingerprint": lambda acc: train(acc, "fingerprint", replay_every_n_steps=0, faults=[
+            Fault("weight_bit_flip", rank=2, step=3, target="head.weight", index=5, bit=12)]),
+        "replay": lambda acc: train(acc, "replay", replay_every_n_steps=1, faults=[
+            Fault("module_output", rank=0, step=2, target="head", factor=1.3)]),
+        "single": lambda acc: train(acc, "single", faults=[
+            Fault("nonfinite_gradient", rank=0, step=1, target="head.bias")]),
+        "save": lambda acc: train(acc, "save", steps=3, replay_every_n_steps=1, save=out / "state"),
+        "resume": lambda acc: train(acc, "resume", steps=6, replay_every_n_steps=1, load=out / "state"),
+    }  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--only", required=True)
+    parser.add_argument("--accumulate", type=int, default=1)
+    parser.add_argument("--fp16-hook", action="store_true", help="DistributedDataParallelKwargs(comm_hook=FP16)")
+    args = parser.parse_args()
+    handlers = [DistributedDataParallelKwargs(comm_hook=DDPCommunicationHookType.FP16)] if args.fp16_hook else []
+    acc = Accelerator(gradient_accumulation_steps=args.accumulate, log_with="tensorboard",
+                      project_dir=str(args.out / "tb"), kwargs_handlers=handlers)  # fmt: skip
+    acc.init_trackers("sdc")
+    args.out.mkdir(parents=True, exist_ok=True)
+    table = scenarios(args.out)
+    for name in args.only.split(","):
+        try:
+            result = table[name](acc)
+        except Exception:
+            result = {"crash": traceback.format_exc()}
+        (args.out / f"{name}.rank{acc.process_index}.json").write_text(json.dumps(result, default=repr))
+        if "crash" in result:
+            raise SystemExit(f"scenario {name} crashed on rank {acc.process_index}:\n{result['crash']}")
+    acc.end_training()
+
+
+if __name__ == "__main__":
+    main()
