@@ -161,9 +161,8 @@ class NonFiniteGradient:
         tap.consumers.append(self._consume)
 
     def _consume(self, bucket: Any) -> None:
-        lo, hi = torch.aminmax(bucket.buffer())
         assert self.tap is not None
-        self._buckets.append((torch.stack([lo, hi]), self.tap.bucket_names(bucket)))
+        self._buckets.append((_minmax(bucket.buffer()), self.tap.bucket_names(bucket)))
 
     def verdict(
         self,
@@ -185,7 +184,7 @@ class NonFiniteGradient:
             flags = _nonfinite(torch.stack([mm for mm, _ in buckets])) if buckets else None
         else:
             grads = [p.grad for _, p in params if p.grad is not None]
-            flags = _nonfinite(torch.stack([torch.stack(torch.aminmax(g)).float() for g in grads])) if grads else None
+            flags = nonfinite_flags(grads) if grads else None
         device = collective_device()
         local = torch.zeros(1, dtype=torch.int32, device=device)
         if flags is not None:
@@ -289,6 +288,18 @@ class NonFiniteGradient:
         return names[:limit]
 
 
+def _minmax(t: torch.Tensor) -> torch.Tensor:
+    """(min, max) of ``t`` as float64 (exact for every float format, so tensors of different
+    dtypes stack), NaN/Inf preserved. One reduction kernel, no host synchronisation."""
+    lo, hi = torch.aminmax(t)
+    return torch.stack([lo, hi]).double()
+
+
 def _nonfinite(minmax: torch.Tensor) -> torch.Tensor:
     """Per-row flag from stacked (min, max) pairs: True where either is NaN or Inf."""
     return ~torch.isfinite(minmax).all(dim=-1)
+
+
+def nonfinite_flags(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
+    """Per-tensor flags, True where a tensor holds NaN or Inf (exact; no host synchronisation)."""
+    return _nonfinite(torch.stack([_minmax(t) for t in tensors]))

@@ -721,3 +721,16 @@ def test_check_stats_failed_load_changes_nothing():
     with pytest.raises(ValueError, match="ring_replay"):
         s.load_state_dict({**_state(runs=9), "failures": "bad"})
     assert s.state_dict() == before
+
+
+def test_nonfinite_flags_are_exact_across_dtypes():
+    from sdc_core.gradients import nonfinite_flags
+
+    tensors = [
+        torch.ones(3, dtype=torch.bfloat16),
+        torch.tensor([1e300, -1e300], dtype=torch.float64),  # finite; would overflow in float32
+        torch.tensor([1.0, float("inf")], dtype=torch.float16),
+        torch.tensor([1.0, float("nan")]),
+        torch.full((1000,), 3e38),  # finite values whose sum overflows: not flagged
+    ]
+    assert nonfinite_flags(tensors).tolist() == [False, False, True, True, False]
