@@ -5,7 +5,7 @@ run in alternating rounds over the same tensors and report GB/s and the ratio to
 (the memory-read limit):
 
 * ``sum``: one ``sum`` per tensor, stacked, one host read at the end;
-* ``fingerprint``: ``combine(tensor_digests(...))`` as the weight fingerprint check runs it;
+* ``fingerprint``: ``combine(grouped_digests(...))`` as the weight fingerprint check runs it;
 * ``nonfinite_bucket``: one ``aminmax`` per 25 MB DDP bucket, as the gradient tap runs it;
 * ``nonfinite_tensor``: one ``aminmax`` per tensor, the check's single-process (``.grad``) path;
 * ``sha1_host``: SHA-1 of the bytes copied to the host (Megatron-LM's cross-replica check);
@@ -21,8 +21,8 @@ from typing import Any
 import torch
 
 from benchmarks.common import interleaved, summary
-from sdc_core.fingerprint import combine, tensor_digests
-from sdc_core.gradients import nonfinite_flags
+from sdc_core.fingerprint import combine, grouped_digests
+from sdc_core.gradients import any_nonfinite, nonfinite_flags
 
 BUCKET_BYTES = 25 * 2**20
 
@@ -47,9 +47,9 @@ def candidates(tensors: list[torch.Tensor]) -> dict[str, Any]:
 
     fns = {
         "sum": lambda: torch.stack([t.sum() for t in tensors]).sum().item(),
-        "fingerprint": lambda: combine(tensor_digests(tensors)).item(),
+        "fingerprint": lambda: combine(grouped_digests(tensors)[0]).item(),
         "nonfinite_bucket": lambda: bool(nonfinite_flags(buckets).any()),
-        "nonfinite_tensor": lambda: bool(nonfinite_flags(tensors).any()),
+        "nonfinite_tensor": lambda: bool(any_nonfinite(tensors)),
         "sha1_host": sha1,
         "isfinite_loop": lambda: all(torch.isfinite(t).all().item() for t in tensors),
     }  # fmt: skip

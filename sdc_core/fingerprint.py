@@ -25,7 +25,7 @@ replicas identical: the ring replay audit is the check for that.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -41,6 +41,11 @@ _MULTIPLIER = 0x9E3779B97F4A7C15 - 2**64  # odd, as a signed int64
 def tensor_digest(t: torch.Tensor) -> torch.Tensor:
     """Wrap-around int64 sum of ``t``'s bit pattern, as a 0-d tensor on ``t``'s device (no sync)."""
     t = t.detach()
+    if t.is_contiguous() and (t.numel() * t.element_size()) % 8 == 0 and t.numel():
+        try:  # fast path: one view, one reduction
+            return t.view(-1).view(torch.int64).sum()
+        except RuntimeError:
+            pass
     if not t.is_contiguous():
         t = t.contiguous()
     flat = t.reshape(-1)
@@ -64,7 +69,76 @@ def tensor_digests(tensors: Sequence[torch.Tensor], device: torch.device | None 
     if not tensors:
         return torch.zeros(0, dtype=torch.int64, device=device)
     device = device or tensors[0].device
-    return torch.stack([tensor_digest(t).to(device, non_blocking=True) for t in tensors])
+    return torch.stack([_on(tensor_digest(t), device) for t in tensors])
+
+
+def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return t if t.device == device else t.to(device, non_blocking=True)
+
+
+SMALL_TENSOR = 1 << 12  # elements: tensors below this are digested in groups
+
+
+def flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """One contiguous 1-d copy of ``tensors`` (same dtype), made by a single C++ call: with many
+    small tensors the per-tensor Python overhead, not bandwidth, is what costs."""
+    with torch.no_grad():
+        return torch._utils._flatten_dense_tensors(list(tensors)).detach()
+
+
+def grouped_digests(
+    tensors: Sequence[torch.Tensor], device: torch.device | None = None
+) -> tuple[torch.Tensor, Callable[[], torch.Tensor]]:
+    """Digests for the fast path, and a function giving the per-tensor digests later.
+
+    Large tensors are digested one by one. Small ones (under ``SMALL_TENSOR`` elements) are
+    copied, per dtype and device, into one buffer (one ``cat`` kernel instead of a reduction per
+    tensor: per-kernel overhead, not bandwidth, limits many small tensors) that is digested as a
+    whole and kept, so ``per_tensor()`` can name the tensors on a mismatch without touching the
+    weights again. Any single bit flip changes some returned digest. Memory: a copy of the small
+    tensors only.
+    """
+    if not tensors:
+        empty = torch.zeros(0, dtype=torch.int64, device=device)
+        return empty, lambda: empty
+    device = device or tensors[0].device
+    units: list[torch.Tensor] = []
+    slots: list[int] = []  # per tensor: its unit's index, or -1 when it sits in a group buffer
+    groups: dict[tuple[torch.dtype, torch.device], list[int]] = {}
+    for i, t in enumerate(tensors):
+        if t.numel() >= SMALL_TENSOR or t.dtype == torch.bool:
+            slots.append(len(units))
+            units.append(_on(tensor_digest(t), device))
+        else:
+            groups.setdefault((t.dtype, t.device), []).append(i)
+            slots.append(-1)
+    buffers: list[torch.Tensor] = []
+    places: dict[int, tuple[int, int, int]] = {}
+    for (dtype, dev), members in groups.items():
+        parts = [tensors[i] for i in members]
+        start = 0
+        for i, part in zip(members, parts, strict=True):
+            places[i] = (len(buffers), start, part.numel())
+            start += part.numel()
+        size = torch.empty((), dtype=dtype).element_size()
+        pad = (-start * size) % 8 // size
+        if pad:
+            parts.append(torch.zeros(pad, dtype=dtype, device=dev))
+        buffers.append(flatten(parts))
+        units.append(_on(tensor_digest(buffers[-1]), device))
+    digests = torch.stack(units)
+
+    def per_tensor() -> torch.Tensor:
+        out = []
+        for i, slot in enumerate(slots):
+            if slot >= 0:
+                out.append(digests[slot])
+            else:
+                b, start, n = places[i]
+                out.append(_on(tensor_digest(buffers[b][start : start + n]), device))
+        return torch.stack(out)
+
+    return digests, per_tensor
 
 
 def combine(digests: torch.Tensor) -> torch.Tensor:
@@ -146,7 +220,7 @@ def vote(rows: list[tuple[int, ...]]) -> tuple[int | None, tuple[int, ...], int 
 @dataclass
 class _Pending:
     step: int
-    digests: torch.Tensor
+    per_tensor: Callable[[], torch.Tensor]
     names: list[str]
     reduced: torch.Tensor
     mine: torch.Tensor
@@ -180,11 +254,11 @@ class WeightFingerprint:
         t0 = time.perf_counter()
         named = fingerprinted_tensors(module, optimizers, self.config)
         device = collective_device()
-        digests = tensor_digests([t for _, t in named], device=device)
+        digests, per_tensor = grouped_digests([t for _, t in named], device=device)
         fp = combine(digests)
         reduced = torch.stack([fp, torch.bitwise_not(fp)])
         work = torch.distributed.all_reduce(reduced, op=torch.distributed.ReduceOp.MAX, async_op=True)
-        self._pending = _Pending(step, digests, [n for n, _ in named], reduced, fp, work)
+        self._pending = _Pending(step, per_tensor, [n for n, _ in named], reduced, fp, work)
         self.stats.add_time(time.perf_counter() - t0)
 
     def resolve(self) -> None:
@@ -200,7 +274,7 @@ class WeightFingerprint:
             self.stats.last_verified_step = pending.step
             self.stats.add_time(time.perf_counter() - t0)
             return
-        rows_t = all_gather_tensor(pending.digests)
+        rows_t = all_gather_tensor(pending.per_tensor())
         rows = [tuple(r) for r in rows_t.tolist()]
         rank, suspects, reference = vote(rows)
         ref_row = rows[reference] if reference is not None else rows[0]
@@ -244,6 +318,7 @@ __all__ = [
     "WeightFingerprint",
     "combine",
     "fingerprinted_tensors",
+    "grouped_digests",
     "tensor_digest",
     "tensor_digests",
     "vote",

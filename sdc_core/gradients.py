@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from sdc_core.errors import NonFiniteGradientError
+from sdc_core.fingerprint import SMALL_TENSOR, flatten
 from sdc_core.stats import CheckStats
 from sdc_core.topology import Topology, all_gather_objects, collective_device, is_distributed
 
@@ -184,7 +185,7 @@ class NonFiniteGradient:
             flags = _nonfinite(torch.stack([mm for mm, _ in buckets])) if buckets else None
         else:
             grads = [p.grad for _, p in params if p.grad is not None]
-            flags = nonfinite_flags(grads) if grads else None
+            flags = any_nonfinite(grads).reshape(1) if grads else None
         device = collective_device()
         local = torch.zeros(1, dtype=torch.int32, device=device)
         if flags is not None:
@@ -303,3 +304,18 @@ def _nonfinite(minmax: torch.Tensor) -> torch.Tensor:
 def nonfinite_flags(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
     """Per-tensor flags, True where a tensor holds NaN or Inf (exact; no host synchronisation)."""
     return _nonfinite(torch.stack([_minmax(t) for t in tensors]))
+
+
+def any_nonfinite(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """One flag (0-d bool tensor, no host synchronisation): does any tensor hold NaN or Inf?
+
+    Tensors under ``SMALL_TENSOR`` elements are concatenated per dtype first (one copy kernel
+    instead of one reduction each: with many small tensors per-kernel overhead dominates).
+    """
+    units = [t for t in tensors if t.numel() >= SMALL_TENSOR]
+    groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for t in tensors:
+        if t.numel() < SMALL_TENSOR:
+            groups.setdefault((t.dtype, t.device), []).append(t)
+    units += [flatten(parts) for parts in groups.values()]
+    return nonfinite_flags(units).any()

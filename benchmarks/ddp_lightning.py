@@ -1,0 +1,158 @@
+"""Lightning DDP on 3 CPU ranks: steady-state time per step with and without the checks, the
+audited step against a normal one, and the bytes and collectives the checks add per rank.
+
+Run under ``torchrun --nproc-per-node N python -m benchmarks.ddp_lightning --out FILE``. The
+configurations alternate in one process group (start-up excluded, paid once). Traffic is
+counted by wrapping the ``torch.distributed`` calls the checks make, with DDP's own gradient
+all-reduce (which the tap forwards to) left out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as L
+import torch
+import torch.distributed as dist
+from lightning.pytorch.strategies import DDPStrategy
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from benchmarks.common import summary
+from lightning_sdc import NonFiniteGradientCheck, RingReplayAudit, WeightFingerprintCheck
+
+COUNTED = ("all_reduce", "all_gather", "all_gather_object", "isend", "irecv", "broadcast", "barrier")
+
+
+class Traffic:
+    """Counts calls and payload bytes of ``torch.distributed`` collectives made in Python."""
+
+    def __init__(self) -> None:
+        self.calls: dict[str, int] = {}
+        self.bytes_sent = 0
+        self.paused = False
+        for name in COUNTED:
+            setattr(dist, name, self._wrap(name, getattr(dist, name)))
+
+    def _wrap(self, name: str, fn: Any) -> Any:
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            if not self.paused:
+                self.calls[name] = self.calls.get(name, 0) + 1
+                tensor = args[1] if name == "all_gather" else (args[0] if args else None)
+                if isinstance(tensor, torch.Tensor) and name != "irecv":
+                    self.bytes_sent += tensor.numel() * tensor.element_size()
+            return fn(*args, **kwargs)
+
+        return counted
+
+    def snapshot(self) -> tuple[int, int]:
+        return sum(self.calls.values()), self.bytes_sent
+
+
+class Probe(L.Callback):
+    """Per-step wall time and check traffic, per optimizer step."""
+
+    def __init__(self, traffic: Traffic) -> None:
+        self.traffic = traffic
+        self.steps: list[dict[str, float]] = []
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        tap = getattr(trainer.strategy.model, "_sdc_gradient_tap", None)
+        if tap is not None:  # DDP's own all-reduce, forwarded by the tap, is not the checks' traffic
+            inner = tap.inner_hook
+
+            def quiet(state: Any, bucket: Any) -> Any:
+                self.traffic.paused = True
+                try:
+                    return inner(state, bucket)
+                finally:
+                    self.traffic.paused = False
+
+            tap.inner_hook = quiet
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        self.t0 = time.perf_counter()
+        self.c0, self.b0 = self.traffic.snapshot()
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        calls, sent = self.traffic.snapshot()
+        self.steps.append({"seconds": time.perf_counter() - self.t0, "calls": calls - self.c0, "bytes": sent - self.b0})
+
+
+class Model(L.LightningModule):
+    def __init__(self, width: int = 512) -> None:
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Linear(64, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 1)
+        )
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+def fit(config: str, steps: int, traffic: Traffic, replay_every: int) -> list[dict[str, float]]:
+    callbacks: list[Any] = {
+        "none": [],
+        "defaults": [NonFiniteGradientCheck(), RingReplayAudit(), WeightFingerprintCheck()],
+        "audit_often": [NonFiniteGradientCheck(), RingReplayAudit(replay_every), WeightFingerprintCheck()],
+    }[config]  # fmt: skip
+    probe = Probe(traffic)
+    L.seed_everything(0, verbose=False)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64 * (steps + 2) * dist.get_world_size(), 64, generator=g)
+    data = DataLoader(TensorDataset(x, x[:, :1]), batch_size=64)
+    world, local = int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_WORLD_SIZE"])
+    trainer = L.Trainer(
+        accelerator="cpu", devices=local, num_nodes=world // local,
+        strategy=DDPStrategy(timeout=timedelta(seconds=120)), max_steps=steps, callbacks=[*callbacks, probe],
+        logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+    )  # fmt: skip
+    trainer.fit(Model(), data)
+    return probe.steps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--replay-every", type=int, default=10)
+    args = parser.parse_args()
+    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    traffic = Traffic()
+    skip = 5  # warm-up steps excluded
+    runs: dict[str, list[dict[str, float]]] = {"none": [], "defaults": [], "audit_often": []}
+    for _ in range(args.rounds):
+        for config in runs:
+            runs[config] += fit(config, args.steps, traffic, args.replay_every)[skip:]
+    if dist.get_rank() != 0:
+        return
+    base = summary([s["seconds"] for s in runs["none"]])["median"]
+    audited = [s for i, s in enumerate(runs["audit_often"]) if (i + skip) % args.steps % args.replay_every == 0]
+    normal = [s for s in runs["audit_often"] if s not in audited]
+    result = {
+        "world_size": dist.get_world_size(),
+        "step_seconds": {c: summary([s["seconds"] for s in steps]) for c, steps in runs.items()},
+        "defaults_overhead": summary([s["seconds"] for s in runs["defaults"]])["median"] / base - 1,
+        "audited_step_vs_normal": summary([s["seconds"] for s in audited])["median"]
+        / summary([s["seconds"] for s in normal])["median"],
+        "clean_step_traffic": {"calls": normal[0]["calls"], "bytes_sent": normal[0]["bytes"]},
+        "audited_step_traffic": {"calls": audited[0]["calls"], "bytes_sent": audited[0]["bytes"]},
+        "replay_every": args.replay_every,
+        "params": sum(p.numel() for p in Model().parameters()),
+    }
+    args.out.write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
