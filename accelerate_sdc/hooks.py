@@ -141,11 +141,11 @@ class SDCHooks:
             return
         if self.replay.arm(self.step):
             device = next((p.device for p in module.parameters()), None)
-            self.replay.record((args, kwargs), len(self.replay._micro), device)
+            self.replay.record((args, kwargs), self.replay.recorded, device)
 
     def _after_forward(self, module: nn.Module, args: tuple, kwargs: dict, outputs: Any) -> None:
         assert self.replay is not None
-        if self._replaying or not module.training or not torch.is_grad_enabled() or self.replay._armed_step is None:
+        if self._replaying or not module.training or not torch.is_grad_enabled() or not self.replay.armed:
             return
         self.replay.record_loss(self._backward_loss(outputs, args, kwargs).detach())
 

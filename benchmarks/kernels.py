@@ -10,7 +10,8 @@ run in alternating rounds over the same tensors and report GB/s and the ratio to
 * ``nonfinite_tensor``: one ``aminmax`` per tensor, the check's single-process (``.grad``) path;
 * ``sha1_host``: SHA-1 of the bytes copied to the host (Megatron-LM's cross-replica check);
 * ``hash_tensor``: ``torch.hash_tensor`` (xor) per tensor;
-* ``isfinite_loop``: ``torch.isfinite(g).all().item()`` per tensor, the loop people write.
+* ``isfinite_loop``: ``torch.isfinite(g).all().item()`` per tensor, the loop people write;
+* ``copy``: one device-to-device copy of the same bytes (the device's copy bandwidth).
 """
 
 from __future__ import annotations
@@ -45,7 +46,9 @@ def candidates(tensors: list[torch.Tensor]) -> dict[str, Any]:
             h.update(t.detach().cpu().view(torch.uint8).numpy().data)
         return h.hexdigest()
 
+    copy_dst = torch.empty_like(flat)
     fns = {
+        "copy": lambda: copy_dst.copy_(flat),
         "sum": lambda: torch.stack([t.sum() for t in tensors]).sum().item(),
         "fingerprint": lambda: combine(grouped_digests(tensors)[0]).item(),
         "nonfinite_bucket": lambda: bool(nonfinite_flags(buckets).any()),

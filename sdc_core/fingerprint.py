@@ -40,15 +40,17 @@ _MULTIPLIER = 0x9E3779B97F4A7C15 - 2**64  # odd, as a signed int64
 
 def tensor_digest(t: torch.Tensor) -> torch.Tensor:
     """Wrap-around int64 sum of ``t``'s bit pattern, as a 0-d tensor on ``t``'s device (no sync)."""
-    t = t.detach()
-    if t.is_contiguous() and (t.numel() * t.element_size()) % 8 == 0 and t.numel():
-        try:  # fast path: one view, one reduction
-            return t.view(-1).view(torch.int64).sum()
-        except RuntimeError:
-            pass
-    if not t.is_contiguous():
-        t = t.contiguous()
-    flat = t.reshape(-1)
+    with torch.no_grad():
+        return _digest(t)
+
+
+def _digest(t: torch.Tensor) -> torch.Tensor:
+    """``tensor_digest`` without the ``no_grad`` guard (the caller holds it): the hot loop."""
+    try:  # fast path, the common case: one view, one reduction
+        return t.view(-1).view(torch.int64).sum()
+    except RuntimeError:  # non-contiguous, misaligned, or a size that is not a multiple of 8 bytes
+        pass
+    flat = t.contiguous().view(-1)
     if flat.dtype == torch.bool:
         flat = flat.view(torch.uint8)
     if flat.numel() == 0:
@@ -69,7 +71,8 @@ def tensor_digests(tensors: Sequence[torch.Tensor], device: torch.device | None 
     if not tensors:
         return torch.zeros(0, dtype=torch.int64, device=device)
     device = device or tensors[0].device
-    return torch.stack([_on(tensor_digest(t), device) for t in tensors])
+    with torch.no_grad():
+        return torch.stack([_on(_digest(t), device) for t in tensors])
 
 
 def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -105,13 +108,15 @@ def grouped_digests(
     units: list[torch.Tensor] = []
     slots: list[int] = []  # per tensor: its unit's index, or -1 when it sits in a group buffer
     groups: dict[tuple[torch.dtype, torch.device], list[int]] = {}
-    for i, t in enumerate(tensors):
-        if t.numel() >= SMALL_TENSOR or t.dtype == torch.bool:
-            slots.append(len(units))
-            units.append(_on(tensor_digest(t), device))
-        else:
-            groups.setdefault((t.dtype, t.device), []).append(i)
-            slots.append(-1)
+    with torch.no_grad():
+        for i, t in enumerate(tensors):
+            if t.numel() >= SMALL_TENSOR or t.dtype == torch.bool:
+                slots.append(len(units))
+                d = _digest(t)
+                units.append(d if d.device == device else d.to(device, non_blocking=True))
+            else:
+                groups.setdefault((t.dtype, t.device), []).append(i)
+                slots.append(-1)
     buffers: list[torch.Tensor] = []
     places: dict[int, tuple[int, int, int]] = {}
     for (dtype, dev), members in groups.items():

@@ -99,6 +99,15 @@ class Digest:
     numels: torch.Tensor  # float64 [P]
 
 
+def _sum_norm(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sum and L2 norm of a gradient, reduced in float32 (no float64 copy of the gradient; owner
+    and replayer reduce identically, so equal gradients give equal digests) and returned as
+    float64 scalars for the comparison."""
+    g = g.detach()
+    g = g if g.dtype in (torch.float32, torch.float64) else g.float()
+    return g.sum().double(), torch.linalg.vector_norm(g).double()
+
+
 def _grad_fingerprint(g: torch.Tensor) -> torch.Tensor:
     """Exact fingerprint of a gradient with -0.0 read as +0.0 (kernels differ in the sign of
     an exact zero, e.g. the gradient row of a unit ReLU switched off; the value is the same)."""
@@ -116,9 +125,9 @@ def grad_digest(names: Sequence[str], grads: dict[str, torch.Tensor], loss: floa
             fps.append(torch.zeros((), dtype=torch.int64))
             numels.append(0)
             continue
-        g64 = g.detach().double()
-        sums.append(g64.sum().cpu())
-        norms.append(torch.linalg.vector_norm(g64).cpu())
+        gs, gn = _sum_norm(g)
+        sums.append(gs.cpu())
+        norms.append(gn.cpu())
         fps.append(_grad_fingerprint(g).cpu())
         numels.append(g.numel())
     return Digest(
@@ -319,6 +328,16 @@ class RingReplay:
             self._armed_step, self._micro, self._loss, self._local = step, [], 0.0, {}
         return True
 
+    @property
+    def armed(self) -> bool:
+        """True between ``arm`` of an audited step and its ``audit``."""
+        return self._armed_step is not None
+
+    @property
+    def recorded(self) -> int:
+        """Micro-batches recorded for the armed step so far."""
+        return len(self._micro)
+
     def record(self, batch: Any, batch_idx: int, device: torch.device | None = None) -> None:
         """Remember an audited micro-batch and the RNG state it starts from."""
         cpu, cuda = capture_rng(device)
@@ -333,8 +352,8 @@ class RingReplay:
         if self._armed_step is None or self._tap is None:
             return
         for n, g in zip(self._tap.bucket_names(bucket), bucket.gradients(), strict=True):
-            g64 = g.double()
-            self._local[n] = (g64.sum(), torch.linalg.vector_norm(g64), _grad_fingerprint(g), g.numel())
+            gs, gn = _sum_norm(g)
+            self._local[n] = (gs, gn, _grad_fingerprint(g), g.numel())
 
     def _own_digest(self) -> Digest:
         rows = [self._local.get(n) for n in self.names]

@@ -1,0 +1,36 @@
+"""The benchmark entry point runs on the smallest size and emits well-formed results (no speed asserted)."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import ROOT, worker_env
+
+
+def test_benchmark_entry_point_quick(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, "-m", "benchmarks", "--quick", "--device", "cpu", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=worker_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "== kernels" in proc.stdout and "== transformer step" in proc.stdout
+    result = json.loads(out.read_text())
+    methods = {r["method"] for r in result["kernels"]}
+    assert {
+        "sum",
+        "fingerprint",
+        "nonfinite_bucket",
+        "nonfinite_tensor",
+        "sha1_host",
+        "isfinite_loop",
+        "copy",
+    } <= methods
+    for row in result["kernels"]:
+        assert row["gb_per_s"] > 0 and math.isfinite(row["vs_sum"]) and row["seconds"]["n"] == 2
+    step = result["step"]
+    assert set(step["seconds"]) >= {"none", "nonfinite", "fingerprint", "all_three", "detect_anomaly", "replay_audit"}
+    assert all(s["median"] > 0 for s in step["seconds"].values())
+    assert set(step["work_vs_step"]) == {"nonfinite", "fingerprint", "replay_amortised", "all_three"}
