@@ -9,6 +9,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from lightning_sdc import _common as c
+from sdc_core.checkpoint import FINGERPRINT_KEY, check_loaded_checkpoint, fingerprint_checkpoint
 from sdc_core.errors import SDCError
 from sdc_core.faults import Fault
 from sdc_core.faults import FaultInjector as _CoreInjector
@@ -88,6 +89,10 @@ class WeightFingerprintCheck(_SDCCallback):
     The comparison of step ``s`` is read at the end of the next training batch (or at the end of
     training), so the host never waits for the GPU in the step that computed it. Raises
     ``FingerprintMismatchError`` on every rank; with 3+ replicas the minority rank is named.
+
+    Checkpoints written while it is on carry a fingerprint of their weights and optimizer state;
+    resuming from one whose tensors changed on disk raises ``FingerprintMismatchError`` naming
+    them (``sdc verify-checkpoint`` checks a file offline).
     """
 
     def __init__(
@@ -114,6 +119,12 @@ class WeightFingerprintCheck(_SDCCallback):
             self._failed(trainer)
             raise
         super().on_train_batch_end(trainer, pl_module)
+
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
+        checkpoint[FINGERPRINT_KEY] = fingerprint_checkpoint(checkpoint)
+
+    def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
+        check_loaded_checkpoint(checkpoint, int(checkpoint.get("global_step", trainer.global_step)))
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         try:

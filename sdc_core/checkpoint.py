@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from sdc_core.errors import FingerprintMismatchError
 from sdc_core.faults import flip_bit
 from sdc_core.fingerprint import tensor_digest
 
@@ -49,12 +50,29 @@ def bits_of_class(dtype: torch.dtype, bit_class: str) -> list[int]:
     return classes[bit_class]
 
 
-def fingerprint_state(state: dict[str, torch.Tensor]) -> dict[str, Any]:
-    """Per-tensor exact digests of a state dict (what checkpoints carry under ``sdc_fingerprint``)."""
-    return {
-        "version": 1,
-        "tensors": {k: int(tensor_digest(v)) for k, v in state.items() if isinstance(v, torch.Tensor)},
+def fingerprint_checkpoint(obj: dict[str, Any]) -> dict[str, Any]:
+    """Per-tensor exact digests of a checkpoint's weights and optimizer state (what
+    ``WeightFingerprintCheck`` stores under ``sdc_fingerprint`` in the checkpoints it sees written).
+
+    For a Lightning checkpoint: every tensor under ``state_dict`` and ``optimizer_states``; for a
+    plain state dict: every tensor."""
+    lightning = "state_dict" in obj
+    tensors = {
+        key: int(tensor_digest(t))
+        for key, t in _walk(obj, "")
+        if not lightning or key.startswith(("state_dict/", "optimizer_states/"))
     }
+    return {"version": 1, "tensors": tensors}
+
+
+def changed_tensors(obj: dict[str, Any]) -> list[str] | None:
+    """Names of the tensors whose digest differs from the stored fingerprint (None: none stored)."""
+    stored = obj.get(FINGERPRINT_KEY)
+    if not isinstance(stored, dict) or not isinstance(stored.get("tensors"), dict):
+        return None
+    now = fingerprint_checkpoint(obj)["tensors"]
+    was = stored["tensors"]
+    return sorted(k for k in set(was) | set(now) if was.get(k) != now.get(k))
 
 
 @dataclass
@@ -223,15 +241,29 @@ def corrupt_file(src: str | Path, out: str | Path | None, spec: Corruption, in_p
 
 
 def verify(path: str | Path) -> dict[str, Any]:
-    """Recompute the fingerprint of a Lightning checkpoint's weights and compare it with the one
-    stored when it was written. ``{"status": "clean" | "corrupted" | "no_fingerprint", "changed": [...]}``"""
+    """Recompute a checkpoint's fingerprint and compare it with the one stored when it was written.
+
+    Returns ``{"status": "clean" | "corrupted" | "no_fingerprint", "changed": [...], ...}``.
+    """
     ckpt = Checkpoint.load(path)
     obj = ckpt.objects.get("")
-    if not isinstance(obj, dict) or FINGERPRINT_KEY not in obj:
+    changed = changed_tensors(obj) if isinstance(obj, dict) else None
+    if changed is None:
         return {"status": "no_fingerprint", "changed": [], "path": str(path)}
-    stored = obj[FINGERPRINT_KEY]["tensors"]
-    state = obj.get("state_dict", obj)
-    now = fingerprint_state(state)["tensors"]
-    changed = sorted(k for k in set(stored) | set(now) if stored.get(k) != now.get(k))
-    return {"status": "corrupted" if changed else "clean", "changed": changed, "path": str(path),
-            "tensors": len(stored)}  # fmt: skip
+    total = len(obj[FINGERPRINT_KEY]["tensors"])
+    return {"status": "corrupted" if changed else "clean", "changed": changed, "path": str(path), "tensors": total}
+
+
+def check_loaded_checkpoint(obj: dict[str, Any], step: int) -> None:
+    """Raise ``FingerprintMismatchError`` (on every rank: each loads the same file) when a
+    checkpoint's tensors no longer match the fingerprint stored with it."""
+    changed = changed_tensors(obj)
+    if not changed:
+        return
+    raise FingerprintMismatchError(
+        step=step,
+        rank=None,
+        suspects=(),
+        details={"checkpoint_changed_tensors": changed[:20], "changed_count": len(changed)},
+        reason=f"the checkpoint changed on disk after it was written ({len(changed)} tensors, e.g. {changed[0]})",
+    )

@@ -9,6 +9,8 @@ unless a fault is installed.
   included) or ``intermittent`` (only the first forward of each step).
 * ``Fault(kind="nonfinite_gradient", ...)``: at step ``step``, a named parameter's local
   gradient gets a NaN (or Inf) before the all-reduce.
+* ``Fault(kind="gradient_bit_flip", ...)``: at step ``step``, bit ``bit`` of one element of a
+  named parameter's local gradient flips before the all-reduce.
 * ``Fault(kind="weight_bit_flip" | "optimizer_state", ...)``: right after optimizer step
   ``step``, flip a bit of a named parameter, or of its optimizer state tensor ``state_key``.
 """
@@ -23,7 +25,7 @@ import torch
 from torch import nn
 
 _INT_VIEW = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
-KINDS = ("module_output", "nonfinite_gradient", "weight_bit_flip", "optimizer_state")
+KINDS = ("module_output", "nonfinite_gradient", "gradient_bit_flip", "weight_bit_flip", "optimizer_state")
 
 
 def flip_bit(t: torch.Tensor, index: int, bit: int) -> tuple[float, float]:
@@ -67,13 +69,13 @@ class Fault:
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
-        if self.mode not in ("persistent", "intermittent"):
-            raise ValueError(f"mode must be 'persistent' or 'intermittent', got {self.mode!r}")
+        if self.mode not in ("persistent", "intermittent", "once"):
+            raise ValueError(f"mode must be 'persistent', 'intermittent' or 'once', got {self.mode!r}")
         for name in ("rank", "step", "index"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"{name} must be an integer >= 0, got {v!r}")
-        if self.kind in ("weight_bit_flip", "optimizer_state") and self.bit is None:
+        if self.kind in ("weight_bit_flip", "optimizer_state", "gradient_bit_flip") and self.bit is None:
             raise ValueError(f"bit is required for kind={self.kind!r}")
 
 
@@ -100,7 +102,7 @@ class FaultInjector:
                 if fault.target not in modules:
                     raise ValueError(f"no module named {fault.target!r}; known: {sorted(modules)[:10]}")
                 self._handles.append(modules[fault.target].register_forward_hook(self._output_hook(i, fault)))
-            elif fault.kind == "nonfinite_gradient":
+            elif fault.kind in ("nonfinite_gradient", "gradient_bit_flip"):
                 if fault.target not in params:
                     raise ValueError(f"no parameter named {fault.target!r}; known: {sorted(params)[:10]}")
                 self._handles.append(params[fault.target].register_hook(self._grad_hook(fault)))
@@ -143,8 +145,10 @@ class FaultInjector:
         def hook(_module: nn.Module, _inputs: Any, output: Any) -> Any:
             if self.step < fault.step or not isinstance(output, torch.Tensor):
                 return None
+            if fault.mode == "once" and self.step != fault.step:
+                return None
             self._calls[i] = self._calls.get(i, 0) + 1
-            if fault.mode == "intermittent" and self._calls[i] > 1:
+            if fault.mode in ("intermittent", "once") and self._calls[i] > 1:
                 return None
             flat = output.detach().reshape(-1)
             j = fault.index % flat.numel()
@@ -166,8 +170,12 @@ class FaultInjector:
         def hook(grad: torch.Tensor) -> torch.Tensor | None:
             if self.step != fault.step:
                 return None
-            grad = grad.clone()
-            grad.view(-1)[fault.index % grad.numel()] = fault.value
+            grad = grad.clone().contiguous()
+            j = fault.index % grad.numel()
+            if fault.kind == "gradient_bit_flip":
+                flip_bit(grad, j, int(fault.bit))  # type: ignore[arg-type]
+            else:
+                grad.view(-1)[j] = fault.value
             self.fired.append({"kind": fault.kind, "step": self.step, "target": fault.target})
             return grad
 

@@ -1,0 +1,382 @@
+"""Fault-injection campaigns: how much each check catches, and how often it cries wolf.
+
+``sdc campaign`` plans seeded injections over five fault sites (forward activation, local
+gradient, weights after a step, optimizer state, saved checkpoint) and four bit classes (sign,
+top exponent bit, other exponent bits, mantissa), plus clean runs. Each injection runs twice as a
+short Lightning DDP training on 3 CPU ranks: once without checks, to see whether the fault
+changed the result at all, and once with all three checks, to see which check caught it, whether
+the faulty rank was named, and how many steps later. Outcome per injection:
+
+* detected: a check raised (attributed: it named the injected rank);
+* masked: not detected, and the final weights equal the clean run's within ``1e-6`` relative;
+* silent: not detected, and the final weights differ: the harm the checks missed.
+
+Checkpoint injections flip bits in a checkpoint written mid-run, then resume on every rank. They
+also run a third time with the checkpoint's stored fingerprint removed, to show what the run-time
+checks alone catch (every replica loads the same bits, so only non-finite values are visible).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+SITES = ("activation", "gradient", "weights", "optimizer", "checkpoint")
+BIT_CLASSES = ("sign", "exponent_top", "exponent", "mantissa")
+MODULES = ("l1", "l2", "l3")
+PARAMS = ("l1.weight", "l1.bias", "l2.weight", "l2.bias", "l3.weight", "l3.bias")
+WORLD = 3
+CKPT_STEP = 5
+
+
+def plan(injections: int, clean: int, seed: int, steps: int) -> list[dict[str, Any]]:
+    """Seeded specs: sites and bit classes in turn, rank, step, tensor, element and bit at random."""
+    from sdc_core.checkpoint import bits_of_class
+
+    rng = random.Random(seed)
+    specs = []
+    for i in range(injections):
+        site, bit_class = SITES[i % len(SITES)], BIT_CLASSES[(i // len(SITES)) % len(BIT_CLASSES)]
+        spec = {"id": f"inj{i:04d}", "site": site, "bit_class": bit_class, "rank": rng.randrange(WORLD),
+                "step": rng.randrange(2, steps - 3), "index": rng.randrange(10_000),
+                "bit": rng.choice(bits_of_class(torch.float32, bit_class)), "seed": rng.randrange(2**31)}  # fmt: skip
+        if site == "activation":
+            spec["target"] = rng.choice(MODULES)
+        elif site == "checkpoint":
+            spec["target"] = "weights" if i // len(SITES) % 2 == 0 else "optimizer"
+            spec["step"], spec["rank"] = CKPT_STEP, -1  # on disk: every rank loads the same bits
+        else:
+            spec["target"] = rng.choice(PARAMS)
+        specs.append(spec)
+    specs += [{"id": f"clean{i:03d}", "site": "clean", "bit_class": "-", "rank": -1, "step": -1} for i in range(clean)]
+    return specs
+
+
+# ---------------------------------------------------------------------------------------------- worker
+
+
+class CampaignModel(nn.Module):
+    """The small model every campaign run trains (ships with the package)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1, self.l2, self.l3 = nn.Linear(16, 64), nn.Linear(64, 64), nn.Linear(64, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.l3(torch.relu(self.l2(torch.relu(self.l1(x)))))
+
+
+def _lightning_module() -> Any:
+    import lightning.pytorch as L
+
+    class Module(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = CampaignModel()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.model(x)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            return nn.functional.mse_loss(self(x), y)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.Adam(self.parameters(), lr=3e-3)
+
+    return Module
+
+
+def _data() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2048, 16, generator=g)
+    return x, (x[:, :4].sum(1, keepdim=True)).sin()
+
+
+def _fault(spec: dict[str, Any]) -> Any:
+    from sdc_core.faults import Fault
+
+    prefix = "model."
+    site = spec["site"]
+    if site == "activation":
+        return Fault("module_output", rank=spec["rank"], step=spec["step"], target=prefix + spec["target"],
+                     index=spec["index"], bit=spec["bit"], mode="once")  # fmt: skip
+    kind = {"gradient": "gradient_bit_flip", "weights": "weight_bit_flip", "optimizer": "optimizer_state"}[site]
+    return Fault(kind, rank=spec["rank"], step=spec["step"], target=prefix + spec["target"], index=spec["index"],
+                 bit=spec["bit"], state_key="exp_avg_sq" if spec["bit_class"] == "mantissa" else "exp_avg")  # fmt: skip
+
+
+def _fit(steps: int, checks: bool, fault: Any = None, ckpt_path: str | None = None, save: str | None = None) -> dict:
+    import lightning.pytorch as L
+    from lightning.pytorch.strategies import DDPStrategy
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_sdc import FaultInjector, NonFiniteGradientCheck, RingReplayAudit, SDCError, WeightFingerprintCheck
+
+    L.seed_everything(0, verbose=False)
+    callbacks: list[Any] = []
+    if checks:
+        # the replay audits every step here: the campaign measures what each check can see; at a
+        # cadence of n a transient compute fault is audited with probability 1/n
+        callbacks += [NonFiniteGradientCheck(), RingReplayAudit(every_n_steps=1), WeightFingerprintCheck()]
+    elif save:
+        callbacks.append(WeightFingerprintCheck(every_n_steps=10**6))  # stores the fingerprint in the checkpoint
+    if fault is not None:
+        callbacks.append(FaultInjector([fault]))
+    x, y = _data()
+    trainer = L.Trainer(accelerator="cpu", devices=WORLD, strategy=DDPStrategy(timeout=timedelta(seconds=120)),
+                        max_steps=steps, callbacks=callbacks, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, enable_checkpointing=False)  # fmt: skip
+    module = _lightning_module()()
+    error = None
+    try:
+        trainer.fit(module, DataLoader(TensorDataset(x, y), batch_size=16), ckpt_path=ckpt_path)
+    except SDCError as err:
+        error = err.to_dict()
+    if save and error is None:
+        trainer.save_checkpoint(save)
+    with torch.no_grad():
+        weights = torch.cat([p.detach().reshape(-1) for p in module.parameters()])
+        loss = float(nn.functional.mse_loss(module(x[:512]), y[:512]))
+    return {"error": error, "weights": weights, "loss": loss}
+
+
+def _outcome(spec: dict[str, Any], effect: dict, detect: dict, reference: dict) -> dict[str, Any]:
+    w, ref = effect["weights"], reference["weights"]
+    finite = bool(torch.isfinite(w).all())
+    rel = float((w - ref).norm() / ref.norm()) if finite else math.inf
+    changed = rel > 1e-6
+    err = detect["error"]
+    row = {**{k: spec.get(k) for k in ("id", "site", "bit_class", "rank", "step", "target", "bit", "index")},
+           "changed": changed, "weight_rel_diff": rel, "final_loss": effect["loss"], "clean_loss": reference["loss"],
+           "diverged": (not math.isfinite(effect["loss"])) or effect["loss"] > 2 * reference["loss"],
+           "detected_by": err["check"] if err else "", "named_rank": err["rank"] if err else None,
+           "attributed": bool(err) and err["rank"] == spec.get("rank"),
+           "latency": (err["step"] - spec["step"]) if err and spec.get("step", -1) >= 0 else None}  # fmt: skip
+    row["outcome"] = "detected" if err else ("silent" if changed else "masked")
+    return row
+
+
+def worker(specs_file: Path, out: Path, steps: int) -> None:
+    """Run specs under torchrun (3 ranks); rank 0 writes one JSON line per spec."""
+    import torch.distributed as dist
+
+    from sdc_core.checkpoint import FINGERPRINT_KEY, Corruption, corrupt_file
+
+    specs = json.loads(specs_file.read_text())
+    reference = _fit(steps, checks=False)
+    rank = int(os.environ["RANK"])
+    base = out / f"base-{specs_file.stem}.ckpt"
+    if any(s["site"] == "checkpoint" for s in specs):
+        _fit(CKPT_STEP, checks=False, save=str(base))
+    results = out / f"{specs_file.stem}.jsonl"
+    for spec in specs:
+        t0 = time.perf_counter()
+        if spec["site"] == "clean":
+            detect = _fit(steps, checks=True)
+            row = _outcome(spec, reference, detect, reference)
+            row["outcome"] = "false_alarm" if detect["error"] else "clean"
+        elif spec["site"] == "checkpoint":
+            bad = out / f"{spec['id']}.ckpt"
+            bare = out / f"{spec['id']}-bare.ckpt"
+            if rank == 0:
+                corrupt_file(base, bad, Corruption(target=spec["target"], count=1, bit_class=spec["bit_class"],
+                                                   seed=spec["seed"]))  # fmt: skip
+                stripped = torch.load(bad, weights_only=False)
+                stripped.pop(FINGERPRINT_KEY, None)
+                torch.save(stripped, bare)
+            dist.barrier()
+            effect = _fit(steps, checks=False, ckpt_path=str(bad))
+            detect = _fit(steps, checks=True, ckpt_path=str(bad))
+            runtime = _fit(steps, checks=True, ckpt_path=str(bare))
+            row = _outcome(spec, effect, detect, reference)
+            row["runtime_detected_by"] = runtime["error"]["check"] if runtime["error"] else ""
+            flips = json.loads(Path(f"{bad}.flips.json").read_text())["flips"] if rank == 0 else []
+            row["tensor"] = flips[0]["tensor"] if flips else ""
+            dist.barrier()
+            if rank == 0:
+                for f in (bad, bare, Path(f"{bad}.flips.json")):
+                    f.unlink(missing_ok=True)
+        else:
+            fault = _fault(spec)
+            row = _outcome(
+                spec, _fit(steps, checks=False, fault=fault), _fit(steps, checks=True, fault=fault), reference
+            )
+        row["seconds"] = time.perf_counter() - t0
+        if rank == 0:
+            with results.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+
+
+# ---------------------------------------------------------------------------------------------- driver
+
+
+def _progress(done: int, total: int, t0: float) -> None:
+    width = 30
+    filled = int(width * done / max(total, 1))
+    rate = (time.perf_counter() - t0) / max(done, 1)
+    eta = rate * (total - done)
+    sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} runs, ~{eta / 60:.1f} min left ")
+    sys.stderr.flush()
+
+
+def run_campaign(out: Path, injections: int = 200, clean: int = 20, workers: int = 1, seed: int = 0,
+                 steps: int = 12, study: int = 0) -> dict[str, Any]:  # fmt: skip
+    """Plan, run (``workers`` trainings at once), aggregate and report; returns the summary."""
+    if injections < 0 or clean < 0 or workers < 1 or steps < 8:
+        raise ValueError("need injections >= 0, clean >= 0, workers >= 1 and steps >= 8")
+    out.mkdir(parents=True, exist_ok=True)
+    specs = plan(injections, clean, seed, steps)
+    (out / "plan.json").write_text(json.dumps(specs, indent=1))
+    chunks = [specs[i::workers] for i in range(workers)]
+    procs = []
+    for i, chunk in enumerate(chunks):
+        if not chunk:
+            continue
+        f = out / f"chunk{i}.json"
+        f.write_text(json.dumps(chunk))
+        (out / f"chunk{i}.jsonl").unlink(missing_ok=True)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone" if workers == 1 else "--nnodes=1",
+               f"--nproc-per-node={WORLD}", "-m", "lightning_sdc.campaign", "--worker", str(f), "--out", str(out),
+               "--steps", str(steps)]  # fmt: skip
+        if workers > 1:
+            cmd[4:4] = ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{29600 + i}", f"--rdzv-id=campaign{i}"]
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+        log = (out / f"chunk{i}.log").open("w")
+        procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
+    t0 = time.perf_counter()
+    while any(p.poll() is None for p in procs):
+        done = sum(len((out / f"chunk{i}.jsonl").read_text().splitlines()) if (out / f"chunk{i}.jsonl").exists() else 0
+                   for i in range(len(chunks)))  # fmt: skip
+        _progress(done, len(specs), t0)
+        time.sleep(1)
+    sys.stderr.write("\n")
+    if any(p.returncode for p in procs):
+        raise RuntimeError(f"a campaign worker failed; see {out}/chunk*.log")
+    rows = [json.loads(line) for i in range(len(chunks)) if (out / f"chunk{i}.jsonl").exists()
+            for line in (out / f"chunk{i}.jsonl").read_text().splitlines()]  # fmt: skip
+    rows.sort(key=lambda r: r["id"])
+    summary = report(rows, out, seed=seed, steps=steps)
+    return summary
+
+
+def _table(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in rows:
+        if r["site"] != "clean":
+            groups.setdefault((r["site"], r["bit_class"]), []).append(r)
+    table = []
+    for (site, bit_class), rs in sorted(
+        groups.items(), key=lambda kv: (SITES.index(kv[0][0]), BIT_CLASSES.index(kv[0][1]))
+    ):
+        det = [r for r in rs if r["outcome"] == "detected"]
+        lat = sorted(r["latency"] for r in det if r["latency"] is not None)
+        table.append({
+            "site": site, "bit_class": bit_class, "injections": len(rs), "changed": sum(r["changed"] for r in rs),
+            "detected": len(det), "masked": sum(r["outcome"] == "masked" for r in rs),
+            "silent": sum(r["outcome"] == "silent" for r in rs),
+            "by_nonfinite": sum(r["detected_by"] == "nonfinite_gradient" for r in rs),
+            "by_replay": sum(r["detected_by"] == "ring_replay" for r in rs),
+            "by_fingerprint": sum(r["detected_by"] == "weight_fingerprint" for r in rs),
+            "attributed": sum(r["attributed"] for r in det),
+            "median_latency": lat[len(lat) // 2] if lat else None,
+            "diverged": sum(r["diverged"] for r in rs),
+        })  # fmt: skip
+    return table
+
+
+def report(rows: list[dict[str, Any]], out: Path, seed: int, steps: int) -> dict[str, Any]:
+    """Write results.csv/json, the PNG plot; print the table; return the summary."""
+    table = _table(rows)
+    clean = [r for r in rows if r["site"] == "clean"]
+    summary = {
+        "seed": seed, "steps": steps, "world_size": WORLD, "injections": sum(t["injections"] for t in table),
+        "clean_runs": len(clean), "false_alarms": sum(r["outcome"] == "false_alarm" for r in clean),
+        "table": table, "study": study(rows),
+    }  # fmt: skip
+    with (out / "results.csv").open("w", newline="") as f:
+        keys = sorted({k for r in rows for k in r})
+        w = csv.DictWriter(f, fieldnames=keys)
+        w.writeheader()
+        w.writerows(rows)
+    (out / "results.json").write_text(json.dumps({"summary": summary, "runs": rows}, indent=1))
+    head = ["site", "bit_class", "injections", "changed", "detected", "masked", "silent", "by_nonfinite", "by_replay",
+            "by_fingerprint", "attributed", "median_latency", "diverged"]  # fmt: skip
+    print(" ".join(f"{h:>14}" for h in head))
+    for t in table:
+        print(" ".join(f"{t[h]!s:>14}" for h in head))
+    print(f"clean runs: {len(clean)}, false alarms: {summary['false_alarms']}")
+    plot(table, out / "detection.png")
+    return summary
+
+
+def study(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Checkpoint alteration: model weights against optimizer state, per bit class."""
+    out = []
+    for target in ("weights", "optimizer"):
+        for bit_class in BIT_CLASSES:
+            rs = [
+                r for r in rows if r["site"] == "checkpoint" and r["target"] == target and r["bit_class"] == bit_class
+            ]
+            if not rs:
+                continue
+            finite = [r["final_loss"] / r["clean_loss"] for r in rs if math.isfinite(r["final_loss"])]
+            out.append({
+                "target": target, "bit_class": bit_class, "runs": len(rs), "changed": sum(r["changed"] for r in rs),
+                "diverged": sum(r["diverged"] for r in rs),
+                "median_loss_ratio": sorted(finite)[len(finite) // 2] if finite else None,
+                "caught_on_load": sum(r["outcome"] == "detected" for r in rs),
+                "caught_at_runtime_without_fingerprint": sum(bool(r.get("runtime_detected_by")) for r in rs),
+            })  # fmt: skip
+    return out
+
+
+def plot(table: list[dict[str, Any]], path: Path) -> None:
+    """Grouped bars: detection rate by bit class, one group per fault site."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 4))
+    width = 0.2
+    for j, bit_class in enumerate(BIT_CLASSES):
+        rates = []
+        for site in SITES:
+            t = next((t for t in table if t["site"] == site and t["bit_class"] == bit_class), None)
+            rates.append(100 * t["detected"] / t["injections"] if t and t["injections"] else 0)
+        ax.bar([i + (j - 1.5) * width for i in range(len(SITES))], rates, width, label=bit_class)
+    ax.set_xticks(range(len(SITES)), SITES)
+    ax.set_ylabel("detected (% of injections)")
+    ax.set_ylim(0, 105)
+    ax.set_title("SDC checks: detection rate by fault site and bit class")
+    ax.legend(title="bit class", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--worker", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--steps", type=int, default=12)
+    args = parser.parse_args()
+    worker(args.worker, args.out, args.steps)
+
+
+if __name__ == "__main__":
+    _main()
