@@ -53,7 +53,7 @@ def _campaign(args: argparse.Namespace) -> int:
     from lightning_sdc.campaign import run_campaign
 
     run_campaign(args.out, injections=args.injections, clean=args.clean, workers=args.workers, seed=args.seed,
-                 steps=args.steps, study=args.study)  # fmt: skip
+                 steps=args.steps, study=args.study, doc=args.doc)  # fmt: skip
     return 0
 
 
@@ -84,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     k.add_argument("--seed", type=int, default=0)
     k.add_argument("--steps", type=int, default=12)
     k.add_argument("--study", type=int, default=0, help="also run N checkpoint-alteration study runs per group")
+    k.add_argument("--doc", type=Path, help="also write a coverage page (markdown, with its plot and CSV beside it)")
     args = parser.parse_args(argv)
     try:
         return {"corrupt-checkpoint": _corrupt, "verify-checkpoint": _verify, "campaign": _campaign}[args.command](args)

@@ -231,7 +231,7 @@ def corrupt_file(src: str | Path, out: str | Path | None, spec: Corruption, in_p
         raise ValueError("give an output path, or in_place=True to overwrite the input")
     dst = src if in_place else Path(out)  # type: ignore[arg-type]
     if not in_place and dst.resolve() == src.resolve():
-        raise ValueError("the output is the input; pass in_place=True to overwrite it")
+        raise ValueError("the output is the input; pass --in-place (in_place=True) to overwrite it")
     ckpt = Checkpoint.load(src)
     flips = corrupt(ckpt, spec)
     ckpt.save(dst)

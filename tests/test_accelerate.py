@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import yaml
 from conftest import ROOT, results, worker_env
 
@@ -199,3 +200,20 @@ def test_keywords_override_environment_override_file(tmp_path: Path, monkeypatch
     assert sources["max_names"] == "keyword arguments"
     assert settings.replay().every_n_steps == 20 and settings.fingerprint().every_n_steps == 1
     assert resolve(replay_every_n_steps=0)[0].replay() is None  # 0 turns a cadence off
+
+
+def test_corrupt_checkpoint_reads_and_writes_accelerate_folders(launch_a: Path, tmp_path: Path) -> None:
+    from lightning_sdc.cli import main as sdc
+    from sdc_core.checkpoint import Checkpoint
+
+    src, out = launch_a / "state", tmp_path / "state_bad"
+    before = {f.name: f.read_bytes() for f in src.iterdir() if f.is_file()}
+    assert sdc(["corrupt-checkpoint", str(src), "-o", str(out), "--target", "all", "--count", "3", "--seed", "2"]) == 0
+    assert {f.name: f.read_bytes() for f in src.iterdir() if f.is_file()} == before  # input untouched
+    flips = json.loads((tmp_path / "state_bad.flips.json").read_text())["flips"]
+    original = {n: t for n, _, t in Checkpoint.load(src).tensors()}
+    altered = {n: t for n, _, t in Checkpoint.load(out).tensors()}
+    changed = {n for n in original if not torch.equal(original[n], altered[n])}
+    assert changed == {f["tensor"] for f in flips}
+    for f in flips:
+        assert float(altered[f["tensor"]].reshape(-1)[f["index"]]) == pytest.approx(f["new"], nan_ok=True)
