@@ -342,35 +342,14 @@ def test_replay_persistent_fault(world, layout, node_of):
     assert not wrong, f"faulty rank -> (rank, suspects) found, with partners {ring_partners(node_of)}: {wrong}"
 
 
+@pytest.mark.parametrize("side", ["owner", "replayer"])
 @pytest.mark.parametrize(("world", "layout", "node_of"), _replay_cases())
-def test_replay_owner_only_fault(world, layout, node_of):
-    partners = ring_partners(node_of)
-    for f in range(world):
-        pair = (f, partners[f])
-        culprits, disputed = explain(world, partners, [pair])
-        assert culprits == set()
-        assert list(disputed) == [pair]
-        referee = pick_referee(*pair, world, node_of, set(pair))
-        if world < 3:
-            assert referee is None
-            assert settle(world, culprits, disputed, {})[:2] == (None, (0, 1))
-            continue
-        assert referee is not None and 0 <= referee < world and referee not in pair
-        # the referee's replay of the owner's batch agrees with the replayer: the owner is faulty
-        rank, suspects, _ = settle(world, culprits, disputed, {pair: (False, True)})
-        assert (rank, suspects) == (f, (f,))
-        # the whole protocol reaches the same verdict
-        _, _, simulated_pairs, (rank, suspects, _) = _simulate(world, node_of, {f}, set())
-        assert simulated_pairs == [pair]
-        assert (rank, suspects) == (f, (f,))
-
-
-@pytest.mark.parametrize(("world", "layout", "node_of"), _replay_cases())
-def test_replay_replayer_only_fault(world, layout, node_of):
+def test_replay_one_sided_fault_is_settled_by_a_referee(world, layout, node_of, side):
+    """A fault that hits only the owner's own step, or only its replay of another rank's batch."""
     partners = ring_partners(node_of)
     inverse = _inverse(partners)
     for f in range(world):
-        pair = (inverse[f], f)
+        pair = (f, partners[f]) if side == "owner" else (inverse[f], f)
         culprits, disputed = explain(world, partners, [pair])
         assert culprits == set()
         assert list(disputed) == [pair]
@@ -380,10 +359,13 @@ def test_replay_replayer_only_fault(world, layout, node_of):
             assert settle(world, culprits, disputed, {})[:2] == (None, (0, 1))
             continue
         assert referee is not None and 0 <= referee < world and referee not in pair
-        # the referee's replay agrees with the owner: the replayer is faulty
-        rank, suspects, _ = settle(world, culprits, disputed, {pair: (True, False)})
+        # the referee agrees with the healthy side: (agrees_with_owner, agrees_with_replayer)
+        ruling = (False, True) if side == "owner" else (True, False)
+        rank, suspects, _ = settle(world, culprits, disputed, {pair: ruling})
         assert (rank, suspects) == (f, (f,))
-        _, _, simulated_pairs, (rank, suspects, _) = _simulate(world, node_of, set(), {f})
+        # the whole protocol reaches the same verdict
+        faulty_owner, faulty_replayer = ({f}, set()) if side == "owner" else (set(), {f})
+        _, _, simulated_pairs, (rank, suspects, _) = _simulate(world, node_of, faulty_owner, faulty_replayer)
         assert simulated_pairs == [pair]
         assert (rank, suspects) == (f, (f,))
 
