@@ -31,6 +31,7 @@ from accelerate_sdc import config
 from sdc_core.errors import SDCError
 from sdc_core.fingerprint import WeightFingerprint
 from sdc_core.gradients import GradientTap, NonFiniteGradient
+from sdc_core.incidents import install_exit_code, record_verdict
 from sdc_core.replay import RingReplay
 from sdc_core.topology import Topology
 
@@ -54,6 +55,7 @@ class SDCHooks:
     def __init__(self, accelerator: Any, loss_fn: LossFn | None = None, **settings: Any) -> None:
         self.accelerator = accelerator
         self.settings, self.sources = config.resolve(**settings)
+        install_exit_code()
         self.loss_fn = loss_fn
         nonfinite, replay, fingerprint = self.settings.nonfinite(), self.settings.replay(), self.settings.fingerprint()
         self.nonfinite = NonFiniteGradient(nonfinite) if nonfinite else None
@@ -190,10 +192,14 @@ class SDCHooks:
 
         def step(*args: Any, **kwargs: Any) -> Any:
             try:
-                return self._step(optimizer, original, *args, **kwargs)
+                out = self._step(optimizer, original, *args, **kwargs)
             except SDCError:
                 self.log(force=True)
+                self._record("raise")
                 raise
+            if self.nonfinite is not None and self.nonfinite.last_error is not None:
+                self._record(self.settings.on_failure)  # skipped or warned: still an incident
+            return out
 
         optimizer.step = step
         self._handles.append(_Restore(optimizer))
@@ -221,11 +227,20 @@ class SDCHooks:
             self.log()
         return out
 
+    def _record(self, policy: str) -> None:
+        acc = self.accelerator
+        run_dir = getattr(acc, "project_dir", None) or getattr(acc, "logging_dir", None) or "."
+        for check in self.checks:
+            record_verdict(check, run_dir, acc.is_main_process, policy)
+
     def finish(self) -> None:
         """Resolve the last pending fingerprint comparison and log (every process, after the loop)."""
         try:
             if self.fingerprint is not None:
                 self.fingerprint.resolve()
+        except SDCError:
+            self._record("raise")
+            raise
         finally:
             self.log(force=True)
 

@@ -15,6 +15,7 @@ from sdc_core.faults import Fault
 from sdc_core.faults import FaultInjector as _CoreInjector
 from sdc_core.fingerprint import FingerprintConfig, WeightFingerprint
 from sdc_core.gradients import NonFiniteConfig, NonFiniteGradient
+from sdc_core.incidents import install_exit_code, record_verdict
 from sdc_core.replay import ReplayConfig, RingReplay
 
 
@@ -26,6 +27,7 @@ class _SDCCallback(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":
             c.require_supported_strategy(trainer, type(self).__name__)
+            install_exit_code()
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._core.topology = c.topology(trainer)
@@ -36,8 +38,9 @@ class _SDCCallback(Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         c.log_stats(trainer, self._core.stats, force=True)
 
-    def _failed(self, trainer: pl.Trainer) -> None:
+    def _failed(self, trainer: pl.Trainer, policy: str = "raise") -> None:
         c.log_stats(trainer, self._core.stats, force=True)
+        record_verdict(self._core, trainer.log_dir or trainer.default_root_dir, trainer.is_global_zero, policy)
 
     def state_dict(self) -> dict[str, Any]:
         return self._core.stats.state_dict()
@@ -76,6 +79,8 @@ class NonFiniteGradientCheck(_SDCCallback):
         except SDCError:
             self._failed(trainer)
             raise
+        if self._core.last_error is not None:  # skipped or warned: still an incident
+            self._failed(trainer, self._core.config.on_failure)
 
 
 class WeightFingerprintCheck(_SDCCallback):

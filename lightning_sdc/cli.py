@@ -57,6 +57,32 @@ def _campaign(args: argparse.Namespace) -> int:
     return 0
 
 
+def _report(args: argparse.Namespace) -> int:
+    from sdc_core.incidents import load_incidents, summarise
+
+    rows = summarise(load_incidents(args.dirs))
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    if not rows:
+        print("no SDC incidents found")
+        return 0
+    print(f"{'host':24} {'device':36} {'incidents':>9} {'named':>5}  {'checks':40} first seen -> last seen")
+    for r in rows:
+        print(f"{r['host']:24} {r['device']:36} {r['incidents']:>9} {r['named']:>5}  {','.join(r['checks']):40} "
+              f"{r['first_seen']} -> {r['last_seen']}")  # fmt: skip
+    return 0
+
+
+def _exclude(args: argparse.Namespace) -> int:
+    from sdc_core.incidents import exclude_hosts, load_incidents
+
+    hosts = exclude_hosts(load_incidents(args.dirs))
+    if hosts:
+        print(",".join(hosts) if args.format == "slurm" else "\n".join(hosts))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="sdc", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -85,9 +111,18 @@ def main(argv: list[str] | None = None) -> int:
     k.add_argument("--steps", type=int, default=12)
     k.add_argument("--study", type=int, default=0, help="also run N checkpoint-alteration study runs per group")
     k.add_argument("--doc", type=Path, help="also write a coverage page (markdown, with its plot and CSV beside it)")
+    r = sub.add_parser("report", help="summarise SDC incidents across runs")
+    r.add_argument("dirs", nargs="+", type=Path)
+    r.add_argument("--json", action="store_true")
+    e = sub.add_parser("exclude-list", help="hosts to take out, in a form schedulers take")
+    e.add_argument("dirs", nargs="+", type=Path)
+    e.add_argument("--format", choices=["slurm", "lines"], default="slurm",
+                   help="slurm: comma separated, for --exclude; lines: one hostname a line")  # fmt: skip
     args = parser.parse_args(argv)
+    commands = {"corrupt-checkpoint": _corrupt, "verify-checkpoint": _verify, "campaign": _campaign,
+                "report": _report, "exclude-list": _exclude}  # fmt: skip
     try:
-        return {"corrupt-checkpoint": _corrupt, "verify-checkpoint": _verify, "campaign": _campaign}[args.command](args)
+        return commands[args.command](args)
     except ValueError as err:
         print(f"sdc {args.command}: {err}", file=sys.stderr)
         return 2

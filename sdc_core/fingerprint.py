@@ -239,6 +239,7 @@ class WeightFingerprint:
     config: FingerprintConfig = field(default_factory=FingerprintConfig)
     stats: CheckStats = field(default_factory=lambda: CheckStats("weight_fingerprint"))
     topology: Topology | None = None
+    last_error: FingerprintMismatchError | None = None
     _pending: _Pending | None = None
 
     @property
@@ -308,9 +309,10 @@ class WeightFingerprint:
             reason = f"{len(suspects)} replicas differ from the majority"
         else:
             reason = f"replicas split into {len(groups)} groups with no majority"
-        raise FingerprintMismatchError(
+        self.last_error = FingerprintMismatchError(
             step=pending.step, rank=rank, suspects=suspects, hosts=topo.hosts(suspects), details=details, reason=reason
         )
+        raise self.last_error
 
     def check_now(self, step: int, module: nn.Module, optimizers: Iterable[torch.optim.Optimizer]) -> None:
         """Digest, compare and resolve at once (raises on a mismatch)."""

@@ -155,6 +155,7 @@ class NonFiniteGradient:
     _buckets: list[tuple[torch.Tensor, list[str]]] = field(default_factory=list)
     _sole_rank: int | None = None
     _streak: int = 0
+    last_error: NonFiniteGradientError | None = None
 
     def attach(self, tap: GradientTap) -> None:
         """Consume the tap's buckets (local gradients, pre-all-reduce)."""
@@ -248,6 +249,7 @@ class NonFiniteGradient:
             step=step, rank=rank, suspects=offenders, hosts=topo.hosts(offenders), details=details, reason=reason
         )
         self.stats.add_time(time.perf_counter() - t0)
+        self.last_error = error
         if self.config.on_failure == "raise":
             raise error
         warnings.warn(str(error), RuntimeWarning, stacklevel=2)

@@ -307,6 +307,7 @@ class RingReplay:
     _loss: float = 0.0
     _local: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]] = field(default_factory=dict)
     _tap: GradientTap | None = None
+    last_error: ReplayMismatchError | None = None
 
     @property
     def active(self) -> bool:
@@ -489,6 +490,7 @@ class RingReplay:
             reason = "the two replicas disagree on a replayed batch; a third replica is needed to tell which is wrong"
         else:
             reason = f"{len(mismatching)} replay pairs disagree and the faulty rank could not be singled out"
-        raise ReplayMismatchError(
+        self.last_error = ReplayMismatchError(
             step=step, rank=rank, suspects=suspects, hosts=topo.hosts(suspects), details=details, reason=reason
         )
+        raise self.last_error

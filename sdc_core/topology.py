@@ -39,12 +39,29 @@ def _env_int(*names: str) -> int | None:
 
 @dataclass(frozen=True)
 class RankFacts:
-    """What is known of one rank: its host, node rank and local rank."""
+    """What is known of one rank: its host, node rank, local rank and device (gathered once)."""
 
     rank: int
     host: str
     node_rank: int
     local_rank: int
+    device: str = "cpu"
+    device_uuid: str | None = None
+    versions: tuple[tuple[str, str], ...] = ()
+
+
+def _device_facts() -> tuple[str, str | None, tuple[tuple[str, str], ...]]:
+    """This process's device name, UUID (where the device has one) and library versions."""
+    import platform
+
+    versions = [("torch", torch.__version__), ("python", platform.python_version())]
+    if torch.cuda.is_available():
+        index = torch.cuda.current_device()
+        props = torch.cuda.get_device_properties(index)
+        versions += [("cuda", str(torch.version.cuda)), ("cudnn", str(torch.backends.cudnn.version()))]
+        uuid = getattr(props, "uuid", None)
+        return props.name, (str(uuid) if uuid is not None else None), tuple(versions)
+    return platform.processor() or platform.machine() or "cpu", None, tuple(versions)
 
 
 @dataclass(frozen=True)
@@ -73,6 +90,7 @@ class Topology:
             if node_rank is not None
             else (_env_int("GROUP_RANK", "NODE_RANK", "SLURM_NODEID") or 0),
             local_rank=local_rank if local_rank is not None else (_env_int("LOCAL_RANK", "SLURM_LOCALID") or 0),
+            **dict(zip(("device", "device_uuid", "versions"), _device_facts(), strict=True)),
         )
         if not is_distributed():
             return cls(ranks=(mine,), rank=0)

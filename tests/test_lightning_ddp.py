@@ -182,3 +182,32 @@ def test_a_replay_that_fails_on_one_rank_raises_on_every_rank(out: Path) -> None
     err = error_on_every_rank(out, "replay_crash", "ReplayUnavailableError")
     assert "rank 1 replaying rank 0: KeyError: 'feature_x'" in err["message"]
     assert "sdc_replay_step" in err["message"]
+
+
+def test_rank_zero_writes_one_incident_per_verdict(out: Path) -> None:
+    import json
+
+    (path,) = (out / "logs" / "nonfinite" / "version_0" / "sdc" / "incidents").glob("*.json")
+    incident = json.loads(path.read_text())
+    assert (incident["check"], incident["step"], incident["rank"], incident["policy"]) == (
+        "nonfinite_gradient", 3, 1, "raise")  # fmt: skip
+    facts = incident["suspects"]["1"]
+    assert facts["rank"] == 1 and facts["host"] == incident["exclude_hosts"][0]
+    assert facts["device"] and facts["versions"]["torch"].startswith("2.")
+    assert incident["config"]["on_failure"] == "raise" and incident["error"]["type"] == "NonFiniteGradientError"
+    (skipped,) = (out / "logs" / "nonfinite_skip" / "version_0" / "sdc" / "incidents").glob("*.json")
+    assert json.loads(skipped.read_text())["policy"] == "skip_step"
+    assert not (out / "logs" / "clean" / "version_0" / "sdc").exists()
+
+
+def test_report_and_exclude_list_read_incidents_back(out: Path, capsys: pytest.CaptureFixture) -> None:
+    import json
+
+    from lightning_sdc.cli import main as sdc
+
+    assert sdc(["report", str(out / "logs"), "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert rows and rows[0]["named"] >= 1 and "nonfinite_gradient" in {c for r in rows for c in r["checks"]}
+    assert sdc(["exclude-list", str(out / "logs"), "--format", "lines"]) == 0
+    hosts = capsys.readouterr().out.split()
+    assert hosts == sorted({r["host"] for r in rows if r["named"]})
