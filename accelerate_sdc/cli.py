@@ -37,6 +37,8 @@ _HELP = {
     "fingerprint_every_n_steps": "weight fingerprint cadence in optimizer steps (0: off)",
     "include_buffers": "fingerprint buffers too (BatchNorm statistics excluded)",
     "include_optimizer_state": "fingerprint the optimizer state too",
+    "fingerprint_on_failure": "what a fingerprint mismatch does: raise, or heal from the majority",
+    "max_heals": "heals allowed per rank before a mismatch raises",
     "log_every_n_steps": "how often the counters go to the trackers",
 }
 

@@ -52,6 +52,8 @@ class SDCSettings:
     fingerprint_every_n_steps: int = 1
     include_buffers: bool = False
     include_optimizer_state: bool = False
+    fingerprint_on_failure: str = "raise"
+    max_heals: int = 3
     log_every_n_steps: int = 50
 
     def nonfinite(self) -> NonFiniteConfig | None:
@@ -67,7 +69,13 @@ class SDCSettings:
     def fingerprint(self) -> FingerprintConfig | None:
         if self.fingerprint_every_n_steps == 0:
             return None
-        return FingerprintConfig(self.fingerprint_every_n_steps, self.include_buffers, self.include_optimizer_state)
+        return FingerprintConfig(
+            self.fingerprint_every_n_steps,
+            self.include_buffers,
+            self.include_optimizer_state,
+            self.fingerprint_on_failure,
+            self.max_heals,
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -165,7 +173,8 @@ def resolve(**kwargs: Any) -> tuple[SDCSettings, dict[str, str]]:
         (settings.replay, {"every_n_steps": "replay_every_n_steps", "exact": "replay_exact",
                            "rtol": "replay_rtol", "atol": "replay_atol"}),
         (settings.fingerprint, {"every_n_steps": "fingerprint_every_n_steps", "include_buffers": "include_buffers",
-                                "include_optimizer_state": "include_optimizer_state"}),
+                                "include_optimizer_state": "include_optimizer_state",
+                                "on_failure": "fingerprint_on_failure", "max_heals": "max_heals"}),
     )  # fmt: skip
     for build, keys in sections:
         try:

@@ -195,10 +195,9 @@ class SDCHooks:
                 out = self._step(optimizer, original, *args, **kwargs)
             except SDCError:
                 self.log(force=True)
-                self._record("raise")
+                self._record(raised=True)
                 raise
-            if self.nonfinite is not None and self.nonfinite.last_error is not None:
-                self._record(self.settings.on_failure)  # skipped or warned: still an incident
+            self._record(raised=False)  # skipped, warned or healed: still an incident
             return out
 
         optimizer.step = step
@@ -227,10 +226,11 @@ class SDCHooks:
             self.log()
         return out
 
-    def _record(self, policy: str) -> None:
+    def _record(self, raised: bool) -> None:
         acc = self.accelerator
         run_dir = getattr(acc, "project_dir", None) or getattr(acc, "logging_dir", None) or "."
         for check in self.checks:
+            policy = "raise" if raised else getattr(check.config, "on_failure", "raise")
             record_verdict(check, run_dir, acc.is_main_process, policy)
 
     def finish(self) -> None:
@@ -239,7 +239,7 @@ class SDCHooks:
             if self.fingerprint is not None:
                 self.fingerprint.resolve()
         except SDCError:
-            self._record("raise")
+            self._record(raised=True)
             raise
         finally:
             self.log(force=True)

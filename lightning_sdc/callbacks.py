@@ -90,6 +90,11 @@ class WeightFingerprintCheck(_SDCCallback):
         every_n_steps: cadence in optimizer steps.
         include_buffers: also compare buffers (BatchNorm running statistics excluded).
         include_optimizer_state: also compare optimizer state tensors.
+        on_failure: ``"raise"`` (default) or ``"heal"``: with a strict majority the differing
+            replicas copy a majority rank's parameters, buffers and optimizer state and training
+            goes on (an incident is written); without a majority, or past ``max_heals`` heals
+            of the same rank, it raises.
+        max_heals: heals allowed per rank.
 
     The comparison of step ``s`` is read at the end of the next training batch (or at the end of
     training), so the host never waits for the GPU in the step that computed it. Raises
@@ -101,9 +106,15 @@ class WeightFingerprintCheck(_SDCCallback):
     """
 
     def __init__(
-        self, every_n_steps: int = 1, include_buffers: bool = False, include_optimizer_state: bool = False
+        self,
+        every_n_steps: int = 1,
+        include_buffers: bool = False,
+        include_optimizer_state: bool = False,
+        on_failure: str = "raise",
+        max_heals: int = 3,
     ) -> None:
-        self._core = WeightFingerprint(FingerprintConfig(every_n_steps, include_buffers, include_optimizer_state))
+        config = FingerprintConfig(every_n_steps, include_buffers, include_optimizer_state, on_failure, max_heals)
+        self._core = WeightFingerprint(config)
         self._seen_step = 0
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -115,7 +126,7 @@ class WeightFingerprintCheck(_SDCCallback):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         try:
             if c.is_ddp(trainer):
-                self._core.resolve()
+                self._resolve(trainer)
                 if trainer.global_step != self._seen_step:
                     self._seen_step = trainer.global_step
                     if self._core.due(trainer.global_step - 1):
@@ -131,9 +142,14 @@ class WeightFingerprintCheck(_SDCCallback):
     def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
         check_loaded_checkpoint(checkpoint, int(checkpoint.get("global_step", trainer.global_step)))
 
+    def _resolve(self, trainer: pl.Trainer) -> None:
+        self._core.resolve()
+        if self._core.last_error is not None:  # healed: still an incident
+            self._failed(trainer, "heal")
+
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         try:
-            self._core.resolve()
+            self._resolve(trainer)
         except SDCError:
             self._failed(trainer)
             raise

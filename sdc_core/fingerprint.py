@@ -164,13 +164,24 @@ class FingerprintConfig:
             differ per rank without SyncBatchNorm. Buffers a forward pass updates on each rank
             differ legitimately too: leave this off for such models.
         include_optimizer_state: also compare the optimizer state tensors (Adam moments, ...).
+        on_failure: ``"raise"`` (default), or ``"heal"``: with a strict majority the differing
+            replicas take the parameters, buffers and optimizer state of a majority rank by
+            broadcast and training continues; without a majority, or after ``max_heals`` heals
+            of the same rank, it raises.
+        max_heals: heals allowed per rank before a mismatch on it raises (>= 1).
     """
 
     every_n_steps: int = 1
     include_buffers: bool = False
     include_optimizer_state: bool = False
+    on_failure: str = "raise"
+    max_heals: int = 3
 
     def __post_init__(self) -> None:
+        if self.on_failure not in ("raise", "heal"):
+            raise ValueError(f"on_failure must be 'raise' or 'heal', got {self.on_failure!r}")
+        if isinstance(self.max_heals, bool) or not isinstance(self.max_heals, int) or self.max_heals < 1:
+            raise ValueError(f"max_heals must be an integer >= 1, got {self.max_heals!r}")
         if isinstance(self.every_n_steps, bool) or not isinstance(self.every_n_steps, int) or self.every_n_steps < 1:
             raise ValueError(f"every_n_steps must be an integer >= 1, got {self.every_n_steps!r}")
         for name in ("include_buffers", "include_optimizer_state"):
@@ -202,6 +213,21 @@ def fingerprinted_tensors(
     return named
 
 
+def copy_replica(module: nn.Module, optimizers: Iterable[torch.optim.Optimizer], src: int) -> None:
+    """Make every replica equal to rank ``src``: broadcast parameters, buffers and optimizer state
+    tensors in place (a collective: every rank calls it, with the same ``src``)."""
+    with torch.no_grad():
+        for t in [*module.parameters(), *module.buffers()]:
+            torch.distributed.broadcast(t.data, src=src)
+        for opt in optimizers:
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    state = opt.state.get(p, {})
+                    for key in sorted(state):
+                        if isinstance(state[key], torch.Tensor):
+                            torch.distributed.broadcast(state[key], src=src)
+
+
 def vote(rows: list[tuple[int, ...]]) -> tuple[int | None, tuple[int, ...], int | None]:
     """Vote on per-rank digest rows.
 
@@ -226,6 +252,8 @@ def vote(rows: list[tuple[int, ...]]) -> tuple[int | None, tuple[int, ...], int 
 class _Pending:
     step: int
     per_tensor: Callable[[], torch.Tensor]
+    module: nn.Module
+    optimizers: list[torch.optim.Optimizer]
     names: list[str]
     reduced: torch.Tensor
     mine: torch.Tensor
@@ -240,6 +268,7 @@ class WeightFingerprint:
     stats: CheckStats = field(default_factory=lambda: CheckStats("weight_fingerprint"))
     topology: Topology | None = None
     last_error: FingerprintMismatchError | None = None
+    heals: dict[int, int] = field(default_factory=dict)
     _pending: _Pending | None = None
 
     @property
@@ -264,7 +293,7 @@ class WeightFingerprint:
         fp = combine(digests)
         reduced = torch.stack([fp, torch.bitwise_not(fp)])
         work = torch.distributed.all_reduce(reduced, op=torch.distributed.ReduceOp.MAX, async_op=True)
-        self._pending = _Pending(step, per_tensor, [n for n, _ in named], reduced, fp, work)
+        self._pending = _Pending(step, per_tensor, module, list(optimizers), [n for n, _ in named], reduced, fp, work)
         self.stats.add_time(time.perf_counter() - t0)
 
     def resolve(self) -> None:
@@ -309,10 +338,27 @@ class WeightFingerprint:
             reason = f"{len(suspects)} replicas differ from the majority"
         else:
             reason = f"replicas split into {len(groups)} groups with no majority"
+        heal = (
+            self.config.on_failure == "heal"
+            and reference is not None
+            and all(self.heals.get(r, 0) < self.config.max_heals for r in suspects)
+        )
+        if heal:
+            details["action"] = f"healed from rank {reference}"
+            reason += f"; healed from majority rank {reference}"
+        elif self.config.on_failure == "heal":
+            details["action"] = "not healed: " + (
+                "no strict majority" if reference is None else f"more than max_heals={self.config.max_heals} heals"
+            )
         self.last_error = FingerprintMismatchError(
             step=pending.step, rank=rank, suspects=suspects, hosts=topo.hosts(suspects), details=details, reason=reason
         )
-        raise self.last_error
+        if not heal:
+            raise self.last_error
+        for r in suspects:
+            self.heals[r] = self.heals.get(r, 0) + 1
+        self.stats.bump("heals")
+        copy_replica(pending.module, pending.optimizers, src=reference)
 
     def check_now(self, step: int, module: nn.Module, optimizers: Iterable[torch.optim.Optimizer]) -> None:
         """Digest, compare and resolve at once (raises on a mismatch)."""

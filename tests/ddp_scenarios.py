@@ -317,6 +317,31 @@ SCENARIOS: dict[str, Any] = {
         ],
         plugins=[fp16_plugin()],
     ),
+    # recovery: heal from the majority, within a limit
+    "heal": lambda o: fit(
+        o,
+        "heal",
+        [
+            WeightFingerprintCheck(on_failure="heal"),
+            FaultInjector([Fault("weight_bit_flip", rank=2, step=3, target="body.weight", index=7, bit=20)]),
+        ],
+    ),
+    "heal_limit": lambda o: fit(
+        o,
+        "heal_limit",
+        [
+            WeightFingerprintCheck(on_failure="heal", max_heals=2),
+            FaultInjector([Fault("weight_bit_flip", rank=1, step=s, target="head.weight", bit=21) for s in (2, 4, 6)]),
+        ],
+    ),
+    "pair_heal": lambda o: fit(
+        o,
+        "pair_heal",
+        [
+            WeightFingerprintCheck(on_failure="heal"),
+            FaultInjector([Fault("weight_bit_flip", rank=1, step=2, target="head.bias", bit=20)]),
+        ],
+    ),
     # two replicas: a mismatch names both sides
     "pair_fingerprint": lambda o: fit(
         o,

@@ -19,7 +19,8 @@ THREE_RANK = [
     "audit_off", "tap_only", "audit_on",
     "nonfinite", "nonfinite_all", "nonfinite_skip", "fingerprint", "optimizer_state",
     "replay_persistent", "replay_intermittent", "comm_hook",
-    "fp16_one_overflow", "fp16_sole_overflow", "replay_step_hook", "replay_crash", "save", "resume",
+    "fp16_one_overflow", "fp16_sole_overflow", "replay_step_hook", "replay_crash",
+    "heal", "heal_limit", "save", "resume",
 ]  # fmt: skip
 
 
@@ -211,3 +212,24 @@ def test_report_and_exclude_list_read_incidents_back(out: Path, capsys: pytest.C
     assert sdc(["exclude-list", str(out / "logs"), "--format", "lines"]) == 0
     hosts = capsys.readouterr().out.split()
     assert hosts == sorted({r["host"] for r in rows if r["named"]})
+
+
+def test_heal_restores_identical_replicas_and_training_finishes(out: Path) -> None:
+    import json
+
+    per_rank = results(out, "heal", WORLD)
+    for r in per_rank:
+        assert r["error"] is None and r["global_step"] == 8 and r["finite"]
+        state = r["states"]["WeightFingerprintCheck"]
+        assert state["failures"] == 1 and state["extra"]["heals"] == 1 and state["last_verified_step"] == 7
+    assert len({r["weights"] for r in per_rank}) == 1  # bit-identical again
+    (path,) = (out / "logs" / "heal" / "version_0" / "sdc" / "incidents").glob("*.json")
+    incident = json.loads(path.read_text())
+    assert (incident["policy"], incident["rank"], incident["step"]) == ("heal", 2, 3)
+    assert incident["error"]["details"]["action"] == "healed from rank 0"
+
+
+def test_heal_stops_after_max_heals(out: Path) -> None:
+    err = error_on_every_rank(out, "heal_limit", "FingerprintMismatchError")
+    assert (err["rank"], err["step"]) == (1, 6)
+    assert err["details"]["action"] == "not healed: more than max_heals=2 heals"

@@ -11,7 +11,7 @@ from conftest import SCENARIOS, free_port, results, torchrun, worker_env
 
 
 def test_two_replicas_cannot_localize(tmp_path: Path) -> None:
-    torchrun(tmp_path, ["pair_fingerprint", "pair_replay"], nproc=2)
+    torchrun(tmp_path, ["pair_fingerprint", "pair_replay", "pair_heal"], nproc=2)
     for scenario, error_type in (
         ("pair_fingerprint", "FingerprintMismatchError"),
         ("pair_replay", "ReplayMismatchError"),
@@ -21,6 +21,8 @@ def test_two_replicas_cannot_localize(tmp_path: Path) -> None:
         assert errors[0]["type"] == error_type
         assert errors[0]["rank"] is None and errors[0]["suspects"] == [0, 1]
         assert "cannot localize" in errors[0]["message"]
+    # never heal without a majority
+    assert results(tmp_path, "pair_heal", 2)[0]["error"]["details"]["action"] == "not healed: no strict majority"
 
 
 def test_two_nodes_pair_across_nodes_and_report_node_rank(tmp_path: Path) -> None:
