@@ -34,6 +34,7 @@ _HELP = {
     "replay_exact": "demand bit equality in the replay comparison",
     "replay_rtol": "relative tolerance of the replay comparison",
     "replay_atol": "absolute floor of the replay comparison",
+    "replay_on_failure": "what a replay mismatch does: raise, or skip_step when the fault proves transient",
     "fingerprint_every_n_steps": "weight fingerprint cadence in optimizer steps (0: off)",
     "include_buffers": "fingerprint buffers too (BatchNorm statistics excluded)",
     "include_optimizer_state": "fingerprint the optimizer state too",

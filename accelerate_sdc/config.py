@@ -49,6 +49,7 @@ class SDCSettings:
     replay_exact: bool = False
     replay_rtol: float = 1e-3
     replay_atol: float = 1e-6
+    replay_on_failure: str = "raise"
     fingerprint_every_n_steps: int = 1
     include_buffers: bool = False
     include_optimizer_state: bool = False
@@ -64,7 +65,9 @@ class SDCSettings:
     def replay(self) -> ReplayConfig | None:
         if self.replay_every_n_steps == 0:
             return None
-        return ReplayConfig(self.replay_every_n_steps, self.replay_exact, self.replay_rtol, self.replay_atol)
+        return ReplayConfig(
+            self.replay_every_n_steps, self.replay_exact, self.replay_rtol, self.replay_atol, self.replay_on_failure
+        )
 
     def fingerprint(self) -> FingerprintConfig | None:
         if self.fingerprint_every_n_steps == 0:
@@ -171,7 +174,8 @@ def resolve(**kwargs: Any) -> tuple[SDCSettings, dict[str, str]]:
         (settings.nonfinite, {"on_failure": "on_failure", "overflow_patience": "overflow_patience",
                               "max_names": "max_names"}),
         (settings.replay, {"every_n_steps": "replay_every_n_steps", "exact": "replay_exact",
-                           "rtol": "replay_rtol", "atol": "replay_atol"}),
+                           "rtol": "replay_rtol", "atol": "replay_atol",
+                           "on_failure": "replay_on_failure"}),
         (settings.fingerprint, {"every_n_steps": "fingerprint_every_n_steps", "include_buffers": "include_buffers",
                                 "include_optimizer_state": "include_optimizer_state",
                                 "on_failure": "fingerprint_on_failure", "max_heals": "max_heals"}),

@@ -30,7 +30,7 @@ from torch.nn.parallel import DistributedDataParallel
 from accelerate_sdc import config
 from sdc_core.errors import SDCError
 from sdc_core.fingerprint import WeightFingerprint
-from sdc_core.gradients import GradientTap, NonFiniteGradient
+from sdc_core.gradients import GradientTap, NonFiniteGradient, drop_step
 from sdc_core.incidents import install_exit_code, record_verdict
 from sdc_core.replay import RingReplay
 from sdc_core.topology import Topology
@@ -214,8 +214,11 @@ class SDCHooks:
         skipped = False
         if self.nonfinite is not None:
             skipped = self.nonfinite.verdict(step, module.named_parameters(), scaler_active=acc.scaler is not None)
-        if self.replay is not None:
-            self.replay.audit(step, module, self._replay_step, lambda b: send_to_device(b, acc.device))
+        if self.replay is not None and self.replay.audit(
+            step, module, self._replay_step, lambda b: send_to_device(b, acc.device)
+        ):  # a transient fault: every rank drops this step
+            drop_step(module.parameters(), scaler_active=acc.scaler is not None)
+            skipped = True
         out = original(*args, **kwargs)
         self.step += 1
         if not skipped and not getattr(optimizer, "step_was_skipped", False):

@@ -14,7 +14,7 @@ from sdc_core.errors import SDCError
 from sdc_core.faults import Fault
 from sdc_core.faults import FaultInjector as _CoreInjector
 from sdc_core.fingerprint import FingerprintConfig, WeightFingerprint
-from sdc_core.gradients import NonFiniteConfig, NonFiniteGradient
+from sdc_core.gradients import NonFiniteConfig, NonFiniteGradient, drop_step
 from sdc_core.incidents import install_exit_code, record_verdict
 from sdc_core.replay import ReplayConfig, RingReplay
 
@@ -164,6 +164,10 @@ class RingReplayAudit(_SDCCallback):
         exact: demand bit equality instead of tolerances.
         rtol: relative tolerance of loss, gradient norms and sums (default 1e-3).
         atol: absolute floor of the tolerance denominators (default 1e-6).
+        on_failure: ``"raise"`` (default) or ``"skip_step"``: when the named rank's fault proves
+            transient (it does not reproduce its wrong result), every rank drops the step and
+            training goes on; a persistent fault still raises. ``details["classification"]``
+            says which it was.
 
     The replay uses ``pl_module.sdc_replay_step(batch, batch_idx)`` when defined (it must
     return the loss, or a dict with ``"loss"``), else ``training_step`` with logging muted. It
@@ -171,8 +175,15 @@ class RingReplayAudit(_SDCCallback):
     ``ReplayMismatchError`` on every rank.
     """
 
-    def __init__(self, every_n_steps: int = 100, exact: bool = False, rtol: float = 1e-3, atol: float = 1e-6) -> None:
-        self._core = RingReplay(ReplayConfig(every_n_steps, exact, rtol, atol))
+    def __init__(
+        self,
+        every_n_steps: int = 100,
+        exact: bool = False,
+        rtol: float = 1e-3,
+        atol: float = 1e-6,
+        on_failure: str = "raise",
+    ) -> None:
+        self._core = RingReplay(ReplayConfig(every_n_steps, exact, rtol, atol, on_failure))
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
@@ -211,7 +222,7 @@ class RingReplayAudit(_SDCCallback):
             return scaler.scale(loss) if scaler is not None else loss
 
         try:
-            self._core.audit(
+            skip = self._core.audit(
                 trainer.global_step,
                 pl_module,
                 step_fn,
@@ -221,6 +232,9 @@ class RingReplayAudit(_SDCCallback):
         except SDCError:
             self._failed(trainer)
             raise
+        if skip:  # a transient fault: every rank drops this step
+            drop_step(pl_module.parameters(), scaler_active=scaler is not None)
+            self._failed(trainer, "skip_step")
 
 
 class FaultInjector(Callback):

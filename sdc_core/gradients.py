@@ -256,8 +256,7 @@ class NonFiniteGradient:
         if self.config.on_failure == "skip_step":
             self.stats.bump("skipped_steps")
             if not scaler_active:  # a GradScaler skips a non-finite step itself (and needs the grads to see it)
-                for _, p in params:
-                    p.grad = None
+                drop_step(p for _, p in params)
             return True
         return False
 
@@ -289,6 +288,20 @@ class NonFiniteGradient:
             if not names:
                 names.extend(bucket_names)
         return names[:limit]
+
+
+def drop_step(params: Iterable[torch.Tensor], scaler_active: bool = False) -> None:
+    """Make the coming optimizer step a no-op on this rank (call on every rank alike).
+
+    Without a GradScaler the gradients are dropped (``grad = None``: torch optimizers skip such
+    parameters). A GradScaler needs gradients to decide, so one element is set to Inf instead and
+    the scaler skips the step itself (and lowers its scale, as after any overflow)."""
+    params = [p for p in params if p.grad is not None]
+    if scaler_active and params:
+        params[0].grad.view(-1)[0] = float("inf")
+        return
+    for p in params:
+        p.grad = None
 
 
 def _minmax(t: torch.Tensor) -> torch.Tensor:

@@ -70,14 +70,20 @@ class ReplayConfig:
         exact: demand bit equality instead of tolerances.
         rtol: relative tolerance of loss, gradient norms and sums (> 0, < 1).
         atol: absolute floor of the denominators (>= 0).
+        on_failure: ``"raise"`` (default) or ``"skip_step"``: when the faulty rank is named and
+            its fault proves transient (re-running the disagreeing computation gives a different
+            result), every rank drops the step instead; a persistent fault still raises.
     """
 
     every_n_steps: int = 100
     exact: bool = False
     rtol: float = 1e-3
     atol: float = 1e-6
+    on_failure: str = "raise"
 
     def __post_init__(self) -> None:
+        if self.on_failure not in ("raise", "skip_step"):
+            raise ValueError(f"on_failure must be 'raise' or 'skip_step', got {self.on_failure!r}")
         if isinstance(self.every_n_steps, bool) or not isinstance(self.every_n_steps, int) or self.every_n_steps < 1:
             raise ValueError(f"every_n_steps must be an integer >= 1, got {self.every_n_steps!r}")
         if not isinstance(self.exact, bool):
@@ -380,10 +386,13 @@ class RingReplay:
         step_fn: StepFn,
         to_device: Callable[[Any], Any] = lambda b: b,
         context: Callable[[], AbstractContextManager[Any]] = nullcontext,
-    ) -> None:
-        """Run the audit of ``step`` if it was armed (every rank alike); raise on a verdict."""
+    ) -> bool:
+        """Run the audit of ``step`` if it was armed (every rank alike); raise on a verdict.
+
+        Returns True when the optimizer step must be skipped (``on_failure="skip_step"`` and a
+        transient fault)."""
         if self._armed_step != step:
-            return
+            return False
         t0 = time.perf_counter()
         topo = self.topology or Topology.gather()
         world, me = topo.world_size, topo.rank
@@ -429,7 +438,7 @@ class RingReplay:
         if not mismatching:
             self.stats.last_verified_step = step
             self.stats.add_time(time.perf_counter() - t0)
-            return
+            return False
 
         # Rare path: attribute, with a referee round for pairs no culprit explains.
         wheres = all_gather_objects(where)
@@ -467,6 +476,19 @@ class RingReplay:
         for part in all_gather_objects(my_rulings):
             rulings.update(part)
         rank, suspects, notes = settle(world, culprits, disputed, rulings)
+        classification = None
+        if rank is not None:  # the suspect re-runs what disagreed: does it reproduce its result?
+            mine_again = None
+            if me == rank:
+                as_owner = (rank, partners[rank]) in mismatching
+                try:
+                    again = replay(micro) if as_owner else replay_payload(received)
+                    before = own if as_owner else mine
+                    same = before is not None and not compare(before, again, self.config, self.names)[0]
+                    mine_again = "persistent" if same else "transient"
+                except Exception as err:
+                    mine_again = f"unknown ({type(err).__name__})"
+            classification = all_gather_objects(mine_again)[rank]
         self.stats.failures += 1
         self.stats.add_time(time.perf_counter() - t0)
         details = {
@@ -480,17 +502,24 @@ class RingReplay:
             "rtol": self.config.rtol,
             "node_ranks": topo.node_ranks(suspects),
             "world_size": world,
+            "classification": classification,
         }
         if rank is not None:
             reason = (
                 f"its results disagree with its partners' replays "
-                f"(largest difference {worst:.3g} in {wheres[partners[rank]]})"
+                f"(largest difference {worst:.3g} in {wheres[partners[rank]]}; the fault is {classification})"
             )
         elif world == 2:
             reason = "the two replicas disagree on a replayed batch; a third replica is needed to tell which is wrong"
         else:
             reason = f"{len(mismatching)} replay pairs disagree and the faulty rank could not be singled out"
+        skip = self.config.on_failure == "skip_step" and classification == "transient"
+        if skip:
+            details["action"] = "step skipped on every rank"
         self.last_error = ReplayMismatchError(
             step=step, rank=rank, suspects=suspects, hosts=topo.hosts(suspects), details=details, reason=reason
         )
-        raise self.last_error
+        if not skip:
+            raise self.last_error
+        self.stats.bump("skipped_steps")
+        return True

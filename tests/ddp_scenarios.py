@@ -342,6 +342,23 @@ SCENARIOS: dict[str, Any] = {
             FaultInjector([Fault("weight_bit_flip", rank=1, step=2, target="head.bias", bit=20)]),
         ],
     ),
+    "replay_transient_skip": lambda o: fit(
+        o,
+        "replay_transient_skip",
+        [
+            RingReplayAudit(every_n_steps=1, on_failure="skip_step"),
+            WeightFingerprintCheck(),
+            FaultInjector([Fault("module_output", rank=2, step=2, target="head", factor=1.5, mode="once")]),
+        ],
+    ),
+    "replay_persistent_skip": lambda o: fit(
+        o,
+        "replay_persistent_skip",
+        [
+            RingReplayAudit(every_n_steps=1, on_failure="skip_step"),
+            FaultInjector([Fault("module_output", rank=1, step=2, target="head", factor=1.5)]),
+        ],
+    ),
     # two replicas: a mismatch names both sides
     "pair_fingerprint": lambda o: fit(
         o,

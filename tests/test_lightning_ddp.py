@@ -20,7 +20,7 @@ THREE_RANK = [
     "nonfinite", "nonfinite_all", "nonfinite_skip", "fingerprint", "optimizer_state",
     "replay_persistent", "replay_intermittent", "comm_hook",
     "fp16_one_overflow", "fp16_sole_overflow", "replay_step_hook", "replay_crash",
-    "heal", "heal_limit", "save", "resume",
+    "heal", "heal_limit", "replay_transient_skip", "replay_persistent_skip", "save", "resume",
 ]  # fmt: skip
 
 
@@ -233,3 +233,20 @@ def test_heal_stops_after_max_heals(out: Path) -> None:
     err = error_on_every_rank(out, "heal_limit", "FingerprintMismatchError")
     assert (err["rank"], err["step"]) == (1, 6)
     assert err["details"]["action"] == "not healed: more than max_heals=2 heals"
+
+
+def test_transient_replay_fault_skips_the_step_persistent_one_raises(out: Path) -> None:
+    import json
+
+    per_rank = results(out, "replay_transient_skip", WORLD)
+    for r in per_rank:
+        assert r["error"] is None and r["global_step"] == 8
+        assert r["states"]["RingReplayAudit"]["extra"]["skipped_steps"] == 1
+        assert r["states"]["WeightFingerprintCheck"]["failures"] == 0
+    assert len({r["weights"] for r in per_rank}) == 1
+    (path,) = (out / "logs" / "replay_transient_skip" / "version_0" / "sdc" / "incidents").glob("*.json")
+    incident = json.loads(path.read_text())
+    assert (incident["policy"], incident["rank"], incident["step"]) == ("skip_step", 2, 2)
+    assert incident["error"]["details"]["classification"] == "transient"
+    err = error_on_every_rank(out, "replay_persistent_skip", "ReplayMismatchError")
+    assert (err["rank"], err["details"]["classification"]) == (1, "persistent")
