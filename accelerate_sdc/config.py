@@ -180,6 +180,12 @@ def resolve(**kwargs: Any) -> tuple[SDCSettings, dict[str, str]]:
                                 "include_optimizer_state": "include_optimizer_state",
                                 "on_failure": "fingerprint_on_failure", "max_heals": "max_heals"}),
     )  # fmt: skip
+    for key in ("on_failure", "replay_on_failure", "fingerprint_on_failure"):
+        if getattr(settings, key) == "rollback":
+            raise SDCConfigError(
+                f"bad value for SDC setting {key!r} ({origin.get(key, 'default')}): 'rollback' is a Lightning "
+                "policy (it reloads ModelCheckpoint files); with Accelerate use load_state yourself"
+            )
     for build, keys in sections:
         try:
             build()

@@ -86,3 +86,32 @@ def no_logging(pl_module: pl.LightningModule) -> Iterator[None]:
     finally:
         del pl_module.log
         del pl_module.log_dict
+
+
+def rollback(trainer: pl.Trainer, pl_module: pl.LightningModule, error: Any, max_step: int) -> Any:
+    """Reload weights and optimizer state from the newest checkpoint verified clean at or before
+    ``max_step`` (chosen on rank 0, loaded on every rank); data and step counters go on, so the
+    batches since that checkpoint are skipped. Returns the error with ``details["action"]`` set;
+    raises it when no such checkpoint exists."""
+    import torch
+
+    from sdc_core.checkpoint import newest_verified
+
+    folders = [cb.dirpath for cb in trainer.checkpoint_callbacks if getattr(cb, "dirpath", None)]
+    path = newest_verified(folders, max_step) if trainer.is_global_zero else None
+    path = trainer.strategy.broadcast(str(path) if path else None, src=0)
+    details = dict(error.details)
+    if path is None:
+        details["action"] = f"rollback failed: no checkpoint verified clean at or before step {max_step} in {folders}"
+        raise _with_details(error, details)
+    ckpt = torch.load(path, map_location=pl_module.device, weights_only=False)
+    pl_module.load_state_dict(ckpt["state_dict"])
+    for optimizer, state in zip(trainer.optimizers, ckpt.get("optimizer_states", []), strict=False):
+        optimizer.load_state_dict(state)
+    details["action"] = f"rolled back to {path} (step {ckpt.get('global_step')})"
+    return _with_details(error, details)
+
+
+def _with_details(error: Any, details: dict[str, Any]) -> Any:
+    return type(error)(step=error.step, rank=error.rank, suspects=error.suspects, hosts=error.hosts,
+                       details=details, reason=error.reason)  # fmt: skip

@@ -38,6 +38,17 @@ class _SDCCallback(Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         c.log_stats(trainer, self._core.stats, force=True)
 
+    def _rollback(self, trainer: pl.Trainer, pl_module: pl.LightningModule, error: SDCError, max_step: int) -> None:
+        """Roll back (``on_failure="rollback"``) and record the incident, or raise if impossible."""
+        try:
+            self._core.last_error = c.rollback(trainer, pl_module, error, max_step)
+        except SDCError as err:
+            self._core.last_error = err
+            self._failed(trainer)
+            raise
+        self._core.stats.bump("rollbacks")
+        self._failed(trainer, "rollback")
+
     def _failed(self, trainer: pl.Trainer, policy: str = "raise") -> None:
         c.log_stats(trainer, self._core.stats, force=True)
         record_verdict(self._core, trainer.log_dir or trainer.default_root_dir, trainer.is_global_zero, policy)
@@ -76,9 +87,13 @@ class NonFiniteGradientCheck(_SDCCallback):
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         try:
             self._core.verdict(trainer.global_step, pl_module.named_parameters(), scaler_active=scaler is not None)
-        except SDCError:
-            self._failed(trainer)
-            raise
+        except SDCError as err:
+            if self._core.config.on_failure != "rollback":
+                self._failed(trainer)
+                raise
+            self._rollback(trainer, pl_module, err, max_step=err.step)
+            drop_step(pl_module.parameters(), scaler_active=scaler is not None)
+            return
         if self._core.last_error is not None:  # skipped or warned: still an incident
             self._failed(trainer, self._core.config.on_failure)
 
@@ -126,7 +141,7 @@ class WeightFingerprintCheck(_SDCCallback):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         try:
             if c.is_ddp(trainer):
-                self._resolve(trainer)
+                self._resolve(trainer, pl_module)
                 if trainer.global_step != self._seen_step:
                     self._seen_step = trainer.global_step
                     if self._core.due(trainer.global_step - 1):
@@ -142,14 +157,20 @@ class WeightFingerprintCheck(_SDCCallback):
     def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
         check_loaded_checkpoint(checkpoint, int(checkpoint.get("global_step", trainer.global_step)))
 
-    def _resolve(self, trainer: pl.Trainer) -> None:
-        self._core.resolve()
+    def _resolve(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        try:
+            self._core.resolve()
+        except SDCError as err:
+            if self._core.config.on_failure != "rollback":
+                raise
+            self._rollback(trainer, pl_module, err, max_step=self._core.stats.last_verified_step + 1)
+            return
         if self._core.last_error is not None:  # healed: still an incident
             self._failed(trainer, "heal")
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         try:
-            self._resolve(trainer)
+            self._resolve(trainer, pl_module)
         except SDCError:
             self._failed(trainer)
             raise
@@ -229,10 +250,15 @@ class RingReplayAudit(_SDCCallback):
                 to_device=trainer.strategy.batch_to_device,
                 context=trainer.precision_plugin.train_step_context,
             )
-        except SDCError:
-            self._failed(trainer)
-            raise
-        if skip:  # a transient fault: every rank drops this step
+        except SDCError as err:
+            if self._core.config.on_failure != "rollback":
+                self._failed(trainer)
+                raise
+            self._rollback(trainer, pl_module, err, max_step=err.step)
+            skip = True
+        if skip and self._core.config.on_failure == "rollback":
+            drop_step(pl_module.parameters(), scaler_active=scaler is not None)
+        elif skip:  # a transient fault: every rank drops this step
             drop_step(pl_module.parameters(), scaler_active=scaler is not None)
             self._failed(trainer, "skip_step")
 

@@ -267,3 +267,21 @@ def check_loaded_checkpoint(obj: dict[str, Any], step: int) -> None:
         details={"checkpoint_changed_tensors": changed[:20], "changed_count": len(changed)},
         reason=f"the checkpoint changed on disk after it was written ({len(changed)} tensors, e.g. {changed[0]})",
     )
+
+
+def newest_verified(folders: list[str | Path], max_step: int) -> Path | None:
+    """The newest checkpoint under ``folders`` written at or before optimizer step ``max_step``
+    whose tensors still match the fingerprint stored with it (None when there is none)."""
+    best: tuple[int, float, Path] | None = None
+    for folder in map(Path, folders):
+        for path in sorted(folder.glob("*.ckpt")) if folder.is_dir() else []:
+            try:
+                obj = torch.load(path, map_location="cpu", weights_only=False)
+            except Exception:
+                continue
+            step = int(obj.get("global_step", -1)) if isinstance(obj, dict) else -1
+            if step < 0 or step > max_step or changed_tensors(obj) != []:
+                continue
+            key = (step, path.stat().st_mtime, path)
+            best = key if best is None or key[:2] > best[:2] else best
+    return best[2] if best else None

@@ -178,8 +178,8 @@ class FingerprintConfig:
     max_heals: int = 3
 
     def __post_init__(self) -> None:
-        if self.on_failure not in ("raise", "heal"):
-            raise ValueError(f"on_failure must be 'raise' or 'heal', got {self.on_failure!r}")
+        if self.on_failure not in ("raise", "heal", "rollback"):
+            raise ValueError(f"on_failure must be 'raise', 'heal' or 'rollback', got {self.on_failure!r}")
         if isinstance(self.max_heals, bool) or not isinstance(self.max_heals, int) or self.max_heals < 1:
             raise ValueError(f"max_heals must be an integer >= 1, got {self.max_heals!r}")
         if isinstance(self.every_n_steps, bool) or not isinstance(self.every_n_steps, int) or self.every_n_steps < 1:

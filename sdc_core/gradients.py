@@ -38,7 +38,7 @@ from sdc_core.stats import CheckStats
 from sdc_core.topology import Topology, all_gather_objects, collective_device, is_distributed
 
 BucketConsumer = Callable[[Any], None]
-_ON_FAILURE = ("raise", "skip_step", "warn")
+_ON_FAILURE = ("raise", "skip_step", "warn", "rollback")
 
 
 class GradientTap:
@@ -120,7 +120,8 @@ class NonFiniteConfig:
 
     Args:
         on_failure: ``"raise"`` (default), ``"skip_step"`` (every rank drops the optimizer step,
-            the weights stay clean) or ``"warn"``.
+            the weights stay clean), ``"warn"``, or ``"rollback"`` (raised here; the Lightning
+            adapter reloads the newest verified checkpoint).
         overflow_patience: with an fp16 GradScaler, overflow is the scaler's business; a rank is
             flagged only when it is the only rank with non-finite local gradients on this many
             consecutive steps (>= 1).
@@ -250,7 +251,7 @@ class NonFiniteGradient:
         )
         self.stats.add_time(time.perf_counter() - t0)
         self.last_error = error
-        if self.config.on_failure == "raise":
+        if self.config.on_failure in ("raise", "rollback"):  # rollback: the adapter acts on the error
             raise error
         warnings.warn(str(error), RuntimeWarning, stacklevel=2)
         if self.config.on_failure == "skip_step":

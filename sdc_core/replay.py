@@ -82,8 +82,8 @@ class ReplayConfig:
     on_failure: str = "raise"
 
     def __post_init__(self) -> None:
-        if self.on_failure not in ("raise", "skip_step"):
-            raise ValueError(f"on_failure must be 'raise' or 'skip_step', got {self.on_failure!r}")
+        if self.on_failure not in ("raise", "skip_step", "rollback"):
+            raise ValueError(f"on_failure must be 'raise', 'skip_step' or 'rollback', got {self.on_failure!r}")
         if isinstance(self.every_n_steps, bool) or not isinstance(self.every_n_steps, int) or self.every_n_steps < 1:
             raise ValueError(f"every_n_steps must be an integer >= 1, got {self.every_n_steps!r}")
         if not isinstance(self.exact, bool):

@@ -19,6 +19,7 @@ from typing import Any
 
 import lightning.pytorch as L
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import DDPStrategy
@@ -138,7 +139,7 @@ def fit(
         callbacks=callbacks,
         enable_progress_bar=False,
         enable_model_summary=False,
-        enable_checkpointing=False,
+        enable_checkpointing=any(isinstance(cb, ModelCheckpoint) for cb in callbacks),
         **trainer_kwargs,
     )
     error = None
@@ -357,6 +358,23 @@ SCENARIOS: dict[str, Any] = {
         [
             RingReplayAudit(every_n_steps=1, on_failure="skip_step"),
             FaultInjector([Fault("module_output", rank=1, step=2, target="head", factor=1.5)]),
+        ],
+    ),
+    "rollback": lambda o: fit(
+        o,
+        "rollback",
+        [
+            ModelCheckpoint(dirpath=o / "ckpts" / "rollback", every_n_train_steps=2, save_top_k=-1),
+            WeightFingerprintCheck(on_failure="rollback"),
+            FaultInjector([Fault("weight_bit_flip", rank=2, step=4, target="body.weight", index=3, bit=20)]),
+        ],
+    ),
+    "rollback_none": lambda o: fit(
+        o,
+        "rollback_none",
+        [
+            NonFiniteGradientCheck(on_failure="rollback"),
+            FaultInjector([Fault("nonfinite_gradient", rank=0, step=2, target="head.weight")]),
         ],
     ),
     # two replicas: a mismatch names both sides

@@ -20,7 +20,8 @@ THREE_RANK = [
     "nonfinite", "nonfinite_all", "nonfinite_skip", "fingerprint", "optimizer_state",
     "replay_persistent", "replay_intermittent", "comm_hook",
     "fp16_one_overflow", "fp16_sole_overflow", "replay_step_hook", "replay_crash",
-    "heal", "heal_limit", "replay_transient_skip", "replay_persistent_skip", "save", "resume",
+    "heal", "heal_limit", "replay_transient_skip", "replay_persistent_skip", "rollback", "rollback_none",
+    "save", "resume",
 ]  # fmt: skip
 
 
@@ -250,3 +251,23 @@ def test_transient_replay_fault_skips_the_step_persistent_one_raises(out: Path) 
     assert incident["error"]["details"]["classification"] == "transient"
     err = error_on_every_rank(out, "replay_persistent_skip", "ReplayMismatchError")
     assert (err["rank"], err["details"]["classification"]) == (1, "persistent")
+
+
+def test_rollback_reloads_the_newest_verified_checkpoint(out: Path) -> None:
+    import json
+
+    per_rank = results(out, "rollback", WORLD)
+    for r in per_rank:
+        assert r["error"] is None and r["global_step"] == 8 and r["finite"]
+        assert r["states"]["WeightFingerprintCheck"]["extra"]["rollbacks"] == 1
+    assert len({r["weights"] for r in per_rank}) == 1  # replicas identical again
+    (path,) = (out / "logs" / "rollback" / "version_0" / "sdc" / "incidents").glob("*.json")
+    incident = json.loads(path.read_text())
+    assert (incident["policy"], incident["rank"], incident["step"]) == ("rollback", 2, 4)
+    action = incident["error"]["details"]["action"]
+    assert action.startswith("rolled back to") and action.endswith("(step 4)")
+
+
+def test_rollback_without_a_checkpoint_fails_clearly(out: Path) -> None:
+    err = error_on_every_rank(out, "rollback_none", "NonFiniteGradientError")
+    assert err["details"]["action"].startswith("rollback failed: no checkpoint verified clean at or before step 2")
