@@ -31,3 +31,15 @@ def test_bad_exit_code_setting_is_named() -> None:
     proc = subprocess.run([sys.executable, "-c", SCRIPT.format(sdc=True)], env=worker_env() | {"SDC_EXIT_CODE": "x"},
                           capture_output=True, text=True, timeout=120)  # fmt: skip
     assert proc.returncode == 1 and "SDC_EXIT_CODE must be an integer" in proc.stderr
+
+
+def test_scheduler_scripts_are_valid_shell() -> None:
+    from pathlib import Path
+
+    from conftest import ROOT
+
+    scripts = sorted((ROOT / "examples" / "after_detection").glob("*.sh"))
+    assert {p.name for p in scripts} == {"k8s_cordon.sh", "slurm_requeue.sh", "torchrun_elastic.sh"}
+    for script in scripts:
+        assert subprocess.run(["bash", "-n", str(script)]).returncode == 0, script
+        assert "sdc exclude-list" in Path(script).read_text()
