@@ -59,6 +59,11 @@ def _device_facts() -> tuple[str, str | None, tuple[tuple[str, str], ...]]:
         index = torch.cuda.current_device()
         props = torch.cuda.get_device_properties(index)
         versions += [("cuda", str(torch.version.cuda)), ("cudnn", str(torch.backends.cudnn.version()))]
+        try:  # the kernel driver's version line, where the NVIDIA driver exposes it
+            with open("/proc/driver/nvidia/version") as f:
+                versions.append(("driver", f.readline().strip()))
+        except OSError:
+            pass
         uuid = getattr(props, "uuid", None)
         return props.name, (str(uuid) if uuid is not None else None), tuple(versions)
     return platform.processor() or platform.machine() or "cpu", None, tuple(versions)

@@ -113,6 +113,8 @@ def scenarios(out: Path) -> dict[str, Any]:
             Fault("module_output", rank=0, step=2, target="head", factor=1.3)]),
         "single": lambda acc: train(acc, "single", faults=[
             Fault("nonfinite_gradient", rank=0, step=1, target="head.bias")]),
+        "heal": lambda acc: train(acc, "heal", replay_every_n_steps=0, fingerprint_on_failure="heal", faults=[
+            Fault("weight_bit_flip", rank=1, step=2, target="stem.weight", index=9, bit=21)]),
         "save": lambda acc: train(acc, "save", steps=3, replay_every_n_steps=1, save=out / "state"),
         "resume": lambda acc: train(acc, "resume", steps=6, replay_every_n_steps=1, load=out / "state"),
     }  # fmt: skip

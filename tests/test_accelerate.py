@@ -17,7 +17,18 @@ from conftest import ROOT, results, worker_env
 
 SCRIPT = Path(__file__).with_name("accelerate_scenarios.py")
 BIN = Path(sys.executable).parent
-LAUNCH_A = ["settings", "clean", "audit_off", "audit_on", "nonfinite", "fingerprint", "replay", "save", "resume"]
+LAUNCH_A = [
+    "settings",
+    "clean",
+    "audit_off",
+    "audit_on",
+    "nonfinite",
+    "fingerprint",
+    "replay",
+    "heal",
+    "save",
+    "resume",
+]
 
 
 def run(cmd: list[str], env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess:
@@ -217,3 +228,14 @@ def test_corrupt_checkpoint_reads_and_writes_accelerate_folders(launch_a: Path, 
     assert changed == {f["tensor"] for f in flips}
     for f in flips:
         assert float(altered[f["tensor"]].reshape(-1)[f["index"]]) == pytest.approx(f["new"], nan_ok=True)
+
+
+def test_heal_with_accelerate_restores_identical_replicas(launch_a: Path) -> None:
+    per_rank = results(launch_a, "heal", 3)
+    for r in per_rank:
+        assert r["error"] is None and r["step"] == 6
+        assert r["state"]["checks"]["weight_fingerprint"]["extra"]["heals"] == 1
+    assert len({r["weights"] for r in per_rank}) == 1
+    incidents = sorted((launch_a / "tb").glob("sdc/incidents/*.json"))
+    policies = {json.loads(p.read_text())["policy"] for p in incidents}
+    assert "heal" in policies and "raise" in policies
