@@ -38,8 +38,16 @@ class _SDCCallback(Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         c.log_stats(trainer, self._core.stats, force=True)
 
+    def _handle(self, trainer: pl.Trainer, pl_module: pl.LightningModule, error: SDCError, max_step: int) -> None:
+        """Raise ``error`` on this rank (after logging it), or, with ``on_failure="rollback"``, roll
+        back to the newest checkpoint verified clean at or before ``max_step`` and return."""
+        if self._core.config.on_failure != "rollback":
+            self._failed(trainer)
+            raise error
+        self._rollback(trainer, pl_module, error, max_step)
+
     def _rollback(self, trainer: pl.Trainer, pl_module: pl.LightningModule, error: SDCError, max_step: int) -> None:
-        """Roll back (``on_failure="rollback"``) and record the incident, or raise if impossible."""
+        """Roll back and record the incident, or raise if impossible."""
         try:
             self._core.last_error = c.rollback(trainer, pl_module, error, max_step)
         except SDCError as err:
@@ -88,10 +96,7 @@ class NonFiniteGradientCheck(_SDCCallback):
         try:
             self._core.verdict(trainer.global_step, pl_module.named_parameters(), scaler_active=scaler is not None)
         except SDCError as err:
-            if self._core.config.on_failure != "rollback":
-                self._failed(trainer)
-                raise
-            self._rollback(trainer, pl_module, err, max_step=err.step)
+            self._handle(trainer, pl_module, err, max_step=err.step)
             drop_step(pl_module.parameters(), scaler_active=scaler is not None)
             return
         if self._core.last_error is not None:  # skipped or warned: still an incident
@@ -161,9 +166,7 @@ class WeightFingerprintCheck(_SDCCallback):
         try:
             self._core.resolve()
         except SDCError as err:
-            if self._core.config.on_failure != "rollback":
-                raise
-            self._rollback(trainer, pl_module, err, max_step=self._core.stats.last_verified_step + 1)
+            self._handle(trainer, pl_module, err, max_step=self._core.stats.last_verified_step + 1)
             return
         if self._core.last_error is not None:  # healed: still an incident
             self._failed(trainer, "heal")
@@ -251,10 +254,7 @@ class RingReplayAudit(_SDCCallback):
                 context=trainer.precision_plugin.train_step_context,
             )
         except SDCError as err:
-            if self._core.config.on_failure != "rollback":
-                self._failed(trainer)
-                raise
-            self._rollback(trainer, pl_module, err, max_step=err.step)
+            self._handle(trainer, pl_module, err, max_step=err.step)
             skip = True
         if skip and self._core.config.on_failure == "rollback":
             drop_step(pl_module.parameters(), scaler_active=scaler is not None)
