@@ -49,7 +49,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=20)
     args = parser.parse_args()
     set_seed(0)
-    accelerator = Accelerator()
+    accelerator = Accelerator(project_dir="runs/accelerate_demo")  # incidents: runs/accelerate_demo/sdc/incidents/
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2048, 16, generator=g)
     loader = DataLoader(TensorDataset(x, x.sum(1, keepdim=True).sin()), batch_size=16)

@@ -82,6 +82,7 @@ def main() -> int:
         enable_model_summary=False,
         enable_checkpointing=False,
         logger=False,
+        default_root_dir="runs/lightning_demo",  # incidents land in runs/lightning_demo/sdc/incidents/
     )
     try:
         trainer.fit(Regressor(), data())

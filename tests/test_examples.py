@@ -12,17 +12,21 @@ from conftest import ROOT, worker_env
 BIN = Path(sys.executable).parent
 
 
-def test_lightning_demo_names_the_faulty_rank() -> None:
-    cmd = [sys.executable, "examples/lightning_ddp_demo.py", "--fault", "weights", "--faulty-rank", "2", "--steps", "9"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=worker_env(), capture_output=True, text=True, timeout=300)
+def test_lightning_demo_names_the_faulty_rank(tmp_path: Path) -> None:
+    script = str(ROOT / "examples" / "lightning_ddp_demo.py")
+    cmd = [sys.executable, script, "--fault", "weights", "--faulty-rank", "2", "--steps", "9"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=worker_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert "DETECTED on every rank: SDC check 'weight_fingerprint' failed at step 7: rank 2" in proc.stdout
+    assert len(list((tmp_path / "runs" / "lightning_demo" / "sdc" / "incidents").glob("*.json"))) == 1
 
 
-def test_accelerate_demo_names_the_faulty_rank() -> None:
+def test_accelerate_demo_names_the_faulty_rank(tmp_path: Path) -> None:
     env = worker_env() | {"ACCELERATE_USE_CPU": "1", "ACCELERATE_SDC_CONFIG_FILE": os.devnull}
     cmd = [str(BIN / "accelerate"), "launch", "--multi_gpu", "--num_processes", "3",
-           "examples/accelerate_ddp_demo.py", "--fault", "compute", "--faulty-rank", "1", "--steps", "6"]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+           str(ROOT / "examples" / "accelerate_ddp_demo.py"), "--fault", "compute", "--faulty-rank", "1",
+           "--steps", "6"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert "SDC check 'ring_replay' failed at step 5: rank 1" in proc.stdout
+    assert len(list((tmp_path / "runs" / "accelerate_demo" / "sdc" / "incidents").glob("*.json"))) == 1
