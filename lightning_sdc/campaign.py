@@ -146,7 +146,8 @@ def _fit(steps: int, checks: bool, fault: Any = None, ckpt_path: str | None = No
     x, y = _data()
     trainer = L.Trainer(accelerator="cpu", devices=WORLD, strategy=DDPStrategy(timeout=timedelta(seconds=120)),
                         max_steps=steps, callbacks=callbacks, logger=False, enable_progress_bar=False,
-                        enable_model_summary=False, enable_checkpointing=False)  # fmt: skip
+                        enable_model_summary=False, enable_checkpointing=False,
+                        default_root_dir=os.environ.get("SDC_CAMPAIGN_DIR", "."))  # incidents land there  # fmt: skip
     module = _lightning_module()()
     error = crash = None
     try:
@@ -269,7 +270,7 @@ def run_campaign(out: Path, injections: int = 200, clean: int = 20, workers: int
                "--steps", str(steps)]  # fmt: skip
         if workers > 1:
             cmd[4:4] = ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{29600 + i}", f"--rdzv-id=campaign{i}"]
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", SDC_CAMPAIGN_DIR=str(out))
         log = (out / f"chunk{i}.log").open("w")
         procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
     t0 = time.perf_counter()

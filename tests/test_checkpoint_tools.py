@@ -131,3 +131,4 @@ def test_tiny_campaign_writes_its_outputs(tmp_path: Path) -> None:
     assert ckpt["outcome"] == "detected" and ckpt["detected_by"] == "weight_fingerprint" and ckpt["latency"] == 0
     assert (tmp_path / "results.csv").read_text().count("\n") == 7
     assert (tmp_path / "detection.png").read_bytes()[:4] == b"\x89PNG"
+    assert list((tmp_path / "sdc" / "incidents").glob("*.json"))  # the trainings' incidents stay in the campaign folder
