@@ -89,6 +89,19 @@ def flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         return torch._utils._flatten_dense_tensors(list(tensors)).detach()
 
 
+def group_small(tensors: Sequence[torch.Tensor]) -> tuple[list[int], dict[tuple[torch.dtype, torch.device], list[int]]]:
+    """Indices of the tensors to reduce one by one, and of the small ones (under
+    ``SMALL_TENSOR`` elements) grouped per dtype and device, to reduce as one flattened copy."""
+    large: list[int] = []
+    groups: dict[tuple[torch.dtype, torch.device], list[int]] = {}
+    for i, t in enumerate(tensors):
+        if t.numel() >= SMALL_TENSOR or t.dtype == torch.bool:
+            large.append(i)
+        else:
+            groups.setdefault((t.dtype, t.device), []).append(i)
+    return large, groups
+
+
 def grouped_digests(
     tensors: Sequence[torch.Tensor], device: torch.device | None = None
 ) -> tuple[torch.Tensor, Callable[[], torch.Tensor]]:
@@ -105,18 +118,12 @@ def grouped_digests(
         empty = torch.zeros(0, dtype=torch.int64, device=device)
         return empty, lambda: empty
     device = device or tensors[0].device
-    units: list[torch.Tensor] = []
-    slots: list[int] = []  # per tensor: its unit's index, or -1 when it sits in a group buffer
-    groups: dict[tuple[torch.dtype, torch.device], list[int]] = {}
+    large, groups = group_small(tensors)
+    slots = [-1] * len(tensors)  # per tensor: its unit's index, or -1 when it sits in a group buffer
     with torch.no_grad():
-        for i, t in enumerate(tensors):
-            if t.numel() >= SMALL_TENSOR or t.dtype == torch.bool:
-                slots.append(len(units))
-                d = _digest(t)
-                units.append(d if d.device == device else d.to(device, non_blocking=True))
-            else:
-                groups.setdefault((t.dtype, t.device), []).append(i)
-                slots.append(-1)
+        units = [_on(_digest(tensors[i]), device) for i in large]
+    for unit, i in enumerate(large):
+        slots[i] = unit
     buffers: list[torch.Tensor] = []
     places: dict[int, tuple[int, int, int]] = {}
     for (dtype, dev), members in groups.items():
@@ -256,7 +263,6 @@ class _Pending:
     optimizers: list[torch.optim.Optimizer]
     names: list[str]
     reduced: torch.Tensor
-    mine: torch.Tensor
     work: object | None
 
 
@@ -293,7 +299,7 @@ class WeightFingerprint:
         fp = combine(digests)
         reduced = torch.stack([fp, torch.bitwise_not(fp)])
         work = torch.distributed.all_reduce(reduced, op=torch.distributed.ReduceOp.MAX, async_op=True)
-        self._pending = _Pending(step, per_tensor, module, list(optimizers), [n for n, _ in named], reduced, fp, work)
+        self._pending = _Pending(step, per_tensor, module, list(optimizers), [n for n, _ in named], reduced, work)
         self.stats.add_time(time.perf_counter() - t0)
 
     def resolve(self) -> None:

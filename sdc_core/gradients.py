@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from sdc_core.errors import NonFiniteGradientError
-from sdc_core.fingerprint import SMALL_TENSOR, flatten
+from sdc_core.fingerprint import flatten, group_small
 from sdc_core.stats import CheckStats
 from sdc_core.topology import Topology, all_gather_objects, collective_device, is_distributed
 
@@ -325,13 +325,9 @@ def nonfinite_flags(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
 def any_nonfinite(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """One flag (0-d bool tensor, no host synchronisation): does any tensor hold NaN or Inf?
 
-    Tensors under ``SMALL_TENSOR`` elements are concatenated per dtype first (one copy kernel
+    Tensors under ``fingerprint.SMALL_TENSOR`` elements are concatenated per dtype first (one copy kernel
     instead of one reduction each: with many small tensors per-kernel overhead dominates).
     """
-    units = [t for t in tensors if t.numel() >= SMALL_TENSOR]
-    groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-    for t in tensors:
-        if t.numel() < SMALL_TENSOR:
-            groups.setdefault((t.dtype, t.device), []).append(t)
-    units += [flatten(parts) for parts in groups.values()]
+    large, groups = group_small(tensors)
+    units = [tensors[i] for i in large] + [flatten([tensors[i] for i in g]) for g in groups.values()]
     return nonfinite_flags(units).any()

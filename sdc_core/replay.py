@@ -120,29 +120,33 @@ def _grad_fingerprint(g: torch.Tensor) -> torch.Tensor:
     return tensor_digest(g.detach() + 0.0)
 
 
-def grad_digest(names: Sequence[str], grads: dict[str, torch.Tensor], loss: float) -> Digest:
-    """Digest of gradients keyed by parameter name (a missing gradient counts as zeros)."""
-    sums, norms, fps, numels = [], [], [], []
-    for n in names:
-        g = grads.get(n)
-        if g is None:
-            sums.append(torch.zeros((), dtype=torch.float64))
-            norms.append(torch.zeros((), dtype=torch.float64))
-            fps.append(torch.zeros((), dtype=torch.int64))
-            numels.append(0)
-            continue
-        gs, gn = _sum_norm(g)
-        sums.append(gs.cpu())
-        norms.append(gn.cpu())
-        fps.append(_grad_fingerprint(g).cpu())
-        numels.append(g.numel())
+def _digest_row(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """``(sum, norm, exact fingerprint, numel)`` of one gradient, on its device (no sync)."""
+    gs, gn = _sum_norm(g)
+    return gs, gn, _grad_fingerprint(g), g.numel()
+
+
+def _assemble(names: Sequence[str], rows: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]],
+              loss: float) -> Digest:  # fmt: skip
+    """A ``Digest`` in ``names`` order; a parameter without a row (no gradient) counts as zeros."""
+    zero64, zero_fp = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.int64)
+    picked = [rows.get(n) for n in names]
+
+    def column(i: int, zero: torch.Tensor) -> torch.Tensor:
+        return torch.stack([r[i].cpu() if r else zero for r in picked]) if picked else zero.new_zeros(0)
+
     return Digest(
         loss=float(loss),
-        sums=torch.stack(sums) if sums else torch.zeros(0, dtype=torch.float64),
-        norms=torch.stack(norms) if norms else torch.zeros(0, dtype=torch.float64),
-        fps=torch.stack(fps) if fps else torch.zeros(0, dtype=torch.int64),
-        numels=torch.tensor(numels, dtype=torch.float64),
+        sums=column(0, zero64),
+        norms=column(1, zero64),
+        fps=column(2, zero_fp),
+        numels=torch.tensor([r[3] if r else 0 for r in picked], dtype=torch.float64),
     )
+
+
+def grad_digest(names: Sequence[str], grads: dict[str, torch.Tensor], loss: float) -> Digest:
+    """Digest of gradients keyed by parameter name (a missing gradient counts as zeros)."""
+    return _assemble(names, {n: _digest_row(g) for n, g in grads.items() if g is not None}, loss)
 
 
 def compare(a: Digest, b: Digest, config: ReplayConfig, names: Sequence[str]) -> tuple[bool, float, str]:
@@ -359,25 +363,10 @@ class RingReplay:
         if self._armed_step is None or self._tap is None:
             return
         for n, g in zip(self._tap.bucket_names(bucket), bucket.gradients(), strict=True):
-            gs, gn = _sum_norm(g)
-            self._local[n] = (gs, gn, _grad_fingerprint(g), g.numel())
+            self._local[n] = _digest_row(g)
 
     def _own_digest(self) -> Digest:
-        rows = [self._local.get(n) for n in self.names]
-        zero64 = torch.zeros((), dtype=torch.float64)
-        return Digest(
-            loss=self._loss,
-            sums=torch.stack([r[0].cpu() if r else zero64 for r in rows])
-            if rows
-            else torch.zeros(0, dtype=torch.float64),
-            norms=torch.stack([r[1].cpu() if r else zero64 for r in rows])
-            if rows
-            else torch.zeros(0, dtype=torch.float64),
-            fps=torch.stack([r[2].cpu() if r else torch.zeros((), dtype=torch.int64) for r in rows])
-            if rows
-            else torch.zeros(0, dtype=torch.int64),
-            numels=torch.tensor([r[3] if r else 0 for r in rows], dtype=torch.float64),
-        )
+        return _assemble(self.names, self._local, self._loss)
 
     def audit(
         self,
