@@ -146,24 +146,17 @@ def _walk(obj: Any, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
             yield from _walk(v, f"{prefix}/{i}" if prefix else str(i))
 
 
+# per checkpoint kind: (name prefix, group) in order, and the group of everything else
+_GROUPS: dict[str, tuple[tuple[tuple[str, ...], str], ...]] = {
+    "lightning": ((("state_dict/",), "weights"), (("optimizer_states/",), "optimizer")),
+    "accelerate": ((("optimizer",), "optimizer"), (("model", "pytorch_model"), "weights")),
+    "state_dict": ((("optimizer", "optim"), "optimizer"),),
+}
+_OTHER = {"lightning": "other", "accelerate": "other", "state_dict": "weights"}
+
+
 def _group(kind: str, key: str) -> str:
-    if kind == "lightning":
-        return (
-            "weights"
-            if key.startswith("state_dict/")
-            else "optimizer"
-            if key.startswith("optimizer_states/")
-            else "other"
-        )
-    if kind == "accelerate":
-        return (
-            "optimizer"
-            if key.startswith("optimizer")
-            else "weights"
-            if key.startswith(("model", "pytorch_model"))
-            else "other"
-        )
-    return "optimizer" if key.startswith(("optimizer", "optim")) else "weights"
+    return next((group for prefixes, group in _GROUPS[kind] if key.startswith(prefixes)), _OTHER[kind])
 
 
 @dataclass(frozen=True)
@@ -276,8 +269,8 @@ def newest_verified(folders: list[str | Path], max_step: int) -> Path | None:
     for folder in map(Path, folders):
         for path in sorted(folder.glob("*.ckpt")) if folder.is_dir() else []:
             try:
-                obj = torch.load(path, map_location="cpu", weights_only=False)
-            except Exception:
+                obj = _torch_load(path)
+            except ValueError:  # unreadable: not a candidate
                 continue
             step = int(obj.get("global_step", -1)) if isinstance(obj, dict) else -1
             if step < 0 or step > max_step or changed_tensors(obj) != []:
