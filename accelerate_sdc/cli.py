@@ -4,6 +4,8 @@ accelerate-sdc config [--default] [--config_file F] [--<setting> VALUE ...]
     Like ``accelerate config``: asks for each setting (or takes flags; ``--default`` takes the
     defaults without asking) and writes them beside accelerate's own config
     (``<accelerate config dir>/sdc_config.yaml``), where ``SDCHooks`` finds them at run time.
+    It only replaces a file of SDC settings: an accelerate config (or any other file) named by
+    ``--config_file`` is left unchanged (exit 2). Exit 4: the file cannot be written.
 
 accelerate-sdc launch [--config_file F] [accelerate launch arguments] script.py [args]
     ``accelerate launch`` for an accelerate config YAML with an ``sdc:`` section: hands
@@ -24,6 +26,7 @@ from pathlib import Path
 import yaml
 
 from accelerate_sdc import config
+from sdc_core.safeio import OutputError
 
 _HELP = {
     "nonfinite_gradient": "check local gradients for NaN/Inf before the all-reduce",
@@ -46,6 +49,7 @@ _HELP = {
 
 def _config(args: argparse.Namespace) -> int:
     path = Path(args.config_file) if args.config_file else config.default_file()
+    _check_owned(path)
     given = {f.name: getattr(args, f.name) for f in fields(config.SDCSettings) if getattr(args, f.name) is not None}
     values: dict[str, object] = {}
     interactive = not args.default and not given and sys.stdin.isatty()
@@ -53,17 +57,47 @@ def _config(args: argparse.Namespace) -> int:
         if f.name in given:
             values[f.name] = config._coerce(f.name, given[f.name], f"option --{f.name}")
         elif interactive:
-            answer = input(f"{_HELP[f.name]} [{f.default}]: ").strip()
+            try:
+                answer = input(f"{_HELP[f.name]} [{f.default}]: ").strip()
+            except EOFError:
+                raise config.SDCConfigError("no answer (end of input); pass --default or --<setting> options") from None
             values[f.name] = config._coerce(f.name, answer, "your answer") if answer else f.default
         else:
             values[f.name] = f.default
     config.SDCSettings(**values)  # type check only; the cross checks run below
     os.environ.pop(config.CONFIG_FILE_ENV, None)
     settings = _validated(values, f"accelerate-sdc config ({path})")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump(settings, sort_keys=False))
+    from sdc_core.safeio import atomic_write_text
+
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise OutputError(f"cannot create folder {path.parent}: {err.strerror or err}") from None
+    atomic_write_text(path, yaml.safe_dump(settings, sort_keys=False))
     print(f"SDC settings written to {path}")
     return 0
+
+
+def _check_owned(path: Path) -> None:
+    """Raise unless ``path`` is missing, empty, or a file of SDC settings only (what this
+    command writes): it never replaces a file it does not own, such as an accelerate config."""
+    if path.is_dir():
+        raise config.SDCConfigError(f"--config_file {path} is a folder; give a file name")
+    if not path.exists():
+        return
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        data = ...
+    known = {f.name for f in fields(config.SDCSettings)}
+    if data is None or (isinstance(data, dict) and {str(k) for k in data} <= known):
+        return
+    what = (f"it holds {', '.join(sorted(map(str, data))[:4])}: an accelerate config?" if isinstance(data, dict)
+            else "it is not a YAML mapping of SDC settings")  # fmt: skip
+    raise config.SDCConfigError(
+        f"{path} is not an SDC settings file ({what}); left unchanged. Write the SDC settings to another "
+        "--config_file, or add them by hand to an `sdc:` section of an accelerate config (for accelerate-sdc launch)"
+    )
 
 
 def _validated(values: dict[str, object], source: str) -> dict[str, object]:
@@ -132,21 +166,19 @@ def main(argv: list[str] | None = None) -> int:
         except config.SDCConfigError as err:
             print(f"accelerate-sdc launch: {err}", file=sys.stderr)
             return 2
-    parser = argparse.ArgumentParser(prog="accelerate-sdc", description=__doc__,
+    parser = argparse.ArgumentParser(prog="accelerate-sdc", description=__doc__, allow_abbrev=False,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     sub = parser.add_subparsers(dest="command", required=True)
-    cfg = sub.add_parser("config", help="write the SDC settings beside accelerate's config")
+    cfg = sub.add_parser("config", help="write the SDC settings beside accelerate's config", allow_abbrev=False)
     cfg.add_argument("--default", action="store_true", help="take the defaults without asking")
     cfg.add_argument("--config_file", "--config-file", help="where to write (default: accelerate's config dir)")
     for f in fields(config.SDCSettings):
         cfg.add_argument(f"--{f.name}", help=f"{_HELP[f.name]} (default {f.default})")
     sub.add_parser("launch", help="accelerate launch, for a config file with an sdc: section")
     args = parser.parse_args(argv)
-    try:
-        return _config(args)
-    except config.SDCConfigError as err:
-        print(f"accelerate-sdc config: {err}", file=sys.stderr)
-        return 2
+    from sdc_core.cli import run_guarded
+
+    return run_guarded("accelerate-sdc config", lambda: _config(args))  # 2: a bad value, 4: cannot write
 
 
 if __name__ == "__main__":

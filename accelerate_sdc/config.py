@@ -7,13 +7,21 @@
   ``ACCELERATE_SDC_<NAME>`` (inherited by every process ``accelerate launch`` starts).
 * Keyword arguments of ``SDCHooks`` override both.
 
-A bad value anywhere raises ``SDCConfigError`` naming the key and where it came from.
+One rule for every source (file, environment, keywords, ``accelerate-sdc config`` options): a
+bool is ``true``/``false`` or ``1``/``0`` (as a bool, a number or a string, any case; not
+``yes``/``on``), an integer is a whole number or a string of one, a number a finite number or a
+string of one, a policy a string. An unknown name anywhere (a file key, an ``ACCELERATE_SDC_*``
+variable, a keyword) is an error suggesting the closest known name; so is a bad value, also of a
+check that is turned off. ``SDCConfigError`` names the key and where it came from.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import math
 import os
+import re
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -85,33 +93,60 @@ class SDCSettings:
 
 
 _TYPES = {f.name: type(f.default) for f in fields(SDCSettings)}
+_INT = re.compile(r"[+-]?\d+")
+
+
+class _Loader(yaml.SafeLoader):
+    """YAML whose booleans are ``true``/``false`` only (``yes``/``on`` stay strings and are then
+    rejected, as they are from the environment)."""
+
+
+_Loader.yaml_implicit_resolvers = {
+    first: [(tag, rx) for tag, rx in resolvers if tag != "tag:yaml.org,2002:bool"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
+)
+
+
+def _suggest(name: str, known: list[str]) -> str:
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.5)
+    return f" (did you mean {close[0]!r}?)" if close else f"; known: {', '.join(known)}"
 
 
 def _coerce(key: str, value: Any, source: str) -> Any:
-    """``value`` as the type of setting ``key``; strings (environment) are parsed."""
+    """``value`` as the type of setting ``key``, by the same rule whatever the source."""
     if key not in _TYPES:
-        raise SDCConfigError(f"unknown SDC setting {key!r} in {source}; known: {', '.join(_TYPES)}")
+        raise SDCConfigError(f"unknown SDC setting {key!r} in {source}{_suggest(key, list(_TYPES))}")
     kind = _TYPES[key]
+    text = value.strip().lower() if isinstance(value, str) else None
     try:
         if kind is bool:
             if isinstance(value, bool):
                 return value
-            if isinstance(value, str) and value.strip().lower() in ("1", "true", "yes", "on"):
-                return True
-            if isinstance(value, str) and value.strip().lower() in ("0", "false", "no", "off"):
-                return False
-            raise ValueError("expected true or false")
+            if (isinstance(value, int) and value in (0, 1)) or text in ("0", "1", "true", "false"):
+                return text in ("1", "true") if text is not None else bool(value)
+            raise ValueError("expected true or false (or 1 or 0)")
         if kind is int:
-            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
-                raise ValueError("expected an integer")
-            return int(value)
+            if isinstance(value, int) and not isinstance(value, bool):
+                return value
+            if text is not None and _INT.fullmatch(text):
+                return int(text)
+            raise ValueError("expected a whole number")
         if kind is float:
-            if isinstance(value, bool):
-                raise ValueError("expected a number")
-            return float(value)
-        return str(value)
+            number = value if isinstance(value, int | float) and not isinstance(value, bool) else None
+            if text is not None:
+                number = float(text)
+            if number is None or not math.isfinite(number):
+                raise ValueError("expected a finite number")
+            return float(number)
+        if not isinstance(value, str):
+            raise ValueError("expected a word such as raise")
+        return value.strip()
     except (TypeError, ValueError) as err:
-        raise SDCConfigError(f"bad value {value!r} for SDC setting {key!r} in {source}: {err}") from None
+        why = "expected a finite number" if "could not convert" in str(err) else err
+        raise SDCConfigError(f"bad value {value!r} for SDC setting {key!r} in {source}: {why}") from None
 
 
 def default_file() -> Path:
@@ -127,7 +162,7 @@ def read_file(path: Path) -> dict[str, Any]:
     """Settings from a YAML file: its top level, or its ``sdc:`` section (an accelerate config)."""
     source = f"config file {path}"
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml.load(path.read_text(), Loader=_Loader) or {}
     except (OSError, yaml.YAMLError) as err:
         raise SDCConfigError(f"cannot read {source}: {err}") from None
     if not isinstance(data, dict):
@@ -137,16 +172,21 @@ def read_file(path: Path) -> dict[str, Any]:
         source += ", section sdc"
         if not isinstance(data, dict):
             raise SDCConfigError(f"the sdc section of {path} must be a mapping")
-    return {k: _coerce(k, v, source) for k, v in data.items()}
+    return {str(k): _coerce(str(k), v, source) for k, v in data.items()}
 
 
 def from_env(environ: dict[str, str] | None = None) -> dict[str, Any]:
+    """Settings from ``ACCELERATE_SDC_<NAME>`` variables; any other ``ACCELERATE_SDC_*`` name
+    (a typo) raises ``SDCConfigError`` with the closest known name."""
     env = os.environ if environ is None else environ
+    known = {ENV_PREFIX + key.upper(): key for key in _TYPES}
     out = {}
-    for key in _TYPES:
-        name = ENV_PREFIX + key.upper()
-        if name in env:
-            out[key] = _coerce(key, env[name], f"environment variable {name}")
+    for name in sorted(env):
+        if not name.startswith(ENV_PREFIX) or name == CONFIG_FILE_ENV:
+            continue
+        if name not in known:
+            raise SDCConfigError(f"unknown environment variable {name}{_suggest(name, [*known, CONFIG_FILE_ENV])}")
+        out[known[name]] = _coerce(known[name], env[name], f"environment variable {name}")
     return out
 
 
@@ -170,13 +210,19 @@ def resolve(**kwargs: Any) -> tuple[SDCSettings, dict[str, str]]:
             values[k] = v
             origin[k] = f"environment variable {ENV_PREFIX}{k.upper()}" if source == "environment" else source
     settings = SDCSettings(**values)
+    checked = dataclasses.replace(  # a check turned off still gets its other settings checked
+        settings,
+        nonfinite_gradient=True,
+        replay_every_n_steps=settings.replay_every_n_steps or 1,
+        fingerprint_every_n_steps=settings.fingerprint_every_n_steps or 1,
+    )
     sections = (
-        (settings.nonfinite, {"on_failure": "on_failure", "overflow_patience": "overflow_patience",
+        (checked.nonfinite, {"on_failure": "on_failure", "overflow_patience": "overflow_patience",
                               "max_names": "max_names"}),
-        (settings.replay, {"every_n_steps": "replay_every_n_steps", "exact": "replay_exact",
+        (checked.replay, {"every_n_steps": "replay_every_n_steps", "exact": "replay_exact",
                            "rtol": "replay_rtol", "atol": "replay_atol",
                            "on_failure": "replay_on_failure"}),
-        (settings.fingerprint, {"every_n_steps": "fingerprint_every_n_steps", "include_buffers": "include_buffers",
+        (checked.fingerprint, {"every_n_steps": "fingerprint_every_n_steps", "include_buffers": "include_buffers",
                                 "include_optimizer_state": "include_optimizer_state",
                                 "on_failure": "fingerprint_on_failure", "max_heals": "max_heals"}),
     )  # fmt: skip
@@ -190,7 +236,7 @@ def resolve(**kwargs: Any) -> tuple[SDCSettings, dict[str, str]]:
         try:
             build()
         except ValueError as err:
-            key = next(k for arg, k in keys.items() if str(err).startswith(arg))
+            key = next((k for arg, k in keys.items() if str(err).startswith(arg)), next(iter(keys.values())))
             raise SDCConfigError(f"bad value for SDC setting {key!r} ({origin.get(key, 'default')}): {err}") from None
     if settings.log_every_n_steps < 1:
         key = "log_every_n_steps"

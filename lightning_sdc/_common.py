@@ -92,19 +92,28 @@ def rollback(trainer: pl.Trainer, pl_module: pl.LightningModule, error: Any, max
     """Reload weights and optimizer state from the newest checkpoint verified clean at or before
     ``max_step`` (chosen on rank 0, loaded on every rank); data and step counters go on, so the
     batches since that checkpoint are skipped. Returns the error with ``details["action"]`` set;
-    raises it when no such checkpoint exists."""
-    import torch
+    raises it when no such checkpoint exists.
 
+    Files are read with ``weights_only=True``: a file dropped into the checkpoint folder cannot
+    run code. ``SDC_TRUST_PICKLE=1`` unpickles in full (checkpoints holding custom objects, e.g.
+    hyperparameters of your own classes), with a warning per file."""
     from sdc_core.checkpoint import newest_verified
+    from sdc_core.safeio import load_torch, trust_pickle_from_env
 
+    trust = trust_pickle_from_env()
     folders = [cb.dirpath for cb in trainer.checkpoint_callbacks if getattr(cb, "dirpath", None)]
-    path = newest_verified(folders, max_step) if trainer.is_global_zero else None
+    skipped: list[str] = []
+    path = newest_verified(folders, max_step, trust_pickle=trust, skipped=skipped) if trainer.is_global_zero else None
     path = trainer.strategy.broadcast(str(path) if path else None, src=0)
     details = dict(error.details)
+    if skipped:
+        details["rollback_skipped"] = skipped[:20]
     if path is None:
         details["action"] = f"rollback failed: no checkpoint verified clean at or before step {max_step} in {folders}"
+        if skipped:
+            details["action"] += f" ({len(skipped)} passed over, e.g. {skipped[0]})"
         raise _with_details(error, details)
-    ckpt = torch.load(path, map_location=pl_module.device, weights_only=False)
+    ckpt = load_torch(path, trust_pickle=trust, map_location=pl_module.device)
     pl_module.load_state_dict(ckpt["state_dict"])
     for optimizer, state in zip(trainer.optimizers, ckpt.get("optimizer_states", []), strict=False):
         optimizer.load_state_dict(state)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import io
 import json
 import math
 import os
@@ -27,6 +28,7 @@ import random
 import subprocess
 import sys
 import time
+import warnings
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -41,6 +43,10 @@ PARAMS = ("l1.weight", "l1.bias", "l2.weight", "l2.bias", "l3.weight", "l3.bias"
 WORLD = 3
 CKPT_STEP = 5
 STUDY_FRACTION = 0.01
+
+
+class CampaignFailed(RuntimeError):
+    """A campaign training failed (its log names why)."""
 
 
 def plan(injections: int, clean: int, seed: int, steps: int, study: int = 0) -> list[dict[str, Any]]:
@@ -188,6 +194,7 @@ def worker(specs_file: Path, out: Path, steps: int) -> None:
     import torch.distributed as dist
 
     from sdc_core.checkpoint import FINGERPRINT_KEY, Corruption, corrupt_file
+    from sdc_core.safeio import load_torch
 
     specs = json.loads(specs_file.read_text())
     reference = _fit(steps, checks=False)
@@ -209,7 +216,7 @@ def worker(specs_file: Path, out: Path, steps: int) -> None:
                 amount = {"fraction": spec["fraction"], "count": None} if "fraction" in spec else {"count": 1}
                 spec_c = Corruption(target=spec["target"], bit_class=spec["bit_class"], seed=spec["seed"], **amount)
                 corrupt_file(base, bad, spec_c)
-                stripped = torch.load(bad, weights_only=False)
+                stripped = load_torch(bad)
                 stripped.pop(FINGERPRINT_KEY, None)
                 torch.save(stripped, bare)
             dist.barrier()
@@ -251,19 +258,31 @@ def _progress(done: int, total: int, t0: float) -> None:
 
 def run_campaign(out: Path, injections: int = 200, clean: int = 20, workers: int = 1, seed: int = 0,
                  steps: int = 12, study: int = 0, doc: Path | None = None) -> dict[str, Any]:  # fmt: skip
-    """Plan, run (``workers`` trainings at once), aggregate and report; returns the summary."""
-    if injections < 0 or clean < 0 or workers < 1 or steps < 8:
-        raise ValueError("need injections >= 0, clean >= 0, workers >= 1 and steps >= 8")
-    out.mkdir(parents=True, exist_ok=True)
+    """Plan, run (``workers`` trainings at once), aggregate and report; returns the summary.
+
+    Raises ``ValueError`` for a bad number, ``OutputError`` when ``out`` or ``doc`` cannot be
+    written (checked before any training), ``CampaignFailed`` when a training fails."""
+    from sdc_core.safeio import atomic_write_text
+
+    if injections < 0 or clean < 0 or workers < 1 or steps < 8 or study < 0:
+        raise ValueError("need injections >= 0, clean >= 0, workers >= 1, steps >= 8 and study >= 0")
+    out, doc = Path(out), None if doc is None else Path(doc)
+    _make_folder(out, "--out")
+    if doc is not None:
+        if doc.is_dir():
+            from sdc_core.safeio import OutputError
+
+            raise OutputError(f"--doc {doc} is a folder; give a markdown file name")
+        _make_folder(doc.parent, "--doc's folder")
     specs = plan(injections, clean, seed, steps, study)
-    (out / "plan.json").write_text(json.dumps(specs, indent=1))
+    atomic_write_text(out / "plan.json", json.dumps(specs, indent=1))
     chunks = [specs[i::workers] for i in range(workers)]
     procs = []
     for i, chunk in enumerate(chunks):
         if not chunk:
             continue
         f = out / f"chunk{i}.json"
-        f.write_text(json.dumps(chunk))
+        atomic_write_text(f, json.dumps(chunk))
         (out / f"chunk{i}.jsonl").unlink(missing_ok=True)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone" if workers == 1 else "--nnodes=1",
                f"--nproc-per-node={WORLD}", "-m", "lightning_sdc.campaign", "--worker", str(f), "--out", str(out),
@@ -281,7 +300,7 @@ def run_campaign(out: Path, injections: int = 200, clean: int = 20, workers: int
         time.sleep(1)
     sys.stderr.write("\n")
     if any(p.returncode for p in procs):
-        raise RuntimeError(f"a campaign worker failed; see {out}/chunk*.log")
+        raise CampaignFailed(f"a campaign training failed; see {out}/chunk*.log")
     rows = [json.loads(line) for i in range(len(chunks)) if (out / f"chunk{i}.jsonl").exists()
             for line in (out / f"chunk{i}.jsonl").read_text().splitlines()]  # fmt: skip
     rows.sort(key=lambda r: r["id"])
@@ -292,15 +311,30 @@ def run_campaign(out: Path, injections: int = 200, clean: int = 20, workers: int
     return summary
 
 
-def write_doc(out: Path, doc: Path, command: str) -> None:
-    """Write the coverage page (and its plot and CSV beside it) from a campaign folder."""
-    import shutil
+def _make_folder(folder: Path, what: str) -> None:
+    from sdc_core.safeio import OutputError
 
-    doc.parent.mkdir(parents=True, exist_ok=True)
+    if folder.exists() and not folder.is_dir():
+        raise OutputError(f"{what} {folder} is a file, not a folder; give a folder")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise OutputError(f"cannot create {what} {folder}: {err.strerror or err}") from None
+
+
+def write_doc(out: Path, doc: Path, command: str) -> None:
+    """Write the coverage page (and its CSV and, when plotted, its plot beside it) from a
+    campaign folder; every file atomically."""
+    from sdc_core.safeio import atomic_write, atomic_write_text
+
+    _make_folder(doc.parent, "--doc's folder")
     png = doc.with_suffix(".png")
-    shutil.copyfile(out / "detection.png", png)
-    shutil.copyfile(out / "results.csv", doc.with_suffix(".csv"))
-    doc.write_text(markdown(json.loads((out / "results.json").read_text()), command, png.name))
+    plotted = (out / "detection.png").is_file()
+    if plotted:
+        atomic_write(png, lambda f: f.write((out / "detection.png").read_bytes()))
+    atomic_write(doc.with_suffix(".csv"), lambda f: f.write((out / "results.csv").read_bytes()))
+    atomic_write_text(doc, markdown(json.loads((out / "results.json").read_text()), command,
+                                    png.name if plotted else None))  # fmt: skip
 
 
 def _table(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -338,14 +372,16 @@ def report(rows: list[dict[str, Any]], out: Path, seed: int, steps: int) -> dict
         "clean_runs": len(clean), "false_alarms": sum(r["outcome"] == "false_alarm" for r in clean),
         "table": table, "study": study(rows),
     }  # fmt: skip
+    from sdc_core.safeio import atomic_write_text
+
     for row in summary["study"]:
         print("study:", row)
-    with (out / "results.csv").open("w", newline="") as f:
-        keys = sorted({k for r in rows for k in r})
-        w = csv.DictWriter(f, fieldnames=keys)
-        w.writeheader()
-        w.writerows(rows)
-    (out / "results.json").write_text(json.dumps({"summary": summary, "runs": rows}, indent=1))
+    text = io.StringIO()
+    w = csv.DictWriter(text, fieldnames=sorted({k for r in rows for k in r}))
+    w.writeheader()
+    w.writerows(rows)
+    atomic_write_text(out / "results.csv", text.getvalue())
+    atomic_write_text(out / "results.json", json.dumps({"summary": summary, "runs": rows}, indent=1))
     head = ["site", "bit_class", "injections", "changed", "detected", "masked", "silent", "crashed", "by_nonfinite",
             "by_replay", "by_fingerprint", "attributed", "median_latency", "diverged"]  # fmt: skip
     print(" ".join(f"{h:>14}" for h in head))
@@ -377,9 +413,17 @@ def study(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def plot(table: list[dict[str, Any]], path: Path) -> None:
-    """Grouped bars: detection rate by bit class, one group per fault site."""
-    import matplotlib
+def plot(table: list[dict[str, Any]], path: Path) -> bool:
+    """Grouped bars: detection rate by bit class, one group per fault site. Without matplotlib
+    (an optional dependency: ``pip install sdc-checks[plot]``) warns and draws nothing; returns
+    whether it drew."""
+    try:
+        import matplotlib
+    except ImportError:
+        warnings.warn("matplotlib is not installed: no detection plot (pip install matplotlib); the tables and "
+                      "the coverage page are written without it", UserWarning, stacklevel=2)  # fmt: skip
+        return False
+    from sdc_core.safeio import atomic_write
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -398,8 +442,9 @@ def plot(table: list[dict[str, Any]], path: Path) -> None:
     ax.set_title("SDC checks: detection rate by fault site and bit class")
     ax.legend(title="bit class", fontsize=8, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.1))
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    atomic_write(path, lambda f: fig.savefig(f, dpi=110, format="png"))
     plt.close(fig)
+    return True
 
 
 def _main() -> None:
@@ -415,7 +460,7 @@ if __name__ == "__main__":
     _main()
 
 
-def markdown(results: dict[str, Any], command: str, plot_path: str) -> str:
+def markdown(results: dict[str, Any], command: str, plot_path: str | None) -> str:
     """docs/coverage.md from a campaign's results.json (numbers computed, never typed)."""
     summ, runs = results["summary"], results["runs"]
     table = summ["table"]
@@ -437,8 +482,7 @@ def markdown(results: dict[str, Any], command: str, plot_path: str) -> str:
         "",
         f"{summ['injections']} injections, {summ['clean_runs']} clean runs, **{summ['false_alarms']} false alarms**.",
         "",
-        f"![detection rate by fault site and bit class]({plot_path})",
-        "",
+        *([f"![detection rate by fault site and bit class]({plot_path})", ""] if plot_path else []),
         "| " + " | ".join(head) + " |",
         "|" + "---|" * len(head),
     ]

@@ -1,0 +1,332 @@
+"""``sdc``: checkpoint verification and alteration, incident reports, and the commands of the
+framework adapters (``sdc campaign`` trains with Lightning and lives in ``lightning_sdc.cli``).
+
+sdc verify-checkpoint CKPT [--json] [--trust-pickle]
+sdc corrupt-checkpoint CKPT (-o OUT | --in-place) [--target weights|optimizer|all] [--pattern REGEX]
+    [--count N | --fraction F] [--bit-class sign|exponent_top|exponent|mantissa | --bits 3,30]
+    [--seed S] [--trust-pickle]
+sdc report DIR_OR_FILE... [--json] [--strict]
+sdc exclude-list DIR_OR_FILE... [--format slurm|lines] [--strict]
+sdc campaign [--injections N] [--clean N] [--out DIR] [--workers W] [--seed S] [--study N] [--doc FILE]
+
+Exit codes (every command):
+  0  done; verify-checkpoint: clean
+  1  verify-checkpoint: tensors changed since the file was written (or its fingerprint is damaged);
+     campaign: a training failed
+  2  usage: a bad option or argument (the message names it)
+  3  verify-checkpoint: no SDC fingerprint stored (nothing to compare with)
+  4  a file or folder cannot be read (missing, not a checkpoint, damaged, or it would need
+     unpickling: see --trust-pickle), or an output cannot be written
+  70 internal error (a bug: please report it; SDC_DEBUG=1 shows the traceback)
+
+Files are read with torch.load(weights_only=True): a checkpoint cannot run code while it is read.
+--trust-pickle unpickles in full, for a legacy file you wrote yourself. Outputs are written
+atomically and never over an input unless --in-place says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from sdc_core.safeio import OutputError, UnreadableError
+
+EXIT_OK = 0
+EXIT_CHANGED = 1
+EXIT_USAGE = 2
+EXIT_NO_FINGERPRINT = 3
+EXIT_UNREADABLE = 4
+EXIT_INTERNAL = 70
+DEBUG_ENV = "SDC_DEBUG"
+
+
+@dataclass(frozen=True)
+class Command:
+    """One ``sdc`` subcommand.
+
+    Either ``add_arguments(parser)`` and ``run(args) -> exit code`` (parsed here), or ``delegate``,
+    ``"module:function"`` taking the remaining argv and returning an exit code, imported only
+    when the command runs (so ``sdc --help`` never imports a framework)."""
+
+    name: str
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None] | None = None
+    run: Callable[[argparse.Namespace], int] | None = None
+    delegate: str | None = None
+
+
+COMMANDS: dict[str, Command] = {}
+
+
+def register(command: Command) -> Command:
+    """Add (or replace) a subcommand of ``sdc``."""
+    COMMANDS[command.name] = command
+    return command
+
+
+class _Parser(argparse.ArgumentParser):
+    """No abbreviated options; a usage error is one line naming the command and what to do."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        kwargs.setdefault("formatter_class", argparse.RawDescriptionHelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str) -> Any:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def parser_for(prog: str, description: str | None = None) -> argparse.ArgumentParser:
+    """An argument parser with this CLI's rules (for commands that parse their own arguments)."""
+    return _Parser(prog=prog, description=description)
+
+
+def one_line(err: BaseException | str) -> str:
+    return " ".join(str(err).split())
+
+
+def run_guarded(prog: str, body: Callable[[], int]) -> int:
+    """Run ``body`` and turn every failure into one line on stderr and its exit code (never a
+    traceback, unless ``SDC_DEBUG=1``); warnings become one line each too."""
+
+    def show(message: Any, category: Any, filename: str, lineno: int, file: Any = None, line: Any = None) -> None:
+        print(f"{prog}: warning: {one_line(message)}", file=sys.stderr)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always", UserWarning)
+        warnings.showwarning = show
+        try:
+            return body()
+        except (UnreadableError, OutputError) as err:
+            code, text = EXIT_UNREADABLE, str(err)
+        except ValueError as err:
+            code, text = EXIT_USAGE, str(err)
+        except OSError as err:
+            code, text = EXIT_UNREADABLE, f"{err.filename or ''}: {err.strerror or err}".lstrip(": ")
+        except KeyboardInterrupt:
+            code, text = 130, "interrupted"
+        except Exception as err:
+            if os.environ.get(DEBUG_ENV):
+                raise
+            code = EXIT_INTERNAL
+            text = f"internal error {type(err).__name__}: {err} (a bug: please report it; {DEBUG_ENV}=1 shows where)"
+    print(f"{prog}: error: {one_line(text)}", file=sys.stderr)
+    return code
+
+
+# ------------------------------------------------------------------------------------ checkpoints
+
+
+def _bits(text: str) -> tuple[int, ...]:
+    try:
+        bits = tuple(int(b) for b in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected bit positions separated by commas, got {text!r}") from None
+    if any(not 0 <= b < 64 for b in bits):
+        raise argparse.ArgumentTypeError(f"bit positions must be in 0..63, got {text!r}")
+    return bits
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
+
+
+TRUST_HELP = ("unpickle in full: lets the file run code while it is read. Only for a legacy file you wrote "
+              "yourself; files of this project load without it")  # fmt: skip
+
+
+def _corrupt_arguments(c: argparse.ArgumentParser) -> None:
+    from sdc_core.checkpoint import BIT_CLASSES
+
+    c.add_argument("ckpt", type=Path, help="Lightning .ckpt, torch.save state dict, or Accelerate save_state folder")
+    where = c.add_mutually_exclusive_group(required=True)
+    where.add_argument("-o", "--output", type=Path, help="where to write the altered copy (never the input)")
+    where.add_argument("--in-place", action="store_true", help="overwrite the input (never the default)")
+    c.add_argument("--target", choices=["weights", "optimizer", "all"], default="weights")
+    c.add_argument("--pattern", help="regular expression on tensor names (e.g. 'layer\\.3\\.')")
+    amount = c.add_mutually_exclusive_group()
+    amount.add_argument("--count", type=_positive_int, help="number of flipped entries (default 1)")
+    amount.add_argument("--fraction", type=_fraction, help="fraction of the target's entries to flip")
+    bits = c.add_mutually_exclusive_group()
+    bits.add_argument("--bit-class", choices=BIT_CLASSES, help="which bits to flip (default exponent_top)")
+    bits.add_argument("--bits", type=_bits, help="explicit bit positions, comma separated")
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--trust-pickle", action="store_true", help=TRUST_HELP)
+
+
+def _corrupt(args: argparse.Namespace) -> int:
+    from sdc_core.checkpoint import Corruption, corrupt_file
+
+    spec = Corruption(
+        target=args.target,
+        pattern=args.pattern,
+        count=None if args.fraction is not None else (args.count or 1),
+        fraction=args.fraction,
+        bit_class=None if args.bits else (args.bit_class or "exponent_top"),
+        bits=args.bits,
+        seed=args.seed,
+    )
+    log = corrupt_file(args.ckpt, args.output, spec, in_place=args.in_place, trust_pickle=args.trust_pickle)
+    for flip in log["flips"]:
+        print(f"{flip['tensor']}[{flip['index']}] bit {flip['bit']}: {flip['old']!r} -> {flip['new']!r}")
+    print(f"{len(log['flips'])} bits flipped; wrote {log['output']} and {log['output']}.flips.json")
+    return EXIT_OK
+
+
+def _verify_arguments(v: argparse.ArgumentParser) -> None:
+    v.add_argument("ckpt", type=Path, help="Lightning .ckpt or torch.save file")
+    v.add_argument("--json", action="store_true", help="print the result as JSON")
+    v.add_argument("--trust-pickle", action="store_true", help=TRUST_HELP)
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from sdc_core.checkpoint import verify
+
+    try:
+        result = verify(args.ckpt, trust_pickle=args.trust_pickle)
+    except UnreadableError as err:
+        if args.json:
+            print(json.dumps({"status": "unreadable", "changed": [], "path": str(args.ckpt), "reason": str(err)}))
+        raise
+    if args.json:
+        print(json.dumps(result, indent=1))
+    elif result["status"] == "clean":
+        print(f"{args.ckpt}: clean ({result['tensors']} tensors match the fingerprint stored when it was written)")
+    elif result["status"] == "corrupted":
+        print(f"{args.ckpt}: CORRUPTED: {result['reason']}" + (":" if result["changed"] else ""))
+        for name in result["changed"][:50]:
+            print(f"  {name}")
+    else:
+        print(f"{args.ckpt}: {result['reason']}; nothing to compare with")
+    return {"clean": EXIT_OK, "corrupted": EXIT_CHANGED}.get(result["status"], EXIT_NO_FINGERPRINT)
+
+
+# -------------------------------------------------------------------------------------- incidents
+
+
+def _incident_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("dirs", nargs="+", type=Path, metavar="DIR_OR_FILE",
+                   help="run folders (incidents under */sdc/incidents/) or incident files")  # fmt: skip
+    p.add_argument("--strict", action="store_true", help="exit 4 when a file had to be skipped")
+
+
+def _load(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[str]]:
+    from sdc_core.incidents import load_incidents
+
+    skipped: list[str] = []
+    incidents = load_incidents(args.dirs, skipped=skipped)
+    for line in skipped:
+        print(f"sdc {args.command}: warning: skipped {one_line(line)}", file=sys.stderr)
+    return incidents, skipped
+
+
+def _report_arguments(r: argparse.ArgumentParser) -> None:
+    _incident_arguments(r)
+    r.add_argument("--json", action="store_true")
+
+
+def _report(args: argparse.Namespace) -> int:
+    from sdc_core.incidents import summarise
+
+    incidents, skipped = _load(args)
+    rows = summarise(incidents)
+    if args.json:
+        print(json.dumps(rows, indent=1))
+    elif not rows:
+        print("no SDC incidents found")
+    else:
+        print(f"{'host':24} {'device':36} {'incidents':>9} {'named':>5}  {'checks':40} first seen -> last seen")
+        for r in rows:
+            print(f"{r['host']:24} {r['device']:36} {r['incidents']:>9} {r['named']:>5}  {','.join(r['checks']):40} "
+                  f"{r['first_seen']} -> {r['last_seen']}")  # fmt: skip
+    return EXIT_UNREADABLE if skipped and args.strict else EXIT_OK
+
+
+def _exclude_arguments(e: argparse.ArgumentParser) -> None:
+    _incident_arguments(e)
+    e.add_argument("--format", choices=["slurm", "lines"], default="slurm",
+                   help="slurm: comma separated, for --exclude; lines: one hostname a line")  # fmt: skip
+
+
+def _exclude(args: argparse.Namespace) -> int:
+    from sdc_core.incidents import exclude_hosts
+
+    incidents, skipped = _load(args)
+    hosts = exclude_hosts(incidents)
+    if hosts:
+        print(",".join(hosts) if args.format == "slurm" else "\n".join(hosts))
+    return EXIT_UNREADABLE if skipped and args.strict else EXIT_OK
+
+
+register(Command("verify-checkpoint", "compare a checkpoint with the fingerprint stored when it was written",
+                 _verify_arguments, _verify))  # fmt: skip
+register(Command("corrupt-checkpoint", "flip bits in a copy of a saved checkpoint (checkpoint alteration)",
+                 _corrupt_arguments, _corrupt))  # fmt: skip
+register(Command("report", "summarise SDC incidents across runs, per host and device", _report_arguments, _report))
+register(Command("exclude-list", "hosts to take out, in a form schedulers take", _exclude_arguments, _exclude))
+register(Command("campaign", "fault-injection campaign over short Lightning DDP trainings (needs lightning)",
+                 delegate="lightning_sdc.cli:campaign_main"))  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------- main
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="sdc", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
+    for cmd in COMMANDS.values():
+        p = sub.add_parser(cmd.name, help=cmd.help, description=cmd.help, add_help=cmd.delegate is None)
+        if cmd.add_arguments is not None:
+            cmd.add_arguments(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The ``sdc`` console script; returns the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    cmd = COMMANDS.get(argv[0]) if argv else None
+    if cmd is not None and cmd.delegate is not None:
+        module, _, function = cmd.delegate.partition(":")
+
+        def delegated() -> int:
+            try:
+                target = getattr(importlib.import_module(module), function)
+            except ImportError as err:
+                raise ValueError(f"'sdc {cmd.name}' needs {err.name or module} (pip install it): {err}") from None
+            return int(target(argv[1:]))
+
+        return run_guarded(f"sdc {cmd.name}", delegated)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exit_:
+        return int(exit_.code or 0)
+    command = COMMANDS[args.command]
+    return run_guarded(f"sdc {args.command}", lambda: command.run(args))  # type: ignore[misc]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

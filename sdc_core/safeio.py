@@ -1,0 +1,138 @@
+"""Reading files that may be hostile and writing files that must not be half written (torch only).
+
+* ``load_torch`` reads a ``torch.save`` file with ``weights_only=True``: tensors, containers and
+  plain values only, so a file cannot run code while it is read. ``trust_pickle=True`` (the CLI's
+  ``--trust-pickle``, rollback's ``SDC_TRUST_PICKLE=1``) unpickles in full, with a warning naming
+  the file each time: only for files you wrote yourself.
+* ``atomic_write`` writes a file beside its destination and renames it into place: a reader sees
+  the old file or the new one, never half of one, and a hard link to another file (an input) is
+  replaced, never written through.
+* ``UnreadableError`` (an input cannot be read) and ``OutputError`` (an output cannot be written)
+  name the file and say what to do; both are ``ValueError`` so callers that catch it still work.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO, Any
+
+TRUST_PICKLE_ENV = "SDC_TRUST_PICKLE"
+
+
+class UnreadableError(ValueError):
+    """An input file or folder cannot be read (missing, not the expected format, or damaged)."""
+
+
+class OutputError(ValueError):
+    """An output cannot be written where asked (a folder, a missing parent folder, no permission)."""
+
+
+def trust_pickle_from_env() -> bool:
+    """Whether ``SDC_TRUST_PICKLE`` opts in to full unpickling (``1``/``true``; empty or ``0``: no)."""
+    raw = os.environ.get(TRUST_PICKLE_ENV, "").strip().lower()
+    if raw in ("", "0", "false"):
+        return False
+    if raw in ("1", "true"):
+        return True
+    raise ValueError(f"{TRUST_PICKLE_ENV} must be 1, true, 0 or false, got {raw!r}")
+
+
+def load_torch(path: str | Path, trust_pickle: bool = False, map_location: Any = "cpu") -> Any:
+    """``torch.load`` of ``path`` that cannot run code unless ``trust_pickle`` (loudly) allows it.
+
+    Raises ``UnreadableError`` naming the file for anything that is not a readable ``torch.save``
+    file, and saying how to opt in when the file needs full unpickling."""
+    import torch
+
+    path = Path(path)
+    if trust_pickle:
+        warnings.warn(f"loading {path} with full unpickling (trusted): a file from elsewhere can run code this way",
+                      UserWarning, stacklevel=2)  # fmt: skip
+    try:
+        return torch.load(path, map_location=map_location, weights_only=not trust_pickle)
+    except RecursionError:
+        raise UnreadableError(f"{path} is not a readable torch checkpoint: it nests too deeply") from None
+    except Exception as err:
+        text = str(err)
+        if not trust_pickle and ("Weights only load failed" in text or "weights_only" in text):
+            first = next((line.strip().rstrip(".") for line in text.splitlines() if "nsupported" in line), "")
+            raise UnreadableError(
+                f"{path} holds objects other than tensors and plain values, which could run code when read"
+                f"{' (' + first + ')' if first else ''}; if you wrote it yourself, pass --trust-pickle "
+                f"(or set {TRUST_PICKLE_ENV}=1) to load it anyway"
+            ) from None
+        if isinstance(err, IsADirectoryError | FileNotFoundError | PermissionError):
+            raise UnreadableError(f"cannot read {path}: {err.strerror or err}") from None
+        raise UnreadableError(f"{path} is not a readable torch checkpoint: {type(err).__name__}: "
+                              f"{text.splitlines()[0] if text else ''}") from None  # fmt: skip
+
+
+def atomic_write(path: str | Path, write: Callable[[IO[bytes]], Any]) -> Path:
+    """Call ``write`` on a temporary file beside ``path`` and rename it onto ``path``.
+
+    The temporary file is removed when ``write`` fails. Raises ``OutputError`` naming ``path``
+    when it is a folder or its folder does not exist or cannot be written."""
+    path = Path(path)
+    if path.is_dir():
+        raise OutputError(f"{path} is a folder; give a file name")
+    parent = path.parent
+    if not parent.is_dir():
+        raise OutputError(f"cannot write {path}: folder {parent} does not exist; create it first")
+    try:
+        fd, tmp = tempfile.mkstemp(dir=parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as err:
+        raise OutputError(f"cannot write {path}: {err.strerror or err}") from None
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as err:
+        Path(tmp).unlink(missing_ok=True)
+        if isinstance(err, OSError):
+            raise OutputError(f"cannot write {path}: {err.strerror or err}") from None
+        raise
+    return path
+
+
+def atomic_write_text(path: str | Path, text: str) -> Path:
+    """``atomic_write`` of a UTF-8 text."""
+    return atomic_write(path, lambda f: f.write(text.encode()))
+
+
+def create_unique(folder: str | Path, stem: str, suffix: str, text: str) -> Path:
+    """Write ``text`` to a new file ``<folder>/<stem><suffix>`` (``<stem>-2<suffix>``, ... when
+    taken) atomically, never replacing an existing file: two writers in the same instant get two
+    files."""
+    folder = Path(folder)
+    try:
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{stem}.", suffix=".tmp")
+    except OSError as err:
+        raise OutputError(f"cannot write in {folder}: {err.strerror or err}") from None
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(text.encode())
+            f.flush()
+            os.fsync(f.fileno())
+        for n in range(1, 10_000):
+            path = folder / (f"{stem}{suffix}" if n == 1 else f"{stem}-{n}{suffix}")
+            try:
+                os.link(tmp, path)  # fails when the name is taken: no overwrite, no race
+            except FileExistsError:
+                continue
+            except OSError:  # a file system without hard links: exclusive create, then write
+                try:
+                    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                except FileExistsError:
+                    continue
+                with os.fdopen(fd, "wb") as f:
+                    f.write(text.encode())
+            return path
+        raise OutputError(f"no free file name for {stem}{suffix} in {folder}")
+    finally:
+        Path(tmp).unlink(missing_ok=True)
