@@ -90,10 +90,10 @@ def test_plain_state_dict_and_bad_inputs(tmp_path: Path, capsys: pytest.CaptureF
     plain = tmp_path / "plain.pt"
     torch.save(Net().state_dict(), plain)
     assert sdc(["corrupt-checkpoint", str(plain), "-o", str(tmp_path / "p2.pt"), "--bit-class", "sign"]) == 0
-    assert sdc(["verify-checkpoint", str(plain)]) == 2  # written without the callback: nothing to compare
+    assert sdc(["verify-checkpoint", str(plain)]) == 3  # written without the callback: nothing to compare
     junk = tmp_path / "junk.ckpt"
     junk.write_text("not a checkpoint")
-    assert sdc(["corrupt-checkpoint", str(junk), "-o", str(tmp_path / "j.ckpt")]) == 2
+    assert sdc(["corrupt-checkpoint", str(junk), "-o", str(tmp_path / "j.ckpt")]) == 4
     assert "junk.ckpt is not a readable torch checkpoint" in capsys.readouterr().err
     assert sdc(["corrupt-checkpoint", str(plain), "-o", str(plain)]) == 2
     assert "--in-place" in capsys.readouterr().err
