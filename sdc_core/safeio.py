@@ -58,8 +58,8 @@ def load_torch(path: str | Path, trust_pickle: bool = False, map_location: Any =
         raise UnreadableError(f"{path} is not a readable torch checkpoint: it nests too deeply") from None
     except Exception as err:
         text = str(err)
-        if not trust_pickle and ("Weights only load failed" in text or "weights_only" in text):
-            first = next((line.strip().rstrip(".") for line in text.splitlines() if "nsupported" in line), "")
+        first = next((line.strip().rstrip(".") for line in text.splitlines() if "nsupported" in line), "")
+        if not trust_pickle and "Weights only load failed" in text and "GLOBAL" in first.upper():
             raise UnreadableError(
                 f"{path} holds objects other than tensors and plain values, which could run code when read"
                 f"{' (' + first + ')' if first else ''}; if you wrote it yourself, pass --trust-pickle "
@@ -67,8 +67,8 @@ def load_torch(path: str | Path, trust_pickle: bool = False, map_location: Any =
             ) from None
         if isinstance(err, IsADirectoryError | FileNotFoundError | PermissionError):
             raise UnreadableError(f"cannot read {path}: {err.strerror or err}") from None
-        raise UnreadableError(f"{path} is not a readable torch checkpoint: {type(err).__name__}: "
-                              f"{text.splitlines()[0] if text else ''}") from None  # fmt: skip
+        why = first or (text.splitlines()[0] if text else "")
+        raise UnreadableError(f"{path} is not a readable torch checkpoint: {type(err).__name__}: {why}") from None
 
 
 def atomic_write(path: str | Path, write: Callable[[IO[bytes]], Any]) -> Path:
