@@ -103,11 +103,16 @@ def rollback(trainer: pl.Trainer, pl_module: pl.LightningModule, error: Any, max
     trust = trust_pickle_from_env()
     folders = [cb.dirpath for cb in trainer.checkpoint_callbacks if getattr(cb, "dirpath", None)]
     skipped: list[str] = []
-    path = newest_verified(folders, max_step, trust_pickle=trust, skipped=skipped) if trainer.is_global_zero else None
-    path = trainer.strategy.broadcast(str(path) if path else None, src=0)
+    path = None
+    if trainer.is_global_zero:
+        try:  # whatever happens here, every rank meets at the broadcast below
+            path = newest_verified(folders, max_step, trust_pickle=trust, skipped=skipped)
+        except Exception as err:
+            skipped.append(f"checkpoint search failed: {type(err).__name__}: {err}")
+    path, skipped = trainer.strategy.broadcast((str(path) if path else None, skipped[:20]), src=0)  # same on all
     details = dict(error.details)
     if skipped:
-        details["rollback_skipped"] = skipped[:20]
+        details["rollback_skipped"] = skipped
     if path is None:
         details["action"] = f"rollback failed: no checkpoint verified clean at or before step {max_step} in {folders}"
         if skipped:

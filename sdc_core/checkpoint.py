@@ -414,11 +414,12 @@ def newest_verified(folders: list[str | Path], max_step: int, trust_pickle: bool
     best: tuple[int, float, Path] | None = None
     for folder in map(Path, folders):
         for path in sorted(folder.glob("*.ckpt")) if folder.is_dir() else []:
-            try:
+            try:  # a hostile or odd file is passed over, never raised: the caller's ranks wait for the answer
                 obj = load_torch(path, trust_pickle)
                 step = int(obj.get("global_step", -1)) if isinstance(obj, dict) else -1
-                changed = changed_tensors(obj) if step >= 0 else None
-            except (ValueError, TypeError) as err:  # unreadable, odd step, unusable fingerprint
+                changed = changed_tensors(obj) if 0 <= step <= max_step else None
+                mtime = path.stat().st_mtime
+            except Exception as err:  # unreadable, odd step, unusable fingerprint
                 if skipped is not None:
                     skipped.append(f"{path}: {err}")
                 continue
@@ -427,6 +428,6 @@ def newest_verified(folders: list[str | Path], max_step: int, trust_pickle: bool
                     why = "no fingerprint" if changed is None else f"changed tensors {changed[:3]}"
                     skipped.append(f"{path}: {why}" if step >= 0 else f"{path}: no global_step")
                 continue
-            key = (step, path.stat().st_mtime, path)
+            key = (step, mtime, path)
             best = key if best is None or key[:2] > best[:2] else best
     return best[2] if best else None

@@ -1,5 +1,5 @@
-"""``sdc``: checkpoint verification and alteration, incident reports, and the commands of the
-framework adapters (``sdc campaign`` trains with Lightning and lives in ``lightning_sdc.cli``).
+"""sdc: checkpoint verification and alteration, incident reports, and the commands of the
+framework adapters (sdc campaign trains with Lightning and lives in lightning_sdc.cli).
 
 sdc verify-checkpoint CKPT [--json] [--trust-pickle]
 sdc corrupt-checkpoint CKPT (-o OUT | --in-place) [--target weights|optimizer|all] [--pattern REGEX]
