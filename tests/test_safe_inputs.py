@@ -412,3 +412,27 @@ def test_accelerate_sdc_config_never_overwrites_a_file_it_does_not_own(
     assert "cannot create folder" in err and len(err.strip().splitlines()) == 1
     with pytest.raises(SystemExit):
         acli(["config", "--max_name", "2", "--config_file", str(mine)])  # no abbreviations
+
+
+def test_accelerate_folder_copy_is_built_aside_and_keeps_the_safetensors_header(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    src = tmp_path / "state"
+    src.mkdir()
+    save_file({"w": torch.randn(8), "b": torch.randn(2)}, str(src / "model.safetensors"), metadata={"format": "pt"})
+    torch.save({"state": {0: {"exp_avg": torch.randn(8)}}, "param_groups": []}, src / "optimizer.bin")
+    (src / "random_states_0.pkl").write_bytes(b"\x80\x04N.")  # copied as bytes, never unpickled
+    before = {f.name: f.read_bytes() for f in src.iterdir()}
+    out = tmp_path / "bad"
+    assert sdc(["corrupt-checkpoint", str(src), "-o", str(out), "--target", "all", "--count", "2"]) == EXIT_OK
+    assert {f.name: f.read_bytes() for f in src.iterdir()} == before
+    assert sorted(f.name for f in out.iterdir()) == sorted(before)
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        assert f.metadata() == {"format": "pt"}
+    assert sdc(["corrupt-checkpoint", str(src), "-o", str(out)]) == EXIT_UNREADABLE  # never merged into a folder
+    assert "already exists" in capsys.readouterr().err
+    assert sdc(["corrupt-checkpoint", str(src), "-o", str(src / "inside")]) == EXIT_USAGE
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary folder left
