@@ -62,8 +62,8 @@ def load_torch(path: str | Path, trust_pickle: bool = False, map_location: Any =
         if not trust_pickle and "Weights only load failed" in text and "GLOBAL" in first.upper():
             raise UnreadableError(
                 f"{path} holds objects other than tensors and plain values, which could run code when read"
-                f"{' (' + first + ')' if first else ''}; if you wrote it yourself, pass --trust-pickle "
-                f"(or set {TRUST_PICKLE_ENV}=1) to load it anyway"
+                f"{' (' + first + ')' if first else ''}; if you wrote it yourself, opt in to full unpickling: "
+                f"--trust-pickle (sdc commands), {TRUST_PICKLE_ENV}=1 (rollback)"
             ) from None
         if isinstance(err, IsADirectoryError | FileNotFoundError | PermissionError):
             raise UnreadableError(f"cannot read {path}: {err.strerror or err}") from None
