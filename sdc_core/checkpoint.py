@@ -36,7 +36,8 @@ from sdc_core.fingerprint import tensor_digest
 from sdc_core.safeio import OutputError, UnreadableError, atomic_write, atomic_write_text, load_torch
 
 FINGERPRINT_KEY = "sdc_fingerprint"
-FINGERPRINT_VERSION = 1
+_DIGESTS = {1: tensor_digest}  # fingerprint version -> per-tensor digest it stores (the newest is written)
+FINGERPRINT_VERSION = max(_DIGESTS)
 BIT_CLASSES = ("sign", "exponent_top", "exponent", "mantissa")
 # (exponent bits, mantissa bits) per float format
 _LAYOUT = {torch.float32: (8, 23), torch.bfloat16: (8, 7), torch.float16: (5, 10), torch.float64: (11, 52)}
@@ -59,19 +60,22 @@ def bits_of_class(dtype: torch.dtype, bit_class: str) -> list[int]:
     return classes[bit_class]
 
 
-def fingerprint_checkpoint(obj: dict[str, Any]) -> dict[str, Any]:
+def fingerprint_checkpoint(obj: dict[str, Any], version: int = FINGERPRINT_VERSION) -> dict[str, Any]:
     """Per-tensor exact digests of a checkpoint's weights and optimizer state (what
     ``WeightFingerprintCheck`` stores under ``sdc_fingerprint`` in the checkpoints it sees written).
 
     For a Lightning checkpoint: every tensor under ``state_dict`` and ``optimizer_states``; for a
-    plain state dict: every tensor."""
+    plain state dict: every tensor. ``version`` picks the digest (older ones verify older files)."""
+    if version not in _DIGESTS:
+        raise ValueError(f"unknown {FINGERPRINT_KEY} version {version!r} (this release reads {sorted(_DIGESTS)})")
+    digest = _DIGESTS[version]
     lightning = "state_dict" in obj
     tensors = {
-        key: int(tensor_digest(t))
+        key: int(digest(t))
         for key, t in _walk(obj, "")
         if not lightning or key.startswith(("state_dict/", "optimizer_states/"))
     }
-    return {"version": FINGERPRINT_VERSION, "tensors": tensors}
+    return {"version": version, "tensors": tensors}
 
 
 class FingerprintUnusable(ValueError):
@@ -83,37 +87,39 @@ class FingerprintUnusable(ValueError):
         self.damaged = damaged
 
 
-def stored_fingerprint(obj: Any) -> dict[str, int] | None:
-    """The per-tensor digests stored in ``obj`` (None: none stored); raises ``FingerprintUnusable``
-    when an entry is stored but damaged or of another version."""
+def stored_fingerprint(obj: Any) -> tuple[int, dict[str, int]] | None:
+    """``(version, per-tensor digests)`` stored in ``obj`` (None: none stored); raises
+    ``FingerprintUnusable`` when an entry is stored but damaged or of a version this release
+    does not know."""
     if not isinstance(obj, dict) or FINGERPRINT_KEY not in obj:
         return None
     stored = obj[FINGERPRINT_KEY]
     tensors = stored.get("tensors") if isinstance(stored, dict) else None
-    version = stored.get("version") if isinstance(stored, dict) else None
+    version = stored.get("version", 1) if isinstance(stored, dict) else None
     if not isinstance(tensors, dict) or not all(
         isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) for k, v in tensors.items()
     ):
         raise FingerprintUnusable("its stored SDC fingerprint is damaged (not the shape sdc-checks writes)", True)
-    if version != FINGERPRINT_VERSION:
-        if isinstance(version, int) and not isinstance(version, bool) and version > 0:
-            raise FingerprintUnusable(
-                f"its SDC fingerprint is version {version}, this sdc-checks verifies version {FINGERPRINT_VERSION} "
-                "(verify it with the sdc-checks that wrote it)",
-                False,
-            )
+    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
         raise FingerprintUnusable(f"its stored SDC fingerprint is damaged (version {version!r})", True)
-    return tensors
+    if version not in _DIGESTS:
+        raise FingerprintUnusable(
+            f"its SDC fingerprint is version {version}, this sdc-checks verifies versions {sorted(_DIGESTS)} "
+            "(verify it with the sdc-checks that wrote it)",
+            False,
+        )
+    return version, tensors
 
 
 def changed_tensors(obj: dict[str, Any]) -> list[str] | None:
     """Names of the tensors whose digest differs from the stored fingerprint (None: none stored).
 
     Raises ``FingerprintUnusable`` when a fingerprint is stored but cannot be compared."""
-    was = stored_fingerprint(obj)
-    if was is None:
+    stored = stored_fingerprint(obj)
+    if stored is None:
         return None
-    now = fingerprint_checkpoint(obj)["tensors"]
+    version, was = stored
+    now = fingerprint_checkpoint(obj, version)["tensors"]
     return sorted(k for k in set(was) | set(now) if was.get(k) != now.get(k))
 
 
