@@ -317,7 +317,10 @@ def main(argv: list[str] | None = None) -> int:
                 target = getattr(importlib.import_module(module), function)
             except ImportError as err:
                 raise ValueError(f"'sdc {cmd.name}' needs {err.name or module} (pip install it): {err}") from None
-            return int(target(argv[1:]))
+            try:
+                return int(target(argv[1:]) or 0)
+            except SystemExit as exit_:  # a delegate that parses with plain argparse
+                return exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else EXIT_USAGE)
 
         return run_guarded(f"sdc {cmd.name}", delegated)
     try:
