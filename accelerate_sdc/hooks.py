@@ -7,9 +7,12 @@ It translates Accelerate's events into ``sdc_core`` calls and nothing more:
   hook when ``SDCHooks`` is created before ``accelerator.prepare`` (DDP accepts one hook);
 * a forward pre-/post-hook on the unwrapped model records the micro-batches of audited steps
   (inputs and RNG state) and the loss (``outputs.loss``, a scalar output, or ``loss_fn``);
-* ``optimizer.step`` is wrapped on the instance: on sync steps the non-finite verdict and the
-  replay audit run before the update, and the fingerprint after each real update (not on
-  accumulation steps, not on steps an fp16 GradScaler skipped);
+* ``optimizer.step`` is wrapped on the instance: on sync steps the non-finite check takes the
+  step's evidence and the replay audit runs before the update, and the fingerprint after each
+  real update (not on accumulation steps, not on steps an fp16 GradScaler skipped); the
+  non-finite verdict is read at the next ``optimizer.step`` (``"raise"``/``"warn"``), before the
+  update (``"skip_step"``, fp16 GradScaler, audited steps), before ``save_state``, and in
+  ``finish()``;
 * counters go to ``accelerator.log`` under ``sdc/<check>/...`` and into ``save_state``.
 
 Cost: as ``sdc_core`` documents per check; the wrapper itself adds a few Python calls per step.
@@ -49,7 +52,8 @@ class SDCHooks:
             ``replay_every_n_steps``, ``fingerprint_every_n_steps``, ...); 0 turns a cadence off.
 
     Call ``attach(model, optimizer)`` on every process after ``accelerator.prepare`` and
-    ``finish()`` after the loop (it reads the last pending fingerprint comparison).
+    ``finish()`` after the loop (it reads the last pending verdicts: the non-finite check's,
+    read one step later under ``on_failure="raise"``/``"warn"``, and the fingerprint comparison).
     """
 
     def __init__(self, accelerator: Any, loss_fn: LossFn | None = None, **settings: Any) -> None:
@@ -133,7 +137,18 @@ class SDCHooks:
                     warnings.warn(f"SDC {name} is inactive: a single process has no replica", UserWarning, stacklevel=2)
             self.replay = self.fingerprint = None
         self._wrap_step(optimizer)
+        if self.nonfinite is not None:  # no checkpoint after a step whose verdict is unread
+            self._handles.append(acc.register_save_state_pre_hook(lambda *_: self._resolve_nonfinite()))
         return self
+
+    def _resolve_nonfinite(self) -> None:
+        assert self.nonfinite is not None
+        try:
+            self.nonfinite.resolve()
+        except SDCError:
+            self._record(raised=True)
+            raise
+        self._record(raised=False)
 
     # -- replay capture ------------------------------------------------------------------------
 
@@ -205,6 +220,8 @@ class SDCHooks:
 
     def _step(self, optimizer: Any, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         acc = self.accelerator
+        if self.nonfinite is not None:
+            self.nonfinite.resolve()  # the previous step's verdict, read one step later (raise, warn)
         if self.fingerprint is not None:
             self.fingerprint.resolve()  # the comparison started after the previous update
         if not acc.sync_gradients:
@@ -212,8 +229,11 @@ class SDCHooks:
         assert self._module is not None
         module, step = self._module, self.step
         skipped = False
-        if self.nonfinite is not None:
-            skipped = self.nonfinite.verdict(step, module.named_parameters(), scaler_active=acc.scaler is not None)
+        if self.nonfinite is not None:  # read now when the replay audits this step: it must not act first
+            now = self.replay is not None and self.replay.armed
+            skipped = self.nonfinite.verdict(
+                step, module.named_parameters(), scaler_active=acc.scaler is not None, now=now
+            )
         if self.replay is not None and self.replay.audit(
             step, module, self._replay_step, lambda b: send_to_device(b, acc.device)
         ):  # a transient fault: every rank drops this step
@@ -237,13 +257,17 @@ class SDCHooks:
             record_verdict(check, run_dir, acc.is_main_process, policy)
 
     def finish(self) -> None:
-        """Resolve the last pending fingerprint comparison and log (every process, after the loop)."""
+        """Read the last pending verdicts and log (every process, after the loop)."""
         try:
+            if self.nonfinite is not None:
+                self.nonfinite.resolve()
             if self.fingerprint is not None:
                 self.fingerprint.resolve()
         except SDCError:
             self._record(raised=True)
             raise
+        else:
+            self._record(raised=False)  # a warning read here is still an incident
         finally:
             self.log(force=True)
 

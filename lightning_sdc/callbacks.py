@@ -74,33 +74,83 @@ class NonFiniteGradientCheck(_SDCCallback):
     Args:
         on_failure: ``"raise"`` (default) raises ``NonFiniteGradientError`` on every rank;
             ``"skip_step"`` drops the optimizer step on every rank (the weights stay clean);
-            ``"warn"`` only warns. Every verdict is logged under ``sdc/nonfinite_gradient/``.
+            ``"warn"`` only warns; ``"rollback"`` reloads the newest verified checkpoint. Every
+            verdict is logged under ``sdc/nonfinite_gradient/``.
         overflow_patience: under an fp16 GradScaler a rank is flagged only when it alone
             overflows on this many consecutive steps; ordinary overflow stays the scaler's business.
         max_names: offending parameter names reported per rank.
 
-    Cost: one ``aminmax`` read of the local gradients in the DDP communication hook, and one
-    4-byte all-reduce plus one host read per optimizer step. Without DDP, ``.grad`` is checked.
+    Cost under DDP: two reads of the gradients on the device per optimizer step (the local
+    per-parameter norms in the communication hook, the reduced bucket after the all-reduce) and
+    no collective: NaN/Inf survive the all-reduce, so every rank sees them in the same reduced
+    gradients; ranks and parameters are gathered only then. When the verdict is read:
+
+    * ``"raise"``, ``"warn"``: one step later, before the next backward (no host synchronisation
+      in the step). The error names the step it belongs to; that step's update has happened, the
+      next one does not. It is also read before a checkpoint is written (none is written after a
+      non-finite step) and at the end of training.
+    * ``"skip_step"``, ``"rollback"``, an fp16 GradScaler, and steps a ``RingReplayAudit``
+      audits: one host read before the update, in the same step.
+
+    Without DDP, ``.grad`` is checked before the optimizer step (one host read).
     """
 
     def __init__(self, on_failure: str = "raise", overflow_patience: int = 3, max_names: int = 5) -> None:
         self._core = NonFiniteGradient(NonFiniteConfig(on_failure, overflow_patience, max_names))
+        self._decided_step: int | None = None
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_fit_start(trainer, pl_module)
+        self._decided_step = None
         if c.is_ddp(trainer):
             self._core.attach(c.gradient_tap(trainer, pl_module))
 
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+        if self._core.pending_step is not None:  # the previous step's verdict, read one step later
+            self._settle(trainer, pl_module, self._core.resolve)
+
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        if self._decided_step != trainer.global_step:
+            self.decide(trainer, pl_module)
+
+    def decide(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Hand this step's gradients to the check (every rank, after backward, before the update).
+
+        The verdict is read now when the policy needs it before the update, or when a
+        ``RingReplayAudit`` audits this step (another check must not act on gradients this one
+        is about to condemn); else one step later.
+        """
+        self._decided_step = trainer.global_step
         scaler = getattr(trainer.precision_plugin, "scaler", None)
+        audited = any(isinstance(cb, RingReplayAudit) and cb._core.armed for cb in trainer.callbacks)
+
+        def verdict() -> None:
+            self._core.verdict(
+                trainer.global_step, pl_module.named_parameters(), scaler_active=scaler is not None, now=audited
+            )
+
+        self._settle(trainer, pl_module, verdict, scaler_active=scaler is not None)
+
+    def _settle(self, trainer: pl.Trainer, pl_module: pl.LightningModule, fn: Any, scaler_active: bool = False) -> None:
         try:
-            self._core.verdict(trainer.global_step, pl_module.named_parameters(), scaler_active=scaler is not None)
+            fn()
         except SDCError as err:
             self._handle(trainer, pl_module, err, max_step=err.step)
-            drop_step(pl_module.parameters(), scaler_active=scaler is not None)
+            drop_step(pl_module.parameters(), scaler_active=scaler_active)  # rolled back: drop this step
             return
         if self._core.last_error is not None:  # skipped or warned: still an incident
             self._failed(trainer, self._core.config.on_failure)
+
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
+        # no checkpoint is written after a step whose verdict is unread (every rank dumps checkpoints)
+        self._settle(trainer, pl_module, self._core.resolve)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._settle(trainer, pl_module, self._core.resolve)
+        super().on_train_end(trainer, pl_module)
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._core.discard()  # no collective: the other ranks may not be here
 
 
 class WeightFingerprintCheck(_SDCCallback):
@@ -235,6 +285,10 @@ class RingReplayAudit(_SDCCallback):
         self._core.record_loss(loss)
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        if self._core.armed:  # the non-finite verdict of this step comes first, whatever the callback order
+            for cb in trainer.callbacks:
+                if isinstance(cb, NonFiniteGradientCheck) and cb._decided_step != trainer.global_step:
+                    cb.decide(trainer, pl_module)
         replay_fn = getattr(pl_module, "sdc_replay_step", None) or pl_module.training_step
         scaler = getattr(trainer.precision_plugin, "scaler", None)
 

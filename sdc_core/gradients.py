@@ -1,23 +1,47 @@
 """Local-gradient tap and the non-finite gradient check.
 
 Contract: each rank's LOCAL gradients (before the all-reduce mixes them) are checked for NaN and
-Inf on the step's sync micro-batch; every rank learns which ranks produced non-finite values, and
-all ranks act alike (raise, skip the optimizer step, or warn) in the same step.
+Inf on the step's sync micro-batch; when some rank's were non-finite, every rank learns which
+ranks and which parameters, and all ranks act alike (raise, skip the optimizer step, or warn) on
+the same verdict.
 
-How: a single DDP communication hook per model, the ``GradientTap``, lets consumers read each
+How (DDP): a single communication hook per model, the ``GradientTap``, lets consumers read each
 gradient bucket before the inner hook (the default all-reduce, or the user's compression hook,
-which it wraps rather than replaces). The check reduces each bucket with one ``aminmax`` kernel,
-exact (no overflow: NaN and Inf survive min/max, finite values never become Inf) and at the
-memory-read speed. Under gradient accumulation the hook sees the sum of the micro-batches'
-gradients, so a NaN in any micro-batch is seen.
+which it wraps rather than replaces) and the reduced bucket after it. The check records, per
+bucket and on the device, the L2 norm of each parameter's LOCAL gradient (one ``_foreach_norm``:
+NaN and Inf make the norm non-finite) and, chained on the all-reduce's future, the exact
+``aminmax`` of the REDUCED bucket. NaN and Inf survive the sum, so the reduced gradients, which
+are identical on every rank, show that some rank's local gradients were non-finite without any
+extra communication: the decision is taken by every rank from the same data. Only then (the rare
+path) does every rank gather the local per-parameter flags to name the ranks and parameters (one
+rank: the SDC signature; all ranks: ordinary divergence). Names come from the local flags, so
+gradient clipping or anything else that touches ``.grad`` after the all-reduce cannot change them.
+Under gradient accumulation the hook sees the sum of the micro-batches' gradients, so a NaN in
+any micro-batch is seen.
 
-Cost: one read of the local gradients per step, no host synchronisation inside the hook, and one
-SUM all-reduce of a single int32 plus one host read of it before the optimizer step (the verdict
-must be known before the update can be skipped). Only when a rank is flagged are the per-rank
-flags gathered and the offending parameters named.
+Cost of a clean DDP step: two reads of the gradients on the device (local per-parameter norms,
+reduced ``aminmax``), a few small kernels, no collective. When the verdict is read depends on
+``on_failure``:
+
+* ``"raise"``, ``"warn"``: no host synchronisation in the step. The verdict of step ``s`` is
+  read one step later (``resolve()``: the adapters call it before the next backward, or next
+  optimizer step, before a checkpoint is written and at the end of training), when the device
+  has long finished it; it names step ``s``. The update of step ``s`` has then already happened
+  (with non-finite gradients); training stops (raise) before the next one.
+* ``"skip_step"``, ``"rollback"``, an fp16 GradScaler, and steps the replay audit audits: one
+  host read of the device flag before the update (the decision must precede it; a GradScaler
+  reads its own flag there anyway). Still no collective.
+* Single process (no DDP): ``.grad`` is checked before the optimizer step, one host read.
+
+A non-finite reduced bucket with finite local gradients everywhere (an overflow inside the
+reduction, e.g. fp16 compression) is not a verdict: it is counted as
+``sdc/nonfinite_gradient/nonfinite_after_reduce``. A parameter whose local gradient norm
+overflows its float range (fp32 elements beyond about 1e19) is named alongside non-finite ones.
 
 Limits: a fault that leaves gradients finite is invisible here (the ring replay audit sees it).
-Without DDP the check reads ``.grad`` before the optimizer step; there is then only one rank.
+An inner communication hook that replaces non-finite values (``nan_to_num``) hides them from the
+decision. Single process: names are read from ``.grad`` at the verdict, so a clipping done before
+it (Accelerate's ``clip_grad_norm_``) names every parameter it contaminated.
 """
 
 from __future__ import annotations
@@ -35,18 +59,22 @@ from torch import nn
 from sdc_core.errors import NonFiniteGradientError
 from sdc_core.fingerprint import flatten, group_small
 from sdc_core.stats import CheckStats
-from sdc_core.topology import Topology, all_gather_objects, collective_device, is_distributed
+from sdc_core.topology import Topology, all_gather_objects, is_distributed
 
 BucketConsumer = Callable[[Any], None]
+ReducedConsumer = Callable[[torch.Tensor], None]
 _ON_FAILURE = ("raise", "skip_step", "warn", "rollback")
+_DEFERRED = ("raise", "warn")  # policies whose verdict may be read one step later
 
 
 class GradientTap:
-    """The one communication hook per DDP model; consumers see each bucket before the all-reduce.
+    """The one communication hook per DDP model.
 
-    ``GradientTap.attach(ddp_model, ...)`` returns the model's existing tap or registers a new
-    one wrapping ``inner_hook`` (default: DDP's all-reduce). Consumers must not synchronise with
-    the host.
+    ``consumers`` see each bucket before the inner hook (local gradients); ``reduced_consumers``
+    see the bucket the inner hook's future delivers (reduced gradients, identical on every rank),
+    from a callback chained on that future. ``GradientTap.attach(ddp_model, ...)`` returns the
+    model's existing tap or registers a new one wrapping ``inner_hook`` (default: DDP's
+    all-reduce). Consumers must not synchronise with the host nor raise.
     """
 
     def __init__(self, names: dict[int, str], inner_hook: Callable[..., Any] | None, inner_state: Any) -> None:
@@ -56,6 +84,7 @@ class GradientTap:
         self.inner_hook = inner_hook
         self.inner_state = inner_state
         self.consumers: list[BucketConsumer] = []
+        self.reduced_consumers: list[ReducedConsumer] = []
 
     @classmethod
     def attach(
@@ -108,10 +137,23 @@ def default_allreduce(process_group: dist.ProcessGroup | None, bucket: Any) -> t
 
 
 def _tap_hook(tap, bucket):  # type: ignore[no-untyped-def]  # DDP inspects these annotations
-    """DDP communication hook: consumers read the local bucket, then the inner hook runs."""
+    """DDP communication hook: consumers read the local bucket, the inner hook reduces it, and
+    the reduced consumers read the result in a callback chained on the inner hook's future (DDP
+    waits for that future before backward returns)."""
     for consume in tap.consumers:
         consume(bucket)
-    return tap.inner_hook(tap.inner_state, bucket)
+    fut = tap.inner_hook(tap.inner_state, bucket)
+    if not tap.reduced_consumers:
+        return fut
+
+    def reduced(f: torch.futures.Future[Any]) -> Any:
+        value = f.value()
+        tensor = value[0] if isinstance(value, list | tuple) else value
+        for consume in tap.reduced_consumers:
+            consume(tensor)
+        return value
+
+    return fut.then(reduced)
 
 
 @dataclass(frozen=True)
@@ -121,7 +163,9 @@ class NonFiniteConfig:
     Args:
         on_failure: ``"raise"`` (default), ``"skip_step"`` (every rank drops the optimizer step,
             the weights stay clean), ``"warn"``, or ``"rollback"`` (raised here; the Lightning
-            adapter reloads the newest verified checkpoint).
+            adapter reloads the newest verified checkpoint). Under DDP, ``"raise"`` and
+            ``"warn"`` read the verdict one step later (no host synchronisation in the step);
+            the others read it before the update.
         overflow_patience: with an fp16 GradScaler, overflow is the scaler's business; a rank is
             flagged only when it is the only rank with non-finite local gradients on this many
             consecutive steps (>= 1).
@@ -142,69 +186,150 @@ class NonFiniteConfig:
 
 
 @dataclass
+class _StepFlags:
+    """What the tap recorded for one step, on the device: the reduced buckets' (min, max) pairs
+    (identical on every rank) and, per bucket, the local per-parameter gradient norms."""
+
+    step: int
+    reduced: list[torch.Tensor]
+    local: list[tuple[torch.Tensor, list[nn.Parameter]]]
+    scaler_active: bool = False
+
+
+@dataclass
 class NonFiniteGradient:
     """Framework-neutral non-finite gradient check.
 
     Adapters call ``attach`` (DDP) once, then ``verdict(step, params, ...)`` once per optimizer
-    step, after backward and before the update.
+    step, after backward and before the update, and ``resolve()`` where a verdict read one step
+    later must be known: before the next backward (or at the next ``verdict``), before a
+    checkpoint is written and at the end of training. Every call on every rank alike.
     """
 
     config: NonFiniteConfig = field(default_factory=NonFiniteConfig)
     stats: CheckStats = field(default_factory=lambda: CheckStats("nonfinite_gradient"))
     topology: Topology | None = None
     tap: GradientTap | None = None
-    _buckets: list[tuple[torch.Tensor, list[str]]] = field(default_factory=list)
+    _reduced: list[torch.Tensor] = field(default_factory=list)
+    _local: list[tuple[torch.Tensor, list[nn.Parameter]]] = field(default_factory=list)
+    _pending: _StepFlags | None = None
     _sole_rank: int | None = None
     _streak: int = 0
     last_error: NonFiniteGradientError | None = None
 
     def attach(self, tap: GradientTap) -> None:
-        """Consume the tap's buckets (local gradients, pre-all-reduce)."""
+        """Record local gradient norms and reduced-bucket extremes from the tap."""
         self.tap = tap
         tap.consumers.append(self._consume)
+        tap.reduced_consumers.append(self._consume_reduced)
 
     def _consume(self, bucket: Any) -> None:
-        assert self.tap is not None
-        self._buckets.append((_minmax(bucket.buffer()), self.tap.bucket_names(bucket)))
+        grads = bucket.gradients()
+        half = bool(grads) and grads[0].dtype == torch.float16  # an fp16 norm overflows at 65504
+        norms = torch._foreach_norm(grads, 2, dtype=torch.float32 if half else None) if grads else []
+        norms = torch.stack(list(norms)) if grads else torch.zeros(0)
+        self._local.append((norms, bucket.parameters()))
+
+    def _consume_reduced(self, reduced: torch.Tensor) -> None:
+        self._reduced.append(_minmax(reduced))
+
+    @property
+    def pending_step(self) -> int | None:
+        """The step whose verdict is still to be read, if any."""
+        return self._pending.step if self._pending is not None else None
 
     def verdict(
         self,
         step: int,
         params: Iterable[tuple[str, nn.Parameter]],
         scaler_active: bool = False,
+        now: bool = False,
     ) -> bool:
-        """Decide, on every rank alike, whether step ``step`` is clean.
+        """Take step ``step``'s evidence; decide now or leave the verdict for ``resolve()``.
 
-        ``params`` are the named parameters of the model (their ``.grad`` is all-reduced by
-        now). Returns True when the optimizer step must be skipped (``on_failure="skip_step"``);
-        raises ``NonFiniteGradientError`` with ``on_failure="raise"``.
+        Resolves the previous step's pending verdict first (it may raise, naming that step).
+        Under DDP with ``on_failure`` ``"raise"`` or ``"warn"``, no GradScaler and ``now`` False
+        the decision is left pending (no host read); otherwise it is taken here, before the
+        update. ``params`` are the model's named parameters (read only without DDP). Returns
+        True when the optimizer step must be skipped (``"skip_step"``); raises
+        ``NonFiniteGradientError`` with ``"raise"`` (and ``"rollback"``, which the adapter acts on).
         """
+        self.resolve()
         t0 = time.perf_counter()
-        params = list(params)
-        buckets, self._buckets = self._buckets, []
-        distributed = is_distributed() and self.tap is not None
-        if distributed:
-            flags = _nonfinite(torch.stack([mm for mm, _ in buckets])) if buckets else None
-        else:
-            grads = [p.grad for _, p in params if p.grad is not None]
-            flags = any_nonfinite(grads).reshape(1) if grads else None
-        device = collective_device()
-        local = torch.zeros(1, dtype=torch.int32, device=device)
-        if flags is not None:
-            local += flags.any().to(device=device, dtype=torch.int32)
-        if distributed:
-            dist.all_reduce(local)
-        count = int(local.item())
-        self.stats.runs += 1
-        if count == 0:
-            self._streak, self._sole_rank = 0, None
-            self.stats.last_verified_step = step
+        reduced, self._reduced = self._reduced, []
+        local, self._local = self._local, []
+        if not (is_distributed() and self.tap is not None):
+            return self._single_process(step, list(params), scaler_active, t0)
+        flags = _StepFlags(step, reduced, local, scaler_active)
+        if self.config.on_failure in _DEFERRED and not scaler_active and not now:
+            self._pending = flags
             self.stats.add_time(time.perf_counter() - t0)
             return False
+        return self._decide(flags, t0, list(params))
 
-        # Rare path: name the ranks and parameters.
-        mine = self._local_names(params, buckets, flags, distributed)
-        per_rank = all_gather_objects(mine) if distributed else [mine]
+    def resolve(self) -> None:
+        """Read the pending verdict, if any (every rank, same place); raise or warn naming its step."""
+        flags, self._pending = self._pending, None
+        if flags is not None:
+            self._decide(flags, time.perf_counter())
+
+    def discard(self) -> int | None:
+        """Drop the pending verdict without any collective (training is stopping on another
+        error, possibly on this rank only). Warns, naming the step, when the reduced gradients
+        of that step were non-finite (a host read of a flag the device has computed). Returns
+        that step, or None."""
+        flags, self._pending = self._pending, None
+        self._reduced, self._local = [], []
+        if flags is None or not flags.reduced or not bool(_nonfinite(torch.stack(flags.reduced)).any()):
+            return None
+        warnings.warn(
+            f"SDC check 'nonfinite_gradient': the gradients of step {flags.step} were non-finite after the "
+            "all-reduce; the ranks were not named because training stopped on another error first",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return flags.step
+
+    def _decide(self, flags: _StepFlags, t0: float, params: list[tuple[str, nn.Parameter]] | None = None) -> bool:
+        """The verdict of ``flags.step`` from the reduced buckets (identical on every rank)."""
+        self.stats.runs += 1
+        bad = bool(_nonfinite(torch.stack(flags.reduced)).any()) if flags.reduced else False  # the host read
+        if not bad:
+            return self._clean(flags.step, t0)
+        # Rare path, entered by every rank together: gather the local flags to name ranks and parameters.
+        per_rank = all_gather_objects(self._local_names(flags.local))
+        if all(names is None for names in per_rank):  # finite everywhere before the reduction: it overflowed
+            self.stats.bump("nonfinite_after_reduce")
+            return self._clean(flags.step, t0)
+        return self._failure(flags.step, per_rank, flags.scaler_active, t0, params)
+
+    def _clean(self, step: int, t0: float) -> bool:
+        self._streak, self._sole_rank = 0, None
+        self.stats.last_verified_step = step
+        self.stats.add_time(time.perf_counter() - t0)
+        return False
+
+    def _single_process(
+        self, step: int, params: list[tuple[str, nn.Parameter]], scaler_active: bool, t0: float
+    ) -> bool:
+        """Without DDP: check ``.grad`` now (one host read) and name from it."""
+        self.stats.runs += 1
+        grads = [p.grad for _, p in params if p.grad is not None]
+        if not grads or not bool(any_nonfinite(grads)):
+            return self._clean(step, t0)
+        limit = self.config.max_names
+        bad = [n for (n, p) in params if p.grad is not None and not bool(torch.isfinite(p.grad).all())]
+        return self._failure(step, [bad[:limit]], scaler_active, t0, params=params)
+
+    def _failure(
+        self,
+        step: int,
+        per_rank: list[list[str] | None],
+        scaler_active: bool,
+        t0: float,
+        params: list[tuple[str, nn.Parameter]] | None,
+    ) -> bool:
+        """Build the verdict from every rank's offending names (identical on every rank) and act."""
         offenders = tuple(r for r, names in enumerate(per_rank) if names is not None)
         world = len(per_rank)
         if world == 1:
@@ -253,42 +378,24 @@ class NonFiniteGradient:
         self.last_error = error
         if self.config.on_failure in ("raise", "rollback"):  # rollback: the adapter acts on the error
             raise error
-        warnings.warn(str(error), RuntimeWarning, stacklevel=2)
+        warnings.warn(str(error), RuntimeWarning, stacklevel=3)
         if self.config.on_failure == "skip_step":
             self.stats.bump("skipped_steps")
-            if not scaler_active:  # a GradScaler skips a non-finite step itself (and needs the grads to see it)
+            if not scaler_active and params is not None:  # a GradScaler skips a non-finite step itself
                 drop_step(p for _, p in params)
             return True
         return False
 
-    def _local_names(
-        self,
-        params: list[tuple[str, nn.Parameter]],
-        buckets: list[tuple[torch.Tensor, list[str]]],
-        flags: torch.Tensor | None,
-        distributed: bool,
-    ) -> list[str] | None:
-        """This rank's offending parameter names, or None when its local gradients were finite."""
-        if flags is None or not bool(flags.any()):
-            return None
-        limit = self.config.max_names
-        grads = dict(params)
-        if not distributed:
-            bad = [n for (n, p) in params if p.grad is not None and not bool(torch.isfinite(p.grad).all())]
-            return bad[:limit]
-        # The local buffer is gone (reduced in place); the reduced .grad is non-finite exactly
-        # where some rank's local gradient was, so intersect with this rank's flagged buckets.
+    def _local_names(self, local: list[tuple[torch.Tensor, list[nn.Parameter]]]) -> list[str] | None:
+        """This rank's parameters whose LOCAL gradient was non-finite (rare path: host reads), or
+        None when all were finite."""
         names: list[str] = []
-        for flagged, (_, bucket_names) in zip(flags.tolist(), buckets, strict=True):
-            if not flagged:
-                continue
-            for n in bucket_names:
-                g = grads[n].grad if n in grads else None
-                if g is not None and not bool(torch.isfinite(g).all()):
-                    names.append(n)
-            if not names:
-                names.extend(bucket_names)
-        return names[:limit]
+        lookup = self.tap.names if self.tap is not None else {}
+        for norms, params in local:
+            for p, finite in zip(params, torch.isfinite(norms).tolist(), strict=True):
+                if not finite:
+                    names.append(lookup.get(id(p), "?"))
+        return names[: self.config.max_names] if names else None
 
 
 def drop_step(params: Iterable[torch.Tensor], scaler_active: bool = False) -> None:

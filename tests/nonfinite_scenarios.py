@@ -1,0 +1,146 @@
+"""Non-finite check scenarios without a synchronous collective: run under ``torchrun`` (3 ranks).
+
+``torchrun --nproc-per-node 3 tests/nonfinite_scenarios.py --out DIR --only a,b`` runs the named
+scenarios in one process group, each a real ``Trainer(strategy="ddp")`` fit (``ddp_scenarios.fit``),
+and writes ``DIR/<scenario>.rank<r>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+import traceback
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as L
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from ddp_scenarios import fit
+
+from lightning_sdc import Fault, FaultInjector, NonFiniteGradientCheck
+
+HOST_READS = ("item", "tolist", "__bool__", "__float__", "__int__")
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_object", "broadcast", "barrier", "isend", "irecv")
+
+
+class SyncProbe(L.Callback):
+    """Counts, per training batch, the host reads (``Tensor.item``, ``tolist``, ``bool``, ...) and
+    the ``torch.distributed`` calls made INSIDE the non-finite check, wherever they run (the tap's
+    reduced consumer runs in the communication thread): ``now`` inside the verdict of the current
+    step and the tap consumers, ``late`` inside the read of the previous step's pending verdict."""
+
+    def __init__(self) -> None:
+        self.where = threading.local()
+        self.counts: dict[str, int] = {}
+        self.steps: list[dict[str, int]] = []
+        self._saved: dict[tuple[Any, str], Any] = {}
+
+    def _count(self, owner: Any, name: str, kind: str) -> None:
+        original = getattr(owner, name)
+        self._saved[(owner, name)] = original
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            where = getattr(self.where, "name", None)
+            if where is not None:
+                key = f"{kind}_{where}"
+                self.counts[key] = self.counts.get(key, 0) + 1
+            return original(*args, **kwargs)
+
+        setattr(owner, name, counted)
+
+    def _enter(self, fn: Any, name: str) -> Any:
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            outer = getattr(self.where, "name", None)
+            self.where.name = name
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.where.name = outer
+
+        return wrapped
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        (check,) = [cb for cb in trainer.callbacks if isinstance(cb, NonFiniteGradientCheck)]
+        core = check._core
+        core.verdict = self._enter(core.verdict, "now")
+        core.resolve = self._enter(core.resolve, "late")
+        tap = core.tap
+        tap.consumers[:] = [self._enter(f, "now") for f in tap.consumers]
+        tap.reduced_consumers[:] = [self._enter(f, "now") for f in tap.reduced_consumers]
+        for name in HOST_READS:
+            self._count(torch.Tensor, name, "reads")
+        for name in COLLECTIVES:
+            self._count(dist, name, "collectives")
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        self.counts = {}
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        self.steps.append(dict(self.counts))
+
+    def teardown(self, *args: Any, **kwargs: Any) -> None:
+        for (owner, name), original in self._saved.items():
+            setattr(owner, name, original)
+        self._saved.clear()
+
+
+def probed(o: Path, name: str, on_failure: str) -> dict[str, Any]:
+    probe = SyncProbe()
+    result = fit(o, name, [NonFiniteGradientCheck(on_failure=on_failure), probe], steps=6)
+    return result | {"probe": probe.steps}
+
+
+def nan(rank: int, step: int, target: str = "body.weight") -> FaultInjector:
+    return FaultInjector([Fault("nonfinite_gradient", rank=rank, step=step, target=target, index=5)])
+
+
+SCENARIOS: dict[str, Any] = {
+    # clean steps: no collective and no host read in the check with "raise"; one read with "skip_step"
+    "probe_raise": lambda o: probed(o, "probe_raise", "raise"),
+    "probe_skip": lambda o: probed(o, "probe_skip", "skip_step"),
+    # clipping after the all-reduce turns every gradient NaN; the names come from the local flags
+    "clip_nan": lambda o: fit(
+        o, "clip_nan", [NonFiniteGradientCheck(), nan(2, 3)], gradient_clip_val=0.5,
+        strategy_kwargs={"bucket_cap_mb": 0.001},  # several buckets
+    ),
+    # a NaN in the last step: the verdict read at the end of training
+    "nan_last_step": lambda o: fit(o, "nan_last_step", [NonFiniteGradientCheck(), nan(1, 7, "head.weight")]),
+    # a checkpoint is never written after a step whose verdict is unread
+    "nan_checkpoint": lambda o: fit(
+        o, "nan_checkpoint",
+        [ModelCheckpoint(dirpath=o / "ckpts" / "nan_checkpoint", every_n_train_steps=1, save_top_k=-1),
+         NonFiniteGradientCheck(), nan(0, 2)],
+    ),
+    # warn: read one step later, training goes on, the incident names the step and the rank
+    "nan_warn": lambda o: fit(o, "nan_warn", [NonFiniteGradientCheck(on_failure="warn"), nan(1, 5)]),
+}  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--only", default=",".join(SCENARIOS))
+    args = parser.parse_args()
+    rank = int(os.environ["RANK"])
+    args.out.mkdir(parents=True, exist_ok=True)
+    for name in args.only.split(","):
+        try:
+            result = SCENARIOS[name](args.out)
+        except Exception:
+            result = {"crash": traceback.format_exc()}
+        (args.out / f"{name}.rank{rank}.json").write_text(json.dumps(result, default=repr))
+        if "crash" in result:
+            raise SystemExit(f"scenario {name} crashed on rank {rank}:\n{result['crash']}")
+
+
+if __name__ == "__main__":
+    main()
