@@ -36,3 +36,9 @@ def interleaved(fns: dict[str, Callable[[], object]], repeats: int, device: torc
 def summary(samples: list[float]) -> dict[str, float]:
     """Median and spread (min, max) of a list of timings."""
     return {"median": statistics.median(samples), "min": min(samples), "max": max(samples), "n": len(samples)}
+
+
+def round_overheads(per_round: dict[str, list[float]], base: str = "none") -> dict[str, list[float]]:
+    """Per round, each configuration's median step time relative to ``base`` in the same round,
+    minus one: the spread of the overhead estimate itself (rounds alternate the configurations)."""
+    return {c: [m / b - 1 for m, b in zip(medians, per_round[base], strict=True)] for c, medians in per_round.items()}

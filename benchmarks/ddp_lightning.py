@@ -24,7 +24,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from benchmarks.common import summary
+from benchmarks.common import round_overheads, summary
 from lightning_sdc import NonFiniteGradientCheck, RingReplayAudit, WeightFingerprintCheck
 
 BATCH = 128
@@ -136,9 +136,12 @@ def main() -> None:
     traffic = Traffic()
     skip = 5  # warm-up steps excluded
     runs: dict[str, list[dict[str, float]]] = {c: [] for c in args.configs.split(",")}
+    per_round: dict[str, list[float]] = {c: [] for c in runs}
     for _ in range(args.rounds):
         for config in runs:
-            runs[config] += fit(config, args.steps, traffic, args.replay_every)[skip:]
+            kept = fit(config, args.steps, traffic, args.replay_every)[skip:]
+            runs[config] += kept
+            per_round[config].append(summary([s["seconds"] for s in kept])["median"])
     if dist.get_rank() != 0:
         return
     base = summary([s["seconds"] for s in runs["none"]])["median"]
@@ -147,6 +150,7 @@ def main() -> None:
         "params": sum(p.numel() for p in Model().parameters()),
         "step_seconds": {c: summary([s["seconds"] for s in steps]) for c, steps in runs.items()},
         "overhead": {c: summary([s["seconds"] for s in steps])["median"] / base - 1 for c, steps in runs.items()},
+        "overhead_by_round": round_overheads(per_round),
         "replay_every": args.replay_every,
     }
     if "defaults" in runs:

@@ -6,7 +6,9 @@ run in alternating rounds over the same tensors and report GB/s and the ratio to
 
 * ``sum``: one ``sum`` per tensor, stacked, one host read at the end;
 * ``fingerprint``: ``combine(grouped_digests(...))`` as the weight fingerprint check runs it;
-* ``nonfinite_bucket``: one ``aminmax`` per 25 MB DDP bucket, as the gradient tap runs it;
+* ``nonfinite_bucket``: what the gradient tap runs per 25 MB DDP bucket: the per-parameter norms
+  of the local gradients (one ``_foreach_norm``) and one ``aminmax`` of the reduced bucket (here
+  the same bytes), i.e. two reads of the gradients;
 * ``nonfinite_tensor``: one ``aminmax`` per tensor, the check's single-process (``.grad``) path;
 * ``sha1_host``: SHA-1 of the bytes copied to the host (Megatron-LM's cross-replica check);
 * ``hash_tensor``: ``torch.hash_tensor`` (xor) per tensor;
@@ -23,7 +25,7 @@ import torch
 
 from benchmarks.common import interleaved, summary
 from sdc_core.fingerprint import combine, grouped_digests
-from sdc_core.gradients import any_nonfinite, nonfinite_flags
+from sdc_core.gradients import any_nonfinite, local_norms, nonfinite_flags
 
 BUCKET_BYTES = 25 * 2**20
 
@@ -34,11 +36,32 @@ def make_tensors(total: int, layout: str, dtype: torch.dtype, device: torch.devi
     return [torch.randn(total // count, generator=g).to(device=device, dtype=dtype) for _ in range(count)]
 
 
+def ddp_buckets(tensors: list[torch.Tensor]) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
+    """Tensors packed into flat buckets of about 25 MB as DDP packs gradients, each with its
+    per-tensor views."""
+    groups: list[list[torch.Tensor]] = [[]]
+    size = 0
+    for t in tensors:
+        if groups[-1] and size + t.numel() * t.element_size() > BUCKET_BYTES:
+            groups.append([])
+            size = 0
+        groups[-1].append(t)
+        size += t.numel() * t.element_size()
+    out = []
+    for group in groups:
+        buffer = torch.cat([t.reshape(-1) for t in group])
+        out.append((buffer, list(buffer.split([t.numel() for t in group]))))
+    return out
+
+
 def candidates(tensors: list[torch.Tensor]) -> dict[str, Any]:
     device = tensors[0].device
     flat = torch.cat([t.reshape(-1) for t in tensors])
-    per_bucket = max(1, BUCKET_BYTES // flat.element_size())
-    buckets = list(flat.split(per_bucket))
+    buckets = ddp_buckets(tensors)
+
+    def nonfinite_bucket() -> bool:
+        flags = [torch.cat([~torch.isfinite(local_norms(views)), nonfinite_flags([b])]) for b, views in buckets]
+        return bool(torch.cat(flags).any())
 
     def sha1() -> str:
         h = hashlib.sha1()
@@ -51,7 +74,7 @@ def candidates(tensors: list[torch.Tensor]) -> dict[str, Any]:
         "copy": lambda: copy_dst.copy_(flat),
         "sum": lambda: torch.stack([t.sum() for t in tensors]).sum().item(),
         "fingerprint": lambda: combine(grouped_digests(tensors)[0]).item(),
-        "nonfinite_bucket": lambda: bool(nonfinite_flags(buckets).any()),
+        "nonfinite_bucket": nonfinite_bucket,
         "nonfinite_tensor": lambda: bool(any_nonfinite(tensors)),
         "sha1_host": sha1,
         "isfinite_loop": lambda: all(torch.isfinite(t).all().item() for t in tensors),

@@ -64,6 +64,33 @@ def kernel_ranges(rows: list[dict[str, Any]]) -> dict[str, str]:
     }
 
 
+def _range(values: list[float]) -> str:
+    return f"{100 * min(values):+.1f}% to {100 * max(values):+.1f}%" if values else "-"
+
+
+def ddp_table(d: dict[str, Any]) -> str:
+    """Step-time table of a DDP benchmark, with the per-round spread of each overhead, and the
+    defaults-vs-none sentence."""
+    rounds = d.get("overhead_by_round", {})
+    lines = ["| configuration | median ms per step | vs none | per-round range | min | max |",
+             "|---|---|---|---|---|---|"]  # fmt: skip
+    for name, row in d["step_seconds"].items():
+        lines.append(f"| {name} | {1000 * row['median']:.1f} | {100 * d['overhead'][name]:+.1f}% | "
+                     f"{_range(rounds.get(name, [])) if name != 'none' else '-'} | {1000 * row['min']:.1f} | "
+                     f"{1000 * row['max']:.1f} |")  # fmt: skip
+    over = d["defaults_overhead"]
+    spread = rounds.get("defaults", [])
+    verdict = "within" if over <= 0.01 else "above"
+    ranging = f", the rounds ranging {_range(spread)}" if spread else ""
+    lines.append(
+        f"\nDefaults (gradient check every step, fingerprint every step, replay every 100 steps) against no "
+        f"checks: {100 * over:+.1f}% per step ({verdict} the 1% target){ranging}. An audited step costs "
+        f"{d.get('audited_step_vs_normal', float('nan')):.2f}x a normal step (audit every {d['replay_every']} "
+        "steps).\n"
+    )
+    return "\n".join(lines)
+
+
 def render(data: dict[str, Any]) -> str:
     m = data["machine"]
     s = data["step"]
@@ -96,21 +123,18 @@ def render(data: dict[str, Any]) -> str:
                                    replay=pct(w["replay_amortised"]),
                                    replay_verdict="under" if w["replay_amortised"] < 0.015 else "above"))  # fmt: skip
     if d:
-        sec = d["step_seconds"]
         parts.append(f"\n## 3. Lightning DDP, {d['world_size']} CPU ranks ({d['params']:,} parameters)\n")
         parts.append(DDP_TEXT)
-        parts.append("| configuration | median ms per step | vs none | min | max |\n|---|---|---|---|---|")
-        for name, row in sec.items():
-            parts.append(f"| {name} | {1000 * row['median']:.1f} | {100 * d['overhead'][name]:+.1f}% | "
-                         f"{1000 * row['min']:.1f} | {1000 * row['max']:.1f} |")  # fmt: skip
-        parts.append(
-            f"\nDefaults (gradient check every step, fingerprint every step, replay every 100 steps) against no "
-            f"checks: {100 * d['defaults_overhead']:+.1f}% per step. An audited step costs "
-            f"{d['audited_step_vs_normal']:.2f}x a normal step (audit every {d['replay_every']} steps).\n"
-        )
+        parts.append(ddp_table(d))
         parts.append(DDP_AFTER.format(audited=d["audited_step_vs_normal"]))
+    a = data.get("accelerate")
+    if a:
+        parts.append(f"\n## 4. Accelerate DDP, {a['world_size']} CPU ranks ({a['params']:,} parameters)\n")
+        parts.append(ACCELERATE_TEXT)
+        parts.append(ddp_table(a))
+    parts.append(POLICY_TEXT)
     if "traffic" in data:
-        parts.append("\n## 4. Traffic the checks add, per rank per step (counted by instrumenting the calls)\n")
+        parts.append("\n## 6. Traffic the checks add, per rank per step (counted by instrumenting the calls)\n")
         parts.append(
             "| world size | clean step: calls / bytes sent | audited step: calls / bytes sent |\n|---|---|---|"
         )
@@ -137,13 +161,18 @@ Commands:
 
 ```bash
 make bench                        # or: .venv/bin/python -m benchmarks --out docs/performance.json  (~10 min)
+.venv/bin/python -m benchmarks --sections ddp,accelerate --out docs/performance.json  # the DDP sections only (~5 min)
 python -m benchmarks.report       # re-renders this page from the JSON
 bash benchmarks/gpu.sh            # kernels and step on a CUDA device (not run yet: no GPU was lent)
 ```
+
+A run of some sections replaces those sections in the JSON and keeps the others.
 """
 
 KERNELS_TEXT = """Candidates over the same tensors: `sum` (the memory-read limit), `fingerprint` (what the
-weight check runs), `nonfinite_bucket` (what the gradient tap runs per 25 MB DDP bucket),
+weight check runs), `nonfinite_bucket` (what the gradient tap runs per 25 MB DDP bucket: the per-parameter
+norms of the local gradients, one `_foreach_norm`, and one `aminmax` of the reduced bucket, so
+two reads of the gradient bytes),
 `nonfinite_tensor` (the check's single-process `.grad` path), `sha1_host` (SHA-1 of the bytes on
 the host, Megatron-LM's cross-replica check), `hash_tensor` (`torch.hash_tensor`, xor),
 `isfinite_loop` (`torch.isfinite(g).all().item()` per tensor) and `copy` (bytes copied per second
@@ -154,10 +183,12 @@ tensors.
 KERNELS_AFTER = """
 Reading the table:
 - On large tensors (10M and 100M rows) the fingerprint runs at {fp_large} of the plain sum and the
-  non-finite check at {nf_large}, without a host synchronisation per tensor; the non-finite check
-  is exact (`aminmax`: finite values never overflow). On this CPU the plain sum itself is only
-  {sum_vs_sha} faster than SHA-1 of the host bytes (SHA-1 needs no device-to-host copy here), and a
-  check that reads every byte cannot beat SHA-1 by more than that on this machine: the
+  non-finite DDP path at {nf_large}, without a host synchronisation per tensor. The non-finite
+  path reads the gradients twice (the local bucket before the all-reduce, for the names; the
+  reduced bucket after it, for the decision every rank takes alike), so 0.5x of one sum is its
+  memory limit; the decision is exact (`aminmax`: finite values never overflow). On this CPU
+  the plain sum itself is only {sum_vs_sha} faster than SHA-1 of the host bytes (SHA-1 needs no
+  device-to-host copy here), and a check that reads every byte cannot beat SHA-1 by more than that on this machine: the
   fingerprint reaches {fp_vs_sha}, so the 10x target is met only where the sum itself allows
   it. On a GPU, memory bandwidth is hundreds of times SHA-1's speed and SHA-1 needs a copy over
   PCIe first: that is where the 10x target bites (`benchmarks/gpu.sh`; not run, no GPU was lent).
@@ -166,8 +197,8 @@ Reading the table:
   puts it at or near the plain sum for the 1M set. For 1,000 tensors of 10k-100k elements it
   reaches {fp_small} of the sum: the int64 reduction and the per-tensor Python work of the digest
   cost more than a float `sum` there, so the 0.8x target is missed in that layout on this CPU.
-  The DDP gradient path reads whole 25 MB buckets (`nonfinite_bucket`), faster than a
-  per-tensor sum whenever tensors are small.
+  The DDP gradient path works on whole 25 MB buckets (`nonfinite_bucket`: one multi-tensor
+  norm and one `aminmax` per bucket), faster than a per-tensor sum whenever tensors are small.
 - The 1M single-tensor rows measure fixed per-call overhead (a few tenths of a millisecond), not
   bandwidth.
 """
@@ -192,17 +223,50 @@ of step times (min to max) is wider than the differences being measured: read th
 "within noise" unless they differ by more than the spread.
 """
 
-DDP_AFTER = """What the cheap checks add here is latency, not bandwidth: the gradient verdict is one 4-byte
-all-reduce and one host read per step, the fingerprint one 16-byte all-reduce, both slow over gloo
-with three processes on two cores; on GPUs with NCCL a 4-byte all-reduce takes tens of
-microseconds. An audited step does the normal step, one extra forward and backward of the
-partner's micro-batch, the gradient digests and the batch transfer: the target allows about 2x a
-normal step; the measured ratio is {audited:.2f}x.
+DDP_AFTER = """What the cheap checks add on a clean step: the gradient check makes no collective (NaN and
+Inf survive DDP's own all-reduce, so every rank reads the verdict from its reduced gradients)
+and, with `on_failure="raise"` (the default), reads its device flag one step later, so the host
+never waits for the step's gradients; its work is two reads of the gradients on the device. The
+fingerprint digests the weights and sends 16 bytes in one asynchronous all-reduce read a batch
+later. Three ranks share two cores here, so any of this competes with the other ranks' compute.
+An audited step does the normal step, one extra forward and backward of the partner's
+micro-batch, the gradient digests and the batch transfer: the target allows about 2x a normal
+step; the measured ratio is {audited:.2f}x.
+"""
+
+ACCELERATE_TEXT = """The same model, batch and configurations in a hand-written Accelerate loop
+(`Accelerator(cpu=True)` under torchrun, `SDCHooks` attached after `prepare`), alternating in one
+process group; a step is timed from the forward to `zero_grad`, the first 5 steps of each run
+dropped. `SDCHooks()` defaults: gradient check on, fingerprint every step, replay every 100 steps.
+"""
+
+POLICY_TEXT = """
+## 5. What each `on_failure` policy of the gradient check costs
+
+The gradient check's work on the device is the same under every policy (two reads of the
+gradients: the local per-parameter norms in the communication hook, the reduced bucket's
+`aminmax` chained on the all-reduce). No policy makes a collective on a clean DDP step. What
+differs is when the host reads the verdict:
+
+| policy / situation | when the host reads the verdict |
+|---|---|
+| `"raise"` (default), `"warn"` | one step later: before the next backward, a checkpoint, the end of training |
+| `"skip_step"`, `"rollback"` | in the step, before the update (the decision precedes it): one host synchronisation |
+| fp16 `GradScaler` active | in the step, before the update (the scaler reads its own flag there anyway) |
+| steps the replay audit audits | in the step, before the audit (which synchronises anyway) |
+| single process (no DDP) | in the step, from `.grad` |
+
+On a non-finite step, under any policy, every rank gathers every rank's offending parameter names
+(the only collective the gradient check ever makes).
+
+With `"raise"` the error names the step it belongs to and is raised one step later: the update of
+that step has happened, the next one does not, and no checkpoint is written in between.
 """
 
 TRAFFIC_TEXT = """
-The clean-step traffic is the same for every world size: the gradient verdict is a 4-byte SUM
-all-reduce, the fingerprint a 16-byte MAX all-reduce; nothing is gathered unless a check fails.
+The clean-step traffic is the same for every world size: the fingerprint's 16-byte MAX all-reduce
+is the only collective the checks add (the gradient verdict is read from DDP's own all-reduce);
+nothing is gathered unless a check fails.
 An audited step adds the point-to-point transfer of the micro-batch (size message, batch, RNG
 state, digest: here about 25 KB, the batch being 128 x 65 fp32 values) and a 24-byte all-gather,
 which is the only term that grows with the world size (each rank receives 24 bytes per rank).
@@ -216,8 +280,9 @@ over the default audit cadence of 100 steps, {mean_sent_per_step_default_cadence
 CADENCE_TEXT = """
 ## Choosing a cadence
 
-- Keep `NonFiniteGradientCheck` and `WeightFingerprintCheck(every_n_steps=1)` on always: one read
-  of the gradients and one of the weights per step, 20 bytes of traffic, no gathering.
+- Keep `NonFiniteGradientCheck` and `WeightFingerprintCheck(every_n_steps=1)` on always: two reads
+  of the gradients and one of the weights per step on the device, 16 bytes of traffic in one
+  asynchronous all-reduce, no gathering, no host wait in the step (`on_failure="raise"`).
 - `RingReplayAudit(every_n_steps=n)` costs about one step per audit, so about 1/n of the run
   time: 100 gives about 1%, 1,000 about 0.1%. A fault that is persistent is caught within n steps;
   an intermittent one is caught with a probability that grows with the audited fraction.

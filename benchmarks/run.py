@@ -2,8 +2,9 @@
 
 Sections (``--sections``): ``kernels`` (fingerprint and non-finite check against the
 alternatives), ``step`` (a small transformer's step with each check, one process), ``ddp``
-(Lightning DDP on 3 CPU ranks: step time, the audited step, traffic) and ``traffic`` (bytes and
-collectives per rank per step for world sizes 2, 4 and 8, and the formula). Prints tables and
+(Lightning DDP on 3 CPU ranks: step time, the audited step, traffic), ``accelerate`` (the same
+for an Accelerate loop with ``SDCHooks``) and ``traffic`` (bytes and collectives per rank per step
+for world sizes 2, 4 and 8, and the formula). Prints tables and
 writes everything as JSON. ``--quick`` runs the smallest sizes only (what the test suite runs).
 """
 
@@ -26,12 +27,14 @@ from benchmarks import kernels, step
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def torchrun(nproc: int, steps: int, rounds: int, replay_every: int, configs: str) -> dict[str, Any]:
+def torchrun(nproc: int, steps: int, rounds: int, replay_every: int, configs: str,
+             module: str = "benchmarks.ddp_lightning") -> dict[str, Any]:  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "ddp.json"
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONPATH=str(ROOT))
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONPATH=str(ROOT),
+                   ACCELERATE_SDC_CONFIG_FILE=os.devnull)  # the SDCHooks defaults, not a user config  # fmt: skip
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               "-m", "benchmarks.ddp_lightning", "--out", str(out), "--steps", str(steps),
+               "-m", module, "--out", str(out), "--steps", str(steps),
                "--rounds", str(rounds), "--replay-every", str(replay_every), "--configs", configs]  # fmt: skip
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
         if proc.returncode != 0:
@@ -41,17 +44,17 @@ def torchrun(nproc: int, steps: int, rounds: int, replay_every: int, configs: st
 
 def formula(world: int, batch_bytes: int, tensors: int) -> dict[str, float]:
     """Bytes each rank sends per step with the default cadences (fingerprint every step, replay
-    every 100): 4 B (gradient verdict) + 16 B (fingerprint) on every step; on an audited step
-    also 8 B + the payload (batch, 32 B per parameter tensor of digest, ~5 KiB CPU RNG state,
-    ~3 KiB of serialisation) to its partner, and 24 B into an all-gather that delivers
-    24 * world B to each rank."""
+    every 100): 16 B (fingerprint) on every step (the gradient verdict rides on DDP's own
+    all-reduce: 0 B); on an audited step also 8 B + the payload (batch, 32 B per parameter tensor
+    of digest, ~5 KiB CPU RNG state, ~3 KiB of serialisation) to its partner, and 24 B into an
+    all-gather that delivers 24 * world B to each rank."""
     payload = 8 + batch_bytes + 32 * tensors + 5056 + 3000
     return {
-        "clean_step_sent": 20,
-        "clean_step_collectives": 2,
-        "audited_step_sent": 20 + payload + 24,
+        "clean_step_sent": 16,
+        "clean_step_collectives": 1,
+        "audited_step_sent": 16 + payload + 24,
         "audited_step_received_allgather": 24 * world,
-        "mean_sent_per_step_default_cadence": 20 + (payload + 24) / 100,
+        "mean_sent_per_step_default_cadence": 16 + (payload + 24) / 100,
     }
 
 
@@ -67,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="smallest sizes only")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--sections", default="kernels,step,ddp,traffic")
+    parser.add_argument("--sections", default="kernels,step,ddp,accelerate,traffic")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "performance.json")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
@@ -103,6 +106,14 @@ def main(argv: list[str] | None = None) -> int:
         for name, sec in d["step_seconds"].items():
             print(f"{name:12} {1000 * sec['median']:8.1f} ms  ({100 * d['overhead'][name]:+.1f}%)")
         print(f"audited step / normal step: {d['audited_step_vs_normal']:.2f}")
+    if "accelerate" in sections and not args.quick:
+        result["accelerate"] = torchrun(3, 30, 3, 10, "none,nonfinite,fingerprint,defaults,audit_often",
+                                        module="benchmarks.ddp_accelerate")  # fmt: skip
+        d = result["accelerate"]
+        print("\n== Accelerate DDP, 3 CPU ranks ==")
+        for name, sec in d["step_seconds"].items():
+            print(f"{name:12} {1000 * sec['median']:8.1f} ms  ({100 * d['overhead'][name]:+.1f}%)")
+        print(f"audited step / normal step: {d['audited_step_vs_normal']:.2f}")
     if "traffic" in sections and not args.quick:
         result["traffic"] = {}
         for world in (2, 3, 4, 8):
@@ -116,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         for world, t in result["traffic"].items():
             print(f"world {world}: clean {t['clean']}, audited {t['audited']}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    if args.out.exists() and set(sections) != {"kernels", "step", "ddp", "traffic"}:
+    if args.out.exists() and set(sections) != {"kernels", "step", "ddp", "accelerate", "traffic"}:
         merged = json.loads(args.out.read_text())  # a partial run updates its sections only
         merged.update(result)
         result = merged

@@ -224,11 +224,7 @@ class NonFiniteGradient:
         tap.reduced_consumers.append(self._consume_reduced)
 
     def _consume(self, bucket: Any) -> None:
-        grads = bucket.gradients()
-        half = bool(grads) and grads[0].dtype == torch.float16  # an fp16 norm overflows at 65504
-        norms = torch._foreach_norm(grads, 2, dtype=torch.float32 if half else None) if grads else []
-        norms = torch.stack(list(norms)) if grads else torch.zeros(0)
-        self._local.append((norms, bucket.parameters()))
+        self._local.append((local_norms(bucket.gradients()), bucket.parameters()))
 
     def _consume_reduced(self, reduced: torch.Tensor) -> None:
         self._reduced.append(_minmax(reduced))
@@ -410,6 +406,18 @@ def drop_step(params: Iterable[torch.Tensor], scaler_active: bool = False) -> No
         return
     for p in params:
         p.grad = None
+
+
+def local_norms(grads: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Per-tensor L2 norms as one vector on the tensors' device (no host synchronisation): one
+    ``_foreach_norm`` (the kernel ``clip_grad_norm_`` runs; one pass over the bytes) and one
+    ``stack``. A norm is non-finite when its tensor holds NaN or Inf (or, rarely, when the sum of
+    squares overflows float32); fp16 tensors are reduced in float32 (an fp16 norm overflows at
+    65504)."""
+    if not grads:
+        return torch.zeros(0)
+    half = grads[0].dtype == torch.float16
+    return torch.stack(list(torch._foreach_norm(list(grads), 2, dtype=torch.float32 if half else None)))
 
 
 def _minmax(t: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,122 @@
+"""Accelerate DDP on CPU ranks: steady-state time per optimizer step with and without ``SDCHooks``.
+
+Run under ``torchrun --nproc-per-node N python -m benchmarks.ddp_accelerate --out FILE`` (an
+``Accelerator(cpu=True)`` under torchrun gives gloo ranks, MULTI_CPU). The same model and batch as
+the Lightning benchmark; the configurations alternate in one process group (start-up paid once),
+each a fresh model, optimizer and ``SDCHooks`` in a hand-written loop. A step is timed from the
+forward to ``zero_grad`` (data loading excluded), the first ``skip`` steps of each run dropped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from accelerate_sdc import SDCHooks
+from benchmarks.common import round_overheads, summary
+
+BATCH = 128
+SETTINGS: dict[str, dict[str, Any] | None] = {
+    "none": None,
+    "nonfinite": {"replay_every_n_steps": 0, "fingerprint_every_n_steps": 0},
+    "fingerprint": {"nonfinite_gradient": False, "replay_every_n_steps": 0},
+    "defaults": {},
+    "audit_often": {"replay_every_n_steps": 10},
+}
+
+
+class Model(nn.Module):
+    """The Lightning benchmark's MLP; returns its loss (what the replay audit looks for)."""
+
+    def __init__(self, width: int = 2048) -> None:
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Linear(64, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 1)
+        )
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.mse_loss(self.net(x), y)
+
+
+def run(acc: Accelerator, config: str, steps: int, replay_every: int) -> list[float]:
+    """Seconds per optimizer step of one training run."""
+    set_seed(0)
+    for registry in (acc._custom_objects, acc._models, acc._optimizers, acc._dataloaders, acc._schedulers):
+        registry.clear()  # one model, optimizer and SDCHooks per run in this shared Accelerator
+    acc._save_model_state_pre_hook.clear()
+    settings = {"replay_every_n_steps": replay_every} if config == "audit_often" else SETTINGS[config]
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(BATCH * (steps + 2) * acc.num_processes, 64, generator=g)
+    model = Model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sdc = SDCHooks(acc, **settings) if settings is not None else None
+    model, opt, data = acc.prepare(model, opt, DataLoader(TensorDataset(x, x[:, :1]), batch_size=BATCH))
+    if sdc is not None:
+        sdc.attach(model, opt)
+    seconds: list[float] = []
+    for xb, yb in data:
+        t0 = time.perf_counter()
+        acc.backward(model(xb, yb))
+        opt.step()
+        opt.zero_grad()
+        seconds.append(time.perf_counter() - t0)
+        if len(seconds) == steps:
+            break
+    if sdc is not None:
+        sdc.finish()
+    return seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--replay-every", type=int, default=10)
+    parser.add_argument("--configs", default=",".join(SETTINGS))
+    args = parser.parse_args()
+    acc = Accelerator(cpu=True)
+    skip = 5  # warm-up steps excluded
+    runs: dict[str, list[float]] = {c: [] for c in args.configs.split(",")}
+    per_round: dict[str, list[float]] = {c: [] for c in runs}
+    audited: list[float] = []
+    normal: list[float] = []
+    for _ in range(args.rounds):
+        for config in runs:
+            seconds = run(acc, config, args.steps, args.replay_every)
+            runs[config] += seconds[skip:]
+            per_round[config].append(summary(seconds[skip:])["median"])
+            if config == "audit_often":
+                for i, s in enumerate(seconds[skip:], start=skip):
+                    (audited if i % args.replay_every == 0 else normal).append(s)
+    if acc.process_index == 0:
+        base = summary(runs["none"])["median"]
+        result: dict[str, Any] = {
+            "world_size": acc.num_processes,
+            "params": sum(p.numel() for p in Model().parameters()),
+            "step_seconds": {c: summary(s) for c, s in runs.items()},
+            "overhead": {c: summary(s)["median"] / base - 1 for c, s in runs.items()},
+            "overhead_by_round": round_overheads(per_round),
+            "replay_every": args.replay_every,
+        }
+        if "defaults" in runs:
+            result["defaults_overhead"] = result["overhead"]["defaults"]
+        if audited and normal:
+            result["audited_step_vs_normal"] = summary(audited)["median"] / summary(normal)["median"]
+        args.out.write_text(json.dumps(result, indent=1))
+    acc.wait_for_everyone()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
