@@ -35,8 +35,9 @@ reduced ``aminmax``), a few small kernels, no collective. When the verdict is re
 
 A non-finite reduced bucket with finite local gradients everywhere (an overflow inside the
 reduction, e.g. fp16 compression) is not a verdict: it is counted as
-``sdc/nonfinite_gradient/nonfinite_after_reduce``. A parameter whose local gradient norm
-overflows its float range (fp32 elements beyond about 1e19) is named alongside non-finite ones.
+``sdc/nonfinite_gradient/nonfinite_after_reduce``. A parameter whose local gradient has an L2
+norm beyond the float32 range (above about 1.8e19, a diverged gradient) is named alongside
+the non-finite ones.
 
 Limits: a fault that leaves gradients finite is invisible here (the ring replay audit sees it).
 An inner communication hook that replaces non-finite values (``nan_to_num``) hides them from the
