@@ -1,4 +1,4 @@
-.PHONY: test bench bench-quick demo
+.PHONY: test bench bench-ddp bench-quick demo
 
 test:
 	bash scripts/test.sh
@@ -8,6 +8,11 @@ demo:
 
 bench:  ## the full benchmark suite (CPU: ~8 min); writes docs/performance.json
 	.venv/bin/python -m benchmarks --out docs/performance.json
+	.venv/bin/python -m benchmarks.report
+
+bench-ddp:  ## only the Lightning and Accelerate DDP sections and the traffic (CPU: ~6 min); re-renders the page
+	.venv/bin/python -m benchmarks --sections ddp,accelerate,traffic --out docs/performance.json
+	.venv/bin/python -m benchmarks.report
 
 bench-quick:
 	.venv/bin/python -m benchmarks --quick --out /tmp/sdc-bench-quick.json

@@ -160,8 +160,8 @@ the ratios are what carry over.
 Commands:
 
 ```bash
-make bench                        # or: .venv/bin/python -m benchmarks --out docs/performance.json  (~10 min)
-.venv/bin/python -m benchmarks --sections ddp,accelerate --out docs/performance.json  # the DDP sections only (~5 min)
+make bench                        # every section, then this page (or: .venv/bin/python -m benchmarks)
+make bench-ddp                    # Lightning and Accelerate DDP and traffic only (--sections ddp,accelerate,traffic)
 python -m benchmarks.report       # re-renders this page from the JSON
 bash benchmarks/gpu.sh            # kernels and step on a CUDA device (not run yet: no GPU was lent)
 ```
