@@ -80,7 +80,7 @@ def main() -> None:
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--only", default="clip,save_after_nan")
     args = parser.parse_args()
-    acc = Accelerator()
+    acc = Accelerator(project_dir=str(args.out / "run"))  # incidents go to <out>/run/sdc/incidents
     args.out.mkdir(parents=True, exist_ok=True)
     table = scenarios(args.out)
     for name in args.only.split(","):

@@ -24,8 +24,8 @@ BIN = Path(sys.executable).parent
 WORLD = 3
 
 
-def launch(cmd: list[str], env: dict[str, str], timeout: float = 420) -> None:
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+def launch(cmd: list[str], env: dict[str, str], cwd: Path, timeout: float = 420) -> None:
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=cwd)
     if proc.returncode != 0:
         pytest.fail(f"{cmd[:4]} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
 
@@ -34,7 +34,7 @@ def launch(cmd: list[str], env: dict[str, str], timeout: float = 420) -> None:
 def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("nonfinite3")
     launch([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}",
-            str(HERE / "nonfinite_scenarios.py"), "--out", str(path)], worker_env())  # fmt: skip
+            str(HERE / "nonfinite_scenarios.py"), "--out", str(path)], worker_env(), cwd=path)  # fmt: skip
     return path
 
 
@@ -97,12 +97,14 @@ def acc_out(tmp_path_factory: pytest.TempPathFactory) -> Path:
     env = worker_env() | {"ACCELERATE_USE_CPU": "1", "ACCELERATE_SDC_CONFIG_FILE": os.devnull,
                           "HF_HOME": str(path / "hf")}  # fmt: skip
     launch([str(BIN / "accelerate"), "launch", "--multi_gpu", "--num_processes", str(WORLD),
-            str(HERE / "nonfinite_accelerate_scenarios.py"), "--out", str(path)], env)  # fmt: skip
+            str(HERE / "nonfinite_accelerate_scenarios.py"), "--out", str(path)], env, cwd=path)  # fmt: skip
     return path
 
 
 def test_accelerate_clip_grad_norm_does_not_change_the_names(acc_out: Path) -> None:
     err, per_rank = same_error(acc_out, "clip")
+    incidents = [json.loads(p.read_text()) for p in (acc_out / "run" / "sdc" / "incidents").glob("*.json")]
+    assert sorted((i["step"], i["rank"], i["policy"]) for i in incidents) == [(2, 1, "raise")] * 2  # two scenarios
     assert (err["step"], err["rank"], err["details"]["pattern"]) == (2, 1, "one_rank")
     assert err["details"]["parameters"] == {"1": ["stem.weight"]}  # not every parameter the clipping hit
     assert all(r["raised_at"] == 3 for r in per_rank)  # read at the next optimizer.step
