@@ -3,19 +3,57 @@
 Contract: every ``every_n_steps`` optimizer steps each replica digests its parameters (and,
 optionally, buffers and optimizer state) on its own device and the replicas compare the digests.
 Any single bit flip in any element of any compared tensor changes the fingerprint, whatever the
-floating-point format (fp32, bf16, fp16, fp64, integer buffers).
+floating-point format (fp32, bf16, fp16, fp64, integer buffers); any other difference is missed
+with a probability of at most 2**-31, structured faults included (derivation below).
 
-How: a tensor's digest is the wrap-around (mod 2**64) sum of its bytes read as 64-bit integers
-(32/16/8-bit words widened to int64 where the size does not allow 64). Flipping bit ``k`` of a
-word changes the sum by ``+-2**k``, never 0 mod 2**64. Tensor digests are combined with distinct
-odd weights, which keeps that property. Two or more flips can in principle cancel; a random fault
-almost never does.
+The digest (version 2). A tensor's bytes, zero-padded to a multiple of 8, are read as n signed
+64-bit words x_0 .. x_{n-1}. With r = min(16, n // 512) rows (at least 1, and more for tensors
+over 2**26 words, so that no more than 2**22 classes arise) and m = n // r columns, made odd
+when r > 1, the words are summed per class, wrapping mod 2**64: class j < m holds the r words
+x_j, x_{j+m}, ..., x_{j+(r-1)m} (one memory-speed reduction over a (r, m) view), and each of the
+fewer than 2r words past r*m is a class of its own. With c_j the class sums and h_j = c_j >> 32
+(arithmetic shift: the high half, an exact integer in [-2**31, 2**31)), the digest is
 
-Cost: one read of every compared tensor per check (the memory-read limit, about the speed of a
-plain ``sum``), one kernel per tensor, no host synchronisation while digesting. The common case
+    d = sum_j (A_j * c_j + B_j * h_j)      (mod 2**64)
+
+with A_j, B_j odd 64-bit weights from splitmix64 (fixed seeds: identical on every rank, device
+and run, no power-of-two period). It is linear: all-zero bytes digest to 0. The fingerprint
+combines the per-tensor digests d_t the same way, with two further weight streams, plus the
+tensor count times an odd constant. All of it is integer arithmetic mod 2**64, so the result
+does not depend on the order a device reduces in (CPU and CUDA agree bit for bit), and nothing
+waits for the host.
+
+Why it holds (the weights are fixed, but a fault does not know them: treat them as uniform random
+odd numbers independent of the fault). Let replica Y differ from X. (1) If some class sum changes,
+c'_j - c_j = D != 0 (mod 2**64), fix every weight but the ones of class j. If the low 32 bits of
+c_j changed, D = 2**v * u with u odd and v <= 31, and A_j * D (mod 2**64) is uniform over 2**(63-v)
+values, so it hits the one value that cancels the rest with probability <= 2**(v-63) <= 2**-32.
+If only the high 32 bits changed, h_j changed by a nonzero integer of magnitude < 2**32 (v <= 31)
+and B_j does the same job. So d_t changes except with probability <= 2**-32, and the same argument
+one level up gives 2**-32 for the combination: a miss has probability <= 2**-31. (2) A class sum
+stays unchanged only if two or more of its words changed and the changes cancel mod 2**64. The
+words of a class lie exactly a multiple of m apart, m >= 511 words (4 KiB) and m >= n/16 - 1,
+and m is odd. So: every difference confined to fewer than m consecutive words, every difference
+in a tensor under 1024 words (one row: every word its own class), and every pattern with a
+power-of-two period of at least 16 words (a bad lane or column in hardware: its hits are a
+multiple of lcm(m, 2**k) = m * 2**k apart, more than the (r-1)*m a class spans) falls under (1):
+missed with probability <= 2**-31, whatever the directions of the flips, whatever the carries.
+Two flips at uniformly random places share a class with probability < r/n <= 2**-9 (16/n
+for tensors of 8192 words or more: 2**-16 from 8 MiB on); a fault covering more than m words
+touches most classes, and each must cancel on its own.
+
+What the old digest (version 1, the plain wrap-around sum of the words) missed, and this one
+sees: two opposite flips of one bit (``[1, 2, 3, 4]`` and ``[1.5, 2, 2, 4]`` as fp32: bit 22
+up in one word, down in another); an even number of flips of bit 63 (the sign of every second
+fp32, carried out of the word); a bad lane flipping one bit in many words either way.
+
+Cost: one read of every compared tensor per check (one (r, m) sum, expected at memory speed on
+a GPU, not measured yet; on a 2-core CPU about half the speed of a plain ``sum``, see
+docs/performance.md), then O(n/r) work on
+the class sums; weights cached per device (16 bytes per class, 64 MiB at most). The common case
 exchanges 16 bytes per rank in one MAX all-reduce, whatever the world size; the host reads the
-result one training batch later, when the GPU has long finished it. Only on a mismatch are the
-per-tensor digests gathered, to name the tensors and vote.
+result one training batch later, when the device has long finished it. Only on a mismatch are
+the per-tensor digests gathered, to name the tensors and vote.
 
 Limits: it sees faults that make replicas differ (weights, optimizer state, a bad update on one
 rank). A fault in one rank's gradient is spread to every replica by the all-reduce and leaves the
@@ -35,35 +73,114 @@ from sdc_core.errors import FingerprintMismatchError
 from sdc_core.stats import CheckStats
 from sdc_core.topology import Topology, all_gather_tensor, collective_device, is_distributed
 
-_MULTIPLIER = 0x9E3779B97F4A7C15 - 2**64  # odd, as a signed int64
+DIGEST_VERSION = 2
+_ROWS = 16  # at most this many words per class (more only past _MAX_CLASSES classes)
+_MIN_COLUMNS = 1 << 9  # a class's words lie at least about this many words apart
+_MAX_CLASSES = 1 << 22  # bounds the cached weights: 16 bytes per class
+_MASK64 = (1 << 64) - 1
+_COUNT_WEIGHT = 0x9E3779B97F4A7C15  # odd: the tensor count enters the fingerprint
+_SEEDS = (0x5DC0DE0F1A9E12, 0x5DC0DE0F1A9E13, 0x5DC0DE0F1A9E14, 0x5DC0DE0F1A9E15)  # A, B; fingerprint A, B
+_weight_cache: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
+def _signed(v: int) -> int:
+    v &= _MASK64
+    return v - (1 << 64) if v >> 63 else v
+
+
+def splitmix64(seed: int, count: int) -> torch.Tensor:
+    """``count`` odd 64-bit weights (int64, CPU): splitmix64 of ``seed + (i + 1) * golden`` for
+    i < count, low bit set. Integer arithmetic only: identical on every machine and torch version."""
+
+    def shr(z: torch.Tensor, s: int) -> torch.Tensor:  # logical shift right of an int64
+        return (z >> s) & ((1 << (64 - s)) - 1)
+
+    z = torch.arange(1, count + 1, dtype=torch.int64) * _signed(0x9E3779B97F4A7C15) + _signed(seed)
+    z = (z ^ shr(z, 30)) * _signed(0xBF58476D1CE4E5B9)
+    z = (z ^ shr(z, 27)) * _signed(0x94D049BB133111EB)
+    return (z ^ shr(z, 31)) | 1
+
+
+def _weights(stream: int, count: int, device: torch.device) -> torch.Tensor:
+    """The first ``count`` weights of ``stream`` on ``device`` (cached, grown by doubling)."""
+    cached = _weight_cache.get((device, stream))
+    if cached is None or cached.numel() < count:
+        size = max(1024, 1 << max(count - 1, 0).bit_length())
+        cached = splitmix64(_SEEDS[stream], size).to(device)
+        _weight_cache[(device, stream)] = cached
+    return cached[:count]
+
+
+def _wdot(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """sum(a * w) mod 2**64 as a 0-d int64 tensor (one fused kernel where the device has one)."""
+    return torch.dot(a, w) if a.device.type == "cpu" else (a * w).sum()
+
+
+def _mix(values: torch.Tensor, stream: int) -> torch.Tensor:
+    """sum_j A_j * v_j + B_j * (v_j >> 32) mod 2**64 (weights of ``stream`` and ``stream + 1``)."""
+    n, device = values.numel(), values.device
+    return _wdot(values, _weights(stream, n, device)) + _wdot(values >> 32, _weights(stream + 1, n, device))
+
+
+def _words(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes as int64 words, zero-padded to a multiple of 8 (a view when possible)."""
+    try:  # fast path, the common case: contiguous, aligned, a multiple of 8 bytes
+        return t.view(-1).view(torch.int64)
+    except RuntimeError:  # non-contiguous, misaligned, or a size that is not a multiple of 8 bytes
+        pass
+    flat = t.contiguous().view(-1)
+    raw = flat.view(torch.uint8)
+    buf = torch.zeros((raw.numel() + 7) // 8 * 8, dtype=torch.uint8, device=t.device)
+    buf[: raw.numel()] = raw
+    return buf.view(torch.int64)
+
+
+def class_sums(words: torch.Tensor) -> torch.Tensor:
+    """The class sums c_j of the module docstring (wrapping int64 sums, one reduction)."""
+    n = words.numel()
+    rows = max(1, min(_ROWS, n // _MIN_COLUMNS), -(-n // _MAX_CLASSES))
+    if rows == 1:
+        return words
+    cols = n // rows
+    cols -= 1 - cols % 2  # odd: no power-of-two stride lands twice in a class
+    sums = words[: rows * cols].view(rows, cols).sum(0)
+    return torch.cat([sums, words[rows * cols :]]) if rows * cols < n else sums
 
 
 def tensor_digest(t: torch.Tensor) -> torch.Tensor:
-    """Wrap-around int64 sum of ``t``'s bit pattern, as a 0-d tensor on ``t``'s device (no sync)."""
+    """The version-2 digest of ``t``'s bytes (module docstring), a 0-d int64 tensor on ``t``'s
+    device, computed without a host synchronisation. Depends only on the bytes, not the layout."""
     with torch.no_grad():
         return _digest(t)
 
 
 def _digest(t: torch.Tensor) -> torch.Tensor:
     """``tensor_digest`` without the ``no_grad`` guard (the caller holds it): the hot loop."""
-    try:  # fast path, the common case: one view, one reduction
-        return t.view(-1).view(torch.int64).sum()
-    except RuntimeError:  # non-contiguous, misaligned, or a size that is not a multiple of 8 bytes
-        pass
-    flat = t.contiguous().view(-1)
-    if flat.dtype == torch.bool:
-        flat = flat.view(torch.uint8)
-    if flat.numel() == 0:
-        return torch.zeros((), dtype=torch.int64, device=t.device)
-    for dtype in (torch.int64, torch.int32, torch.int16, torch.uint8):
-        if (flat.numel() * flat.element_size()) % torch.empty((), dtype=dtype).element_size():
-            continue
+    return _mix(class_sums(_words(t)), 0)
+
+
+def tensor_digest_v1(t: torch.Tensor) -> torch.Tensor:
+    """The version-1 digest (wrap-around sum of 64/32/16/8-bit words), kept to verify checkpoints
+    written with it. Blind to some structured faults: never use it for new fingerprints."""
+    with torch.no_grad():
         try:
-            words = flat.view(dtype)
-        except RuntimeError:  # misaligned storage offset: try a narrower word
-            continue
-        return words.sum() if dtype == torch.int64 else words.sum(dtype=torch.int64)
-    raise TypeError(f"cannot digest a tensor of dtype {t.dtype}")  # pragma: no cover
+            return t.view(-1).view(torch.int64).sum()
+        except RuntimeError:
+            pass
+        flat = t.contiguous().view(-1)
+        if flat.dtype == torch.bool:
+            flat = flat.view(torch.uint8)
+        if flat.numel() == 0:
+            return torch.zeros((), dtype=torch.int64, device=t.device)
+        for dtype in (torch.int64, torch.int32, torch.int16, torch.uint8):
+            if (flat.numel() * flat.element_size()) % torch.empty((), dtype=dtype).element_size():
+                continue
+            try:
+                words = flat.view(dtype)
+            except RuntimeError:  # misaligned storage offset: try a narrower word
+                continue
+            return words.sum() if dtype == torch.int64 else words.sum(dtype=torch.int64)
+        raise TypeError(f"cannot digest a tensor of dtype {t.dtype}")  # pragma: no cover
 
 
 def tensor_digests(tensors: Sequence[torch.Tensor], device: torch.device | None = None) -> torch.Tensor:
@@ -102,6 +219,49 @@ def group_small(tensors: Sequence[torch.Tensor]) -> tuple[list[int], dict[tuple[
     return large, groups
 
 
+_BATCH_CLASSES = 1 << 15  # units with at most this many classes share one batched weighting
+_layout_cache: dict[tuple[torch.device, tuple[int, ...]], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+
+def _layout(device: torch.device, sizes: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Concatenated weights A, B (each unit's from index 0) and unit ids, for ``sizes`` (cached)."""
+    key = (device, sizes)
+    if key not in _layout_cache:
+        if len(_layout_cache) >= 8:
+            _layout_cache.clear()
+        top = max(sizes)
+        wa, wb = _weights(0, top, device), _weights(1, top, device)
+        ids = torch.arange(len(sizes), device=device).repeat_interleave(torch.tensor(sizes, device=device))
+        _layout_cache[key] = (torch.cat([wa[:k] for k in sizes]), torch.cat([wb[:k] for k in sizes]), ids)
+    return _layout_cache[key]
+
+
+def mix_units(sums: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """``tensor_digest`` of each unit from its class sums, as one int64 vector on ``device``.
+
+    Large units are weighted one by one; the small ones on each device together, in one
+    concatenation (a handful of kernels instead of a handful per unit: with many small tensors
+    per-kernel overhead, not bandwidth, is what costs)."""
+    out: list[torch.Tensor | None] = [None] * len(sums)
+    batches: dict[torch.device, list[int]] = {}
+    for u, s in enumerate(sums):
+        if 0 < s.numel() <= _BATCH_CLASSES:
+            batches.setdefault(s.device, []).append(u)
+        else:
+            out[u] = _on(_mix(s, 0), device)
+    for dev, members in batches.items():
+        if len(members) == 1:
+            out[members[0]] = _on(_mix(sums[members[0]], 0), device)
+            continue
+        wa, wb, ids = _layout(dev, tuple(sums[u].numel() for u in members))
+        values = torch.cat([sums[u] for u in members])
+        terms = values * wa + (values >> 32) * wb
+        digests = torch.zeros(len(members), dtype=torch.int64, device=dev).index_add_(0, ids, terms)
+        for j, u in enumerate(members):
+            out[u] = _on(digests[j], device)
+    return torch.stack(out)  # type: ignore[arg-type]
+
+
 def grouped_digests(
     tensors: Sequence[torch.Tensor], device: torch.device | None = None
 ) -> tuple[torch.Tensor, Callable[[], torch.Tensor]]:
@@ -111,8 +271,8 @@ def grouped_digests(
     copied, per dtype and device, into one buffer (one ``cat`` kernel instead of a reduction per
     tensor: per-kernel overhead, not bandwidth, limits many small tensors) that is digested as a
     whole and kept, so ``per_tensor()`` can name the tensors on a mismatch without touching the
-    weights again. Any single bit flip changes some returned digest. Memory: a copy of the small
-    tensors only.
+    weights again. Each returned digest is ``tensor_digest`` of its unit (a tensor, or a buffer).
+    Memory: a copy of the small tensors; weights of the batched units (``mix_units``).
     """
     if not tensors:
         empty = torch.zeros(0, dtype=torch.int64, device=device)
@@ -121,7 +281,7 @@ def grouped_digests(
     large, groups = group_small(tensors)
     slots = [-1] * len(tensors)  # per tensor: its unit's index, or -1 when it sits in a group buffer
     with torch.no_grad():
-        units = [_on(_digest(tensors[i]), device) for i in large]
+        sums = [class_sums(_words(tensors[i])) for i in large]
     for unit, i in enumerate(large):
         slots[i] = unit
     buffers: list[torch.Tensor] = []
@@ -137,8 +297,10 @@ def grouped_digests(
         if pad:
             parts.append(torch.zeros(pad, dtype=dtype, device=dev))
         buffers.append(flatten(parts))
-        units.append(_on(tensor_digest(buffers[-1]), device))
-    digests = torch.stack(units)
+        with torch.no_grad():
+            sums.append(class_sums(_words(buffers[-1])))
+    with torch.no_grad():
+        digests = mix_units(sums, device)
 
     def per_tensor() -> torch.Tensor:
         out = []
@@ -154,11 +316,9 @@ def grouped_digests(
 
 
 def combine(digests: torch.Tensor) -> torch.Tensor:
-    """One int64 fingerprint from a vector of tensor digests (distinct odd weights, wrap-around)."""
-    n = digests.numel()
-    weights = torch.arange(n, dtype=torch.int64, device=digests.device) * 2 + 1
-    mixed = (digests * weights).sum() * _MULTIPLIER
-    return mixed + n  # the count, so a missing tensor is never silent
+    """One int64 fingerprint from a vector of tensor digests (weighted as the module docstring
+    says, plus the count, so a missing tensor is never silent)."""
+    return _mix(digests, 2) + _signed(digests.numel() * _COUNT_WEIGHT)
 
 
 @dataclass(frozen=True)
@@ -373,12 +533,14 @@ class WeightFingerprint:
 
 
 __all__ = [
+    "DIGEST_VERSION",
     "FingerprintConfig",
     "WeightFingerprint",
     "combine",
     "fingerprinted_tensors",
     "grouped_digests",
     "tensor_digest",
+    "tensor_digest_v1",
     "tensor_digests",
     "vote",
 ]
