@@ -13,7 +13,10 @@ It translates Accelerate's events into ``sdc_core`` calls and nothing more:
   non-finite verdict is read at the next ``optimizer.step`` (``"raise"``/``"warn"``), before the
   update (``"skip_step"``, fp16 GradScaler, audited steps), before ``save_state``, and in
   ``finish()``;
-* counters go to ``accelerator.log`` under ``sdc/<check>/...`` and into ``save_state``.
+* counters go to ``accelerator.log`` under ``sdc/<check>/...`` and into ``save_state``;
+* a ``save_state`` pre-hook compares the replicas' current weights before anything is written
+  and stores a fingerprint of the saved model and optimizer state with the counters;
+  ``load_state`` checks the loaded tensors against it (``FingerprintMismatchError`` naming them).
 
 Cost: as ``sdc_core`` documents per check; the wrapper itself adds a few Python calls per step.
 """
@@ -31,6 +34,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from accelerate_sdc import config
+from sdc_core.checkpoint import FINGERPRINT_KEY, check_loaded_checkpoint, fingerprint_checkpoint
 from sdc_core.errors import SDCError
 from sdc_core.fingerprint import WeightFingerprint
 from sdc_core.gradients import GradientTap, NonFiniteGradient, drop_step
@@ -52,8 +56,10 @@ class SDCHooks:
             ``replay_every_n_steps``, ``fingerprint_every_n_steps``, ...); 0 turns a cadence off.
 
     Call ``attach(model, optimizer)`` on every process after ``accelerator.prepare`` and
-    ``finish()`` after the loop (it reads the last pending verdicts: the non-finite check's,
-    read one step later under ``on_failure="raise"``/``"warn"``, and the fingerprint comparison).
+    ``finish()`` after the loop (it reads the last pending verdicts, the non-finite check's
+    read one step later under ``on_failure="raise"``/``"warn"``, and compares the final
+    weights). Call ``save_state`` and ``load_state`` on every process, as Accelerate expects:
+    the save compares the replicas.
     """
 
     def __init__(self, accelerator: Any, loss_fn: LossFn | None = None, **settings: Any) -> None:
@@ -70,6 +76,9 @@ class SDCHooks:
         self._inner_hook, self._inner_state = self._take_accelerate_comm_hook()
         self._replaying = False
         self._module: nn.Module | None = None
+        self._optimizer: Any = None
+        self._checkpoint_fingerprint: dict[str, Any] | None = None  # of the state being saved
+        self._loaded_fingerprint: dict[str, Any] | None = None
         self._handles: list[Any] = []
         accelerator.register_for_checkpointing(self)
 
@@ -139,6 +148,10 @@ class SDCHooks:
         self._wrap_step(optimizer)
         if self.nonfinite is not None:  # no checkpoint after a step whose verdict is unread
             self._handles.append(acc.register_save_state_pre_hook(lambda *_: self._resolve_nonfinite()))
+        self._optimizer = optimizer
+        self._handles.append(acc.register_save_state_pre_hook(self._before_save))
+        if self._loaded_fingerprint is not None:  # load_state ran before attach: verify now
+            self._verify_loaded(self._loaded_fingerprint)
         return self
 
     def _resolve_nonfinite(self) -> None:
@@ -257,19 +270,33 @@ class SDCHooks:
             record_verdict(check, run_dir, acc.is_main_process, policy)
 
     def finish(self) -> None:
-        """Read the last pending verdicts and log (every process, after the loop)."""
+        """Read the last pending verdicts, compare the final weights and log (every process,
+        after the loop).
+
+        The non-finite verdict still pending is read first; then the pending fingerprint
+        comparison is resolved and the current weights compared at once, whatever the cadence
+        (one extra read and one host wait): training does not end with replicas that differ
+        unnoticed. Raises the ``SDCError`` on every process."""
         try:
             if self.nonfinite is not None:
-                self.nonfinite.resolve()
-            if self.fingerprint is not None:
-                self.fingerprint.resolve()
+                self._resolve_nonfinite()
+            self._check_now()
+        finally:
+            self.log(force=True)
+
+    def _check_now(self) -> None:
+        """Resolve the pending comparison, then compare the current weights (every process)."""
+        if self.fingerprint is None or self._module is None:
+            return
+        try:
+            self.fingerprint.check_now(max(self.step - 1, 0), self._module, [self._inner_optimizer()])
         except SDCError:
             self._record(raised=True)
             raise
-        else:
-            self._record(raised=False)  # a warning read here is still an incident
-        finally:
-            self.log(force=True)
+        self._record(raised=False)  # healed: still an incident
+
+    def _inner_optimizer(self) -> Any:
+        return getattr(self._optimizer, "optimizer", self._optimizer)
 
     def metrics(self) -> dict[str, float]:
         out: dict[str, float] = {}
@@ -288,14 +315,35 @@ class SDCHooks:
 
     # -- checkpoints ---------------------------------------------------------------------------
 
+    def _before_save(self, models: list[Any], weights: list[dict[str, Any]], output_dir: str) -> None:
+        """``save_state`` pre-hook (every process, before any file is written): compare the
+        replicas' current weights, raising on a mismatch, then fingerprint what is saved."""
+        self._check_now()
+        self._checkpoint_fingerprint = fingerprint_checkpoint(self._saved_tensors())
+
+    def _saved_tensors(self) -> dict[str, Any]:
+        assert self._module is not None
+        return {"model": self._module.state_dict(), "optimizer": self._inner_optimizer().state_dict()}
+
+    def _verify_loaded(self, stored: dict[str, Any]) -> None:
+        """Raise ``FingerprintMismatchError`` (on every process: each loads the same files) when
+        the loaded weights or optimizer state differ from the fingerprint saved with them."""
+        self._loaded_fingerprint = None
+        check_loaded_checkpoint({**self._saved_tensors(), FINGERPRINT_KEY: stored}, self.step)
+
     def state_dict(self) -> dict[str, Any]:
-        return {
+        state: dict[str, Any] = {
             "step": self.step,
             "updates": self._updates,
             "checks": {c.stats.check: c.stats.state_dict() for c in self.checks},
         }
+        if self._checkpoint_fingerprint is not None:
+            state[FINGERPRINT_KEY] = self._checkpoint_fingerprint
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the counters; ``load_state`` calls it after loading the model and optimizer, so
+        the loaded tensors are verified here against the fingerprint stored at ``save_state``."""
         try:
             step, updates, checks = int(state["step"]), int(state["updates"]), dict(state["checks"])
         except (KeyError, TypeError, ValueError) as err:
@@ -304,6 +352,11 @@ class SDCHooks:
             if check.stats.check in checks:
                 check.stats.load_state_dict(checks[check.stats.check])
         self.step, self._updates = step, updates
+        stored = state.get(FINGERPRINT_KEY)
+        if stored is not None:
+            self._loaded_fingerprint = stored
+            if self._module is not None:
+                self._verify_loaded(stored)
 
 
 class _Restore:

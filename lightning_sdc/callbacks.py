@@ -166,13 +166,17 @@ class WeightFingerprintCheck(_SDCCallback):
             of the same rank, it raises.
         max_heals: heals allowed per rank.
 
-    The comparison of step ``s`` is read at the end of the next training batch (or at the end of
-    training), so the host never waits for the GPU in the step that computed it. Raises
-    ``FingerprintMismatchError`` on every rank; with 3+ replicas the minority rank is named.
+    The comparison of step ``s`` is read at the end of the next training batch, so the host never
+    waits for the GPU in the step that computed it. Before a checkpoint is written and when
+    training ends, the current weights are compared at once (one extra read and one host wait),
+    whatever the cadence: no checkpoint comes from a replica the check has not verified, and
+    ``fit`` does not return with replicas that differ. Raises ``FingerprintMismatchError`` on
+    every rank; with 3+ replicas the minority rank is named.
 
     Checkpoints written while it is on carry a fingerprint of their weights and optimizer state;
     resuming from one whose tensors changed on disk raises ``FingerprintMismatchError`` naming
-    them (``sdc verify-checkpoint`` checks a file offline).
+    them (``sdc verify-checkpoint`` checks a file offline). Lightning calls no callback for
+    ``save_weights_only`` checkpoints: those are written unverified and without a fingerprint.
     """
 
     def __init__(
@@ -207,6 +211,18 @@ class WeightFingerprintCheck(_SDCCallback):
         super().on_train_batch_end(trainer, pl_module)
 
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
+        """Compare the replicas' current weights (every rank: Lightning builds the checkpoint on
+        all of them) before the checkpoint is written, then store its fingerprint. A mismatch
+        raises before anything is written; a heal or rollback refreshes the checkpoint's tensors."""
+        if c.is_ddp(trainer) and self._core.active:
+            failures = self._core.stats.failures
+            self._check_now(trainer, pl_module)
+            if self._core.stats.failures != failures:  # healed or rolled back: save the new state
+                checkpoint["state_dict"] = trainer.strategy.lightning_module_state_dict()
+                if "optimizer_states" in checkpoint:
+                    checkpoint["optimizer_states"] = [trainer.strategy.optimizer_state(o) for o in trainer.optimizers]
+            if isinstance(checkpoint.get("callbacks"), dict) and self.state_key in checkpoint["callbacks"]:
+                checkpoint["callbacks"][self.state_key] = self.state_dict()  # counters with this comparison
         checkpoint[FINGERPRINT_KEY] = fingerprint_checkpoint(checkpoint)
 
     def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
@@ -221,12 +237,20 @@ class WeightFingerprintCheck(_SDCCallback):
         if self._core.last_error is not None:  # healed: still an incident
             self._failed(trainer, "heal")
 
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def _check_now(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Resolve the pending comparison, then compare the current weights at once (every rank)."""
         try:
-            self._resolve(trainer, pl_module)
-        except SDCError:
-            self._failed(trainer)
-            raise
+            self._core.check_now(max(trainer.global_step - 1, 0), pl_module, trainer.optimizers)
+        except SDCError as err:
+            self._handle(trainer, pl_module, err, max_step=self._core.stats.last_verified_step + 1)
+            return
+        if self._core.last_error is not None:  # healed: still an incident
+            self._failed(trainer, "heal")
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """The final weights are compared before ``fit`` returns, whatever the cadence."""
+        if c.is_ddp(trainer) and self._core.active:
+            self._check_now(trainer, pl_module)
         super().on_train_end(trainer, pl_module)
 
 

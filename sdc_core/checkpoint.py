@@ -32,11 +32,11 @@ import torch
 
 from sdc_core.errors import FingerprintMismatchError
 from sdc_core.faults import flip_bit
-from sdc_core.fingerprint import tensor_digest
+from sdc_core.fingerprint import tensor_digest, tensor_digest_v1
 from sdc_core.safeio import OutputError, UnreadableError, atomic_write, atomic_write_text, load_torch
 
 FINGERPRINT_KEY = "sdc_fingerprint"
-_DIGESTS = {1: tensor_digest}  # fingerprint version -> per-tensor digest it stores (the newest is written)
+_DIGESTS = {1: tensor_digest_v1, 2: tensor_digest}  # fingerprint version -> per-tensor digest (newest written)
 FINGERPRINT_VERSION = max(_DIGESTS)
 BIT_CLASSES = ("sign", "exponent_top", "exponent", "mantissa")
 # (exponent bits, mantissa bits) per float format
@@ -65,7 +65,8 @@ def fingerprint_checkpoint(obj: dict[str, Any], version: int = FINGERPRINT_VERSI
     ``WeightFingerprintCheck`` stores under ``sdc_fingerprint`` in the checkpoints it sees written).
 
     For a Lightning checkpoint: every tensor under ``state_dict`` and ``optimizer_states``; for a
-    plain state dict: every tensor. ``version`` picks the digest (older ones verify older files)."""
+    plain state dict: every tensor. ``version`` picks the digest (older ones verify older files):
+    2 is ``tensor_digest``; 1, the plain word sum of earlier releases, only verifies their files."""
     if version not in _DIGESTS:
         raise ValueError(f"unknown {FINGERPRINT_KEY} version {version!r} (this release reads {sorted(_DIGESTS)})")
     digest = _DIGESTS[version]
