@@ -76,6 +76,7 @@ class SDCHooks:
         self._inner_hook, self._inner_state = self._take_accelerate_comm_hook()
         self._replaying = False
         self._module: nn.Module | None = None
+        self._model: nn.Module | None = None  # as prepared (the DDP wrapper)
         self._optimizer: Any = None
         self._checkpoint_fingerprint: dict[str, Any] | None = None  # of the state being saved
         self._loaded_fingerprint: dict[str, Any] | None = None
@@ -148,7 +149,7 @@ class SDCHooks:
         self._wrap_step(optimizer)
         if self.nonfinite is not None:  # no checkpoint after a step whose verdict is unread
             self._handles.append(acc.register_save_state_pre_hook(lambda *_: self._resolve_nonfinite()))
-        self._optimizer = optimizer
+        self._model, self._optimizer = model, optimizer
         self._handles.append(acc.register_save_state_pre_hook(self._before_save))
         if self._loaded_fingerprint is not None:  # load_state ran before attach: verify now
             self._verify_loaded(self._loaded_fingerprint)
@@ -317,7 +318,11 @@ class SDCHooks:
 
     def _before_save(self, models: list[Any], weights: list[dict[str, Any]], output_dir: str) -> None:
         """``save_state`` pre-hook (every process, before any file is written): compare the
-        replicas' current weights, raising on a mismatch, then fingerprint what is saved."""
+        replicas' current weights, raising on a mismatch, then fingerprint what is saved. Does
+        nothing when this ``SDCHooks``'s model is no longer among the accelerator's models."""
+        if not any(m is self._model or self.accelerator.unwrap_model(m) is self._module for m in models):
+            self._checkpoint_fingerprint = None
+            return
         self._check_now()
         self._checkpoint_fingerprint = fingerprint_checkpoint(self._saved_tensors())
 
