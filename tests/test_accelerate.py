@@ -85,7 +85,8 @@ def test_clean_run_with_accumulation_raises_nothing(launch_a: Path) -> None:
     for r in per_rank:
         assert r["error"] is None and r["step"] == 6
         checks = r["state"]["checks"]
-        assert checks["ring_replay"]["runs"] == 3 and checks["weight_fingerprint"]["runs"] == 6
+        # the fingerprint: after each of the 6 updates, plus the final weights in finish()
+        assert checks["ring_replay"]["runs"] == 3 and checks["weight_fingerprint"]["runs"] == 6 + 1
         assert all(c["failures"] == 0 for c in checks.values())
     assert len({r["weights"] for r in per_rank}) == 1
 
