@@ -226,15 +226,16 @@ _layout_cache: dict[tuple[torch.device, tuple[int, ...]], tuple[torch.Tensor, to
 
 
 def _layout(device: torch.device, sizes: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Concatenated weights A, B (each unit's from index 0) and unit ids, for ``sizes`` (cached)."""
+    """Concatenated weights A, B (each unit's from index 0) and each unit's last index, for
+    ``sizes`` (cached)."""
     key = (device, sizes)
     if key not in _layout_cache:
         if len(_layout_cache) >= 8:
             _layout_cache.clear()
         top = max(sizes)
         wa, wb = _weights(0, top, device), _weights(1, top, device)
-        ids = torch.arange(len(sizes), device=device).repeat_interleave(torch.tensor(sizes, device=device))
-        _layout_cache[key] = (torch.cat([wa[:k] for k in sizes]), torch.cat([wb[:k] for k in sizes]), ids)
+        ends = torch.tensor(sizes, dtype=torch.int64).cumsum(0).sub_(1).to(device)
+        _layout_cache[key] = (torch.cat([wa[:k] for k in sizes]), torch.cat([wb[:k] for k in sizes]), ends)
     return _layout_cache[key]
 
 
@@ -255,10 +256,10 @@ def mix_units(sums: Sequence[torch.Tensor], device: torch.device) -> torch.Tenso
         if len(members) == 1:
             out[members[0]] = _on(_mix(sums[members[0]], 0), device)
             continue
-        wa, wb, ids = _layout(dev, tuple(sums[u].numel() for u in members))
+        wa, wb, ends = _layout(dev, tuple(sums[u].numel() for u in members))
         values = torch.cat([sums[u] for u in members])
-        terms = values * wa + (values >> 32) * wb
-        digests = torch.zeros(len(members), dtype=torch.int64, device=dev).index_add_(0, ids, terms)
+        running = (values * wa + (values >> 32) * wb).cumsum(0)[ends]  # exact, wrapping: a deterministic scan
+        digests = running - torch.cat([running.new_zeros(1), running[:-1]])
         for j, u in enumerate(members):
             out[u] = _on(digests[j], device)
     return torch.stack(out)  # type: ignore[arg-type]
