@@ -97,7 +97,7 @@ def main() -> None:
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--only", required=True)
     args = parser.parse_args()
-    acc = Accelerator()
+    acc = Accelerator(project_dir=str(args.out))  # incidents go under the test folder
     args.out.mkdir(parents=True, exist_ok=True)
     table = scenarios(args.out)
     for name in args.only.split(","):
