@@ -48,8 +48,8 @@ up in one word, down in another); an even number of flips of bit 63 (the sign of
 fp32, carried out of the word); a bad lane flipping one bit in many words either way.
 
 Cost: one read of every compared tensor per check (one (r, m) sum, expected at memory speed on
-a GPU, not measured yet; on a 2-core CPU measured at about 0.5-0.8x of a plain ``sum`` on large
-tensors, 0.25x for 1,000 tensors of 10k elements, where per-kernel overhead rules: CPU kernels
+a GPU, not measured yet; on a 2-core CPU measured at about 0.55x of a plain ``sum`` on large
+tensors, 0.27x for 1,000 tensors of 10k elements, where per-kernel overhead rules: CPU kernels
 that sum 32-bit words into 64 bits, or weight them, run at 1-15 GB/s against 30 for a plain sum,
 so a same-width (r, m) sum is the fastest exact option), then O(n/r) work on the class sums;
 weights cached per device (16 bytes per class of the largest tensor, rounded up to a power of
