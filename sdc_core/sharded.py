@@ -1,0 +1,555 @@
+"""The checks on sharded models: FSDP2 (``fully_shard``), HSDP and tensor parallelism.
+
+One rule for witnesses: the ranks that hold the same bytes of a tensor are its replicas. A
+DTensor's replicas are read from its placements and device mesh: the ranks that share this
+rank's coordinate on every mesh dimension that is not ``Replicate`` (DDP-style plain tensors are
+replicated over the whole world). Pure FSDP: no replica; HSDP: the replicate dimension, per
+shard; tensor parallel: the TP ranks of a parameter that TP leaves replicated.
+
+* ``ShardedNonFinite``: every rank's LOCAL unsharded gradients are read inside FSDP2's
+  reduce-scatter (a ``ReduceScatter`` comm that wraps the one in place, the user's included), before
+  the reduce-scatter and the HSDP all-reduce mix them; one ``aminmax`` per FSDP parameter group,
+  no host synchronisation in the hook.
+* ``ShardedFingerprint``: each replica group compares its local shards (16 bytes per rank, one
+  all-reduce in the replica group's own process group); tensors without replicas (pure FSDP) are
+  re-digested before the next forward and compared with their digest taken after the update, so a
+  bit flipped at rest in between is caught and the rank named.
+
+Every verdict is reached from data every rank holds, so every rank raises the same exception in
+the same step.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from sdc_core.errors import FingerprintMismatchError, NonFiniteGradientError
+from sdc_core.fingerprint import FingerprintConfig, combine, fingerprinted_tensors, grouped_digests, vote
+from sdc_core.gradients import NonFiniteConfig, drop_step
+from sdc_core.stats import CheckStats
+from sdc_core.topology import Topology, all_gather_objects, collective_device, is_distributed
+
+try:  # torch >= 2.4
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+    from torch.distributed.tensor import DTensor
+except ImportError:  # pragma: no cover - old torch: nothing here is sharded
+    FSDPModule = DTensor = None  # type: ignore[assignment,misc]
+    ReduceScatter = object  # type: ignore[assignment,misc]
+
+
+# -- the witness rule ------------------------------------------------------------------------------
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's bytes of ``t``: a DTensor's local shard (no copy), else ``t`` itself."""
+    if DTensor is not None and isinstance(t, DTensor):
+        return t.to_local()
+    return t
+
+
+def is_sharded(module: nn.Module) -> bool:
+    """True when any parameter of ``module`` is a DTensor (FSDP2, HSDP, tensor parallel)."""
+    return DTensor is not None and any(isinstance(p, DTensor) for p in module.parameters())
+
+
+def replicate_ranks(mesh_ranks: torch.Tensor, coordinate: Sequence[int], placements: Sequence[Any]) -> tuple[int, ...]:
+    """The global ranks holding the same bytes as this rank: those of ``mesh_ranks`` (the mesh's
+    rank layout) that share ``coordinate`` on every dimension whose placement is not ``Replicate``.
+    Returns ``()`` when a placement is ``Partial`` (pending reduction: the bytes are no one's yet)."""
+    if any(getattr(p, "is_partial", lambda: False)() for p in placements):
+        return ()
+    index = tuple(slice(None) if p.is_replicate() else int(c) for p, c in zip(placements, coordinate, strict=True))
+    return tuple(sorted(int(r) for r in mesh_ranks[index].flatten().tolist()))
+
+
+@dataclass(frozen=True)
+class Witnesses:
+    """Where a tensor's replicas are: ``ranks`` (sorted, this rank included) and the mesh
+    dimensions that replicate it (``dims``; ``None`` for a plain tensor: the whole world)."""
+
+    ranks: tuple[int, ...]
+    mesh: Any = None
+    dims: tuple[int, ...] | None = None
+
+    @property
+    def kind(self) -> tuple:
+        """Identical on every rank for the same tensor (SPMD): orders the collectives."""
+        if self.mesh is None:
+            return ("world",)
+        return ("mesh", tuple(self.mesh.shape), self.dims)
+
+
+def witnesses(t: torch.Tensor, world_size: int) -> Witnesses:
+    """The replicas of ``t`` by the witness rule (see the module docstring)."""
+    if DTensor is None or not isinstance(t, DTensor):
+        return Witnesses(tuple(range(world_size)))
+    mesh = t.device_mesh
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:  # this rank is not in the tensor's mesh
+        return Witnesses(())
+    ranks = replicate_ranks(mesh.mesh, coordinate, t.placements)
+    dims = tuple(i for i, p in enumerate(t.placements) if p.is_replicate())
+    return Witnesses(ranks, mesh, dims)
+
+
+@dataclass
+class ReplicaGroup:
+    """Tensors with the same replicas, and the process group they are compared in."""
+
+    witnesses: Witnesses
+    names: list[str]
+    tensors: list[torch.Tensor]
+    group: Any = None  # ProcessGroup, or None for the default (world) group
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        return self.witnesses.ranks
+
+
+def plan_groups(named: Sequence[tuple[str, torch.Tensor]], world_size: int) -> list[ReplicaGroup]:
+    """Partition ``named`` tensors by their replicas, in an order identical on every rank.
+
+    Groups of one rank (no replica: pure FSDP shards) come first; tensors with a ``Partial``
+    placement are left out. Process groups are attached later by ``attach_process_groups``.
+    """
+    groups: dict[tuple, ReplicaGroup] = {}
+    for name, t in named:
+        w = witnesses(t, world_size)
+        if not w.ranks:
+            continue
+        key = (True, w.kind, w.ranks) if len(w.ranks) > 1 else (False, ("solo",), w.ranks)
+        if key not in groups:
+            groups[key] = ReplicaGroup(w, [], [])
+        groups[key].names.append(name)
+        groups[key].tensors.append(t)
+    return [groups[k] for k in sorted(groups, key=lambda k: (k[0], repr(k[1])))]
+
+
+def attach_process_groups(groups: list[ReplicaGroup], world_size: int) -> None:
+    """Give each replica group a process group (a collective when new groups are needed: call on
+    every rank). A single replicate mesh dimension reuses the mesh's group; several are served by
+    ``new_group`` over the union of every rank's groups, created in the same order everywhere."""
+    needed: list[tuple[int, ...]] = []
+    for g in groups:
+        w = g.witnesses
+        if len(w.ranks) <= 1 or len(w.ranks) == world_size:
+            g.group = None
+        elif w.dims is not None and len(w.dims) == 1:
+            g.group = w.mesh.get_group(w.dims[0])
+        else:
+            needed.append(w.ranks)
+    union = sorted({tuple(r) for mine in all_gather_objects(sorted(set(needed))) for r in mine})
+    made = {ranks: dist.new_group(list(ranks)) for ranks in union}
+    for g in groups:
+        if g.witnesses.ranks in made:
+            g.group = made[g.witnesses.ranks]
+
+
+# -- non-finite local gradients under FSDP2 -------------------------------------------------------
+
+
+class GradientTapComm(ReduceScatter):  # type: ignore[misc,valid-type]
+    """FSDP2 reduce-scatter that lets consumers read the LOCAL unsharded gradients of one FSDP
+    parameter group (flat, pre-divided, padding zero) and then runs the comm it wraps: FSDP's
+    default, or one the user set with ``set_custom_reduce_scatter``. Consumers must not
+    synchronise with the host."""
+
+    def __init__(self, inner: Any, names: list[str]) -> None:
+        self.inner = inner
+        self.names = names
+        self.consumers: list[Any] = []
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return self.inner.allocate(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any,
+                 async_op: bool = False) -> Any:  # fmt: skip
+        for consume in self.consumers:
+            consume(input_tensor, self.names)
+        return self.inner(output_tensor=output_tensor, input_tensor=input_tensor, group=group, op=op,
+                          async_op=async_op)  # fmt: skip
+
+
+def fsdp_taps(module: nn.Module) -> list[GradientTapComm]:
+    """The gradient taps of every FSDP2 parameter group in ``module``, installed once (wrapping
+    the reduce-scatter comm in place). A parameter group whose reduce-scatter spans one rank
+    (HSDP with a shard size of 1) never calls the comm: it is left out, with a warning."""
+    if FSDPModule is None:
+        return []
+    names = {id(p): n for n, p in module.named_parameters()}
+    taps: list[GradientTapComm] = []
+    for m in module.modules():
+        if not isinstance(m, FSDPModule):
+            continue
+        for pg in m._get_fsdp_state()._fsdp_param_groups:
+            comm = pg._reduce_scatter_comm
+            if not isinstance(comm, GradientTapComm):
+                group = pg.mesh_info.shard_process_group if hasattr(pg.mesh_info, "shard_process_group") else None
+                if group is not None and group.size() == 1:
+                    warnings.warn("a parameter group is not sharded (shard size 1): its local gradients are "
+                                  "not visible to the non-finite check", UserWarning, stacklevel=2)  # fmt: skip
+                    continue
+                comm = GradientTapComm(comm, [names.get(id(fp.sharded_param), "?") for fp in pg.fsdp_params])
+                pg._reduce_scatter_comm = comm
+            taps.append(comm)
+    return taps
+
+
+def _minmax(t: torch.Tensor) -> torch.Tensor:
+    lo, hi = torch.aminmax(t)
+    return torch.stack([lo, hi]).double()
+
+
+@dataclass
+class ShardedNonFinite:
+    """Non-finite local gradients under FSDP2 / HSDP: the same contract as ``NonFiniteGradient``.
+
+    ``attach(module)`` taps every FSDP parameter group; ``verdict(step, named_parameters)`` once
+    per optimizer step after backward. Cost: one ``aminmax`` read of the local unsharded
+    gradients per parameter group (on every micro-batch whose reduce-scatter runs), and one 4-byte
+    all-reduce with one host read per optimizer step: each rank holds only its shard of the
+    reduced gradient, so no rank can decide alone; only a flagged step gathers names.
+    """
+
+    config: NonFiniteConfig = field(default_factory=NonFiniteConfig)
+    stats: CheckStats = field(default_factory=lambda: CheckStats("nonfinite_gradient"))
+    topology: Topology | None = None
+    last_error: NonFiniteGradientError | None = None
+    taps: list[GradientTapComm] = field(default_factory=list)
+    _seen: list[tuple[torch.Tensor, list[str]]] = field(default_factory=list)
+    _sole_rank: int | None = None
+    _streak: int = 0
+
+    def attach(self, module: nn.Module) -> None:
+        self.taps = fsdp_taps(module)
+        for tap in self.taps:
+            tap.consumers.append(self._consume)
+
+    def _consume(self, flat: torch.Tensor, names: list[str]) -> None:
+        self._seen.append((_minmax(flat), names))
+
+    def verdict(self, step: int, params: Iterable[tuple[str, nn.Parameter]], scaler_active: bool = False) -> bool:
+        """Decide, on every rank alike, whether step ``step`` is clean (see ``NonFiniteGradient``)."""
+        t0 = time.perf_counter()
+        params = list(params)
+        seen, self._seen = self._seen, []
+        flags = ~torch.isfinite(torch.stack([mm for mm, _ in seen])).all(dim=-1) if seen else None
+        count = torch.zeros(1, dtype=torch.int32, device=collective_device())
+        if flags is not None:
+            count += flags.any().to(device=count.device, dtype=torch.int32)
+        if is_distributed():
+            dist.all_reduce(count)
+        self.stats.runs += 1
+        if int(count.item()) == 0:
+            self._streak, self._sole_rank = 0, None
+            self.stats.last_verified_step = step
+            self.stats.add_time(time.perf_counter() - t0)
+            return False
+        return self._rare(step, params, seen, flags, scaler_active, t0)
+
+    def _rare(self, step: int, params: list[tuple[str, nn.Parameter]], seen: list, flags: torch.Tensor | None,
+              scaler_active: bool, t0: float) -> bool:  # fmt: skip
+        """Name ranks and parameters: a rank's flagged groups, narrowed to the parameters whose
+        reduced gradient is non-finite on some rank's shard (a NaN lands on the shard's owner)."""
+        flagged: list[str] | None = None
+        if flags is not None and bool(flags.any()):
+            flagged = [n for f, (_, names) in zip(flags.tolist(), seen, strict=True) if f for n in names]
+        with torch.no_grad():
+            reduced_bad = [n for n, p in params if p.grad is not None and not bool(torch.isfinite(local(p.grad)).all())]
+        gathered = all_gather_objects((flagged, reduced_bad)) if is_distributed() else [(flagged, reduced_bad)]
+        bad_anywhere = {n for _, names in gathered for n in names}
+        per_rank: dict[int, list[str]] = {}
+        for r, (names, _) in enumerate(gathered):
+            if names is not None:
+                narrowed = [n for n in dict.fromkeys(names) if n in bad_anywhere] or list(dict.fromkeys(names))
+                per_rank[r] = narrowed[: self.config.max_names]
+        offenders = tuple(sorted(per_rank))
+        world = len(gathered)
+        pattern = ("one_rank" if len(offenders) == 1 else "all_ranks" if len(offenders) == world else "some_ranks")
+        if world == 1:
+            pattern = "single_process"
+        topo = self.topology or Topology.gather()
+        details: dict[str, Any] = {"pattern": pattern, "parameters": per_rank, "world_size": world,
+                                   "node_ranks": topo.node_ranks(offenders), "sharded": True}  # fmt: skip
+        if scaler_active:
+            sole = offenders[0] if len(offenders) == 1 and world > 1 else None
+            self._streak = self._streak + 1 if sole is not None and sole == self._sole_rank else int(sole is not None)
+            self._sole_rank = sole
+            self.stats.bump("scaler_overflows")
+            if self._streak < self.config.overflow_patience:
+                self.stats.add_time(time.perf_counter() - t0)
+                return False
+            details["pattern"] = "one_rank_repeatedly"
+            details["consecutive_steps"] = self._streak
+        self.stats.failures += 1
+        first = per_rank[offenders[0]][:3] if offenders else []
+        reason = {
+            "one_rank": "only this rank produced NaN/Inf local gradients (the SDC signature)",
+            "one_rank_repeatedly": f"only this rank overflowed on {self._streak} consecutive fp16 steps",
+            "all_ranks": "every rank produced NaN/Inf gradients: ordinary divergence (learning rate, data, "
+            "numerics) is likelier than a faulty device",
+            "some_ranks": "several ranks produced NaN/Inf local gradients",
+            "single_process": "NaN/Inf gradients (single process: no replica to compare with)",
+        }[details["pattern"]] + (f" in {', '.join(first)}" if first else "")
+        error = NonFiniteGradientError(step=step, rank=offenders[0] if len(offenders) == 1 else None,
+                                       suspects=offenders, hosts=topo.hosts(offenders), details=details,
+                                       reason=reason)  # fmt: skip
+        self.stats.add_time(time.perf_counter() - t0)
+        self.last_error = error
+        if self.config.on_failure in ("raise", "rollback"):
+            raise error
+        warnings.warn(str(error), RuntimeWarning, stacklevel=3)
+        if self.config.on_failure == "skip_step":
+            self.stats.bump("skipped_steps")
+            if not scaler_active:
+                drop_step(p for _, p in params)
+            return True
+        return False
+
+
+# -- weight fingerprint by replica group, and at rest without replicas ------------------------------
+
+
+@dataclass
+class _Pending:
+    step: int
+    groups: list[ReplicaGroup]
+    per_tensor: list[Any]  # per replicated group: () -> per-tensor digests
+    reduced: list[torch.Tensor]  # per replicated group: (max fp, max ~fp) after the all-reduce
+    flags: torch.Tensor  # [replica mismatch here, at-rest change here], MAX over the world
+    work: Any
+    at_rest: Any  # (digests after the update, digests before the next forward, group) or None
+    at_rest_step: int | None
+    module: nn.Module
+    optimizers: list[torch.optim.Optimizer]
+
+
+@dataclass
+class ShardedFingerprint:
+    """``WeightFingerprint`` for sharded models; adapters call ``start`` after an update,
+    ``before_use`` before the next forward, ``resolve`` one batch later and ``finish`` at the end.
+
+    Replicated tensors (HSDP, TP-replicated, plain): each replica group all-reduces 16 bytes per
+    rank in its own process group; on a mismatch per-tensor digests are gathered and the group
+    votes (three or more replicas name the minority rank). Unreplicated shards (pure FSDP): the
+    digest taken after update ``s`` is recomputed by ``before_use`` and compared on the device
+    (no host wait); a change means a bit changed at rest on that rank. Every rank then learns both
+    outcomes through one 8-byte MAX all-reduce over the world, read one batch later.
+
+    Cost per check: one read of the local shards (two for unreplicated ones), 16 bytes per rank
+    in the replica group plus 8 bytes per rank in the world; no host synchronisation in the step.
+    Extra memory: a copy of the small tensors (under ``SMALL_TENSOR`` elements) only.
+    """
+
+    config: FingerprintConfig = field(default_factory=FingerprintConfig)
+    stats: CheckStats = field(default_factory=lambda: CheckStats("weight_fingerprint"))
+    topology: Topology | None = None
+    last_error: FingerprintMismatchError | None = None
+    heals: dict[int, int] = field(default_factory=dict)
+    _groups: list[ReplicaGroup] | None = None
+    _pending: _Pending | None = None
+    _baseline: tuple[int, torch.Tensor, Any, ReplicaGroup] | None = None  # step, fp, per_tensor, group
+    _rest: tuple[int, torch.Tensor, Any] | None = None  # step, changed flag, (rows, rows now, group)
+
+    @property
+    def active(self) -> bool:
+        return is_distributed()
+
+    def due(self, step: int) -> bool:
+        return (step + 1) % self.config.every_n_steps == 0
+
+    def _plan(self, module: nn.Module, optimizers: list[torch.optim.Optimizer]) -> list[ReplicaGroup]:
+        if self._groups is None:
+            world = dist.get_world_size() if is_distributed() else 1
+            self._groups = plan_groups(fingerprinted_tensors(module, optimizers, self.config), world)
+            attach_process_groups(self._groups, world)
+        return self._groups
+
+    def start(self, step: int, module: nn.Module, optimizers: Iterable[torch.optim.Optimizer]) -> None:
+        """Digest the local shards after optimizer step ``step`` and start the comparisons."""
+        self.resolve()
+        t0 = time.perf_counter()
+        optimizers = list(optimizers)
+        device = collective_device()
+        replicated, per_tensor, reduced, works = [], [], [], []
+        baseline = None
+        for g in self._plan(module, optimizers):
+            digests, rows = grouped_digests([local(t) for t in g.tensors], device=device)
+            fp = combine(digests)
+            if len(g.ranks) == 1:
+                baseline = (step, fp, rows, g)
+                continue
+            pair = torch.stack([fp, torch.bitwise_not(fp)])
+            works.append(dist.all_reduce(pair, op=dist.ReduceOp.MAX, group=g.group, async_op=True))
+            replicated.append(g)
+            per_tensor.append(rows)
+            reduced.append(pair)
+        for w in works:  # on NCCL a stream wait, not a host wait
+            w.wait()
+        mismatch = torch.zeros((), dtype=torch.int64, device=device)
+        for pair in reduced:
+            mismatch = mismatch | (pair[0] != torch.bitwise_not(pair[1])).to(torch.int64)
+        rest_step, rest_flag, rest_rows = self._rest if self._rest is not None else (None, None, None)
+        flags = torch.stack([mismatch, rest_flag.to(device, torch.int64) if rest_flag is not None else mismatch * 0])
+        work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, async_op=True)
+        self._pending = _Pending(step, replicated, per_tensor, reduced, flags, work, rest_rows, rest_step, module,
+                                 optimizers)  # fmt: skip
+        self._baseline, self._rest = baseline, None
+        self.stats.add_time(time.perf_counter() - t0)
+
+    def before_use(self) -> None:
+        """Re-digest the unreplicated shards (before the next forward reads them) and compare with
+        their digest after the update, on the device. Cheap to call when nothing is pending."""
+        if self._baseline is None or self._rest is not None:
+            return
+        t0 = time.perf_counter()
+        step, fp, rows, g = self._baseline
+        now, now_rows = grouped_digests([local(t) for t in g.tensors], device=fp.device)
+        changed = combine(now) != fp  # on the device: no host wait
+        self._rest = (step, changed, (rows, now_rows, g))
+        self.stats.add_time(time.perf_counter() - t0)
+
+    def resolve(self) -> None:
+        """Read the pending comparison (every rank, same place); raise on a mismatch."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        t0 = time.perf_counter()
+        pending.work.wait()
+        replica_bad, rest_bad = pending.flags.tolist()
+        self.stats.runs += 1
+        if not replica_bad and not rest_bad:
+            self.stats.last_verified_step = pending.step
+            self.stats.add_time(time.perf_counter() - t0)
+            return
+        self._fail(pending, bool(replica_bad), bool(rest_bad), t0)
+
+    def finish(self) -> None:
+        """At the end of training: the pending comparison, then the last window at rest (the
+        unreplicated shards re-digested now against their digest after the last checked update)."""
+        self.resolve()
+        if self._baseline is None or not self.active:
+            return
+        self.before_use()
+        rest_step, rest_flag, rest_rows = self._rest  # type: ignore[misc]
+        self._rest = self._baseline = None
+        flags = torch.stack([torch.zeros((), dtype=torch.int64), rest_flag.cpu().to(torch.int64)])
+        flags = flags.to(collective_device())
+        work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, async_op=True)
+        assert self._groups is not None
+        self._pending = _Pending(rest_step, [], [], [], flags, work, rest_rows, rest_step, nn.Module(), [])
+        self.resolve()
+
+    def _fail(self, pending: _Pending, replica_bad: bool, rest_bad: bool, t0: float) -> None:
+        """Rare path: gather per-tensor digests and at-rest names, vote per replica group."""
+        rank = dist.get_rank() if is_distributed() else 0
+        mine = {
+            "rows": {g.ranks: rows().tolist() for g, rows in zip(pending.groups, pending.per_tensor, strict=True)}
+            if replica_bad else {},
+            "names": {g.ranks: g.names for g in pending.groups} if replica_bad else {},
+            "at_rest": _changed(pending.at_rest) if rest_bad else [],
+        }  # fmt: skip
+        gathered = all_gather_objects(mine)
+        suspects: set[int] = set()
+        differing: dict[int, list[str]] = {}
+        groups_seen: dict[tuple[int, ...], list[str]] = {}
+        heal_plan: list[tuple[tuple[int, ...], int]] = []
+        no_majority = False
+        names_of = {k: v for m in gathered for k, v in m["names"].items()}
+        for ranks in sorted({k for m in gathered for k in m["rows"]}):
+            rows = [tuple(gathered[r]["rows"].get(ranks, ())) for r in ranks]
+            _, local_suspects, reference = vote(rows)
+            if not local_suspects:
+                continue
+            names = names_of.get(ranks) or [f"tensor {i}" for i in range(len(rows[0]))]
+            ref_row = rows[reference] if reference is not None else rows[0]
+            for i, r in enumerate(ranks):
+                if rows[i] != ref_row:
+                    differing[r] = [n for n, a, b in zip(names, rows[i], ref_row, strict=False) if a != b][:10]
+            suspects.update(ranks[i] for i in local_suspects)
+            groups_seen[ranks] = [str(ranks[i]) for i in local_suspects]
+            if reference is None:
+                no_majority = True
+            else:
+                heal_plan.append((ranks, ranks[reference]))
+        at_rest = {r: m["at_rest"] for r, m in enumerate(gathered) if m["at_rest"]}
+        suspects.update(at_rest)
+        self.stats.failures += 1
+        topo = self.topology or Topology.gather()
+        ordered = tuple(sorted(suspects))
+        named = ordered[0] if len(ordered) == 1 and not no_majority else None
+        details: dict[str, Any] = {
+            "differing_tensors": differing,
+            "replica_groups": {str(list(k)): v for k, v in groups_seen.items()},
+            "changed_at_rest": at_rest,
+            "at_rest_window": pending.at_rest_step,
+            "node_ranks": topo.node_ranks(ordered),
+            "world_size": len(gathered),
+            "sharded": True,
+        }
+        parts = []
+        if at_rest:
+            who = ", ".join(f"rank {r}: {', '.join(n[:3])}" for r, n in sorted(at_rest.items()))
+            parts.append(f"its shard changed at rest between the update of step {pending.at_rest_step} and the next "
+                         f"forward ({who})")  # fmt: skip
+        if differing:
+            parts.append("its shard differs from its replicas' in " + "; ".join(
+                f"rank {r}: {', '.join(n[:3])}" for r, n in sorted(differing.items()) if r in suspects))  # fmt: skip
+        reason = "; ".join(parts) or "the shards differ"
+        heal = (self.config.on_failure == "heal" and not at_rest and not no_majority and heal_plan
+                and all(self.heals.get(r, 0) < self.config.max_heals for r in ordered))  # fmt: skip
+        if heal:
+            details["action"] = "healed from " + ", ".join(f"rank {src}" for _, src in heal_plan)
+        elif self.config.on_failure == "heal":
+            details["action"] = "not healed: " + ("a shard without replica changed at rest" if at_rest else
+                                                  "no strict majority" if no_majority else "past max_heals")
+        step = pending.at_rest_step if at_rest and not differing else pending.step
+        self.last_error = FingerprintMismatchError(step=step, rank=named, suspects=ordered, hosts=topo.hosts(ordered),
+                                                   details=details, reason=reason)  # fmt: skip
+        self.stats.add_time(time.perf_counter() - t0)
+        if not heal:
+            raise self.last_error
+        for r in ordered:
+            self.heals[r] = self.heals.get(r, 0) + 1
+        self.stats.bump("heals")
+        by_ranks = {g.ranks: g for g in pending.groups}
+        with torch.no_grad():
+            for ranks, src in heal_plan:
+                g = by_ranks.get(ranks)
+                if g is not None and rank in ranks:
+                    for t in g.tensors:
+                        dist.broadcast(local(t), src=src, group=g.group)
+
+
+
+def _changed(held: Any) -> list[str]:
+    """Names of the tensors whose digest changed between the two reads of a window at rest."""
+    if held is None:
+        return []
+    rows, now_rows, g = held
+    return [n for n, a, b in zip(g.names, rows().tolist(), now_rows().tolist(), strict=True) if a != b]
+
+
+__all__ = [
+    "GradientTapComm",
+    "ReplicaGroup",
+    "ShardedFingerprint",
+    "ShardedNonFinite",
+    "Witnesses",
+    "attach_process_groups",
+    "fsdp_taps",
+    "is_sharded",
+    "local",
+    "plan_groups",
+    "replicate_ranks",
+    "witnesses",
+]
