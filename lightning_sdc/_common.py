@@ -8,7 +8,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, ModelParallelStrategy, SingleDeviceStrategy
 
 from sdc_core.gradients import GradientTap
 from sdc_core.stats import CheckStats
@@ -18,12 +18,16 @@ _STASH = "_sdc_user_comm_hook"
 
 
 def require_supported_strategy(trainer: pl.Trainer, check: str) -> None:
-    """Raise ``ValueError`` naming the strategy unless it is DDP or a single device."""
+    """Raise ``ValueError`` naming the strategy unless it is DDP, ``ModelParallelStrategy``
+    (FSDP2 / HSDP / tensor parallel) or a single device."""
     strategy = trainer.strategy
-    if not isinstance(strategy, DDPStrategy | SingleDeviceStrategy):
+    if isinstance(strategy, DeepSpeedStrategy) or not isinstance(
+        strategy, DDPStrategy | ModelParallelStrategy | SingleDeviceStrategy
+    ):
         raise ValueError(
-            f"{check} supports strategy='ddp' (and its variants) or a single device; got "
-            f"{type(strategy).__name__}. Sharded strategies (FSDP, DeepSpeed) are not supported."
+            f"{check} supports strategy='ddp' (and its variants), ModelParallelStrategy (FSDP2 via "
+            f"fully_shard, HSDP, tensor parallel) or a single device; got {type(strategy).__name__}. "
+            "FSDPStrategy (FSDP1) and DeepSpeed are not supported: use ModelParallelStrategy with fully_shard."
         )
     if isinstance(strategy, DDPStrategy) and not hasattr(strategy, _STASH):
         # Take the user's DDP comm hook from the strategy before it registers it, so the SDC
@@ -34,6 +38,11 @@ def require_supported_strategy(trainer: pl.Trainer, check: str) -> None:
 
 def is_ddp(trainer: pl.Trainer) -> bool:
     return isinstance(trainer.strategy, DDPStrategy) and trainer.world_size > 1
+
+
+def is_sharded(trainer: pl.Trainer) -> bool:
+    """FSDP2 / HSDP / tensor parallel (``ModelParallelStrategy``) over more than one process."""
+    return isinstance(trainer.strategy, ModelParallelStrategy) and trainer.world_size > 1
 
 
 def topology(trainer: pl.Trainer) -> Topology:

@@ -17,6 +17,7 @@ from sdc_core.fingerprint import FingerprintConfig, WeightFingerprint
 from sdc_core.gradients import NonFiniteConfig, NonFiniteGradient, drop_step
 from sdc_core.incidents import install_exit_code, record_verdict
 from sdc_core.replay import ReplayConfig, RingReplay
+from sdc_core.sharded import ShardedFingerprint, ShardedNonFinite
 
 
 class _SDCCallback(Callback):
@@ -102,7 +103,10 @@ class NonFiniteGradientCheck(_SDCCallback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_fit_start(trainer, pl_module)
         self._decided_step = None
-        if c.is_ddp(trainer):
+        if c.is_sharded(trainer):  # FSDP2: the tap sits in each parameter group's reduce-scatter
+            self._core = ShardedNonFinite(self._core.config, self._core.stats, self._core.topology)
+            self._core.attach(pl_module)
+        elif c.is_ddp(trainer):
             self._core.attach(c.gradient_tap(trainer, pl_module))
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
@@ -194,12 +198,18 @@ class WeightFingerprintCheck(_SDCCallback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_fit_start(trainer, pl_module)
         self._seen_step = trainer.global_step
-        if not c.is_ddp(trainer):
+        if c.is_sharded(trainer):  # shards compared in their replica groups, unreplicated ones at rest
+            self._core = ShardedFingerprint(self._core.config, self._core.stats, self._core.topology)
+        elif not c.is_ddp(trainer):
             c.warn_inactive(type(self).__name__, "a single process has no replica to compare with")
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        if isinstance(self._core, ShardedFingerprint):
+            self._core.before_use()
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         try:
-            if c.is_ddp(trainer):
+            if c.is_ddp(trainer) or c.is_sharded(trainer):
                 self._resolve(trainer, pl_module)
                 if trainer.global_step != self._seen_step:
                     self._seen_step = trainer.global_step
@@ -249,7 +259,7 @@ class WeightFingerprintCheck(_SDCCallback):
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """The final weights are compared before ``fit`` returns, whatever the cadence."""
-        if c.is_ddp(trainer) and self._core.active:
+        if (c.is_ddp(trainer) or c.is_sharded(trainer)) and self._core.active:
             self._check_now(trainer, pl_module)
         super().on_train_end(trainer, pl_module)
 
@@ -285,6 +295,11 @@ class RingReplayAudit(_SDCCallback):
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
+        if stage == "fit" and c.is_sharded(trainer):
+            raise ValueError(
+                "RingReplayAudit does not support ModelParallelStrategy (FSDP2) yet; NonFiniteGradientCheck and "
+                "WeightFingerprintCheck do. Use strategy='ddp' for the replay audit."
+            )
         if stage == "fit" and not pl_module.automatic_optimization and not hasattr(pl_module, "sdc_replay_step"):
             raise ValueError(
                 "RingReplayAudit with manual optimization needs a side-effect free "

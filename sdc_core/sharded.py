@@ -433,6 +433,13 @@ class ShardedFingerprint:
             return
         self._fail(pending, bool(replica_bad), bool(rest_bad), t0)
 
+    def check_now(self, step: int, module: nn.Module, optimizers: Iterable[torch.optim.Optimizer]) -> None:
+        """Compare the current shards at once (the final comparison): the window at rest since the
+        last digest, the pending comparison, then the current weights (every rank, same place)."""
+        self.before_use()
+        self.start(step, module, optimizers)
+        self.finish()
+
     def finish(self) -> None:
         """At the end of training: the pending comparison, then the last window at rest (the
         unreplicated shards re-digested now against their digest after the last checked update)."""

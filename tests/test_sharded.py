@@ -1,0 +1,133 @@
+"""The checks under FSDP2 (4 CPU ranks) and HSDP 3 x 2 (6 CPU ranks) with Lightning ModelParallelStrategy.
+
+Real ``torchrun`` launches of ``tests/sharded_scenarios.py`` over gloo. The default run holds one
+launch per topology; the other scenarios are marked slow.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import worker_env
+
+SCENARIOS = Path(__file__).with_name("sharded_scenarios.py")
+
+
+def launch(out: Path, scenarios: list[str], nproc: int, timeout: float = 540) -> Path:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           str(SCENARIOS), "--out", str(out), "--only", ",".join(scenarios)]  # fmt: skip
+    proc = subprocess.run(cmd, env=worker_env(), capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        pytest.fail(f"torchrun failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return out
+
+
+def results(out: Path, scenario: str, world: int) -> list[dict[str, Any]]:
+    return [json.loads((out / f"{scenario}.rank{r}.json").read_text()) for r in range(world)]
+
+
+def same_error(out: Path, scenario: str, world: int, error_type: str) -> dict[str, Any]:
+    """The error every rank raised: one and the same, of ``error_type``."""
+    errors = [r["error"] for r in results(out, scenario, world)]
+    assert errors[0] is not None and errors[0]["type"] == error_type, errors[0]
+    assert all(e == errors[0] for e in errors), errors
+    return errors[0]
+
+
+@pytest.fixture(scope="module")
+def fsdp(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # clean first, then off: a fit in a fresh process starts from another RNG state than later ones
+    return launch(tmp_path_factory.mktemp("fsdp"), ["nan_one", "at_rest", "clean", "off"], 4)
+
+
+def test_fsdp2_clean_run_with_bf16_dropout_accumulation_is_bit_identical_to_no_checks(fsdp: Path) -> None:
+    clean, off = results(fsdp, "clean", 4), results(fsdp, "off", 4)
+    assert all(r["error"] is None and r["global_step"] == 8 for r in clean)
+    assert [r["weights"] for r in clean] == [r["weights"] for r in off]  # every rank's shards, bit for bit
+    assert len({r["weights"] for r in clean}) == 4  # pure FSDP: four different shards
+    states = clean[0]["states"]
+    assert states["NonFiniteGradientCheck"]["runs"] == 8 and states["NonFiniteGradientCheck"]["failures"] == 0
+    assert states["WeightFingerprintCheck"]["failures"] == 0 and states["WeightFingerprintCheck"]["runs"] >= 8
+
+
+def test_fsdp2_nan_in_one_ranks_local_gradients_names_it(fsdp: Path) -> None:
+    err = same_error(fsdp, "nan_one", 4, "NonFiniteGradientError")
+    assert err["rank"] == 2 and err["step"] == 3 and err["details"]["pattern"] == "one_rank"
+    assert "layers.2.weight" in err["details"]["parameters"]["2"]
+
+
+def test_fsdp2_bit_flip_at_rest_in_one_shard_names_the_rank(fsdp: Path) -> None:
+    err = same_error(fsdp, "at_rest", 4, "FingerprintMismatchError")
+    assert err["rank"] == 3 and err["suspects"] == [3]
+    assert err["details"]["changed_at_rest"] == {"3": ["param:layers.1.weight"]}
+    assert err["step"] == 3  # the flip happened after the update of step 3, before the next forward
+
+
+@pytest.fixture(scope="module")
+def hsdp(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return launch(tmp_path_factory.mktemp("hsdp"), ["hsdp_update"], 6)
+
+
+def test_hsdp_wrong_update_on_one_replica_is_named_by_majority(hsdp: Path) -> None:
+    err = same_error(hsdp, "hsdp_update", 6, "FingerprintMismatchError")
+    assert err["rank"] == 3 and err["step"] == 4
+    assert err["details"]["differing_tensors"] == {"3": ["param:layers.1.weight"]}
+    assert err["details"]["replica_groups"] == {"[1, 3, 5]": ["3"]}  # compared within its replica group only
+
+
+@pytest.mark.slow
+def test_hsdp_heal_restores_identical_replicas(hsdp_more: Path) -> None:
+    rows = results(hsdp_more, "hsdp_heal", 6)
+    assert all(r["error"] is None and r["global_step"] == 8 for r in rows)
+    assert rows[0]["states"]["WeightFingerprintCheck"]["extra"]["heals"] == 1
+    assert rows[0]["weights"] == rows[2]["weights"] == rows[4]["weights"]
+    assert rows[1]["weights"] == rows[3]["weights"] == rows[5]["weights"]
+
+
+@pytest.fixture(scope="module")
+def fsdp_more(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return launch(tmp_path_factory.mktemp("fsdp_more"), ["nan_all", "skip", "user_rs", "replay_refused"], 4)
+
+
+@pytest.mark.slow
+def test_fsdp2_nan_on_every_rank_is_divergence(fsdp_more: Path) -> None:
+    err = same_error(fsdp_more, "nan_all", 4, "NonFiniteGradientError")
+    assert err["rank"] is None and err["details"]["pattern"] == "all_ranks" and err["suspects"] == [0, 1, 2, 3]
+
+
+@pytest.mark.slow
+def test_fsdp2_skip_step_is_alike_on_every_rank_and_weights_stay_finite(fsdp_more: Path) -> None:
+    rows = results(fsdp_more, "skip", 4)
+    assert all(r["error"] is None and r["finite"] and r["global_step"] == 8 for r in rows)
+    assert all(r["states"]["NonFiniteGradientCheck"]["extra"]["skipped_steps"] == 1 for r in rows)
+
+
+@pytest.mark.slow
+def test_fsdp2_user_reduce_scatter_is_wrapped_not_replaced(fsdp_more: Path) -> None:
+    rows = results(fsdp_more, "user_rs", 4)
+    assert all(r["user_rs_calls"] > 0 for r in rows)  # the user's comm still reduces
+    err = same_error(fsdp_more, "user_rs", 4, "NonFiniteGradientError")
+    assert err["rank"] == 1
+
+
+@pytest.mark.slow
+def test_ring_replay_refuses_fsdp2_clearly(fsdp_more: Path) -> None:
+    rows = results(fsdp_more, "replay_refused", 4)
+    assert all("RingReplayAudit does not support ModelParallelStrategy" in r["error"]["message"] for r in rows)
+
+
+@pytest.fixture(scope="module")
+def hsdp_more(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return launch(tmp_path_factory.mktemp("hsdp_more"), ["hsdp_nan", "hsdp_heal", "hsdp_clean"], 6)
+
+
+@pytest.mark.slow
+def test_hsdp_nan_names_the_rank_and_bf16_clean_run_is_quiet(hsdp_more: Path) -> None:
+    err = same_error(hsdp_more, "hsdp_nan", 6, "NonFiniteGradientError")
+    assert err["rank"] == 4 and err["details"]["pattern"] == "one_rank"
+    assert all(r["error"] is None and r["global_step"] == 8 for r in results(hsdp_more, "hsdp_clean", 6))
