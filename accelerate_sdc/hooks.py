@@ -33,13 +33,14 @@ from accelerate.utils import DDPCommunicationHookType, send_to_device
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from accelerate_sdc import config
+from accelerate_sdc import _sharded, config
 from sdc_core.checkpoint import FINGERPRINT_KEY, check_loaded_checkpoint, fingerprint_checkpoint
 from sdc_core.errors import SDCError
 from sdc_core.fingerprint import WeightFingerprint
 from sdc_core.gradients import GradientTap, NonFiniteGradient, drop_step
 from sdc_core.incidents import install_exit_code, record_verdict
 from sdc_core.replay import RingReplay
+from sdc_core.sharded import is_sharded
 from sdc_core.topology import Topology
 
 LossFn = Callable[..., torch.Tensor]
@@ -115,11 +116,13 @@ class SDCHooks:
         acc = self.accelerator
         self.loss_fn = loss_fn or self.loss_fn
         distributed = acc.num_processes > 1
+        if distributed and is_sharded(model):  # FSDP2 plugin (fsdp_version=2): fully_shard in place
+            return _sharded.attach(self, model, optimizer)
         if distributed and not isinstance(model, DistributedDataParallel):
             raise ValueError(
-                f"SDCHooks supports DDP (multi-GPU or multi-CPU) or a single process; got "
-                f"distributed_type={acc.distributed_type} with a {type(model).__name__} model "
-                "(sharded strategies such as FSDP and DeepSpeed are not supported)"
+                f"SDCHooks supports DDP (multi-GPU or multi-CPU), FSDP2 (FullyShardedDataParallelPlugin("
+                f"fsdp_version=2)) or a single process; got distributed_type={acc.distributed_type} with a "
+                f"{type(model).__name__} model (FSDP1 and DeepSpeed are not supported)"
             )
         module = acc.unwrap_model(model)
         self._module = module

@@ -3,6 +3,7 @@
     torchrun --nproc-per-node 4 examples/fsdp2_torchrun_demo.py                   # pure FSDP, a NaN on rank 1
     torchrun --nproc-per-node 4 examples/fsdp2_torchrun_demo.py --fault at_rest   # a bit flipped at rest on rank 1
     torchrun --nproc-per-node 6 examples/fsdp2_torchrun_demo.py --hsdp 3 --fault weights  # HSDP 3 x 2
+    torchrun --nproc-per-node 4 examples/fsdp2_torchrun_demo.py --tp 2 --fault at_rest  # FSDP 2 x tensor parallel 2
     torchrun --nproc-per-node 4 examples/fsdp2_torchrun_demo.py --fault none      # clean: nothing fires
 
 What a training loop calls (all of it on every rank):
@@ -26,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from sdc_core import SDCError, flip_bit
 from sdc_core.sharded import ShardedFingerprint, ShardedNonFinite, local
@@ -37,23 +39,30 @@ def main() -> int:
     parser.add_argument("--fault", choices=["nan", "at_rest", "weights", "none"], default="nan")
     parser.add_argument("--faulty-rank", type=int, default=1)
     parser.add_argument("--hsdp", type=int, default=0, help="replicate size of an HSDP mesh (0: pure FSDP)")
+    parser.add_argument("--tp", type=int, default=0, help="tensor parallel size (0: none)")
     parser.add_argument("--steps", type=int, default=8)
     args = parser.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    shape, names = ((args.hsdp, world // args.hsdp), ("replicate", "shard")) if args.hsdp else ((world,), ("shard",))
-    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
-    torch.manual_seed(0)
+    torch.manual_seed(0)  # FSDP2 does not broadcast initial weights: every rank builds the same model
     model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1))
-    for layer in (model[0], model[2], model[4]):
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    if args.tp:  # tensor parallel inside each data-parallel row, FSDP across the rows
+        mesh = init_device_mesh("cpu", (world // args.tp, args.tp), mesh_dim_names=("dp", "tp"))
+        parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        fully_shard(model, mesh=mesh["dp"])
+    else:
+        shape = (args.hsdp, world // args.hsdp) if args.hsdp else (world,)
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard") if args.hsdp else ("shard",))
+        for layer in (model[0], model[2], model[4]):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
     topo = Topology.gather()
     nonfinite, fingerprint = ShardedNonFinite(topology=topo), ShardedFingerprint(topology=topo)
     nonfinite.attach(model)
-    x = torch.randn(64, 16, generator=torch.Generator().manual_seed(rank))
+    data_rank = rank // args.tp if args.tp else rank  # tensor-parallel ranks share their batch
+    x = torch.randn(64, 16, generator=torch.Generator().manual_seed(data_rank))
     y = x.sum(1, keepdim=True).sin()
     try:
         for step in range(args.steps):

@@ -89,15 +89,31 @@ class Witnesses:
 
 
 def witnesses(t: torch.Tensor, world_size: int) -> Witnesses:
-    """The replicas of ``t`` by the witness rule (see the module docstring)."""
+    """The replicas of ``t`` by the witness rule (see the module docstring).
+
+    A DTensor on a sub-mesh (e.g. the ``dp`` mesh of a ``dp x tp`` mesh, for a layer tensor
+    parallelism leaves alone) is read on its root mesh, the dimensions it is not placed on
+    counting as ``Replicate`` (the same module computes the same bytes there); ``settle_groups``
+    keeps such a group only if every member reports it, so a dimension where that is false
+    (pipeline stages) demotes the tensor to "no replica" instead of pairing ranks that lack it.
+    """
     if DTensor is None or not isinstance(t, DTensor):
         return Witnesses(tuple(range(world_size)))
-    mesh = t.device_mesh
+    mesh, placements = t.device_mesh, list(t.placements)
+    root = mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else mesh
+    names, root_names = mesh.mesh_dim_names, root.mesh_dim_names
+    if root is not mesh and names and root_names and all(n in root_names for n in names):
+        from torch.distributed.tensor import Replicate
+
+        widened: list[Any] = [Replicate()] * root.ndim
+        for name, p in zip(names, placements, strict=True):
+            widened[root_names.index(name)] = p
+        mesh, placements = root, widened
     coordinate = mesh.get_coordinate()
     if coordinate is None:  # this rank is not in the tensor's mesh
         return Witnesses(())
-    ranks = replicate_ranks(mesh.mesh, coordinate, t.placements)
-    dims = tuple(i for i, p in enumerate(t.placements) if p.is_replicate())
+    ranks = replicate_ranks(mesh.mesh, coordinate, placements)
+    dims = tuple(i for i, p in enumerate(placements) if p.is_replicate())
     return Witnesses(ranks, mesh, dims)
 
 
@@ -119,7 +135,7 @@ def plan_groups(named: Sequence[tuple[str, torch.Tensor]], world_size: int) -> l
     """Partition ``named`` tensors by their replicas, in an order identical on every rank.
 
     Groups of one rank (no replica: pure FSDP shards) come first; tensors with a ``Partial``
-    placement are left out. Process groups are attached later by ``attach_process_groups``.
+    placement are left out. ``settle_groups`` confirms them and attaches process groups.
     """
     groups: dict[tuple, ReplicaGroup] = {}
     for name, t in named:
@@ -134,24 +150,42 @@ def plan_groups(named: Sequence[tuple[str, torch.Tensor]], world_size: int) -> l
     return [groups[k] for k in sorted(groups, key=lambda k: (k[0], repr(k[1])))]
 
 
-def attach_process_groups(groups: list[ReplicaGroup], world_size: int) -> None:
-    """Give each replica group a process group (a collective when new groups are needed: call on
-    every rank). A single replicate mesh dimension reuses the mesh's group; several are served by
-    ``new_group`` over the union of every rank's groups, created in the same order everywhere."""
-    needed: list[tuple[int, ...]] = []
+def settle_groups(groups: list[ReplicaGroup], world_size: int) -> list[ReplicaGroup]:
+    """Confirm each replica group with its members and give it a process group (a collective:
+    call on every rank at the same point).
+
+    A group is kept only when every member rank reports the same ranks with the same tensor
+    names; the tensors of any other group join this rank's unreplicated group. A single replicate
+    mesh dimension reuses the mesh's process group; the whole world uses the default group;
+    other rank sets get ``new_group``, created over the union of every rank's sets in one order.
+    """
+    mine = {g.ranks: g.names for g in groups if len(g.ranks) > 1}
+    gathered = all_gather_objects(mine) if world_size > 1 else [mine]
+    rank = dist.get_rank() if world_size > 1 else 0
+    kept: list[ReplicaGroup] = []
+    solo = ReplicaGroup(Witnesses((rank,)), [], [])
     for g in groups:
+        if len(g.ranks) == 1 or not all(gathered[q].get(g.ranks) == g.names for q in g.ranks):
+            solo.names += g.names
+            solo.tensors += g.tensors
+        else:
+            kept.append(g)
+    needed = set()
+    for g in kept:
         w = g.witnesses
-        if len(w.ranks) <= 1 or len(w.ranks) == world_size:
+        if len(w.ranks) == world_size:
             g.group = None
         elif w.dims is not None and len(w.dims) == 1:
             g.group = w.mesh.get_group(w.dims[0])
         else:
-            needed.append(w.ranks)
-    union = sorted({tuple(r) for mine in all_gather_objects(sorted(set(needed))) for r in mine})
+            needed.add(w.ranks)
+    everyone = all_gather_objects(sorted(needed)) if world_size > 1 else [sorted(needed)]
+    union = sorted({tuple(r) for theirs in everyone for r in theirs})
     made = {ranks: dist.new_group(list(ranks)) for ranks in union}
-    for g in groups:
+    for g in kept:
         if g.witnesses.ranks in made:
             g.group = made[g.witnesses.ranks]
+    return ([solo] if solo.names else []) + kept
 
 
 # -- non-finite local gradients under FSDP2 -------------------------------------------------------
@@ -370,8 +404,8 @@ class ShardedFingerprint:
     def _plan(self, module: nn.Module, optimizers: list[torch.optim.Optimizer]) -> list[ReplicaGroup]:
         if self._groups is None:
             world = dist.get_world_size() if is_distributed() else 1
-            self._groups = plan_groups(fingerprinted_tensors(module, optimizers, self.config), world)
-            attach_process_groups(self._groups, world)
+            self._groups = settle_groups(plan_groups(fingerprinted_tensors(module, optimizers, self.config), world),
+                                         world)  # fmt: skip
         return self._groups
 
     def start(self, step: int, module: nn.Module, optimizers: Iterable[torch.optim.Optimizer]) -> None:
@@ -552,11 +586,11 @@ __all__ = [
     "ShardedFingerprint",
     "ShardedNonFinite",
     "Witnesses",
-    "attach_process_groups",
     "fsdp_taps",
     "is_sharded",
     "local",
     "plan_groups",
     "replicate_ranks",
+    "settle_groups",
     "witnesses",
 ]

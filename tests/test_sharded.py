@@ -7,6 +7,7 @@ launch per topology; the other scenarios are marked slow.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -131,3 +132,49 @@ def test_hsdp_nan_names_the_rank_and_bf16_clean_run_is_quiet(hsdp_more: Path) ->
     err = same_error(hsdp_more, "hsdp_nan", 6, "NonFiniteGradientError")
     assert err["rank"] == 4 and err["details"]["pattern"] == "one_rank"
     assert all(r["error"] is None and r["global_step"] == 8 for r in results(hsdp_more, "hsdp_clean", 6))
+
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "fsdp2_torchrun_demo.py"
+
+
+def run_example(nproc: int, *args: str) -> str:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(EXAMPLE),
+           *args]  # fmt: skip
+    proc = subprocess.run(cmd, env=worker_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return proc.stdout
+
+
+def test_plain_fully_shard_with_tensor_parallel_names_the_rank_whose_shard_changed_at_rest() -> None:
+    out = run_example(4, "--tp", "2", "--fault", "at_rest")  # FSDP 2 x TP 2 over gloo
+    assert "SDC check 'weight_fingerprint' failed at step 4: rank 1" in out and "param:2.weight" in out
+
+
+@pytest.mark.slow
+def test_plain_fully_shard_tensor_parallel_nan_and_hsdp_update() -> None:
+    assert "SDC check 'nonfinite_gradient' failed at step 5: rank 1" in run_example(4, "--tp", "2", "--fault", "nan")
+    assert "no SDC verdict" in run_example(4, "--tp", "2", "--fault", "none")
+    out = run_example(6, "--hsdp", "3", "--fault", "weights")
+    assert "SDC check 'weight_fingerprint' failed at step 4: rank 1" in out and "param:2.weight" in out
+
+
+@pytest.fixture(scope="module")
+def accelerate_fsdp2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("acc_fsdp2")
+    env = worker_env() | {"ACCELERATE_USE_CPU": "1", "ACCELERATE_SDC_CONFIG_FILE": os.devnull}
+    cmd = [str(Path(sys.executable).parent / "accelerate"), "launch", "--multi_gpu", "--num_processes", "4",
+           str(SCENARIOS.with_name("accelerate_fsdp2_scenarios.py")), "--out", str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=540)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
+    return out
+
+
+def test_accelerate_attach_on_an_fsdp2_model(accelerate_fsdp2: Path) -> None:
+    clean = results(accelerate_fsdp2, "clean", 4)
+    assert all(r["error"] is None and r["sharded"] for r in clean)
+    assert clean[0]["runs"] == {"sdc/nonfinite_gradient/runs": 8.0, "sdc/weight_fingerprint/runs": 9.0}
+    assert any("ring replay audit is inactive" in w for w in clean[0]["warnings"])
+    nan = same_error(accelerate_fsdp2, "nan", 4, "NonFiniteGradientError")
+    assert nan["rank"] == 2 and nan["step"] == 3 and nan["details"]["pattern"] == "one_rank"
+    rest = same_error(accelerate_fsdp2, "at_rest", 4, "FingerprintMismatchError")
+    assert rest["rank"] == 1 and rest["details"]["changed_at_rest"] == {"1": ["param:body.weight"]}

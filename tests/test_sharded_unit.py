@@ -38,12 +38,15 @@ for rank in range(6):
     mesh = init_device_mesh("cpu", (3, 2), mesh_dim_names=("replicate", "shard"))
     tp = init_device_mesh("cpu", (2, 3), mesh_dim_names=("dp", "tp"))
     hsdp = DTensor.from_local(torch.ones(4), mesh, [Replicate(), Shard(0)], run_check=False)
-    fsdp = DTensor.from_local(torch.ones(4), mesh["shard"], [Shard(0)], run_check=False)
+    flat = init_device_mesh("cpu", (6,), mesh_dim_names=("fsdp",))
+    fsdp = DTensor.from_local(torch.ones(4), flat, [Shard(0)], run_check=False)
+    sub = DTensor.from_local(torch.ones(4), mesh["shard"], [Shard(0)], run_check=False)
     norm = DTensor.from_local(torch.ones(4), tp, [Shard(0), Replicate()], run_check=False)
     named = [("hsdp", hsdp), ("fsdp", fsdp), ("norm", norm), ("plain", torch.ones(2)), ("hsdp2", hsdp)]
     groups = plan_groups(named, 6)
     out[rank] = {
         "hsdp": list(witnesses(hsdp, 6).ranks), "fsdp": list(witnesses(fsdp, 6).ranks),
+        "sub": list(witnesses(sub, 6).ranks),
         "norm": list(witnesses(norm, 6).ranks), "plain": list(witnesses(torch.ones(1), 6).ranks),
         "groups": [[list(g.ranks), g.names] for g in groups],
     }
@@ -57,7 +60,8 @@ def test_witnesses_of_dtensors_on_hsdp_fsdp_and_tp_meshes() -> None:
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = {int(k): v for k, v in json.loads(proc.stdout.strip().splitlines()[-1]).items()}
     assert out[0]["hsdp"] == [0, 2, 4] and out[3]["hsdp"] == [1, 3, 5]
-    assert out[3]["fsdp"] == [3]  # a shard group of the HSDP mesh: no replica inside it
+    assert out[3]["fsdp"] == [3]  # pure FSDP: no replica
+    assert out[3]["sub"] == [1, 3, 5]  # on a sub-mesh: the root mesh's other dimensions hold replicas
     assert out[4]["norm"] == [3, 4, 5]  # replicated over the TP ranks of its data-parallel row
     assert out[5]["plain"] == list(range(6))  # a plain tensor: replicated over the whole world (DDP)
     # one group per replica set, unreplicated first, in an order identical on every rank

@@ -1,0 +1,41 @@
+"""``SDCHooks`` on a model Accelerate prepared with its FSDP2 plugin (``fsdp_version=2``).
+
+Accelerate's FSDP2 path applies ``fully_shard`` in place: the prepared model is the user's module
+(an ``FSDPModule``) whose parameters are DTensors. The same settings map onto the sharded cores:
+the non-finite check reads each rank's local gradients in the FSDP reduce-scatter, the fingerprint
+compares shards within their replica groups and re-checks unreplicated shards before each forward.
+The ring replay audit does not run on sharded models yet: it is switched off with a warning.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+from torch import nn
+
+from sdc_core.sharded import ShardedFingerprint, ShardedNonFinite
+from sdc_core.topology import Topology
+
+
+def attach(hooks: Any, model: nn.Module, optimizer: Any) -> Any:
+    """Hook a sharded ``model`` (every process, after ``prepare``); returns ``hooks``."""
+    hooks._module = model
+    topo = Topology.gather(local_rank=hooks.accelerator.local_process_index)
+    if hooks.replay is not None:
+        warnings.warn("SDC ring replay audit is inactive: it does not support FSDP2 (sharded) models yet; "
+                      "the non-finite and fingerprint checks run", UserWarning, stacklevel=3)  # fmt: skip
+        hooks.replay = None
+    if hooks.nonfinite is not None:
+        hooks.nonfinite = ShardedNonFinite(hooks.nonfinite.config, hooks.nonfinite.stats, topo)
+        hooks.nonfinite.attach(model)
+    if hooks.fingerprint is not None:
+        fingerprint = hooks.fingerprint = ShardedFingerprint(hooks.fingerprint.config, hooks.fingerprint.stats, topo)
+
+        def before_forward(module: nn.Module, args: Any) -> None:
+            if module.training:
+                fingerprint.before_use()
+
+        hooks._handles.append(model.register_forward_pre_hook(before_forward))
+    hooks._wrap_step(optimizer)
+    return hooks

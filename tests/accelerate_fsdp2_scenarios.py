@@ -1,0 +1,109 @@
+"""``SDCHooks.attach`` on an FSDP2 model under ``accelerate launch`` (4 gloo CPU ranks).
+
+On CPU Accelerate ignores its FSDP plugin (it wraps in DDP), so the model is given the shape the
+FSDP2 plugin (``fsdp_version=2``) produces on GPUs by hand: ``fully_shard`` of each layer and the
+root, in place, the optimizer and loader prepared by the ``Accelerator``. Each rank writes
+``DIR/<scenario>.rank<r>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import traceback
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.utils.data import DataLoader, TensorDataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from accelerate_sdc import SDCError, SDCHooks
+from sdc_core import flip_bit
+from sdc_core.sharded import ShardedFingerprint, ShardedNonFinite, local
+
+
+class Regressor(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(8, 32)
+        self.head = nn.Linear(32, 1)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.mse_loss(self.head(torch.relu(self.body(x))), y)
+
+
+def run(accelerator: Accelerator, name: str, nan: tuple[int, int] | None = None,
+        flip: tuple[int, int] | None = None, steps: int = 8) -> dict[str, Any]:  # fmt: skip
+    torch.manual_seed(0)
+    model = Regressor()
+    mesh = init_device_mesh("cpu", (accelerator.num_processes,))
+    fully_shard(model.body, mesh=mesh)
+    fully_shard(model.head, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(512, 8, generator=g)
+    loader = DataLoader(TensorDataset(x, x[:, :1] - x[:, 1:2]), batch_size=8)
+    optimizer, loader = accelerator.prepare(torch.optim.AdamW(model.parameters(), lr=1e-2), loader)
+    rank = accelerator.process_index
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sdc = SDCHooks(accelerator, replay_every_n_steps=5, fingerprint_every_n_steps=1).attach(model, optimizer)
+    error = None
+    try:
+        for step, (xb, yb) in enumerate(loader):
+            if step == steps:
+                break
+            loss = model(xb, yb)
+            if nan and (rank, step) == nan:
+                loss = loss * float("nan")
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            if flip and (rank, step) == flip:
+                flip_bit(local(model.body.weight), 5, 22)  # after the digest, before the next forward
+        sdc.finish()
+    except SDCError as err:
+        error = err.to_dict()
+    return {
+        "error": error,
+        "cores": [type(sdc.nonfinite).__name__, type(sdc.fingerprint).__name__, sdc.replay],
+        "warnings": [str(w.message) for w in caught],
+        "runs": {k: v for k, v in sdc.metrics().items() if k.endswith("/runs")},
+        "sharded": isinstance(sdc.nonfinite, ShardedNonFinite) and isinstance(sdc.fingerprint, ShardedFingerprint),
+    }
+
+
+SCENARIOS = {
+    "clean": lambda a: run(a, "clean"),
+    "nan": lambda a: run(a, "nan", nan=(2, 3)),
+    "at_rest": lambda a: run(a, "at_rest", flip=(1, 4)),
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--only", default=",".join(SCENARIOS))
+    args = parser.parse_args()
+    accelerator = Accelerator()
+    args.out.mkdir(parents=True, exist_ok=True)
+    for name in args.only.split(","):
+        try:
+            result = SCENARIOS[name](accelerator)
+        except Exception:
+            result = {"crash": traceback.format_exc()}
+        (args.out / f"{name}.rank{accelerator.process_index}.json").write_text(json.dumps(result, default=repr))
+        if "crash" in result:
+            raise SystemExit(f"scenario {name} crashed:\n{result['crash']}")
+
+
+if __name__ == "__main__":
+    main()
