@@ -18,6 +18,7 @@ from sdc_core.gradients import NonFiniteConfig, NonFiniteGradient, drop_step
 from sdc_core.incidents import install_exit_code, record_verdict
 from sdc_core.replay import ReplayConfig, RingReplay
 from sdc_core.sharded import ShardedFingerprint, ShardedNonFinite
+from sdc_core.sharded_replay import ShardedReplay
 
 
 class _SDCCallback(Callback):
@@ -295,11 +296,6 @@ class RingReplayAudit(_SDCCallback):
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
-        if stage == "fit" and c.is_sharded(trainer):
-            raise ValueError(
-                "RingReplayAudit does not support ModelParallelStrategy (FSDP2) yet; NonFiniteGradientCheck and "
-                "WeightFingerprintCheck do. Use strategy='ddp' for the replay audit."
-            )
         if stage == "fit" and not pl_module.automatic_optimization and not hasattr(pl_module, "sdc_replay_step"):
             raise ValueError(
                 "RingReplayAudit with manual optimization needs a side-effect free "
@@ -308,7 +304,10 @@ class RingReplayAudit(_SDCCallback):
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_fit_start(trainer, pl_module)
-        if c.is_ddp(trainer):
+        if c.is_sharded(trainer):  # FSDP2: every rank replays its partner's batch through the sharded model
+            self._core = ShardedReplay(self._core.config, self._core.stats, self._core.topology)
+            self._core.attach(pl_module)
+        elif c.is_ddp(trainer):
             names = [n for n, p in pl_module.named_parameters() if p.requires_grad]
             self._core.attach(c.gradient_tap(trainer, pl_module), names)
         else:

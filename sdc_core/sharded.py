@@ -201,12 +201,19 @@ class GradientTapComm(ReduceScatter):  # type: ignore[misc,valid-type]
         self.inner = inner
         self.names = names
         self.consumers: list[Any] = []
+        self.replay_consumers: list[Any] = []
+        self.replaying = False  # an audit replay: digest, then no reduction at all (output zeros)
 
     def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return self.inner.allocate(size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any,
                  async_op: bool = False) -> Any:  # fmt: skip
+        if self.replaying:
+            for consume in self.replay_consumers:
+                consume(input_tensor, self.names)
+            output_tensor.zero_()
+            return None
         for consume in self.consumers:
             consume(input_tensor, self.names)
         return self.inner(output_tensor=output_tensor, input_tensor=input_tensor, group=group, op=op,

@@ -26,7 +26,14 @@ from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lightning_sdc import NonFiniteGradientCheck, RingReplayAudit, SDCError, WeightFingerprintCheck
+from lightning_sdc import (
+    Fault,
+    FaultInjector,
+    NonFiniteGradientCheck,
+    RingReplayAudit,
+    SDCError,
+    WeightFingerprintCheck,
+)
 from sdc_core import flip_bit
 from sdc_core.fingerprint import combine, tensor_digests
 from sdc_core.sharded import local
@@ -152,13 +159,26 @@ def checks(**kw: Any) -> list[Any]:
 SCENARIOS: dict[str, Any] = {
     # clean: bf16 parameters, dropout, gradient accumulation; bit-identical with the checks off
     "off": lambda o: fit(o, "off", [], model=ShardedNet(bf16=True), accumulate_grad_batches=2),
-    "clean": lambda o: fit(o, "clean", checks(), model=ShardedNet(bf16=True), accumulate_grad_batches=2),
+    "clean": lambda o: fit(
+        o,
+        "clean",
+        [RingReplayAudit(every_n_steps=2, exact=True), *checks()],
+        model=ShardedNet(bf16=True),
+        accumulate_grad_batches=2,
+    ),
     "nan_one": lambda o: fit(o, "nan_one", checks(), model=ShardedNet(nan_at=([2], 3))),
     "nan_all": lambda o: fit(o, "nan_all", checks(), model=ShardedNet(nan_at=([0, 1, 2, 3], 2))),
     "skip": lambda o: fit(o, "skip", checks(on_failure="skip_step"), model=ShardedNet(nan_at=([1], 2))),
     "at_rest": lambda o: fit(o, "at_rest", [FlipShard(rank=3, step=4), *checks()]),
     "user_rs": lambda o: fit(o, "user_rs", checks(), model=ShardedNet(user_rs=True, nan_at=([1], 3))),
-    "replay_refused": lambda o: fit(o, "replay_refused", [RingReplayAudit()]),
+    "replay_fault": lambda o: fit(
+        o,
+        "replay_fault",
+        [
+            FaultInjector([Fault("module_output", rank=2, step=2, target="layers.2", factor=1.2)]),
+            RingReplayAudit(every_n_steps=2, exact=True),
+        ],
+    ),
     # HSDP 3 x 2 (6 ranks): ranks 0, 2, 4 and 1, 3, 5 hold the same shards
     "hsdp_clean": lambda o: fit(o, "hsdp_clean", checks(), model=ShardedNet(hsdp=3, bf16=True)),
     "hsdp_update": lambda o: fit(

@@ -43,10 +43,10 @@ def same_error(out: Path, scenario: str, world: int, error_type: str) -> dict[st
 @pytest.fixture(scope="module")
 def fsdp(tmp_path_factory: pytest.TempPathFactory) -> Path:
     # clean first, then off: a fit in a fresh process starts from another RNG state than later ones
-    return launch(tmp_path_factory.mktemp("fsdp"), ["nan_one", "at_rest", "clean", "off"], 4)
+    return launch(tmp_path_factory.mktemp("fsdp"), ["nan_one", "at_rest", "replay_fault", "clean", "off"], 4)
 
 
-def test_fsdp2_clean_run_with_bf16_dropout_accumulation_is_bit_identical_to_no_checks(fsdp: Path) -> None:
+def test_fsdp2_clean_run_of_all_three_checks_with_bf16_dropout_accumulation_is_bit_identical(fsdp: Path) -> None:
     clean, off = results(fsdp, "clean", 4), results(fsdp, "off", 4)
     assert all(r["error"] is None and r["global_step"] == 8 for r in clean)
     assert [r["weights"] for r in clean] == [r["weights"] for r in off]  # every rank's shards, bit for bit
@@ -54,6 +54,13 @@ def test_fsdp2_clean_run_with_bf16_dropout_accumulation_is_bit_identical_to_no_c
     states = clean[0]["states"]
     assert states["NonFiniteGradientCheck"]["runs"] == 8 and states["NonFiniteGradientCheck"]["failures"] == 0
     assert states["WeightFingerprintCheck"]["failures"] == 0 and states["WeightFingerprintCheck"]["runs"] >= 8
+    assert states["RingReplayAudit"]["runs"] == 4 and states["RingReplayAudit"]["max_diff"] == 0.0  # exact replays
+
+
+def test_fsdp2_ring_replay_names_a_rank_computing_wrong(fsdp: Path) -> None:
+    err = same_error(fsdp, "replay_fault", 4, "ReplayMismatchError")
+    assert err["rank"] == 2 and err["step"] == 2
+    assert {(p["owner"], p["replayer"]) for p in err["details"]["pairs"]} == {(1, 2), (2, 3)}
 
 
 def test_fsdp2_nan_in_one_ranks_local_gradients_names_it(fsdp: Path) -> None:
@@ -92,7 +99,7 @@ def test_hsdp_heal_restores_identical_replicas(hsdp_more: Path) -> None:
 
 @pytest.fixture(scope="module")
 def fsdp_more(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return launch(tmp_path_factory.mktemp("fsdp_more"), ["nan_all", "skip", "user_rs", "replay_refused"], 4)
+    return launch(tmp_path_factory.mktemp("fsdp_more"), ["nan_all", "skip", "user_rs"], 4)
 
 
 @pytest.mark.slow
@@ -114,12 +121,6 @@ def test_fsdp2_user_reduce_scatter_is_wrapped_not_replaced(fsdp_more: Path) -> N
     assert all(r["user_rs_calls"] > 0 for r in rows)  # the user's comm still reduces
     err = same_error(fsdp_more, "user_rs", 4, "NonFiniteGradientError")
     assert err["rank"] == 1
-
-
-@pytest.mark.slow
-def test_ring_replay_refuses_fsdp2_clearly(fsdp_more: Path) -> None:
-    rows = results(fsdp_more, "replay_refused", 4)
-    assert all("RingReplayAudit does not support ModelParallelStrategy" in r["error"]["message"] for r in rows)
 
 
 @pytest.fixture(scope="module")
