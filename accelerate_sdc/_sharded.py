@@ -4,17 +4,18 @@ Accelerate's FSDP2 path applies ``fully_shard`` in place: the prepared model is 
 (an ``FSDPModule``) whose parameters are DTensors. The same settings map onto the sharded cores:
 the non-finite check reads each rank's local gradients in the FSDP reduce-scatter, the fingerprint
 compares shards within their replica groups and re-checks unreplicated shards before each forward.
-The ring replay audit does not run on sharded models yet: it is switched off with a warning.
+the ring replay has every rank replay its partner's recorded forward inputs through the sharded
+model together (the model's forward hooks record them, as under DDP).
 """
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 from torch import nn
 
 from sdc_core.sharded import ShardedFingerprint, ShardedNonFinite
+from sdc_core.sharded_replay import ShardedReplay
 from sdc_core.topology import Topology
 
 
@@ -23,9 +24,10 @@ def attach(hooks: Any, model: nn.Module, optimizer: Any) -> Any:
     hooks._module = model
     topo = Topology.gather(local_rank=hooks.accelerator.local_process_index)
     if hooks.replay is not None:
-        warnings.warn("SDC ring replay audit is inactive: it does not support FSDP2 (sharded) models yet; "
-                      "the non-finite and fingerprint checks run", UserWarning, stacklevel=3)  # fmt: skip
-        hooks.replay = None
+        hooks.replay = ShardedReplay(hooks.replay.config, hooks.replay.stats, topo)
+        hooks.replay.attach(model)
+        hooks._handles.append(model.register_forward_pre_hook(hooks._before_forward, with_kwargs=True))
+        hooks._handles.append(model.register_forward_hook(hooks._after_forward, with_kwargs=True))
     if hooks.nonfinite is not None:
         hooks.nonfinite = ShardedNonFinite(hooks.nonfinite.config, hooks.nonfinite.stats, topo)
         hooks.nonfinite.attach(model)

@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader, TensorDataset
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from accelerate_sdc import SDCError, SDCHooks
-from sdc_core import flip_bit
+from sdc_core import Fault, FaultInjector, flip_bit
 from sdc_core.sharded import ShardedFingerprint, ShardedNonFinite, local
 
 
@@ -41,7 +41,7 @@ class Regressor(nn.Module):
 
 
 def run(accelerator: Accelerator, name: str, nan: tuple[int, int] | None = None,
-        flip: tuple[int, int] | None = None, steps: int = 8) -> dict[str, Any]:  # fmt: skip
+        flip: tuple[int, int] | None = None, steps: int = 8, fault: Fault | None = None) -> dict[str, Any]:  # fmt: skip
     torch.manual_seed(0)
     model = Regressor()
     mesh = init_device_mesh("cpu", (accelerator.num_processes,))
@@ -55,12 +55,16 @@ def run(accelerator: Accelerator, name: str, nan: tuple[int, int] | None = None,
     rank = accelerator.process_index
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        sdc = SDCHooks(accelerator, replay_every_n_steps=5, fingerprint_every_n_steps=1).attach(model, optimizer)
+        sdc = SDCHooks(accelerator, replay_every_n_steps=2, replay_exact=True, fingerprint_every_n_steps=1)
+        sdc.attach(model, optimizer)
+    injector = FaultInjector([fault] if fault else [])
+    injector.install(model, rank)
     error = None
     try:
         for step, (xb, yb) in enumerate(loader):
             if step == steps:
                 break
+            injector.set_step(step)
             loss = model(xb, yb)
             if nan and (rank, step) == nan:
                 loss = loss * float("nan")
@@ -74,7 +78,7 @@ def run(accelerator: Accelerator, name: str, nan: tuple[int, int] | None = None,
         error = err.to_dict()
     return {
         "error": error,
-        "cores": [type(sdc.nonfinite).__name__, type(sdc.fingerprint).__name__, sdc.replay],
+        "cores": [type(c).__name__ for c in (sdc.nonfinite, sdc.replay, sdc.fingerprint)],
         "warnings": [str(w.message) for w in caught],
         "runs": {k: v for k, v in sdc.metrics().items() if k.endswith("/runs")},
         "sharded": isinstance(sdc.nonfinite, ShardedNonFinite) and isinstance(sdc.fingerprint, ShardedFingerprint),
@@ -85,6 +89,7 @@ SCENARIOS = {
     "clean": lambda a: run(a, "clean"),
     "nan": lambda a: run(a, "nan", nan=(2, 3)),
     "at_rest": lambda a: run(a, "at_rest", flip=(1, 4)),
+    "compute": lambda a: run(a, "compute", fault=Fault("module_output", rank=3, step=2, target="head", factor=1.2)),
 }
 
 

@@ -173,9 +173,13 @@ def accelerate_fsdp2(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_accelerate_attach_on_an_fsdp2_model(accelerate_fsdp2: Path) -> None:
     clean = results(accelerate_fsdp2, "clean", 4)
     assert all(r["error"] is None and r["sharded"] for r in clean)
-    assert clean[0]["runs"] == {"sdc/nonfinite_gradient/runs": 8.0, "sdc/weight_fingerprint/runs": 9.0}
-    assert any("ring replay audit is inactive" in w for w in clean[0]["warnings"])
+    assert clean[0]["cores"] == ["ShardedNonFinite", "ShardedReplay", "ShardedFingerprint"]
+    assert clean[0]["runs"] == {"sdc/nonfinite_gradient/runs": 8.0, "sdc/ring_replay/runs": 4.0,
+                                "sdc/weight_fingerprint/runs": 9.0}  # fmt: skip
+    assert clean[0]["warnings"] == []
     nan = same_error(accelerate_fsdp2, "nan", 4, "NonFiniteGradientError")
     assert nan["rank"] == 2 and nan["step"] == 3 and nan["details"]["pattern"] == "one_rank"
     rest = same_error(accelerate_fsdp2, "at_rest", 4, "FingerprintMismatchError")
     assert rest["rank"] == 1 and rest["details"]["changed_at_rest"] == {"1": ["param:body.weight"]}
+    compute = same_error(accelerate_fsdp2, "compute", 4, "ReplayMismatchError")
+    assert compute["rank"] == 3 and compute["step"] == 2
