@@ -19,6 +19,7 @@ from sdc_core.incidents import install_exit_code, record_verdict
 from sdc_core.replay import ReplayConfig, RingReplay
 from sdc_core.sharded import ShardedFingerprint, ShardedNonFinite
 from sdc_core.sharded_replay import ShardedReplay
+from sdc_core.sharded_update import UpdateAudit
 
 
 class _SDCCallback(Callback):
@@ -170,6 +171,10 @@ class WeightFingerprintCheck(_SDCCallback):
             goes on (an incident is written); without a majority, or past ``max_heals`` heals
             of the same rank, it raises.
         max_heals: heals allowed per rank.
+        update_audit_every_n_steps: sharded models (``ModelParallelStrategy``) only: every n-th
+            step a partner rank recomputes each rank's optimizer update of its shard without
+            replicas (pure FSDP) and compares bit for bit (0: off). Costs a copy and a transfer
+            of the shard, its gradient and optimizer state, and one extra optimizer step.
 
     The comparison of step ``s`` is read at the end of the next training batch, so the host never
     waits for the GPU in the step that computed it. Before a checkpoint is written and when
@@ -191,25 +196,42 @@ class WeightFingerprintCheck(_SDCCallback):
         include_optimizer_state: bool = False,
         on_failure: str = "raise",
         max_heals: int = 3,
+        update_audit_every_n_steps: int = 0,
     ) -> None:
         config = FingerprintConfig(every_n_steps, include_buffers, include_optimizer_state, on_failure, max_heals)
         self._core = WeightFingerprint(config)
         self._seen_step = 0
+        self._update_audit = sharded_update_audit(update_audit_every_n_steps)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_fit_start(trainer, pl_module)
         self._seen_step = trainer.global_step
         if c.is_sharded(trainer):  # shards compared in their replica groups, unreplicated ones at rest
             self._core = ShardedFingerprint(self._core.config, self._core.stats, self._core.topology)
+            if self._update_audit is not None:
+                self._update_audit.topology = self._core.topology
+                self._update_audit.attach(trainer.optimizers[0], pl_module)
         elif not c.is_ddp(trainer):
             c.warn_inactive(type(self).__name__, "a single process has no replica to compare with")
+        if not c.is_sharded(trainer):
+            self._update_audit = None
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         if isinstance(self._core, ShardedFingerprint):
             self._core.before_use()
 
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        if self._update_audit is not None:
+            self._update_audit.before_update(trainer.global_step, optimizer)
+
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         try:
+            if self._update_audit is not None and trainer.global_step != self._seen_step:
+                try:
+                    self._update_audit.audit(trainer.global_step - 1)
+                except SDCError as err:
+                    self._core.last_error = err
+                    raise
             if c.is_ddp(trainer) or c.is_sharded(trainer):
                 self._resolve(trainer, pl_module)
                 if trainer.global_step != self._seen_step:
@@ -263,6 +285,12 @@ class WeightFingerprintCheck(_SDCCallback):
         if (c.is_ddp(trainer) or c.is_sharded(trainer)) and self._core.active:
             self._check_now(trainer, pl_module)
         super().on_train_end(trainer, pl_module)
+
+
+def sharded_update_audit(every_n_steps: int) -> UpdateAudit | None:
+    if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 0:
+        raise ValueError(f"update_audit_every_n_steps must be an integer >= 0, got {every_n_steps!r}")
+    return UpdateAudit(every_n_steps) if every_n_steps else None
 
 
 class RingReplayAudit(_SDCCallback):

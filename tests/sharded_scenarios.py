@@ -91,7 +91,8 @@ class ShardedNet(L.LightningModule):
 
 class FlipShard(L.Callback):
     """Flip one bit of ``rank``'s local shard of ``target`` at ``step``: ``when="at_rest"`` at the
-    start of the batch (between the update and the forward), ``"update"`` right after the update."""
+    start of the batch (between the update and the forward), ``"update"`` right after the update,
+    ``"optimizer"`` inside the optimizer step (a wrong update)."""
 
     def __init__(self, rank: int, step: int, target: str = "layers.1.weight", when: str = "at_rest") -> None:
         self.rank, self.step, self.target, self.when = rank, step, target, when
@@ -99,6 +100,14 @@ class FlipShard(L.Callback):
     def _flip(self, trainer: L.Trainer, pl_module: L.LightningModule, step: int) -> None:
         if trainer.global_rank == self.rank and step == self.step:
             flip_bit(local(dict(pl_module.named_parameters())[self.target]), 3, 22)
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.when == "optimizer":  # inside the update: a post-hook registered before the checks' own
+
+            def hook(*_: Any) -> None:
+                self._flip(trainer, pl_module, trainer.global_step)
+
+            trainer.optimizers[0].register_step_post_hook(hook)
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         if self.when == "at_rest":
@@ -178,6 +187,19 @@ SCENARIOS: dict[str, Any] = {
             FaultInjector([Fault("module_output", rank=2, step=2, target="layers.2", factor=1.2)]),
             RingReplayAudit(every_n_steps=2, exact=True),
         ],
+    ),
+    "update_fault": lambda o: fit(
+        o,
+        "update_fault",
+        [FlipShard(rank=1, step=4, when="optimizer"), WeightFingerprintCheck(update_audit_every_n_steps=2)],
+        model=ShardedNet(bf16=True),
+    ),
+    "update_clean": lambda o: fit(
+        o,
+        "update_clean",
+        [WeightFingerprintCheck(update_audit_every_n_steps=1)],
+        model=ShardedNet(bf16=True),
+        accumulate_grad_batches=2,
     ),
     # HSDP 3 x 2 (6 ranks): ranks 0, 2, 4 and 1, 3, 5 hold the same shards
     "hsdp_clean": lambda o: fit(o, "hsdp_clean", checks(), model=ShardedNet(hsdp=3, bf16=True)),

@@ -42,8 +42,8 @@ def same_error(out: Path, scenario: str, world: int, error_type: str) -> dict[st
 
 @pytest.fixture(scope="module")
 def fsdp(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    # clean first, then off: a fit in a fresh process starts from another RNG state than later ones
-    return launch(tmp_path_factory.mktemp("fsdp"), ["nan_one", "at_rest", "replay_fault", "clean", "off"], 4)
+    scenarios = ["nan_one", "at_rest", "replay_fault", "update_fault", "clean", "off"]
+    return launch(tmp_path_factory.mktemp("fsdp"), scenarios, 4)
 
 
 def test_fsdp2_clean_run_of_all_three_checks_with_bf16_dropout_accumulation_is_bit_identical(fsdp: Path) -> None:
@@ -76,6 +76,13 @@ def test_fsdp2_bit_flip_at_rest_in_one_shard_names_the_rank(fsdp: Path) -> None:
     assert err["step"] == 3  # the flip happened after the update of step 3, before the next forward
 
 
+def test_fsdp2_wrong_update_is_named_by_partner_and_referee_recomputation(fsdp: Path) -> None:
+    err = same_error(fsdp, "update_fault", 4, "FingerprintMismatchError")
+    assert err["rank"] == 1 and err["step"] == 4
+    assert err["details"]["update_audit"] == [{"owner": 1, "recomputed_by": 2, "tensors": ["layers.1.weight"]}]
+    assert err["details"]["rulings"] == {"1->2": "referee agrees with the replayer: the owner is faulty"}
+
+
 @pytest.fixture(scope="module")
 def hsdp(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return launch(tmp_path_factory.mktemp("hsdp"), ["hsdp_update"], 6)
@@ -99,7 +106,12 @@ def test_hsdp_heal_restores_identical_replicas(hsdp_more: Path) -> None:
 
 @pytest.fixture(scope="module")
 def fsdp_more(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return launch(tmp_path_factory.mktemp("fsdp_more"), ["nan_all", "skip", "user_rs"], 4)
+    return launch(tmp_path_factory.mktemp("fsdp_more"), ["nan_all", "skip", "user_rs", "update_clean"], 4)
+
+
+@pytest.mark.slow
+def test_fsdp2_update_audit_every_step_raises_nothing_on_a_clean_bf16_run(fsdp_more: Path) -> None:
+    assert all(r["error"] is None and r["global_step"] == 8 for r in results(fsdp_more, "update_clean", 4))
 
 
 @pytest.mark.slow
