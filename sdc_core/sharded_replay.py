@@ -71,6 +71,26 @@ def _digest(rows: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]], lo
     )
 
 
+def _other_parallel_dims(module: nn.Module) -> list[str]:
+    """Mesh dimensions (size > 1) of the parameters' root meshes that FSDP does not use."""
+    from sdc_core.sharded import FSDPModule
+
+    fsdp_dims: set[str] = set()
+    for m in module.modules():
+        if FSDPModule is not None and isinstance(m, FSDPModule):
+            for pg in m._get_fsdp_state()._fsdp_param_groups:
+                fsdp_dims.update(pg.mesh_info.mesh.mesh_dim_names or ())
+    other: set[str] = set()
+    for p in module.parameters():
+        mesh = getattr(p, "device_mesh", None)
+        if mesh is None:
+            continue
+        root = mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else mesh
+        names = root.mesh_dim_names or tuple(str(i) for i in range(root.ndim))
+        other.update(n for n, size in zip(names, root.shape, strict=True) if size > 1 and n not in fsdp_dims)
+    return sorted(other)
+
+
 @dataclass
 class ShardedReplay:
     """``RingReplay`` for sharded models: the same adapter calls (``arm``, ``record``,
@@ -93,6 +113,16 @@ class ShardedReplay:
         return is_distributed()
 
     def attach(self, module: nn.Module) -> None:
+        """Tap the FSDP reduce-scatters. Raises ``ValueError`` under tensor (or any non-FSDP)
+        parallelism: its peers must compute the same batch together, which a ring of partners
+        replaying different batches breaks."""
+        other = _other_parallel_dims(module)
+        if other:
+            raise ValueError(
+                f"RingReplayAudit on a sharded model supports FSDP and HSDP, not tensor parallelism (mesh dimensions "
+                f"{other}): tensor-parallel peers must replay the same batch together. NonFiniteGradientCheck and "
+                "WeightFingerprintCheck support it (Accelerate: set replay_every_n_steps=0)."
+            )
         self.taps = fsdp_taps(module)
         for tap in self.taps:
             tap.consumers.append(self._consume)

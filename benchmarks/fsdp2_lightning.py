@@ -1,0 +1,119 @@
+"""Lightning FSDP2 (``ModelParallelStrategy`` + ``fully_shard``) on 4 CPU ranks: steady-state time
+per step with and without the checks, audited steps against normal ones, and the bytes and
+collectives the checks add per rank.
+
+Run under ``torchrun --nproc-per-node 4 python -m benchmarks.fsdp2_lightning --out FILE``. The
+configurations alternate in one process group (start-up paid once). FSDP's own all-gathers and
+reduce-scatters are not counted (the traffic wrapper sees ``all_reduce``, ``all_gather``, the
+point-to-point calls and the object collectives: the checks' calls).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as L
+import torch
+import torch.distributed as dist
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+from torch.utils.data import DataLoader, TensorDataset
+
+from benchmarks.common import summary
+from benchmarks.ddp_lightning import BATCH, Probe, Traffic
+from lightning_sdc import NonFiniteGradientCheck, RingReplayAudit, WeightFingerprintCheck
+
+
+class Model(L.LightningModule):
+    def __init__(self, width: int = 2048) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(
+            nn.Linear(64, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 1)
+        )
+
+    def configure_model(self) -> None:
+        mesh = self.device_mesh["data_parallel"]
+        for layer in self.net:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(self, mesh=mesh)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+def fit(config: str, steps: int, traffic: Traffic, every: int) -> list[dict[str, float]]:
+    callbacks: list[Any] = {
+        "none": [],
+        "nonfinite": [NonFiniteGradientCheck()],
+        "fingerprint": [WeightFingerprintCheck()],
+        "defaults": [NonFiniteGradientCheck(), RingReplayAudit(), WeightFingerprintCheck()],
+        "audit_often": [NonFiniteGradientCheck(), RingReplayAudit(every), WeightFingerprintCheck()],
+        "update_often": [WeightFingerprintCheck(update_audit_every_n_steps=every)],
+    }[config]  # fmt: skip
+    probe = Probe(traffic)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(BATCH * (steps + 2) * dist.get_world_size(), 64, generator=g)
+    data = DataLoader(TensorDataset(x, x[:, :1]), batch_size=BATCH)
+    world = int(os.environ["WORLD_SIZE"])
+    strategy = ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1, timeout=timedelta(seconds=120))
+    trainer = L.Trainer(
+        accelerator="cpu", devices=world, strategy=strategy, max_steps=steps, callbacks=[*callbacks, probe],
+        logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+    )  # fmt: skip
+    trainer.fit(Model(), data)
+    return probe.steps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--every", type=int, default=10, help="cadence of the audited configurations")
+    parser.add_argument("--configs", default="none,nonfinite,fingerprint,defaults,audit_often,update_often")
+    args = parser.parse_args()
+    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    traffic = Traffic()
+    skip = 5
+    runs: dict[str, list[dict[str, float]]] = {c: [] for c in args.configs.split(",")}
+    for _ in range(args.rounds):
+        for config in runs:
+            runs[config] += fit(config, args.steps, traffic, args.every)[skip:]
+    if dist.get_rank() != 0:
+        return
+    base = summary([s["seconds"] for s in runs["none"]])["median"]
+    kept = args.steps - skip
+    result: dict[str, Any] = {
+        "world_size": dist.get_world_size(),
+        "params": 64 * 2048 + 2048 + 2048 * 2048 + 2048 + 2048 + 1,
+        "step_seconds": {c: summary([s["seconds"] for s in steps]) for c, steps in runs.items()},
+        "overhead": {c: summary([s["seconds"] for s in steps])["median"] / base - 1 for c, steps in runs.items()},
+        "every": args.every,
+    }
+    for config in ("audit_often", "update_often"):
+        if config not in runs:
+            continue
+        audited = [s for i, s in enumerate(runs[config]) if (skip + i % kept) % args.every == 0]
+        normal = [s for i, s in enumerate(runs[config]) if (skip + i % kept) % args.every != 0]
+        result[f"{config}_step_vs_normal"] = (
+            summary([s["seconds"] for s in audited])["median"] / summary([s["seconds"] for s in normal])["median"]
+        )
+        result[f"{config}_traffic"] = {"clean": [normal[0]["calls"], normal[0]["bytes"]],
+                                       "audited": [audited[0]["calls"], audited[0]["bytes"]]}  # fmt: skip
+    args.out.write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
