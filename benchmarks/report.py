@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from benchmarks import report_fsdp2
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -147,6 +149,7 @@ def render(data: dict[str, Any]) -> str:
                          f"{t['audited']['calls']} / {t['audited']['bytes_sent']} |")  # fmt: skip
         f = data["traffic_formula"]["1024"] if "1024" in data["traffic_formula"] else data["traffic_formula"][1024]
         parts.append(TRAFFIC_TEXT.format(**{k: int(v) for k, v in f.items()}))
+    parts.append(report_fsdp2.section())
     parts.append(CADENCE_TEXT)
     return "\n".join(parts) + "\n"
 
