@@ -247,6 +247,10 @@ class WeightFingerprintCheck(_SDCCallback):
         """Compare the replicas' current weights (every rank: Lightning builds the checkpoint on
         all of them) before the checkpoint is written, then store its fingerprint. A mismatch
         raises before anything is written; a heal or rollback refreshes the checkpoint's tensors."""
+        if c.is_sharded(trainer):  # distributed checkpoints hold DTensor shards: compared, not fingerprinted
+            if self._core.active:
+                self._check_now(trainer, pl_module)
+            return
         if c.is_ddp(trainer) and self._core.active:
             failures = self._core.stats.failures
             self._check_now(trainer, pl_module)
@@ -259,6 +263,8 @@ class WeightFingerprintCheck(_SDCCallback):
         checkpoint[FINGERPRINT_KEY] = fingerprint_checkpoint(checkpoint)
 
     def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
+        if c.is_sharded(trainer):
+            return
         check_loaded_checkpoint(checkpoint, int(checkpoint.get("global_step", trainer.global_step)))
 
     def _resolve(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

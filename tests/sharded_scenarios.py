@@ -17,6 +17,7 @@ from typing import Any
 
 import lightning.pytorch as L
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -140,8 +141,7 @@ def fit(out: Path, name: str, callbacks: list[Any], steps: int = 8, model: Shard
         callbacks=callbacks,
         enable_progress_bar=False,
         enable_model_summary=False,
-        enable_checkpointing=False,
-        **trainer_kwargs,
+        **({"enable_checkpointing": False} | trainer_kwargs),
     )
     error = None
     try:
@@ -200,6 +200,12 @@ SCENARIOS: dict[str, Any] = {
         [WeightFingerprintCheck(update_audit_every_n_steps=1)],
         model=ShardedNet(bf16=True),
         accumulate_grad_batches=2,
+    ),
+    "checkpoint": lambda o: fit(
+        o,
+        "checkpoint",
+        [*checks(), ModelCheckpoint(dirpath=o / "ckpt", every_n_train_steps=3)],
+        enable_checkpointing=True,
     ),
     # HSDP 3 x 2 (6 ranks): ranks 0, 2, 4 and 1, 3, 5 hold the same shards
     "hsdp_clean": lambda o: fit(o, "hsdp_clean", checks(), model=ShardedNet(hsdp=3, bf16=True)),

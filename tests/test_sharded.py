@@ -106,12 +106,18 @@ def test_hsdp_heal_restores_identical_replicas(hsdp_more: Path) -> None:
 
 @pytest.fixture(scope="module")
 def fsdp_more(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return launch(tmp_path_factory.mktemp("fsdp_more"), ["nan_all", "skip", "user_rs", "update_clean"], 4)
+    return launch(tmp_path_factory.mktemp("fsdp_more"), ["nan_all", "skip", "user_rs", "update_clean", "checkpoint"], 4)
 
 
 @pytest.mark.slow
 def test_fsdp2_update_audit_every_step_raises_nothing_on_a_clean_bf16_run(fsdp_more: Path) -> None:
     assert all(r["error"] is None and r["global_step"] == 8 for r in results(fsdp_more, "update_clean", 4))
+
+
+@pytest.mark.slow
+def test_fsdp2_distributed_checkpoints_are_written_with_the_checks_on(fsdp_more: Path) -> None:
+    assert all(r["error"] is None and r["global_step"] == 8 for r in results(fsdp_more, "checkpoint", 4))
+    assert (fsdp_more / "ckpt" / "epoch=0-step=6.ckpt").exists()
 
 
 @pytest.mark.slow
