@@ -75,18 +75,20 @@ def _other_parallel_dims(module: nn.Module) -> list[str]:
     """Mesh dimensions (size > 1) of the parameters' root meshes that FSDP does not use."""
     from sdc_core.sharded import FSDPModule
 
-    fsdp_dims: set[str] = set()
+    fsdp_meshes: list[Any] = []
     for m in module.modules():
         if FSDPModule is not None and isinstance(m, FSDPModule):
-            for pg in m._get_fsdp_state()._fsdp_param_groups:
-                fsdp_dims.update(pg.mesh_info.mesh.mesh_dim_names or ())
+            fsdp_meshes += [pg.mesh_info.mesh for pg in m._get_fsdp_state()._fsdp_param_groups]
+    fsdp_dims = {n for mesh in fsdp_meshes for n in (mesh.mesh_dim_names or ())}
     other: set[str] = set()
     for p in module.parameters():
         mesh = getattr(p, "device_mesh", None)
         if mesh is None:
             continue
         root = mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else mesh
-        names = root.mesh_dim_names or tuple(str(i) for i in range(root.ndim))
+        if any(root is m or root == m for m in fsdp_meshes):
+            continue  # FSDP's (or HSDP's) own mesh
+        names = root.mesh_dim_names or tuple(f"dim {i}" for i in range(root.ndim))
         other.update(n for n, size in zip(names, root.shape, strict=True) if size > 1 and n not in fsdp_dims)
     return sorted(other)
 
