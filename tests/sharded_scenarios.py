@@ -138,6 +138,7 @@ def fit(out: Path, name: str, callbacks: list[Any], steps: int = 8, model: Shard
         strategy=ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1, timeout=timedelta(seconds=90)),
         max_steps=steps,
         logger=False,
+        default_root_dir=out,  # incidents: <out>/sdc/incidents/
         callbacks=callbacks,
         enable_progress_bar=False,
         enable_model_summary=False,

@@ -22,7 +22,7 @@ SCENARIOS = Path(__file__).with_name("sharded_scenarios.py")
 def launch(out: Path, scenarios: list[str], nproc: int, timeout: float = 540) -> Path:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            str(SCENARIOS), "--out", str(out), "--only", ",".join(scenarios)]  # fmt: skip
-    proc = subprocess.run(cmd, env=worker_env(), capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, env=worker_env(), capture_output=True, text=True, timeout=timeout, cwd=out)
     if proc.returncode != 0:
         pytest.fail(f"torchrun failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return out
@@ -67,6 +67,7 @@ def test_fsdp2_nan_in_one_ranks_local_gradients_names_it(fsdp: Path) -> None:
     err = same_error(fsdp, "nan_one", 4, "NonFiniteGradientError")
     assert err["rank"] == 2 and err["step"] == 3 and err["details"]["pattern"] == "one_rank"
     assert "layers.2.weight" in err["details"]["parameters"]["2"]
+    assert list((fsdp / "sdc" / "incidents").glob("*nonfinite_gradient-step3.json"))
 
 
 def test_fsdp2_bit_flip_at_rest_in_one_shard_names_the_rank(fsdp: Path) -> None:
@@ -183,7 +184,7 @@ def accelerate_fsdp2(tmp_path_factory: pytest.TempPathFactory) -> Path:
     env = worker_env() | {"ACCELERATE_USE_CPU": "1", "ACCELERATE_SDC_CONFIG_FILE": os.devnull}
     cmd = [str(Path(sys.executable).parent / "accelerate"), "launch", "--multi_gpu", "--num_processes", "4",
            str(SCENARIOS.with_name("accelerate_fsdp2_scenarios.py")), "--out", str(out)]  # fmt: skip
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=540)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=540, cwd=out)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
     return out
 
@@ -201,3 +202,4 @@ def test_accelerate_attach_on_an_fsdp2_model(accelerate_fsdp2: Path) -> None:
     assert rest["rank"] == 1 and rest["details"]["changed_at_rest"] == {"1": ["param:body.weight"]}
     compute = same_error(accelerate_fsdp2, "compute", 4, "ReplayMismatchError")
     assert compute["rank"] == 3 and compute["step"] == 2
+    assert len(list((accelerate_fsdp2 / "sdc" / "incidents").glob("*.json"))) == 3  # one per verdict, rank 0

@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 import torch
 from conftest import worker_env
 from torch.distributed.tensor import Partial, Replicate, Shard
@@ -69,3 +70,20 @@ def test_witnesses_of_dtensors_on_hsdp_fsdp_and_tp_meshes() -> None:
     assert sorted(out[2]["groups"][1:]) == [[[0, 1, 2], ["norm"]], [[0, 1, 2, 3, 4, 5], ["plain"]],
                                             [[0, 2, 4], ["hsdp", "hsdp2"]]]  # fmt: skip
     assert [[len(r), n] for r, n in out[2]["groups"]] == [[len(r), n] for r, n in out[5]["groups"]]
+
+
+def test_lightning_refuses_fsdp1_and_deepspeed_naming_what_is_supported(tmp_path) -> None:
+    import lightning.pytorch as L
+    from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
+
+    from lightning_sdc import NonFiniteGradientCheck, RingReplayAudit, WeightFingerprintCheck
+    from lightning_sdc._common import require_supported_strategy
+
+    t = L.Trainer(accelerator="cpu", devices=1, default_root_dir=tmp_path, logger=False)
+    for strategy in (FSDPStrategy(), object.__new__(DeepSpeedStrategy)):  # neither can be built on CPU here
+        t._accelerator_connector.strategy = strategy
+        for check in (NonFiniteGradientCheck, RingReplayAudit, WeightFingerprintCheck):
+            with pytest.raises(ValueError, match=f"ModelParallelStrategy.*got {type(strategy).__name__}.*FSDP1"):
+                require_supported_strategy(t, check.__name__)
+    t._accelerator_connector.strategy = ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1)
+    require_supported_strategy(t, "WeightFingerprintCheck")  # accepted
