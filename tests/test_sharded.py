@@ -189,6 +189,7 @@ def accelerate_fsdp2(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+@pytest.mark.slow  # a second launch of the FSDP topology (the default run keeps one per topology)
 def test_accelerate_attach_on_an_fsdp2_model(accelerate_fsdp2: Path) -> None:
     clean = results(accelerate_fsdp2, "clean", 4)
     assert all(r["error"] is None and r["sharded"] for r in clean)
