@@ -106,7 +106,12 @@ class UpdateAudit:
 
         def after(opt: torch.optim.Optimizer, *_: Any) -> None:
             if self._snap is not None and self._after is None:
-                self._after = [int(tensor_digest(local(p))) for g in opt.param_groups for p in g["params"]]
+                live = [p for g in opt.param_groups for p in g["params"]]
+                items = [item for g in self._snap for item in g["items"]]
+                for p, item in zip(live, items, strict=True):
+                    if p.grad is None:  # dropped after the snapshot (e.g. a skipped step): no update
+                        item["grad"] = None
+                self._after = [int(tensor_digest(local(p))) for p in live]
 
         self._handles = [inner.register_step_post_hook(after)]
 
