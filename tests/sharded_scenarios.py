@@ -202,6 +202,12 @@ SCENARIOS: dict[str, Any] = {
         model=ShardedNet(bf16=True),
         accumulate_grad_batches=2,
     ),
+    "update_skip": lambda o: fit(
+        o,
+        "update_skip",
+        [WeightFingerprintCheck(update_audit_every_n_steps=1), NonFiniteGradientCheck(on_failure="skip_step")],
+        model=ShardedNet(nan_at=([1], 2)),
+    ),
     "checkpoint": lambda o: fit(
         o,
         "checkpoint",

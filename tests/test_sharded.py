@@ -107,12 +107,16 @@ def test_hsdp_heal_restores_identical_replicas(hsdp_more: Path) -> None:
 
 @pytest.fixture(scope="module")
 def fsdp_more(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return launch(tmp_path_factory.mktemp("fsdp_more"), ["nan_all", "skip", "user_rs", "update_clean", "checkpoint"], 4)
+    scenarios = ["nan_all", "skip", "user_rs", "update_clean", "update_skip", "checkpoint"]
+    return launch(tmp_path_factory.mktemp("fsdp_more"), scenarios, 4)
 
 
 @pytest.mark.slow
-def test_fsdp2_update_audit_every_step_raises_nothing_on_a_clean_bf16_run(fsdp_more: Path) -> None:
+def test_fsdp2_update_audit_every_step_raises_nothing_on_a_clean_bf16_run_or_a_skipped_step(fsdp_more: Path) -> None:
     assert all(r["error"] is None and r["global_step"] == 8 for r in results(fsdp_more, "update_clean", 4))
+    skipped = results(fsdp_more, "update_skip", 4)  # the NaN step dropped after the update audit's snapshot
+    assert all(r["error"] is None and r["finite"] for r in skipped)
+    assert skipped[0]["states"]["NonFiniteGradientCheck"]["extra"]["skipped_steps"] == 1
 
 
 @pytest.mark.slow
