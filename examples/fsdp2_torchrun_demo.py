@@ -9,9 +9,10 @@
 What a training loop calls (all of it on every rank):
 
 * ``nonfinite.attach(model)`` once: taps every FSDP parameter group's reduce-scatter (local grads);
-* ``nonfinite.verdict(step, model.named_parameters())`` after backward, before ``optimizer.step()``;
+* ``nonfinite.verdict(step, model.named_parameters())`` after backward, before ``optimizer.step()``
+  (with ``on_failure="raise"`` its all-reduce is read at the next call, or by ``nonfinite.resolve()``);
 * ``fingerprint.before_use()`` before each forward, ``fingerprint.start(step, model, [optimizer])``
-  after each update, ``fingerprint.finish()`` after the loop.
+  after each update; ``nonfinite.resolve()`` and ``fingerprint.finish()`` after the loop.
 
 Exit status 0 when the faulty rank was named (or, with ``--fault none``, when nothing fired).
 """
@@ -79,6 +80,7 @@ def main() -> int:
             fingerprint.start(step, model, [optimizer])
             if args.fault == "at_rest" and step == 4 and rank == args.faulty_rank:
                 flip_bit(local(model[2].weight), 3, 22)  # after the digest, before the next forward
+        nonfinite.resolve()
         fingerprint.finish()
     except SDCError as err:
         if rank == 0:

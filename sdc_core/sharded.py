@@ -251,14 +251,27 @@ def _minmax(t: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass
-class ShardedNonFinite:
-    """Non-finite local gradients under FSDP2 / HSDP: the same contract as ``NonFiniteGradient``.
+class _PendingVerdict:
+    step: int
+    count: torch.Tensor  # ranks with non-finite local gradients, after the SUM all-reduce
+    work: Any
+    seen: list[tuple[torch.Tensor, list[str]]]
+    flags: torch.Tensor | None
+    scaler_active: bool
 
-    ``attach(module)`` taps every FSDP parameter group; ``verdict(step, named_parameters)`` once
-    per optimizer step after backward. Cost: one ``aminmax`` read of the local unsharded
-    gradients per parameter group (on every micro-batch whose reduce-scatter runs), and one 4-byte
-    all-reduce with one host read per optimizer step: each rank holds only its shard of the
-    reduced gradient, so no rank can decide alone; only a flagged step gathers names.
+
+@dataclass
+class ShardedNonFinite:
+    """Non-finite local gradients under FSDP2 / HSDP: the same contract and adapter calls as
+    ``NonFiniteGradient`` (``attach``, ``verdict``, ``resolve``, ``pending_step``, ``discard``).
+
+    ``attach(module)`` taps every FSDP parameter group. Cost: one ``aminmax`` read of the local
+    unsharded gradients per parameter group (on every micro-batch whose reduce-scatter runs), and
+    one 4-byte all-reduce per optimizer step: each rank holds only its shard of the reduced
+    gradient, so no rank can decide alone. With ``on_failure`` ``"raise"`` or ``"warn"``, no
+    GradScaler and ``now`` False the all-reduce is started after backward and read one step later
+    (no host wait in the step); otherwise it is read before the update. Only a flagged step
+    gathers names.
     """
 
     config: NonFiniteConfig = field(default_factory=NonFiniteConfig)
@@ -267,6 +280,7 @@ class ShardedNonFinite:
     last_error: NonFiniteGradientError | None = None
     taps: list[GradientTapComm] = field(default_factory=list)
     _seen: list[tuple[torch.Tensor, list[str]]] = field(default_factory=list)
+    _pending: _PendingVerdict | None = None
     _sole_rank: int | None = None
     _streak: int = 0
 
@@ -278,24 +292,51 @@ class ShardedNonFinite:
     def _consume(self, flat: torch.Tensor, names: list[str]) -> None:
         self._seen.append((_minmax(flat), names))
 
-    def verdict(self, step: int, params: Iterable[tuple[str, nn.Parameter]], scaler_active: bool = False) -> bool:
-        """Decide, on every rank alike, whether step ``step`` is clean (see ``NonFiniteGradient``)."""
+    @property
+    def pending_step(self) -> int | None:
+        return self._pending.step if self._pending is not None else None
+
+    def verdict(self, step: int, params: Iterable[tuple[str, nn.Parameter]], scaler_active: bool = False,
+                now: bool = False) -> bool:  # fmt: skip
+        """Take step ``step``'s local flags and start the all-reduce; decide now or leave the
+        verdict for ``resolve()`` (see the class docstring). Resolves a pending verdict first."""
+        self.resolve()
         t0 = time.perf_counter()
-        params = list(params)
         seen, self._seen = self._seen, []
         flags = ~torch.isfinite(torch.stack([mm for mm, _ in seen])).all(dim=-1) if seen else None
         count = torch.zeros(1, dtype=torch.int32, device=collective_device())
         if flags is not None:
             count += flags.any().to(device=count.device, dtype=torch.int32)
-        if is_distributed():
-            dist.all_reduce(count)
+        work = dist.all_reduce(count, async_op=True) if is_distributed() else None
+        self._pending = _PendingVerdict(step, count, work, seen, flags, scaler_active)
+        self.stats.add_time(time.perf_counter() - t0)
+        if self.config.on_failure in ("raise", "warn") and not scaler_active and not now:
+            return False
+        return self._decide(list(params))
+
+    def resolve(self) -> None:
+        """Read the pending verdict, if any (every rank, same place); raise or warn naming its step."""
+        if self._pending is not None:
+            self._decide([])
+
+    def discard(self) -> int | None:
+        """Drop the pending verdict without a collective (training stops on another error)."""
+        self._pending, self._seen = None, []  # its all-reduce completes in the background
+        return None
+
+    def _decide(self, params: list[tuple[str, nn.Parameter]]) -> bool:
+        pending, self._pending = self._pending, None
+        assert pending is not None
+        t0 = time.perf_counter()
+        if pending.work is not None:
+            pending.work.wait()
         self.stats.runs += 1
-        if int(count.item()) == 0:
+        if int(pending.count.item()) == 0:
             self._streak, self._sole_rank = 0, None
-            self.stats.last_verified_step = step
+            self.stats.last_verified_step = pending.step
             self.stats.add_time(time.perf_counter() - t0)
             return False
-        return self._rare(step, params, seen, flags, scaler_active, t0)
+        return self._rare(pending.step, params, pending.seen, pending.flags, pending.scaler_active, t0)
 
     def _rare(self, step: int, params: list[tuple[str, nn.Parameter]], seen: list, flags: torch.Tensor | None,
               scaler_active: bool, t0: float) -> bool:  # fmt: skip
