@@ -45,7 +45,7 @@ optimizer state tensors per parameter (AdamW: 2), B the bytes of a micro-batch.
 
 | check | clean step: reads | clean step: traffic | extra memory |
 |---|---|---|---|
-| `NonFiniteGradientCheck` | U (one `aminmax` per group, in the reduce-scatter) | one 4-byte all-reduce over W and one host read | 16 B x G per micro-batch |
+| `NonFiniteGradientCheck` | U (one `aminmax` per group, in the reduce-scatter) | one 4-byte all-reduce over W, read one step later (before the update with skip_step, rollback or a GradScaler) | 16 B x G per micro-batch |
 | `WeightFingerprintCheck`, replicated shards (HSDP, TP) | S | 16 B all-reduced in the replica group (R ranks) + 16 B over W | copy of the tensors under 4,096 elements |
 | `WeightFingerprintCheck`, unreplicated shards (pure FSDP) | 2 S (after the update, before the next forward) | the same 16 B over W (no replica group) | the same |
 | `RingReplayAudit`, audited step | one forward and backward per micro-batch | B point to point, the all-gathers of a forward and backward ((F - 1)/F x P each), no reduce-scatter, 24 B x W all-gathered | the partner's micro-batches; the replay's transient activations and unsharded gradients (as a training micro-batch) |
