@@ -40,4 +40,10 @@ def attach(hooks: Any, model: nn.Module, optimizer: Any) -> Any:
 
         hooks._handles.append(model.register_forward_pre_hook(before_forward))
     hooks._wrap_step(optimizer)
+    hooks._model, hooks._optimizer = model, optimizer
+    acc = hooks.accelerator
+    if hooks.nonfinite is not None:  # no checkpoint after a step whose verdict is unread
+        hooks._handles.append(acc.register_save_state_pre_hook(lambda *_: hooks._resolve_nonfinite()))
+    # shards are compared before a save; the saved state (DTensor shards) carries no fingerprint
+    hooks._handles.append(acc.register_save_state_pre_hook(lambda *_: hooks._check_now()))
     return hooks
