@@ -8,7 +8,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy
 
 from sdc_core.gradients import GradientTap
 from sdc_core.stats import CheckStats
@@ -20,7 +20,7 @@ _STASH = "_sdc_user_comm_hook"
 def require_supported_strategy(trainer: pl.Trainer, check: str) -> None:
     """Raise ``ValueError`` naming the strategy unless it is DDP or a single device."""
     strategy = trainer.strategy
-    if not isinstance(strategy, DDPStrategy | SingleDeviceStrategy):
+    if not isinstance(strategy, DDPStrategy | SingleDeviceStrategy) or isinstance(strategy, DeepSpeedStrategy):
         raise ValueError(
             f"{check} supports strategy='ddp' (and its variants) or a single device; got "
             f"{type(strategy).__name__}. Sharded strategies (FSDP, DeepSpeed) are not supported."
