@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import atexit
 import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -226,7 +227,14 @@ class SDCHooks:
 
         optimizer.step = step
         self._handles.append(_Restore(optimizer))
-        atexit.register(self._at_exit)
+        hooks = weakref.ref(self)  # never keeps the model alive into interpreter teardown
+
+        def at_exit() -> None:  # while Python is still whole: no fingerprint all-reduce left in flight
+            alive = hooks()
+            if alive is not None and alive.fingerprint is not None:
+                alive.fingerprint.discard(timeout_s=10.0)
+
+        atexit.register(at_exit)
 
     def _verdict(self, check: Any, run: Callable[[], Any], policy: str) -> Any:
         """Run one check's call; record its verdict with the policy actually applied: ``policy``
@@ -300,11 +308,6 @@ class SDCHooks:
                 self.log(force=True)
             except Exception as log_err:
                 warnings.warn(f"SDC counters not logged: {log_err!r}", RuntimeWarning, stacklevel=3)
-
-    def _at_exit(self) -> None:
-        """At interpreter exit, while it is still whole: no fingerprint all-reduce left in flight."""
-        if self.fingerprint is not None:
-            self.fingerprint.discard(timeout_s=10.0)
 
     def finish(self) -> None:
         """Read the last pending verdicts, compare the final weights and log (every process,
