@@ -10,14 +10,15 @@ accelerate-sdc config [--default] [--config_file F] [--<setting> VALUE ...]
 accelerate-sdc launch [--config_file F] [accelerate launch arguments] script.py [args]
     ``accelerate launch`` for an accelerate config YAML with an ``sdc:`` section: hands
     accelerate a copy without that section and passes the settings to every process as
-    ``ACCELERATE_SDC_*`` variables (variables you set yourself still win).
+    ``ACCELERATE_SDC_*`` variables (variables you set yourself still win). Exits 86
+    (``SDC_EXIT_CODE``) when the job ended on an SDC verdict, like ``sdc run``; accelerate's own
+    code otherwise.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 import tempfile
 from dataclasses import fields
@@ -26,6 +27,7 @@ from pathlib import Path
 import yaml
 
 from accelerate_sdc import config
+from sdc_core.launch import run_command
 from sdc_core.safeio import OutputError
 
 _HELP = {
@@ -152,7 +154,7 @@ def _launch(rest: list[str]) -> int:
         else:
             cmd += ["--config_file", str(path)]
     try:
-        return subprocess.call(cmd + passthrough, env=env)
+        return run_command(cmd + passthrough, env=env)  # exit 86 (SDC_EXIT_CODE) on an SDC verdict
     finally:
         if tmp_path:
             os.unlink(tmp_path)
@@ -163,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["launch"]:
         try:
             return _launch(argv[1:])
-        except config.SDCConfigError as err:
+        except ValueError as err:  # SDCConfigError, or a bad SDC_EXIT_CODE
             print(f"accelerate-sdc launch: {err}", file=sys.stderr)
             return 2
     parser = argparse.ArgumentParser(prog="accelerate-sdc", description=__doc__, allow_abbrev=False,

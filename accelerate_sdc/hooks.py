@@ -23,7 +23,9 @@ Cost: as ``sdc_core`` documents per check; the wrapper itself adds a few Python 
 
 from __future__ import annotations
 
+import atexit
 import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -38,7 +40,7 @@ from sdc_core.checkpoint import FINGERPRINT_KEY, check_loaded_checkpoint, finger
 from sdc_core.errors import SDCError
 from sdc_core.fingerprint import WeightFingerprint
 from sdc_core.gradients import GradientTap, NonFiniteGradient, drop_step
-from sdc_core.incidents import install_exit_code, record_verdict
+from sdc_core.incidents import install_exit_code, mark_verdict, record_verdict
 from sdc_core.replay import RingReplay
 from sdc_core.sharded import is_sharded
 from sdc_core.topology import Topology
@@ -77,6 +79,7 @@ class SDCHooks:
         self._inner_hook, self._inner_state = self._take_accelerate_comm_hook()
         self._replaying = False
         self._module: nn.Module | None = None
+        self._run_dir: str | None = None
         self._model: nn.Module | None = None  # as prepared (the DDP wrapper)
         self._optimizer: Any = None
         self._checkpoint_fingerprint: dict[str, Any] | None = None  # of the state being saved
@@ -159,13 +162,9 @@ class SDCHooks:
         return self
 
     def _resolve_nonfinite(self) -> None:
-        assert self.nonfinite is not None
-        try:
-            self.nonfinite.resolve()
-        except SDCError:
-            self._record(raised=True)
-            raise
-        self._record(raised=False)
+        nonfinite = self.nonfinite
+        assert nonfinite is not None
+        self._verdict(nonfinite, nonfinite.resolve, nonfinite.config.on_failure)
 
     # -- replay capture ------------------------------------------------------------------------
 
@@ -224,54 +223,94 @@ class SDCHooks:
 
         def step(*args: Any, **kwargs: Any) -> Any:
             try:
-                out = self._step(optimizer, original, *args, **kwargs)
-            except SDCError:
-                self.log(force=True)
-                self._record(raised=True)
+                return self._step(optimizer, original, *args, **kwargs)
+            except BaseException as err:
+                self._path_out(err)
                 raise
-            self._record(raised=False)  # skipped, warned or healed: still an incident
-            return out
 
         optimizer.step = step
         self._handles.append(_Restore(optimizer))
+        hooks = weakref.ref(self)  # never keeps the model alive into interpreter teardown
+
+        def at_exit() -> None:  # while Python is still whole: no fingerprint all-reduce left in flight
+            alive = hooks()
+            if alive is not None and alive.fingerprint is not None:
+                alive.fingerprint.discard(timeout_s=10.0)
+
+        atexit.register(at_exit)
+
+    def _verdict(self, check: Any, run: Callable[[], Any], policy: str) -> Any:
+        """Run one check's call; record its verdict with the policy actually applied: ``policy``
+        when it returned (skipped, warned, healed), ``"raise"`` when it raised."""
+        try:
+            out = run()
+        except SDCError as err:
+            if check.last_error is None:
+                check.last_error = err
+            self._record(check, "raise")
+            mark_verdict(err)
+            raise
+        self._record(check, policy)
+        return out
 
     def _step(self, optimizer: Any, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         acc = self.accelerator
-        if self.nonfinite is not None:
-            self.nonfinite.resolve()  # the previous step's verdict, read one step later (raise, warn)
-        if self.fingerprint is not None:
-            self.fingerprint.resolve()  # the comparison started after the previous update
+        fp, nonfinite, replay = self.fingerprint, self.nonfinite, self.replay
+        if nonfinite is not None:  # the previous step's verdict, read one step later (raise, warn)
+            self._verdict(nonfinite, nonfinite.resolve, nonfinite.config.on_failure)
+        if fp is not None:  # the comparison started after the previous update
+            self._verdict(fp, fp.resolve, "heal")
         if not acc.sync_gradients:
             return original(*args, **kwargs)
         assert self._module is not None
         module, step = self._module, self.step
+        scaler = acc.scaler is not None
         skipped = False
-        if self.nonfinite is not None:  # read now when the replay audits this step: it must not act first
-            now = self.replay is not None and self.replay.armed
-            skipped = self.nonfinite.verdict(
-                step, module.named_parameters(), scaler_active=acc.scaler is not None, now=now
+        if nonfinite is not None:  # read now when the replay audits this step: it must not act first
+            now = replay is not None and replay.armed
+            skipped = self._verdict(
+                nonfinite,
+                lambda: nonfinite.verdict(step, module.named_parameters(), scaler_active=scaler, now=now),
+                nonfinite.config.on_failure,
             )
-        if self.replay is not None and self.replay.audit(
-            step, module, self._replay_step, lambda b: send_to_device(b, acc.device)
+        if replay is not None and skipped:
+            replay.disarm()  # a step the gradient check dropped is not audited
+        elif replay is not None and self._verdict(
+            replay,
+            lambda: replay.audit(step, module, self._replay_step, lambda b: send_to_device(b, acc.device)),
+            "skip_step",
         ):  # a transient fault: every rank drops this step
-            drop_step(module.parameters(), scaler_active=acc.scaler is not None)
+            drop_step(module.parameters(), scaler_active=scaler)
             skipped = True
         out = original(*args, **kwargs)
         self.step += 1
         if not skipped and not getattr(optimizer, "step_was_skipped", False):
             self._updates += 1
-            if self.fingerprint is not None and self.fingerprint.due(self._updates - 1):
-                self.fingerprint.start(step, module, [getattr(optimizer, "optimizer", optimizer)])
+            if fp is not None and fp.due(self._updates - 1):
+                fp.start(step, module, [getattr(optimizer, "optimizer", optimizer)])
         if self.step % self.settings.log_every_n_steps == 0:
             self.log()
         return out
 
-    def _record(self, raised: bool) -> None:
+    def _record(self, check: Any, policy: str) -> None:
+        """Write the incident of ``check``'s last verdict (main process; a failed write only warns)."""
+        if check.last_error is None:
+            return
         acc = self.accelerator
-        run_dir = getattr(acc, "project_dir", None) or getattr(acc, "logging_dir", None) or "."
-        for check in self.checks:
-            policy = "raise" if raised else getattr(check.config, "on_failure", "raise")
-            record_verdict(check, run_dir, acc.is_main_process, policy)
+        if self._run_dir is None:
+            self._run_dir = getattr(acc, "project_dir", None) or getattr(acc, "logging_dir", None) or "."
+        record_verdict(check, self._run_dir, acc.is_main_process, policy)
+
+    def _path_out(self, err: BaseException) -> None:
+        """An exception leaves ``optimizer.step``: the pending fingerprint all-reduce is finished,
+        not left in flight into the exit; on a verdict, counters logged."""
+        if self.fingerprint is not None:
+            self.fingerprint.discard()
+        if isinstance(err, SDCError):
+            try:
+                self.log(force=True)
+            except Exception as log_err:
+                warnings.warn(f"SDC counters not logged: {log_err!r}", RuntimeWarning, stacklevel=3)
 
     def finish(self) -> None:
         """Read the last pending verdicts, compare the final weights and log (every process,
@@ -292,12 +331,8 @@ class SDCHooks:
         """Resolve the pending comparison, then compare the current weights (every process)."""
         if self.fingerprint is None or self._module is None:
             return
-        try:
-            self.fingerprint.check_now(max(self.step - 1, 0), self._module, [self._inner_optimizer()])
-        except SDCError:
-            self._record(raised=True)
-            raise
-        self._record(raised=False)  # healed: still an incident
+        fp, module = self.fingerprint, self._module
+        self._verdict(fp, lambda: fp.check_now(max(self.step - 1, 0), module, [self._inner_optimizer()]), "heal")
 
     def _inner_optimizer(self) -> Any:
         return getattr(self._optimizer, "optimizer", self._optimizer)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 import torch
 from accelerate import Accelerator
@@ -62,6 +63,14 @@ def main() -> int:
     optimizer.optimizer.register_step_post_hook(
         lambda *_: injector.after_step(injector.step, accelerator.unwrap_model(model), [optimizer.optimizer])
     )
+    try:
+        return run(args, accelerator, model, optimizer, loader, sdc, injector)
+    finally:
+        accelerator.end_training()  # ends the process group while Python is whole, on every path out
+
+
+def run(args: argparse.Namespace, accelerator: Accelerator, model: nn.Module, optimizer: Any, loader: DataLoader,
+        sdc: SDCHooks, injector: FaultInjector) -> int:  # fmt: skip
     try:
         for xb, yb in loader:
             injector.set_step(sdc.step)

@@ -2,20 +2,27 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import tempfile
+import uuid
+import warnings
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
 
 from lightning_sdc import _common as c
 from sdc_core.checkpoint import FINGERPRINT_KEY, check_loaded_checkpoint, fingerprint_checkpoint
-from sdc_core.errors import SDCError
+from sdc_core.errors import SDCError, as_sdc_error
 from sdc_core.faults import Fault
 from sdc_core.faults import FaultInjector as _CoreInjector
 from sdc_core.fingerprint import FingerprintConfig, WeightFingerprint
 from sdc_core.gradients import NonFiniteConfig, NonFiniteGradient, drop_step
-from sdc_core.incidents import install_exit_code, record_verdict
+from sdc_core.incidents import install_exit_code, mark_verdict, record_verdict
 from sdc_core.replay import ReplayConfig, RingReplay
 from sdc_core.sharded import ShardedFingerprint, ShardedNonFinite
 from sdc_core.sharded_replay import ShardedReplay
@@ -23,9 +30,20 @@ from sdc_core.sharded_update import UpdateAudit
 
 
 class _SDCCallback(Callback):
-    """Common plumbing: strategy check, topology, counters in checkpoints, logging."""
+    """Common plumbing: strategy check, topology, counters in checkpoints, logging, verdict delivery."""
 
     _core: Any
+
+    def __init__(self) -> None:
+        # Made where the Trainer is built and carried to ddp_spawn workers inside the callback:
+        # where a worker leaves its verdict for the caller of trainer.fit (see on_exception).
+        self._spawn_marker = str(Path(tempfile.gettempdir()) / f"sdc-verdict-{uuid.uuid4().hex}.json")
+        self._run_dir: str | None = None
+
+    @property
+    def state_key(self) -> str:
+        """Unique per configuration, so two instances of one check (other settings) can coexist."""
+        return self._generate_state_key(**dataclasses.asdict(self._core.config))
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":
@@ -34,12 +52,36 @@ class _SDCCallback(Callback):
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._core.topology = c.topology(trainer)
+        # Resolved here, on every rank: `trainer.log_dir` is a broadcast, never safe on an error path.
+        self._run_dir = trainer.log_dir or trainer.default_root_dir
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         c.log_stats(trainer, self._core.stats)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         c.log_stats(trainer, self._core.stats, force=True)
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        """Every path out: no collective of the check left in flight; the verdict marked for the
+        launcher (``sdc run``); under ``ddp_spawn``, in the caller of ``fit``, the worker's text-only
+        exception becomes the ``SDCError`` it was (``except SDCError`` works there)."""
+        discard = getattr(self._core, "discard", None)
+        if discard is not None:  # no all-reduce of the check left in flight into the exit
+            discard()
+        if isinstance(exception, SDCError):
+            mark_verdict(exception)
+            return
+        marker = Path(self._spawn_marker)
+        if not marker.is_file():
+            return
+        try:
+            error = SDCError.from_dict(json.loads(marker.read_text())["error"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return
+        finally:
+            marker.unlink(missing_ok=True)
+        as_sdc_error(exception, error)
+        install_exit_code()  # the caller's process exits with the SDC code too when it goes uncaught
 
     def _handle(self, trainer: pl.Trainer, pl_module: pl.LightningModule, error: SDCError, max_step: int) -> None:
         """Raise ``error`` on this rank (after logging it), or, with ``on_failure="rollback"``, roll
@@ -61,8 +103,18 @@ class _SDCCallback(Callback):
         self._failed(trainer, "rollback")
 
     def _failed(self, trainer: pl.Trainer, policy: str = "raise") -> None:
-        c.log_stats(trainer, self._core.stats, force=True)
-        record_verdict(self._core, trainer.log_dir or trainer.default_root_dir, trainer.is_global_zero, policy)
+        """Record the check's last verdict: counters to the loggers, the incident (global rank 0),
+        and for a raised verdict a marker for the launcher. Runs no collective and never raises:
+        a failed report only warns, so every rank still raises the same verdict."""
+        error = self._core.last_error
+        try:
+            c.log_stats(trainer, self._core.stats, force=True)
+        except Exception as err:
+            warnings.warn(f"SDC counters not logged: {type(err).__name__}: {err}", RuntimeWarning, stacklevel=2)
+        record_verdict(self._core, self._run_dir or trainer.default_root_dir, trainer.is_global_zero, policy)
+        if policy == "raise" and error is not None:
+            spawned = isinstance(trainer.strategy.launcher, _MultiProcessingLauncher)
+            mark_verdict(error, self._spawn_marker if spawned else None)
 
     def state_dict(self) -> dict[str, Any]:
         return self._core.stats.state_dict()
@@ -99,12 +151,14 @@ class NonFiniteGradientCheck(_SDCCallback):
     """
 
     def __init__(self, on_failure: str = "raise", overflow_patience: int = 3, max_names: int = 5) -> None:
+        super().__init__()
         self._core = NonFiniteGradient(NonFiniteConfig(on_failure, overflow_patience, max_names))
         self._decided_step: int | None = None
+        self._dropped_step: int | None = None  # the step this check dropped (the replay skips its audit)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_fit_start(trainer, pl_module)
-        self._decided_step = None
+        self._decided_step = self._dropped_step = None
         if c.is_sharded(trainer):  # FSDP2: the tap sits in each parameter group's reduce-scatter
             self._core = ShardedNonFinite(self._core.config, self._core.stats, self._core.topology)
             self._core.attach(pl_module)
@@ -131,9 +185,10 @@ class NonFiniteGradientCheck(_SDCCallback):
         audited = any(isinstance(cb, RingReplayAudit) and cb._core.armed for cb in trainer.callbacks)
 
         def verdict() -> None:
-            self._core.verdict(
+            if self._core.verdict(
                 trainer.global_step, pl_module.named_parameters(), scaler_active=scaler is not None, now=audited
-            )
+            ):
+                self._dropped_step = trainer.global_step
 
         self._settle(trainer, pl_module, verdict, scaler_active=scaler is not None)
 
@@ -157,6 +212,7 @@ class NonFiniteGradientCheck(_SDCCallback):
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._core.discard()  # no collective: the other ranks may not be here
+        super().on_exception(trainer, pl_module, exception)
 
 
 class WeightFingerprintCheck(_SDCCallback):
@@ -198,6 +254,7 @@ class WeightFingerprintCheck(_SDCCallback):
         max_heals: int = 3,
         update_audit_every_n_steps: int = 0,
     ) -> None:
+        super().__init__()
         config = FingerprintConfig(every_n_steps, include_buffers, include_optimizer_state, on_failure, max_heals)
         self._core = WeightFingerprint(config)
         self._seen_step = 0
@@ -225,22 +282,19 @@ class WeightFingerprintCheck(_SDCCallback):
             self._update_audit.before_update(trainer.global_step, optimizer)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        try:
-            if self._update_audit is not None and trainer.global_step != self._seen_step:
-                try:
-                    self._update_audit.audit(trainer.global_step - 1)
-                except SDCError as err:
-                    self._core.last_error = err
-                    raise
-            if c.is_ddp(trainer) or c.is_sharded(trainer):
-                self._resolve(trainer, pl_module)
-                if trainer.global_step != self._seen_step:
-                    self._seen_step = trainer.global_step
-                    if self._core.due(trainer.global_step - 1):
-                        self._core.start(trainer.global_step - 1, pl_module, trainer.optimizers)
-        except SDCError:
-            self._failed(trainer)
-            raise
+        if self._update_audit is not None and trainer.global_step != self._seen_step:
+            try:
+                self._update_audit.audit(trainer.global_step - 1)
+            except SDCError as err:
+                self._core.last_error = err
+                self._failed(trainer)
+                raise
+        if c.is_ddp(trainer) or c.is_sharded(trainer):
+            self._resolve(trainer, pl_module)  # a verdict is recorded (once) and raised in _handle
+            if trainer.global_step != self._seen_step:
+                self._seen_step = trainer.global_step
+                if self._core.due(trainer.global_step - 1):
+                    self._core.start(trainer.global_step - 1, pl_module, trainer.optimizers)
         super().on_train_batch_end(trainer, pl_module)
 
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
@@ -326,6 +380,7 @@ class RingReplayAudit(_SDCCallback):
         atol: float = 1e-6,
         on_failure: str = "raise",
     ) -> None:
+        super().__init__()
         self._core = RingReplay(ReplayConfig(every_n_steps, exact, rtol, atol, on_failure))
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -361,6 +416,10 @@ class RingReplayAudit(_SDCCallback):
             for cb in trainer.callbacks:
                 if isinstance(cb, NonFiniteGradientCheck) and cb._decided_step != trainer.global_step:
                     cb.decide(trainer, pl_module)
+            if any(isinstance(cb, NonFiniteGradientCheck) and cb._dropped_step == trainer.global_step
+                   for cb in trainer.callbacks):  # fmt: skip
+                self._core.disarm()  # a step the gradient check dropped is not audited
+                return
         replay_fn = getattr(pl_module, "sdc_replay_step", None) or pl_module.training_step
         scaler = getattr(trainer.precision_plugin, "scaler", None)
 

@@ -8,6 +8,8 @@ sdc corrupt-checkpoint CKPT (-o OUT | --in-place) [--target weights|optimizer|al
 sdc report DIR_OR_FILE... [--json] [--strict]
 sdc exclude-list DIR_OR_FILE... [--format slurm|lines] [--strict]
 sdc campaign [--injections N] [--clean N] [--out DIR] [--workers W] [--seed S] [--study N] [--doc FILE]
+sdc run -- COMMAND [ARG ...]   run a launch command; exit 86 when the job ended on an SDC verdict,
+    0 on success, the command's own code otherwise (see sdc_core.launch)
 
 Exit codes (every command):
   0  done; verify-checkpoint: clean
@@ -290,6 +292,8 @@ register(Command("report", "summarise SDC incidents across runs, per host and de
 register(Command("exclude-list", "hosts to take out, in a form schedulers take", _exclude_arguments, _exclude))
 register(Command("campaign", "fault-injection campaign over short Lightning DDP trainings (needs lightning)",
                  delegate="lightning_sdc.cli:campaign_main"))  # fmt: skip
+register(Command("run", "sdc run -- COMMAND: exit 86 (SDC_EXIT_CODE) when the job ended on an SDC verdict",
+                 delegate="sdc_core.launch:main"))  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------- main

@@ -58,12 +58,26 @@ class SDCError(RuntimeError):
             action = f"take host {self.hosts.get(self.rank, '?')} out of service"
         elif self.suspects:
             who = "cannot localize; suspects: " + ", ".join(where(r) for r in self.suspects)
-            action = "run with 3 or more replicas to localize, or test these hosts"
+            action = self._unlocalized_action()
         else:
             who = "no rank could be named"
             action = "inspect the details"
         reason = f": {self.reason}" if self.reason else ""
         return f"SDC check '{self.check}' failed at step {self.step}: {who}{reason}; {action}."
+
+    def _unlocalized_action(self) -> str:
+        """What to do when no rank could be named, by what more replicas would change."""
+        world = self.details.get("world_size")
+        if world == 1:
+            return (
+                "a single process has no replica to compare with, so this may be the model, the data or the "
+                "numerics rather than the device; run with 2 or more replicas to tell them apart"
+            )
+        if world == 2:
+            return "run with 3 or more replicas to localize, or test these hosts"
+        if isinstance(world, int) and len(self.suspects) >= world:
+            return "every replica is a suspect: look for a common cause (learning rate, data, numerics) first"
+        return "no majority named one rank: test these hosts"
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form: every key a string, every value a plain type."""
@@ -75,8 +89,32 @@ class SDCError(RuntimeError):
             "suspects": list(self.suspects),
             "hosts": {str(r): h for r, h in self.hosts.items()},
             "details": _jsonable(self.details),
+            "reason": self.reason,
             "message": str(self),
         }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> SDCError:
+        """Rebuild an error from ``to_dict()`` output (the type by name among this module's SDC errors).
+
+        Raises ``ValueError`` naming the problem for anything else (the data may come from a file).
+        """
+        known = (SDCError, NonFiniteGradientError, ReplayMismatchError, FingerprintMismatchError)
+        types = {t.__name__: t for t in known}
+        try:
+            kind = types[data["type"]]
+            rank = data["rank"]
+            return kind(
+                step=int(data["step"]),
+                rank=None if rank is None else int(rank),
+                suspects=[int(r) for r in data["suspects"]],
+                hosts={int(r): str(h) for r, h in dict(data.get("hosts") or {}).items()},
+                details=dict(data.get("details") or {}),
+                reason=str(data.get("reason") or ""),
+                check=str(data.get("check") or kind.check),
+            )
+        except (KeyError, TypeError, ValueError) as err:
+            raise ValueError(f"not an SDC error record: {err!r}") from None
 
     def __reduce__(self) -> tuple[Any, ...]:
         kwargs = {
@@ -132,3 +170,27 @@ class ReplayUnavailableError(RuntimeError):
     waiting in a collective. Usually the training step has a side effect or an input that does
     not travel: define a side-effect free replay step, or turn the audit off.
     """
+
+
+def as_sdc_error(exception: BaseException, error: SDCError) -> BaseException:
+    """Make ``exception`` also an instance of ``type(error)`` carrying its fields, in place.
+
+    For launchers that re-raise a worker's exception as text only (torch.multiprocessing's
+    ``ProcessRaisedException`` under Lightning ``ddp_spawn``): the caller's ``except SDCError``
+    (and ``except ProcessRaisedException``) then both work. ``str()`` gives the SDC message; the
+    launcher's own attributes (``msg``: the worker's traceback) stay. Pickles as ``type(error)``.
+    """
+    if isinstance(exception, SDCError):
+        return exception
+    kind = type(error)
+    both = type(kind.__name__, (kind, type(exception)), {  # named as the SDC error it is
+        "__module__": kind.__module__,
+        "__qualname__": kind.__qualname__,
+        "__reduce__": lambda self: (_rebuild, (kind, dict(error.__reduce__()[1][1]))),
+    })  # fmt: skip
+    exception.__class__ = both
+    for name, value in vars(error).items():
+        setattr(exception, name, value)
+    exception.args = error.args
+    return exception
+

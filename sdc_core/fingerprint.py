@@ -65,9 +65,11 @@ replicas identical: the ring replay audit is the check for that.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 from torch import nn
@@ -550,6 +552,15 @@ class WeightFingerprint:
             self.heals[r] = self.heals.get(r, 0) + 1
         self.stats.bump("heals")
         copy_replica(pending.module, pending.optimizers, src=reference)
+
+    def discard(self, timeout_s: float = 30.0) -> None:
+        """Finish the pending comparison's all-reduce without reading it, on a path out (an error,
+        the end of the process): no collective is left in flight. Waits at most ``timeout_s``;
+        never raises."""
+        pending, self._pending = self._pending, None
+        if pending is not None and pending.work is not None:
+            with contextlib.suppress(Exception):
+                pending.work.wait(timeout=timedelta(seconds=timeout_s))  # type: ignore[attr-defined]
 
     def check_now(self, step: int, module: nn.Module, optimizers: Iterable[torch.optim.Optimizer]) -> None:
         """Digest, compare and resolve at once (raises on a mismatch)."""

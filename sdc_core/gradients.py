@@ -357,7 +357,7 @@ class NonFiniteGradient:
             details["pattern"] = "one_rank_repeatedly"
             details["consecutive_steps"] = self._streak
         self.stats.failures += 1
-        rank = offenders[0] if len(offenders) == 1 else None
+        rank = offenders[0] if len(offenders) == 1 and world > 1 else None  # one process: no witness
         first = per_rank[offenders[0]][:3] if offenders and per_rank[offenders[0]] else []
         reason = {
             "one_rank": "only this rank produced NaN/Inf local gradients (the SDC signature)",

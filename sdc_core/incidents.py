@@ -9,35 +9,44 @@
 * ``load_incidents`` reads them back, skipping (and naming) files that are not incidents;
   ``summarise`` and ``exclude_hosts`` are ``sdc report`` and ``sdc exclude-list``.
 * ``install_exit_code`` makes an uncaught ``SDCError`` end the process with a distinct exit code
-  (default 86, ``SDC_EXIT_CODE`` to change, 0 to keep Python's own 1), so torchrun elastic, Slurm
-  requeue scripts and Kubernetes job controllers can tell an SDC verdict from a crash.
+  (default 86, ``SDC_EXIT_CODE`` to change, 0 to keep Python's own 1) after the ``atexit``
+  handlers ran (trackers close their runs). Launchers (torchrun, ``accelerate launch``) turn any
+  failed worker into their own exit code 1, so ``mark_verdict`` also leaves a marker in
+  ``$SDC_VERDICT_DIR`` for ``sdc run`` / ``accelerate-sdc launch`` (``sdc_core.launch``), which
+  exit 86 for the job.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import dataclasses
 import json
 import os
 import re
+import socket
 import sys
+import threading
 import time
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 from sdc_core.errors import SDCError
 from sdc_core.safeio import UnreadableError, create_unique
-from sdc_core.topology import Topology
+from sdc_core.topology import RankFacts, Topology
 
 EXIT_CODE_ENV = "SDC_EXIT_CODE"
 DEFAULT_EXIT_CODE = 86
+VERDICT_DIR_ENV = "SDC_VERDICT_DIR"
 
 
-def exit_code() -> int:
+def exit_code(environ: Mapping[str, str] | None = None) -> int:
     """The exit code for SDC verdicts: ``SDC_EXIT_CODE`` (0-255; 0 turns it off) or 86 (also
-    when the variable is set but empty, as ``VAR=`` in a job script leaves it)."""
-    raw = os.environ.get(EXIT_CODE_ENV, "").strip() or str(DEFAULT_EXIT_CODE)
+    when the variable is set but empty, as ``VAR=`` in a job script leaves it); read from
+    ``environ`` (default: this process's environment)."""
+    raw = (os.environ if environ is None else environ).get(EXIT_CODE_ENV, "").strip() or str(DEFAULT_EXIT_CODE)
     if not raw.isdigit() or not 0 <= int(raw) <= 255:
         raise ValueError(f"{EXIT_CODE_ENV} must be an integer in 0..255, got {raw!r}")
     return int(raw)
@@ -46,23 +55,106 @@ def exit_code() -> int:
 def install_exit_code() -> None:
     """Make an uncaught ``SDCError`` exit the process with ``exit_code()`` (idempotent).
 
-    The previous ``sys.excepthook`` still prints the traceback first; other exceptions are left
-    alone.
+    The previous ``sys.excepthook`` still prints the traceback first; then the verdict is marked
+    for the launcher (``mark_verdict``), non-daemon threads are joined and the ``atexit`` handlers
+    run, as at any normal exit (an MLflow run ends FAILED, not RUNNING), and the process ends with
+    the code. Other exceptions are left alone. In a worker group that torchrun restarted after an
+    SDC verdict (inside ``sdc run``), the first call ends the process at once with the code.
     """
     if getattr(sys.excepthook, "_sdc", False):
         return
     code = exit_code()
+    refuse_restart_after_verdict(code)
     previous = sys.excepthook
 
     def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
         previous(kind, value, tb)
-        if isinstance(value, SDCError) and code:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
+        if isinstance(value, SDCError):
+            mark_verdict(value)
+            if code:
+                _exit_after_cleanup(code)
 
     hook._sdc = True  # type: ignore[attr-defined]
     sys.excepthook = hook
+
+
+def _exit_after_cleanup(code: int) -> None:
+    """End the process with ``code`` after what a normal interpreter exit runs first: joining
+    non-daemon threads and the ``atexit`` handlers (Python offers no other way to exit with a
+    chosen code from ``sys.excepthook``). Interpreter teardown itself is skipped."""
+    with contextlib.suppress(Exception):  # never let the exit path fail
+        threading._shutdown()  # type: ignore[attr-defined]  # what Py_FinalizeEx calls first
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
+
+
+def mark_verdict(error: SDCError, also: str | Path | None = None) -> None:
+    """Leave a marker of a raised verdict for whoever started the job (best effort, never raises).
+
+    Writes ``<$SDC_VERDICT_DIR>/<host>-<pid>-<ns>.json`` when ``SDC_VERDICT_DIR`` is set (``sdc run``
+    and ``accelerate-sdc launch`` set it), and ``also`` when given (the ``ddp_spawn`` parent reads
+    it). Once per error object; a few hundred bytes, atomic (written aside, then renamed).
+    """
+    if getattr(error, "_sdc_marked", False):
+        return
+    error._sdc_marked = True  # type: ignore[attr-defined]
+    record = {
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "rank": os.environ.get("RANK"),
+        "restart": _restart_count(),
+        "run_id": os.environ.get("TORCHELASTIC_RUN_ID"),
+        "error": error.to_dict(),
+    }
+    targets = [Path(also)] if also is not None else []
+    folder = os.environ.get(VERDICT_DIR_ENV)
+    if folder and Path(folder).is_dir():  # absent on the other nodes of a job started on one node
+        targets.append(Path(folder) / f"{socket.gethostname()}-{os.getpid()}-{time.time_ns()}.json")
+    for target in targets:
+        try:
+            tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(record))
+            os.replace(tmp, target)
+        except OSError as err:
+            warnings.warn(f"SDC verdict marker not written to {target}: {err}", RuntimeWarning, stacklevel=2)
+
+
+def read_verdicts(folder: str | Path) -> list[dict[str, Any]]:
+    """The markers ``mark_verdict`` left in ``folder`` (unreadable ones are skipped)."""
+    found = []
+    for f in sorted(Path(folder).glob("*.json")):
+        try:
+            data = json.loads(f.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(data, dict) and isinstance(data.get("error"), dict):
+            found.append(data)
+    return found
+
+
+def _restart_count() -> int:
+    raw = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return int(raw) if raw.strip().isdigit() else 0
+
+
+def refuse_restart_after_verdict(code: int | None = None) -> None:
+    """End this process with the SDC exit code if torchrun restarted its worker group after an SDC
+    verdict of an earlier attempt of the same run (seen through ``$SDC_VERDICT_DIR``, so only
+    inside ``sdc run``): training again on the host a check just named would repeat the fault.
+    ``--max-restarts`` then still covers crashes, and ``sdc run`` exits with the SDC code."""
+    folder, restart = os.environ.get(VERDICT_DIR_ENV), _restart_count()
+    if not folder or restart == 0 or not Path(folder).is_dir():
+        return
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    for marker in read_verdicts(folder):
+        if marker.get("run_id") == run_id and isinstance(marker.get("restart"), int) and marker["restart"] < restart:
+            message = marker["error"].get("message", "an SDC verdict")
+            print(f"sdc: not restarting after an SDC verdict of attempt {marker['restart']}: {message}",
+                  file=sys.stderr, flush=True)  # fmt: skip
+            raise SystemExit(code if code is not None else (exit_code() or 1))
 
 
 def write_incident(run_dir: str | Path, error: SDCError, topology: Topology, config: Any, policy: str) -> Path:
@@ -199,14 +291,38 @@ def exclude_hosts(incidents: list[dict[str, Any]]) -> list[str]:
     return sorted(out)
 
 
-def record_verdict(check: Any, run_dir: str | Path, is_main: bool, policy: str) -> Path | None:
+def record_verdict(check: Any, run_dir: str | Path | None, is_main: bool, policy: str) -> Path | None:
     """Write the incident of ``check.last_error`` (once) on the main process; what adapters call
-    after a verdict, whether it raised, skipped the step or warned."""
+    after a verdict, whether it raised, skipped the step or warned.
+
+    Never raises and runs no collective: a failed write (a read-only or full disk, ``<run dir>/sdc``
+    a file) only warns, naming the path, so the verdict itself still reaches every rank. Returns
+    the incident file, or None.
+    """
     error = getattr(check, "last_error", None)
     if error is None:
         return None
     check.last_error = None
     if not is_main:
         return None
-    topology = check.topology or Topology.gather()
-    return write_incident(run_dir, error, topology, check.config, policy)
+    try:
+        topology = check.topology or _local_topology(error)
+        return write_incident(run_dir or ".", error, topology, check.config, policy)
+    except Exception as err:  # the report must never cost the verdict
+        where = Path(run_dir or ".") / "sdc" / "incidents"
+        warnings.warn(f"SDC incident of {error.check} at step {error.step} not written to {where}: "
+                      f"{type(err).__name__}: {err}", RuntimeWarning, stacklevel=2)  # fmt: skip
+        return None
+
+
+def _local_topology(error: SDCError) -> Topology:
+    """What is known without a collective: the hosts the error names (facts unknown elsewhere)."""
+    world = error.details.get("world_size")
+    world = world if isinstance(world, int) else max([*error.suspects, error.rank or 0]) + 1
+    facts = [RankFacts(r, error.hosts.get(r, "?"), node_rank=-1, local_rank=-1, device="?") for r in range(world)]
+    return Topology(ranks=tuple(facts), rank=0)
+
+
+# A torchrun worker group restarted after an SDC verdict (inside `sdc run`) stops here, when the
+# adapters are imported: before it joins a process group or trains on the host just named.
+refuse_restart_after_verdict()

@@ -339,6 +339,11 @@ class RingReplay:
             self._armed_step, self._micro, self._loss, self._local = step, [], 0.0, {}
         return True
 
+    def disarm(self) -> None:
+        """Drop the micro-batches recorded for the armed step: it is not audited (every rank alike),
+        e.g. because another check already dropped that optimizer step."""
+        self._armed_step, self._micro, self._loss, self._local = None, [], 0.0, {}
+
     @property
     def armed(self) -> bool:
         """True between ``arm`` of an audited step and its ``audit``."""

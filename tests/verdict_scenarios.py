@@ -32,7 +32,7 @@ def _ckpts(folder: Path) -> dict[str, dict[str, Any]]:
         out[path.name] = {
             "global_step": ckpt["global_step"],
             "version": ckpt.get("sdc_fingerprint", {}).get("version"),
-            "stats": ckpt["callbacks"].get("WeightFingerprintCheck"),
+            "stats": next((v for k, v in ckpt["callbacks"].items() if k.startswith("WeightFingerprintCheck")), None),
         }
     return out
 

@@ -1,14 +1,23 @@
 #!/usr/bin/env bash
-# Kubernetes: after a job's pod exits with the SDC code, cordon the named nodes and label them the
-# way SageMaker HyperPod's health agent reads, so they are replaced; then let the job controller
-# (backoffLimit / podFailurePolicy) restart the job elsewhere.
-#   podFailurePolicy: {rules: [{action: Ignore, onExitCodes: {operator: In, values: [86]}}]}
-# Usage: examples/after_detection/k8s_cordon.sh RUN_DIR   (RUN_DIR on shared storage)
-set -euo pipefail
-RUN_DIR=${1:?run directory with sdc/incidents}
-for host in $(sdc exclude-list "$RUN_DIR" --format lines); do
-  node=$(kubectl get nodes -o name | grep -m1 "$host" || echo "node/$host")
-  kubectl cordon "$node"
-  kubectl label --overwrite "$node" sagemaker.amazonaws.com/node-health-status=UnschedulablePendingReplacement
-done
-sdc report "$RUN_DIR"
+# Kubernetes: the training container's command. It runs the launch command inside `sdc run`
+# (torchrun alone exits 1 for any failed worker; `sdc run` exits 86 when the job ended on an SDC
+# verdict and keeps every other code). On 86, a pod whose host the verdict named cordons its node
+# and labels it the way SageMaker HyperPod's health agent reads, so it is replaced; then the pod
+# exits 86 and the Job's podFailurePolicy recreates it (not counted against backoffLimit) on
+# another node:
+#   podFailurePolicy: {rules: [{action: Ignore, onExitCodes: {containerName: trainer, operator: In, values: [86]}}]}
+# Needs NODE_NAME from the downward API (env valueFrom fieldRef spec.nodeName), a service account
+# allowed to patch nodes, kubectl in the image, and RUN_DIR on shared storage.
+# Usage: examples/after_detection/k8s_cordon.sh torchrun --nnodes=4 --nproc-per-node=8 ... train.py
+set -uo pipefail
+RUN_DIR=${RUN_DIR:?run directory with sdc/incidents, on shared storage}
+sdc run -- "$@"
+code=$?
+if [ "$code" -eq "${SDC_EXIT_CODE:-86}" ]; then
+  sdc report "$RUN_DIR"
+  if sdc exclude-list "$RUN_DIR" --format lines | grep -qx "$(hostname)"; then   # hosts as the ranks saw them
+    kubectl cordon "${NODE_NAME:?}"
+    kubectl label --overwrite node "$NODE_NAME" sagemaker.amazonaws.com/node-health-status=UnschedulablePendingReplacement
+  fi
+fi
+exit "$code"
