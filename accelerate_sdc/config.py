@@ -54,10 +54,12 @@ class SDCSettings:
     overflow_patience: int = 3
     max_names: int = 5
     replay_every_n_steps: int = 100
-    replay_exact: bool = False
+    replay_exact: bool | str = "auto"
     replay_rtol: float = 1e-3
     replay_atol: float = 1e-6
     replay_on_failure: str = "raise"
+    replay_on_unreplayable: str = "raise"
+    replay_max_state_mb: float = 1024.0
     fingerprint_every_n_steps: int = 1
     include_buffers: bool = False
     include_optimizer_state: bool = False
@@ -74,8 +76,9 @@ class SDCSettings:
         if self.replay_every_n_steps == 0:
             return None
         return ReplayConfig(
-            self.replay_every_n_steps, self.replay_exact, self.replay_rtol, self.replay_atol, self.replay_on_failure
-        )
+            self.replay_every_n_steps, self.replay_exact, self.replay_rtol, self.replay_atol, self.replay_on_failure,
+            self.replay_on_unreplayable, self.replay_max_state_mb,
+        )  # fmt: skip
 
     def fingerprint(self) -> FingerprintConfig | None:
         if self.fingerprint_every_n_steps == 0:
@@ -122,6 +125,12 @@ def _coerce(key: str, value: Any, source: str) -> Any:
     kind = _TYPES[key]
     text = value.strip().lower() if isinstance(value, str) else None
     try:
+        if key == "replay_exact":  # True, False or "auto"
+            if isinstance(value, bool) or text == "auto":
+                return value if isinstance(value, bool) else "auto"
+            if (isinstance(value, int) and value in (0, 1)) or text in ("0", "1", "true", "false"):
+                return text in ("1", "true") if text is not None else bool(value)
+            raise ValueError("expected true, false or auto (or 1 or 0)")
         if kind is bool:
             if isinstance(value, bool):
                 return value
@@ -221,7 +230,8 @@ def resolve(**kwargs: Any) -> tuple[SDCSettings, dict[str, str]]:
                               "max_names": "max_names"}),
         (checked.replay, {"every_n_steps": "replay_every_n_steps", "exact": "replay_exact",
                            "rtol": "replay_rtol", "atol": "replay_atol",
-                           "on_failure": "replay_on_failure"}),
+                           "on_failure": "replay_on_failure", "on_unreplayable": "replay_on_unreplayable",
+                           "max_state_mb": "replay_max_state_mb"}),
         (checked.fingerprint, {"every_n_steps": "fingerprint_every_n_steps", "include_buffers": "include_buffers",
                                 "include_optimizer_state": "include_optimizer_state",
                                 "on_failure": "fingerprint_on_failure", "max_heals": "max_heals"}),

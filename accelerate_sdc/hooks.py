@@ -24,10 +24,10 @@ Cost: as ``sdc_core`` documents per check; the wrapper itself adds a few Python 
 from __future__ import annotations
 
 import atexit
+import functools
 import warnings
 import weakref
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -41,7 +41,7 @@ from sdc_core.errors import SDCError
 from sdc_core.fingerprint import WeightFingerprint
 from sdc_core.gradients import GradientTap, NonFiniteGradient, drop_step
 from sdc_core.incidents import install_exit_code, mark_verdict, record_verdict
-from sdc_core.replay import RingReplay
+from sdc_core.replay import RingReplay, StateCapture
 from sdc_core.sharded import is_sharded
 from sdc_core.topology import Topology
 
@@ -54,7 +54,13 @@ class SDCHooks:
     Args:
         accelerator: the ``Accelerator`` of the run.
         loss_fn: ``loss_fn(outputs, *args, **kwargs)`` giving the loss you back-propagate, when it
-            is not ``outputs.loss`` or the model's scalar output (the replay recomputes it).
+            is not ``outputs.loss`` or the model's scalar output (the replay recomputes it). For
+            a loss that needs more than the model's inputs (labels, extra terms), use
+            ``replayable(fn)`` instead.
+        replay_state / load_replay_state: the explicit hook for state the replay's generic
+            capture cannot see: ``replay_state()`` returns a snapshot (copies), and
+            ``load_replay_state(state)`` puts one in place (default: the unwrapped model's
+            ``sdc_replay_state`` / ``sdc_load_replay_state`` methods, when it has them).
         **settings: any field of ``SDCSettings`` (``nonfinite_gradient``, ``on_failure``,
             ``replay_every_n_steps``, ``fingerprint_every_n_steps``, ...); 0 turns a cadence off.
 
@@ -65,7 +71,14 @@ class SDCHooks:
     the save compares the replicas.
     """
 
-    def __init__(self, accelerator: Any, loss_fn: LossFn | None = None, **settings: Any) -> None:
+    def __init__(
+        self,
+        accelerator: Any,
+        loss_fn: LossFn | None = None,
+        replay_state: Callable[[], Any] | None = None,
+        load_replay_state: Callable[[Any], None] | None = None,
+        **settings: Any,
+    ) -> None:
         self.accelerator = accelerator
         self.settings, self.sources = config.resolve(**settings)
         install_exit_code()
@@ -77,7 +90,10 @@ class SDCHooks:
         self.step = 0  # optimizer steps (sync steps) so far: the index of the coming update
         self._updates = 0
         self._inner_hook, self._inner_state = self._take_accelerate_comm_hook()
-        self._replaying = False
+        self._replayables: list[Callable[..., torch.Tensor]] = []
+        self._uses_replayable = False
+        self._in_replayable = 0
+        self._replay_state = (replay_state, load_replay_state)
         self._module: nn.Module | None = None
         self._run_dir: str | None = None
         self._model: nn.Module | None = None  # as prepared (the DDP wrapper)
@@ -144,7 +160,15 @@ class SDCHooks:
             if self.nonfinite:
                 self.nonfinite.attach(tap)
             if self.replay:
-                self.replay.attach(tap, [n for n, p in module.named_parameters() if p.requires_grad])
+                trainable = [n for n, p in module.named_parameters() if p.requires_grad]
+                self.replay.attach(tap, trainable)
+                get, load = self._replay_state
+                if get is None and load is None:
+                    get = getattr(module, "sdc_replay_state", None)
+                    load = getattr(module, "sdc_load_replay_state", None)
+                self.replay.capture = StateCapture(module, trainable, get_state=get, load_state=load,
+                                                   max_state_mb=self.replay.config.max_state_mb)  # fmt: skip
+                self.replay.advice = ACCELERATE_ADVICE
                 self._handles.append(module.register_forward_pre_hook(self._before_forward, with_kwargs=True))
                 self._handles.append(module.register_forward_hook(self._after_forward, with_kwargs=True))
         elif not distributed:
@@ -168,19 +192,64 @@ class SDCHooks:
 
     # -- replay capture ------------------------------------------------------------------------
 
+    def replayable(self, fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        """Wrap the function that computes the loss you back-propagate, so the replay computes it too.
+
+        ``fn(model, *args, **kwargs)`` must return the loss exactly as you pass it to
+        ``accelerator.backward`` (labels, extra terms and any scaling included; SDCHooks applies
+        Accelerate's division by ``gradient_accumulation_steps`` and the GradScaler itself). The
+        wrapper has the same signature; on audited steps it records ``(args, kwargs)``, the RNG
+        and module state, and the loss, and the replay calls ``fn(unwrapped_model, *args,
+        **kwargs)``. Everything ``fn`` reads must come through its arguments or the model.
+        While a wrapper is in use the forward hooks record nothing.
+
+        Example: ``compute_loss = sdc.replayable(lambda model, x, y: F.cross_entropy(model(x), y))``
+        then ``accelerator.backward(compute_loss(model, x, y))``.
+        """
+        index = len(self._replayables)
+        self._replayables.append(fn)
+
+        @functools.wraps(fn)
+        def wrapper(model: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+            self._uses_replayable = True
+            module, replay = self._module, self.replay
+            record = (
+                replay is not None
+                and module is not None
+                and not replay.replaying
+                and module.training
+                and torch.is_grad_enabled()
+                and replay.arm(self.step)
+            )
+            if record:
+                replay.record(("fn", index, args, kwargs), replay.recorded, _device(module))
+            self._in_replayable += 1
+            try:
+                loss = fn(model, *args, **kwargs)
+            finally:
+                self._in_replayable -= 1
+            if record and isinstance(loss, torch.Tensor):
+                replay.record_loss(self._normalize(loss).detach())
+            return loss
+
+        return wrapper
+
+    def _recording_forward(self, module: nn.Module) -> bool:
+        assert self.replay is not None
+        return not (
+            self._uses_replayable or self._in_replayable or self.replay.replaying
+            or not module.training or not torch.is_grad_enabled()
+        )  # fmt: skip
+
     def _before_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         assert self.replay is not None
-        if self._replaying or not module.training or not torch.is_grad_enabled():
-            return
-        if self.replay.arm(self.step):
-            device = next((p.device for p in module.parameters()), None)
-            self.replay.record((args, kwargs), self.replay.recorded, device)
+        if self._recording_forward(module) and self.replay.arm(self.step):
+            self.replay.record(("forward", 0, args, kwargs), self.replay.recorded, _device(module))
 
     def _after_forward(self, module: nn.Module, args: tuple, kwargs: dict, outputs: Any) -> None:
         assert self.replay is not None
-        if self._replaying or not module.training or not torch.is_grad_enabled() or not self.replay.armed:
-            return
-        self.replay.record_loss(self._backward_loss(outputs, args, kwargs).detach())
+        if self._recording_forward(module) and self.replay.armed:
+            self.replay.record_loss(self._backward_loss(outputs, args, kwargs).detach())
 
     def _backward_loss(self, outputs: Any, args: tuple, kwargs: dict) -> torch.Tensor:
         """The loss as ``accelerator.backward`` back-propagates it (normalised, scaled)."""
@@ -195,25 +264,23 @@ class SDCHooks:
         else:
             raise ValueError(
                 "the ring replay audit cannot find the loss: the model returns neither `.loss` nor a scalar; "
-                "pass loss_fn=(outputs, *args, **kwargs) -> loss to SDCHooks or attach()"
+                "wrap your loss computation with SDCHooks.replayable(fn), or pass "
+                "loss_fn=(outputs, *args, **kwargs) -> loss to SDCHooks or attach()"
             )
+        return self._normalize(loss)
+
+    def _normalize(self, loss: torch.Tensor) -> torch.Tensor:
+        """Accelerate's division by the accumulation steps and the GradScaler's scaling."""
         loss = loss / self.accelerator.gradient_accumulation_steps
         scaler = self.accelerator.scaler
         return scaler.scale(loss) if scaler is not None else loss
 
-    @contextmanager
-    def _replay_mode(self) -> Iterator[None]:
-        self._replaying = True
-        try:
-            yield
-        finally:
-            self._replaying = False
-
-    def _replay_step(self, batch: tuple[tuple, dict], batch_idx: int) -> torch.Tensor:
+    def _replay_step(self, batch: tuple[str, int, tuple, dict], batch_idx: int) -> torch.Tensor:
         assert self._module is not None
-        args, kwargs = batch
-        with self._replay_mode():
-            outputs = self._module(*args, **kwargs)
+        kind, index, args, kwargs = batch
+        if kind == "fn":
+            return self._normalize(self._replayables[index](self._module, *args, **kwargs))
+        outputs = self._module(*args, **kwargs)
         return self._backward_loss(outputs, args, kwargs)
 
     # -- the step ------------------------------------------------------------------------------
@@ -400,6 +467,17 @@ class SDCHooks:
             self._loaded_fingerprint = stored
             if self._module is not None:
                 self._verify_loaded(stored)
+
+
+ACCELERATE_ADVICE = (
+    "If the loss you back-propagate is not the model's own output (labels outside the model, extra loss "
+    "terms, a loss scaled by the number of processes), wrap its computation with SDCHooks.replayable(fn); "
+    "expose state the capture cannot see with SDCHooks(replay_state=..., load_replay_state=...)"
+)
+
+
+def _device(module: nn.Module) -> torch.device | None:
+    return next((p.device for p in module.parameters()), None)
 
 
 class _Restore:

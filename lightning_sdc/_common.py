@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -83,18 +84,31 @@ def log_stats(trainer: pl.Trainer, stats: CheckStats, force: bool = False) -> No
 
 @contextmanager
 def no_logging(pl_module: pl.LightningModule) -> Iterator[None]:
-    """Silence ``self.log``/``self.log_dict`` of a LightningModule (replays must not log)."""
+    """Silence ``self.log``, ``self.log_dict`` and ``self.print`` of a LightningModule (replays
+    must not log); whatever was there before (e.g. a user's instance attribute) comes back."""
 
     def mute(*_args: Any, **_kwargs: Any) -> None:
         return None
 
-    pl_module.log = mute  # type: ignore[method-assign]
-    pl_module.log_dict = mute  # type: ignore[method-assign]
+    names = ("log", "log_dict", "print")
+    before = {n: vars(pl_module)[n] for n in names if n in vars(pl_module)}
+    for n in names:
+        vars(pl_module)[n] = mute
     try:
         yield
     finally:
-        del pl_module.log
-        del pl_module.log_dict
+        for n in names:
+            if n in before:
+                vars(pl_module)[n] = before[n]
+            else:
+                vars(pl_module).pop(n, None)
+
+
+@functools.lru_cache(maxsize=1)
+def lightning_internals() -> frozenset[str]:
+    """Attribute names a bare ``LightningModule`` holds: framework state the replay's state
+    capture leaves alone (the user's own attributes are captured)."""
+    return frozenset(vars(pl.LightningModule())) | {"_hparams", "_hparams_initial", "_hparams_name"}
 
 
 def rollback(trainer: pl.Trainer, pl_module: pl.LightningModule, error: Any, max_step: int) -> Any:

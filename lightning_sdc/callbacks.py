@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import tempfile
 import uuid
@@ -23,7 +24,7 @@ from sdc_core.faults import FaultInjector as _CoreInjector
 from sdc_core.fingerprint import FingerprintConfig, WeightFingerprint
 from sdc_core.gradients import NonFiniteConfig, NonFiniteGradient, drop_step
 from sdc_core.incidents import install_exit_code, mark_verdict, record_verdict
-from sdc_core.replay import ReplayConfig, RingReplay
+from sdc_core.replay import ReplayConfig, RingReplay, StateCapture
 from sdc_core.sharded import ShardedFingerprint, ShardedNonFinite
 from sdc_core.sharded_replay import ShardedReplay
 from sdc_core.sharded_update import UpdateAudit
@@ -358,30 +359,43 @@ class RingReplayAudit(_SDCCallback):
 
     Args:
         every_n_steps: audit optimizer steps 0, n, 2n, ...
-        exact: demand bit equality instead of tolerances.
-        rtol: relative tolerance of loss, gradient norms and sums (default 1e-3).
+        exact: ``"auto"`` (default): compare bit for bit where the first audit shows the step
+            replays bit for bit on every rank's own device, else with a tolerance from the
+            measured noise floor (at most ``rtol``); ``True``: bit equality; ``False``: ``rtol``.
+        rtol: tolerance of loss, gradient norms and sums with ``exact=False``; the cap of the
+            calibrated tolerance with ``"auto"`` (default 1e-3).
         atol: absolute floor of the tolerance denominators (default 1e-6).
         on_failure: ``"raise"`` (default) or ``"skip_step"``: when the named rank's fault proves
             transient (it does not reproduce its wrong result), every rank drops the step and
             training goes on; a persistent fault still raises. ``details["classification"]``
             says which it was.
+        on_unreplayable: ``"raise"`` (default): a step that cannot be replayed faithfully raises
+            ``ReplayUnavailableError`` naming the likely cause and fix; ``"warn"``: warn once and
+            turn the audit off.
+        max_state_mb: at most this many MiB of state tensors are copied per audited micro-batch.
 
-    The replay uses ``pl_module.sdc_replay_step(batch, batch_idx)`` when defined (it must
-    return the loss, or a dict with ``"loss"``), else ``training_step`` with logging muted. It
-    has no side effect on gradients, optimizer, buffers, RNG or loggers. Raises
-    ``ReplayMismatchError`` on every rank.
+    The replay runs ``pl_module.sdc_replay_step(batch, batch_idx)`` when defined (it must return
+    the loss, or a dict with ``"loss"``), else ``training_step`` with logging muted, with the
+    owner's RNG and module state (see ``sdc_core.replay.StateCapture``; define
+    ``sdc_replay_state()`` / ``sdc_load_replay_state(state)`` for state it cannot see). It has no
+    side effect on gradients, optimizer, buffers, module attributes, metrics, RNG or loggers.
+    Raises ``ReplayMismatchError`` (a fault) or ``ReplayUnavailableError`` on every rank.
     """
 
     def __init__(
         self,
         every_n_steps: int = 100,
-        exact: bool = False,
+        exact: bool | str = "auto",
         rtol: float = 1e-3,
         atol: float = 1e-6,
         on_failure: str = "raise",
+        on_unreplayable: str = "raise",
+        max_state_mb: float = 1024.0,
     ) -> None:
         super().__init__()
-        self._core = RingReplay(ReplayConfig(every_n_steps, exact, rtol, atol, on_failure))
+        config = ReplayConfig(every_n_steps, exact, rtol, atol, on_failure, on_unreplayable, max_state_mb)
+        self._core = RingReplay(config)
+        self._training_step: Any = None
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
@@ -390,6 +404,8 @@ class RingReplayAudit(_SDCCallback):
                 "RingReplayAudit with manual optimization needs a side-effect free "
                 "`sdc_replay_step(batch, batch_idx)` on the LightningModule that returns the loss"
             )
+        if stage == "fit" and hasattr(pl_module, "sdc_replay_state") != hasattr(pl_module, "sdc_load_replay_state"):
+            raise ValueError("define both sdc_replay_state() and sdc_load_replay_state(state) on the LightningModule")
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_fit_start(trainer, pl_module)
@@ -399,14 +415,51 @@ class RingReplayAudit(_SDCCallback):
         elif c.is_ddp(trainer):
             names = [n for n, p in pl_module.named_parameters() if p.requires_grad]
             self._core.attach(c.gradient_tap(trainer, pl_module), names)
+            self._core.capture = StateCapture(
+                pl_module,
+                names,
+                exclude=c.lightning_internals(),
+                get_state=getattr(pl_module, "sdc_replay_state", None),
+                load_state=getattr(pl_module, "sdc_load_replay_state", None),
+                max_state_mb=self._core.config.max_state_mb,
+            )
+            self._wrap_training_step(pl_module)
         else:
             c.warn_inactive(type(self).__name__, "a single process has no partner to replay its batches")
+
+    def _wrap_training_step(self, pl_module: pl.LightningModule) -> None:
+        """Capture state where the step really starts (after the module's own batch-start hooks)."""
+        original = pl_module.training_step
+        core = self._core
+
+        @functools.wraps(original)
+        def training_step(*args: Any, **kwargs: Any) -> Any:
+            if core.armed:
+                core.begin(pl_module.device)
+            return original(*args, **kwargs)
+
+        pl_module.training_step = training_step  # type: ignore[method-assign]
+        self._training_step = (original, training_step)
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._unwrap(pl_module)
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._unwrap(pl_module)
+
+    def _unwrap(self, pl_module: pl.LightningModule) -> None:
+        if self._training_step is not None and vars(pl_module).get("training_step") is self._training_step[1]:
+            del pl_module.training_step
+        self._training_step = None
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         if self._core.arm(trainer.global_step):
-            self._core.record(batch, batch_idx, pl_module.device)
+            if self._training_step is None:  # sharded: the core records inputs and RNG only
+                self._core.record(batch, batch_idx, pl_module.device)
+            else:  # the state is captured where training_step starts
+                self._core.record(batch, batch_idx, pl_module.device, state=False)
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
         self._core.record_loss(loss)
@@ -420,7 +473,8 @@ class RingReplayAudit(_SDCCallback):
                    for cb in trainer.callbacks):  # fmt: skip
                 self._core.disarm()  # a step the gradient check dropped is not audited
                 return
-        replay_fn = getattr(pl_module, "sdc_replay_step", None) or pl_module.training_step
+        original = self._training_step[0] if self._training_step is not None else pl_module.training_step
+        replay_fn = getattr(pl_module, "sdc_replay_step", None) or original
         scaler = getattr(trainer.precision_plugin, "scaler", None)
 
         def step_fn(batch: Any, batch_idx: int) -> torch.Tensor:

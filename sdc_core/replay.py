@@ -1,45 +1,65 @@
 """Ring replay audit: replicas recompute each other's micro-batches and compare.
 
 Contract: on every ``every_n_steps``-th optimizer step, rank ``r`` sends the micro-batches of
-that step (inputs, RNG state, its loss and a digest of its LOCAL gradients, taken in the
-communication hook before the all-reduce) to its partner ``partners[r]``: a rank on another node
-when there are several, else the next rank. The partner recomputes loss and gradients with the
-same weights and RNG state and compares. Every rank then learns which (owner, replayer) pairs
-disagree and reaches the same attribution:
+that step (inputs, the state the step reads besides its batch, its loss and a digest of its
+LOCAL gradients, taken in the communication hook before the all-reduce) to its partner
+``partners[r]``: a rank on another node when there are several, else the next rank. The partner
+recomputes loss and gradients with the same weights and the owner's state and compares. Every
+rank then learns which (owner, replayer) pairs disagree and reaches the same attribution:
 
 * a rank whose own result and whose replay of another rank both disagree is the faulty one;
 * a single disagreeing pair is settled by a third rank (a referee on yet another node where
   possible) replaying the disputed batch: the side it agrees with is healthy;
 * with two ranks no third opinion exists: ``rank`` is None and both are suspects.
 
-The replay has no side effect: it runs the unwrapped module on detached parameter aliases and
-cloned buffers (``.grad``, optimizer, buffers, DDP untouched), restores the CPU and CUDA RNG
-state, and never logs. A run with the audit on trains bit-identically to one with it off.
+Faithful replay: at the start of each audited micro-batch the owner captures what its step reads
+besides the batch (``StateCapture``): Python ``random``, NumPy and torch CPU/CUDA RNG state,
+buffers and parameters that do not train, tensor and plain Python attributes of the module and
+its submodules, and the user's ``sdc_replay_state()``. The replayer runs the unwrapped module on
+detached aliases of its trainable parameters with that state swapped in, and afterwards puts its
+own state back (every submodule's attributes, RNG, user state): the replay has no side effect,
+``.grad``, optimizer, DDP, metrics objects and loggers are untouched, and a run with the audit on
+trains bit-identically to one with it off. Collectives called inside a replay are refused
+(``CollectiveInReplay``) before they reach the transport, so no rank is ever left in a
+collective the others do not enter.
 
-Comparison: ``exact=True`` demands bit equality of the loss and of every parameter's gradient
-fingerprint. Otherwise each of loss, per-parameter gradient norm and per-parameter gradient sum
-(the latter relative to ``sqrt(numel) * norm``, its Cauchy-Schwarz bound) must agree within
-``rtol`` (default 1e-3), with ``atol`` (default 1e-6) as the floor of the denominators. On CPU
-fp32 and bf16 the replay is bit-exact; on GPUs, kernels with atomics (e.g. embedding backward,
-``index_add``) differ run to run by about 1e-6 relative in fp32 and 1e-3 in bf16, below the
-default. Differences smaller than ``rtol`` are not seen: that is the price of no false alarms.
+Trust before accusation: at the first audit of a process, and at every audit with a
+disagreement, each rank also re-runs its OWN micro-batches on its own device. A step that two or
+more ranks cannot reproduce on their own device (nondeterminism, state the capture cannot see),
+or a step where every replay pair disagrees while each rank reproduces itself (the step depends
+on the rank, or ranks run different software), is not replayable: ``ReplayUnavailableError`` on
+every rank (not an ``SDCError``), or with ``on_unreplayable="warn"`` one warning and the audit
+off. A failure inside any replay (an exception, a refused collective) ends the same way.
 
-Cost: on audited steps, one extra forward and backward of the partner's micro-batches, the batch
-transfer (point to point, never gathered), a per-parameter digest of the local gradients, and one
-all-gather of two float64 per rank. Other steps pay nothing. The referee round runs only when a
-pair disagrees.
+Comparison: ``exact="auto"`` (default) calibrates at the first audit: when each rank's re-run
+of its own micro-batches is bit-identical (the lower median over ranks), comparisons are exact;
+otherwise the tolerance is ``min(rtol, 10 * noise floor)``, the noise floor being the lower
+median of the ranks' same-device differences. A disagreement later triggers a new same-device
+round, which may raise the tolerance (never above ``rtol``) on the evidence of the majority. One
+faulty device cannot move a lower median, and ``rtol`` caps what any evidence can do.
+``exact=True`` demands bit equality; ``exact=False`` uses ``rtol`` as is. Differences are
+measured per parameter on loss, gradient norm and gradient sum (the latter relative to
+``sqrt(numel) * norm``), with ``atol`` the floor of the denominators.
 
-Limits: training code that draws from Python's ``random`` or NumPy's RNG, reads global state, or
-mutates its batch in place is not replayed faithfully: define a side-effect free replay step
-(``sdc_replay_step`` in Lightning) or use ``exact=False``.
+Cost: on audited steps, one extra forward and backward of the partner's micro-batches (twice at
+the first audit: the self re-run), the batch and state transfer (point to point, never
+gathered), a per-parameter digest of the local gradients read with one device-to-host copy, a
+clone of the state per micro-batch (at most ``max_state_mb``; larger tensors are read live and
+guarded against in-place change) and one all-gather of six float64 per rank. Other steps pay
+nothing. The referee and self re-run rounds run only when a pair disagrees.
 """
 
 from __future__ import annotations
 
+import copy
 import math
+import random
+import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
-from contextlib import AbstractContextManager, nullcontext
+import warnings
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,6 +80,10 @@ from sdc_core.topology import (
     is_distributed,
 )
 
+EXACT_MODES = (True, False, "auto")
+AUTO_MARGIN = 10.0  # exact="auto": tolerance = AUTO_MARGIN * measured same-device noise floor
+SEND_BY_DIGEST_BYTES = 1 << 20  # frozen parameters and buffers above this travel by digest
+
 
 @dataclass(frozen=True)
 class ReplayConfig:
@@ -67,31 +91,45 @@ class ReplayConfig:
 
     Args:
         every_n_steps: audit every n-th optimizer step (steps 0, n, 2n, ...; >= 1).
-        exact: demand bit equality instead of tolerances.
-        rtol: relative tolerance of loss, gradient norms and sums (> 0, < 1).
+        exact: ``"auto"`` (default): bit equality where the first audit shows the step replays
+            bit for bit, else a tolerance from the measured noise floor (at most ``rtol``);
+            ``True``: bit equality; ``False``: the tolerance ``rtol``.
+        rtol: relative tolerance of loss, gradient norms and sums with ``exact=False``; the
+            loosest tolerance ``exact="auto"`` may choose (> 0, < 1).
         atol: absolute floor of the denominators (>= 0).
         on_failure: ``"raise"`` (default) or ``"skip_step"``: when the faulty rank is named and
             its fault proves transient (re-running the disagreeing computation gives a different
             result), every rank drops the step instead; a persistent fault still raises.
+        on_unreplayable: ``"raise"`` (default): a step that cannot be replayed faithfully raises
+            ``ReplayUnavailableError``; ``"warn"``: warn once and turn the audit off.
+        max_state_mb: at most this many MiB of state tensors are cloned per audited micro-batch;
+            larger ones are read live (and a replay that changes them in place is refused).
     """
 
     every_n_steps: int = 100
-    exact: bool = False
+    exact: bool | str = "auto"
     rtol: float = 1e-3
     atol: float = 1e-6
     on_failure: str = "raise"
+    on_unreplayable: str = "raise"
+    max_state_mb: float = 1024.0
 
     def __post_init__(self) -> None:
         if self.on_failure not in ("raise", "skip_step", "rollback"):
             raise ValueError(f"on_failure must be 'raise', 'skip_step' or 'rollback', got {self.on_failure!r}")
         if isinstance(self.every_n_steps, bool) or not isinstance(self.every_n_steps, int) or self.every_n_steps < 1:
             raise ValueError(f"every_n_steps must be an integer >= 1, got {self.every_n_steps!r}")
-        if not isinstance(self.exact, bool):
-            raise ValueError(f"exact must be True or False, got {self.exact!r}")
+        if not any(self.exact is m or (isinstance(self.exact, str) and self.exact == m) for m in EXACT_MODES):
+            raise ValueError(f"exact must be True, False or 'auto', got {self.exact!r}")
         if isinstance(self.rtol, bool) or not isinstance(self.rtol, int | float) or not 0 < self.rtol < 1:
             raise ValueError(f"rtol must be a number in (0, 1), got {self.rtol!r}")
         if isinstance(self.atol, bool) or not isinstance(self.atol, int | float) or not 0 <= self.atol < math.inf:
             raise ValueError(f"atol must be a finite number >= 0, got {self.atol!r}")
+        if self.on_unreplayable not in ("raise", "warn"):
+            raise ValueError(f"on_unreplayable must be 'raise' or 'warn', got {self.on_unreplayable!r}")
+        mb = self.max_state_mb
+        if isinstance(mb, bool) or not isinstance(mb, int | float) or not 0 <= mb < math.inf:
+            raise ValueError(f"max_state_mb must be a finite number >= 0, got {mb!r}")
 
 
 @dataclass
@@ -126,39 +164,54 @@ def _digest_row(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     return gs, gn, _grad_fingerprint(g), g.numel()
 
 
-def _assemble(names: Sequence[str], rows: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]],
-              loss: float) -> Digest:  # fmt: skip
-    """A ``Digest`` in ``names`` order; a parameter without a row (no gradient) counts as zeros."""
-    zero64, zero_fp = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.int64)
+Row = tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]
+
+
+def _assemble(names: Sequence[str], rows: dict[str, Row], loss: torch.Tensor | float) -> Digest:
+    """A ``Digest`` in ``names`` order; a parameter without a row (no gradient) counts as zeros.
+
+    Cost: the rows are packed on their device into one float64 vector (fingerprints bit-cast)
+    and read with ONE device-to-host copy, whatever the number of parameters."""
+    loss_t = loss if isinstance(loss, torch.Tensor) else torch.tensor(float(loss), dtype=torch.float64)
+    first = next((r for r in rows.values() if r is not None), None)
+    device = first[0].device if first is not None else loss_t.device
+    zero = torch.zeros((), dtype=torch.float64, device=device)
+    zero_fp = torch.zeros((), dtype=torch.int64, device=device)
     picked = [rows.get(n) for n in names]
 
-    def column(i: int, zero: torch.Tensor) -> torch.Tensor:
-        return torch.stack([r[i].cpu() if r else zero for r in picked]) if picked else zero.new_zeros(0)
+    def col(i: int, z: torch.Tensor) -> list[torch.Tensor]:
+        return [r[i].to(device, non_blocking=True) if r else z for r in picked]
 
+    parts = [loss_t.detach().reshape(1).to(device=device, dtype=torch.float64)]
+    if picked:
+        fps = torch.stack(col(2, zero_fp)).view(torch.float64)  # bit-cast: travels unchanged
+        parts += [torch.stack(col(0, zero)), torch.stack(col(1, zero)), fps]
+    packed = torch.cat(parts).cpu()  # the one device-to-host transfer
+    p = len(picked)
     return Digest(
-        loss=float(loss),
-        sums=column(0, zero64),
-        norms=column(1, zero64),
-        fps=column(2, zero_fp),
+        loss=float(packed[0]),
+        sums=packed[1 : 1 + p].clone(),
+        norms=packed[1 + p : 1 + 2 * p].clone(),
+        fps=packed[1 + 2 * p : 1 + 3 * p].clone().view(torch.int64),
         numels=torch.tensor([r[3] if r else 0 for r in picked], dtype=torch.float64),
     )
 
 
-def grad_digest(names: Sequence[str], grads: dict[str, torch.Tensor], loss: float) -> Digest:
+def grad_digest(names: Sequence[str], grads: dict[str, torch.Tensor], loss: torch.Tensor | float) -> Digest:
     """Digest of gradients keyed by parameter name (a missing gradient counts as zeros)."""
     return _assemble(names, {n: _digest_row(g) for n, g in grads.items() if g is not None}, loss)
 
 
-def compare(a: Digest, b: Digest, config: ReplayConfig, names: Sequence[str]) -> tuple[bool, float, str]:
-    """``(mismatch, largest relative difference, where)`` between two digests of the same work."""
+def compare_raw(a: Digest, b: Digest, names: Sequence[str], atol: float = 1e-6) -> tuple[bool, float, str]:
+    """``(bit-identical, largest relative difference, where)`` between two digests of the same work.
+
+    The relative difference is per parameter the larger of the gradient-norm and gradient-sum
+    differences (0 where the fingerprints are equal), and the loss difference."""
     if a.sums.shape != b.sums.shape:
-        return True, math.inf, "parameter count"
-    floor = max(config.atol, 1e-300)
-    loss_diff = (
-        0.0
-        if a.loss == b.loss or (math.isnan(a.loss) and math.isnan(b.loss))
-        else (abs(a.loss - b.loss) / max(abs(a.loss), abs(b.loss), floor))
-    )
+        return False, math.inf, "parameter count"
+    floor = max(atol, 1e-300)
+    loss_same = a.loss == b.loss or (math.isnan(a.loss) and math.isnan(b.loss))
+    loss_diff = 0.0 if loss_same else (abs(a.loss - b.loss) / max(abs(a.loss), abs(b.loss), floor))
     if math.isnan(loss_diff):
         loss_diff = math.inf
     norm_den = torch.maximum(torch.maximum(a.norms, b.norms), torch.tensor(floor, dtype=torch.float64))
@@ -166,34 +219,406 @@ def compare(a: Digest, b: Digest, config: ReplayConfig, names: Sequence[str]) ->
     sum_den = torch.maximum(norm_den * a.numels.clamp(min=1).sqrt(), torch.tensor(floor, dtype=torch.float64))
     sum_diff = (a.sums - b.sums).abs() / sum_den
     per_param = torch.maximum(norm_diff, sum_diff).nan_to_num(nan=math.inf)
-    per_param = torch.where(a.fps == b.fps, torch.zeros_like(per_param), per_param)  # bit-identical
+    same_fp = a.fps == b.fps
+    per_param = torch.where(same_fp, torch.zeros_like(per_param), per_param)  # bit-identical
     worst_param = int(per_param.argmax()) if per_param.numel() else -1
     grad_diff = float(per_param[worst_param]) if worst_param >= 0 else 0.0
-    diff, where = (loss_diff, "loss") if loss_diff >= grad_diff else (grad_diff, names[worst_param])
-    if config.exact:
-        fp_bad = (a.fps != b.fps).nonzero().flatten().tolist()
-        loss_bad = loss_diff != 0.0
-        if fp_bad or loss_bad:
-            where = "loss" if loss_bad else names[fp_bad[0]]
-            return True, diff, where
-        return False, diff, where
-    return diff > config.rtol, diff, where
+    exact = loss_same and bool(same_fp.all())
+    if not loss_same:
+        where = "loss" if loss_diff >= grad_diff else names[worst_param]
+    elif grad_diff > 0:
+        where = names[worst_param]
+    else:
+        bad = (~same_fp).nonzero().flatten().tolist()
+        where = names[bad[0]] if bad else ""
+    return exact, max(loss_diff, grad_diff), where
+
+
+def disagree(exact: bool, diff: float, tolerance: float) -> bool:
+    """Whether a comparison is a mismatch: any bit with ``tolerance == 0``, else ``diff > tolerance``."""
+    return (not exact) if tolerance == 0 else (diff > tolerance or math.isnan(diff))
+
+
+def compare(a: Digest, b: Digest, config: ReplayConfig, names: Sequence[str]) -> tuple[bool, float, str]:
+    """``(mismatch, largest relative difference, where)`` under ``config``'s fixed tolerance
+    (bit equality for ``exact=True``, ``rtol`` otherwise; ``RingReplay`` calibrates ``"auto"``)."""
+    exact, diff, where = compare_raw(a, b, names, config.atol)
+    return disagree(exact, diff, 0.0 if config.exact is True else config.rtol), diff, where
+
+
+# --------------------------------------------------------------------------------------------
+# What a step reads besides its batch: captured at the owner's micro-batch start
+
+
+class CollectiveInReplay(RuntimeError):
+    """A ``torch.distributed`` collective was called inside a replay (refused before transport)."""
+
+
+_COLLECTIVES = (
+    "all_reduce", "all_gather", "all_gather_object", "all_gather_into_tensor", "_all_gather_base",
+    "reduce_scatter", "reduce_scatter_tensor", "_reduce_scatter_base", "broadcast", "broadcast_object_list",
+    "reduce", "gather", "gather_object", "scatter", "scatter_object_list", "all_to_all", "all_to_all_single",
+    "barrier", "monitored_barrier", "send", "recv", "isend", "irecv", "batch_isend_irecv",
+    "all_reduce_coalesced", "all_gather_coalesced", "send_object_list", "recv_object_list",
+)  # fmt: skip
+_NAMESPACES = ("torch.distributed", "torch.distributed.distributed_c10d", "torch.distributed.nn.functional",
+               "torch.distributed.nn")  # fmt: skip
+
+
+@contextmanager
+def forbid_collectives() -> Iterator[None]:
+    """Inside, the ``torch.distributed`` collectives (as looked up at call time by Lightning,
+    torchmetrics, ``torch.distributed.nn``) raise ``CollectiveInReplay`` instead of communicating.
+    A replay runs on one rank only, so a collective in it would leave ranks in different
+    collectives. Not covered: functions imported by name before the replay, functional
+    collectives (``torch.distributed._functional_collectives``)."""
+    saved: list[tuple[Any, str, Any]] = []
+
+    def refuse(name: str) -> Callable[..., Any]:
+        def refused(*_args: Any, **_kwargs: Any) -> Any:
+            raise CollectiveInReplay(f"torch.distributed.{name} was called inside the replayed training step")
+
+        return refused
+
+    for ns in _NAMESPACES:
+        mod = sys.modules.get(ns)
+        for name in _COLLECTIVES if mod is not None else ():
+            if callable(getattr(mod, name, None)):
+                saved.append((mod, name, getattr(mod, name)))
+                setattr(mod, name, refuse(name))
+    try:
+        yield
+    finally:
+        for mod, name, fn in reversed(saved):
+            setattr(mod, name, fn)
+
+
+_MODULE_INTERNALS = frozenset(vars(nn.Module())) | {"training"}
+_SCALARS = (type(None), bool, int, float, complex, str, bytes)
+_MAX_ITEMS = 10_000  # elements of plain Python containers captured per micro-batch
+
+
+class _Skip(Exception):
+    """A value that is not plain (or over budget): the capture leaves it out."""
+
+
+@dataclass
+class _Budget:
+    bytes_left: int
+    items_left: int = _MAX_ITEMS
+    over: list[str] = field(default_factory=list)
+
+
+def _copy_plain(value: Any, budget: _Budget, depth: int = 0) -> Any:
+    """A copy of a plain value (tensors cloned on their device, containers rebuilt); ``_Skip``
+    for anything else (objects, functions, modules) or past the budget."""
+    if isinstance(value, _SCALARS):
+        return value
+    if depth > 6:
+        raise _Skip
+    budget.items_left -= 1
+    if budget.items_left < 0:
+        raise _Skip
+    if isinstance(value, nn.Parameter | nn.Module):
+        raise _Skip
+    if isinstance(value, torch.Tensor):
+        size = value.numel() * value.element_size()
+        if size > budget.bytes_left:
+            raise _Skip
+        budget.bytes_left -= size
+        return value.detach().clone()
+    np = sys.modules.get("numpy")
+    if np is not None and isinstance(value, np.ndarray | np.generic):
+        return value.copy()
+    kind = type(value)
+    if kind in (list, set, frozenset, deque) or (kind is tuple):
+        items = [_copy_plain(v, budget, depth + 1) for v in value]
+        return deque(items, value.maxlen) if kind is deque else kind(items)
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # namedtuple
+        return kind(*(_copy_plain(v, budget, depth + 1) for v in value))
+    if isinstance(value, dict):
+        try:
+            out = copy.copy(value)  # keeps the type (OrderedDict, defaultdict's factory, ...)
+            out.clear()
+        except Exception as err:
+            raise _Skip from err
+        for k, v in value.items():
+            out[_copy_plain(k, budget, depth + 1)] = _copy_plain(v, budget, depth + 1)
+        return out
+    raise _Skip
+
+
+def _fresh(value: Any, device: torch.device | None) -> Any:
+    """A private copy of a captured value for one replay (tensors cloned onto ``device``)."""
+    if isinstance(value, _SCALARS):
+        return value
+    if isinstance(value, torch.Tensor):
+        return value.detach().to(device if device is not None else value.device, copy=True)
+    kind = type(value)
+    if kind is deque:
+        return deque((_fresh(v, device) for v in value), value.maxlen)
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        return kind(*(_fresh(v, device) for v in value))
+    if isinstance(value, list | tuple | set | frozenset):
+        return kind(_fresh(v, device) for v in value)
+    if isinstance(value, dict):
+        out = copy.copy(value)
+        out.clear()
+        for k, v in value.items():
+            out[k] = _fresh(v, device)
+        return out
+    return copy.deepcopy(value)
+
+
+def _first_device(value: Any) -> torch.device | None:
+    if isinstance(value, torch.Tensor):
+        return value.device
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, list | tuple | deque):
+        for v in value:
+            d = _first_device(v)
+            if d is not None:
+                return d
+    return None
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    """A large frozen parameter or buffer sent by digest: the receiver uses its own capture."""
+
+    digest: int
+    nbytes: int
+
+
+@dataclass
+class StepState:
+    """The state one micro-batch's step read besides its batch, as its owner had it at the start.
+
+    ``tensors``: ``"param:<name>"`` (not trained) and ``"buffer:<name>"`` clones (or, in
+    transit, ``TensorRef``); ``attrs``: per module path, copies of its tensor and plain Python
+    attributes; ``user``: what ``sdc_replay_state()`` returned; ``live``: tensors over the
+    budget, read live by the replay.
+    """
+
+    tensors: dict[str, Any]
+    attrs: dict[str, dict[str, Any]]
+    user: Any = None
+    has_user: bool = False
+    live: tuple[str, ...] = ()
+
+
+class StateCapture:
+    """Captures, reproduces and restores the state a training step reads besides its batch.
+
+    Args:
+        module: the unwrapped module the step runs.
+        trainable: names of the parameters that train (replayed on aliases, never captured).
+        exclude: attribute names of framework internals to leave out on every submodule (the
+            ``nn.Module`` internals always are).
+        get_state / load_state: the explicit hook for state the generic capture cannot see
+            (``sdc_replay_state()`` / ``sdc_load_replay_state(state)``): ``get_state`` returns a
+            snapshot (copies), ``load_state`` puts one in place.
+        max_state_mb: budget of cloned tensors per micro-batch.
+
+    Captured: buffers and parameters that do not train, and for every submodule its tensor
+    attributes and plain Python attributes (numbers, strings, None, NumPy arrays, and lists,
+    tuples, dicts, sets, deques of them). Not captured: other objects (they are still put back
+    after a replay when rebound, but in-place changes to them are not undone), globals,
+    iterators, files.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        trainable: Iterable[str],
+        exclude: Iterable[str] = (),
+        get_state: Callable[[], Any] | None = None,
+        load_state: Callable[[Any], None] | None = None,
+        max_state_mb: float = 1024.0,
+    ) -> None:
+        if (get_state is None) != (load_state is None):
+            raise ValueError("sdc_replay_state and sdc_load_replay_state must be defined together")
+        self.module = module
+        self.trainable = frozenset(trainable)
+        self.exclude = _MODULE_INTERNALS | frozenset(exclude)
+        self.get_state, self.load_state = get_state, load_state
+        self.max_bytes = int(max_state_mb * 2**20)
+
+    def _device(self) -> torch.device:
+        return next((p.device for p in self.module.parameters()), torch.device("cpu"))
+
+    def capture(self) -> StepState:
+        """The current state (clones on device, no host sync; bounded by ``max_state_mb``)."""
+        budget = _Budget(self.max_bytes)
+        tensors: dict[str, Any] = {}
+        live: list[str] = []
+        named = [(f"param:{n}", p) for n, p in self.module.named_parameters() if n not in self.trainable]
+        named += [(f"buffer:{n}", b) for n, b in self.module.named_buffers() if b is not None]
+        for key, t in named:
+            size = t.numel() * t.element_size()
+            if size > budget.bytes_left:
+                live.append(key)
+                continue
+            budget.bytes_left -= size
+            tensors[key] = t.detach().clone()
+        attrs: dict[str, dict[str, Any]] = {}
+        for path, sub in self.module.named_modules():
+            for k, v in vars(sub).items():
+                if k in self.exclude or k.startswith("__") or isinstance(v, nn.Module):
+                    continue
+                try:
+                    attrs.setdefault(path, {})[k] = _copy_plain(v, budget)
+                except _Skip:
+                    if isinstance(v, torch.Tensor):
+                        live.append(f"{path}.{k}" if path else k)
+        user = self.get_state() if self.get_state is not None else None
+        return StepState(tensors, attrs, user, self.get_state is not None, tuple(live))
+
+    @staticmethod
+    def for_transfer(state: StepState | None) -> StepState | None:
+        """``state`` with frozen parameters and buffers above 1 MiB replaced by ``TensorRef``
+        (replica-synchronised in data parallelism: the receiver has them); one host read."""
+        if state is None:
+            return None
+        big = [k for k, t in state.tensors.items() if t.numel() * t.element_size() > SEND_BY_DIGEST_BYTES]
+        if not big:
+            return state
+        digests = torch.stack([tensor_digest(state.tensors[k]).to(state.tensors[big[0]].device) for k in big])
+        tensors = dict(state.tensors)
+        for k, d in zip(big, digests.cpu().tolist(), strict=True):
+            tensors[k] = TensorRef(int(d), state.tensors[k].numel() * state.tensors[k].element_size())
+        return StepState(tensors, state.attrs, state.user, state.has_user, state.live)
+
+    @staticmethod
+    def resolve(state: StepState | None, own: Sequence[StepState | None]) -> StepState | None:
+        """Replace each ``TensorRef`` with the receiver's own capture of equal digest; raises
+        ``RuntimeError`` naming the tensor when the receiver has none (it differs between ranks)."""
+        if state is None or not any(isinstance(t, TensorRef) for t in state.tensors.values()):
+            return state
+        tensors = dict(state.tensors)
+        for key, ref in state.tensors.items():
+            if not isinstance(ref, TensorRef):
+                continue
+            candidates = [s.tensors[key] for s in own if s is not None and isinstance(s.tensors.get(key), torch.Tensor)]
+            match = next((t for t in candidates if int(tensor_digest(t)) == ref.digest), None)
+            if match is None:
+                raise RuntimeError(
+                    f"{key} ({ref.nbytes / 2**20:.1f} MiB) differs between the owner and the replayer at the start "
+                    "of the step; the replay sends tensors this large by digest only"
+                )
+            tensors[key] = match
+        return StepState(tensors, state.attrs, state.user, state.has_user, state.live)
+
+    @contextmanager
+    def applied(self, state: StepState | None) -> Iterator[dict[str, torch.Tensor]]:
+        """Put ``state`` in place for one replay; yields the parameter/buffer tensors to swap in.
+
+        Afterwards every submodule's attribute dictionary is restored (rebinds undone, attributes
+        the replay added removed), the user's state reloaded, and tensors read live are checked
+        for in-place change (``RuntimeError`` naming them: that change cannot be undone)."""
+        module, device = self.module, self._device()
+        subs = dict(module.named_modules())
+        saved = {path: dict(vars(sub)) for path, sub in subs.items()}
+        own_user, loaded_user = None, False
+        live = self._live_versions(state)
+        swapped: dict[str, torch.Tensor] = {}
+        try:
+            if state is None:  # nothing captured: the replayer's own state, on private copies
+                swapped = {n: p.detach().clone() for n, p in module.named_parameters() if n not in self.trainable}
+                swapped.update({n: b.clone() for n, b in module.named_buffers() if b is not None})
+            else:
+                params = dict(module.named_parameters())
+                buffers = dict(module.named_buffers())
+                for key, t in state.tensors.items():
+                    kind, name = key.split(":", 1)
+                    own = (params if kind == "param" else buffers).get(name)
+                    if own is not None:
+                        swapped[name] = t.detach().to(own.device, copy=True)
+                for path, attrs in state.attrs.items():
+                    sub = subs.get(path)
+                    if sub is None:
+                        continue
+                    for k, v in attrs.items():
+                        target = _first_device(vars(sub).get(k)) or (device if _first_device(v) else None)
+                        vars(sub)[k] = _fresh(v, target)
+                if state.has_user and self.load_state is not None:
+                    own_user = self.get_state()  # type: ignore[misc]
+                    loaded_user = True
+                    self.load_state(copy.deepcopy(state.user))
+            yield swapped
+        finally:
+            if loaded_user:
+                self.load_state(own_user)  # type: ignore[misc]
+            for path, sub in subs.items():
+                d = vars(sub)
+                d.clear()
+                d.update(saved[path])
+        changed = [k for k, (t, v) in live.items() if t._version != v]
+        if changed:
+            raise RuntimeError(
+                f"the replay changed {', '.join(changed)} in place, which the capture could not copy "
+                f"(over max_state_mb={self.max_bytes / 2**20:g}): raise max_state_mb or expose it with "
+                "sdc_replay_state()/sdc_load_replay_state(state)"
+            )
+
+    def _live_versions(self, state: StepState | None) -> dict[str, tuple[torch.Tensor, int]]:
+        if state is None or not state.live:
+            return {}
+        found: dict[str, torch.Tensor] = {}
+        named = dict(self.module.named_parameters())
+        buffers = dict(self.module.named_buffers())
+        for key in state.live:
+            kind, _, name = key.partition(":")
+            t = named.get(name) if kind == "param" else buffers.get(name) if kind == "buffer" else None
+            if t is None:
+                path, _, attr = key.rpartition(".")
+                sub = dict(self.module.named_modules()).get(path)
+                t = vars(sub).get(attr) if sub is not None else None
+            if isinstance(t, torch.Tensor):
+                found[key] = t
+        return {k: (t, t._version) for k, t in found.items()}
 
 
 @dataclass
 class MicroBatch:
-    """One micro-batch as the owner ran it: inputs, index and RNG state before its step."""
+    """One micro-batch as the owner ran it: inputs, index, RNG and state before its step."""
 
     batch: Any
     batch_idx: int
     cpu_rng: torch.Tensor
     cuda_rng: torch.Tensor | None = None
+    py_rng: Any = None
+    np_rng: Any = None
+    state: StepState | None = None
 
 
 def capture_rng(device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The CPU RNG state and, for a CUDA ``device``, that device's RNG state."""
     cuda = torch.cuda.get_rng_state(device) if device is not None and device.type == "cuda" else None
     return torch.get_rng_state(), cuda
+
+
+def _np_random() -> Any:
+    np = sys.modules.get("numpy")
+    return getattr(np, "random", None) if np is not None else None
+
+
+def _all_rng(device: torch.device | None) -> tuple[torch.Tensor, torch.Tensor | None, Any, Any]:
+    cpu, cuda = capture_rng(device)
+    npr = _np_random()
+    return cpu, cuda, random.getstate(), npr.get_state() if npr is not None else None
+
+
+def _set_rng(cpu: torch.Tensor, cuda: torch.Tensor | None, py: Any, np_state: Any, device: torch.device) -> None:
+    torch.set_rng_state(cpu.clone())
+    if cuda is not None and device.type == "cuda":
+        torch.cuda.set_rng_state(cuda.clone(), device)
+    if py is not None:
+        random.setstate(py)
+    npr = _np_random()
+    if np_state is not None and npr is not None:
+        npr.set_state(np_state)
 
 
 StepFn = Callable[[Any, int], torch.Tensor]
@@ -206,38 +631,38 @@ def replay_gradients(
     step_fn: StepFn,
     to_device: Callable[[Any], Any] = lambda b: b,
     context: Callable[[], AbstractContextManager[Any]] = nullcontext,
-) -> tuple[float, dict[str, torch.Tensor]]:
+    capture: StateCapture | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Recompute the summed loss and gradients of ``micro_batches`` without any side effect.
 
     ``step_fn(batch, batch_idx)`` returns the loss exactly as the owner back-propagated it
-    (normalised for accumulation, scaled by a GradScaler). The module runs on detached aliases of
-    its parameters and clones of its buffers; the RNG state is set per micro-batch and restored.
+    (normalised for accumulation, scaled by a GradScaler). Per micro-batch the owner's RNG and
+    state are put in place (``capture``; without one, private copies of the replayer's own),
+    trainable parameters are detached aliases, collectives are refused; everything is restored.
+    Returns the loss as a float64 device tensor (no host sync) and the gradients.
     """
+    capture = capture or StateCapture(module, names, max_state_mb=0)
     params = dict(module.named_parameters())
     aliases = {n: params[n].detach().requires_grad_() for n in names}
-    swapped: dict[str, torch.Tensor] = dict(aliases)
-    swapped.update({n: b.clone() for n, b in module.named_buffers()})
     device = next((p.device for p in params.values()), torch.device("cpu"))
-    saved_cpu, saved_cuda = capture_rng(device)
-    total_loss = 0.0
+    saved_rng = _all_rng(device)
+    total_loss = torch.zeros((), dtype=torch.float64, device=device)
     total: dict[str, torch.Tensor] = {}
     try:
         for mb in micro_batches:
-            torch.set_rng_state(mb.cpu_rng.clone())
-            if mb.cuda_rng is not None and device.type == "cuda":
-                torch.cuda.set_rng_state(mb.cuda_rng.clone(), device)
+            _set_rng(mb.cpu_rng, mb.cuda_rng, mb.py_rng, mb.np_rng, device)
             batch = to_device(mb.batch)
-            with _reparametrize_module(module, swapped, tie_weights=True), context():
-                loss = step_fn(batch, mb.batch_idx)
-            grads = torch.autograd.grad(loss, list(aliases.values()), allow_unused=True)
-            total_loss += float(loss.detach().double())
+            with capture.applied(mb.state) as tensors:
+                swapped = {**tensors, **aliases}
+                with _reparametrize_module(module, swapped, tie_weights=True), context(), forbid_collectives():
+                    loss = step_fn(batch, mb.batch_idx)
+                    grads = torch.autograd.grad(loss, list(aliases.values()), allow_unused=True)
+            total_loss = total_loss + loss.detach().to(total_loss.device, torch.float64)
             for n, g in zip(aliases, grads, strict=True):
                 if g is not None:
                     total[n] = g if n not in total else total[n] + g
     finally:
-        torch.set_rng_state(saved_cpu)
-        if saved_cuda is not None:
-            torch.cuda.set_rng_state(saved_cuda, device)
+        _set_rng(*saved_rng, device)
     return total_loss, total
 
 
@@ -299,29 +724,74 @@ def settle(
     return (ordered[0] if len(ordered) == 1 and world > 2 else None), ordered, notes
 
 
+def _lower_median(values: Sequence[float]) -> float:
+    """The lower median: no single value (one faulty rank) can raise it above a healthy one."""
+    ordered = sorted(values)
+    return ordered[(len(ordered) - 1) // 2] if ordered else 0.0
+
+
+def _describe(err: BaseException) -> str:
+    return f"{type(err).__name__}: {err}"
+
+
+LIGHTNING_ADVICE = (
+    "Expose state the capture cannot see with sdc_replay_state()/sdc_load_replay_state(state) on the "
+    "LightningModule, or define a side-effect free sdc_replay_step(batch, batch_idx)"
+)
+
+
+def _cause(failures: Sequence[str], advice: str) -> str:
+    """The likely cause and fix of replay failures, from their messages."""
+    text = " ".join(failures)
+    if "CollectiveInReplay" in text:
+        return (
+            "the training step communicates (a torch.distributed collective inside it, e.g. self.all_gather, "
+            "accelerator.gather, a metric synced on step): a replay runs on one rank only and cannot take part in "
+            "a collective. Replay a step without communication (sdc_replay_step in Lightning, a loss function "
+            "without gathers with Accelerate), or turn the audit off"
+        )
+    if "use_reentrant" in text:
+        return (
+            "activation checkpointing with use_reentrant=True does not support torch.autograd.grad, which the "
+            "replay uses: pass use_reentrant=False to torch.utils.checkpoint.checkpoint (it is also torch's "
+            "recommended setting)"
+        )
+    if "differs between the owner and the replayer" in text or "in place, which the capture" in text:
+        return "the step's state is too large to capture. " + advice
+    return advice
+
+
 @dataclass
 class RingReplay:
     """Framework-neutral ring replay audit.
 
     Adapter calls, per optimizer step: ``arm(step)`` (is this step audited?), ``record(...)``
-    and ``record_loss(...)`` per micro-batch, then ``audit(...)`` after backward and before the
-    update, on every rank.
+    per micro-batch (``begin()`` where the step itself starts, when later than ``record``) and
+    ``record_loss(...)``, then ``audit(...)`` after backward and before the update, on every rank.
+    ``capture`` (a ``StateCapture``) and ``advice`` (the adapter's hint for unreplayable steps)
+    are set by the adapter.
     """
 
     config: ReplayConfig = field(default_factory=ReplayConfig)
     stats: CheckStats = field(default_factory=lambda: CheckStats("ring_replay"))
     topology: Topology | None = None
     names: list[str] = field(default_factory=list)
+    capture: StateCapture | None = None
+    advice: str = LIGHTNING_ADVICE
+    disabled: bool = False
+    replaying: bool = False
     _armed_step: int | None = None
     _micro: list[MicroBatch] = field(default_factory=list)
-    _loss: float = 0.0
-    _local: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]] = field(default_factory=dict)
+    _loss: torch.Tensor | None = None
+    _local: dict[str, Row] = field(default_factory=dict)
     _tap: GradientTap | None = None
+    _calibrated: bool = False
+    _tolerance: float | None = None
     last_error: ReplayMismatchError | None = None
 
     @property
     def active(self) -> bool:
-        return is_distributed()
+        return is_distributed() and not self.disabled
 
     def attach(self, tap: GradientTap, names: Sequence[str]) -> None:
         """Digest local gradients from the tap on audited steps; ``names``: trainable params."""
@@ -331,18 +801,18 @@ class RingReplay:
 
     def arm(self, step: int) -> bool:
         """Called at each micro-batch start; True when this step's micro-batches are audited."""
-        due = self.active and step % self.config.every_n_steps == 0
+        due = self.active and not self.replaying and step % self.config.every_n_steps == 0
         if not due:
             self._armed_step = None
             return False
         if self._armed_step != step:
-            self._armed_step, self._micro, self._loss, self._local = step, [], 0.0, {}
+            self._armed_step, self._micro, self._loss, self._local = step, [], None, {}
         return True
 
     def disarm(self) -> None:
         """Drop the micro-batches recorded for the armed step: it is not audited (every rank alike),
         e.g. because another check already dropped that optimizer step."""
-        self._armed_step, self._micro, self._loss, self._local = None, [], 0.0, {}
+        self._armed_step, self._micro, self._loss, self._local = None, [], None, {}
 
     @property
     def armed(self) -> bool:
@@ -354,15 +824,35 @@ class RingReplay:
         """Micro-batches recorded for the armed step so far."""
         return len(self._micro)
 
-    def record(self, batch: Any, batch_idx: int, device: torch.device | None = None) -> None:
-        """Remember an audited micro-batch and the RNG state it starts from."""
-        cpu, cuda = capture_rng(device)
-        self._micro.append(MicroBatch(batch, batch_idx, cpu, cuda))
+    @property
+    def tolerance(self) -> float:
+        """The tolerance comparisons use now (0: bit equality)."""
+        if self.config.exact is True:
+            return 0.0
+        if self.config.exact is False:
+            return float(self.config.rtol)
+        return self._tolerance if self._tolerance is not None else 0.0
+
+    def record(self, batch: Any, batch_idx: int, device: torch.device | None = None, state: bool = True) -> None:
+        """Remember an audited micro-batch, the RNG state and (``state=True``) the module state
+        it starts from. Cost: the capture's clones, on audited micro-batches only."""
+        self._micro.append(MicroBatch(batch, batch_idx, *_all_rng(device)))
+        if state:
+            self.begin(device)
+
+    def begin(self, device: torch.device | None = None) -> None:
+        """The step of the last recorded micro-batch starts now: (re)capture its RNG and state."""
+        if self._armed_step is None or not self._micro or self.replaying:
+            return
+        mb = self._micro[-1]
+        mb.cpu_rng, mb.cuda_rng, mb.py_rng, mb.np_rng = _all_rng(device)
+        mb.state = self.capture.capture() if self.capture is not None else None
 
     def record_loss(self, loss: torch.Tensor) -> None:
-        """The loss the owner back-propagates for the current audited micro-batch."""
-        if self._armed_step is not None:
-            self._loss += float(loss.detach().double())
+        """The loss the owner back-propagates for the current audited micro-batch (no host sync)."""
+        if self._armed_step is not None and not self.replaying:
+            loss = loss.detach().double()
+            self._loss = loss if self._loss is None else self._loss + loss.to(self._loss.device)
 
     def _consume(self, bucket: Any) -> None:
         if self._armed_step is None or self._tap is None:
@@ -371,7 +861,26 @@ class RingReplay:
             self._local[n] = _digest_row(g)
 
     def _own_digest(self) -> Digest:
-        return _assemble(self.names, self._local, self._loss)
+        return _assemble(self.names, self._local, self._loss if self._loss is not None else 0.0)
+
+    def _unreplayable(self, step: int, message: str) -> bool:
+        """Every rank alike: raise ``ReplayUnavailableError``, or warn once and turn the audit off."""
+        self.stats.bump("unreplayable")
+        if self.config.on_unreplayable == "warn":
+            self.disabled = True
+            warnings.warn(f"{message} The ring replay audit is now off.", UserWarning, stacklevel=4)
+            return False
+        raise ReplayUnavailableError(message)
+
+    def _calibrate(self, self_diffs: Sequence[float]) -> None:
+        """``exact="auto"``: set (or raise, never above ``rtol``) the tolerance from the lower
+        median of the ranks' same-device differences (0: bit for bit -> exact comparisons)."""
+        if self.config.exact != "auto" or self.config.exact is True:
+            return
+        floor = _lower_median(self_diffs)
+        candidate = 0.0 if floor == 0 else min(float(self.config.rtol), AUTO_MARGIN * floor)
+        self._tolerance = candidate if self._tolerance is None else max(self._tolerance, candidate)
+        self.stats.extra = {**(self.stats.extra or {}), "tolerance": self._tolerance}
 
     def audit(
         self,
@@ -384,7 +893,8 @@ class RingReplay:
         """Run the audit of ``step`` if it was armed (every rank alike); raise on a verdict.
 
         Returns True when the optimizer step must be skipped (``on_failure="skip_step"`` and a
-        transient fault)."""
+        transient fault). Raises ``ReplayMismatchError`` (a fault) or ``ReplayUnavailableError``
+        (the step cannot be replayed faithfully) on every rank."""
         if self._armed_step != step:
             return False
         t0 = time.perf_counter()
@@ -396,45 +906,143 @@ class RingReplay:
             inverse[q] = o
         own = self._own_digest()
         micro, self._micro, self._armed_step = self._micro, [], None
+        own_states = [mb.state for mb in micro]
+        atol = float(self.config.atol)
 
         def replay(batches: list[MicroBatch]) -> Digest:
-            loss, grads = replay_gradients(module, self.names, batches, step_fn, to_device, context)
+            self.replaying = True
+            try:
+                loss, grads = replay_gradients(module, self.names, batches, step_fn, to_device, context, self.capture)
+            finally:
+                self.replaying = False
             return grad_digest(self.names, grads, loss)
 
         def replay_payload(payload: dict[str, Any]) -> Digest:
             if TRANSFER_ERROR in payload:
                 raise RuntimeError(payload[TRANSFER_ERROR])
-            return replay(payload["micro"])
+            batches = [
+                MicroBatch(**{**vars(mb), "state": StateCapture.resolve(mb.state, own_states)})
+                for mb in payload["micro"]
+            ]
+            return replay(batches)
 
-        received = exchange({partners[me]: {"micro": micro, "digest": own}}, [inverse[me]])[inverse[me]]
-        failure = ""
-        try:
-            mine = replay_payload(received)
-            mismatch, diff, where = compare(received["digest"], mine, self.config, self.names)
-        except Exception as err:  # decided together below: no rank may be left in a collective
-            failure = f"{type(err).__name__}: {err}"
-            mine, mismatch, diff, where = None, False, 0.0, ""
-        row = torch.tensor([float(mismatch), diff, float(bool(failure))], dtype=torch.float64)
-        table = all_gather_tensor(row).tolist()
-        if any(failed for _, _, failed in table):
-            failures = all_gather_objects(failure)
-            raise ReplayUnavailableError(
-                f"RingReplayAudit could not replay at step {step}: "
-                + "; ".join(f"rank {r} replaying rank {inverse[r]}: {f}" for r, f in enumerate(failures) if f)
-                + ". Define a side-effect free `sdc_replay_step(batch, batch_idx)` (Lightning) or a `loss_fn`, "
-                "or turn the audit off."
-            )
+        def attempt(fn: Callable[[], Digest]) -> tuple[Digest | None, str]:
+            try:
+                return fn(), ""
+            except Exception as err:  # decided together: no rank may be left in a collective
+                return None, _describe(err)
+
+        def self_round() -> tuple[tuple[bool, float, str], str]:
+            again, err = attempt(lambda: replay(micro))
+            return (compare_raw(own, again, self.names, atol) if again is not None else (True, 0.0, "")), err
+
+        sent = [MicroBatch(**{**vars(mb), "state": StateCapture.for_transfer(mb.state)}) for mb in micro]
+        received = exchange({partners[me]: {"micro": sent, "digest": own}}, [inverse[me]])[inverse[me]]
+        mine, failure = attempt(lambda: replay_payload(received))
+        cross = compare_raw(received["digest"], mine, self.names, atol) if mine is not None else (True, 0.0, "")
+        first = not self._calibrated
+        mine_self, self_failure = self_round() if first else ((True, 0.0, ""), "")
+        if self_failure and not failure:
+            failure = f"re-running its own micro-batches: {self_failure}"
+        row = [float(cross[0]), cross[1], float(bool(failure)), float(first), float(mine_self[0]), mine_self[1]]
+        table = all_gather_tensor(torch.tensor(row, dtype=torch.float64)).tolist()
+        if any(r[2] for r in table):
+            return self._failed(step, all_gather_objects(failure), inverse, t0)
+        if first:
+            self._calibrated = True
+            self._calibrate([r[5] if not r[4] and r[5] > 0 else (0.0 if r[4] else 1e-12) for r in table])
         self.stats.runs += 1
-        worst = max((d for _, d, _ in table if not math.isnan(d)), default=0.0)
+
+        def judge() -> tuple[list[tuple[int, int]], list[int]]:
+            tol = self.tolerance
+            pairs = [(inverse[q], q) for q, r in enumerate(table) if disagree(bool(r[0]), r[1], tol)]
+            unrepro = [q for q, r in enumerate(table) if r[3] and disagree(bool(r[4]), r[5], tol)]
+            return pairs, unrepro
+
+        mismatching, unreproducible = judge()
+        if mismatching and not first:  # a same-device re-run decides whether the replay can be trusted
+            mine_self, self_failure = self_round()
+            srow = [float(mine_self[0]), mine_self[1], float(bool(self_failure))]
+            stable = all_gather_tensor(torch.tensor(srow, dtype=torch.float64)).tolist()
+            if any(r[2] for r in stable):
+                fails = all_gather_objects(f"re-running its own micro-batches: {self_failure}" if self_failure else "")
+                return self._failed(step, fails, inverse, t0)
+            for q, (s_exact, s_diff, _) in enumerate(stable):
+                table[q][3:6] = [1.0, s_exact, s_diff]
+            self._calibrate([r[5] if not r[4] and r[5] > 0 else (0.0 if r[4] else 1e-12) for r in table])
+            mismatching, unreproducible = judge()
+        worst = max((r[1] for r in table if not math.isnan(r[1])), default=0.0)
         if math.isfinite(worst):
             self.stats.max_diff = max(self.stats.max_diff, worst)
-        mismatching = [(inverse[q], q) for q, (bad, _, _) in enumerate(table) if bad]
+        if len(unreproducible) >= 2 or (unreproducible and len(unreproducible) == world):
+            wheres = all_gather_objects(mine_self[2])
+            self.stats.add_time(time.perf_counter() - t0)
+            worst_self = max(table[q][5] for q in unreproducible)
+            how = (
+                "compares bit for bit (exact=True): use exact='auto' to allow measured noise, or make the step "
+                "deterministic (torch.use_deterministic_algorithms(True))"
+                if self.config.exact is True
+                else "is nondeterministic (e.g. GPU atomics beyond rtol) or reads state the replay does not capture "
+                "(an object that is neither a tensor nor a plain Python value, a global, an iterator)"
+            )
+            return self._unreplayable(
+                step,
+                f"RingReplayAudit cannot trust its replay at step {step}: ranks {unreproducible} could not reproduce "
+                f"their own result on their own device (largest difference {worst_self:.3g} in "
+                f"{', '.join(sorted({wheres[q] or 'loss' for q in unreproducible}))}; tolerance "
+                f"{self.tolerance:.3g}). This is not evidence of a faulty device: the step {how}. {self.advice}.",
+            )
+        if mismatching and len(mismatching) == world and (world >= 3 or first):
+            self.stats.add_time(time.perf_counter() - t0)
+            return self._unreplayable(step, self._every_pair_message(step, topo, first))
         if not mismatching:
+            if unreproducible:  # verified by the partner; the one rank's re-run differed: note it
+                self.stats.bump("self_replay_mismatches")
             self.stats.last_verified_step = step
             self.stats.add_time(time.perf_counter() - t0)
             return False
+        return self._attribute(step, topo, partners, inverse, table, mismatching, micro, own, received, mine,
+                               replay, replay_payload, attempt, t0)  # fmt: skip
 
-        # Rare path: attribute, with a referee round for pairs no culprit explains.
+    def _every_pair_message(self, step: int, topo: Topology, first: bool) -> str:
+        software = {(f.device, f.versions) for f in topo.ranks}
+        differ = (
+            " The ranks do run different devices or software: "
+            + "; ".join(f"rank {f.rank}: {f.device} {dict(f.versions)}" for f in topo.ranks)
+            + "."
+            if len(software) > 1
+            else ""
+        )
+        when = "at its first audit" if first else ""
+        return (
+            f"RingReplayAudit cannot trust its replay at step {step}: every replay pair disagrees {when} while "
+            "each rank reproduces its own result on its own device, so the replay does not compute what the "
+            "owners computed: the step depends on the rank (self.global_rank, per-rank data outside the batch, "
+            "a loss computed from values the replay does not receive) or the ranks compute differently."
+            f"{differ} {self.advice}."
+        ).replace("  ", " ")
+
+    def _failed(self, step: int, failures: Sequence[str], inverse: Sequence[int], t0: float) -> bool:
+        self.stats.add_time(time.perf_counter() - t0)
+        listed = "; ".join(f"rank {r} replaying rank {inverse[r]}: {f}" for r, f in enumerate(failures) if f)
+        return self._unreplayable(
+            step,
+            f"RingReplayAudit could not replay at step {step}: {listed}. Likely cause and fix: "
+            f"{_cause([f for f in failures if f], self.advice)}.",
+        )
+
+    def _attribute(self, step, topo, partners, inverse, table, mismatching, micro, own, received, mine,  # type: ignore[no-untyped-def]
+                   replay, replay_payload, attempt, t0) -> bool:  # fmt: skip
+        """Rare path: attribute the disagreeing pairs, with a referee round for pairs no culprit
+        explains, and classify the named rank's fault; raises ``ReplayMismatchError``."""
+        world, me = topo.world_size, topo.rank
+        tol, atol = self.tolerance, float(self.config.atol)
+
+        def differs(a: Digest, b: Digest) -> bool:
+            exact, diff, _ = compare_raw(a, b, self.names, atol)
+            return disagree(exact, diff, tol)
+
+        where = compare_raw(received["digest"], mine, self.names, atol)[2] if mine is not None else ""
         wheres = all_gather_objects(where)
         culprits, disputed = explain(world, partners, mismatching)
         node_of = [f.node_rank for f in topo.ranks]
@@ -446,7 +1054,8 @@ class RingReplay:
             if t is None:
                 continue
             if me == o:
-                sends.setdefault(t, {}).update(micro=micro, digest=own)
+                sent = [MicroBatch(**{**vars(mb), "state": StateCapture.for_transfer(mb.state)}) for mb in micro]
+                sends.setdefault(t, {}).update(micro=sent, digest=own)
             if me == q:
                 # the replayer's result travels to the referee too (a different destination
                 # from the owner's: referee t is neither o nor q)
@@ -456,18 +1065,20 @@ class RingReplay:
         sends = {d: v for d, v in sends.items() if d != me}
         got = exchange(sends, recv_from) if referees else {}
         my_rulings: dict[tuple[int, int], tuple[bool, bool]] = {}
+        my_failure = ""
         for (o, q), t in referees.items():
             if t != me:
                 continue
-            try:  # a referee that cannot replay gives no ruling: the pair stays suspect
-                ref = replay_payload(got[o])
-                agrees_owner = not compare(got[o]["digest"], ref, self.config, self.names)[0]
-                agrees_replayer = not compare(got[q]["replay"], ref, self.config, self.names)[0]
-            except Exception:
+            ref, err = attempt(lambda o=o: replay_payload(got[o]))
+            if ref is None:
+                my_failure = f"refereeing {o}->{q}: {err}"
                 continue
-            my_rulings[(o, q)] = (agrees_owner, agrees_replayer)
+            my_rulings[(o, q)] = (not differs(got[o]["digest"], ref), not differs(got[q]["replay"], ref))
         rulings: dict[tuple[int, int], tuple[bool, bool]] = {}
-        for part in all_gather_objects(my_rulings):
+        gathered = all_gather_objects((my_rulings, my_failure))
+        if any(f for _, f in gathered):
+            return self._failed(step, [f for _, f in gathered], inverse, t0)
+        for part, _ in gathered:
             rulings.update(part)
         rank, suspects, notes = settle(world, culprits, disputed, rulings)
         classification = None
@@ -475,38 +1086,49 @@ class RingReplay:
             mine_again = None
             if me == rank:
                 as_owner = (rank, partners[rank]) in mismatching
-                try:
-                    again = replay(micro) if as_owner else replay_payload(received)
-                    before = own if as_owner else mine
-                    same = before is not None and not compare(before, again, self.config, self.names)[0]
-                    mine_again = "persistent" if same else "transient"
-                except Exception as err:
-                    mine_again = f"unknown ({type(err).__name__})"
+                again, err = attempt(lambda: replay(micro) if as_owner else replay_payload(received))
+                before = own if as_owner else mine
+                if again is None:
+                    mine_again = f"unknown ({err.split(':')[0]})"
+                else:
+                    mine_again = "persistent" if before is not None and not differs(before, again) else "transient"
             classification = all_gather_objects(mine_again)[rank]
         self.stats.failures += 1
         self.stats.add_time(time.perf_counter() - t0)
+        bad = [q for q in range(world) if disagree(bool(table[q][0]), table[q][1], tol)]
+        worst = max((table[q][1] for q in bad), default=0.0)
         details = {
             "mismatching_pairs": [list(p) for p in mismatching],
-            "differences": {inverse[q]: table[q][1] for q in range(world) if table[q][0]},
-            "where": {inverse[q]: wheres[q] for q in range(world) if table[q][0]},
+            "differences": {inverse[q]: table[q][1] for q in bad},
+            "where": {inverse[q]: wheres[q] for q in bad},
+            "self_replay": {q: "reproduced" if not disagree(bool(table[q][4]), table[q][5], tol) else "differed"
+                            for q in range(world) if table[q][3]},
             "partners": list(partners),
             "referees": {f"{o}->{q}": t for (o, q), t in referees.items()},
             "rulings": notes,
             "exact": self.config.exact,
+            "tolerance": tol,
             "rtol": self.config.rtol,
             "node_ranks": topo.node_ranks(suspects),
             "world_size": world,
             "classification": classification,
-        }
+        }  # fmt: skip
         if rank is not None:
             reason = (
                 f"its results disagree with its partners' replays "
-                f"(largest difference {worst:.3g} in {wheres[partners[rank]]}; the fault is {classification})"
+                f"(largest difference {worst:.3g} in {wheres[partners[rank]] or wheres[partners.index(rank)]}; "
+                f"the fault is {classification})"
             )
         elif world == 2:
-            reason = "the two replicas disagree on a replayed batch; a third replica is needed to tell which is wrong"
+            reason = (
+                "the two replicas disagree on a replayed batch while each reproduces its own result; "
+                "with two replicas no third opinion can tell which is wrong"
+            )
         else:
-            reason = f"{len(mismatching)} replay pairs disagree and the faulty rank could not be singled out"
+            reason = (
+                f"{len(mismatching)} of {world} replay pairs disagree while each rank reproduces its own result, "
+                "and no single rank explains them all"
+            )
         skip = self.config.on_failure == "skip_step" and classification == "transient"
         if skip:
             details["action"] = "step skipped on every rank"

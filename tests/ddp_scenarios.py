@@ -90,13 +90,13 @@ class BrokenReplayOnRank1(Net):
 class NetWithReplayStep(Net):
     """Defines the side-effect free replay step the audit prefers over ``training_step``."""
 
-    replay_calls = 0
+    replay_calls = 0  # counted on the class: a replay undoes changes to the instance's attributes
 
     def training_step(self, batch: Any, batch_idx: int) -> dict[str, torch.Tensor]:
         return {"loss": super().training_step(batch, batch_idx)}
 
     def sdc_replay_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        self.replay_calls += 1
+        NetWithReplayStep.replay_calls += 1
         x, y = batch
         return nn.functional.mse_loss(self(x).float(), y)
 

@@ -1,0 +1,209 @@
+"""Stateful training steps under the ring replay audit: run under ``torchrun``, like ddp_scenarios.
+
+``torchrun --nproc-per-node 3 tests/replay_scenarios.py --out DIR --only a,b`` runs real
+``Trainer(strategy="ddp")`` fits of LightningModules whose ``training_step`` reads and changes
+state besides its batch, and writes ``DIR/<scenario>.rank<r>.json`` (error, digest of all
+weights and buffers, metric state, counters).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import traceback
+import warnings
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as L
+import numpy as np
+import torch
+import torchmetrics
+from lightning.pytorch.strategies import DDPStrategy
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+from torch.utils.data import DataLoader, TensorDataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from lightning_sdc import Fault, FaultInjector, ReplayUnavailableError, RingReplayAudit, SDCError
+from sdc_core.fingerprint import combine, tensor_digests
+
+
+class Stateful(L.LightningModule):
+    """An LSTM regressor whose step uses the stateful pattern named by ``pattern``."""
+
+    def __init__(self, pattern: str) -> None:
+        super().__init__()
+        self.pattern = pattern
+        self.proj = nn.Linear(8, 8)
+        self.lstm = nn.LSTM(8, 16, batch_first=True)
+        self.head = nn.Linear(16, 1)
+        self.teacher = nn.Linear(16, 1)  # EMA of the head, updated in place in training_step
+        self.teacher.requires_grad_(False)
+        self.hidden: tuple[torch.Tensor, torch.Tensor] | None = None  # TBPTT: carried in self
+        self.calls = 0  # a plain Python counter the step reads and bumps
+        self.seen = torchmetrics.SumMetric()  # a metric updated in training_step
+        self.mean_loss = torchmetrics.MeanMetric()
+        self.memory = Memory()  # an opaque object: only the explicit hook can carry it
+
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.proj(x)
+        hidden = self.hidden if self.pattern == "tbptt" else None
+        if self.pattern == "reentrant":
+            out, _ = checkpoint(self.lstm, x, use_reentrant=True)
+            return out[:, -1]
+        out, hidden = self.lstm(x, hidden)
+        if self.pattern == "tbptt":
+            self.hidden = (hidden[0].detach(), hidden[1].detach())
+        return out[:, -1]
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        x = x.view(x.shape[0], 2, 4).repeat(1, 1, 2)  # sequences of 2 steps of 8 features
+        h = self.features(x)
+        loss = nn.functional.mse_loss(self.head(h), y)
+        if self.pattern == "ema":
+            with torch.no_grad():
+                for t, s in zip(self.teacher.parameters(), self.head.parameters(), strict=True):
+                    t.mul_(0.9).add_(s, alpha=0.1)
+            loss = loss + 0.5 * nn.functional.mse_loss(self.head(h), self.teacher(h))
+        if self.pattern == "counter":
+            self.calls += 1
+            loss = loss * (1.0 + 0.1 * self.calls)
+        if self.pattern == "metric":
+            self.seen.update(torch.full((x.shape[0],), 1.0))
+            self.mean_loss(loss.detach())
+            self.log("mean_loss", self.mean_loss)
+        if self.pattern == "random":
+            loss = loss * (1.0 + 0.01 * random.random() + 0.01 * float(np.random.rand()))
+        if self.pattern in ("hook", "no_hook"):
+            loss = loss * (1.0 + self.memory.step())
+        if self.pattern == "gather":
+            everyone = self.all_gather(loss.detach())
+            loss = loss * (1.0 + 0.0 * everyone.sum())
+        if self.pattern == "rank":
+            loss = loss * (1.0 + 0.1 * self.global_rank)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+
+class Memory:
+    """State the generic capture cannot see: an object (not a tensor or a plain value)."""
+
+    def __init__(self) -> None:
+        self.level = torch.zeros(())
+
+    def step(self) -> torch.Tensor:
+        self.level += 0.25
+        return self.level.clone()
+
+
+class WithHook(Stateful):
+    """Carries ``Memory`` through the explicit replay-state hook."""
+
+    def sdc_replay_state(self) -> Any:
+        return self.memory.level.clone()
+
+    def sdc_load_replay_state(self, state: Any) -> None:
+        self.memory.level = state.clone()
+
+
+def loader() -> DataLoader:
+    g = torch.Generator().manual_seed(4321)
+    x = torch.randn(192, 8, generator=g)
+    return DataLoader(TensorDataset(x, x[:, :1] - 0.5 * x[:, 1:2]), batch_size=8, shuffle=False)
+
+
+def digest(module: nn.Module) -> int:
+    """All parameters (trained or not) and all buffers of this rank."""
+    return int(combine(tensor_digests([*module.parameters(), *module.buffers()])))
+
+
+def fit(pattern: str, audit: bool, steps: int = 6, model_cls: type = Stateful, faults: list[Fault] = (),
+        **kw: Any) -> dict[str, Any]:  # fmt: skip
+    L.seed_everything(11, workers=True, verbose=False)
+    random.seed(3)
+    np.random.seed(3)
+    model = model_cls(pattern)
+    callbacks: list[Any] = [RingReplayAudit(every_n_steps=1, **kw)] if audit else []
+    callbacks += [FaultInjector(list(faults))] if faults else []
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=int(os.environ["LOCAL_WORLD_SIZE"]),
+        strategy=DDPStrategy(timeout=timedelta(seconds=90)),
+        max_steps=steps,
+        logger=False,
+        callbacks=callbacks,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
+    error = None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            trainer.fit(model, loader())
+        except SDCError as err:
+            error = err.to_dict()
+        except ReplayUnavailableError as err:
+            error = {"type": type(err).__name__, "message": str(err)}
+    replay = next((cb._core for cb in callbacks if isinstance(cb, RingReplayAudit)), None)
+    return {
+        "error": error,
+        "weights": digest(model),
+        "global_step": trainer.global_step,
+        "calls": model.calls,
+        "seen": float(model.seen.sum_value),
+        "metric_updates": model.seen._update_count,
+        "memory": float(model.memory.level),
+        "stats": replay.stats.state_dict() if replay else None,
+        "disabled": replay.disabled if replay else None,
+        "warnings": [str(w.message) for w in caught if "RingReplayAudit" in str(w.message)],
+        "leftover": sorted(k for k in vars(model) if k in ("log", "log_dict", "print", "training_step")),
+    }
+
+
+PATTERNS = ("tbptt", "ema", "counter", "metric", "random")
+SCENARIOS: dict[str, Any] = {
+    **{f"{p}_on": lambda p=p: fit(p, True) for p in PATTERNS},
+    **{f"{p}_off": lambda p=p: fit(p, False) for p in PATTERNS},
+    "hook_on": lambda: fit("hook", True, model_cls=WithHook),
+    "hook_off": lambda: fit("hook", False, model_cls=WithHook),
+    "no_hook": lambda: fit("no_hook", True),
+    "gather": lambda: fit("gather", True),
+    "gather_warn": lambda: fit("gather", True, on_unreplayable="warn"),
+    "gather_off": lambda: fit("gather", False),
+    "reentrant": lambda: fit("reentrant", True, steps=2),
+    "rank": lambda: fit("rank", True, steps=2),
+    # real faults in stateful steps are still named
+    "tbptt_fault": lambda: fit("tbptt", True, faults=[Fault("module_output", rank=1, step=3, target="head")]),
+    "ema_fault": lambda: fit("ema", True, faults=[Fault("module_output", rank=2, step=2, target="head", factor=1.01)]),
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--only", default=",".join(SCENARIOS))
+    args = parser.parse_args()
+    rank = int(os.environ["RANK"])
+    args.out.mkdir(parents=True, exist_ok=True)
+    for name in args.only.split(","):
+        try:
+            result = SCENARIOS[name]()
+        except Exception:
+            result = {"crash": traceback.format_exc()}
+        (args.out / f"{name}.rank{rank}.json").write_text(json.dumps(result, default=repr))
+        if "crash" in result:
+            raise SystemExit(f"scenario {name} crashed on rank {rank}:\n{result['crash']}")
+
+
+if __name__ == "__main__":
+    main()
