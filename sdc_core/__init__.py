@@ -20,7 +20,7 @@ from sdc_core.errors import (
 from sdc_core.faults import Fault, FaultInjector, flip_bit
 from sdc_core.fingerprint import FingerprintConfig, WeightFingerprint, tensor_digest, tensor_digests, vote
 from sdc_core.gradients import GradientTap, NonFiniteConfig, NonFiniteGradient
-from sdc_core.replay import ReplayConfig, RingReplay
+from sdc_core.replay import ReplayConfig, RingReplay, StateCapture
 from sdc_core.stats import CheckStats
 from sdc_core.topology import Topology, ring_partners
 
@@ -41,6 +41,7 @@ __all__ = [
     "ReplayUnavailableError",
     "RingReplay",
     "SDCError",
+    "StateCapture",
     "Topology",
     "WeightFingerprint",
     "flip_bit",
