@@ -59,7 +59,7 @@ class SDCSettings:
     replay_atol: float = 1e-6
     replay_on_failure: str = "raise"
     replay_on_unreplayable: str = "raise"
-    replay_max_state_mb: float = 1024.0
+    replay_max_state_mb: float = 256.0
     fingerprint_every_n_steps: int = 1
     include_buffers: bool = False
     include_optimizer_state: bool = False

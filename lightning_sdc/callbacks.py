@@ -372,7 +372,7 @@ class RingReplayAudit(_SDCCallback):
         on_unreplayable: ``"raise"`` (default): a step that cannot be replayed faithfully raises
             ``ReplayUnavailableError`` naming the likely cause and fix; ``"warn"``: warn once and
             turn the audit off.
-        max_state_mb: at most this many MiB of state tensors are copied per audited micro-batch.
+        max_state_mb: at most this many MiB of state tensors are copied per audited step (default 256).
 
     The replay runs ``pl_module.sdc_replay_step(batch, batch_idx)`` when defined (it must return
     the loss, or a dict with ``"loss"``), else ``training_step`` with logging muted, with the
@@ -390,7 +390,7 @@ class RingReplayAudit(_SDCCallback):
         atol: float = 1e-6,
         on_failure: str = "raise",
         on_unreplayable: str = "raise",
-        max_state_mb: float = 1024.0,
+        max_state_mb: float = 256.0,
     ) -> None:
         super().__init__()
         config = ReplayConfig(every_n_steps, exact, rtol, atol, on_failure, on_unreplayable, max_state_mb)

@@ -44,7 +44,7 @@ measured per parameter on loss, gradient norm and gradient sum (the latter relat
 Cost: on audited steps, one extra forward and backward of the partner's micro-batches (twice at
 the first audit: the self re-run), the batch and state transfer (point to point, never
 gathered), a per-parameter digest of the local gradients read with one device-to-host copy, a
-clone of the state per micro-batch (at most ``max_state_mb``; larger tensors are read live and
+clone of the state per audited step (at most ``max_state_mb``, 256 MiB; larger tensors are read live and
 guarded against in-place change) and one all-gather of six float64 per rank. Other steps pay
 nothing. The referee and self re-run rounds run only when a pair disagrees.
 """
@@ -102,8 +102,9 @@ class ReplayConfig:
             result), every rank drops the step instead; a persistent fault still raises.
         on_unreplayable: ``"raise"`` (default): a step that cannot be replayed faithfully raises
             ``ReplayUnavailableError``; ``"warn"``: warn once and turn the audit off.
-        max_state_mb: at most this many MiB of state tensors are cloned per audited micro-batch;
-            larger ones are read live (and a replay that changes them in place is refused).
+        max_state_mb: at most this many MiB of state tensors are cloned per audited step (all its
+            micro-batches together, held until the audit); tensors past it are read live, and a
+            replay that changes one of them in place is refused.
     """
 
     every_n_steps: int = 100
@@ -112,7 +113,7 @@ class ReplayConfig:
     atol: float = 1e-6
     on_failure: str = "raise"
     on_unreplayable: str = "raise"
-    max_state_mb: float = 1024.0
+    max_state_mb: float = 256.0
 
     def __post_init__(self) -> None:
         if self.on_failure not in ("raise", "skip_step", "rollback"):
@@ -406,6 +407,7 @@ class StepState:
     user: Any = None
     has_user: bool = False
     live: tuple[str, ...] = ()
+    nbytes: int = 0
 
 
 class StateCapture:
@@ -419,7 +421,7 @@ class StateCapture:
         get_state / load_state: the explicit hook for state the generic capture cannot see
             (``sdc_replay_state()`` / ``sdc_load_replay_state(state)``): ``get_state`` returns a
             snapshot (copies), ``load_state`` puts one in place.
-        max_state_mb: budget of cloned tensors per micro-batch.
+        max_state_mb: default budget of cloned tensors per ``capture``.
 
     Captured: buffers and parameters that do not train, and for every submodule its tensor
     attributes and plain Python attributes (numbers, strings, None, NumPy arrays, and lists,
@@ -435,7 +437,7 @@ class StateCapture:
         exclude: Iterable[str] = (),
         get_state: Callable[[], Any] | None = None,
         load_state: Callable[[Any], None] | None = None,
-        max_state_mb: float = 1024.0,
+        max_state_mb: float = 256.0,
     ) -> None:
         if (get_state is None) != (load_state is None):
             raise ValueError("sdc_replay_state and sdc_load_replay_state must be defined together")
@@ -448,9 +450,11 @@ class StateCapture:
     def _device(self) -> torch.device:
         return next((p.device for p in self.module.parameters()), torch.device("cpu"))
 
-    def capture(self) -> StepState:
-        """The current state (clones on device, no host sync; bounded by ``max_state_mb``)."""
-        budget = _Budget(self.max_bytes)
+    def capture(self, budget_bytes: int | None = None) -> StepState:
+        """The current state (clones on device, no host sync) within ``budget_bytes`` of tensor
+        clones (default ``max_state_mb``); tensors past it are listed in ``live``."""
+        start = self.max_bytes if budget_bytes is None else max(budget_bytes, 0)
+        budget = _Budget(start)
         tensors: dict[str, Any] = {}
         live: list[str] = []
         named = [(f"param:{n}", p) for n, p in self.module.named_parameters() if n not in self.trainable]
@@ -473,7 +477,7 @@ class StateCapture:
                     if isinstance(v, torch.Tensor):
                         live.append(f"{path}.{k}" if path else k)
         user = self.get_state() if self.get_state is not None else None
-        return StepState(tensors, attrs, user, self.get_state is not None, tuple(live))
+        return StepState(tensors, attrs, user, self.get_state is not None, tuple(live), start - budget.bytes_left)
 
     @staticmethod
     def for_transfer(state: StepState | None) -> StepState | None:
@@ -488,7 +492,7 @@ class StateCapture:
         tensors = dict(state.tensors)
         for k, d in zip(big, digests.cpu().tolist(), strict=True):
             tensors[k] = TensorRef(int(d), state.tensors[k].numel() * state.tensors[k].element_size())
-        return StepState(tensors, state.attrs, state.user, state.has_user, state.live)
+        return StepState(tensors, state.attrs, state.user, state.has_user, state.live, state.nbytes)
 
     @staticmethod
     def resolve(state: StepState | None, own: Sequence[StepState | None]) -> StepState | None:
@@ -508,7 +512,7 @@ class StateCapture:
                     "of the step; the replay sends tensors this large by digest only"
                 )
             tensors[key] = match
-        return StepState(tensors, state.attrs, state.user, state.has_user, state.live)
+        return StepState(tensors, state.attrs, state.user, state.has_user, state.live, state.nbytes)
 
     @contextmanager
     def applied(self, state: StepState | None) -> Iterator[dict[str, torch.Tensor]]:
@@ -846,7 +850,9 @@ class RingReplay:
             return
         mb = self._micro[-1]
         mb.cpu_rng, mb.cuda_rng, mb.py_rng, mb.np_rng = _all_rng(device)
-        mb.state = self.capture.capture() if self.capture is not None else None
+        if self.capture is not None:  # one budget for all micro-batches of the step (held until the audit)
+            used = sum(m.state.nbytes for m in self._micro[:-1] if m.state is not None)
+            mb.state = self.capture.capture(self.capture.max_bytes - used)
 
     def record_loss(self, loss: torch.Tensor) -> None:
         """The loss the owner back-propagates for the current audited micro-batch (no host sync)."""
