@@ -93,7 +93,7 @@ def train(acc: Accelerator, style: str, audit: bool = True, steps: int = 5, faul
     def by_world(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(m(x), y) * acc.num_processes  # like the HF Trainer's default
 
-    fns = {"outside": plain, "z_loss": z_loss, "by_world": by_world, "hook": plain}
+    fns = {"outside": plain, "z_loss": z_loss, "by_world": by_world, "hook": z_loss}
     compute = sdc.replayable(fns[style]) if style in fns else None
     if style == "forward":  # recorded by the forward hooks; the loss is a function of the outputs
         sdc.loss_fn = lambda logits, *_a: logits.logsumexp(-1).mean()

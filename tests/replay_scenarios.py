@@ -35,11 +35,11 @@ from sdc_core.fingerprint import combine, tensor_digests
 
 
 class Stateful(L.LightningModule):
-    """An LSTM regressor whose step uses the stateful pattern named by ``pattern``."""
+    """An LSTM regressor whose step uses the stateful patterns named in ``pattern`` ("a+b")."""
 
     def __init__(self, pattern: str) -> None:
         super().__init__()
-        self.pattern = pattern
+        self.patterns = set(pattern.split("+"))
         self.proj = nn.Linear(8, 8)
         self.lstm = nn.LSTM(8, 16, batch_first=True)
         self.head = nn.Linear(16, 1)
@@ -53,12 +53,12 @@ class Stateful(L.LightningModule):
 
     def features(self, x: torch.Tensor) -> torch.Tensor:
         x = self.proj(x)
-        hidden = self.hidden if self.pattern == "tbptt" else None
-        if self.pattern == "reentrant":
+        hidden = self.hidden if "tbptt" in self.patterns else None
+        if "reentrant" in self.patterns:
             out, _ = checkpoint(self.lstm, x, use_reentrant=True)
             return out[:, -1]
         out, hidden = self.lstm(x, hidden)
-        if self.pattern == "tbptt":
+        if "tbptt" in self.patterns:
             self.hidden = (hidden[0].detach(), hidden[1].detach())
         return out[:, -1]
 
@@ -67,26 +67,26 @@ class Stateful(L.LightningModule):
         x = x.view(x.shape[0], 2, 4).repeat(1, 1, 2)  # sequences of 2 steps of 8 features
         h = self.features(x)
         loss = nn.functional.mse_loss(self.head(h), y)
-        if self.pattern == "ema":
+        if "ema" in self.patterns:
             with torch.no_grad():
                 for t, s in zip(self.teacher.parameters(), self.head.parameters(), strict=True):
                     t.mul_(0.9).add_(s, alpha=0.1)
             loss = loss + 0.5 * nn.functional.mse_loss(self.head(h), self.teacher(h))
-        if self.pattern == "counter":
+        if "counter" in self.patterns:
             self.calls += 1
             loss = loss * (1.0 + 0.1 * self.calls)
-        if self.pattern == "metric":
+        if "metric" in self.patterns:
             self.seen.update(torch.full((x.shape[0],), 1.0))
             self.mean_loss(loss.detach())
             self.log("mean_loss", self.mean_loss)
-        if self.pattern == "random":
+        if "random" in self.patterns:
             loss = loss * (1.0 + 0.01 * random.random() + 0.01 * float(np.random.rand()))
-        if self.pattern in ("hook", "no_hook"):
+        if self.patterns & {"hook", "no_hook"}:
             loss = loss * (1.0 + self.memory.step())
-        if self.pattern == "gather":
+        if "gather" in self.patterns:
             everyone = self.all_gather(loss.detach())
             loss = loss * (1.0 + 0.0 * everyone.sum())
-        if self.pattern == "rank":
+        if "rank" in self.patterns:
             loss = loss * (1.0 + 0.1 * self.global_rank)
         return loss
 
@@ -170,12 +170,13 @@ def fit(pattern: str, audit: bool, steps: int = 6, model_cls: type = Stateful, f
     }
 
 
-PATTERNS = ("tbptt", "ema", "counter", "metric", "random")
+PATTERNS = ("tbptt", "ema", "counter", "metric", "random", "hook")
+ALL = "+".join(PATTERNS)
 SCENARIOS: dict[str, Any] = {
-    **{f"{p}_on": lambda p=p: fit(p, True) for p in PATTERNS},
-    **{f"{p}_off": lambda p=p: fit(p, False) for p in PATTERNS},
-    "hook_on": lambda: fit("hook", True, model_cls=WithHook),
-    "hook_off": lambda: fit("hook", False, model_cls=WithHook),
+    **{f"{p}_on": lambda p=p: fit(p, True, model_cls=WithHook) for p in PATTERNS},
+    **{f"{p}_off": lambda p=p: fit(p, False, model_cls=WithHook) for p in PATTERNS},
+    "all_on": lambda: fit(ALL, True, model_cls=WithHook),  # every pattern in one step
+    "all_off": lambda: fit(ALL, False, model_cls=WithHook),
     "no_hook": lambda: fit("no_hook", True),
     "gather": lambda: fit("gather", True),
     "gather_warn": lambda: fit("gather", True, on_unreplayable="warn"),

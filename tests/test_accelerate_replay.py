@@ -13,21 +13,33 @@ import pytest
 from conftest import ROOT, results, worker_env
 
 SCRIPT = Path(__file__).with_name("accelerate_replay_scenarios.py")
-STYLES = ("outside", "z_loss", "by_world", "forward", "hook")
+# hook: labels outside the model, an extra loss term and state through the explicit hook;
+# by_world: a loss scaled by the number of processes (the HF Trainer's default); forward: the
+# forward hooks record, the model keeps a counter and a tensor it changes in place
+STYLES = ("hook", "by_world", "forward")
+MORE = ("outside", "z_loss")  # the same, one thing at a time (slow)
 SCENARIOS = [*(f"{s}_{a}" for s in STYLES for a in ("on", "off")), "closure", "outside_fault"]
 
 
-@pytest.fixture(scope="module")
-def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("acc_replay")
+def launch(path: Path, scenarios: list[str]) -> Path:
     env = worker_env() | {"HF_HOME": str(path / "hf"), "ACCELERATE_USE_CPU": "1"}
     env["ACCELERATE_SDC_CONFIG_FILE"] = "/dev/null"  # the defaults, whatever this machine has
     cmd = [str(Path(sys.executable).parent / "accelerate"), "launch", "--multi_gpu", "--num_processes", "3",
-           str(SCRIPT), "--out", str(path), "--only", ",".join(SCENARIOS)]  # fmt: skip
+           str(SCRIPT), "--out", str(path), "--only", ",".join(scenarios)]  # fmt: skip
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
     if proc.returncode != 0:
         pytest.fail(f"accelerate launch failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return path
+
+
+@pytest.fixture(scope="module")
+def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return launch(tmp_path_factory.mktemp("acc_replay"), SCENARIOS)
+
+
+@pytest.fixture(scope="module")
+def more(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return launch(tmp_path_factory.mktemp("acc_replay_more"), [f"{s}_{a}" for s in MORE for a in ("on", "off")])
 
 
 def same_error(out: Path, scenario: str, error_type: str) -> dict[str, Any]:
@@ -39,6 +51,16 @@ def same_error(out: Path, scenario: str, error_type: str) -> dict[str, Any]:
 
 @pytest.mark.parametrize("style", STYLES)
 def test_replayed_loss_is_the_back_propagated_one_and_training_is_unchanged(out: Path, style: str) -> None:
+    check_no_alarm_no_side_effect(out, style)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("style", MORE)
+def test_loss_outside_the_model_and_extra_terms_alone(more: Path, style: str) -> None:
+    check_no_alarm_no_side_effect(more, style)
+
+
+def check_no_alarm_no_side_effect(out: Path, style: str) -> None:
     for on, off in zip(results(out, f"{style}_on", 3), results(out, f"{style}_off", 3), strict=True):
         assert on["error"] is None, on["error"]
         replay = on["state"]["checks"]["ring_replay"]
@@ -47,6 +69,8 @@ def test_replayed_loss_is_the_back_propagated_one_and_training_is_unchanged(out:
         assert on["weights"] == off["weights"]  # weights and buffers bit-identical, every rank
         assert (on["calls"], on["level"], on["memory"]) == (off["calls"], off["level"], off["memory"])
         assert on["calls"] == 10  # 5 steps of 2 micro-batches: the replays left no trace
+        if style == "hook":
+            assert on["memory"] == 1.25  # 10 real forwards of 0.125
 
 
 def test_a_loss_the_replay_cannot_see_is_refused_with_the_fix(out: Path) -> None:
