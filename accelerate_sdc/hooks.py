@@ -5,8 +5,10 @@ It translates Accelerate's events into ``sdc_core`` calls and nothing more:
 * the DDP communication hook (the shared gradient tap) feeds the non-finite check and the replay
   audit with each rank's LOCAL gradients; it wraps a ``DistributedDataParallelKwargs(comm_hook=...)``
   hook when ``SDCHooks`` is created before ``accelerator.prepare`` (DDP accepts one hook);
-* a forward pre-/post-hook on the unwrapped model records the micro-batches of audited steps
-  (inputs and RNG state) and the loss (``outputs.loss``, a scalar output, or ``loss_fn``);
+* ``replayable(fn)`` wraps the user's loss computation: on audited steps it records its arguments,
+  RNG and module state, and the loss the user back-propagates; without it, a forward pre-/post-hook
+  on the unwrapped model records the model's inputs, RNG and module state, and the loss
+  (``outputs.loss``, a scalar output, or ``loss_fn``);
 * ``optimizer.step`` is wrapped on the instance: on sync steps the non-finite check takes the
   step's evidence and the replay audit runs before the update, and the fingerprint after each
   real update (not on accumulation steps, not on steps an fp16 GradScaler skipped); the
@@ -195,7 +197,8 @@ class SDCHooks:
     def replayable(self, fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
         """Wrap the function that computes the loss you back-propagate, so the replay computes it too.
 
-        ``fn(model, *args, **kwargs)`` must return the loss exactly as you pass it to
+        ``fn(model, *args, **kwargs)`` must return the loss (or a ``(loss, outputs)`` pair)
+        exactly as you pass it to
         ``accelerator.backward`` (labels, extra terms and any scaling included; SDCHooks applies
         Accelerate's division by ``gradient_accumulation_steps`` and the GradScaler itself). The
         wrapper has the same signature; on audited steps it records ``(args, kwargs)``, the RNG
@@ -208,10 +211,10 @@ class SDCHooks:
         """
         index = len(self._replayables)
         self._replayables.append(fn)
+        self._uses_replayable = True  # from now on the forward hooks record nothing
 
         @functools.wraps(fn)
         def wrapper(model: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
-            self._uses_replayable = True
             module, replay = self._module, self.replay
             record = (
                 replay is not None
@@ -228,8 +231,8 @@ class SDCHooks:
                 loss = fn(model, *args, **kwargs)
             finally:
                 self._in_replayable -= 1
-            if record and isinstance(loss, torch.Tensor):
-                replay.record_loss(self._normalize(loss).detach())
+            if record:
+                replay.record_loss(self._normalize(_loss_of(loss)).detach())
             return loss
 
         return wrapper
@@ -279,7 +282,7 @@ class SDCHooks:
         assert self._module is not None
         kind, index, args, kwargs = batch
         if kind == "fn":
-            return self._normalize(self._replayables[index](self._module, *args, **kwargs))
+            return self._normalize(_loss_of(self._replayables[index](self._module, *args, **kwargs)))
         outputs = self._module(*args, **kwargs)
         return self._backward_loss(outputs, args, kwargs)
 
@@ -474,6 +477,16 @@ ACCELERATE_ADVICE = (
     "terms, a loss scaled by the number of processes), wrap its computation with SDCHooks.replayable(fn); "
     "expose state the capture cannot see with SDCHooks(replay_state=..., load_replay_state=...)"
 )
+
+
+def _loss_of(result: Any) -> torch.Tensor:
+    """The loss in what a ``replayable`` function returned: the tensor itself, or the first item
+    of a ``(loss, outputs)`` pair (the Hugging Face ``compute_loss(..., return_outputs=True)`` form)."""
+    if isinstance(result, tuple | list) and result and isinstance(result[0], torch.Tensor):
+        return result[0]
+    if not isinstance(result, torch.Tensor):
+        raise TypeError(f"a replayable function must return the loss tensor, got {type(result).__name__}")
+    return result
 
 
 def _device(module: nn.Module) -> torch.device | None:
