@@ -1135,22 +1135,21 @@ class RingReplay:
             "world_size": world,
             "classification": classification,
         }  # fmt: skip
+        reproduced = all(r[3] and not disagree(bool(r[4]), r[5], tol) for r in table)
+        note = " while each rank reproduces its own result on its own device" if reproduced else ""
         if rank is not None:
             reason = (
                 f"its results disagree with its partners' replays "
-                f"(largest difference {worst:.3g} in {wheres[partners[rank]] or wheres[partners.index(rank)]}; "
+                f"(largest difference {worst:.3g} in {wheres[partners[rank]] or wheres[rank]}; "
                 f"the fault is {classification})"
             )
         elif world == 2:
             reason = (
-                "the two replicas disagree on a replayed batch while each reproduces its own result; "
+                f"the two replicas disagree on a replayed batch{note}; "
                 "with two replicas no third opinion can tell which is wrong"
             )
         else:
-            reason = (
-                f"{len(mismatching)} of {world} replay pairs disagree while each rank reproduces its own result, "
-                "and no single rank explains them all"
-            )
+            reason = f"{len(mismatching)} of {world} replay pairs disagree{note}, and no single rank explains them all"
         skip = self.config.on_failure == "skip_step" and classification == "transient"
         if skip:
             details["action"] = "step skipped on every rank"
