@@ -427,8 +427,8 @@ class StateCapture:
     Captured: buffers and parameters that do not train, and for every submodule its tensor
     attributes and plain Python attributes (numbers, strings, None, NumPy arrays, and lists,
     tuples, dicts, sets, deques of them). Not captured: other objects (they are still put back
-    after a replay when rebound, but in-place changes to them are not undone), globals,
-    iterators, files.
+    after a replay when rebound, but in-place changes to them are not undone; lists, dicts, sets
+    and deques left out reach the replay as shallow copies), globals, iterators, files.
     """
 
     def __init__(
@@ -540,6 +540,11 @@ class StateCapture:
                     own = (params if kind == "param" else buffers).get(name)
                     if own is not None:
                         swapped[name] = t.detach().to(own.device, copy=True)
+                for path, sub in subs.items():  # containers the capture left out: the replay mutates a copy
+                    taken = state.attrs.get(path, {})
+                    for k, v in list(vars(sub).items()):
+                        if k not in taken and k not in self.exclude and type(v) in (list, dict, set, deque):
+                            vars(sub)[k] = copy.copy(v)
                 for path, attrs in state.attrs.items():
                     sub = subs.get(path)
                     if sub is None:
@@ -993,7 +998,7 @@ class RingReplay:
         worst = max((r[1] for r in table if not math.isnan(r[1])), default=0.0)
         if math.isfinite(worst):
             self.stats.max_diff = max(self.stats.max_diff, worst)
-        if len(unreproducible) >= 2 or (unreproducible and len(unreproducible) == world):
+        if len(unreproducible) >= 2:
             wheres = all_gather_objects(mine_self[2])
             self.stats.add_time(time.perf_counter() - t0)
             worst_self = max(table[q][5] for q in unreproducible)

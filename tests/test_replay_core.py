@@ -131,13 +131,18 @@ def test_replay_reproduces_the_owner_and_leaves_no_trace() -> None:
 
 def test_attributes_added_or_rebound_by_a_replay_are_undone() -> None:
     m = Stepper()
+    m.outputs = [object()]  # not plain: not captured, yet an append in the replay must not stay
     cap = StateCapture(m, names(m))
     state = cap.capture()
+    assert "outputs" not in state.attrs[""] and state.attrs[""]["count"] == 0
+    kept = m.outputs
     with cap.applied(state):
         m.new_attr = 5
         m.opaque = Opaque()
         m.history.append(99.0)
+        m.outputs.append(1)
     assert not hasattr(m, "new_attr") and m.history == [] and isinstance(m.opaque, Opaque)
+    assert m.outputs is kept and len(kept) == 1
 
 
 def test_explicit_hook_gets_private_copies_and_restores_the_replayers_state() -> None:
