@@ -147,7 +147,7 @@ def main() -> None:
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--only", default=",".join(SCENARIOS))
     args = parser.parse_args()
-    acc = Accelerator(gradient_accumulation_steps=2)
+    acc = Accelerator(gradient_accumulation_steps=2, project_dir=str(args.out))  # incidents go there
     args.out.mkdir(parents=True, exist_ok=True)
     for name in args.only.split(","):
         try:

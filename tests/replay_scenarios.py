@@ -144,6 +144,7 @@ def fit(pattern: str, audit: bool, steps: int = 6, model_cls: type = Stateful, f
         enable_progress_bar=False,
         enable_model_summary=False,
         enable_checkpointing=False,
+        default_root_dir=OUT[0],  # incidents of the failing scenarios go there
     )
     error = None
     with warnings.catch_warnings(record=True) as caught:
@@ -170,6 +171,7 @@ def fit(pattern: str, audit: bool, steps: int = 6, model_cls: type = Stateful, f
     }
 
 
+OUT: list[Path] = [Path(".")]
 PATTERNS = ("tbptt", "ema", "counter", "metric", "random", "hook")
 ALL = "+".join(PATTERNS)
 SCENARIOS: dict[str, Any] = {
@@ -196,6 +198,7 @@ def main() -> None:
     args = parser.parse_args()
     rank = int(os.environ["RANK"])
     args.out.mkdir(parents=True, exist_ok=True)
+    OUT[0] = args.out
     for name in args.only.split(","):
         try:
             result = SCENARIOS[name]()
