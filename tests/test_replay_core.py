@@ -262,3 +262,19 @@ def test_replay_config_defaults() -> None:
     c = ReplayConfig()
     assert (c.exact, c.on_unreplayable, c.rtol) == ("auto", "raise", 1e-3)
     assert ReplayConfig(exact=True).exact is True and ReplayConfig(exact=False).exact is False
+
+
+@pytest.mark.parametrize(("value", "expected"), [("auto", "auto"), ("AUTO", "auto"), (True, True), ("0", False)])
+def test_accelerate_replay_exact_takes_the_same_values(monkeypatch: pytest.MonkeyPatch, value: object,
+                                                       expected: object) -> None:  # fmt: skip
+    import os
+
+    from accelerate_sdc.config import SDCConfigError, resolve
+
+    monkeypatch.setenv("ACCELERATE_SDC_CONFIG_FILE", os.devnull)
+    assert resolve(replay_exact=value)[0].replay().exact == expected
+    monkeypatch.setenv("ACCELERATE_SDC_REPLAY_EXACT", str(value))
+    assert resolve()[0].replay().exact == expected
+    assert resolve()[0].replay().on_unreplayable == "raise"
+    with pytest.raises(SDCConfigError, match="replay_on_unreplayable"):
+        resolve(replay_on_unreplayable="ignore")
