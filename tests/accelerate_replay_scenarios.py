@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 import traceback
@@ -155,6 +156,7 @@ def main() -> None:
         except Exception:
             result = {"crash": traceback.format_exc()}
         (args.out / f"{name}.rank{acc.process_index}.json").write_text(json.dumps(result, default=repr))
+        gc.collect()  # free this scenario's DDP model now: one collected at interpreter exit can abort gloo
         if "crash" in result:
             raise SystemExit(f"scenario {name} crashed on rank {acc.process_index}:\n{result['crash']}")
     acc.end_training()
