@@ -95,6 +95,7 @@ class SDCHooks:
         self._replayables: list[Callable[..., torch.Tensor]] = []
         self._uses_replayable = False
         self._in_replayable = 0
+        self._replaying = False
         self._replay_state = (replay_state, load_replay_state)
         self._module: nn.Module | None = None
         self._run_dir: str | None = None
@@ -219,7 +220,7 @@ class SDCHooks:
             record = (
                 replay is not None
                 and module is not None
-                and not replay.replaying
+                and not self._in_replay()
                 and module.training
                 and torch.is_grad_enabled()
                 and replay.arm(self.step)
@@ -240,9 +241,13 @@ class SDCHooks:
     def _recording_forward(self, module: nn.Module) -> bool:
         assert self.replay is not None
         return not (
-            self._uses_replayable or self._in_replayable or self.replay.replaying
+            self._uses_replayable or self._in_replayable or self._in_replay()
             or not module.training or not torch.is_grad_enabled()
         )  # fmt: skip
+
+    def _in_replay(self) -> bool:
+        """True while a replay runs (the DDP core says so; the sharded one runs ``_replay_step``)."""
+        return self._replaying or bool(getattr(self.replay, "replaying", False))
 
     def _before_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         assert self.replay is not None
@@ -281,10 +286,14 @@ class SDCHooks:
     def _replay_step(self, batch: tuple[str, int, tuple, dict], batch_idx: int) -> torch.Tensor:
         assert self._module is not None
         kind, index, args, kwargs = batch
-        if kind == "fn":
-            return self._normalize(_loss_of(self._replayables[index](self._module, *args, **kwargs)))
-        outputs = self._module(*args, **kwargs)
-        return self._backward_loss(outputs, args, kwargs)
+        self._replaying = True
+        try:
+            if kind == "fn":
+                return self._normalize(_loss_of(self._replayables[index](self._module, *args, **kwargs)))
+            outputs = self._module(*args, **kwargs)
+            return self._backward_loss(outputs, args, kwargs)
+        finally:
+            self._replaying = False
 
     # -- the step ------------------------------------------------------------------------------
 
