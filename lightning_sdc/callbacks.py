@@ -8,6 +8,7 @@ import json
 import tempfile
 import uuid
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,14 @@ class _SDCCallback(Callback):
         # where a worker leaves its verdict for the caller of trainer.fit (see on_exception).
         self._spawn_marker = str(Path(tempfile.gettempdir()) / f"sdc-verdict-{uuid.uuid4().hex}.json")
         self._run_dir: str | None = None
+
+    def _settings(self, config: Callable[..., Any], *args: Any) -> Any:
+        """``config(*args)``, with a bad value's ``ValueError`` naming this callback (LightningCLI
+        otherwise shows it deep inside a union-type message)."""
+        try:
+            return config(*args)
+        except ValueError as err:
+            raise ValueError(f"{type(self).__name__}: {err}") from None
 
     @property
     def state_key(self) -> str:
@@ -153,7 +162,7 @@ class NonFiniteGradientCheck(_SDCCallback):
 
     def __init__(self, on_failure: str = "raise", overflow_patience: int = 3, max_names: int = 5) -> None:
         super().__init__()
-        self._core = NonFiniteGradient(NonFiniteConfig(on_failure, overflow_patience, max_names))
+        self._core = NonFiniteGradient(self._settings(NonFiniteConfig, on_failure, overflow_patience, max_names))
         self._decided_step: int | None = None
         self._dropped_step: int | None = None  # the step this check dropped (the replay skips its audit)
 
@@ -256,7 +265,9 @@ class WeightFingerprintCheck(_SDCCallback):
         update_audit_every_n_steps: int = 0,
     ) -> None:
         super().__init__()
-        config = FingerprintConfig(every_n_steps, include_buffers, include_optimizer_state, on_failure, max_heals)
+        config = self._settings(
+            FingerprintConfig, every_n_steps, include_buffers, include_optimizer_state, on_failure, max_heals
+        )
         self._core = WeightFingerprint(config)
         self._seen_step = 0
         self._update_audit = sharded_update_audit(update_audit_every_n_steps)
@@ -393,7 +404,9 @@ class RingReplayAudit(_SDCCallback):
         max_state_mb: float = 256.0,
     ) -> None:
         super().__init__()
-        config = ReplayConfig(every_n_steps, exact, rtol, atol, on_failure, on_unreplayable, max_state_mb)
+        config = self._settings(
+            ReplayConfig, every_n_steps, exact, rtol, atol, on_failure, on_unreplayable, max_state_mb
+        )
         self._core = RingReplay(config)
         self._training_step: Any = None
 

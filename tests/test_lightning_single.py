@@ -86,6 +86,20 @@ def test_bad_arguments_fail_at_construction(make, argument: str) -> None:
         make()
 
 
+def test_lightning_cli_bad_value_names_the_callback_first(tmp_path: Path) -> None:
+    """jsonargparse wraps a callback's error in a union-type message: ours comes first and names
+    the callback and the argument."""
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        "trainer:\n  accelerator: cpu\n  callbacks:\n"
+        "    - class_path: lightning_sdc.RingReplayAudit\n      init_args: {every_n_steps: 0}\n"
+    )
+    with pytest.raises(Exception) as info:
+        LightningCLI(Net, run=False, args=["--config", str(config)], save_config_callback=None)
+    errors = str(info.value).split("Errors:", 1)[-1].lstrip()
+    assert errors.startswith("- RingReplayAudit: every_n_steps must be an integer >= 1, got 0"), errors
+
+
 def test_unsupported_strategy_is_named(tmp_path: Path) -> None:
     t = trainer(tmp_path, [])
     t._accelerator_connector.strategy = FSDPStrategy()  # FSDP cannot run on CPU; the guard is what we test
