@@ -4,6 +4,9 @@
 sdc = SDCHooks(accelerator)          # settings from `accelerate-sdc config`, ACCELERATE_SDC_*, keywords
 sdc.attach(model, optimizer)         # after accelerator.prepare(...)
 ```
+
+Hugging Face Trainer: ``accelerate_sdc.transformers.SDCTrainerCallback`` (needs the
+``transformers`` extra; importing this package does not).
 """
 
 from accelerate_sdc.config import SDCConfigError, SDCSettings

@@ -20,6 +20,12 @@ It translates Accelerate's events into ``sdc_core`` calls and nothing more:
   and stores a fingerprint of the saved model and optimizer state with the counters;
   ``load_state`` checks the loaded tensors against it (``FingerprintMismatchError`` naming them).
 
+What the hook set needs from the framework (number of processes, unwrapping, sync steps, the
+GradScaler, logging, the run folder, checkpoint registration, the comm-hook hand-over) goes
+through one small seam, ``Framework`` (it adapts an ``Accelerator``; ``FabricFramework`` in
+``lightning_sdc.fabric`` and the Trainer's in ``accelerate_sdc.transformers`` subclass it), so one
+hook set serves Accelerate, Lightning Fabric and the Hugging Face Trainer.
+
 Cost: as ``sdc_core`` documents per check; the wrapper itself adds a few Python calls per step.
 """
 
@@ -30,6 +36,7 @@ import functools
 import warnings
 import weakref
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -48,6 +55,120 @@ from sdc_core.sharded import is_sharded
 from sdc_core.topology import Topology
 
 LossFn = Callable[..., torch.Tensor]
+_CONSUMER_LISTS = ("consumers", "reduced_consumers")  # the gradient tap's consumer lists
+
+
+class Framework:
+    """The seam between the hook set and a training framework (here: an ``Accelerator``).
+
+    Every framework-specific question ``SDCHooks`` asks goes through one of these members;
+    subclasses adapt Lightning Fabric and the Hugging Face Trainer. None of them communicates.
+    """
+
+    def __init__(self, accelerator: Any) -> None:
+        self.accelerator = accelerator
+
+    @property
+    def num_processes(self) -> int:
+        return self.accelerator.num_processes
+
+    @property
+    def local_rank(self) -> int:
+        return self.accelerator.local_process_index
+
+    @property
+    def is_main(self) -> bool:
+        return self.accelerator.is_main_process
+
+    def ddp_model(self, model: nn.Module) -> DistributedDataParallel | None:
+        """The ``DistributedDataParallel`` object of a prepared model, or None."""
+        return model if isinstance(model, DistributedDataParallel) else None
+
+    def describe(self, model: nn.Module) -> str:
+        """Why ``model`` is not a DDP model (for the error ``attach`` raises)."""
+        if self.unwrap(model) is model:
+            return (f"a plain {type(model).__name__} (not the DDP model `accelerator.prepare` returns: attach the "
+                    f"prepared model; distributed_type={self.accelerator.distributed_type})")  # fmt: skip
+        return (f"distributed_type={self.accelerator.distributed_type} with a {type(model).__name__} model "
+                "(sharded strategies such as FSDP and DeepSpeed are not supported)")  # fmt: skip
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return self.accelerator.unwrap_model(model)
+
+    @property
+    def sync_gradients(self) -> bool:
+        """True on the micro-batch whose gradients are all-reduced (the optimizer step)."""
+        return self.accelerator.sync_gradients
+
+    @property
+    def loss_divisor(self) -> int:
+        """What the framework divides the loss by before backward (gradient accumulation)."""
+        return self.accelerator.gradient_accumulation_steps
+
+    @property
+    def scaler(self) -> Any:
+        return self.accelerator.scaler
+
+    def step_was_skipped(self, optimizer: Any) -> bool:
+        """True when the optimizer step just taken did not update (fp16 GradScaler overflow)."""
+        return bool(getattr(optimizer, "step_was_skipped", False))
+
+    def to_device(self, batch: Any) -> Any:
+        return send_to_device(batch, self.accelerator.device)
+
+    def replay_context(self) -> AbstractContextManager[Any]:
+        """Entered around a replayed forward of the unwrapped module, whose inputs were recorded
+        where the module received them (Accelerate's autocast stays on the unwrapped forward)."""
+        return nullcontext()
+
+    def replay_model(self, module: nn.Module) -> Any:
+        """What a ``replayable`` function gets as its model in a replay: the unwrapped module
+        behaving as the prepared model does for its caller (input casting, autocast), minus DDP."""
+        return module
+
+    @property
+    def run_dir(self) -> str:
+        """Where incidents go (``<run_dir>/sdc/incidents``)."""
+        acc = self.accelerator
+        return getattr(acc, "project_dir", None) or getattr(acc, "logging_dir", None) or "."
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        self.accelerator.log(metrics, step=step)
+
+    def flush(self) -> None:
+        for tracker in getattr(self.accelerator, "trackers", []):
+            writer = getattr(tracker, "writer", None)
+            if writer is not None and hasattr(writer, "flush"):
+                writer.flush()
+
+    def register_for_checkpointing(self, obj: Any) -> None:
+        self.accelerator.register_for_checkpointing(obj)
+
+    def before_checkpoint(self, fn: Callable[..., None]) -> Any:
+        """Run ``fn(models, weights, output_dir)`` on every process before ``save_state`` writes
+        anything; a removable handle, or None where the adapter arranges it otherwise."""
+        return self.accelerator.register_save_state_pre_hook(fn)
+
+    def take_comm_hook(self) -> tuple[Any, Any]:
+        """Take the hook ``DistributedDataParallelKwargs(comm_hook=...)`` would register, so the
+        tap can wrap it (only possible before ``prepare``; afterwards ``attach`` explains)."""
+        handler = getattr(self.accelerator, "ddp_handler", None)
+        taken = getattr(self.accelerator, "_sdc_taken_comm_hook", None)
+        if taken is not None:
+            return taken  # taken by an earlier SDCHooks of this accelerator
+        if handler is None or handler.comm_hook == DDPCommunicationHookType.NO:
+            return None, None
+        captured: dict[str, Any] = {}
+
+        class _Capture:
+            def register_comm_hook(self, state: Any, hook: Any) -> None:
+                captured.update(state=state, hook=hook)
+
+        handler.register_comm_hook(_Capture())
+        handler.comm_hook = DDPCommunicationHookType.NO
+        handler.comm_wrapper = DDPCommunicationHookType.NO
+        self.accelerator._sdc_taken_comm_hook = (captured.get("hook"), captured.get("state"))
+        return self.accelerator._sdc_taken_comm_hook
 
 
 class SDCHooks:
@@ -79,9 +200,12 @@ class SDCHooks:
         loss_fn: LossFn | None = None,
         replay_state: Callable[[], Any] | None = None,
         load_replay_state: Callable[[Any], None] | None = None,
+        *,
+        _framework: Framework | None = None,
         **settings: Any,
     ) -> None:
         self.accelerator = accelerator
+        self._fw = _framework if _framework is not None else Framework(accelerator)
         self.settings, self.sources = config.resolve(**settings)
         install_exit_code()
         self.loss_fn = loss_fn
@@ -91,7 +215,7 @@ class SDCHooks:
         self.fingerprint = WeightFingerprint(fingerprint) if fingerprint else None
         self.step = 0  # optimizer steps (sync steps) so far: the index of the coming update
         self._updates = 0
-        self._inner_hook, self._inner_state = self._take_accelerate_comm_hook()
+        self._inner_hook, self._inner_state = self._fw.take_comm_hook()
         self._replayables: list[Callable[..., torch.Tensor]] = []
         self._uses_replayable = False
         self._in_replayable = 0
@@ -104,62 +228,45 @@ class SDCHooks:
         self._checkpoint_fingerprint: dict[str, Any] | None = None  # of the state being saved
         self._loaded_fingerprint: dict[str, Any] | None = None
         self._handles: list[Any] = []
-        accelerator.register_for_checkpointing(self)
+        self._consumers: list[tuple[list[Any], Any]] = []  # (tap list, consumer) pairs to remove on detach
+        self._log_due: int | None = None  # step of the periodic point not written yet
+        self._logged_step: int | None = None
+        self._fw.register_for_checkpointing(self)
 
     @property
     def checks(self) -> list[Any]:
         return [c for c in (self.nonfinite, self.replay, self.fingerprint) if c is not None]
 
-    def _take_accelerate_comm_hook(self) -> tuple[Any, Any]:
-        """Take the hook ``DistributedDataParallelKwargs(comm_hook=...)`` would register, so the
-        tap can wrap it (only possible before ``prepare``; afterwards ``attach`` explains)."""
-        handler = getattr(self.accelerator, "ddp_handler", None)
-        taken = getattr(self.accelerator, "_sdc_taken_comm_hook", None)
-        if taken is not None:
-            return taken  # taken by an earlier SDCHooks of this accelerator
-        if handler is None or handler.comm_hook == DDPCommunicationHookType.NO:
-            return None, None
-        captured: dict[str, Any] = {}
-
-        class _Capture:
-            def register_comm_hook(self, state: Any, hook: Any) -> None:
-                captured.update(state=state, hook=hook)
-
-        handler.register_comm_hook(_Capture())
-        handler.comm_hook = DDPCommunicationHookType.NO
-        handler.comm_wrapper = DDPCommunicationHookType.NO
-        self.accelerator._sdc_taken_comm_hook = (captured.get("hook"), captured.get("state"))
-        return self.accelerator._sdc_taken_comm_hook
-
     def attach(self, model: nn.Module, optimizer: Any, loss_fn: LossFn | None = None) -> SDCHooks:
         """Hook the prepared ``model`` and ``optimizer`` (every process, after ``prepare``)."""
         if self._module is not None:
             raise RuntimeError("SDCHooks.attach was already called")
-        acc = self.accelerator
+        fw = self._fw
         self.loss_fn = loss_fn or self.loss_fn
-        distributed = acc.num_processes > 1
+        distributed = fw.num_processes > 1
         if distributed and is_sharded(model):  # FSDP2 plugin (fsdp_version=2): fully_shard in place
             return _sharded.attach(self, model, optimizer)
-        if distributed and not isinstance(model, DistributedDataParallel):
+        ddp = fw.ddp_model(model)
+        if distributed and ddp is None:
             raise ValueError(
                 f"SDCHooks supports DDP (multi-GPU or multi-CPU), FSDP2 (FullyShardedDataParallelPlugin("
-                f"fsdp_version=2)) or a single process; got distributed_type={acc.distributed_type} with a "
-                f"{type(model).__name__} model (FSDP1 and DeepSpeed are not supported)"
+                f"fsdp_version=2)) or a single process; got {fw.describe(model)}"
             )
-        module = acc.unwrap_model(model)
+        module = fw.unwrap(model)
         self._module = module
-        topo = Topology.gather(local_rank=acc.local_process_index)
+        topo = Topology.gather(local_rank=fw.local_rank)
         for check in self.checks:
             check.topology = topo
         if distributed and (self.nonfinite or self.replay):
             names = {id(p): n for n, p in module.named_parameters()}
             try:
-                tap = GradientTap.attach(model, names, inner_hook=self._inner_hook, inner_state=self._inner_state)
+                tap = GradientTap.attach(ddp, names, inner_hook=self._inner_hook, inner_state=self._inner_state)
             except ValueError as err:
                 raise ValueError(
                     f"{err} With Accelerate, create SDCHooks(accelerator) before accelerator.prepare(...) "
                     "when DistributedDataParallelKwargs(comm_hook=...) is set."
                 ) from None
+            before = {name: len(getattr(tap, name, ())) for name in _CONSUMER_LISTS}
             if self.nonfinite:
                 self.nonfinite.attach(tap)
             if self.replay:
@@ -174,6 +281,7 @@ class SDCHooks:
                 self.replay.advice = ACCELERATE_ADVICE
                 self._handles.append(module.register_forward_pre_hook(self._before_forward, with_kwargs=True))
                 self._handles.append(module.register_forward_hook(self._after_forward, with_kwargs=True))
+            self._consumers = [(getattr(tap, n), c) for n in _CONSUMER_LISTS for c in getattr(tap, n, [])[before[n] :]]
         elif not distributed:
             for check, name in ((self.replay, "ring replay audit"), (self.fingerprint, "weight fingerprint check")):
                 if check is not None:
@@ -181,9 +289,13 @@ class SDCHooks:
             self.replay = self.fingerprint = None
         self._wrap_step(optimizer)
         if self.nonfinite is not None:  # no checkpoint after a step whose verdict is unread
-            self._handles.append(acc.register_save_state_pre_hook(lambda *_: self._resolve_nonfinite()))
+            handle = fw.before_checkpoint(lambda *_: self._resolve_nonfinite())
+            if handle is not None:
+                self._handles.append(handle)
         self._model, self._optimizer = model, optimizer
-        self._handles.append(acc.register_save_state_pre_hook(self._before_save))
+        handle = fw.before_checkpoint(self._before_save)
+        if handle is not None:
+            self._handles.append(handle)
         if self._loaded_fingerprint is not None:  # load_state ran before attach: verify now
             self._verify_loaded(self._loaded_fingerprint)
         return self
@@ -278,9 +390,9 @@ class SDCHooks:
         return self._normalize(loss)
 
     def _normalize(self, loss: torch.Tensor) -> torch.Tensor:
-        """Accelerate's division by the accumulation steps and the GradScaler's scaling."""
-        loss = loss / self.accelerator.gradient_accumulation_steps
-        scaler = self.accelerator.scaler
+        """The framework's division by the accumulation steps and the GradScaler's scaling."""
+        loss = loss / self._fw.loss_divisor
+        scaler = self._fw.scaler
         return scaler.scale(loss) if scaler is not None else loss
 
     def _replay_step(self, batch: tuple[str, int, tuple, dict], batch_idx: int) -> torch.Tensor:
@@ -289,8 +401,10 @@ class SDCHooks:
         self._replaying = True
         try:
             if kind == "fn":
-                return self._normalize(_loss_of(self._replayables[index](self._module, *args, **kwargs)))
-            outputs = self._module(*args, **kwargs)
+                model = self._fw.replay_model(self._module)
+                return self._normalize(_loss_of(self._replayables[index](model, *args, **kwargs)))
+            with self._fw.replay_context():
+                outputs = self._module(*args, **kwargs)
             return self._backward_loss(outputs, args, kwargs)
         finally:
             self._replaying = False
@@ -333,17 +447,17 @@ class SDCHooks:
         return out
 
     def _step(self, optimizer: Any, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        acc = self.accelerator
+        fw = self._fw
         fp, nonfinite, replay = self.fingerprint, self.nonfinite, self.replay
         if nonfinite is not None:  # the previous step's verdict, read one step later (raise, warn)
             self._verdict(nonfinite, nonfinite.resolve, nonfinite.config.on_failure)
         if fp is not None:  # the comparison started after the previous update
             self._verdict(fp, fp.resolve, "heal")
-        if not acc.sync_gradients:
+        if not fw.sync_gradients:
             return original(*args, **kwargs)
         assert self._module is not None
         module, step = self._module, self.step
-        scaler = acc.scaler is not None
+        scaler = fw.scaler is not None
         skipped = False
         if nonfinite is not None:  # read now when the replay audits this step: it must not act first
             now = replay is not None and replay.armed
@@ -356,14 +470,15 @@ class SDCHooks:
             replay.disarm()  # a step the gradient check dropped is not audited
         elif replay is not None and self._verdict(
             replay,
-            lambda: replay.audit(step, module, self._replay_step, lambda b: send_to_device(b, acc.device)),
+            lambda: replay.audit(step, module, self._replay_step, fw.to_device),
             "skip_step",
         ):  # a transient fault: every rank drops this step
             drop_step(module.parameters(), scaler_active=scaler)
             skipped = True
+        self._write_due_log()  # this step's verdicts are in: the pending point is complete
         out = original(*args, **kwargs)
         self.step += 1
-        if not skipped and not getattr(optimizer, "step_was_skipped", False):
+        if not skipped and not fw.step_was_skipped(optimizer):
             self._updates += 1
             if fp is not None and fp.due(self._updates - 1):
                 fp.start(step, module, [getattr(optimizer, "optimizer", optimizer)])
@@ -375,10 +490,9 @@ class SDCHooks:
         """Write the incident of ``check``'s last verdict (main process; a failed write only warns)."""
         if check.last_error is None:
             return
-        acc = self.accelerator
         if self._run_dir is None:
-            self._run_dir = getattr(acc, "project_dir", None) or getattr(acc, "logging_dir", None) or "."
-        record_verdict(check, self._run_dir, acc.is_main_process, policy)
+            self._run_dir = self._fw.run_dir
+        record_verdict(check, self._run_dir, self._fw.is_main, policy)
 
     def _path_out(self, err: BaseException) -> None:
         """An exception leaves ``optimizer.step``: the pending fingerprint all-reduce is finished,
@@ -423,13 +537,45 @@ class SDCHooks:
         return out
 
     def log(self, force: bool = False) -> None:
-        """Send the counters to every tracker (``accelerator.log``: the main process writes)."""
-        self.accelerator.log(self.metrics(), step=self.step)
-        if force:
-            for tracker in getattr(self.accelerator, "trackers", []):
-                writer = getattr(tracker, "writer", None)
-                if writer is not None and hasattr(writer, "flush"):
-                    writer.flush()
+        """Send the counters to every tracker (``accelerator.log``: the main process writes).
+
+        One point per step and metric, never two with different values: a periodic point
+        (``force=False``, every ``log_every_n_steps``) is written once the next step's verdicts
+        are in (or by ``finish`` or a failure, whichever comes first); ``force=True`` writes now
+        and flushes, unless this step was written already.
+        """
+        if not force:
+            self._log_due = self.step
+            return
+        self._log_due = None
+        if self._logged_step != self.step:
+            self._write(self.step)
+        self._fw.flush()
+
+    def _write_due_log(self) -> None:
+        if self._log_due is not None:
+            step, self._log_due = self._log_due, None
+            if self._logged_step != step:
+                self._write(step)
+
+    def _write(self, step: int) -> None:
+        self._fw.log(self.metrics(), step)
+        self._logged_step = step
+
+    def detach(self) -> None:
+        """Remove every hook this hook set installed: the forward hooks, the ``optimizer.step``
+        wrapper and its gradient-tap consumers (DDP cannot drop a registered communication hook:
+        the tap stays and passes buckets to the inner hook untouched). It stays registered for
+        checkpointing, so ``save_state``/``load_state`` keep their object count. Call ``finish()``
+        first to read the last pending fingerprint comparison. ``attach`` may be called again."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        for consumers, consumer in self._consumers:
+            if consumer in consumers:
+                consumers.remove(consumer)
+        self._consumers = []
+        self._module = None
 
     # -- checkpoints ---------------------------------------------------------------------------
 
@@ -437,7 +583,7 @@ class SDCHooks:
         """``save_state`` pre-hook (every process, before any file is written): compare the
         replicas' current weights, raising on a mismatch, then fingerprint what is saved. Does
         nothing when this ``SDCHooks``'s model is no longer among the accelerator's models."""
-        if not any(m is self._model or self.accelerator.unwrap_model(m) is self._module for m in models):
+        if not any(m is self._model or self._fw.unwrap(m) is self._module for m in models):
             self._checkpoint_fingerprint = None
             return
         self._check_now()

@@ -4,6 +4,9 @@
 trainer = L.Trainer(strategy="ddp", callbacks=[NonFiniteGradientCheck(),
                     RingReplayAudit(every_n_steps=100), WeightFingerprintCheck(every_n_steps=1)])
 ```
+
+Lightning Fabric: ``lightning_sdc.fabric.SDCHooks``. Without code changes: ``SDC_CHECKS=1``
+(``lightning_sdc.auto``, through the ``lightning.pytorch.callbacks_factory`` entry point).
 """
 
 from lightning_sdc.callbacks import FaultInjector, NonFiniteGradientCheck, RingReplayAudit, WeightFingerprintCheck

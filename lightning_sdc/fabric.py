@@ -1,0 +1,230 @@
+"""``SDCHooks`` for Lightning Fabric: the Accelerate hook set through a Fabric seam.
+
+```python
+from lightning_sdc.fabric import SDCHooks
+
+model, optimizer = fabric.setup(model, optimizer)
+hooks = SDCHooks(fabric)                      # same settings as accelerate_sdc.SDCHooks
+hooks.attach(model, optimizer)
+for i, batch in enumerate(loader):
+    accumulating = (i + 1) % N != 0
+    with fabric.no_backward_sync(model, enabled=accumulating):
+        fabric.backward(model(batch).loss)
+    if not accumulating:
+        optimizer.step()                      # the checks run around the real update
+        optimizer.zero_grad()
+hooks.finish()
+fabric.save(path, {"model": model, "optimizer": optimizer, "sdc": hooks})  # counters travel along
+```
+
+Behaviour and settings are those of ``accelerate_sdc.SDCHooks`` (keywords over
+``ACCELERATE_SDC_*`` over the ``accelerate-sdc config`` file; ``on_failure="skip_step"``,
+``fingerprint_on_failure="heal"``, ...); one hook-set implementation serves both. Differences:
+
+* Fabric has no notion of accumulation: every ``optimizer.step()`` is a sync step, and the loss
+  you back-propagate is what the replay must recompute. If you divide it before
+  ``fabric.backward`` (or it is not ``outputs.loss``/the scalar output), pass
+  ``loss_fn(outputs, *args, **kwargs)`` or use ``hooks.replayable(fn)``.
+* The replay casts inputs and runs the forward as ``fabric.setup``'s module does (precision
+  plugin, autocast); a ``16-mixed`` GradScaler is honoured.
+* Metrics go through ``fabric.log_dict`` (the loggers write on rank 0); incidents go to
+  ``run_dir`` (default: the first logger's ``log_dir``, else the working directory).
+* Counters are saved by ``fabric.save``/restored by ``fabric.load`` when the hook set is in the
+  state dictionary (it has ``state_dict``/``load_state_dict``). Before ``fabric.save`` writes,
+  a pending non-finite verdict is read and the replicas' weights are compared.
+
+Strategies: ``"ddp"`` (and its variants) or a single device; others raise ``ValueError``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any
+
+from lightning.fabric import Fabric
+from lightning.fabric.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy
+from lightning.fabric.wrappers import is_wrapped
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from accelerate_sdc.hooks import Framework, LossFn
+from accelerate_sdc.hooks import SDCHooks as _HookSet
+
+
+class FabricFramework(Framework):
+    """The hook set's seam for a ``Fabric`` object (public Fabric API only)."""
+
+    def __init__(self, fabric: Fabric, run_dir: str | None = None) -> None:
+        self.fabric = fabric
+        self.accelerator = None
+        self._run_dir = run_dir
+        self._updated = False  # set by a step post-hook on the inner optimizer
+        self._pre_save: list[Callable[..., None]] = []
+
+    @property
+    def num_processes(self) -> int:
+        return self.fabric.world_size
+
+    @property
+    def local_rank(self) -> int:
+        return self.fabric.local_rank
+
+    @property
+    def is_main(self) -> bool:
+        return self.fabric.is_global_zero
+
+    def ddp_model(self, model: nn.Module) -> DistributedDataParallel | None:
+        return next((m for m in model.modules() if isinstance(m, DistributedDataParallel)), None)
+
+    def describe(self, model: nn.Module) -> str:
+        if not is_wrapped(model):
+            return f"a {type(model).__name__} that fabric.setup did not prepare: call attach after fabric.setup"
+        return (f"strategy {type(self.fabric.strategy).__name__} (only DDP and a single device are supported; FSDP, "
+                "DeepSpeed and model-parallel strategies are not)")  # fmt: skip
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return model.module if is_wrapped(model) else model
+
+    @property
+    def sync_gradients(self) -> bool:
+        return True  # a Fabric loop calls optimizer.step() only on sync micro-batches
+
+    @property
+    def loss_divisor(self) -> int:
+        return 1  # fabric.backward does not divide the loss
+
+    @property
+    def scaler(self) -> Any:
+        return getattr(self.fabric.strategy.precision, "scaler", None)
+
+    def step_was_skipped(self, optimizer: Any) -> bool:
+        updated, self._updated = self._updated, False
+        return self.scaler is not None and not updated
+
+    def to_device(self, batch: Any) -> Any:
+        return self.fabric.to_device(batch)
+
+    def replay_context(self) -> AbstractContextManager[Any]:
+        return self.fabric.autocast()
+
+    def replay_model(self, module: nn.Module) -> Any:
+        return _PrecisionModel(module, self.fabric.strategy.precision)
+
+    @property
+    def run_dir(self) -> str:
+        if self._run_dir is not None:
+            return self._run_dir
+        for logger in self.fabric.loggers:
+            folder = getattr(logger, "log_dir", None) or getattr(logger, "root_dir", None)
+            if folder:
+                return str(folder)
+        return "."
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        self.fabric.log_dict(metrics, step=step)
+
+    def flush(self) -> None:
+        if self.fabric.is_global_zero:
+            for logger in self.fabric.loggers:
+                logger.save()
+
+    def register_for_checkpointing(self, obj: Any) -> None:
+        return None  # put the hook set in the state you pass to fabric.save / fabric.load
+
+    def before_checkpoint(self, fn: Callable[..., None]) -> Any:
+        """Run ``fn(models, None, path)`` before ``fabric.save`` (called on every process, as
+        Fabric requires) writes anything; ``models`` are the modules in the saved state."""
+        if not self._pre_save:
+            original = self.fabric.save
+
+            def save(path: Any, state: dict[str, Any], filter: Any = None) -> Any:
+                models = [v for v in state.values() if isinstance(v, nn.Module)]
+                for hook in list(self._pre_save):
+                    hook(models, None, path)
+                return original(path, state, filter=filter)
+
+            self.fabric.save = save  # type: ignore[method-assign]
+        self._pre_save.append(fn)
+        return _Remove(self._pre_save, fn)
+
+    def take_comm_hook(self) -> tuple[Any, Any]:
+        return None, None  # Fabric's DDPStrategy registers no communication hook
+
+
+class _Remove:
+    """Handle that takes a pre-save hook out of the list."""
+
+    def __init__(self, hooks: list[Any], fn: Any) -> None:
+        self.hooks, self.fn = hooks, fn
+
+    def remove(self) -> None:
+        if self.fn in self.hooks:
+            self.hooks.remove(self.fn)
+
+
+class _PrecisionModel:
+    """The unwrapped module as ``fabric.setup`` presents it, minus DDP: inputs cast by the
+    precision plugin (``bf16-mixed`` casts them to bfloat16), the forward under its autocast, the
+    outputs cast back. Attribute access reaches the module."""
+
+    def __init__(self, module: nn.Module, precision: Any) -> None:
+        self._module = module
+        self._precision = precision
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        args, kwargs = self._precision.convert_input((args, kwargs))
+        with self._precision.forward_context():
+            outputs = self._module(*args, **kwargs)
+        return self._precision.convert_output(outputs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._module, name)
+
+
+class SDCHooks(_HookSet):
+    """The SDC checks for a Fabric loop; settings as ``accelerate_sdc.SDCHooks``.
+
+    Args:
+        fabric: the launched ``Fabric`` of the run.
+        loss_fn: ``loss_fn(outputs, *args, **kwargs)`` giving the loss you back-propagate, when it
+            is not ``outputs.loss`` or the model's scalar output (or use ``replayable``).
+        run_dir: where incidents go (``<run_dir>/sdc/incidents``); default: the first logger's
+            ``log_dir``, else the working directory.
+        **settings: any field of ``accelerate_sdc.SDCSettings``.
+
+    Call ``attach(model, optimizer)`` on every process after ``fabric.setup`` and ``finish()``
+    after the loop. Cost: that of the Accelerate hook set.
+    """
+
+    def __init__(self, fabric: Fabric, loss_fn: LossFn | None = None, run_dir: str | None = None,
+                 **settings: Any) -> None:  # fmt: skip
+        if not isinstance(fabric, Fabric):
+            raise TypeError(f"lightning_sdc.fabric.SDCHooks needs a launched Fabric, got {type(fabric).__name__}")
+        self.fabric = fabric
+        super().__init__(fabric, loss_fn, _framework=FabricFramework(fabric, run_dir), **settings)
+
+    def attach(self, model: nn.Module, optimizer: Any, loss_fn: LossFn | None = None) -> SDCHooks:
+        """Hook the model and optimizer ``fabric.setup`` returned (every process)."""
+        strategy = self.fabric.strategy
+        if not isinstance(strategy, DDPStrategy | SingleDeviceStrategy) or isinstance(strategy, DeepSpeedStrategy):
+            raise ValueError(
+                f"lightning_sdc.fabric.SDCHooks supports strategy 'ddp' (and its variants) or a single device; got "
+                f"{type(strategy).__name__} (FSDP, DeepSpeed and model-parallel strategies are not supported)"
+            )
+        super().attach(model, optimizer, loss_fn)
+        fw = self._fw
+        inner = getattr(optimizer, "optimizer", optimizer)
+
+        def updated(*_: Any) -> None:
+            fw._updated = True  # type: ignore[attr-defined]
+
+        self._handles.append(inner.register_step_post_hook(updated))
+        return self
+
+    def _before_save(self, models: list[Any], weights: Any, output_dir: Any) -> None:
+        """Before ``fabric.save``: compare the replicas (raising on a mismatch). No fingerprint
+        is stored with the counters: ``fabric.load`` restores objects in the order of your state
+        dictionary, so it could not be checked against tensors certain to be loaded already."""
+        super()._before_save(models, weights, output_dir)
+        self._checkpoint_fingerprint = None
