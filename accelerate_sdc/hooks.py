@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import gc
 import warnings
 import weakref
 from collections.abc import Callable
@@ -429,6 +430,12 @@ class SDCHooks:
             alive = hooks()
             if alive is not None and alive.fingerprint is not None:
                 alive.fingerprint.discard(timeout_s=10.0)
+            del alive
+            # The hooks and the DDP model form reference cycles; collected here, the model's
+            # communication state (Python callbacks held by gloo futures) is released on this
+            # thread, not by a gloo worker during interpreter teardown ("terminate called
+            # without an active exception").
+            gc.collect()
 
         atexit.register(at_exit)
 

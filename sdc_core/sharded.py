@@ -21,10 +21,12 @@ the same step.
 
 from __future__ import annotations
 
+import contextlib
 import time
 import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -514,6 +516,15 @@ class ShardedFingerprint:
             self.stats.add_time(time.perf_counter() - t0)
             return
         self._fail(pending, bool(replica_bad), bool(rest_bad), t0)
+
+    def discard(self, timeout_s: float = 30.0) -> None:
+        """Finish the pending comparison's all-reduce without reading it, on a path out (an error,
+        the end of the process), as ``WeightFingerprint.discard``: none is left in flight. Waits
+        at most ``timeout_s``; never raises."""
+        pending, self._pending = self._pending, None
+        if pending is not None and pending.work is not None:
+            with contextlib.suppress(Exception):
+                pending.work.wait(timeout=timedelta(seconds=timeout_s))
 
     def check_now(self, step: int, module: nn.Module, optimizers: Iterable[torch.optim.Optimizer]) -> None:
         """Compare the current shards at once (the final comparison): the window at rest since the
