@@ -515,8 +515,10 @@ def markdown(results: dict[str, Any], command: str, plot_path: str | None) -> st
         f"- **Small-magnitude compute faults** ({len(silent)} silent runs here; the largest moved the final weights "
         f"by {max((r['weight_rel_diff'] for r in silent), default=0):.1e} relative): sign or low exponent/mantissa "
         "flips of small activation or gradient elements change the step's loss and per-parameter gradient norm and "
-        "sum by less than the replay's tolerance (`rtol=1e-3`). `RingReplayAudit(exact=True)` sees them on "
-        "deterministic hardware; tolerances exist because GPU kernels with atomics are not bit-reproducible.",
+        "sum by less than the replay's tolerance. With `exact=\"auto\"` (the default) a run whose replays prove "
+        "bit-exact at the first audit (CPU here) is compared exactly and such faults are seen; where replays are "
+        "not bit-reproducible (GPU kernels with atomics) the tolerance comes from the measured noise floor, at "
+        "most `rtol=1e-3`, and faults below it pass.",
         "- **Masked faults**: a flipped activation behind a ReLU that was off, a mantissa flip absorbed by "
         "rounding. They change nothing and nothing needs to catch them.",
         "- **Unaudited steps**: a transient compute fault on a step the replay does not audit leaves no trace "
