@@ -72,16 +72,19 @@ def install_exit_code() -> None:
         if isinstance(value, SDCError):
             mark_verdict(value)
             if code:
-                _exit_after_cleanup(code)
+                exit_cleanly(code)
 
     hook._sdc = True  # type: ignore[attr-defined]
     sys.excepthook = hook
 
 
-def _exit_after_cleanup(code: int) -> None:
+def exit_cleanly(code: int) -> None:
     """End the process with ``code`` after what a normal interpreter exit runs first: joining
-    non-daemon threads and the ``atexit`` handlers (Python offers no other way to exit with a
-    chosen code from ``sys.excepthook``). Interpreter teardown itself is skipped."""
+    non-daemon threads and the ``atexit`` handlers (trackers close their runs), then flushing
+    stdout and stderr. Interpreter teardown itself is skipped: with gloo and a Python DDP
+    communication hook (the SDC gradient tap), a gloo worker thread can abort the process there
+    ("terminate called without an active exception") after all work is done. A training script
+    may end with ``exit_cleanly(main())`` instead of ``sys.exit(main())``."""
     with contextlib.suppress(Exception):  # never let the exit path fail
         threading._shutdown()  # type: ignore[attr-defined]  # what Py_FinalizeEx calls first
     atexit._run_exitfuncs()
