@@ -78,6 +78,7 @@ from sdc_core.topology import (
     all_gather_tensor,
     exchange,
     is_distributed,
+    owners_of,
 )
 
 EXACT_MODES = (True, False, "auto")
@@ -919,9 +920,7 @@ class RingReplay:
         topo = self.topology or Topology.gather()
         world, me = topo.world_size, topo.rank
         partners = topo.partners()
-        inverse = [0] * world
-        for o, q in enumerate(partners):
-            inverse[q] = o
+        inverse = owners_of(partners)
         own = self._own_digest()
         micro, self._micro, self._armed_step = self._micro, [], None
         own_states = [mb.state for mb in micro]

@@ -55,6 +55,7 @@ from sdc_core.topology import (
     all_gather_tensor,
     exchange,
     is_distributed,
+    owners_of,
 )
 
 
@@ -209,9 +210,7 @@ class ShardedReplay:
         topo = self.topology or Topology.gather()
         world, me = topo.world_size, topo.rank
         partners = topo.partners()
-        inverse = [0] * world
-        for o, q in enumerate(partners):
-            inverse[q] = o
+        inverse = owners_of(partners)
         own, labels = _digest(self._local, self._loss), list(self._labels)
         micro, self._micro, self._armed_step = self._micro, [], None
         received = exchange({partners[me]: {"micro": micro, "digest": own, "labels": labels}}, [inverse[me]])

@@ -41,6 +41,7 @@ from sdc_core.topology import (
     all_gather_tensor,
     exchange,
     is_distributed,
+    owners_of,
 )
 
 
@@ -132,9 +133,7 @@ class UpdateAudit:
         topo = self.topology or Topology.gather()
         world, me = topo.world_size, topo.rank
         partners = topo.partners()
-        inverse = [0] * world
-        for o, q in enumerate(partners):
-            inverse[q] = o
+        inverse = owners_of(partners)
         payload = {"groups": snap, "after": after} if snap is not None and after is not None else {"skipped": True}
         received = exchange({partners[me]: payload}, [inverse[me]])[inverse[me]]
         failure = ""

@@ -141,6 +141,15 @@ def ring_partners(node_of_rank: list[int]) -> tuple[int, ...]:
     return tuple(partner)
 
 
+def owners_of(partners: tuple[int, ...] | list[int]) -> list[int]:
+    """The inverse of a replay permutation: ``owners_of(partners)[q]`` is the rank whose batch
+    rank ``q`` replays."""
+    owners = [0] * len(partners)
+    for o, q in enumerate(partners):
+        owners[q] = o
+    return owners
+
+
 def all_reduce_max(values: torch.Tensor) -> torch.Tensor:
     """In-place MAX all-reduce on the collective device (a no-op without a process group)."""
     if is_distributed():
