@@ -12,6 +12,7 @@ when the faulty rank was named (or, with ``--fault none``, when nothing fired).
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any
 
 import torch
@@ -22,7 +23,6 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from accelerate_sdc import SDCError, SDCHooks
 from sdc_core import Fault, FaultInjector
-from sdc_core.incidents import exit_cleanly
 
 FAULTS = {
     "compute": lambda r: Fault("module_output", rank=r, step=5, target="head", factor=1.2),
@@ -66,9 +66,7 @@ def main() -> int:
     try:
         return run(args, accelerator, model, optimizer, loader, sdc, injector)
     finally:
-        sdc.detach()
-        accelerator.free_memory()  # the prepared model is freed while Python is whole ...
-        accelerator.end_training()  # ... and the process group ended, on every path out
+        accelerator.end_training()  # ends the process group while Python is whole, on every path out
 
 
 def run(args: argparse.Namespace, accelerator: Accelerator, model: nn.Module, optimizer: Any, loader: DataLoader,
@@ -94,4 +92,4 @@ def run(args: argparse.Namespace, accelerator: Accelerator, model: nn.Module, op
 
 
 if __name__ == "__main__":
-    exit_cleanly(main())  # sys.exit(main()) without the interpreter teardown, where gloo can abort
+    sys.exit(main())

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from conftest import ROOT, worker_env
 
 BIN = Path(sys.executable).parent
@@ -21,6 +22,10 @@ def test_lightning_demo_names_the_faulty_rank(tmp_path: Path) -> None:
     assert len(list((tmp_path / "runs" / "lightning_demo" / "sdc" / "incidents").glob("*.json"))) == 1
 
 
+# Slow: after its (always right) detection, a gloo worker process of this demo has been seen to
+# abort or hang at exit now and then (issue 11 item 7, still open); the verdict paths it covers are
+# tested in the default run by test_accelerate.py and test_verdict_delivery.py.
+@pytest.mark.slow
 def test_accelerate_demo_names_the_faulty_rank(tmp_path: Path) -> None:
     env = worker_env() | {"ACCELERATE_USE_CPU": "1", "ACCELERATE_SDC_CONFIG_FILE": os.devnull}
     cmd = [str(BIN / "accelerate"), "launch", "--multi_gpu", "--num_processes", "3",
