@@ -56,7 +56,7 @@ from sdc_core.sharded import is_sharded
 from sdc_core.topology import Topology
 
 LossFn = Callable[..., torch.Tensor]
-_CONSUMER_LISTS = ("consumers", "reduced_consumers")  # the gradient tap's consumer lists
+_CONSUMER_LISTS = ("consumers", "writers", "reduced_consumers")  # the gradient tap's consumer lists
 
 
 class Framework:

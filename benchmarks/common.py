@@ -7,6 +7,7 @@ import time
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 
 
 def sync(device: torch.device) -> None:
@@ -42,3 +43,11 @@ def round_overheads(per_round: dict[str, list[float]], base: str = "none") -> di
     """Per round, each configuration's median step time relative to ``base`` in the same round,
     minus one: the spread of the overhead estimate itself (rounds alternate the configurations)."""
     return {c: [m / b - 1 for m, b in zip(medians, per_round[base], strict=True)] for c, medians in per_round.items()}
+
+
+def cpu_over_ranks(cpu_seconds: list[float]) -> float:
+    """This rank's median CPU time per step, summed over the ranks of the default process group
+    (one small all-reduce, outside the timed steps; every rank calls it)."""
+    total = torch.tensor([statistics.median(cpu_seconds)], dtype=torch.float64)
+    dist.all_reduce(total)
+    return float(total)

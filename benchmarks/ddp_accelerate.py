@@ -23,7 +23,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from accelerate_sdc import SDCHooks
-from benchmarks.common import round_overheads, summary
+from benchmarks.common import cpu_over_ranks, round_overheads, summary
 
 BATCH = 128
 SETTINGS: dict[str, dict[str, Any] | None] = {
@@ -48,8 +48,8 @@ class Model(nn.Module):
         return nn.functional.mse_loss(self.net(x), y)
 
 
-def run(acc: Accelerator, config: str, steps: int, replay_every: int) -> list[float]:
-    """Seconds per optimizer step of one training run."""
+def run(acc: Accelerator, config: str, steps: int, replay_every: int) -> tuple[list[float], list[float]]:
+    """Wall and CPU seconds (this process, every thread) per optimizer step of one training run."""
     set_seed(0)
     for registry in (acc._custom_objects, acc._models, acc._optimizers, acc._dataloaders, acc._schedulers):
         registry.clear()  # one model, optimizer and SDCHooks per run in this shared Accelerator
@@ -64,17 +64,19 @@ def run(acc: Accelerator, config: str, steps: int, replay_every: int) -> list[fl
     if sdc is not None:
         sdc.attach(model, opt)
     seconds: list[float] = []
+    cpu: list[float] = []
     for xb, yb in data:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         acc.backward(model(xb, yb))
         opt.step()
         opt.zero_grad()
         seconds.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
         if len(seconds) == steps:
             break
     if sdc is not None:
         sdc.finish()
-    return seconds
+    return seconds, cpu
 
 
 def main() -> None:
@@ -89,13 +91,15 @@ def main() -> None:
     skip = 5  # warm-up steps excluded
     runs: dict[str, list[float]] = {c: [] for c in args.configs.split(",")}
     per_round: dict[str, list[float]] = {c: [] for c in runs}
+    cpu_round: dict[str, list[float]] = {c: [] for c in runs}
     audited: list[float] = []
     normal: list[float] = []
     for _ in range(args.rounds):
         for config in runs:
-            seconds = run(acc, config, args.steps, args.replay_every)
+            seconds, cpu = run(acc, config, args.steps, args.replay_every)
             runs[config] += seconds[skip:]
             per_round[config].append(summary(seconds[skip:])["median"])
+            cpu_round[config].append(cpu_over_ranks(cpu[skip:]))
             if config == "audit_often":
                 for i, s in enumerate(seconds[skip:], start=skip):
                     (audited if i % args.replay_every == 0 else normal).append(s)
@@ -107,6 +111,8 @@ def main() -> None:
             "step_seconds": {c: summary(s) for c, s in runs.items()},
             "overhead": {c: summary(s)["median"] / base - 1 for c, s in runs.items()},
             "overhead_by_round": round_overheads(per_round),
+            "cpu_seconds_by_round": cpu_round,
+            "cpu_overhead_by_round": round_overheads(cpu_round),
             "replay_every": args.replay_every,
         }
         if "defaults" in runs:

@@ -24,7 +24,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from benchmarks.common import round_overheads, summary
+from benchmarks.common import cpu_over_ranks, round_overheads, summary
 from lightning_sdc import NonFiniteGradientCheck, RingReplayAudit, WeightFingerprintCheck
 
 BATCH = 128
@@ -78,12 +78,14 @@ class Probe(L.Callback):
             tap.inner_hook = quiet
 
     def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
-        self.t0 = time.perf_counter()
+        self.t0, self.cpu0 = time.perf_counter(), time.process_time()
         self.c0, self.b0 = self.traffic.snapshot()
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         calls, sent = self.traffic.snapshot()
-        self.steps.append({"seconds": time.perf_counter() - self.t0, "calls": calls - self.c0, "bytes": sent - self.b0})
+        cpu = time.process_time() - self.cpu0  # this process, every thread: less sensitive to scheduling
+        self.steps.append({"seconds": time.perf_counter() - self.t0, "cpu_seconds": cpu, "calls": calls - self.c0,
+                           "bytes": sent - self.b0})  # fmt: skip
 
 
 class Model(L.LightningModule):
@@ -137,11 +139,13 @@ def main() -> None:
     skip = 5  # warm-up steps excluded
     runs: dict[str, list[dict[str, float]]] = {c: [] for c in args.configs.split(",")}
     per_round: dict[str, list[float]] = {c: [] for c in runs}
+    cpu_round: dict[str, list[float]] = {c: [] for c in runs}
     for _ in range(args.rounds):
         for config in runs:
             kept = fit(config, args.steps, traffic, args.replay_every)[skip:]
             runs[config] += kept
             per_round[config].append(summary([s["seconds"] for s in kept])["median"])
+            cpu_round[config].append(cpu_over_ranks([s["cpu_seconds"] for s in kept]))
     if dist.get_rank() != 0:
         return
     base = summary([s["seconds"] for s in runs["none"]])["median"]
@@ -151,6 +155,8 @@ def main() -> None:
         "step_seconds": {c: summary([s["seconds"] for s in steps]) for c, steps in runs.items()},
         "overhead": {c: summary([s["seconds"] for s in steps])["median"] / base - 1 for c, steps in runs.items()},
         "overhead_by_round": round_overheads(per_round),
+        "cpu_seconds_by_round": cpu_round,
+        "cpu_overhead_by_round": round_overheads(cpu_round),
         "replay_every": args.replay_every,
     }
     if "defaults" in runs:

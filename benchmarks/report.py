@@ -74,12 +74,14 @@ def ddp_table(d: dict[str, Any]) -> str:
     """Step-time table of a DDP benchmark, with the per-round spread of each overhead, and the
     defaults-vs-none sentence."""
     rounds = d.get("overhead_by_round", {})
-    lines = ["| configuration | median ms per step | vs none | per-round range | min | max |",
-             "|---|---|---|---|---|---|"]  # fmt: skip
+    cpu = d.get("cpu_overhead_by_round", {})
+    lines = ["| configuration | median ms per step | vs none | per-round range | min | max | CPU time vs none |",
+             "|---|---|---|---|---|---|---|"]  # fmt: skip
     for name, row in d["step_seconds"].items():
+        cpu_range = _range(cpu[name]) if name in cpu and name != "none" else "-"
         lines.append(f"| {name} | {1000 * row['median']:.1f} | {100 * d['overhead'][name]:+.1f}% | "
                      f"{_range(rounds.get(name, [])) if name != 'none' else '-'} | {1000 * row['min']:.1f} | "
-                     f"{1000 * row['max']:.1f} |")  # fmt: skip
+                     f"{1000 * row['max']:.1f} | {cpu_range} |")  # fmt: skip
     over = d["defaults_overhead"]
     spread = rounds.get("defaults", [])
     if spread and min(spread) > 0.01:
@@ -180,8 +182,8 @@ A run of some sections replaces those sections in the JSON and keeps the others.
 
 KERNELS_TEXT = """Candidates over the same tensors: `sum` (the memory-read limit), `fingerprint` (what the
 weight check runs), `nonfinite_bucket` (what the gradient tap runs per 25 MB DDP bucket: the per-parameter
-norms of the local gradients, one `_foreach_norm`, and one `aminmax` of the reduced bucket, so
-two reads of the gradient bytes),
+norms of the local gradients, one `_foreach_norm`, so one read of the gradient bytes, plus the
+flag folded into element 0 of the bucket and read back),
 `nonfinite_tensor` (the check's single-process `.grad` path), `sha1_host` (SHA-1 of the bytes on
 the host, Megatron-LM's cross-replica check), `hash_tensor` (`torch.hash_tensor`, xor),
 `isfinite_loop` (`torch.isfinite(g).all().item()` per tensor) and `copy` (bytes copied per second
@@ -193,9 +195,9 @@ KERNELS_AFTER = """
 Reading the table:
 - On large tensors (10M and 100M rows) the fingerprint runs at {fp_large} of the plain sum and the
   non-finite DDP path at {nf_large}, without a host synchronisation per tensor. The non-finite
-  path reads the gradients twice (the local bucket before the all-reduce, for the names; the
-  reduced bucket after it, for the decision every rank takes alike), so 0.5x of one sum is its
-  memory limit; the decision is exact (`aminmax`: finite values never overflow). On this CPU
+  path reads the local gradients once (per-parameter L2 norms, the only multi-tensor reduction
+  CPU torch vectorises) and folds its flag into element 0 of the bucket, which the all-reduce
+  carries to every rank: the decision needs no second read. On this CPU
   the plain sum itself is only {sum_vs_sha} faster than SHA-1 of the host bytes (SHA-1 needs no
   device-to-host copy here), and a check that reads every byte cannot beat SHA-1 by more than that on this machine: the
   fingerprint reaches {fp_vs_sha}, so the 10x target is met only where the sum itself allows
@@ -207,7 +209,7 @@ Reading the table:
   reaches {fp_small} of the sum: the int64 reduction and the per-tensor Python work of the digest
   cost more than a float `sum` there, so the 0.8x target is missed in that layout on this CPU.
   The DDP gradient path works on whole 25 MB buckets (`nonfinite_bucket`: one multi-tensor
-  norm and one `aminmax` per bucket), faster than a per-tensor sum whenever tensors are small.
+  norm and a few tiny kernels per bucket), faster than a per-tensor sum whenever tensors are small.
 - The 1M single-tensor rows measure fixed per-call overhead (a few tenths of a millisecond), not
   bandwidth.
 """
@@ -229,13 +231,16 @@ alternating in one process group: `none`, `defaults` (all three checks at their 
 `audit_often` (replay every 10 steps, to time audited steps), plus each cheap check alone. Three
 ranks share two cores here, so every collective also waits for a descheduled peer, and the spread
 of step times (min to max) is wider than the differences being measured: read the medians as
-"within noise" unless they differ by more than the spread.
+"within noise" unless they differ by more than the spread. The last column is the CPU time of a
+step summed over the ranks (each rank's median, every thread of the process), relative to `none`
+in the same round: the work the checks add, less sensitive to which rank the cores happen to run
+than wall time (but it counts gloo's polling while a rank waits for a peer).
 """
 
 DDP_AFTER = """What the cheap checks add on a clean step: the gradient check makes no collective (NaN and
 Inf survive DDP's own all-reduce, so every rank reads the verdict from its reduced gradients)
 and, with `on_failure="raise"` (the default), reads its device flag one step later, so the host
-never waits for the step's gradients; its work is two reads of the gradients on the device. The
+never waits for the step's gradients; its work is one read of the gradients on the device. The
 fingerprint digests the weights and sends 16 bytes in one asynchronous all-reduce read a batch
 later. Three ranks share two cores here, so any of this competes with the other ranks' compute.
 An audited step does the normal step, one extra forward and backward of the partner's
@@ -252,9 +257,9 @@ dropped. `SDCHooks()` defaults: gradient check on, fingerprint every step, repla
 POLICY_TEXT = """
 ## 5. What each `on_failure` policy of the gradient check costs
 
-The gradient check's work on the device is the same under every policy (two reads of the
-gradients: the local per-parameter norms in the communication hook, the reduced bucket's
-`aminmax` chained on the all-reduce). No policy makes a collective on a clean DDP step. What
+The gradient check's work on the device is the same under every policy (one read of the local
+gradients, the per-parameter norms in the communication hook, whose flag rides in element 0 of
+each bucket through DDP's own all-reduce). No policy makes a collective on a clean DDP step. What
 differs is when the host reads the verdict:
 
 | policy / situation | when the host reads the verdict |
@@ -289,7 +294,7 @@ over the default audit cadence of 100 steps, {mean_sent_per_step_default_cadence
 CADENCE_TEXT = """
 ## Choosing a cadence
 
-- Keep `NonFiniteGradientCheck` and `WeightFingerprintCheck(every_n_steps=1)` on always: two reads
+- Keep `NonFiniteGradientCheck` and `WeightFingerprintCheck(every_n_steps=1)` on always: one read
   of the gradients and one of the weights per step on the device, 16 bytes of traffic in one
   asynchronous all-reduce, no gathering, no host wait in the step (`on_failure="raise"`).
 - `RingReplayAudit(every_n_steps=n)` costs about one step per audit, so about 1/n of the run

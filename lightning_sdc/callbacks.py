@@ -52,8 +52,12 @@ class _SDCCallback(Callback):
 
     @property
     def state_key(self) -> str:
-        """Unique per configuration, so two instances of one check (other settings) can coexist."""
-        return self._generate_state_key(**dataclasses.asdict(self._core.config))
+        """Unique per configuration, so two instances of one check (other settings) can coexist.
+        Computed once (the settings are frozen; Lightning reads this many times per step)."""
+        key = self.__dict__.get("_state_key")
+        if key is None:
+            key = self.__dict__["_state_key"] = self._generate_state_key(**dataclasses.asdict(self._core.config))
+        return key
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":

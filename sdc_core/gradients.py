@@ -7,21 +7,27 @@ the same verdict.
 
 How (DDP): a single communication hook per model, the ``GradientTap``, lets consumers read each
 gradient bucket before the inner hook (the default all-reduce, or the user's compression hook,
-which it wraps rather than replaces) and the reduced bucket after it. The check records, per
-bucket and on the device, the L2 norm of each parameter's LOCAL gradient (one ``_foreach_norm``:
-NaN and Inf make the norm non-finite) and, chained on the all-reduce's future, the exact
-``aminmax`` of the REDUCED bucket. NaN and Inf survive the sum, so the reduced gradients, which
-are identical on every rank, show that some rank's local gradients were non-finite without any
-extra communication: the decision is taken by every rank from the same data. Only then (the rare
-path) does every rank gather the local per-parameter flags to name the ranks and parameters (one
-rank: the SDC signature; all ranks: ordinary divergence). Names come from the local flags, so
-gradient clipping or anything else that touches ``.grad`` after the all-reduce cannot change them.
-Under gradient accumulation the hook sees the sum of the micro-batches' gradients, so a NaN in
-any micro-batch is seen.
+which it wraps rather than replaces) and receive the reduced bucket after it. The check reads
+each bucket's LOCAL gradients once: one ``_foreach_norm`` (per-parameter L2 norms, non-finite
+when the parameter's gradient holds NaN or Inf, or is beyond the float32 range as a norm:
+about 1.8e19, diverged or an exponent bit flipped) kept on the device for the names. It then
+folds that evidence into the data the all-reduce carries anyway: element 0 of the bucket becomes
+``x - 0 * max`` where ``max`` is the largest of those norms. When they are finite that subtracts +0.0, the exact
+identity for every float (``-0.0`` included): training numerics are bit-identical with the check
+on and off. When they are not, element 0 becomes NaN, and NaN survives the sum, so element 0 of
+the REDUCED bucket, identical on every rank, is NaN exactly when some rank's local gradients in
+that bucket were non-finite. Every rank decides from that one element per bucket, with no extra
+communication. Only then (the rare path) does every rank gather the local per-parameter flags
+to name the ranks and parameters (one rank: the SDC signature; all ranks: ordinary divergence).
+Names come from the local flags, so gradient clipping or anything else that touches ``.grad``
+after the all-reduce cannot change them. Under gradient accumulation the hook sees the sum of
+the micro-batches' gradients, so a NaN in any micro-batch is seen.
 
-Cost of a clean DDP step: two reads of the gradients on the device (local per-parameter norms,
-reduced ``aminmax``), a few small kernels, no collective. When the verdict is read depends on
-``on_failure``:
+Cost of a clean DDP step: one read of the local gradients on the device, four tiny kernels per
+bucket, one Python callback per bucket on the all-reduce's future (the one any Python
+communication hook needs: DDP's built-in C++ all-reduce is replaced by the tap, which also scales
+the bucket by ``1 / world_size`` in its own pass where the built-in fuses it into its copy), no
+collective. When the verdict is read depends on ``on_failure``:
 
 * ``"raise"``, ``"warn"``: no host synchronisation in the step. The verdict of step ``s`` is
   read one step later (``resolve()``: the adapters call it before the next backward, or next
@@ -33,16 +39,17 @@ reduced ``aminmax``), a few small kernels, no collective. When the verdict is re
   reads its own flag there anyway). Still no collective.
 * Single process (no DDP): ``.grad`` is checked before the optimizer step, one host read.
 
-A non-finite reduced bucket with finite local gradients everywhere (an overflow inside the
-reduction, e.g. fp16 compression) is not a verdict: it is counted as
-``sdc/nonfinite_gradient/nonfinite_after_reduce``. A parameter whose local gradient has an L2
-norm beyond the float32 range (above about 1.8e19, a diverged gradient) is named alongside
-the non-finite ones.
+A rank with non-finite local gradients also makes element 0 of the bucket's reduced gradient
+NaN (the flag): those gradients are non-finite anyway, and the verdict drops or stops the step
+under every policy but ``"warn"``. A NaN in element 0 of the reduced bucket with finite local
+gradients everywhere (an overflow inside the reduction, e.g. fp16 compression) is not a
+verdict: it is counted as ``sdc/nonfinite_gradient/nonfinite_after_reduce``.
 
 Limits: a fault that leaves gradients finite is invisible here (the ring replay audit sees it).
-An inner communication hook that replaces non-finite values (``nan_to_num``) hides them from the
-decision. Single process: names are read from ``.grad`` at the verdict, so a clipping done before
-it (Accelerate's ``clip_grad_norm_``) names every parameter it contaminated.
+An inner communication hook that replaces non-finite values (``nan_to_num``), or whose output's
+element 0 does not depend on its input's element 0, hides them from the decision. Single
+process: names are read from ``.grad`` at the verdict, so a clipping done before it
+(Accelerate's ``clip_grad_norm_``) names every parameter it contaminated.
 """
 
 from __future__ import annotations
@@ -71,9 +78,11 @@ _DEFERRED = ("raise", "warn")  # policies whose verdict may be read one step lat
 class GradientTap:
     """The one communication hook per DDP model.
 
-    ``consumers`` see each bucket before the inner hook (local gradients); ``reduced_consumers``
-    see the bucket the inner hook's future delivers (reduced gradients, identical on every rank),
-    from a callback chained on that future. ``GradientTap.attach(ddp_model, ...)`` returns the
+    ``consumers`` read each bucket before the inner hook (local gradients), then ``writers`` may
+    change it in place (the non-finite check's flag), after every consumer; ``reduced_consumers`` receive the bucket the
+    inner hook's future delivers (reduced gradients, identical on every rank), in the one
+    callback chained on that future, and must only keep a reference (no kernel on the
+    communication thread). ``GradientTap.attach(ddp_model, ...)`` returns the
     model's existing tap or registers a new one wrapping ``inner_hook`` (default: DDP's
     all-reduce). Consumers must not synchronise with the host nor raise.
     """
@@ -85,6 +94,7 @@ class GradientTap:
         self.inner_hook = inner_hook
         self.inner_state = inner_state
         self.consumers: list[BucketConsumer] = []
+        self.writers: list[BucketConsumer] = []
         self.reduced_consumers: list[ReducedConsumer] = []
 
     @classmethod
@@ -130,29 +140,41 @@ def default_allreduce(process_group: dist.ProcessGroup | None, bucket: Any) -> t
     while copying it into the bucket; ``default_hooks.allreduce_hook`` divides instead, which
     rounds differently), so registering the tap does not change training numerics.
     """
+    return _allreduce(process_group, bucket).then(_first)
+
+
+def _allreduce(process_group: dist.ProcessGroup | None, bucket: Any) -> torch.futures.Future[Any]:
+    """The scaled all-reduce of ``default_allreduce``; its future holds ``[buffer]``."""
     group = process_group if process_group is not None else dist.group.WORLD
     buffer = bucket.buffer()
     buffer.mul_(1.0 / dist.get_world_size(group))
-    fut = dist.all_reduce(buffer, group=group, async_op=True).get_future()
-    return fut.then(lambda f: f.value()[0])
+    return dist.all_reduce(buffer, group=group, async_op=True).get_future()
+
+
+def _first(f: torch.futures.Future[Any]) -> torch.Tensor:
+    value = f.value()
+    return value[0] if isinstance(value, list | tuple) else value
 
 
 def _tap_hook(tap, bucket):  # type: ignore[no-untyped-def]  # DDP inspects these annotations
     """DDP communication hook: consumers read the local bucket, the inner hook reduces it, and
-    the reduced consumers read the result in a callback chained on the inner hook's future (DDP
-    waits for that future before backward returns)."""
+    the reduced consumers receive the result in the one Python callback chained on the inner
+    hook's future (DDP waits for that future before backward returns)."""
     for consume in tap.consumers:
         consume(bucket)
-    fut = tap.inner_hook(tap.inner_state, bucket)
+    for write in tap.writers:
+        write(bucket)
+    default = tap.inner_hook is default_allreduce
+    fut = _allreduce(tap.inner_state, bucket) if default else tap.inner_hook(tap.inner_state, bucket)
     if not tap.reduced_consumers:
-        return fut
+        return fut.then(_first) if default else fut
+    consumers = tap.reduced_consumers
 
-    def reduced(f: torch.futures.Future[Any]) -> Any:
-        value = f.value()
-        tensor = value[0] if isinstance(value, list | tuple) else value
-        for consume in tap.reduced_consumers:
+    def reduced(f: torch.futures.Future[Any]) -> torch.Tensor:
+        tensor = _first(f)
+        for consume in consumers:
             consume(tensor)
-        return value
+        return tensor
 
     return fut.then(reduced)
 
@@ -188,11 +210,11 @@ class NonFiniteConfig:
 
 @dataclass
 class _StepFlags:
-    """What the tap recorded for one step, on the device: the reduced buckets' (min, max) pairs
-    (identical on every rank) and, per bucket, the local per-parameter gradient norms."""
+    """What the tap recorded for one step, on the device: element 0 of each reduced bucket (the
+    flag; identical on every rank) and, per bucket, the local per-parameter gradient norms."""
 
     step: int
-    reduced: list[torch.Tensor]
+    reduced: torch.Tensor | None
     local: list[tuple[torch.Tensor, list[nn.Parameter]]]
     scaler_active: bool = False
 
@@ -219,16 +241,23 @@ class NonFiniteGradient:
     last_error: NonFiniteGradientError | None = None
 
     def attach(self, tap: GradientTap) -> None:
-        """Record local gradient norms and reduced-bucket extremes from the tap."""
+        """Read each bucket's local gradients and fold the flag into it; keep the reduced buckets."""
         self.tap = tap
         tap.consumers.append(self._consume)
-        tap.reduced_consumers.append(self._consume_reduced)
+        tap.writers.append(self._fold)
+        tap.reduced_consumers.append(self._keep_reduced)
+
+    def _keep_reduced(self, reduced: torch.Tensor) -> None:
+        self._reduced.append(reduced)  # a reference only: no kernel on the communication thread
 
     def _consume(self, bucket: Any) -> None:
         self._local.append((local_norms(bucket.gradients()), bucket.parameters()))
 
-    def _consume_reduced(self, reduced: torch.Tensor) -> None:
-        self._reduced.append(_minmax(reduced))
+    def _fold(self, bucket: Any) -> None:
+        """After every consumer has read the bucket: fold this bucket's flag into element 0."""
+        local = self._local[-1][0]
+        if local.numel():
+            fold_flag(bucket.buffer(), local)
 
     @property
     def pending_step(self) -> int | None:
@@ -257,7 +286,7 @@ class NonFiniteGradient:
         local, self._local = self._local, []
         if not (is_distributed() and self.tap is not None):
             return self._single_process(step, list(params), scaler_active, t0)
-        flags = _StepFlags(step, reduced, local, scaler_active)
+        flags = _StepFlags(step, reduced_flags(reduced), local, scaler_active)
         if self.config.on_failure in _DEFERRED and not scaler_active and not now:
             self._pending = flags
             self.stats.add_time(time.perf_counter() - t0)
@@ -277,7 +306,7 @@ class NonFiniteGradient:
         that step, or None."""
         flags, self._pending = self._pending, None
         self._reduced, self._local = [], []
-        if flags is None or not flags.reduced or not bool(_nonfinite(torch.stack(flags.reduced)).any()):
+        if flags is None or flags.reduced is None or bool(torch.isfinite(flags.reduced).all()):
             return None
         warnings.warn(
             f"SDC check 'nonfinite_gradient': the gradients of step {flags.step} were non-finite after the "
@@ -290,7 +319,7 @@ class NonFiniteGradient:
     def _decide(self, flags: _StepFlags, t0: float, params: list[tuple[str, nn.Parameter]] | None = None) -> bool:
         """The verdict of ``flags.step`` from the reduced buckets (identical on every rank)."""
         self.stats.runs += 1
-        bad = bool(_nonfinite(torch.stack(flags.reduced)).any()) if flags.reduced else False  # the host read
+        bad = flags.reduced is not None and not bool(torch.isfinite(flags.reduced).all())  # the host read
         if not bad:
             return self._clean(flags.step, t0)
         # Rare path, entered by every rank together: gather the local flags to name ranks and parameters.
@@ -411,14 +440,31 @@ def drop_step(params: Iterable[torch.Tensor], scaler_active: bool = False) -> No
 
 def local_norms(grads: Sequence[torch.Tensor]) -> torch.Tensor:
     """Per-tensor L2 norms as one vector on the tensors' device (no host synchronisation): one
-    ``_foreach_norm`` (the kernel ``clip_grad_norm_`` runs; one pass over the bytes) and one
-    ``stack``. A norm is non-finite when its tensor holds NaN or Inf (or, rarely, when the sum of
-    squares overflows float32); fp16 tensors are reduced in float32 (an fp16 norm overflows at
-    65504)."""
+    ``_foreach_norm`` (the kernel ``clip_grad_norm_`` runs; one pass over the bytes, the only
+    vectorised one on CPU: the infinity norm and float64 accumulation run 50-70x slower there)
+    and one ``stack``. A norm is non-finite when its tensor holds NaN or Inf, or when the sum of
+    squares overflows float32 (a gradient above about 1.8e19 in L2 norm: diverged, or an exponent
+    bit flipped); fp16 tensors are reduced in float32 (an fp16 norm overflows at 65504)."""
     if not grads:
         return torch.zeros(0)
     half = grads[0].dtype == torch.float16
     return torch.stack(list(torch._foreach_norm(list(grads), 2, dtype=torch.float32 if half else None)))
+
+
+def fold_flag(buffer: torch.Tensor, local: torch.Tensor) -> None:
+    """Make element 0 of ``buffer`` NaN when ``local`` (per-parameter norms, >= 0) holds NaN or
+    Inf, and leave it bit-identical otherwise: ``x - 0 * max(local)`` subtracts +0.0 (the exact
+    identity for every float) or NaN. Three tiny kernels, no host synchronisation."""
+    head = buffer.view(-1)[:1]
+    head.sub_(local.amax().mul_(0.0).to(head.dtype))
+
+
+def reduced_flags(reduced: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """Element 0 of each reduced bucket, copied into one float32 vector (one small copy kernel: the
+    buckets are reused by the next backward), or None without buckets."""
+    if not reduced:
+        return None
+    return torch.cat([t.reshape(-1)[:1].to(torch.float32) for t in reduced])
 
 
 def _minmax(t: torch.Tensor) -> torch.Tensor:

@@ -75,6 +75,7 @@ class SyncProbe(L.Callback):
         core.resolve = self._enter(core.resolve, "late")
         tap = core.tap
         tap.consumers[:] = [self._enter(f, "now") for f in tap.consumers]
+        tap.writers[:] = [self._enter(f, "now") for f in tap.writers]
         tap.reduced_consumers[:] = [self._enter(f, "now") for f in tap.reduced_consumers]
         for name in HOST_READS:
             self._count(torch.Tensor, name, "reads")

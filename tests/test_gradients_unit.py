@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sdc_core.gradients import NonFiniteGradient, _minmax, _StepFlags, local_norms
+from sdc_core.gradients import NonFiniteGradient, _StepFlags, fold_flag, local_norms, reduced_flags
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
@@ -20,10 +20,29 @@ def test_local_norms_flag_exactly_the_non_finite_tensors(dtype: torch.dtype) -> 
 
 def test_discard_drops_a_pending_verdict_without_a_collective_and_warns_when_it_was_bad() -> None:
     check = NonFiniteGradient()
-    clean = _minmax(torch.ones(3))
-    check._pending = _StepFlags(4, [clean], [])
+    clean = torch.ones(3)
+    check._pending = _StepFlags(4, reduced_flags([clean]), [])
     assert check.discard() is None and check.pending_step is None
-    check._pending = _StepFlags(5, [clean, _minmax(torch.tensor([1.0, float("nan")]))], [])
+    check._pending = _StepFlags(5, reduced_flags([clean, torch.tensor([float("nan"), 1.0])]), [])
     with pytest.warns(RuntimeWarning, match="step 5 were non-finite"):
         assert check.discard() == 5
     assert check.pending_step is None and check.stats.failures == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_the_folded_flag_is_the_identity_when_finite_and_nan_otherwise(dtype: torch.dtype) -> None:
+    """Element 0 of a bucket carries the flag: bit-identical for finite local gradients (signed
+    zeros, subnormals and extremes included), NaN as soon as any local magnitude is NaN or Inf."""
+    info = torch.finfo(dtype)
+    heads = [0.0, -0.0, info.tiny / 4, -info.max, info.max, 1.5, -3.25]
+    for head in heads:
+        for local in ([0.0], [1.0, 1e3], [2.0, 0.5]):
+            buffer = torch.tensor([head, 7.0], dtype=dtype)
+            before = buffer.clone()
+            fold_flag(buffer, local_norms([torch.tensor(local, dtype=dtype)]))
+            assert torch.equal(buffer.view(torch.uint8), before.view(torch.uint8)), (head, local)
+        for bad in (float("nan"), float("inf"), float("-inf")):
+            buffer = torch.tensor([head, 7.0], dtype=dtype)
+            fold_flag(buffer, local_norms([torch.tensor([1.0, bad], dtype=dtype), torch.ones(2, dtype=dtype)]))
+            assert torch.isnan(buffer[0]) and buffer[1] == 7.0
+    assert reduced_flags([]) is None
