@@ -299,6 +299,30 @@ def test_kubernetes_route_cordons_its_own_node(tmp_path: Path) -> None:
     assert calls[0] == "cordon node-x" and calls[1].startswith("label --overwrite node node-x"), calls
 
 
+@pytest.mark.slow
+def test_slurm_route_drains_the_named_node_and_requeues(tmp_path: Path) -> None:
+    """No Slurm here: ``srun`` is a stand-in that runs its one task on this machine, ``scontrol``
+    one that records its arguments; ``sdc run``, torchrun and the training are real."""
+    import socket
+
+    (tmp_path / "bin").mkdir()
+    fakes = {
+        "srun": '#!/bin/sh\nwhile [ "${1#-}" != "$1" ]; do shift; done\nexec "$@"\n',  # drop srun's options
+        "scontrol": f'#!/bin/sh\nif [ "$1 $2" = "show hostnames" ]; then echo 127.0.0.1; exit 0; fi\n'
+                    f'echo "$@" >> {tmp_path / "scontrol.log"}\n',
+    }  # fmt: skip
+    for name, text in fakes.items():
+        (tmp_path / "bin" / name).write_text(text)
+        (tmp_path / "bin" / name).chmod(0o755)
+    extra = _route_env(tmp_path) | {"SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "node-a", "SLURM_NNODES": "1"}
+    proc = launch(["bash", str(ROOT / "examples" / "after_detection" / "slurm_requeue.sh")], tmp_path, **extra)
+    assert proc.returncode == 86, proc.stdout[-2000:] + proc.stderr[-6000:]
+    host = socket.gethostname()  # every rank runs here: the faulty rank's host is this one
+    calls = (tmp_path / "scontrol.log").read_text().splitlines()
+    assert calls == [f"update NodeName={host} State=DRAIN Reason=SDC verdict, job 4242",
+                     f"update JobId=4242 ExcNodeList={host}", "requeue 4242"], calls  # fmt: skip
+
+
 def test_worker_restarted_after_a_verdict_stops_at_import(tmp_path: Path) -> None:
     """What a torchrun restart inside `sdc run` sees: a marker of attempt 0 of the same run."""
     marker = {"restart": 0, "run_id": "run-a", "error": {"message": "SDC check 'weight_fingerprint' failed"}}
