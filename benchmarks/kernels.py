@@ -6,6 +6,8 @@ run in alternating rounds over the same tensors and report GB/s and the ratio to
 
 * ``sum``: one ``sum`` per tensor, stacked, one host read at the end;
 * ``fingerprint``: ``combine(grouped_digests(...))`` as the weight fingerprint check runs it;
+* ``class_sums``: only the first stage of the digest, the (r, m) sums of the 64-bit words (no
+  weighting): the floor under ``fingerprint`` with torch's own kernels;
 * ``nonfinite_bucket``: what the gradient tap runs per 25 MB DDP bucket: the per-parameter norms
   of the local gradients (one ``_foreach_norm``, one read of the gradients), the flag folded
   into element 0 and read back (a few tiny kernels);
@@ -24,7 +26,7 @@ from typing import Any
 import torch
 
 from benchmarks.common import interleaved, summary
-from sdc_core.fingerprint import combine, grouped_digests
+from sdc_core.fingerprint import class_parts, combine, grouped_digests, words
 from sdc_core.gradients import any_nonfinite, fold_flag, local_norms, reduced_flags
 
 BUCKET_BYTES = 25 * 2**20
@@ -75,6 +77,7 @@ def candidates(tensors: list[torch.Tensor]) -> dict[str, Any]:
         "copy": lambda: copy_dst.copy_(flat),
         "sum": lambda: torch.stack([t.sum() for t in tensors]).sum().item(),
         "fingerprint": lambda: combine(grouped_digests(tensors)[0]).item(),
+        "class_sums": lambda: [class_parts(words(t)) for t in tensors],  # timed up to a device sync
         "nonfinite_bucket": nonfinite_bucket,
         "nonfinite_tensor": lambda: bool(any_nonfinite(tensors)),
         "sha1_host": sha1,

@@ -512,8 +512,10 @@ def markdown(results: dict[str, Any], command: str, plot_path: str | None) -> st
         "",
         "## What goes undetected, and why",
         "",
-        f"- **Small-magnitude compute faults** ({len(silent)} silent runs here; the largest moved the final weights "
-        f"by {max((r['weight_rel_diff'] for r in silent), default=0):.1e} relative): sign or low exponent/mantissa "
+        "- **Small-magnitude compute faults** ("
+        + (f"{len(silent)} silent runs here; the largest moved the final weights by "
+           f"{max(r['weight_rel_diff'] for r in silent):.1e} relative" if silent else "none silent here")
+        + "): sign or low exponent/mantissa "
         "flips of small activation or gradient elements change the step's loss and per-parameter gradient norm and "
         "sum by less than the replay's tolerance. With `exact=\"auto\"` (the default) a run whose replays prove "
         "bit-exact at the first audit (CPU here) is compared exactly and such faults are seen; where replays are "

@@ -127,7 +127,7 @@ def _mix(values: torch.Tensor, stream: int) -> torch.Tensor:
     return _wdot(values, _weights(stream, n, device)) + _wdot(values >> 32, _weights(stream + 1, n, device))
 
 
-def _words(t: torch.Tensor) -> torch.Tensor:
+def words(t: torch.Tensor) -> torch.Tensor:
     """The tensor's bytes as int64 words, zero-padded to a multiple of 8 (a view when possible)."""
     try:  # fast path, the common case: contiguous, aligned, a multiple of 8 bytes
         return t.view(-1).view(torch.int64)
@@ -168,7 +168,7 @@ def tensor_digest(t: torch.Tensor) -> torch.Tensor:
 
 def _digest(t: torch.Tensor) -> torch.Tensor:
     """``tensor_digest`` without the ``no_grad`` guard (the caller holds it): the hot loop."""
-    return _mix(class_sums(_words(t)), 0)
+    return _mix(class_sums(words(t)), 0)
 
 
 def tensor_digest_v1(t: torch.Tensor) -> torch.Tensor:
@@ -308,7 +308,7 @@ def grouped_digests(
     large, groups = group_small(tensors)
     slots = [-1] * len(tensors)  # per tensor: its unit's index, or -1 when it sits in a group buffer
     with torch.no_grad():
-        sums = [class_parts(_words(tensors[i])) for i in large]
+        sums = [class_parts(words(tensors[i])) for i in large]
     for unit, i in enumerate(large):
         slots[i] = unit
     buffers: list[torch.Tensor] = []
@@ -325,7 +325,7 @@ def grouped_digests(
             parts.append(torch.zeros(pad, dtype=dtype, device=dev))
         buffers.append(flatten(parts))
         with torch.no_grad():
-            sums.append(class_parts(_words(buffers[-1])))
+            sums.append(class_parts(words(buffers[-1])))
     with torch.no_grad():
         digests = mix_units(sums, device)
 
