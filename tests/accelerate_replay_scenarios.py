@@ -7,11 +7,8 @@
 
 from __future__ import annotations
 
-import argparse
 import gc
-import json
 import sys
-import traceback
 import warnings
 from pathlib import Path
 
@@ -23,6 +20,8 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from scenario_runner import parse, run_each
 
 from accelerate_sdc import SDCError, SDCHooks
 from sdc_core import Fault, FaultInjector
@@ -144,21 +143,10 @@ SCENARIOS = {
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True, type=Path)
-    parser.add_argument("--only", default=",".join(SCENARIOS))
-    args = parser.parse_args()
+    args = parse(",".join(SCENARIOS))
     acc = Accelerator(gradient_accumulation_steps=2, project_dir=str(args.out))  # incidents go there
-    args.out.mkdir(parents=True, exist_ok=True)
-    for name in args.only.split(","):
-        try:
-            result = SCENARIOS[name](acc)
-        except Exception:
-            result = {"crash": traceback.format_exc()}
-        (args.out / f"{name}.rank{acc.process_index}.json").write_text(json.dumps(result, default=repr))
-        gc.collect()  # free this scenario's DDP model now: one collected at interpreter exit can abort gloo
-        if "crash" in result:
-            raise SystemExit(f"scenario {name} crashed on rank {acc.process_index}:\n{result['crash']}")
+    # gc after each: free that scenario's DDP model now (one collected at interpreter exit can abort gloo)
+    run_each(args.only, lambda name: SCENARIOS[name](acc), args.out, acc.process_index, after_each=gc.collect)
     acc.end_training()
 
 

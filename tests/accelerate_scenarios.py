@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import sys
-import traceback
 import warnings
 from pathlib import Path
 from typing import Any
@@ -23,6 +21,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from scenario_runner import parse, run_each
 
 from accelerate_sdc import SDCError, SDCHooks
 from sdc_core import Fault, FaultInjector
@@ -122,27 +122,18 @@ def scenarios(out: Path) -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True, type=Path)
-    parser.add_argument("--only", required=True)
-    parser.add_argument("--accumulate", type=int, default=1)
-    parser.add_argument("--fp16-hook", action="store_true", help="DistributedDataParallelKwargs(comm_hook=FP16)")
-    args = parser.parse_args()
+    def options(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--accumulate", type=int, default=1)
+        parser.add_argument("--fp16-hook", action="store_true", help="DistributedDataParallelKwargs(comm_hook=FP16)")
+
+    args = parse(extra=options)
     handlers = [DistributedDataParallelKwargs(comm_hook=DDPCommunicationHookType.FP16)] if args.fp16_hook else []
     acc = Accelerator(gradient_accumulation_steps=args.accumulate, log_with="tensorboard",
                       project_dir=str(args.out / "tb"), kwargs_handlers=handlers)  # fmt: skip
     acc.init_trackers("sdc")
     args.out.mkdir(parents=True, exist_ok=True)
     table = scenarios(args.out)
-    for name in args.only.split(","):
-        try:
-            result = table[name](acc)
-        except Exception:
-            result = {"crash": traceback.format_exc()}
-        (args.out / f"{name}.rank{acc.process_index}.json").write_text(json.dumps(result, default=repr))
-        gc.collect()  # free this scenario's DDP model now: one collected at interpreter exit can abort gloo
-        if "crash" in result:
-            raise SystemExit(f"scenario {name} crashed on rank {acc.process_index}:\n{result['crash']}")
+    run_each(args.only, lambda name: table[name](acc), args.out, acc.process_index, after_each=gc.collect)
     acc.end_training()
 
 

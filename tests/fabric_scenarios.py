@@ -11,9 +11,7 @@ given through ``hooks.replayable``, or ``--capture forward``: the forward hooks 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-import traceback
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from accelerate_scenarios import Regressor
+from scenario_runner import parse, run_each
 
 from lightning_sdc.fabric import SDCHooks
 from sdc_core import Fault, FaultInjector, SDCError
@@ -113,27 +112,18 @@ def scenarios(fabric: Fabric, out: Path) -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True, type=Path)
-    parser.add_argument("--only", required=True)
-    parser.add_argument("--precision", default="32-true")
-    parser.add_argument("--capture", choices=["replayable", "forward"], default="replayable")
-    args = parser.parse_args()
+    def options(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--precision", default="32-true")
+        parser.add_argument("--capture", choices=["replayable", "forward"], default="replayable")
+
+    args = parse(extra=options)
     global CAPTURE
     CAPTURE = args.capture
-    args.out.mkdir(parents=True, exist_ok=True)
     fabric = Fabric(accelerator="cpu", strategy="ddp", devices=3, precision=args.precision,
                     loggers=TensorBoardLogger(str(args.out / "tb")))
     fabric.launch()
     table = scenarios(fabric, args.out)
-    for name in args.only.split(","):
-        try:
-            result = table[name]()
-        except Exception:
-            result = {"crash": traceback.format_exc()}
-        (args.out / f"{name}.rank{fabric.global_rank}.json").write_text(json.dumps(result, default=repr))
-        if "crash" in result:
-            raise SystemExit(f"scenario {name} crashed on rank {fabric.global_rank}:\n{result['crash']}")
+    run_each(args.only, lambda name: table[name](), args.out, fabric.global_rank)
     for logger in fabric.loggers:
         logger.finalize("success")
 

@@ -9,11 +9,8 @@ checkpointing and its own ``compute_loss``.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
-import traceback
 import warnings
 from pathlib import Path
 from typing import Any
@@ -23,6 +20,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from scenario_runner import parse, run_each
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments, set_seed
 
 from accelerate_sdc import SDCConfigError, SDCError
@@ -135,24 +133,11 @@ def scenarios(out: Path) -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True, type=Path)
-    parser.add_argument("--only", required=True)
-    parser.add_argument("--bf16", action="store_true", help="TrainingArguments(bf16=True)")
-    args = parser.parse_args()
+    args = parse(extra=lambda p: p.add_argument("--bf16", action="store_true", help="TrainingArguments(bf16=True)"))
     global BF16
     BF16 = args.bf16
-    args.out.mkdir(parents=True, exist_ok=True)
-    rank = int(os.environ["RANK"])
     table = scenarios(args.out)
-    for name in args.only.split(","):
-        try:
-            result = table[name]()
-        except Exception:
-            result = {"crash": traceback.format_exc()}
-        (args.out / f"{name}.rank{rank}.json").write_text(json.dumps(result, default=repr))
-        if "crash" in result:
-            raise SystemExit(f"scenario {name} crashed on rank {rank}:\n{result['crash']}")
+    run_each(args.only, lambda name: table[name](), args.out, int(os.environ["RANK"]))
 
 
 if __name__ == "__main__":

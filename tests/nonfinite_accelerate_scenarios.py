@@ -7,10 +7,7 @@
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
-import traceback
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from accelerate_scenarios import Regressor, loader
+from scenario_runner import parse, run_each
 
 from accelerate_sdc import SDCError, SDCHooks
 from sdc_core import Fault, FaultInjector
@@ -76,21 +74,10 @@ def scenarios(out: Path) -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True, type=Path)
-    parser.add_argument("--only", default="clip,save_after_nan")
-    args = parser.parse_args()
+    args = parse("clip,save_after_nan")
     acc = Accelerator(project_dir=str(args.out / "run"))  # incidents go to <out>/run/sdc/incidents
-    args.out.mkdir(parents=True, exist_ok=True)
     table = scenarios(args.out)
-    for name in args.only.split(","):
-        try:
-            result = table[name](acc)
-        except Exception:
-            result = {"crash": traceback.format_exc()}
-        (args.out / f"{name}.rank{acc.process_index}.json").write_text(json.dumps(result, default=repr))
-        if "crash" in result:
-            raise SystemExit(f"scenario {name} crashed on rank {acc.process_index}:\n{result['crash']}")
+    run_each(args.only, lambda name: table[name](acc), args.out, acc.process_index)
     acc.end_training()
 
 

@@ -7,12 +7,8 @@ and writes ``DIR/<scenario>.rank<r>.json``.
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import sys
 import threading
-import traceback
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ddp_scenarios import fit
+from scenario_runner import main_for
 
 from lightning_sdc import Fault, FaultInjector, NonFiniteGradientCheck
 
@@ -127,20 +124,7 @@ SCENARIOS: dict[str, Any] = {
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True, type=Path)
-    parser.add_argument("--only", default=",".join(SCENARIOS))
-    args = parser.parse_args()
-    rank = int(os.environ["RANK"])
-    args.out.mkdir(parents=True, exist_ok=True)
-    for name in args.only.split(","):
-        try:
-            result = SCENARIOS[name](args.out)
-        except Exception:
-            result = {"crash": traceback.format_exc()}
-        (args.out / f"{name}.rank{rank}.json").write_text(json.dumps(result, default=repr))
-        if "crash" in result:
-            raise SystemExit(f"scenario {name} crashed on rank {rank}:\n{result['crash']}")
+    main_for(SCENARIOS)
 
 
 if __name__ == "__main__":

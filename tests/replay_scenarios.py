@@ -8,12 +8,9 @@ weights and buffers, metric state, counters).
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import random
 import sys
-import traceback
 import warnings
 from datetime import timedelta
 from pathlib import Path
@@ -29,6 +26,8 @@ from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from scenario_runner import parse, run_each
 
 from lightning_sdc import Fault, FaultInjector, ReplayUnavailableError, RingReplayAudit, SDCError
 from sdc_core.fingerprint import combine, tensor_digests
@@ -192,21 +191,9 @@ SCENARIOS: dict[str, Any] = {
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True, type=Path)
-    parser.add_argument("--only", default=",".join(SCENARIOS))
-    args = parser.parse_args()
-    rank = int(os.environ["RANK"])
-    args.out.mkdir(parents=True, exist_ok=True)
+    args = parse(",".join(SCENARIOS))
     OUT[0] = args.out
-    for name in args.only.split(","):
-        try:
-            result = SCENARIOS[name]()
-        except Exception:
-            result = {"crash": traceback.format_exc()}
-        (args.out / f"{name}.rank{rank}.json").write_text(json.dumps(result, default=repr))
-        if "crash" in result:
-            raise SystemExit(f"scenario {name} crashed on rank {rank}:\n{result['crash']}")
+    run_each(args.only, lambda name: SCENARIOS[name](), args.out, int(os.environ["RANK"]))
 
 
 if __name__ == "__main__":

@@ -4,10 +4,7 @@
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
-import traceback
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +15,7 @@ from accelerate.utils import set_seed
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from accelerate_scenarios import Regressor, loader
+from scenario_runner import parse, run_each
 
 from accelerate_sdc import SDCError, SDCHooks
 from sdc_core.faults import flip_bit
@@ -93,23 +91,10 @@ def scenarios(out: Path) -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True, type=Path)
-    parser.add_argument("--only", required=True)
-    args = parser.parse_args()
+    args = parse()
     acc = Accelerator(project_dir=str(args.out))  # incidents go under the test folder
-    args.out.mkdir(parents=True, exist_ok=True)
-    table = scenarios(args.out)
-    for name in args.only.split(","):
-        if name == "save_flip":
-            table[name] = _save_flip(args.out)
-        try:
-            result = table[name](acc)
-        except Exception:
-            result = {"crash": traceback.format_exc()}
-        (args.out / f"{name}.rank{acc.process_index}.json").write_text(json.dumps(result, default=repr))
-        if "crash" in result:
-            raise SystemExit(f"scenario {name} crashed on rank {acc.process_index}:\n{result['crash']}")
+    table = scenarios(args.out) | {"save_flip": _save_flip(args.out)}
+    run_each(args.only, lambda name: table[name](acc), args.out, acc.process_index)
     acc.end_training()
 
 

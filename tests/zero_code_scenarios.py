@@ -8,11 +8,8 @@ the caller. The checks come from the entry point; the model itself flips a weigh
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
-import traceback
 import warnings
 from pathlib import Path
 from typing import Any
@@ -24,6 +21,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from scenario_runner import parse, run_each
 
 from lightning_sdc import RingReplayAudit, SDCError
 from sdc_core import flip_bit
@@ -109,21 +108,9 @@ def scenarios(out: Path) -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True, type=Path)
-    parser.add_argument("--only", required=True)
-    args = parser.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
-    rank = int(os.environ["RANK"])
+    args = parse()
     table = scenarios(args.out)
-    for name in args.only.split(","):
-        try:
-            result = table[name]()
-        except Exception:
-            result = {"crash": traceback.format_exc()}
-        (args.out / f"{name}.rank{rank}.json").write_text(json.dumps(result, default=repr))
-        if "crash" in result:
-            raise SystemExit(f"scenario {name} crashed on rank {rank}:\n{result['crash']}")
+    run_each(args.only, lambda name: table[name](), args.out, int(os.environ["RANK"]))
 
 
 if __name__ == "__main__":
