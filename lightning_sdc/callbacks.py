@@ -428,7 +428,13 @@ class RingReplayAudit(_SDCCallback):
         super().on_fit_start(trainer, pl_module)
         if c.is_sharded(trainer):  # FSDP2: every rank replays its partner's batch through the sharded model
             self._core = ShardedReplay(self._core.config, self._core.stats, self._core.topology)
-            self._core.attach(pl_module)
+            self._core.attach(
+                pl_module,
+                exclude=c.lightning_internals(),
+                get_state=getattr(pl_module, "sdc_replay_state", None),
+                load_state=getattr(pl_module, "sdc_load_replay_state", None),
+            )
+            self._wrap_training_step(pl_module)
         elif c.is_ddp(trainer):
             names = [n for n, p in pl_module.named_parameters() if p.requires_grad]
             self._core.attach(c.gradient_tap(trainer, pl_module), names)
@@ -473,10 +479,8 @@ class RingReplayAudit(_SDCCallback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         if self._core.arm(trainer.global_step):
-            if self._training_step is None:  # sharded: the core records inputs and RNG only
-                self._core.record(batch, batch_idx, pl_module.device)
-            else:  # the state is captured where training_step starts
-                self._core.record(batch, batch_idx, pl_module.device, state=False)
+            # the state is captured where training_step starts (the wrapper calls begin)
+            self._core.record(batch, batch_idx, pl_module.device, state=self._training_step is None)
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
         self._core.record_loss(loss)
