@@ -5,7 +5,9 @@ Accelerate's FSDP2 path applies ``fully_shard`` in place: the prepared model is 
 the non-finite check reads each rank's local gradients in the FSDP reduce-scatter, the fingerprint
 compares shards within their replica groups and re-checks unreplicated shards before each forward;
 the ring replay has every rank replay its partner's recorded forward inputs through the sharded
-model together (the model's forward hooks record them and the module state, as under DDP).
+model together (the model's forward hooks record them and the module state, as under DDP);
+with ``update_audit_every_n_steps`` a partner recomputes each rank's optimizer update of its shard
+(the optimizer's step hooks snapshot and audit it).
 """
 
 from __future__ import annotations
@@ -45,6 +47,19 @@ def attach(hooks: Any, model: nn.Module, optimizer: Any) -> Any:
                 fingerprint.before_use()
 
         hooks._handles.append(model.register_forward_pre_hook(before_forward))
+    hooks.update_audit = audit = hooks.settings.update_audit()
+    if audit is not None:  # wrong updates of shards without replicas: a partner recomputes them
+        audit.topology = topo
+        audit.attach(optimizer, model)
+        inner = getattr(optimizer, "optimizer", optimizer)  # the hooks run on sync steps only
+
+        def before(opt: Any, *_: Any) -> None:
+            audit.before_update(hooks.step, opt)
+
+        def after(opt: Any, *_: Any) -> None:  # runs after the audit's own digest hook (registered first)
+            hooks._verdict(audit, lambda: audit.audit(hooks.step), "raise")
+
+        hooks._handles += [inner.register_step_pre_hook(before), inner.register_step_post_hook(after)]
     hooks._wrap_step(optimizer)
     hooks._model, hooks._optimizer = model, optimizer
     acc = hooks.accelerator

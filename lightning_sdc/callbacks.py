@@ -28,7 +28,7 @@ from sdc_core.incidents import install_exit_code, mark_verdict, record_verdict
 from sdc_core.replay import ReplayConfig, RingReplay, StateCapture
 from sdc_core.sharded import ShardedFingerprint, ShardedNonFinite
 from sdc_core.sharded_replay import ShardedReplay
-from sdc_core.sharded_update import UpdateAudit
+from sdc_core.sharded_update import UpdateAudit, update_audit
 
 
 class _SDCCallback(Callback):
@@ -364,9 +364,7 @@ class WeightFingerprintCheck(_SDCCallback):
 
 
 def sharded_update_audit(every_n_steps: int) -> UpdateAudit | None:
-    if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 0:
-        raise ValueError(f"update_audit_every_n_steps must be an integer >= 0, got {every_n_steps!r}")
-    return UpdateAudit(every_n_steps) if every_n_steps else None
+    return update_audit(every_n_steps)
 
 
 class RingReplayAudit(_SDCCallback):

@@ -208,4 +208,13 @@ def test_accelerate_attach_on_an_fsdp2_model(accelerate_fsdp2: Path) -> None:
     assert rest["rank"] == 1 and rest["details"]["changed_at_rest"] == {"1": ["param:body.weight"]}
     compute = same_error(accelerate_fsdp2, "compute", 4, "ReplayMismatchError")
     assert compute["rank"] == 3 and compute["step"] == 2
-    assert len(list((accelerate_fsdp2 / "sdc" / "incidents").glob("*.json"))) == 3  # one per verdict, rank 0
+    # update_audit_every_n_steps as an SDCHooks setting: a wrong update on rank 1 named by recomputation
+    update = same_error(accelerate_fsdp2, "update_fault", 4, "FingerprintMismatchError")
+    assert update["rank"] == 1 and update["step"] == 4
+    assert update["details"]["update_audit"] == [{"owner": 1, "recomputed_by": 2, "tensors": ["body.weight"]}]
+    # a stateful forward (counter, EMA buffer): exact replays, bit-identical with the replay off
+    on, off = results(accelerate_fsdp2, "stateful_on", 4), results(accelerate_fsdp2, "stateful_off", 4)
+    assert all(r["error"] is None and r["calls"] == 8 for r in on + off)
+    assert [r["weights"] for r in on] == [r["weights"] for r in off]
+    assert on[0]["runs"]["sdc/ring_replay/runs"] == 4.0 and on[0]["update_audit"]["runs"] == 8
+    assert len(list((accelerate_fsdp2 / "sdc" / "incidents").glob("*.json"))) == 4  # one per verdict, rank 0
