@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from sharded_scenarios import ShardedNet, fit
 
-from lightning_sdc import Fault, FaultInjector, ReplayUnavailableError, RingReplayAudit
+from lightning_sdc import Fault, FaultInjector, NonFiniteGradientCheck, ReplayUnavailableError, RingReplayAudit
 from sdc_core.fingerprint import combine, tensor_digests
 from sdc_core.sharded import local
 
@@ -124,6 +124,25 @@ class DataDependentFault(L.Callback):
             self.batch = batch[0].clone()
 
 
+def quiet(out: Path, name: str, model: ShardedNet) -> dict[str, Any]:
+    """``NonFiniteGradientCheck`` alone; counts the all-reduces the SDC code issues (none in band)."""
+    calls = {"sdc": 0}
+    original = torch.distributed.all_reduce
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        if sys._getframe(1).f_globals.get("__name__", "").startswith("sdc_core"):
+            calls["sdc"] += 1
+        return original(*args, **kwargs)
+
+    check = NonFiniteGradientCheck()
+    torch.distributed.all_reduce = counting
+    try:
+        result = fit(out, name, [check], model=model)
+    finally:
+        torch.distributed.all_reduce = original
+    return result | {"sdc_all_reduces": calls["sdc"], "in_band": check._core.in_band}
+
+
 def fault(mode: str, **kw: Any) -> list[Any]:
     return [
         FaultInjector([Fault("module_output", rank=2, step=2, target="layers.2", factor=1.2, mode=mode)]),
@@ -139,6 +158,10 @@ SCENARIOS: dict[str, Any] = {
     # one pair disagrees, a referee settles it
     "referee": lambda o: fit(o, "referee", fault("intermittent")),
     "referee_skip": lambda o: fit(o, "referee_skip", fault("intermittent", on_failure="skip_step")),
+    # the non-finite check without a collective of its own: clean (bit-identical to "off" of
+    # sharded_scenarios.py is tested there) and NaN on one rank, bf16 parameters
+    "quiet_clean": lambda o: quiet(o, "quiet_clean", ShardedNet(bf16=True)),
+    "quiet_nan": lambda o: quiet(o, "quiet_nan", ShardedNet(bf16=True, nan_at=([1], 3))),
     # a persistent fault seen by one pair only: the referee names the rank, skip_step does not hide it
     "data_fault": lambda o: fit(o, "data_fault", [DataDependentFault(), RingReplayAudit(every_n_steps=2,
                                                                                        on_failure="skip_step")]),

@@ -1,6 +1,6 @@
 """The ring replay audit on FSDP2 (4 CPU ranks, Lightning ModelParallelStrategy): stateful steps,
-the trust rule, the referee round and skip_step. One ``torchrun`` launch of
-``tests/sharded_replay_scenarios.py`` over gloo runs every scenario.
+the trust rule, the referee round and skip_step; the non-finite check without a collective of its
+own. One ``torchrun`` launch of ``tests/sharded_replay_scenarios.py`` over gloo runs every scenario.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ WORLD = 4
 
 @pytest.fixture(scope="module")
 def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    names = ["stateful_off", "stateful_on", "opaque", "referee", "referee_skip", "data_fault"]
+    names = ["stateful_off", "stateful_on", "opaque", "referee", "referee_skip", "data_fault", "quiet_clean",
+             "quiet_nan"]
     return launch(tmp_path_factory.mktemp("sharded_replay"), names, WORLD, script=SCENARIOS)
 
 
@@ -60,3 +61,15 @@ def test_skip_step_drops_transient_fault_steps_alike_on_every_rank(out: Path) ->
     rows = results(out, "referee_skip", WORLD)
     assert all(r["error"] is None and r["global_step"] == 8 and r["finite"] for r in rows)
     assert all(r["states"]["RingReplayAudit"]["extra"]["skipped_steps"] == 3 for r in rows)  # steps 2, 4, 6
+
+
+def test_nonfinite_check_under_fsdp2_issues_no_collective_of_its_own(out: Path) -> None:
+    """The flag rides in the reduce-scatter input; each rank reads its own reduced shard. A clean
+    bf16 run raises nothing (bit-identity with the check off: test_sharded.py's clean run)."""
+    for r in results(out, "quiet_clean", WORLD):
+        assert r["error"] is None and r["global_step"] == 8 and r["in_band"] is True
+        assert r["sdc_all_reduces"] == 0
+        assert r["states"]["NonFiniteGradientCheck"]["runs"] == 8
+    err = same_error(out, "quiet_nan", WORLD, "NonFiniteGradientError")
+    assert err["rank"] == 1 and err["step"] == 3 and err["details"]["pattern"] == "one_rank"
+    assert all(r["sdc_all_reduces"] == 0 for r in results(out, "quiet_nan", WORLD))
