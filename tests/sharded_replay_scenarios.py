@@ -54,9 +54,13 @@ class StatefulSharded(ShardedNet):
         self.opaque = Opaque() if opaque else None
 
     def configure_model(self) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
-        fully_shard(self.teacher, mesh=self.device_mesh["data_parallel"])
+        world = torch.distributed.get_world_size()
+        mesh = (init_device_mesh("cpu", (self.hsdp, world // self.hsdp), mesh_dim_names=("replicate", "shard"))
+                if self.hsdp else self.device_mesh["data_parallel"])  # fmt: skip
+        fully_shard(self.teacher, mesh=mesh)
         super().configure_model()
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
@@ -81,10 +85,10 @@ class StatefulSharded(ShardedNet):
         return loss
 
 
-def stateful(out: Path, name: str, audit: bool, opaque: bool = False, **kw: Any) -> dict[str, Any]:
+def stateful(out: Path, name: str, audit: bool, opaque: bool = False, hsdp: int = 0, **kw: Any) -> dict[str, Any]:
     random.seed(3)
     np.random.seed(3)
-    model = StatefulSharded(opaque=opaque)
+    model = StatefulSharded(opaque=opaque, hsdp=hsdp)
     callbacks = [RingReplayAudit(every_n_steps=2, **({"exact": True} | kw))] if audit else []
     try:
         result = fit(out, name, callbacks, model=model, accumulate_grad_batches=2)
@@ -162,6 +166,11 @@ SCENARIOS: dict[str, Any] = {
     # sharded_scenarios.py is tested there) and NaN on one rank, bf16 parameters
     "quiet_clean": lambda o: quiet(o, "quiet_clean", ShardedNet(bf16=True)),
     "quiet_nan": lambda o: quiet(o, "quiet_nan", ShardedNet(bf16=True, nan_at=([1], 3))),
+    # HSDP 3 x 2 (6 ranks): a clean stateful run with accumulation, and a referee naming rank 3
+    "hsdp_stateful": lambda o: stateful(o, "hsdp_stateful", audit=True, hsdp=3),
+    "hsdp_referee": lambda o: fit(o, "hsdp_referee", [
+        FaultInjector([Fault("module_output", rank=3, step=2, target="layers.2", factor=1.2, mode="intermittent")]),
+        RingReplayAudit(every_n_steps=2)], model=ShardedNet(hsdp=3)),
     # a persistent fault seen by one pair only: the referee names the rank, skip_step does not hide it
     "data_fault": lambda o: fit(o, "data_fault", [DataDependentFault(), RingReplayAudit(every_n_steps=2,
                                                                                        on_failure="skip_step")]),

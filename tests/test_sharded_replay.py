@@ -73,3 +73,18 @@ def test_nonfinite_check_under_fsdp2_issues_no_collective_of_its_own(out: Path) 
     err = same_error(out, "quiet_nan", WORLD, "NonFiniteGradientError")
     assert err["rank"] == 1 and err["step"] == 3 and err["details"]["pattern"] == "one_rank"
     assert all(r["sdc_all_reduces"] == 0 for r in results(out, "quiet_nan", WORLD))
+
+
+@pytest.fixture(scope="module")
+def hsdp(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return launch(tmp_path_factory.mktemp("hsdp_replay"), ["hsdp_stateful", "hsdp_referee"], 6, script=SCENARIOS)
+
+
+@pytest.mark.slow  # a second 6-rank launch (the default run holds one per topology)
+def test_hsdp_stateful_replay_is_quiet_and_a_referee_names_the_rank(hsdp: Path) -> None:
+    rows = results(hsdp, "hsdp_stateful", 6)
+    assert all(r["error"] is None and r["global_step"] == 8 for r in rows)
+    assert rows[0]["states"]["RingReplayAudit"]["runs"] == 4 and rows[0]["states"]["RingReplayAudit"]["max_diff"] == 0
+    err = same_error(hsdp, "hsdp_referee", 6, "ReplayMismatchError")
+    assert err["rank"] == 3
+    assert err["details"]["rulings"] == {"3->4": "referee agrees with the replayer: the owner is faulty"}
