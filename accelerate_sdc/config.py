@@ -31,6 +31,7 @@ import yaml
 from sdc_core.fingerprint import FingerprintConfig
 from sdc_core.gradients import NonFiniteConfig
 from sdc_core.replay import ReplayConfig
+from sdc_core.sharded_update import UpdateAudit, update_audit
 
 ENV_PREFIX = "ACCELERATE_SDC_"
 CONFIG_FILE_ENV = ENV_PREFIX + "CONFIG_FILE"
@@ -46,7 +47,9 @@ class SDCSettings:
     """All settings of ``SDCHooks`` (names mirror the Lightning callbacks' arguments).
 
     ``replay_every_n_steps`` and ``fingerprint_every_n_steps`` of 0 turn that check off;
-    ``nonfinite_gradient=False`` turns the gradient check off.
+    ``nonfinite_gradient=False`` turns the gradient check off. ``update_audit_every_n_steps``
+    (default 0, off) applies to FSDP2 models only (``WeightFingerprintCheck``'s argument of the
+    same name); a DDP run ignores it.
     """
 
     nonfinite_gradient: bool = True
@@ -65,6 +68,7 @@ class SDCSettings:
     include_optimizer_state: bool = False
     fingerprint_on_failure: str = "raise"
     max_heals: int = 3
+    update_audit_every_n_steps: int = 0
     log_every_n_steps: int = 50
 
     def nonfinite(self) -> NonFiniteConfig | None:
@@ -90,6 +94,10 @@ class SDCSettings:
             self.fingerprint_on_failure,
             self.max_heals,
         )
+
+    def update_audit(self) -> UpdateAudit | None:
+        """FSDP2 without replicas: a partner recomputes each rank's optimizer update every n-th step."""
+        return update_audit(self.update_audit_every_n_steps)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -235,6 +243,7 @@ def resolve(**kwargs: Any) -> tuple[SDCSettings, dict[str, str]]:
         (checked.fingerprint, {"every_n_steps": "fingerprint_every_n_steps", "include_buffers": "include_buffers",
                                 "include_optimizer_state": "include_optimizer_state",
                                 "on_failure": "fingerprint_on_failure", "max_heals": "max_heals"}),
+        (checked.update_audit, {"update_audit_every_n_steps": "update_audit_every_n_steps"}),
     )  # fmt: skip
     for key in ("on_failure", "replay_on_failure", "fingerprint_on_failure"):
         if getattr(settings, key) == "rollback":

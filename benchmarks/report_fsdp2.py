@@ -45,15 +45,15 @@ optimizer state tensors per parameter (AdamW: 2), B the bytes of a micro-batch.
 
 | check | clean step: reads | clean step: traffic | extra memory |
 |---|---|---|---|
-| `NonFiniteGradientCheck` | U (one `aminmax` per group, in the reduce-scatter) | one 4-byte all-reduce over W, read one step later (before the update with skip_step, rollback or a GradScaler) | 16 B x G per micro-batch |
+| `NonFiniteGradientCheck` | U (one `aminmax` per group, in the reduce-scatter) | none of its own: the flag rides in the reduce-scatter input (F elements per group changed by x - 0.0) and each rank reads element 0 of its reduced shards, one step later (before the update with skip_step, rollback or a GradScaler); one 4-byte all-reduce over W only where FSDP meshes do not span the world (TP, PP) | 16 B x G + one element per group per micro-batch |
 | `WeightFingerprintCheck`, replicated shards (HSDP, TP) | S | 16 B all-reduced in the replica group (R ranks) + 16 B over W | copy of the tensors under 4,096 elements |
 | `WeightFingerprintCheck`, unreplicated shards (pure FSDP) | 2 S (after the update, before the next forward) | the same 16 B over W (no replica group) | the same |
-| `RingReplayAudit`, audited step | one forward and backward per micro-batch | B point to point, the all-gathers of a forward and backward ((F - 1)/F x P each), no reduce-scatter, 24 B x W all-gathered | the partner's micro-batches; the replay's transient activations and unsharded gradients (as a training micro-batch) |
+| `RingReplayAudit`, audited step | one forward and backward per micro-batch (twice at the first audit: the same-device re-run) | B and the captured state point to point, the all-gathers of a forward and backward ((F - 1)/F x P each), no reduce-scatter, 56 B x W all-gathered (a readiness flag and the verdict row) | the partner's micro-batches and state (buffers, attributes, frozen shards: at most `max_state_mb`); the replay's transient activations and unsharded gradients (as a training micro-batch) |
 | update audit, audited step | (2 + k) S copied, one optimizer step on S | (2 + k) S sent and received point to point, 16 B x W all-gathered | 3 (2 + k) S at peak (own snapshot, partner's, recomputation) |
 
 On a mismatch only: per-tensor digests (8 B x T) and names gathered over W; a referee round
 resends one snapshot. Averaged over cadences n (replay) and m (update audit) the per-step traffic
-is 20 B + (B + 24 W) / n + ((2 + k) S + 16 W) / m: at W = 1,024, n = m = 100, a 1 GB shard and
+is 16 B + (B + 56 W) / n + ((2 + k) S + 16 W) / m: at W = 1,024, n = m = 100, a 1 GB shard and
 Adam, the update audit dominates with 40 MB per step, which is why it is off by default and meant
 for cadences of hundreds to thousands of steps.
 """

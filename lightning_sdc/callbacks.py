@@ -28,7 +28,7 @@ from sdc_core.incidents import install_exit_code, mark_verdict, record_verdict
 from sdc_core.replay import ReplayConfig, RingReplay, StateCapture
 from sdc_core.sharded import ShardedFingerprint, ShardedNonFinite
 from sdc_core.sharded_replay import ShardedReplay
-from sdc_core.sharded_update import UpdateAudit
+from sdc_core.sharded_update import UpdateAudit, update_audit
 
 
 class _SDCCallback(Callback):
@@ -364,9 +364,7 @@ class WeightFingerprintCheck(_SDCCallback):
 
 
 def sharded_update_audit(every_n_steps: int) -> UpdateAudit | None:
-    if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 0:
-        raise ValueError(f"update_audit_every_n_steps must be an integer >= 0, got {every_n_steps!r}")
-    return UpdateAudit(every_n_steps) if every_n_steps else None
+    return update_audit(every_n_steps)
 
 
 class RingReplayAudit(_SDCCallback):
@@ -428,7 +426,13 @@ class RingReplayAudit(_SDCCallback):
         super().on_fit_start(trainer, pl_module)
         if c.is_sharded(trainer):  # FSDP2: every rank replays its partner's batch through the sharded model
             self._core = ShardedReplay(self._core.config, self._core.stats, self._core.topology)
-            self._core.attach(pl_module)
+            self._core.attach(
+                pl_module,
+                exclude=c.lightning_internals(),
+                get_state=getattr(pl_module, "sdc_replay_state", None),
+                load_state=getattr(pl_module, "sdc_load_replay_state", None),
+            )
+            self._wrap_training_step(pl_module)
         elif c.is_ddp(trainer):
             names = [n for n, p in pl_module.named_parameters() if p.requires_grad]
             self._core.attach(c.gradient_tap(trainer, pl_module), names)
@@ -473,10 +477,8 @@ class RingReplayAudit(_SDCCallback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         if self._core.arm(trainer.global_step):
-            if self._training_step is None:  # sharded: the core records inputs and RNG only
-                self._core.record(batch, batch_idx, pl_module.device)
-            else:  # the state is captured where training_step starts
-                self._core.record(batch, batch_idx, pl_module.device, state=False)
+            # the state is captured where training_step starts (the wrapper calls begin)
+            self._core.record(batch, batch_idx, pl_module.device, state=self._training_step is None)
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
         self._core.record_loss(loss)

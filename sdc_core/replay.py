@@ -791,6 +791,7 @@ class RingReplay:
     advice: str = LIGHTNING_ADVICE
     disabled: bool = False
     replaying: bool = False
+    lockstep: bool = False  # replays run collectives (sharded models): every rank replays in every round
     _armed_step: int | None = None
     _micro: list[MicroBatch] = field(default_factory=list)
     _loss: torch.Tensor | None = None
@@ -882,6 +883,22 @@ class RingReplay:
     def _own_digest(self) -> Digest:
         return _assemble(self.names, self._local, self._loss if self._loss is not None else 0.0)
 
+    def _replay_digest(
+        self,
+        module: nn.Module,
+        batches: list[MicroBatch],
+        step_fn: StepFn,
+        to_device: Callable[[Any], Any],
+        context: Callable[[], AbstractContextManager[Any]],
+    ) -> Digest:
+        """Recompute ``batches`` on this rank (no collective, no side effect) and digest the result."""
+        self.replaying = True
+        try:
+            loss, grads = replay_gradients(module, self.names, batches, step_fn, to_device, context, self.capture)
+        finally:
+            self.replaying = False
+        return grad_digest(self.names, grads, loss)
+
     def _unreplayable(self, step: int, message: str) -> bool:
         """Every rank alike: raise ``ReplayUnavailableError``, or warn once and turn the audit off."""
         self.stats.bump("unreplayable")
@@ -927,21 +944,18 @@ class RingReplay:
         atol = float(self.config.atol)
 
         def replay(batches: list[MicroBatch]) -> Digest:
-            self.replaying = True
-            try:
-                loss, grads = replay_gradients(module, self.names, batches, step_fn, to_device, context, self.capture)
-            finally:
-                self.replaying = False
-            return grad_digest(self.names, grads, loss)
+            return self._replay_digest(module, batches, step_fn, to_device, context)
 
-        def replay_payload(payload: dict[str, Any]) -> Digest:
+        def prepare(payload: dict[str, Any]) -> list[MicroBatch]:
             if TRANSFER_ERROR in payload:
                 raise RuntimeError(payload[TRANSFER_ERROR])
-            batches = [
+            return [
                 MicroBatch(**{**vars(mb), "state": StateCapture.resolve(mb.state, own_states)})
                 for mb in payload["micro"]
             ]
-            return replay(batches)
+
+        def replay_payload(payload: dict[str, Any]) -> Digest:
+            return replay(prepare(payload))
 
         def attempt(fn: Callable[[], Digest]) -> tuple[Digest | None, str]:
             try:
@@ -960,7 +974,17 @@ class RingReplay:
             failure = failure or f"preparing its micro-batches: {_describe(err)}"
             payload = {TRANSFER_ERROR: f"the owner could not send its micro-batches: {_describe(err)}"}
         received = exchange({partners[me]: payload}, [inverse[me]])[inverse[me]]
-        mine, replay_failure = attempt(lambda: replay_payload(received))
+        if self.lockstep:  # replays are collective: every rank must be able to start one, or none does
+            try:
+                batches, prep_failure = prepare(received), ""
+            except Exception as err:
+                batches, prep_failure = [], _describe(err)
+            failure = failure or prep_failure
+            if any(all_gather_tensor(torch.tensor([float(bool(failure))], dtype=torch.float64)).flatten().tolist()):
+                return self._failed(step, all_gather_objects(failure), inverse, t0)
+            mine, replay_failure = attempt(lambda: replay(batches))
+        else:
+            mine, replay_failure = attempt(lambda: replay_payload(received))
         failure = failure or replay_failure
         cross = compare_raw(received["digest"], mine, self.names, atol) if mine is not None else (True, 0.0, "")
         first = not self._calibrated
@@ -1025,7 +1049,7 @@ class RingReplay:
             self.stats.add_time(time.perf_counter() - t0)
             return False
         return self._attribute(step, topo, partners, inverse, table, mismatching, micro, own, received, mine,
-                               replay, replay_payload, attempt, t0)  # fmt: skip
+                               replay, prepare, replay_payload, attempt, t0)  # fmt: skip
 
     @staticmethod
     def _for_transfer(micro: Sequence[MicroBatch]) -> list[MicroBatch]:
@@ -1059,7 +1083,7 @@ class RingReplay:
         )
 
     def _attribute(self, step, topo, partners, inverse, table, mismatching, micro, own, received, mine,  # type: ignore[no-untyped-def]
-                   replay, replay_payload, attempt, t0) -> bool:  # fmt: skip
+                   replay, prepare, replay_payload, attempt, t0) -> bool:  # fmt: skip
         """Rare path: attribute the disagreeing pairs, with a referee round for pairs no culprit
         explains, and classify the named rank's fault; raises ``ReplayMismatchError``."""
         world, me = topo.world_size, topo.rank
@@ -1092,9 +1116,23 @@ class RingReplay:
         got = exchange(sends, recv_from) if referees else {}
         my_rulings: dict[tuple[int, int], tuple[bool, bool]] = {}
         my_failure = ""
-        for (o, q), t in referees.items():
-            if t != me:
+        jobs = [(o, q) for (o, q), t in referees.items() if t == me]
+        rounds = len(jobs)
+        if self.lockstep:  # replays are collective: every rank replays in every referee round
+            for o, q in jobs:
+                try:
+                    prepare(got[o])
+                except Exception as err:
+                    my_failure = my_failure or f"refereeing {o}->{q}: {_describe(err)}"
+            if any(all_gather_tensor(torch.tensor([float(bool(my_failure))], dtype=torch.float64)).flatten().tolist()):
+                return self._failed(step, all_gather_objects(my_failure), inverse, t0)
+            assigned = list(referees.values())
+            rounds = max(assigned.count(r) for r in range(world))
+        for i in range(rounds):
+            if i >= len(jobs):  # lockstep: no pair for this rank in this round; its replay joins the others'
+                attempt(lambda: replay(micro))
                 continue
+            o, q = jobs[i]
             ref, err = attempt(lambda o=o: replay_payload(got[o]))
             if ref is None:
                 my_failure = f"refereeing {o}->{q}: {err}"
@@ -1118,6 +1156,8 @@ class RingReplay:
                     mine_again = f"unknown ({err.split(':')[0]})"
                 else:
                     mine_again = "persistent" if before is not None and not differs(before, again) else "transient"
+            elif self.lockstep:  # the suspect's re-run is collective: the others replay alongside
+                attempt(lambda: replay(micro))
             classification = all_gather_objects(mine_again)[rank]
         self.stats.failures += 1
         self.stats.add_time(time.perf_counter() - t0)

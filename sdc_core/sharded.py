@@ -9,7 +9,8 @@ shard; tensor parallel: the TP ranks of a parameter that TP leaves replicated.
 * ``ShardedNonFinite``: every rank's LOCAL unsharded gradients are read inside FSDP2's
   reduce-scatter (a ``ReduceScatter`` comm that wraps the one in place, the user's included), before
   the reduce-scatter and the HSDP all-reduce mix them; one ``aminmax`` per FSDP parameter group,
-  no host synchronisation in the hook.
+  no host synchronisation in the hook; the flag travels inside the reduce-scatter (NaN survives a
+  sum), so the verdict needs no collective of its own.
 * ``ShardedFingerprint``: each replica group compares its local shards (16 bytes per rank, one
   all-reduce in the replica group's own process group); tensors without replicas (pure FSDP) are
   re-digested before the next forward and compared with their digest taken after the update, so a
@@ -199,12 +200,30 @@ class GradientTapComm(ReduceScatter):  # type: ignore[misc,valid-type]
     default, or one the user set with ``set_custom_reduce_scatter``. Consumers must not
     synchronise with the host."""
 
-    def __init__(self, inner: Any, names: list[str]) -> None:
+    def __init__(self, inner: Any, names: list[str], param_group: Any = None) -> None:
         self.inner = inner
         self.names = names
         self.consumers: list[Any] = []
         self.replay_consumers: list[Any] = []
+        self.output_consumers: list[Any] = []  # see ``watch_output``
         self.replaying = False  # an audit replay: digest, then no reduction at all (output zeros)
+        self.param_group = param_group
+        self.group_size = 1  # ranks of the reduce-scatter being tapped (set on each call)
+
+    @property
+    def mesh_size(self) -> int:
+        """Ranks the group's gradients are reduced over (shard x replicate): its FSDP mesh."""
+        mesh = getattr(getattr(self.param_group, "mesh_info", None), "mesh", None)
+        return int(mesh.size()) if mesh is not None else 0
+
+    def watch_output(self) -> None:
+        """Let ``output_consumers`` read this rank's reduced shard after the reduction is complete
+        (after the HSDP all-reduce), on FSDP's post-reduce stream: installs a wrapper of the
+        parameter group's all-reduce hook (the user's, if any, runs first). Not during replays."""
+        pg = self.param_group
+        if pg is None or isinstance(pg._all_reduce_hook, _OutputHook):
+            return
+        pg._all_reduce_hook = _OutputHook(pg._all_reduce_hook, self)
 
     def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return self.inner.allocate(size, dtype=dtype, device=device)
@@ -216,10 +235,25 @@ class GradientTapComm(ReduceScatter):  # type: ignore[misc,valid-type]
                 consume(input_tensor, self.names)
             output_tensor.zero_()
             return None
+        self.group_size = group.size() if group is not None else 1
         for consume in self.consumers:
             consume(input_tensor, self.names)
         return self.inner(output_tensor=output_tensor, input_tensor=input_tensor, group=group, op=op,
                           async_op=async_op)  # fmt: skip
+
+
+class _OutputHook:
+    """An FSDP2 all-reduce hook: the user's hook, then the tap's output consumers."""
+
+    def __init__(self, inner: Any, tap: GradientTapComm) -> None:
+        self.inner, self.tap = inner, tap
+
+    def __call__(self, reduce_output: torch.Tensor) -> None:
+        if self.inner is not None:
+            self.inner(reduce_output)
+        if not self.tap.replaying:
+            for consume in self.tap.output_consumers:
+                consume(reduce_output)
 
 
 def fsdp_taps(module: nn.Module) -> list[GradientTapComm]:
@@ -241,21 +275,16 @@ def fsdp_taps(module: nn.Module) -> list[GradientTapComm]:
                     warnings.warn("a parameter group is not sharded (shard size 1): its local gradients are "
                                   "not visible to the non-finite check", UserWarning, stacklevel=2)  # fmt: skip
                     continue
-                comm = GradientTapComm(comm, [names.get(id(fp.sharded_param), "?") for fp in pg.fsdp_params])
+                comm = GradientTapComm(comm, [names.get(id(fp.sharded_param), "?") for fp in pg.fsdp_params], pg)
                 pg._reduce_scatter_comm = comm
             taps.append(comm)
     return taps
 
 
-def _minmax(t: torch.Tensor) -> torch.Tensor:
-    lo, hi = torch.aminmax(t)
-    return torch.stack([lo, hi]).double()
-
-
 @dataclass
 class _PendingVerdict:
     step: int
-    count: torch.Tensor  # ranks with non-finite local gradients, after the SUM all-reduce
+    count: torch.Tensor  # nonzero: some rank's local gradients were not finite (in band or all-reduced)
     work: Any
     seen: list[tuple[torch.Tensor, list[str]]]
     flags: torch.Tensor | None
@@ -268,12 +297,18 @@ class ShardedNonFinite:
     ``NonFiniteGradient`` (``attach``, ``verdict``, ``resolve``, ``pending_step``, ``discard``).
 
     ``attach(module)`` taps every FSDP parameter group. Cost: one ``aminmax`` read of the local
-    unsharded gradients per parameter group (on every micro-batch whose reduce-scatter runs), and
-    one 4-byte all-reduce per optimizer step: each rank holds only its shard of the reduced
-    gradient, so no rank can decide alone. With ``on_failure`` ``"raise"`` or ``"warn"``, no
-    GradScaler and ``now`` False the all-reduce is started after backward and read one step later
-    (no host wait in the step); otherwise it is read before the update. Only a flagged step
-    gathers names.
+    unsharded gradients per parameter group (on every micro-batch whose reduce-scatter runs) and
+    no collective of its own: each rank's flag rides in its reduce-scatter input (element 0 of
+    every rank's chunk minus +0.0, or minus NaN when its local gradients are not finite, a strided
+    write of ``group size`` elements; bit-identical training while finite) and every rank reads
+    element 0 of its own reduced shards (one scalar copy per group on the post-reduce stream,
+    through the parameter group's all-reduce hook, the user's wrapped), after the HSDP all-reduce:
+    all ranks decide alike from data they hold. When the FSDP meshes do not span the world (tensor
+    or pipeline parallelism beside FSDP) a 4-byte all-reduce per step carries the flags instead.
+    With ``on_failure`` ``"raise"`` or ``"warn"``, no GradScaler and ``now`` False the verdict is
+    read one step later (no host wait in the step); otherwise before the update. Only a flagged
+    step gathers names. A flagged step's reduced gradients also carry NaN at element 0 of every
+    shard of the flagged groups (under ``"warn"`` the update applies them, as it would the NaN).
     """
 
     config: NonFiniteConfig = field(default_factory=NonFiniteConfig)
@@ -282,17 +317,39 @@ class ShardedNonFinite:
     last_error: NonFiniteGradientError | None = None
     taps: list[GradientTapComm] = field(default_factory=list)
     _seen: list[tuple[torch.Tensor, list[str]]] = field(default_factory=list)
+    _outputs: list[torch.Tensor] = field(default_factory=list)  # element 0 of each reduced shard
     _pending: _PendingVerdict | None = None
     _sole_rank: int | None = None
     _streak: int = 0
+    in_band: bool = False  # the flags travel inside the reduce-scatter (no collective of its own)
 
     def attach(self, module: nn.Module) -> None:
+        """Tap every FSDP parameter group. When the groups' FSDP meshes span the whole world (FSDP,
+        HSDP), each rank's flag travels inside the reduce-scatter itself (``in_band``); otherwise
+        (tensor or pipeline parallelism beside FSDP) a 4-byte all-reduce per step carries it."""
         self.taps = fsdp_taps(module)
+        world = dist.get_world_size() if is_distributed() else 1
+        self.in_band = bool(self.taps) and all(tap.mesh_size == world for tap in self.taps)
         for tap in self.taps:
-            tap.consumers.append(self._consume)
+            tap.consumers.append(lambda flat, names, tap=tap: self._consume(tap, flat, names))
+            if self.in_band:
+                tap.output_consumers.append(self._consume_output)
+                tap.watch_output()
 
-    def _consume(self, flat: torch.Tensor, names: list[str]) -> None:
-        self._seen.append((_minmax(flat), names))
+    def _consume(self, tap: GradientTapComm, flat: torch.Tensor, names: list[str]) -> None:
+        """Read the local gradients; in band, poison element 0 of every rank's chunk with NaN when
+        they are not finite: ``x - z`` with ``z`` +0.0 (finite: the exact identity for every float,
+        -0.0 included) or NaN, so every rank's reduced shard starts with NaN iff some rank's local
+        gradients in this group are not finite (chunk k of the input, at ``k * numel / group``,
+        is rank k's: FSDP pads each parameter to equal chunks)."""
+        lo, hi = torch.aminmax(flat)  # NaN propagates
+        self._seen.append((torch.stack([lo, hi]).double(), names))
+        if self.in_band and tap.group_size > 1 and flat.numel() % tap.group_size == 0:
+            z = (hi - hi) + (lo - lo)  # +0.0, or NaN when lo or hi is NaN or infinite
+            flat.view(tap.group_size, -1)[:, 0].sub_(z)
+
+    def _consume_output(self, reduce_output: torch.Tensor) -> None:
+        self._outputs.append(reduce_output.view(-1)[:1].clone())  # on the post-reduce stream: no host sync
 
     @property
     def pending_step(self) -> int | None:
@@ -305,11 +362,16 @@ class ShardedNonFinite:
         self.resolve()
         t0 = time.perf_counter()
         seen, self._seen = self._seen, []
+        outputs, self._outputs = self._outputs, []
         flags = ~torch.isfinite(torch.stack([mm for mm, _ in seen])).all(dim=-1) if seen else None
-        count = torch.zeros(1, dtype=torch.int32, device=collective_device())
-        if flags is not None:
-            count += flags.any().to(device=count.device, dtype=torch.int32)
-        work = dist.all_reduce(count, async_op=True) if is_distributed() else None
+        if self.in_band:  # every rank holds the verdict in its own reduced shards: no collective
+            count = torch.isnan(torch.cat(outputs).float()).any() if outputs else torch.zeros((), dtype=torch.bool)
+            work = None
+        else:
+            count = torch.zeros(1, dtype=torch.int32, device=collective_device())
+            if flags is not None:
+                count += flags.any().to(device=count.device, dtype=torch.int32)
+            work = dist.all_reduce(count, async_op=True) if is_distributed() else None
         self._pending = _PendingVerdict(step, count, work, seen, flags, scaler_active)
         self.stats.add_time(time.perf_counter() - t0)
         if self.config.on_failure in ("raise", "warn") and not scaler_active and not now:
@@ -323,7 +385,7 @@ class ShardedNonFinite:
 
     def discard(self) -> int | None:
         """Drop the pending verdict without a collective (training stops on another error)."""
-        self._pending, self._seen = None, []  # its all-reduce completes in the background
+        self._pending, self._seen, self._outputs = None, [], []  # its all-reduce completes in the background
         return None
 
     def _decide(self, params: list[tuple[str, nn.Parameter]]) -> bool:

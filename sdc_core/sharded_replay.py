@@ -1,75 +1,62 @@
 """Ring replay audit on sharded models (FSDP2, HSDP): every rank replays its partner's micro-batches.
 
 Contract: on every ``every_n_steps``-th optimizer step, after backward and before the update,
-every rank receives its ring partner's micro-batches (inputs, RNG state, loss and digests of its
-LOCAL unsharded gradients, taken in the reduce-scatter tap) and all ranks replay together: one extra
-forward and backward through the sharded model per micro-batch, each rank on its partner's batch.
-The all-gathers are those of training; the replay's reduce-scatter is suppressed by the tap (it
-digests its input, writes zeros, reduces nothing), and the real ``.grad``, buffers and RNG state are
-put back afterwards, so training is bit-identical with the audit on and off. Owner and replayer
-compare the loss and per-parameter-group digests (sum, norm, exact fingerprint) of the local
-unsharded gradients; attribution as under DDP: a rank that disagrees as owner and as replayer is
-the faulty one (persistent faults); a single disagreeing pair names both as suspects (the DDP
-path's referee round is not run under sharding).
+every rank receives its ring partner's micro-batches (inputs, the state the step reads besides
+its batch, loss and digests of its LOCAL unsharded gradients, taken in the reduce-scatter tap) and
+all ranks replay together: one extra forward and backward through the sharded model per
+micro-batch, each rank on its partner's batch. The all-gathers are those of training; the
+replay's reduce-scatter is suppressed by the tap (it digests its input, writes zeros, reduces
+nothing). The replay reads the owner's state as the DDP replay does (``StateCapture``: RNG of
+Python, NumPy and torch, buffers, tensor and plain Python attributes of every submodule,
+``sdc_replay_state()``; FSDP-sharded parameters are the replayer's own shards, all-gathered) and
+puts everything back afterwards (``.grad``, buffers, attributes, RNG), so training is
+bit-identical with the audit on and off.
+
+Everything else is ``RingReplay``'s: the trust rounds (a step the ranks cannot reproduce on their
+own device, or where every pair disagrees, raises ``ReplayUnavailableError`` on every rank, never
+an SDC verdict), ``exact="auto"`` calibration, the attribution (a rank that disagrees as owner
+and as replayer; a single disagreeing pair settled by a referee rank replaying the disputed
+batch), the transient/persistent classification and ``on_failure="skip_step"``. Because a replay
+runs collectives, every rank replays in every round (``lockstep``): ranks without a pair to
+referee, and the ranks beside the suspect's re-run, re-run their own micro-batches alongside.
 
 Cost on an audited step: one forward and backward per micro-batch (the all-gathers included, the
-reduce-scatter not), the batch transfer, a digest per FSDP parameter group, one all-gather of
-three float64 per rank. Other steps pay nothing. Memory: the partner's micro-batches.
+reduce-scatter not; twice at the first audit: the same-device re-run), the batch and state
+transfer, a digest per FSDP parameter group, the state capture's clones, two small all-gathers.
+Other steps pay nothing. A disagreement adds up to three rounds of replays on every rank.
 
-Limits: every rank must replay: an exception inside one rank's replay leaves the others in FSDP's
-all-gather until the process-group timeout (the DDP path, which replays without collectives, can
-decide such failures together). The owner's reduce-scatter must run on every micro-batch, as
-Lightning's ``ModelParallelStrategy`` does; with ``set_requires_gradient_sync(False)`` on
-accumulation micro-batches the owner's digests cover their sum and the comparison fails.
+Limits: every rank must replay: an exception raised inside one rank's replay after its first
+collective leaves the others in FSDP's all-gather until the process-group timeout (failures
+found before the replays start, such as a batch that cannot be sent, are decided together). The
+owner's reduce-scatter must run on every micro-batch, as Lightning's ``ModelParallelStrategy``
+does; with ``set_requires_gradient_sync(False)`` on accumulation micro-batches the owner's
+digests cover their sum and the comparison fails (``ReplayUnavailableError``).
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.utils.stateless import _reparametrize_module
 
-from sdc_core.errors import ReplayMismatchError, ReplayUnavailableError
 from sdc_core.replay import (
     Digest,
     MicroBatch,
-    ReplayConfig,
+    RingReplay,
+    Row,
+    StateCapture,
     StepFn,
+    _all_rng,
+    _assemble,
     _digest_row,
-    capture_rng,
-    compare,
-    explain,
-    settle,
+    _set_rng,
 )
-from sdc_core.sharded import GradientTapComm, fsdp_taps
-from sdc_core.stats import CheckStats
-from sdc_core.topology import (
-    TRANSFER_ERROR,
-    Topology,
-    all_gather_objects,
-    all_gather_tensor,
-    exchange,
-    is_distributed,
-    owners_of,
-)
-
-
-def _digest(rows: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]], loss: float) -> Digest:
-    zero64 = torch.zeros(0, dtype=torch.float64)
-    if not rows:
-        return Digest(float(loss), zero64, zero64, torch.zeros(0, dtype=torch.int64), zero64)
-    return Digest(
-        loss=float(loss),
-        sums=torch.stack([r[0].cpu() for r in rows]),
-        norms=torch.stack([r[1].cpu() for r in rows]),
-        fps=torch.stack([r[2].cpu() for r in rows]),
-        numels=torch.tensor([r[3] for r in rows], dtype=torch.float64),
-    )
+from sdc_core.sharded import GradientTapComm, fsdp_taps, local
 
 
 def _other_parallel_dims(module: nn.Module) -> list[str]:
@@ -95,30 +82,28 @@ def _other_parallel_dims(module: nn.Module) -> list[str]:
 
 
 @dataclass
-class ShardedReplay:
-    """``RingReplay`` for sharded models: the same adapter calls (``arm``, ``record``,
-    ``record_loss``, ``audit``), with ``attach(module)`` tapping the FSDP reduce-scatters."""
+class ShardedReplay(RingReplay):
+    """``RingReplay`` for sharded models: the same adapter calls (``arm``, ``record``, ``begin``,
+    ``record_loss``, ``audit``), with ``attach(module, ...)`` tapping the FSDP reduce-scatters."""
 
-    config: ReplayConfig = field(default_factory=ReplayConfig)
-    stats: CheckStats = field(default_factory=lambda: CheckStats("ring_replay"))
-    topology: Topology | None = None
-    last_error: ReplayMismatchError | None = None
     taps: list[GradientTapComm] = field(default_factory=list)
-    _armed_step: int | None = None
-    _micro: list[MicroBatch] = field(default_factory=list)
-    _loss: float = 0.0
-    _local: list[tuple[Any, ...]] = field(default_factory=list)
+    lockstep: bool = True
     _labels: list[str] = field(default_factory=list)
-    _replayed: list[tuple[Any, ...]] = field(default_factory=list)
+    _replayed: list[tuple[Row, str]] = field(default_factory=list)
+    _frozen: list[torch.Tensor] = field(default_factory=list)  # sharded parameters that do not train
+    _frozen_at: dict[int, list[torch.Tensor] | None] = field(default_factory=dict)  # per own micro-batch
 
-    @property
-    def active(self) -> bool:
-        return is_distributed()
-
-    def attach(self, module: nn.Module) -> None:
-        """Tap the FSDP reduce-scatters. Raises ``ValueError`` under tensor (or any non-FSDP)
-        parallelism: its peers must compute the same batch together, which a ring of partners
-        replaying different batches breaks."""
+    def attach(  # type: ignore[override]
+        self,
+        module: nn.Module,
+        exclude: Iterable[str] = (),
+        get_state: Callable[[], Any] | None = None,
+        load_state: Callable[[Any], None] | None = None,
+    ) -> None:
+        """Tap the FSDP reduce-scatters and capture ``module``'s state (``StateCapture``: ``exclude``
+        names framework attributes, ``get_state``/``load_state`` the user's explicit hook). Raises
+        ``ValueError`` under tensor (or any non-FSDP) parallelism: its peers must compute the same
+        batch together, which a ring of partners replaying different batches breaks."""
         other = _other_parallel_dims(module)
         if other:
             raise ValueError(
@@ -128,129 +113,117 @@ class ShardedReplay:
             )
         self.taps = fsdp_taps(module)
         for tap in self.taps:
-            tap.consumers.append(self._consume)
+            tap.consumers.append(self._consume_shard)
             tap.replay_consumers.append(self._consume_replay)
+        # every parameter counts as trained: sharded ones are the replayer's own shards, all-gathered
+        # (replicated by definition), so only buffers and attributes travel
+        self.capture = StateCapture(module, [n for n, _ in module.named_parameters()], exclude, get_state,
+                                    load_state, self.config.max_state_mb)  # fmt: skip
+        self._frozen = [p for p in module.parameters() if not p.requires_grad and local(p) is not p]
 
-    def arm(self, step: int) -> bool:
-        due = self.active and step % self.config.every_n_steps == 0
-        if not due:
-            self._armed_step = None
-            return False
-        if self._armed_step != step:
-            self._armed_step, self._micro, self._loss, self._local, self._labels = step, [], 0.0, [], []
-        return True
+    def begin(self, device: torch.device | None = None) -> None:
+        """As ``RingReplay.begin``; also copies this rank's shards of the sharded parameters that do
+        not train (an EMA teacher updated in place), when they fit in what is left of ``max_state_mb``:
+        they cannot travel (the partner holds other shards), so a replay of micro-batch ``i`` runs on
+        the replayer's own copy taken at its micro-batch ``i`` (equal on every rank when the step
+        changes them alike). Past the budget they are read live and guarded against change."""
+        super().begin(device)
+        if self._armed_step is None or not self._micro or self.replaying or not self._frozen:
+            return
+        index = len(self._micro) - 1
+        if index == 0:
+            self._frozen_at = {}
+        used = sum(m.state.nbytes for m in self._micro if m.state is not None)
+        used += sum(t.numel() * t.element_size() for c in self._frozen_at.values() if c for t in c)
+        shards = [local(p).detach() for p in self._frozen]
+        size = sum(t.numel() * t.element_size() for t in shards)
+        fits = self.capture is None or used + size <= self.capture.max_bytes
+        self._frozen_at[index] = [t.clone() for t in shards] if fits else None
 
-    @property
-    def armed(self) -> bool:
-        return self._armed_step is not None
-
-    @property
-    def recorded(self) -> int:
-        return len(self._micro)
-
-    def record(self, batch: Any, batch_idx: int, device: torch.device | None = None) -> None:
-        cpu, cuda = capture_rng(device)
-        self._micro.append(MicroBatch(batch, batch_idx, cpu, cuda))
-
-    def record_loss(self, loss: torch.Tensor) -> None:
-        if self._armed_step is not None:
-            self._loss += float(loss.detach().double())
-
-    def _consume(self, flat: torch.Tensor, names: list[str]) -> None:
-        if self._armed_step is not None:
-            self._local.append(_digest_row(flat))
-            self._labels.append(names[0] if len(names) == 1 else f"{names[0]} (+{len(names) - 1})")
+    def _consume_shard(self, flat: torch.Tensor, names: list[str]) -> None:
+        if self._armed_step is None or self.replaying:
+            return
+        if not self._local:
+            self._labels = []
+        self._local[str(len(self._local))] = _digest_row(flat)
+        self._labels.append(_label(names))
 
     def _consume_replay(self, flat: torch.Tensor, names: list[str]) -> None:
-        self._replayed.append(_digest_row(flat))
+        self._replayed.append((_digest_row(flat), _label(names)))
 
-    def _replay(self, module: nn.Module, micro: list[MicroBatch], step_fn: StepFn, to_device: Callable[[Any], Any],
-                context: Callable[[], AbstractContextManager[Any]]) -> Digest:  # fmt: skip
-        """Forward and backward of ``micro`` through the sharded model, no side effect."""
+    def _named(self, labels: list[str]) -> None:
+        if len(labels) > len(self.names):  # the labels "where" reports (the same on every rank: SPMD)
+            self.names = list(labels)
+
+    def _own_digest(self) -> Digest:
+        self._named(self._labels)
+        keys = [str(i) for i in range(len(self._local))]
+        return _assemble(keys, self._local, self._loss if self._loss is not None else 0.0)
+
+    def _replay_digest(
+        self,
+        module: nn.Module,
+        batches: list[MicroBatch],
+        step_fn: StepFn,
+        to_device: Callable[[Any], Any],
+        context: Callable[[], AbstractContextManager[Any]],
+    ) -> Digest:
+        """Forward and backward of ``batches`` through the sharded model with each owner's RNG and
+        state in place, the reduce-scatters suppressed; no side effect (collective: every rank)."""
         params = list(module.parameters())
         grads = [p.grad for p in params]
-        buffers = [(b, b.clone()) for b in module.buffers()]
         device = next((p.device for p in params), torch.device("cpu"))
-        saved_cpu, saved_cuda = capture_rng(device)
-        self._replayed = []
-        loss_total = 0.0
+        capture = self.capture or StateCapture(module, [n for n, _ in module.named_parameters()], max_state_mb=0)
+        saved_rng = _all_rng(device)
+        loss_total = torch.zeros((), dtype=torch.float64, device=device)
+        frozen = [local(p) for p in self._frozen]
+        copies = [self._frozen_at.get(i) for i in range(len(batches))] if frozen else []
+        copies = copies if all(c is not None for c in copies) else []  # past the budget: read live, guarded
+        versions = [t._version for t in frozen]
+        saved = [t.detach().clone() for t in frozen] if copies else []
+        self._replayed, self.replaying = [], True
         for tap in self.taps:
             tap.replaying = True
         try:
             for p in params:
                 p.grad = None
-            for mb in micro:
-                torch.set_rng_state(mb.cpu_rng.clone())
-                if mb.cuda_rng is not None and device.type == "cuda":
-                    torch.cuda.set_rng_state(mb.cuda_rng.clone(), device)
-                with context():
-                    loss = step_fn(to_device(mb.batch), mb.batch_idx)
-                loss.backward()
-                loss_total += float(loss.detach().double())
+            for i, mb in enumerate(batches):
+                with torch.no_grad():
+                    for t, copy in zip(frozen, copies[i] if copies else [], strict=True):
+                        t.copy_(copy)
+                _set_rng(mb.cpu_rng, mb.cuda_rng, mb.py_rng, mb.np_rng, device)
+                batch = to_device(mb.batch)
+                with capture.applied(mb.state) as tensors, _reparametrize_module(module, tensors, tie_weights=True):
+                    with context():
+                        loss = step_fn(batch, mb.batch_idx)
+                    loss.backward()
+                loss_total = loss_total + loss.detach().to(device, torch.float64)
         finally:
             for tap in self.taps:
                 tap.replaying = False
+            self.replaying = False
             for p, g in zip(params, grads, strict=True):
                 p.grad = g
+            _set_rng(*saved_rng, device)
+            guarded = [i for i, (t, v) in enumerate(zip(frozen, versions, strict=True)) if t._version != v]
             with torch.no_grad():
-                for b, saved in buffers:
-                    b.copy_(saved)
-            torch.set_rng_state(saved_cpu)
-            if saved_cuda is not None:
-                torch.cuda.set_rng_state(saved_cuda, device)
-        rows, self._replayed = self._replayed, []
-        return _digest(rows, loss_total)
+                for t, copy in zip(frozen, saved, strict=True):
+                    t.copy_(copy)
+        if guarded and not saved:
+            names = {id(p): n for n, p in module.named_parameters()}
+            raise RuntimeError(
+                f"the replay changed the frozen sharded parameters {[names.get(id(self._frozen[i])) for i in guarded]} "
+                f"in place, which the capture could not copy (over max_state_mb={self.config.max_state_mb:g}): "
+                "raise max_state_mb"
+            )
+        replayed, self._replayed = self._replayed, []
+        self._named([label for _, label in replayed])
+        keys = [str(i) for i in range(len(replayed))]
+        return _assemble(keys, {k: row for k, (row, _) in zip(keys, replayed, strict=True)}, loss_total)
 
-    def audit(self, step: int, module: nn.Module, step_fn: StepFn, to_device: Callable[[Any], Any] = lambda b: b,
-              context: Callable[[], AbstractContextManager[Any]] = nullcontext) -> bool:  # fmt: skip
-        """Run the audit of ``step`` if it was armed (every rank alike); raise on a verdict."""
-        if self._armed_step != step:
-            return False
-        t0 = time.perf_counter()
-        topo = self.topology or Topology.gather()
-        world, me = topo.world_size, topo.rank
-        partners = topo.partners()
-        inverse = owners_of(partners)
-        own, labels = _digest(self._local, self._loss), list(self._labels)
-        micro, self._micro, self._armed_step = self._micro, [], None
-        received = exchange({partners[me]: {"micro": micro, "digest": own, "labels": labels}}, [inverse[me]])
-        received = received[inverse[me]]
-        bad = torch.tensor([float(TRANSFER_ERROR in received)], dtype=torch.float64)  # decided before any all-gather
-        if any(all_gather_tensor(bad).flatten().tolist()):
-            raise ReplayUnavailableError(f"RingReplayAudit could not send the micro-batches of step {step} "
-                                         "(they must be picklable)")  # fmt: skip
-        mine = self._replay(module, received["micro"], step_fn, to_device, context)
-        mismatch, diff, where = compare(received["digest"], mine, self.config, received["labels"] or ["loss"])
-        row = torch.tensor([float(mismatch), diff, 0.0], dtype=torch.float64)
-        table = all_gather_tensor(row).tolist()
-        self.stats.runs += 1
-        self.stats.max_diff = max(self.stats.max_diff, max(d for _, d, _ in table))
-        pairs = [(inverse[q], q) for q, (m, _, _) in enumerate(table) if m]
-        if not pairs:
-            self.stats.last_verified_step = step
-            self.stats.add_time(time.perf_counter() - t0)
-            return False
-        wheres = all_gather_objects(where if mismatch else "")  # rare path: the same words on every rank
-        where = next(w for (_, q), w in zip(pairs, [wheres[q] for _, q in pairs], strict=True) if w) or where
-        culprits, disputed = explain(world, partners, pairs)
-        rank, suspects, notes = settle(world, culprits, disputed, {})
-        self.stats.failures += 1
-        self.stats.add_time(time.perf_counter() - t0)
-        details = {
-            "pairs": [{"owner": o, "replayer": q, "difference": table[q][1], "where": wheres[q]} for o, q in pairs],
-            "rulings": notes,
-            "node_ranks": topo.node_ranks(suspects),
-            "world_size": world,
-            "sharded": True,
-        }
-        if rank is not None:
-            reason = "its results disagree with its partners' replays and its replay of another rank disagrees too"
-        else:
-            reason = "owner and replayer disagree and no third replay settled it under sharding"
-        reason += f" (largest difference {max(d for _, d, _ in table):.3g} in {where})"
-        self.last_error = ReplayMismatchError(step=step, rank=rank, suspects=suspects, hosts=topo.hosts(suspects),
-                                              details=details, reason=reason)  # fmt: skip
-        raise self.last_error
+
+def _label(names: list[str]) -> str:
+    return names[0] if len(names) == 1 else f"{names[0]} (+{len(names) - 1})"
 
 
 __all__ = ["ShardedReplay"]

@@ -100,6 +100,16 @@ class UpdateAudit:
     _after: list[int] | None = None
     _handles: list[Any] = field(default_factory=list)
 
+    def __post_init__(self) -> None:
+        n = self.every_n_steps
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"update_audit_every_n_steps must be an integer >= 0 (0: off), got {n!r}")
+
+    @property
+    def config(self) -> dict[str, Any]:
+        """The settings an incident report records."""
+        return {"update_audit_every_n_steps": self.every_n_steps}
+
     def attach(self, optimizer: torch.optim.Optimizer, module: nn.Module) -> None:
         inner = getattr(optimizer, "optimizer", optimizer)  # Accelerate's wrapper
         self._kind = type(inner)
@@ -214,4 +224,12 @@ class UpdateAudit:
         return rulings
 
 
-__all__ = ["UpdateAudit", "recompute"]
+def update_audit(every_n_steps: int) -> UpdateAudit | None:
+    """The update audit at the setting ``update_audit_every_n_steps``: None for 0 (off);
+    ``ValueError`` naming the setting for anything but an integer >= 0."""
+    if isinstance(every_n_steps, int) and not isinstance(every_n_steps, bool) and every_n_steps == 0:
+        return None
+    return UpdateAudit(every_n_steps)
+
+
+__all__ = ["UpdateAudit", "recompute", "update_audit"]

@@ -19,9 +19,9 @@ from conftest import worker_env
 SCENARIOS = Path(__file__).with_name("sharded_scenarios.py")
 
 
-def launch(out: Path, scenarios: list[str], nproc: int, timeout: float = 540) -> Path:
+def launch(out: Path, scenarios: list[str], nproc: int, timeout: float = 540, script: Path = SCENARIOS) -> Path:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           str(SCENARIOS), "--out", str(out), "--only", ",".join(scenarios)]  # fmt: skip
+           str(script), "--out", str(out), "--only", ",".join(scenarios)]  # fmt: skip
     proc = subprocess.run(cmd, env=worker_env(), capture_output=True, text=True, timeout=timeout, cwd=out)
     if proc.returncode != 0:
         pytest.fail(f"torchrun failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
@@ -60,7 +60,8 @@ def test_fsdp2_clean_run_of_all_three_checks_with_bf16_dropout_accumulation_is_b
 def test_fsdp2_ring_replay_names_a_rank_computing_wrong(fsdp: Path) -> None:
     err = same_error(fsdp, "replay_fault", 4, "ReplayMismatchError")
     assert err["rank"] == 2 and err["step"] == 2
-    assert {(p["owner"], p["replayer"]) for p in err["details"]["pairs"]} == {(1, 2), (2, 3)}
+    assert err["details"]["mismatching_pairs"] == [[1, 2], [2, 3]]  # as owner and as replayer: no referee needed
+    assert err["details"]["classification"] == "persistent"
 
 
 def test_fsdp2_nan_in_one_ranks_local_gradients_names_it(fsdp: Path) -> None:
@@ -86,7 +87,7 @@ def test_fsdp2_wrong_update_is_named_by_partner_and_referee_recomputation(fsdp: 
 
 @pytest.fixture(scope="module")
 def hsdp(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return launch(tmp_path_factory.mktemp("hsdp"), ["hsdp_update"], 6)
+    return launch(tmp_path_factory.mktemp("hsdp"), ["hsdp_update", "hsdp_nan"], 6)
 
 
 def test_hsdp_wrong_update_on_one_replica_is_named_by_majority(hsdp: Path) -> None:
@@ -148,13 +149,18 @@ def test_fsdp2_user_reduce_scatter_is_wrapped_not_replaced(fsdp_more: Path) -> N
 
 @pytest.fixture(scope="module")
 def hsdp_more(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return launch(tmp_path_factory.mktemp("hsdp_more"), ["hsdp_nan", "hsdp_heal", "hsdp_clean"], 6)
+    return launch(tmp_path_factory.mktemp("hsdp_more"), ["hsdp_heal", "hsdp_clean"], 6)
+
+
+def test_hsdp_nan_in_one_ranks_local_gradients_names_it(hsdp: Path) -> None:
+    """The flag rides the reduce-scatter and then the replicate all-reduce: every rank of both
+    dimensions learns it from its own reduced shard."""
+    err = same_error(hsdp, "hsdp_nan", 6, "NonFiniteGradientError")
+    assert err["rank"] == 4 and err["step"] == 2 and err["details"]["pattern"] == "one_rank"
 
 
 @pytest.mark.slow
-def test_hsdp_nan_names_the_rank_and_bf16_clean_run_is_quiet(hsdp_more: Path) -> None:
-    err = same_error(hsdp_more, "hsdp_nan", 6, "NonFiniteGradientError")
-    assert err["rank"] == 4 and err["details"]["pattern"] == "one_rank"
+def test_hsdp_bf16_clean_run_is_quiet(hsdp_more: Path) -> None:
     assert all(r["error"] is None and r["global_step"] == 8 for r in results(hsdp_more, "hsdp_clean", 6))
 
 
@@ -207,4 +213,13 @@ def test_accelerate_attach_on_an_fsdp2_model(accelerate_fsdp2: Path) -> None:
     assert rest["rank"] == 1 and rest["details"]["changed_at_rest"] == {"1": ["param:body.weight"]}
     compute = same_error(accelerate_fsdp2, "compute", 4, "ReplayMismatchError")
     assert compute["rank"] == 3 and compute["step"] == 2
-    assert len(list((accelerate_fsdp2 / "sdc" / "incidents").glob("*.json"))) == 3  # one per verdict, rank 0
+    # update_audit_every_n_steps as an SDCHooks setting: a wrong update on rank 1 named by recomputation
+    update = same_error(accelerate_fsdp2, "update_fault", 4, "FingerprintMismatchError")
+    assert update["rank"] == 1 and update["step"] == 4
+    assert update["details"]["update_audit"] == [{"owner": 1, "recomputed_by": 2, "tensors": ["body.weight"]}]
+    # a stateful forward (counter, EMA buffer): exact replays, bit-identical with the replay off
+    on, off = results(accelerate_fsdp2, "stateful_on", 4), results(accelerate_fsdp2, "stateful_off", 4)
+    assert all(r["error"] is None and r["calls"] == 8 for r in on + off)
+    assert [r["weights"] for r in on] == [r["weights"] for r in off]
+    assert on[0]["runs"]["sdc/ring_replay/runs"] == 4.0 and on[0]["update_audit"]["runs"] == 8
+    assert len(list((accelerate_fsdp2 / "sdc" / "incidents").glob("*.json"))) == 4  # one per verdict, rank 0
