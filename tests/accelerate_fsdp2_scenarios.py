@@ -8,10 +8,7 @@ root, in place, the optimizer and loader prepared by the ``Accelerator``. Each r
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
-import traceback
 import warnings
 from pathlib import Path
 from typing import Any
@@ -24,6 +21,8 @@ from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from scenario_runner import parse, run_each
 
 from accelerate_sdc import SDCError, SDCHooks
 from sdc_core import Fault, FaultInjector, flip_bit
@@ -130,20 +129,9 @@ SCENARIOS = {
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True, type=Path)
-    parser.add_argument("--only", default=",".join(SCENARIOS))
-    args = parser.parse_args()
+    args = parse(",".join(SCENARIOS))
     accelerator = Accelerator()
-    args.out.mkdir(parents=True, exist_ok=True)
-    for name in args.only.split(","):
-        try:
-            result = SCENARIOS[name](accelerator)
-        except Exception:
-            result = {"crash": traceback.format_exc()}
-        (args.out / f"{name}.rank{accelerator.process_index}.json").write_text(json.dumps(result, default=repr))
-        if "crash" in result:
-            raise SystemExit(f"scenario {name} crashed:\n{result['crash']}")
+    run_each(args.only, lambda name: SCENARIOS[name](accelerator), args.out, accelerator.process_index)
 
 
 if __name__ == "__main__":

@@ -6,12 +6,8 @@ named scenarios in one process group; each rank writes ``DIR/<scenario>.rank<r>.
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import random
 import sys
-import traceback
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +19,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from scenario_runner import main_for
 from sharded_scenarios import ShardedNet, fit
 
 from lightning_sdc import Fault, FaultInjector, NonFiniteGradientCheck, ReplayUnavailableError, RingReplayAudit
@@ -178,20 +175,7 @@ SCENARIOS: dict[str, Any] = {
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True, type=Path)
-    parser.add_argument("--only", default=",".join(SCENARIOS))
-    args = parser.parse_args()
-    rank = int(os.environ["RANK"])
-    args.out.mkdir(parents=True, exist_ok=True)
-    for name in args.only.split(","):
-        try:
-            result = SCENARIOS[name](args.out)
-        except Exception:
-            result = {"crash": traceback.format_exc()}
-        (args.out / f"{name}.rank{rank}.json").write_text(json.dumps(result, default=repr))
-        if "crash" in result:
-            raise SystemExit(f"scenario {name} crashed on rank {rank}:\n{result['crash']}")
+    main_for(SCENARIOS)
 
 
 if __name__ == "__main__":

@@ -6,11 +6,8 @@ scenarios in one process group; each rank writes ``DIR/<scenario>.rank<r>.json``
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
-import traceback
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -26,6 +23,8 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceS
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from scenario_runner import main_for
 
 from lightning_sdc import (
     Fault,
@@ -230,20 +229,7 @@ SCENARIOS: dict[str, Any] = {
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True, type=Path)
-    parser.add_argument("--only", default=",".join(SCENARIOS))
-    args = parser.parse_args()
-    rank = int(os.environ["RANK"])
-    args.out.mkdir(parents=True, exist_ok=True)
-    for name in args.only.split(","):
-        try:
-            result = SCENARIOS[name](args.out)
-        except Exception:
-            result = {"crash": traceback.format_exc()}
-        (args.out / f"{name}.rank{rank}.json").write_text(json.dumps(result, default=repr))
-        if "crash" in result:
-            raise SystemExit(f"scenario {name} crashed on rank {rank}:\n{result['crash']}")
+    main_for(SCENARIOS)
 
 
 if __name__ == "__main__":
