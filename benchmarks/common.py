@@ -5,6 +5,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -51,3 +52,39 @@ def cpu_over_ranks(cpu_seconds: list[float]) -> float:
     total = torch.tensor([statistics.median(cpu_seconds)], dtype=torch.float64)
     dist.all_reduce(total)
     return float(total)
+
+
+def alternate(fit: Callable[[str], list[dict[str, float]]], configs: list[str], rounds: int,
+              skip: int) -> dict[str, Any]:  # fmt: skip
+    """Run ``fit(config)`` for every configuration, ``rounds`` times in alternation (A B C A B C:
+    drifts of a shared machine hit every configuration alike), dropping the first ``skip`` steps
+    of each fit. Every rank calls it. Returns the kept steps per configuration (``runs``), each
+    round's median wall time (``per_round``) and each round's CPU time per step summed over the
+    ranks (``cpu_round``); ``fit`` returns per-step ``seconds`` and ``cpu_seconds``."""
+    runs: dict[str, list[dict[str, float]]] = {c: [] for c in configs}
+    per_round: dict[str, list[float]] = {c: [] for c in configs}
+    cpu_round: dict[str, list[float]] = {c: [] for c in configs}
+    for _ in range(rounds):
+        for config in configs:
+            kept = fit(config)[skip:]
+            runs[config] += kept
+            per_round[config].append(summary([s["seconds"] for s in kept])["median"])
+            cpu_round[config].append(cpu_over_ranks([s["cpu_seconds"] for s in kept]))
+    return {"runs": runs, "per_round": per_round, "cpu_round": cpu_round}
+
+
+def step_table(runs: dict[str, list[dict[str, float]]], per_round: dict[str, list[float]],
+               cpu_round: dict[str, list[float]]) -> dict[str, Any]:  # fmt: skip
+    """The step-time part of a benchmark's JSON: summaries, overheads against ``none`` and their
+    per-round spread, wall and CPU."""
+    base = summary([s["seconds"] for s in runs["none"]])["median"]
+    out: dict[str, Any] = {
+        "step_seconds": {c: summary([s["seconds"] for s in steps]) for c, steps in runs.items()},
+        "overhead": {c: summary([s["seconds"] for s in steps])["median"] / base - 1 for c, steps in runs.items()},
+        "overhead_by_round": round_overheads(per_round),
+        "cpu_seconds_by_round": cpu_round,
+        "cpu_overhead_by_round": round_overheads(cpu_round),
+    }
+    if "defaults" in runs:
+        out["defaults_overhead"] = out["overhead"]["defaults"]
+    return out

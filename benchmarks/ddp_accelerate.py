@@ -23,7 +23,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from accelerate_sdc import SDCHooks
-from benchmarks.common import cpu_over_ranks, round_overheads, summary
+from benchmarks.common import alternate, step_table, summary
 
 BATCH = 128
 SETTINGS: dict[str, dict[str, Any] | None] = {
@@ -48,8 +48,8 @@ class Model(nn.Module):
         return nn.functional.mse_loss(self.net(x), y)
 
 
-def run(acc: Accelerator, config: str, steps: int, replay_every: int) -> tuple[list[float], list[float]]:
-    """Wall and CPU seconds (this process, every thread) per optimizer step of one training run."""
+def run(acc: Accelerator, config: str, steps: int, replay_every: int) -> list[dict[str, float]]:
+    """Wall and CPU seconds (this process, every thread) of each optimizer step of one training run."""
     set_seed(0)
     for registry in (acc._custom_objects, acc._models, acc._optimizers, acc._dataloaders, acc._schedulers):
         registry.clear()  # one model, optimizer and SDCHooks per run in this shared Accelerator
@@ -63,20 +63,18 @@ def run(acc: Accelerator, config: str, steps: int, replay_every: int) -> tuple[l
     model, opt, data = acc.prepare(model, opt, DataLoader(TensorDataset(x, x[:, :1]), batch_size=BATCH))
     if sdc is not None:
         sdc.attach(model, opt)
-    seconds: list[float] = []
-    cpu: list[float] = []
+    timed: list[dict[str, float]] = []
     for xb, yb in data:
         t0, c0 = time.perf_counter(), time.process_time()
         acc.backward(model(xb, yb))
         opt.step()
         opt.zero_grad()
-        seconds.append(time.perf_counter() - t0)
-        cpu.append(time.process_time() - c0)
-        if len(seconds) == steps:
+        timed.append({"seconds": time.perf_counter() - t0, "cpu_seconds": time.process_time() - c0})
+        if len(timed) == steps:
             break
     if sdc is not None:
         sdc.finish()
-    return seconds, cpu
+    return timed
 
 
 def main() -> None:
@@ -89,35 +87,20 @@ def main() -> None:
     args = parser.parse_args()
     acc = Accelerator(cpu=True)
     skip = 5  # warm-up steps excluded
-    runs: dict[str, list[float]] = {c: [] for c in args.configs.split(",")}
-    per_round: dict[str, list[float]] = {c: [] for c in runs}
-    cpu_round: dict[str, list[float]] = {c: [] for c in runs}
-    audited: list[float] = []
-    normal: list[float] = []
-    for _ in range(args.rounds):
-        for config in runs:
-            seconds, cpu = run(acc, config, args.steps, args.replay_every)
-            runs[config] += seconds[skip:]
-            per_round[config].append(summary(seconds[skip:])["median"])
-            cpu_round[config].append(cpu_over_ranks(cpu[skip:]))
-            if config == "audit_often":
-                for i, s in enumerate(seconds[skip:], start=skip):
-                    (audited if i % args.replay_every == 0 else normal).append(s)
+    rounds = alternate(lambda c: run(acc, c, args.steps, args.replay_every), args.configs.split(","), args.rounds, skip)
     if acc.process_index == 0:
-        base = summary(runs["none"])["median"]
+        runs = rounds["runs"]
         result: dict[str, Any] = {
             "world_size": acc.num_processes,
             "params": sum(p.numel() for p in Model().parameters()),
-            "step_seconds": {c: summary(s) for c, s in runs.items()},
-            "overhead": {c: summary(s)["median"] / base - 1 for c, s in runs.items()},
-            "overhead_by_round": round_overheads(per_round),
-            "cpu_seconds_by_round": cpu_round,
-            "cpu_overhead_by_round": round_overheads(cpu_round),
+            **step_table(runs, rounds["per_round"], rounds["cpu_round"]),
             "replay_every": args.replay_every,
         }
-        if "defaults" in runs:
-            result["defaults_overhead"] = result["overhead"]["defaults"]
-        if audited and normal:
+        if "audit_often" in runs:  # steps skip.. of each fit, fits back to back
+            kept = args.steps - skip
+            steps = [(skip + i % kept, s["seconds"]) for i, s in enumerate(runs["audit_often"])]
+            audited = [t for i, t in steps if i % args.replay_every == 0]
+            normal = [t for i, t in steps if i % args.replay_every != 0]
             result["audited_step_vs_normal"] = summary(audited)["median"] / summary(normal)["median"]
         args.out.write_text(json.dumps(result, indent=1))
     acc.wait_for_everyone()

@@ -24,7 +24,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from benchmarks.common import cpu_over_ranks, round_overheads, summary
+from benchmarks.common import alternate, step_table, summary
 from lightning_sdc import NonFiniteGradientCheck, RingReplayAudit, WeightFingerprintCheck
 
 BATCH = 128
@@ -137,30 +137,17 @@ def main() -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     traffic = Traffic()
     skip = 5  # warm-up steps excluded
-    runs: dict[str, list[dict[str, float]]] = {c: [] for c in args.configs.split(",")}
-    per_round: dict[str, list[float]] = {c: [] for c in runs}
-    cpu_round: dict[str, list[float]] = {c: [] for c in runs}
-    for _ in range(args.rounds):
-        for config in runs:
-            kept = fit(config, args.steps, traffic, args.replay_every)[skip:]
-            runs[config] += kept
-            per_round[config].append(summary([s["seconds"] for s in kept])["median"])
-            cpu_round[config].append(cpu_over_ranks([s["cpu_seconds"] for s in kept]))
+    configs = args.configs.split(",")
+    rounds = alternate(lambda c: fit(c, args.steps, traffic, args.replay_every), configs, args.rounds, skip)
     if dist.get_rank() != 0:
         return
-    base = summary([s["seconds"] for s in runs["none"]])["median"]
+    runs = rounds["runs"]
     result: dict[str, Any] = {
         "world_size": dist.get_world_size(),
         "params": sum(p.numel() for p in Model().parameters()),
-        "step_seconds": {c: summary([s["seconds"] for s in steps]) for c, steps in runs.items()},
-        "overhead": {c: summary([s["seconds"] for s in steps])["median"] / base - 1 for c, steps in runs.items()},
-        "overhead_by_round": round_overheads(per_round),
-        "cpu_seconds_by_round": cpu_round,
-        "cpu_overhead_by_round": round_overheads(cpu_round),
+        **step_table(runs, rounds["per_round"], rounds["cpu_round"]),
         "replay_every": args.replay_every,
     }
-    if "defaults" in runs:
-        result["defaults_overhead"] = result["overhead"]["defaults"]
     if "audit_often" in runs:
         kept = args.steps - skip  # steps kept per fit; runs hold `rounds` fits back to back
         audited = [s for i, s in enumerate(runs["audit_often"]) if (skip + i % kept) % args.replay_every == 0]

@@ -25,18 +25,18 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader, TensorDataset
 
-from benchmarks.common import summary
+from benchmarks.common import alternate, step_table, summary
 from benchmarks.ddp_lightning import BATCH, Probe, Traffic
+from benchmarks.ddp_lightning import Model as DDPModel
 from lightning_sdc import NonFiniteGradientCheck, RingReplayAudit, WeightFingerprintCheck
 
 
-class Model(L.LightningModule):
+class Model(DDPModel):
+    """The DDP benchmark's model, each ``Linear`` and the root ``fully_shard``-ed over the data-parallel mesh."""
+
     def __init__(self, width: int = 2048) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.net = nn.Sequential(
-            nn.Linear(64, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 1)
-        )
+        torch.manual_seed(0)  # FSDP2 does not broadcast initial weights: every rank builds the same
+        super().__init__(width)
 
     def configure_model(self) -> None:
         mesh = self.device_mesh["data_parallel"]
@@ -44,13 +44,6 @@ class Model(L.LightningModule):
             if isinstance(layer, nn.Linear):
                 fully_shard(layer, mesh=mesh)
         fully_shard(self, mesh=mesh)
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        return nn.functional.mse_loss(self.net(x), y)
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
 
 def fit(config: str, steps: int, traffic: Traffic, every: int) -> list[dict[str, float]]:
@@ -80,27 +73,25 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--every", type=int, default=10, help="cadence of the audited configurations")
     parser.add_argument("--configs", default="none,nonfinite,fingerprint,defaults,audit_often,update_often")
     args = parser.parse_args()
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     traffic = Traffic()
     skip = 5
-    runs: dict[str, list[dict[str, float]]] = {c: [] for c in args.configs.split(",")}
-    for _ in range(args.rounds):
-        for config in runs:
-            runs[config] += fit(config, args.steps, traffic, args.every)[skip:]
+    rounds = alternate(lambda c: fit(c, args.steps, traffic, args.every), args.configs.split(","), args.rounds, skip)
     if dist.get_rank() != 0:
         return
-    base = summary([s["seconds"] for s in runs["none"]])["median"]
+    runs = rounds["runs"]
     kept = args.steps - skip
     result: dict[str, Any] = {
         "world_size": dist.get_world_size(),
-        "params": 64 * 2048 + 2048 + 2048 * 2048 + 2048 + 2048 + 1,
-        "step_seconds": {c: summary([s["seconds"] for s in steps]) for c, steps in runs.items()},
-        "overhead": {c: summary([s["seconds"] for s in steps])["median"] / base - 1 for c, steps in runs.items()},
+        "params": sum(p.numel() for p in Model().parameters()),
+        **step_table(runs, rounds["per_round"], rounds["cpu_round"]),
         "every": args.every,
+        "replay_every": args.every,
+        "steps": args.steps,
     }
     for config in ("audit_often", "update_often"):
         if config not in runs:
@@ -112,6 +103,8 @@ def main() -> None:
         )
         result[f"{config}_traffic"] = {"clean": [normal[0]["calls"], normal[0]["bytes"]],
                                        "audited": [audited[0]["calls"], audited[0]["bytes"]]}  # fmt: skip
+    if "audit_often_step_vs_normal" in result:
+        result["audited_step_vs_normal"] = result["audit_often_step_vs_normal"]
     args.out.write_text(json.dumps(result, indent=1))
 
 

@@ -16,20 +16,19 @@ TEXT = """## 5. FSDP2
 ### Measured: Lightning `ModelParallelStrategy`, pure FSDP on 4 CPU ranks ({params:,} parameters)
 
 `torchrun --nproc-per-node 4 -m benchmarks.fsdp2_lightning --out docs/performance-fsdp2.json`:
-each `Linear` and the root `fully_shard`-ed over gloo, AdamW, batch 128 per rank, 30 steps per
-configuration (first 5 dropped), configurations alternating in one process group. This run shared
-two cores with other jobs (load average about 30 for 4 ranks): the spread of step times is far
-wider than any difference between configurations, so the ratios below say "within noise", not
-a cost. Rerun on an idle machine (or `bash benchmarks/gpu_fsdp2.sh` for GPUs) before quoting them.
+each `Linear` and the root `fully_shard`-ed over gloo, AdamW, batch 128 per rank, {steps} steps per
+configuration (first 5 dropped), configurations alternating in one process group, {rounds} rounds. Four
+ranks share two cores here: every collective also waits for a descheduled peer, so read a
+difference smaller than the per-round range as noise.
 
 {table}
 
 An audited replay step took {replay_ratio:.2f}x a normal step (the normal step plus one forward and backward of
 the partner's micro-batch with the all-gathers of training and no reduce-scatter); an update-audit
-step {update_ratio:.2f}x (a shard snapshot, its transfer and one optimizer step on the shard). The target of
-at most 1% per clean step is not demonstrated by this run: the clean-step work is one `aminmax`
-per parameter group (the reduce-scatter reads the same bytes anyway), one or two reads of the
-local shards and 20 bytes of traffic, which is below what this noise can resolve.
+step {update_ratio:.2f}x (a shard snapshot, its transfer and one optimizer step on the shard). The
+clean-step work is one `aminmax` per parameter group in the reduce-scatter (the flag rides in
+its input: no collective of its own), one or two reads of the local shards for the fingerprint
+and 16 bytes of traffic.
 
 Traffic counted by instrumenting the checks' calls (FSDP's own all-gathers and reduce-scatters
 excluded): a clean step {clean_calls} collectives / {clean_bytes} bytes per rank with the non-finite check and the
@@ -60,16 +59,14 @@ for cadences of hundreds to thousands of steps.
 
 
 def render(data: dict[str, Any]) -> str:
-    rows = ["| configuration | median ms per step | vs none | min | max |", "|---|---|---|---|---|"]
-    labels = {"defaults": "defaults (all three)", "audit_often": f"audit_often (replay every {data['every']})",
-              "update_often": f"update_often (update audit every {data['every']})"}  # fmt: skip
-    for config, s in data["step_seconds"].items():
-        rows.append(f"| {labels.get(config, config)} | {s['median'] * 1e3:.1f} | {data['overhead'][config]:+.1%} | "
-                    f"{s['min'] * 1e3:.1f} | {s['max'] * 1e3:.1f} |")  # fmt: skip
+    from benchmarks.report import ddp_table  # the DDP sections' table (report imports this module)
+
     shard = data["params"] * 4 / data["world_size"]
     replay, update = data["audit_often_traffic"], data["update_often_traffic"]
+    rounds = len(next(iter(data.get("overhead_by_round", {}).values()), [None]))
     return TEXT.format(
-        table="\n".join(rows), params=data["params"], replay_ratio=data["audit_often_step_vs_normal"],
+        table=ddp_table(data), params=data["params"], steps=data.get("steps", 30), rounds=rounds,
+        replay_ratio=data["audit_often_step_vs_normal"],
         update_ratio=data["update_often_step_vs_normal"], clean_calls=replay["clean"][0],
         clean_bytes=replay["clean"][1], replay_calls=replay["audited"][0], replay_bytes=replay["audited"][1],
         update_calls=update["audited"][0], update_bytes=update["audited"][1],
