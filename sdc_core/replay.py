@@ -77,6 +77,7 @@ from sdc_core.topology import (
     all_gather_objects,
     all_gather_tensor,
     exchange,
+    group_ring_partners,
     is_distributed,
     owners_of,
 )
@@ -792,6 +793,7 @@ class RingReplay:
     disabled: bool = False
     replaying: bool = False
     lockstep: bool = False  # replays run collectives (sharded models): every rank replays in every round
+    groups: list[tuple[int, ...]] | None = None  # ranks computing one batch together (tensor parallel), or None
     _armed_step: int | None = None
     _micro: list[MicroBatch] = field(default_factory=list)
     _loss: torch.Tensor | None = None
@@ -936,8 +938,9 @@ class RingReplay:
         t0 = time.perf_counter()
         topo = self.topology or Topology.gather()
         world, me = topo.world_size, topo.rank
-        partners = topo.partners()
+        partners = self._partners(topo)
         inverse = owners_of(partners)
+        rings = len(self.groups) if self.groups else world  # the length of each replay cycle
         own = self._own_digest()
         micro, self._micro, self._armed_step = self._micro, [], None
         own_states = [mb.state for mb in micro]
@@ -1039,7 +1042,7 @@ class RingReplay:
                 f"{', '.join(sorted({wheres[q] or 'loss' for q in unreproducible}))}; tolerance "
                 f"{self.tolerance:.3g}). This is not evidence of a faulty device: the step {how}. {self.advice}.",
             )
-        if mismatching and len(mismatching) == world and (world >= 3 or first):
+        if mismatching and len(mismatching) == world and (rings >= 3 or first):
             self.stats.add_time(time.perf_counter() - t0)
             return self._unreplayable(step, self._every_pair_message(step, topo, first))
         if not mismatching:
@@ -1050,6 +1053,54 @@ class RingReplay:
             return False
         return self._attribute(step, topo, partners, inverse, table, mismatching, micro, own, received, mine,
                                replay, prepare, replay_payload, attempt, t0)  # fmt: skip
+
+    def _partners(self, topo: Topology) -> tuple[int, ...]:
+        """``partners[r]``: the rank replaying rank ``r``'s batch (per tensor-parallel coordinate
+        over the data-parallel groups when ``groups`` is set)."""
+        if not self.groups:
+            return topo.partners()
+        return group_ring_partners(self.groups, [f.node_rank for f in topo.ranks])
+
+    def _group_of(self, world: int) -> list[int]:
+        """The data-parallel group index of every rank (each rank its own without ``groups``)."""
+        if not self.groups:
+            return list(range(world))
+        index = [0] * world
+        for g, members in enumerate(self.groups):
+            for r in members:
+                index[r] = g
+        return index
+
+    def _referee_jobs(
+        self, disputed: Sequence[tuple[int, int]], mismatching: Sequence[tuple[int, int]], topo: Topology
+    ) -> tuple[dict[tuple[int, int], int | None], list[tuple[int, int, int]]]:
+        """The referee of each disputed pair, and every ``(owner, replayer, referee)`` replay job.
+
+        Without ``groups`` one job per disputed pair. With tensor-parallel ``groups`` the referee
+        is a whole third group: a disputed pair of groups ``(A, B)`` gets group ``C``, each of
+        whose ranks ``(C, t)`` replays what ``(A, t)`` computed (its collectives need its peers to
+        replay the same batch), whichever coordinates disagreed."""
+        world = topo.world_size
+        node_of = [f.node_rank for f in topo.ranks]
+        busy = {r for pair in mismatching for r in pair}
+        if not self.groups:
+            referees = {pair: pick_referee(*pair, world, node_of, busy) for pair in disputed}
+            return referees, [(o, q, t) for (o, q), t in referees.items() if t is not None]
+        group_of, groups = self._group_of(world), self.groups
+        group_node = [node_of[g[0]] for g in groups]
+        busy_groups = {group_of[r] for r in busy}
+        by_pair: dict[tuple[int, int], int | None] = {}
+        for o, q in disputed:
+            a, b = group_of[o], group_of[q]
+            if (a, b) not in by_pair:
+                by_pair[(a, b)] = pick_referee(a, b, len(groups), group_node, busy_groups)
+        referees = {}
+        for o, q in disputed:
+            c = by_pair[(group_of[o], group_of[q])]
+            referees[(o, q)] = None if c is None else groups[c][groups[group_of[o]].index(o)]
+        jobs = [(groups[a][t], groups[b][t], groups[c][t]) for (a, b), c in sorted(by_pair.items()) if c is not None
+                for t in range(len(groups[a]))]  # fmt: skip
+        return referees, jobs
 
     @staticmethod
     def _for_transfer(micro: Sequence[MicroBatch]) -> list[MicroBatch]:
@@ -1088,6 +1139,8 @@ class RingReplay:
         explains, and classify the named rank's fault; raises ``ReplayMismatchError``."""
         world, me = topo.world_size, topo.rank
         tol, atol = self.tolerance, float(self.config.atol)
+        rings = len(self.groups) if self.groups else world
+        group_of = self._group_of(world)
 
         def differs(a: Digest, b: Digest) -> bool:
             exact, diff, _ = compare_raw(a, b, self.names, atol)
@@ -1095,15 +1148,11 @@ class RingReplay:
 
         where = compare_raw(received["digest"], mine, self.names, atol)[2] if mine is not None else ""
         wheres = all_gather_objects(where)
-        culprits, disputed = explain(world, partners, mismatching)
-        node_of = [f.node_rank for f in topo.ranks]
-        busy = {r for pair in mismatching for r in pair}
-        referees = {pair: pick_referee(*pair, world, node_of, busy) for pair in disputed}
+        culprits, disputed = explain(rings, partners, mismatching)
+        referees, assignments = self._referee_jobs(disputed, mismatching, topo)
         sends: dict[int, Any] = {}
         recv_from: list[int] = []
-        for (o, q), t in referees.items():
-            if t is None:
-                continue
+        for o, q, t in assignments:
             if me == o:
                 sends.setdefault(t, {}).update(micro=self._for_transfer(micro), digest=own)
             if me == q:
@@ -1116,7 +1165,7 @@ class RingReplay:
         got = exchange(sends, recv_from) if referees else {}
         my_rulings: dict[tuple[int, int], tuple[bool, bool]] = {}
         my_failure = ""
-        jobs = [(o, q) for (o, q), t in referees.items() if t == me]
+        jobs = [(o, q) for o, q, t in assignments if t == me]
         rounds = len(jobs)
         if self.lockstep:  # replays are collective: every rank replays in every referee round
             for o, q in jobs:
@@ -1126,7 +1175,7 @@ class RingReplay:
                     my_failure = my_failure or f"refereeing {o}->{q}: {_describe(err)}"
             if any(all_gather_tensor(torch.tensor([float(bool(my_failure))], dtype=torch.float64)).flatten().tolist()):
                 return self._failed(step, all_gather_objects(my_failure), inverse, t0)
-            assigned = list(referees.values())
+            assigned = [t for _, _, t in assignments]
             rounds = max(assigned.count(r) for r in range(world))
         for i in range(rounds):
             if i >= len(jobs):  # lockstep: no pair for this rank in this round; its replay joins the others'
@@ -1137,25 +1186,28 @@ class RingReplay:
             if ref is None:
                 my_failure = f"refereeing {o}->{q}: {err}"
                 continue
-            my_rulings[(o, q)] = (not differs(got[o]["digest"], ref), not differs(got[q]["replay"], ref))
+            if (o, q) in referees:  # a tensor-parallel peer's job that agreed: its replay served the group
+                my_rulings[(o, q)] = (not differs(got[o]["digest"], ref), not differs(got[q]["replay"], ref))
         rulings: dict[tuple[int, int], tuple[bool, bool]] = {}
         gathered = all_gather_objects((my_rulings, my_failure))
         if any(f for _, f in gathered):
             return self._failed(step, [f for _, f in gathered], inverse, t0)
         for part, _ in gathered:
             rulings.update(part)
-        rank, suspects, notes = settle(world, culprits, disputed, rulings)
+        rank, suspects, notes = settle(rings, culprits, disputed, rulings)
         classification = None
         if rank is not None:  # the suspect re-runs what disagreed: does it reproduce its result?
             mine_again = None
+            as_owner = (rank, partners[rank]) in mismatching
             if me == rank:
-                as_owner = (rank, partners[rank]) in mismatching
                 again, err = attempt(lambda: replay(micro) if as_owner else replay_payload(received))
                 before = own if as_owner else mine
                 if again is None:
                     mine_again = f"unknown ({err.split(':')[0]})"
                 else:
                     mine_again = "persistent" if before is not None and not differs(before, again) else "transient"
+            elif self.lockstep and group_of[me] == group_of[rank]:  # its tensor-parallel peers re-run the same
+                attempt(lambda: replay(micro) if as_owner else replay_payload(received))
             elif self.lockstep:  # the suspect's re-run is collective: the others replay alongside
                 attempt(lambda: replay(micro))
             classification = all_gather_objects(mine_again)[rank]
@@ -1178,6 +1230,7 @@ class RingReplay:
             "node_ranks": topo.node_ranks(suspects),
             "world_size": world,
             "classification": classification,
+            **({"tensor_parallel_groups": [list(g) for g in self.groups]} if self.groups else {}),
         }  # fmt: skip
         reproduced = all(r[3] and not disagree(bool(r[4]), r[5], tol) for r in table)
         note = " while each rank reproduces its own result on its own device" if reproduced else ""
@@ -1192,8 +1245,18 @@ class RingReplay:
                 f"the two replicas disagree on a replayed batch{note}; "
                 "with two replicas no third opinion can tell which is wrong"
             )
+        elif rings == 2:
+            reason = (
+                f"the two data-parallel groups disagree on a replayed batch{note}; with two groups no third "
+                "opinion can tell which of each disagreeing pair (same tensor-parallel coordinate) is wrong"
+            )
         else:
             reason = f"{len(mismatching)} of {world} replay pairs disagree{note}, and no single rank explains them all"
+            if self.groups and len(suspects) > 1 and len({group_of[r] for r in suspects}) == 1:
+                reason += (
+                    "; the suspects are one tensor-parallel group: a fault before one of its collectives reaches "
+                    "every peer, so the group is named"
+                )
         skip = self.config.on_failure == "skip_step" and classification == "transient"
         if skip:
             details["action"] = "step skipped on every rank"

@@ -1,4 +1,5 @@
-"""Ring replay audit on sharded models (FSDP2, HSDP): every rank replays its partner's micro-batches.
+"""Ring replay audit on sharded models (FSDP2, HSDP, + tensor parallel): every rank replays its
+partner's micro-batches.
 
 Contract: on every ``every_n_steps``-th optimizer step, after backward and before the update,
 every rank receives its ring partner's micro-batches (inputs, the state the step reads besides
@@ -19,6 +20,17 @@ and as replayer; a single disagreeing pair settled by a referee rank replaying t
 batch), the transient/persistent classification and ``on_failure="skip_step"``. Because a replay
 runs collectives, every rank replays in every round (``lockstep``): ranks without a pair to
 referee, and the ranks beside the suspect's re-run, re-run their own micro-batches alongside.
+
+Tensor parallelism (mesh dimensions FSDP does not use, read from the parameters' device mesh):
+the ranks of a tensor-parallel group compute each batch together, so the ring runs over the
+data-parallel groups. Group ``g + 1`` replays group ``g``'s micro-batches together, its rank with
+tensor-parallel coordinate ``t`` taking the batch, RNG, state and digests of rank ``t`` of ``g``;
+digests are compared between ranks of the same coordinate, so the attribution is per rank as
+without TP. A referee is a whole third group (each of its ranks replays the disputed group's
+batch at its own coordinate: its collectives need its peers to replay alongside), so ``D >= 3``
+data-parallel groups are needed to name one rank; with ``D = 2`` both ranks of a disagreeing
+coordinate are suspects. A fault that enters a tensor-parallel collective (a wrong partial sum
+before a row-parallel all-reduce) makes every peer of the group compute wrong: the group is named.
 
 Cost on an audited step: one forward and backward per micro-batch (the all-gathers included, the
 reduce-scatter not; twice at the first audit: the same-device re-run), the batch and state
@@ -59,8 +71,9 @@ from sdc_core.replay import (
 from sdc_core.sharded import GradientTapComm, fsdp_taps, local
 
 
-def _other_parallel_dims(module: nn.Module) -> list[str]:
-    """Mesh dimensions (size > 1) of the parameters' root meshes that FSDP does not use."""
+def _other_parallel_meshes(module: nn.Module) -> list[tuple[Any, tuple[str, ...], list[int]]]:
+    """``(root mesh, its dimension names, indices of the dimensions of size > 1 FSDP does not
+    use)`` for every distinct root mesh of the parameters that has such dimensions."""
     from sdc_core.sharded import FSDPModule
 
     fsdp_meshes: list[Any] = []
@@ -68,7 +81,7 @@ def _other_parallel_dims(module: nn.Module) -> list[str]:
         if FSDPModule is not None and isinstance(m, FSDPModule):
             fsdp_meshes += [pg.mesh_info.mesh for pg in m._get_fsdp_state()._fsdp_param_groups]
     fsdp_dims = {n for mesh in fsdp_meshes for n in (mesh.mesh_dim_names or ())}
-    other: set[str] = set()
+    found: list[tuple[Any, tuple[str, ...], list[int]]] = []
     for p in module.parameters():
         mesh = getattr(p, "device_mesh", None)
         if mesh is None:
@@ -76,9 +89,41 @@ def _other_parallel_dims(module: nn.Module) -> list[str]:
         root = mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else mesh
         if any(root is m or root == m for m in fsdp_meshes):
             continue  # FSDP's (or HSDP's) own mesh
-        names = root.mesh_dim_names or tuple(f"dim {i}" for i in range(root.ndim))
-        other.update(n for n, size in zip(names, root.shape, strict=True) if size > 1 and n not in fsdp_dims)
-    return sorted(other)
+        names = tuple(root.mesh_dim_names or (f"dim {i}" for i in range(root.ndim)))
+        dims = [i for i, (n, size) in enumerate(zip(names, root.shape, strict=True)) if size > 1 and n not in fsdp_dims]
+        if dims and not any(root is r or root == r for r, _, _ in found):
+            found.append((root, names, dims))
+    return found
+
+
+def tensor_parallel_groups(module: nn.Module, world: int) -> list[tuple[int, ...]] | None:
+    """The ranks that compute each batch together, one group per data-parallel index, each in
+    tensor-parallel coordinate order; None without tensor (or other non-FSDP) parallelism.
+
+    Read from the parameters' root device mesh: the mesh dimensions FSDP does not use (size > 1)
+    are the tensor-parallel ones, the others index the groups. Raises ``ValueError`` when the
+    parameters use several such meshes or the mesh does not hold every rank exactly once."""
+    meshes = _other_parallel_meshes(module)
+    if not meshes:
+        return None
+    if len(meshes) > 1:
+        raise ValueError(
+            "RingReplayAudit on a sharded model supports one tensor-parallel device mesh; the parameters use "
+            f"{len(meshes)} ({[names for _, names, _ in meshes]})"
+        )
+    root, names, dims = meshes[0]
+    ranks = root.mesh.detach().cpu()
+    if sorted(ranks.flatten().tolist()) != list(range(world)):
+        raise ValueError(
+            f"RingReplayAudit on a sharded model needs the tensor-parallel device mesh {names} to hold every one of "
+            f"the {world} ranks once (its ranks: {ranks.flatten().tolist()})"
+        )
+    rest = [i for i in range(ranks.ndim) if i not in dims]
+    size = 1
+    for i in dims:
+        size *= ranks.shape[i]
+    table = ranks.permute(*rest, *dims).reshape(-1, size)
+    return [tuple(int(r) for r in row) for row in table.tolist()]
 
 
 @dataclass
@@ -101,16 +146,14 @@ class ShardedReplay(RingReplay):
         load_state: Callable[[Any], None] | None = None,
     ) -> None:
         """Tap the FSDP reduce-scatters and capture ``module``'s state (``StateCapture``: ``exclude``
-        names framework attributes, ``get_state``/``load_state`` the user's explicit hook). Raises
-        ``ValueError`` under tensor (or any non-FSDP) parallelism: its peers must compute the same
-        batch together, which a ring of partners replaying different batches breaks."""
-        other = _other_parallel_dims(module)
-        if other:
-            raise ValueError(
-                f"RingReplayAudit on a sharded model supports FSDP and HSDP, not tensor parallelism (mesh dimensions "
-                f"{other}): tensor-parallel peers must replay the same batch together. NonFiniteGradientCheck and "
-                "WeightFingerprintCheck support it (Accelerate: set replay_every_n_steps=0)."
-            )
+        names framework attributes, ``get_state``/``load_state`` the user's explicit hook).
+
+        Under tensor parallelism (mesh dimensions FSDP does not use) the ring runs over the
+        data-parallel groups (``groups``): a tensor-parallel group replays another group's batches
+        together, rank ``t`` what rank ``t`` of the owner group computed, so their collectives pair
+        up. ``ValueError`` for a layout that cannot be read (see ``tensor_parallel_groups``)."""
+        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        self.groups = tensor_parallel_groups(module, world)
         self.taps = fsdp_taps(module)
         for tap in self.taps:
             tap.consumers.append(self._consume_shard)

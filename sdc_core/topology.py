@@ -141,6 +141,27 @@ def ring_partners(node_of_rank: list[int]) -> tuple[int, ...]:
     return tuple(partner)
 
 
+def group_ring_partners(groups: list[tuple[int, ...]], node_of_rank: list[int]) -> tuple[int, ...]:
+    """Replay permutation when ranks compute each batch together in ``groups`` (tensor-parallel
+    groups, one per data-parallel index, each listed in tensor-parallel coordinate order).
+
+    The ring runs over the groups (``ring_partners`` on the node of each group's first rank): the
+    group after ``g`` replays ``g``'s batches, its rank with coordinate ``t`` replaying what rank
+    ``t`` of ``g`` computed, so the members of a group replay one batch together and their
+    collectives pair up. With ``D`` groups the permutation is ``T`` cycles of length ``D``.
+    Raises ``ValueError`` unless the groups are of one size and cover every rank exactly once."""
+    world = len(node_of_rank)
+    sizes = {len(g) for g in groups}
+    if len(sizes) != 1 or sorted(r for g in groups for r in g) != list(range(world)):
+        raise ValueError(f"tensor-parallel groups must be of one size and cover the {world} ranks once, got {groups}")
+    ring = ring_partners([node_of_rank[g[0]] for g in groups])
+    partner = [0] * world
+    for g, members in enumerate(groups):
+        for t, r in enumerate(members):
+            partner[r] = groups[ring[g]][t]
+    return tuple(partner)
+
+
 def owners_of(partners: tuple[int, ...] | list[int]) -> list[int]:
     """The inverse of a replay permutation: ``owners_of(partners)[q]`` is the rank whose batch
     rank ``q`` replays."""
