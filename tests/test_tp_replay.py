@@ -97,3 +97,52 @@ def test_referee_jobs_give_a_whole_third_group_every_coordinate_of_the_disputed_
     assert jobs == [(0, 2, 4), (1, 3, 5)]  # rank 4 replays rank 0's batch beside rank 5: their collectives pair up
     plain = RingReplay()
     assert plain._referee_jobs([(1, 2)], [(1, 2)], topo) == ({(1, 2): 3}, [(1, 2, 3)])
+
+
+class _Mesh:
+    """Just what ``tensor_parallel_groups`` reads of a ``DeviceMesh``."""
+
+    def __init__(self, ranks: list[list[int]] | list[int], names: tuple[str, ...]) -> None:
+        import torch
+
+        self.mesh = torch.tensor(ranks)
+        self.mesh_dim_names, self.shape, self.ndim = names, tuple(self.mesh.shape), self.mesh.ndim
+
+
+def _module_on(meshes: list[_Mesh], fsdp_mesh: _Mesh, monkeypatch: pytest.MonkeyPatch) -> object:
+    from types import SimpleNamespace
+
+    import torch
+    from torch import nn
+
+    import sdc_core.sharded as sharded
+
+    class FakeFSDP(nn.Module):
+        def _get_fsdp_state(self) -> SimpleNamespace:
+            group = SimpleNamespace(mesh_info=SimpleNamespace(mesh=fsdp_mesh))
+            return SimpleNamespace(_fsdp_param_groups=[group])
+
+    monkeypatch.setattr(sharded, "FSDPModule", FakeFSDP)
+    module = FakeFSDP()
+    for i, mesh in enumerate(meshes):
+        p = nn.Parameter(torch.zeros(1))
+        p.device_mesh = mesh  # type: ignore[attr-defined]
+        module.register_parameter(f"p{i}", p)
+    return module
+
+
+def test_tensor_parallel_groups_are_read_from_the_mesh_in_any_dimension_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    from sdc_core.sharded_replay import tensor_parallel_groups
+
+    dp = _Mesh([0, 1, 2], ("dp",))
+    tp_first = _Mesh([[0, 1, 2], [3, 4, 5]], ("tp", "dp"))  # rank = 3 * tp + dp
+    assert tensor_parallel_groups(_module_on([tp_first], dp, monkeypatch), 6) == [(0, 3), (1, 4), (2, 5)]
+    dp_first = _Mesh([[0, 1], [2, 3], [4, 5]], ("dp", "tp"))  # Lightning's layout
+    assert tensor_parallel_groups(_module_on([dp_first], dp, monkeypatch), 6) == [(0, 1), (2, 3), (4, 5)]
+    no_tp = _Mesh([[0], [1], [2]], ("dp", "tp"))  # tensor_parallel_size=1: no groups
+    assert tensor_parallel_groups(_module_on([no_tp], dp, monkeypatch), 3) is None
+    with pytest.raises(ValueError, match="hold every one of the 8 ranks"):
+        tensor_parallel_groups(_module_on([dp_first], dp, monkeypatch), 8)
+    other = _Mesh([[0, 2], [1, 3], [4, 5]], ("dp", "tp"))
+    with pytest.raises(ValueError, match="one tensor-parallel device mesh"):
+        tensor_parallel_groups(_module_on([dp_first, other], dp, monkeypatch), 6)
