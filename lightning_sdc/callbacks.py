@@ -68,6 +68,10 @@ class _SDCCallback(Callback):
         self._core.topology = c.topology(trainer)
         # Resolved here, on every rank: `trainer.log_dir` is a broadcast, never safe on an error path.
         self._run_dir = trainer.log_dir or trainer.default_root_dir
+        route_weights_only_saves(trainer, pl_module)
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        unroute_weights_only_saves(pl_module)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         c.log_stats(trainer, self._core.stats)
@@ -79,6 +83,7 @@ class _SDCCallback(Callback):
         """Every path out: no collective of the check left in flight; the verdict marked for the
         launcher (``sdc run``); under ``ddp_spawn``, in the caller of ``fit``, the worker's text-only
         exception becomes the ``SDCError`` it was (``except SDCError`` works there)."""
+        unroute_weights_only_saves(pl_module)
         discard = getattr(self._core, "discard", None)
         if discard is not None:  # no all-reduce of the check left in flight into the exit
             discard()
@@ -135,6 +140,43 @@ class _SDCCallback(Callback):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._core.stats.load_state_dict(state_dict)
+
+
+_WEIGHTS_ONLY_ROUTE = "_sdc_weights_only_route"
+
+
+def route_weights_only_saves(trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    """Give the SDC callbacks their ``on_save_checkpoint`` for weights-only checkpoints too.
+
+    For ``ModelCheckpoint(save_weights_only=True)`` and ``trainer.save_checkpoint(path,
+    weights_only=True)`` Lightning calls no callback hook, but it still calls the LightningModule's
+    ``on_save_checkpoint`` on every rank while it builds the checkpoint, before anything is
+    written. That method is wrapped on the instance (once, whatever the number of SDC callbacks;
+    the user's own override still runs, last, as for a full checkpoint): on a weights-only
+    checkpoint (no ``callbacks`` entry) it first runs every SDC callback's ``on_save_checkpoint``
+    in ``trainer.callbacks`` order, so pending verdicts are read, the replicas compared and the
+    fingerprint stored, or the verdict raised on every rank before the file exists. Removed at
+    teardown and on an exception. Costs nothing on full checkpoints (one dictionary lookup)."""
+    if getattr(vars(pl_module).get("on_save_checkpoint"), _WEIGHTS_ONLY_ROUTE, False):
+        return
+    original = pl_module.on_save_checkpoint
+
+    @functools.wraps(original)
+    def on_save_checkpoint(checkpoint: dict[str, Any]) -> Any:
+        if "callbacks" not in checkpoint:  # weights only: Lightning called no callback hook
+            for cb in trainer.callbacks:
+                if isinstance(cb, _SDCCallback):
+                    cb.on_save_checkpoint(trainer, pl_module, checkpoint)
+        return original(checkpoint)
+
+    setattr(on_save_checkpoint, _WEIGHTS_ONLY_ROUTE, True)
+    pl_module.on_save_checkpoint = on_save_checkpoint  # type: ignore[method-assign]
+
+
+def unroute_weights_only_saves(pl_module: pl.LightningModule) -> None:
+    """Undo ``route_weights_only_saves`` (idempotent): the module's own method is back."""
+    if getattr(vars(pl_module).get("on_save_checkpoint"), _WEIGHTS_ONLY_ROUTE, False):
+        del pl_module.on_save_checkpoint
 
 
 class NonFiniteGradientCheck(_SDCCallback):
@@ -217,7 +259,8 @@ class NonFiniteGradientCheck(_SDCCallback):
             self._failed(trainer, self._core.config.on_failure)
 
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
-        # no checkpoint is written after a step whose verdict is unread (every rank dumps checkpoints)
+        # no checkpoint (weights-only ones included) is written after a step whose verdict is
+        # unread (every rank dumps checkpoints)
         self._settle(trainer, pl_module, self._core.resolve)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -255,8 +298,9 @@ class WeightFingerprintCheck(_SDCCallback):
 
     Checkpoints written while it is on carry a fingerprint of their weights and optimizer state;
     resuming from one whose tensors changed on disk raises ``FingerprintMismatchError`` naming
-    them (``sdc verify-checkpoint`` checks a file offline). Lightning calls no callback for
-    ``save_weights_only`` checkpoints: those are written unverified and without a fingerprint.
+    them (``sdc verify-checkpoint`` checks a file offline). ``save_weights_only`` checkpoints
+    (for which Lightning calls no callback) are compared and fingerprinted too, from the
+    LightningModule's ``on_save_checkpoint`` (see ``route_weights_only_saves``).
     """
 
     def __init__(
@@ -464,9 +508,11 @@ class RingReplayAudit(_SDCCallback):
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._unwrap(pl_module)
+        super().teardown(trainer, pl_module, stage)
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._unwrap(pl_module)
+        super().on_exception(trainer, pl_module, exception)
 
     def _unwrap(self, pl_module: pl.LightningModule) -> None:
         if self._training_step is not None and vars(pl_module).get("training_step") is self._training_step[1]:

@@ -414,7 +414,9 @@ def check_loaded_checkpoint(obj: dict[str, Any], step: int) -> None:
 def newest_verified(folders: list[str | Path], max_step: int, trust_pickle: bool = False,
                     skipped: list[str] | None = None) -> Path | None:  # fmt: skip
     """The newest checkpoint under ``folders`` written at or before optimizer step ``max_step``
-    whose tensors still match the fingerprint stored with it (None when there is none).
+    whose tensors still match the fingerprint stored with it (None when there is none). A
+    weights-only checkpoint (no ``optimizer_states``) is passed over: Lightning cannot resume
+    training from one either.
 
     Files are read with ``weights_only=True`` unless ``trust_pickle``; each file passed over is
     appended to ``skipped`` (when given) with the reason."""
@@ -429,6 +431,10 @@ def newest_verified(folders: list[str | Path], max_step: int, trust_pickle: bool
             except Exception as err:  # unreadable, odd step, unusable fingerprint
                 if skipped is not None:
                     skipped.append(f"{path}: {err}")
+                continue
+            if "optimizer_states" not in obj and 0 <= step <= max_step:  # Lightning save_weights_only
+                if skipped is not None:
+                    skipped.append(f"{path}: weights only (no optimizer state to roll back to)")
                 continue
             if step < 0 or step > max_step or changed != []:
                 if skipped is not None and step <= max_step:
