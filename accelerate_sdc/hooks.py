@@ -46,6 +46,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from accelerate_sdc import _sharded, config
+from sdc_core import shutdown
 from sdc_core.checkpoint import FINGERPRINT_KEY, check_loaded_checkpoint, fingerprint_checkpoint
 from sdc_core.errors import SDCError
 from sdc_core.fingerprint import WeightFingerprint
@@ -255,6 +256,8 @@ class SDCHooks:
             )
         module = fw.unwrap(model)
         self._module = module
+        if distributed:  # the communication threads finish with Python before it shuts down
+            shutdown.arm()
         topo = Topology.gather(local_rank=fw.local_rank)
         for check in self.checks:
             check.topology = topo
@@ -431,10 +434,11 @@ class SDCHooks:
             if alive is not None and alive.fingerprint is not None:
                 alive.fingerprint.discard(timeout_s=10.0)
             del alive
-            # The hooks and the DDP model form reference cycles; collected here, the model's
-            # communication state (Python callbacks held by gloo futures) is released on this
-            # thread, not by a gloo worker during interpreter teardown ("terminate called
-            # without an active exception").
+            # Gloo threads finish releasing the comm hook's Python callbacks first: the
+            # collection below may destroy the DDP model, whose reducer drops the process group
+            # with the GIL held and joins those threads (see sdc_core.shutdown).
+            shutdown.settle_threads()
+            # The hooks and the DDP model form reference cycles: collected here, while Python is whole.
             gc.collect()
 
         atexit.register(at_exit)
@@ -506,6 +510,8 @@ class SDCHooks:
         not left in flight into the exit; on a verdict, counters logged."""
         if self.fingerprint is not None:
             self.fingerprint.discard()
+        if self._fw.num_processes > 1:  # the script may now free the model and the process group
+            shutdown.settle_threads()
         if isinstance(err, SDCError):
             try:
                 self.log(force=True)
@@ -526,6 +532,8 @@ class SDCHooks:
             self._check_now()
         finally:
             self.log(force=True)
+            if self._fw.num_processes > 1:  # the script may now free the model and the process group
+                shutdown.settle_threads()
 
     def _check_now(self) -> None:
         """Resolve the pending comparison, then compare the current weights (every process)."""

@@ -18,6 +18,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
 
 from lightning_sdc import _common as c
+from sdc_core import shutdown
 from sdc_core.checkpoint import FINGERPRINT_KEY, check_loaded_checkpoint, fingerprint_checkpoint
 from sdc_core.errors import SDCError, as_sdc_error
 from sdc_core.faults import Fault
@@ -69,6 +70,8 @@ class _SDCCallback(Callback):
         # Resolved here, on every rank: `trainer.log_dir` is a broadcast, never safe on an error path.
         self._run_dir = trainer.log_dir or trainer.default_root_dir
         route_weights_only_saves(trainer, pl_module)
+        if trainer.world_size > 1:  # the communication threads finish with Python before it shuts down
+            shutdown.arm()
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         unroute_weights_only_saves(pl_module)

@@ -10,6 +10,7 @@ A failure raises an ``SDCError`` subclass on every rank, in the same step, namin
 and host when the evidence allows. The Lightning and Accelerate adapters are thin layers on top.
 """
 
+from sdc_core import shutdown  # first: its exit handler runs after those registered later
 from sdc_core.errors import (
     FingerprintMismatchError,
     NonFiniteGradientError,
@@ -46,6 +47,7 @@ __all__ = [
     "WeightFingerprint",
     "flip_bit",
     "ring_partners",
+    "shutdown",
     "tensor_digest",
     "tensor_digests",
     "vote",

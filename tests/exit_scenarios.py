@@ -1,0 +1,55 @@
+"""The gloo abort at exit, made deterministic (issue 11 item 7). Run as two plain processes:
+
+    RANK=r WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=p python tests/exit_scenarios.py {armed,control}
+
+Rank 0 chains a Python callback on an asynchronous gloo all-reduce (what every Python DDP
+communication hook does) and holds the GIL until the gloo worker that completed it is waiting for
+the GIL, then ends the script. ``control``: the worker meets interpreter teardown and the process
+aborts ("terminate called without an active exception", SIGABRT). ``armed``:
+``sdc_core.shutdown.arm()`` lets the worker finish first and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from sdc_core import shutdown
+
+
+class _ReleasesTheGilInTeardown:
+    """Collected when teardown clears this module; releases the GIL there, as torch's own
+    destructors do (a process group is destroyed without the GIL)."""
+
+    def __del__(self) -> None:
+        time.sleep(0.05)
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    if sys.argv[1] == "armed":
+        shutdown.arm()
+    t = torch.ones(4)
+    if rank == 1:
+        time.sleep(0.2)
+        dist.all_reduce(t)  # completes rank 0's asynchronous all-reduce
+        time.sleep(1.0)
+        return
+    dist.all_reduce(t, async_op=True).get_future().then(lambda f: f.value()[0] * 2)
+    sys.setswitchinterval(1000.0)  # keep the GIL: the gloo worker must wait for it
+    deadline = time.monotonic() + 60
+    while shutdown.foreign_thread_states() == 0 and time.monotonic() < deadline:
+        pass
+    print(f"waiting at exit: {shutdown.foreign_thread_states()}", flush=True)
+    globals()["_teardown"] = _ReleasesTheGilInTeardown()
+
+
+if __name__ == "__main__":
+    main()
