@@ -160,7 +160,7 @@ def route_weights_only_saves(trainer: pl.Trainer, pl_module: pl.LightningModule)
     in ``trainer.callbacks`` order, so pending verdicts are read, the replicas compared and the
     fingerprint stored, or the verdict raised on every rank before the file exists. Removed at
     teardown and on an exception. Costs nothing on full checkpoints (one dictionary lookup)."""
-    if getattr(vars(pl_module).get("on_save_checkpoint"), _WEIGHTS_ONLY_ROUTE, False):
+    if getattr(vars(pl_module).get("on_save_checkpoint"), _WEIGHTS_ONLY_ROUTE, None) is not None:
         return
     original = pl_module.on_save_checkpoint
 
@@ -172,14 +172,20 @@ def route_weights_only_saves(trainer: pl.Trainer, pl_module: pl.LightningModule)
                     cb.on_save_checkpoint(trainer, pl_module, checkpoint)
         return original(checkpoint)
 
-    setattr(on_save_checkpoint, _WEIGHTS_ONLY_ROUTE, True)
+    # what to put back: an attribute set on the instance before, or nothing (the class's method)
+    setattr(on_save_checkpoint, _WEIGHTS_ONLY_ROUTE, (vars(pl_module).get("on_save_checkpoint"),))
     pl_module.on_save_checkpoint = on_save_checkpoint  # type: ignore[method-assign]
 
 
 def unroute_weights_only_saves(pl_module: pl.LightningModule) -> None:
     """Undo ``route_weights_only_saves`` (idempotent): the module's own method is back."""
-    if getattr(vars(pl_module).get("on_save_checkpoint"), _WEIGHTS_ONLY_ROUTE, False):
+    route = getattr(vars(pl_module).get("on_save_checkpoint"), _WEIGHTS_ONLY_ROUTE, None)
+    if route is None:
+        return
+    if route[0] is None:
         del pl_module.on_save_checkpoint
+    else:
+        pl_module.on_save_checkpoint = route[0]  # type: ignore[method-assign]
 
 
 class NonFiniteGradientCheck(_SDCCallback):
