@@ -7,7 +7,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 from conftest import ROOT, worker_env
 
 BIN = Path(sys.executable).parent
@@ -22,10 +21,8 @@ def test_lightning_demo_names_the_faulty_rank(tmp_path: Path) -> None:
     assert len(list((tmp_path / "runs" / "lightning_demo" / "sdc" / "incidents").glob("*.json"))) == 1
 
 
-# Slow: after its (always right) detection, a gloo worker process of this demo has been seen to
-# abort or hang at exit now and then (issue 11 item 7, still open); the verdict paths it covers are
-# tested in the default run by test_accelerate.py and test_verdict_delivery.py.
-@pytest.mark.slow
+# Issue 11 item 7: this demo's processes used to abort at exit now and then (gloo worker meeting
+# interpreter teardown); sdc_core.shutdown fixed it, so a plain exit with status 0 is asserted.
 def test_accelerate_demo_names_the_faulty_rank(tmp_path: Path) -> None:
     env = worker_env() | {"ACCELERATE_USE_CPU": "1", "ACCELERATE_SDC_CONFIG_FILE": os.devnull}
     cmd = [str(BIN / "accelerate"), "launch", "--multi_gpu", "--num_processes", "3",
