@@ -11,6 +11,7 @@ aborts ("terminate called without an active exception", SIGABRT). ``armed``:
 
 from __future__ import annotations
 
+import gc
 import sys
 import time
 from pathlib import Path
@@ -24,8 +25,12 @@ from sdc_core import shutdown
 
 
 class _ReleasesTheGilInTeardown:
-    """Collected when teardown clears this module; releases the GIL there, as torch's own
-    destructors do (a process group is destroyed without the GIL)."""
+    """Left in a reference cycle with the collector off: collected by interpreter teardown's own
+    collection, where it releases the GIL, as torch's destructors do (a process group is
+    destroyed without the GIL)."""
+
+    def __init__(self) -> None:
+        self.cycle = self
 
     def __del__(self) -> None:
         time.sleep(0.05)
@@ -42,13 +47,15 @@ def main() -> None:
         dist.all_reduce(t)  # completes rank 0's asynchronous all-reduce
         time.sleep(1.0)
         return
+    gc.disable()  # nothing collected (no GIL released) before teardown
     dist.all_reduce(t, async_op=True).get_future().then(lambda f: f.value()[0] * 2)
     sys.setswitchinterval(1000.0)  # keep the GIL: the gloo worker must wait for it
     deadline = time.monotonic() + 60
     while shutdown.foreign_thread_states() == 0 and time.monotonic() < deadline:
         pass
-    print(f"waiting at exit: {shutdown.foreign_thread_states()}", flush=True)
-    globals()["_teardown"] = _ReleasesTheGilInTeardown()
+    # not flushed: writing would release the GIL now (stdout is flushed in teardown, which then does)
+    print(f"waiting at exit: {shutdown.foreign_thread_states()}")
+    _ReleasesTheGilInTeardown()
 
 
 if __name__ == "__main__":
