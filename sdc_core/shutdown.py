@@ -39,7 +39,7 @@ import threading
 import time
 
 SETTLE_S = 0.1  # the thread-state count must stay unchanged this long
-TIMEOUT_S = 5.0  # never delay an exit longer than this
+TIMEOUT_S = 5.0  # never delay an exit longer than this (threads that keep entering Python)
 
 _armed = False
 

@@ -1,12 +1,13 @@
-"""The gloo abort at exit, made deterministic (issue 11 item 7). Run as two plain processes:
+"""The gloo abort at exit, reproduced on demand (issue 11 item 7). Run as two plain processes:
 
     RANK=r WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=p python tests/exit_scenarios.py {armed,control}
 
 Rank 0 chains a Python callback on an asynchronous gloo all-reduce (what every Python DDP
 communication hook does) and holds the GIL until the gloo worker that completed it is waiting for
 the GIL, then ends the script. ``control``: the worker meets interpreter teardown and the process
-aborts ("terminate called without an active exception", SIGABRT). ``armed``:
-``sdc_core.shutdown.arm()`` lets the worker finish first and the process exits 0.
+aborts ("terminate called without an active exception", SIGABRT) in most runs (in the others the
+GIL was handed over before teardown began). ``armed``: ``sdc_core.shutdown.arm()`` lets the worker
+finish first and the process exits 0.
 """
 
 from __future__ import annotations
