@@ -8,11 +8,7 @@ writes ``DIR/<scenario>.rank<r>.json`` (see ddp_scenarios.py).
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import sys
-import traceback
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +18,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from ddp_scenarios import Net, fit
+from scenario_runner import main_for
 
 from lightning_sdc import Fault, FaultInjector, NonFiniteGradientCheck, RingReplayAudit, WeightFingerprintCheck
 
@@ -95,20 +92,7 @@ SCENARIOS: dict[str, Any] = {"wo_flip": wo_flip, "wo_nonfinite": wo_nonfinite, "
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True, type=Path)
-    parser.add_argument("--only", default=",".join(SCENARIOS))
-    args = parser.parse_args()
-    rank = int(os.environ["RANK"])
-    args.out.mkdir(parents=True, exist_ok=True)
-    for name in args.only.split(","):
-        try:
-            result = SCENARIOS[name](args.out)
-        except Exception:  # an unexpected failure is a result too
-            result = {"crash": traceback.format_exc()}
-        (args.out / f"{name}.rank{rank}.json").write_text(json.dumps(result, default=repr))
-        if "crash" in result:
-            raise SystemExit(f"scenario {name} crashed on rank {rank}:\n{result['crash']}")
+    main_for(SCENARIOS)
 
 
 if __name__ == "__main__":
