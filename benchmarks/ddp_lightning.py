@@ -103,19 +103,21 @@ class Model(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
 
-def fit(config: str, steps: int, traffic: Traffic, replay_every: int) -> list[dict[str, float]]:
+def fit(config: str, steps: int, traffic: Traffic, replay_every: int, batch: int = BATCH) -> list[dict[str, float]]:
     callbacks: list[Any] = {
         "none": [],
         "nonfinite": [NonFiniteGradientCheck()],
         "fingerprint": [WeightFingerprintCheck()],
         "defaults": [NonFiniteGradientCheck(), RingReplayAudit(), WeightFingerprintCheck()],
         "audit_often": [NonFiniteGradientCheck(), RingReplayAudit(replay_every), WeightFingerprintCheck()],
+        "replay_only": [RingReplayAudit()],
+        "cheap_two": [NonFiniteGradientCheck(), WeightFingerprintCheck()],
     }[config]  # fmt: skip
     probe = Probe(traffic)
     L.seed_everything(0, verbose=False)
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(BATCH * (steps + 2) * dist.get_world_size(), 64, generator=g)
-    data = DataLoader(TensorDataset(x, x[:, :1]), batch_size=BATCH)
+    x = torch.randn(batch * (steps + 2) * dist.get_world_size(), 64, generator=g)
+    data = DataLoader(TensorDataset(x, x[:, :1]), batch_size=batch)
     world, local = int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_WORLD_SIZE"])
     trainer = L.Trainer(
         accelerator="cpu", devices=local, num_nodes=world // local,
@@ -132,13 +134,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--replay-every", type=int, default=10)
+    parser.add_argument("--batch", type=int, default=BATCH, help="samples per rank and step")
     parser.add_argument("--configs", default="none,nonfinite,fingerprint,defaults,audit_often")
     args = parser.parse_args()
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     traffic = Traffic()
     skip = 5  # warm-up steps excluded
     configs = args.configs.split(",")
-    rounds = alternate(lambda c: fit(c, args.steps, traffic, args.replay_every), configs, args.rounds, skip)
+    rounds = alternate(lambda c: fit(c, args.steps, traffic, args.replay_every, args.batch), configs, args.rounds, skip)
     if dist.get_rank() != 0:
         return
     runs = rounds["runs"]
@@ -147,6 +150,7 @@ def main() -> None:
         "params": sum(p.numel() for p in Model().parameters()),
         **step_table(runs, rounds["per_round"], rounds["cpu_round"]),
         "replay_every": args.replay_every,
+        "batch": args.batch,
     }
     if "audit_often" in runs:
         kept = args.steps - skip  # steps kept per fit; runs hold `rounds` fits back to back

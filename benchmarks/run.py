@@ -28,14 +28,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def torchrun(nproc: int, steps: int, rounds: int, replay_every: int, configs: str,
-             module: str = "benchmarks.ddp_lightning") -> dict[str, Any]:  # fmt: skip
+             module: str = "benchmarks.ddp_lightning", extra: tuple[str, ...] = ()) -> dict[str, Any]:  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "ddp.json"
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONPATH=str(ROOT),
                    ACCELERATE_SDC_CONFIG_FILE=os.devnull)  # the SDCHooks defaults, not a user config  # fmt: skip
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                "-m", module, "--out", str(out), "--steps", str(steps),
-               "--rounds", str(rounds), "--replay-every", str(replay_every), "--configs", configs]  # fmt: skip
+               "--rounds", str(rounds), "--replay-every", str(replay_every), "--configs", configs, *extra]  # fmt: skip
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
         if proc.returncode != 0:
             raise RuntimeError(f"DDP benchmark failed:\n{proc.stderr[-4000:]}")
@@ -106,6 +106,10 @@ def main(argv: list[str] | None = None) -> int:
         for name, sec in d["step_seconds"].items():
             print(f"{name:12} {1000 * sec['median']:8.1f} ms  ({100 * d['overhead'][name]:+.1f}%)")
         print(f"audited step / normal step: {d['audited_step_vs_normal']:.2f}")
+        # the same checks against 8x the work per step: their cost is per parameter, the step's per sample
+        result["ddp_large_batch"] = torchrun(3, 20, 5, 10, "none,defaults", extra=("--batch", "1024"))
+        big = result["ddp_large_batch"]
+        print(f"batch 1024: defaults {100 * big['overhead']['defaults']:+.1f}%")
     if "accelerate" in sections and not args.quick:
         result["accelerate"] = torchrun(3, 30, 3, 10, "none,nonfinite,fingerprint,defaults,audit_often",
                                         module="benchmarks.ddp_accelerate")  # fmt: skip

@@ -47,11 +47,12 @@ sees: two opposite flips of one bit (``[1, 2, 3, 4]`` and ``[1.5, 2, 2, 4]`` as 
 up in one word, down in another); an even number of flips of bit 63 (the sign of every second
 fp32, carried out of the word); a bad lane flipping one bit in many words either way.
 
-Cost: one read of every compared tensor per check (one (r, m) sum, expected at memory speed on
-a GPU, not measured yet; on a 2-core CPU measured at about 0.55x of a plain ``sum`` on large
-tensors, 0.27x for 1,000 tensors of 10k elements, where per-kernel overhead rules: CPU kernels
-that sum 32-bit words into 64 bits, or weight them, run at 1-15 GB/s against 30 for a plain sum,
-so a same-width (r, m) sum is the fastest exact option), then O(n/r) work on the class sums;
+Cost: one read of every compared tensor per check (one (r, m) sum, at about the speed of a
+plain ``sum`` on a 2-core CPU: CPU kernels that sum 32-bit words into 64 bits, or weight them,
+run at 1-15 GB/s against 30 for a plain sum, so a same-width (r, m) sum is the fastest exact
+option), then O(n/r) work on the class sums (about 6/16 of the words' traffic); in all 0.63-0.69x
+of a plain ``sum`` on large tensors on that CPU, 0.25x for 1,000 tensors of 10k elements, where
+per-kernel overhead rules (docs/performance.md; not measured on a GPU yet);
 weights cached per device (16 bytes per class of the largest tensor, rounded up to a power of
 two: 128 MiB at most). The common case exchanges 16 bytes per rank in one MAX all-reduce,
 whatever the world size; the host reads the result one training batch later, when the device
