@@ -181,6 +181,7 @@ Commands:
 ```bash
 make bench                        # every section, then this page (or: .venv/bin/python -m benchmarks)
 make bench-ddp                    # Lightning and Accelerate DDP and traffic only (--sections ddp,accelerate,traffic)
+make bench-fsdp2                  # the FSDP2 section only (4 CPU ranks)
 python -m benchmarks.report       # re-renders this page from the JSON
 bash benchmarks/gpu.sh            # kernels and step on a CUDA device (not run yet: no GPU was lent)
 ```
