@@ -79,11 +79,11 @@ class GradientTap:
     """The one communication hook per DDP model.
 
     ``consumers`` read each bucket before the inner hook (local gradients), then ``writers`` may
-    change it in place (the non-finite check's flag), after every consumer; ``reduced_consumers`` receive the bucket the
-    inner hook's future delivers (reduced gradients, identical on every rank), in the one
-    callback chained on that future, and must only keep a reference (no kernel on the
-    communication thread). ``GradientTap.attach(ddp_model, ...)`` returns the
-    model's existing tap or registers a new one wrapping ``inner_hook`` (default: DDP's
+    change it in place (the non-finite check's flag), after every consumer;
+    ``reduced_consumers`` receive the bucket the inner hook's future delivers (reduced
+    gradients, identical on every rank) in the one callback chained on that future, on the
+    communication thread: they must stay tiny. ``GradientTap.attach(ddp_model, ...)`` returns
+    the model's existing tap or registers a new one wrapping ``inner_hook`` (default: DDP's
     all-reduce). Consumers must not synchronise with the host nor raise.
     """
 
@@ -248,7 +248,9 @@ class NonFiniteGradient:
         tap.reduced_consumers.append(self._keep_reduced)
 
     def _keep_reduced(self, reduced: torch.Tensor) -> None:
-        self._reduced.append(reduced)  # a reference only: no kernel on the communication thread
+        # element 0 only, copied (one 1-element kernel): a reference to a compression hook's
+        # output would keep a whole bucket alive until the verdict
+        self._reduced.append(reduced.reshape(-1)[:1].clone())
 
     def _consume(self, bucket: Any) -> None:
         self._local.append((local_norms(bucket.gradients()), bucket.parameters()))
@@ -460,8 +462,8 @@ def fold_flag(buffer: torch.Tensor, local: torch.Tensor) -> None:
 
 
 def reduced_flags(reduced: Sequence[torch.Tensor]) -> torch.Tensor | None:
-    """Element 0 of each reduced bucket, copied into one float32 vector (one small copy kernel: the
-    buckets are reused by the next backward), or None without buckets."""
+    """Element 0 of each reduced bucket (or the buckets themselves) as one float32 vector (one
+    small copy kernel), or None without buckets."""
     if not reduced:
         return None
     return torch.cat([t.reshape(-1)[:1].to(torch.float32) for t in reduced])
