@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -126,15 +127,21 @@ def loader(n: int = 512, batch_size: int = 8) -> DataLoader:
 
 
 def fit(out: Path, name: str, callbacks: list[Any], steps: int = 8, model: ShardedNet | None = None,
+        make: Callable[[], ShardedNet] = ShardedNet, tensor_parallel: int = 1,
         **trainer_kwargs: Any) -> dict[str, Any]:  # fmt: skip
+    """Train under ``ModelParallelStrategy`` (``tensor_parallel`` x the rest data parallel); ``make``
+    builds the model after seeding unless ``model`` is given."""
     L.seed_everything(7, workers=True, verbose=False)
     CountingReduceScatter.calls = 0
-    model = model or ShardedNet()
+    model = model or make()
     world = int(os.environ["WORLD_SIZE"])
     trainer = L.Trainer(
         accelerator="cpu",
         devices=world,
-        strategy=ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1, timeout=timedelta(seconds=90)),
+        strategy=ModelParallelStrategy(
+            data_parallel_size=world // tensor_parallel, tensor_parallel_size=tensor_parallel,
+            timeout=timedelta(seconds=90),
+        ),
         max_steps=steps,
         logger=False,
         default_root_dir=out,  # incidents: <out>/sdc/incidents/
@@ -158,6 +165,7 @@ def fit(out: Path, name: str, callbacks: list[Any], steps: int = 8, model: Shard
         "global_step": trainer.global_step,
         "states": {type(cb).__name__: cb.state_dict() for cb in callbacks if hasattr(cb, "_core")},
         "user_rs_calls": CountingReduceScatter.calls,
+        "groups": next((cb._core.groups for cb in callbacks if isinstance(cb, RingReplayAudit)), None),
     }
 
 

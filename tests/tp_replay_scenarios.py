@@ -8,25 +8,19 @@ coordinate ``r % 2`` (Lightning's mesh is ``(data_parallel, tensor_parallel)``).
 
 from __future__ import annotations
 
-import os
 import sys
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import lightning.pytorch as L
-from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from scenario_runner import main_for
-from sharded_scenarios import ShardedNet, loader
+from sharded_scenarios import ShardedNet, fit
 
-from lightning_sdc import Fault, FaultInjector, RingReplayAudit, SDCError
-from sdc_core.fingerprint import combine, tensor_digests
-from sdc_core.sharded import local
+from lightning_sdc import Fault, FaultInjector, RingReplayAudit
 
 TP = 2
 
@@ -46,39 +40,7 @@ class TPNet(ShardedNet):
 
 
 def fit_tp(out: Path, name: str, callbacks: list[Any], steps: int = 8, **trainer_kwargs: Any) -> dict[str, Any]:
-    L.seed_everything(7, workers=True, verbose=False)
-    model = TPNet()
-    world = int(os.environ["WORLD_SIZE"])
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=world,
-        strategy=ModelParallelStrategy(
-            data_parallel_size=world // TP, tensor_parallel_size=TP, timeout=timedelta(seconds=90)
-        ),
-        max_steps=steps,
-        logger=False,
-        default_root_dir=out,
-        callbacks=callbacks,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        **trainer_kwargs,
-    )
-    error = None
-    try:
-        trainer.fit(model, loader())
-    except SDCError as err:
-        error = err.to_dict()
-    except ValueError as err:
-        error = {"type": "ValueError", "message": str(err)}
-    params = [local(p) for p in model.parameters()]
-    return {
-        "error": error,
-        "weights": int(combine(tensor_digests([p.detach() for p in params]))),
-        "global_step": trainer.global_step,
-        "states": {type(cb).__name__: cb.state_dict() for cb in callbacks if hasattr(cb, "_core")},
-        "groups": next((cb._core.groups for cb in callbacks if isinstance(cb, RingReplayAudit)), None),
-    }
+    return fit(out, name, callbacks, steps, make=TPNet, tensor_parallel=TP, **trainer_kwargs)
 
 
 def fault(mode: str, target: str = "layers.2", factor: float = 1.2, **kw: Any) -> list[Any]:
