@@ -220,7 +220,95 @@ class _StepFlags:
 
 
 @dataclass
-class NonFiniteGradient:
+class NonFiniteVerdicts:
+    """What the DDP and the sharded non-finite checks share: their settings and counters, the fp16
+    overflow streak, and turning every rank's offending parameter names into one verdict (pattern,
+    reason, ranks, hosts) acted on under ``on_failure``."""
+
+    config: NonFiniteConfig = field(default_factory=NonFiniteConfig)
+    stats: CheckStats = field(default_factory=lambda: CheckStats("nonfinite_gradient"))
+    topology: Topology | None = None
+    last_error: NonFiniteGradientError | None = None
+    _sole_rank: int | None = None
+    _streak: int = 0
+
+    def _clean(self, step: int, t0: float) -> bool:
+        self._streak, self._sole_rank = 0, None
+        self.stats.last_verified_step = step
+        self.stats.add_time(time.perf_counter() - t0)
+        return False
+
+    def _failure(
+        self,
+        step: int,
+        per_rank: list[list[str] | None],
+        scaler_active: bool,
+        t0: float,
+        params: list[tuple[str, nn.Parameter]] | None,
+        extra: dict[str, Any] | None = None,
+    ) -> bool:
+        """Build the verdict from every rank's offending names (``None``: finite; identical on every
+        rank), with ``extra`` details, and act on it under the policy."""
+        offenders = tuple(r for r, names in enumerate(per_rank) if names is not None)
+        world = len(per_rank)
+        if world == 1:
+            pattern = "single_process"
+        elif len(offenders) == 1:
+            pattern = "one_rank"
+        elif len(offenders) == world:
+            pattern = "all_ranks"
+        else:
+            pattern = "some_ranks"
+        topo = self.topology or Topology.gather()
+        details: dict[str, Any] = {
+            "pattern": pattern,
+            "parameters": {r: per_rank[r] for r in offenders},
+            "world_size": world,
+            "node_ranks": topo.node_ranks(offenders),
+            **(extra or {}),
+        }
+        if scaler_active:
+            sole = offenders[0] if len(offenders) == 1 and world > 1 else None
+            self._streak = (
+                self._streak + 1 if sole is not None and sole == self._sole_rank else (1 if sole is not None else 0)
+            )
+            self._sole_rank = sole
+            self.stats.bump("scaler_overflows")
+            if self._streak < self.config.overflow_patience:
+                self.stats.add_time(time.perf_counter() - t0)
+                return False  # the GradScaler skips this step itself
+            details["pattern"] = "one_rank_repeatedly"
+            details["consecutive_steps"] = self._streak
+        self.stats.failures += 1
+        rank = offenders[0] if len(offenders) == 1 and world > 1 else None  # one process: no witness
+        first = per_rank[offenders[0]][:3] if offenders and per_rank[offenders[0]] else []
+        reason = {
+            "one_rank": "only this rank produced NaN/Inf local gradients (the SDC signature)",
+            "one_rank_repeatedly": f"only this rank overflowed on {self._streak} consecutive fp16 steps",
+            "all_ranks": "every rank produced NaN/Inf gradients: ordinary divergence (learning rate, data, "
+            "numerics) is likelier than a faulty device",
+            "some_ranks": "several ranks produced NaN/Inf local gradients",
+            "single_process": "NaN/Inf gradients (single process: no replica to compare with)",
+        }[details["pattern"]]
+        reason += f" in {', '.join(first)}" if first else ""
+        error = NonFiniteGradientError(
+            step=step, rank=rank, suspects=offenders, hosts=topo.hosts(offenders), details=details, reason=reason
+        )
+        self.stats.add_time(time.perf_counter() - t0)
+        self.last_error = error
+        if self.config.on_failure in ("raise", "rollback"):  # rollback: the adapter acts on the error
+            raise error
+        warnings.warn(str(error), RuntimeWarning, stacklevel=3)
+        if self.config.on_failure == "skip_step":
+            self.stats.bump("skipped_steps")
+            if not scaler_active and params is not None:  # a GradScaler skips a non-finite step itself
+                drop_step(p for _, p in params)
+            return True
+        return False
+
+
+@dataclass
+class NonFiniteGradient(NonFiniteVerdicts):
     """Framework-neutral non-finite gradient check.
 
     Adapters call ``attach`` (DDP) once, then ``verdict(step, params, ...)`` once per optimizer
@@ -229,16 +317,10 @@ class NonFiniteGradient:
     checkpoint is written and at the end of training. Every call on every rank alike.
     """
 
-    config: NonFiniteConfig = field(default_factory=NonFiniteConfig)
-    stats: CheckStats = field(default_factory=lambda: CheckStats("nonfinite_gradient"))
-    topology: Topology | None = None
     tap: GradientTap | None = None
     _reduced: list[torch.Tensor] = field(default_factory=list)
     _local: list[tuple[torch.Tensor, list[nn.Parameter]]] = field(default_factory=list)
     _pending: _StepFlags | None = None
-    _sole_rank: int | None = None
-    _streak: int = 0
-    last_error: NonFiniteGradientError | None = None
 
     def attach(self, tap: GradientTap) -> None:
         """Read each bucket's local gradients and fold the flag into it; keep the reduced buckets."""
@@ -331,12 +413,6 @@ class NonFiniteGradient:
             return self._clean(flags.step, t0)
         return self._failure(flags.step, per_rank, flags.scaler_active, t0, params)
 
-    def _clean(self, step: int, t0: float) -> bool:
-        self._streak, self._sole_rank = 0, None
-        self.stats.last_verified_step = step
-        self.stats.add_time(time.perf_counter() - t0)
-        return False
-
     def _single_process(
         self, step: int, params: list[tuple[str, nn.Parameter]], scaler_active: bool, t0: float
     ) -> bool:
@@ -348,71 +424,6 @@ class NonFiniteGradient:
         limit = self.config.max_names
         bad = [n for (n, p) in params if p.grad is not None and not bool(torch.isfinite(p.grad).all())]
         return self._failure(step, [bad[:limit]], scaler_active, t0, params=params)
-
-    def _failure(
-        self,
-        step: int,
-        per_rank: list[list[str] | None],
-        scaler_active: bool,
-        t0: float,
-        params: list[tuple[str, nn.Parameter]] | None,
-    ) -> bool:
-        """Build the verdict from every rank's offending names (identical on every rank) and act."""
-        offenders = tuple(r for r, names in enumerate(per_rank) if names is not None)
-        world = len(per_rank)
-        if world == 1:
-            pattern = "single_process"
-        elif len(offenders) == 1:
-            pattern = "one_rank"
-        elif len(offenders) == world:
-            pattern = "all_ranks"
-        else:
-            pattern = "some_ranks"
-        topo = self.topology or Topology.gather()
-        details: dict[str, Any] = {
-            "pattern": pattern,
-            "parameters": {r: per_rank[r] for r in offenders},
-            "world_size": world,
-            "node_ranks": topo.node_ranks(offenders),
-        }
-        if scaler_active:
-            sole = offenders[0] if len(offenders) == 1 and world > 1 else None
-            self._streak = (
-                self._streak + 1 if sole is not None and sole == self._sole_rank else (1 if sole is not None else 0)
-            )
-            self._sole_rank = sole
-            self.stats.bump("scaler_overflows")
-            if self._streak < self.config.overflow_patience:
-                self.stats.add_time(time.perf_counter() - t0)
-                return False  # the GradScaler skips this step itself
-            details["pattern"] = "one_rank_repeatedly"
-            details["consecutive_steps"] = self._streak
-        self.stats.failures += 1
-        rank = offenders[0] if len(offenders) == 1 and world > 1 else None  # one process: no witness
-        first = per_rank[offenders[0]][:3] if offenders and per_rank[offenders[0]] else []
-        reason = {
-            "one_rank": "only this rank produced NaN/Inf local gradients (the SDC signature)",
-            "one_rank_repeatedly": f"only this rank overflowed on {self._streak} consecutive fp16 steps",
-            "all_ranks": "every rank produced NaN/Inf gradients: ordinary divergence (learning rate, data, "
-            "numerics) is likelier than a faulty device",
-            "some_ranks": "several ranks produced NaN/Inf local gradients",
-            "single_process": "NaN/Inf gradients (single process: no replica to compare with)",
-        }[details["pattern"]]
-        reason += f" in {', '.join(first)}" if first else ""
-        error = NonFiniteGradientError(
-            step=step, rank=rank, suspects=offenders, hosts=topo.hosts(offenders), details=details, reason=reason
-        )
-        self.stats.add_time(time.perf_counter() - t0)
-        self.last_error = error
-        if self.config.on_failure in ("raise", "rollback"):  # rollback: the adapter acts on the error
-            raise error
-        warnings.warn(str(error), RuntimeWarning, stacklevel=3)
-        if self.config.on_failure == "skip_step":
-            self.stats.bump("skipped_steps")
-            if not scaler_active and params is not None:  # a GradScaler skips a non-finite step itself
-                drop_step(p for _, p in params)
-            return True
-        return False
 
     def _local_names(self, local: list[tuple[torch.Tensor, list[nn.Parameter]]]) -> list[str] | None:
         """This rank's parameters whose LOCAL gradient was non-finite (rare path: host reads), or

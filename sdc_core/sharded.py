@@ -34,9 +34,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from sdc_core.errors import FingerprintMismatchError, NonFiniteGradientError
+from sdc_core.errors import FingerprintMismatchError
 from sdc_core.fingerprint import FingerprintConfig, combine, fingerprinted_tensors, grouped_digests, vote
-from sdc_core.gradients import NonFiniteConfig, drop_step
+from sdc_core.gradients import NonFiniteVerdicts
 from sdc_core.stats import CheckStats
 from sdc_core.topology import Topology, all_gather_objects, collective_device, is_distributed
 
@@ -292,7 +292,7 @@ class _PendingVerdict:
 
 
 @dataclass
-class ShardedNonFinite:
+class ShardedNonFinite(NonFiniteVerdicts):
     """Non-finite local gradients under FSDP2 / HSDP: the same contract and adapter calls as
     ``NonFiniteGradient`` (``attach``, ``verdict``, ``resolve``, ``pending_step``, ``discard``).
 
@@ -311,16 +311,10 @@ class ShardedNonFinite:
     shard of the flagged groups (under ``"warn"`` the update applies them, as it would the NaN).
     """
 
-    config: NonFiniteConfig = field(default_factory=NonFiniteConfig)
-    stats: CheckStats = field(default_factory=lambda: CheckStats("nonfinite_gradient"))
-    topology: Topology | None = None
-    last_error: NonFiniteGradientError | None = None
     taps: list[GradientTapComm] = field(default_factory=list)
     _seen: list[tuple[torch.Tensor, list[str]]] = field(default_factory=list)
     _outputs: list[torch.Tensor] = field(default_factory=list)  # element 0 of each reduced shard
     _pending: _PendingVerdict | None = None
-    _sole_rank: int | None = None
-    _streak: int = 0
     in_band: bool = False  # the flags travel inside the reduce-scatter (no collective of its own)
 
     def attach(self, module: nn.Module) -> None:
@@ -396,10 +390,7 @@ class ShardedNonFinite:
             pending.work.wait()
         self.stats.runs += 1
         if int(pending.count.item()) == 0:
-            self._streak, self._sole_rank = 0, None
-            self.stats.last_verified_step = pending.step
-            self.stats.add_time(time.perf_counter() - t0)
-            return False
+            return self._clean(pending.step, t0)
         return self._rare(pending.step, params, pending.seen, pending.flags, pending.scaler_active, t0)
 
     def _rare(self, step: int, params: list[tuple[str, nn.Parameter]], seen: list, flags: torch.Tensor | None,
@@ -413,53 +404,14 @@ class ShardedNonFinite:
             reduced_bad = [n for n, p in params if p.grad is not None and not bool(torch.isfinite(local(p.grad)).all())]
         gathered = all_gather_objects((flagged, reduced_bad)) if is_distributed() else [(flagged, reduced_bad)]
         bad_anywhere = {n for _, names in gathered for n in names}
-        per_rank: dict[int, list[str]] = {}
-        for r, (names, _) in enumerate(gathered):
-            if names is not None:
-                narrowed = [n for n in dict.fromkeys(names) if n in bad_anywhere] or list(dict.fromkeys(names))
-                per_rank[r] = narrowed[: self.config.max_names]
-        offenders = tuple(sorted(per_rank))
-        world = len(gathered)
-        pattern = ("one_rank" if len(offenders) == 1 else "all_ranks" if len(offenders) == world else "some_ranks")
-        if world == 1:
-            pattern = "single_process"
-        topo = self.topology or Topology.gather()
-        details: dict[str, Any] = {"pattern": pattern, "parameters": per_rank, "world_size": world,
-                                   "node_ranks": topo.node_ranks(offenders), "sharded": True}  # fmt: skip
-        if scaler_active:
-            sole = offenders[0] if len(offenders) == 1 and world > 1 else None
-            self._streak = self._streak + 1 if sole is not None and sole == self._sole_rank else int(sole is not None)
-            self._sole_rank = sole
-            self.stats.bump("scaler_overflows")
-            if self._streak < self.config.overflow_patience:
-                self.stats.add_time(time.perf_counter() - t0)
-                return False
-            details["pattern"] = "one_rank_repeatedly"
-            details["consecutive_steps"] = self._streak
-        self.stats.failures += 1
-        first = per_rank[offenders[0]][:3] if offenders else []
-        reason = {
-            "one_rank": "only this rank produced NaN/Inf local gradients (the SDC signature)",
-            "one_rank_repeatedly": f"only this rank overflowed on {self._streak} consecutive fp16 steps",
-            "all_ranks": "every rank produced NaN/Inf gradients: ordinary divergence (learning rate, data, "
-            "numerics) is likelier than a faulty device",
-            "some_ranks": "several ranks produced NaN/Inf local gradients",
-            "single_process": "NaN/Inf gradients (single process: no replica to compare with)",
-        }[details["pattern"]] + (f" in {', '.join(first)}" if first else "")
-        error = NonFiniteGradientError(step=step, rank=offenders[0] if len(offenders) == 1 else None,
-                                       suspects=offenders, hosts=topo.hosts(offenders), details=details,
-                                       reason=reason)  # fmt: skip
-        self.stats.add_time(time.perf_counter() - t0)
-        self.last_error = error
-        if self.config.on_failure in ("raise", "rollback"):
-            raise error
-        warnings.warn(str(error), RuntimeWarning, stacklevel=3)
-        if self.config.on_failure == "skip_step":
-            self.stats.bump("skipped_steps")
-            if not scaler_active:
-                drop_step(p for _, p in params)
-            return True
-        return False
+        per_rank: list[list[str] | None] = []
+        for names, _ in gathered:
+            if names is None:
+                per_rank.append(None)
+                continue
+            unique = list(dict.fromkeys(names))
+            per_rank.append(([n for n in unique if n in bad_anywhere] or unique)[: self.config.max_names])
+        return self._failure(step, per_rank, scaler_active, t0, params, {"sharded": True})
 
 
 # -- weight fingerprint by replica group, and at rest without replicas ------------------------------
