@@ -88,3 +88,17 @@ def step_table(runs: dict[str, list[dict[str, float]]], per_round: dict[str, lis
     if "defaults" in runs:
         out["defaults_overhead"] = out["overhead"]["defaults"]
     return out
+
+
+def audited_split(steps: list[dict[str, float]], steps_per_fit: int, skip: int,
+                  every: int) -> tuple[list[dict[str, float]], list[dict[str, float]], float]:  # fmt: skip
+    """The kept steps of fits run back to back (the first ``skip`` of each dropped) split into the
+    audited ones (step index a multiple of ``every``) and the others, and the ratio of their
+    median wall times."""
+    kept = steps_per_fit - skip
+    audited: list[dict[str, float]] = []
+    normal: list[dict[str, float]] = []
+    for i, step in enumerate(steps):
+        (audited if (skip + i % kept) % every == 0 else normal).append(step)
+    ratio = summary([s["seconds"] for s in audited])["median"] / summary([s["seconds"] for s in normal])["median"]
+    return audited, normal, ratio

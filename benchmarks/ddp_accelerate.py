@@ -23,7 +23,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from accelerate_sdc import SDCHooks
-from benchmarks.common import alternate, step_table, summary
+from benchmarks.common import alternate, audited_split, step_table
 
 BATCH = 128
 SETTINGS: dict[str, dict[str, Any] | None] = {
@@ -96,12 +96,10 @@ def main() -> None:
             **step_table(runs, rounds["per_round"], rounds["cpu_round"]),
             "replay_every": args.replay_every,
         }
-        if "audit_often" in runs:  # steps skip.. of each fit, fits back to back
-            kept = args.steps - skip
-            steps = [(skip + i % kept, s["seconds"]) for i, s in enumerate(runs["audit_often"])]
-            audited = [t for i, t in steps if i % args.replay_every == 0]
-            normal = [t for i, t in steps if i % args.replay_every != 0]
-            result["audited_step_vs_normal"] = summary(audited)["median"] / summary(normal)["median"]
+        if "audit_often" in runs:
+            _, _, result["audited_step_vs_normal"] = audited_split(
+                runs["audit_often"], args.steps, skip, args.replay_every
+            )
         args.out.write_text(json.dumps(result, indent=1))
     acc.wait_for_everyone()
     dist.destroy_process_group()

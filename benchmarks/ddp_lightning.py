@@ -24,7 +24,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from benchmarks.common import alternate, step_table, summary
+from benchmarks.common import alternate, audited_split, step_table
 from lightning_sdc import NonFiniteGradientCheck, RingReplayAudit, WeightFingerprintCheck
 
 BATCH = 128
@@ -153,11 +153,8 @@ def main() -> None:
         "batch": args.batch,
     }
     if "audit_often" in runs:
-        kept = args.steps - skip  # steps kept per fit; runs hold `rounds` fits back to back
-        audited = [s for i, s in enumerate(runs["audit_often"]) if (skip + i % kept) % args.replay_every == 0]
-        normal = [s for s in runs["audit_often"] if s not in audited]
-        result["audited_step_vs_normal"] = (
-            summary([s["seconds"] for s in audited])["median"] / summary([s["seconds"] for s in normal])["median"]
+        audited, normal, result["audited_step_vs_normal"] = audited_split(
+            runs["audit_often"], args.steps, skip, args.replay_every
         )
         result["clean_step_traffic"] = {"calls": normal[0]["calls"], "bytes_sent": normal[0]["bytes"]}
         result["audited_step_traffic"] = {"calls": audited[0]["calls"], "bytes_sent": audited[0]["bytes"]}

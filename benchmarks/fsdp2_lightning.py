@@ -25,7 +25,7 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader, TensorDataset
 
-from benchmarks.common import alternate, step_table, summary
+from benchmarks.common import alternate, audited_split, step_table
 from benchmarks.ddp_lightning import BATCH, Probe, Traffic
 from benchmarks.ddp_lightning import Model as DDPModel
 from lightning_sdc import NonFiniteGradientCheck, RingReplayAudit, WeightFingerprintCheck
@@ -84,7 +84,6 @@ def main() -> None:
     if dist.get_rank() != 0:
         return
     runs = rounds["runs"]
-    kept = args.steps - skip
     result: dict[str, Any] = {
         "world_size": dist.get_world_size(),
         "params": sum(p.numel() for p in Model().parameters()),
@@ -96,11 +95,7 @@ def main() -> None:
     for config in ("audit_often", "update_often"):
         if config not in runs:
             continue
-        audited = [s for i, s in enumerate(runs[config]) if (skip + i % kept) % args.every == 0]
-        normal = [s for i, s in enumerate(runs[config]) if (skip + i % kept) % args.every != 0]
-        result[f"{config}_step_vs_normal"] = (
-            summary([s["seconds"] for s in audited])["median"] / summary([s["seconds"] for s in normal])["median"]
-        )
+        audited, normal, result[f"{config}_step_vs_normal"] = audited_split(runs[config], args.steps, skip, args.every)
         result[f"{config}_traffic"] = {"clean": [normal[0]["calls"], normal[0]["bytes"]],
                                        "audited": [audited[0]["calls"], audited[0]["bytes"]]}  # fmt: skip
     if "audit_often_step_vs_normal" in result:
