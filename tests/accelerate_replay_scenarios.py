@@ -14,14 +14,13 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import set_seed
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from scenario_runner import parse, run_each
+from scenario_runner import fresh, parse, run_each
 
 from accelerate_sdc import SDCError, SDCHooks
 from sdc_core import Fault, FaultInjector
@@ -65,9 +64,7 @@ def loader() -> DataLoader:
 
 
 def train(acc: Accelerator, style: str, audit: bool = True, steps: int = 5, faults: list[Fault] = ()) -> dict:
-    set_seed(5)
-    for registry in (acc._custom_objects, acc._models, acc._optimizers, acc._dataloaders, acc._schedulers):
-        registry.clear()
+    fresh(acc, 5)
     model = Classifier()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     settings: dict = {"replay_every_n_steps": 1 if audit else 0, "fingerprint_every_n_steps": 1}

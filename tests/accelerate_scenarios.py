@@ -16,13 +16,13 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DDPCommunicationHookType, DistributedDataParallelKwargs, set_seed
+from accelerate.utils import DDPCommunicationHookType, DistributedDataParallelKwargs
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from scenario_runner import parse, run_each
+from scenario_runner import fresh, parse, run_each
 
 from accelerate_sdc import SDCError, SDCHooks
 from sdc_core import Fault, FaultInjector
@@ -52,9 +52,7 @@ def loader() -> DataLoader:
 
 def train(acc: Accelerator, name: str, steps: int = 6, faults: list[Fault] = (), save: Path | None = None,
           load: Path | None = None, **settings: Any) -> dict[str, Any]:  # fmt: skip
-    set_seed(5)
-    for registry in (acc._custom_objects, acc._models, acc._optimizers, acc._dataloaders, acc._schedulers):
-        registry.clear()  # one model, optimizer and SDCHooks per scenario in this shared Accelerator
+    fresh(acc, 5)
     model = Regressor()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     with warnings.catch_warnings(record=True) as caught:

@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import lightning.pytorch as L
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import DDPStrategy
+from scenario_runner import fresh
 from torch.multiprocessing.spawn import ProcessRaisedException
 
 from lightning_sdc import FaultInjector as FaultCallback
@@ -122,7 +123,6 @@ def lightning(args: argparse.Namespace) -> None:
 
 def accelerate(args: argparse.Namespace) -> None:
     from accelerate import Accelerator
-    from accelerate.utils import set_seed
 
     from accelerate_sdc import SDCHooks
 
@@ -138,9 +138,7 @@ def accelerate(args: argparse.Namespace) -> None:
     acc = Accelerator(project_dir=str(args.out / "run"))
 
     def train(faults: list[Fault], steps: int, **settings: Any) -> SDCHooks:
-        set_seed(2)
-        for registry in (acc._custom_objects, acc._models, acc._optimizers, acc._dataloaders):
-            registry.clear()
+        fresh(acc, 2)
         model = Model()
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
         model, opt, loader = acc.prepare(model, opt, data())

@@ -13,13 +13,12 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import set_seed
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from accelerate_scenarios import Regressor, loader
-from scenario_runner import parse, run_each
+from scenario_runner import fresh, parse, run_each
 
 from accelerate_sdc import SDCError, SDCHooks
 from sdc_core import Fault, FaultInjector
@@ -28,9 +27,7 @@ from sdc_core import Fault, FaultInjector
 def train(acc: Accelerator, out: Path, name: str, save_at: int | None = None, steps: int = 6) -> dict[str, Any]:
     """A loop that clips gradients with ``accelerator.clip_grad_norm_`` before every update; rank 1
     gets a NaN in one element of ``stem.weight``'s local gradient at step 2."""
-    set_seed(5)
-    for registry in (acc._custom_objects, acc._models, acc._optimizers, acc._dataloaders, acc._schedulers):
-        registry.clear()
+    fresh(acc, 5)
     acc._save_model_state_pre_hook.clear()
     model = Regressor()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)

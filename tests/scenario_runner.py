@@ -46,3 +46,13 @@ def main_for(scenarios: dict[str, Callable[[Path], Any]]) -> None:
     """``main`` of a torchrun script whose scenarios take the output folder."""
     args = parse(",".join(scenarios))
     run_each(args.only, lambda name: scenarios[name](args.out), args.out, int(os.environ["RANK"]))
+
+
+def fresh(acc: Any, seed: int) -> None:
+    """Seed every RNG, and forget what earlier scenarios prepared in this shared ``Accelerator``
+    (one model, optimizer and hook set per scenario; Accelerate keeps them in private registries)."""
+    from accelerate.utils import set_seed
+
+    set_seed(seed)
+    for registry in (acc._custom_objects, acc._models, acc._optimizers, acc._dataloaders, acc._schedulers):
+        registry.clear()

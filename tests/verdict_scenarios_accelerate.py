@@ -10,12 +10,11 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import set_seed
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from accelerate_scenarios import Regressor, loader
-from scenario_runner import parse, run_each
+from scenario_runner import fresh, parse, run_each
 
 from accelerate_sdc import SDCError, SDCHooks
 from sdc_core.faults import flip_bit
@@ -25,9 +24,7 @@ def train(acc: Accelerator, steps: int, flip_rank: int | None = None, save: Path
           load: Path | None = None, **settings: Any) -> dict[str, Any]:  # fmt: skip
     """Train ``steps`` sync steps; then (optionally) flip a weight bit on ``flip_rank`` AFTER the
     last ``optimizer.step()``, call ``finish()``, and ``save_state(save)``."""
-    set_seed(5)
-    for registry in (acc._custom_objects, acc._models, acc._optimizers, acc._dataloaders, acc._schedulers):
-        registry.clear()
+    fresh(acc, 5)
     model, opt = Regressor(), None
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sdc = SDCHooks(acc, replay_every_n_steps=0, **settings)
@@ -102,9 +99,7 @@ def _save_flip(out: Path) -> Any:
     """Train 4 steps and finish cleanly, THEN flip a bit on rank 0 (the writer), then save_state."""
 
     def run(acc: Accelerator) -> dict[str, Any]:
-        set_seed(5)
-        for registry in (acc._custom_objects, acc._models, acc._optimizers, acc._dataloaders, acc._schedulers):
-            registry.clear()
+        fresh(acc, 5)
         model = Regressor()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         sdc = SDCHooks(acc, replay_every_n_steps=0, fingerprint_every_n_steps=1)
