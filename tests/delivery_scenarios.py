@@ -27,6 +27,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # also when run through runpy from elsewhere
 
 import lightning.pytorch as L
 from lightning.pytorch.loggers import CSVLogger
