@@ -30,24 +30,21 @@ def worker_env() -> dict[str, str]:
     return env
 
 
+def must_run(cmd: list[str], env: dict[str, str] | None = None, timeout: float = 420,
+             cwd: Path | str | None = None) -> subprocess.CompletedProcess:  # fmt: skip
+    """Run a launch command (``worker_env()`` by default); fail the test with the end of its output
+    when it exits non-zero (a crashed scenario) or times out (a hang)."""
+    proc = subprocess.run(cmd, env=env or worker_env(), capture_output=True, text=True, timeout=timeout, cwd=cwd)
+    if proc.returncode != 0:
+        pytest.fail(f"{' '.join(map(str, cmd[:6]))} ... failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n"
+                    f"{proc.stderr[-8000:]}")  # fmt: skip
+    return proc
+
+
 def torchrun(out: Path, scenarios: list[str], nproc: int, timeout: float = 420) -> subprocess.CompletedProcess:
     """One single-node ``torchrun`` running ``scenarios`` in sequence; fails the test on a crash or hang."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={nproc}",
-        str(SCENARIOS),
-        "--out",
-        str(out),
-        "--only",
-        ",".join(scenarios),
-    ]
-    proc = subprocess.run(cmd, env=worker_env(), capture_output=True, text=True, timeout=timeout)
-    if proc.returncode != 0:
-        pytest.fail(f"torchrun failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
-    return proc
+    return must_run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+                     str(SCENARIOS), "--out", str(out), "--only", ",".join(scenarios)], timeout=timeout)  # fmt: skip
 
 
 def results(out: Path, scenario: str, world: int) -> list[dict[str, Any]]:

@@ -4,13 +4,12 @@ gradient accumulation 2."""
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import ROOT, results, worker_env
+from conftest import ROOT, must_run, results, worker_env
 
 SCRIPT = Path(__file__).with_name("accelerate_replay_scenarios.py")
 # hook: labels outside the model, an extra loss term and state through the explicit hook;
@@ -26,9 +25,7 @@ def launch(path: Path, scenarios: list[str]) -> Path:
     env["ACCELERATE_SDC_CONFIG_FILE"] = "/dev/null"  # the defaults, whatever this machine has
     cmd = [str(Path(sys.executable).parent / "accelerate"), "launch", "--multi_gpu", "--num_processes", "3",
            str(SCRIPT), "--out", str(path), "--only", ",".join(scenarios)]  # fmt: skip
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
-    if proc.returncode != 0:
-        pytest.fail(f"accelerate launch failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    must_run(cmd, env, 600, ROOT)
     return path
 
 

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import results, worker_env
+from conftest import must_run, results, worker_env
 
 SCRIPT = Path(__file__).with_name("fabric_scenarios.py")
 SCENARIOS = ["clean", "audit_off", "audit_on", "nonfinite", "fingerprint", "replay", "heal", "skip", "save", "resume"]
@@ -19,9 +18,7 @@ def launch(out: Path, scenarios: list[str], *options: str) -> Path:
     env = worker_env() | {"ACCELERATE_SDC_CONFIG_FILE": "/dev/null"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=3", str(SCRIPT),
            "--out", str(out), "--only", ",".join(scenarios), *options]  # fmt: skip
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    if proc.returncode != 0:
-        pytest.fail(f"torchrun failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+    must_run(cmd, env, 600)
     return out
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import results, worker_env
+from conftest import must_run, results, worker_env
 
 pytest.importorskip("transformers")
 
@@ -33,9 +33,7 @@ def hf(tmp_path_factory: pytest.TempPathFactory) -> Path:
     }
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=3", str(SCRIPT),
            "--out", str(out), "--only", ",".join(SCENARIOS)]  # fmt: skip
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    if proc.returncode != 0:
-        pytest.fail(f"torchrun failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+    must_run(cmd, env, 600)
     return out
 
 

@@ -11,30 +11,23 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import results, worker_env
+from conftest import must_run, results, worker_env
 
 HERE = Path(__file__).parent
 BIN = Path(sys.executable).parent
 WORLD = 3
 
 
-def launch(cmd: list[str], env: dict[str, str], cwd: Path, timeout: float = 420) -> None:
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=cwd)
-    if proc.returncode != 0:
-        pytest.fail(f"{cmd[:4]} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
-
-
 @pytest.fixture(scope="module")
 def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("nonfinite3")
-    launch([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}",
-            str(HERE / "nonfinite_scenarios.py"), "--out", str(path)], worker_env(), cwd=path)  # fmt: skip
+    must_run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}",
+              str(HERE / "nonfinite_scenarios.py"), "--out", str(path)], worker_env(), cwd=path)  # fmt: skip
     return path
 
 
@@ -96,8 +89,8 @@ def acc_out(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("nonfinite_acc")
     env = worker_env() | {"ACCELERATE_USE_CPU": "1", "ACCELERATE_SDC_CONFIG_FILE": os.devnull,
                           "HF_HOME": str(path / "hf")}  # fmt: skip
-    launch([str(BIN / "accelerate"), "launch", "--multi_gpu", "--num_processes", str(WORLD),
-            str(HERE / "nonfinite_accelerate_scenarios.py"), "--out", str(path)], env, cwd=path)  # fmt: skip
+    must_run([str(BIN / "accelerate"), "launch", "--multi_gpu", "--num_processes", str(WORLD),
+              str(HERE / "nonfinite_accelerate_scenarios.py"), "--out", str(path)], env, cwd=path)  # fmt: skip
     return path
 
 

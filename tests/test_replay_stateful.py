@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import results, worker_env
+from conftest import must_run, results, worker_env
 
 WORLD = 3
 SCRIPT = Path(__file__).with_name("replay_scenarios.py")
@@ -25,13 +25,10 @@ SCENARIOS = [
 
 
 def launch(path: Path, scenarios: list[str]) -> Path:
-    import subprocess
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}",
            str(SCRIPT), "--out", str(path), "--only", ",".join(scenarios)]  # fmt: skip
-    proc = subprocess.run(cmd, env=worker_env(), capture_output=True, text=True, timeout=600)
-    if proc.returncode != 0:
-        pytest.fail(f"torchrun failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+    must_run(cmd, worker_env(), 600)
     return path
 
 

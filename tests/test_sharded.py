@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import worker_env
+from conftest import must_run, worker_env
 
 SCENARIOS = Path(__file__).with_name("sharded_scenarios.py")
 
@@ -22,9 +22,7 @@ SCENARIOS = Path(__file__).with_name("sharded_scenarios.py")
 def launch(out: Path, scenarios: list[str], nproc: int, timeout: float = 540, script: Path = SCENARIOS) -> Path:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            str(script), "--out", str(out), "--only", ",".join(scenarios)]  # fmt: skip
-    proc = subprocess.run(cmd, env=worker_env(), capture_output=True, text=True, timeout=timeout, cwd=out)
-    if proc.returncode != 0:
-        pytest.fail(f"torchrun failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    must_run(cmd, worker_env(), timeout, out)
     return out
 
 

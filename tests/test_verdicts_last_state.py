@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import ROOT, results, worker_env
+from conftest import ROOT, must_run, results, worker_env
 
 BIN = Path(sys.executable).parent
 HERE = Path(__file__).parent
@@ -19,18 +19,12 @@ LIGHTNING = ["end_flip", "save_flip", "uninterrupted", "first_half", "resumed"]
 ACCELERATE = ["end_flip", "save_flip", "clean_save", "clean_load", "tampered_load"]
 
 
-def _must(cmd: list[str], env: dict[str, str], timeout: float = 420) -> None:
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
-    if proc.returncode != 0:
-        pytest.fail(f"{cmd} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
-
-
 @pytest.fixture(scope="module")
 def lightning_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("verdict_pl")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=3",
            str(HERE / "verdict_scenarios.py"), "--out", str(out), "--only", ",".join(LIGHTNING)]  # fmt: skip
-    _must(cmd, worker_env())
+    must_run(cmd, cwd=ROOT)
     return out
 
 
@@ -41,7 +35,7 @@ def accelerate_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     script = HERE / "verdict_scenarios_accelerate.py"
     cmd = [str(BIN / "accelerate"), "launch", "--multi_gpu", "--num_processes", "3",
            str(script), "--out", str(out), "--only", ",".join(ACCELERATE)]  # fmt: skip
-    _must(cmd, env)
+    must_run(cmd, env, cwd=ROOT)
     return out
 
 

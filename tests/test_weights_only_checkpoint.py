@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, results, worker_env
+from conftest import ROOT, must_run, results, worker_env
 
 BIN = Path(sys.executable).parent
 HERE = Path(__file__).parent
@@ -22,9 +22,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("weights_only")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=3",
            str(HERE / "weights_only_scenarios.py"), "--out", str(out), "--only", ",".join(SCENARIOS)]  # fmt: skip
-    proc = subprocess.run(cmd, env=worker_env(), capture_output=True, text=True, timeout=420, cwd=ROOT)
-    if proc.returncode != 0:
-        pytest.fail(f"torchrun failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    must_run(cmd, worker_env(), 420, ROOT)
     return out
 
 

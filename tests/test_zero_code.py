@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, results, worker_env
+from conftest import ROOT, must_run, results, worker_env
 
 tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 
@@ -40,9 +40,7 @@ def zero(tmp_path_factory: pytest.TempPathFactory) -> Path:
     env["SDC_CHECKS"] = "1"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=3", str(SCRIPT),
            "--out", str(out), "--only", "auto,mixed,off,bad"]  # fmt: skip
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    if proc.returncode != 0:
-        pytest.fail(f"torchrun failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+    must_run(cmd, env, 600)
     return out
 
 
