@@ -57,7 +57,7 @@ from sdc_core.sharded import is_sharded
 from sdc_core.topology import Topology
 
 LossFn = Callable[..., torch.Tensor]
-_CONSUMER_LISTS = ("consumers", "writers", "reduced_consumers")  # the gradient tap's consumer lists
+_CONSUMER_LISTS = ("consumers", "writers")  # the gradient tap's consumer lists
 
 
 class Framework:
@@ -153,7 +153,7 @@ class Framework:
 
     def take_comm_hook(self) -> tuple[Any, Any]:
         """Take the hook ``DistributedDataParallelKwargs(comm_hook=...)`` would register, so the
-        tap can wrap it (only possible before ``prepare``; afterwards ``attach`` explains)."""
+        tap registers it on the DDP model (after ``prepare`` Accelerate has registered it already)."""
         handler = getattr(self.accelerator, "ddp_handler", None)
         taken = getattr(self.accelerator, "_sdc_taken_comm_hook", None)
         if taken is not None:
@@ -263,13 +263,7 @@ class SDCHooks:
             check.topology = topo
         if distributed and (self.nonfinite or self.replay):
             names = {id(p): n for n, p in module.named_parameters()}
-            try:
-                tap = GradientTap.attach(ddp, names, inner_hook=self._inner_hook, inner_state=self._inner_state)
-            except ValueError as err:
-                raise ValueError(
-                    f"{err} With Accelerate, create SDCHooks(accelerator) before accelerator.prepare(...) "
-                    "when DistributedDataParallelKwargs(comm_hook=...) is set."
-                ) from None
+            tap = GradientTap.attach(ddp, names, inner_hook=self._inner_hook, inner_state=self._inner_state)
             before = {name: len(getattr(tap, name, ())) for name in _CONSUMER_LISTS}
             if self.nonfinite:
                 self.nonfinite.attach(tap)
@@ -579,8 +573,8 @@ class SDCHooks:
 
     def detach(self) -> None:
         """Remove every hook this hook set installed: the forward hooks, the ``optimizer.step``
-        wrapper and its gradient-tap consumers (DDP cannot drop a registered communication hook:
-        the tap stays and passes buckets to the inner hook untouched). It stays registered for
+        wrapper and its gradient-tap consumers (the tap's parameter hooks stay, reading nothing; a
+        user's communication hook stays registered: DDP cannot drop one). It stays registered for
         checkpointing, so ``save_state``/``load_state`` keep their object count. Call ``finish()``
         first to read the last pending fingerprint comparison. ``attach`` may be called again."""
         for handle in self._handles:

@@ -3,8 +3,8 @@ audited step against a normal one, and the bytes and collectives the checks add 
 
 Run under ``torchrun --nproc-per-node N python -m benchmarks.ddp_lightning --out FILE``. The
 configurations alternate in one process group (start-up excluded, paid once). Traffic is
-counted by wrapping the ``torch.distributed`` calls the checks make, with DDP's own gradient
-all-reduce (which the tap forwards to) left out.
+counted by wrapping the ``torch.distributed`` calls made in Python: the checks' (DDP's own
+gradient all-reduce runs in C++ and is not counted).
 """
 
 from __future__ import annotations
@@ -37,17 +37,15 @@ class Traffic:
     def __init__(self) -> None:
         self.calls: dict[str, int] = {}
         self.bytes_sent = 0
-        self.paused = False
         for name in COUNTED:
             setattr(dist, name, self._wrap(name, getattr(dist, name)))
 
     def _wrap(self, name: str, fn: Any) -> Any:
         def counted(*args: Any, **kwargs: Any) -> Any:
-            if not self.paused:
-                self.calls[name] = self.calls.get(name, 0) + 1
-                tensor = args[1] if name == "all_gather" else (args[0] if args else None)
-                if isinstance(tensor, torch.Tensor) and name != "irecv":
-                    self.bytes_sent += tensor.numel() * tensor.element_size()
+            self.calls[name] = self.calls.get(name, 0) + 1
+            tensor = args[1] if name == "all_gather" else (args[0] if args else None)
+            if isinstance(tensor, torch.Tensor) and name != "irecv":
+                self.bytes_sent += tensor.numel() * tensor.element_size()
             return fn(*args, **kwargs)
 
         return counted
@@ -62,20 +60,6 @@ class Probe(L.Callback):
     def __init__(self, traffic: Traffic) -> None:
         self.traffic = traffic
         self.steps: list[dict[str, float]] = []
-
-    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        tap = getattr(trainer.strategy.model, "_sdc_gradient_tap", None)
-        if tap is not None:  # DDP's own all-reduce, forwarded by the tap, is not the checks' traffic
-            inner = tap.inner_hook
-
-            def quiet(state: Any, bucket: Any) -> Any:
-                self.traffic.paused = True
-                try:
-                    return inner(state, bucket)
-                finally:
-                    self.traffic.paused = False
-
-            tap.inner_hook = quiet
 
     def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
         self.t0, self.cpu0 = time.perf_counter(), time.process_time()

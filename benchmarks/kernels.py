@@ -8,9 +8,9 @@ run in alternating rounds over the same tensors and report GB/s and the ratio to
 * ``fingerprint``: ``combine(grouped_digests(...))`` as the weight fingerprint check runs it;
 * ``class_sums``: only the first stage of the digest, the (r, m) sums of the 64-bit words (no
   weighting): the floor under ``fingerprint`` with torch's own kernels;
-* ``nonfinite_bucket``: what the gradient tap runs per 25 MB DDP bucket: the per-parameter norms
-  of the local gradients (one ``_foreach_norm``, one read of the gradients), the flag folded
-  into element 0 and read back (a few tiny kernels);
+* ``nonfinite_ddp``: what the non-finite check runs under DDP: per parameter, the norm of its
+  local gradient (one read of the bytes) and the flag folded into element 0 (one tiny kernel,
+  from the gradient hook's Python call), then the elements 0 gathered and read back;
 * ``nonfinite_tensor``: one ``aminmax`` per tensor, the check's single-process (``.grad``) path;
 * ``sha1_host``: SHA-1 of the bytes copied to the host (Megatron-LM's cross-replica check);
 * ``hash_tensor``: ``torch.hash_tensor`` (xor) per tensor;
@@ -27,9 +27,7 @@ import torch
 
 from benchmarks.common import interleaved, summary
 from sdc_core.fingerprint import class_parts, combine, grouped_digests, words
-from sdc_core.gradients import any_nonfinite, fold_flag, local_norms, reduced_flags
-
-BUCKET_BYTES = 25 * 2**20
+from sdc_core.gradients import any_nonfinite, fold_flag, local_norm, reduced_flags
 
 
 def make_tensors(total: int, layout: str, dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
@@ -38,33 +36,14 @@ def make_tensors(total: int, layout: str, dtype: torch.dtype, device: torch.devi
     return [torch.randn(total // count, generator=g).to(device=device, dtype=dtype) for _ in range(count)]
 
 
-def ddp_buckets(tensors: list[torch.Tensor]) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
-    """Tensors packed into flat buckets of about 25 MB as DDP packs gradients, each with its
-    per-tensor views."""
-    groups: list[list[torch.Tensor]] = [[]]
-    size = 0
-    for t in tensors:
-        if groups[-1] and size + t.numel() * t.element_size() > BUCKET_BYTES:
-            groups.append([])
-            size = 0
-        groups[-1].append(t)
-        size += t.numel() * t.element_size()
-    out = []
-    for group in groups:
-        buffer = torch.cat([t.reshape(-1) for t in group])
-        out.append((buffer, list(buffer.split([t.numel() for t in group]))))
-    return out
-
-
 def candidates(tensors: list[torch.Tensor]) -> dict[str, Any]:
     device = tensors[0].device
     flat = torch.cat([t.reshape(-1) for t in tensors])
-    buckets = ddp_buckets(tensors)
 
-    def nonfinite_bucket() -> bool:
-        for b, views in buckets:
-            fold_flag(b, local_norms(views))  # the identity on finite gradients: the bytes stay as they are
-        return not bool(torch.isfinite(reduced_flags([b for b, _ in buckets])).all())
+    def nonfinite_ddp() -> bool:
+        for t in tensors:
+            fold_flag(t, local_norm(t))  # the identity on finite gradients: the bytes stay as they are
+        return not bool(torch.isfinite(reduced_flags(tensors)).all())
 
     def sha1() -> str:
         h = hashlib.sha1()
@@ -78,7 +57,7 @@ def candidates(tensors: list[torch.Tensor]) -> dict[str, Any]:
         "sum": lambda: torch.stack([t.sum() for t in tensors]).sum().item(),
         "fingerprint": lambda: combine(grouped_digests(tensors)[0]).item(),
         "class_sums": lambda: [class_parts(words(t)) for t in tensors],  # timed up to a device sync
-        "nonfinite_bucket": nonfinite_bucket,
+        "nonfinite_ddp": nonfinite_ddp,
         "nonfinite_tensor": lambda: bool(any_nonfinite(tensors)),
         "sha1_host": sha1,
         "isfinite_loop": lambda: all(torch.isfinite(t).all().item() for t in tensors),

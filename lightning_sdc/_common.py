@@ -62,7 +62,17 @@ def gradient_tap(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Gradient
     if hook is not None and wrapper is not None:
         hook = wrapper(hook)
     names = {id(p): n for n, p in pl_module.named_parameters()}
-    return GradientTap.attach(trainer.strategy.model, names, inner_hook=hook, inner_state=state)
+    tap = GradientTap.attach(trainer.strategy.model, names, inner_hook=hook, inner_state=state)
+    trainer.strategy._sdc_gradient_tap = tap  # type: ignore[attr-defined]
+    return tap
+
+
+def remove_gradient_tap(trainer: pl.Trainer) -> None:
+    """Take the tap's hooks off the parameters when ``fit`` ends (the module outlives the DDP
+    wrapper; another ``fit`` installs a new tap). Idempotent: every SDC callback calls it."""
+    tap = vars(trainer.strategy).pop("_sdc_gradient_tap", None)
+    if tap is not None:
+        tap.remove()
 
 
 def warn_inactive(check: str, why: str) -> None:

@@ -75,6 +75,7 @@ class _SDCCallback(Callback):
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         unroute_weights_only_saves(pl_module)
+        c.remove_gradient_tap(trainer)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         c.log_stats(trainer, self._core.stats)

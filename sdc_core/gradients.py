@@ -5,29 +5,28 @@ Inf on the step's sync micro-batch; when some rank's were non-finite, every rank
 ranks and which parameters, and all ranks act alike (raise, skip the optimizer step, or warn) on
 the same verdict.
 
-How (DDP): a single communication hook per model, the ``GradientTap``, lets consumers read each
-gradient bucket before the inner hook (the default all-reduce, or the user's compression hook,
-which it wraps rather than replaces) and receive the reduced bucket after it. The check reads
-each bucket's LOCAL gradients once: one ``_foreach_norm`` (per-parameter L2 norms, non-finite
-when the parameter's gradient holds NaN or Inf, or is beyond the float32 range as a norm:
-about 1.8e19, diverged or an exponent bit flipped) kept on the device for the names. It then
-folds that evidence into the data the all-reduce carries anyway: element 0 of the bucket becomes
-``x - 0 * max`` where ``max`` is the largest of those norms. When they are finite that subtracts +0.0, the exact
-identity for every float (``-0.0`` included): training numerics are bit-identical with the check
-on and off. When they are not, element 0 becomes NaN, and NaN survives the sum, so element 0 of
-the REDUCED bucket, identical on every rank, is NaN exactly when some rank's local gradients in
-that bucket were non-finite. Every rank decides from that one element per bucket, with no extra
-communication. Only then (the rare path) does every rank gather the local per-parameter flags
-to name the ranks and parameters (one rank: the SDC signature; all ranks: ordinary divergence).
-Names come from the local flags, so gradient clipping or anything else that touches ``.grad``
-after the all-reduce cannot change them. Under gradient accumulation the hook sees the sum of
-the micro-batches' gradients, so a NaN in any micro-batch is seen.
+How (DDP): the ``GradientTap`` hooks each trainable parameter's gradient accumulation, which
+torch runs before DDP's reducer copies the gradient into its all-reduce bucket. On the step's
+sync backward the check reads each LOCAL gradient once: its L2 norm (non-finite when the
+gradient holds NaN or Inf, or is beyond the float32 range as a norm: about 1.8e19, diverged or an
+exponent bit flipped), kept on the device for the names. It then folds that evidence into the
+data the all-reduce carries anyway: element 0 of the gradient becomes ``x - 0 * norm``. When the
+norm is finite that subtracts +0.0, the exact identity for every float (``-0.0`` included):
+training numerics are bit-identical with the check on and off. When it is not, element 0 becomes
+NaN, and NaN survives the sum, so element 0 of the REDUCED gradient, identical on every rank, is
+NaN exactly when some rank's local gradient of that parameter was non-finite. Every rank decides
+from those elements (one per parameter), with no extra communication. Only then (the rare path)
+does every rank gather the local flags to name the ranks and parameters (one rank: the SDC
+signature; all ranks: ordinary divergence). Names come from the local norms, so gradient clipping
+or anything else that touches ``.grad`` after the all-reduce cannot change them. Under gradient
+accumulation the hook runs on the sync micro-batch, whose ``.grad`` is the sum of the
+micro-batches' gradients, so a NaN in any micro-batch is seen.
 
-Cost of a clean DDP step: one read of the local gradients on the device, four tiny kernels per
-bucket, one Python callback per bucket on the all-reduce's future (the one any Python
-communication hook needs: DDP's built-in C++ all-reduce is replaced by the tap, which also scales
-the bucket by ``1 / world_size`` in its own pass where the built-in fuses it into its copy), no
-collective. When the verdict is read depends on ``on_failure``:
+Cost of a clean DDP step: one read of the local gradients on the device (the norms), per
+parameter a Python call and two tiny kernels, one small copy of the reduced elements 0 at the
+verdict, no collective. DDP's reduction stays its own C++ all-reduce: no communication hook, so
+no extra pass to scale the buckets and no Python callback on the communication threads. When the
+verdict is read depends on ``on_failure``:
 
 * ``"raise"``, ``"warn"``: no host synchronisation in the step. The verdict of step ``s`` is
   read one step later (``resolve()``: the adapters call it before the next backward, or next
@@ -39,15 +38,16 @@ collective. When the verdict is read depends on ``on_failure``:
   reads its own flag there anyway). Still no collective.
 * Single process (no DDP): ``.grad`` is checked before the optimizer step, one host read.
 
-A rank with non-finite local gradients also makes element 0 of the bucket's reduced gradient
-NaN (the flag): those gradients are non-finite anyway, and the verdict drops or stops the step
-under every policy but ``"warn"``. A NaN in element 0 of the reduced bucket with finite local
+A rank with non-finite local gradients also makes element 0 of that parameter's reduced
+gradient NaN (the flag): those gradients are non-finite anyway, and the verdict drops or stops the step
+under every policy but ``"warn"``. A NaN in element 0 of a reduced gradient with finite local
 gradients everywhere (an overflow inside the reduction, e.g. fp16 compression) is not a
 verdict: it is counted as ``sdc/nonfinite_gradient/nonfinite_after_reduce``.
 
 Limits: a fault that leaves gradients finite is invisible here (the ring replay audit sees it).
-An inner communication hook that replaces non-finite values (``nan_to_num``), or whose output's
-element 0 does not depend on its input's element 0, hides them from the decision. Single
+A user's communication hook that replaces non-finite values (``nan_to_num``), or whose output at
+a parameter's element 0 does not depend on its input there (low-rank compression such as
+PowerSGD), hides them from the decision. Single
 process: names are read from ``.grad`` at the verdict, so a clipping done before it
 (Accelerate's ``clip_grad_norm_``) names every parameter it contaminated.
 """
@@ -61,7 +61,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from sdc_core.errors import NonFiniteGradientError
@@ -69,33 +68,43 @@ from sdc_core.fingerprint import flatten, group_small
 from sdc_core.stats import CheckStats
 from sdc_core.topology import Topology, all_gather_objects, is_distributed
 
-BucketConsumer = Callable[[Any], None]
-ReducedConsumer = Callable[[torch.Tensor], None]
+GradConsumer = Callable[[nn.Parameter, torch.Tensor], None]
 _ON_FAILURE = ("raise", "skip_step", "warn", "rollback")
 _DEFERRED = ("raise", "warn")  # policies whose verdict may be read one step later
 
 
 class GradientTap:
-    """The one communication hook per DDP model.
+    """Lets the checks read (and flag) each parameter's LOCAL gradient of a DDP model before DDP's
+    reducer copies it into its all-reduce bucket.
 
-    ``consumers`` read each bucket before the inner hook (local gradients), then ``writers`` may
-    change it in place (the non-finite check's flag), after every consumer;
-    ``reduced_consumers`` receive the bucket the inner hook's future delivers (reduced
-    gradients, identical on every rank) in the one callback chained on that future, on the
-    communication thread: they must stay tiny. ``GradientTap.attach(ddp_model, ...)`` returns
-    the model's existing tap or registers a new one wrapping ``inner_hook`` (default: DDP's
-    all-reduce). Consumers must not synchronise with the host nor raise.
+    A post-accumulate-grad hook per trainable parameter (torch runs it inside the parameter's
+    gradient accumulation, before the reducer's own hook on that accumulation: checked in
+    tests). On the backward of a forward DDP ran with gradient synchronisation (not under
+    ``no_sync``: under gradient accumulation, the sync micro-batch, whose ``.grad`` holds the sum
+    of the micro-batches), ``consumers`` read ``(parameter, local gradient)``, then ``writers``
+    may change the gradient in place (the non-finite check's flag). They run on the autograd
+    thread and must not synchronise with the host nor raise.
+
+    The tap registers no communication hook: DDP's reduction stays its own C++ all-reduce (it
+    fuses the ``1 / world_size`` scaling into its copy), so the tap adds no pass over the
+    buckets and no Python callback on the communication threads. A user's communication hook
+    (``inner_hook``, taken from the framework's setting) is registered on the model as it is.
+    ``GradientTap.attach(ddp_model, ...)`` returns the model's tap or installs a new one.
+    Cost when no consumer is due: one Python call per parameter per sync backward.
     """
 
-    def __init__(self, names: dict[int, str], inner_hook: Callable[..., Any] | None, inner_state: Any) -> None:
-        if inner_hook is None:
-            inner_hook = default_allreduce
+    def __init__(self, ddp_model: nn.parallel.DistributedDataParallel, names: dict[int, str]) -> None:
+        self.ddp = ddp_model
         self.names = names
-        self.inner_hook = inner_hook
-        self.inner_state = inner_state
-        self.consumers: list[BucketConsumer] = []
-        self.writers: list[BucketConsumer] = []
-        self.reduced_consumers: list[ReducedConsumer] = []
+        ignored = set(getattr(ddp_model, "parameters_to_ignore", ()))  # not reduced: no shared flag
+        self.params = [p for n, p in ddp_model.module.named_parameters() if p.requires_grad and n not in ignored]
+        self.inner_hook: Callable[..., Any] | None = None
+        self.consumers: list[GradConsumer] = []
+        self.writers: list[GradConsumer] = []
+        self._armed = False
+        self._queued = False
+        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
+        self._handles.append(ddp_model.register_forward_pre_hook(self._on_forward))
 
     @classmethod
     def attach(
@@ -105,78 +114,59 @@ class GradientTap:
         inner_hook: Callable[..., Any] | None = None,
         inner_state: Any = None,
     ) -> GradientTap:
-        """Return the tap of ``ddp_model``, registering it (once) if there is none yet.
-
-        Raises ``ValueError`` when the model already carries a communication hook that is not
-        a tap: DDP accepts only one, so it must be handed to the tap as ``inner_hook`` instead.
-        """
+        """Return the tap of ``ddp_model``, installing it (once) if there is none yet, and register
+        ``inner_hook`` (the user's communication hook, if any) on the model."""
         tap = getattr(ddp_model, "_sdc_gradient_tap", None)
-        if tap is not None:
-            return tap
-        if getattr(ddp_model, "_comm_hooks", None):
-            raise ValueError(
-                "the DDP model already has a communication hook registered; DDP accepts only one. "
-                "Pass it to the strategy (DDPStrategy(ddp_comm_hook=...)) or to the SDC hooks so the "
-                "SDC gradient tap can wrap it."
-            )
-        tap = cls(names, inner_hook, inner_state)
-        ddp_model.register_comm_hook(state=tap, hook=_tap_hook)
-        ddp_model._sdc_gradient_tap = tap  # type: ignore[assignment]
+        if tap is None:
+            tap = cls(ddp_model, names)
+            ddp_model._sdc_gradient_tap = tap  # type: ignore[assignment]
+        registered = getattr(ddp_model, "_comm_hooks", None)
+        if registered:  # registered by the framework or the user already (DDP accepts one)
+            tap.inner_hook = registered[0][0]
+        elif inner_hook is not None:
+            ddp_model.register_comm_hook(state=inner_state, hook=inner_hook)
+            tap.inner_hook = inner_hook
         return tap
 
-    def bucket_names(self, bucket: Any) -> list[str]:
-        """Parameter names of a bucket's gradients, in bucket order.
+    def remove(self) -> None:
+        """Remove the hooks from the parameters and the model (a removed tap reads nothing)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        if getattr(self.ddp, "_sdc_gradient_tap", None) is self:
+            del self.ddp._sdc_gradient_tap
 
-        Not cached: DDP rebuilds its buckets after the first iteration and may reuse the same
-        memory for a different parameter order. A dictionary lookup per parameter per step.
-        """
-        return [self.names.get(id(p), "?") for p in bucket.parameters()]
+    def reduced_heads(self) -> torch.Tensor | None:
+        """Element 0 of every parameter's gradient, as one float32 vector (one small copy kernel,
+        no host synchronisation), or None without gradients. After a synchronised backward these
+        are the REDUCED gradients, identical on every rank (DDP leaves a parameter no rank used
+        without gradient on every rank alike)."""
+        heads = [p.grad.view(-1)[:1] for p in self.params if _dense(p.grad)]
+        return torch.cat(heads).to(torch.float32) if heads else None
+
+    def _on_forward(self, module: nn.Module, args: Any) -> None:
+        # DDP decides here whether this forward's backward synchronises (not under no_sync)
+        self._armed = torch.is_grad_enabled() and bool(module.require_backward_grad_sync)
+
+    def _on_grad(self, p: nn.Parameter) -> None:
+        if not self._armed or not _dense(p.grad):
+            return
+        if not self._queued:  # disarm at the end of this backward: a later one outside DDP reads nothing
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._disarm)
+        g = p.grad
+        for consume in self.consumers:
+            consume(p, g)
+        for write in self.writers:
+            write(p, g)
+
+    def _disarm(self) -> None:
+        self._armed = self._queued = False
 
 
-def default_allreduce(process_group: dist.ProcessGroup | None, bucket: Any) -> torch.futures.Future[torch.Tensor]:
-    """DDP's built-in reduction as a hook: scale by ``1 / world_size``, then sum.
-
-    Bit-identical to DDP without a hook (its reducer multiplies each gradient by the reciprocal
-    while copying it into the bucket; ``default_hooks.allreduce_hook`` divides instead, which
-    rounds differently), so registering the tap does not change training numerics.
-    """
-    return _allreduce(process_group, bucket).then(_first)
-
-
-def _allreduce(process_group: dist.ProcessGroup | None, bucket: Any) -> torch.futures.Future[Any]:
-    """The scaled all-reduce of ``default_allreduce``; its future holds ``[buffer]``."""
-    group = process_group if process_group is not None else dist.group.WORLD
-    buffer = bucket.buffer()
-    buffer.mul_(1.0 / dist.get_world_size(group))
-    return dist.all_reduce(buffer, group=group, async_op=True).get_future()
-
-
-def _first(f: torch.futures.Future[Any]) -> torch.Tensor:
-    value = f.value()
-    return value[0] if isinstance(value, list | tuple) else value
-
-
-def _tap_hook(tap, bucket):  # type: ignore[no-untyped-def]  # DDP inspects these annotations
-    """DDP communication hook: consumers read the local bucket, the inner hook reduces it, and
-    the reduced consumers receive the result in the one Python callback chained on the inner
-    hook's future (DDP waits for that future before backward returns)."""
-    for consume in tap.consumers:
-        consume(bucket)
-    for write in tap.writers:
-        write(bucket)
-    default = tap.inner_hook is default_allreduce
-    fut = _allreduce(tap.inner_state, bucket) if default else tap.inner_hook(tap.inner_state, bucket)
-    if not tap.reduced_consumers:
-        return fut.then(_first) if default else fut
-    consumers = tap.reduced_consumers
-
-    def reduced(f: torch.futures.Future[Any]) -> torch.Tensor:
-        tensor = _first(f)
-        for consume in consumers:
-            consume(tensor)
-        return tensor
-
-    return fut.then(reduced)
+def _dense(grad: torch.Tensor | None) -> bool:
+    """A gradient the tap reads and flags: present, strided (not sparse) and not empty."""
+    return grad is not None and grad.layout == torch.strided and grad.numel() > 0
 
 
 @dataclass(frozen=True)
@@ -210,12 +200,12 @@ class NonFiniteConfig:
 
 @dataclass
 class _StepFlags:
-    """What the tap recorded for one step, on the device: element 0 of each reduced bucket (the
-    flag; identical on every rank) and, per bucket, the local per-parameter gradient norms."""
+    """What one step left on the device: element 0 of each parameter's reduced gradient (the
+    flags; identical on every rank) and each parameter's local gradient norm (for the names)."""
 
     step: int
     reduced: torch.Tensor | None
-    local: list[tuple[torch.Tensor, list[nn.Parameter]]]
+    local: list[tuple[torch.Tensor, nn.Parameter]]
     scaler_active: bool = False
 
 
@@ -318,30 +308,21 @@ class NonFiniteGradient(NonFiniteVerdicts):
     """
 
     tap: GradientTap | None = None
-    _reduced: list[torch.Tensor] = field(default_factory=list)
-    _local: list[tuple[torch.Tensor, list[nn.Parameter]]] = field(default_factory=list)
+    _local: list[tuple[torch.Tensor, nn.Parameter]] = field(default_factory=list)
     _pending: _StepFlags | None = None
 
     def attach(self, tap: GradientTap) -> None:
-        """Read each bucket's local gradients and fold the flag into it; keep the reduced buckets."""
+        """Read each parameter's local gradient (its norm) and fold the flag into it."""
         self.tap = tap
         tap.consumers.append(self._consume)
         tap.writers.append(self._fold)
-        tap.reduced_consumers.append(self._keep_reduced)
 
-    def _keep_reduced(self, reduced: torch.Tensor) -> None:
-        # element 0 only, copied (one 1-element kernel): a reference to a compression hook's
-        # output would keep a whole bucket alive until the verdict
-        self._reduced.append(reduced.reshape(-1)[:1].clone())
+    def _consume(self, p: nn.Parameter, grad: torch.Tensor) -> None:
+        self._local.append((local_norm(grad), p))
 
-    def _consume(self, bucket: Any) -> None:
-        self._local.append((local_norms(bucket.gradients()), bucket.parameters()))
-
-    def _fold(self, bucket: Any) -> None:
-        """After every consumer has read the bucket: fold this bucket's flag into element 0."""
-        local = self._local[-1][0]
-        if local.numel():
-            fold_flag(bucket.buffer(), local)
+    def _fold(self, p: nn.Parameter, grad: torch.Tensor) -> None:
+        """After every consumer has read the gradient: fold its flag into element 0."""
+        fold_flag(grad, self._local[-1][0])
 
     @property
     def pending_step(self) -> int | None:
@@ -366,11 +347,10 @@ class NonFiniteGradient(NonFiniteVerdicts):
         """
         self.resolve()
         t0 = time.perf_counter()
-        reduced, self._reduced = self._reduced, []
         local, self._local = self._local, []
         if not (is_distributed() and self.tap is not None):
             return self._single_process(step, list(params), scaler_active, t0)
-        flags = _StepFlags(step, reduced_flags(reduced), local, scaler_active)
+        flags = _StepFlags(step, self.tap.reduced_heads(), local, scaler_active)
         if self.config.on_failure in _DEFERRED and not scaler_active and not now:
             self._pending = flags
             self.stats.add_time(time.perf_counter() - t0)
@@ -389,7 +369,7 @@ class NonFiniteGradient(NonFiniteVerdicts):
         of that step were non-finite (a host read of a flag the device has computed). Returns
         that step, or None."""
         flags, self._pending = self._pending, None
-        self._reduced, self._local = [], []
+        self._local = []
         if flags is None or flags.reduced is None or bool(torch.isfinite(flags.reduced).all()):
             return None
         warnings.warn(
@@ -425,15 +405,14 @@ class NonFiniteGradient(NonFiniteVerdicts):
         bad = [n for (n, p) in params if p.grad is not None and not bool(torch.isfinite(p.grad).all())]
         return self._failure(step, [bad[:limit]], scaler_active, t0, params=params)
 
-    def _local_names(self, local: list[tuple[torch.Tensor, list[nn.Parameter]]]) -> list[str] | None:
-        """This rank's parameters whose LOCAL gradient was non-finite (rare path: host reads), or
-        None when all were finite."""
-        names: list[str] = []
+    def _local_names(self, local: list[tuple[torch.Tensor, nn.Parameter]]) -> list[str] | None:
+        """This rank's parameters whose LOCAL gradient was non-finite (rare path: one host read),
+        or None when all were finite."""
+        if not local:
+            return None
         lookup = self.tap.names if self.tap is not None else {}
-        for norms, params in local:
-            for p, finite in zip(params, torch.isfinite(norms).tolist(), strict=True):
-                if not finite:
-                    names.append(lookup.get(id(p), "?"))
+        finite = torch.isfinite(torch.stack([norm for norm, _ in local])).tolist()
+        names = list(dict.fromkeys(lookup.get(id(p), "?") for (_, p), ok in zip(local, finite, strict=True) if not ok))
         return names[: self.config.max_names] if names else None
 
 
@@ -464,20 +443,29 @@ def local_norms(grads: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.stack(list(torch._foreach_norm(list(grads), 2, dtype=torch.float32 if half else None)))
 
 
+def local_norm(grad: torch.Tensor) -> torch.Tensor:
+    """The L2 norm of one gradient (0-d float tensor on its device, no host synchronisation): one
+    pass over its bytes. Non-finite when the gradient holds NaN or Inf, or when its sum of squares
+    overflows float32 (beyond about 1.8e19: diverged, or an exponent bit flipped); fp16 is reduced
+    in float32 (an fp16 norm overflows at 65504)."""
+    return torch.linalg.vector_norm(grad, dtype=torch.float32 if grad.dtype == torch.float16 else None)
+
+
 def fold_flag(buffer: torch.Tensor, local: torch.Tensor) -> None:
-    """Make element 0 of ``buffer`` NaN when ``local`` (per-parameter norms, >= 0) holds NaN or
-    Inf, and leave it bit-identical otherwise: ``x - 0 * max(local)`` subtracts +0.0 (the exact
-    identity for every float) or NaN. Three tiny kernels, no host synchronisation."""
-    head = buffer.view(-1)[:1]
-    head.sub_(local.amax().mul_(0.0).to(head.dtype))
+    """Make element 0 of ``buffer`` NaN when ``local`` (norms, >= 0) holds NaN or Inf, and leave
+    it bit-identical otherwise: ``x - 0 * max(local)`` subtracts +0.0 (the exact identity for
+    every float, ``-0.0`` included) or NaN. One tiny kernel (two for a vector), no host
+    synchronisation."""
+    flag = local if local.dim() == 0 else local.amax()
+    buffer.view(-1)[:1].sub_(flag, alpha=0.0)
 
 
 def reduced_flags(reduced: Sequence[torch.Tensor]) -> torch.Tensor | None:
-    """Element 0 of each reduced bucket (or the buckets themselves) as one float32 vector (one
-    small copy kernel), or None without buckets."""
+    """Element 0 of each tensor as one float32 vector (one small copy kernel), or None without
+    tensors."""
     if not reduced:
         return None
-    return torch.cat([t.reshape(-1)[:1].to(torch.float32) for t in reduced])
+    return torch.cat([t.reshape(-1)[:1] for t in reduced]).to(torch.float32)
 
 
 def _minmax(t: torch.Tensor) -> torch.Tensor:

@@ -876,11 +876,10 @@ class RingReplay:
             loss = loss.detach().double()
             self._loss = loss if self._loss is None else self._loss + loss.to(self._loss.device)
 
-    def _consume(self, bucket: Any) -> None:
+    def _consume(self, p: nn.Parameter, grad: torch.Tensor) -> None:
         if self._armed_step is None or self._tap is None:
             return
-        for n, g in zip(self._tap.bucket_names(bucket), bucket.gradients(), strict=True):
-            self._local[n] = _digest_row(g)
+        self._local[self._tap.names.get(id(p), "?")] = _digest_row(grad)
 
     def _own_digest(self) -> Digest:
         return _assemble(self.names, self._local, self._loss if self._loss is not None else 0.0)

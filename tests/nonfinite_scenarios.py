@@ -31,9 +31,9 @@ COLLECTIVES = ("all_reduce", "all_gather", "all_gather_object", "broadcast", "ba
 
 class SyncProbe(L.Callback):
     """Counts, per training batch, the host reads (``Tensor.item``, ``tolist``, ``bool``, ...) and
-    the ``torch.distributed`` calls made INSIDE the non-finite check, wherever they run (the tap's
-    reduced consumer runs in the communication thread): ``now`` inside the verdict of the current
-    step and the tap consumers, ``late`` inside the read of the previous step's pending verdict."""
+    the ``torch.distributed`` calls made INSIDE the non-finite check: ``now`` inside the verdict of
+    the current step and the tap's consumers and writers (the per-parameter gradient hooks), ``late``
+    inside the read of the previous step's pending verdict."""
 
     def __init__(self) -> None:
         self.where = threading.local()
@@ -73,7 +73,6 @@ class SyncProbe(L.Callback):
         tap = core.tap
         tap.consumers[:] = [self._enter(f, "now") for f in tap.consumers]
         tap.writers[:] = [self._enter(f, "now") for f in tap.writers]
-        tap.reduced_consumers[:] = [self._enter(f, "now") for f in tap.reduced_consumers]
         for name in HOST_READS:
             self._count(torch.Tensor, name, "reads")
         for name in COLLECTIVES:

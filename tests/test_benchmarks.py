@@ -22,7 +22,7 @@ def test_benchmark_entry_point_quick(tmp_path: Path) -> None:
     assert {
         "sum",
         "fingerprint",
-        "nonfinite_bucket",
+        "nonfinite_ddp",
         "nonfinite_tensor",
         "sha1_host",
         "isfinite_loop",

@@ -1,0 +1,116 @@
+"""Raw DDP (gloo, no framework) under the gradient tap: run with torchrun, 3 ranks.
+
+Each scenario trains a small model with the non-finite check's core on the tap and writes what
+every rank saw: the verdict, the weights' bytes, what the hooks recorded."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from scenario_runner import main_for
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from sdc_core import shutdown
+from sdc_core.errors import NonFiniteGradientError
+from sdc_core.gradients import GradientTap, NonFiniteConfig, NonFiniteGradient
+
+STEPS = 4
+
+
+def model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1))
+
+
+def digest(module: nn.Module) -> str:
+    h = hashlib.sha256()
+    for p in module.parameters():
+        h.update(p.detach().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def train(
+    tapped: bool,
+    bucket_view: bool = False,
+    nan_at: tuple[int, int, int] | None = None,
+    accumulate: int = 1,
+    comm_hook: bool = False,
+) -> dict[str, Any]:
+    """``STEPS`` optimizer steps of ``accumulate`` micro-batches; ``nan_at`` = (rank, step,
+    micro-batch) puts a NaN into the LOCAL gradient of ``0.weight`` there."""
+    rank = dist.get_rank()
+    net = model()
+    ddp = DDP(net, gradient_as_bucket_view=bucket_view, bucket_cap_mb=0.0005)  # several buckets
+    if comm_hook:
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        ddp.register_comm_hook(None, allreduce_hook)  # the user's, registered before the tap
+    check = NonFiniteGradient(NonFiniteConfig(on_failure="raise"))
+    tap = None
+    if tapped:
+        tap = GradientTap.attach(ddp, {id(p): n for n, p in net.named_parameters()})
+        check.attach(tap)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(100 + rank)
+    error: dict[str, Any] | None = None
+    recorded: list[int] = []
+    try:
+        for step in range(STEPS):
+            for micro in range(accumulate):
+                x = torch.randn(4, 8, generator=g)
+                sync = micro == accumulate - 1
+                handle = None
+                if nan_at == (rank, step, micro):
+                    handle = net[0].weight.register_hook(
+                        lambda grad: grad.index_fill(1, torch.tensor([3]), float("nan"))
+                    )
+                if sync:
+                    ddp(x).pow(2).mean().backward()
+                else:
+                    with ddp.no_sync():
+                        ddp(x).pow(2).mean().backward()
+                if handle is not None:
+                    handle.remove()
+                recorded.append(len(check._local))
+            if tapped:
+                check.verdict(step, net.named_parameters())
+            opt.step()
+            opt.zero_grad()
+        if tapped:
+            check.resolve()
+    except NonFiniteGradientError as err:
+        error = {"step": err.step, "rank": err.rank, "parameters": err.details["parameters"]}
+    result: dict[str, Any] = {"weights": digest(net), "error": error, "recorded": recorded}
+    if tap is not None:
+        result["inner_hook"] = getattr(tap.inner_hook, "__name__", None)
+        # after training: a backward outside DDP must not be read (the tap disarmed itself) ...
+        net(torch.randn(4, 8, generator=g)).sum().backward()
+        result["read_outside_ddp"] = len(check._local)
+        tap.remove()
+        result["hooks_left"] = sum(len(p._post_accumulate_grad_hooks or {}) for p in net.parameters())
+    return result
+
+
+SCENARIOS = {
+    "plain": lambda o: train(tapped=False),
+    "tapped": lambda o: train(tapped=True),
+    "plain_view": lambda o: train(tapped=False, bucket_view=True),
+    "tapped_view": lambda o: train(tapped=True, bucket_view=True),
+    "nan": lambda o: train(tapped=True, nan_at=(1, 2, 0)),
+    "nan_view": lambda o: train(tapped=True, bucket_view=True, nan_at=(1, 2, 0)),
+    # a NaN in a no_sync micro-batch: the sync micro-batch's .grad holds the sum, the tap sees it
+    "nan_accumulated": lambda o: train(tapped=True, nan_at=(2, 1, 0), accumulate=3),
+    "nan_comm_hook": lambda o: train(tapped=True, nan_at=(0, 1, 0), comm_hook=True),
+}
+
+if __name__ == "__main__":
+    dist.init_process_group("gloo")
+    shutdown.arm()  # a Python comm hook (nan_comm_hook) needs what the adapters arm at exit
+    try:
+        main_for(SCENARIOS)
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,55 @@
+"""The DDP gradient tap (per-parameter gradient hooks ahead of DDP's own reduction) on raw DDP,
+3 gloo ranks under torchrun: bit-identical training, the flag carried by DDP's all-reduce with
+and without bucket views, gradient accumulation, a user's communication hook, clean removal."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import must_run, results
+
+SCRIPT = Path(__file__).with_name("gradient_tap_scenarios.py")
+WORLD = 3
+
+
+@pytest.fixture(scope="module")
+def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("tap")
+    must_run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}",
+              str(SCRIPT), "--out", str(out)])  # fmt: skip
+    return out
+
+
+def test_training_is_bit_identical_with_the_tap_on_and_off(out: Path) -> None:
+    for plain, tapped in (("plain", "tapped"), ("plain_view", "tapped_view")):
+        off, on = results(out, plain, WORLD), results(out, tapped, WORLD)
+        assert len({r["weights"] for r in off}) == 1  # replicas agree
+        assert off[0]["weights"] == on[0]["weights"], plain
+        assert all(r["error"] is None for r in on)
+        # one norm per parameter on every sync backward (6 parameters), nothing otherwise
+        assert on[0]["recorded"] == [6] * 4
+
+
+@pytest.mark.parametrize("scenario", ["nan", "nan_view"])
+def test_a_nan_on_one_rank_is_named_on_every_rank_in_its_step(out: Path, scenario: str) -> None:
+    for r in results(out, scenario, WORLD):
+        assert r["error"] == {"step": 2, "rank": 1, "parameters": {"1": ["0.weight"]}}
+
+
+def test_a_nan_in_a_no_sync_micro_batch_is_seen_at_the_sync_one(out: Path) -> None:
+    for r in results(out, "nan_accumulated", WORLD):
+        assert r["error"] == {"step": 1, "rank": 2, "parameters": {"2": ["0.weight"]}}
+        assert r["recorded"][:3] == [0, 0, 6]  # only the sync micro-batch is read
+
+
+def test_a_users_comm_hook_registered_first_composes_with_the_tap(out: Path) -> None:
+    for r in results(out, "nan_comm_hook", WORLD):
+        assert r["inner_hook"] == "allreduce_hook"
+        assert r["error"] == {"step": 1, "rank": 0, "parameters": {"0": ["0.weight"]}}
+
+
+def test_the_tap_reads_nothing_outside_ddp_and_removes_its_hooks(out: Path) -> None:
+    for r in results(out, "tapped", WORLD):
+        assert r["read_outside_ddp"] == 0 and r["hooks_left"] == 0
