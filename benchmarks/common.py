@@ -35,6 +35,36 @@ def interleaved(fns: dict[str, Callable[[], object]], repeats: int, device: torc
     return times
 
 
+class WorkTimer:
+    """Seconds spent inside wrapped callables on this process (outermost calls only, so nested
+    wrapped calls count once). What a check's own code costs per step, measured in the same steps
+    as the wall time: unlike an A/B difference of two noisy runs, it does not drift with the
+    machine; it misses indirect costs (caches, scheduling), which the A/B columns carry."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._depth = 0
+
+    def wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if self._depth:
+                return fn(*args, **kwargs)
+            self._depth += 1
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - t0
+                self._depth -= 1
+
+        return timed
+
+    def take(self) -> float:
+        """The seconds counted since the last ``take``."""
+        seconds, self.seconds = self.seconds, 0.0
+        return seconds
+
+
 def summary(samples: list[float]) -> dict[str, float]:
     """Median and spread (min, max) of a list of timings."""
     return {"median": statistics.median(samples), "min": min(samples), "max": max(samples), "n": len(samples)}
@@ -85,6 +115,10 @@ def step_table(runs: dict[str, list[dict[str, float]]], per_round: dict[str, lis
         "cpu_seconds_by_round": cpu_round,
         "cpu_overhead_by_round": round_overheads(cpu_round),
     }
+    if all("work_seconds" in s for steps in runs.values() for s in steps):  # this rank's steps
+        out["work_share"] = {
+            c: sum(s["work_seconds"] for s in steps) / sum(s["seconds"] for s in steps) for c, steps in runs.items()
+        }
     if "defaults" in runs:
         out["defaults_overhead"] = out["overhead"]["defaults"]
     return out

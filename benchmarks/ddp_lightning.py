@@ -24,7 +24,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from benchmarks.common import alternate, audited_split, step_table
+from benchmarks.common import WorkTimer, alternate, audited_split, step_table
 from lightning_sdc import NonFiniteGradientCheck, RingReplayAudit, WeightFingerprintCheck
 
 BATCH = 128
@@ -55,11 +55,24 @@ class Traffic:
 
 
 class Probe(L.Callback):
-    """Per-step wall time and check traffic, per optimizer step."""
+    """Per-step wall time, check traffic and the time spent in the checks' own code: every hook
+    of the SDC callbacks and the gradient tap's consumers and writers (run from each parameter's
+    gradient hook inside backward)."""
 
-    def __init__(self, traffic: Traffic) -> None:
+    def __init__(self, traffic: Traffic, checks: list[L.Callback]) -> None:
         self.traffic = traffic
         self.steps: list[dict[str, float]] = []
+        self.work = WorkTimer()
+        for check in checks:
+            for name in dir(check):
+                if name.startswith("on_") and callable(getattr(check, name)):
+                    setattr(check, name, self.work.wrap(getattr(check, name)))
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        tap = getattr(trainer.strategy.model, "_sdc_gradient_tap", None)
+        if tap is not None:
+            tap.consumers[:] = [self.work.wrap(f) for f in tap.consumers]
+            tap.writers[:] = [self.work.wrap(f) for f in tap.writers]
 
     def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
         self.t0, self.cpu0 = time.perf_counter(), time.process_time()
@@ -68,8 +81,9 @@ class Probe(L.Callback):
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         calls, sent = self.traffic.snapshot()
         cpu = time.process_time() - self.cpu0  # this process, every thread: less sensitive to scheduling
+        # work: the checks' own seconds since the last step's end (this step's hooks, all of them)
         self.steps.append({"seconds": time.perf_counter() - self.t0, "cpu_seconds": cpu, "calls": calls - self.c0,
-                           "bytes": sent - self.b0})  # fmt: skip
+                           "bytes": sent - self.b0, "work_seconds": self.work.take()})  # fmt: skip
 
 
 class Model(L.LightningModule):
@@ -97,7 +111,7 @@ def fit(config: str, steps: int, traffic: Traffic, replay_every: int, batch: int
         "replay_only": [RingReplayAudit()],
         "cheap_two": [NonFiniteGradientCheck(), WeightFingerprintCheck()],
     }[config]  # fmt: skip
-    probe = Probe(traffic)
+    probe = Probe(traffic, callbacks)
     L.seed_everything(0, verbose=False)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(batch * (steps + 2) * dist.get_world_size(), 64, generator=g)

@@ -8,7 +8,7 @@ run in alternating rounds over the same tensors and report GB/s and the ratio to
 * ``fingerprint``: ``combine(grouped_digests(...))`` as the weight fingerprint check runs it;
 * ``class_sums``: only the first stage of the digest, the (r, m) sums of the 64-bit words (no
   weighting): the floor under ``fingerprint`` with torch's own kernels;
-* ``nonfinite_ddp``: what the non-finite check runs under DDP: per parameter, the norm of its
+* ``nonfinite_ddp``: what the non-finite check runs under DDP: per parameter, the sum of its
   local gradient (one read of the bytes) and the flag folded into element 0 (one tiny kernel,
   from the gradient hook's Python call), then the elements 0 gathered and read back;
 * ``nonfinite_tensor``: one ``aminmax`` per tensor, the check's single-process (``.grad``) path;
@@ -27,7 +27,7 @@ import torch
 
 from benchmarks.common import interleaved, summary
 from sdc_core.fingerprint import class_parts, combine, grouped_digests, words
-from sdc_core.gradients import any_nonfinite, fold_flag, local_norm, reduced_flags
+from sdc_core.gradients import any_nonfinite, fold_flag, local_sum, reduced_flags
 
 
 def make_tensors(total: int, layout: str, dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
@@ -42,7 +42,7 @@ def candidates(tensors: list[torch.Tensor]) -> dict[str, Any]:
 
     def nonfinite_ddp() -> bool:
         for t in tensors:
-            fold_flag(t, local_norm(t))  # the identity on finite gradients: the bytes stay as they are
+            fold_flag(t, local_sum(t))  # the identity on finite gradients: the bytes stay as they are
         return not bool(torch.isfinite(reduced_flags(tensors)).all())
 
     def sha1() -> str:

@@ -7,22 +7,24 @@ the same verdict.
 
 How (DDP): the ``GradientTap`` hooks each trainable parameter's gradient accumulation, which
 torch runs before DDP's reducer copies the gradient into its all-reduce bucket. On the step's
-sync backward the check reads each LOCAL gradient once: its L2 norm (non-finite when the
-gradient holds NaN or Inf, or is beyond the float32 range as a norm: about 1.8e19, diverged or an
-exponent bit flipped), kept on the device for the names. It then folds that evidence into the
-data the all-reduce carries anyway: element 0 of the gradient becomes ``x - 0 * norm``. When the
-norm is finite that subtracts +0.0, the exact identity for every float (``-0.0`` included):
+sync backward the check reads each LOCAL gradient once: its sum ``s`` (NaN and Inf survive a
+sum, and ``Inf - Inf`` is NaN, so ``s`` is non-finite when the gradient holds NaN or Inf; also
+when the sum of finite values overflows the float range, values near the float maximum: diverged
+or an exponent bit flipped), kept on the device for the names. It then folds that evidence into
+the data the all-reduce carries anyway: element 0 of the gradient becomes ``x - (s - s)``. When
+``s`` is finite that subtracts +0.0, the exact identity for every float (``-0.0`` included):
 training numerics are bit-identical with the check on and off. When it is not, element 0 becomes
 NaN, and NaN survives the sum, so element 0 of the REDUCED gradient, identical on every rank, is
 NaN exactly when some rank's local gradient of that parameter was non-finite. Every rank decides
 from those elements (one per parameter), with no extra communication. Only then (the rare path)
 does every rank gather the local flags to name the ranks and parameters (one rank: the SDC
-signature; all ranks: ordinary divergence). Names come from the local norms, so gradient clipping
+signature; all ranks: ordinary divergence). Names come from the local sums, so gradient clipping
 or anything else that touches ``.grad`` after the all-reduce cannot change them. Under gradient
 accumulation the hook runs on the sync micro-batch, whose ``.grad`` is the sum of the
 micro-batches' gradients, so a NaN in any micro-batch is seen.
 
-Cost of a clean DDP step: one read of the local gradients on the device (the norms), per
+Cost of a clean DDP step: one read of the local gradients on the device (the sums: the cheapest
+reduction, 1.6x faster than an L2 norm or ``aminmax`` on this CPU in fp32, 2.2x in bf16), per
 parameter a Python call and two tiny kernels, one small copy of the reduced elements 0 at the
 verdict, no collective. DDP's reduction stays its own C++ all-reduce: no communication hook, so
 no extra pass to scale the buckets and no Python callback on the communication threads. When the
@@ -201,7 +203,7 @@ class NonFiniteConfig:
 @dataclass
 class _StepFlags:
     """What one step left on the device: element 0 of each parameter's reduced gradient (the
-    flags; identical on every rank) and each parameter's local gradient norm (for the names)."""
+    flags; identical on every rank) and each parameter's local gradient sum (for the names)."""
 
     step: int
     reduced: torch.Tensor | None
@@ -312,13 +314,13 @@ class NonFiniteGradient(NonFiniteVerdicts):
     _pending: _StepFlags | None = None
 
     def attach(self, tap: GradientTap) -> None:
-        """Read each parameter's local gradient (its norm) and fold the flag into it."""
+        """Read each parameter's local gradient (its sum) and fold the flag into it."""
         self.tap = tap
         tap.consumers.append(self._consume)
         tap.writers.append(self._fold)
 
     def _consume(self, p: nn.Parameter, grad: torch.Tensor) -> None:
-        self._local.append((local_norm(grad), p))
+        self._local.append((local_sum(grad), p))
 
     def _fold(self, p: nn.Parameter, grad: torch.Tensor) -> None:
         """After every consumer has read the gradient: fold its flag into element 0."""
@@ -411,7 +413,7 @@ class NonFiniteGradient(NonFiniteVerdicts):
         if not local:
             return None
         lookup = self.tap.names if self.tap is not None else {}
-        finite = torch.isfinite(torch.stack([norm for norm, _ in local])).tolist()
+        finite = torch.isfinite(torch.stack([total.float() for total, _ in local])).tolist()
         names = list(dict.fromkeys(lookup.get(id(p), "?") for (_, p), ok in zip(local, finite, strict=True) if not ok))
         return names[: self.config.max_names] if names else None
 
@@ -430,34 +432,21 @@ def drop_step(params: Iterable[torch.Tensor], scaler_active: bool = False) -> No
         p.grad = None
 
 
-def local_norms(grads: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Per-tensor L2 norms as one vector on the tensors' device (no host synchronisation): one
-    ``_foreach_norm`` (the kernel ``clip_grad_norm_`` runs; one pass over the bytes, the only
-    vectorised one on CPU: the infinity norm and float64 accumulation run 50-70x slower there)
-    and one ``stack``. A norm is non-finite when its tensor holds NaN or Inf, or when the sum of
-    squares overflows float32 (a gradient above about 1.8e19 in L2 norm: diverged, or an exponent
-    bit flipped); fp16 tensors are reduced in float32 (an fp16 norm overflows at 65504)."""
-    if not grads:
-        return torch.zeros(0)
-    half = grads[0].dtype == torch.float16
-    return torch.stack(list(torch._foreach_norm(list(grads), 2, dtype=torch.float32 if half else None)))
-
-
-def local_norm(grad: torch.Tensor) -> torch.Tensor:
-    """The L2 norm of one gradient (0-d float tensor on its device, no host synchronisation): one
-    pass over its bytes. Non-finite when the gradient holds NaN or Inf, or when its sum of squares
-    overflows float32 (beyond about 1.8e19: diverged, or an exponent bit flipped); fp16 is reduced
-    in float32 (an fp16 norm overflows at 65504)."""
-    return torch.linalg.vector_norm(grad, dtype=torch.float32 if grad.dtype == torch.float16 else None)
+def local_sum(grad: torch.Tensor) -> torch.Tensor:
+    """The sum of one gradient (0-d tensor on its device, no host synchronisation): one pass over
+    its bytes, the cheapest reduction there is. Non-finite exactly when the gradient holds NaN or
+    Inf (NaN and Inf survive a sum; ``Inf + -Inf`` is NaN) or when summing its finite values
+    overflows the float range (values near the float maximum). fp16 is summed in float32 (an fp16
+    sum would overflow at 65504)."""
+    return grad.sum(dtype=torch.float32 if grad.dtype == torch.float16 else None)
 
 
 def fold_flag(buffer: torch.Tensor, local: torch.Tensor) -> None:
-    """Make element 0 of ``buffer`` NaN when ``local`` (norms, >= 0) holds NaN or Inf, and leave
-    it bit-identical otherwise: ``x - 0 * max(local)`` subtracts +0.0 (the exact identity for
-    every float, ``-0.0`` included) or NaN. One tiny kernel (two for a vector), no host
-    synchronisation."""
-    flag = local if local.dim() == 0 else local.amax()
-    buffer.view(-1)[:1].sub_(flag, alpha=0.0)
+    """Make element 0 of ``buffer`` NaN when ``local`` (a 0-d sum) is NaN or Inf, and leave it
+    bit-identical otherwise: ``x - (s - s)`` subtracts +0.0 (``s - s`` is +0.0 for every finite
+    ``s``; subtracting +0.0 is the exact identity for every float, ``-0.0`` included) or NaN. Two
+    tiny kernels, no host synchronisation."""
+    buffer.view(-1)[:1].sub_(local - local)
 
 
 def reduced_flags(reduced: Sequence[torch.Tensor]) -> torch.Tensor | None:
