@@ -69,10 +69,13 @@ class Probe(L.Callback):
                     setattr(check, name, self.work.wrap(getattr(check, name)))
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        tap = getattr(trainer.strategy.model, "_sdc_gradient_tap", None)
-        if tap is not None:
-            tap.consumers[:] = [self.work.wrap(f) for f in tap.consumers]
-            tap.writers[:] = [self.work.wrap(f) for f in tap.writers]
+        taps = [getattr(trainer.strategy.model, "_sdc_gradient_tap", None)]  # DDP: one per model
+        taps += [tap for cb in trainer.callbacks for tap in getattr(getattr(cb, "_core", None), "taps", [])]  # FSDP2
+        for tap in taps:
+            for name in ("consumers", "writers", "output_consumers", "replay_consumers"):
+                hooks = getattr(tap, name, None)
+                if hooks is not None:
+                    hooks[:] = [self.work.wrap(f) for f in hooks]
 
     def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
         self.t0, self.cpu0 = time.perf_counter(), time.process_time()
@@ -110,6 +113,7 @@ def fit(config: str, steps: int, traffic: Traffic, replay_every: int, batch: int
         "audit_often": [NonFiniteGradientCheck(), RingReplayAudit(replay_every), WeightFingerprintCheck()],
         "replay_only": [RingReplayAudit()],
         "cheap_two": [NonFiniteGradientCheck(), WeightFingerprintCheck()],
+        "fingerprint_every_10": [NonFiniteGradientCheck(), RingReplayAudit(), WeightFingerprintCheck(every_n_steps=10)],
     }[config]  # fmt: skip
     probe = Probe(traffic, callbacks)
     L.seed_everything(0, verbose=False)

@@ -55,7 +55,7 @@ def fit(config: str, steps: int, traffic: Traffic, every: int) -> list[dict[str,
         "audit_often": [NonFiniteGradientCheck(), RingReplayAudit(every), WeightFingerprintCheck()],
         "update_often": [WeightFingerprintCheck(update_audit_every_n_steps=every)],
     }[config]  # fmt: skip
-    probe = Probe(traffic)
+    probe = Probe(traffic, callbacks)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(BATCH * (steps + 2) * dist.get_world_size(), 64, generator=g)
     data = DataLoader(TensorDataset(x, x[:, :1]), batch_size=BATCH)

@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         print("check work / step time:", {k: f"{100 * v:.2f}%" for k, v in s["work_vs_step"].items()})
         print("step time difference:  ", {k: f"{100 * v:+.2f}%" for k, v in s["overhead"].items()})
     if "ddp" in sections and not args.quick:
-        result["ddp"] = torchrun(3, 30, 3, 10, "none,nonfinite,fingerprint,defaults,audit_often")
+        result["ddp"] = torchrun(3, 30, 3, 10, "none,nonfinite,fingerprint,defaults,fingerprint_every_10,audit_often")
         d = result["ddp"]
         print("\n== Lightning DDP, 3 CPU ranks ==")
         for name, sec in d["step_seconds"].items():
