@@ -262,10 +262,10 @@ alternating in one process group: `none`, `defaults` (all three checks at their 
 defaults with `WeightFingerprintCheck(every_n_steps=10)`), plus each cheap check alone. Three
 ranks share two cores here, so every collective also waits for a descheduled peer, and the spread
 of step times (min to max) is wider than the differences being measured: read the medians as
-"within noise" unless they differ by more than the spread. The last column is the CPU time of a
+"within noise" unless they differ by more than the spread. "CPU time vs none" is the CPU time of a
 step summed over the ranks (each rank's median, every thread of the process), relative to `none`
 in the same round: the work the checks add, less sensitive to which rank the cores happen to run
-than wall time (but it counts gloo's polling while a rank waits for a peer). The last column is
+than wall time (but it counts gloo's polling while a rank waits for a peer). "Checks' own work" is
 the time rank 0 spent inside the checks' own code (every hook of the SDC callbacks, and the
 gradient tap's work inside backward) as a share of its step time, both measured in the same
 steps: the cost of the checks without the drift between runs, though without indirect costs

@@ -143,12 +143,14 @@ class GradientTap:
         no host synchronisation), or None without gradients. After a synchronised backward these
         are the REDUCED gradients, identical on every rank (DDP leaves a parameter no rank used
         without gradient on every rank alike)."""
-        heads = [p.grad.view(-1)[:1] for p in self.params if _dense(p.grad)]
+        heads = [head(p.grad) for p in self.params if _dense(p.grad)]
         return torch.cat(heads).to(torch.float32) if heads else None
 
     def _on_forward(self, module: nn.Module, args: Any) -> None:
-        # DDP decides here whether this forward's backward synchronises (not under no_sync)
+        # DDP decides here whether this forward's backward synchronises (not under no_sync); a
+        # backward that failed before its end-of-backward callback ran leaves nothing behind
         self._armed = torch.is_grad_enabled() and bool(module.require_backward_grad_sync)
+        self._queued = False
 
     def _on_grad(self, p: nn.Parameter) -> None:
         if not self._armed or not _dense(p.grad):
@@ -164,6 +166,13 @@ class GradientTap:
 
     def _disarm(self) -> None:
         self._armed = self._queued = False
+
+
+def head(t: torch.Tensor) -> torch.Tensor:
+    """Element ``[0, ..., 0]`` of ``t`` as a 1-element view (any layout, channels-last and other
+    non-contiguous gradients included; one cheap view op). The element the flag rides in: the
+    all-reduce sums each element with the same element of every rank."""
+    return t.as_strided((1,), (1,))
 
 
 def _dense(grad: torch.Tensor | None) -> bool:
@@ -446,7 +455,7 @@ def fold_flag(buffer: torch.Tensor, local: torch.Tensor) -> None:
     bit-identical otherwise: ``x - (s - s)`` subtracts +0.0 (``s - s`` is +0.0 for every finite
     ``s``; subtracting +0.0 is the exact identity for every float, ``-0.0`` included) or NaN. Two
     tiny kernels, no host synchronisation."""
-    buffer.view(-1)[:1].sub_(local - local)
+    head(buffer).sub_(local - local)
 
 
 def reduced_flags(reduced: Sequence[torch.Tensor]) -> torch.Tensor | None:

@@ -164,7 +164,7 @@ def fit(
 
 
 class TapProbe(L.Callback):
-    """Records which inner hook the SDC gradient tap wraps."""
+    """Records which communication hook the SDC gradient tap found or registered on the model."""
 
     inner = None
 

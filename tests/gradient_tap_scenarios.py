@@ -21,9 +21,19 @@ from sdc_core.gradients import GradientTap, NonFiniteConfig, NonFiniteGradient
 STEPS = 4
 
 
-def model() -> nn.Module:
+def model(conv: bool = False) -> nn.Module:
     torch.manual_seed(0)
+    if conv:  # channels-last: the convolution's gradient is not contiguous in the default sense
+        net = nn.Sequential(nn.Conv2d(2, 4, 3), nn.Tanh(), nn.Flatten(), nn.Linear(16, 1))
+        return net.to(memory_format=torch.channels_last)
     return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1))
+
+
+def poisoned(grad: torch.Tensor) -> torch.Tensor:
+    """The gradient with NaN in its LAST element (not the element the flag rides in)."""
+    grad = grad.clone()
+    grad[(-1,) * grad.dim()] = float("nan")
+    return grad
 
 
 def digest(module: nn.Module) -> str:
@@ -39,35 +49,41 @@ def train(
     nan_at: tuple[int, int, int] | None = None,
     accumulate: int = 1,
     comm_hook: bool = False,
+    conv: bool = False,
 ) -> dict[str, Any]:
     """``STEPS`` optimizer steps of ``accumulate`` micro-batches; ``nan_at`` = (rank, step,
     micro-batch) puts a NaN into the LOCAL gradient of ``0.weight`` there."""
     rank = dist.get_rank()
-    net = model()
+    net = model(conv)
     ddp = DDP(net, gradient_as_bucket_view=bucket_view, bucket_cap_mb=0.0005)  # several buckets
+    inner = None
     if comm_hook:
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
         ddp.register_comm_hook(None, allreduce_hook)  # the user's, registered before the tap
+        inner = allreduce_hook  # and handed to it too (Accelerate's setting read after prepare)
     check = NonFiniteGradient(NonFiniteConfig(on_failure="raise"))
     tap = None
     if tapped:
-        tap = GradientTap.attach(ddp, {id(p): n for n, p in net.named_parameters()})
+        tap = GradientTap.attach(ddp, {id(p): n for n, p in net.named_parameters()}, inner_hook=inner)
         check.attach(tap)
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     g = torch.Generator().manual_seed(100 + rank)
     error: dict[str, Any] | None = None
     recorded: list[int] = []
+    contiguous: list[bool] = []
     try:
         for step in range(STEPS):
             for micro in range(accumulate):
-                x = torch.randn(4, 8, generator=g)
+                x = (
+                    torch.randn(4, 2, 4, 4, generator=g).to(memory_format=torch.channels_last)
+                    if conv
+                    else (torch.randn(4, 8, generator=g))
+                )
                 sync = micro == accumulate - 1
                 handle = None
                 if nan_at == (rank, step, micro):
-                    handle = net[0].weight.register_hook(
-                        lambda grad: grad.index_fill(1, torch.tensor([3]), float("nan"))
-                    )
+                    handle = net[0].weight.register_hook(poisoned)
                 if sync:
                     ddp(x).pow(2).mean().backward()
                 else:
@@ -76,6 +92,7 @@ def train(
                 if handle is not None:
                     handle.remove()
                 recorded.append(len(check._local))
+                contiguous.append(net[0].weight.grad.is_contiguous())
             if tapped:
                 check.verdict(step, net.named_parameters())
             opt.step()
@@ -84,11 +101,16 @@ def train(
             check.resolve()
     except NonFiniteGradientError as err:
         error = {"step": err.step, "rank": err.rank, "parameters": err.details["parameters"]}
-    result: dict[str, Any] = {"weights": digest(net), "error": error, "recorded": recorded}
+    result: dict[str, Any] = {
+        "weights": digest(net),
+        "error": error,
+        "recorded": recorded,
+        "grad_contiguous": all(contiguous),
+    }
     if tap is not None:
         result["inner_hook"] = getattr(tap.inner_hook, "__name__", None)
         # after training: a backward outside DDP must not be read (the tap disarmed itself) ...
-        net(torch.randn(4, 8, generator=g)).sum().backward()
+        net(torch.randn(4, 2, 4, 4) if conv else torch.randn(4, 8, generator=g)).sum().backward()
         result["read_outside_ddp"] = len(check._local)
         tap.remove()
         result["hooks_left"] = sum(len(p._post_accumulate_grad_hooks or {}) for p in net.parameters())
@@ -105,6 +127,9 @@ SCENARIOS = {
     # a NaN in a no_sync micro-batch: the sync micro-batch's .grad holds the sum, the tap sees it
     "nan_accumulated": lambda o: train(tapped=True, nan_at=(2, 1, 0), accumulate=3),
     "nan_comm_hook": lambda o: train(tapped=True, nan_at=(0, 1, 0), comm_hook=True),
+    "plain_conv": lambda o: train(tapped=False, conv=True),
+    "tapped_conv": lambda o: train(tapped=True, conv=True),
+    "nan_conv": lambda o: train(tapped=True, conv=True, nan_at=(2, 3, 0)),
 }
 
 if __name__ == "__main__":

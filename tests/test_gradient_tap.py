@@ -1,6 +1,7 @@
 """The DDP gradient tap (per-parameter gradient hooks ahead of DDP's own reduction) on raw DDP,
 3 gloo ranks under torchrun: bit-identical training, the flag carried by DDP's all-reduce with
-and without bucket views, gradient accumulation, a user's communication hook, clean removal."""
+and without bucket views and in channels-last gradients, gradient accumulation, a user's
+communication hook, clean removal."""
 
 from __future__ import annotations
 
@@ -36,6 +37,14 @@ def test_training_is_bit_identical_with_the_tap_on_and_off(out: Path) -> None:
 def test_a_nan_on_one_rank_is_named_on_every_rank_in_its_step(out: Path, scenario: str) -> None:
     for r in results(out, scenario, WORLD):
         assert r["error"] == {"step": 2, "rank": 1, "parameters": {"1": ["0.weight"]}}
+
+
+def test_channels_last_gradients_train_identically_and_carry_the_flag(out: Path) -> None:
+    off, on = results(out, "plain_conv", WORLD), results(out, "tapped_conv", WORLD)
+    assert off[0]["weights"] == on[0]["weights"] and on[0]["error"] is None
+    assert not on[0]["grad_contiguous"]  # the case under test: a non-contiguous gradient
+    for r in results(out, "nan_conv", WORLD):
+        assert r["error"] == {"step": 3, "rank": 2, "parameters": {"2": ["0.weight"]}}
 
 
 def test_a_nan_in_a_no_sync_micro_batch_is_seen_at_the_sync_one(out: Path) -> None:

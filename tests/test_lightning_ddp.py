@@ -139,7 +139,7 @@ def test_intermittent_fault_is_settled_by_a_referee(out: Path) -> None:
     assert "owner is faulty" in err["details"]["rulings"][pair]
 
 
-def test_user_comm_hook_is_wrapped_not_replaced(out: Path) -> None:
+def test_user_comm_hook_is_kept_not_replaced(out: Path) -> None:
     per_rank = results(out, "comm_hook", WORLD)
     assert all(r["tap_inner"] == ["fp16_compress_hook"] for r in per_rank)
     err = error_on_every_rank(out, "comm_hook", "NonFiniteGradientError")
