@@ -2,9 +2,9 @@
 
 It translates Accelerate's events into ``sdc_core`` calls and nothing more:
 
-* the DDP communication hook (the shared gradient tap) feeds the non-finite check and the replay
-  audit with each rank's LOCAL gradients; it wraps a ``DistributedDataParallelKwargs(comm_hook=...)``
-  hook when ``SDCHooks`` is created before ``accelerator.prepare`` (DDP accepts one hook);
+* the shared gradient tap (a hook per parameter, ahead of DDP's reducer) feeds the non-finite
+  check and the replay audit with each rank's LOCAL gradients; a
+  ``DistributedDataParallelKwargs(comm_hook=...)`` hook stays the model's communication hook;
 * ``replayable(fn)`` wraps the user's loss computation: on audited steps it records its arguments,
   RNG and module state, and the loss the user back-propagates; without it, a forward pre-/post-hook
   on the unwrapped model records the model's inputs, RNG and module state, and the loss
@@ -428,7 +428,7 @@ class SDCHooks:
             if alive is not None and alive.fingerprint is not None:
                 alive.fingerprint.discard(timeout_s=10.0)
             del alive
-            # Gloo threads finish releasing the comm hook's Python callbacks first: the
+            # Gloo threads finish releasing a Python comm hook's callbacks first: the
             # collection below may destroy the DDP model, whose reducer drops the process group
             # with the GIL held and joins those threads (see sdc_core.shutdown).
             shutdown.settle_threads()

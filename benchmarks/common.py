@@ -59,6 +59,20 @@ class WorkTimer:
 
         return timed
 
+    def exclude(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``fn`` wrapped so that its time is not counted when a wrapped caller calls it (the real
+        optimizer step inside a check's step wrapper)."""
+
+        def untimed(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                if self._depth:
+                    self.seconds -= time.perf_counter() - t0
+
+        return untimed
+
     def take(self) -> float:
         """The seconds counted since the last ``take``."""
         seconds, self.seconds = self.seconds, 0.0

@@ -23,7 +23,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from accelerate_sdc import SDCHooks
-from benchmarks.common import alternate, audited_split, step_table
+from benchmarks.common import WorkTimer, alternate, audited_split, step_table
 
 BATCH = 128
 SETTINGS: dict[str, dict[str, Any] | None] = {
@@ -61,15 +61,24 @@ def run(acc: Accelerator, config: str, steps: int, replay_every: int) -> list[di
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     sdc = SDCHooks(acc, **settings) if settings is not None else None
     model, opt, data = acc.prepare(model, opt, DataLoader(TensorDataset(x, x[:, :1]), batch_size=BATCH))
+    work = WorkTimer()
     if sdc is not None:
         sdc.attach(model, opt)
+        # the checks' own work: SDCHooks' optimizer-step logic without the real update inside it,
+        # and the gradient tap's consumers and writers (inside backward)
+        inner = sdc._step
+        sdc._step = lambda optimizer, original, *a, **k: work.wrap(inner)(optimizer, work.exclude(original), *a, **k)  # type: ignore[method-assign]
+        tap = getattr(model, "_sdc_gradient_tap", None)
+        for hooks in (tap.consumers, tap.writers) if tap is not None else ():
+            hooks[:] = [work.wrap(f) for f in hooks]
     timed: list[dict[str, float]] = []
     for xb, yb in data:
         t0, c0 = time.perf_counter(), time.process_time()
         acc.backward(model(xb, yb))
         opt.step()
         opt.zero_grad()
-        timed.append({"seconds": time.perf_counter() - t0, "cpu_seconds": time.process_time() - c0})
+        timed.append({"seconds": time.perf_counter() - t0, "cpu_seconds": time.process_time() - c0,
+                      "work_seconds": work.take()})  # fmt: skip
         if len(timed) == steps:
             break
     if sdc is not None:

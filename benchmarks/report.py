@@ -295,6 +295,9 @@ ACCELERATE_TEXT = """The same model, batch and configurations in a hand-written 
 (`Accelerator(cpu=True)` under torchrun, `SDCHooks` attached after `prepare`), alternating in one
 process group; a step is timed from the forward to `zero_grad`, the first 5 steps of each run
 dropped. `SDCHooks()` defaults: gradient check on, fingerprint every step, replay every 100 steps.
+"Checks' own work": the time rank 0 spent in `SDCHooks`' optimizer-step logic (the real update
+excluded) and in the gradient tap inside backward, as a share of its step time (the forward hooks,
+which record audited micro-batches, are not counted).
 """
 
 POLICY_TEXT = """

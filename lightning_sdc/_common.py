@@ -32,8 +32,8 @@ def require_supported_strategy(trainer: pl.Trainer, check: str) -> None:
             "FSDPStrategy (FSDP1) and DeepSpeed are not supported: use ModelParallelStrategy with fully_shard."
         )
     if isinstance(strategy, DDPStrategy) and not hasattr(strategy, _STASH):
-        # Take the user's DDP comm hook from the strategy before it registers it, so the SDC
-        # tap can wrap it (DDP accepts one hook per model).
+        # Take the user's DDP comm hook from the strategy (Lightning registers it on CUDA only);
+        # the SDC tap registers it on the DDP model, on every device.
         setattr(strategy, _STASH, (strategy._ddp_comm_hook, strategy._ddp_comm_state, strategy._ddp_comm_wrapper))
         strategy._ddp_comm_hook = None
 
@@ -57,7 +57,7 @@ def topology(trainer: pl.Trainer) -> Topology:
 
 
 def gradient_tap(trainer: pl.Trainer, pl_module: pl.LightningModule) -> GradientTap:
-    """The single gradient tap on the DDP model, wrapping the user's comm hook if any."""
+    """The single gradient tap on the DDP model; registers the user's comm hook, if any."""
     hook, state, wrapper = getattr(trainer.strategy, _STASH, (None, None, None))
     if hook is not None and wrapper is not None:
         hook = wrapper(hook)

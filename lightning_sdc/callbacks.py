@@ -201,10 +201,10 @@ class NonFiniteGradientCheck(_SDCCallback):
             overflows on this many consecutive steps; ordinary overflow stays the scaler's business.
         max_names: offending parameter names reported per rank.
 
-    Cost under DDP: two reads of the gradients on the device per optimizer step (the local
-    per-parameter norms in the communication hook, the reduced bucket after the all-reduce) and
-    no collective: NaN/Inf survive the all-reduce, so every rank sees them in the same reduced
-    gradients; ranks and parameters are gathered only then. When the verdict is read:
+    Cost under DDP: one read of the gradients on the device per optimizer step (each local
+    gradient's sum, in a per-parameter hook before DDP's reducer copies it; the flag rides in
+    element 0 of the gradient) and no collective: NaN/Inf survive the all-reduce, so every rank
+    sees them in the same reduced gradients; ranks and parameters are gathered only then. When the verdict is read:
 
     * ``"raise"``, ``"warn"``: one step later, before the next backward (no host synchronisation
       in the step). The error names the step it belongs to; that step's update has happened, the

@@ -392,7 +392,7 @@ class NonFiniteGradient(NonFiniteVerdicts):
         return flags.step
 
     def _decide(self, flags: _StepFlags, t0: float, params: list[tuple[str, nn.Parameter]] | None = None) -> bool:
-        """The verdict of ``flags.step`` from the reduced buckets (identical on every rank)."""
+        """The verdict of ``flags.step`` from the reduced gradients (identical on every rank)."""
         self.stats.runs += 1
         bad = flags.reduced is not None and not bool(torch.isfinite(flags.reduced).all())  # the host read
         if not bad:

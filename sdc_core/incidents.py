@@ -82,7 +82,7 @@ def exit_cleanly(code: int) -> None:
     """End the process with ``code`` after what a normal interpreter exit runs first: joining
     non-daemon threads and the ``atexit`` handlers (trackers close their runs), then flushing
     stdout and stderr. Interpreter teardown itself is skipped: with gloo and a Python DDP
-    communication hook (the SDC gradient tap), a gloo worker thread can abort the process there
+    communication hook (torch's compression hooks, PowerSGD, your own), a gloo worker thread can abort the process there
     ("terminate called without an active exception") after all work is done. A training script
     may end with ``exit_cleanly(main())`` instead of ``sys.exit(main())``."""
     with contextlib.suppress(Exception):  # never let the exit path fail

@@ -2,7 +2,7 @@
 
 Contract: on every ``every_n_steps``-th optimizer step, rank ``r`` sends the micro-batches of
 that step (inputs, the state the step reads besides its batch, its loss and a digest of its
-LOCAL gradients, taken in the communication hook before the all-reduce) to its partner
+LOCAL gradients, taken in each parameter's gradient hook before DDP's all-reduce) to its partner
 ``partners[r]``: a rank on another node when there are several, else the next rank. The partner
 recomputes loss and gradients with the same weights and the owner's state and compares. Every
 rank then learns which (owner, replayer) pairs disagree and reaches the same attribution:

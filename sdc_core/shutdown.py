@@ -1,8 +1,9 @@
 """A clean process exit under torch.distributed: no communication thread meets a dying interpreter.
 
 The failure this prevents ("terminate called without an active exception", SIGABRT at exit, and
-its twin, a hang at exit). A DDP communication hook written in Python (the SDC gradient tap, and
-every Python hook of torch itself: ``allreduce_hook``, the fp16/bf16 compression hooks, PowerSGD)
+its twin, a hang at exit). A DDP communication hook written in Python (every Python hook of torch
+itself: ``allreduce_hook``, the fp16/bf16 compression hooks, PowerSGD; the SDC checks register
+none since they read gradients in per-parameter hooks, but they register the user's)
 must return a future with a Python value, made by ``Future.then(python_callback)``. Gloo runs that
 callback on one of its worker threads, and the same thread releases it afterwards, which takes the
 GIL again (``torch::jit::PythonFunctionGuard``), after DDP has already been told the bucket is
