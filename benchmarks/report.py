@@ -237,9 +237,11 @@ Reading the table:
   puts it at or near the plain sum for the 1M set. For 1,000 tensors of 10k-100k elements it
   reaches {fp_small} of the sum: the int64 reduction and the per-tensor Python work of the digest
   cost more than a float `sum` there, so the 0.8x target is missed in that layout on this CPU.
-  The DDP gradient path (`nonfinite_ddp`) pays a Python call and two tiny kernels per parameter
-  too: that is the price of folding the flag in before DDP's own C++ reduction, which spares the
-  pass a Python communication hook costs over every bucket (measured in the step tables below).
+  The DDP gradient path (`nonfinite_ddp`) pays a Python call and three small kernels per
+  parameter too (sum, flag, fold), about 10 microseconds per parameter here: the price of
+  folding the flag in before DDP's own C++ reduction, which spares the `1 / world_size` pass over
+  every bucket that DDP cannot fuse into its copy under a Python communication hook, and the
+  Python callbacks on the communication threads.
 - The 1M single-tensor rows measure fixed per-call overhead (a few tenths of a millisecond), not
   bandwidth.
 """
