@@ -85,7 +85,10 @@ class GradientTap:
     ``no_sync``: under gradient accumulation, the sync micro-batch, whose ``.grad`` holds the sum
     of the micro-batches), ``consumers`` read ``(parameter, local gradient)``, then ``writers``
     may change the gradient in place (the non-finite check's flag). They run on the autograd
-    thread and must not synchronise with the host nor raise.
+    thread and must not synchronise with the host nor raise. On CUDA the hook runs with the
+    accumulation's stream current, the stream DDP's own hook on the same accumulation then copies
+    the gradient on, so the flag is written before that copy in stream order (argued from
+    torch's stream semantics; not run here, no GPU).
 
     The tap registers no communication hook: DDP's reduction stays its own C++ all-reduce (it
     fuses the ``1 / world_size`` scaling into its copy), so the tap adds no pass over the

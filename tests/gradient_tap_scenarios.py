@@ -50,12 +50,13 @@ def train(
     accumulate: int = 1,
     comm_hook: bool = False,
     conv: bool = False,
+    static: bool = False,
 ) -> dict[str, Any]:
     """``STEPS`` optimizer steps of ``accumulate`` micro-batches; ``nan_at`` = (rank, step,
     micro-batch) puts a NaN into the LOCAL gradient of ``0.weight`` there."""
     rank = dist.get_rank()
     net = model(conv)
-    ddp = DDP(net, gradient_as_bucket_view=bucket_view, bucket_cap_mb=0.0005)  # several buckets
+    ddp = DDP(net, gradient_as_bucket_view=bucket_view, bucket_cap_mb=0.0005, static_graph=static)  # several buckets
     inner = None
     if comm_hook:
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
@@ -127,6 +128,11 @@ SCENARIOS = {
     # a NaN in a no_sync micro-batch: the sync micro-batch's .grad holds the sum, the tap sees it
     "nan_accumulated": lambda o: train(tapped=True, nan_at=(2, 1, 0), accumulate=3),
     "nan_comm_hook": lambda o: train(tapped=True, nan_at=(0, 1, 0), comm_hook=True),
+    # static graph: the first iteration's reduction is delayed to the end of backward
+    "plain_static": lambda o: train(tapped=False, static=True),
+    "tapped_static": lambda o: train(tapped=True, static=True),
+    "nan_static_first": lambda o: train(tapped=True, static=True, nan_at=(1, 0, 0)),
+    "nan_static": lambda o: train(tapped=True, static=True, nan_at=(0, 2, 0)),
     "plain_conv": lambda o: train(tapped=False, conv=True),
     "tapped_conv": lambda o: train(tapped=True, conv=True),
     "nan_conv": lambda o: train(tapped=True, conv=True, nan_at=(2, 3, 0)),

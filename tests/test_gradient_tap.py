@@ -39,6 +39,15 @@ def test_a_nan_on_one_rank_is_named_on_every_rank_in_its_step(out: Path, scenari
         assert r["error"] == {"step": 2, "rank": 1, "parameters": {"1": ["0.weight"]}}
 
 
+def test_static_graph_ddp_trains_identically_and_carries_the_flag(out: Path) -> None:
+    off, on = results(out, "plain_static", WORLD), results(out, "tapped_static", WORLD)
+    assert off[0]["weights"] == on[0]["weights"] and on[0]["error"] is None
+    for r in results(out, "nan_static_first", WORLD):  # the first iteration: DDP delays its reduction
+        assert r["error"] == {"step": 0, "rank": 1, "parameters": {"1": ["0.weight"]}}
+    for r in results(out, "nan_static", WORLD):
+        assert r["error"] == {"step": 2, "rank": 0, "parameters": {"0": ["0.weight"]}}
+
+
 def test_channels_last_gradients_train_identically_and_carry_the_flag(out: Path) -> None:
     off, on = results(out, "plain_conv", WORLD), results(out, "tapped_conv", WORLD)
     assert off[0]["weights"] == on[0]["weights"] and on[0]["error"] is None
