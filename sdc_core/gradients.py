@@ -64,6 +64,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from sdc_core.errors import NonFiniteGradientError
 from sdc_core.fingerprint import flatten, group_small
@@ -85,7 +86,10 @@ class GradientTap:
     ``no_sync``: under gradient accumulation, the sync micro-batch, whose ``.grad`` holds the sum
     of the micro-batches), ``consumers`` read ``(parameter, local gradient)``, then ``writers``
     may change the gradient in place (the non-finite check's flag). They run on the autograd
-    thread and must not synchronise with the host nor raise. On CUDA the hook runs with the
+    thread and must not synchronise with the host nor raise. The tap is armed by DDP's forward
+    and disarmed at the end of the backward through that forward's output (a callback queued from
+    the output's gradient hook), so gradients computed in nested backward passes (reentrant
+    activation checkpointing) are read too, and a backward outside DDP afterwards is not. On CUDA the hook runs with the
     accumulation's stream current, the stream DDP's own hook on the same accumulation then copies
     the gradient on, so the flag is written before that copy in stream order (argued from
     torch's stream semantics; not run here, no GPU).
@@ -110,6 +114,7 @@ class GradientTap:
         self._queued = False
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
         self._handles.append(ddp_model.register_forward_pre_hook(self._on_forward))
+        self._handles.append(ddp_model.register_forward_hook(self._on_output))
 
     @classmethod
     def attach(
@@ -155,12 +160,23 @@ class GradientTap:
         self._armed = torch.is_grad_enabled() and bool(module.require_backward_grad_sync)
         self._queued = False
 
+    def _on_output(self, module: nn.Module, args: Any, output: Any) -> None:
+        """Disarm at the end of the backward through this output (a later backward outside DDP
+        reads nothing): the output's gradient hook runs in that backward's own graph task, also
+        when parameter gradients come from nested ones (reentrant activation checkpointing)."""
+        if self._armed:
+            for leaf in tree_leaves(output):
+                if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+                    leaf.register_hook(self._on_output_grad)
+
+    def _on_output_grad(self, grad: torch.Tensor) -> None:
+        if not self._queued:
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._disarm)
+
     def _on_grad(self, p: nn.Parameter) -> None:
         if not self._armed or not _dense(p.grad):
             return
-        if not self._queued:  # disarm at the end of this backward: a later one outside DDP reads nothing
-            self._queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._disarm)
         g = p.grad
         for consume in self.consumers:
             consume(p, g)

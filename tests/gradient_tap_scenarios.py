@@ -13,6 +13,7 @@ import torch.distributed as dist
 from scenario_runner import main_for
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.checkpoint import checkpoint
 
 from sdc_core import shutdown
 from sdc_core.errors import NonFiniteGradientError
@@ -21,8 +22,21 @@ from sdc_core.gradients import GradientTap, NonFiniteConfig, NonFiniteGradient
 STEPS = 4
 
 
-def model(conv: bool = False) -> nn.Module:
+class Checkpointed(nn.Sequential):
+    """Every layer under reentrant activation checkpointing, the last one included: its
+    parameters' gradients are computed in nested backward passes."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.detach().requires_grad_()  # reentrant checkpointing needs an input that requires grad
+        for layer in self:
+            x = checkpoint(layer, x, use_reentrant=True)
+        return x
+
+
+def model(conv: bool = False, ckpt: bool = False) -> nn.Module:
     torch.manual_seed(0)
+    if ckpt:
+        return Checkpointed(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1))
     if conv:  # channels-last: the convolution's gradient is not contiguous in the default sense
         net = nn.Sequential(nn.Conv2d(2, 4, 3), nn.Tanh(), nn.Flatten(), nn.Linear(16, 1))
         return net.to(memory_format=torch.channels_last)
@@ -51,11 +65,12 @@ def train(
     comm_hook: bool = False,
     conv: bool = False,
     static: bool = False,
+    ckpt: bool = False,
 ) -> dict[str, Any]:
     """``STEPS`` optimizer steps of ``accumulate`` micro-batches; ``nan_at`` = (rank, step,
     micro-batch) puts a NaN into the LOCAL gradient of ``0.weight`` there."""
     rank = dist.get_rank()
-    net = model(conv)
+    net = model(conv, ckpt)
     ddp = DDP(net, gradient_as_bucket_view=bucket_view, bucket_cap_mb=0.0005, static_graph=static)  # several buckets
     inner = None
     if comm_hook:
@@ -133,6 +148,10 @@ SCENARIOS = {
     "tapped_static": lambda o: train(tapped=True, static=True),
     "nan_static_first": lambda o: train(tapped=True, static=True, nan_at=(1, 0, 0)),
     "nan_static": lambda o: train(tapped=True, static=True, nan_at=(0, 2, 0)),
+    # reentrant checkpointing (DDP needs a static graph for it): nested backward passes
+    "plain_ckpt": lambda o: train(tapped=False, static=True, ckpt=True),
+    "tapped_ckpt": lambda o: train(tapped=True, static=True, ckpt=True),
+    "nan_ckpt": lambda o: train(tapped=True, static=True, ckpt=True, nan_at=(1, 1, 0)),
     "plain_conv": lambda o: train(tapped=False, conv=True),
     "tapped_conv": lambda o: train(tapped=True, conv=True),
     "nan_conv": lambda o: train(tapped=True, conv=True, nan_at=(2, 3, 0)),

@@ -48,6 +48,16 @@ def test_static_graph_ddp_trains_identically_and_carries_the_flag(out: Path) -> 
         assert r["error"] == {"step": 2, "rank": 0, "parameters": {"0": ["0.weight"]}}
 
 
+def test_reentrant_checkpointing_is_read_whole_and_named(out: Path) -> None:
+    """Parameter gradients computed in nested backward passes (the last layer's first): every
+    parameter is still read, and the first layer's NaN names its rank, not "all ranks"."""
+    off, on = results(out, "plain_ckpt", WORLD), results(out, "tapped_ckpt", WORLD)
+    assert off[0]["weights"] == on[0]["weights"] and on[0]["error"] is None
+    assert on[0]["recorded"] == [6] * 4
+    for r in results(out, "nan_ckpt", WORLD):
+        assert r["error"] == {"step": 1, "rank": 1, "parameters": {"1": ["0.weight"]}}
+
+
 def test_channels_last_gradients_train_identically_and_carry_the_flag(out: Path) -> None:
     off, on = results(out, "plain_conv", WORLD), results(out, "tapped_conv", WORLD)
     assert off[0]["weights"] == on[0]["weights"] and on[0]["error"] is None
