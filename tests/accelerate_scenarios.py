@@ -51,14 +51,21 @@ def loader() -> DataLoader:
 
 
 def train(acc: Accelerator, name: str, steps: int = 6, faults: list[Fault] = (), save: Path | None = None,
-          load: Path | None = None, **settings: Any) -> dict[str, Any]:  # fmt: skip
+          load: Path | None = None, late: bool = False, **settings: Any) -> dict[str, Any]:  # fmt: skip
+    """``late``: ``SDCHooks`` created after ``prepare`` (which then registers a comm hook itself)."""
     fresh(acc, 5)
     model = Regressor()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        sdc = SDCHooks(acc, **settings)
-        model, opt, data = acc.prepare(model, opt, loader())
+        registered_by_prepare = None
+        if late:
+            model, opt, data = acc.prepare(model, opt, loader())
+            registered_by_prepare = [h.__name__ for h, _ in getattr(model, "_comm_hooks", [])]
+            sdc = SDCHooks(acc, **settings)
+        else:
+            sdc = SDCHooks(acc, **settings)
+            model, opt, data = acc.prepare(model, opt, loader())
         sdc.attach(model, opt)
     injector = FaultInjector(list(faults))
     injector.install(acc.unwrap_model(model), acc.process_index)
@@ -93,6 +100,8 @@ def train(acc: Accelerator, name: str, steps: int = 6, faults: list[Fault] = (),
         "sources": sdc.sources,
         "inactive": [str(w.message) for w in caught if "inactive" in str(w.message)],
         "tap_inner": getattr(getattr(hook, "inner_hook", None), "__name__", None),
+        "registered_by_prepare": registered_by_prepare,
+        "comm_hooks": len(getattr(model, "_comm_hooks", [])),
     }
 
 
@@ -106,6 +115,8 @@ def scenarios(out: Path) -> dict[str, Any]:
         "audit_on": lambda acc: train(acc, "audit_on", replay_every_n_steps=1, fingerprint_every_n_steps=1),
         "nonfinite": lambda acc: train(acc, "nonfinite", replay_every_n_steps=0, faults=[
             Fault("nonfinite_gradient", rank=1, step=2, target="stem.weight")]),
+        "nonfinite_late": lambda acc: train(acc, "nonfinite_late", replay_every_n_steps=0, late=True, faults=[
+            Fault("nonfinite_gradient", rank=2, step=3, target="stem.weight")]),
         "fingerprint": lambda acc: train(acc, "fingerprint", replay_every_n_steps=0, faults=[
             Fault("weight_bit_flip", rank=2, step=3, target="head.weight", index=5, bit=12)]),
         "replay": lambda acc: train(acc, "replay", replay_every_n_steps=1, faults=[

@@ -141,7 +141,7 @@ def launch_b(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (out / "accelerate.yaml").write_text(yaml.safe_dump(config))
     env = worker_env() | {"HF_HOME": str(out / "hf"), "ACCELERATE_USE_CPU": "1"}  # gloo ranks on CPU
     cmd = cli("launch", "--config_file", str(out / "accelerate.yaml"), str(SCRIPT), "--out", str(out),
-              "--fp16-hook", "--only", "settings,clean,nonfinite")  # fmt: skip
+              "--fp16-hook", "--only", "nonfinite_late,settings,clean,nonfinite")  # fmt: skip
     must(run(cmd, env))
     return out
 
@@ -158,6 +158,16 @@ def test_bf16_and_user_comm_hook_compose_without_false_alarm(launch_b: Path) -> 
         assert r["state"]["checks"]["ring_replay"]["runs"] == 3  # the scenario's keyword: every 2 steps
     err = same_error(launch_b, "nonfinite", "NonFiniteGradientError")
     assert err["rank"] == 1
+
+
+def test_hooks_created_after_prepare_keep_the_comm_hook_accelerate_registered(launch_b: Path) -> None:
+    """First scenario of the launch: ``prepare`` registers the fp16 hook itself, ``SDCHooks`` comes
+    after it, keeps that hook and still names the rank."""
+    for r in results(launch_b, "nonfinite_late", 3):
+        assert r["registered_by_prepare"] == ["fp16_compress_hook"]  # Accelerate registered it
+        assert r["tap_inner"] == "fp16_compress_hook" and r["comm_hooks"] == 1  # kept, not registered twice
+    err = same_error(launch_b, "nonfinite_late", "NonFiniteGradientError")
+    assert err["rank"] == 2 and err["step"] == 3
 
 
 def test_plain_accelerate_launch_rejects_the_sdc_section_but_unchanged_config_works(tmp_path: Path) -> None:
