@@ -41,17 +41,17 @@ verdict is read depends on ``on_failure``:
 * Single process (no DDP): ``.grad`` is checked before the optimizer step, one host read.
 
 A rank with non-finite local gradients also makes element 0 of that parameter's reduced
-gradient NaN (the flag): those gradients are non-finite anyway, and the verdict drops or stops the step
-under every policy but ``"warn"``. A NaN in element 0 of a reduced gradient with finite local
+gradient NaN (the flag): those gradients are non-finite anyway, and the verdict drops or stops
+the step under every policy but ``"warn"``. A NaN in element 0 of a reduced gradient with finite local
 gradients everywhere (an overflow inside the reduction, e.g. fp16 compression) is not a
 verdict: it is counted as ``sdc/nonfinite_gradient/nonfinite_after_reduce``.
 
 Limits: a fault that leaves gradients finite is invisible here (the ring replay audit sees it).
 A user's communication hook that replaces non-finite values (``nan_to_num``), or whose output at
 a parameter's element 0 does not depend on its input there (low-rank compression such as
-PowerSGD), hides them from the decision. Single
-process: names are read from ``.grad`` at the verdict, so a clipping done before it
-(Accelerate's ``clip_grad_norm_``) names every parameter it contaminated.
+PowerSGD), hides them from the decision. Single process: names are read from ``.grad`` at the
+verdict, so a clipping done before it (Accelerate's ``clip_grad_norm_``) names every parameter it
+contaminated.
 """
 
 from __future__ import annotations
@@ -89,10 +89,10 @@ class GradientTap:
     thread and must not synchronise with the host nor raise. The tap is armed by DDP's forward
     and disarmed at the end of the backward through that forward's output (a callback queued from
     the output's gradient hook), so gradients computed in nested backward passes (reentrant
-    activation checkpointing) are read too, and a backward outside DDP afterwards is not. On CUDA the hook runs with the
-    accumulation's stream current, the stream DDP's own hook on the same accumulation then copies
-    the gradient on, so the flag is written before that copy in stream order (argued from
-    torch's stream semantics; not run here, no GPU).
+    activation checkpointing) are read too, and a backward outside DDP afterwards is not. On CUDA
+    the hook runs with the accumulation's stream current, the stream DDP's own hook on the same
+    accumulation then copies the gradient on, so the flag is written before that copy in stream
+    order (argued from torch's stream semantics; not run here, no GPU).
 
     The tap registers no communication hook: DDP's reduction stays its own C++ all-reduce (it
     fuses the ``1 / world_size`` scaling into its copy), so the tap adds no pass over the
@@ -151,8 +151,7 @@ class GradientTap:
         no host synchronisation), or None without gradients. After a synchronised backward these
         are the REDUCED gradients, identical on every rank (DDP leaves a parameter no rank used
         without gradient on every rank alike)."""
-        heads = [head(p.grad) for p in self.params if _dense(p.grad)]
-        return torch.cat(heads).to(torch.float32) if heads else None
+        return reduced_flags([p.grad for p in self.params if _dense(p.grad)])
 
     def _on_forward(self, module: nn.Module, args: Any) -> None:
         # DDP decides here whether this forward's backward synchronises (not under no_sync); a
@@ -342,17 +341,15 @@ class NonFiniteGradient(NonFiniteVerdicts):
     _pending: _StepFlags | None = None
 
     def attach(self, tap: GradientTap) -> None:
-        """Read each parameter's local gradient (its sum) and fold the flag into it."""
+        """Read each parameter's local gradient (its sum) and fold the flag into it: a writer, so
+        every consumer (the replay's digest) has read the gradient first."""
         self.tap = tap
-        tap.consumers.append(self._consume)
-        tap.writers.append(self._fold)
+        tap.writers.append(self._read_and_fold)
 
-    def _consume(self, p: nn.Parameter, grad: torch.Tensor) -> None:
-        self._local.append((local_sum(grad), p))
-
-    def _fold(self, p: nn.Parameter, grad: torch.Tensor) -> None:
-        """After every consumer has read the gradient: fold its flag into element 0."""
-        fold_flag(grad, self._local[-1][0])
+    def _read_and_fold(self, p: nn.Parameter, grad: torch.Tensor) -> None:
+        total = local_sum(grad)
+        self._local.append((total, p))
+        fold_flag(grad, total)
 
     @property
     def pending_step(self) -> int | None:
@@ -478,11 +475,11 @@ def fold_flag(buffer: torch.Tensor, local: torch.Tensor) -> None:
 
 
 def reduced_flags(reduced: Sequence[torch.Tensor]) -> torch.Tensor | None:
-    """Element 0 of each tensor as one float32 vector (one small copy kernel), or None without
-    tensors."""
+    """Element ``[0, ..., 0]`` of each tensor (``head``) as one float32 vector (one small copy
+    kernel), or None without tensors."""
     if not reduced:
         return None
-    return torch.cat([t.reshape(-1)[:1] for t in reduced]).to(torch.float32)
+    return torch.cat([head(t) for t in reduced]).to(torch.float32)
 
 
 def _minmax(t: torch.Tensor) -> torch.Tensor:
