@@ -59,6 +59,15 @@ class WorkTimer:
 
         return timed
 
+    def wrap_taps(self, taps: list[Any]) -> None:
+        """Count the work of every consumer and writer of these gradient taps (the DDP tap's,
+        inside backward; the FSDP2 taps', inside the reduce-scatter); ``None`` entries are skipped."""
+        for tap in taps:
+            for name in ("consumers", "writers", "output_consumers", "replay_consumers"):
+                hooks = getattr(tap, name, None)
+                if hooks is not None:
+                    hooks[:] = [self.wrap(f) for f in hooks]
+
     def exclude(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         """``fn`` wrapped so that its time is not counted when a wrapped caller calls it (the real
         optimizer step inside a check's step wrapper)."""

@@ -66,11 +66,9 @@ def run(acc: Accelerator, config: str, steps: int, replay_every: int) -> list[di
         sdc.attach(model, opt)
         # the checks' own work: SDCHooks' optimizer-step logic without the real update inside it,
         # and the gradient tap's consumers and writers (inside backward)
-        inner = sdc._step
-        sdc._step = lambda optimizer, original, *a, **k: work.wrap(inner)(optimizer, work.exclude(original), *a, **k)  # type: ignore[method-assign]
-        tap = getattr(model, "_sdc_gradient_tap", None)
-        for hooks in (tap.consumers, tap.writers) if tap is not None else ():
-            hooks[:] = [work.wrap(f) for f in hooks]
+        inner = work.wrap(sdc._step)
+        sdc._step = lambda optimizer, original, *a, **k: inner(optimizer, work.exclude(original), *a, **k)  # type: ignore[method-assign]
+        work.wrap_taps([getattr(model, "_sdc_gradient_tap", None)])
     timed: list[dict[str, float]] = []
     for xb, yb in data:
         t0, c0 = time.perf_counter(), time.process_time()

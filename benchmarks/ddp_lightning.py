@@ -71,11 +71,7 @@ class Probe(L.Callback):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         taps = [getattr(trainer.strategy.model, "_sdc_gradient_tap", None)]  # DDP: one per model
         taps += [tap for cb in trainer.callbacks for tap in getattr(getattr(cb, "_core", None), "taps", [])]  # FSDP2
-        for tap in taps:
-            for name in ("consumers", "writers", "output_consumers", "replay_consumers"):
-                hooks = getattr(tap, name, None)
-                if hooks is not None:
-                    hooks[:] = [self.work.wrap(f) for f in hooks]
+        self.work.wrap_taps(taps)
 
     def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
         self.t0, self.cpu0 = time.perf_counter(), time.process_time()
