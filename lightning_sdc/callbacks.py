@@ -204,7 +204,8 @@ class NonFiniteGradientCheck(_SDCCallback):
     Cost under DDP: one read of the gradients on the device per optimizer step (each local
     gradient's sum, in a per-parameter hook before DDP's reducer copies it; the flag rides in
     element 0 of the gradient) and no collective: NaN/Inf survive the all-reduce, so every rank
-    sees them in the same reduced gradients; ranks and parameters are gathered only then. When the verdict is read:
+    sees them in the same reduced gradients; ranks and parameters are gathered only then. When
+    the verdict is read:
 
     * ``"raise"``, ``"warn"``: one step later, before the next backward (no host synchronisation
       in the step). The error names the step it belongs to; that step's update has happened, the
