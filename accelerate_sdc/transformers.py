@@ -39,10 +39,10 @@ from transformers import Trainer, TrainerCallback
 from transformers.trainer_callback import DefaultFlowCallback, ExportableState
 
 from accelerate_sdc import config
-from accelerate_sdc.hooks import Framework, SDCHooks
+from accelerate_sdc.hooks import AccelerateFramework, SDCHooks
 
 
-class _TrainerFramework(Framework):
+class _TrainerFramework(AccelerateFramework):
     """The Accelerate seam with the Trainer's run folder, logging and checkpoints."""
 
     def __init__(self, trainer: Trainer) -> None:
@@ -185,9 +185,8 @@ class SDCTrainerCallback(TrainerCallback, ExportableState):
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         hooks = self.hooks
         if control.should_save and self._attached and hooks is not None:  # the Trainer saves next
-            if hooks.nonfinite is not None:
-                hooks._resolve_nonfinite()  # no checkpoint after a step whose verdict is unread
-            hooks._check_now()  # nor one of replicas that differ
+            # no checkpoint after a step whose verdict is unread, nor one of replicas that differ
+            hooks.before_save(fingerprint=False)
 
     def state(self) -> dict[str, Any]:
         """What the Trainer writes into ``trainer_state.json`` at each checkpoint."""
