@@ -14,7 +14,8 @@ runs the named scenarios one after the other in one process group; each rank wri
   GradScaler, which skips a lone overflow itself), ``activation`` (a wrong
   output element of one module on rank 2 from step 2: the replay names it), ``flip`` (a bit flip
   in rank 1's weights after step 2: the fingerprint names it), ``update`` (FSDP: a wrong update of
-  rank 1's shard at step 4, named by the update audit).
+  rank 1's shard at step 4, named by the update audit), ``save`` (a clean run, then ``before_save``,
+  a checkpoint written and loaded back, verified by a fresh hook set; a changed weight refused).
 
 With several ranks on one GPU the process group is gloo (NCCL refuses two ranks on a device);
 ``--backend`` overrides. Each result holds the error (``SDCError.to_dict()``), the weights'
@@ -165,7 +166,7 @@ def sdpa_backends(model: str, device: torch.device) -> AbstractContextManager[An
 FAULT_TARGETS = {  # (gradient parameter, module whose output goes wrong, weight to flip)
     "embedding": ("head.weight", "head", "emb.weight"),
     "attention": ("qkv.weight", "proj", "qkv.weight"),
-    "conv": ("conv.weight", "head", "conv.weight"),
+    "conv": ("conv.weight", "head", "head.weight"),  # a channels-last conv weight is not contiguous
 }
 
 
@@ -219,6 +220,7 @@ def train(name: str, out: Path, device: torch.device) -> dict[str, Any]:
     injector = FaultInjector(faults(model_name, kind) if not sharded or kind == "activation" else [])
     injector.install(net, rank)
     error = None
+    saved: dict[str, Any] | None = None
     try:
         for step, (x, y) in enumerate(batches(model_name, device, rank)):
             injector.set_step(step)
@@ -239,6 +241,8 @@ def train(name: str, out: Path, device: torch.device) -> dict[str, Any]:
                 flip_bit(local(net.body.weight), 5, 22)  # at rest, after the update
         if hooks is not None:
             hooks.finish()
+        if kind == "save":
+            saved = save_and_load(net, wrapped, optimizer, hooks, out / "saved.pt")
     except SDCError as err:
         error = err.to_dict()
     params = [local(t).detach() for t in (*net.parameters(), *net.buffers())]
@@ -253,11 +257,39 @@ def train(name: str, out: Path, device: torch.device) -> dict[str, Any]:
         "incidents": incidents,
         "fired": injector.fired,
         "device": str(device),
+        "saved": saved,
     }
     if hooks is not None:
         hooks.detach()
     injector.remove()
     return result
+
+
+def save_and_load(net: nn.Module, wrapped: nn.Module, optimizer: Any, hooks: Any, path: Path) -> dict[str, Any]:
+    """``before_save`` compares the replicas and fingerprints the state; the file round-trips; a
+    fresh hook set verifies what is loaded (and refuses it, on every rank, once a weight changed)."""
+    hooks.before_save()
+    if dist.get_rank() == 0:
+        torch.save({"model": net.state_dict(), "optimizer": optimizer.state_dict(), "sdc": hooks.state_dict()}, path)
+    dist.barrier()
+    state = torch.load(path, weights_only=True)
+    fresh = SDCHooks(replay_every_n_steps=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fresh.attach(wrapped, optimizer)
+    net.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    fresh.load_state_dict(state["sdc"])  # verified: no error
+    restored = fresh.step
+    with torch.no_grad():
+        net.head.weight.view(-1)[0] += 1.0  # the loaded weights no longer match what was saved
+    refused = None
+    try:
+        fresh.load_state_dict(state["sdc"])
+    except SDCError as err:
+        refused = err.to_dict()
+    fresh.detach()
+    return {"restored_step": restored, "refused": refused}
 
 
 def main() -> None:

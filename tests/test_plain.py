@@ -49,13 +49,15 @@ def check_models(out: Path, models: list[str], world: int, exact: set[str]) -> N
         assert state["ring_replay"]["runs"] >= 3 and state["weight_fingerprint"]["failures"] == 0, (model, state)
         for kind, (error_type, rank) in EXPECTED.items():
             err = same_error(out, f"{model}:{kind}", world)
-            assert (err["type"], err["rank"]) == (error_type, rank), f"{model}:{kind}: {err['message']}"
+            # with a GradScaler a lone NaN is the scaler's overflow; on an audited step the replay names it first
+            allowed = {error_type, "ReplayMismatchError"} if (model, kind) == ("fp16", "nan") else {error_type}
+            assert err["type"] in allowed and err["rank"] == rank, f"{model}:{kind}: {err['message']}"
             assert results(out, f"{model}:{kind}", world)[0]["incidents"], f"{model}:{kind}: no incident written"
 
 
 @pytest.fixture(scope="module")
 def ddp(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return launch(tmp_path_factory.mktemp("plain_ddp"), [f"mlp:{k}" for k in KINDS], 3)
+    return launch(tmp_path_factory.mktemp("plain_ddp"), [f"mlp:{k}" for k in (*KINDS, "save")], 3)
 
 
 def test_plain_torchrun_ddp_loop_names_the_faulty_rank_with_every_check(ddp: Path) -> None:
@@ -71,6 +73,14 @@ def test_plain_loop_logs_through_the_callable_and_carries_counters(ddp: Path) ->
     step, metrics = clean[0]["metrics"]
     assert step == 6 and metrics["sdc/nonfinite_gradient/runs"] == 6.0 and metrics["sdc/ring_replay/runs"] == 3.0
     assert clean[0]["state"]["step"] == 6 and clean[0]["state"]["updates"] == 6
+
+
+def test_plain_before_save_fingerprints_the_checkpoint_and_load_verifies_it(ddp: Path) -> None:
+    rows = results(ddp, "mlp:save", 3)
+    assert all(r["error"] is None and r["saved"]["restored_step"] == 6 for r in rows), rows[0]
+    refused = [r["saved"]["refused"] for r in rows]
+    assert all(e is not None and e["type"] == "FingerprintMismatchError" for e in refused), refused
+    assert "head.weight" in refused[0]["message"]
 
 
 @pytest.fixture(scope="module")
