@@ -18,7 +18,9 @@ to the gradient tap. Cost: that of the core hook set.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from accelerate.utils import DDPCommunicationHookType, send_to_device
@@ -27,6 +29,10 @@ from torch import nn
 from accelerate_sdc import config
 from sdc_core.hooks import LOOP_ADVICE, Framework, LossFn
 from sdc_core.hooks import SDCHooks as _CoreHooks
+from sdc_core.safeio import atomic_write_text
+
+STATE_FILE = "sdc_state.json"  # the hook set's counters in a save_state folder
+MAX_STATE_BYTES = 64 << 20
 
 ACCELERATE_ADVICE = LOOP_ADVICE
 __all__ = ["ACCELERATE_ADVICE", "AccelerateFramework", "Framework", "LossFn", "SDCHooks"]
@@ -38,6 +44,9 @@ class AccelerateFramework(Framework):
     def __init__(self, accelerator: Any) -> None:
         super().__init__()
         self.accelerator = accelerator
+        self._stateful: Any = None  # the hook set whose counters travel with save_state/load_state
+        self._write_handle: Any = None
+        self._loaded: dict[str, Any] | None = None
 
     @property
     def num_processes(self) -> int:
@@ -97,10 +106,54 @@ class AccelerateFramework(Framework):
                 writer.flush()
 
     def register_for_checkpointing(self, obj: Any) -> None:
-        self.accelerator.register_for_checkpointing(obj)
+        """``save_state`` writes ``obj.state_dict()`` to ``sdc_state.json`` (main process, atomically,
+        after the pre-save hooks ran); ``load_state`` reads it back and calls ``obj.load_state_dict``
+        after Accelerate loaded everything else. No pickle is written or read."""
+        self._stateful = obj
+        acc = self.accelerator
+        self._write_handle = acc.register_save_state_pre_hook(self._write_state)
+        acc.register_load_state_pre_hook(self._read_state)
+        if "load_state" not in vars(acc):  # once per accelerator: load_state then restores the counters
+            original = acc.load_state
+
+            def load_state(*args: Any, **kwargs: Any) -> Any:
+                out = original(*args, **kwargs)
+                frameworks = getattr(acc, "_sdc_frameworks", [])
+                for fw in list(frameworks):
+                    fw._restore()
+                return out
+
+            acc.load_state = load_state
+            acc._sdc_frameworks = []
+        acc._sdc_frameworks.append(self)
+
+    def _write_state(self, models: Any, weights: Any, output_dir: str) -> None:
+        if self._stateful is not None and self._stateful.owns(models) and self.accelerator.is_main_process:
+            atomic_write_text(Path(output_dir) / STATE_FILE, json.dumps(self._stateful.state_dict(), allow_nan=False))
+
+    def _read_state(self, models: Any, input_dir: str) -> None:
+        path = Path(input_dir) / STATE_FILE
+        self._loaded = None
+        if self._stateful is None or not self._stateful.owns(models) or not path.is_file():
+            return  # a folder saved without the hook set (or by a release that pickled it): counters start anew
+        if path.stat().st_size > MAX_STATE_BYTES:
+            raise ValueError(f"{path} is larger than {MAX_STATE_BYTES} bytes: not an SDC state file")
+        try:
+            self._loaded = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, ValueError) as err:
+            raise ValueError(f"corrupted SDC state file {path}: {err}") from None
+
+    def _restore(self) -> None:
+        loaded, self._loaded = self._loaded, None
+        if loaded is not None and self._stateful is not None:
+            self._stateful.load_state_dict(loaded)
 
     def before_checkpoint(self, fn: Callable[..., None]) -> Any:
-        return self.accelerator.register_save_state_pre_hook(fn)
+        handle = self.accelerator.register_save_state_pre_hook(fn)
+        if self._write_handle is not None:  # the state file is written after this hook (the fingerprint)
+            self._write_handle.remove()
+            self._write_handle = self.accelerator.register_save_state_pre_hook(self._write_state)
+        return handle
 
     def take_comm_hook(self) -> tuple[Any, Any]:
         """Take the hook ``DistributedDataParallelKwargs(comm_hook=...)`` would register, so the

@@ -226,7 +226,28 @@ class SDCHooks(_HookSet):
                 f"{type(strategy).__name__} (FSDP, DeepSpeed and model-parallel strategies are not supported)"
             )
         super().attach(model, optimizer, loss_fn)
+        if "clip_gradients" not in vars(self.fabric):  # once per Fabric
+            self._wrap_clip_gradients()
         return self
+
+    def _wrap_clip_gradients(self) -> None:
+        """``fabric.clip_gradients`` raises a plain ``RuntimeError`` on NaN/Inf gradients
+        (``error_if_nonfinite=True``, its default) before ``optimizer.step`` could read the
+        verdict; then this step's non-finite verdict is read at once, so the error that leaves is
+        the ``NonFiniteGradientError`` naming the rank, on every process (all see the same reduced
+        gradients, so all raise)."""
+        fabric, original = self.fabric, self.fabric.clip_gradients
+        hooks = self
+
+        def clip_gradients(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return original(*args, **kwargs)
+            except RuntimeError:
+                if hooks.module is not None:
+                    hooks.check_gradients_now()  # raises the SDC verdict when the gradients are non-finite
+                raise
+
+        fabric.clip_gradients = clip_gradients  # type: ignore[method-assign]
 
     def _before_save(self, models: list[Any], weights: Any, output_dir: Any) -> None:
         """Before ``fabric.save``: compare the replicas (raising on a mismatch). No fingerprint

@@ -258,6 +258,8 @@ class SDCHooks:
         self._handles: list[Any] = []
         self._consumers: list[tuple[list[Any], Any]] = []  # (tap list, consumer) pairs to remove on detach
         self._log_due: int | None = None  # step of the periodic point not written yet
+        self._checked: int | None = None  # the step check_gradients_now decided
+        self._checked_skip = False
         self._logged_step: int | None = None
         self._fw.register_for_checkpointing(self)
 
@@ -563,7 +565,9 @@ class SDCHooks:
         module, step = self._module, self.step
         scaler = fw.scaler is not None
         skipped = False
-        if nonfinite is not None:  # read now when the replay audits this step: it must not act first
+        if self._checked == step:  # check_gradients_now took this step's verdict already
+            skipped = self._checked_skip
+        elif nonfinite is not None:  # read now when the replay audits this step: it must not act first
             now = replay is not None and replay.armed
             skipped = self._verdict(
                 nonfinite,
@@ -628,6 +632,26 @@ class SDCHooks:
             self.log(force=True)
             if self._fw.num_processes > 1:  # the script may now free the model and the process group
                 shutdown.settle_threads()
+
+    def check_gradients_now(self) -> None:
+        """Read this step's non-finite verdict now, before anything that raises on NaN gradients
+        (a clipping with ``error_if_nonfinite=True``, a norm you check yourself): raises the
+        ``NonFiniteGradientError`` naming the rank on every process, as ``optimizer.step`` would
+        have. Call it on every process, after backward. Cost: one host wait; nothing on a finite
+        step beyond that (the step's own verdict is then read as usual)."""
+        nonfinite, module = self.nonfinite, self._module
+        if nonfinite is None or module is None or not self._fw.sync_gradients:
+            return
+        if self._checked == self.step:
+            return
+        self._resolve_nonfinite()  # the previous step's, first
+        scaler = self._fw.scaler is not None
+        self._checked = self.step  # the step's evidence is taken once: optimizer.step will not take it again
+        self._checked_skip = bool(self._verdict(
+            nonfinite,
+            lambda: nonfinite.verdict(self.step, module.named_parameters(), scaler_active=scaler, now=True),
+            nonfinite.config.on_failure,
+        ))
 
     def before_save(self, fingerprint: bool = True) -> None:
         """Call on every process before writing a checkpoint: reads the pending non-finite
@@ -701,10 +725,17 @@ class SDCHooks:
 
     # -- checkpoints ---------------------------------------------------------------------------
 
+    def owns(self, models: list[Any]) -> bool:
+        """True when this hook set is attached to one of ``models`` (wrapped or not), or to none yet:
+        a framework's save or load of those models concerns it."""
+        if self._model is None and self._module is None:
+            return True
+        return any(m is self._model or self._fw.unwrap(m) is self._module for m in models)
+
     def _before_save(self, models: list[Any], weights: Any, output_dir: Any) -> None:
         """The framework's pre-save hook (every process, before any file is written): what
         ``before_save()`` does, unless this hook set's model is not among the saved ``models``."""
-        if not any(m is self._model or self._fw.unwrap(m) is self._module for m in models):
+        if self._module is None or not self.owns(models):
             self._checkpoint_fingerprint = None
             if self.nonfinite is not None:  # no checkpoint after a step whose verdict is unread
                 self._resolve_nonfinite()
