@@ -74,23 +74,27 @@ Row = tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]
 def _assemble(names: Sequence[str], rows: dict[str, Row], loss: torch.Tensor | float) -> Digest:
     """A ``Digest`` in ``names`` order; a parameter without a row (no gradient) counts as zeros.
 
-    Cost: the rows are packed on their device into one float64 vector (fingerprints bit-cast)
-    and read with ONE device-to-host copy, whatever the number of parameters."""
+    Cost: the rows are packed on one device (an accelerator's when any row is there) into one
+    float64 vector (fingerprints bit-cast) and read with ONE blocking device-to-host copy,
+    whatever the number of parameters. A row on another device is moved with a blocking copy
+    (never ``non_blocking=True``: a host copy made that way reads stale bytes until the stream
+    has run, which once gave a false verdict on a GPU)."""
     loss_t = loss if isinstance(loss, torch.Tensor) else torch.tensor(float(loss), dtype=torch.float64)
-    first = next((r for r in rows.values() if r is not None), None)
-    device = first[0].device if first is not None else loss_t.device
+    present = [r for r in rows.values() if r is not None]
+    device = next((r[0].device for r in present if r[0].device.type != "cpu"), None)
+    device = device or (present[0][0].device if present else loss_t.device)
     zero = torch.zeros((), dtype=torch.float64, device=device)
     zero_fp = torch.zeros((), dtype=torch.int64, device=device)
     picked = [rows.get(n) for n in names]
 
     def col(i: int, z: torch.Tensor) -> list[torch.Tensor]:
-        return [r[i].to(device, non_blocking=True) if r else z for r in picked]
+        return [_on(r[i], device) if r else z for r in picked]
 
-    parts = [loss_t.detach().reshape(1).to(device=device, dtype=torch.float64)]
+    parts = [_on(loss_t.detach().reshape(1).to(torch.float64), device)]
     if picked:
         fps = torch.stack(col(2, zero_fp)).view(torch.float64)  # bit-cast: travels unchanged
         parts += [torch.stack(col(0, zero)), torch.stack(col(1, zero)), fps]
-    packed = torch.cat(parts).cpu()  # the one device-to-host transfer
+    packed = torch.cat(parts).cpu()  # the one device-to-host transfer (blocking)
     p = len(picked)
     return Digest(
         loss=float(packed[0]),
@@ -99,6 +103,11 @@ def _assemble(names: Sequence[str], rows: dict[str, Row], loss: torch.Tensor | f
         fps=packed[1 + 2 * p : 1 + 3 * p].clone().view(torch.int64),
         numels=torch.tensor([r[3] if r else 0 for r in picked], dtype=torch.float64),
     )
+
+
+def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device``: itself when already there, else a blocking copy (safe to read at once)."""
+    return t if t.device == device else t.to(device, non_blocking=False)
 
 
 def grad_digest(names: Sequence[str], grads: dict[str, torch.Tensor], loss: torch.Tensor | float) -> Digest:
