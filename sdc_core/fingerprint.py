@@ -77,7 +77,7 @@ from torch import nn
 
 from sdc_core.errors import FingerprintMismatchError
 from sdc_core.stats import CheckStats
-from sdc_core.topology import Topology, all_gather_tensor, collective_device, is_distributed
+from sdc_core.topology import HostRead, Topology, all_gather_tensor, collective_device, is_distributed
 
 DIGEST_VERSION = 2
 _ROWS = 16  # at most this many words per class (more only past _MAX_CLASSES classes)
@@ -206,7 +206,16 @@ def tensor_digests(tensors: Sequence[torch.Tensor], device: torch.device | None 
 
 
 def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    return t if t.device == device else t.to(device, non_blocking=True)
+    """``t`` on ``device``. Blocking: a device-to-host copy made with ``non_blocking=True`` and read
+    at once (a ``stack``, a gloo collective) reads stale bytes. The checks keep digests on their
+    tensors' device (``collective_device(device)``), so a copy to the host is the exception."""
+    return t if t.device == device else t.to(device)
+
+
+def home_device(tensors: Iterable[torch.Tensor]) -> torch.device:
+    """Where the digests of ``tensors`` are combined: the first non-CPU device among them (copies
+    from the host to it are safe to read at once), else the host."""
+    return next((t.device for t in tensors if t.device.type != "cpu"), torch.device("cpu"))
 
 
 SMALL_TENSOR = 1 << 12  # elements: tensors below this are digested in groups
@@ -450,7 +459,7 @@ class _Pending:
     module: nn.Module
     optimizers: list[torch.optim.Optimizer]
     names: list[str]
-    reduced: torch.Tensor
+    reduced: HostRead
     work: object | None
 
 
@@ -482,12 +491,15 @@ class WeightFingerprint:
         self.resolve()
         t0 = time.perf_counter()
         named = fingerprinted_tensors(module, optimizers, self.config)
-        device = collective_device()
-        digests, per_tensor = grouped_digests([t for _, t in named], device=device)
+        tensors = [t for _, t in named]
+        device = collective_device(home_device(tensors))  # the tensors' own device when the backend serves it
+        digests, per_tensor = grouped_digests(tensors, device=device)
         fp = combine(digests)
         reduced = torch.stack([fp, torch.bitwise_not(fp)])
         work = torch.distributed.all_reduce(reduced, op=torch.distributed.ReduceOp.MAX, async_op=True)
-        self._pending = _Pending(step, per_tensor, module, list(optimizers), [n for n, _ in named], reduced, work)
+        self._pending = _Pending(
+            step, per_tensor, module, list(optimizers), [n for n, _ in named], HostRead(reduced, work), work
+        )
         self.stats.add_time(time.perf_counter() - t0)
 
     def resolve(self) -> None:
@@ -496,8 +508,7 @@ class WeightFingerprint:
         if pending is None:
             return
         t0 = time.perf_counter()
-        pending.work.wait()  # type: ignore[union-attr]
-        hi, not_lo = pending.reduced.tolist()
+        hi, not_lo = pending.reduced.get().tolist()  # waits for this all-reduce only, not the stream
         self.stats.runs += 1
         if hi == ~not_lo:
             self.stats.last_verified_step = pending.step

@@ -69,7 +69,7 @@ from torch.utils._pytree import tree_leaves
 from sdc_core.errors import NonFiniteGradientError
 from sdc_core.fingerprint import flatten, group_small
 from sdc_core.stats import CheckStats
-from sdc_core.topology import Topology, all_gather_objects, is_distributed
+from sdc_core.topology import HostRead, Topology, all_gather_objects, is_distributed
 
 GradConsumer = Callable[[nn.Parameter, torch.Tensor], None]
 _ON_FAILURE = ("raise", "skip_step", "warn", "rollback")
@@ -236,6 +236,15 @@ class _StepFlags:
     reduced: torch.Tensor | None
     local: list[tuple[torch.Tensor, nn.Parameter]]
     scaler_active: bool = False
+    bad: HostRead | None = None  # "some reduced element 0 is non-finite", on its way to the host
+
+    def __post_init__(self) -> None:
+        if self.reduced is not None and self.bad is None:
+            self.bad = HostRead(~torch.isfinite(self.reduced).all())
+
+    def nonfinite(self) -> bool:
+        """The host read of the flag: waits for the event recorded when it was made, not the stream."""
+        return self.bad is not None and bool(self.bad.get())
 
 
 @dataclass
@@ -397,7 +406,7 @@ class NonFiniteGradient(NonFiniteVerdicts):
         that step, or None."""
         flags, self._pending = self._pending, None
         self._local = []
-        if flags is None or flags.reduced is None or bool(torch.isfinite(flags.reduced).all()):
+        if flags is None or not flags.nonfinite():
             return None
         warnings.warn(
             f"SDC check 'nonfinite_gradient': the gradients of step {flags.step} were non-finite after the "
@@ -410,8 +419,7 @@ class NonFiniteGradient(NonFiniteVerdicts):
     def _decide(self, flags: _StepFlags, t0: float, params: list[tuple[str, nn.Parameter]] | None = None) -> bool:
         """The verdict of ``flags.step`` from the reduced gradients (identical on every rank)."""
         self.stats.runs += 1
-        bad = flags.reduced is not None and not bool(torch.isfinite(flags.reduced).all())  # the host read
-        if not bad:
+        if not flags.nonfinite():  # the host read
             return self._clean(flags.step, t0)
         # Rare path, entered by every rank together: gather the local flags to name ranks and parameters.
         per_rank = all_gather_objects(self._local_names(flags.local))
@@ -438,7 +446,8 @@ class NonFiniteGradient(NonFiniteVerdicts):
         if not local:
             return None
         lookup = self.tap.names if self.tap is not None else {}
-        finite = torch.isfinite(torch.stack([total.float() for total, _ in local])).tolist()
+        home = local[0][0].device  # blocking copies (rare path): read at once, so never non_blocking
+        finite = torch.isfinite(torch.stack([total.float().to(home) for total, _ in local])).tolist()
         names = list(dict.fromkeys(lookup.get(id(p), "?") for (_, p), ok in zip(local, finite, strict=True) if not ok))
         return names[: self.config.max_names] if names else None
 
