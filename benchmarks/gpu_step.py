@@ -102,7 +102,8 @@ class Trainer:
         d, layers, heads, vocab = spec
         torch.manual_seed(0)
         self.device = device
-        model = GPT(d, layers, heads, vocab, seq).to(device)
+        with torch.device(device):  # built on the device: no host copy of a 1.4B model
+            model = GPT(d, layers, heads, vocab, seq)
         self.ddp = nn.parallel.DistributedDataParallel(
             model, device_ids=[device.index] if device.type == "cuda" else None
         )
