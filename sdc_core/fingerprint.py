@@ -75,9 +75,10 @@ from datetime import timedelta
 import torch
 from torch import nn
 
+from sdc_core import _triton_digest
 from sdc_core.errors import FingerprintMismatchError
 from sdc_core.stats import CheckStats
-from sdc_core.topology import Topology, all_gather_tensor, collective_device, is_distributed
+from sdc_core.topology import HostRead, Topology, all_gather_tensor, collective_device, is_distributed
 
 DIGEST_VERSION = 2
 _ROWS = 16  # at most this many words per class (more only past _MAX_CLASSES classes)
@@ -87,6 +88,7 @@ _MASK64 = (1 << 64) - 1
 _COUNT_WEIGHT = 0x9E3779B97F4A7C15  # odd: the tensor count enters the fingerprint
 _SEEDS = (0x5DC0DE0F1A9E12, 0x5DC0DE0F1A9E13, 0x5DC0DE0F1A9E14, 0x5DC0DE0F1A9E15)  # A, B; fingerprint A, B
 _weight_cache: dict[tuple[torch.device, int], torch.Tensor] = {}
+_triton = _triton_digest if _triton_digest.triton is not None else None
 
 
 def _signed(v: int) -> int:
@@ -206,10 +208,20 @@ def tensor_digests(tensors: Sequence[torch.Tensor], device: torch.device | None 
 
 
 def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    return t if t.device == device else t.to(device, non_blocking=True)
+    """``t`` on ``device``. Blocking: a device-to-host copy made with ``non_blocking=True`` and read
+    at once (a ``stack``, a gloo collective) reads stale bytes. The checks keep digests on their
+    tensors' device (``collective_device(device)``), so a copy to the host is the exception."""
+    return t if t.device == device else t.to(device)
 
 
-SMALL_TENSOR = 1 << 12  # elements: tensors below this are digested in groups
+def home_device(tensors: Iterable[torch.Tensor]) -> torch.device:
+    """Where the digests of ``tensors`` are combined: the first non-CPU device among them (copies
+    from the host to it are safe to read at once), else the host."""
+    return next((t.device for t in tensors if t.device.type != "cpu"), torch.device("cpu"))
+
+
+SMALL_TENSOR = 1 << 12  # elements: ``group_small`` (the non-finite check's host path) groups smaller tensors
+_SMALL_WORDS = 2 * _MIN_COLUMNS  # words: smaller tensors are one row (their class sums are their words)
 
 
 def flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -290,57 +302,97 @@ def _inverse(order: tuple[int, ...], device: torch.device) -> torch.Tensor:
     return _perm_cache[key]
 
 
+def class_shape(n: int) -> tuple[int, int, int]:
+    """(words, rows, cols) of the class layout of ``n`` words (``class_parts``; one row: cols = n)."""
+    rows = max(1, min(_ROWS, n // _MIN_COLUMNS), -(-n // _MAX_CLASSES))
+    if rows == 1:
+        return n, 1, n
+    cols = n // rows
+    return n, rows, cols - (1 - cols % 2)
+
+
+def _word_view(t: torch.Tensor) -> torch.Tensor | None:
+    """``t``'s bytes as int64 words without a copy, or None (non-contiguous, misaligned, or a
+    size that is not a multiple of 8 bytes)."""
+    if not t.is_contiguous() or t.dtype == torch.bool or (t.numel() * t.element_size()) % 8 or t.data_ptr() % 8:
+        return None
+    try:
+        return t.view(-1).view(torch.int64)
+    except RuntimeError:
+        return None
+
+
+def _kernel_digests(tensors: Sequence[torch.Tensor]) -> tuple[list[int], torch.Tensor | None]:
+    """Indices of the tensors digested by the multi-tensor CUDA kernel (one launch per device) and
+    their digests in that order (None when none qualifies)."""
+    if _triton is None:
+        return [], None
+    by_device: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
+    for i, t in enumerate(tensors):
+        if _triton.available(t):
+            w = _word_view(t)
+            if w is not None:
+                by_device.setdefault(t.device, []).append((i, w))
+    if not by_device:
+        return [], None
+    order: list[int] = []
+    pieces = []
+    for members in by_device.values():
+        views = [w for _, w in members]
+        pieces.append(_triton.digests(views, tuple(class_shape(w.numel()) for w in views), _SEEDS[:2]))
+        order += [i for i, _ in members]
+    home = pieces[0].device
+    return order, pieces[0] if len(pieces) == 1 else torch.cat([_on(p, home) for p in pieces])
+
+
 def grouped_digests(
     tensors: Sequence[torch.Tensor], device: torch.device | None = None
 ) -> tuple[torch.Tensor, Callable[[], torch.Tensor]]:
-    """Digests for the fast path, and a function giving the per-tensor digests later.
+    """The per-tensor digests (``tensor_digest`` of each tensor, in order, as one int64 vector on
+    ``device``, default ``home_device(tensors)``), computed with few kernel launches, and a
+    function returning them again (kept for callers that name tensors on a mismatch).
 
-    Large tensors are digested one by one. Small ones (under ``SMALL_TENSOR`` elements) are
-    copied, per dtype and device, into one buffer (one ``cat`` kernel instead of a reduction per
-    tensor: per-kernel overhead, not bandwidth, limits many small tensors) that is digested as a
-    whole and kept, so ``per_tensor()`` can name the tensors on a mismatch without touching the
-    weights again. Each returned digest is ``tensor_digest`` of its unit (a tensor, or a buffer).
-    Memory: a copy of the small tensors; weights of the batched units (``mix_units``).
+    On CUDA (with Triton) every contiguous tensor goes through one multi-tensor kernel launch per
+    device (``_triton_digest``: every byte read once; the launches do not grow with the number
+    of tensors). Elsewhere (the CPU, and non-contiguous or odd-sized tensors) tensors of at least
+    ``_SMALL_WORDS`` words are reduced one by one (a reduction each: on the CPU that is bandwidth,
+    not overhead) and their weighting batched (``mix_units``); smaller ones are concatenated per
+    device into one buffer (one ``cat`` kernel: their class sums are their words) and weighted
+    in one pass with each tensor's own weights (``_layout``). The values do not depend on the
+    path, so every device type gives the same digests and the same fingerprint.
+    Memory: a copy of the small tensors on the host path; cached weights (``mix_units``).
     """
     if not tensors:
         empty = torch.zeros(0, dtype=torch.int64, device=device)
         return empty, lambda: empty
-    device = device or tensors[0].device
-    large, groups = group_small(tensors)
-    slots = [-1] * len(tensors)  # per tensor: its unit's index, or -1 when it sits in a group buffer
+    device = device or home_device(tensors)
     with torch.no_grad():
-        sums = [class_parts(words(tensors[i])) for i in large]
-    for unit, i in enumerate(large):
-        slots[i] = unit
-    buffers: list[torch.Tensor] = []
-    places: dict[int, tuple[int, int, int]] = {}
-    for (dtype, dev), members in groups.items():
-        parts = [tensors[i] for i in members]
-        start = 0
-        for i, part in zip(members, parts, strict=True):
-            places[i] = (len(buffers), start, part.numel())
-            start += part.numel()
-        size = torch.empty((), dtype=dtype).element_size()
-        pad = (-start * size) % 8 // size
-        if pad:
-            parts.append(torch.zeros(pad, dtype=dtype, device=dev))
-        buffers.append(flatten(parts))
-        with torch.no_grad():
-            sums.append(class_parts(words(buffers[-1])))
-    with torch.no_grad():
-        digests = mix_units(sums, device)
-
-    def per_tensor() -> torch.Tensor:
-        out = []
-        for i, slot in enumerate(slots):
-            if slot >= 0:
-                out.append(digests[slot])
+        order, fast = _kernel_digests(tensors)
+        pieces = [_on(fast, device)] if fast is not None else []
+        taken = set(order)
+        singles: list[int] = []
+        small: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
+        for i, t in enumerate(tensors):
+            if i in taken:
+                continue
+            w = _word_view(t)
+            if w is not None and 0 < w.numel() < _SMALL_WORDS:
+                small.setdefault(t.device, []).append((i, w))
             else:
-                b, start, n = places[i]
-                out.append(_on(tensor_digest(buffers[b][start : start + n]), device))
-        return torch.stack(out)
-
-    return digests, per_tensor
+                singles.append(i)
+        if singles:
+            pieces.append(mix_units([class_parts(words(tensors[i])) for i in singles], device))
+            order += singles
+        for dev, members in small.items():
+            wa, wb, ends = _layout(dev, tuple(w.numel() for _, w in members))
+            values = torch.cat([w for _, w in members])
+            running = (values * wa + (values >> 32) * wb).cumsum(0)[ends]  # exact, wrapping: a deterministic scan
+            pieces.append(_on(running - torch.cat([running.new_zeros(1), running[:-1]]), device))
+            order += [i for i, _ in members]
+        digests = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+        if order != sorted(order):
+            digests = digests[_inverse(tuple(order), device)]
+    return digests, lambda: digests
 
 
 def combine(digests: torch.Tensor) -> torch.Tensor:
@@ -450,7 +502,7 @@ class _Pending:
     module: nn.Module
     optimizers: list[torch.optim.Optimizer]
     names: list[str]
-    reduced: torch.Tensor
+    reduced: HostRead
     work: object | None
 
 
@@ -482,12 +534,15 @@ class WeightFingerprint:
         self.resolve()
         t0 = time.perf_counter()
         named = fingerprinted_tensors(module, optimizers, self.config)
-        device = collective_device()
-        digests, per_tensor = grouped_digests([t for _, t in named], device=device)
+        tensors = [t for _, t in named]
+        device = collective_device(home_device(tensors))  # the tensors' own device when the backend serves it
+        digests, per_tensor = grouped_digests(tensors, device=device)
         fp = combine(digests)
         reduced = torch.stack([fp, torch.bitwise_not(fp)])
         work = torch.distributed.all_reduce(reduced, op=torch.distributed.ReduceOp.MAX, async_op=True)
-        self._pending = _Pending(step, per_tensor, module, list(optimizers), [n for n, _ in named], reduced, work)
+        self._pending = _Pending(
+            step, per_tensor, module, list(optimizers), [n for n, _ in named], HostRead(reduced, work), work
+        )
         self.stats.add_time(time.perf_counter() - t0)
 
     def resolve(self) -> None:
@@ -496,8 +551,7 @@ class WeightFingerprint:
         if pending is None:
             return
         t0 = time.perf_counter()
-        pending.work.wait()  # type: ignore[union-attr]
-        hi, not_lo = pending.reduced.tolist()
+        hi, not_lo = pending.reduced.get().tolist()  # waits for this all-reduce only, not the stream
         self.stats.runs += 1
         if hi == ~not_lo:
             self.stats.last_verified_step = pending.step

@@ -9,26 +9,28 @@ How (DDP): the ``GradientTap`` hooks each trainable parameter's gradient accumul
 torch runs before DDP's reducer copies the gradient into its all-reduce bucket. On the step's
 sync backward the check reads each LOCAL gradient once: its sum ``s`` (NaN and Inf survive a
 sum, and ``Inf - Inf`` is NaN, so ``s`` is non-finite when the gradient holds NaN or Inf; also
-when the sum of finite values overflows the float range, values near the float maximum: diverged
-or an exponent bit flipped), kept on the device for the names. It then folds that evidence into
-the data the all-reduce carries anyway: element 0 of the gradient becomes ``x - (s - s)``. When
-``s`` is finite that subtracts +0.0, the exact identity for every float (``-0.0`` included):
-training numerics are bit-identical with the check on and off. When it is not, element 0 becomes
-NaN, and NaN survives the sum, so element 0 of the REDUCED gradient, identical on every rank, is
-NaN exactly when some rank's local gradient of that parameter was non-finite. Every rank decides
-from those elements (one per parameter), with no extra communication. Only then (the rare path)
-does every rank gather the local flags to name the ranks and parameters (one rank: the SDC
-signature; all ranks: ordinary divergence). Names come from the local sums, so gradient clipping
-or anything else that touches ``.grad`` after the all-reduce cannot change them. Under gradient
-accumulation the hook runs on the sync micro-batch, whose ``.grad`` is the sum of the
-micro-batches' gradients, so a NaN in any micro-batch is seen.
+when the sum of finite values overflows the float range), kept on the device for the names.
+The verdict needs no flag of its own: NaN and Inf survive the all-reduce (NaN + x is NaN, Inf +
+finite is Inf, Inf - Inf is NaN), so the REDUCED gradients, identical on every rank, hold a
+non-finite value exactly when some rank's local gradient did (or the reduction itself
+overflowed). After backward every rank reads its reduced gradients with one multi-tensor
+largest-magnitude pass per dtype (``any_nonfinite_multi``), with no extra communication, and
+nothing is written into the gradients: training numerics are bit-identical with the check on
+and off. Only then (the rare path) does every rank gather the local flags to name the ranks and
+parameters (one rank: the SDC signature; all ranks: ordinary divergence). Names come from the
+local sums, so gradient clipping or anything else that touches ``.grad`` after the all-reduce
+cannot change them. Under gradient accumulation the hook runs on the sync micro-batch, whose
+``.grad`` is the sum of the micro-batches' gradients, so a NaN in any micro-batch is seen.
 
-Cost of a clean DDP step: one read of the local gradients on the device (the sums: the cheapest
-reduction, 1.6x faster than an L2 norm or ``aminmax`` on this CPU in fp32, 2.2x in bf16), per
-parameter a Python call and two tiny kernels, one small copy of the reduced elements 0 at the
-verdict, no collective. DDP's reduction stays its own C++ all-reduce: no communication hook, so
-no extra pass to scale the buckets and no Python callback on the communication threads. When the
-verdict is read depends on ``on_failure``:
+Cost of a clean DDP step: per parameter a Python call and one reduction kernel (the local sum:
+the cheapest reduction, 1.6x faster than an L2 norm or ``aminmax`` on a 2-core CPU in fp32, 2.2x
+in bf16); after backward one read of the reduced gradients in a few multi-tensor kernels per
+dtype, whatever the number of parameters; no collective. Per-parameter work cannot be batched
+further without a communication hook: the local values exist only until DDP's reducer copies
+each gradient into its bucket, right after the hook (``gradient_as_bucket_view`` buckets are
+reduced in place), and a communication hook would cost an extra pass over every bucket (DDP's
+own C++ path fuses the ``1 / world_size`` scaling into its copy) and a Python callback on the
+communication threads. When the verdict is read depends on ``on_failure``:
 
 * ``"raise"``, ``"warn"``: no host synchronisation in the step. The verdict of step ``s`` is
   read one step later (``resolve()``: the adapters call it before the next backward, or next
@@ -40,16 +42,13 @@ verdict is read depends on ``on_failure``:
   reads its own flag there anyway). Still no collective.
 * Single process (no DDP): ``.grad`` is checked before the optimizer step, one host read.
 
-A rank with non-finite local gradients also makes element 0 of that parameter's reduced
-gradient NaN (the flag): those gradients are non-finite anyway, and the verdict drops or stops
-the step under every policy but ``"warn"``. A NaN in element 0 of a reduced gradient with finite local
-gradients everywhere (an overflow inside the reduction, e.g. fp16 compression) is not a
-verdict: it is counted as ``sdc/nonfinite_gradient/nonfinite_after_reduce``.
+A NaN or Inf in the reduced gradients with finite local gradients everywhere (an overflow
+inside the reduction, e.g. fp16 compression) is not a verdict: it is counted as
+``sdc/nonfinite_gradient/nonfinite_after_reduce``.
 
 Limits: a fault that leaves gradients finite is invisible here (the ring replay audit sees it).
-A user's communication hook that replaces non-finite values (``nan_to_num``), or whose output at
-a parameter's element 0 does not depend on its input there (low-rank compression such as
-PowerSGD), hides them from the decision. Single process: names are read from ``.grad`` at the
+A user's communication hook that replaces non-finite values (``nan_to_num``) hides them from the
+decision. Single process: names are read from ``.grad`` at the
 verdict, so a clipping done before it (Accelerate's ``clip_grad_norm_``) names every parameter it
 contaminated.
 """
@@ -69,7 +68,7 @@ from torch.utils._pytree import tree_leaves
 from sdc_core.errors import NonFiniteGradientError
 from sdc_core.fingerprint import flatten, group_small
 from sdc_core.stats import CheckStats
-from sdc_core.topology import Topology, all_gather_objects, is_distributed
+from sdc_core.topology import HostRead, Topology, all_gather_objects, is_distributed
 
 GradConsumer = Callable[[nn.Parameter, torch.Tensor], None]
 _ON_FAILURE = ("raise", "skip_step", "warn", "rollback")
@@ -77,7 +76,7 @@ _DEFERRED = ("raise", "warn")  # policies whose verdict may be read one step lat
 
 
 class GradientTap:
-    """Lets the checks read (and flag) each parameter's LOCAL gradient of a DDP model before DDP's
+    """Lets the checks read each parameter's LOCAL gradient of a DDP model before DDP's
     reducer copies it into its all-reduce bucket.
 
     A post-accumulate-grad hook per trainable parameter (torch runs it inside the parameter's
@@ -85,14 +84,14 @@ class GradientTap:
     tests). On the backward of a forward DDP ran with gradient synchronisation (not under
     ``no_sync``: under gradient accumulation, the sync micro-batch, whose ``.grad`` holds the sum
     of the micro-batches), ``consumers`` read ``(parameter, local gradient)``, then ``writers``
-    may change the gradient in place (the non-finite check's flag). They run on the autograd
+    may change the gradient in place (none of the checks does). They run on the autograd
     thread and must not synchronise with the host nor raise. The tap is armed by DDP's forward
     and disarmed at the end of the backward through that forward's output (a callback queued from
     the output's gradient hook), so gradients computed in nested backward passes (reentrant
     activation checkpointing) are read too, and a backward outside DDP afterwards is not. On CUDA
     the hook runs with the accumulation's stream current, the stream DDP's own hook on the same
-    accumulation then copies the gradient on, so the flag is written before that copy in stream
-    order (argued from torch's stream semantics; not run here, no GPU).
+    accumulation then copies the gradient on, so what a consumer enqueues reads the gradient
+    before that copy in stream order.
 
     The tap registers no communication hook: DDP's reduction stays its own C++ all-reduce (it
     fuses the ``1 / world_size`` scaling into its copy), so the tap adds no pass over the
@@ -146,12 +145,14 @@ class GradientTap:
         if getattr(self.ddp, "_sdc_gradient_tap", None) is self:
             del self.ddp._sdc_gradient_tap
 
-    def reduced_heads(self) -> torch.Tensor | None:
-        """Element 0 of every parameter's gradient, as one float32 vector (one small copy kernel,
-        no host synchronisation), or None without gradients. After a synchronised backward these
-        are the REDUCED gradients, identical on every rank (DDP leaves a parameter no rank used
-        without gradient on every rank alike)."""
-        return reduced_flags([p.grad for p in self.params if _dense(p.grad)])
+    def reduced_nonfinite(self) -> torch.Tensor | None:
+        """Whether any parameter's gradient holds NaN or Inf (0-d bool on the device, no host
+        synchronisation; ``any_nonfinite_multi``: a few multi-tensor kernels per dtype, not per
+        parameter), or None without gradients. After a synchronised backward these are the
+        REDUCED gradients, identical on every rank (DDP leaves a parameter no rank used without
+        gradient on every rank alike)."""
+        grads = [p.grad for p in self.params if _dense(p.grad)]
+        return any_nonfinite_multi(grads) if grads else None
 
     def _on_forward(self, module: nn.Module, args: Any) -> None:
         # DDP decides here whether this forward's backward synchronises (not under no_sync); a
@@ -184,13 +185,6 @@ class GradientTap:
 
     def _disarm(self) -> None:
         self._armed = self._queued = False
-
-
-def head(t: torch.Tensor) -> torch.Tensor:
-    """Element ``[0, ..., 0]`` of ``t`` as a 1-element view (any layout, channels-last and other
-    non-contiguous gradients included; one cheap view op). The element the flag rides in: the
-    all-reduce sums each element with the same element of every rank."""
-    return t.as_strided((1,), (1,))
 
 
 def _dense(grad: torch.Tensor | None) -> bool:
@@ -229,13 +223,22 @@ class NonFiniteConfig:
 
 @dataclass
 class _StepFlags:
-    """What one step left on the device: element 0 of each parameter's reduced gradient (the
-    flags; identical on every rank) and each parameter's local gradient sum (for the names)."""
+    """What one step left on the device: whether the reduced gradients (identical on every rank)
+    hold NaN or Inf, and each parameter's local gradient sum (for the names)."""
 
     step: int
-    reduced: torch.Tensor | None
+    reduced: torch.Tensor | None  # 0-d bool on the device: some reduced gradient holds NaN or Inf
     local: list[tuple[torch.Tensor, nn.Parameter]]
     scaler_active: bool = False
+    bad: HostRead | None = None  # ``reduced`` on its way to the host
+
+    def __post_init__(self) -> None:
+        if self.reduced is not None and self.bad is None:
+            self.bad = HostRead(self.reduced)
+
+    def nonfinite(self) -> bool:
+        """The host read of the flag: waits for the event recorded when it was made, not the stream."""
+        return self.bad is not None and bool(self.bad.get())
 
 
 @dataclass
@@ -341,15 +344,12 @@ class NonFiniteGradient(NonFiniteVerdicts):
     _pending: _StepFlags | None = None
 
     def attach(self, tap: GradientTap) -> None:
-        """Read each parameter's local gradient (its sum) and fold the flag into it: a writer, so
-        every consumer (the replay's digest) has read the gradient first."""
+        """Read each parameter's local gradient (its sum: one reduction kernel, no write)."""
         self.tap = tap
-        tap.writers.append(self._read_and_fold)
+        tap.consumers.append(self._read)
 
-    def _read_and_fold(self, p: nn.Parameter, grad: torch.Tensor) -> None:
-        total = local_sum(grad)
-        self._local.append((total, p))
-        fold_flag(grad, total)
+    def _read(self, p: nn.Parameter, grad: torch.Tensor) -> None:
+        self._local.append((local_sum(grad), p))
 
     @property
     def pending_step(self) -> int | None:
@@ -375,9 +375,9 @@ class NonFiniteGradient(NonFiniteVerdicts):
         self.resolve()
         t0 = time.perf_counter()
         local, self._local = self._local, []
-        if not (is_distributed() and self.tap is not None):
+        if self.tap is None or not (local or is_distributed()):  # no DDP backward (one process): .grad
             return self._single_process(step, list(params), scaler_active, t0)
-        flags = _StepFlags(step, self.tap.reduced_heads(), local, scaler_active)
+        flags = _StepFlags(step, self.tap.reduced_nonfinite(), local, scaler_active)
         if self.config.on_failure in _DEFERRED and not scaler_active and not now:
             self._pending = flags
             self.stats.add_time(time.perf_counter() - t0)
@@ -397,7 +397,7 @@ class NonFiniteGradient(NonFiniteVerdicts):
         that step, or None."""
         flags, self._pending = self._pending, None
         self._local = []
-        if flags is None or flags.reduced is None or bool(torch.isfinite(flags.reduced).all()):
+        if flags is None or not flags.nonfinite():
             return None
         warnings.warn(
             f"SDC check 'nonfinite_gradient': the gradients of step {flags.step} were non-finite after the "
@@ -410,8 +410,7 @@ class NonFiniteGradient(NonFiniteVerdicts):
     def _decide(self, flags: _StepFlags, t0: float, params: list[tuple[str, nn.Parameter]] | None = None) -> bool:
         """The verdict of ``flags.step`` from the reduced gradients (identical on every rank)."""
         self.stats.runs += 1
-        bad = flags.reduced is not None and not bool(torch.isfinite(flags.reduced).all())  # the host read
-        if not bad:
+        if not flags.nonfinite():  # the host read
             return self._clean(flags.step, t0)
         # Rare path, entered by every rank together: gather the local flags to name ranks and parameters.
         per_rank = all_gather_objects(self._local_names(flags.local))
@@ -438,7 +437,8 @@ class NonFiniteGradient(NonFiniteVerdicts):
         if not local:
             return None
         lookup = self.tap.names if self.tap is not None else {}
-        finite = torch.isfinite(torch.stack([total.float() for total, _ in local])).tolist()
+        home = local[0][0].device  # blocking copies (rare path): read at once, so never non_blocking
+        finite = torch.isfinite(torch.stack([total.float().to(home) for total, _ in local])).tolist()
         names = list(dict.fromkeys(lookup.get(id(p), "?") for (_, p), ok in zip(local, finite, strict=True) if not ok))
         return names[: self.config.max_names] if names else None
 
@@ -466,20 +466,19 @@ def local_sum(grad: torch.Tensor) -> torch.Tensor:
     return grad.sum(dtype=torch.float32 if grad.dtype == torch.float16 else None)
 
 
-def fold_flag(buffer: torch.Tensor, local: torch.Tensor) -> None:
-    """Make element 0 of ``buffer`` NaN when ``local`` (a 0-d sum) is NaN or Inf, and leave it
-    bit-identical otherwise: ``x - (s - s)`` subtracts +0.0 (``s - s`` is +0.0 for every finite
-    ``s``; subtracting +0.0 is the exact identity for every float, ``-0.0`` included) or NaN. Two
-    tiny kernels, no host synchronisation."""
-    head(buffer).sub_(local - local)
-
-
-def reduced_flags(reduced: Sequence[torch.Tensor]) -> torch.Tensor | None:
-    """Element ``[0, ..., 0]`` of each tensor (``head``) as one float32 vector (one small copy
-    kernel), or None without tensors."""
-    if not reduced:
-        return None
-    return torch.cat([head(t) for t in reduced]).to(torch.float32)
+def any_nonfinite_multi(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """One flag (0-d bool tensor on the first tensor's device, no host synchronisation): does any
+    tensor hold NaN or Inf? Exact (the largest magnitude, ``_foreach_norm(ord=inf)``: no overflow
+    of finite values), read-only, and per dtype and device one multi-tensor call (a few kernels
+    on CUDA, however many tensors) plus a handful of kernels to combine."""
+    groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.dtype, t.device), []).append(t)
+    home = tensors[0].device
+    finite = [torch.isfinite(torch.stack(torch._foreach_norm(ts, float("inf")))).all() for ts in groups.values()]
+    if len(finite) > 1:  # to the first device (blocking where it is a host copy: read at once)
+        return ~torch.stack([f.to(home) for f in finite]).all()
+    return ~finite[0]
 
 
 def _minmax(t: torch.Tensor) -> torch.Tensor:

@@ -35,10 +35,17 @@ import torch.distributed as dist
 from torch import nn
 
 from sdc_core.errors import FingerprintMismatchError
-from sdc_core.fingerprint import FingerprintConfig, combine, fingerprinted_tensors, grouped_digests, vote
+from sdc_core.fingerprint import (
+    FingerprintConfig,
+    combine,
+    fingerprinted_tensors,
+    grouped_digests,
+    home_device,
+    vote,
+)
 from sdc_core.gradients import NonFiniteVerdicts
 from sdc_core.stats import CheckStats
-from sdc_core.topology import Topology, all_gather_objects, collective_device, is_distributed
+from sdc_core.topology import HostRead, Topology, all_gather_objects, collective_device, is_distributed
 
 try:  # torch >= 2.4
     from torch.distributed.fsdp import FSDPModule
@@ -284,7 +291,7 @@ def fsdp_taps(module: nn.Module) -> list[GradientTapComm]:
 @dataclass
 class _PendingVerdict:
     step: int
-    count: torch.Tensor  # nonzero: some rank's local gradients were not finite (in band or all-reduced)
+    count: HostRead  # nonzero: some rank's local gradients were not finite (in band or all-reduced)
     work: Any
     seen: list[tuple[torch.Tensor, list[str]]]
     flags: torch.Tensor | None
@@ -316,12 +323,14 @@ class ShardedNonFinite(NonFiniteVerdicts):
     _outputs: list[torch.Tensor] = field(default_factory=list)  # element 0 of each reduced shard
     _pending: _PendingVerdict | None = None
     in_band: bool = False  # the flags travel inside the reduce-scatter (no collective of its own)
+    _device: torch.device | None = None  # where the 4-byte flag all-reduce runs (alike on every rank)
 
     def attach(self, module: nn.Module) -> None:
         """Tap every FSDP parameter group. When the groups' FSDP meshes span the whole world (FSDP,
         HSDP), each rank's flag travels inside the reduce-scatter itself (``in_band``); otherwise
         (tensor or pipeline parallelism beside FSDP) a 4-byte all-reduce per step carries it."""
         self.taps = fsdp_taps(module)
+        self._device = collective_device(home_device(local(p) for p in module.parameters()))
         world = dist.get_world_size() if is_distributed() else 1
         self.in_band = bool(self.taps) and all(tap.mesh_size == world for tap in self.taps)
         for tap in self.taps:
@@ -362,11 +371,11 @@ class ShardedNonFinite(NonFiniteVerdicts):
             count = torch.isnan(torch.cat(outputs).float()).any() if outputs else torch.zeros((), dtype=torch.bool)
             work = None
         else:
-            count = torch.zeros(1, dtype=torch.int32, device=collective_device())
+            count = torch.zeros(1, dtype=torch.int32, device=self._device or collective_device())
             if flags is not None:
                 count += flags.any().to(device=count.device, dtype=torch.int32)
             work = dist.all_reduce(count, async_op=True) if is_distributed() else None
-        self._pending = _PendingVerdict(step, count, work, seen, flags, scaler_active)
+        self._pending = _PendingVerdict(step, HostRead(count, work), work, seen, flags, scaler_active)
         self.stats.add_time(time.perf_counter() - t0)
         if self.config.on_failure in ("raise", "warn") and not scaler_active and not now:
             return False
@@ -386,10 +395,8 @@ class ShardedNonFinite(NonFiniteVerdicts):
         pending, self._pending = self._pending, None
         assert pending is not None
         t0 = time.perf_counter()
-        if pending.work is not None:
-            pending.work.wait()
         self.stats.runs += 1
-        if int(pending.count.item()) == 0:
+        if int(pending.count.get().item()) == 0:  # waits for this flag (and its all-reduce) only
             return self._clean(pending.step, t0)
         return self._rare(pending.step, params, pending.seen, pending.flags, pending.scaler_active, t0)
 
@@ -423,7 +430,7 @@ class _Pending:
     groups: list[ReplicaGroup]
     per_tensor: list[Any]  # per replicated group: () -> per-tensor digests
     reduced: list[torch.Tensor]  # per replicated group: (max fp, max ~fp) after the all-reduce
-    flags: torch.Tensor  # [replica mismatch here, at-rest change here], MAX over the world
+    flags: HostRead  # [replica mismatch here, at-rest change here], MAX over the world
     work: Any
     at_rest: Any  # (digests after the update, digests before the next forward, group) or None
     at_rest_step: int | None
@@ -477,10 +484,11 @@ class ShardedFingerprint:
         self.resolve()
         t0 = time.perf_counter()
         optimizers = list(optimizers)
-        device = collective_device()
+        groups = self._plan(module, optimizers)
+        device = collective_device(home_device(local(t) for g in groups for t in g.tensors))
         replicated, per_tensor, reduced, works = [], [], [], []
         baseline = None
-        for g in self._plan(module, optimizers):
+        for g in groups:
             digests, rows = grouped_digests([local(t) for t in g.tensors], device=device)
             fp = combine(digests)
             if len(g.ranks) == 1:
@@ -499,8 +507,8 @@ class ShardedFingerprint:
         rest_step, rest_flag, rest_rows = self._rest if self._rest is not None else (None, None, None)
         flags = torch.stack([mismatch, rest_flag.to(device, torch.int64) if rest_flag is not None else mismatch * 0])
         work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, async_op=True)
-        self._pending = _Pending(step, replicated, per_tensor, reduced, flags, work, rest_rows, rest_step, module,
-                                 optimizers)  # fmt: skip
+        self._pending = _Pending(step, replicated, per_tensor, reduced, HostRead(flags, work), work, rest_rows,
+                                 rest_step, module, optimizers)  # fmt: skip
         self._baseline, self._rest = baseline, None
         self.stats.add_time(time.perf_counter() - t0)
 
@@ -522,8 +530,7 @@ class ShardedFingerprint:
         if pending is None:
             return
         t0 = time.perf_counter()
-        pending.work.wait()
-        replica_bad, rest_bad = pending.flags.tolist()
+        replica_bad, rest_bad = pending.flags.get().tolist()  # waits for this all-reduce only
         self.stats.runs += 1
         if not replica_bad and not rest_bad:
             self.stats.last_verified_step = pending.step
@@ -560,7 +567,8 @@ class ShardedFingerprint:
         flags = flags.to(collective_device())
         work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, async_op=True)
         assert self._groups is not None
-        self._pending = _Pending(rest_step, [], [], [], flags, work, rest_rows, rest_step, nn.Module(), [])
+        self._pending = _Pending(rest_step, [], [], [], HostRead(flags, work), work, rest_rows, rest_step, nn.Module(),
+                                 [])  # fmt: skip
         self.resolve()
 
     def _fail(self, pending: _Pending, replica_bad: bool, rest_bad: bool, t0: float) -> None:

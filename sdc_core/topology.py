@@ -22,11 +22,100 @@ def is_distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def collective_device() -> torch.device:
-    """The device tensors must live on for the default process group's backend."""
-    if dist.is_initialized() and dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+def device_backends(config: str | None = None) -> dict[str, str]:
+    """Device type -> name of the backend that serves it, for a backend string as
+    ``dist.get_backend_config()`` writes it (``"nccl"``, ``"gloo"``, ``"cpu:gloo,cuda:nccl"``, ...),
+    by default the default process group's (empty when none is initialized). Parsed by torch's
+    own ``BackendConfig`` (a single name stands for every device type torch says it serves:
+    ``"gloo"`` serves ``cpu`` and ``cuda``, ``"nccl"`` only ``cuda``). Raises ``ValueError`` on a
+    malformed string."""
+    if config is None:
+        if not (dist.is_available() and dist.is_initialized()):
+            return {}
+        config = dist.get_backend_config()
+    from torch.distributed.distributed_c10d import BackendConfig
+
+    return {str(d): str(b) for d, b in BackendConfig(config).get_device_backend_map().items()}
+
+
+def _current(kind: str) -> torch.device:
+    """The current device of type ``kind`` (``cuda`` -> ``cuda:<current>``)."""
+    module = getattr(torch, kind, None)
+    if module is not None and hasattr(module, "current_device") and module.is_available():
+        return torch.device(kind, module.current_device())
+    return torch.device(kind)
+
+
+def collective_device(device: torch.device | str | None = None, config: str | None = None) -> torch.device:
+    """Where tensors made on ``device`` go to the default group's collectives.
+
+    ``device`` itself when a backend of the group serves its type (NCCL for ``cuda``; gloo, UCC
+    and MPI also carry ``cuda`` tensors, through the host on their own threads, waiting on the
+    producing stream themselves), so device-made values never cross to the host on the checks'
+    side. Otherwise the host when the group serves ``cpu``, else the device type the group serves
+    (``"nccl"`` with CPU tensors: the current CUDA device). ``device=None`` asks for values made
+    on the host (pickled payloads, host counters): the host when the group serves it, else the
+    group's device. Without a process group: ``device``, or the host. ``config`` overrides the
+    group's backend string (``device_backends``).
+    """
+    backends = device_backends(config)
+    if device is not None:
+        device = torch.device(device)
+        if not backends or device.type in backends:
+            return device if device.index is not None or device.type == "cpu" else _current(device.type)
+    if not backends or "cpu" in backends:
+        return torch.device("cpu")
+    return _current(next(iter(backends)))
+
+
+class HostRead:
+    """A device tensor's value, to be read on the host later without draining the device's queue.
+
+    Create it right where the value is produced (after starting any asynchronous collective
+    ``work`` on it): on CUDA it records an event on the producing stream. ``get()`` then makes a
+    side stream wait for that event (and for ``work``), copies the value into pinned host memory
+    there and waits for that copy only: work queued after the value (the next step's forward and
+    backward) is not waited for. Never a ``non_blocking`` copy read before it landed. On the host
+    (CPU tensors) ``get()`` waits for ``work`` and returns the value; other device types take a
+    blocking copy. Cost: one event, one tiny copy, and one wait when read.
+    """
+
+    def __init__(self, value: torch.Tensor, work: Any = None) -> None:
+        self.value = value
+        self.work = work
+        self.event = None
+        if value.device.type == "cuda":
+            self.event = torch.cuda.Event()
+            self.event.record(torch.cuda.current_stream(value.device))
+
+    def get(self) -> torch.Tensor:
+        """The value as a CPU tensor, once it (and ``work``) has landed."""
+        if self.event is None:
+            if self.work is not None:
+                self.work.wait()
+            return self.value if self.value.device.type == "cpu" else self.value.to("cpu")
+        device = self.value.device
+        stream = _side_stream(device)
+        stream.wait_event(self.event)
+        with torch.cuda.stream(stream):
+            if self.work is not None:
+                self.work.wait()  # NCCL: this stream waits for it; gloo: the host waits, then this stream
+            host = torch.empty(self.value.shape, dtype=self.value.dtype, pin_memory=True)
+            host.copy_(self.value, non_blocking=True)
+            landed = torch.cuda.Event()
+            landed.record(stream)
+        landed.synchronize()  # the copy (and what it waited for) only
+        return host
+
+
+_side_streams: dict[torch.device, Any] = {}
+
+
+def _side_stream(device: torch.device) -> Any:
+    """One side stream per CUDA device, for ``HostRead`` copies."""
+    if device not in _side_streams:
+        _side_streams[device] = torch.cuda.Stream(device)
+    return _side_streams[device]
 
 
 def _env_int(*names: str) -> int | None:

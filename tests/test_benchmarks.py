@@ -34,3 +34,17 @@ def test_benchmark_entry_point_quick(tmp_path: Path) -> None:
     assert set(step["seconds"]) >= {"none", "nonfinite", "fingerprint", "all_three", "detect_anomaly", "replay_audit"}
     assert all(s["median"] > 0 for s in step["seconds"].values())
     assert set(step["work_vs_step"]) == {"nonfinite", "fingerprint", "replay_amortised", "all_three"}
+
+
+def test_gpu_step_benchmark_quick_on_cpu(tmp_path: Path) -> None:
+    """The GPU benchmark's CPU mode: one tiny model through the checks' DDP paths (one gloo rank)."""
+    out = tmp_path / "gpu.json"
+    cmd = [sys.executable, "-m", "benchmarks.gpu_step", "--quick", "--device", "cpu", "--sizes", "tiny",
+           "--steps", "1", "--rounds", "2", "--out", str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, env=worker_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["model"] == "tiny" and row["tensors"] > 10 and row["digest_matches_cpu"] is True
+    assert row["step_ms"]["none"] > 0 and row["step_ms"]["checks"] > 0
+    assert set(row["work_ms"]) == {"nonfinite", "fingerprint"} and all(v > 0 for v in row["work_ms"].values())
+    assert all(v > 0 for v in row["fingerprint_gbps"].values())

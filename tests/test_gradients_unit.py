@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sdc_core.gradients import NonFiniteGradient, _StepFlags, fold_flag, local_sum, reduced_flags
+from sdc_core.gradients import NonFiniteGradient, _StepFlags, any_nonfinite_multi, local_sum
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
@@ -21,28 +21,27 @@ def test_local_sums_flag_exactly_the_non_finite_tensors(dtype: torch.dtype) -> N
 def test_discard_drops_a_pending_verdict_without_a_collective_and_warns_when_it_was_bad() -> None:
     check = NonFiniteGradient()
     clean = torch.ones(3)
-    check._pending = _StepFlags(4, reduced_flags([clean]), [])
+    check._pending = _StepFlags(4, any_nonfinite_multi([clean]), [])
     assert check.discard() is None and check.pending_step is None
-    check._pending = _StepFlags(5, reduced_flags([clean, torch.tensor([float("nan"), 1.0])]), [])
+    check._pending = _StepFlags(5, any_nonfinite_multi([clean, torch.tensor([float("nan"), 1.0])]), [])
     with pytest.warns(RuntimeWarning, match="step 5 were non-finite"):
         assert check.discard() == 5
     assert check.pending_step is None and check.stats.failures == 0
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
-def test_the_folded_flag_is_the_identity_when_finite_and_nan_otherwise(dtype: torch.dtype) -> None:
-    """Element 0 of a gradient carries the flag: bit-identical for finite local sums of either sign
-    (signed zeros, subnormals and extremes included), NaN as soon as the local sum is NaN or Inf."""
+def test_the_multi_tensor_verdict_flags_exactly_nan_and_inf(dtype: torch.dtype) -> None:
+    """The reduced-gradient read: NaN or Inf anywhere, in any of many tensors of mixed dtypes, is
+    flagged; finite extremes (no overflow: largest magnitude, not a sum) and signed zeros are not;
+    and it writes nothing."""
     info = torch.finfo(dtype)
-    heads = [0.0, -0.0, info.tiny / 4, -info.max, info.max, 1.5, -3.25]
-    for head in heads:
-        for local in ([0.0], [-0.0], [1.0, 1e3], [-2.0, 0.5], [-info.max / 2, -info.max / 4]):
-            buffer = torch.tensor([head, 7.0], dtype=dtype)
-            before = buffer.clone()
-            fold_flag(buffer, local_sum(torch.tensor(local, dtype=dtype)))
-            assert torch.equal(buffer.view(torch.uint8), before.view(torch.uint8)), (head, local)
-        for bad in (float("nan"), float("inf"), float("-inf")):
-            buffer = torch.tensor([head, 7.0], dtype=dtype)
-            fold_flag(buffer, local_sum(torch.tensor([1.0, bad, -3.0], dtype=dtype)))
-            assert torch.isnan(buffer[0]) and buffer[1] == 7.0
-    assert reduced_flags([]) is None
+    clean = [torch.full((n,), v, dtype=dtype) for n, v in ((3, info.max), (5000, -info.max), (1, -0.0), (70, 1.0))]
+    clean.append(torch.randn(300, dtype=torch.float64))
+    before = [t.clone() for t in clean]
+    assert not bool(any_nonfinite_multi(clean))
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(clean, before, strict=True))
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        for k in range(len(clean)):
+            grads = [t.clone() for t in clean]
+            grads[k].view(-1)[-1] = bad
+            assert bool(any_nonfinite_multi(grads)), (bad, k)

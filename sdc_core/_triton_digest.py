@@ -1,0 +1,119 @@
+"""The version-2 tensor digest of many CUDA tensors in ONE kernel launch (Triton).
+
+Same value as ``fingerprint.tensor_digest`` for every tensor, bit for bit (the class sums and
+their splitmix64 weighting of the ``fingerprint`` module docstring, all in wrapping 64-bit
+integer arithmetic; the weights are computed in registers, not read from memory). Each program
+takes ``BLOCK`` classes of one tensor (the tensors' addresses come from a table), sums each
+class's words (at most 16 rows, coalesced loads), weights them and writes one partial sum; the
+partial sums of each tensor are then added up with one scan (integer addition: exact in any
+order). Launches per call: the kernel, and four small ones to add the partial sums up, whatever
+the number of tensors. Reads every byte once: memory-bound like a plain ``sum``.
+
+Only imported where Triton and CUDA are available; ``available()`` says so.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import torch
+
+try:  # pragma: no cover - CPU machines have no Triton
+    if os.environ.get("SDC_TRITON", "1") == "0":  # opt out: the torch path everywhere
+        raise ImportError("SDC_TRITON=0")
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover
+    triton = None
+    tl = None
+
+BLOCK = 1024
+_cache: dict[tuple, tuple[torch.Tensor, ...]] = {}
+_ptr_cache: dict[tuple, torch.Tensor] = {}
+
+
+def available(t: torch.Tensor) -> bool:
+    """Whether ``t`` can go through the kernel: a CUDA tensor, with Triton installed."""
+    return triton is not None and t.device.type == "cuda"
+
+
+if triton is not None:  # pragma: no cover - needs a GPU
+
+    @triton.jit
+    def _splitmix(j, seed: tl.constexpr):
+        z = (j + 1).to(tl.uint64) * 0x9E3779B97F4A7C15 + seed
+        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9
+        z = (z ^ (z >> 27)) * 0x94D049BB133111EB
+        z = (z ^ (z >> 31)) | 1
+        return z.to(tl.int64, bitcast=True)
+
+    @triton.jit
+    def _digest_blocks(ptrs, nwords, rows, cols, blk_unit, blk_start, out,
+                       SEED_A: tl.constexpr, SEED_B: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+        pid = tl.program_id(0)
+        u = tl.load(blk_unit + pid)
+        j0 = tl.load(blk_start + pid)
+        base = tl.load(ptrs + u).to(tl.pointer_type(tl.int64))
+        n = tl.load(nwords + u)
+        r = tl.load(rows + u)
+        m = tl.load(cols + u)
+        main = r * m
+        classes = m + n - main
+        j = j0 + tl.arange(0, BLOCK).to(tl.int64)
+        in_main = j < m
+        acc = tl.load(base + j, mask=in_main, other=0)
+        for k in range(1, r):
+            acc += tl.load(base + (j + k * m), mask=in_main, other=0)
+        in_tail = (j >= m) & (j < classes)
+        acc += tl.load(base + (main + j - m), mask=in_tail, other=0)
+        term = _splitmix(j, SEED_A) * acc + _splitmix(j, SEED_B) * (acc >> 32)
+        term = tl.where(j < classes, term, 0)
+        tl.store(out + pid, tl.sum(term, axis=0))
+
+
+def _tables(device: torch.device, shapes: tuple[tuple[int, int, int], ...]) -> tuple[torch.Tensor, ...]:
+    """Per-unit (words, rows, cols) and per-block (unit, first class) tables, and each unit's last
+    block, on ``device`` (cached per layout: built and copied once)."""
+    key = (device, shapes)
+    if key not in _cache:
+        if len(_cache) >= 8:
+            _cache.clear()
+        units, starts, ends = [], [], []
+        for u, (n, r, m) in enumerate(shapes):
+            classes = m + n - r * m
+            count = max(1, -(-classes // BLOCK))
+            units += [u] * count
+            starts += [BLOCK * b for b in range(count)]
+            ends.append(len(units) - 1)
+        cols = [torch.tensor(c, dtype=torch.int64) for c in zip(*shapes, strict=True)]
+        _cache[key] = tuple(t.to(device) for t in (*cols, torch.tensor(units), torch.tensor(starts),
+                                                    torch.tensor(ends)))  # fmt: skip
+    return _cache[key]
+
+
+def _pointers(device: torch.device, ptrs: tuple[int, ...]) -> torch.Tensor:
+    """The words' addresses as an int64 table on ``device`` (cached: parameters and optimizer
+    state keep their storage from step to step, so the steady state copies nothing)."""
+    key = (device, ptrs)
+    if key not in _ptr_cache:
+        if len(_ptr_cache) >= 8:
+            _ptr_cache.clear()
+        _ptr_cache[key] = torch.tensor(ptrs, dtype=torch.int64).to(device)
+    return _ptr_cache[key]
+
+
+def digests(word_views: Sequence[torch.Tensor], shapes: tuple[tuple[int, int, int], ...], seeds: tuple[int, int]
+            ) -> torch.Tensor:  # fmt: skip
+    """The digest of each contiguous int64 word vector in ``word_views`` (all on one CUDA device;
+    ``shapes[i]`` = (words, rows, cols) of the fingerprint module's class layout) as one int64
+    vector on that device. No host synchronisation in the steady state."""
+    device = word_views[0].device
+    nwords, rows, cols, units, starts, ends = _tables(device, shapes)
+    table = _pointers(device, tuple(w.data_ptr() for w in word_views))
+    partial = torch.empty(units.numel(), dtype=torch.int64, device=device)
+    with torch.cuda.device(device):
+        _digest_blocks[(units.numel(),)](table, nwords, rows, cols, units, starts, partial,
+                                          SEED_A=seeds[0], SEED_B=seeds[1], BLOCK=BLOCK, num_warps=4)  # fmt: skip
+    running = partial.cumsum(0)[ends]  # wrapping integer scan: exact in any order
+    return running - torch.cat([running.new_zeros(1), running[:-1]])

@@ -1,0 +1,72 @@
+"""The batched fingerprint paths give exactly the per-tensor version-2 digests, and their kernel
+launches do not grow with the number of tensors (CPU here; the CUDA kernel where a GPU is)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from sdc_core import _triton_digest
+from sdc_core.fingerprint import combine, grouped_digests, tensor_digest
+
+
+def _mixed(seed: int, device: str = "cpu") -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    out = [torch.randn(n, generator=g).to(dtype) for n, dtype in [
+        (0, torch.float32), (1, torch.float32), (3, torch.bfloat16), (4, torch.bfloat16), (1023, torch.float64),
+        (1024, torch.float64), (2047, torch.float32), (2048, torch.float32), (5000, torch.float16),
+        (16_383, torch.float64), (70_001, torch.float32), (300_000, torch.bfloat16)]]  # fmt: skip
+    out.append(torch.randn(600, 700, generator=g).t())  # non-contiguous
+    out.append(torch.randn(101, generator=g)[1:])  # misaligned for int64 words
+    out.append(torch.randint(0, 2, (77,), generator=g).bool())
+    out.append(torch.randint(-(2**62), 2**62, (513,), generator=g))
+    return [t.to(device) for t in out]
+
+
+def test_grouped_digests_are_the_per_tensor_digests():
+    tensors = _mixed(1)
+    digests, per_tensor = grouped_digests(tensors)
+    expected = [int(tensor_digest(t)) for t in tensors]
+    assert digests.tolist() == expected and per_tensor().tolist() == expected
+    assert int(combine(digests)) == int(combine(torch.tensor(expected)))
+
+
+class _Kernels(TorchDispatchMode):
+    """Counts the ops that run kernels (views and other aliasing ops excluded)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not func.is_view and func not in (torch.ops.aten.view.dtype, torch.ops.aten.detach.default):
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _launches(tensors: list[torch.Tensor]) -> int:
+    combine(grouped_digests(tensors)[0])  # warm the caches (weights, layouts): built once per layout
+    with _Kernels() as k:
+        combine(grouped_digests(tensors)[0])
+    return k.count
+
+
+def test_fingerprint_launches_do_not_grow_with_the_number_of_small_tensors():
+    few = [torch.randn(300) for _ in range(10)] + [torch.randn(52).bfloat16() for _ in range(10)]
+    many = [torch.randn(300) for _ in range(200)] + [torch.randn(52).bfloat16() for _ in range(200)]
+    assert _launches(few) == _launches(many)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or _triton_digest.triton is None, reason="needs CUDA and Triton")
+def test_cuda_kernel_gives_the_cpu_digests_in_one_launch():  # pragma: no cover - GPU only
+    for seed in range(3):
+        cpu = _mixed(seed)
+        cuda = [t.cuda() for t in cpu]
+        big = torch.randn(70_000_000, device="cuda")  # past 2**26 words: more than 16 rows
+        digests, _ = grouped_digests([*cuda, big])
+        assert digests.device.type == "cuda"
+        assert digests.tolist() == [int(tensor_digest(t)) for t in cpu] + [int(tensor_digest(big.cpu()))]
+    few = [torch.randn(1 << 16, device="cuda") for _ in range(10)]
+    many = [torch.randn(1 << 16, device="cuda") for _ in range(200)]
+    assert _launches(few) == _launches(many)
