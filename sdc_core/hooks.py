@@ -47,8 +47,8 @@ import gc
 import os
 import warnings
 import weakref
-from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -424,7 +424,8 @@ class SDCHooks:
             )
             if record:
                 device = _device(module)
-                replay.record(("fn", index, args, kwargs, _autocast_state(device)), replay.recorded, device)
+                replay.record(("fn", index, args, kwargs, _autocast_state(device), _sdpa_state()), replay.recorded,
+                              device)  # fmt: skip
             self._in_replayable += 1
             try:
                 loss = fn(model, *args, **kwargs)
@@ -451,7 +452,8 @@ class SDCHooks:
         assert self.replay is not None
         if self._recording_forward(module) and self.replay.arm(self.step):
             device = _device(module)
-            self.replay.record(("forward", 0, args, kwargs, _autocast_state(device)), self.replay.recorded, device)
+            self.replay.record(("forward", 0, args, kwargs, _autocast_state(device), _sdpa_state()),
+                               self.replay.recorded, device)  # fmt: skip
 
     def _after_forward(self, module: nn.Module, args: tuple, kwargs: dict, outputs: Any) -> None:
         assert self.replay is not None
@@ -487,9 +489,10 @@ class SDCHooks:
         assert self._module is not None
         kind, index, args, kwargs, *rest = batch
         amp = rest[0] if rest else None
+        sdpa = rest[1] if len(rest) > 1 else None
         self._replaying = True
         try:
-            with _autocast(amp):
+            with _autocast(amp), _sdpa_backends(sdpa):
                 if kind == "fn":
                     model = self._fw.replay_model(self._module)
                     return self._normalize(_loss_of(self._replayables[index](model, *args, **kwargs)))
@@ -820,6 +823,35 @@ def _autocast(state: Any) -> AbstractContextManager[Any]:
                                                                                  torch.dtype):  # fmt: skip
         raise ValueError(f"bad recorded autocast state {state!r}")
     return torch.autocast(kind, dtype=getattr(torch, dtype))
+
+
+_SDPA = ("flash", "mem_efficient", "math", "cudnn")
+
+
+def _sdpa_state() -> tuple[bool, ...]:
+    """Which scaled-dot-product-attention backends the forward may use (``sdpa_kernel`` sets these
+    flags): the replay must pick the same kernel, or dropout masks and roundings differ."""
+    b = torch.backends.cuda
+    return tuple(bool(getattr(b, f"{name}_sdp_enabled")()) for name in _SDPA)
+
+
+@contextmanager
+def _sdpa_backends(state: Any) -> Iterator[None]:
+    """Re-enter the SDPA backend flags recorded by ``_sdpa_state`` (nothing when none were recorded)."""
+    if state is None:
+        yield
+        return
+    if not (isinstance(state, tuple | list) and len(state) == len(_SDPA) and all(isinstance(v, bool) for v in state)):
+        raise ValueError(f"bad recorded attention backends {state!r}")
+    b = torch.backends.cuda
+    before = _sdpa_state()
+    for name, on in zip(_SDPA, state, strict=True):
+        getattr(b, f"enable_{name}_sdp")(on)
+    try:
+        yield
+    finally:
+        for name, on in zip(_SDPA, before, strict=True):
+            getattr(b, f"enable_{name}_sdp")(on)
 
 
 def _to_device(value: Any, device: torch.device | None) -> Any:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from conftest import ROOT, must_run, results, worker_env
 
 SCRIPT = Path(__file__).with_name("plain_scenarios.py")
@@ -187,3 +188,24 @@ def test_no_import_cycle_and_no_adapter_imports_another() -> None:
 
     for node in sorted(graph):
         visit(node, [])
+
+
+def test_replay_reenters_the_recorded_autocast_and_attention_backends() -> None:
+    """The forward context recorded at the owner's forward (autocast dtype, the SDPA backends an
+    ``sdpa_kernel`` block allowed) is what the replay runs under; bad recorded values are refused."""
+    from sdc_core.hooks import _autocast, _autocast_state, _sdpa_backends, _sdpa_state
+
+    cpu = torch.device("cpu")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        recorded = _autocast_state(cpu)
+    assert recorded == ("cpu", "bfloat16") and _autocast_state(cpu) is None
+    with _autocast(recorded):
+        assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+    before = _sdpa_state()
+    with _sdpa_backends((False, False, True, False)):
+        assert _sdpa_state() == (False, False, True, False)
+    assert _sdpa_state() == before
+    with pytest.raises(ValueError, match="autocast"):
+        _autocast(("cpu", "not_a_dtype")).__enter__()
+    with pytest.raises(ValueError, match="attention backends"), _sdpa_backends(("yes",)):
+        pass
