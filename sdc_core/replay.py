@@ -105,6 +105,7 @@ from sdc_core.replay_exchange import (
 from sdc_core.replay_state import (
     SEND_BY_DIGEST_BYTES,
     CollectiveInReplay,
+    DeterministicWindow,
     MicroBatch,
     StateCapture,
     StepFn,
@@ -117,7 +118,9 @@ from sdc_core.replay_state import (
     _np_random,
     _set_rng,
     capture_rng,
+    deterministic,
     forbid_collectives,
+    is_determinism_error,
     replay_gradients,
 )
 from sdc_core.stats import CheckStats
@@ -132,9 +135,10 @@ from sdc_core.topology import (
 )
 
 __all__ = [
-    "AUTO_MARGIN", "EXACT_MODES", "LIGHTNING_ADVICE", "SEND_BY_DIGEST_BYTES", "CollectiveInReplay", "Digest",
-    "MicroBatch", "ReplayConfig", "RingReplay", "Row", "StateCapture", "StepFn", "StepState", "TensorRef",
-    "calibrate", "capture_rng", "compare", "compare_raw", "disagree", "every_pair_message", "explain",
+    "AUTO_MARGIN", "CALIBRATION_ROUNDS", "EXACT_MODES", "LIGHTNING_ADVICE", "SEND_BY_DIGEST_BYTES",
+    "CollectiveInReplay", "DeterministicWindow", "Digest", "MicroBatch", "ReplayConfig", "RingReplay", "Row",
+    "StateCapture", "StepFn", "StepState", "TensorRef", "calibrate", "capture_rng", "compare", "compare_raw",
+    "deterministic", "disagree", "every_pair_message", "explain", "is_determinism_error",
     "failed_message", "for_transfer", "forbid_collectives", "grad_digest", "group_index", "lower_median",
     "mismatch_reason", "pick_referee", "referee_jobs", "referee_sends", "replay_gradients", "replay_partners",
     "settle", "unreproducible_message",
@@ -144,6 +148,7 @@ _COMPAT = (_all_rng, _assemble, _cause, _copy_plain, _describe, _digest_row, _fi
            _grad_fingerprint, _lower_median, _np_random, _set_rng, _sum_norm)  # fmt: skip
 
 EXACT_MODES = (True, False, "auto")
+CALIBRATION_ROUNDS = 3  # exact="auto" without strict determinism: same-device rounds before the tolerance settles
 
 
 @dataclass(frozen=True)
@@ -166,6 +171,10 @@ class ReplayConfig:
         max_state_mb: at most this many MiB of state tensors are cloned per audited step (all its
             micro-batches together, held until the audit); tensors past it are read live, and a
             replay that changes one of them in place is refused.
+        deterministic: ``True`` (default): the owner's audited micro-batches and every replay run
+            with deterministic kernels (``RingReplay`` docstring), so GPU replays compare bit for
+            bit; ``False``: the user's own settings (nondeterministic kernels are then tolerated
+            as measured noise, up to ``rtol``, with ``exact="auto"``).
     """
 
     every_n_steps: int = 100
@@ -175,6 +184,7 @@ class ReplayConfig:
     on_failure: str = "raise"
     on_unreplayable: str = "raise"
     max_state_mb: float = 256.0
+    deterministic: bool = True
 
     def __post_init__(self) -> None:
         if self.on_failure not in ("raise", "skip_step", "rollback"):
@@ -192,6 +202,8 @@ class ReplayConfig:
         mb = self.max_state_mb
         if isinstance(mb, bool) or not isinstance(mb, int | float) or not 0 <= mb < math.inf:
             raise ValueError(f"max_state_mb must be a finite number >= 0, got {mb!r}")
+        if not isinstance(self.deterministic, bool):
+            raise ValueError(f"deterministic must be True or False, got {self.deterministic!r}")
 
 
 @dataclass
@@ -203,6 +215,20 @@ class RingReplay:
     ``record_loss(...)``, then ``audit(...)`` after backward and before the update, on every rank.
     ``capture`` (a ``StateCapture``) and ``advice`` (the adapter's hint for unreplayable steps)
     are set by the adapter.
+
+    Deterministic kernels (``config.deterministic``): ``begin()`` (called by ``record``) switches
+    torch to deterministic algorithms for the owner's audited micro-batch, forward and backward,
+    until ``audit()`` starts (or ``disarm()``, or ``arm()`` of a step that is not audited), and
+    every replay runs in the same mode; the caller's settings are restored after each. Until the
+    first audit has shown that the step runs under ``warn_only=False`` (a probe replay, one more
+    forward and backward at that audit), the mode is ``warn_only=True`` so that the user's step
+    never fails on a kernel without a deterministic implementation; after it, ``warn_only=False``
+    (which also makes flash and memory-efficient attention backward deterministic) and the
+    calibration starts over in that mode. Without that proof (or with ``deterministic=False``),
+    ``exact="auto"`` takes ``CALIBRATION_ROUNDS`` audits of same-device re-runs before its
+    tolerance settles, and a disagreeing pair is re-run on both sides before any accusation:
+    differences within ``AUTO_MARGIN`` times the noise the pair's own re-runs show (at most
+    ``rtol``) are noise, not a fault.
     """
 
     config: ReplayConfig = field(default_factory=ReplayConfig)
@@ -222,6 +248,10 @@ class RingReplay:
     _tap: GradientTap | None = None
     _calibrated: bool = False
     _tolerance: float | None = None
+    _rounds: int = 0  # same-device calibration rounds in the current mode
+    _strict: bool | None = None  # None: not probed yet; True: the step runs under warn_only=False
+    _probed: bool | None = None  # the probe's result, applied when its audit ends
+    _window: DeterministicWindow = field(default_factory=DeterministicWindow)
     _capture_error: str = ""
     last_error: ReplayMismatchError | None = None
 
@@ -240,6 +270,7 @@ class RingReplay:
         due = self.active and not self.replaying and step % self.config.every_n_steps == 0
         if not due:
             self._armed_step = None
+            self._window.exit()
             return False
         if self._armed_step != step:
             self._armed_step, self._micro, self._loss, self._local = step, [], None, {}
@@ -250,6 +281,18 @@ class RingReplay:
         """Drop the micro-batches recorded for the armed step: it is not audited (every rank alike),
         e.g. because another check already dropped that optimizer step."""
         self._armed_step, self._micro, self._loss, self._local = None, [], None, {}
+        self._window.exit()
+
+    @property
+    def strict(self) -> bool:
+        """True once the step is known to run under ``torch.use_deterministic_algorithms(True)``
+        without ``warn_only``: replays are then deterministic and compare bit for bit."""
+        return self.config.deterministic and self._strict is True
+
+    @property
+    def mode(self) -> str:
+        """``"strict"``, ``"warn_only"`` (deterministic kernels where torch has them) or ``"off"``."""
+        return "off" if not self.config.deterministic else "strict" if self.strict else "warn_only"
 
     @property
     def armed(self) -> bool:
@@ -283,6 +326,8 @@ class RingReplay:
             return
         mb = self._micro[-1]
         mb.cpu_rng, mb.cuda_rng, mb.py_rng, mb.np_rng = _all_rng(device)
+        if self.config.deterministic:  # the owner's forward and backward: in the replays' mode
+            self._window.enter(self.strict)
         if self.capture is not None:  # one budget for all micro-batches of the step (held until the audit)
             used = sum(m.state.nbytes for m in self._micro[:-1] if m.state is not None)
             try:  # a failure here is reported by the audit, on every rank alike
@@ -361,8 +406,26 @@ class RingReplay:
         Returns True when the optimizer step must be skipped (``on_failure="skip_step"`` and a
         transient fault). Raises ``ReplayMismatchError`` (a fault) or ``ReplayUnavailableError``
         (the step cannot be replayed faithfully) on every rank."""
+        self._window.exit()  # the owner's backward is done: the user's own settings from here on
         if self._armed_step != step:
             return False
+        try:
+            return self._audit(step, module, step_fn, to_device, context)
+        finally:
+            if self._probed is not None:  # the mode of the next audited step: every rank alike
+                self._strict, self._probed = self._probed, None
+                if self._strict:  # deterministic attention backward and the like from now on: calibrate anew
+                    self._rounds, self._tolerance = 0, None
+                self.stats.extra = {**(self.stats.extra or {}), "strict_determinism": float(self.strict)}
+
+    def _audit(
+        self,
+        step: int,
+        module: nn.Module,
+        step_fn: StepFn,
+        to_device: Callable[[Any], Any],
+        context: Callable[[], AbstractContextManager[Any]],
+    ) -> bool:
         t0 = time.perf_counter()
         topo = self.topology or Topology.gather()
         world, me = topo.world_size, topo.rank
@@ -372,10 +435,15 @@ class RingReplay:
         own = self._own_digest()
         micro, self._micro, self._armed_step = self._micro, [], None
         own_states = [mb.state for mb in micro]
-        atol = float(self.config.atol)
+        atol, rtol = float(self.config.atol), float(self.config.rtol)
+        lenient = self.config.exact == "auto" and self.config.exact is not True and not self.strict
+        needed = CALIBRATION_ROUNDS if lenient else 1
+        first, calibrating = self._rounds == 0, self._rounds < needed
+        probe = self.config.deterministic and self._strict is None
 
-        def replay(batches: list[MicroBatch]) -> Digest:
-            return self._replay_digest(module, batches, step_fn, to_device, context)
+        def replay(batches: list[MicroBatch], strict: bool | None = None) -> Digest:
+            with deterministic(self.config.deterministic, self.strict if strict is None else strict):
+                return self._replay_digest(module, batches, step_fn, to_device, context)
 
         def prepare(payload: dict[str, Any]) -> list[MicroBatch]:
             if TRANSFER_ERROR in payload:
@@ -399,11 +467,12 @@ class RingReplay:
             failure = failure or f"preparing its micro-batches: {_describe(err)}"
             payload = {TRANSFER_ERROR: f"the owner could not send its micro-batches: {_describe(err)}"}
         received = exchange({partners[me]: payload}, [inverse[me]])[inverse[me]]
+        batches: list[MicroBatch] = []
         if self.lockstep:  # replays are collective: every rank must be able to start one, or none does
             try:
                 batches, prep_failure = prepare(received), ""
             except Exception as err:
-                batches, prep_failure = [], _describe(err)
+                prep_failure = _describe(err)
             failure = failure or prep_failure
             if _any_rank(bool(failure)):
                 return self._failed(step, all_gather_objects(failure), inverse, t0)
@@ -412,36 +481,59 @@ class RingReplay:
             mine, replay_failure = _attempt(lambda: replay_payload(received))
         failure = failure or replay_failure
         cross = compare_raw(received["digest"], mine, self.names, atol) if mine is not None else (True, 0.0, "")
-        first = not self._calibrated
-        mine_self, self_failure = self_round() if first else ((True, 0.0, ""), "")
+        mine_self, self_failure = self_round() if calibrating else ((True, 0.0, ""), "")
         if self_failure and not failure:
             failure = f"re-running its own micro-batches: {self_failure}"
-        row = [float(cross[0]), cross[1], float(bool(failure)), float(first), float(mine_self[0]), mine_self[1]]
+        # the probe: can the step run under warn_only=False (deterministic attention backward too)?
+        strict_ok = probe and _attempt(lambda: replay(micro, strict=True))[0] is not None
+        row = [float(cross[0]), cross[1], float(bool(failure)), float(calibrating), float(mine_self[0]), mine_self[1],
+               float(strict_ok)]  # fmt: skip
         table = all_gather_tensor(torch.tensor(row, dtype=torch.float64)).tolist()
+        if probe:
+            self._probed = all(r[6] for r in table)
         if any(r[2] for r in table):
             return self._failed(step, all_gather_objects(failure), inverse, t0)
-        if first:
-            self._calibrated = True
+        if calibrating:
+            self._calibrated, self._rounds = True, self._rounds + 1
             self._calibrate(_self_diffs(table))
         self.stats.runs += 1
+        noise: list[float] | None = None  # per rank: what its own re-runs show (lenient, on a disagreement)
+
+        def tol_for(*ranks: int) -> float:
+            """The tolerance of a comparison between ``ranks``: in lenient mode, at least the noise
+            their own re-runs showed (times ``AUTO_MARGIN``, at most ``rtol``)."""
+            tol = self.tolerance
+            if not lenient or noise is None:
+                return tol
+            return max(tol, min(rtol, AUTO_MARGIN * max(noise[r] for r in ranks)))
 
         def judge() -> tuple[list[tuple[int, int]], list[int]]:
-            tol = self.tolerance
-            pairs = [(inverse[q], q) for q, r in enumerate(table) if disagree(bool(r[0]), r[1], tol)]
-            unrepro = [q for q, r in enumerate(table) if r[3] and disagree(bool(r[4]), r[5], tol)]
+            pairs = [(inverse[q], q) for q, r in enumerate(table) if disagree(bool(r[0]), r[1], tol_for(inverse[q], q))]
+            bound = rtol if lenient else self.tolerance  # lenient: noise up to rtol is not a failure
+            unrepro = [q for q, r in enumerate(table) if r[3] and disagree(bool(r[4]), r[5], bound)]
             return pairs, unrepro
 
         mismatching, unreproducible = judge()
-        if mismatching and not first:  # a same-device re-run decides whether the replay can be trusted
-            mine_self, self_failure = self_round()
-            srow = [float(mine_self[0]), mine_self[1], float(bool(self_failure))]
+        if mismatching and (lenient or not calibrating):  # re-runs decide whether the replay can be trusted
+            if not calibrating:
+                mine_self, self_failure = self_round()
+            rerun, rerun_failure = (True, 0.0, ""), ""
+            if lenient:  # the replayer re-runs its replay: noise on its side shows as a difference with itself
+                again, rerun_failure = _attempt(lambda: replay(batches) if self.lockstep else replay_payload(received))
+                rerun = compare_raw(mine, again, self.names, atol) if again is not None else rerun
+            srow = [float(mine_self[0]), mine_self[1], float(bool(self_failure or rerun_failure)), float(rerun[0]),
+                    rerun[1]]  # fmt: skip
             stable = all_gather_tensor(torch.tensor(srow, dtype=torch.float64)).tolist()
             if any(r[2] for r in stable):
-                fails = all_gather_objects(f"re-running its own micro-batches: {self_failure}" if self_failure else "")
-                return self._failed(step, fails, inverse, t0)
-            for q, (s_exact, s_diff, _) in enumerate(stable):
+                what = f"re-running its own micro-batches: {self_failure}" if self_failure else ""
+                what = what or (f"re-running its replay: {rerun_failure}" if rerun_failure else "")
+                return self._failed(step, all_gather_objects(what), inverse, t0)
+            for q, (s_exact, s_diff, *_rest) in enumerate(stable):
                 table[q][3:6] = [1.0, s_exact, s_diff]
-            self._calibrate(_self_diffs(table))
+            if lenient:
+                noise = [max(_noise(r[0], r[1]), _noise(r[3], r[4])) for r in stable]
+                self.stats.extra = {**(self.stats.extra or {}), "max_noise": max(noise)}
+            self._calibrate(noise if noise is not None else _self_diffs(table))
             mismatching, unreproducible = judge()
         worst = max((r[1] for r in table if not math.isnan(r[1])), default=0.0)
         if math.isfinite(worst):
@@ -451,7 +543,8 @@ class RingReplay:
             self.stats.add_time(time.perf_counter() - t0)
             worst_self = max(table[q][5] for q in unreproducible)
             return self._unreplayable(step, unreproducible_message(
-                step, unreproducible, worst_self, wheres, self.tolerance, self.config.exact, self.advice))  # fmt: skip
+                step, unreproducible, worst_self, wheres, rtol if lenient else self.tolerance, self.config.exact,
+                self.advice))  # fmt: skip
         if mismatching and len(mismatching) == world and (rings >= 3 or first):
             self.stats.add_time(time.perf_counter() - t0)
             return self._unreplayable(step, every_pair_message(step, topo, first, self.advice))
@@ -462,10 +555,10 @@ class RingReplay:
             self.stats.add_time(time.perf_counter() - t0)
             return False
         return self._attribute(step, topo, partners, inverse, table, mismatching, micro, own, received, mine,
-                               replay, prepare, replay_payload, t0)  # fmt: skip
+                               replay, prepare, replay_payload, t0, tol_for)  # fmt: skip
 
     def _attribute(self, step, topo, partners, inverse, table, mismatching, micro, own, received, mine,  # type: ignore[no-untyped-def]
-                   replay, prepare, replay_payload, t0) -> bool:  # fmt: skip
+                   replay, prepare, replay_payload, t0, tol_for) -> bool:  # fmt: skip
         """Rare path: attribute the disagreeing pairs, with a referee round for pairs no culprit
         explains, and classify the named rank's fault; raises ``ReplayMismatchError``."""
         world, me = topo.world_size, topo.rank
@@ -473,9 +566,9 @@ class RingReplay:
         rings = len(self.groups) if self.groups else world
         group_of = group_index(self.groups, world)
 
-        def differs(a: Digest, b: Digest) -> bool:
+        def differs(a: Digest, b: Digest, *ranks: int) -> bool:
             exact, diff, _ = compare_raw(a, b, self.names, atol)
-            return disagree(exact, diff, tol)
+            return disagree(exact, diff, tol_for(*ranks))
 
         where = compare_raw(received["digest"], mine, self.names, atol)[2] if mine is not None else ""
         wheres = all_gather_objects(where)
@@ -507,7 +600,8 @@ class RingReplay:
                 my_failure = f"refereeing {o}->{q}: {err}"
                 continue
             if (o, q) in referees:  # a tensor-parallel peer's job that agreed: its replay served the group
-                my_rulings[(o, q)] = (not differs(got[o]["digest"], ref), not differs(got[q]["replay"], ref))
+                with_owner = not differs(got[o]["digest"], ref, o, me)
+                my_rulings[(o, q)] = (with_owner, not differs(got[q]["replay"], ref, q, me))
         rulings: dict[tuple[int, int], tuple[bool, bool]] = {}
         gathered = all_gather_objects((my_rulings, my_failure))
         if any(f for _, f in gathered):
@@ -525,7 +619,8 @@ class RingReplay:
                 if again is None:
                     mine_again = f"unknown ({err.split(':')[0]})"
                 else:
-                    mine_again = "persistent" if before is not None and not differs(before, again) else "transient"
+                    persistent = before is not None and not differs(before, again, me)
+                    mine_again = "persistent" if persistent else "transient"
             elif self.lockstep and group_of[me] == group_of[rank]:  # its tensor-parallel peers re-run the same
                 _attempt(lambda: replay(micro) if as_owner else replay_payload(received))
             elif self.lockstep:  # the suspect's re-run is collective: the others replay alongside
@@ -533,7 +628,7 @@ class RingReplay:
             classification = all_gather_objects(mine_again)[rank]
         self.stats.failures += 1
         self.stats.add_time(time.perf_counter() - t0)
-        bad = [q for q in range(world) if disagree(bool(table[q][0]), table[q][1], tol)]
+        bad = [q for q in range(world) if disagree(bool(table[q][0]), table[q][1], tol_for(inverse[q], q))]
         worst = max((table[q][1] for q in bad), default=0.0)
         details = {
             "mismatching_pairs": [list(p) for p in mismatching],
@@ -547,6 +642,7 @@ class RingReplay:
             "exact": self.config.exact,
             "tolerance": tol,
             "rtol": self.config.rtol,
+            "deterministic": self.mode,
             "node_ranks": topo.node_ranks(suspects),
             "world_size": world,
             "classification": classification,
@@ -583,7 +679,12 @@ def _any_rank(flag: bool) -> bool:
     return any(all_gather_tensor(torch.tensor([float(flag)], dtype=torch.float64)).flatten().tolist())
 
 
+def _noise(exact: float, diff: float) -> float:
+    """A same-device difference as a number: 0 when bit-identical, else at least a tiny positive
+    value (a difference the digest's sums cannot see still does not count as exact)."""
+    return 0.0 if exact else (diff if diff > 0 else 1e-12)
+
+
 def _self_diffs(table: Sequence[Sequence[float]]) -> list[float]:
-    """Each rank's same-device difference from an audit table row (exact: 0; unmeasured but not
-    exact: a tiny positive value, so the rank does not count as exact)."""
-    return [r[5] if not r[4] and r[5] > 0 else (0.0 if r[4] else 1e-12) for r in table]
+    """Each rank's same-device difference from its audit table row."""
+    return [_noise(r[4], r[5]) for r in table]
