@@ -6,7 +6,7 @@ reads Lightning ``.ckpt`` files, plain ``torch.save`` state dicts and Accelerate
 folders, flips chosen bits in chosen tensors with a seeded generator, and logs every flip
 (tensor, index, bit, old and new value) so a run can be replayed. It never writes over its input
 unless asked to, and writes every output atomically (a hard link to the input is replaced, never
-written through).
+written through) and only to a regular file: a device or FIFO given as the output is refused.
 
 Every file is read with ``weights_only=True`` (``sdc_core.safeio.load_torch``): reading a checkpoint
 cannot run code hidden in it; ``trust_pickle=True`` opts in, loudly, for a legacy file you wrote.
@@ -33,7 +33,14 @@ import torch
 from sdc_core.errors import FingerprintMismatchError
 from sdc_core.faults import flip_bit
 from sdc_core.fingerprint import tensor_digest, tensor_digest_v1
-from sdc_core.safeio import OutputError, UnreadableError, atomic_write, atomic_write_text, load_torch
+from sdc_core.safeio import (
+    OutputError,
+    UnreadableError,
+    atomic_write,
+    atomic_write_text,
+    check_output,
+    load_torch,
+)
 
 FINGERPRINT_KEY = "sdc_fingerprint"
 _DIGESTS = {1: tensor_digest_v1, 2: tensor_digest}  # fingerprint version -> per-tensor digest (newest written)
@@ -343,6 +350,9 @@ def corrupt_file(src: str | Path, out: str | Path | None, spec: Corruption, in_p
         raise ValueError(f"the flip log {log_path} would overwrite the input; choose another output name")
     if src.is_dir() and not in_place and _inside(dst, src):
         raise ValueError(f"the output {dst} is inside the input folder {src}; choose a folder outside it")
+    if not src.is_dir():
+        check_output(dst)  # a device, FIFO or folder is refused before any work
+    check_output(log_path)
     ckpt = Checkpoint.load(src, trust_pickle)
     flips = corrupt(ckpt, spec)
     ckpt.save(dst)

@@ -6,7 +6,12 @@
   the file each time: only for files you wrote yourself.
 * ``atomic_write`` writes a file beside its destination and renames it into place: a reader sees
   the old file or the new one, never half of one, and a hard link to another file (an input) is
-  replaced, never written through.
+  replaced, never written through. Only a regular file (or nothing) is ever replaced: a symbolic
+  link is followed to the file it names (the link stays), and a device, FIFO, socket or folder
+  is refused with ``OutputError`` before anything is written (``check_output``). Refused rather
+  than written through because every output here is read back (a checkpoint resumed or verified,
+  a flip log or incident parsed by ``sdc report``, a config read by a launcher): a FIFO or device
+  cannot be written atomically, and ``-o /dev/null`` would still leave its flip log in ``/dev``.
 * ``UnreadableError`` (an input cannot be read) and ``OutputError`` (an output cannot be written)
   name the file and say what to do; both are ``ValueError`` so callers that catch it still work.
 """
@@ -14,6 +19,7 @@
 from __future__ import annotations
 
 import os
+import stat
 import tempfile
 import warnings
 from collections.abc import Callable
@@ -71,19 +77,60 @@ def load_torch(path: str | Path, trust_pickle: bool = False, map_location: Any =
         raise UnreadableError(f"{path} is not a readable torch checkpoint: {type(err).__name__}: {why}") from None
 
 
+_KINDS = (
+    (stat.S_ISDIR, "a folder"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISFIFO, "a FIFO (named pipe)"),
+    (stat.S_ISSOCK, "a socket"),
+)
+
+
+def check_output(path: str | Path) -> Path:
+    """The file ``atomic_write`` would replace for ``path``: ``path`` itself, or for a symbolic
+    link the file it names. Raises ``OutputError`` (one line, naming the path and its kind) when
+    that is anything but a regular file or nothing (a device, FIFO, socket, folder, a link loop)
+    or its folder does not exist. Cheap (a few ``stat`` calls): call it before expensive work."""
+    path = Path(path)
+    target = path
+    try:
+        if stat.S_ISLNK(os.lstat(path).st_mode):
+            target = Path(os.path.realpath(path))
+            if stat.S_ISLNK(os.lstat(target).st_mode):
+                raise OutputError(f"cannot write {path}: it is a symbolic link that does not resolve (a loop)")
+    except FileNotFoundError:
+        pass
+    except OSError as err:
+        raise OutputError(f"cannot write {path}: {err.strerror or err}") from None
+    try:
+        mode = os.stat(target).st_mode
+    except FileNotFoundError:
+        mode = None
+    except OSError as err:
+        raise OutputError(f"cannot write {path}: {err.strerror or err}") from None
+    if mode is not None and not stat.S_ISREG(mode):
+        kind = next((name for test, name in _KINDS if test(mode)), "not a regular file")
+        shown = f"{path} (a link to {target})" if target != path else str(path)
+        if stat.S_ISDIR(mode):
+            raise OutputError(f"{shown} is a folder; give a file name")
+        raise OutputError(f"cannot write {shown}: it is {kind}, and outputs are only written to regular files "
+                          "(replaced atomically); give a file path")  # fmt: skip
+    if not target.parent.is_dir():
+        raise OutputError(f"cannot write {path}: folder {target.parent} does not exist; create it first")
+    return target
+
+
 def atomic_write(path: str | Path, write: Callable[[IO[bytes]], Any]) -> Path:
     """Call ``write`` on a temporary file beside ``path`` and rename it onto ``path``.
 
-    The temporary file is removed when ``write`` fails. Raises ``OutputError`` naming ``path``
-    when it is a folder or its folder does not exist or cannot be written."""
+    Only a regular file or nothing is replaced; a symbolic link is followed and its target
+    replaced (see ``check_output``, which raises ``OutputError`` for anything else: a device, a
+    FIFO, a folder, a missing folder). The temporary file is removed when ``write`` fails.
+    Returns ``path``."""
     path = Path(path)
-    if path.is_dir():
-        raise OutputError(f"{path} is a folder; give a file name")
-    parent = path.parent
-    if not parent.is_dir():
-        raise OutputError(f"cannot write {path}: folder {parent} does not exist; create it first")
+    target = check_output(path)
     try:
-        fd, tmp = tempfile.mkstemp(dir=parent, prefix=f".{path.name}.", suffix=".tmp")
+        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
     except OSError as err:
         raise OutputError(f"cannot write {path}: {err.strerror or err}") from None
     try:
@@ -91,7 +138,7 @@ def atomic_write(path: str | Path, write: Callable[[IO[bytes]], Any]) -> Path:
             write(f)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        os.replace(tmp, target)
     except BaseException as err:
         Path(tmp).unlink(missing_ok=True)
         if isinstance(err, OSError):

@@ -1,0 +1,77 @@
+"""Outputs: only a regular file (or nothing) is ever replaced; a symbolic link is followed; a
+device, FIFO or folder is refused with one line before any work. (Never the real /dev/null.)"""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import pytest
+import torch
+
+from sdc_core.cli import EXIT_OK, EXIT_UNREADABLE
+from sdc_core.cli import main as sdc
+from sdc_core.safeio import OutputError, atomic_write_text, check_output
+
+
+@pytest.fixture
+def plain(tmp_path: Path) -> Path:
+    path = tmp_path / "good.pt"
+    torch.save({"w": torch.arange(16, dtype=torch.float32), "b": torch.ones(3)}, path)
+    return path
+
+
+def test_a_fifo_is_refused_and_left_a_fifo(tmp_path: Path) -> None:
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    with pytest.raises(OutputError, match="FIFO") as err:
+        atomic_write_text(fifo, "hello")
+    assert str(fifo) in str(err.value) and "\n" not in str(err.value)
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+    assert [p.name for p in tmp_path.iterdir()] == ["pipe"]  # no temporary file left behind
+
+
+def test_a_link_to_a_fifo_is_refused_and_both_stay(tmp_path: Path) -> None:
+    fifo, link = tmp_path / "pipe", tmp_path / "out.json"
+    os.mkfifo(fifo)
+    link.symlink_to(fifo)
+    with pytest.raises(OutputError, match="a link to"):
+        atomic_write_text(link, "hello")
+    assert stat.S_ISLNK(os.lstat(link).st_mode) and stat.S_ISFIFO(os.lstat(fifo).st_mode)
+
+
+def test_a_link_to_a_regular_file_is_followed_and_stays_a_link(tmp_path: Path) -> None:
+    (tmp_path / "real").mkdir()
+    target, link = tmp_path / "real" / "config.yaml", tmp_path / "config.yaml"
+    target.write_text("old")
+    link.symlink_to(target)
+    atomic_write_text(link, "new")
+    assert stat.S_ISLNK(os.lstat(link).st_mode) and target.read_text() == "new"
+    dangling = tmp_path / "later.json"
+    dangling.symlink_to(tmp_path / "real" / "later.json")
+    atomic_write_text(dangling, "{}")
+    assert (tmp_path / "real" / "later.json").read_text() == "{}" and dangling.is_symlink()
+
+
+def test_a_link_loop_and_a_folder_are_refused(tmp_path: Path) -> None:
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.symlink_to(b)
+    b.symlink_to(a)
+    with pytest.raises(OutputError, match="loop"):
+        check_output(a)
+    with pytest.raises(OutputError, match="folder"):
+        check_output(tmp_path)
+
+
+def test_corrupt_checkpoint_refuses_a_fifo_output_with_one_line(plain: Path, tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture) -> None:  # fmt: skip
+    fifo = tmp_path / "null"
+    os.mkfifo(fifo)
+    before = plain.read_bytes()
+    assert sdc(["corrupt-checkpoint", str(plain), "-o", str(fifo)]) == EXIT_UNREADABLE
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "FIFO" in err and str(fifo) in err
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode) and plain.read_bytes() == before
+    assert not Path(f"{fifo}.flips.json").exists()  # refused before anything was written
+    assert sdc(["corrupt-checkpoint", str(plain), "-o", str(tmp_path / "bad.pt")]) == EXIT_OK
