@@ -40,6 +40,7 @@ from sdc_core.safeio import (
     atomic_write_text,
     check_output,
     load_torch,
+    output_mode,
 )
 
 FINGERPRINT_KEY = "sdc_fingerprint"
@@ -199,6 +200,7 @@ class Checkpoint:
             shutil.copytree(self.path, tmp, dirs_exist_ok=True)
             for fname in self.objects:
                 self._save_file(fname, tmp / fname)
+            os.chmod(tmp, output_mode(out, folder=True))  # mkdtemp made it 0o700
             if out.exists():
                 out.rmdir()
             os.replace(tmp, out)

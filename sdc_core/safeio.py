@@ -12,6 +12,8 @@
   than written through because every output here is read back (a checkpoint resumed or verified,
   a flip log or incident parsed by ``sdc report``, a config read by a launcher): a FIFO or device
   cannot be written atomically, and ``-o /dev/null`` would still leave its flip log in ``/dev``.
+  Permissions are those of an ordinary write: a new file gets ``0o666`` less the umask, a
+  replaced file keeps its mode (``output_mode``), never the ``0o600`` of a temporary file.
 * ``UnreadableError`` (an input cannot be read) and ``OutputError`` (an output cannot be written)
   name the file and say what to do; both are ``ValueError`` so callers that catch it still work.
 """
@@ -21,6 +23,7 @@ from __future__ import annotations
 import os
 import stat
 import tempfile
+import threading
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -120,6 +123,34 @@ def check_output(path: str | Path) -> Path:
     return target
 
 
+_UMASK_LOCK = threading.Lock()
+
+
+def current_umask() -> int:
+    """This process's umask, read without changing it where Linux shows it (``/proc/self/status``);
+    elsewhere set and restored at once under a lock."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    with _UMASK_LOCK:
+        mask = os.umask(0o022)
+        os.umask(mask)
+    return mask
+
+
+def output_mode(target: str | Path, folder: bool = False) -> int:
+    """The permission bits an ordinary write would leave on ``target``: its own when it exists,
+    else ``0o666`` (``0o777`` for a folder) less the umask."""
+    try:
+        return stat.S_IMODE(os.stat(target).st_mode) & 0o777
+    except OSError:
+        return (0o777 if folder else 0o666) & ~current_umask()
+
+
 def atomic_write(path: str | Path, write: Callable[[IO[bytes]], Any]) -> Path:
     """Call ``write`` on a temporary file beside ``path`` and rename it onto ``path``.
 
@@ -137,6 +168,7 @@ def atomic_write(path: str | Path, write: Callable[[IO[bytes]], Any]) -> Path:
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()
+            os.fchmod(f.fileno(), output_mode(target))  # mkstemp made it 0o600
             os.fsync(f.fileno())
         os.replace(tmp, target)
     except BaseException as err:
@@ -155,7 +187,7 @@ def atomic_write_text(path: str | Path, text: str) -> Path:
 def create_unique(folder: str | Path, stem: str, suffix: str, text: str) -> Path:
     """Write ``text`` to a new file ``<folder>/<stem><suffix>`` (``<stem>-2<suffix>``, ... when
     taken) atomically, never replacing an existing file: two writers in the same instant get two
-    files."""
+    files. The file gets ``0o666`` less the umask, as an ordinary new file."""
     folder = Path(folder)
     try:
         fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{stem}.", suffix=".tmp")
@@ -165,6 +197,7 @@ def create_unique(folder: str | Path, stem: str, suffix: str, text: str) -> Path
         with os.fdopen(fd, "wb") as f:
             f.write(text.encode())
             f.flush()
+            os.fchmod(f.fileno(), 0o666 & ~current_umask())  # mkstemp made it 0o600
             os.fsync(f.fileno())
         for n in range(1, 10_000):
             path = folder / (f"{stem}{suffix}" if n == 1 else f"{stem}-{n}{suffix}")
@@ -174,7 +207,7 @@ def create_unique(folder: str | Path, stem: str, suffix: str, text: str) -> Path
                 continue
             except OSError:  # a file system without hard links: exclusive create, then write
                 try:
-                    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
                 except FileExistsError:
                     continue
                 with os.fdopen(fd, "wb") as f:

@@ -1,18 +1,23 @@
 """Outputs: only a regular file (or nothing) is ever replaced; a symbolic link is followed; a
-device, FIFO or folder is refused with one line before any work. (Never the real /dev/null.)"""
+device, FIFO or folder is refused with one line before any work (never the real /dev/null here).
+Outputs get the permissions of an ordinary write (umask), not a temporary file's 0o600."""
 
 from __future__ import annotations
 
 import os
 import stat
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from sdc_core.cli import EXIT_OK, EXIT_UNREADABLE
 from sdc_core.cli import main as sdc
-from sdc_core.safeio import OutputError, atomic_write_text, check_output
+from sdc_core.errors import FingerprintMismatchError
+from sdc_core.incidents import write_incident
+from sdc_core.safeio import OutputError, atomic_write_text, check_output, create_unique
+from sdc_core.topology import RankFacts, Topology
 
 
 @pytest.fixture
@@ -75,3 +80,41 @@ def test_corrupt_checkpoint_refuses_a_fifo_output_with_one_line(plain: Path, tmp
     assert stat.S_ISFIFO(os.lstat(fifo).st_mode) and plain.read_bytes() == before
     assert not Path(f"{fifo}.flips.json").exists()  # refused before anything was written
     assert sdc(["corrupt-checkpoint", str(plain), "-o", str(tmp_path / "bad.pt")]) == EXIT_OK
+
+
+@pytest.fixture
+def umask_022() -> Any:
+    old = os.umask(0o022)
+    yield
+    os.umask(old)
+
+
+def mode(path: Path) -> int:
+    return stat.S_IMODE(os.stat(path).st_mode)
+
+
+def test_outputs_honour_the_umask_as_an_ordinary_write(tmp_path: Path, plain: Path, umask_022: Any) -> None:
+    atomic_write_text(tmp_path / "new.json", "{}")
+    assert mode(tmp_path / "new.json") == 0o644  # not mkstemp's 0o600: another account can read it
+    kept = tmp_path / "kept.yaml"
+    kept.write_text("a")
+    os.chmod(kept, 0o640)
+    atomic_write_text(kept, "b")
+    assert mode(kept) == 0o640 and kept.read_text() == "b"  # a replaced file keeps its mode
+    assert mode(create_unique(tmp_path, "incident", ".json", "{}")) == 0o644
+    err = FingerprintMismatchError(step=3, rank=0, suspects=(0,), hosts={0: "node-a"})
+    incident = write_incident(tmp_path / "run", err, Topology((RankFacts(0, "node-a", 0, 0),), 0), {}, "raise")
+    assert mode(incident) == 0o644
+    assert sdc(["corrupt-checkpoint", str(plain), "-o", str(tmp_path / "bad.pt")]) == EXIT_OK
+    assert mode(tmp_path / "bad.pt") == 0o644 and mode(tmp_path / "bad.pt.flips.json") == 0o644
+    os.umask(0o077)
+    atomic_write_text(tmp_path / "private.json", "{}")
+    assert mode(tmp_path / "private.json") == 0o600
+
+
+def test_an_altered_folder_copy_honours_the_umask(tmp_path: Path, umask_022: Any) -> None:
+    src = tmp_path / "state"
+    src.mkdir()
+    torch.save({"w": torch.ones(8)}, src / "pytorch_model.bin")
+    assert sdc(["corrupt-checkpoint", str(src), "-o", str(tmp_path / "copy")]) == EXIT_OK
+    assert mode(tmp_path / "copy") == 0o755 and mode(tmp_path / "copy" / "pytorch_model.bin") == 0o644
