@@ -300,6 +300,27 @@ class Corruption:
             raise ValueError(f"bits must be bit positions in 0..63, got {list(self.bits)}")
 
 
+def distinct_positions(total: int, n: int, gen: torch.Generator) -> torch.Tensor:
+    """``n`` distinct positions in ``range(total)``, sorted, every ``n``-subset equally likely.
+
+    Memory is O(n), not O(total): iid uniform draws are pooled until ``n`` distinct values are
+    seen (given its size, the set of distinct draws is a uniform subset), then ``n`` of them are
+    kept at random. When ``n`` is at least half of ``total`` a permutation of ``range(total)``
+    costs no more than the answer and is used instead."""
+    if not 0 <= n <= total:
+        raise ValueError(f"cannot pick {n} distinct positions out of {total}")
+    if 2 * n >= total:
+        return torch.randperm(total, generator=gen)[:n].sort().values
+    pool = torch.empty(0, dtype=torch.int64)
+    while pool.numel() < n:
+        need = n - pool.numel()
+        draws = torch.randint(total, (need + need // 2 + 16,), generator=gen, dtype=torch.int64)
+        pool = torch.unique(torch.cat([pool, draws]))
+    if pool.numel() > n:
+        pool = pool[torch.randperm(pool.numel(), generator=gen)[:n]]
+    return pool.sort().values
+
+
 def corrupt(ckpt: Checkpoint, spec: Corruption) -> list[dict[str, Any]]:
     """Flip bits of ``ckpt``'s tensors in memory as ``spec`` says; returns the flip log."""
     rx = re.compile(spec.pattern) if spec.pattern else None
@@ -313,7 +334,7 @@ def corrupt(ckpt: Checkpoint, spec: Corruption) -> list[dict[str, Any]]:
         raise ValueError(f"the tensors matching target={spec.target!r} pattern={spec.pattern!r} are empty")
     n = spec.count if spec.count is not None else max(1, round(spec.fraction * total))  # type: ignore[operator]
     gen = torch.Generator().manual_seed(spec.seed)
-    flat = torch.randperm(total, generator=gen)[: min(n, total)].sort().values
+    flat = distinct_positions(total, min(n, total), gen)
     bounds = torch.cumsum(sizes.long(), 0)
     log = []
     for pos in flat.tolist():
