@@ -58,7 +58,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from sdc_core import shutdown
 from sdc_core.checkpoint import FINGERPRINT_KEY, check_loaded_checkpoint, fingerprint_checkpoint
-from sdc_core.errors import SDCError
+from sdc_core.errors import ReplayMismatchError, SDCError
 from sdc_core.fingerprint import WeightFingerprint
 from sdc_core.gradients import GradientTap, NonFiniteGradient, drop_step
 from sdc_core.incidents import install_exit_code, mark_verdict, record_verdict
@@ -259,6 +259,7 @@ class SDCHooks:
         self._consumers: list[tuple[list[Any], Any]] = []  # (tap list, consumer) pairs to remove on detach
         self._log_due: int | None = None  # step of the periodic point not written yet
         self._checked: int | None = None  # the step check_gradients_now decided
+        self._recorded: BaseException | None = None  # the last verdict whose incident was written
         self._checked_skip = False
         self._logged_step: int | None = None
         self._fw.register_for_checkpointing(self)
@@ -547,9 +548,11 @@ class SDCHooks:
         try:
             out = run()
         except SDCError as err:
-            if check.last_error is None:
-                check.last_error = err
-            self._record(check, "raise")
+            if err is not self._recorded:  # a verdict raised through an outer call is recorded once
+                self._recorded = err
+                if check.last_error is None:
+                    check.last_error = err
+                self._record(check, "raise")
             mark_verdict(err)
             raise
         self._record(check, policy)
@@ -579,11 +582,7 @@ class SDCHooks:
             )
         if replay is not None and skipped:
             replay.disarm()  # a step the gradient check dropped is not audited
-        elif replay is not None and self._verdict(
-            replay,
-            lambda: replay.audit(step, module, self._replay_step, self._to_device),
-            "skip_step",
-        ):  # a transient fault: every rank drops this step
+        elif replay is not None and self._audit(step, module):  # a transient fault: every rank drops this step
             drop_step(module.parameters(), scaler_active=scaler)
             skipped = True
         self._write_due_log()  # this step's verdicts are in: the pending point is complete
@@ -597,6 +596,25 @@ class SDCHooks:
         if self.step % self.settings.log_every_n_steps == 0:
             self.log()
         return out
+
+    def _audit(self, step: int, module: nn.Module) -> bool:
+        """The replay audit of this step. Verdicts in causal order: when a replay disagreement is
+        raised and the fingerprint check is on, the replicas' current weights are compared first
+        (every rank is here together); a replica whose weights changed since the last comparison
+        computes differently, so the weight fault is what is raised (``FingerprintMismatchError``
+        naming the tensors), not a compute fault. Cost: one extra comparison, on a failing step only."""
+        replay, fp = self.replay, self.fingerprint
+
+        def audit() -> bool:
+            try:
+                return bool(replay.audit(step, module, self._replay_step, self._to_device))
+            except ReplayMismatchError:
+                if fp is not None:  # raises (and records) the weight fault when the replicas' weights differ
+                    self._verdict(fp, lambda: fp.check_now(max(step - 1, 0), module, [_inner(self._optimizer)]),
+                                  "heal")  # fmt: skip
+                raise
+
+        return bool(self._verdict(replay, audit, "skip_step"))
 
     def _record(self, check: Any, policy: str) -> None:
         """Write the incident of ``check``'s last verdict (main process; a failed write only warns)."""

@@ -13,9 +13,11 @@ runs the named scenarios one after the other in one process group; each rank wri
   second step), ``nan`` (a NaN in rank 1's local gradient at step 2; at steps 2-4 with the fp16
   GradScaler, which skips a lone overflow itself), ``activation`` (a wrong
   output element of one module on rank 2 from step 2: the replay names it), ``flip`` (a bit flip
-  in rank 1's weights after step 2: the fingerprint names it), ``update`` (FSDP: a wrong update of
-  rank 1's shard at step 4, named by the update audit), ``save`` (a clean run, then ``before_save``,
-  a checkpoint written and loaded back, verified by a fresh hook set; a changed weight refused).
+  in rank 1's weights after step 2: the fingerprint names it), ``flip_audited`` (the same after
+  step 1, before the audited step 2: reported as the weight fault it is, not as a compute fault),
+  ``update`` (FSDP: a wrong update of rank 1's shard at step 4, named by the update audit),
+  ``save`` (a clean run, then ``before_save``, a checkpoint written and loaded back, verified by a
+  fresh hook set; a changed weight refused).
 
 With several ranks on one GPU the process group is gloo (NCCL refuses two ranks on a device);
 ``--backend`` overrides. Each result holds the error (``SDCError.to_dict()``), the weights'
@@ -179,6 +181,8 @@ def faults(model: str, kind: str) -> list[Fault]:
         return [Fault("module_output", rank=2, step=2, target=module, factor=1.5, index=3)]
     if kind == "flip":
         return [Fault("weight_bit_flip", rank=1, step=2, target=weight, index=5, bit=27)]
+    if kind == "flip_audited":  # after update 1, digested already; step 2 is audited: the replay sees it first
+        return [Fault("weight_bit_flip", rank=1, step=1, target=weight, index=5, bit=27)]
     return []
 
 

@@ -58,7 +58,7 @@ def check_models(out: Path, models: list[str], world: int, exact: set[str]) -> N
 
 @pytest.fixture(scope="module")
 def ddp(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return launch(tmp_path_factory.mktemp("plain_ddp"), [f"mlp:{k}" for k in (*KINDS, "save")], 3)
+    return launch(tmp_path_factory.mktemp("plain_ddp"), [f"mlp:{k}" for k in (*KINDS, "save", "flip_audited")], 3)
 
 
 def test_plain_torchrun_ddp_loop_names_the_faulty_rank_with_every_check(ddp: Path) -> None:
@@ -67,6 +67,16 @@ def test_plain_torchrun_ddp_loop_names_the_faulty_rank_with_every_check(ddp: Pat
     assert nan["step"] == 2 and nan["details"]["pattern"] == "one_rank"
     assert same_error(ddp, "mlp:activation", 3)["step"] == 2
     assert same_error(ddp, "mlp:flip", 3)["step"] == 3  # flipped after update 2, digested after update 3
+
+
+def test_a_weight_flip_before_an_audited_step_is_reported_as_a_weight_fault(ddp: Path) -> None:
+    """The replay disagrees first (rank 1 computes with other weights), but the weights are compared
+    before a compute fault is raised: the verdict is the weight fault, naming the tensor."""
+    err = same_error(ddp, "mlp:flip_audited", 3)
+    assert (err["type"], err["rank"]) == ("FingerprintMismatchError", 1), err["message"]
+    assert "body.3.weight" in err["message"]
+    assert [i.split("-", 1)[1] for i in results(ddp, "mlp:flip_audited", 3)[0]["incidents"]] == [
+        "weight_fingerprint-step1.json"]  # one incident: the weight fault, not a compute fault besides
 
 
 def test_plain_loop_logs_through_the_callable_and_carries_counters(ddp: Path) -> None:
