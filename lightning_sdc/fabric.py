@@ -39,6 +39,7 @@ Strategies: ``"ddp"`` (and its variants) or a single device; others raise ``Valu
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -226,6 +227,7 @@ class SDCHooks(_HookSet):
                 f"{type(strategy).__name__} (FSDP, DeepSpeed and model-parallel strategies are not supported)"
             )
         super().attach(model, optimizer, loss_fn)
+        self.fabric._sdc_hooks = weakref.ref(self)  # the hook set clip_gradients consults
         if "clip_gradients" not in vars(self.fabric):  # once per Fabric
             self._wrap_clip_gradients()
         return self
@@ -237,13 +239,13 @@ class SDCHooks(_HookSet):
         the ``NonFiniteGradientError`` naming the rank, on every process (all see the same reduced
         gradients, so all raise)."""
         fabric, original = self.fabric, self.fabric.clip_gradients
-        hooks = self
 
         def clip_gradients(*args: Any, **kwargs: Any) -> Any:
             try:
                 return original(*args, **kwargs)
             except RuntimeError:
-                if hooks.module is not None:
+                hooks = fabric._sdc_hooks()  # the hook set attached last (one Fabric may serve several runs)
+                if hooks is not None and hooks.module is not None:
                     hooks.check_gradients_now()  # raises the SDC verdict when the gradients are non-finite
                 raise
 
