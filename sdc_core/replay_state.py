@@ -447,6 +447,7 @@ def replay_gradients(
     (normalised for accumulation, scaled by a GradScaler). Per micro-batch the owner's RNG and
     state are put in place (``capture``; without one, private copies of the replayer's own),
     trainable parameters are detached aliases, collectives are refused; everything is restored.
+    ``context()`` is entered around each forward only (``step_fn``), never the backward.
     Returns the loss as a float64 device tensor (no host sync) and the gradients.
     """
     capture = capture or StateCapture(module, names, max_state_mb=0)
@@ -462,8 +463,11 @@ def replay_gradients(
             batch = to_device(mb.batch)
             with capture.applied(mb.state) as tensors:
                 swapped = {**tensors, **aliases}
-                with _reparametrize_module(module, swapped, tie_weights=True), context(), forbid_collectives():
-                    loss = step_fn(batch, mb.batch_idx)
+                with _reparametrize_module(module, swapped, tie_weights=True), forbid_collectives():
+                    with context():  # the forward only, as the frameworks run it (autocast, ...)
+                        loss = step_fn(batch, mb.batch_idx)
+                    # the backward outside the precision context, as the owner's: on CPU a backward
+                    # inside torch.autocast runs its ops under autocast and gives other gradients
                     grads = torch.autograd.grad(loss, list(aliases.values()), allow_unused=True)
             total_loss = total_loss + loss.detach().to(total_loss.device, torch.float64)
             for n, g in zip(aliases, grads, strict=True):
