@@ -31,18 +31,27 @@ on the rank, or ranks run different software), is not replayable: ``ReplayUnavai
 every rank (not an ``SDCError``), or with ``on_unreplayable="warn"`` one warning and the audit
 off. A failure inside any replay (an exception, a refused collective) ends the same way.
 
-Comparison: ``exact="auto"`` (default) calibrates at the first audit: when each rank's re-run
-of its own micro-batches is bit-identical (the lower median over ranks), comparisons are exact;
-otherwise the tolerance is ``min(rtol, 100 * noise floor)``, the noise floor being the lower
-median of the ranks' same-device differences. A disagreement later triggers a new same-device
-round, which may raise the tolerance (never above ``rtol``) on the evidence of the majority. One
+Deterministic kernels (``deterministic=True``, default): the owner's audited micro-batches and
+every replay run under ``torch.use_deterministic_algorithms(True)`` (``warn_only=True`` until a
+probe replay at the first audit proves the step runs without it, ``strict`` after that), the
+user's settings restored after each; see ``RingReplay``.
+
+Comparison: ``exact="auto"`` (default) calibrates from same-device re-runs: when each rank's
+re-run of its own micro-batches is bit-identical (the lower median over ranks), comparisons are
+exact; otherwise the tolerance is ``min(rtol, 100 * noise floor)``, the noise floor being the
+lower median of the ranks' same-device differences. In ``strict`` mode one round decides; else
+three audits do, and a disagreement re-runs both sides of every pair first: a difference within
+100 times the noise the pair's own re-runs show (at most ``rtol``) is noise, not a fault. One
 faulty device cannot move a lower median, and ``rtol`` caps what any evidence can do.
 ``exact=True`` demands bit equality; ``exact=False`` uses ``rtol`` as is. Differences are
 measured per parameter on loss, gradient norm and gradient sum (the latter relative to
 ``sqrt(numel) * norm``), with ``atol`` the floor of the denominators.
 
-Cost: on audited steps, one extra forward and backward of the partner's micro-batches (twice at
-the first audit: the self re-run), the batch and state transfer (point to point, never
+Cost: on audited steps, deterministic kernels for the owner's micro-batches (+9 to 11% on an
+H200, docs/coverage.md) and one extra forward and backward of the partner's micro-batches (three
+at the first audit: the self re-run and the strict probe; two at the next and, without strict
+determinism, the first three audits), its gradients digested as they are produced (no second
+full set of gradients is held), the batch and state transfer (point to point, never
 gathered), a per-parameter digest of the local gradients read with one device-to-host copy, a
 clone of the state per audited step (at most ``max_state_mb``, 256 MiB; larger tensors are read live and
 guarded against in-place change) and one all-gather of six float64 per rank. Other steps pay

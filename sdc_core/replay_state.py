@@ -13,8 +13,9 @@ off.
 Cost: a capture clones state tensors on their device (no host sync) within ``max_state_mb`` per
 audited step (larger tensors are read live and guarded against in-place change); frozen tensors
 above ``SEND_BY_DIGEST_BYTES`` travel by digest (one host read per transfer). A re-run is one
-forward and backward per micro-batch and holds one set of gradients (the summed gradients of the
-micro-batches) until it returns.
+forward and backward per micro-batch; ``replay_each_gradient`` hands each final gradient on as it
+is produced and frees it (with several micro-batches the earlier ones' sum is held until the
+last), ``replay_gradients`` returns the full set. ``DeterministicWindow`` sets five flags.
 
 Limits: not captured are objects that are neither tensors nor plain Python values (rebinds are
 undone, in-place changes are not), globals, iterators, files; collectives imported by name before
