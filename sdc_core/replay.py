@@ -31,18 +31,27 @@ on the rank, or ranks run different software), is not replayable: ``ReplayUnavai
 every rank (not an ``SDCError``), or with ``on_unreplayable="warn"`` one warning and the audit
 off. A failure inside any replay (an exception, a refused collective) ends the same way.
 
-Comparison: ``exact="auto"`` (default) calibrates at the first audit: when each rank's re-run
-of its own micro-batches is bit-identical (the lower median over ranks), comparisons are exact;
-otherwise the tolerance is ``min(rtol, 100 * noise floor)``, the noise floor being the lower
-median of the ranks' same-device differences. A disagreement later triggers a new same-device
-round, which may raise the tolerance (never above ``rtol``) on the evidence of the majority. One
+Deterministic kernels (``deterministic=True``, default): the owner's audited micro-batches and
+every replay run under ``torch.use_deterministic_algorithms(True)`` (``warn_only=True`` until a
+probe replay at the first audit proves the step runs without it, ``strict`` after that), the
+user's settings restored after each; see ``RingReplay``.
+
+Comparison: ``exact="auto"`` (default) calibrates from same-device re-runs: when each rank's
+re-run of its own micro-batches is bit-identical (the lower median over ranks), comparisons are
+exact; otherwise the tolerance is ``min(rtol, 100 * noise floor)``, the noise floor being the
+lower median of the ranks' same-device differences. In ``strict`` mode one round decides; else
+three audits do, and a disagreement re-runs both sides of every pair first: a difference within
+100 times the noise the pair's own re-runs show (at most ``rtol``) is noise, not a fault. One
 faulty device cannot move a lower median, and ``rtol`` caps what any evidence can do.
 ``exact=True`` demands bit equality; ``exact=False`` uses ``rtol`` as is. Differences are
 measured per parameter on loss, gradient norm and gradient sum (the latter relative to
 ``sqrt(numel) * norm``), with ``atol`` the floor of the denominators.
 
-Cost: on audited steps, one extra forward and backward of the partner's micro-batches (twice at
-the first audit: the self re-run), the batch and state transfer (point to point, never
+Cost: on audited steps, deterministic kernels for the owner's micro-batches (+9 to 11% on an
+H200, docs/coverage.md) and one extra forward and backward of the partner's micro-batches (three
+at the first audit: the self re-run and the strict probe; two at the next and, without strict
+determinism, the first three audits), its gradients digested as they are produced (no second
+full set of gradients is held), the batch and state transfer (point to point, never
 gathered), a per-parameter digest of the local gradients read with one device-to-host copy, a
 clone of the state per audited step (at most ``max_state_mb``, 256 MiB; larger tensors are read live and
 guarded against in-place change) and one all-gather of six float64 per rank. Other steps pay
@@ -121,6 +130,7 @@ from sdc_core.replay_state import (
     deterministic,
     forbid_collectives,
     is_determinism_error,
+    replay_each_gradient,
     replay_gradients,
 )
 from sdc_core.stats import CheckStats
@@ -140,8 +150,8 @@ __all__ = [
     "StateCapture", "StepFn", "StepState", "TensorRef", "calibrate", "capture_rng", "compare", "compare_raw",
     "deterministic", "disagree", "every_pair_message", "explain", "is_determinism_error",
     "failed_message", "for_transfer", "forbid_collectives", "grad_digest", "group_index", "lower_median",
-    "mismatch_reason", "pick_referee", "referee_jobs", "referee_sends", "replay_gradients", "replay_partners",
-    "settle", "unreproducible_message",
+    "mismatch_reason", "pick_referee", "referee_jobs", "referee_sends", "replay_each_gradient", "replay_gradients",
+    "replay_partners", "settle", "unreproducible_message",
 ]  # fmt: skip
 # private names kept importable from here for callers written before the split
 _COMPAT = (_all_rng, _assemble, _cause, _copy_plain, _describe, _digest_row, _first_device, _fresh,
@@ -359,12 +369,17 @@ class RingReplay:
         context: Callable[[], AbstractContextManager[Any]],
     ) -> Digest:
         """Recompute ``batches`` on this rank (no collective, no side effect) and digest the result."""
+        rows: dict[str, Row] = {}
+
+        def digest(name: str, grad: torch.Tensor) -> None:  # each gradient as produced, then freed
+            rows[name] = _digest_row(grad)
+
         self.replaying = True
         try:
-            loss, grads = replay_gradients(module, self.names, batches, step_fn, to_device, context, self.capture)
+            loss = replay_each_gradient(module, self.names, batches, step_fn, digest, to_device, context, self.capture)
         finally:
             self.replaying = False
-        return grad_digest(self.names, grads, loss)
+        return _assemble(self.names, rows, loss)
 
     def _unreplayable(self, step: int, message: str) -> bool:
         """Every rank alike: raise ``ReplayUnavailableError``, or warn once and turn the audit off."""
@@ -436,7 +451,8 @@ class RingReplay:
         micro, self._micro, self._armed_step = self._micro, [], None
         own_states = [mb.state for mb in micro]
         atol, rtol = float(self.config.atol), float(self.config.rtol)
-        lenient = self.config.exact == "auto" and self.config.exact is not True and not self.strict
+        confirm = not self.strict  # kernels may be nondeterministic: a disagreement is re-run on both sides
+        lenient = confirm and self.config.exact == "auto" and self.config.exact is not True  # noise is tolerated
         needed = CALIBRATION_ROUNDS if lenient else 1
         first, calibrating = self._rounds == 0, self._rounds < needed
         probe = self.config.deterministic and self._strict is None
@@ -497,7 +513,8 @@ class RingReplay:
             self._calibrated, self._rounds = True, self._rounds + 1
             self._calibrate(_self_diffs(table))
         self.stats.runs += 1
-        noise: list[float] | None = None  # per rank: what its own re-runs show (lenient, on a disagreement)
+        noise: list[float] | None = None  # per rank: what its own re-runs show (not strict, on a disagreement)
+        shaky: list[int] = []  # exact comparisons: ranks of disagreeing pairs that disagree with themselves
 
         def tol_for(*ranks: int) -> float:
             """The tolerance of a comparison between ``ranks``: in lenient mode, at least the noise
@@ -514,11 +531,11 @@ class RingReplay:
             return pairs, unrepro
 
         mismatching, unreproducible = judge()
-        if mismatching and (lenient or not calibrating):  # re-runs decide whether the replay can be trusted
+        if mismatching and (confirm or not calibrating):  # re-runs decide whether the replay can be trusted
             if not calibrating:
                 mine_self, self_failure = self_round()
             rerun, rerun_failure = (True, 0.0, ""), ""
-            if lenient:  # the replayer re-runs its replay: noise on its side shows as a difference with itself
+            if confirm:  # the replayer re-runs its replay: noise on its side shows as a difference with itself
                 again, rerun_failure = _attempt(lambda: replay(batches) if self.lockstep else replay_payload(received))
                 rerun = compare_raw(mine, again, self.names, atol) if again is not None else rerun
             srow = [float(mine_self[0]), mine_self[1], float(bool(self_failure or rerun_failure)), float(rerun[0]),
@@ -530,20 +547,23 @@ class RingReplay:
                 return self._failed(step, all_gather_objects(what), inverse, t0)
             for q, (s_exact, s_diff, *_rest) in enumerate(stable):
                 table[q][3:6] = [1.0, s_exact, s_diff]
-            if lenient:
+            if confirm:
                 noise = [max(_noise(r[0], r[1]), _noise(r[3], r[4])) for r in stable]
                 self.stats.extra = {**(self.stats.extra or {}), "max_noise": max(noise)}
             self._calibrate(noise if noise is not None else _self_diffs(table))
             mismatching, unreproducible = judge()
+            if noise is not None and self.config.exact is True:  # bit equality demanded: a noisy pair is no proof
+                shaky = sorted({r for pair in mismatching for r in pair if noise[r] > 0})
         worst = max((r[1] for r in table if not math.isnan(r[1])), default=0.0)
         if math.isfinite(worst):
             self.stats.max_diff = max(self.stats.max_diff, worst)
-        if len(unreproducible) >= 2:
+        if len(unreproducible) >= 2 or shaky:
+            refused = sorted(set(unreproducible) | set(shaky))
             wheres = all_gather_objects(mine_self[2])
             self.stats.add_time(time.perf_counter() - t0)
-            worst_self = max(table[q][5] for q in unreproducible)
+            worst_self = max(max(table[q][5], noise[q] if noise else 0.0) for q in refused)
             return self._unreplayable(step, unreproducible_message(
-                step, unreproducible, worst_self, wheres, rtol if lenient else self.tolerance, self.config.exact,
+                step, refused, worst_self, wheres, rtol if lenient else self.tolerance, self.config.exact,
                 self.advice))  # fmt: skip
         if mismatching and len(mismatching) == world and (rings >= 3 or first):
             self.stats.add_time(time.perf_counter() - t0)

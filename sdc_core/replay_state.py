@@ -13,8 +13,9 @@ off.
 Cost: a capture clones state tensors on their device (no host sync) within ``max_state_mb`` per
 audited step (larger tensors are read live and guarded against in-place change); frozen tensors
 above ``SEND_BY_DIGEST_BYTES`` travel by digest (one host read per transfer). A re-run is one
-forward and backward per micro-batch and holds one set of gradients (the summed gradients of the
-micro-batches) until it returns.
+forward and backward per micro-batch; ``replay_each_gradient`` hands each final gradient on as it
+is produced and frees it (with several micro-batches the earlier ones' sum is held until the
+last), ``replay_gradients`` returns the full set. ``DeterministicWindow`` sets five flags.
 
 Limits: not captured are objects that are neither tensors nor plain Python values (rebinds are
 undone, in-place changes are not), globals, iterators, files; collectives imported by name before
@@ -447,31 +448,73 @@ def replay_gradients(
     (normalised for accumulation, scaled by a GradScaler). Per micro-batch the owner's RNG and
     state are put in place (``capture``; without one, private copies of the replayer's own),
     trainable parameters are detached aliases, collectives are refused; everything is restored.
-    Returns the loss as a float64 device tensor (no host sync) and the gradients.
+    ``context()`` is entered around each forward only (``step_fn``), never the backward.
+    Returns the loss as a float64 device tensor (no host sync) and the gradients (a full set:
+    ``replay_each_gradient`` consumes them as they are produced instead).
     """
+    total: dict[str, torch.Tensor] = {}
+    loss = replay_each_gradient(module, names, micro_batches, step_fn, total.__setitem__, to_device, context, capture)
+    return loss, total
+
+
+def replay_each_gradient(
+    module: nn.Module,
+    names: Sequence[str],
+    micro_batches: Iterable[MicroBatch],
+    step_fn: StepFn,
+    consume: Callable[[str, torch.Tensor], None],
+    to_device: Callable[[Any], Any] = lambda b: b,
+    context: Callable[[], AbstractContextManager[Any]] = nullcontext,
+    capture: StateCapture | None = None,
+) -> torch.Tensor:
+    """``replay_gradients`` that hands each parameter's final gradient (summed over the
+    micro-batches) to ``consume(name, grad)`` as soon as the last micro-batch's backward has
+    produced it, and frees it there: for one micro-batch, no second full set of gradients ever
+    exists (the peak is the backward's own); with several, the sum of the earlier micro-batches
+    is held until the last one. ``consume`` runs on the autograd thread: no host sync, no raise.
+    Gradients accumulate as in ``.grad`` (the owner's layout and order of summation). Returns
+    the summed loss as a float64 device tensor."""
     capture = capture or StateCapture(module, names, max_state_mb=0)
     params = dict(module.named_parameters())
     aliases = {n: params[n].detach().requires_grad_() for n in names}
     device = next((p.device for p in params.values()), torch.device("cpu"))
     saved_rng = _all_rng(device)
     total_loss = torch.zeros((), dtype=torch.float64, device=device)
-    total: dict[str, torch.Tensor] = {}
+    last = [False]
+
+    def hook(name: str) -> Callable[[torch.Tensor], None]:
+        def on_grad(alias: torch.Tensor) -> None:
+            if last[0] and alias.grad is not None:
+                consume(name, alias.grad)
+                alias.grad = None
+
+        return on_grad
+
+    handles = [a.register_post_accumulate_grad_hook(hook(n)) for n, a in aliases.items()]
+    batches = list(micro_batches)
     try:
-        for mb in micro_batches:
+        for i, mb in enumerate(batches):
+            last[0] = i == len(batches) - 1
             _set_rng(mb.cpu_rng, mb.cuda_rng, mb.py_rng, mb.np_rng, device)
             batch = to_device(mb.batch)
             with capture.applied(mb.state) as tensors:
                 swapped = {**tensors, **aliases}
-                with _reparametrize_module(module, swapped, tie_weights=True), context(), forbid_collectives():
-                    loss = step_fn(batch, mb.batch_idx)
-                    grads = torch.autograd.grad(loss, list(aliases.values()), allow_unused=True)
+                with _reparametrize_module(module, swapped, tie_weights=True), forbid_collectives():
+                    with context():  # the forward only, as the frameworks run it (autocast, ...)
+                        loss = step_fn(batch, mb.batch_idx)
+                    # the backward outside the precision context, as the owner's: on CPU a backward
+                    # inside torch.autocast runs its ops under autocast and gives other gradients
+                    loss.backward(inputs=list(aliases.values()))
             total_loss = total_loss + loss.detach().to(total_loss.device, torch.float64)
-            for n, g in zip(aliases, grads, strict=True):
-                if g is not None:
-                    total[n] = g if n not in total else total[n] + g
+        for n, a in aliases.items():  # used by earlier micro-batches only
+            if a.grad is not None:
+                consume(n, a.grad)
+                a.grad = None
     finally:
+        for h in handles:
+            h.remove()
         _set_rng(*saved_rng, device)
-    return total_loss, total
+    return total_loss
 
 
 # --------------------------------------------------------------------------------------------

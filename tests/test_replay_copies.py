@@ -92,3 +92,52 @@ def test_state_transfer_and_replay_copy_blocking(copies: list[tuple[str, bool]])
     expected = torch.autograd.grad(m(x).pow(2).mean(), [p for p in m.parameters() if p.requires_grad])
     assert all(torch.equal(grads[n], e) for n, e in zip(names, expected, strict=True)) and float(loss) > 0
     assert copies and not any(nb for _, nb in copies), copies
+
+
+# -- the replay's gradients are digested as they are produced, never held as a second full set ---
+
+
+class Deep(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(6))
+        self.side = nn.Linear(16, 16)  # used by the first micro-batch only
+
+    def forward(self, x: torch.Tensor, use_side: bool) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return (self.side(x) if use_side else x).pow(2).mean()
+
+
+def micro(n: int) -> list[MicroBatch]:
+    g = torch.Generator().manual_seed(5)
+    return [MicroBatch((torch.randn(4, 16, generator=g), i == 0), i, *_all_rng(None)) for i in range(n)]
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_each_gradient_is_digested_and_freed_as_it_is_produced(n: int) -> None:
+    import weakref
+
+    from sdc_core.replay import replay_each_gradient
+
+    torch.manual_seed(0)
+    m = Deep()
+    names = [k for k, _ in m.named_parameters()]
+    step = lambda b, _i: m(*b)  # noqa: E731
+    loss_full, full = replay_gradients(m, names, micro(n), step)
+    alive: list[weakref.ref] = []
+    most_alive = 0
+    rows = {}
+
+    def consume(name: str, grad: torch.Tensor) -> None:
+        nonlocal most_alive
+        most_alive = max(most_alive, sum(r() is not None for r in alive))
+        alive.append(weakref.ref(grad))
+        rows[name] = _digest_row(grad)
+
+    loss = replay_each_gradient(m, names, micro(n), step, consume)
+    assert sorted(rows) == sorted(full) == sorted(names)  # the side layer's gradient from micro-batch 0 too
+    assert most_alive <= 1  # the previous gradient was freed before the next arrived: no full second set
+    got, want = _assemble(names, rows, loss), grad_digest(names, full, loss_full)
+    assert torch.equal(got.fps, want.fps) and torch.equal(got.sums, want.sums) and got.loss == want.loss
+    assert all(p.grad is None for p in m.parameters())  # no side effect on .grad

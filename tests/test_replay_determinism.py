@@ -21,7 +21,8 @@ from sdc_core.replay import DeterministicWindow, ReplayConfig, RingReplay, deter
 
 WORLD = 3
 SCRIPT = Path(__file__).with_name("determinism_scenarios.py")
-SCENARIOS = ["det_clean", "off_clean", "fallback_clean", "off_exact", "det_fault", "off_fault", "fallback_fault"]
+SCENARIOS = ["det_clean", "off_clean", "fallback_clean", "off_exact", "det_fault", "off_fault", "fallback_fault",
+             "bf16_attention"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -81,6 +82,13 @@ def test_a_real_fault_is_named_in_every_mode(out: Path, scenario: str, rank: int
     assert err["type"] == "ReplayMismatchError", err
     assert (err["rank"], err["step"], err["suspects"]) == (rank, step, [rank])
     assert err["details"]["deterministic"] == mode
+
+
+def test_bf16_mixed_on_cpu_replays_bit_for_bit_with_dropout_and_attention(out: Path) -> None:
+    """The replay runs the forward under the precision's autocast and the backward outside it, as
+    Lightning does; a backward inside autocast gave other gradients on CPU (a false alarm)."""
+    rows = clean(out, "bf16_attention", 4)
+    assert all(r["stats"]["max_diff"] == 0.0 for r in rows)  # exact=True: bit for bit
 
 
 # -- one process ---------------------------------------------------------------------------------
