@@ -323,24 +323,27 @@ def _word_view(t: torch.Tensor) -> torch.Tensor | None:
 
 
 def _kernel_digests(tensors: Sequence[torch.Tensor]) -> tuple[list[int], torch.Tensor | None]:
-    """Indices of the tensors digested by the multi-tensor CUDA kernel (one launch per device) and
-    their digests in that order (None when none qualifies)."""
+    """Indices of the tensors digested by the multi-tensor CUDA kernel (one launch per device:
+    contiguous, 8-byte aligned CUDA tensors of whole words) and their digests in that order
+    (None when none qualifies). Per tensor only a few attribute reads on the host: no view ops."""
     if _triton is None:
         return [], None
-    by_device: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
+    by_device: dict[torch.device, tuple[list[int], list[int], list[int]]] = {}
     for i, t in enumerate(tensors):
-        if _triton.available(t):
-            w = _word_view(t)
-            if w is not None:
-                by_device.setdefault(t.device, []).append((i, w))
+        if t.is_cuda and t.is_contiguous() and t.dtype != torch.bool:
+            nbytes, ptr = t.nbytes, t.data_ptr()
+            if not nbytes % 8 and not ptr % 8:
+                idx, ptrs, sizes = by_device.setdefault(t.device, ([], [], []))
+                idx.append(i)
+                ptrs.append(ptr)
+                sizes.append(nbytes >> 3)
     if not by_device:
         return [], None
     order: list[int] = []
     pieces = []
-    for members in by_device.values():
-        views = [w for _, w in members]
-        pieces.append(_triton.digests(views, tuple(class_shape(w.numel()) for w in views), _SEEDS[:2]))
-        order += [i for i, _ in members]
+    for dev, (idx, ptrs, sizes) in by_device.items():
+        pieces.append(_triton.digests(dev, tuple(ptrs), tuple(sizes), class_shape, _SEEDS[:2]))
+        order += idx
     home = pieces[0].device
     return order, pieces[0] if len(pieces) == 1 else torch.cat([_on(p, home) for p in pieces])
 
