@@ -117,6 +117,7 @@ class Trainer:
         self.tap: GradientTap | None = None
         self.nonfinite: NonFiniteGradient | None = None
         self.fingerprint: WeightFingerprint | None = None
+        self._checks = (NonFiniteGradient(), WeightFingerprint(FingerprintConfig()))  # kept across blocks
 
     @property
     def params(self) -> int:
@@ -124,9 +125,8 @@ class Trainer:
 
     def attach(self) -> None:
         self.tap = GradientTap.attach(self.ddp, self.names)
-        self.nonfinite = NonFiniteGradient()
+        self.nonfinite, self.fingerprint = self._checks
         self.nonfinite.attach(self.tap)
-        self.fingerprint = WeightFingerprint(FingerprintConfig())
 
     def detach(self) -> None:
         self.resolve()
@@ -216,6 +216,8 @@ def measure(name: str, spec: tuple[int, int, int, int], device: torch.device, ba
         for p, g in grads:  # what the hook runs per parameter in backward
             for consume in tap.consumers:
                 consume(p, g)
+        for finish in tap.finishers:  # and at the end of backward
+            finish()
         nf.verdict(tr.step_no, tr.model.named_parameters(), now=True)  # verdict + host read
 
     def fingerprint_work() -> None:

@@ -8,9 +8,10 @@ run in alternating rounds over the same tensors and report GB/s and the ratio to
 * ``fingerprint``: ``combine(grouped_digests(...))`` as the weight fingerprint check runs it;
 * ``class_sums``: only the first stage of the digest, the (r, m) sums of the 64-bit words (no
   weighting): the floor under ``fingerprint`` with torch's own kernels;
-* ``nonfinite_ddp``: what the non-finite check runs under DDP: per parameter, the sum of its
-  local gradient (one read of the bytes) and the flag folded into element 0 (one tiny kernel,
-  from the gradient hook's Python call), then the elements 0 gathered and read back;
+* ``nonfinite_ddp``: what the non-finite check runs under DDP: the local gradients' largest
+  magnitudes at the end of backward (``_foreach_norm``: a few multi-tensor kernels per dtype),
+  then the verdict's read of the reduced gradients (the same, here over the same tensors) and
+  its one host read;
 * ``nonfinite_tensor``: one ``aminmax`` per tensor, the check's single-process (``.grad``) path;
 * ``sha1_host``: SHA-1 of the bytes copied to the host (Megatron-LM's cross-replica check);
 * ``hash_tensor``: ``torch.hash_tensor`` (xor) per tensor;
@@ -27,7 +28,7 @@ import torch
 
 from benchmarks.common import interleaved, summary
 from sdc_core.fingerprint import class_parts, combine, grouped_digests, words
-from sdc_core.gradients import any_nonfinite, fold_flag, local_sum, reduced_flags
+from sdc_core.gradients import any_nonfinite, any_nonfinite_multi
 
 
 def make_tensors(total: int, layout: str, dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
@@ -41,9 +42,8 @@ def candidates(tensors: list[torch.Tensor]) -> dict[str, Any]:
     flat = torch.cat([t.reshape(-1) for t in tensors])
 
     def nonfinite_ddp() -> bool:
-        for t in tensors:
-            fold_flag(t, local_sum(t))  # the identity on finite gradients: the bytes stay as they are
-        return not bool(torch.isfinite(reduced_flags(tensors)).all())
+        torch.stack(torch._foreach_norm(tensors, float("inf")))  # the local read at the end of backward
+        return bool(any_nonfinite_multi(tensors))  # the verdict on the reduced gradients
 
     def sha1() -> str:
         h = hashlib.sha1()

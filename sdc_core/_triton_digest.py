@@ -15,7 +15,7 @@ Only imported where Triton and CUDA are available; ``available()`` says so.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable
 
 import torch
 
@@ -63,7 +63,9 @@ if triton is not None:  # pragma: no cover - needs a GPU
         j = j0 + tl.arange(0, BLOCK).to(tl.int64)
         in_main = j < m
         acc = tl.load(base + j, mask=in_main, other=0)
-        for k in range(1, r):
+        for k in tl.static_range(1, 16):  # unrolled: all rows' loads in flight at once
+            acc += tl.load(base + (j + k * m), mask=in_main & (k < r), other=0)
+        for k in range(16, r):  # more than 16 rows: tensors over 2**26 words only
             acc += tl.load(base + (j + k * m), mask=in_main, other=0)
         in_tail = (j >= m) & (j < classes)
         acc += tl.load(base + (main + j - m), mask=in_tail, other=0)
@@ -72,11 +74,13 @@ if triton is not None:  # pragma: no cover - needs a GPU
         tl.store(out + pid, tl.sum(term, axis=0))
 
 
-def _tables(device: torch.device, shapes: tuple[tuple[int, int, int], ...]) -> tuple[torch.Tensor, ...]:
+def _tables(device: torch.device, sizes: tuple[int, ...], shape: Callable[[int], tuple[int, int, int]]
+            ) -> tuple[torch.Tensor, ...]:  # fmt: skip
     """Per-unit (words, rows, cols) and per-block (unit, first class) tables, and each unit's last
-    block, on ``device`` (cached per layout: built and copied once)."""
-    key = (device, shapes)
+    block, on ``device`` (cached per list of word counts: built and copied once)."""
+    key = (device, sizes)
     if key not in _cache:
+        shapes = [shape(n) for n in sizes]
         if len(_cache) >= 8:
             _cache.clear()
         units, starts, ends = [], [], []
@@ -103,14 +107,14 @@ def _pointers(device: torch.device, ptrs: tuple[int, ...]) -> torch.Tensor:
     return _ptr_cache[key]
 
 
-def digests(word_views: Sequence[torch.Tensor], shapes: tuple[tuple[int, int, int], ...], seeds: tuple[int, int]
-            ) -> torch.Tensor:  # fmt: skip
-    """The digest of each contiguous int64 word vector in ``word_views`` (all on one CUDA device;
-    ``shapes[i]`` = (words, rows, cols) of the fingerprint module's class layout) as one int64
-    vector on that device. No host synchronisation in the steady state."""
-    device = word_views[0].device
-    nwords, rows, cols, units, starts, ends = _tables(device, shapes)
-    table = _pointers(device, tuple(w.data_ptr() for w in word_views))
+def digests(device: torch.device, ptrs: tuple[int, ...], sizes: tuple[int, ...],
+            shape: Callable[[int], tuple[int, int, int]], seeds: tuple[int, int]) -> torch.Tensor:  # fmt: skip
+    """The digest of each run of ``sizes[i]`` int64 words at address ``ptrs[i]`` (8-byte aligned
+    memory of CUDA ``device``; ``shape(n)`` = (words, rows, cols) of the fingerprint module's
+    class layout) as one int64 vector on that device. The caller keeps the memory alive. No host
+    synchronisation in the steady state."""
+    nwords, rows, cols, units, starts, ends = _tables(device, sizes, shape)
+    table = _pointers(device, ptrs)
     partial = torch.empty(units.numel(), dtype=torch.int64, device=device)
     with torch.cuda.device(device):
         _digest_blocks[(units.numel(),)](table, nwords, rows, cols, units, starts, partial,

@@ -253,7 +253,7 @@ def _layout(device: torch.device, sizes: tuple[int, ...]) -> tuple[torch.Tensor,
     ``sizes`` (cached)."""
     key = (device, sizes)
     if key not in _layout_cache:
-        if len(_layout_cache) >= 8:
+        if len(_layout_cache) >= 64:
             _layout_cache.clear()
         top = max(sizes)
         wa, wb = _weights(0, top, device), _weights(1, top, device)
@@ -311,36 +311,28 @@ def class_shape(n: int) -> tuple[int, int, int]:
     return n, rows, cols - (1 - cols % 2)
 
 
-def _word_view(t: torch.Tensor) -> torch.Tensor | None:
-    """``t``'s bytes as int64 words without a copy, or None (non-contiguous, misaligned, or a
-    size that is not a multiple of 8 bytes)."""
-    if not t.is_contiguous() or t.dtype == torch.bool or (t.numel() * t.element_size()) % 8 or t.data_ptr() % 8:
-        return None
-    try:
-        return t.view(-1).view(torch.int64)
-    except RuntimeError:
-        return None
-
-
 def _kernel_digests(tensors: Sequence[torch.Tensor]) -> tuple[list[int], torch.Tensor | None]:
-    """Indices of the tensors digested by the multi-tensor CUDA kernel (one launch per device) and
-    their digests in that order (None when none qualifies)."""
+    """Indices of the tensors digested by the multi-tensor CUDA kernel (one launch per device:
+    contiguous, 8-byte aligned CUDA tensors of whole words) and their digests in that order
+    (None when none qualifies). Per tensor only a few attribute reads on the host: no view ops."""
     if _triton is None:
         return [], None
-    by_device: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
+    by_device: dict[torch.device, tuple[list[int], list[int], list[int]]] = {}
     for i, t in enumerate(tensors):
-        if _triton.available(t):
-            w = _word_view(t)
-            if w is not None:
-                by_device.setdefault(t.device, []).append((i, w))
+        if t.is_cuda and t.is_contiguous() and t.dtype != torch.bool:
+            nbytes, ptr = t.nbytes, t.data_ptr()
+            if not nbytes % 8 and not ptr % 8:
+                idx, ptrs, sizes = by_device.setdefault(t.device, ([], [], []))
+                idx.append(i)
+                ptrs.append(ptr)
+                sizes.append(nbytes >> 3)
     if not by_device:
         return [], None
     order: list[int] = []
     pieces = []
-    for members in by_device.values():
-        views = [w for _, w in members]
-        pieces.append(_triton.digests(views, tuple(class_shape(w.numel()) for w in views), _SEEDS[:2]))
-        order += [i for i, _ in members]
+    for dev, (idx, ptrs, sizes) in by_device.items():
+        pieces.append(_triton.digests(dev, tuple(ptrs), tuple(sizes), class_shape, _SEEDS[:2]))
+        order += idx
     home = pieces[0].device
     return order, pieces[0] if len(pieces) == 1 else torch.cat([_on(p, home) for p in pieces])
 
@@ -357,8 +349,8 @@ def grouped_digests(
     of tensors). Elsewhere (the CPU, and non-contiguous or odd-sized tensors) tensors of at least
     ``_SMALL_WORDS`` words are reduced one by one (a reduction each: on the CPU that is bandwidth,
     not overhead) and their weighting batched (``mix_units``); smaller ones are concatenated per
-    device into one buffer (one ``cat`` kernel: their class sums are their words) and weighted
-    in one pass with each tensor's own weights (``_layout``). The values do not depend on the
+    device and dtype into one buffer (one C++ call: their class sums are their words) and
+    weighted in one pass with each tensor's own weights (``_layout``). The values do not depend on the
     path, so every device type gives the same digests and the same fingerprint.
     Memory: a copy of the small tensors on the host path; cached weights (``mix_units``).
     """
@@ -371,24 +363,25 @@ def grouped_digests(
         pieces = [_on(fast, device)] if fast is not None else []
         taken = set(order)
         singles: list[int] = []
-        small: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
+        small: dict[tuple[torch.device, torch.dtype], list[int]] = {}
         for i, t in enumerate(tensors):
             if i in taken:
                 continue
-            w = _word_view(t)
-            if w is not None and 0 < w.numel() < _SMALL_WORDS:
-                small.setdefault(t.device, []).append((i, w))
+            nbytes = t.nbytes
+            if 0 < nbytes < 8 * _SMALL_WORDS and not nbytes % 8 and t.dtype != torch.bool and t.is_contiguous():
+                small.setdefault((t.device, t.dtype), []).append(i)
             else:
                 singles.append(i)
         if singles:
             pieces.append(mix_units([class_parts(words(tensors[i])) for i in singles], device))
             order += singles
-        for dev, members in small.items():
-            wa, wb, ends = _layout(dev, tuple(w.numel() for _, w in members))
-            values = torch.cat([w for _, w in members])
+        for (dev, _), members in small.items():  # one C++ concatenation per device and dtype
+            wa, wb, ends = _layout(dev, tuple(tensors[i].nbytes >> 3 for i in members))
+            flat = flatten([tensors[i] for i in members])
+            values = (flat if len(members) > 1 else flat.clone()).view(torch.int64)  # one: a view, maybe misaligned
             running = (values * wa + (values >> 32) * wb).cumsum(0)[ends]  # exact, wrapping: a deterministic scan
             pieces.append(_on(running - torch.cat([running.new_zeros(1), running[:-1]]), device))
-            order += [i for i, _ in members]
+            order += members
         digests = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
         if order != sorted(order):
             digests = digests[_inverse(tuple(order), device)]

@@ -22,15 +22,18 @@ local sums, so gradient clipping or anything else that touches ``.grad`` after t
 cannot change them. Under gradient accumulation the hook runs on the sync micro-batch, whose
 ``.grad`` is the sum of the micro-batches' gradients, so a NaN in any micro-batch is seen.
 
-Cost of a clean DDP step: per parameter a Python call and one reduction kernel (the local sum:
-the cheapest reduction, 1.6x faster than an L2 norm or ``aminmax`` on a 2-core CPU in fp32, 2.2x
-in bf16); after backward one read of the reduced gradients in a few multi-tensor kernels per
-dtype, whatever the number of parameters; no collective. Per-parameter work cannot be batched
-further without a communication hook: the local values exist only until DDP's reducer copies
-each gradient into its bucket, right after the hook (``gradient_as_bucket_view`` buckets are
-reduced in place), and a communication hook would cost an extra pass over every bucket (DDP's
-own C++ path fuses the ``1 / world_size`` scaling into its copy) and a Python callback on the
-communication threads. When the verdict is read depends on ``on_failure``:
+Cost of a clean DDP step: per parameter a Python call (the tap's hook) and no kernel; at the end
+of backward one read of the local gradients, at the verdict one read of the reduced ones, each a
+few multi-tensor kernels per dtype (``_foreach_norm``), whatever the number of parameters; no
+collective. That batched local read relies on DDP keeping the local values in ``.grad`` until
+its own end-of-backward callback (it copies them into its buckets and writes the reduced values
+back only then); the first two synchronised backwards check it (no write to any gradient before the
+end of backward: version counters) and, where it does not hold (``gradient_as_bucket_view``, a
+reducer finalised inside a nested backward), the check reads each gradient in its hook instead
+(its sum: one reduction kernel per parameter; a later failed check flags the rank with unknown
+names, never a silent pass). Batching per bucket inside the backward would need a communication
+hook: an extra pass over every bucket (DDP's own C++ path fuses the ``1 / world_size`` scaling
+into its copy) and a Python callback on the communication threads. When the verdict is read depends on ``on_failure``:
 
 * ``"raise"``, ``"warn"``: no host synchronisation in the step. The verdict of step ``s`` is
   read one step later (``resolve()``: the adapters call it before the next backward, or next
@@ -84,7 +87,8 @@ class GradientTap:
     tests). On the backward of a forward DDP ran with gradient synchronisation (not under
     ``no_sync``: under gradient accumulation, the sync micro-batch, whose ``.grad`` holds the sum
     of the micro-batches), ``consumers`` read ``(parameter, local gradient)``, then ``writers``
-    may change the gradient in place (none of the checks does). They run on the autograd
+    may change the gradient in place (none of the checks does); ``finishers`` run at the end of
+    that backward, before DDP's own end-of-backward callback. They run on the autograd
     thread and must not synchronise with the host nor raise. The tap is armed by DDP's forward
     and disarmed at the end of the backward through that forward's output (a callback queued from
     the output's gradient hook), so gradients computed in nested backward passes (reentrant
@@ -109,6 +113,7 @@ class GradientTap:
         self.inner_hook: Callable[..., Any] | None = None
         self.consumers: list[GradConsumer] = []
         self.writers: list[GradConsumer] = []
+        self.finishers: list[Callable[[], None]] = []  # run at the end of each read backward
         self._armed = False
         self._queued = False
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
@@ -185,6 +190,8 @@ class GradientTap:
 
     def _disarm(self) -> None:
         self._armed = self._queued = False
+        for finish in self.finishers:
+            finish()
 
 
 def _dense(grad: torch.Tensor | None) -> bool:
@@ -228,7 +235,7 @@ class _StepFlags:
 
     step: int
     reduced: torch.Tensor | None  # 0-d bool on the device: some reduced gradient holds NaN or Inf
-    local: list[tuple[torch.Tensor, nn.Parameter]]
+    local: list[tuple[torch.Tensor, list[nn.Parameter]]]  # (local sums or peaks, their parameters)
     scaler_active: bool = False
     bad: HostRead | None = None  # ``reduced`` on its way to the host
 
@@ -340,16 +347,56 @@ class NonFiniteGradient(NonFiniteVerdicts):
     """
 
     tap: GradientTap | None = None
-    _local: list[tuple[torch.Tensor, nn.Parameter]] = field(default_factory=list)
+    _local: list[tuple[torch.Tensor, list[nn.Parameter]]] = field(default_factory=list)
     _pending: _StepFlags | None = None
+    _seen: list[tuple[nn.Parameter, torch.Tensor, int]] = field(default_factory=list)
+    batched: bool = False  # local gradients read in one multi-tensor pass at the end of backward
+    _probes: int = 0  # read backwards checked so far (the mode is chosen after two)
+    _intact: bool = True  # the local gradients were intact at the end of every probed backward
 
     def attach(self, tap: GradientTap) -> None:
-        """Read each parameter's local gradient (its sum: one reduction kernel, no write)."""
+        """Read each parameter's local gradient: per parameter (its sum, one reduction kernel) on
+        the first two synchronised backwards; from then on, where those showed the local
+        gradients intact at its end (DDP's reducer copies them into its buckets and writes the
+        reduced values back only in its own end-of-backward callback, which runs after the
+        tap's; not so with ``gradient_as_bucket_view`` or a reducer finalised inside a nested
+        backward), all at once at the end of backward (``_foreach_norm``, a few multi-tensor
+        kernels per dtype). Nothing is written into the gradients."""
         self.tap = tap
         tap.consumers.append(self._read)
+        tap.finishers.append(self._end_of_backward)
 
     def _read(self, p: nn.Parameter, grad: torch.Tensor) -> None:
-        self._local.append((local_sum(grad), p))
+        self._seen.append((p, grad, grad._version))
+        if not self.batched:
+            self._local.append((local_sum(grad).reshape(1), [p]))
+
+    def _end_of_backward(self) -> None:
+        """Take the local evidence of the gradients seen in this backward (batched mode), after
+        checking that none was written since its hook read it (else fall back for good)."""
+        seen, self._seen = self._seen, []
+        if not seen:
+            return
+        intact = all(g._version == v for _, g, v in seen)
+        if not self.batched:
+            # decide once, from the first two read backwards (DDP's first iteration differs from
+            # the steady state: static graphs delay its reduction to the end of backward)
+            self._probes += 1
+            self._intact = self._intact and intact
+            if self._probes == 2:
+                self.batched = self._intact and not getattr(self.tap.ddp, "gradient_as_bucket_view", True)
+            return
+        if not intact:  # the local values are gone: flag this rank, read per parameter from now on
+            self.batched = False
+            self._local.append((torch.full((1,), float("nan")), []))
+            return
+        groups: dict[tuple[torch.dtype, torch.device], tuple[list[torch.Tensor], list[nn.Parameter]]] = {}
+        for p, g, _ in seen:
+            grads, params = groups.setdefault((g.dtype, g.device), ([], []))
+            grads.append(g)
+            params.append(p)
+        for grads, params in groups.values():
+            self._local.append((torch.stack(torch._foreach_norm(grads, float("inf"))), params))
 
     @property
     def pending_step(self) -> int | None:
@@ -374,6 +421,9 @@ class NonFiniteGradient(NonFiniteVerdicts):
         """
         self.resolve()
         t0 = time.perf_counter()
+        if self._seen and self.batched:  # a backward whose end the tap did not see
+            self._end_of_backward()
+        self._seen = []
         local, self._local = self._local, []
         if self.tap is None or not (local or is_distributed()):  # no DDP backward (one process): .grad
             return self._single_process(step, list(params), scaler_active, t0)
@@ -396,7 +446,7 @@ class NonFiniteGradient(NonFiniteVerdicts):
         of that step were non-finite (a host read of a flag the device has computed). Returns
         that step, or None."""
         flags, self._pending = self._pending, None
-        self._local = []
+        self._local, self._seen = [], []
         if flags is None or not flags.nonfinite():
             return None
         warnings.warn(
@@ -431,15 +481,21 @@ class NonFiniteGradient(NonFiniteVerdicts):
         bad = [n for (n, p) in params if p.grad is not None and not bool(torch.isfinite(p.grad).all())]
         return self._failure(step, [bad[:limit]], scaler_active, t0, params=params)
 
-    def _local_names(self, local: list[tuple[torch.Tensor, nn.Parameter]]) -> list[str] | None:
-        """This rank's parameters whose LOCAL gradient was non-finite (rare path: one host read),
-        or None when all were finite."""
+    def _local_names(self, local: list[tuple[torch.Tensor, list[nn.Parameter]]]) -> list[str] | None:
+        """This rank's parameters whose LOCAL gradient was non-finite (rare path: host reads, each
+        a blocking copy), or None when all were finite. Local values that could not be read (a
+        gradient written before the end of backward) count as non-finite, named ``"?"``."""
         if not local:
             return None
         lookup = self.tap.names if self.tap is not None else {}
-        home = local[0][0].device  # blocking copies (rare path): read at once, so never non_blocking
-        finite = torch.isfinite(torch.stack([total.float().to(home) for total, _ in local])).tolist()
-        names = list(dict.fromkeys(lookup.get(id(p), "?") for (_, p), ok in zip(local, finite, strict=True) if not ok))
+        names: list[str] = []
+        for values, params in local:
+            finite = torch.isfinite(values.float()).cpu().tolist()
+            if not params:  # unreadable local values
+                names += [] if all(finite) else ["?"]
+                continue
+            names += [lookup.get(id(p), "?") for p, ok in zip(params, finite, strict=True) if not ok]
+        names = list(dict.fromkeys(names))
         return names[: self.config.max_names] if names else None
 
 

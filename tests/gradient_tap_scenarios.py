@@ -107,7 +107,7 @@ def train(
                         ddp(x).pow(2).mean().backward()
                 if handle is not None:
                     handle.remove()
-                recorded.append(len(check._local))
+                recorded.append(sum(len(params) for _, params in check._local))  # parameters read
                 contiguous.append(net[0].weight.grad.is_contiguous())
             if tapped:
                 check.verdict(step, net.named_parameters())
