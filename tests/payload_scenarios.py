@@ -88,7 +88,7 @@ def restore(module: Any, name: str, original: Any) -> None:
 def clean(out: Path) -> dict[str, Any]:
     def body() -> dict[str, Any]:
         got = ring(replay_payload, validate=check_replay_payload)
-        (src, received), = got.items()
+        ((src, received),) = got.items()
         mb = received["micro"][0]
         gathered = all_gather_objects(({(dist.get_rank(), 1): (True, False)}, f"rank {dist.get_rank()}"))
         topo = Topology.gather()
@@ -207,4 +207,3 @@ if __name__ == "__main__":
         main_for({name: (lambda out, f=f: f(out)) for name, f in SCENARIOS.items()})
     finally:
         dist.destroy_process_group()
-

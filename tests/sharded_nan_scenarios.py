@@ -71,4 +71,3 @@ if __name__ == "__main__":
         main_for({"now": lambda out: run(True), "deferred": lambda out: run(False)})
     finally:
         dist.destroy_process_group()
-

@@ -29,6 +29,7 @@ def nan_in_reduction(tmp_path_factory: pytest.TempPathFactory) -> Path:
               "--out", str(out)], env=env, timeout=180)  # fmt: skip
     return out
 
+
 SPECIAL = [0.0, -0.0, 1e-45, -1e-40, 3.0e38, -3.0e38, 1.0, -2.5]
 
 

@@ -1,6 +1,6 @@
 """The ring replay audit on FSDP2 (4 CPU ranks, Lightning ModelParallelStrategy): stateful steps,
-the trust rule, the referee round and skip_step; the non-finite check without a collective of its
-own. One ``torchrun`` launch of ``tests/sharded_replay_scenarios.py`` over gloo runs every scenario.
+the trust rule, the referee round and skip_step; the non-finite check with one small all-reduce
+per step. One ``torchrun`` launch of ``tests/sharded_replay_scenarios.py`` over gloo runs every scenario.
 """
 
 from __future__ import annotations
