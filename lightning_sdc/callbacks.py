@@ -443,6 +443,9 @@ class RingReplayAudit(_SDCCallback):
             ``ReplayUnavailableError`` naming the likely cause and fix; ``"warn"``: warn once and
             turn the audit off.
         max_state_mb: at most this many MiB of state tensors are copied per audited step (default 256).
+        deterministic: ``True`` (default): the audited micro-batches and their replays run with
+            deterministic kernels, so GPU replays compare bit for bit (``sdc_core.ReplayConfig``);
+            ``False`` for steps with custom CUDA/Triton kernels that have no deterministic path.
 
     The replay runs ``pl_module.sdc_replay_step(batch, batch_idx)`` when defined (it must return
     the loss, or a dict with ``"loss"``), else ``training_step`` with logging muted, with the
@@ -474,10 +477,11 @@ class RingReplayAudit(_SDCCallback):
         on_failure: str = "raise",
         on_unreplayable: str = "raise",
         max_state_mb: float = 256.0,
+        deterministic: bool = True,
     ) -> None:
         super().__init__()
         config = self._settings(
-            ReplayConfig, every_n_steps, exact, rtol, atol, on_failure, on_unreplayable, max_state_mb
+            ReplayConfig, every_n_steps, exact, rtol, atol, on_failure, on_unreplayable, max_state_mb, deterministic
         )
         self._core = RingReplay(config)
         self._training_step: Any = None

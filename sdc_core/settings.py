@@ -58,6 +58,7 @@ class SDCSettings:
     replay_on_failure: str = "raise"
     replay_on_unreplayable: str = "raise"
     replay_max_state_mb: float = 256.0
+    replay_deterministic: bool = True
     fingerprint_every_n_steps: int = 1
     include_buffers: bool = False
     include_optimizer_state: bool = False
@@ -76,7 +77,7 @@ class SDCSettings:
             return None
         return ReplayConfig(
             self.replay_every_n_steps, self.replay_exact, self.replay_rtol, self.replay_atol, self.replay_on_failure,
-            self.replay_on_unreplayable, self.replay_max_state_mb,
+            self.replay_on_unreplayable, self.replay_max_state_mb, self.replay_deterministic,
         )  # fmt: skip
 
     def fingerprint(self) -> FingerprintConfig | None:
@@ -300,7 +301,7 @@ def _resolve(sources: Sources, **kwargs: Any) -> tuple[SDCSettings, dict[str, st
         (checked.replay, {"every_n_steps": "replay_every_n_steps", "exact": "replay_exact",
                            "rtol": "replay_rtol", "atol": "replay_atol",
                            "on_failure": "replay_on_failure", "on_unreplayable": "replay_on_unreplayable",
-                           "max_state_mb": "replay_max_state_mb"}),
+                           "max_state_mb": "replay_max_state_mb", "deterministic": "replay_deterministic"}),
         (checked.fingerprint, {"every_n_steps": "fingerprint_every_n_steps", "include_buffers": "include_buffers",
                                 "include_optimizer_state": "include_optimizer_state",
                                 "on_failure": "fingerprint_on_failure", "max_heals": "max_heals"}),

@@ -237,3 +237,16 @@ def test_replay_reenters_the_recorded_autocast_and_attention_backends() -> None:
         _autocast(("cpu", "not_a_dtype")).__enter__()
     with pytest.raises(ValueError, match="attention backends"), _sdpa_backends(("yes",)):
         pass
+
+
+def test_replay_deterministic_is_a_setting_on_every_route() -> None:
+    """``replay_deterministic`` (hook sets, ``ACCELERATE_SDC_REPLAY_DETERMINISTIC``) and
+    ``RingReplayAudit(deterministic=...)`` reach the replay's config; a bad value is refused."""
+    from lightning_sdc import RingReplayAudit
+    from sdc_core import SDCConfigError, SDCHooks
+
+    assert SDCHooks().replay.config.deterministic is True
+    assert SDCHooks(replay_deterministic=False).replay.config.deterministic is False
+    assert RingReplayAudit(deterministic=False)._core.config.deterministic is False
+    with pytest.raises(SDCConfigError, match="replay_deterministic"):
+        SDCHooks(replay_deterministic="maybe")
