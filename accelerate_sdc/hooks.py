@@ -18,6 +18,7 @@ to the gradient tap. Cost: that of the core hook set.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -27,6 +28,7 @@ from accelerate.utils import DDPCommunicationHookType, send_to_device
 from torch import nn
 
 from accelerate_sdc import config
+from sdc_core.errors import SDCError
 from sdc_core.hooks import LOOP_ADVICE, Framework, LossFn
 from sdc_core.hooks import SDCHooks as _CoreHooks
 from sdc_core.safeio import atomic_write_text
@@ -111,8 +113,25 @@ class AccelerateFramework(Framework):
         after Accelerate loaded everything else. No pickle is written or read."""
         self._stateful = obj
         acc = self.accelerator
+        acc.register_save_state_pre_hook(self._note_folder)  # runs before the refusing pre-save hooks
         self._write_handle = acc.register_save_state_pre_hook(self._write_state)
         acc.register_load_state_pre_hook(self._read_state)
+        if "save_state" not in vars(acc):  # once per accelerator: a refused save leaves no empty folder
+            original_save = acc.save_state
+
+            def save_state(output_dir: Any = None, *args: Any, **kwargs: Any) -> Any:
+                existed = output_dir is not None and Path(output_dir).exists()
+                acc._sdc_save_folder = None
+                try:
+                    return original_save(output_dir, *args, **kwargs)
+                except SDCError:
+                    folder = acc._sdc_save_folder  # the folder save_state created before the hooks ran
+                    if folder is not None and not existed:
+                        with contextlib.suppress(OSError):  # not empty, or another process removed it
+                            folder.rmdir()
+                    raise
+
+            acc.save_state = save_state
         if "load_state" not in vars(acc):  # once per accelerator: load_state then restores the counters
             original = acc.load_state
 
@@ -126,6 +145,9 @@ class AccelerateFramework(Framework):
             acc.load_state = load_state
             acc._sdc_frameworks = []
         acc._sdc_frameworks.append(self)
+
+    def _note_folder(self, models: Any, weights: Any, output_dir: str) -> None:
+        self.accelerator._sdc_save_folder = Path(output_dir)
 
     def _write_state(self, models: Any, weights: Any, output_dir: str) -> None:
         if self._stateful is not None and self._stateful.owns(models) and self.accelerator.is_main_process:

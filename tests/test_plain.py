@@ -250,3 +250,25 @@ def test_replay_deterministic_is_a_setting_on_every_route() -> None:
     assert RingReplayAudit(deterministic=False)._core.config.deterministic is False
     with pytest.raises(SDCConfigError, match="replay_deterministic"):
         SDCHooks(replay_deterministic="maybe")
+
+
+def test_the_step_wrapper_keeps_the_schedulers_mark_so_torch_does_not_warn() -> None:
+    """An LR scheduler created before ``attach`` marks ``optimizer.step``; the hook set's wrapper keeps
+    the original's attributes (``functools.wraps``), so torch does not warn on every step that
+    ``optimizer.step()`` was overridden after the scheduler."""
+    import warnings
+
+    from sdc_core import SDCHooks
+
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hooks = SDCHooks().attach(model, opt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        scheduler.step()
+    assert hooks.step == 1 and opt.param_groups[0]["lr"] == pytest.approx(0.01)

@@ -105,6 +105,7 @@ def test_accelerate_save_state_after_a_flip_raises_before_writing(accelerate_run
     assert err["rank"] == 0 and "head.weight" in err["message"]
     for r in per_rank:
         assert not any(f.startswith(("model", "optimizer", "custom")) for f in r["saved_files"]), r["saved_files"]
+        assert not r["folder_left"]  # the refused save leaves no empty folder behind
 
 
 def test_accelerate_load_state_verifies_what_it_loaded(accelerate_run: Path) -> None:

@@ -122,6 +122,7 @@ def _save_flip(out: Path) -> Any:
         acc.wait_for_everyone()
         folder = out / "save_flip"
         result["saved_files"] = sorted(p.name for p in folder.iterdir()) if folder.exists() else []
+        result["folder_left"] = folder.exists()
         return result
 
     return run
