@@ -217,11 +217,10 @@ def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 def home_device(tensors: Iterable[torch.Tensor]) -> torch.device:
     """Where the digests of ``tensors`` are combined: the first non-CPU device among them (copies
     from the host to it are safe to read at once), else the host."""
-    return next((t.device for t in tensors if t.device.type != "cpu"), torch.device("cpu"))
+    return next((t.device for t in tensors if not t.is_cpu), torch.device("cpu"))
 
 
 SMALL_TENSOR = 1 << 12  # elements: ``group_small`` (the non-finite check's host path) groups smaller tensors
-_SMALL_WORDS = 2 * _MIN_COLUMNS  # words: smaller tensors are one row (their class sums are their words)
 
 
 def flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -296,7 +295,7 @@ def _inverse(order: tuple[int, ...], device: torch.device) -> torch.Tensor:
     """Indices that put values listed in ``order`` back in unit order (cached per device)."""
     key = (device, order)
     if key not in _perm_cache:
-        if len(_perm_cache) >= 8:
+        if len(_perm_cache) >= 64:
             _perm_cache.clear()
         _perm_cache[key] = torch.tensor(order, dtype=torch.int64).argsort().to(device)
     return _perm_cache[key]
@@ -346,13 +345,10 @@ def grouped_digests(
 
     On CUDA (with Triton) every contiguous tensor goes through one multi-tensor kernel launch per
     device (``_triton_digest``: every byte read once; the launches do not grow with the number
-    of tensors). Elsewhere (the CPU, and non-contiguous or odd-sized tensors) tensors of at least
-    ``_SMALL_WORDS`` words are reduced one by one (a reduction each: on the CPU that is bandwidth,
-    not overhead) and their weighting batched (``mix_units``); smaller ones are concatenated per
-    device and dtype into one buffer (one C++ call: their class sums are their words) and
-    weighted in one pass with each tensor's own weights (``_layout``). The values do not depend on the
-    path, so every device type gives the same digests and the same fingerprint.
-    Memory: a copy of the small tensors on the host path; cached weights (``mix_units``).
+    of tensors). Elsewhere (the CPU, and non-contiguous or odd-sized tensors) ``_host_digests``
+    batches the tensors under ``_BATCH_WORDS`` words and reduces larger ones one by one. The
+    values do not depend on the path, so every device type gives the same digests and the same
+    fingerprint.
     """
     if not tensors:
         empty = torch.zeros(0, dtype=torch.int64, device=device)
@@ -361,31 +357,176 @@ def grouped_digests(
     with torch.no_grad():
         order, fast = _kernel_digests(tensors)
         pieces = [_on(fast, device)] if fast is not None else []
-        taken = set(order)
-        singles: list[int] = []
-        small: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-        for i, t in enumerate(tensors):
-            if i in taken:
-                continue
-            nbytes = t.nbytes
-            if 0 < nbytes < 8 * _SMALL_WORDS and not nbytes % 8 and t.dtype != torch.bool and t.is_contiguous():
-                small.setdefault((t.device, t.dtype), []).append(i)
-            else:
-                singles.append(i)
-        if singles:
-            pieces.append(mix_units([class_parts(words(tensors[i])) for i in singles], device))
-            order += singles
-        for (dev, _), members in small.items():  # one C++ concatenation per device and dtype
-            wa, wb, ends = _layout(dev, tuple(tensors[i].nbytes >> 3 for i in members))
-            flat = flatten([tensors[i] for i in members])
-            values = (flat if len(members) > 1 else flat.clone()).view(torch.int64)  # one: a view, maybe misaligned
-            running = (values * wa + (values >> 32) * wb).cumsum(0)[ends]  # exact, wrapping: a deterministic scan
-            pieces.append(_on(running - torch.cat([running.new_zeros(1), running[:-1]]), device))
-            order += members
+        if len(order) < len(tensors):
+            taken = set(order)
+            rest = [i for i in range(len(tensors)) if i not in taken] if taken else range(len(tensors))
+            more, host = _host_digests(tensors, rest, device)
+            order += more
+            pieces += host
         digests = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
         if order != sorted(order):
             digests = digests[_inverse(tuple(order), device)]
     return digests, lambda: digests
+
+
+# The host path (``_host_digests``). Thresholds measured on a 2-core AMD EPYC (AVX2, no 64-bit
+# vector multiply), one thread, CPU time (``benchmarks/kernels.py``, docs/performance.md):
+_BATCH_WORDS = 1 << 15  # words: smaller tensors are batched; larger ones cost bandwidth, not overhead
+_MIXED_WORDS = 1 << 13  # words: only smaller tensors join a mixed-size batch (its scatter costs ~3 ns a word)
+_CHUNK_WORDS = 1 << 21  # words per batch (16 MiB): bounds the transient copy and the cached layouts
+_SAME_FIXED_NS = (30_000, 60_000)  # a same-size batch's fixed cost (one row, several rows) ...
+_SAME_SAVES_NS = (1_000, 2)  # ... against what it saves per tensor over a mixed batch: 1 us + 2 ns a word
+_host_layouts: dict[tuple[torch.device, tuple[int, ...]], tuple[torch.Tensor, ...]] = {}
+
+
+def _host_digests(
+    tensors: Sequence[torch.Tensor], indices: Iterable[int], device: torch.device
+) -> tuple[list[int], list[torch.Tensor]]:
+    """``tensor_digest`` of ``tensors[i]`` for ``i`` in ``indices`` with torch ops: the indices in
+    the order digested and the digest vectors (on ``device``).
+
+    Tensors under ``_BATCH_WORDS`` words (bool excepted) are copied per device, dtype and size
+    in words into one buffer (one C++ call; zeros pad each to whole words, non-contiguous ones
+    are made contiguous) and digested together: a (k, r, m) sum and two matrix-vector products
+    (no temporary per word, no view op per tensor). Sizes with too few tensors to pay for a batch
+    of their own (``_own_batch``) share a mixed batch per device and dtype: class sums by one
+    cached scatter (``index_add_``), one weighting pass and one scan. Larger tensors are reduced
+    one by one (``class_parts``: there, bandwidth rules) and weighted together (``mix_units``).
+    Every class sum is weighted (two 64-bit multiplies), so tensors of one to three rows (under
+    2,048 words) cost more arithmetic per byte than larger ones, whose rows are summed first.
+    Memory: a transient copy of the batched tensors (at most ``_CHUNK_WORDS`` words at a time);
+    cached weights and, for mixed batches, 16 bytes per class and 4 per word."""
+    sized: dict[tuple[torch.device, torch.dtype, int], list[int]] = {}
+    singles: list[int] = []
+    for i in indices:
+        t = tensors[i]
+        nbytes = t.nbytes
+        if 0 < nbytes < 8 * _BATCH_WORDS and t.dtype != torch.bool:
+            sized.setdefault((t.device, t.dtype, (nbytes + 7) >> 3), []).append(i)
+        else:
+            singles.append(i)
+    order: list[int] = []
+    pieces: list[torch.Tensor] = []
+    mixed: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for (dev, dtype, w), members in sized.items():
+        if not _own_batch(len(members), w):
+            mixed.setdefault((dev, dtype), []).extend(members)
+            continue
+        if len(members) == 1 and w >= _MIXED_WORDS:
+            singles += members
+            continue
+        step = max(1, _CHUNK_WORDS // w)
+        for s in range(0, len(members), step):
+            chunk = members[s : s + step]
+            pieces.append(_on(_same_size_digests(_padded(tensors, chunk), len(chunk), w), device))
+            order += chunk
+    for members in mixed.values():
+        chunks: list[list[int]] = [[]]
+        room = _CHUNK_WORDS
+        for i in members:
+            w = (tensors[i].nbytes + 7) >> 3
+            if w > room and chunks[-1]:
+                chunks.append([])
+                room = _CHUNK_WORDS
+            chunks[-1].append(i)
+            room -= w
+        for chunk in chunks:
+            sizes = tuple((tensors[i].nbytes + 7) >> 3 for i in chunk)
+            pieces.append(_on(_mixed_digests(_padded(tensors, chunk), sizes), device))
+            order += chunk
+    if singles:
+        pieces.append(mix_units([class_parts(words(tensors[i])) for i in singles], device))
+        order += singles
+    return order, pieces
+
+
+_pads: dict[tuple[torch.device, torch.dtype, int], torch.Tensor] = {}
+
+
+def _padded(tensors: Sequence[torch.Tensor], members: Sequence[int]) -> list[torch.Tensor]:
+    """``tensors[i]`` for ``i`` in ``members``, each followed by the zeros that pad its bytes to
+    whole words where needed (cached), ready for ``flatten``."""
+    out: list[torch.Tensor] = []
+    for i in members:
+        t = tensors[i]
+        out.append(t)
+        rest = t.nbytes & 7
+        if rest:
+            key = (t.device, t.dtype, (8 - rest) // t.element_size())
+            if key not in _pads:
+                _pads[key] = torch.zeros(key[2], dtype=t.dtype, device=t.device)
+            out.append(_pads[key])
+    return out
+
+
+def _own_batch(count: int, w: int) -> bool:
+    """Whether ``count`` tensors of ``w`` words get a batch of their own rather than join the mixed one."""
+    if w >= _MIXED_WORDS:
+        return True
+    return count * (_SAME_SAVES_NS[0] + _SAME_SAVES_NS[1] * w) >= _SAME_FIXED_NS[w >= 2 * _MIN_COLUMNS]
+
+
+def _same_size_digests(parts: Sequence[torch.Tensor], k: int, w: int) -> torch.Tensor:
+    """Digests of ``k`` tensors of ``w`` words each (same device and dtype; ``_padded``), in one batch."""
+    flat = flatten(parts)  # a new buffer (``cat``) for two parts or more; one part: its view, cloned
+    values = (flat if len(parts) > 1 else flat.clone()).view(torch.int64).view(k, w)  # ours: shifted in place
+    _, rows, cols = class_shape(w)
+    wa, wb = _weights(0, w, flat.device), _weights(1, w, flat.device)
+    if rows == 1:  # the class sums are the words
+        return _wmv(values, wa) + _wmv(values.bitwise_right_shift_(32), wb)
+    sums = values[:, : rows * cols].view(k, rows, cols).sum(1)
+    digests = _wmv(sums, wa[:cols]) + _wmv(sums.bitwise_right_shift_(32), wb[:cols])
+    if rows * cols < w:  # each word past rows * cols is a class of its own
+        tail, ends = values[:, rows * cols :], w - (rows - 1) * cols
+        digests += _wmv(tail, wa[cols:ends]) + _wmv(tail >> 32, wb[cols:ends])
+    return digests
+
+
+def _wmv(m: torch.Tensor, w: torch.Tensor, fused: bool | None = None) -> torch.Tensor:
+    """``m @ w`` mod 2**64 for int64 ``m`` (k, n) and ``w`` (n,): one ``mv`` on the CPU (no
+    temporary), a product and a row sum where ``mv`` has no integer kernel (CUDA)."""
+    return torch.mv(m, w) if (m.is_cpu if fused is None else fused) else (m * w).sum(1)
+
+
+def _mixed_digests(parts: Sequence[torch.Tensor], sizes: tuple[int, ...]) -> torch.Tensor:
+    """Digests of tensors of ``sizes`` words (same device and dtype; ``_padded``), in one batch: a
+    cached class index gathers the class sums, each tensor weighted with its own weights."""
+    flat = flatten(parts)
+    values = (flat if len(parts) > 1 else flat.clone()).view(torch.int64)
+    wa, wb, ends, *index = _host_layout(flat.device, sizes)
+    sums = values if not index else values.new_zeros(wa.numel()).index_add_(0, index[0], values)
+    weighted = (sums >> 32).mul_(wb).addcmul_(sums, wa)
+    running = weighted.cumsum_(0)[ends]  # exact, wrapping: a deterministic scan
+    return torch.diff(running, prepend=running.new_zeros(1))
+
+
+def _host_layout(device: torch.device, sizes: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
+    """For tensors of ``sizes`` words laid end to end: the weights A, B of each class (each
+    tensor's from index 0), the index of each tensor's last class and, when some tensor has
+    several rows, each word's class (int32; cached, at most 64 layouts)."""
+    key = (device, sizes)
+    if key not in _host_layouts:
+        if len(_host_layouts) >= 64:
+            _host_layouts.clear()
+        classes, where, start = [], [], 0
+        for n in sizes:
+            _, rows, cols = class_shape(n)
+            if rows == 1:
+                classes.append(n)
+                where.append(torch.arange(start, start + n, dtype=torch.int32))
+            else:
+                i = torch.arange(n, dtype=torch.int32)
+                where.append(torch.where(i < rows * cols, i % cols, i - (rows - 1) * cols).add_(start))
+                classes.append(n - (rows - 1) * cols)
+            start += classes[-1]
+        top = max(classes)
+        wa, wb = _weights(0, top, device), _weights(1, top, device)
+        layout = [torch.cat([wa[:c] for c in classes]), torch.cat([wb[:c] for c in classes])]
+        layout.append(torch.tensor(classes, dtype=torch.int64).cumsum(0).sub_(1).to(device))
+        if start < sum(sizes):
+            layout.append(torch.cat(where).to(device))
+        _host_layouts[key] = tuple(layout)
+    return _host_layouts[key]
 
 
 def combine(digests: torch.Tensor) -> torch.Tensor:
