@@ -39,10 +39,10 @@ from transformers import Trainer, TrainerCallback
 from transformers.trainer_callback import DefaultFlowCallback, ExportableState
 
 from accelerate_sdc import config
-from accelerate_sdc.hooks import Framework, SDCHooks
+from accelerate_sdc.hooks import AccelerateFramework, SDCHooks
 
 
-class _TrainerFramework(Framework):
+class _TrainerFramework(AccelerateFramework):
     """The Accelerate seam with the Trainer's run folder, logging and checkpoints."""
 
     def __init__(self, trainer: Trainer) -> None:
@@ -157,6 +157,20 @@ class SDCTrainerCallback(TrainerCallback, ExportableState):
             return loss
 
         trainer.compute_loss = compute_loss  # type: ignore[method-assign]
+        self._wrap_save_checkpoint(trainer)
+
+    def _wrap_save_checkpoint(self, trainer: Trainer) -> None:
+        """Every checkpoint the Trainer writes, whatever decided it (``save_strategy`` "steps",
+        "epoch" or "best", an evaluation), goes through ``_save_checkpoint`` on every process:
+        before it, the pending non-finite verdict is read and the replicas are compared."""
+        original = trainer._save_checkpoint
+
+        def save_checkpoint(*args: Any, **kwargs: Any) -> Any:
+            if self._attached and self.hooks is not None:
+                self.hooks.before_save(fingerprint=False)  # raises on every process before anything is written
+            return original(*args, **kwargs)
+
+        trainer._save_checkpoint = save_checkpoint  # type: ignore[method-assign]
 
     # -- events --------------------------------------------------------------------------------
 
@@ -181,13 +195,6 @@ class SDCTrainerCallback(TrainerCallback, ExportableState):
         hooks.step = state.global_step  # verdicts name the Trainer's own step
         hooks.attach(trainer.model_wrapped, trainer.optimizer)
         self._attached = True
-
-    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        hooks = self.hooks
-        if control.should_save and self._attached and hooks is not None:  # the Trainer saves next
-            if hooks.nonfinite is not None:
-                hooks._resolve_nonfinite()  # no checkpoint after a step whose verdict is unread
-            hooks._check_now()  # nor one of replicas that differ
 
     def state(self) -> dict[str, Any]:
         """What the Trainer writes into ``trainer_state.json`` at each checkpoint."""

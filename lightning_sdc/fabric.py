@@ -1,10 +1,10 @@
-"""``SDCHooks`` for Lightning Fabric: the Accelerate hook set through a Fabric seam.
+"""``SDCHooks`` for Lightning Fabric: the core loop driver (``sdc_core.SDCHooks``) through a Fabric seam.
 
 ```python
 from lightning_sdc.fabric import SDCHooks
 
 model, optimizer = fabric.setup(model, optimizer)
-hooks = SDCHooks(fabric)                      # same settings as accelerate_sdc.SDCHooks
+hooks = SDCHooks(fabric)                      # same settings as sdc_core.SDCHooks
 hooks.attach(model, optimizer)
 for i, batch in enumerate(loader):
     accumulating = (i + 1) % N != 0
@@ -17,9 +17,10 @@ hooks.finish()
 fabric.save(path, {"model": model, "optimizer": optimizer, "sdc": hooks})  # counters travel along
 ```
 
-Behaviour and settings are those of ``accelerate_sdc.SDCHooks`` (keywords over
-``ACCELERATE_SDC_*`` over the ``accelerate-sdc config`` file; ``on_failure="skip_step"``,
-``fingerprint_on_failure="heal"``, ...); one hook-set implementation serves both. Differences:
+Behaviour and settings are those of the core hook set ``sdc_core.SDCHooks`` that serves every
+route (keywords over ``ACCELERATE_SDC_*`` over the ``accelerate-sdc config`` file, as for
+Accelerate users; ``on_failure="skip_step"``, ``fingerprint_on_failure="heal"``, ...). This
+module needs Lightning only, not Accelerate. Differences:
 
 * Fabric has no notion of accumulation: every ``optimizer.step()`` is a sync step, and the loss
   you back-propagate is what the replay must recompute. If you divide it before
@@ -38,8 +39,10 @@ Strategies: ``"ddp"`` (and its variants) or a single device; others raise ``Valu
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from contextlib import AbstractContextManager
+from pathlib import Path
 from typing import Any
 
 from lightning.fabric import Fabric
@@ -48,18 +51,30 @@ from lightning.fabric.wrappers import is_wrapped
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from accelerate_sdc.hooks import Framework, LossFn
-from accelerate_sdc.hooks import SDCHooks as _HookSet
+from sdc_core.hooks import Framework, LossFn
+from sdc_core.hooks import SDCHooks as _HookSet
+from sdc_core.settings import Sources
+
+
+def _settings_file() -> Path | None:
+    """The ``accelerate-sdc config`` file (accelerate's config folder), when Accelerate is installed."""
+    try:
+        from accelerate.commands.config.config_args import default_yaml_config_file
+    except ImportError:
+        return None
+    return Path(default_yaml_config_file).with_name("sdc_config.yaml")
+
+
+# the same sources as the Accelerate seam, without importing it
+SOURCES = Sources("ACCELERATE_SDC_", _settings_file)
 
 
 class FabricFramework(Framework):
     """The hook set's seam for a ``Fabric`` object (public Fabric API only)."""
 
     def __init__(self, fabric: Fabric, run_dir: str | None = None) -> None:
+        super().__init__(run_dir)
         self.fabric = fabric
-        self.accelerator = None
-        self._run_dir = run_dir
-        self._updated = False  # set by a step post-hook on the inner optimizer
         self._pre_save: list[Callable[..., None]] = []
 
     @property
@@ -98,11 +113,10 @@ class FabricFramework(Framework):
     def scaler(self) -> Any:
         return getattr(self.fabric.strategy.precision, "scaler", None)
 
-    def step_was_skipped(self, optimizer: Any) -> bool:
-        updated, self._updated = self._updated, False
-        return self.scaler is not None and not updated
+    def step_owner(self, optimizer: Any) -> Any:
+        return optimizer  # Fabric's optimizer wrapper calls the GradScaler itself
 
-    def to_device(self, batch: Any) -> Any:
+    def to_device(self, batch: Any, device: Any = None) -> Any:
         return self.fabric.to_device(batch)
 
     def replay_context(self) -> AbstractContextManager[Any]:
@@ -183,7 +197,7 @@ class _PrecisionModel:
 
 
 class SDCHooks(_HookSet):
-    """The SDC checks for a Fabric loop; settings as ``accelerate_sdc.SDCHooks``.
+    """The SDC checks for a Fabric loop; settings as ``sdc_core.SDCHooks``.
 
     Args:
         fabric: the launched ``Fabric`` of the run.
@@ -191,10 +205,10 @@ class SDCHooks(_HookSet):
             is not ``outputs.loss`` or the model's scalar output (or use ``replayable``).
         run_dir: where incidents go (``<run_dir>/sdc/incidents``); default: the first logger's
             ``log_dir``, else the working directory.
-        **settings: any field of ``accelerate_sdc.SDCSettings``.
+        **settings: any field of ``sdc_core.SDCSettings``.
 
     Call ``attach(model, optimizer)`` on every process after ``fabric.setup`` and ``finish()``
-    after the loop. Cost: that of the Accelerate hook set.
+    after the loop. Cost: that of the core hook set.
     """
 
     def __init__(self, fabric: Fabric, loss_fn: LossFn | None = None, run_dir: str | None = None,
@@ -202,7 +216,7 @@ class SDCHooks(_HookSet):
         if not isinstance(fabric, Fabric):
             raise TypeError(f"lightning_sdc.fabric.SDCHooks needs a launched Fabric, got {type(fabric).__name__}")
         self.fabric = fabric
-        super().__init__(fabric, loss_fn, _framework=FabricFramework(fabric, run_dir), **settings)
+        super().__init__(loss_fn, framework=FabricFramework(fabric, run_dir), sources=SOURCES, **settings)
 
     def attach(self, model: nn.Module, optimizer: Any, loss_fn: LossFn | None = None) -> SDCHooks:
         """Hook the model and optimizer ``fabric.setup`` returned (every process)."""
@@ -213,14 +227,29 @@ class SDCHooks(_HookSet):
                 f"{type(strategy).__name__} (FSDP, DeepSpeed and model-parallel strategies are not supported)"
             )
         super().attach(model, optimizer, loss_fn)
-        fw = self._fw
-        inner = getattr(optimizer, "optimizer", optimizer)
-
-        def updated(*_: Any) -> None:
-            fw._updated = True  # type: ignore[attr-defined]
-
-        self._handles.append(inner.register_step_post_hook(updated))
+        self.fabric._sdc_hooks = weakref.ref(self)  # the hook set clip_gradients consults
+        if "clip_gradients" not in vars(self.fabric):  # once per Fabric
+            self._wrap_clip_gradients()
         return self
+
+    def _wrap_clip_gradients(self) -> None:
+        """``fabric.clip_gradients`` raises a plain ``RuntimeError`` on NaN/Inf gradients
+        (``error_if_nonfinite=True``, its default) before ``optimizer.step`` could read the
+        verdict; then this step's non-finite verdict is read at once, so the error that leaves is
+        the ``NonFiniteGradientError`` naming the rank, on every process (all see the same reduced
+        gradients, so all raise)."""
+        fabric, original = self.fabric, self.fabric.clip_gradients
+
+        def clip_gradients(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return original(*args, **kwargs)
+            except RuntimeError:
+                hooks = fabric._sdc_hooks()  # the hook set attached last (one Fabric may serve several runs)
+                if hooks is not None and hooks.module is not None:
+                    hooks.check_gradients_now()  # raises the SDC verdict when the gradients are non-finite
+                raise
+
+        fabric.clip_gradients = clip_gradients  # type: ignore[method-assign]
 
     def _before_save(self, models: list[Any], weights: Any, output_dir: Any) -> None:
         """Before ``fabric.save``: compare the replicas (raising on a mismatch). No fingerprint

@@ -7,7 +7,9 @@ Three checks use the data-parallel replicas as witnesses of each other:
 * ``WeightFingerprint``: replicas compare exact fingerprints of their weights after a step.
 
 A failure raises an ``SDCError`` subclass on every rank, in the same step, naming the faulty rank
-and host when the evidence allows. The Lightning and Accelerate adapters are thin layers on top.
+and host when the evidence allows. ``SDCHooks`` drives all three in a plain PyTorch loop (DDP or
+``fully_shard``); the Lightning, Fabric, Accelerate and Hugging Face Trainer adapters are thin
+seams over the same driver.
 """
 
 from sdc_core import shutdown  # first: its exit handler runs after those registered later
@@ -21,7 +23,9 @@ from sdc_core.errors import (
 from sdc_core.faults import Fault, FaultInjector, flip_bit
 from sdc_core.fingerprint import FingerprintConfig, WeightFingerprint, tensor_digest, tensor_digests, vote
 from sdc_core.gradients import GradientTap, NonFiniteConfig, NonFiniteGradient
+from sdc_core.hooks import Framework, SDCHooks
 from sdc_core.replay import ReplayConfig, RingReplay, StateCapture
+from sdc_core.settings import SDCConfigError, SDCSettings
 from sdc_core.stats import CheckStats
 from sdc_core.topology import Topology, ring_partners
 
@@ -33,6 +37,7 @@ __all__ = [
     "FaultInjector",
     "FingerprintConfig",
     "FingerprintMismatchError",
+    "Framework",
     "GradientTap",
     "NonFiniteConfig",
     "NonFiniteGradient",
@@ -41,7 +46,10 @@ __all__ = [
     "ReplayMismatchError",
     "ReplayUnavailableError",
     "RingReplay",
+    "SDCConfigError",
     "SDCError",
+    "SDCHooks",
+    "SDCSettings",
     "StateCapture",
     "Topology",
     "WeightFingerprint",

@@ -6,7 +6,7 @@ reads Lightning ``.ckpt`` files, plain ``torch.save`` state dicts and Accelerate
 folders, flips chosen bits in chosen tensors with a seeded generator, and logs every flip
 (tensor, index, bit, old and new value) so a run can be replayed. It never writes over its input
 unless asked to, and writes every output atomically (a hard link to the input is replaced, never
-written through).
+written through) and only to a regular file: a device or FIFO given as the output is refused.
 
 Every file is read with ``weights_only=True`` (``sdc_core.safeio.load_torch``): reading a checkpoint
 cannot run code hidden in it; ``trust_pickle=True`` opts in, loudly, for a legacy file you wrote.
@@ -33,7 +33,15 @@ import torch
 from sdc_core.errors import FingerprintMismatchError
 from sdc_core.faults import flip_bit
 from sdc_core.fingerprint import tensor_digest, tensor_digest_v1
-from sdc_core.safeio import OutputError, UnreadableError, atomic_write, atomic_write_text, load_torch
+from sdc_core.safeio import (
+    OutputError,
+    UnreadableError,
+    atomic_write,
+    atomic_write_text,
+    check_output,
+    load_torch,
+    output_mode,
+)
 
 FINGERPRINT_KEY = "sdc_fingerprint"
 _DIGESTS = {1: tensor_digest_v1, 2: tensor_digest}  # fingerprint version -> per-tensor digest (newest written)
@@ -192,6 +200,7 @@ class Checkpoint:
             shutil.copytree(self.path, tmp, dirs_exist_ok=True)
             for fname in self.objects:
                 self._save_file(fname, tmp / fname)
+            os.chmod(tmp, output_mode(out, folder=True))  # mkdtemp made it 0o700
             if out.exists():
                 out.rmdir()
             os.replace(tmp, out)
@@ -291,6 +300,27 @@ class Corruption:
             raise ValueError(f"bits must be bit positions in 0..63, got {list(self.bits)}")
 
 
+def distinct_positions(total: int, n: int, gen: torch.Generator) -> torch.Tensor:
+    """``n`` distinct positions in ``range(total)``, sorted, every ``n``-subset equally likely.
+
+    Memory is O(n), not O(total): iid uniform draws are pooled until ``n`` distinct values are
+    seen (given its size, the set of distinct draws is a uniform subset), then ``n`` of them are
+    kept at random. When ``n`` is at least half of ``total`` a permutation of ``range(total)``
+    costs no more than the answer and is used instead."""
+    if not 0 <= n <= total:
+        raise ValueError(f"cannot pick {n} distinct positions out of {total}")
+    if 2 * n >= total:
+        return torch.randperm(total, generator=gen)[:n].sort().values
+    pool = torch.empty(0, dtype=torch.int64)
+    while pool.numel() < n:
+        need = n - pool.numel()
+        draws = torch.randint(total, (need + need // 2 + 16,), generator=gen, dtype=torch.int64)
+        pool = torch.unique(torch.cat([pool, draws]))
+    if pool.numel() > n:
+        pool = pool[torch.randperm(pool.numel(), generator=gen)[:n]]
+    return pool.sort().values
+
+
 def corrupt(ckpt: Checkpoint, spec: Corruption) -> list[dict[str, Any]]:
     """Flip bits of ``ckpt``'s tensors in memory as ``spec`` says; returns the flip log."""
     rx = re.compile(spec.pattern) if spec.pattern else None
@@ -304,7 +334,7 @@ def corrupt(ckpt: Checkpoint, spec: Corruption) -> list[dict[str, Any]]:
         raise ValueError(f"the tensors matching target={spec.target!r} pattern={spec.pattern!r} are empty")
     n = spec.count if spec.count is not None else max(1, round(spec.fraction * total))  # type: ignore[operator]
     gen = torch.Generator().manual_seed(spec.seed)
-    flat = torch.randperm(total, generator=gen)[: min(n, total)].sort().values
+    flat = distinct_positions(total, min(n, total), gen)
     bounds = torch.cumsum(sizes.long(), 0)
     log = []
     for pos in flat.tolist():
@@ -343,6 +373,9 @@ def corrupt_file(src: str | Path, out: str | Path | None, spec: Corruption, in_p
         raise ValueError(f"the flip log {log_path} would overwrite the input; choose another output name")
     if src.is_dir() and not in_place and _inside(dst, src):
         raise ValueError(f"the output {dst} is inside the input folder {src}; choose a folder outside it")
+    if not src.is_dir():
+        check_output(dst)  # a device, FIFO or folder is refused before any work
+    check_output(log_path)
     ckpt = Checkpoint.load(src, trust_pickle)
     flips = corrupt(ckpt, spec)
     ckpt.save(dst)

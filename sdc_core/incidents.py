@@ -216,21 +216,70 @@ def load_incidents(paths: Iterable[str | Path], skipped: list[str] | None = None
         for f, expected in files:
             try:
                 data = json.loads(f.read_text())
-            except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
+            except (OSError, ValueError, RecursionError) as err:  # ValueError: bad JSON, a 5000-digit number
                 skip(f, f"not a readable JSON file ({type(err).__name__}: {err})")
                 continue
-            incident, why = _checked(data)
+            notes: list[str] = []
+            incident, why = _checked(data, notes)
             if incident is not None:
                 incident["_file"] = str(f)
                 found.append(incident)
+                for note in notes:
+                    skip(f, note)
             elif expected or (isinstance(data, dict) and "check" in data):
                 skip(f, f"not an SDC incident ({why})")
     return found
 
 
-def _checked(data: Any) -> tuple[dict[str, Any] | None, str]:
+def _when(data: dict[str, Any], notes: list[str]) -> str:
+    """The incident's time as ISO text: ``time_iso``, else ``time`` (seconds since the epoch), else
+    ``"?"``; a value that is no time (1e300, NaN, a list) is skipped with a note."""
+    when = data.get("time_iso")
+    if isinstance(when, str):
+        return when
+    if when is not None:
+        notes.append(f"field 'time_iso' is {_short(when)}, not a text: field skipped")
+    t = data.get("time")
+    if t is None:
+        return "?"
+    try:
+        if isinstance(t, bool) or not isinstance(t, int | float):
+            raise TypeError
+        return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
+    except (TypeError, ValueError, OverflowError, OSError):
+        notes.append(f"field 'time' is {_short(t)}, not a time: field skipped")
+        return "?"
+
+
+def _short(value: Any) -> str:
+    try:
+        text = repr(value)
+    except ValueError:  # an integer too long to print
+        text = f"a {type(value).__name__} too long to show"
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _facts(rank: str, facts: dict[str, Any], notes: list[str]) -> dict[str, Any]:
+    """A suspect's facts with ``device`` a text (``"?"`` when absent) and ``device_uuid`` a text or
+    None; another value of either is skipped with a note."""
+    out = dict(facts)
+    for key, missing in (("device", "?"), ("device_uuid", None)):
+        value = facts.get(key)
+        if value is None or value == "":
+            out[key] = missing
+        elif isinstance(value, str | int) and not isinstance(value, bool):
+            out[key] = str(value)
+        else:
+            notes.append(f"field 'suspects.{rank}.{key}' is {_short(value)}, not a text: field skipped")
+            out[key] = missing
+    return out
+
+
+def _checked(data: Any, notes: list[str] | None = None) -> tuple[dict[str, Any] | None, str]:
     """``data`` as an incident with the fields ``summarise``/``exclude_hosts`` read, each of the
-    right type, or ``(None, why)``."""
+    right type, or ``(None, why)``. A field only shown (the time) that is not of its type is
+    skipped instead, with a line appended to ``notes``."""
+    notes = [] if notes is None else notes
     if not isinstance(data, dict):
         return None, f"a JSON {type(data).__name__}, not an object"
     if not isinstance(data.get("check"), str):
@@ -241,19 +290,16 @@ def _checked(data: Any) -> tuple[dict[str, Any] | None, str]:
     ):
         return None, "'suspects' is not a mapping of rank to facts with a 'host'"
     rank = data.get("rank")
-    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int | str) or not str(rank).isdigit()):
-        return None, f"'rank' is {rank!r}, not a rank or null"
+    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int | str)
+                             or not re.fullmatch(r"[0-9]{1,18}", str(rank))):  # fmt: skip
+        return None, f"'rank' is {_short(rank)}, not a rank or null"
     hosts = data.get("exclude_hosts", [])
     if isinstance(hosts, str):  # one host, or a comma separated list
         hosts = [h for h in re.split(r"[,\s]+", hosts) if h]
     if not isinstance(hosts, list) or not all(isinstance(h, str) for h in hosts):
-        return None, f"'exclude_hosts' is {hosts!r}, not a list of host names"
-    when = data.get("time_iso")
-    if not isinstance(when, str):
-        t = data.get("time")
-        when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t)) if isinstance(t, int | float) else "?"
-    suspects = {str(r): {**f, "device": str(f.get("device", "?")), "device_uuid": f.get("device_uuid") or None}
-                for r, f in suspects.items()}  # fmt: skip
+        return None, f"'exclude_hosts' is {_short(hosts)}, not a list of host names"
+    when = _when(data, notes)
+    suspects = {str(r): _facts(str(r), f, notes) for r, f in suspects.items()}
     out = {**data, "suspects": suspects, "rank": None if rank is None else int(rank),
            "exclude_hosts": [h.strip() for h in hosts if h.strip()], "time_iso": when}  # fmt: skip
     return out, ""

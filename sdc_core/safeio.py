@@ -6,7 +6,14 @@
   the file each time: only for files you wrote yourself.
 * ``atomic_write`` writes a file beside its destination and renames it into place: a reader sees
   the old file or the new one, never half of one, and a hard link to another file (an input) is
-  replaced, never written through.
+  replaced, never written through. Only a regular file (or nothing) is ever replaced: a symbolic
+  link is followed to the file it names (the link stays), and a device, FIFO, socket or folder
+  is refused with ``OutputError`` before anything is written (``check_output``). Refused rather
+  than written through because every output here is read back (a checkpoint resumed or verified,
+  a flip log or incident parsed by ``sdc report``, a config read by a launcher): a FIFO or device
+  cannot be written atomically, and ``-o /dev/null`` would still leave its flip log in ``/dev``.
+  Permissions are those of an ordinary write: a new file gets ``0o666`` less the umask, a
+  replaced file keeps its mode (``output_mode``), never the ``0o600`` of a temporary file.
 * ``UnreadableError`` (an input cannot be read) and ``OutputError`` (an output cannot be written)
   name the file and say what to do; both are ``ValueError`` so callers that catch it still work.
 """
@@ -14,7 +21,9 @@
 from __future__ import annotations
 
 import os
+import stat
 import tempfile
+import threading
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -71,27 +80,97 @@ def load_torch(path: str | Path, trust_pickle: bool = False, map_location: Any =
         raise UnreadableError(f"{path} is not a readable torch checkpoint: {type(err).__name__}: {why}") from None
 
 
+_KINDS = (
+    (stat.S_ISDIR, "a folder"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISFIFO, "a FIFO (named pipe)"),
+    (stat.S_ISSOCK, "a socket"),
+)
+
+
+def check_output(path: str | Path) -> Path:
+    """The file ``atomic_write`` would replace for ``path``: ``path`` itself, or for a symbolic
+    link the file it names. Raises ``OutputError`` (one line, naming the path and its kind) when
+    that is anything but a regular file or nothing (a device, FIFO, socket, folder, a link loop)
+    or its folder does not exist. Cheap (a few ``stat`` calls): call it before expensive work."""
+    path = Path(path)
+    target = path
+    try:
+        if stat.S_ISLNK(os.lstat(path).st_mode):
+            target = Path(os.path.realpath(path))
+            if stat.S_ISLNK(os.lstat(target).st_mode):
+                raise OutputError(f"cannot write {path}: it is a symbolic link that does not resolve (a loop)")
+    except FileNotFoundError:
+        pass
+    except OSError as err:
+        raise OutputError(f"cannot write {path}: {err.strerror or err}") from None
+    try:
+        mode = os.stat(target).st_mode
+    except FileNotFoundError:
+        mode = None
+    except OSError as err:
+        raise OutputError(f"cannot write {path}: {err.strerror or err}") from None
+    if mode is not None and not stat.S_ISREG(mode):
+        kind = next((name for test, name in _KINDS if test(mode)), "not a regular file")
+        shown = f"{path} (a link to {target})" if target != path else str(path)
+        if stat.S_ISDIR(mode):
+            raise OutputError(f"{shown} is a folder; give a file name")
+        raise OutputError(f"cannot write {shown}: it is {kind}, and outputs are only written to regular files "
+                          "(replaced atomically); give a file path")  # fmt: skip
+    if not target.parent.is_dir():
+        raise OutputError(f"cannot write {path}: folder {target.parent} does not exist; create it first")
+    return target
+
+
+_UMASK_LOCK = threading.Lock()
+
+
+def current_umask() -> int:
+    """This process's umask, read without changing it where Linux shows it (``/proc/self/status``);
+    elsewhere set and restored at once under a lock."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    with _UMASK_LOCK:
+        mask = os.umask(0o022)
+        os.umask(mask)
+    return mask
+
+
+def output_mode(target: str | Path, folder: bool = False) -> int:
+    """The permission bits an ordinary write would leave on ``target``: its own when it exists,
+    else ``0o666`` (``0o777`` for a folder) less the umask."""
+    try:
+        return stat.S_IMODE(os.stat(target).st_mode) & 0o777
+    except OSError:
+        return (0o777 if folder else 0o666) & ~current_umask()
+
+
 def atomic_write(path: str | Path, write: Callable[[IO[bytes]], Any]) -> Path:
     """Call ``write`` on a temporary file beside ``path`` and rename it onto ``path``.
 
-    The temporary file is removed when ``write`` fails. Raises ``OutputError`` naming ``path``
-    when it is a folder or its folder does not exist or cannot be written."""
+    Only a regular file or nothing is replaced; a symbolic link is followed and its target
+    replaced (see ``check_output``, which raises ``OutputError`` for anything else: a device, a
+    FIFO, a folder, a missing folder). The temporary file is removed when ``write`` fails.
+    Returns ``path``."""
     path = Path(path)
-    if path.is_dir():
-        raise OutputError(f"{path} is a folder; give a file name")
-    parent = path.parent
-    if not parent.is_dir():
-        raise OutputError(f"cannot write {path}: folder {parent} does not exist; create it first")
+    target = check_output(path)
     try:
-        fd, tmp = tempfile.mkstemp(dir=parent, prefix=f".{path.name}.", suffix=".tmp")
+        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
     except OSError as err:
         raise OutputError(f"cannot write {path}: {err.strerror or err}") from None
     try:
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()
+            os.fchmod(f.fileno(), output_mode(target))  # mkstemp made it 0o600
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        os.replace(tmp, target)
     except BaseException as err:
         Path(tmp).unlink(missing_ok=True)
         if isinstance(err, OSError):
@@ -108,7 +187,7 @@ def atomic_write_text(path: str | Path, text: str) -> Path:
 def create_unique(folder: str | Path, stem: str, suffix: str, text: str) -> Path:
     """Write ``text`` to a new file ``<folder>/<stem><suffix>`` (``<stem>-2<suffix>``, ... when
     taken) atomically, never replacing an existing file: two writers in the same instant get two
-    files."""
+    files. The file gets ``0o666`` less the umask, as an ordinary new file."""
     folder = Path(folder)
     try:
         fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{stem}.", suffix=".tmp")
@@ -118,6 +197,7 @@ def create_unique(folder: str | Path, stem: str, suffix: str, text: str) -> Path
         with os.fdopen(fd, "wb") as f:
             f.write(text.encode())
             f.flush()
+            os.fchmod(f.fileno(), 0o666 & ~current_umask())  # mkstemp made it 0o600
             os.fsync(f.fileno())
         for n in range(1, 10_000):
             path = folder / (f"{stem}{suffix}" if n == 1 else f"{stem}-{n}{suffix}")
@@ -127,7 +207,7 @@ def create_unique(folder: str | Path, stem: str, suffix: str, text: str) -> Path
                 continue
             except OSError:  # a file system without hard links: exclusive create, then write
                 try:
-                    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
                 except FileExistsError:
                     continue
                 with os.fdopen(fd, "wb") as f:

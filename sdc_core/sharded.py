@@ -9,8 +9,9 @@ shard; tensor parallel: the TP ranks of a parameter that TP leaves replicated.
 * ``ShardedNonFinite``: every rank's LOCAL unsharded gradients are read inside FSDP2's
   reduce-scatter (a ``ReduceScatter`` comm that wraps the one in place, the user's included), before
   the reduce-scatter and the HSDP all-reduce mix them; one ``aminmax`` per FSDP parameter group,
-  no host synchronisation in the hook; the flag travels inside the reduce-scatter (NaN survives a
-  sum), so the verdict needs no collective of its own.
+  no host synchronisation in the hook; the flag also travels inside the reduce-scatter (NaN
+  survives a sum), and the verdict is agreed by one 4-byte all-reduce per step: a reduced shard is
+  one rank's own, so a NaN formed inside the reduction would otherwise be seen by one rank only.
 * ``ShardedFingerprint``: each replica group compares its local shards (16 bytes per rank, one
   all-reduce in the replica group's own process group); tensors without replicas (pure FSDP) are
   re-digested before the next forward and compared with their digest taken after the update, so a
@@ -305,13 +306,15 @@ class ShardedNonFinite(NonFiniteVerdicts):
 
     ``attach(module)`` taps every FSDP parameter group. Cost: one ``aminmax`` read of the local
     unsharded gradients per parameter group (on every micro-batch whose reduce-scatter runs) and
-    no collective of its own: each rank's flag rides in its reduce-scatter input (element 0 of
-    every rank's chunk minus +0.0, or minus NaN when its local gradients are not finite, a strided
-    write of ``group size`` elements; bit-identical training while finite) and every rank reads
-    element 0 of its own reduced shards (one scalar copy per group on the post-reduce stream,
-    through the parameter group's all-reduce hook, the user's wrapped), after the HSDP all-reduce:
-    all ranks decide alike from data they hold. When the FSDP meshes do not span the world (tensor
-    or pipeline parallelism beside FSDP) a 4-byte all-reduce per step carries the flags instead.
+    one 4-byte all-reduce per step (asynchronous, read when the verdict is read). In band (FSDP
+    meshes spanning the world) each rank's flag also rides in its reduce-scatter input (element 0
+    of every rank's chunk minus +0.0, or minus NaN when its local gradients are not finite, a
+    strided write of ``group size`` elements; bit-identical training while finite) and every rank
+    reads element 0 of its own reduced shards (one scalar copy per group on the post-reduce
+    stream, through the parameter group's all-reduce hook, the user's wrapped), after the HSDP
+    all-reduce; what a rank saw there joins its flag in the all-reduce. A reduced shard is one
+    rank's alone (a NaN formed inside the reduction lands on one rank), so the decision to gather
+    names is taken from the all-reduced count, which every rank holds: never one rank alone.
     With ``on_failure`` ``"raise"`` or ``"warn"``, no GradScaler and ``now`` False the verdict is
     read one step later (no host wait in the step); otherwise before the update. Only a flagged
     step gathers names. A flagged step's reduced gradients also carry NaN at element 0 of every
@@ -322,13 +325,13 @@ class ShardedNonFinite(NonFiniteVerdicts):
     _seen: list[tuple[torch.Tensor, list[str]]] = field(default_factory=list)
     _outputs: list[torch.Tensor] = field(default_factory=list)  # element 0 of each reduced shard
     _pending: _PendingVerdict | None = None
-    in_band: bool = False  # the flags travel inside the reduce-scatter (no collective of its own)
+    in_band: bool = False  # the flags also travel inside the reduce-scatter (and reduced shards are read)
     _device: torch.device | None = None  # where the 4-byte flag all-reduce runs (alike on every rank)
 
     def attach(self, module: nn.Module) -> None:
         """Tap every FSDP parameter group. When the groups' FSDP meshes span the whole world (FSDP,
-        HSDP), each rank's flag travels inside the reduce-scatter itself (``in_band``); otherwise
-        (tensor or pipeline parallelism beside FSDP) a 4-byte all-reduce per step carries it."""
+        HSDP), each rank's flag also travels inside the reduce-scatter (``in_band``) and each rank
+        reads its reduced shards; either way a 4-byte all-reduce per step carries the verdict."""
         self.taps = fsdp_taps(module)
         self._device = collective_device(home_device(local(p) for p in module.parameters()))
         world = dist.get_world_size() if is_distributed() else 1
@@ -367,14 +370,16 @@ class ShardedNonFinite(NonFiniteVerdicts):
         seen, self._seen = self._seen, []
         outputs, self._outputs = self._outputs, []
         flags = ~torch.isfinite(torch.stack([mm for mm, _ in seen])).all(dim=-1) if seen else None
-        if self.in_band:  # every rank holds the verdict in its own reduced shards: no collective
-            count = torch.isnan(torch.cat(outputs).float()).any() if outputs else torch.zeros((), dtype=torch.bool)
-            work = None
-        else:
-            count = torch.zeros(1, dtype=torch.int32, device=self._device or collective_device())
-            if flags is not None:
-                count += flags.any().to(device=count.device, dtype=torch.int32)
-            work = dist.all_reduce(count, async_op=True) if is_distributed() else None
+        count = torch.zeros(1, dtype=torch.int32, device=self._device or collective_device())
+        if flags is not None:
+            count += flags.any().to(device=count.device, dtype=torch.int32)
+        if self.in_band and outputs:
+            # A reduced shard is this rank's alone: a NaN formed INSIDE the reduction (partial sums
+            # overflowing to +inf and -inf, a fault on the wire) lands on one rank's shard only. The
+            # names gather that a nonzero count leads to is a collective, so the count is agreed by
+            # all ranks (the all-reduce below), never read from one rank's shards alone.
+            count += torch.isnan(torch.cat(outputs).float()).any().to(device=count.device, dtype=torch.int32)
+        work = dist.all_reduce(count, async_op=True) if is_distributed() else None
         self._pending = _PendingVerdict(step, HostRead(count, work), work, seen, flags, scaler_active)
         self.stats.add_time(time.perf_counter() - t0)
         if self.config.on_failure in ("raise", "warn") and not scaler_active and not now:
@@ -418,7 +423,11 @@ class ShardedNonFinite(NonFiniteVerdicts):
                 continue
             unique = list(dict.fromkeys(names))
             per_rank.append(([n for n in unique if n in bad_anywhere] or unique)[: self.config.max_names])
-        return self._failure(step, per_rank, scaler_active, t0, params, {"sharded": True})
+        extra: dict[str, Any] = {"sharded": True}
+        if all(names is None for names, _ in gathered):  # no rank's local gradients: it formed in the reduction
+            extra["formed_in_reduction"] = {r: names[: self.config.max_names] for r, (_, names) in enumerate(gathered)
+                                            if names}  # fmt: skip
+        return self._failure(step, per_rank, scaler_active, t0, params, extra)
 
 
 # -- weight fingerprint by replica group, and at rest without replicas ------------------------------

@@ -56,18 +56,9 @@ import torch
 from torch import nn
 from torch.nn.utils.stateless import _reparametrize_module
 
-from sdc_core.replay import (
-    Digest,
-    MicroBatch,
-    RingReplay,
-    Row,
-    StateCapture,
-    StepFn,
-    _all_rng,
-    _assemble,
-    _digest_row,
-    _set_rng,
-)
+from sdc_core.replay import RingReplay
+from sdc_core.replay_compare import Digest, Row, _assemble, _digest_row
+from sdc_core.replay_state import MicroBatch, StateCapture, StepFn, _all_rng, _set_rng
 from sdc_core.sharded import GradientTapComm, fsdp_taps, local
 
 

@@ -1,20 +1,37 @@
 """Who is where: ranks, hosts and nodes, replay partners, and the few collectives the checks use.
 
 Facts about each rank (hostname, node rank, local rank) are gathered once, at set-up, with one
-``all_gather_object``; nothing here runs per step except the small helpers the checks call on
+``all_gather_objects``; nothing here runs per step except the small helpers the checks call on
 their own cadence.
+
+Nothing a peer sends is unpickled: ``all_gather_objects`` and ``exchange`` carry objects in the
+form of ``sdc_core.payload`` (JSON header plus raw tensor bytes), agree on sizes before any
+buffer is allocated, and raise ``PayloadError`` on every rank together for anything malformed,
+oversized or refused: one corrupted or compromised rank can neither run code on its partners nor
+leave them waiting.
 """
 
 from __future__ import annotations
 
-import io
 import os
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from sdc_core.payload import (
+    ALLOW_PICKLE_ENV,
+    MAX_PAYLOAD_ENV,
+    NotEncodable,
+    PayloadError,
+    decode,
+    encode,
+    max_payload_bytes,
+    pickle_allowed,
+)
 
 
 def is_distributed() -> bool:
@@ -143,7 +160,7 @@ def _device_facts() -> tuple[str, str | None, tuple[tuple[str, str], ...]]:
     """This process's device name, UUID (where the device has one) and library versions."""
     import platform
 
-    versions = [("torch", torch.__version__), ("python", platform.python_version())]
+    versions = [("torch", str(torch.__version__)), ("python", platform.python_version())]
     if torch.cuda.is_available():
         index = torch.cuda.current_device()
         props = torch.cuda.get_device_properties(index)
@@ -171,7 +188,7 @@ class Topology:
 
     @classmethod
     def gather(cls, node_rank: int | None = None, local_rank: int | None = None) -> Topology:
-        """Collect every rank's facts (one ``all_gather_object``; call once, on every rank).
+        """Collect every rank's facts (one ``all_gather_objects``; call once, on every rank).
 
         ``node_rank`` defaults to ``GROUP_RANK`` (torchrun), ``NODE_RANK`` (Lightning) or
         ``SLURM_NODEID``; ``local_rank`` to ``LOCAL_RANK`` or ``SLURM_LOCALID``.
@@ -188,8 +205,9 @@ class Topology:
         )
         if not is_distributed():
             return cls(ranks=(mine,), rank=0)
-        gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, mine)
+        gathered = all_gather_objects(mine)
+        if not all(isinstance(f, RankFacts) and f.rank == r for r, f in enumerate(gathered)):
+            raise PayloadError("gathering the ranks' facts failed: a rank sent something else than its own facts")
         return cls(ranks=tuple(gathered), rank=rank)
 
     def hosts(self, ranks: Any) -> dict[int, str]:
@@ -276,65 +294,247 @@ def all_gather_tensor(value: torch.Tensor) -> torch.Tensor:
     return torch.stack(out)
 
 
-def all_gather_objects(obj: Any) -> list[Any]:
-    """Every rank's picklable ``obj``, in rank order (rare paths only: it pickles)."""
+def _agree(failures: list[str], what: str) -> None:
+    """Raise ``PayloadError`` on every rank when any rank lists a failure (a collective: every rank
+    calls it at the same point). Costs one 4-byte all-gather; the texts (512 bytes a rank) travel
+    only when some rank failed."""
+    flags = all_gather_tensor(torch.tensor([len(failures)], dtype=torch.int32, device=collective_device()))
+    if not any(flags.flatten().tolist()):
+        return
+    mine = "; ".join(failures).encode("utf-8", "replace")[:_TEXT_BYTES]
+    text = torch.zeros(_TEXT_BYTES, dtype=torch.uint8)
+    if mine:
+        text[: len(mine)] = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
+    rows = all_gather_tensor(text.to(collective_device())).cpu()
+    said = [bytes(r.tolist()).rstrip(b"\0").decode("utf-8", "replace") for r in rows]
+    raise PayloadError(f"{what} failed: " + "; ".join(t for t in said if t))
+
+
+_TEXT_BYTES = 512
+
+
+def all_gather_objects(obj: Any, *, max_bytes: int | None = None) -> list[Any]:
+    """Every rank's ``obj``, in rank order, never unpickled: ``obj`` travels in the form of
+    ``sdc_core.payload`` (plain values, containers, tensors, named tuples, sdc_core dataclasses).
+
+    Sizes are agreed first (one all-gather of 24 bytes a rank), checked on every rank against the
+    smallest ``max_bytes`` of all ranks (default ``SDC_MAX_PAYLOAD_MB`` or 4 GiB), and the receive
+    buffers' allocation is agreed too (4 bytes a rank), so a bad size or a buffer that cannot be
+    held raises ``PayloadError`` on every rank, never on one while the others wait. Every rank
+    decodes the same bytes, so an object that cannot be read (or one its rank could not encode)
+    raises ``PayloadError`` naming that rank on every rank. Rare paths only: three collectives."""
     if not is_distributed():
         return [obj]
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
-
-
-def _to_cpu(obj: Any) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu()
-    if isinstance(obj, dict):
-        return {k: _to_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple) and not hasattr(obj, "_fields"):
-        return type(obj)(_to_cpu(v) for v in obj)
-    return obj
-
-
-def exchange(sends: dict[int, Any], recv_from: list[int]) -> dict[int, Any]:
-    """Point-to-point exchange of picklable objects: ``sends[dst] = obj``; receive from each source.
-
-    Every rank must call this with a plan consistent with the others' (a send to ``d`` on rank
-    ``s`` matches ``s`` in ``recv_from`` on rank ``d``). Tensors travel as CPU copies and arrive
-    on the CPU; sizes travel first, then the payloads.
-    """
+    world, me = dist.get_world_size(), dist.get_rank()
     device = collective_device()
-    payloads = {dst: _serialize(obj).to(device) for dst, obj in sends.items()}
-    sizes_out = {d: torch.tensor([p.numel()], dtype=torch.int64, device=device) for d, p in payloads.items()}
-    sizes_in = {s: torch.zeros(1, dtype=torch.int64, device=device) for s in recv_from}
-    works = [dist.isend(t, d) for d, t in sizes_out.items()]
-    works += [dist.irecv(t, s) for s, t in sizes_in.items()]
-    for w in works:
-        w.wait()
-    bufs_in = {s: torch.empty(int(t.item()), dtype=torch.uint8, device=device) for s, t in sizes_in.items()}
-    works = [dist.isend(p, d) for d, p in payloads.items()]
-    works += [dist.irecv(b, s) for s, b in bufs_in.items()]
-    for w in works:
-        w.wait()
-    return {s: _deserialize(b) for s, b in bufs_in.items()}
+    limit = max_payload_bytes(max_bytes)
+    try:
+        data, ok = encode(obj, where=f"rank {me}'s object"), 1
+    except (NotEncodable, RuntimeError) as err:
+        data, ok = encode(f"{type(err).__name__}: {err}"), 0
+    table = all_gather_tensor(torch.tensor([data.numel(), limit, ok], dtype=torch.int64, device=device)).tolist()
+    agreed = min(r[1] for r in table)
+    bad = [f"rank {r} announced {n} bytes (the limit is {agreed} bytes, {MAX_PAYLOAD_ENV})"
+           for r, (n, _, _) in enumerate(table) if not 0 < n <= agreed]  # fmt: skip
+    if bad:
+        raise PayloadError("gathering objects failed: " + "; ".join(bad))
+    longest = max(r[0] for r in table)
+    failure = []
+    try:
+        padded = torch.zeros(longest, dtype=torch.uint8, device=device)
+        padded[: data.numel()] = data.to(device)
+        bufs = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in range(world)]
+    except Exception as err:  # out of memory: decided together below
+        failure = [f"rank {me} cannot hold {world} x {longest} bytes: {type(err).__name__}: {err}"]
+    _agree(failure, "gathering objects")
+    dist.all_gather(bufs, padded)
+    out = []
+    for r, (n, _, sent) in enumerate(table):
+        try:
+            value = decode(bufs[r][:n])
+        except PayloadError as err:
+            raise PayloadError(f"gathering objects failed: rank {r}'s object cannot be read: {err}") from None
+        if not sent:
+            raise PayloadError(f"gathering objects failed: rank {r} could not send its object: {value}")
+        out.append(value)
+    return out
 
 
 TRANSFER_ERROR = "__sdc_transfer_error__"
 
 
-def _serialize(obj: Any) -> torch.Tensor:
-    """Bytes of ``obj``; an object that cannot be pickled becomes ``{TRANSFER_ERROR: why}`` so the
-    receiver still gets a message and no rank is left waiting."""
-    buf = io.BytesIO()
+def _outgoing(obj: Any, allow_pickle: bool, limit: int) -> torch.Tensor:
+    """The payload of ``obj`` (CPU bytes); an object that cannot travel, or one over the limit,
+    becomes ``{TRANSFER_ERROR: why}`` so the receiver still gets a message and no rank waits."""
     try:
-        torch.save(_to_cpu(obj), buf)
-    except Exception as err:
-        buf = io.BytesIO()
-        torch.save({TRANSFER_ERROR: f"cannot send: {type(err).__name__}: {err}"}, buf)
-    return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+        data = encode(obj, allow_pickle=allow_pickle)
+    except (NotEncodable, RuntimeError) as err:
+        hint = (" Make the batch (and the state the replay carries) tensors and plain values, or, if you trust "
+                f"every rank, allow pickled batches on every rank (allow_pickled_batches, {ALLOW_PICKLE_ENV}=1)."
+                if isinstance(err, NotEncodable) and not allow_pickle else "")  # fmt: skip
+        return encode({TRANSFER_ERROR: f"cannot send: {err}.{hint}"})
+    if data.numel() > limit:
+        return encode({TRANSFER_ERROR: f"cannot send: the payload is {data.numel()} bytes, above the limit of "
+                                       f"{limit} bytes (raise {MAX_PAYLOAD_ENV}, in MiB, on every rank)"})  # fmt: skip
+    return data
 
 
-def _deserialize(data: torch.Tensor) -> Any:
-    try:
-        return torch.load(io.BytesIO(data.cpu().numpy().tobytes()), weights_only=False, map_location="cpu")
-    except Exception as err:
-        return {TRANSFER_ERROR: f"cannot receive: {type(err).__name__}: {err}"}
+def _fit(data: torch.Tensor, size: int) -> torch.Tensor:
+    if data.numel() == size:
+        return data
+    out = torch.zeros(size, dtype=torch.uint8)
+    out[: min(size, data.numel())] = data[:size]
+    return out
+
+
+def exchange(
+    sends: dict[int, Any],
+    recv_from: list[int],
+    *,
+    allow_pickle: bool | None = None,
+    max_bytes: int | None = None,
+    validate: Callable[[Any], None] | None = None,
+) -> dict[int, Any]:
+    """Point-to-point exchange: ``sends[dst] = obj``; returns ``{src: obj}`` for each source.
+
+    Every rank calls it at the same point with a plan consistent with the others' (a send to
+    ``d`` on rank ``s`` matches ``s`` in ``recv_from`` on rank ``d``). Objects travel in the form
+    of ``sdc_core.payload`` and arrive on the CPU; nothing a peer sends is unpickled unless THIS
+    rank's ``allow_pickle`` (default ``SDC_ALLOW_PICKLED_BATCHES``, off) says so. An object this
+    rank cannot send (it would need pickling, or is larger than ``max_bytes``) arrives as
+    ``{TRANSFER_ERROR: why}``.
+
+    Guarantees: the plan and every size are agreed first (one all-gather of ``2W + 1`` integers
+    a rank) and checked on every rank against the smallest ``max_bytes`` of all ranks (default
+    ``SDC_MAX_PAYLOAD_MB`` or 4 GiB); receive buffers are allocated and that is agreed (4 bytes
+    a rank); after the transfer each receiver decodes and runs ``validate`` (raising on a shape
+    its caller cannot use), and that is agreed (4 bytes a rank). Any failure (an inconsistent
+    plan, a size over the limit, a buffer that cannot be held, a malformed payload, a pickled
+    object this rank does not accept, a failed ``validate``) raises ``PayloadError`` on every
+    rank, naming the ranks, never on one while the others wait. Cost: one copy of each payload
+    into a buffer and one out; three small collectives beside the transfers."""
+    world, me = dist.get_world_size(), dist.get_rank()
+    device = collective_device()
+    allow, limit = pickle_allowed(allow_pickle), max_payload_bytes(max_bytes)
+    payloads = {dst: _outgoing(obj, allow, limit) for dst, obj in sends.items()}
+    row = [-1] * world + [0] * world + [limit]
+    for dst, data in payloads.items():
+        row[dst] = data.numel()
+    for src in recv_from:
+        row[world + src] = 1
+    table = all_gather_tensor(torch.tensor(row, dtype=torch.int64, device=device)).tolist()
+    agreed = min(r[2 * world] for r in table)
+    problems = []
+    for s in range(world):
+        for d in range(world):
+            size, expected = table[s][d], bool(table[d][world + s])
+            if size < -1 or size > agreed or size == 0:
+                problems.append(f"rank {s} announced {size} bytes for rank {d} (the limit is {agreed} bytes, "
+                                f"{MAX_PAYLOAD_ENV})")  # fmt: skip
+            elif (size >= 0) != expected:
+                problems.append(f"rank {s} {'sends to' if size >= 0 else 'sends nothing to'} rank {d}, which "
+                                f"{'does not expect it' if size >= 0 else 'expects a payload'}")  # fmt: skip
+    if problems:
+        raise PayloadError("payload exchange failed: " + "; ".join(problems[:8]))
+    failure = []
+    try:  # exactly the agreed sizes go on the wire, whatever this rank's row said (gloo aborts a receiver
+        # that gets more bytes than it expects); a payload that disagrees with its size fails to decode
+        outgoing = {d: _fit(data, table[me][d]).to(device) for d, data in payloads.items()}
+        incoming = {s: torch.empty(table[s][me], dtype=torch.uint8, device=device) for s in recv_from}
+    except Exception as err:  # out of memory: decided together below
+        failure = [f"rank {me} cannot hold the payloads: {type(err).__name__}: {err}"]
+    _agree(failure, "payload exchange")
+    works = [(None, dist.isend(t, d)) for d, t in outgoing.items()]
+    works += [(s, dist.irecv(b, s)) for s, b in incoming.items()]
+    failures, broken = [], set()
+    for src, work in works:
+        try:
+            work.wait()
+        except Exception as err:  # a transfer that failed here (a peer sent other bytes than it announced)
+            what = f"receive from rank {src}" if src is not None else "send"
+            failures.append(f"rank {me} could not {what}: {type(err).__name__}: {err}")
+            broken.add(src)
+    received = {}
+    for src, buf in incoming.items():
+        if src in broken:
+            continue
+        try:
+            received[src] = decode(buf, allow_pickle=allow)
+            if validate is not None:
+                validate(received[src])
+        except Exception as err:
+            failures.append(f"rank {me} refused the payload of rank {src}: {err}")
+    _agree(failures, "payload exchange")
+    return received
+
+
+def check_replay_payload(payload: Any) -> None:
+    """``validate`` for the ring replay's exchanges (``sdc_core.replay``): raises ``ValueError``
+    unless ``payload`` is ``{TRANSFER_ERROR: text}`` or holds ``micro`` (a list of ``MicroBatch``)
+    with ``digest``, and/or ``replay``, each a well formed ``Digest`` (1-D tensors of one length:
+    float64 sums, norms and numels, int64 fingerprints; a float loss)."""
+    if not isinstance(payload, dict):
+        raise ValueError(f"a replay payload is a {type(payload).__name__}, not a dict")
+    if TRANSFER_ERROR in payload:
+        if set(payload) != {TRANSFER_ERROR} or not isinstance(payload[TRANSFER_ERROR], str):
+            raise ValueError("a replay transfer error is not one text")
+        return
+    keys = set(payload)
+    if not keys or not keys <= {"micro", "digest", "replay"} or ("micro" in keys) != ("digest" in keys):
+        raise ValueError(f"a replay payload has the keys {sorted(map(str, payload))}")
+    micro = payload.get("micro", [])
+    if not isinstance(micro, list) or not all(_named(m, "MicroBatch") for m in micro):
+        raise ValueError("a replay payload's micro-batches are not a list of MicroBatch")
+    for key in ("digest", "replay"):
+        if key in payload:
+            _check_digest(payload[key], key)
+
+
+def _named(obj: Any, name: str) -> bool:
+    return type(obj).__name__ == name and type(obj).__module__.startswith("sdc_core.")
+
+
+def _check_digest(d: Any, key: str) -> None:
+    if not _named(d, "Digest"):
+        raise ValueError(f"a replay payload's {key} is a {type(d).__name__}, not a Digest")
+    parts = {"sums": torch.float64, "norms": torch.float64, "fps": torch.int64, "numels": torch.float64}
+    lengths = set()
+    for field, dtype in parts.items():
+        t = getattr(d, field)
+        if not isinstance(t, torch.Tensor) or t.dtype != dtype or t.dim() != 1:
+            raise ValueError(f"a replay payload's {key}.{field} is not a 1-D {dtype} tensor")
+        lengths.add(t.numel())
+    if len(lengths) != 1 or not isinstance(d.loss, float):
+        raise ValueError(f"a replay payload's {key} has tensors of lengths {sorted(lengths)} or a loss not a float")
+
+
+def check_update_payload(payload: Any) -> None:
+    """``validate`` for the update audit's exchanges (``sdc_core.sharded_update``): raises
+    ``ValueError`` unless ``payload`` is ``{TRANSFER_ERROR: text}``, ``{"skipped": True}`` or
+    ``{"groups": [...], "after": [int, ...]}`` whose items hold a name, a parameter shard, a
+    gradient of the same shape (or None) and a state of tensors and plain values."""
+    if not isinstance(payload, dict):
+        raise ValueError(f"an update payload is a {type(payload).__name__}, not a dict")
+    if TRANSFER_ERROR in payload or "skipped" in payload:
+        if len(payload) != 1:
+            raise ValueError("an update payload mixes a skip or an error with data")
+        return
+    groups, after = payload.get("groups"), payload.get("after")
+    if set(payload) != {"groups", "after"} or not isinstance(groups, list) or not isinstance(after, list):
+        raise ValueError(f"an update payload has the keys {sorted(map(str, payload))}")
+    count = 0
+    for g in groups:
+        if not isinstance(g, dict) or not isinstance(g.get("hyper"), dict) or not isinstance(g.get("items"), list):
+            raise ValueError("an update payload's group is not {'hyper': dict, 'items': list}")
+        for item in g["items"]:
+            p = item.get("param") if isinstance(item, dict) else None
+            if not isinstance(p, torch.Tensor) or not isinstance(item.get("name"), str):
+                raise ValueError("an update payload's item lacks a name or a parameter tensor")
+            grad, state = item.get("grad"), item.get("state")
+            if grad is not None and (not isinstance(grad, torch.Tensor) or grad.shape != p.shape):
+                raise ValueError(f"an update payload's gradient of {item['name']} does not match its parameter")
+            if not isinstance(state, dict):
+                raise ValueError(f"an update payload's state of {item['name']} is not a dict")
+            count += 1
+    if len(after) != count or not all(isinstance(a, int) and not isinstance(a, bool) for a in after):
+        raise ValueError(f"an update payload lists {len(after)} digests for {count} tensors")

@@ -41,7 +41,7 @@ def loader() -> DataLoader:
 
 
 def train(fabric: Fabric, out: Path, name: str, steps: int = 6, faults: list[Fault] = (), save: Path | None = None,
-          load: Path | None = None, **settings: Any) -> dict[str, Any]:  # fmt: skip
+          load: Path | None = None, clip: bool = False, **settings: Any) -> dict[str, Any]:  # fmt: skip
     seed_everything(5, verbose=False)
     module = Regressor()
     model, opt = fabric.setup(module, torch.optim.AdamW(module.parameters(), lr=1e-2))
@@ -69,6 +69,8 @@ def train(fabric: Fabric, out: Path, name: str, steps: int = 6, faults: list[Fau
             with fabric.no_backward_sync(model, enabled=accumulating):
                 fabric.backward(step_loss(model, x, y))
             if not accumulating:
+                if clip:  # error_if_nonfinite=True by default: raises on NaN before opt.step()
+                    fabric.clip_gradients(model, opt, max_norm=1.0)
                 opt.step()
                 opt.zero_grad()
                 if hooks.step >= steps:
@@ -106,6 +108,8 @@ def scenarios(fabric: Fabric, out: Path) -> dict[str, Any]:
             Fault("weight_bit_flip", rank=1, step=2, target="stem.weight", index=9, bit=21)]),
         "skip": run("skip", replay_every_n_steps=0, on_failure="skip_step", faults=[
             Fault("nonfinite_gradient", rank=0, step=1, target="head.bias")]),
+        "clip": run("clip", replay_every_n_steps=0, clip=True, faults=[
+            Fault("nonfinite_gradient", rank=1, step=2, target="stem.weight")]),
         "save": run("save", steps=3, replay_every_n_steps=1, save=out / "state.ckpt"),
         "resume": run("resume", steps=6, replay_every_n_steps=1, load=out / "state.ckpt"),
     }  # fmt: skip

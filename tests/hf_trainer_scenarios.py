@@ -61,7 +61,7 @@ class Inject(TrainerCallback):
 
 
 def run(out: Path, name: str, sdc: bool = True, faults: list[Fault] = (), report_to: list[str] = (),
-        label_smoothing: float = 0.0, save: bool = False, resume: str | None = None,
+        label_smoothing: float = 0.0, save: bool | str = False, resume: str | None = None,
         **settings: Any) -> dict[str, Any]:  # fmt: skip
     set_seed(3)
     model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=1000, n_positions=64))
@@ -75,7 +75,7 @@ def run(out: Path, name: str, sdc: bool = True, faults: list[Fault] = (), report
         max_steps=STEPS,
         logging_steps=1,
         learning_rate=1e-3,
-        save_strategy="steps" if save else "no",
+        save_strategy=save if isinstance(save, str) else ("steps" if save else "no"),
         save_steps=2,
         disable_tqdm=True,
         seed=3,
@@ -104,6 +104,7 @@ def run(out: Path, name: str, sdc: bool = True, faults: list[Fault] = (), report
         "log_steps": [e["step"] for e in trainer.state.log_history if "sdc/ring_replay/runs" in e],
         "order": [type(cb).__name__ for cb in trainer.callback_handler.callbacks],
         "fired": inject.injector.fired[:3],
+        "checkpoints": sorted(p.name for p in (out / name).glob("checkpoint-*")),
     }
 
 
@@ -125,6 +126,9 @@ def scenarios(out: Path) -> dict[str, Any]:
         "resume": lambda: run(out, "resume", resume=str(out / "save" / "checkpoint-2"), replay_every_n_steps=1),
         "weights": lambda: run(out, "weights", replay_every_n_steps=0, faults=[
             Fault("weight_bit_flip", rank=2, step=1, target="transformer.h.0.mlp.c_proj.weight", index=7, bit=20)]),
+        # a save decided at the epoch's end (4 steps per epoch): the replicas are compared before it
+        "epoch_flip": lambda: run(out, "epoch_flip", save="epoch", replay_every_n_steps=0, faults=[
+            Fault("weight_bit_flip", rank=2, step=3, target="transformer.h.0.mlp.c_proj.weight", index=7, bit=20)]),
         "nan": lambda: run(out, "nan", replay_every_n_steps=0, faults=[
             Fault("nonfinite_gradient", rank=1, step=1, target="transformer.h.0.attn.c_attn.weight")]),
         "activation": lambda: run(out, "activation", replay_every_n_steps=1, faults=[

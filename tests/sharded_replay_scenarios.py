@@ -126,7 +126,7 @@ class DataDependentFault(L.Callback):
 
 
 def quiet(out: Path, name: str, model: ShardedNet) -> dict[str, Any]:
-    """``NonFiniteGradientCheck`` alone; counts the all-reduces the SDC code issues (none in band)."""
+    """``NonFiniteGradientCheck`` alone; counts the all-reduces the SDC code issues (one per step)."""
     calls = {"sdc": 0}
     original = torch.distributed.all_reduce
 

@@ -132,3 +132,40 @@ def test_tiny_campaign_writes_its_outputs(tmp_path: Path) -> None:
     assert (tmp_path / "results.csv").read_text().count("\n") == 7
     assert (tmp_path / "detection.png").read_bytes()[:4] == b"\x89PNG"
     assert list((tmp_path / "sdc" / "incidents").glob("*.json"))  # the trainings' incidents stay in the campaign folder
+
+
+def test_count_1_never_permutes_the_whole_target(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--count 1 built a permutation of every entry (8 bytes each: 56 GB for a 7B checkpoint)."""
+    from sdc_core.checkpoint import Corruption, corrupt
+
+    real = torch.randperm
+
+    def small_only(n: int, *args: object, **kwargs: object) -> torch.Tensor:
+        assert n <= 1000, f"a permutation of {n} entries"
+        return real(n, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "randperm", small_only)
+    ckpt = Checkpoint("state_dict", tmp_path / "x.pt", {"": {"w": torch.zeros(1 << 20), "b": torch.zeros(3)}})
+    for seed in range(3):
+        log = corrupt(ckpt, Corruption(count=1, seed=seed))
+        assert len(log) == 1 and 0 <= log[0]["index"] < (1 << 20)
+    log = corrupt(ckpt, Corruption(count=50, seed=4))
+    assert len({(f["tensor"], f["index"]) for f in log}) == 50  # distinct positions
+
+
+def test_sampled_positions_are_distinct_and_uniform() -> None:
+    from collections import Counter
+    from itertools import combinations
+
+    from sdc_core.checkpoint import distinct_positions
+
+    seen = Counter()
+    for seed in range(3000):
+        picked = distinct_positions(6, 2, torch.Generator().manual_seed(seed)).tolist()
+        assert len(set(picked)) == 2 and picked == sorted(picked) and all(0 <= p < 6 for p in picked)
+        seen[tuple(picked)] += 1
+    assert set(seen) == set(combinations(range(6), 2))  # every pair, each about 3000 / 15 = 200 times
+    assert all(130 < c < 270 for c in seen.values()), seen
+    big = distinct_positions(1 << 40, 5, torch.Generator().manual_seed(0))
+    assert big.unique().numel() == 5 and int(big.max()) < 1 << 40
+    assert distinct_positions(5, 5, torch.Generator()).tolist() == [0, 1, 2, 3, 4]

@@ -32,3 +32,12 @@ def test_accelerate_demo_names_the_faulty_rank(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert "SDC check 'ring_replay' failed at step 5: rank 1" in proc.stdout
     assert len(list((tmp_path / "runs" / "accelerate_demo" / "sdc" / "incidents").glob("*.json"))) == 1
+
+
+def test_plain_torchrun_demo_names_the_faulty_rank(tmp_path: Path) -> None:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=3",
+           str(ROOT / "examples" / "torchrun_demo.py"), "--fault", "weights", "--faulty-rank", "2"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=tmp_path, env=worker_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert "DETECTED on every rank: SDC check 'weight_fingerprint' failed at step 3: rank 2" in proc.stdout
+    assert len(list((tmp_path / "runs" / "torchrun_demo" / "sdc" / "incidents").glob("*.json"))) == 1

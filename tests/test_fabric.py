@@ -11,7 +11,8 @@ import pytest
 from conftest import must_run, results, worker_env
 
 SCRIPT = Path(__file__).with_name("fabric_scenarios.py")
-SCENARIOS = ["clean", "audit_off", "audit_on", "nonfinite", "fingerprint", "replay", "heal", "skip", "save", "resume"]
+SCENARIOS = ["clean", "audit_off", "audit_on", "nonfinite", "fingerprint", "replay", "heal", "skip", "clip", "save",
+             "resume"]  # fmt: skip
 
 
 def launch(out: Path, scenarios: list[str], *options: str) -> Path:
@@ -50,6 +51,8 @@ def test_clean_fabric_run_with_accumulation_trains_as_without_the_audit(fab: Pat
         ("nonfinite", "NonFiniteGradientError", 1, 2),
         ("fingerprint", "FingerprintMismatchError", 2, 3),
         ("replay", "ReplayMismatchError", 0, 2),
+        # fabric.clip_gradients raises a plain RuntimeError on NaN: the verdict naming the rank leaves instead
+        ("clip", "NonFiniteGradientError", 1, 2),
     ],
 )
 def test_fabric_faults_are_named(fab: Path, scenario: str, error_type: str, rank: int, step: int) -> None:

@@ -18,7 +18,8 @@ from conftest import must_run, results, worker_env
 pytest.importorskip("transformers")
 
 SCRIPT = Path(__file__).with_name("hf_trainer_scenarios.py")
-SCENARIOS = ["bad_settings", "plain", "clean", "smoothing", "save", "resume", "weights", "nan", "activation"]
+SCENARIOS = ["bad_settings", "plain", "clean", "smoothing", "save", "resume", "weights", "epoch_flip", "nan",
+             "activation"]  # fmt: skip
 STEPS = 4
 
 
@@ -145,3 +146,9 @@ def test_trainer_bf16_clean_run_and_activation_fault(tmp_path: Path) -> None:
     assert all(r["error"] is None and r["state"]["checks"]["ring_replay"]["runs"] == STEPS for r in clean)
     err = same_error(tmp_path, "activation")
     assert (err["type"], err["rank"], err["step"]) == ("ReplayMismatchError", 0, 2)
+
+
+def test_a_save_decided_at_the_epoch_end_compares_the_replicas_first(hf: Path) -> None:
+    err = same_error(hf, "epoch_flip")
+    assert err["type"] == "FingerprintMismatchError" and err["rank"] == 2
+    assert all(r["checkpoints"] == [] for r in results(hf, "epoch_flip", 3))  # nothing written from a bad replica

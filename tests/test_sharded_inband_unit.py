@@ -1,15 +1,34 @@
 """The in-band non-finite flag of the FSDP2 check, on the reduce-scatter input alone (no process
 group): finite local gradients are left bit for bit, -0.0 and subnormals included; a NaN or Inf
-anywhere poisons element 0 of every rank's chunk, so every rank's reduced shard starts with NaN."""
+anywhere poisons element 0 of every rank's chunk, so every rank's reduced shard starts with NaN.
+And on 3 real gloo ranks: a NaN formed inside the reduction, on one rank's shard only, still gives
+every rank the same verdict (the decision to gather names is taken from data every rank holds)."""
 
 from __future__ import annotations
 
+import json
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import must_run, results, worker_env
 
 from sdc_core.sharded import ShardedNonFinite
+
+SCRIPT = Path(__file__).with_name("sharded_nan_scenarios.py")
+
+
+@pytest.fixture(scope="module")
+def nan_in_reduction(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("nan_in_reduction")
+    env = worker_env() | {"PG_TIMEOUT": "60"}
+    env["PYTHONPATH"] = str(SCRIPT.parent) + ":" + env["PYTHONPATH"]
+    must_run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=3", str(SCRIPT),
+              "--out", str(out)], env=env, timeout=180)  # fmt: skip
+    return out
+
 
 SPECIAL = [0.0, -0.0, 1e-45, -1e-40, 3.0e38, -3.0e38, 1.0, -2.5]
 
@@ -39,3 +58,21 @@ def test_a_non_finite_value_poisons_element_0_of_every_chunk(bad: float) -> None
     assert bool(torch.isnan(flat.view(4, 8)[:, 0]).all())  # every rank's reduced shard sums a NaN
     reduced = flat.view(4, 8) + torch.randn(3, 4, 8).sum(0)  # other ranks' finite chunks added
     assert bool(torch.isnan(reduced[:, 0]).all())
+
+
+@pytest.mark.parametrize("scenario", ["now", "deferred"])
+def test_a_nan_formed_in_the_reduction_on_one_shard_gives_one_verdict_everywhere(
+    nan_in_reduction: Path, scenario: str
+) -> None:
+    """Rank 1's reduced shard alone starts with NaN: every rank must decide alike (it entered the
+    names gather alone and the others went on training: a hang)."""
+    rows = results(nan_in_reduction, scenario, 3)
+    assert all(r["in_band"] for r in rows)
+    assert all(r["error"] == "NonFiniteGradientError" and r["step"] == 1 for r in rows), rows
+    assert len({json.dumps(r["details"], sort_keys=True) for r in rows}) == 1
+    assert rows[0]["details"]["parameters"] == {}  # no rank's local gradients were non-finite
+    if scenario == "now":  # read before the update: the NaN is still on rank 1's shard alone
+        assert rows[0]["details"]["formed_in_reduction"] == {"1": ["2.weight"]}
+    else:
+        assert "formed_in_reduction" in rows[0]["details"]
+    assert all(r["seconds"] < 30 for r in rows)  # the process group timeout is 60 s: nobody waited for it

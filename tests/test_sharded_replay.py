@@ -1,6 +1,6 @@
 """The ring replay audit on FSDP2 (4 CPU ranks, Lightning ModelParallelStrategy): stateful steps,
-the trust rule, the referee round and skip_step; the non-finite check without a collective of its
-own. One ``torchrun`` launch of ``tests/sharded_replay_scenarios.py`` over gloo runs every scenario.
+the trust rule, the referee round and skip_step; the non-finite check with one small all-reduce
+per step. One ``torchrun`` launch of ``tests/sharded_replay_scenarios.py`` over gloo runs every scenario.
 """
 
 from __future__ import annotations
@@ -63,16 +63,16 @@ def test_skip_step_drops_transient_fault_steps_alike_on_every_rank(out: Path) ->
     assert all(r["states"]["RingReplayAudit"]["extra"]["skipped_steps"] == 3 for r in rows)  # steps 2, 4, 6
 
 
-def test_nonfinite_check_under_fsdp2_issues_no_collective_of_its_own(out: Path) -> None:
-    """The flag rides in the reduce-scatter input; each rank reads its own reduced shard. A clean
-    bf16 run raises nothing (bit-identity with the check off: test_sharded.py's clean run)."""
+def test_nonfinite_check_under_fsdp2_issues_one_small_all_reduce_per_step(out: Path) -> None:
+    """The flag rides in the reduce-scatter input; each rank reads its own reduced shard and the
+    verdict is agreed by one 4-byte all-reduce per step (a reduced shard is one rank's alone). A
+    clean bf16 run raises nothing (bit-identity with the check off: test_sharded.py's clean run)."""
     for r in results(out, "quiet_clean", WORLD):
         assert r["error"] is None and r["global_step"] == 8 and r["in_band"] is True
-        assert r["sdc_all_reduces"] == 0
-        assert r["states"]["NonFiniteGradientCheck"]["runs"] == 8
+        assert r["sdc_all_reduces"] == r["states"]["NonFiniteGradientCheck"]["runs"] == 8
     err = same_error(out, "quiet_nan", WORLD, "NonFiniteGradientError")
     assert err["rank"] == 1 and err["step"] == 3 and err["details"]["pattern"] == "one_rank"
-    assert all(r["sdc_all_reduces"] == 0 for r in results(out, "quiet_nan", WORLD))
+    assert len({r["sdc_all_reduces"] for r in results(out, "quiet_nan", WORLD)}) == 1  # every rank alike
 
 
 @pytest.fixture(scope="module")

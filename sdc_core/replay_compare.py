@@ -1,0 +1,177 @@
+"""Digests of a step's loss and gradients, and their comparison under a tolerance.
+
+Contract: a ``Digest`` holds, per trainable parameter (in ``names`` order), the gradient's sum and
+L2 norm (reduced in float32, returned as float64), an exact fingerprint (-0.0 read as +0.0) and
+its element count, and the loss. Two digests of the same work compare (``compare_raw``) as
+bit-identical when loss and every fingerprint are equal; otherwise the difference is per
+parameter the larger of the relative norm and sum differences (the sum relative to
+``sqrt(numel) * norm``), and the loss difference, with ``atol`` the floor of the denominators.
+``disagree`` turns a comparison into a verdict (tolerance 0: any bit). ``calibrate`` is the
+``exact="auto"`` tolerance rule: the lower median of the ranks' same-device differences, times
+``AUTO_MARGIN``, capped by ``rtol`` and never lowered (one faulty rank cannot move it).
+
+Cost: per parameter, a sum, a norm and a fingerprint on the gradient's device (no sync); the
+rows are packed on the device and read with one device-to-host copy per digest, whatever the
+number of parameters. The comparison itself is on P float64 values on the host.
+
+Limits: a digest is not a hash of the values: two different gradients with equal sum and norm
+differ only by fingerprint, which bit equality sees and a tolerance does not.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from sdc_core.fingerprint import tensor_digest
+
+if TYPE_CHECKING:
+    from sdc_core.replay import ReplayConfig
+
+AUTO_MARGIN = 100.0  # exact="auto": tolerance = AUTO_MARGIN * measured same-device noise floor (GPU noise
+# fluctuates from batch to batch; a fault must stand out from it by two orders of magnitude)
+
+
+@dataclass
+class Digest:
+    """What one computation of a step's micro-batches produced, in comparable form."""
+
+    loss: float
+    sums: torch.Tensor  # float64 [P]: per-parameter gradient sum
+    norms: torch.Tensor  # float64 [P]: per-parameter gradient L2 norm
+    fps: torch.Tensor  # int64 [P]: per-parameter exact gradient fingerprint
+    numels: torch.Tensor  # float64 [P]
+
+
+def _sum_norm(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sum and L2 norm of a gradient, reduced in float32 (no float64 copy of the gradient; owner
+    and replayer reduce identically, so equal gradients give equal digests) and returned as
+    float64 scalars for the comparison."""
+    g = g.detach()
+    g = g if g.dtype in (torch.float32, torch.float64) else g.float()
+    return g.sum().double(), torch.linalg.vector_norm(g).double()
+
+
+def _grad_fingerprint(g: torch.Tensor) -> torch.Tensor:
+    """Exact fingerprint of a gradient with -0.0 read as +0.0 (kernels differ in the sign of
+    an exact zero, e.g. the gradient row of a unit ReLU switched off; the value is the same)."""
+    return tensor_digest(g.detach() + 0.0)
+
+
+def _digest_row(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """``(sum, norm, exact fingerprint, numel)`` of one gradient, on its device (no sync)."""
+    gs, gn = _sum_norm(g)
+    return gs, gn, _grad_fingerprint(g), g.numel()
+
+
+Row = tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]
+
+
+def _assemble(names: Sequence[str], rows: dict[str, Row], loss: torch.Tensor | float) -> Digest:
+    """A ``Digest`` in ``names`` order; a parameter without a row (no gradient) counts as zeros.
+
+    Cost: the rows are packed on one device (an accelerator's when any row is there) into one
+    float64 vector (fingerprints bit-cast) and read with ONE blocking device-to-host copy,
+    whatever the number of parameters. A row on another device is moved with a blocking copy
+    (never ``non_blocking=True``: a host copy made that way reads stale bytes until the stream
+    has run, which once gave a false verdict on a GPU)."""
+    loss_t = loss if isinstance(loss, torch.Tensor) else torch.tensor(float(loss), dtype=torch.float64)
+    present = [r for r in rows.values() if r is not None]
+    device = next((r[0].device for r in present if r[0].device.type != "cpu"), None)
+    device = device or (present[0][0].device if present else loss_t.device)
+    zero = torch.zeros((), dtype=torch.float64, device=device)
+    zero_fp = torch.zeros((), dtype=torch.int64, device=device)
+    picked = [rows.get(n) for n in names]
+
+    def col(i: int, z: torch.Tensor) -> list[torch.Tensor]:
+        return [_on(r[i], device) if r else z for r in picked]
+
+    parts = [_on(loss_t.detach().reshape(1).to(torch.float64), device)]
+    if picked:
+        fps = torch.stack(col(2, zero_fp)).view(torch.float64)  # bit-cast: travels unchanged
+        parts += [torch.stack(col(0, zero)), torch.stack(col(1, zero)), fps]
+    packed = torch.cat(parts).cpu()  # the one device-to-host transfer (blocking)
+    p = len(picked)
+    return Digest(
+        loss=float(packed[0]),
+        sums=packed[1 : 1 + p].clone(),
+        norms=packed[1 + p : 1 + 2 * p].clone(),
+        fps=packed[1 + 2 * p : 1 + 3 * p].clone().view(torch.int64),
+        numels=torch.tensor([r[3] if r else 0 for r in picked], dtype=torch.float64),
+    )
+
+
+def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device``: itself when already there, else a blocking copy (safe to read at once)."""
+    return t if t.device == device else t.to(device, non_blocking=False)
+
+
+def grad_digest(names: Sequence[str], grads: dict[str, torch.Tensor], loss: torch.Tensor | float) -> Digest:
+    """Digest of gradients keyed by parameter name (a missing gradient counts as zeros)."""
+    return _assemble(names, {n: _digest_row(g) for n, g in grads.items() if g is not None}, loss)
+
+
+def compare_raw(a: Digest, b: Digest, names: Sequence[str], atol: float = 1e-6) -> tuple[bool, float, str]:
+    """``(bit-identical, largest relative difference, where)`` between two digests of the same work.
+
+    The relative difference is per parameter the larger of the gradient-norm and gradient-sum
+    differences (0 where the fingerprints are equal), and the loss difference."""
+    if a.sums.shape != b.sums.shape:
+        return False, math.inf, "parameter count"
+    floor = max(atol, 1e-300)
+    loss_same = a.loss == b.loss or (math.isnan(a.loss) and math.isnan(b.loss))
+    loss_diff = 0.0 if loss_same else (abs(a.loss - b.loss) / max(abs(a.loss), abs(b.loss), floor))
+    if math.isnan(loss_diff):
+        loss_diff = math.inf
+    norm_den = torch.maximum(torch.maximum(a.norms, b.norms), torch.tensor(floor, dtype=torch.float64))
+    norm_diff = (a.norms - b.norms).abs() / norm_den
+    sum_den = torch.maximum(norm_den * a.numels.clamp(min=1).sqrt(), torch.tensor(floor, dtype=torch.float64))
+    sum_diff = (a.sums - b.sums).abs() / sum_den
+    per_param = torch.maximum(norm_diff, sum_diff).nan_to_num(nan=math.inf)
+    same_fp = a.fps == b.fps
+    per_param = torch.where(same_fp, torch.zeros_like(per_param), per_param)  # bit-identical
+    worst_param = int(per_param.argmax()) if per_param.numel() else -1
+    grad_diff = float(per_param[worst_param]) if worst_param >= 0 else 0.0
+    exact = loss_same and bool(same_fp.all())
+    if not loss_same:
+        where = "loss" if loss_diff >= grad_diff else names[worst_param]
+    elif grad_diff > 0:
+        where = names[worst_param]
+    else:
+        bad = (~same_fp).nonzero().flatten().tolist()
+        where = names[bad[0]] if bad else ""
+    return exact, max(loss_diff, grad_diff), where
+
+
+def disagree(exact: bool, diff: float, tolerance: float) -> bool:
+    """Whether a comparison is a mismatch: any bit with ``tolerance == 0``, else ``diff > tolerance``."""
+    return (not exact) if tolerance == 0 else (diff > tolerance or math.isnan(diff))
+
+
+def compare(a: Digest, b: Digest, config: ReplayConfig, names: Sequence[str]) -> tuple[bool, float, str]:
+    """``(mismatch, largest relative difference, where)`` under ``config``'s fixed tolerance
+    (bit equality for ``exact=True``, ``rtol`` otherwise; ``RingReplay`` calibrates ``"auto"``)."""
+    exact, diff, where = compare_raw(a, b, names, config.atol)
+    return disagree(exact, diff, 0.0 if config.exact is True else config.rtol), diff, where
+
+
+def lower_median(values: Sequence[float]) -> float:
+    """The lower median: no single value (one faulty rank) can raise it above a healthy one."""
+    ordered = sorted(values)
+    return ordered[(len(ordered) - 1) // 2] if ordered else 0.0
+
+
+_lower_median = lower_median
+
+
+def calibrate(current: float | None, self_diffs: Sequence[float], rtol: float) -> float:
+    """``exact="auto"``: the tolerance after a same-device round with ``self_diffs`` (one per rank):
+    ``AUTO_MARGIN`` times their lower median (0: bit for bit), at most ``rtol``, never below
+    ``current``."""
+    floor = lower_median(self_diffs)
+    candidate = 0.0 if floor == 0 else min(float(rtol), AUTO_MARGIN * floor)
+    return candidate if current is None else max(current, candidate)

@@ -1,0 +1,272 @@
+"""What the ranks of a ring replay exchange, and how disagreeing pairs are attributed.
+
+Contract: rank ``r``'s micro-batches go to ``replay_partners(...)[r]`` (a rank on another node
+when there are several; per tensor-parallel coordinate over data-parallel groups with
+``groups``). Given the ``(owner, replayer)`` pairs that disagree, ``explain`` names the ranks
+that disagree both as owner and as replayer and leaves the other pairs disputed; ``referee_jobs``
+gives each disputed pair a third rank (a whole third group under tensor parallelism, on another
+node where possible) that replays the disputed batch; ``settle`` turns the referees' rulings
+into the final ``(rank, suspects, notes)``: one rank only when exactly one is suspect and three
+or more replicas take part. ``mismatch_report`` and the ``*_message`` functions word the
+verdicts every rank raises.
+
+Cost: pure functions on small Python lists (world-size sized); no communication here (the ring
+replay calls ``sdc_core.topology.exchange`` with what ``referee_sends`` returns).
+
+Limits: with two replicas (or two data-parallel groups) no third opinion exists: both are
+suspects and ``rank`` is None.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from sdc_core.replay_state import MicroBatch, StateCapture
+from sdc_core.topology import Topology, group_ring_partners
+
+
+def explain(
+    world: int, partners: Sequence[int], mismatching: Iterable[tuple[int, int]]
+) -> tuple[set[int], list[tuple[int, int]]]:
+    """First attribution pass over disagreeing ``(owner, replayer)`` pairs.
+
+    Returns ``(culprits, disputed)``: ranks that disagree both as owner and as replayer, and the
+    pairs no culprit explains, which need a referee.
+    """
+    pairs = set(mismatching)
+    owners_bad = {o for o, _ in pairs}
+    replayers_bad = {q for _, q in pairs}
+    culprits = owners_bad & replayers_bad if world > 2 else set()
+    disputed = sorted((o, q) for o, q in pairs if o not in culprits and q not in culprits)
+    return culprits, disputed
+
+
+def pick_referee(owner: int, replayer: int, world: int, node_of: Sequence[int], busy: set[int]) -> int | None:
+    """A third rank for a disputed pair: outside the pair, preferably not involved in any
+    disagreement and on a node of its own. None when ``world < 3``."""
+    candidates = [(replayer + k) % world for k in range(1, world)]
+    candidates = [r for r in candidates if r not in (owner, replayer)]
+    if not candidates:
+        return None
+    return min(candidates, key=lambda r: (r in busy, node_of[r] in (node_of[owner], node_of[replayer])))
+
+
+def settle(
+    world: int,
+    culprits: set[int],
+    disputed: Sequence[tuple[int, int]],
+    referee_says: dict[tuple[int, int], tuple[bool, bool]],
+) -> tuple[int | None, tuple[int, ...], dict[str, Any]]:
+    """Final attribution: ``(rank, suspects, notes)``.
+
+    ``referee_says[(owner, replayer)] = (agrees_with_owner, agrees_with_replayer)``.
+    """
+    suspects = set(culprits)
+    notes: dict[str, Any] = {}
+    for o, q in disputed:
+        verdict = referee_says.get((o, q))
+        if verdict is None:
+            suspects.update((o, q))
+            notes[f"{o}->{q}"] = "no referee"
+            continue
+        with_owner, with_replayer = verdict
+        if with_owner and not with_replayer:
+            suspects.add(q)
+            notes[f"{o}->{q}"] = "referee agrees with the owner: the replayer is faulty"
+        elif with_replayer and not with_owner:
+            suspects.add(o)
+            notes[f"{o}->{q}"] = "referee agrees with the replayer: the owner is faulty"
+        else:
+            suspects.update((o, q))
+            notes[f"{o}->{q}"] = "referee agrees with " + ("both" if with_owner else "neither")
+    ordered = tuple(sorted(suspects))
+    return (ordered[0] if len(ordered) == 1 and world > 2 else None), ordered, notes
+
+
+def _describe(err: BaseException) -> str:
+    return f"{type(err).__name__}: {err}"
+
+
+LIGHTNING_ADVICE = (
+    "Expose state the capture cannot see with sdc_replay_state()/sdc_load_replay_state(state) on the "
+    "LightningModule, or define a side-effect free sdc_replay_step(batch, batch_idx)"
+)
+
+
+def _cause(failures: Sequence[str], advice: str) -> str:
+    """The likely cause and fix of replay failures, from their messages."""
+    text = " ".join(failures)
+    if "CollectiveInReplay" in text:
+        return (
+            "the training step communicates (a torch.distributed collective inside it, e.g. self.all_gather, "
+            "accelerator.gather, a metric synced on step): a replay runs on one rank only and cannot take part in "
+            "a collective. Replay a step without communication (sdc_replay_step in Lightning, a loss function "
+            "without gathers with Accelerate), or turn the audit off"
+        )
+    if "use_reentrant" in text:
+        return (
+            "activation checkpointing with use_reentrant=True does not support torch.autograd.grad, which the "
+            "replay uses: pass use_reentrant=False to torch.utils.checkpoint.checkpoint (it is also torch's "
+            "recommended setting)"
+        )
+    if "differs between the owner and the replayer" in text or "in place, which the capture" in text:
+        return "the step's state is too large to capture. " + advice
+    return advice
+
+
+def replay_partners(topo: Topology, groups: Sequence[tuple[int, ...]] | None) -> tuple[int, ...]:
+    """``partners[r]``: the rank replaying rank ``r``'s batch (per tensor-parallel coordinate
+    over the data-parallel ``groups`` when set)."""
+    if not groups:
+        return topo.partners()
+    return group_ring_partners(list(groups), [f.node_rank for f in topo.ranks])
+
+
+def group_index(groups: Sequence[tuple[int, ...]] | None, world: int) -> list[int]:
+    """The data-parallel group index of every rank (each rank its own without ``groups``)."""
+    if not groups:
+        return list(range(world))
+    index = [0] * world
+    for g, members in enumerate(groups):
+        for r in members:
+            index[r] = g
+    return index
+
+
+def referee_jobs(
+    disputed: Sequence[tuple[int, int]],
+    mismatching: Sequence[tuple[int, int]],
+    topo: Topology,
+    groups: Sequence[tuple[int, ...]] | None = None,
+) -> tuple[dict[tuple[int, int], int | None], list[tuple[int, int, int]]]:
+    """The referee of each disputed pair, and every ``(owner, replayer, referee)`` replay job.
+
+    Without ``groups`` one job per disputed pair. With tensor-parallel ``groups`` the referee
+    is a whole third group: a disputed pair of groups ``(A, B)`` gets group ``C``, each of
+    whose ranks ``(C, t)`` replays what ``(A, t)`` computed (its collectives need its peers to
+    replay the same batch), whichever coordinates disagreed."""
+    world = topo.world_size
+    node_of = [f.node_rank for f in topo.ranks]
+    busy = {r for pair in mismatching for r in pair}
+    if not groups:
+        referees = {pair: pick_referee(*pair, world, node_of, busy) for pair in disputed}
+        return referees, [(o, q, t) for (o, q), t in referees.items() if t is not None]
+    group_of = group_index(groups, world)
+    group_node = [node_of[g[0]] for g in groups]
+    busy_groups = {group_of[r] for r in busy}
+    by_pair: dict[tuple[int, int], int | None] = {}
+    for o, q in disputed:
+        a, b = group_of[o], group_of[q]
+        if (a, b) not in by_pair:
+            by_pair[(a, b)] = pick_referee(a, b, len(groups), group_node, busy_groups)
+    referees = {}
+    for o, q in disputed:
+        c = by_pair[(group_of[o], group_of[q])]
+        referees[(o, q)] = None if c is None else groups[c][groups[group_of[o]].index(o)]
+    jobs = [(groups[a][t], groups[b][t], groups[c][t]) for (a, b), c in sorted(by_pair.items()) if c is not None
+            for t in range(len(groups[a]))]  # fmt: skip
+    return referees, jobs
+
+
+def for_transfer(micro: Sequence[MicroBatch]) -> list[MicroBatch]:
+    """``micro`` as it travels: large frozen tensors of each state replaced by their digest."""
+    return [MicroBatch(**{**vars(mb), "state": StateCapture.for_transfer(mb.state)}) for mb in micro]
+
+
+def referee_sends(
+    assignments: Sequence[tuple[int, int, int]], me: int, micro: Sequence[MicroBatch], own: Any, mine: Any
+) -> tuple[dict[int, Any], list[int]]:
+    """``(sends, recv_from)`` of rank ``me`` for the referee round: an owner sends its
+    micro-batches and digest, a replayer its replay's digest, to the pair's referee; a referee
+    receives from both sides of each pair it judges."""
+    sends: dict[int, Any] = {}
+    recv_from: list[int] = []
+    for o, q, t in assignments:
+        if me == o:
+            sends.setdefault(t, {}).update(micro=for_transfer(micro), digest=own)
+        if me == q:
+            # the replayer's result travels to the referee too (a different destination
+            # from the owner's: referee t is neither o nor q)
+            sends.setdefault(t, {}).update(replay=mine)
+        if me == t:
+            recv_from += [r for r in (o, q) if r not in recv_from]
+    return {d: v for d, v in sends.items() if d != me}, recv_from
+
+
+def failed_message(step: int, failures: Sequence[str], inverse: Sequence[int], advice: str) -> str:
+    """The ``ReplayUnavailableError`` text for replays that raised (``failures[r]``: rank ``r``'s)."""
+    listed = "; ".join(f"rank {r} replaying rank {inverse[r]}: {f}" for r, f in enumerate(failures) if f)
+    return (
+        f"RingReplayAudit could not replay at step {step}: {listed}. Likely cause and fix: "
+        f"{_cause([f for f in failures if f], advice)}."
+    )
+
+
+def unreproducible_message(
+    step: int, ranks: Sequence[int], worst: float, wheres: Sequence[str], tolerance: float, exact: Any, advice: str
+) -> str:
+    """The ``ReplayUnavailableError`` text for ranks that could not reproduce their own result."""
+    how = (
+        "compares bit for bit (exact=True): use exact='auto' to allow measured noise, or make the step "
+        "deterministic (torch.use_deterministic_algorithms(True))"
+        if exact is True
+        else "is nondeterministic (e.g. GPU atomics beyond rtol) or reads state the replay does not capture "
+        "(an object that is neither a tensor nor a plain Python value, a global, an iterator)"
+    )
+    return (
+        f"RingReplayAudit cannot trust its replay at step {step}: ranks {list(ranks)} could not reproduce "
+        f"their own result on their own device (largest difference {worst:.3g} in "
+        f"{', '.join(sorted({wheres[q] or 'loss' for q in ranks}))}; tolerance "
+        f"{tolerance:.3g}). This is not evidence of a faulty device: the step {how}. {advice}."
+    )
+
+
+def every_pair_message(step: int, topo: Topology, first: bool, advice: str) -> str:
+    """The ``ReplayUnavailableError`` text when every replay pair disagrees."""
+    software = {(f.device, f.versions) for f in topo.ranks}
+    differ = (
+        " The ranks do run different devices or software: "
+        + "; ".join(f"rank {f.rank}: {f.device} {dict(f.versions)}" for f in topo.ranks)
+        + "."
+        if len(software) > 1
+        else ""
+    )
+    when = "at its first audit" if first else ""
+    return (
+        f"RingReplayAudit cannot trust its replay at step {step}: every replay pair disagrees {when} while "
+        "each rank reproduces its own result on its own device, so the replay does not compute what the "
+        "owners computed: the step depends on the rank (self.global_rank, per-rank data outside the batch, "
+        "a loss computed from values the replay does not receive) or the ranks compute differently."
+        f"{differ} {advice}."
+    ).replace("  ", " ")
+
+
+def mismatch_reason(
+    rank: int | None, world: int, rings: int, mismatching: Sequence[tuple[int, int]], suspects: Sequence[int],
+    worst: float, where: str, classification: Any, reproduced: bool, one_group: bool,
+) -> str:  # fmt: skip
+    """Why a ``ReplayMismatchError`` names ``rank`` (or only ``suspects``), in words."""
+    note = " while each rank reproduces its own result on its own device" if reproduced else ""
+    if rank is not None:
+        return (
+            f"its results disagree with its partners' replays "
+            f"(largest difference {worst:.3g} in {where}; the fault is {classification})"
+        )
+    if world == 2:
+        return (
+            f"the two replicas disagree on a replayed batch{note}; "
+            "with two replicas no third opinion can tell which is wrong"
+        )
+    if rings == 2:
+        return (
+            f"the two data-parallel groups disagree on a replayed batch{note}; with two groups no third "
+            "opinion can tell which of each disagreeing pair (same tensor-parallel coordinate) is wrong"
+        )
+    reason = f"{len(mismatching)} of {world} replay pairs disagree{note}, and no single rank explains them all"
+    if one_group and len(suspects) > 1:
+        reason += (
+            "; the suspects are one tensor-parallel group: a fault before one of its collectives reaches "
+            "every peer, so the group is named"
+        )
+    return reason

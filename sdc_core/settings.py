@@ -1,0 +1,277 @@
+"""Settings of the loop driver (``sdc_core.SDCHooks``): one validated set, from layered sources.
+
+Precedence: defaults < settings file < environment (``<PREFIX><NAME>``) < keywords. Which file and
+which prefix a route reads is its ``Sources``: the plain-PyTorch route reads keywords only (a
+script configures itself; ``SDC_*`` variables already mean other things); the Accelerate, Fabric
+and Trainer seams read ``ACCELERATE_SDC_*`` and the ``accelerate-sdc config`` file.
+
+One rule for every source: a bool is ``true``/``false`` or ``1``/``0`` (as a bool, a number or a
+string, any case; not ``yes``/``on``), an integer is a whole number or a string of one, a number a
+finite number or a string of one, a policy a string. An unknown name anywhere (a file key, an
+environment variable with the prefix, a keyword) is an error suggesting the closest known name;
+so is a bad value, also of a check that is turned off. ``SDCConfigError`` names the key and
+where it came from. Cost: paid once, at construction; nothing per step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import os
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from sdc_core.fingerprint import FingerprintConfig
+from sdc_core.gradients import NonFiniteConfig
+from sdc_core.replay import ReplayConfig
+from sdc_core.sharded_update import UpdateAudit, update_audit
+
+
+class SDCConfigError(ValueError):
+    """A setting has a bad value; the message names the key and its source."""
+
+
+@dataclass(frozen=True)
+class SDCSettings:
+    """All settings of the hook set (names mirror the Lightning callbacks' arguments).
+
+    ``replay_every_n_steps`` and ``fingerprint_every_n_steps`` of 0 turn that check off;
+    ``nonfinite_gradient=False`` turns the gradient check off. ``update_audit_every_n_steps``
+    (default 0, off) applies to FSDP2 models only (``WeightFingerprintCheck``'s argument of the
+    same name); a DDP run ignores it.
+    """
+
+    nonfinite_gradient: bool = True
+    on_failure: str = "raise"
+    overflow_patience: int = 3
+    max_names: int = 5
+    replay_every_n_steps: int = 100
+    replay_exact: bool | str = "auto"
+    replay_rtol: float = 1e-3
+    replay_atol: float = 1e-6
+    replay_on_failure: str = "raise"
+    replay_on_unreplayable: str = "raise"
+    replay_max_state_mb: float = 256.0
+    fingerprint_every_n_steps: int = 1
+    include_buffers: bool = False
+    include_optimizer_state: bool = False
+    fingerprint_on_failure: str = "raise"
+    max_heals: int = 3
+    update_audit_every_n_steps: int = 0
+    log_every_n_steps: int = 50
+
+    def nonfinite(self) -> NonFiniteConfig | None:
+        if not self.nonfinite_gradient:
+            return None
+        return NonFiniteConfig(self.on_failure, self.overflow_patience, self.max_names)
+
+    def replay(self) -> ReplayConfig | None:
+        if self.replay_every_n_steps == 0:
+            return None
+        return ReplayConfig(
+            self.replay_every_n_steps, self.replay_exact, self.replay_rtol, self.replay_atol, self.replay_on_failure,
+            self.replay_on_unreplayable, self.replay_max_state_mb,
+        )  # fmt: skip
+
+    def fingerprint(self) -> FingerprintConfig | None:
+        if self.fingerprint_every_n_steps == 0:
+            return None
+        return FingerprintConfig(
+            self.fingerprint_every_n_steps,
+            self.include_buffers,
+            self.include_optimizer_state,
+            self.fingerprint_on_failure,
+            self.max_heals,
+        )
+
+    def update_audit(self) -> UpdateAudit | None:
+        """FSDP2 without replicas: a partner recomputes each rank's optimizer update every n-th step."""
+        return update_audit(self.update_audit_every_n_steps)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+_TYPES = {f.name: type(f.default) for f in fields(SDCSettings)}
+_INT = re.compile(r"[+-]?\d+")
+
+
+def suggest(name: str, known: list[str]) -> str:
+    """`` (did you mean 'x'?)`` for the closest known name, else the list of known names."""
+    close = difflib.get_close_matches(name.lower(), [k.lower() for k in known], n=1, cutoff=0.5)
+    if close:
+        match = next(k for k in known if k.lower() == close[0])
+        return f" (did you mean {match!r}?)"
+    return f"; known: {', '.join(known)}"
+
+
+def coerce(key: str, value: Any, source: str) -> Any:
+    """``value`` as the type of setting ``key``, by the same rule whatever the source."""
+    if key not in _TYPES:
+        raise SDCConfigError(f"unknown SDC setting {key!r} in {source}{suggest(key, list(_TYPES))}")
+    kind = _TYPES[key]
+    text = value.strip().lower() if isinstance(value, str) else None
+    try:
+        if key == "replay_exact":  # True, False or "auto"
+            if isinstance(value, bool) or text == "auto":
+                return value if isinstance(value, bool) else "auto"
+            if (isinstance(value, int) and value in (0, 1)) or text in ("0", "1", "true", "false"):
+                return text in ("1", "true") if text is not None else bool(value)
+            raise ValueError("expected true, false or auto (or 1 or 0)")
+        if kind is bool:
+            if isinstance(value, bool):
+                return value
+            if (isinstance(value, int) and value in (0, 1)) or text in ("0", "1", "true", "false"):
+                return text in ("1", "true") if text is not None else bool(value)
+            raise ValueError("expected true or false (or 1 or 0)")
+        if kind is int:
+            if isinstance(value, int) and not isinstance(value, bool):
+                return value
+            if text is not None and _INT.fullmatch(text):
+                return int(text)
+            raise ValueError("expected a whole number")
+        if kind is float:
+            number = value if isinstance(value, int | float) and not isinstance(value, bool) else None
+            if text is not None:
+                number = float(text)
+            if number is None or not math.isfinite(number):
+                raise ValueError("expected a finite number")
+            return float(number)
+        if not isinstance(value, str):
+            raise ValueError("expected a word such as raise")
+        return value.strip()
+    except (TypeError, ValueError) as err:
+        why = "expected a finite number" if "could not convert" in str(err) else err
+        raise SDCConfigError(f"bad value {value!r} for SDC setting {key!r} in {source}: {why}") from None
+
+
+def read_file(path: Path) -> dict[str, Any]:
+    """Settings from a YAML file: its top level, or its ``sdc:`` section (an accelerate config).
+    Booleans are ``true``/``false`` only (``yes``/``on`` stay strings and are then rejected).
+    Needs PyYAML (a dependency of Lightning and Accelerate), imported here only."""
+    import yaml
+
+    class _Loader(yaml.SafeLoader):
+        pass
+
+    _Loader.yaml_implicit_resolvers = {
+        first: [(tag, rx) for tag, rx in resolvers if tag != "tag:yaml.org,2002:bool"]
+        for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+    }
+    _Loader.add_implicit_resolver(
+        "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
+    )
+    source = f"config file {path}"
+    try:
+        data = yaml.load(Path(path).read_text(), Loader=_Loader) or {}
+    except (OSError, yaml.YAMLError) as err:
+        raise SDCConfigError(f"cannot read {source}: {err}") from None
+    if not isinstance(data, dict):
+        raise SDCConfigError(f"{source} must hold a mapping of SDC settings")
+    if "sdc" in data:
+        data = data["sdc"] or {}
+        source += ", section sdc"
+        if not isinstance(data, dict):
+            raise SDCConfigError(f"the sdc section of {path} must be a mapping")
+    return {str(k): coerce(str(k), v, source) for k, v in data.items()}
+
+
+@dataclass(frozen=True)
+class Sources:
+    """Where a route reads settings from besides keywords: environment variables
+    ``<env_prefix><NAME>``, the file named by ``<env_prefix>CONFIG_FILE``, else ``default_file()``
+    when it returns a path that exists. ``env_prefix=None``: keywords only."""
+
+    env_prefix: str | None = None
+    default_file: Callable[[], Path | None] | None = None
+
+    @property
+    def file_env(self) -> str:
+        return (self.env_prefix or "") + "CONFIG_FILE"
+
+    def file(self) -> Path | None:
+        if self.env_prefix is None:
+            return None
+        if os.environ.get(self.file_env):
+            return Path(os.environ[self.file_env])
+        return self.default_file() if self.default_file is not None else None
+
+    def from_env(self, environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+        """Settings from ``<env_prefix><NAME>`` variables; any other name with the prefix (a
+        typo, in any case) raises ``SDCConfigError`` with the closest known name."""
+        if self.env_prefix is None:
+            return {}
+        env = os.environ if environ is None else environ
+        known = {self.env_prefix + key.upper(): key for key in _TYPES}
+        out = {}
+        for name in sorted(env):
+            if not name.upper().startswith(self.env_prefix) or name == self.file_env:
+                continue
+            if name not in known:
+                raise SDCConfigError(f"unknown environment variable {name}{suggest(name, [*known, self.file_env])}")
+            out[known[name]] = coerce(known[name], env[name], f"environment variable {name}")
+        return out
+
+
+PLAIN = Sources()  # keywords only
+
+
+def resolve(sources: Sources = PLAIN, **kwargs: Any) -> tuple[SDCSettings, dict[str, str]]:
+    """Merge defaults, the settings file, the environment and ``kwargs``, and validate every value.
+
+    Returns the settings and, for each key that was set, where its value came from.
+    """
+    values: dict[str, Any] = {}
+    origin: dict[str, str] = {}
+    path = sources.file()
+    layers = []
+    if path is not None and path.exists():  # os.devnull reads as an empty file: no settings
+        layers.append((read_file(path), f"config file {path}"))
+    elif sources.env_prefix is not None and os.environ.get(sources.file_env):
+        raise SDCConfigError(f"{sources.file_env} names {path}, which does not exist")
+    layers.append((sources.from_env(), "environment"))
+    layers.append(({k: coerce(k, v, "keyword arguments") for k, v in kwargs.items()}, "keyword arguments"))
+    for layer, source in layers:
+        for k, v in layer.items():
+            values[k] = v
+            env_name = f"environment variable {sources.env_prefix or ''}{k.upper()}"
+            origin[k] = env_name if source == "environment" else source
+    settings = SDCSettings(**values)
+    checked = dataclasses.replace(  # a check turned off still gets its other settings checked
+        settings,
+        nonfinite_gradient=True,
+        replay_every_n_steps=settings.replay_every_n_steps or 1,
+        fingerprint_every_n_steps=settings.fingerprint_every_n_steps or 1,
+    )
+    sections = (
+        (checked.nonfinite, {"on_failure": "on_failure", "overflow_patience": "overflow_patience",
+                              "max_names": "max_names"}),
+        (checked.replay, {"every_n_steps": "replay_every_n_steps", "exact": "replay_exact",
+                           "rtol": "replay_rtol", "atol": "replay_atol",
+                           "on_failure": "replay_on_failure", "on_unreplayable": "replay_on_unreplayable",
+                           "max_state_mb": "replay_max_state_mb"}),
+        (checked.fingerprint, {"every_n_steps": "fingerprint_every_n_steps", "include_buffers": "include_buffers",
+                                "include_optimizer_state": "include_optimizer_state",
+                                "on_failure": "fingerprint_on_failure", "max_heals": "max_heals"}),
+        (checked.update_audit, {"update_audit_every_n_steps": "update_audit_every_n_steps"}),
+    )  # fmt: skip
+    for key in ("on_failure", "replay_on_failure", "fingerprint_on_failure"):
+        if getattr(settings, key) == "rollback":
+            raise SDCConfigError(
+                f"bad value for SDC setting {key!r} ({origin.get(key, 'default')}): 'rollback' is a Lightning "
+                "policy (it reloads ModelCheckpoint files); with Accelerate use load_state yourself"
+            )
+    for build, keys in sections:
+        try:
+            build()
+        except ValueError as err:
+            key = next((k for arg, k in keys.items() if str(err).startswith(arg)), next(iter(keys.values())))
+            raise SDCConfigError(f"bad value for SDC setting {key!r} ({origin.get(key, 'default')}): {err}") from None
+    if settings.log_every_n_steps < 1:
+        key = "log_every_n_steps"
+        raise SDCConfigError(f"bad value for SDC setting {key!r} ({origin.get(key, 'default')}): must be >= 1")
+    return settings, origin

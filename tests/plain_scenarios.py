@@ -1,0 +1,325 @@
+"""Plain-PyTorch scenarios (``sdc_core.SDCHooks`` in a hand-written torchrun loop), CPU or GPU.
+
+``torchrun --nproc-per-node 3 tests/plain_scenarios.py --out DIR --only mlp:clean,mlp:nan [--device cuda]``
+runs the named scenarios one after the other in one process group; each rank writes
+``DIR/<scenario>.rank<r>.json``. A scenario is ``<model>:<kind>``:
+
+* models (DDP): ``mlp`` (fp32), ``bf16`` (autocast), ``fp16`` (autocast + GradScaler),
+  ``attention`` (SDPA; flash and memory-efficient backends on CUDA, under bf16 autocast there),
+  ``embedding`` (an embedding pooled with ``index_add_`` and ``scatter_add_``), ``compile``
+  (``torch.compile`` of the body), ``conv`` (conv + BatchNorm, channels-last); ``fsdp``
+  (``fully_shard`` of each layer and the root, 4 ranks or more);
+* kinds: ``off`` (no checks: the reference weights), ``clean`` (every check, the replay at every
+  second step), ``nan`` (a NaN in rank 1's local gradient at step 2; at steps 2-4 with the fp16
+  GradScaler, which skips a lone overflow itself), ``activation`` (a wrong
+  output element of one module on rank 2 from step 2: the replay names it), ``flip`` (a bit flip
+  in rank 1's weights after step 2: the fingerprint names it), ``flip_audited`` (the same after
+  step 1, before the audited step 2: reported as the weight fault it is, not as a compute fault),
+  ``update`` (FSDP: a wrong update of rank 1's shard at step 4, named by the update audit),
+  ``save`` (a clean run, then ``before_save``, a checkpoint written and loaded back, verified by a
+  fresh hook set; a changed weight refused).
+
+With several ranks on one GPU the process group is gloo (NCCL refuses two ranks on a device);
+``--backend`` overrides. Each result holds the error (``SDCError.to_dict()``), the weights'
+digest, the counters and the incidents written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import warnings
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn import functional as F
+from torch.nn.parallel import DistributedDataParallel
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from scenario_runner import run_each
+
+from sdc_core import Fault, FaultInjector, SDCError, SDCHooks, flip_bit
+from sdc_core.fingerprint import combine, tensor_digests
+from sdc_core.sharded import local
+
+STEPS = 6
+
+
+class MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Dropout(0.1), nn.Linear(64, 64), nn.ReLU())
+        self.head = nn.Linear(64, 4)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(self.head(self.body(x)).float(), y)
+
+
+class Attention(nn.Module):
+    """One pre-norm attention block on SDPA, then a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(32, 96)
+        self.proj = nn.Linear(32, 32)
+        self.norm = nn.LayerNorm(32)
+        self.head = nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = self.qkv(self.norm(x)).view(b, t, 3, 4, 8).permute(2, 0, 3, 1, 4)
+        h = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=0.1 if self.training else 0.0)
+        h = x + self.proj(h.transpose(1, 2).reshape(b, t, 32))
+        return F.mse_loss(self.head(h).float().mean(1), y)
+
+
+class Embedding(nn.Module):
+    """Token embeddings pooled per sequence with ``index_add_`` and ``scatter_add_`` (atomic adds on GPUs)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(100, 32)
+        self.head = nn.Linear(64, 4)
+
+    def forward(self, tokens: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        b, t = tokens.shape
+        e = self.emb(tokens).reshape(b * t, 32)
+        seq = torch.arange(b, device=tokens.device).repeat_interleave(t)
+        pooled = torch.zeros(b, 32, device=e.device, dtype=e.dtype).index_add_(0, seq, e)
+        scattered = torch.zeros(b, 32, device=e.device, dtype=e.dtype).scatter_add_(
+            0, seq[:, None].expand(-1, 32), e * 0.5
+        )
+        return F.mse_loss(self.head(torch.cat([pooled, scattered], 1)).float(), y)
+
+
+class Conv(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.norm = nn.BatchNorm2d(8)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.norm(self.conv(x))).mean((2, 3))
+        return F.mse_loss(self.head(h).float(), y)
+
+
+class Sharded(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(16, 32)
+        self.head = nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(self.head(torch.relu(self.body(x))), y)
+
+
+def batches(model: str, device: torch.device, rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``STEPS`` batches for this rank (different on each rank, the same in every run)."""
+    g = torch.Generator().manual_seed(1000 + rank)
+    out = []
+    for _ in range(STEPS):
+        if model == "embedding":
+            x = torch.randint(0, 100, (8, 12), generator=g)
+        elif model == "attention":
+            x = torch.randn(8, 16, 32, generator=g)
+        elif model == "conv":
+            x = torch.randn(8, 3, 8, 8, generator=g).to(memory_format=torch.channels_last)
+        else:
+            x = torch.randn(8, 16, generator=g)
+        out.append((x.to(device), torch.randn(8, 4, generator=g).to(device)))
+    return out
+
+
+def build(model: str, device: torch.device) -> nn.Module:
+    torch.manual_seed(7)  # every rank starts from the same weights (FSDP2 does not broadcast them)
+    net: nn.Module = {"embedding": Embedding, "attention": Attention, "conv": Conv, "fsdp": Sharded}.get(model, MLP)()
+    net = net.to(device)
+    if model == "conv":
+        net = net.to(memory_format=torch.channels_last)
+    if model == "compile":
+        net.body.compile(backend="inductor" if device.type == "cuda" else "aot_eager")
+    return net
+
+
+def autocast(model: str, device: torch.device) -> AbstractContextManager[Any]:
+    if model == "bf16" or (model == "attention" and device.type == "cuda"):
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    if model == "fp16":
+        return torch.autocast(device.type, dtype=torch.float16)
+    return nullcontext()
+
+
+def sdpa_backends(model: str, device: torch.device) -> AbstractContextManager[Any]:
+    if model != "attention" or device.type != "cuda":
+        return nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION])
+
+
+FAULT_TARGETS = {  # (gradient parameter, module whose output goes wrong, weight to flip)
+    "embedding": ("head.weight", "head", "emb.weight"),
+    "attention": ("qkv.weight", "proj", "qkv.weight"),
+    "conv": ("conv.weight", "head", "head.weight"),  # a channels-last conv weight is not contiguous
+}
+
+
+def faults(model: str, kind: str) -> list[Fault]:
+    grad, module, weight = FAULT_TARGETS.get(model, ("body.0.weight", "head", "body.3.weight"))
+    if kind == "nan":  # with a GradScaler one overflow is the scaler's business: three in a row are not
+        steps = (2, 3, 4) if model == "fp16" else (2,)
+        return [Fault("nonfinite_gradient", rank=1, step=s, target=grad) for s in steps]
+    if kind == "activation":
+        return [Fault("module_output", rank=2, step=2, target=module, factor=1.5, index=3)]
+    if kind == "flip":
+        return [Fault("weight_bit_flip", rank=1, step=2, target=weight, index=5, bit=27)]
+    if kind == "flip_audited":  # after update 1, digested already; step 2 is audited: the replay sees it first
+        return [Fault("weight_bit_flip", rank=1, step=1, target=weight, index=5, bit=27)]
+    return []
+
+
+def train(name: str, out: Path, device: torch.device) -> dict[str, Any]:
+    model_name, kind = name.split(":")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    net = build(model_name, device)
+    sharded = model_name == "fsdp"
+    if sharded:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh(device.type, (world,))
+        fully_shard(net.body, mesh=mesh)
+        fully_shard(net.head, mesh=mesh)
+        wrapped: nn.Module = fully_shard(net, mesh=mesh)
+    else:
+        wrapped = DistributedDataParallel(net, device_ids=[device.index] if device.type == "cuda" else None)
+    optimizer = torch.optim.AdamW(wrapped.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler(device.type) if model_name == "fp16" else None
+    metrics: list[tuple[int, dict[str, float]]] = []
+    hooks = None
+    step = 0
+    if sharded and kind == "update":  # a wrong update of rank 1's shard: a step post-hook that runs first
+
+        def wrong(opt: Any, *_: Any) -> None:
+            if rank == 1 and step == 4:
+                flip_bit(local(net.body.weight), 0, 22)
+
+        optimizer.register_step_post_hook(wrong)
+    if kind != "off":
+        settings: dict[str, Any] = {"replay_every_n_steps": 2, "fingerprint_every_n_steps": 1, "log_every_n_steps": 1}
+        if kind == "update":
+            settings |= {"replay_every_n_steps": 0, "fingerprint_every_n_steps": 0, "update_audit_every_n_steps": 2}
+        hooks = SDCHooks(run_dir=out / name.replace(":", "-"), log=lambda m, s: metrics.append((s, m)), **settings)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            hooks.attach(wrapped, optimizer, scaler=scaler)
+    injector = FaultInjector(faults(model_name, kind) if not sharded or kind == "activation" else [])
+    injector.install(net, rank)
+    error = None
+    saved: dict[str, Any] | None = None
+    try:
+        for step, (x, y) in enumerate(batches(model_name, device, rank)):
+            injector.set_step(step)
+            with autocast(model_name, device), sdpa_backends(model_name, device):
+                loss = wrapped(x, y)
+            if sharded and kind == "nan" and rank == 1 and step == 2:
+                loss = loss * float("nan")
+            if scaler is not None:
+                scaler.scale(loss).backward()
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                loss.backward()
+                optimizer.step()
+            optimizer.zero_grad()
+            injector.after_step(step, net, [optimizer])
+            if sharded and kind == "flip" and rank == 1 and step == 2:
+                flip_bit(local(net.body.weight), 5, 22)  # at rest, after the update
+        if hooks is not None:
+            hooks.finish()
+        if kind == "save":
+            saved = save_and_load(net, wrapped, optimizer, hooks, out / "saved.pt")
+    except SDCError as err:
+        error = err.to_dict()
+    params = [local(t).detach() for t in (*net.parameters(), *net.buffers())]
+    incidents = sorted(p.name for p in (out / name.replace(":", "-")).glob("sdc/incidents/*.json"))
+    result = {
+        "error": error,
+        "step": hooks.step if hooks is not None else step + 1,
+        "weights": int(combine(tensor_digests([p.cpu() for p in params]))),
+        "finite": all(bool(torch.isfinite(p.float()).all()) for p in params if p.is_floating_point()),
+        "state": hooks.state_dict() if hooks is not None else None,
+        "metrics": metrics[-1] if metrics else None,
+        "incidents": incidents,
+        "fired": injector.fired,
+        "device": str(device),
+        "saved": saved,
+    }
+    if hooks is not None:
+        hooks.detach()
+    injector.remove()
+    return result
+
+
+def save_and_load(net: nn.Module, wrapped: nn.Module, optimizer: Any, hooks: Any, path: Path) -> dict[str, Any]:
+    """``before_save`` compares the replicas and fingerprints the state; the file round-trips; a
+    fresh hook set verifies what is loaded (and refuses it, on every rank, once a weight changed)."""
+    hooks.before_save()
+    if dist.get_rank() == 0:
+        torch.save({"model": net.state_dict(), "optimizer": optimizer.state_dict(), "sdc": hooks.state_dict()}, path)
+    dist.barrier()
+    state = torch.load(path, weights_only=True)
+    fresh = SDCHooks(replay_every_n_steps=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fresh.attach(wrapped, optimizer)
+    net.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    fresh.load_state_dict(state["sdc"])  # verified: no error
+    restored = fresh.step
+    with torch.no_grad():
+        net.head.weight.view(-1)[0] += 1.0  # the loaded weights no longer match what was saved
+    refused = None
+    try:
+        fresh.load_state_dict(state["sdc"])
+    except SDCError as err:
+        refused = err.to_dict()
+    fresh.detach()
+    return {"restored_step": restored, "refused": refused}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--only", required=True)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--backend", default=None)
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if args.device == "cuda":
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        device = torch.device("cuda", torch.cuda.current_device())
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    else:
+        device = torch.device("cpu")
+    world = int(os.environ["WORLD_SIZE"])
+    backend = args.backend or ("nccl" if device.type == "cuda" and torch.cuda.device_count() >= world else "gloo")
+    dist.init_process_group(backend)
+    run: Callable[[str], Any] = lambda name: train(name, args.out, device)  # noqa: E731
+    try:
+        run_each(args.only, run, args.out, dist.get_rank())
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,221 @@
+"""The plain-PyTorch route: ``sdc_core.SDCHooks`` in a hand-written torchrun loop (DDP and FSDP2).
+
+Real ``torchrun`` ranks over gloo on CPU (``tests/plain_scenarios.py``). ``check_models`` is the
+assertion shared with the GPU suite (``tests/test_gpu.py``), which runs the same scenarios on CUDA.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import ROOT, must_run, results, worker_env
+
+SCRIPT = Path(__file__).with_name("plain_scenarios.py")
+KINDS = ("off", "clean", "nan", "activation", "flip")
+EXPECTED = {"nan": ("NonFiniteGradientError", 1), "activation": ("ReplayMismatchError", 2),
+            "flip": ("FingerprintMismatchError", 1)}  # fmt: skip
+
+
+def launch(out: Path, scenarios: list[str], nproc: int, device: str = "cpu", timeout: float = 540) -> Path:
+    must_run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+              str(SCRIPT), "--out", str(out), "--only", ",".join(scenarios), "--device", device],
+             timeout=timeout)  # fmt: skip
+    return out
+
+
+def same_error(out: Path, scenario: str, world: int) -> dict[str, Any]:
+    """The verdict every rank raised (the same on each), or a failed assertion naming the scenario."""
+    rows = results(out, scenario, world)
+    errors = [r["error"] for r in rows]
+    assert all(e is not None for e in errors), f"{scenario}: not every rank raised: {errors}"
+    assert len({(e["type"], e["rank"], e["step"]) for e in errors}) == 1, f"{scenario}: ranks disagree: {errors}"
+    return errors[0]
+
+
+def check_models(out: Path, models: list[str], world: int, exact: set[str]) -> None:
+    """For each model: the clean run raises nothing (bit-identical to the run without checks for the
+    models in ``exact``); a NaN, an activation fault and a weight flip are named on every rank."""
+    for model in models:
+        clean, off = results(out, f"{model}:clean", world), results(out, f"{model}:off", world)
+        assert all(r["error"] is None and r["finite"] for r in clean), f"{model}: false verdict {clean[0]['error']}"
+        if model in exact:
+            assert [r["weights"] for r in clean] == [r["weights"] for r in off], f"{model}: clean run changed training"
+        state = clean[0]["state"]["checks"]
+        assert state["ring_replay"]["runs"] >= 3 and state["weight_fingerprint"]["failures"] == 0, (model, state)
+        for kind, (error_type, rank) in EXPECTED.items():
+            err = same_error(out, f"{model}:{kind}", world)
+            # with a GradScaler a lone NaN is the scaler's overflow; on an audited step the replay names it first
+            allowed = {error_type, "ReplayMismatchError"} if (model, kind) == ("fp16", "nan") else {error_type}
+            assert err["type"] in allowed and err["rank"] == rank, f"{model}:{kind}: {err['message']}"
+            assert results(out, f"{model}:{kind}", world)[0]["incidents"], f"{model}:{kind}: no incident written"
+
+
+@pytest.fixture(scope="module")
+def ddp(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return launch(tmp_path_factory.mktemp("plain_ddp"), [f"mlp:{k}" for k in (*KINDS, "save", "flip_audited")], 3)
+
+
+def test_plain_torchrun_ddp_loop_names_the_faulty_rank_with_every_check(ddp: Path) -> None:
+    check_models(ddp, ["mlp"], 3, exact={"mlp"})
+    nan = same_error(ddp, "mlp:nan", 3)
+    assert nan["step"] == 2 and nan["details"]["pattern"] == "one_rank"
+    assert same_error(ddp, "mlp:activation", 3)["step"] == 2
+    assert same_error(ddp, "mlp:flip", 3)["step"] == 3  # flipped after update 2, digested after update 3
+
+
+def test_a_weight_flip_before_an_audited_step_is_reported_as_a_weight_fault(ddp: Path) -> None:
+    """The replay disagrees first (rank 1 computes with other weights), but the weights are compared
+    before a compute fault is raised: the verdict is the weight fault, naming the tensor."""
+    err = same_error(ddp, "mlp:flip_audited", 3)
+    assert (err["type"], err["rank"]) == ("FingerprintMismatchError", 1), err["message"]
+    assert "body.3.weight" in err["message"]
+    assert [i.split("-", 1)[1] for i in results(ddp, "mlp:flip_audited", 3)[0]["incidents"]] == [
+        "weight_fingerprint-step1.json"]  # one incident: the weight fault, not a compute fault besides
+
+
+def test_plain_loop_logs_through_the_callable_and_carries_counters(ddp: Path) -> None:
+    clean = results(ddp, "mlp:clean", 3)
+    step, metrics = clean[0]["metrics"]
+    assert step == 6 and metrics["sdc/nonfinite_gradient/runs"] == 6.0 and metrics["sdc/ring_replay/runs"] == 3.0
+    assert clean[0]["state"]["step"] == 6 and clean[0]["state"]["updates"] == 6
+
+
+def test_plain_before_save_fingerprints_the_checkpoint_and_load_verifies_it(ddp: Path) -> None:
+    rows = results(ddp, "mlp:save", 3)
+    assert all(r["error"] is None and r["saved"]["restored_step"] == 6 for r in rows), rows[0]
+    refused = [r["saved"]["refused"] for r in rows]
+    assert all(e is not None and e["type"] == "FingerprintMismatchError" for e in refused), refused
+    assert "head.weight" in refused[0]["message"]
+
+
+@pytest.fixture(scope="module")
+def fsdp(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return launch(tmp_path_factory.mktemp("plain_fsdp"), [f"fsdp:{k}" for k in (*KINDS, "update")], 4)
+
+
+def test_plain_torchrun_fsdp2_loop_names_the_faulty_rank_with_every_check(fsdp: Path) -> None:
+    clean, off = results(fsdp, "fsdp:clean", 4), results(fsdp, "fsdp:off", 4)
+    assert all(r["error"] is None for r in clean)
+    assert [r["weights"] for r in clean] == [r["weights"] for r in off]  # every shard, bit for bit
+    assert clean[0]["state"]["checks"]["ring_replay"]["runs"] == 3
+    nan = same_error(fsdp, "fsdp:nan", 4)
+    assert (nan["type"], nan["rank"], nan["step"]) == ("NonFiniteGradientError", 1, 2)
+    act = same_error(fsdp, "fsdp:activation", 4)
+    assert (act["type"], act["rank"], act["step"]) == ("ReplayMismatchError", 2, 2)
+    flip = same_error(fsdp, "fsdp:flip", 4)
+    assert (flip["type"], flip["rank"]) == ("FingerprintMismatchError", 1)
+    assert flip["details"]["changed_at_rest"] == {"1": ["param:body.weight"]}
+    update = same_error(fsdp, "fsdp:update", 4)
+    assert (update["type"], update["rank"], update["step"]) == ("FingerprintMismatchError", 1, 4)
+
+
+def test_plain_single_process_names_a_nan_and_rejects_bad_arguments(tmp_path: Path) -> None:
+    code = f"""
+import sys, warnings, torch
+sys.path.insert(0, {str(ROOT)!r})
+from sdc_core import SDCHooks, NonFiniteGradientError, SDCConfigError
+for bad in (dict(replay_every_n_steps=-1), dict(accumulation_steps=0), dict(replay_evry_n_steps=3)):
+    try:
+        SDCHooks(**bad)
+    except (SDCConfigError, ValueError) as err:
+        print("refused", type(err).__name__, err)
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    hooks = SDCHooks(run_dir={str(tmp_path)!r}).attach(model, opt)
+try:
+    for step in range(3):
+        loss = model(torch.randn(2, 4)).sum() * (float("nan") if step == 1 else 1.0)
+        loss.backward(); opt.step(); opt.zero_grad()
+    hooks.finish()
+except NonFiniteGradientError as err:
+    print("verdict", err.step, err.rank, err.details["pattern"])
+"""
+    proc = subprocess.run([sys.executable, "-c", code], env=worker_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 or "verdict" in proc.stdout, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("refused SDCConfigError") and "replay_every_n_steps" in lines[0]
+    assert lines[1].startswith("refused ValueError") and "accumulation_steps" in lines[1]
+    assert "did you mean 'replay_every_n_steps'" in lines[2]
+    assert "verdict 1 None single_process" in proc.stdout
+    assert list(tmp_path.glob("sdc/incidents/*nonfinite_gradient-step1.json"))
+
+
+@pytest.mark.slow
+def test_plain_model_matrix_on_cpu(tmp_path: Path) -> None:
+    """Every model of the GPU suite through the plain route on 3 CPU ranks (what ``-m gpu`` runs on CUDA)."""
+    models = ["bf16", "fp16", "attention", "embedding", "compile", "conv"]
+    out = launch(tmp_path, [f"{m}:{k}" for m in models for k in KINDS], 3, timeout=900)
+    check_models(out, models, 3, exact=set(models))
+
+
+def test_core_and_fabric_adapter_import_without_accelerate() -> None:
+    code = ("import sys; sys.modules['accelerate'] = None\n"  # an import of accelerate now fails
+            "import sdc_core, lightning_sdc, lightning_sdc.fabric\n"
+            "assert 'accelerate_sdc' not in sys.modules, 'an adapter imported the Accelerate adapter'\n"
+            "print('ok')")  # fmt: skip
+    proc = subprocess.run([sys.executable, "-c", code], env=worker_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
+
+
+def test_no_import_cycle_and_no_adapter_imports_another() -> None:
+    """The module-level imports of the three packages form no cycle; neither adapter imports the other."""
+    packages = ("sdc_core", "lightning_sdc", "accelerate_sdc")
+    graph: dict[str, set[str]] = {}
+    for package in packages:
+        for path in (ROOT / package).glob("*.py"):
+            name = f"{package}.{path.stem}" if path.stem != "__init__" else package
+            deps = set()
+            for node in ast.walk(ast.parse(path.read_text())):  # lazy imports count too
+                if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                    deps |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+                elif isinstance(node, ast.Import):
+                    deps |= {a.name for a in node.names}
+            graph[name] = {d for d in deps if d.split(".")[0] in packages}
+    graph = {k: {d for d in v if d in graph} for k, v in graph.items()}
+    for name, deps in graph.items():
+        other = {"lightning_sdc": "accelerate_sdc", "accelerate_sdc": "lightning_sdc"}.get(name.split(".")[0])
+        assert not any(d.split(".")[0] == other for d in deps), f"{name} imports the other adapter: {deps}"
+    state: dict[str, int] = {}
+
+    def visit(node: str, path: list[str]) -> None:
+        if state.get(node) == 1:
+            raise AssertionError(f"import cycle: {' -> '.join([*path, node])}")
+        if state.get(node) == 2:
+            return
+        state[node] = 1
+        for dep in sorted(graph[node]):
+            if dep != node and not node.startswith(dep + "."):  # a package importing its own submodule's parent
+                visit(dep, [*path, node])
+        state[node] = 2
+
+    for node in sorted(graph):
+        visit(node, [])
+
+
+def test_replay_reenters_the_recorded_autocast_and_attention_backends() -> None:
+    """The forward context recorded at the owner's forward (autocast dtype, the SDPA backends an
+    ``sdpa_kernel`` block allowed) is what the replay runs under; bad recorded values are refused."""
+    from sdc_core.hooks import _autocast, _autocast_state, _sdpa_backends, _sdpa_state
+
+    cpu = torch.device("cpu")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        recorded = _autocast_state(cpu)
+    assert recorded == ("cpu", "bfloat16") and _autocast_state(cpu) is None
+    with _autocast(recorded):
+        assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+    before = _sdpa_state()
+    with _sdpa_backends((False, False, True, False)):
+        assert _sdpa_state() == (False, False, True, False)
+    assert _sdpa_state() == before
+    with pytest.raises(ValueError, match="autocast"):
+        _autocast(("cpu", "not_a_dtype")).__enter__()
+    with pytest.raises(ValueError, match="attention backends"), _sdpa_backends(("yes",)):
+        pass
