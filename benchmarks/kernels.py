@@ -17,11 +17,17 @@ run in alternating rounds over the same tensors and report GB/s and the ratio to
 * ``hash_tensor``: ``torch.hash_tensor`` (xor) per tensor;
 * ``isfinite_loop``: ``torch.isfinite(g).all().item()`` per tensor, the loop people write;
 * ``copy``: one device-to-device copy of the same bytes (the device's copy bandwidth).
+
+``python -m benchmarks.kernels --host --baseline REV[,REV...]`` times the host (CPU) fingerprint
+path alone on mixes of tensor counts, sizes and dtypes against earlier git revisions of
+``sdc_core/fingerprint.py`` and a plain ``sum``: CPU time of this process, one thread (what a
+DDP rank on a small host runs), alternating rounds.
 """
 
 from __future__ import annotations
 
 import hashlib
+from functools import partial
 from typing import Any
 
 import torch
@@ -140,11 +146,15 @@ def _revision_module(rev: str) -> Any:
     return module
 
 
+def _fingerprint(mod: Any, tensors: list[torch.Tensor]) -> int:
+    return mod.combine(mod.grouped_digests(tensors)[0]).item()
+
+
 def host(baselines: list[str], repeats: int) -> list[dict[str, Any]]:
     """CPU seconds (``time.process_time``: this process only, so other load on a shared machine
     inflates it far less than wall time) of ``combine(grouped_digests(...))``, this tree's and
-    each baseline revision's, in alternating rounds over the same tensors: minimum and median
-    per mix, and the ratios now / baseline."""
+    each baseline revision's, and of one plain ``sum`` per tensor (the memory-read limit), in
+    alternating rounds over the same tensors: minimum and median per mix, and the ratios."""
     import time
 
     from sdc_core import fingerprint
@@ -153,22 +163,24 @@ def host(baselines: list[str], repeats: int) -> list[dict[str, Any]]:
     rows = []
     for name in [*HOST_MIXES, "GPT 4 x 256"]:
         tensors = host_mix(name)
-        times: dict[str, list[float]] = {v: [] for v in versions}
+        fns = {v: partial(_fingerprint, mod, tensors) for v, mod in versions.items()}
+        fns["sum"] = lambda ts=tensors: torch.stack([t.sum() for t in ts]).sum().item()
+        times: dict[str, list[float]] = {v: [] for v in fns}
         for rnd in range(repeats + 1):
-            for v, mod in versions.items():
+            for v, fn in fns.items():
                 t0 = time.process_time()
-                mod.combine(mod.grouped_digests(tensors)[0]).item()
+                fn()
                 if rnd:  # round 0 warms the caches
                     times[v].append(time.process_time() - t0)
         row: dict[str, Any] = {"mix": name, "tensors": len(tensors), "bytes": sum(t.nbytes for t in tensors)}
         for v, samples in times.items():
             row[v] = {"min": min(samples), "median": summary(samples)["median"]}
-        for rev in baselines:
+        for rev in [*baselines, "sum"]:
             row[f"now_vs_{rev}"] = {q: row["now"][q] / row[rev][q] for q in ("min", "median")}
         rows.append(row)
-        cols = "  ".join(f"{v} {1e3 * row[v]['min']:7.2f} / {1e3 * row[v]['median']:7.2f} ms" for v in versions)
+        cols = "  ".join(f"{v} {1e3 * row[v]['min']:7.2f} / {1e3 * row[v]['median']:7.2f} ms" for v in fns)
         ratios = "  ".join(f"now/{rev} {row[f'now_vs_{rev}']['min']:.2f} / {row[f'now_vs_{rev}']['median']:.2f}"
-                           for rev in baselines)  # fmt: skip
+                           for rev in [*baselines, "sum"])  # fmt: skip
         print(f"{name:18} {cols}  {ratios}", flush=True)
     return rows
 

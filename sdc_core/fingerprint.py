@@ -67,6 +67,7 @@ replicas identical: the ring replay audit is the check for that.
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -380,7 +381,7 @@ _host_layouts: dict[tuple[torch.device, tuple[int, ...]], tuple[torch.Tensor, ..
 
 
 def _host_digests(
-    tensors: Sequence[torch.Tensor], indices: Iterable[int], device: torch.device
+    tensors: Sequence[torch.Tensor], indices: Sequence[int], device: torch.device
 ) -> tuple[list[int], list[torch.Tensor]]:
     """``tensor_digest`` of ``tensors[i]`` for ``i`` in ``indices`` with torch ops: the indices in
     the order digested and the digest vectors (on ``device``).
@@ -394,65 +395,93 @@ def _host_digests(
     one by one (``class_parts``: there, bandwidth rules) and weighted together (``mix_units``).
     Every class sum is weighted (two 64-bit multiplies), so tensors of one to three rows (under
     2,048 words) cost more arithmetic per byte than larger ones, whose rows are summed first.
+    The plan (which tensor goes where) is cached per list of (device, dtype, shape): per call
+    and tensor, three attribute reads in Python.
     Memory: a transient copy of the batched tensors (at most ``_CHUNK_WORDS`` words at a time);
     cached weights and, for mixed batches, 16 bytes per class and 4 per word."""
+    meta = tuple((t.device, t.dtype, t.shape) for t in (tensors[i] for i in indices))
+    plan = _host_plans.get(meta)
+    if plan is None:
+        if len(_host_plans) >= 64:
+            _host_plans.clear()
+        plan = _host_plans[meta] = _host_plan(meta)
+    batches, singles, padded, order = plan
+    pieces = []
+    for same, positions, arg, cat in batches:
+        parts = _padded([tensors[indices[p]] for p in positions], [p in padded for p in positions] if padded else None)
+        values = torch.cat(parts).view(-1) if cat else flatten(parts)  # cat: a copy, and cheaper per tensor
+        if not cat and len(parts) == 1:
+            values = values.clone()  # ``flatten`` of one tensor is a view of it
+        values = values.view(torch.int64)  # our own buffer: shifted in place
+        pieces.append(
+            _on(_same_size_digests(values, len(positions), arg) if same else _mixed_digests(values, arg), device)
+        )
+    if singles:
+        pieces.append(mix_units([class_parts(words(tensors[indices[p]])) for p in singles], device))
+    return [indices[p] for p in order], pieces
+
+
+_host_plans: dict[tuple, tuple] = {}
+
+
+def _host_plan(meta: tuple[tuple[torch.device, torch.dtype, torch.Size], ...]) -> tuple:
+    """``_host_digests``' plan for tensors of ``meta`` (device, dtype, shape) by position: the
+    batches (same size?, positions, words or the tuple of sizes, whether ``cat`` joins them:
+    all at least 1-d with the same trailing dimensions), the positions digested one by one,
+    those padded to whole words, and the order of the digests produced."""
     sized: dict[tuple[torch.device, torch.dtype, int], list[int]] = {}
     singles: list[int] = []
-    for i in indices:
-        t = tensors[i]
-        nbytes = t.nbytes
-        if 0 < nbytes < 8 * _BATCH_WORDS and t.dtype != torch.bool:
-            sized.setdefault((t.device, t.dtype, (nbytes + 7) >> 3), []).append(i)
+    nbytes = [math.prod(shape) * dtype.itemsize for _, dtype, shape in meta]
+    for p, (dev, dtype, _) in enumerate(meta):
+        if 0 < nbytes[p] < 8 * _BATCH_WORDS and dtype != torch.bool:
+            sized.setdefault((dev, dtype, (nbytes[p] + 7) >> 3), []).append(p)
         else:
-            singles.append(i)
-    order: list[int] = []
-    pieces: list[torch.Tensor] = []
+            singles.append(p)
+    padded = {p for members in sized.values() for p in members if nbytes[p] & 7}
+
+    def cat(positions: list[int]) -> bool:
+        tails = {tuple(meta[p][2][1:]) if meta[p][2] else None for p in positions}
+        return None not in tails and len(tails) == 1 and (tails == {()} or padded.isdisjoint(positions))
+
+    batches: list[tuple[bool, list[int], object, bool]] = []
     mixed: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for (dev, dtype, w), members in sized.items():
         if not _own_batch(len(members), w):
             mixed.setdefault((dev, dtype), []).extend(members)
-            continue
-        if len(members) == 1 and w >= _MIXED_WORDS:
+        elif len(members) == 1 and w >= _MIXED_WORDS:
             singles += members
-            continue
-        step = max(1, _CHUNK_WORDS // w)
-        for s in range(0, len(members), step):
-            chunk = members[s : s + step]
-            pieces.append(_on(_same_size_digests(_padded(tensors, chunk), len(chunk), w), device))
-            order += chunk
+        else:
+            step = max(1, _CHUNK_WORDS // w)
+            chunks = [members[s : s + step] for s in range(0, len(members), step)]
+            batches += [(True, chunk, w, cat(chunk)) for chunk in chunks]
     for members in mixed.values():
-        chunks: list[list[int]] = [[]]
+        chunks = [[]]
         room = _CHUNK_WORDS
-        for i in members:
-            w = (tensors[i].nbytes + 7) >> 3
+        for p in members:
+            w = (nbytes[p] + 7) >> 3
             if w > room and chunks[-1]:
                 chunks.append([])
                 room = _CHUNK_WORDS
-            chunks[-1].append(i)
+            chunks[-1].append(p)
             room -= w
-        for chunk in chunks:
-            sizes = tuple((tensors[i].nbytes + 7) >> 3 for i in chunk)
-            pieces.append(_on(_mixed_digests(_padded(tensors, chunk), sizes), device))
-            order += chunk
-    if singles:
-        pieces.append(mix_units([class_parts(words(tensors[i])) for i in singles], device))
-        order += singles
-    return order, pieces
+        batches += [(False, chunk, tuple((nbytes[p] + 7) >> 3 for p in chunk), cat(chunk)) for chunk in chunks]
+    order = [p for _, positions, _, _ in batches for p in positions] + singles
+    return batches, singles, padded, order
 
 
 _pads: dict[tuple[torch.device, torch.dtype, int], torch.Tensor] = {}
 
 
-def _padded(tensors: Sequence[torch.Tensor], members: Sequence[int]) -> list[torch.Tensor]:
-    """``tensors[i]`` for ``i`` in ``members``, each followed by the zeros that pad its bytes to
-    whole words where needed (cached), ready for ``flatten``."""
+def _padded(parts: list[torch.Tensor], pad: list[bool] | None) -> list[torch.Tensor]:
+    """``parts``, each with ``pad`` set followed by the zeros that pad its bytes to whole words
+    (cached), ready for ``flatten``."""
+    if pad is None or not any(pad):
+        return parts
     out: list[torch.Tensor] = []
-    for i in members:
-        t = tensors[i]
+    for t, needed in zip(parts, pad, strict=True):
         out.append(t)
-        rest = t.nbytes & 7
-        if rest:
-            key = (t.device, t.dtype, (8 - rest) // t.element_size())
+        if needed:
+            key = (t.device, t.dtype, (8 - (t.nbytes & 7)) // t.element_size())
             if key not in _pads:
                 _pads[key] = torch.zeros(key[2], dtype=t.dtype, device=t.device)
             out.append(_pads[key])
@@ -466,10 +495,9 @@ def _own_batch(count: int, w: int) -> bool:
     return count * (_SAME_SAVES_NS[0] + _SAME_SAVES_NS[1] * w) >= _SAME_FIXED_NS[w >= 2 * _MIN_COLUMNS]
 
 
-def _same_size_digests(parts: Sequence[torch.Tensor], k: int, w: int) -> torch.Tensor:
-    """Digests of ``k`` tensors of ``w`` words each (same device and dtype; ``_padded``), in one batch."""
-    flat = flatten(parts)  # a new buffer (``cat``) for two parts or more; one part: its view, cloned
-    values = (flat if len(parts) > 1 else flat.clone()).view(torch.int64).view(k, w)  # ours: shifted in place
+def _same_size_digests(flat: torch.Tensor, k: int, w: int) -> torch.Tensor:
+    """Digests of ``k`` tensors of ``w`` words each, laid end to end in ``flat`` (int64; changed)."""
+    values = flat.view(k, w)
     _, rows, cols = class_shape(w)
     wa, wb = _weights(0, w, flat.device), _weights(1, w, flat.device)
     if rows == 1:  # the class sums are the words
@@ -488,12 +516,10 @@ def _wmv(m: torch.Tensor, w: torch.Tensor, fused: bool | None = None) -> torch.T
     return torch.mv(m, w) if (m.is_cpu if fused is None else fused) else (m * w).sum(1)
 
 
-def _mixed_digests(parts: Sequence[torch.Tensor], sizes: tuple[int, ...]) -> torch.Tensor:
-    """Digests of tensors of ``sizes`` words (same device and dtype; ``_padded``), in one batch: a
+def _mixed_digests(values: torch.Tensor, sizes: tuple[int, ...]) -> torch.Tensor:
+    """Digests of tensors of ``sizes`` words laid end to end in ``values`` (int64), in one batch: a
     cached class index gathers the class sums, each tensor weighted with its own weights."""
-    flat = flatten(parts)
-    values = (flat if len(parts) > 1 else flat.clone()).view(torch.int64)
-    wa, wb, ends, *index = _host_layout(flat.device, sizes)
+    wa, wb, ends, *index = _host_layout(values.device, sizes)
     sums = values if not index else values.new_zeros(wa.numel()).index_add_(0, index[0], values)
     weighted = (sums >> 32).mul_(wb).addcmul_(sums, wa)
     running = weighted.cumsum_(0)[ends]  # exact, wrapping: a deterministic scan

@@ -80,3 +80,18 @@ def test_row_weighting_without_mv_matches_mv():
     w = fp._weights(0, 300, torch.device("cpu"))
     assert torch.equal(fp._wmv(m, w, fused=False), fp._wmv(m, w, fused=True))
     assert torch.equal(fp._wmv(m[:, 3:], w[3:], fused=False), fp._wmv(m[:, 3:], w[3:], fused=True))
+
+
+def test_batches_joined_by_cat_or_by_flatten():
+    """Batches of 1-d tensors, or of tensors sharing their trailing dimensions, are joined by
+    ``cat`` (pads too, when 1-d); other shapes and 0-d tensors by ``flatten``: same digests."""
+    g = torch.Generator().manual_seed(6)
+    tensors = [torch.randn(10, 30, generator=g) for _ in range(40)]  # same shape: cat
+    tensors += [torch.randn(7, 5, 3, generator=g) for _ in range(40)]  # same shape, odd bytes: pads, flatten
+    tensors += [torch.randn(n, 16, generator=g) for n in range(1, 30)]  # mixed sizes, same tail: cat
+    tensors += [torch.randn(16, n, generator=g) for n in range(1, 30)]  # mixed tails: flatten
+    tensors += [torch.randn((), generator=g).double() for _ in range(3)]  # 0-d
+    tensors += [torch.randn(3 + n, generator=g).half() for n in range(30)]  # 1-d with pads: cat
+    plan = fp._host_plan(tuple((t.device, t.dtype, t.shape) for t in tensors))
+    assert {cat for _, _, _, cat in plan[0]} == {True, False}
+    _check(tensors)
