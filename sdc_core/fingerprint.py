@@ -51,8 +51,9 @@ Cost: one read of every compared tensor per check (one (r, m) sum, at about the 
 plain ``sum`` on a 2-core CPU: CPU kernels that sum 32-bit words into 64 bits, or weight them,
 run at 1-15 GB/s against 30 for a plain sum, so a same-width (r, m) sum is the fastest exact
 option), then O(n/r) work on the class sums (about 6/16 of the words' traffic); in all 0.63-0.69x
-of a plain ``sum`` on large tensors on that CPU, 0.25x for 1,000 tensors of 10k elements, where
-per-kernel overhead rules (docs/performance.md; not measured on a GPU yet);
+of a plain ``sum`` on large tensors on that CPU; 1,000 tensors of 100 to 10k elements take
+0.6-3.3x the time of one ``sum`` per tensor (batched: ``_host_digests``; docs/performance.md);
+on CUDA one Triton launch per device (``_triton_digest``);
 weights cached per device (16 bytes per class of the largest tensor, rounded up to a power of
 two: 128 MiB at most). The common case exchanges 16 bytes per rank in one MAX all-reduce,
 whatever the world size; the host reads the result one training batch later, when the device
