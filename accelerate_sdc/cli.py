@@ -47,6 +47,7 @@ _HELP = {
     "include_optimizer_state": "fingerprint the optimizer state too",
     "fingerprint_on_failure": "what a fingerprint mismatch does: raise, or heal from the majority",
     "max_heals": "heals allowed per rank before a mismatch raises",
+    "fingerprint_rolling": "fingerprint 1/k of the tensors per comparison, each within k comparisons (1: all)",
     "update_audit_every_n_steps": "FSDP2: a partner recomputes each rank's optimizer update every n steps (0: off)",
     "log_every_n_steps": "how often the counters go to the trackers",
 }

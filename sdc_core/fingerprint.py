@@ -1,7 +1,8 @@
 """Exact weight fingerprints and the replica vote.
 
 Contract: every ``every_n_steps`` optimizer steps each replica digests its parameters (and,
-optionally, buffers and optimizer state) on its own device and the replicas compare the digests.
+optionally, buffers and optimizer state) on its own device and the replicas compare the digests
+(with ``rolling=k``, a fixed 1/k of those tensors in turn: each within k comparisons).
 Any single bit flip in any element of any compared tensor changes the fingerprint, whatever the
 floating-point format (fp32, bf16, fp16, fp64, integer buffers); any other difference is missed
 with a probability of at most 2**-31, structured faults included (derivation below).
@@ -577,6 +578,14 @@ class FingerprintConfig:
             broadcast and training continues; without a majority, or after ``max_heals`` heals
             of the same rank, it raises.
         max_heals: heals allowed per rank before a mismatch on it raises (>= 1).
+        rolling: compare 1/rolling of the tensors per comparison (>= 1; 1: all of them). The
+            tensors are split once into ``rolling`` slices (``rolling_slices``: by index, the
+            same on every rank) and the comparisons take the slices in turn, so every tensor is
+            compared once every ``rolling`` comparisons: a replica whose weights diverged is
+            caught at most ``rolling * every_n_steps`` steps later (its weights stay apart), for
+            about 1/rolling of the fingerprint's cost per comparison. On-demand comparisons
+            (before a checkpoint is written, at the end of training, on a replay disagreement)
+            still compare every tensor. Sharded (FSDP2) models compare every shard regardless.
     """
 
     every_n_steps: int = 1
@@ -584,6 +593,7 @@ class FingerprintConfig:
     include_optimizer_state: bool = False
     on_failure: str = "raise"
     max_heals: int = 3
+    rolling: int = 1
 
     def __post_init__(self) -> None:
         if self.on_failure not in ("raise", "heal", "rollback"):
@@ -592,6 +602,8 @@ class FingerprintConfig:
             raise ValueError(f"max_heals must be an integer >= 1, got {self.max_heals!r}")
         if isinstance(self.every_n_steps, bool) or not isinstance(self.every_n_steps, int) or self.every_n_steps < 1:
             raise ValueError(f"every_n_steps must be an integer >= 1, got {self.every_n_steps!r}")
+        if isinstance(self.rolling, bool) or not isinstance(self.rolling, int) or self.rolling < 1:
+            raise ValueError(f"rolling must be an integer >= 1 (1: every tensor each time), got {self.rolling!r}")
         for name in ("include_buffers", "include_optimizer_state"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
@@ -619,6 +631,33 @@ def fingerprinted_tensors(
                         if isinstance(value, torch.Tensor):
                             named.append((f"optimizer{i}:{names.get(id(p), '?')}:{key}", value))
     return named
+
+
+_slices_cache: dict[tuple[int, tuple[int, ...]], list[list[int]]] = {}
+
+
+def rolling_slices(sizes: Sequence[int], k: int) -> list[list[int]]:
+    """A partition of tensor indices ``0 .. len(sizes) - 1`` into ``k`` slices (some empty when
+    there are fewer tensors), each listed in index order; ``sizes``: the tensors' bytes.
+
+    Taken in index order, each tensor joins the slice with the fewest bytes so far (the lowest
+    slice on a tie): the slices' bytes differ by at most the largest tensor, and a plain
+    ``i % k`` would put every weight matrix of a model with an even number of tensors per
+    layer into one slice. It depends only on the sizes, which replicas share, so every rank
+    digests the same tensors; tensors appended at the end (optimizer state, created by the
+    first step) leave the earlier ones where they were. Cached per (k, sizes)."""
+    key = (k, tuple(sizes))
+    if key not in _slices_cache:
+        if len(_slices_cache) >= 16:
+            _slices_cache.clear()
+        slices: list[list[int]] = [[] for _ in range(k)]
+        load = [0] * k
+        for i, n in enumerate(sizes):
+            j = min(range(k), key=lambda s: (load[s], s))
+            slices[j].append(i)
+            load[j] += n
+        _slices_cache[key] = slices
+    return _slices_cache[key]
 
 
 def copy_replica(module: nn.Module, optimizers: Iterable[torch.optim.Optimizer], src: int) -> None:
@@ -665,11 +704,16 @@ class _Pending:
     names: list[str]
     reduced: HostRead
     work: object | None
+    part: tuple[int, int] | None = None  # (slice, slices) of a rolling comparison; None: every tensor
 
 
 @dataclass
 class WeightFingerprint:
-    """Framework-neutral weight fingerprint check; adapters call ``start`` and ``resolve``."""
+    """Framework-neutral weight fingerprint check; adapters call ``start`` and ``resolve``.
+
+    With ``config.rolling = k > 1`` each ``start`` digests the next of k slices of the tensors
+    (``rolling_slices``), in turn; ``stats.last_verified_step`` is then the latest step at which
+    every slice is known to agree (the oldest of the slices' last clean comparisons)."""
 
     config: FingerprintConfig = field(default_factory=FingerprintConfig)
     stats: CheckStats = field(default_factory=lambda: CheckStats("weight_fingerprint"))
@@ -677,6 +721,8 @@ class WeightFingerprint:
     last_error: FingerprintMismatchError | None = None
     heals: dict[int, int] = field(default_factory=dict)
     _pending: _Pending | None = None
+    _turn: int = 0  # rolling comparisons started: the next slice is _turn % slices
+    _clean: list[int] = field(default_factory=list)  # per slice, the step of its last clean comparison
 
     @property
     def active(self) -> bool:
@@ -687,14 +733,27 @@ class WeightFingerprint:
         ``every_n_steps``-th update, i.e. steps n-1, 2n-1, ..."""
         return (step + 1) % self.config.every_n_steps == 0
 
-    def start(self, step: int, module: nn.Module, optimizers: Iterable[torch.optim.Optimizer]) -> None:
-        """Digest the replica after optimizer step ``step`` and start the O(1) comparison.
+    def start(
+        self, step: int, module: nn.Module, optimizers: Iterable[torch.optim.Optimizer], every_tensor: bool = False
+    ) -> None:
+        """Digest the replica after optimizer step ``step`` and start the O(1) comparison: of the
+        next rolling slice (``config.rolling`` > 1), or of every tensor (``every_tensor``, or
+        ``rolling`` = 1). Every rank must make the same calls (the slice is the call count's).
 
         Resolves any earlier pending comparison first (it may raise).
         """
         self.resolve()
         t0 = time.perf_counter()
         named = fingerprinted_tensors(module, optimizers, self.config)
+        part = None
+        if self.config.rolling > 1 and not every_tensor:
+            slices = [s for s in rolling_slices([t.nbytes for _, t in named], self.config.rolling) if s]
+            if slices:
+                if len(self._clean) != len(slices):
+                    self._clean = [-1] * len(slices)
+                part = (self._turn % len(slices), len(slices))
+                named = [named[i] for i in slices[part[0]]]
+            self._turn += 1
         tensors = [t for _, t in named]
         device = collective_device(home_device(tensors))  # the tensors' own device when the backend serves it
         digests, per_tensor = grouped_digests(tensors, device=device)
@@ -702,7 +761,7 @@ class WeightFingerprint:
         reduced = torch.stack([fp, torch.bitwise_not(fp)])
         work = torch.distributed.all_reduce(reduced, op=torch.distributed.ReduceOp.MAX, async_op=True)
         self._pending = _Pending(
-            step, per_tensor, module, list(optimizers), [n for n, _ in named], HostRead(reduced, work), work
+            step, per_tensor, module, list(optimizers), [n for n, _ in named], HostRead(reduced, work), work, part
         )
         self.stats.add_time(time.perf_counter() - t0)
 
@@ -715,7 +774,12 @@ class WeightFingerprint:
         hi, not_lo = pending.reduced.get().tolist()  # waits for this all-reduce only, not the stream
         self.stats.runs += 1
         if hi == ~not_lo:
-            self.stats.last_verified_step = pending.step
+            if pending.part is None:
+                self._clean = [pending.step] * len(self._clean)
+                self.stats.last_verified_step = pending.step
+            elif len(self._clean) == pending.part[1]:
+                self._clean[pending.part[0]] = pending.step
+                self.stats.last_verified_step = max(self.stats.last_verified_step, min(self._clean))
             self.stats.add_time(time.perf_counter() - t0)
             return
         rows_t = all_gather_tensor(pending.per_tensor())
@@ -740,6 +804,8 @@ class WeightFingerprint:
             "node_ranks": topo.node_ranks(suspects),
             "world_size": len(rows),
         }
+        if pending.part is not None:  # the tensors of one rolling slice were compared
+            details["rolling_slice"] = {"slice": pending.part[0], "slices": pending.part[1], "tensors": len(rows[0])}
         if rank is not None:
             tensors = ", ".join(differing.get(rank, [])[:3])
             reason = f"its weights differ from the majority of {len(rows)} replicas in {tensors}"
@@ -779,8 +845,8 @@ class WeightFingerprint:
                 pending.work.wait(timeout=timedelta(seconds=timeout_s))  # type: ignore[attr-defined]
 
     def check_now(self, step: int, module: nn.Module, optimizers: Iterable[torch.optim.Optimizer]) -> None:
-        """Digest, compare and resolve at once (raises on a mismatch)."""
-        self.start(step, module, optimizers)
+        """Digest every tensor, compare and resolve at once (raises on a mismatch)."""
+        self.start(step, module, optimizers, every_tensor=True)
         self.resolve()
 
 
