@@ -288,7 +288,9 @@ class WeightFingerprintCheck(_SDCCallback):
     """Compare exact fingerprints of the replicas' weights after every ``every_n_steps`` steps.
 
     Args:
-        every_n_steps: cadence in optimizer steps.
+        every_n_steps: cadence in optimizer steps (``trainer.global_step``; under manual
+            optimization every optimizer's step counts, and the weights are compared at the end
+            of a batch whose step count is then a multiple of ``every_n_steps``).
         include_buffers: also compare buffers (BatchNorm running statistics excluded).
         include_optimizer_state: also compare optimizer state tensors.
         on_failure: ``"raise"`` (default) or ``"heal"``: with a strict majority the differing
@@ -447,6 +449,9 @@ class RingReplayAudit(_SDCCallback):
             ``ReplayUnavailableError`` naming the likely cause and fix; ``"warn"``: warn once and
             turn the audit off.
         max_state_mb: at most this many MiB of state tensors are copied per audited step (default 256).
+        deterministic: ``True`` (default): the audited micro-batches and their replays run with
+            deterministic kernels, so GPU replays compare bit for bit (``sdc_core.ReplayConfig``);
+            ``False`` for steps with custom CUDA/Triton kernels that have no deterministic path.
 
     The replay runs ``pl_module.sdc_replay_step(batch, batch_idx)`` when defined (it must return
     the loss, or a dict with ``"loss"``), else ``training_step`` with logging muted, with the
@@ -454,6 +459,19 @@ class RingReplayAudit(_SDCCallback):
     ``sdc_replay_state()`` / ``sdc_load_replay_state(state)`` for state it cannot see). It has no
     side effect on gradients, optimizer, buffers, module attributes, metrics, RNG or loggers.
     Raises ``ReplayMismatchError`` (a fault) or ``ReplayUnavailableError`` on every rank.
+    Parameters that do not train at the audit (frozen since ``fit`` started, or by
+    ``toggle_optimizer``) are not compared.
+
+    Manual optimization (``automatic_optimization = False``) needs ``sdc_replay_step``; it
+    returns the loss of the backward passes before the batch's FIRST ``optimizer.step()``, from
+    the RNG state and module state ``training_step`` started with. That first step is what is
+    audited. With several optimizers (a GAN: generator, then discriminator) the later steps of
+    the batch are not replayed: a wrong but finite result in their computation that leaves the
+    replicas equal goes unseen by this check, while ``NonFiniteGradientCheck`` still checks every
+    optimizer's gradients and ``WeightFingerprintCheck`` compares all weights after the batch.
+    ``every_n_steps`` counts optimizer steps (``trainer.global_step``, which manual optimization
+    advances at every ``optimizer.step()``: twice per batch in a GAN); a batch is audited when the
+    step count at its start is a multiple of ``every_n_steps``.
     """
 
     def __init__(
@@ -465,20 +483,25 @@ class RingReplayAudit(_SDCCallback):
         on_failure: str = "raise",
         on_unreplayable: str = "raise",
         max_state_mb: float = 256.0,
+        deterministic: bool = True,
     ) -> None:
         super().__init__()
         config = self._settings(
-            ReplayConfig, every_n_steps, exact, rtol, atol, on_failure, on_unreplayable, max_state_mb
+            ReplayConfig, every_n_steps, exact, rtol, atol, on_failure, on_unreplayable, max_state_mb, deterministic
         )
         self._core = RingReplay(config)
         self._training_step: Any = None
+        self._names: list[str] = []  # the parameters that trained when fit started (DDP)
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
         if stage == "fit" and not pl_module.automatic_optimization and not hasattr(pl_module, "sdc_replay_step"):
             raise ValueError(
                 "RingReplayAudit with manual optimization needs a side-effect free "
-                "`sdc_replay_step(batch, batch_idx)` on the LightningModule that returns the loss"
+                "`sdc_replay_step(batch, batch_idx)` on the LightningModule that returns the loss the batch's "
+                "first optimizer step back-propagates (with several optimizers, e.g. a GAN, only that first "
+                "step is replayed; NonFiniteGradientCheck and WeightFingerprintCheck cover every step), "
+                "or leave RingReplayAudit out"
             )
         if stage == "fit" and hasattr(pl_module, "sdc_replay_state") != hasattr(pl_module, "sdc_load_replay_state"):
             raise ValueError("define both sdc_replay_state() and sdc_load_replay_state(state) on the LightningModule")
@@ -497,6 +520,7 @@ class RingReplayAudit(_SDCCallback):
         elif c.is_ddp(trainer):
             names = [n for n, p in pl_module.named_parameters() if p.requires_grad]
             self._core.attach(c.gradient_tap(trainer, pl_module), names)
+            self._names = names
             self._core.capture = StateCapture(
                 pl_module,
                 names,
@@ -555,6 +579,11 @@ class RingReplayAudit(_SDCCallback):
                    for cb in trainer.callbacks):  # fmt: skip
                 self._core.disarm()  # a step the gradient check dropped is not audited
                 return
+        if self._core.armed and self._names:
+            # only what trains now is compared: a parameter frozen since fit started (the other
+            # optimizers' under toggle_optimizer, a fine-tuning schedule) gets no local gradient
+            trains = {n for n, p in pl_module.named_parameters() if p.requires_grad}
+            self._core.names = [n for n in self._names if n in trains]
         original = self._training_step[0] if self._training_step is not None else pl_module.training_step
         replay_fn = getattr(pl_module, "sdc_replay_step", None) or original
         scaler = getattr(trainer.precision_plugin, "scaler", None)

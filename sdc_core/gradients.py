@@ -282,6 +282,8 @@ class NonFiniteVerdicts:
         world = len(per_rank)
         if world == 1:
             pattern = "single_process"
+        elif not offenders:  # every rank's local gradients were finite: the NaN/Inf formed in the reduction
+            pattern = "formed_in_reduction"
         elif len(offenders) == 1:
             pattern = "one_rank"
         elif len(offenders) == world:
@@ -317,6 +319,8 @@ class NonFiniteVerdicts:
             "all_ranks": "every rank produced NaN/Inf gradients: ordinary divergence (learning rate, data, "
             "numerics) is likelier than a faulty device",
             "some_ranks": "several ranks produced NaN/Inf local gradients",
+            "formed_in_reduction": "every rank's local gradients were finite; the NaN/Inf formed inside the "
+            "reduction (summed values overflowing, or a fault on the wire)",
             "single_process": "NaN/Inf gradients (single process: no replica to compare with)",
         }[details["pattern"]]
         reason += f" in {', '.join(first)}" if first else ""

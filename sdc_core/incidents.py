@@ -21,6 +21,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
+import io
 import json
 import os
 import re
@@ -33,6 +34,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from sdc_core import exit_order
 from sdc_core.errors import SDCError
 from sdc_core.safeio import UnreadableError, create_unique
 from sdc_core.topology import RankFacts, Topology
@@ -57,8 +59,11 @@ def install_exit_code() -> None:
 
     The previous ``sys.excepthook`` still prints the traceback first; then the verdict is marked
     for the launcher (``mark_verdict``), non-daemon threads are joined and the ``atexit`` handlers
-    run, as at any normal exit (an MLflow run ends FAILED, not RUNNING), and the process ends with
-    the code. Other exceptions are left alone. In a worker group that torchrun restarted after an
+    run, as at any normal exit (an MLflow run is ended, not left RUNNING), and the process ends with
+    the code (``SDC_EXIT_CODE=0``: Python's own 1). In a job of several processes, the ranks other
+    than 0 leave only once rank 0's ``atexit`` handlers ran (``sdc_core.exit_order``, at most
+    15 s): the launcher stops the whole group when the first rank exits, and rank 0 owns the
+    trackers. Other exceptions are left alone. In a worker group that torchrun restarted after an
     SDC verdict (inside ``sdc run``), the first call ends the process at once with the code.
     """
     if getattr(sys.excepthook, "_sdc", False):
@@ -70,12 +75,27 @@ def install_exit_code() -> None:
     def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
         previous(kind, value, tb)
         if isinstance(value, SDCError):
+            _release_stderr()
             mark_verdict(value)
-            if code:
-                exit_cleanly(code)
+            exit_cleanly(code or 1)
 
     hook._sdc = True  # type: ignore[attr-defined]
     sys.excepthook = hook
+
+
+def _release_stderr() -> None:
+    """Put the real stderr back, with what was written to the buffer in its place. When
+    ``init_process_group`` ran after ``install_exit_code``, torch's excepthook calls ours with
+    ``sys.stderr`` swapped for a buffer that it prints (prefixed with the rank) only once ours
+    returns, which ours never does: the verdict's traceback, and whatever the ``atexit``
+    handlers print, would be lost."""
+    captured, real = sys.stderr, sys.__stderr__
+    if isinstance(captured, io.StringIO) and real is not None:
+        sys.stderr = real
+        with contextlib.suppress(Exception):
+            rank = os.environ.get("RANK")
+            text = captured.getvalue()
+            real.write("".join(f"[rank{rank}]: {line}" if rank else line for line in text.splitlines(True)))
 
 
 def exit_cleanly(code: int) -> None:
@@ -88,6 +108,7 @@ def exit_cleanly(code: int) -> None:
     with contextlib.suppress(Exception):  # never let the exit path fail
         threading._shutdown()  # type: ignore[attr-defined]  # what Py_FinalizeEx calls first
     atexit._run_exitfuncs()
+    exit_order.leave()  # after a verdict: rank 0 (the trackers' owner) leaves first
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
@@ -104,6 +125,7 @@ def mark_verdict(error: SDCError, also: str | Path | None = None) -> None:
     if getattr(error, "_sdc_marked", False):
         return
     error._sdc_marked = True  # type: ignore[attr-defined]
+    exit_order.capture()  # the process group may be gone by the time the verdict ends the process
     record = {
         "host": socket.gethostname(),
         "pid": os.getpid(),

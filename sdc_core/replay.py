@@ -259,6 +259,7 @@ class RingReplay:
     _calibrated: bool = False
     _tolerance: float | None = None
     _rounds: int = 0  # same-device calibration rounds in the current mode
+    _agreed: bool = False  # some audit of this process found the replay pairs agreeing
     _strict: bool | None = None  # None: not probed yet; True: the step runs under warn_only=False
     _probed: bool | None = None  # the probe's result, applied when its audit ends
     _window: DeterministicWindow = field(default_factory=DeterministicWindow)
@@ -565,10 +566,13 @@ class RingReplay:
             return self._unreplayable(step, unreproducible_message(
                 step, refused, worst_self, wheres, rtol if lenient else self.tolerance, self.config.exact,
                 self.advice))  # fmt: skip
-        if mismatching and len(mismatching) == world and (rings >= 3 or first):
+        # every pair disagreeing at the first audit means the replay does not compute what the owners
+        # did; once pairs have agreed (a strict-mode re-calibration starts its rounds anew), it is a fault
+        if mismatching and len(mismatching) == world and (rings >= 3 or (first and not self._agreed)):
             self.stats.add_time(time.perf_counter() - t0)
             return self._unreplayable(step, every_pair_message(step, topo, first, self.advice))
         if not mismatching:
+            self._agreed = True
             if unreproducible:  # verified by the partner; the one rank's re-run differed: note it
                 self.stats.bump("self_replay_mismatches")
             self.stats.last_verified_step = step

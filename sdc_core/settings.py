@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import io
 import math
 import os
 import re
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -56,6 +58,7 @@ class SDCSettings:
     replay_on_failure: str = "raise"
     replay_on_unreplayable: str = "raise"
     replay_max_state_mb: float = 256.0
+    replay_deterministic: bool = True
     fingerprint_every_n_steps: int = 1
     include_buffers: bool = False
     include_optimizer_state: bool = False
@@ -75,7 +78,7 @@ class SDCSettings:
             return None
         return ReplayConfig(
             self.replay_every_n_steps, self.replay_exact, self.replay_rtol, self.replay_atol, self.replay_on_failure,
-            self.replay_on_unreplayable, self.replay_max_state_mb,
+            self.replay_on_unreplayable, self.replay_max_state_mb, self.replay_deterministic,
         )  # fmt: skip
 
     def fingerprint(self) -> FingerprintConfig | None:
@@ -221,12 +224,57 @@ class Sources:
 
 PLAIN = Sources()  # keywords only
 
+# the failure policies the hook set offers, per setting ('rollback' is the Lightning callbacks' only)
+POLICIES = {
+    "on_failure": ("raise", "skip_step", "warn"),
+    "replay_on_failure": ("raise", "skip_step"),
+    "fingerprint_on_failure": ("raise", "heal"),
+}
+
+
+def _either(words: tuple[str, ...]) -> str:
+    quoted = [repr(w) for w in words]
+    return ", ".join(quoted[:-1]) + " or " + quoted[-1]
+
+
+def one_line_when_uncaught() -> None:
+    """Make an uncaught ``SDCConfigError`` print one line on stderr (``SDCConfigError: <message>``,
+    with ``[rank<r>]: `` in front under a launcher) instead of a traceback, and the process exit 1
+    as after any uncaught exception: in a launched job every rank raises the same error, and eight
+    tracebacks hide the one line that matters. Other exceptions go to the previous
+    ``sys.excepthook``. Idempotent; ``resolve`` calls it before raising."""
+    if getattr(sys.excepthook, "_sdc_config", False):
+        return
+    previous = sys.excepthook
+
+    def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+        if not isinstance(value, SDCConfigError):
+            previous(kind, value, tb)
+            return
+        rank = os.environ.get("RANK")
+        # torch's own excepthook (init_process_group installs it around ours) adds the rank itself
+        prefix = f"[rank{rank}]: " if rank and not isinstance(sys.stderr, io.StringIO) else ""
+        print(f"{prefix}{kind.__name__}: {value}", file=sys.stderr, flush=True)
+
+    hook._sdc_config = True  # type: ignore[attr-defined]
+    sys.excepthook = hook
+
 
 def resolve(sources: Sources = PLAIN, **kwargs: Any) -> tuple[SDCSettings, dict[str, str]]:
     """Merge defaults, the settings file, the environment and ``kwargs``, and validate every value.
 
-    Returns the settings and, for each key that was set, where its value came from.
+    Returns the settings and, for each key that was set, where its value came from. Raises
+    ``SDCConfigError`` naming the key and its source; left uncaught, it ends the process with
+    that one line (``one_line_when_uncaught``).
     """
+    try:
+        return _resolve(sources, **kwargs)
+    except SDCConfigError:
+        one_line_when_uncaught()
+        raise
+
+
+def _resolve(sources: Sources, **kwargs: Any) -> tuple[SDCSettings, dict[str, str]]:
     values: dict[str, Any] = {}
     origin: dict[str, str] = {}
     path = sources.file()
@@ -255,18 +303,31 @@ def resolve(sources: Sources = PLAIN, **kwargs: Any) -> tuple[SDCSettings, dict[
         (checked.replay, {"every_n_steps": "replay_every_n_steps", "exact": "replay_exact",
                            "rtol": "replay_rtol", "atol": "replay_atol",
                            "on_failure": "replay_on_failure", "on_unreplayable": "replay_on_unreplayable",
-                           "max_state_mb": "replay_max_state_mb"}),
+                           "max_state_mb": "replay_max_state_mb", "deterministic": "replay_deterministic"}),
         (checked.fingerprint, {"every_n_steps": "fingerprint_every_n_steps", "include_buffers": "include_buffers",
                                 "include_optimizer_state": "include_optimizer_state",
                                 "on_failure": "fingerprint_on_failure", "max_heals": "max_heals",
                                 "rolling": "fingerprint_rolling"}),
         (checked.update_audit, {"update_audit_every_n_steps": "update_audit_every_n_steps"}),
     )  # fmt: skip
-    for key in ("on_failure", "replay_on_failure", "fingerprint_on_failure"):
-        if getattr(settings, key) == "rollback":
+    for key, allowed in POLICIES.items():
+        value = getattr(settings, key)
+        if value == "rollback":
             raise SDCConfigError(
-                f"bad value for SDC setting {key!r} ({origin.get(key, 'default')}): 'rollback' is a Lightning "
-                "policy (it reloads ModelCheckpoint files); with Accelerate use load_state yourself"
+                f"bad value for SDC setting {key!r} ({origin.get(key, 'default')}): 'rollback' is a policy of the "
+                "Lightning callbacks (it reloads ModelCheckpoint files), not of the hook set; use one of "
+                f"{_either(allowed)}, catch the SDCError and load a checkpoint yourself (Accelerate: load_state)"
+            )
+        if value not in allowed:
+            raise SDCConfigError(
+                f"bad value for SDC setting {key!r} ({origin.get(key, 'default')}): must be {_either(allowed)}, "
+                f"got {value!r}"
+            )
+    for key in ("replay_every_n_steps", "fingerprint_every_n_steps"):
+        if getattr(settings, key) < 0:
+            raise SDCConfigError(
+                f"bad value for SDC setting {key!r} ({origin.get(key, 'default')}): must be a whole number >= 0 "
+                f"(0 turns the check off), got {getattr(settings, key)!r}"
             )
     for build, keys in sections:
         try:

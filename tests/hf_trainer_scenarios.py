@@ -61,7 +61,7 @@ class Inject(TrainerCallback):
 
 
 def run(out: Path, name: str, sdc: bool = True, faults: list[Fault] = (), report_to: list[str] = (),
-        label_smoothing: float = 0.0, save: bool | str = False, resume: str | None = None,
+        label_smoothing: float = 0.0, save: bool | str = False, resume: str | None = None, catch: bool = True,
         **settings: Any) -> dict[str, Any]:  # fmt: skip
     set_seed(3)
     model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=1000, n_positions=64))
@@ -94,6 +94,8 @@ def run(out: Path, name: str, sdc: bool = True, faults: list[Fault] = (), report
         try:
             trainer.train(resume_from_checkpoint=resume)
         except SDCError as err:
+            if not catch:
+                raise
             error = err.to_dict()
     hooks = sdc_cb.hooks if sdc_cb is not None else None
     return {
@@ -133,14 +135,25 @@ def scenarios(out: Path) -> dict[str, Any]:
             Fault("nonfinite_gradient", rank=1, step=1, target="transformer.h.0.attn.c_attn.weight")]),
         "activation": lambda: run(out, "activation", replay_every_n_steps=1, faults=[
             Fault("module_output", rank=0, step=2, target="transformer.h.1.mlp.c_fc", factor=1000.0)]),
+        # --uncaught: the verdict leaves the script (rank 0 owns the MLflow run; rank 1 is faulty)
+        "mlflow_verdict": lambda: run(out, "mlflow_verdict", report_to=["mlflow"], catch=False,
+                                      replay_every_n_steps=0, faults=[
+            Fault("nonfinite_gradient", rank=1, step=1, target="transformer.h.0.attn.c_attn.weight")]),
     }  # fmt: skip
 
 
 def main() -> None:
-    args = parse(extra=lambda p: p.add_argument("--bf16", action="store_true", help="TrainingArguments(bf16=True)"))
+    def extra(p: Any) -> None:
+        p.add_argument("--bf16", action="store_true", help="TrainingArguments(bf16=True)")
+        p.add_argument("--uncaught", action="store_true", help="run one scenario; its SDCError leaves the script")
+
+    args = parse(extra=extra)
     global BF16
     BF16 = args.bf16
     table = scenarios(args.out)
+    if args.uncaught:
+        table[args.only]()
+        return
     run_each(args.only, lambda name: table[name](), args.out, int(os.environ["RANK"]))
 
 

@@ -165,6 +165,24 @@ def test_core_and_fabric_adapter_import_without_accelerate() -> None:
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
 
 
+def _runtime_imports(tree: ast.AST) -> list[ast.AST]:
+    """Every import statement of ``tree``, lazy ones included, except those under ``if TYPE_CHECKING:``."""
+    found: list[ast.AST] = []
+
+    def walk(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            for child in node.orelse:
+                walk(child)
+            return
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            found.append(node)
+        for child in ast.iter_child_nodes(node):
+            walk(child)
+
+    walk(tree)
+    return found
+
+
 def test_no_import_cycle_and_no_adapter_imports_another() -> None:
     """The module-level imports of the three packages form no cycle; neither adapter imports the other."""
     packages = ("sdc_core", "lightning_sdc", "accelerate_sdc")
@@ -173,7 +191,7 @@ def test_no_import_cycle_and_no_adapter_imports_another() -> None:
         for path in (ROOT / package).glob("*.py"):
             name = f"{package}.{path.stem}" if path.stem != "__init__" else package
             deps = set()
-            for node in ast.walk(ast.parse(path.read_text())):  # lazy imports count too
+            for node in _runtime_imports(ast.parse(path.read_text())):  # lazy imports count too
                 if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
                     deps |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
                 elif isinstance(node, ast.Import):
@@ -219,3 +237,16 @@ def test_replay_reenters_the_recorded_autocast_and_attention_backends() -> None:
         _autocast(("cpu", "not_a_dtype")).__enter__()
     with pytest.raises(ValueError, match="attention backends"), _sdpa_backends(("yes",)):
         pass
+
+
+def test_replay_deterministic_is_a_setting_on_every_route() -> None:
+    """``replay_deterministic`` (hook sets, ``ACCELERATE_SDC_REPLAY_DETERMINISTIC``) and
+    ``RingReplayAudit(deterministic=...)`` reach the replay's config; a bad value is refused."""
+    from lightning_sdc import RingReplayAudit
+    from sdc_core import SDCConfigError, SDCHooks
+
+    assert SDCHooks().replay.config.deterministic is True
+    assert SDCHooks(replay_deterministic=False).replay.config.deterministic is False
+    assert RingReplayAudit(deterministic=False)._core.config.deterministic is False
+    with pytest.raises(SDCConfigError, match="replay_deterministic"):
+        SDCHooks(replay_deterministic="maybe")

@@ -71,6 +71,7 @@ def test_a_nan_formed_in_the_reduction_on_one_shard_gives_one_verdict_everywhere
     assert all(r["error"] == "NonFiniteGradientError" and r["step"] == 1 for r in rows), rows
     assert len({json.dumps(r["details"], sort_keys=True) for r in rows}) == 1
     assert rows[0]["details"]["parameters"] == {}  # no rank's local gradients were non-finite
+    assert rows[0]["details"]["pattern"] == "formed_in_reduction"  # not "several ranks produced NaN"
     if scenario == "now":  # read before the update: the NaN is still on rank 1's shard alone
         assert rows[0]["details"]["formed_in_reduction"] == {"1": ["2.weight"]}
     else:
