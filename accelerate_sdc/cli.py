@@ -42,11 +42,13 @@ _HELP = {
     "replay_on_failure": "what a replay mismatch does: raise, or skip_step when the fault proves transient",
     "replay_on_unreplayable": "a step the replay cannot reproduce: raise, or warn once and turn the audit off",
     "replay_max_state_mb": "MiB of module state copied per audited step for the replay",
+    "replay_deterministic": "replay with deterministic kernels, bit-comparable on GPUs (false: your own settings)",
     "fingerprint_every_n_steps": "weight fingerprint cadence in optimizer steps (0: off)",
     "include_buffers": "fingerprint buffers too (BatchNorm statistics excluded)",
     "include_optimizer_state": "fingerprint the optimizer state too",
     "fingerprint_on_failure": "what a fingerprint mismatch does: raise, or heal from the majority",
     "max_heals": "heals allowed per rank before a mismatch raises",
+    "fingerprint_rolling": "fingerprint 1/k of the tensors per comparison, each within k comparisons (1: all)",
     "update_audit_every_n_steps": "FSDP2: a partner recomputes each rank's optimizer update every n steps (0: off)",
     "log_every_n_steps": "how often the counters go to the trackers",
 }

@@ -17,11 +17,17 @@ run in alternating rounds over the same tensors and report GB/s and the ratio to
 * ``hash_tensor``: ``torch.hash_tensor`` (xor) per tensor;
 * ``isfinite_loop``: ``torch.isfinite(g).all().item()`` per tensor, the loop people write;
 * ``copy``: one device-to-device copy of the same bytes (the device's copy bandwidth).
+
+``python -m benchmarks.kernels --host --baseline REV[,REV...]`` times the host (CPU) fingerprint
+path alone on mixes of tensor counts, sizes and dtypes against earlier git revisions of
+``sdc_core/fingerprint.py`` and a plain ``sum``: CPU time of this process, one thread (what a
+DDP rank on a small host runs), alternating rounds.
 """
 
 from __future__ import annotations
 
 import hashlib
+from functools import partial
 from typing import Any
 
 import torch
@@ -86,3 +92,113 @@ def run(sizes: list[int], device: torch.device, repeats: int) -> list[dict[str, 
                     })  # fmt: skip
                 del tensors
     return rows
+
+
+# Host fingerprint path against an earlier revision (``python -m benchmarks.kernels --host``).
+HOST_MIXES: dict[str, tuple[int, int, int, torch.dtype]] = {  # name: (tensors, smallest, largest elements, dtype)
+    "1000 x 100 fp32": (1000, 100, 100, torch.float32),
+    "1000 x 1000 fp32": (1000, 1000, 1000, torch.float32),
+    "1000 x 1000 bf16": (1000, 1000, 1000, torch.bfloat16),
+    "1000 x 2000 fp32": (1000, 2000, 2000, torch.float32),
+    "1000 x 3000 fp32": (1000, 3000, 3000, torch.float32),
+    "1000 x 3000 bf16": (1000, 3000, 3000, torch.bfloat16),
+    "1000 x 10k fp32": (1000, 10_000, 10_000, torch.float32),
+    "1000 x 10k bf16": (1000, 10_000, 10_000, torch.bfloat16),
+    "1000 x 2..8k fp32": (1000, 2, 8000, torch.float32),  # every size different, half of them odd
+    "200 x 300 fp32": (200, 300, 300, torch.float32),
+    "100 x 4000 bf16": (100, 4000, 4000, torch.bfloat16),
+    "10 x 1M fp32": (10, 1_000_000, 1_000_000, torch.float32),
+    "2 x 10M bf16": (2, 10_000_000, 10_000_000, torch.bfloat16),
+}
+
+
+def host_mix(name: str) -> list[torch.Tensor]:
+    """The tensors of ``HOST_MIXES[name]`` (sizes spread evenly from smallest to largest), or
+    "GPT 4 x 256": a 4-layer GPT-style decoder's parameters (d = 256, vocabulary 1000)."""
+    g = torch.Generator().manual_seed(0)
+    if name == "GPT 4 x 256":
+        d = 256
+        layer = [(d,), (d,), (3 * d, d), (3 * d,), (d, d), (d,), (d,), (d,), (4 * d, d), (4 * d,), (d, 4 * d), (d,)]
+        shapes = [(1000, d)] + 4 * layer
+        return [torch.randn(s, generator=g) for s in shapes]
+    count, lo, hi, dtype = HOST_MIXES[name]
+    return [torch.randn(lo + (hi - lo) * i // count, generator=g).to(dtype) for i in range(count)]
+
+
+def _revision_module(rev: str) -> Any:
+    """``sdc_core/fingerprint.py`` as of git revision ``rev``, imported under its own name."""
+    import importlib.util
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    src = subprocess.run(["git", "show", f"{rev}:sdc_core/fingerprint.py"], cwd=root, check=True,
+                         capture_output=True, text=True).stdout  # fmt: skip
+    path = Path(tempfile.mkdtemp()) / f"fingerprint_{rev}.py"
+    path.write_text(src)
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[path.stem] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _fingerprint(mod: Any, tensors: list[torch.Tensor]) -> int:
+    return mod.combine(mod.grouped_digests(tensors)[0]).item()
+
+
+def host(baselines: list[str], repeats: int) -> list[dict[str, Any]]:
+    """CPU seconds (``time.process_time``: this process only, so other load on a shared machine
+    inflates it far less than wall time) of ``combine(grouped_digests(...))``, this tree's and
+    each baseline revision's, and of one plain ``sum`` per tensor (the memory-read limit), in
+    alternating rounds over the same tensors: minimum and median per mix, and the ratios."""
+    import time
+
+    from sdc_core import fingerprint
+
+    versions = {"now": fingerprint, **{rev: _revision_module(rev) for rev in baselines}}
+    rows = []
+    for name in [*HOST_MIXES, "GPT 4 x 256"]:
+        tensors = host_mix(name)
+        fns = {v: partial(_fingerprint, mod, tensors) for v, mod in versions.items()}
+        fns["sum"] = lambda ts=tensors: torch.stack([t.sum() for t in ts]).sum().item()
+        times: dict[str, list[float]] = {v: [] for v in fns}
+        for rnd in range(repeats + 1):
+            for v, fn in fns.items():
+                t0 = time.process_time()
+                fn()
+                if rnd:  # round 0 warms the caches
+                    times[v].append(time.process_time() - t0)
+        row: dict[str, Any] = {"mix": name, "tensors": len(tensors), "bytes": sum(t.nbytes for t in tensors)}
+        for v, samples in times.items():
+            row[v] = {"min": min(samples), "median": summary(samples)["median"]}
+        for rev in [*baselines, "sum"]:
+            row[f"now_vs_{rev}"] = {q: row["now"][q] / row[rev][q] for q in ("min", "median")}
+        rows.append(row)
+        cols = "  ".join(f"{v} {1e3 * row[v]['min']:7.2f} / {1e3 * row[v]['median']:7.2f} ms" for v in fns)
+        ratios = "  ".join(f"now/{rev} {row[f'now_vs_{rev}']['min']:.2f} / {row[f'now_vs_{rev}']['median']:.2f}"
+                           for rev in [*baselines, "sum"])  # fmt: skip
+        print(f"{name:18} {cols}  {ratios}", flush=True)
+    return rows
+
+
+if __name__ == "__main__":
+    import argparse
+    import json
+
+    parser = argparse.ArgumentParser(description="The host fingerprint path's CPU time per call, against a revision")
+    parser.add_argument("--host", action="store_true", help="time the host fingerprint path (the only mode here)")
+    parser.add_argument("--baseline", default="", help="git revisions to compare with, comma-separated")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (DDP ranks on a small host run 1)")
+    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--out", default=None, help="write the rows as JSON here")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    print("CPU time per call, min / median (one thread unless --threads)")
+    result = host([rev for rev in args.baseline.split(",") if rev], args.repeats)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"threads": args.threads, "baseline": args.baseline, "rows": result}, f, indent=1)

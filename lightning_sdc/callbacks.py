@@ -57,7 +57,8 @@ class _SDCCallback(Callback):
         Computed once (the settings are frozen; Lightning reads this many times per step)."""
         key = self.__dict__.get("_state_key")
         if key is None:
-            key = self.__dict__["_state_key"] = self._generate_state_key(**dataclasses.asdict(self._core.config))
+            config = {k: v for k, v in dataclasses.asdict(self._core.config).items() if (k, v) != ("rolling", 1)}
+            key = self.__dict__["_state_key"] = self._generate_state_key(**config)  # rolling=1: the key as before
         return key
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -297,6 +298,10 @@ class WeightFingerprintCheck(_SDCCallback):
             goes on (an incident is written); without a majority, or past ``max_heals`` heals
             of the same rank, it raises.
         max_heals: heals allowed per rank.
+        rolling: compare 1/rolling of the tensors at each comparison, a fixed slice in turn
+            (``FingerprintConfig.rolling``): every tensor within ``rolling`` comparisons, so a
+            divergence is named up to ``rolling * every_n_steps`` steps later; checkpoints and
+            the end of training still compare every tensor.
         update_audit_every_n_steps: sharded models (``ModelParallelStrategy``) only: every n-th
             step a partner rank recomputes each rank's optimizer update of its shard without
             replicas (pure FSDP) and compares bit for bit (0: off). Costs a copy and a transfer
@@ -324,10 +329,11 @@ class WeightFingerprintCheck(_SDCCallback):
         on_failure: str = "raise",
         max_heals: int = 3,
         update_audit_every_n_steps: int = 0,
+        rolling: int = 1,
     ) -> None:
         super().__init__()
         config = self._settings(
-            FingerprintConfig, every_n_steps, include_buffers, include_optimizer_state, on_failure, max_heals
+            FingerprintConfig, every_n_steps, include_buffers, include_optimizer_state, on_failure, max_heals, rolling
         )
         self._core = WeightFingerprint(config)
         self._seen_step = 0

@@ -1,7 +1,8 @@
 """Exact weight fingerprints and the replica vote.
 
 Contract: every ``every_n_steps`` optimizer steps each replica digests its parameters (and,
-optionally, buffers and optimizer state) on its own device and the replicas compare the digests.
+optionally, buffers and optimizer state) on its own device and the replicas compare the digests
+(with ``rolling=k``, a fixed 1/k of those tensors in turn: each within k comparisons).
 Any single bit flip in any element of any compared tensor changes the fingerprint, whatever the
 floating-point format (fp32, bf16, fp16, fp64, integer buffers); any other difference is missed
 with a probability of at most 2**-31, structured faults included (derivation below).
@@ -51,8 +52,9 @@ Cost: one read of every compared tensor per check (one (r, m) sum, at about the 
 plain ``sum`` on a 2-core CPU: CPU kernels that sum 32-bit words into 64 bits, or weight them,
 run at 1-15 GB/s against 30 for a plain sum, so a same-width (r, m) sum is the fastest exact
 option), then O(n/r) work on the class sums (about 6/16 of the words' traffic); in all 0.63-0.69x
-of a plain ``sum`` on large tensors on that CPU, 0.25x for 1,000 tensors of 10k elements, where
-per-kernel overhead rules (docs/performance.md; not measured on a GPU yet);
+of a plain ``sum`` on large tensors on that CPU; 1,000 tensors of 100 to 10k elements take
+0.6-3.3x the time of one ``sum`` per tensor (batched: ``_host_digests``; docs/performance.md);
+on CUDA one Triton launch per device (``_triton_digest``);
 weights cached per device (16 bytes per class of the largest tensor, rounded up to a power of
 two: 128 MiB at most). The common case exchanges 16 bytes per rank in one MAX all-reduce,
 whatever the world size; the host reads the result one training batch later, when the device
@@ -67,6 +69,7 @@ replicas identical: the ring replay audit is the check for that.
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -217,11 +220,10 @@ def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 def home_device(tensors: Iterable[torch.Tensor]) -> torch.device:
     """Where the digests of ``tensors`` are combined: the first non-CPU device among them (copies
     from the host to it are safe to read at once), else the host."""
-    return next((t.device for t in tensors if t.device.type != "cpu"), torch.device("cpu"))
+    return next((t.device for t in tensors if not t.is_cpu), torch.device("cpu"))
 
 
 SMALL_TENSOR = 1 << 12  # elements: ``group_small`` (the non-finite check's host path) groups smaller tensors
-_SMALL_WORDS = 2 * _MIN_COLUMNS  # words: smaller tensors are one row (their class sums are their words)
 
 
 def flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -296,7 +298,7 @@ def _inverse(order: tuple[int, ...], device: torch.device) -> torch.Tensor:
     """Indices that put values listed in ``order`` back in unit order (cached per device)."""
     key = (device, order)
     if key not in _perm_cache:
-        if len(_perm_cache) >= 8:
+        if len(_perm_cache) >= 64:
             _perm_cache.clear()
         _perm_cache[key] = torch.tensor(order, dtype=torch.int64).argsort().to(device)
     return _perm_cache[key]
@@ -346,13 +348,10 @@ def grouped_digests(
 
     On CUDA (with Triton) every contiguous tensor goes through one multi-tensor kernel launch per
     device (``_triton_digest``: every byte read once; the launches do not grow with the number
-    of tensors). Elsewhere (the CPU, and non-contiguous or odd-sized tensors) tensors of at least
-    ``_SMALL_WORDS`` words are reduced one by one (a reduction each: on the CPU that is bandwidth,
-    not overhead) and their weighting batched (``mix_units``); smaller ones are concatenated per
-    device and dtype into one buffer (one C++ call: their class sums are their words) and
-    weighted in one pass with each tensor's own weights (``_layout``). The values do not depend on the
-    path, so every device type gives the same digests and the same fingerprint.
-    Memory: a copy of the small tensors on the host path; cached weights (``mix_units``).
+    of tensors). Elsewhere (the CPU, and non-contiguous or odd-sized tensors) ``_host_digests``
+    batches the tensors under ``_BATCH_WORDS`` words and reduces larger ones one by one. The
+    values do not depend on the path, so every device type gives the same digests and the same
+    fingerprint.
     """
     if not tensors:
         empty = torch.zeros(0, dtype=torch.int64, device=device)
@@ -361,31 +360,201 @@ def grouped_digests(
     with torch.no_grad():
         order, fast = _kernel_digests(tensors)
         pieces = [_on(fast, device)] if fast is not None else []
-        taken = set(order)
-        singles: list[int] = []
-        small: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-        for i, t in enumerate(tensors):
-            if i in taken:
-                continue
-            nbytes = t.nbytes
-            if 0 < nbytes < 8 * _SMALL_WORDS and not nbytes % 8 and t.dtype != torch.bool and t.is_contiguous():
-                small.setdefault((t.device, t.dtype), []).append(i)
-            else:
-                singles.append(i)
-        if singles:
-            pieces.append(mix_units([class_parts(words(tensors[i])) for i in singles], device))
-            order += singles
-        for (dev, _), members in small.items():  # one C++ concatenation per device and dtype
-            wa, wb, ends = _layout(dev, tuple(tensors[i].nbytes >> 3 for i in members))
-            flat = flatten([tensors[i] for i in members])
-            values = (flat if len(members) > 1 else flat.clone()).view(torch.int64)  # one: a view, maybe misaligned
-            running = (values * wa + (values >> 32) * wb).cumsum(0)[ends]  # exact, wrapping: a deterministic scan
-            pieces.append(_on(running - torch.cat([running.new_zeros(1), running[:-1]]), device))
-            order += members
+        if len(order) < len(tensors):
+            taken = set(order)
+            rest = [i for i in range(len(tensors)) if i not in taken] if taken else range(len(tensors))
+            more, host = _host_digests(tensors, rest, device)
+            order += more
+            pieces += host
         digests = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
         if order != sorted(order):
             digests = digests[_inverse(tuple(order), device)]
     return digests, lambda: digests
+
+
+# The host path (``_host_digests``). Thresholds measured on a 2-core AMD EPYC (AVX2, no 64-bit
+# vector multiply), one thread, CPU time (``benchmarks/kernels.py``, docs/performance.md):
+_BATCH_WORDS = 1 << 15  # words: smaller tensors are batched; larger ones cost bandwidth, not overhead
+_MIXED_WORDS = 1 << 13  # words: only smaller tensors join a mixed-size batch (its scatter costs ~3 ns a word)
+_CHUNK_WORDS = 1 << 21  # words per batch (16 MiB): bounds the transient copy and the cached layouts
+_SAME_FIXED_NS = (30_000, 60_000)  # a same-size batch's fixed cost (one row, several rows) ...
+_SAME_SAVES_NS = (1_000, 2)  # ... against what it saves per tensor over a mixed batch: 1 us + 2 ns a word
+_host_layouts: dict[tuple[torch.device, tuple[int, ...]], tuple[torch.Tensor, ...]] = {}
+
+
+def _host_digests(
+    tensors: Sequence[torch.Tensor], indices: Sequence[int], device: torch.device
+) -> tuple[list[int], list[torch.Tensor]]:
+    """``tensor_digest`` of ``tensors[i]`` for ``i`` in ``indices`` with torch ops: the indices in
+    the order digested and the digest vectors (on ``device``).
+
+    Tensors under ``_BATCH_WORDS`` words (bool excepted) are copied per device, dtype and size
+    in words into one buffer (one C++ call; zeros pad each to whole words, non-contiguous ones
+    are made contiguous) and digested together: a (k, r, m) sum and two matrix-vector products
+    (no temporary per word, no view op per tensor). Sizes with too few tensors to pay for a batch
+    of their own (``_own_batch``) share a mixed batch per device and dtype: class sums by one
+    cached scatter (``index_add_``), one weighting pass and one scan. Larger tensors are reduced
+    one by one (``class_parts``: there, bandwidth rules) and weighted together (``mix_units``).
+    Every class sum is weighted (two 64-bit multiplies), so tensors of one to three rows (under
+    2,048 words) cost more arithmetic per byte than larger ones, whose rows are summed first.
+    The plan (which tensor goes where) is cached per list of (device, dtype, shape): per call
+    and tensor, three attribute reads in Python.
+    Memory: a transient copy of the batched tensors (at most ``_CHUNK_WORDS`` words at a time);
+    cached weights and, for mixed batches, 16 bytes per class and 4 per word."""
+    meta = tuple((t.device, t.dtype, t.shape) for t in (tensors[i] for i in indices))
+    plan = _host_plans.get(meta)
+    if plan is None:
+        if len(_host_plans) >= 64:
+            _host_plans.clear()
+        plan = _host_plans[meta] = _host_plan(meta)
+    batches, singles, padded, order = plan
+    pieces = []
+    for same, positions, arg, cat in batches:
+        parts = _padded([tensors[indices[p]] for p in positions], [p in padded for p in positions] if padded else None)
+        values = torch.cat(parts).view(-1) if cat else flatten(parts)  # cat: a copy, and cheaper per tensor
+        if not cat and len(parts) == 1:
+            values = values.clone()  # ``flatten`` of one tensor is a view of it
+        values = values.view(torch.int64)  # our own buffer: shifted in place
+        pieces.append(
+            _on(_same_size_digests(values, len(positions), arg) if same else _mixed_digests(values, arg), device)
+        )
+    if singles:
+        pieces.append(mix_units([class_parts(words(tensors[indices[p]])) for p in singles], device))
+    return [indices[p] for p in order], pieces
+
+
+_host_plans: dict[tuple, tuple] = {}
+
+
+def _host_plan(meta: tuple[tuple[torch.device, torch.dtype, torch.Size], ...]) -> tuple:
+    """``_host_digests``' plan for tensors of ``meta`` (device, dtype, shape) by position: the
+    batches (same size?, positions, words or the tuple of sizes, whether ``cat`` joins them:
+    all at least 1-d with the same trailing dimensions), the positions digested one by one,
+    those padded to whole words, and the order of the digests produced."""
+    sized: dict[tuple[torch.device, torch.dtype, int], list[int]] = {}
+    singles: list[int] = []
+    nbytes = [math.prod(shape) * dtype.itemsize for _, dtype, shape in meta]
+    for p, (dev, dtype, _) in enumerate(meta):
+        if 0 < nbytes[p] < 8 * _BATCH_WORDS and dtype != torch.bool:
+            sized.setdefault((dev, dtype, (nbytes[p] + 7) >> 3), []).append(p)
+        else:
+            singles.append(p)
+    padded = {p for members in sized.values() for p in members if nbytes[p] & 7}
+
+    def cat(positions: list[int]) -> bool:
+        tails = {tuple(meta[p][2][1:]) if meta[p][2] else None for p in positions}
+        return None not in tails and len(tails) == 1 and (tails == {()} or padded.isdisjoint(positions))
+
+    batches: list[tuple[bool, list[int], object, bool]] = []
+    mixed: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for (dev, dtype, w), members in sized.items():
+        if not _own_batch(len(members), w):
+            mixed.setdefault((dev, dtype), []).extend(members)
+        elif len(members) == 1 and w >= _MIXED_WORDS:
+            singles += members
+        else:
+            step = max(1, _CHUNK_WORDS // w)
+            chunks = [members[s : s + step] for s in range(0, len(members), step)]
+            batches += [(True, chunk, w, cat(chunk)) for chunk in chunks]
+    for members in mixed.values():
+        chunks = [[]]
+        room = _CHUNK_WORDS
+        for p in members:
+            w = (nbytes[p] + 7) >> 3
+            if w > room and chunks[-1]:
+                chunks.append([])
+                room = _CHUNK_WORDS
+            chunks[-1].append(p)
+            room -= w
+        batches += [(False, chunk, tuple((nbytes[p] + 7) >> 3 for p in chunk), cat(chunk)) for chunk in chunks]
+    order = [p for _, positions, _, _ in batches for p in positions] + singles
+    return batches, singles, padded, order
+
+
+_pads: dict[tuple[torch.device, torch.dtype, int], torch.Tensor] = {}
+
+
+def _padded(parts: list[torch.Tensor], pad: list[bool] | None) -> list[torch.Tensor]:
+    """``parts``, each with ``pad`` set followed by the zeros that pad its bytes to whole words
+    (cached), ready for ``flatten``."""
+    if pad is None or not any(pad):
+        return parts
+    out: list[torch.Tensor] = []
+    for t, needed in zip(parts, pad, strict=True):
+        out.append(t)
+        if needed:
+            key = (t.device, t.dtype, (8 - (t.nbytes & 7)) // t.element_size())
+            if key not in _pads:
+                _pads[key] = torch.zeros(key[2], dtype=t.dtype, device=t.device)
+            out.append(_pads[key])
+    return out
+
+
+def _own_batch(count: int, w: int) -> bool:
+    """Whether ``count`` tensors of ``w`` words get a batch of their own rather than join the mixed one."""
+    if w >= _MIXED_WORDS:
+        return True
+    return count * (_SAME_SAVES_NS[0] + _SAME_SAVES_NS[1] * w) >= _SAME_FIXED_NS[w >= 2 * _MIN_COLUMNS]
+
+
+def _same_size_digests(flat: torch.Tensor, k: int, w: int) -> torch.Tensor:
+    """Digests of ``k`` tensors of ``w`` words each, laid end to end in ``flat`` (int64; changed)."""
+    values = flat.view(k, w)
+    _, rows, cols = class_shape(w)
+    wa, wb = _weights(0, w, flat.device), _weights(1, w, flat.device)
+    if rows == 1:  # the class sums are the words
+        return _wmv(values, wa) + _wmv(values.bitwise_right_shift_(32), wb)
+    sums = values[:, : rows * cols].view(k, rows, cols).sum(1)
+    digests = _wmv(sums, wa[:cols]) + _wmv(sums.bitwise_right_shift_(32), wb[:cols])
+    if rows * cols < w:  # each word past rows * cols is a class of its own
+        tail, ends = values[:, rows * cols :], w - (rows - 1) * cols
+        digests += _wmv(tail, wa[cols:ends]) + _wmv(tail >> 32, wb[cols:ends])
+    return digests
+
+
+def _wmv(m: torch.Tensor, w: torch.Tensor, fused: bool | None = None) -> torch.Tensor:
+    """``m @ w`` mod 2**64 for int64 ``m`` (k, n) and ``w`` (n,): one ``mv`` on the CPU (no
+    temporary), a product and a row sum where ``mv`` has no integer kernel (CUDA)."""
+    return torch.mv(m, w) if (m.is_cpu if fused is None else fused) else (m * w).sum(1)
+
+
+def _mixed_digests(values: torch.Tensor, sizes: tuple[int, ...]) -> torch.Tensor:
+    """Digests of tensors of ``sizes`` words laid end to end in ``values`` (int64), in one batch: a
+    cached class index gathers the class sums, each tensor weighted with its own weights."""
+    wa, wb, ends, *index = _host_layout(values.device, sizes)
+    sums = values if not index else values.new_zeros(wa.numel()).index_add_(0, index[0], values)
+    weighted = (sums >> 32).mul_(wb).addcmul_(sums, wa)
+    running = weighted.cumsum_(0)[ends]  # exact, wrapping: a deterministic scan
+    return torch.diff(running, prepend=running.new_zeros(1))
+
+
+def _host_layout(device: torch.device, sizes: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
+    """For tensors of ``sizes`` words laid end to end: the weights A, B of each class (each
+    tensor's from index 0), the index of each tensor's last class and, when some tensor has
+    several rows, each word's class (int32; cached, at most 64 layouts)."""
+    key = (device, sizes)
+    if key not in _host_layouts:
+        if len(_host_layouts) >= 64:
+            _host_layouts.clear()
+        classes, where, start = [], [], 0
+        for n in sizes:
+            _, rows, cols = class_shape(n)
+            if rows == 1:
+                classes.append(n)
+                where.append(torch.arange(start, start + n, dtype=torch.int32))
+            else:
+                i = torch.arange(n, dtype=torch.int32)
+                where.append(torch.where(i < rows * cols, i % cols, i - (rows - 1) * cols).add_(start))
+                classes.append(n - (rows - 1) * cols)
+            start += classes[-1]
+        top = max(classes)
+        wa, wb = _weights(0, top, device), _weights(1, top, device)
+        layout = [torch.cat([wa[:c] for c in classes]), torch.cat([wb[:c] for c in classes])]
+        layout.append(torch.tensor(classes, dtype=torch.int64).cumsum(0).sub_(1).to(device))
+        if start < sum(sizes):
+            layout.append(torch.cat(where).to(device))
+        _host_layouts[key] = tuple(layout)
+    return _host_layouts[key]
 
 
 def combine(digests: torch.Tensor) -> torch.Tensor:
@@ -409,6 +578,14 @@ class FingerprintConfig:
             broadcast and training continues; without a majority, or after ``max_heals`` heals
             of the same rank, it raises.
         max_heals: heals allowed per rank before a mismatch on it raises (>= 1).
+        rolling: compare 1/rolling of the tensors per comparison (>= 1; 1: all of them). The
+            tensors are split once into ``rolling`` slices (``rolling_slices``: by index, the
+            same on every rank) and the comparisons take the slices in turn, so every tensor is
+            compared once every ``rolling`` comparisons: a replica whose weights diverged is
+            caught at most ``rolling * every_n_steps`` steps later (its weights stay apart), for
+            about 1/rolling of the fingerprint's cost per comparison. On-demand comparisons
+            (before a checkpoint is written, at the end of training, on a replay disagreement)
+            still compare every tensor. Sharded (FSDP2) models compare every shard regardless.
     """
 
     every_n_steps: int = 1
@@ -416,6 +593,7 @@ class FingerprintConfig:
     include_optimizer_state: bool = False
     on_failure: str = "raise"
     max_heals: int = 3
+    rolling: int = 1
 
     def __post_init__(self) -> None:
         if self.on_failure not in ("raise", "heal", "rollback"):
@@ -424,6 +602,8 @@ class FingerprintConfig:
             raise ValueError(f"max_heals must be an integer >= 1, got {self.max_heals!r}")
         if isinstance(self.every_n_steps, bool) or not isinstance(self.every_n_steps, int) or self.every_n_steps < 1:
             raise ValueError(f"every_n_steps must be an integer >= 1, got {self.every_n_steps!r}")
+        if isinstance(self.rolling, bool) or not isinstance(self.rolling, int) or self.rolling < 1:
+            raise ValueError(f"rolling must be an integer >= 1 (1: every tensor each time), got {self.rolling!r}")
         for name in ("include_buffers", "include_optimizer_state"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
@@ -451,6 +631,33 @@ def fingerprinted_tensors(
                         if isinstance(value, torch.Tensor):
                             named.append((f"optimizer{i}:{names.get(id(p), '?')}:{key}", value))
     return named
+
+
+_slices_cache: dict[tuple[int, tuple[int, ...]], list[list[int]]] = {}
+
+
+def rolling_slices(sizes: Sequence[int], k: int) -> list[list[int]]:
+    """A partition of tensor indices ``0 .. len(sizes) - 1`` into ``k`` slices (some empty when
+    there are fewer tensors), each listed in index order; ``sizes``: the tensors' bytes.
+
+    Taken in index order, each tensor joins the slice with the fewest bytes so far (the lowest
+    slice on a tie): the slices' bytes differ by at most the largest tensor, and a plain
+    ``i % k`` would put every weight matrix of a model with an even number of tensors per
+    layer into one slice. It depends only on the sizes, which replicas share, so every rank
+    digests the same tensors; tensors appended at the end (optimizer state, created by the
+    first step) leave the earlier ones where they were. Cached per (k, sizes)."""
+    key = (k, tuple(sizes))
+    if key not in _slices_cache:
+        if len(_slices_cache) >= 16:
+            _slices_cache.clear()
+        slices: list[list[int]] = [[] for _ in range(k)]
+        load = [0] * k
+        for i, n in enumerate(sizes):
+            j = min(range(k), key=lambda s: (load[s], s))
+            slices[j].append(i)
+            load[j] += n
+        _slices_cache[key] = slices
+    return _slices_cache[key]
 
 
 def copy_replica(module: nn.Module, optimizers: Iterable[torch.optim.Optimizer], src: int) -> None:
@@ -497,11 +704,16 @@ class _Pending:
     names: list[str]
     reduced: HostRead
     work: object | None
+    part: tuple[int, int] | None = None  # (slice, slices) of a rolling comparison; None: every tensor
 
 
 @dataclass
 class WeightFingerprint:
-    """Framework-neutral weight fingerprint check; adapters call ``start`` and ``resolve``."""
+    """Framework-neutral weight fingerprint check; adapters call ``start`` and ``resolve``.
+
+    With ``config.rolling = k > 1`` each ``start`` digests the next of k slices of the tensors
+    (``rolling_slices``), in turn; ``stats.last_verified_step`` is then the latest step at which
+    every slice is known to agree (the oldest of the slices' last clean comparisons)."""
 
     config: FingerprintConfig = field(default_factory=FingerprintConfig)
     stats: CheckStats = field(default_factory=lambda: CheckStats("weight_fingerprint"))
@@ -509,6 +721,8 @@ class WeightFingerprint:
     last_error: FingerprintMismatchError | None = None
     heals: dict[int, int] = field(default_factory=dict)
     _pending: _Pending | None = None
+    _turn: int = 0  # rolling comparisons started: the next slice is _turn % slices
+    _clean: list[int] = field(default_factory=list)  # per slice, the step of its last clean comparison
 
     @property
     def active(self) -> bool:
@@ -519,14 +733,27 @@ class WeightFingerprint:
         ``every_n_steps``-th update, i.e. steps n-1, 2n-1, ..."""
         return (step + 1) % self.config.every_n_steps == 0
 
-    def start(self, step: int, module: nn.Module, optimizers: Iterable[torch.optim.Optimizer]) -> None:
-        """Digest the replica after optimizer step ``step`` and start the O(1) comparison.
+    def start(
+        self, step: int, module: nn.Module, optimizers: Iterable[torch.optim.Optimizer], every_tensor: bool = False
+    ) -> None:
+        """Digest the replica after optimizer step ``step`` and start the O(1) comparison: of the
+        next rolling slice (``config.rolling`` > 1), or of every tensor (``every_tensor``, or
+        ``rolling`` = 1). Every rank must make the same calls (the slice is the call count's).
 
         Resolves any earlier pending comparison first (it may raise).
         """
         self.resolve()
         t0 = time.perf_counter()
         named = fingerprinted_tensors(module, optimizers, self.config)
+        part = None
+        if self.config.rolling > 1 and not every_tensor:
+            slices = [s for s in rolling_slices([t.nbytes for _, t in named], self.config.rolling) if s]
+            if slices:
+                if len(self._clean) != len(slices):
+                    self._clean = [-1] * len(slices)
+                part = (self._turn % len(slices), len(slices))
+                named = [named[i] for i in slices[part[0]]]
+            self._turn += 1
         tensors = [t for _, t in named]
         device = collective_device(home_device(tensors))  # the tensors' own device when the backend serves it
         digests, per_tensor = grouped_digests(tensors, device=device)
@@ -534,7 +761,7 @@ class WeightFingerprint:
         reduced = torch.stack([fp, torch.bitwise_not(fp)])
         work = torch.distributed.all_reduce(reduced, op=torch.distributed.ReduceOp.MAX, async_op=True)
         self._pending = _Pending(
-            step, per_tensor, module, list(optimizers), [n for n, _ in named], HostRead(reduced, work), work
+            step, per_tensor, module, list(optimizers), [n for n, _ in named], HostRead(reduced, work), work, part
         )
         self.stats.add_time(time.perf_counter() - t0)
 
@@ -547,7 +774,12 @@ class WeightFingerprint:
         hi, not_lo = pending.reduced.get().tolist()  # waits for this all-reduce only, not the stream
         self.stats.runs += 1
         if hi == ~not_lo:
-            self.stats.last_verified_step = pending.step
+            if pending.part is None:
+                self._clean = [pending.step] * len(self._clean)
+                self.stats.last_verified_step = pending.step
+            elif len(self._clean) == pending.part[1]:
+                self._clean[pending.part[0]] = pending.step
+                self.stats.last_verified_step = max(self.stats.last_verified_step, min(self._clean))
             self.stats.add_time(time.perf_counter() - t0)
             return
         rows_t = all_gather_tensor(pending.per_tensor())
@@ -572,6 +804,8 @@ class WeightFingerprint:
             "node_ranks": topo.node_ranks(suspects),
             "world_size": len(rows),
         }
+        if pending.part is not None:  # the tensors of one rolling slice were compared
+            details["rolling_slice"] = {"slice": pending.part[0], "slices": pending.part[1], "tensors": len(rows[0])}
         if rank is not None:
             tensors = ", ".join(differing.get(rank, [])[:3])
             reason = f"its weights differ from the majority of {len(rows)} replicas in {tensors}"
@@ -611,8 +845,8 @@ class WeightFingerprint:
                 pending.work.wait(timeout=timedelta(seconds=timeout_s))  # type: ignore[attr-defined]
 
     def check_now(self, step: int, module: nn.Module, optimizers: Iterable[torch.optim.Optimizer]) -> None:
-        """Digest, compare and resolve at once (raises on a mismatch)."""
-        self.start(step, module, optimizers)
+        """Digest every tensor, compare and resolve at once (raises on a mismatch)."""
+        self.start(step, module, optimizers, every_tensor=True)
         self.resolve()
 
 

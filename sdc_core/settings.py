@@ -64,6 +64,7 @@ class SDCSettings:
     include_optimizer_state: bool = False
     fingerprint_on_failure: str = "raise"
     max_heals: int = 3
+    fingerprint_rolling: int = 1
     update_audit_every_n_steps: int = 0
     log_every_n_steps: int = 50
 
@@ -89,6 +90,7 @@ class SDCSettings:
             self.include_optimizer_state,
             self.fingerprint_on_failure,
             self.max_heals,
+            rolling=self.fingerprint_rolling,
         )
 
     def update_audit(self) -> UpdateAudit | None:
@@ -304,7 +306,8 @@ def _resolve(sources: Sources, **kwargs: Any) -> tuple[SDCSettings, dict[str, st
                            "max_state_mb": "replay_max_state_mb", "deterministic": "replay_deterministic"}),
         (checked.fingerprint, {"every_n_steps": "fingerprint_every_n_steps", "include_buffers": "include_buffers",
                                 "include_optimizer_state": "include_optimizer_state",
-                                "on_failure": "fingerprint_on_failure", "max_heals": "max_heals"}),
+                                "on_failure": "fingerprint_on_failure", "max_heals": "max_heals",
+                                "rolling": "fingerprint_rolling"}),
         (checked.update_audit, {"update_audit_every_n_steps": "update_audit_every_n_steps"}),
     )  # fmt: skip
     for key, allowed in POLICIES.items():

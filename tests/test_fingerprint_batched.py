@@ -53,8 +53,12 @@ def _launches(tensors: list[torch.Tensor]) -> int:
 
 
 def test_fingerprint_launches_do_not_grow_with_the_number_of_small_tensors():
-    few = [torch.randn(300) for _ in range(10)] + [torch.randn(52).bfloat16() for _ in range(10)]
-    many = [torch.randn(300) for _ in range(200)] + [torch.randn(52).bfloat16() for _ in range(200)]
+    # sizes shared by many tensors (a batch per size) and sizes of their own (one mixed batch)
+    few = [torch.randn(300) for _ in range(50)] + [torch.randn(5000).bfloat16() for _ in range(50)]
+    many = [torch.randn(300) for _ in range(1000)] + [torch.randn(5000).bfloat16() for _ in range(1000)]
+    assert _launches(few) == _launches(many)
+    few = [torch.randn(3000 + i) for i in range(10)] + [torch.randn(52 + i).bfloat16() for i in range(10)]
+    many = [torch.randn(3000 + i) for i in range(200)] + [torch.randn(52 + i).bfloat16() for i in range(200)]
     assert _launches(few) == _launches(many)
 
 
