@@ -1,0 +1,905 @@
+"""Checksum-verified matrix products: a wrong multiply is caught on the rank and in the step where it
+happens (algorithm-based fault tolerance).
+
+Why: a compute fault whose result is finite (a wrong multiply-accumulate in one rank's forward or
+backward) changes that rank's local gradient; the all-reduce then spreads it into every replica
+equally, so the fingerprint sees nothing and only the replay (one step in ``every_n_steps``) can.
+This check verifies every product of every step on the rank that computed it.
+
+The identities, for ``Y = X W^T + b`` (``X``: n x k, ``W``: m x k, ``dY``: n x m), computed in the
+accumulation dtype from the operands exactly as the product used them (autocast: the bf16/fp16
+casts):
+
+* forward, per row i: ``sum_j Y_ij = X_i . c + sum(b)`` with ``c = W^T 1`` (column sums of W);
+* input gradient ``dX = dY W``, per row i: ``sum_l dX_il = dY_i . w`` with ``w = W 1`` (row sums);
+* weight gradient ``dW = dY^T X``, per row j: ``sum_l dW_jl = (dY^T s)_j`` with ``s = X 1``.
+
+A residual beyond the rounding bound means the product was computed wrongly on this rank. The
+bound is a worst-case (deterministic) rounding-error bound, never a statistical one: with ``u``
+the unit roundoff of the accumulation (fp32: 2^-24), a product of reduction length ``K`` whose
+row sums run over ``L`` entries has, per checked row,
+
+    |residual| <= safety * [ (2 u_in + (2K + 2L + 8) u + S u_out) * T + u_out * N + underflow ]
+
+where ``T`` bounds the row's sum of absolute products ``sum |x||w|`` (Cauchy-Schwarz on row norms
+and the weight's Frobenius norm: ``||x_i||_2 sqrt(m) ||W||_F + ||b||_1``), ``u_in`` the rounding of
+fp32 operands to TF32 (2^-11) or bf16 (2^-8) where the backend allows it for fp32 matmuls,
+``u_out`` the rounding of the result to a narrower output (bf16 2^-8, fp16 2^-11; 0 for fp32),
+``N`` the row's absolute sum of the narrow output (at most ``sqrt(L)`` times its 2-norm, capped
+by ``T`` so a huge wrong element cannot hide behind the bound it inflates), ``S`` the partial sums
+of a split-K reduction done in the output precision (CUDA bf16/fp16 with reduced-precision
+reduction allowed: ``REDUCED_PRECISION_SPLITS``), and the underflow term a multiple of the
+smallest normal number. ``safety`` (default 2) covers what the model leaves out. Rows whose
+magnitudes could overflow the output dtype legitimately (``T`` over a quarter of its maximum, e.g.
+fp16 under a GradScaler) are not judged. The weight-gradient bound is the same for every row
+(``sqrt(k) sum_i ||x_i||_2 ||dY_i||_2``), looser than the others by about ``sqrt(m)``.
+
+What a verdict sees (docs/coverage.md has the sizes measured): a wrong element is caught when its
+error exceeds the bound of its row. In fp32 that is about ``(4K) 2^-24 sqrt(L) ||x|| ||W||_F``,
+a fraction of a typical output element for the layers of a small transformer; bf16 and fp16
+outputs add their own rounding (``u_out`` times the row's absolute sum).
+
+Covered: every ``nn.Linear`` whose ``forward`` is ``nn.Linear.forward`` (checked from a forward
+hook that runs first, so a later hook that edits the output is not mistaken for a fault; the
+backward from a hook on the product's own autograd node, which receives dY, dX and dW as the
+product produced them), and with ``attention=True`` the in- and out-projections of
+``nn.MultiheadAttention`` (``F.multi_head_attention_forward`` calls ``F.linear`` with the module's
+weights, not ``nn.Linear`` modules: while such a module runs, ``torch.nn.functional.linear`` is
+replaced by a wrapper that checks the calls with its weights; it is restored at ``detach``).
+Attention blocks built from ``nn.Linear`` (Hugging Face, timm) are covered as linears. Not
+covered: the attention products themselves (``Q K^T``, ``softmax V``: SDPA), ``nn.Linear``
+subclasses with their own ``forward`` (LoRA-style layers: their inner ``nn.Linear`` are
+covered), other matrix products (``torch.matmul``/``bmm``/``addmm`` calls, Hugging Face
+``Conv1D``, convolutions, embeddings), DTensor (tensor-parallel) weights, the bias gradient.
+``coverage()`` lists what a model has of each.
+
+Verdict: no host synchronisation and no extra synchronous collective in the step. Each product
+writes its worst normalised residual into a small per-step tensor on the device (one slot per
+module and product). ``verdict(step)`` (after backward, before the update) issues one
+asynchronous 4-byte MAX all-reduce of the step's worst value and reads the previous step's
+result, which has long arrived: the verdict of step ``s`` is read at step ``s + 1`` (or at
+``resolve()``: before a checkpoint, at the end of training), identical on every rank; only then
+(the rare path) do the ranks gather who saw what, and every rank raises the same
+``ChecksumMismatchError`` naming step ``s``, the rank, its host, the module and the phase.
+``verdict(step, now=True)`` reads it before the update instead (one host wait).
+
+Cost (benchmarks/matmul.py, docs/performance.md): reads, per product, of the output and the
+input in the forward (a sum, a matrix-vector product, a row norm and a row sum), of dY (a
+matrix-vector product, a row norm and a vector-matrix product), dX and dW in the backward, plus
+a dozen small kernels and two Python calls. Memory-bound work next to a compute-bound product:
+its share falls as ``1/d`` with the model width. Bit-identical training: the check only reads.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import math
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from sdc_core.errors import ChecksumMismatchError
+from sdc_core.stats import CheckStats
+from sdc_core.topology import Topology, all_gather_objects, is_distributed
+
+FORWARD, INPUT_GRAD, WEIGHT_GRAD = 0, 1, 2
+PRODUCTS = ("output", "input_gradient", "weight_gradient")
+PHASES = ("forward", "backward", "backward")
+REDUCED_PRECISION_SPLITS = 16  # split-K partial sums assumed at most, where CUDA may reduce them in bf16/fp16
+_ON_FAILURE = ("raise", "warn")
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+@dataclass(frozen=True)
+class MatmulChecksumConfig:
+    """Settings of the matrix-product checksum check (validated on construction).
+
+    Args:
+        on_failure: ``"raise"`` (default): every rank raises ``ChecksumMismatchError``;
+            ``"warn"``: every rank warns and training goes on.
+        every_n_steps: check optimizer steps 0, n, 2n, ... (1: every step). The cost and the
+            share of transient faults caught both scale with 1/n.
+        safety: factor on the worst-case rounding bound (>= 1).
+        attention: also check ``nn.MultiheadAttention``'s in- and out-projections (replaces
+            ``torch.nn.functional.linear`` by a checking wrapper while attached).
+        max_names: violations reported per rank.
+    """
+
+    on_failure: str = "raise"
+    every_n_steps: int = 1
+    safety: float = 2.0
+    attention: bool = True
+    max_names: int = 5
+
+    def __post_init__(self) -> None:
+        if self.on_failure not in _ON_FAILURE:
+            raise ValueError(f"on_failure must be one of {_ON_FAILURE}, got {self.on_failure!r}")
+        for name in ("every_n_steps", "max_names"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if isinstance(self.safety, bool) or not isinstance(self.safety, int | float) or not self.safety >= 1:
+            raise ValueError(f"safety must be a number >= 1, got {self.safety!r}")
+        if not isinstance(self.attention, bool):
+            raise ValueError(f"attention must be True or False, got {self.attention!r}")
+
+
+# -------------------------------------------------------------------------------- the bound
+
+
+@dataclass(frozen=True)
+class Rounding:
+    """Unit roundoffs of one product's arithmetic (see the module docstring)."""
+
+    acc_dtype: torch.dtype  # the check computes in this dtype
+    acc: float  # unit roundoff of the product's accumulation
+    out: float  # rounding of the result to a narrower output dtype (0 when it is the accumulation dtype)
+    inp: float  # rounding of fp32 operands to TF32/bf16 inside the product (0 unless the backend allows it)
+    split: float  # split-K partial sums reduced in the output precision (CUDA reduced-precision reduction)
+    tiny_acc: float  # smallest normal number of the accumulation (flush-to-zero underflow)
+    tiny_out: float
+    limit: float  # magnitudes at or over this may overflow the output legitimately: not judged
+
+
+def _unit(dtype: torch.dtype) -> float:
+    return torch.finfo(dtype).eps / 2
+
+
+def _fp32_input_rounding(device_type: str) -> float:
+    """Rounding of fp32 operands inside an fp32 matmul on this backend: TF32 or bf16 where allowed."""
+    precision = torch.get_float32_matmul_precision()
+    unit = {"high": 2.0**-11, "medium": 2.0**-8}.get(precision, 0.0)
+    try:
+        if device_type == "cuda":
+            if torch.backends.cuda.matmul.allow_tf32 or torch.backends.cuda.matmul.fp32_precision == "tf32":
+                unit = max(unit, 2.0**-11)
+        elif device_type == "cpu":
+            mode = torch.backends.mkldnn.matmul.fp32_precision
+            unit = max(unit, {"tf32": 2.0**-11, "bf16": 2.0**-8}.get(mode, 0.0))
+    except (AttributeError, RuntimeError):  # older torch: the generic setting above decides
+        pass
+    return unit
+
+
+def rounding(dtype: torch.dtype, device_type: str) -> Rounding:
+    """The rounding model of an ``F.linear`` computing in ``dtype`` on ``device_type`` under the
+    current backend settings (TF32, reduced-precision reductions): read on every call."""
+    acc_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    acc = _unit(acc_dtype)
+    out = 0.0 if dtype == acc_dtype else _unit(dtype)
+    split = 0.0
+    if device_type == "cuda" and dtype in (torch.float16, torch.bfloat16):
+        m = torch.backends.cuda.matmul
+        if dtype == torch.float16 and getattr(m, "allow_fp16_accumulation", False):
+            acc = _unit(torch.float16)  # fp16 GEMMs accumulating in fp16
+        reduced = (
+            m.allow_fp16_reduced_precision_reduction
+            if dtype == torch.float16
+            else m.allow_bf16_reduced_precision_reduction
+        )
+        split = REDUCED_PRECISION_SPLITS * out if reduced else 0.0
+    inp = _fp32_input_rounding(device_type) if dtype == torch.float32 else 0.0
+    return Rounding(
+        acc_dtype=acc_dtype,
+        acc=acc,
+        out=out,
+        inp=inp,
+        split=split,
+        tiny_acc=torch.finfo(acc_dtype).tiny,
+        tiny_out=torch.finfo(dtype).tiny,
+        limit=torch.finfo(dtype).max / 4,
+    )
+
+
+def _slack(rnd: Rounding, length: int) -> float:
+    """Relative error of computing a norm or dot product of ``length`` terms (applied to bounds)."""
+    return 1.0 + (length + 4) * rnd.acc
+
+
+@dataclass
+class LinearBound:
+    """What the three checks of one ``F.linear`` need of its weight and bias as the product used them
+    (cast to ``dtype``), its sizes and its rounding model: computed once per step (about a dozen
+    small kernels, no host synchronisation) and reused by every call of that step.
+
+    Forward bound of row i: ``f_slope ||x_i|| + f_icpt`` (plus the narrow-output term), judged
+    where ``||x_i|| < f_xmax``; input-gradient bound: ``d_slope ||dy_i|| + d_icpt``, judged where
+    ``||dy_i|| < d_ymax``; the weight-gradient bound depends on the rows and is built per call.
+    """
+
+    k: int
+    m: int
+    rnd: Rounding
+    safety: float
+    c: torch.Tensor  # W^T 1 (k)
+    w: torch.Tensor  # W 1 (m)
+    bias_sum: torch.Tensor
+    t_slope: torch.Tensor  # T_i = t_slope ||x_i|| + t_icpt >= sum_j (sum_l |x_il w_jl| + |b_j|)
+    t_icpt: torch.Tensor
+    f_slope: torch.Tensor
+    f_icpt: torch.Tensor
+    f_xmax: torch.Tensor
+    dt_slope: torch.Tensor  # T'_i = dt_slope ||dy_i|| >= sum_l sum_j |dy_ij w_jl|
+    d_slope: torch.Tensor
+    d_icpt: torch.Tensor
+    d_ymax: torch.Tensor
+
+    @classmethod
+    def of(
+        cls, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, rnd: Rounding, safety: float = 2.0
+    ) -> LinearBound:
+        m, k = weight.shape
+        acc = rnd.acc_dtype
+        with torch.no_grad():
+            wt = weight.detach().to(dtype)
+            if bias is None:
+                bias_sum = bias_abs = torch.zeros((), dtype=acc, device=weight.device)
+            else:
+                bt = bias.detach().to(dtype)
+                bias_sum, bias_abs = bt.sum(dtype=acc), torch.linalg.vector_norm(bt, 1, dtype=acc)
+            fro = torch.linalg.vector_norm(wt, dtype=acc)
+            g = _slack(rnd, max(k, m))
+            inp = 2 * rnd.inp * (1 + rnd.inp) + rnd.split
+            # forward: product (k + 1 terms), row sum of Y (m), c (m), X c (k), the bias sum (m), 3 subtractions
+            coef = safety * (inp + (2 * k + 2 * m + 8) * rnd.acc)
+            const = safety * ((2 * m * k + 4 * m + 4 * k) * rnd.tiny_acc + 2 * m * rnd.tiny_out)
+            t_slope, t_icpt = fro * (g * math.sqrt(m)), bias_abs * g
+            f_icpt = t_icpt * coef + const
+            if rnd.out:  # the product rounded before the bias is added: sum_j |x w| <= sum_j |y| + |b|
+                f_icpt = f_icpt + bias_abs * (2 * safety * rnd.out)
+            # input gradient: product (m terms), its row sum (k), w (k), dY w (m), 1 subtraction
+            dt_slope = fro * (g * math.sqrt(k))
+            d_coef = safety * (inp + (2 * m + 2 * k + 6) * rnd.acc)
+            d_const = safety * ((2 * m * k + 4 * m + 4 * k) * rnd.tiny_acc + k * rnd.tiny_out)
+            return cls(
+                k=k,
+                m=m,
+                rnd=rnd,
+                safety=safety,
+                c=wt.sum(0, dtype=acc),
+                w=wt.sum(1, dtype=acc),
+                bias_sum=bias_sum,
+                t_slope=t_slope,
+                t_icpt=t_icpt,
+                f_slope=t_slope * coef,
+                f_icpt=f_icpt,
+                f_xmax=(rnd.limit - t_icpt) / t_slope,  # inf for a zero weight, NaN (nothing judged) for a NaN one
+                dt_slope=dt_slope,
+                d_slope=dt_slope * d_coef,
+                d_icpt=torch.full((), d_const, dtype=acc, device=weight.device),
+                d_ymax=rnd.limit / dt_slope,
+            )
+
+    # -- forward
+
+    def forward_bound(self, x_norms: torch.Tensor, y2: torch.Tensor | None) -> torch.Tensor:
+        """Per-row bound on the forward residual; ``y2=None`` gives the largest the bound can become
+        whatever the output holds (what a wrong element is measured against)."""
+        bound = torch.addcmul(self.f_icpt, x_norms, self.f_slope)
+        if self.rnd.out:
+            g = _slack(self.rnd, max(self.k, self.m))
+            t = torch.addcmul(self.t_icpt, x_norms, self.t_slope).mul_(g)
+            if y2 is not None:  # the output's rounding: sum_j |y_ij| <= sqrt(m) ||y_i||, capped by T_i
+                norms = torch.linalg.vector_norm(y2, dim=-1, dtype=self.rnd.acc_dtype).mul_(g * math.sqrt(self.m))
+                t = torch.minimum(norms, t)
+            bound.add_(t, alpha=2 * self.safety * self.rnd.out)
+        return bound
+
+    def forward_ratio(
+        self, x2: torch.Tensor, y2: torch.Tensor, need_row_sums: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Forward check of ``y2 = x2 W^T + b`` (2-D; ``x2`` the operand in the accumulation dtype).
+
+        Returns ``(ratio, x_norms, x_row_sums)``: per row, the residual over its bound (> 1: wrong;
+        NaN: a non-finite result of finite operands; 0 where not judged), the operand's row
+        2-norms and, with ``need_row_sums``, its row sums (for the weight-gradient check)."""
+        acc = self.rnd.acc_dtype
+        residual = torch.addmv(y2.sum(-1, dtype=acc), x2, self.c, alpha=-1).sub_(self.bias_sum).abs_()
+        x_norms = torch.linalg.vector_norm(x2, dim=-1)
+        ratio = torch.where(x_norms < self.f_xmax, residual.div_(self.forward_bound(x_norms, y2)), 0.0)
+        return ratio, x_norms, (x2.sum(-1) if need_row_sums else None)
+
+    def forward_threshold(self, x_norms: torch.Tensor) -> torch.Tensor:
+        """Per row, an error of one output element at least this large is always caught."""
+        return self.forward_bound(x_norms, None) * (1 + 1 / self.safety)
+
+    # -- input gradient
+
+    def input_grad_bound(self, dy_norms: torch.Tensor, dx2: torch.Tensor | None) -> torch.Tensor:
+        bound = torch.addcmul(self.d_icpt, dy_norms, self.d_slope)
+        if self.rnd.out:
+            g = _slack(self.rnd, max(self.k, self.m))
+            t = (dy_norms * self.dt_slope).mul_(g)
+            if dx2 is not None:
+                norms = torch.linalg.vector_norm(dx2, dim=-1, dtype=self.rnd.acc_dtype).mul_(g * math.sqrt(self.k))
+                t = torch.minimum(norms, t)
+            bound.add_(t, alpha=self.safety * self.rnd.out)
+        return bound
+
+    def input_grad_ratio(
+        self, dy2: torch.Tensor, dx2: torch.Tensor, dy_norms: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Check of ``dx2 = dy2 W`` (``dy2`` in the accumulation dtype, ``dx2`` as produced): per
+        row, the residual over its bound (as ``forward_ratio``)."""
+        residual = torch.addmv(dx2.sum(-1, dtype=self.rnd.acc_dtype), dy2, self.w, alpha=-1).abs_()
+        if dy_norms is None:
+            dy_norms = torch.linalg.vector_norm(dy2, dim=-1)
+        return torch.where(dy_norms < self.d_ymax, residual.div_(self.input_grad_bound(dy_norms, dx2)), 0.0)
+
+    def input_grad_threshold(self, dy_norms: torch.Tensor) -> torch.Tensor:
+        return self.input_grad_bound(dy_norms, None) * (1 + 1 / self.safety)
+
+    # -- weight gradient
+
+    def weight_grad_bound(
+        self, x_norms: torch.Tensor, dy_norms: torch.Tensor, dwt: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(bound, t)``: the bound on each row of ``dW`` (the same for all, unless the output is
+        narrow) and ``t >= sum_l sum_i |dy_ij x_il|`` for every row j."""
+        n, k, rnd = x_norms.shape[0], self.k, self.rnd
+        g = _slack(rnd, max(n, k))
+        t = torch.dot(x_norms, dy_norms).mul_(g * math.sqrt(k))
+        coef = self.safety * (2 * rnd.inp * (1 + rnd.inp) + rnd.split + (2 * n + 2 * k + 6) * rnd.acc)
+        bound = t * coef + self.safety * ((2 * n * k + 4 * n + 4 * k) * rnd.tiny_acc + k * rnd.tiny_out)
+        if rnd.out:
+            cap = t * g
+            if dwt is not None:
+                norms = torch.linalg.vector_norm(dwt, dim=0, dtype=rnd.acc_dtype).mul_(g * math.sqrt(k))
+                cap = torch.minimum(norms, cap)
+            bound = bound + cap * (self.safety * rnd.out)
+        return bound, t
+
+    def weight_grad_ratio(
+        self,
+        dy2: torch.Tensor,
+        dwt: torch.Tensor,
+        x_row_sums: torch.Tensor,
+        x_norms: torch.Tensor,
+        dy_norms: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Check of ``dW = dY^T X`` given as ``dwt`` (k x m: the gradient of ``W^T`` as the product
+        produced it) from ``dy2`` (accumulation dtype) and the forward operand's row sums and row
+        2-norms: per row of ``dW``, the residual over the bound."""
+        acc = self.rnd.acc_dtype
+        residual = dwt.sum(0, dtype=acc).sub_(torch.mv(dy2.t(), x_row_sums)).abs_()
+        if dy_norms is None:
+            dy_norms = torch.linalg.vector_norm(dy2, dim=-1)
+        bound, t = self.weight_grad_bound(x_norms, dy_norms, dwt)
+        return torch.where(t < self.rnd.limit, residual.div_(bound), 0.0)
+
+    def weight_grad_threshold(self, x_norms: torch.Tensor, dy_norms: torch.Tensor) -> torch.Tensor:
+        return self.weight_grad_bound(x_norms, dy_norms, None)[0] * (1 + 1 / self.safety)
+
+
+def operand(x: torch.Tensor, dtype: torch.dtype, acc: torch.dtype, width: int) -> torch.Tensor:
+    """``x`` as the 2-D operand a product computing in ``dtype`` used (autocast casts it), in the
+    accumulation dtype ``acc`` (a copy only when a cast is needed or ``x`` cannot be viewed 2-D)."""
+    x2 = x.reshape(-1, width)
+    if x2.dtype != dtype:
+        x2 = x2.to(dtype)
+    return x2 if x2.dtype == acc else x2.to(acc)
+
+
+def check_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    y: torch.Tensor,
+    safety: float = 2.0,
+) -> torch.Tensor:
+    """Worst forward ratio of one ``y = F.linear(x, weight, bias)`` (a 0-d tensor; > 1: wrong).
+    For tests and one-off checks; the training check reuses the weight's bound for a step."""
+    dtype = y.dtype
+    rnd = rounding(dtype, y.device.type)
+    lb = LinearBound.of(weight, bias, dtype, rnd, safety)
+    with torch.no_grad():
+        x2 = operand(x.detach(), dtype, rnd.acc_dtype, weight.shape[1])
+        ratio, _, _ = lb.forward_ratio(x2, y.detach().reshape(-1, weight.shape[0]))
+        return _worst(ratio)
+
+
+def _worst(ratio: torch.Tensor) -> torch.Tensor:
+    """The largest ratio (NaN when any is NaN; 0 for no rows): one reduction, no host read."""
+    return ratio.amax() if ratio.numel() else ratio.new_zeros(())
+
+
+# -------------------------------------------------------------------------------- the product's autograd node
+
+_PASS_THROUGH = frozenset({
+    "ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0", "AliasBackward0",
+    "SqueezeBackward0", "SqueezeBackward1", "SqueezeBackward2", "SqueezeBackward3", "SqueezeBackward4",
+})  # fmt: skip
+_PRODUCTS = {"AddmmBackward0": 1, "MmBackward0": 0}  # where dX sits among the node's gradients (dW^T follows)
+
+
+def product_node(y: torch.Tensor) -> tuple[Any, int] | None:
+    """The autograd node of the matrix product inside ``F.linear``'s output ``y`` and the position
+    of ``dX`` among its input gradients, or None (no graph, or an unexpected structure)."""
+    node = y.grad_fn
+    for _ in range(6):
+        if node is None:
+            return None
+        name = type(node).__name__
+        if name in _PRODUCTS:
+            return node, _PRODUCTS[name]
+        if name in _PASS_THROUGH:
+            node = node.next_functions[0][0]
+        elif name == "AddBackward0":  # a bias added after the product (non-contiguous input)
+            node = next(
+                (
+                    f
+                    for f, _ in node.next_functions
+                    if f is not None and type(f).__name__ in _PASS_THROUGH | _PRODUCTS.keys()
+                ),
+                None,
+            )
+        else:
+            return None
+    return None
+
+
+# -------------------------------------------------------------------------------- F.linear inside attention
+
+_LINEAR = F.linear
+_SCOPE: contextvars.ContextVar[Callable[..., None] | None] = contextvars.ContextVar("sdc_matmul_scope", default=None)
+_patch_users = 0
+
+
+def _scoped_linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` that also hands its call to the checked attention module running on this
+    thread (``_SCOPE``); anywhere else it is ``F.linear`` plus one context-variable read."""
+    out = _LINEAR(input, weight, bias)
+    if not torch.compiler.is_compiling():
+        scope = _SCOPE.get()
+        if scope is not None:
+            scope(input, weight, bias, out)
+    return out
+
+
+def _install_patch() -> None:
+    global _patch_users
+    if _patch_users == 0:
+        F.linear = _scoped_linear  # type: ignore[assignment]
+    _patch_users += 1
+
+
+def _remove_patch() -> None:
+    global _patch_users
+    _patch_users = max(_patch_users - 1, 0)
+    if _patch_users == 0 and F.linear is _scoped_linear:
+        F.linear = _LINEAR  # type: ignore[assignment]
+
+
+_ATTENTION_PARTS = {(0, 1): "in_proj[q]", (1, 1): "in_proj[k]", (2, 1): "in_proj[v]", (1, 2): "in_proj[kv]",
+                    (0, 3): "in_proj"}  # fmt: skip
+
+
+def _attention_site(mha: nn.MultiheadAttention, weight: torch.Tensor) -> str | None:
+    """Which projection of ``mha`` a weight passed to ``F.linear`` is (a parameter or a row slice of
+    the packed in-projection), or None."""
+    if weight is mha.out_proj.weight:
+        return "out_proj"
+    for name in ("q_proj_weight", "k_proj_weight", "v_proj_weight"):
+        if weight is getattr(mha, name, None):
+            return name.removesuffix("_weight")
+    packed = mha.in_proj_weight
+    if packed is None:
+        return None
+    if weight is packed:
+        return "in_proj"
+    if weight._base is packed and weight.dim() == 2 and weight.shape[1] == packed.shape[1]:
+        e = mha.embed_dim
+        start = (weight.storage_offset() - packed.storage_offset()) // max(packed.stride(0), 1)
+        if start % e == 0 and weight.shape[0] % e == 0:
+            return _ATTENTION_PARTS.get((start // e, weight.shape[0] // e))
+    return None
+
+
+# -------------------------------------------------------------------------------- the check
+
+
+@dataclass
+class _Pending:
+    step: int
+    payload: torch.Tensor  # the step's worst ratio, all-reduced (MAX) in place
+    work: Any
+    records: list[tuple[int, int, torch.Tensor]]  # this rank's (site, product, worst ratio) (for the names)
+    host: torch.Tensor | None = None  # CUDA: a pinned copy, readable once ``event`` has passed
+    event: Any = None
+
+
+@dataclass
+class MatmulChecksum:
+    """Framework-neutral matrix-product checksum check; any loop driver can run it.
+
+    Calls, on every rank alike: ``attach(model)`` once (hooks the model's products), per optimizer
+    step ``arm(step)`` before the step's first forward (idempotent: call it before every
+    micro-batch) and ``verdict(step)`` after the step's last backward and before the update;
+    ``resolve()`` where a pending verdict must be known (before a checkpoint is written, at the
+    end of training); ``discard()`` on an error path (no collective); ``detach()`` at the end.
+    ``verdict`` reads the previous step's result and may raise ``ChecksumMismatchError`` naming
+    that step. Checks run only between ``arm`` and ``verdict`` of a checked step.
+    """
+
+    config: MatmulChecksumConfig = field(default_factory=MatmulChecksumConfig)
+    stats: CheckStats = field(default_factory=lambda: CheckStats("matmul_checksum"))
+    topology: Topology | None = None
+    last_error: ChecksumMismatchError | None = None
+    sites: list[str] = field(default_factory=list)
+    uncovered: dict[str, str] = field(default_factory=dict)
+    _index: dict[str, int] = field(default_factory=dict)
+    _handles: list[Any] = field(default_factory=list)
+    _wrapped: list[tuple[nn.Module, Any]] = field(default_factory=list)
+    _patched: bool = False
+    _armed: bool = False
+    _armed_step: int | None = None
+    _records: list[tuple[int, int, torch.Tensor]] = field(default_factory=list)
+    _bounds: dict[tuple[Any, ...], LinearBound] = field(default_factory=dict)
+    _rounding: dict[tuple[torch.dtype, str], Rounding] = field(default_factory=dict)
+    _pending: _Pending | None = None
+
+    # -- set-up
+
+    def attach(self, model: nn.Module) -> list[str]:
+        """Hook every covered product of ``model`` (names relative to it); returns the checked
+        sites. What is not covered, and why, is in ``uncovered``."""
+        self.detach()
+        skip: set[str] = set()
+        for name, module in model.named_modules():
+            if name in skip:
+                continue
+            if isinstance(module, nn.MultiheadAttention):
+                skip.add(f"{name}.out_proj" if name else "out_proj")  # used through the functional call
+                self._attach_attention(name, module)
+            elif isinstance(module, nn.Linear):
+                if type(module).forward is not nn.Linear.forward:
+                    self.uncovered[name] = f"{type(module).__name__} has its own forward"
+                elif _is_dtensor(module.weight):
+                    self.uncovered[name] = "DTensor (tensor-parallel) weight"
+                else:
+                    hook = functools.partial(self._on_linear, self._site(name))
+                    self._handles.append(module.register_forward_hook(hook, prepend=True))
+        return list(self.sites)
+
+    def _attach_attention(self, name: str, mha: nn.MultiheadAttention) -> None:
+        if not self.config.attention:
+            self.uncovered[name] = "attention=False"
+            return
+        if type(mha).forward is not nn.MultiheadAttention.forward:
+            self.uncovered[name] = f"{type(mha).__name__} has its own forward"
+            return
+        if _is_dtensor(mha.out_proj.weight):
+            self.uncovered[name] = "DTensor (tensor-parallel) weight"
+            return
+        prefix = f"{name}." if name else ""
+        packed = ("in_proj", "in_proj[q]", "in_proj[k]", "in_proj[v]", "in_proj[kv]")
+        parts = ["out_proj", *(packed if mha.in_proj_weight is not None else ("q_proj", "k_proj", "v_proj"))]
+        sites = {part: self._site(prefix + part) for part in parts}
+        original = mha.forward
+
+        def on_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor) -> None:
+            part = _attention_site(mha, weight)
+            if part is not None and part in sites:
+                self._check(sites[part], x, weight, bias, y)
+
+        @functools.wraps(original)
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            if not self._armed:
+                return original(*args, **kwargs)
+            token = _SCOPE.set(on_linear)
+            try:
+                return original(*args, **kwargs)
+            finally:
+                _SCOPE.reset(token)
+
+        mha.forward = forward  # type: ignore[method-assign]
+        self._wrapped.append((mha, forward))
+        if not self._patched:
+            _install_patch()
+            self._patched = True
+
+    def detach(self) -> None:
+        """Remove every hook and wrapper (idempotent); a pending verdict stays readable."""
+        for handle in self._handles:
+            handle.remove()
+        for module, forward in self._wrapped:
+            if vars(module).get("forward") is forward:
+                del module.forward
+        if self._patched:
+            _remove_patch()
+        self._handles, self._wrapped, self._patched = [], [], False
+        self.sites, self._index, self.uncovered = [], {}, {}
+        self._armed, self._records, self._bounds = False, [], {}
+
+    def coverage(self) -> dict[str, Any]:
+        """Checked sites (module names; attention projections as ``<mha>.in_proj``, ``.in_proj[q]``
+        (cross-attention) etc.) and the linear-like modules left out, with the reason."""
+        return {"checked": list(self.sites), "not_checked": dict(self.uncovered)}
+
+    def _site(self, name: str) -> int:
+        if name not in self._index:
+            self._index[name] = len(self.sites)
+            self.sites.append(name)
+        return self._index[name]
+
+    # -- per step
+
+    def arm(self, step: int) -> bool:
+        """Start checking optimizer step ``step`` if it is due (call before each of its forwards,
+        every rank alike). A step armed earlier and never given its verdict gets it here."""
+        if self._armed_step == step:
+            return self._armed
+        if self._armed and self._armed_step is not None:
+            self.verdict(self._armed_step)
+        self._armed_step = step
+        self._armed = step % self.config.every_n_steps == 0
+        self._records, self._bounds, self._rounding = [], {}, {}
+        return self._armed
+
+    @property
+    def armed(self) -> bool:
+        return self._armed
+
+    @property
+    def pending_step(self) -> int | None:
+        return None if self._pending is None else self._pending.step
+
+    def worst(self) -> dict[tuple[str, str], float]:
+        """This rank's worst ratio so far in the armed step, per (site, product) (a host read: for
+        tests and diagnostics, not the hot path)."""
+        return _by_site(self.sites, self._records)
+
+    def verdict(self, step: int, now: bool = False) -> None:
+        """Close step ``step``: read the previous step's result (may raise, naming that step), then
+        send this step's worst residual on its way (one asynchronous 4-byte MAX all-reduce, no
+        host wait). With ``now``, read it before returning (a host wait)."""
+        self.resolve()
+        if not self._armed or self._armed_step != step:
+            return
+        t0 = time.perf_counter()
+        self._armed = False
+        records, self._records = self._records, []
+        device = torch.device("cpu")
+        if dist.is_initialized() and dist.get_backend() == "nccl":
+            device = torch.device("cuda", torch.cuda.current_device())
+        elif records:
+            device = records[0][2].device
+        groups: dict[torch.device, list[torch.Tensor]] = {}
+        for _, _, worst in records:
+            groups.setdefault(worst.device, []).append(worst)
+        peaks = [torch.stack(values).amax().to(device) for values in groups.values()]
+        payload = (torch.stack(peaks).amax() if peaks else torch.zeros((), device=device)).reshape(1).float()
+        payload = torch.nan_to_num(payload, nan=math.inf)
+        work = dist.all_reduce(payload, op=dist.ReduceOp.MAX, async_op=True) if is_distributed() else None
+        pending = _Pending(step, payload, work, records)
+        if payload.is_cuda:  # read later from pinned memory once the event has passed: no stall
+            if work is not None:
+                work.wait()  # NCCL: the current stream waits for the reduction, the host does not
+                pending.work = None
+            pending.host = torch.empty(1, dtype=torch.float32, pin_memory=True)
+            pending.host.copy_(payload, non_blocking=True)
+            pending.event = torch.cuda.Event()
+            pending.event.record()
+        self._pending = pending
+        self.stats.add_time(time.perf_counter() - t0)
+        if now:
+            self.resolve()
+
+    def resolve(self) -> None:
+        """Read the pending verdict, if any (every rank, same place); raise or warn naming its step."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        t0 = time.perf_counter()
+        if pending.event is not None:
+            pending.event.synchronize()
+            value = float(pending.host[0])  # type: ignore[index]
+        else:
+            if pending.work is not None:
+                pending.work.wait()
+            value = float(pending.payload[0])
+        self.stats.runs += 1
+        if value <= 1.0:
+            self.stats.last_verified_step = pending.step
+            self.stats.add_time(time.perf_counter() - t0)
+            return
+        # Rare path, entered by every rank together: who saw what.
+        per_rank = all_gather_objects(self._local_report(pending.records))
+        self._failure(pending.step, per_rank, t0)
+
+    def discard(self) -> int | None:
+        """Drop the pending verdict without any collective (training stops on another error, maybe
+        on this rank only); warns when this rank's own products failed that step. Returns the
+        step, or None."""
+        pending, self._pending = self._pending, None
+        self._armed, self._records = False, []
+        if pending is None:
+            return None
+        mine = self._local_report(pending.records)
+        if not mine:
+            return None
+        warnings.warn(
+            f"SDC check 'matmul_checksum': step {pending.step}: {mine[0]['module']} ({mine[0]['phase']}) "
+            "failed its checksum on this rank; not compared with the other ranks because training stopped "
+            "on another error first",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return pending.step
+
+    def _local_report(self, records: list[tuple[int, int, torch.Tensor]]) -> list[dict[str, Any]]:
+        """This rank's failed products, worst first (a host read: rare paths only)."""
+        found = []
+        for (site, product), value in _by_site(self.sites, records, names=False).items():
+            if not value <= 1.0:
+                ratio: float | str = value if math.isfinite(value) else "inf" if value > 0 else "non-finite result"
+                found.append({"module": self.sites[site], "phase": PHASES[product], "product": PRODUCTS[product],
+                              "ratio": ratio})  # fmt: skip
+        found.sort(key=lambda v: -v["ratio"] if isinstance(v["ratio"], float) else -math.inf)
+        return found[: self.config.max_names]
+
+    def _failure(self, step: int, per_rank: list[list[dict[str, Any]]], t0: float) -> None:
+        offenders = tuple(r for r, found in enumerate(per_rank) if found)
+        if not offenders:  # cannot happen: the ratio that made the maximum is in some report
+            self.stats.last_verified_step = step
+            return
+        topo = self.topology or Topology.gather()
+        first = per_rank[offenders[0]][0]
+        rank = offenders[0] if len(offenders) == 1 else None
+        ratio = first["ratio"]
+        size = {"inf": "more than the float range (a huge error)", "non-finite result": "a non-finite result"}.get(
+            ratio, f"{ratio:.3g} times its rounding bound" if isinstance(ratio, float) else str(ratio)
+        )
+        where = "this rank's" if rank is not None else f"rank {offenders[0]}'s"
+        reason = (f"{where} {first['product'].replace('_', ' ')} of {first['module']} ({first['phase']}) "
+                  f"missed its checksum by {size}: the product was computed wrongly")  # fmt: skip
+        if len(offenders) > 1:
+            reason += f"; ranks {', '.join(map(str, offenders))} each failed their own products"
+        error = ChecksumMismatchError(
+            step=step,
+            rank=rank,
+            suspects=offenders,
+            hosts=topo.hosts(offenders),
+            module=first["module"],
+            phase=first["phase"],
+            details={
+                "product": first["product"],
+                "ratio": ratio,
+                "violations": {r: per_rank[r] for r in offenders},
+                "world_size": len(per_rank),
+                "node_ranks": topo.node_ranks(offenders),
+            },
+            reason=reason,
+        )
+        self.stats.failures += 1
+        self.last_error = error
+        self.stats.add_time(time.perf_counter() - t0)
+        if self.config.on_failure == "raise":
+            raise error
+        warnings.warn(str(error), RuntimeWarning, stacklevel=3)
+
+    # -- the hot path
+
+    def _on_linear(self, site: int, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        if self._armed and args and isinstance(output, torch.Tensor):
+            self._check(site, args[0], module.weight, module.bias, output)
+
+    def _failed_check(self, err: Exception) -> None:
+        """A check that could not run (never the product's fault): counted and warned once, never
+        raised, so one rank's surprise cannot leave the others waiting in a collective."""
+        self.stats.bump("check_errors")
+        if self.stats.extra and self.stats.extra.get("check_errors") == 1:
+            warnings.warn(f"SDC check 'matmul_checksum' skipped a product: {type(err).__name__}: {err}",
+                          RuntimeWarning, stacklevel=3)  # fmt: skip
+
+    def _check(self, site: int, x: Any, weight: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor) -> None:
+        """Forward check of one product, and the hook on its node for the backward checks."""
+        try:
+            self._check_forward(site, x, weight, bias, y)
+        except Exception as err:
+            self._failed_check(err)
+
+    def _bound(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, device: str) -> LinearBound:
+        rnd = self._rounding.get((dtype, device))
+        if rnd is None:
+            rnd = self._rounding[(dtype, device)] = rounding(dtype, device)
+        key = (weight.data_ptr(), weight.shape, weight.stride(), weight._version, dtype,
+               None if bias is None else (bias.data_ptr(), bias._version))  # fmt: skip
+        lb = self._bounds.get(key)
+        if lb is None:
+            lb = self._bounds[key] = LinearBound.of(weight, bias, dtype, rnd, self.config.safety)
+        return lb
+
+    def _check_forward(
+        self, site: int, x: Any, weight: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor
+    ) -> None:
+        if not isinstance(x, torch.Tensor) or y.dtype not in _FLOATS or weight.dim() != 2:
+            return
+        m, k = weight.shape
+        if y.numel() == 0 or y.shape[-1] != m or x.shape[-1] != k:
+            return
+        lb = self._bound(weight, bias, y.dtype, y.device.type)
+        node = product_node(y) if torch.is_grad_enabled() else None
+        with torch.no_grad():
+            x2 = operand(x.detach(), y.dtype, lb.rnd.acc_dtype, k)
+            needs_dw = node is not None and weight.requires_grad
+            ratio, x_norms, x_sums = lb.forward_ratio(x2, y.detach().reshape(-1, m), needs_dw)
+            self._records.append((site, FORWARD, _worst(ratio)))
+        if node is not None:
+            graph, dx_at = node
+            graph.register_hook(functools.partial(self._on_backward, site, dx_at, lb, x_sums, x_norms))
+        elif torch.is_grad_enabled() and y.requires_grad:
+            self.stats.bump("backward_not_located")
+
+    def _on_backward(
+        self,
+        site: int,
+        dx_at: int,
+        lb: LinearBound,
+        x_sums: torch.Tensor | None,
+        x_norms: torch.Tensor,
+        grad_inputs: tuple[torch.Tensor | None, ...],
+        grad_outputs: tuple[torch.Tensor | None, ...],
+    ) -> None:
+        """Post-hook of the product's node: dY in, dX and dW^T out, as the product computed them."""
+        try:
+            self._check_backward(site, dx_at, lb, x_sums, x_norms, grad_inputs, grad_outputs)
+        except Exception as err:
+            self._failed_check(err)
+
+    def _check_backward(
+        self,
+        site: int,
+        dx_at: int,
+        lb: LinearBound,
+        x_sums: torch.Tensor | None,
+        x_norms: torch.Tensor,
+        grad_inputs: tuple[torch.Tensor | None, ...],
+        grad_outputs: tuple[torch.Tensor | None, ...],
+    ) -> None:
+        dy = grad_outputs[0] if grad_outputs else None
+        if not self._armed or dy is None or len(grad_inputs) < dx_at + 2:
+            return
+        dx, dwt = grad_inputs[dx_at], grad_inputs[dx_at + 1]
+        n, k, m, acc = x_norms.shape[0], lb.k, lb.m, lb.rnd.acc_dtype
+        with torch.no_grad():
+            dy2 = dy.reshape(-1, m)
+            if dy2.shape[0] != n:
+                return
+            dy2 = dy2 if dy2.dtype == acc else dy2.to(acc)
+            dy_norms = torch.linalg.vector_norm(dy2, dim=-1)
+            if dx is not None and dx.shape == (n, k):
+                self._records.append((site, INPUT_GRAD, _worst(lb.input_grad_ratio(dy2, dx, dy_norms))))
+            if dwt is not None and x_sums is not None and dwt.shape == (k, m):
+                ratio = lb.weight_grad_ratio(dy2, dwt, x_sums, x_norms, dy_norms)
+                self._records.append((site, WEIGHT_GRAD, _worst(ratio)))
+
+
+def _by_site(sites: list[str], records: list[tuple[int, int, torch.Tensor]], names: bool = True) -> dict[Any, float]:
+    """The worst ratio per (site, product) of some records (one host read)."""
+    if not records:
+        return {}
+    values = torch.stack([w.float().cpu() for _, _, w in records]).tolist()
+    out: dict[Any, float] = {}
+    for (site, product, _), value in zip(records, values, strict=True):
+        key = (sites[site], PRODUCTS[product]) if names else (site, product)
+        old = out.get(key)
+        if old is None or value != value or (old == old and value > old):  # NaN wins
+            out[key] = value
+    return out
+
+
+def _is_dtensor(t: Any) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(t, DTensor)
