@@ -4,74 +4,85 @@ happens (algorithm-based fault tolerance).
 Why: a compute fault whose result is finite (a wrong multiply-accumulate in one rank's forward or
 backward) changes that rank's local gradient; the all-reduce then spreads it into every replica
 equally, so the fingerprint sees nothing and only the replay (one step in ``every_n_steps``) can.
-This check verifies every product of every step on the rank that computed it.
+This check verifies every product of every checked step on the rank that computed it.
 
-The identities, for ``Y = X W^T + b`` (``X``: n x k, ``W``: m x k, ``dY``: n x m), computed in the
-accumulation dtype from the operands exactly as the product used them (autocast: the bf16/fp16
-casts):
+The identities, for ``Y = X W^T + b`` (``X``: n x k, ``W``: m x k, ``dY``: n x m), over blocks of
+``block`` consecutive outputs (forward) or inputs (backward) (``block=0``: whole rows), computed
+in the accumulation dtype from the operands exactly as the product used them (autocast: the
+bf16/fp16 casts; the check's own arithmetic runs with autocast off):
 
-* forward, per row i: ``sum_j Y_ij = X_i . c + sum(b)`` with ``c = W^T 1`` (column sums of W);
-* input gradient ``dX = dY W``, per row i: ``sum_l dX_il = dY_i . w`` with ``w = W 1`` (row sums);
-* weight gradient ``dW = dY^T X``, per row j: ``sum_l dW_jl = (dY^T s)_j`` with ``s = X 1``.
+* forward, row i, output block B: ``sum_{j in B} Y_ij = X_i . c_B + sum_{j in B} b_j`` with
+  ``c_B = sum_{j in B} W_j`` (one thin product ``X [c_B ...]`` for all blocks);
+* input gradient ``dX = dY W``, row i, input block B: ``sum_{l in B} dX_il = dY_i . w_B`` with
+  ``w_B = W_:,B 1``;
+* weight gradient ``dW = dY^T X``, row j, input block B: ``sum_{l in B} dW_jl = dY_:,j . s_B``
+  with ``s_B = X_:,B 1`` (kept from the forward: n x k/block numbers per product).
 
 A residual beyond the rounding bound means the product was computed wrongly on this rank. The
 bound is a worst-case (deterministic) rounding-error bound, never a statistical one: with ``u``
-the unit roundoff of the accumulation (fp32: 2^-24), a product of reduction length ``K`` whose
-row sums run over ``L`` entries has, per checked row,
+the unit roundoff of the accumulation (fp32: 2^-24), a product of reduction length ``K`` checked
+over blocks of ``L`` entries has, per block,
 
-    |residual| <= safety * [ (2 u_in + (2K + 2L + 8) u + S u_out) * T + u_out * N + underflow ]
+    |residual| <= safety * [ (2 u_in + (2K + 3L + 8) u + S u_out) * T + u_out * N + underflow ]
 
-where ``T`` bounds the row's sum of absolute products ``sum |x||w|`` (Cauchy-Schwarz on row norms
-and the weight's Frobenius norm: ``||x_i||_2 sqrt(m) ||W||_F + ||b||_1``), ``u_in`` the rounding of
-fp32 operands to TF32 (2^-11) or bf16 (2^-8) where the backend allows it for fp32 matmuls,
-``u_out`` the rounding of the result to a narrower output (bf16 2^-8, fp16 2^-11; 0 for fp32),
-``N`` the row's absolute sum of the narrow output (at most ``sqrt(L)`` times its 2-norm, capped
-by ``T`` so a huge wrong element cannot hide behind the bound it inflates), ``S`` the partial sums
-of a split-K reduction done in the output precision (CUDA bf16/fp16 with reduced-precision
-reduction allowed: ``REDUCED_PRECISION_SPLITS``), and the underflow term a multiple of the
-smallest normal number. ``safety`` (default 2) covers what the model leaves out. Rows whose
-magnitudes could overflow the output dtype legitimately (``T`` over a quarter of its maximum, e.g.
-fp16 under a GradScaler) are not judged. The weight-gradient bound is the same for every row
-(``sqrt(k) sum_i ||x_i||_2 ||dY_i||_2``), looser than the others by about ``sqrt(m)``.
+where ``T`` bounds the block's sum of absolute products ``sum |x||w|`` (Cauchy-Schwarz on row
+norms and the block's Frobenius norm: ``||x_i||_2 sqrt(L) ||W_B||_F + ||b_B||_1``), ``u_in`` the
+rounding of fp32 operands to TF32 (2^-11) or bf16 (2^-8) where the backend allows it for fp32
+matmuls, ``u_out`` the rounding of the result to a narrower output (bf16 2^-8, fp16 2^-11; 0 for
+fp32; twice in the forward, which may round before adding the bias), ``N`` the block's absolute
+sum of the narrow output (at most ``sqrt(L)`` times its 2-norm, capped by ``T`` so a huge wrong
+element cannot hide behind the bound it inflates), ``S`` the partial sums of a split-K reduction
+done in the output precision (CUDA bf16/fp16 with reduced-precision reduction allowed:
+``REDUCED_PRECISION_SPLITS``), and the underflow term a multiple of the smallest normal number.
+``safety`` (default 2) covers what the model leaves out. Blocks whose magnitudes could overflow
+the output dtype legitimately (``T`` over a quarter of its maximum, e.g. fp16 under a GradScaler)
+are not judged. The weight-gradient bound is the same for every row of ``dW`` (``sqrt(L) sum_i
+||x_i,B||_2 ||dY_i||_2``). Property tests (tests/test_matmul_unit.py) hold the bound against
+random shapes, magnitudes from 1e-12 to 1e12, all-positive and constant data (rounding errors all
+of one sign), every precision and layout.
 
-What a verdict sees (docs/coverage.md has the sizes measured): a wrong element is caught when its
-error exceeds the bound of its row. In fp32 that is about ``(4K) 2^-24 sqrt(L) ||x|| ||W||_F``,
-a fraction of a typical output element for the layers of a small transformer; bf16 and fp16
-outputs add their own rounding (``u_out`` times the row's absolute sum).
+What a verdict sees: a wrong element whose error exceeds the bound of its block (the
+``*_threshold`` methods; ``visible_error_sizes`` for a layer of a given width; docs/coverage.md).
+The bound grows with the block and with ``K^1.5``: with blocks of 32 a wrong element of a few
+percent of its row's largest is caught at width 256 in fp32, of about that largest at 4096; bf16
+and fp16 outputs add their own rounding (about a third of the row's largest at width 256). Whole
+rows see errors ``width / 32`` times larger and cost less (``block=0``).
 
 Covered: every ``nn.Linear`` whose ``forward`` is ``nn.Linear.forward`` (checked from a forward
 hook that runs first, so a later hook that edits the output is not mistaken for a fault; the
 backward from a hook on the product's own autograd node, which receives dY, dX and dW as the
 product produced them), and with ``attention=True`` the in- and out-projections of
 ``nn.MultiheadAttention`` (``F.multi_head_attention_forward`` calls ``F.linear`` with the module's
-weights, not ``nn.Linear`` modules: while such a module runs, ``torch.nn.functional.linear`` is
-replaced by a wrapper that checks the calls with its weights; it is restored at ``detach``).
-Attention blocks built from ``nn.Linear`` (Hugging Face, timm) are covered as linears. Not
-covered: the attention products themselves (``Q K^T``, ``softmax V``: SDPA), ``nn.Linear``
-subclasses with their own ``forward`` (LoRA-style layers: their inner ``nn.Linear`` are
-covered), other matrix products (``torch.matmul``/``bmm``/``addmm`` calls, Hugging Face
-``Conv1D``, convolutions, embeddings), DTensor (tensor-parallel) weights, the bias gradient.
-``coverage()`` lists what a model has of each.
+weights, not ``nn.Linear`` modules: while attached, ``torch.nn.functional.linear`` is a wrapper
+that hands the calls made while such a module runs (a context variable) to the check; it is
+restored at ``detach``). Attention blocks built from ``nn.Linear`` (Hugging Face, timm) are
+covered as linears. Not covered: the attention products themselves (``Q K^T``, ``softmax V``:
+SDPA), ``nn.Linear`` subclasses with their own ``forward`` (LoRA-style layers: their inner
+``nn.Linear`` are covered), other matrix products (``torch.matmul``/``bmm``/``addmm`` calls,
+Hugging Face ``Conv1D``, convolutions, embeddings), DTensor (tensor-parallel) weights, the bias
+gradient. ``coverage()`` lists what a model has of each.
 
 Verdict: no host synchronisation and no extra synchronous collective in the step. Each product
-writes its worst normalised residual into a small per-step tensor on the device (one slot per
-module and product). ``verdict(step)`` (after backward, before the update) issues one
-asynchronous 4-byte MAX all-reduce of the step's worst value and reads the previous step's
-result, which has long arrived: the verdict of step ``s`` is read at step ``s + 1`` (or at
-``resolve()``: before a checkpoint, at the end of training), identical on every rank; only then
-(the rare path) do the ranks gather who saw what, and every rank raises the same
-``ChecksumMismatchError`` naming step ``s``, the rank, its host, the module and the phase.
-``verdict(step, now=True)`` reads it before the update instead (one host wait).
+appends its worst normalised residual (a 0-d device tensor) to the step's list. ``verdict(step)``
+(after backward, before the update) stacks them and issues one asynchronous 4-byte MAX
+all-reduce of the step's worst value; ``arm(step + 1)`` (or ``verdict``, or ``resolve()``: before
+a checkpoint, at the end of training) reads it when the next step starts, identical on every
+rank, before any other check reads its own verdict; only then (the rare path) do the ranks
+gather who saw what, and every rank raises the same ``ChecksumMismatchError`` naming step ``s``,
+the rank, its host, the module and the phase. ``verdict(step, now=True)`` reads it before the
+update instead (one host wait).
 
-Cost (benchmarks/matmul.py, docs/performance.md): reads, per product, of the output and the
-input in the forward (a sum, a matrix-vector product, a row norm and a row sum), of dY (a
-matrix-vector product, a row norm and a vector-matrix product), dX and dW in the backward, plus
-a dozen small kernels and two Python calls. Memory-bound work next to a compute-bound product:
-its share falls as ``1/d`` with the model width. Bit-identical training: the check only reads.
+Cost (benchmarks/matmul.py, docs/performance.md): per product, reads of the output and the
+input in the forward (a block sum, the thin product, block norms and block sums), of dY (a row
+norm and two thin products), dX and dW in the backward, about forty small kernels and two Python
+calls; per weight and step about twenty small kernels. Memory-bound work next to a
+compute-bound product: its share falls as ``1/width``. Bit-identical training: the check only
+reads.
 """
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import functools
 import math
@@ -108,6 +119,10 @@ class MatmulChecksumConfig:
         every_n_steps: check optimizer steps 0, n, 2n, ... (1: every step). The cost and the
             share of transient faults caught both scale with 1/n.
         safety: factor on the worst-case rounding bound (>= 1).
+        block: outputs (forward) and inputs (backward) per checksum, at least (the smallest divisor
+            of the width from there; 0: whole rows). Smaller blocks catch smaller errors: the
+            bound of a block grows with it; the price is a thin extra product of ``width / block``
+            columns per product.
         attention: also check ``nn.MultiheadAttention``'s in- and out-projections (replaces
             ``torch.nn.functional.linear`` by a checking wrapper while attached).
         max_names: violations reported per rank.
@@ -116,6 +131,7 @@ class MatmulChecksumConfig:
     on_failure: str = "raise"
     every_n_steps: int = 1
     safety: float = 2.0
+    block: int = 32
     attention: bool = True
     max_names: int = 5
 
@@ -128,6 +144,8 @@ class MatmulChecksumConfig:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         if isinstance(self.safety, bool) or not isinstance(self.safety, int | float) or not self.safety >= 1:
             raise ValueError(f"safety must be a number >= 1, got {self.safety!r}")
+        if isinstance(self.block, bool) or not isinstance(self.block, int) or self.block < 0:
+            raise ValueError(f"block must be an integer >= 0 (0: whole rows), got {self.block!r}")
         if not isinstance(self.attention, bool):
             raise ValueError(f"attention must be True or False, got {self.attention!r}")
 
@@ -204,122 +222,203 @@ def _slack(rnd: Rounding, length: int) -> float:
     return 1.0 + (length + 4) * rnd.acc
 
 
+@functools.lru_cache(maxsize=4096)
+def blocks(total: int, target: int) -> tuple[int, int]:
+    """``(count, size)``: ``total`` split into equal blocks of the smallest size >= ``target`` that
+    divides it (the whole when ``target`` is 0 or at least ``total``)."""
+    if target <= 0 or target >= total:
+        return 1, total
+    size = next(s for s in range(target, total + 1) if total % s == 0)
+    return total // size, size
+
+
+@functools.lru_cache(maxsize=4096)
+def _constants(device: torch.device, k: int, m: int, bf: int, bx: int, rnd: Rounding,
+               safety: float) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    """The host-side factors of one product's bounds as 0-d device tensors, made once per shape,
+    block sizes (``bf`` outputs per forward checksum, ``bx`` inputs per backward one), rounding
+    model and device (so the per-step work is tensor-tensor kernels only: a Python float in an op
+    costs a host-to-tensor conversion each time). See ``LinearBound`` for their use."""
+    g = _slack(rnd, max(k, m))
+    inp = 2 * rnd.inp * (1 + rnd.inp) + rnd.split
+    # forward: the product (k + 1 terms), the block sum of Y (bf), c_b (bf), X c_b (k), the bias block sum (bf),
+    # 3 subtractions
+    coef_f = safety * (inp + (2 * k + 3 * bf + 8) * rnd.acc)
+    const_f = safety * ((2 * bf * k + 4 * bf + 4 * k) * rnd.tiny_acc + 2 * bf * rnd.tiny_out)
+    # input gradient: the product (m terms), its block sum (bx), w_b (bx), dY w_b (m), 1 subtraction
+    coef_d = safety * (inp + (2 * m + 2 * bx + 6) * rnd.acc)
+    const_d = safety * ((2 * m * bx + 4 * m + 4 * bx) * rnd.tiny_acc + bx * rnd.tiny_out)
+    values = [
+        g * math.sqrt(bf),  # 0: T_ib = g (sqrt(bf) ||W_b||_F ||x_i|| + ||b_b||_1)
+        g,  # 1
+        g * math.sqrt(bf) * coef_f,  # 2: forward slope per ||W_b||_F
+        g * coef_f + 2 * safety * rnd.out,  # 3: per ||b_b||_1 (a narrow product may round before the bias)
+        const_f,  # 4
+        g * math.sqrt(bx),  # 5: T'_ib = g sqrt(bx) ||W_:b||_F ||dy_i||
+        g * math.sqrt(bx) * coef_d,  # 6
+        const_d,  # 7
+        rnd.limit,  # 8
+        0.0,  # 9
+    ]
+    return tuple(torch.tensor(values, dtype=rnd.acc_dtype, device=device).unbind())
+
+
+@functools.lru_cache(maxsize=4096)
+def _weight_grad_constants(device: torch.device, bx: int, n: int, rnd: Rounding,
+                           safety: float) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    """As ``_constants``, for the weight-gradient bound of ``n`` rows (the reduction length)."""
+    g = _slack(rnd, max(n, bx))
+    # the product (n terms), its block sum (bx), s_b = X_b 1 (bx), dY^T s_b (n), 1 subtraction
+    coef = safety * (2 * rnd.inp * (1 + rnd.inp) + rnd.split + (2 * n + 2 * bx + 6) * rnd.acc)
+    const = safety * ((2 * n * bx + 4 * n + 4 * bx) * rnd.tiny_acc + bx * rnd.tiny_out)
+    values = [g * math.sqrt(bx) * coef, const, g * math.sqrt(bx), rnd.limit / (g * math.sqrt(bx))]
+    return tuple(torch.tensor(values, dtype=rnd.acc_dtype, device=device).unbind())
+
+
 @dataclass
 class LinearBound:
     """What the three checks of one ``F.linear`` need of its weight and bias as the product used them
-    (cast to ``dtype``), its sizes and its rounding model: computed once per step (about a dozen
-    small kernels, no host synchronisation) and reused by every call of that step.
+    (cast to ``dtype``), its sizes and its rounding model: computed once per step (about twenty
+    small kernels and a few reads of the weight, no host synchronisation) and reused by every
+    call of that step.
 
-    Forward bound of row i: ``f_slope ||x_i|| + f_icpt`` (plus the narrow-output term), judged
-    where ``||x_i|| < f_xmax``; input-gradient bound: ``d_slope ||dy_i|| + d_icpt``, judged where
-    ``||dy_i|| < d_ymax``; the weight-gradient bound depends on the rows and is built per call.
+    Checksums cover blocks: the forward one ``bf`` consecutive outputs of a row (``nf`` blocks:
+    ``Y_i,b 1 = X_i c_b + sum(b_b)``, with ``c_b`` the column sums of the block's weight rows),
+    the backward ones ``bx`` consecutive inputs (``nx`` blocks: ``dX_i,b 1 = dY_i (W_:,b 1)`` and
+    ``dW_j,b 1 = dY_:,j . (X_:,b 1)``). A block's rounding bound grows with the block, so smaller
+    blocks see smaller errors, for the price of a thinner extra product (``X [k x nf]``).
+
+    Forward bound of row i, block b: ``f_slope_b ||x_i|| + f_icpt_b`` (plus the narrow-output
+    term), judged where ``||x_i|| < f_xmax_b``; input-gradient bound: ``d_slope_b ||dy_i|| +
+    d_icpt``, judged where ``||dy_i|| < d_ymax_b``; the weight-gradient bound depends on the rows
+    and is built per call.
     """
 
     k: int
     m: int
+    nf: int  # forward blocks (of the m outputs)
+    bf: int
+    nx: int  # backward blocks (of the k inputs)
+    bx: int
     rnd: Rounding
     safety: float
-    c: torch.Tensor  # W^T 1 (k)
-    w: torch.Tensor  # W 1 (m)
-    bias_sum: torch.Tensor
-    t_slope: torch.Tensor  # T_i = t_slope ||x_i|| + t_icpt >= sum_j (sum_l |x_il w_jl| + |b_j|)
+    consts: tuple[torch.Tensor, ...]
+    cf: torch.Tensor  # nf x k: column sums of each block of weight rows
+    dx: torch.Tensor  # nx x m: row sums of each block of weight columns (thin products are fastest with few rows)
+    bias_sum: torch.Tensor  # nf
+    t_slope: torch.Tensor  # T_ib = t_slope_b ||x_i|| + t_icpt_b >= sum_{j in b} (sum_l |x_il w_jl| + |b_j|)
     t_icpt: torch.Tensor
     f_slope: torch.Tensor
     f_icpt: torch.Tensor
     f_xmax: torch.Tensor
-    dt_slope: torch.Tensor  # T'_i = dt_slope ||dy_i|| >= sum_l sum_j |dy_ij w_jl|
+    dt_slope: torch.Tensor  # T'_ib = dt_slope_b ||dy_i|| >= sum_{l in b} sum_j |dy_ij w_jl|
     d_slope: torch.Tensor
-    d_icpt: torch.Tensor
     d_ymax: torch.Tensor
 
     @classmethod
-    def of(
-        cls, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, rnd: Rounding, safety: float = 2.0
-    ) -> LinearBound:
+    def of(cls, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, rnd: Rounding,
+           safety: float = 2.0, block: int = 0) -> LinearBound:  # fmt: skip
+        """The bound of one weight (and bias) used in ``dtype``; ``block``: the target number of
+        outputs (forward) and inputs (backward) per checksum, 0 for whole rows."""
         m, k = weight.shape
+        nf, bf = blocks(m, block)
+        nx, bx = blocks(k, block)
         acc = rnd.acc_dtype
+        k_ = _constants(weight.device, k, m, bf, bx, rnd, float(safety))
         with torch.no_grad():
             wt = weight.detach().to(dtype)
             if bias is None:
-                bias_sum = bias_abs = torch.zeros((), dtype=acc, device=weight.device)
+                bias_sum = bias_abs = k_[9].expand(nf)
             else:
-                bt = bias.detach().to(dtype)
-                bias_sum, bias_abs = bt.sum(dtype=acc), torch.linalg.vector_norm(bt, 1, dtype=acc)
-            fro = torch.linalg.vector_norm(wt, dtype=acc)
-            g = _slack(rnd, max(k, m))
-            inp = 2 * rnd.inp * (1 + rnd.inp) + rnd.split
-            # forward: product (k + 1 terms), row sum of Y (m), c (m), X c (k), the bias sum (m), 3 subtractions
-            coef = safety * (inp + (2 * k + 2 * m + 8) * rnd.acc)
-            const = safety * ((2 * m * k + 4 * m + 4 * k) * rnd.tiny_acc + 2 * m * rnd.tiny_out)
-            t_slope, t_icpt = fro * (g * math.sqrt(m)), bias_abs * g
-            f_icpt = t_icpt * coef + const
-            if rnd.out:  # the product rounded before the bias is added: sum_j |x w| <= sum_j |y| + |b|
-                f_icpt = f_icpt + bias_abs * (2 * safety * rnd.out)
-            # input gradient: product (m terms), its row sum (k), w (k), dY w (m), 1 subtraction
-            dt_slope = fro * (g * math.sqrt(k))
-            d_coef = safety * (inp + (2 * m + 2 * k + 6) * rnd.acc)
-            d_const = safety * ((2 * m * k + 4 * m + 4 * k) * rnd.tiny_acc + k * rnd.tiny_out)
+                bt = bias.detach().to(dtype).reshape(nf, bf)
+                bias_sum, bias_abs = bt.sum(-1, dtype=acc), torch.linalg.vector_norm(bt, 1, dim=-1, dtype=acc)
+            rows = wt.reshape(nf, bf, k)
+            cols = wt.reshape(m, nx, bx)
+            fro_f = torch.linalg.vector_norm(rows, dim=(1, 2), dtype=acc)
+            fro_x = torch.linalg.vector_norm(cols, dim=(0, 2), dtype=acc)
+            t_slope, t_icpt = fro_f * k_[0], bias_abs * k_[1]
+            dt_slope = fro_x * k_[5]
             return cls(
                 k=k,
                 m=m,
+                nf=nf,
+                bf=bf,
+                nx=nx,
+                bx=bx,
                 rnd=rnd,
-                safety=safety,
-                c=wt.sum(0, dtype=acc),
-                w=wt.sum(1, dtype=acc),
+                safety=float(safety),
+                consts=k_,
+                cf=rows.sum(1, dtype=acc),
+                dx=cols.sum(-1, dtype=acc).t().contiguous(),
                 bias_sum=bias_sum,
                 t_slope=t_slope,
                 t_icpt=t_icpt,
-                f_slope=t_slope * coef,
-                f_icpt=f_icpt,
-                f_xmax=(rnd.limit - t_icpt) / t_slope,  # inf for a zero weight, NaN (nothing judged) for a NaN one
+                f_slope=fro_f * k_[2],
+                f_icpt=torch.addcmul(k_[4], bias_abs, k_[3]),
+                f_xmax=(k_[8] - t_icpt) / t_slope,  # inf for a zero block, NaN (nothing judged) for a NaN one
                 dt_slope=dt_slope,
-                d_slope=dt_slope * d_coef,
-                d_icpt=torch.full((), d_const, dtype=acc, device=weight.device),
-                d_ymax=rnd.limit / dt_slope,
+                d_slope=fro_x * k_[6],
+                d_ymax=k_[8] / dt_slope,
             )
+
+    def x_blocks(self, x2: torch.Tensor) -> torch.Tensor:
+        """``x2`` (n x k) as n x nx x bx (the backward blocks)."""
+        return x2.reshape(x2.shape[0], self.nx, self.bx)
 
     # -- forward
 
-    def forward_bound(self, x_norms: torch.Tensor, y2: torch.Tensor | None) -> torch.Tensor:
-        """Per-row bound on the forward residual; ``y2=None`` gives the largest the bound can become
-        whatever the output holds (what a wrong element is measured against)."""
-        bound = torch.addcmul(self.f_icpt, x_norms, self.f_slope)
+    def forward_bound(self, x_norms: torch.Tensor, y3: torch.Tensor | None) -> torch.Tensor:
+        """Per row and block (n x nf), the bound on the forward residual; ``y3=None`` gives the
+        largest the bound can become whatever the output holds (what a wrong element is measured
+        against)."""
+        col = x_norms.unsqueeze(-1)
+        bound = torch.addcmul(self.f_icpt, col, self.f_slope)
         if self.rnd.out:
-            g = _slack(self.rnd, max(self.k, self.m))
-            t = torch.addcmul(self.t_icpt, x_norms, self.t_slope).mul_(g)
-            if y2 is not None:  # the output's rounding: sum_j |y_ij| <= sqrt(m) ||y_i||, capped by T_i
-                norms = torch.linalg.vector_norm(y2, dim=-1, dtype=self.rnd.acc_dtype).mul_(g * math.sqrt(self.m))
+            t = torch.addcmul(self.t_icpt, col, self.t_slope)
+            if y3 is not None:  # the output's rounding: sum_j |y_ij| <= sqrt(bf) ||y_ib||, capped by T_ib
+                norms = torch.linalg.vector_norm(y3, dim=-1, dtype=self.rnd.acc_dtype).mul_(self.consts[0])
                 t = torch.minimum(norms, t)
             bound.add_(t, alpha=2 * self.safety * self.rnd.out)
         return bound
 
     def forward_ratio(
-        self, x2: torch.Tensor, y2: torch.Tensor, need_row_sums: bool = False
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        self, x2: torch.Tensor, y2: torch.Tensor, need_blocks: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Forward check of ``y2 = x2 W^T + b`` (2-D; ``x2`` the operand in the accumulation dtype).
 
-        Returns ``(ratio, x_norms, x_row_sums)``: per row, the residual over its bound (> 1: wrong;
-        NaN: a non-finite result of finite operands; 0 where not judged), the operand's row
-        2-norms and, with ``need_row_sums``, its row sums (for the weight-gradient check)."""
-        acc = self.rnd.acc_dtype
-        residual = torch.addmv(y2.sum(-1, dtype=acc), x2, self.c, alpha=-1).sub_(self.bias_sum).abs_()
-        x_norms = torch.linalg.vector_norm(x2, dim=-1)
-        ratio = torch.where(x_norms < self.f_xmax, residual.div_(self.forward_bound(x_norms, y2)), 0.0)
-        return ratio, x_norms, (x2.sum(-1) if need_row_sums else None)
+        Returns ``(ratio, x_norms, x_block_norms, x_block_sums)``: per row and block (n x nf) the
+        residual over its bound (> 1: wrong; NaN: a non-finite result of finite operands; 0 where
+        not judged), the operand's row 2-norms, its 2-norms per backward block (n x nx) and, with
+        ``need_blocks``, its sums per backward block (for the weight-gradient check)."""
+        n = x2.shape[0]
+        y3 = y2.reshape(n, self.nf, self.bf)
+        # X c_b for every block as one thin product with few rows (fast everywhere; n x nf is slow on CPUs)
+        residual = torch.addmm(y3.sum(-1, dtype=self.rnd.acc_dtype).t(), self.cf, x2.t(), alpha=-1).t()
+        residual = residual.sub_(self.bias_sum).abs_()
+        xb = self.x_blocks(x2)
+        x_block_norms = torch.linalg.vector_norm(xb, dim=-1)
+        x_norms = torch.linalg.vector_norm(x_block_norms, dim=-1) if self.nx > 1 else x_block_norms.reshape(n)
+        ratio = residual.div_(self.forward_bound(x_norms, y3))
+        ratio = torch.where(torch.lt(x_norms.unsqueeze(-1), self.f_xmax), ratio, self.consts[9])
+        return ratio, x_norms, x_block_norms, (xb.sum(-1) if need_blocks else None)
 
-    def forward_threshold(self, x_norms: torch.Tensor) -> torch.Tensor:
-        """Per row, an error of one output element at least this large is always caught."""
-        return self.forward_bound(x_norms, None) * (1 + 1 / self.safety)
+    def forward_threshold(self, x_norms: torch.Tensor, y2: torch.Tensor | None = None) -> torch.Tensor:
+        """Per row and block (n x nf), an error of one element of the output ``y2`` (as computed
+        correctly) at least this large is always caught; without ``y2``, for any output."""
+        y3 = None if y2 is None else y2.reshape(y2.shape[0], self.nf, self.bf)
+        g = _slack(self.rnd, max(self.k, self.m))
+        threshold = _threshold(self.forward_bound(x_norms, y3), self.safety, 2 * self.rnd.out * g * math.sqrt(self.bf))
+        return torch.where(torch.lt(x_norms.unsqueeze(-1), self.f_xmax), threshold, math.inf)
 
     # -- input gradient
 
-    def input_grad_bound(self, dy_norms: torch.Tensor, dx2: torch.Tensor | None) -> torch.Tensor:
-        bound = torch.addcmul(self.d_icpt, dy_norms, self.d_slope)
+    def input_grad_bound(self, dy_norms: torch.Tensor, dx3: torch.Tensor | None) -> torch.Tensor:
+        col = dy_norms.unsqueeze(-1)
+        bound = torch.addcmul(self.consts[7], col, self.d_slope)
         if self.rnd.out:
-            g = _slack(self.rnd, max(self.k, self.m))
-            t = (dy_norms * self.dt_slope).mul_(g)
-            if dx2 is not None:
-                norms = torch.linalg.vector_norm(dx2, dim=-1, dtype=self.rnd.acc_dtype).mul_(g * math.sqrt(self.k))
+            t = col * self.dt_slope
+            if dx3 is not None:
+                norms = torch.linalg.vector_norm(dx3, dim=-1, dtype=self.rnd.acc_dtype).mul_(self.consts[5])
                 t = torch.minimum(norms, t)
             bound.add_(t, alpha=self.safety * self.rnd.out)
         return bound
@@ -328,55 +427,88 @@ class LinearBound:
         self, dy2: torch.Tensor, dx2: torch.Tensor, dy_norms: torch.Tensor | None = None
     ) -> torch.Tensor:
         """Check of ``dx2 = dy2 W`` (``dy2`` in the accumulation dtype, ``dx2`` as produced): per
-        row, the residual over its bound (as ``forward_ratio``)."""
-        residual = torch.addmv(dx2.sum(-1, dtype=self.rnd.acc_dtype), dy2, self.w, alpha=-1).abs_()
+        row and backward block (n x nx), the residual over its bound (as ``forward_ratio``)."""
+        dx3 = dx2.reshape(dx2.shape[0], self.nx, self.bx)
+        residual = torch.addmm(dx3.sum(-1, dtype=self.rnd.acc_dtype).t(), self.dx, dy2.t(), alpha=-1).t().abs_()
         if dy_norms is None:
             dy_norms = torch.linalg.vector_norm(dy2, dim=-1)
-        return torch.where(dy_norms < self.d_ymax, residual.div_(self.input_grad_bound(dy_norms, dx2)), 0.0)
+        ratio = residual.div_(self.input_grad_bound(dy_norms, dx3))
+        return torch.where(torch.lt(dy_norms.unsqueeze(-1), self.d_ymax), ratio, self.consts[9])
 
-    def input_grad_threshold(self, dy_norms: torch.Tensor) -> torch.Tensor:
-        return self.input_grad_bound(dy_norms, None) * (1 + 1 / self.safety)
+    def input_grad_threshold(self, dy_norms: torch.Tensor, dx2: torch.Tensor | None = None) -> torch.Tensor:
+        """As ``forward_threshold``, for one element of the input gradient ``dx2``."""
+        dx3 = None if dx2 is None else dx2.reshape(dx2.shape[0], self.nx, self.bx)
+        g = _slack(self.rnd, max(self.k, self.m))
+        threshold = _threshold(self.input_grad_bound(dy_norms, dx3), self.safety, self.rnd.out * g * math.sqrt(self.bx))
+        return torch.where(torch.lt(dy_norms.unsqueeze(-1), self.d_ymax), threshold, math.inf)
 
     # -- weight gradient
 
     def weight_grad_bound(
-        self, x_norms: torch.Tensor, dy_norms: torch.Tensor, dwt: torch.Tensor | None
+        self, x_block_norms: torch.Tensor, dy_norms: torch.Tensor, dw3: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(bound, t)``: the bound on each row of ``dW`` (the same for all, unless the output is
-        narrow) and ``t >= sum_l sum_i |dy_ij x_il|`` for every row j."""
-        n, k, rnd = x_norms.shape[0], self.k, self.rnd
-        g = _slack(rnd, max(n, k))
-        t = torch.dot(x_norms, dy_norms).mul_(g * math.sqrt(k))
-        coef = self.safety * (2 * rnd.inp * (1 + rnd.inp) + rnd.split + (2 * n + 2 * k + 6) * rnd.acc)
-        bound = t * coef + self.safety * ((2 * n * k + 4 * n + 4 * k) * rnd.tiny_acc + k * rnd.tiny_out)
-        if rnd.out:
-            cap = t * g
-            if dwt is not None:
-                norms = torch.linalg.vector_norm(dwt, dim=0, dtype=rnd.acc_dtype).mul_(g * math.sqrt(k))
+        """``(bound, judged)``: the bound on each row of ``dW`` and backward block (m x nx, the same
+        for every row unless the output is narrow) and whether each block is judged (its sum of
+        absolute products far enough from the output's overflow)."""
+        slope, const, g_sqrt_b, dot_max = _weight_grad_constants(
+            dy_norms.device, self.bx, dy_norms.shape[0], self.rnd, self.safety
+        )
+        dots = dy_norms @ x_block_norms  # g sqrt(bx) dots_b >= sum_{l in b} sum_i |dy_ij x_il| for every row j
+        bound = torch.addcmul(const, dots, slope)
+        if self.rnd.out:
+            cap = dots * g_sqrt_b
+            if dw3 is not None:
+                norms = torch.linalg.vector_norm(dw3, dim=-1, dtype=self.rnd.acc_dtype).mul_(g_sqrt_b)
                 cap = torch.minimum(norms, cap)
-            bound = bound + cap * (self.safety * rnd.out)
-        return bound, t
+            bound = torch.add(bound, cap, alpha=self.safety * self.rnd.out)
+        return bound, torch.lt(dots, dot_max)
 
     def weight_grad_ratio(
         self,
         dy2: torch.Tensor,
         dwt: torch.Tensor,
-        x_row_sums: torch.Tensor,
-        x_norms: torch.Tensor,
+        x_block_sums: torch.Tensor,
+        x_block_norms: torch.Tensor,
         dy_norms: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Check of ``dW = dY^T X`` given as ``dwt`` (k x m: the gradient of ``W^T`` as the product
-        produced it) from ``dy2`` (accumulation dtype) and the forward operand's row sums and row
-        2-norms: per row of ``dW``, the residual over the bound."""
-        acc = self.rnd.acc_dtype
-        residual = dwt.sum(0, dtype=acc).sub_(torch.mv(dy2.t(), x_row_sums)).abs_()
+        produced it) from ``dy2`` (accumulation dtype) and the forward operand's block sums and
+        block 2-norms: per row of ``dW`` and backward block (m x nx), the residual over the bound."""
+        dw3 = dwt.t().reshape(self.m, self.nx, self.bx)
+        sums = dw3.sum(-1, dtype=self.rnd.acc_dtype).t()  # nx x m
+        residual = torch.addmm(sums, x_block_sums.t().contiguous(), dy2, alpha=-1).t().abs_()
         if dy_norms is None:
             dy_norms = torch.linalg.vector_norm(dy2, dim=-1)
-        bound, t = self.weight_grad_bound(x_norms, dy_norms, dwt)
-        return torch.where(t < self.rnd.limit, residual.div_(bound), 0.0)
+        bound, judged = self.weight_grad_bound(x_block_norms, dy_norms, dw3)
+        return torch.where(judged, residual.div_(bound), self.consts[9])
 
-    def weight_grad_threshold(self, x_norms: torch.Tensor, dy_norms: torch.Tensor) -> torch.Tensor:
-        return self.weight_grad_bound(x_norms, dy_norms, None)[0] * (1 + 1 / self.safety)
+    def weight_grad_threshold(
+        self, x_block_norms: torch.Tensor, dy_norms: torch.Tensor, dwt: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """As ``forward_threshold``, for one element of the weight gradient (given as ``dwt``):
+        per row of ``dW`` and backward block (m x nx)."""
+        dw3 = None if dwt is None else dwt.t().reshape(self.m, self.nx, self.bx)
+        bound, judged = self.weight_grad_bound(x_block_norms, dy_norms, dw3)
+        g = _slack(self.rnd, max(dy_norms.shape[0], self.bx))
+        threshold = _threshold(bound.expand(self.m, self.nx), self.safety, self.rnd.out * g * math.sqrt(self.bx))
+        return torch.where(judged, threshold, math.inf)
+
+
+def plain_arithmetic(device_type: str) -> contextlib.AbstractContextManager[Any]:
+    """Autocast off where it is on (the check's arithmetic runs in its own dtypes: a check computed
+    in bf16 would be no check); nothing otherwise."""
+    if torch.is_autocast_enabled(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
+
+
+def _threshold(bound: torch.Tensor, safety: float, growth: float) -> torch.Tensor:
+    """The error of one element always caught where the clean bound is ``bound``: the residual is
+    at least the error less the true rounding (``bound / safety``), and the wrong element can
+    raise the bound by ``safety * growth`` times itself (the narrow-output term). For tests and
+    the documented sizes, not the hot path."""
+    shrink = 1 - safety * growth
+    return bound * (1 + 1 / safety) / shrink if shrink > 0 else torch.full_like(bound, math.inf)
 
 
 def operand(x: torch.Tensor, dtype: torch.dtype, acc: torch.dtype, width: int) -> torch.Tensor:
@@ -394,16 +526,58 @@ def check_linear(
     bias: torch.Tensor | None,
     y: torch.Tensor,
     safety: float = 2.0,
+    block: int = 32,
 ) -> torch.Tensor:
     """Worst forward ratio of one ``y = F.linear(x, weight, bias)`` (a 0-d tensor; > 1: wrong).
     For tests and one-off checks; the training check reuses the weight's bound for a step."""
     dtype = y.dtype
     rnd = rounding(dtype, y.device.type)
-    lb = LinearBound.of(weight, bias, dtype, rnd, safety)
-    with torch.no_grad():
+    with torch.no_grad(), plain_arithmetic(y.device.type):
+        lb = LinearBound.of(weight, bias, dtype, rnd, safety, block)
         x2 = operand(x.detach(), dtype, rnd.acc_dtype, weight.shape[1])
-        ratio, _, _ = lb.forward_ratio(x2, y.detach().reshape(-1, weight.shape[0]))
-        return _worst(ratio)
+        return _worst(lb.forward_ratio(x2, y.detach().reshape(-1, weight.shape[0]))[0])
+
+
+def visible_error_sizes(width: int, dtype: torch.dtype = torch.float32, rows: int = 1024, seed: int = 0,
+                        safety: float = 2.0, block: int = 32) -> dict[str, float]:  # fmt: skip
+    """The error of one element that is always caught, relative to the product's own magnitude, for
+    a ``nn.Linear(width, width)`` at its default initialisation fed unit-variance rows (as after a
+    LayerNorm) and unit-variance output gradients on the CPU, computing in ``dtype``: per product,
+    the median over rows (and blocks) of the stated threshold over the row's largest absolute
+    element (``*_vs_max``) and over its root-mean-square (``*_vs_rms``); for the weight gradient,
+    over the whole gradient's. What docs/coverage.md quotes; the unit tests check that errors
+    this large are caught."""
+    gen = torch.Generator().manual_seed(seed)
+    layer = nn.Linear(width, width)
+    with torch.no_grad():
+        bound = 1 / math.sqrt(width)
+        layer.weight.uniform_(-bound, bound, generator=gen)
+        layer.bias.uniform_(-bound, bound, generator=gen)
+    x = torch.randn(rows, width, generator=gen).to(dtype)
+    dy = torch.randn(rows, width, generator=gen).to(dtype)
+    w, b = layer.weight.detach().to(dtype), layer.bias.detach().to(dtype)
+    rnd = rounding(dtype, "cpu")
+    lb = LinearBound.of(w, b, dtype, rnd, safety, block)
+    acc = rnd.acc_dtype
+    y, dx, dw = F.linear(x, w, b), dy @ w, dy.t() @ x  # as computed, in dtype
+    x_block_norms = torch.linalg.vector_norm(lb.x_blocks(x.to(acc)), dim=-1)
+    x_norms = torch.linalg.vector_norm(x_block_norms, dim=-1)
+    dy_norms = torch.linalg.vector_norm(dy.to(acc), dim=-1)
+    f, d = lb.forward_threshold(x_norms, y), lb.input_grad_threshold(dy_norms, dx)
+    wt = lb.weight_grad_threshold(x_block_norms, dy_norms, dw.t())
+
+    def rms(t: torch.Tensor, dim: int | None = -1) -> torch.Tensor:
+        return t.square().mean(dim, keepdim=True).sqrt() if dim is not None else t.square().mean().sqrt()
+
+    y, dx, dw = y.to(acc), dx.to(acc), dw.to(acc)
+    return {
+        "output_vs_max": float((f / y.abs().amax(-1, keepdim=True)).median()),
+        "output_vs_rms": float((f / rms(y)).median()),
+        "input_gradient_vs_max": float((d / dx.abs().amax(-1, keepdim=True)).median()),
+        "input_gradient_vs_rms": float((d / rms(dx)).median()),
+        "weight_gradient_vs_max": float((wt / dw.abs().amax()).median()),
+        "weight_gradient_vs_rms": float((wt / rms(dw, None)).median()),
+    }
 
 
 def _worst(ratio: torch.Tensor) -> torch.Tensor:
@@ -634,11 +808,14 @@ class MatmulChecksum:
 
     def arm(self, step: int) -> bool:
         """Start checking optimizer step ``step`` if it is due (call before each of its forwards,
-        every rank alike). A step armed earlier and never given its verdict gets it here."""
+        every rank alike). The first call of a step reads the previous step's verdict (may raise,
+        naming that step; on CUDA it waits for that step's backward, long enqueued, if the device
+        is not past it yet). A step armed earlier and never given its verdict gets it here."""
         if self._armed_step == step:
             return self._armed
         if self._armed and self._armed_step is not None:
             self.verdict(self._armed_step)
+        self.resolve()
         self._armed_step = step
         self._armed = step % self.config.every_n_steps == 0
         self._records, self._bounds, self._rounding = [], {}, {}
@@ -815,7 +992,7 @@ class MatmulChecksum:
                None if bias is None else (bias.data_ptr(), bias._version))  # fmt: skip
         lb = self._bounds.get(key)
         if lb is None:
-            lb = self._bounds[key] = LinearBound.of(weight, bias, dtype, rnd, self.config.safety)
+            lb = self._bounds[key] = LinearBound.of(weight, bias, dtype, rnd, self.config.safety, self.config.block)
         return lb
 
     def _check_forward(
@@ -826,16 +1003,16 @@ class MatmulChecksum:
         m, k = weight.shape
         if y.numel() == 0 or y.shape[-1] != m or x.shape[-1] != k:
             return
-        lb = self._bound(weight, bias, y.dtype, y.device.type)
         node = product_node(y) if torch.is_grad_enabled() else None
-        with torch.no_grad():
+        with torch.no_grad(), plain_arithmetic(y.device.type):
+            lb = self._bound(weight, bias, y.dtype, y.device.type)
             x2 = operand(x.detach(), y.dtype, lb.rnd.acc_dtype, k)
             needs_dw = node is not None and weight.requires_grad
-            ratio, x_norms, x_sums = lb.forward_ratio(x2, y.detach().reshape(-1, m), needs_dw)
+            ratio, _, x_block_norms, x_block_sums = lb.forward_ratio(x2, y.detach().reshape(-1, m), needs_dw)
             self._records.append((site, FORWARD, _worst(ratio)))
         if node is not None:
             graph, dx_at = node
-            graph.register_hook(functools.partial(self._on_backward, site, dx_at, lb, x_sums, x_norms))
+            graph.register_hook(functools.partial(self._on_backward, site, dx_at, lb, x_block_sums, x_block_norms))
         elif torch.is_grad_enabled() and y.requires_grad:
             self.stats.bump("backward_not_located")
 
@@ -844,14 +1021,14 @@ class MatmulChecksum:
         site: int,
         dx_at: int,
         lb: LinearBound,
-        x_sums: torch.Tensor | None,
-        x_norms: torch.Tensor,
+        x_block_sums: torch.Tensor | None,
+        x_block_norms: torch.Tensor,
         grad_inputs: tuple[torch.Tensor | None, ...],
         grad_outputs: tuple[torch.Tensor | None, ...],
     ) -> None:
         """Post-hook of the product's node: dY in, dX and dW^T out, as the product computed them."""
         try:
-            self._check_backward(site, dx_at, lb, x_sums, x_norms, grad_inputs, grad_outputs)
+            self._check_backward(site, dx_at, lb, x_block_sums, x_block_norms, grad_inputs, grad_outputs)
         except Exception as err:
             self._failed_check(err)
 
@@ -860,8 +1037,8 @@ class MatmulChecksum:
         site: int,
         dx_at: int,
         lb: LinearBound,
-        x_sums: torch.Tensor | None,
-        x_norms: torch.Tensor,
+        x_block_sums: torch.Tensor | None,
+        x_block_norms: torch.Tensor,
         grad_inputs: tuple[torch.Tensor | None, ...],
         grad_outputs: tuple[torch.Tensor | None, ...],
     ) -> None:
@@ -869,8 +1046,8 @@ class MatmulChecksum:
         if not self._armed or dy is None or len(grad_inputs) < dx_at + 2:
             return
         dx, dwt = grad_inputs[dx_at], grad_inputs[dx_at + 1]
-        n, k, m, acc = x_norms.shape[0], lb.k, lb.m, lb.rnd.acc_dtype
-        with torch.no_grad():
+        n, k, m, acc = x_block_norms.shape[0], lb.k, lb.m, lb.rnd.acc_dtype
+        with torch.no_grad(), plain_arithmetic(dy.device.type):
             dy2 = dy.reshape(-1, m)
             if dy2.shape[0] != n:
                 return
@@ -878,8 +1055,8 @@ class MatmulChecksum:
             dy_norms = torch.linalg.vector_norm(dy2, dim=-1)
             if dx is not None and dx.shape == (n, k):
                 self._records.append((site, INPUT_GRAD, _worst(lb.input_grad_ratio(dy2, dx, dy_norms))))
-            if dwt is not None and x_sums is not None and dwt.shape == (k, m):
-                ratio = lb.weight_grad_ratio(dy2, dwt, x_sums, x_norms, dy_norms)
+            if dwt is not None and x_block_sums is not None and dwt.shape == (k, m):
+                ratio = lb.weight_grad_ratio(dy2, dwt, x_block_sums, x_block_norms, dy_norms)
                 self._records.append((site, WEIGHT_GRAD, _worst(ratio)))
 
 
