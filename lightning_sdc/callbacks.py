@@ -642,3 +642,77 @@ class FaultInjector(Callback):
         for h in self._handles:
             h.remove()
         self._handles = []
+
+
+class MatmulChecksumCheck(_SDCCallback):
+    """Verify every matrix product of each rank against a checksum, forward and backward, and
+    raise ``ChecksumMismatchError`` on every rank naming the rank, host, module and phase of a
+    product that came out wrong (a faulty multiply-accumulate), in the step it happened.
+
+    Args:
+        on_failure: ``"raise"`` (default) or ``"warn"``.
+        every_n_steps: check optimizer steps 0, n, 2n, ... (cost and catch rate both scale 1/n).
+        safety: factor on the worst-case rounding bound (>= 1; default 2).
+        block: outputs (forward) and inputs (backward) per checksum (default 32; 0: whole rows,
+            cheaper, but the errors they see grow with the width).
+        attention: also check ``nn.MultiheadAttention``'s in- and out-projections.
+        max_names: violations reported per rank.
+
+    Covers ``nn.Linear`` layers and ``nn.MultiheadAttention`` projections of the LightningModule
+    (``sdc_core.matmul`` says what is not covered, and which errors are seen: docs/coverage.md).
+    Cost: memory-bound reads and thin products per product (docs/performance.md: a sizeable share
+    of a CPU step at width 256, falling as 1/width; ``every_n_steps`` divides it)
+    and one asynchronous 4-byte all-reduce per step; the verdict of step s is read when step s + 1
+    starts (before its forward, so before the other checks read theirs), before a checkpoint is
+    written and at the end of training. Training stays bit-identical: the check only reads. Off
+    unless added.
+    """
+
+    def __init__(
+        self,
+        on_failure: str = "raise",
+        every_n_steps: int = 1,
+        safety: float = 2.0,
+        block: int = 32,
+        attention: bool = True,
+        max_names: int = 5,
+    ) -> None:
+        from sdc_core.matmul import MatmulChecksum, MatmulChecksumConfig  # here: this class's hunk stays apart
+
+        super().__init__()
+        config = self._settings(MatmulChecksumConfig, on_failure, every_n_steps, safety, block, attention, max_names)
+        self._core = MatmulChecksum(config)
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_fit_start(trainer, pl_module)
+        self._core.attach(pl_module)
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        self._settle(trainer, pl_module, lambda: self._core.arm(trainer.global_step))  # reads the last verdict
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        self._settle(trainer, pl_module, lambda: self._core.verdict(trainer.global_step))
+
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
+        self._settle(trainer, pl_module, self._core.resolve)  # no checkpoint after a step with an unread verdict
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._settle(trainer, pl_module, self._core.resolve)
+        super().on_train_end(trainer, pl_module)
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._core.detach()
+        super().teardown(trainer, pl_module, stage)
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        super().on_exception(trainer, pl_module, exception)  # discards the pending verdict: no collective
+        self._core.detach()
+
+    def _settle(self, trainer: pl.Trainer, pl_module: pl.LightningModule, fn: Callable[[], Any]) -> None:
+        try:
+            fn()
+        except SDCError as err:
+            self._handle(trainer, pl_module, err, max_step=err.step)
+            return
+        if self._core.last_error is not None:  # warned: still an incident
+            self._failed(trainer, self._core.config.on_failure)

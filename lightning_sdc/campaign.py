@@ -14,11 +14,18 @@ the faulty rank was named, and how many steps later. Outcome per injection:
 Checkpoint injections flip bits in a checkpoint written mid-run, then resume on every rank. They
 also run a third time with the checkpoint's stored fingerprint removed, to show what the run-time
 checks alone catch (every replica loads the same bits, so only non-finite values are visible).
+
+``python -m lightning_sdc.campaign matmul`` runs the compute-fault campaign of the matrix-product
+checksum check (``run_matmul_campaign``): a bit flipped in one element of a product's output
+inside a layer (forward output, input gradient or weight gradient) of one rank, at a step the
+replay does not audit at its default cadence, each trained three times: without checks, with the
+default checks, and with the defaults plus ``MatmulChecksumCheck``.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import csv
 import io
 import json
@@ -132,7 +139,8 @@ def _fault(spec: dict[str, Any]) -> Any:
                  bit=spec["bit"], state_key="exp_avg_sq" if spec["bit_class"] == "mantissa" else "exp_avg")  # fmt: skip
 
 
-def _fit(steps: int, checks: bool, fault: Any = None, ckpt_path: str | None = None, save: str | None = None) -> dict:
+def _fit(steps: int, checks: bool, fault: Any = None, ckpt_path: str | None = None, save: str | None = None,
+         check_set: str | None = None) -> dict:  # fmt: skip
     import lightning.pytorch as L
     from lightning.pytorch.strategies import DDPStrategy
     from torch.utils.data import DataLoader, TensorDataset
@@ -141,7 +149,13 @@ def _fit(steps: int, checks: bool, fault: Any = None, ckpt_path: str | None = No
 
     L.seed_everything(0, verbose=False)
     callbacks: list[Any] = []
-    if checks:
+    if check_set is not None:  # the checks at their defaults (replay every 100 steps), with the matmul check or not
+        from lightning_sdc import MatmulChecksumCheck
+
+        callbacks += [NonFiniteGradientCheck(), RingReplayAudit(), WeightFingerprintCheck()]
+        if check_set == "defaults+matmul":
+            callbacks.append(MatmulChecksumCheck())
+    elif checks:
         # the replay audits every step here: the campaign measures what each check can see; at a
         # cadence of n a transient compute fault is audited with probability 1/n
         callbacks += [NonFiniteGradientCheck(), RingReplayAudit(every_n_steps=1), WeightFingerprintCheck()]
@@ -189,6 +203,173 @@ def _outcome(spec: dict[str, Any], effect: dict, detect: dict, reference: dict) 
     return row
 
 
+MATMUL_PHASES = ("forward", "input_grad", "weight_grad")
+MATMUL_TARGETS = {"forward": MODULES, "input_grad": ("l2", "l3"), "weight_grad": MODULES}  # l1's input needs no grad
+SECTION = ("<!-- matmul-campaign -->", "<!-- /matmul-campaign -->")
+
+
+def plan_matmul(per_class: int, clean: int, seed: int, steps: int) -> list[dict[str, Any]]:
+    """Seeded compute faults inside matrix products: ``per_class`` per phase and bit class, at a
+    random rank, layer, element and bit of the class, at steps 1 .. steps - 2 (the replay audits
+    step 0 only at its default cadence); plus ``clean`` clean runs with the matmul check."""
+    from sdc_core.checkpoint import bits_of_class
+
+    rng = random.Random(seed)
+    specs = [{"id": f"mm-{phase}-{bit_class}-{i}", "site": "matmul", "phase": phase, "bit_class": bit_class,
+              "rank": rng.randrange(WORLD), "step": rng.randrange(1, steps - 1),
+              "target": rng.choice(MATMUL_TARGETS[phase]), "index": rng.randrange(10_000),
+              "bit": rng.choice(bits_of_class(torch.float32, bit_class))}
+             for phase in MATMUL_PHASES for bit_class in BIT_CLASSES for i in range(per_class)]  # fmt: skip
+    specs += [{"id": f"mm-clean{i:03d}", "site": "matmul_clean", "bit_class": "-", "rank": -1, "step": -1}
+              for i in range(clean)]  # fmt: skip
+    return specs
+
+
+def _matmul_fault(spec: dict[str, Any]) -> Any:
+    from sdc_core.faults import Fault
+
+    return Fault("matmul_output", rank=spec["rank"], step=spec["step"], target="model." + spec["target"],
+                 index=spec["index"], bit=spec["bit"], mode="once", phase=spec["phase"])  # fmt: skip
+
+
+def _matmul_outcome(spec: dict[str, Any], effect: dict, defaults: dict, matmul: dict,
+                    reference: dict) -> dict[str, Any]:  # fmt: skip
+    """One matmul injection: did it change the result, and what each check set said (which check,
+    which rank, how many steps after the fault the error named)."""
+    w, ref = effect["weights"], reference["weights"]
+    rel = float((w - ref).norm() / ref.norm()) if bool(torch.isfinite(w).all()) else math.inf
+    row = {k: spec.get(k) for k in ("id", "site", "phase", "bit_class", "rank", "step", "target", "bit", "index")}
+    row.update(changed=rel > 1e-6 or bool(effect.get("crash")), weight_rel_diff=rel,
+               diverged=(not math.isfinite(effect["loss"])) or effect["loss"] > 2 * reference["loss"]
+               or bool(effect.get("crash")))  # fmt: skip
+    for name, run in (("defaults", defaults), ("matmul", matmul)):
+        err = run["error"]
+        row[f"{name}_by"] = err["check"] if err else ""
+        row[f"{name}_rank"] = err["rank"] if err else None
+        row[f"{name}_latency"] = err["step"] - spec["step"] if err else None
+        row[f"{name}_crash"] = run.get("crash") or ""
+    return row
+
+
+def matmul_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per phase and bit class: injections, changed, and for each check set how many were caught
+    naming the fault's own step, by which check, with the injected rank."""
+    table = []
+    for phase in MATMUL_PHASES:
+        for bit_class in BIT_CLASSES:
+            rs = [r for r in rows if r["site"] == "matmul" and r["phase"] == phase and r["bit_class"] == bit_class]
+            if not rs:
+                continue
+            entry: dict[str, Any] = {"phase": phase, "bit_class": bit_class, "injections": len(rs),
+                                     "changed": sum(r["changed"] for r in rs)}  # fmt: skip
+            for name in ("defaults", "matmul"):
+                caught = [r for r in rs if r[f"{name}_by"]]
+                entry[f"{name}_caught"] = len(caught)
+                entry[f"{name}_same_step"] = sum(r[f"{name}_latency"] == 0 for r in caught)
+                entry[f"{name}_right_rank"] = sum(r[f"{name}_rank"] == r["rank"] for r in caught)
+                entry[f"{name}_silent"] = sum(r["changed"] and not r[f"{name}_by"] for r in rs)
+                entry[f"{name}_by"] = dict(sorted(collections.Counter(r[f"{name}_by"] for r in caught).items()))
+            table.append(entry)
+    clean = [r for r in rows if r["site"] == "matmul_clean"]
+    return {"table": table, "clean_runs": len(clean), "false_alarms": sum(r["outcome"] == "false_alarm" for r in clean)}
+
+
+def run_matmul_campaign(out: Path, per_class: int = 3, clean: int = 3, workers: int = 1, seed: int = 0,
+                        steps: int = 12, doc: Path | None = None) -> dict[str, Any]:  # fmt: skip
+    """The compute-fault campaign of the matmul checksum check: plan, run, summarise (``out`` gets
+    ``matmul-results.json``); with ``doc``, its section of the coverage page is written (the rest of
+    the page is left as it is). Returns the summary."""
+    from sdc_core.safeio import atomic_write_text
+
+    if per_class < 1 or clean < 0 or workers < 1 or steps < 8:
+        raise ValueError("need per_class >= 1, clean >= 0, workers >= 1 and steps >= 8")
+    out = Path(out)
+    _make_folder(out, "--out")
+    rows = _run_specs(plan_matmul(per_class, clean, seed, steps), out, workers, steps)
+    summary = {"seed": seed, "steps": steps, "world_size": WORLD, **matmul_summary(rows)}
+    atomic_write_text(out / "matmul-results.json", json.dumps({"summary": summary, "runs": rows}, indent=1))
+    for t in summary["table"]:
+        print(json.dumps(t))
+    print(f"clean runs: {summary['clean_runs']}, false alarms: {summary['false_alarms']}")
+    if doc is not None:
+        doc = Path(doc)
+        command = (f"python -m lightning_sdc.campaign matmul --per-class {per_class} --clean {clean} --seed {seed} "
+                   f"--steps {steps} --out {out} --doc {doc}")  # fmt: skip
+        old = doc.read_text() if doc.is_file() else ""
+        atomic_write_text(doc, with_section(old, matmul_markdown(summary, rows, command)))
+    return summary
+
+
+def section(text: str) -> str:
+    """The matmul campaign's section of a coverage page (markers included), or ""."""
+    start, end = text.find(SECTION[0]), text.find(SECTION[1])
+    return text[start : end + len(SECTION[1])] if 0 <= start < end else ""
+
+
+def with_section(text: str, part: str) -> str:
+    """``text`` with its matmul section replaced by ``part`` (appended when it has none)."""
+    old = section(text)
+    if not part:
+        return text
+    if old:
+        return text.replace(old, part)
+    return text.rstrip("\n") + "\n\n" + part + "\n"
+
+
+def matmul_markdown(summary: dict[str, Any], rows: list[dict[str, Any]], command: str) -> str:
+    """The coverage page's section on compute faults inside matrix products (numbers computed)."""
+    head = ["phase", "bit_class", "injections", "changed", "defaults: caught", "defaults: same step",
+            "defaults: silent", "with matmul: caught", "with matmul: same step", "with matmul: right rank",
+            "with matmul: silent", "with matmul: by"]  # fmt: skip
+    lines = [
+        SECTION[0],
+        "## Compute faults inside matrix products (`MatmulChecksumCheck`)",
+        "",
+        f"A bit flipped in one element of a matrix product computed by one rank, inside the layer (the forward "
+        f"output, or in the backward the input or the weight gradient as the product's autograd node returns "
+        f"them), at a step the replay does not audit at its default cadence (every 100 steps: only step 0 "
+        f"here). Each injection trains {summary['steps']} steps on {summary['world_size']} CPU ranks three times: "
+        "without checks (did it change the result?), with the default checks (non-finite gradients, replay every "
+        "100 steps, fingerprint every step), and with the defaults plus `MatmulChecksumCheck()`.",
+        "",
+        f"```bash\n{command}\n```",
+        "",
+        "| " + " | ".join(head) + " |",
+        "|" + "---|" * len(head),
+    ]
+    for t in summary["table"]:
+        by = ", ".join(f"{k} {v}" for k, v in t["matmul_by"].items()) or "-"
+        lines.append(f"| {t['phase']} | {t['bit_class']} | {t['injections']} | {t['changed']} | "
+                     f"{t['defaults_caught']} | {t['defaults_same_step']} | {t['defaults_silent']} | "
+                     f"{t['matmul_caught']} | {t['matmul_same_step']} | {t['matmul_right_rank']} | "
+                     f"{t['matmul_silent']} | {by} |")  # fmt: skip
+    injected = [r for r in rows if r["site"] == "matmul"]
+    changed = [r for r in injected if r["changed"]]
+    tot = {name: sum(bool(r[f"{name}_by"]) and r[f"{name}_latency"] == 0 and r[f"{name}_rank"] == r["rank"]
+                     for r in changed) for name in ("defaults", "matmul")}  # fmt: skip
+    missed = [r for r in changed if not r["matmul_by"]]
+    lines += [
+        "",
+        "Columns: `changed` = the fault moved the final weights (more than 1e-6 relative) or crashed the run; "
+        "`caught` = a check raised; `same step` = the error named the step of the fault (it is raised before the "
+        "update of the next step); `right rank` = it named the injected rank; `silent` = changed but not caught; "
+        "`by` = which check raised first.",
+        "",
+        f"Of {len(changed)} injections that changed the result, the default checks caught {tot['defaults']} in "
+        f"their step with the right rank, the defaults plus the matmul check {tot['matmul']}. Clean runs with the "
+        f"check: {summary['false_alarms']} false alarms in {summary['clean_runs']}.",
+        "",
+        "What the check sees: a wrong element whose error exceeds the rounding bound of its row (sdc_core.matmul). "
+        "Sign flips, exponent flips and flips of the upper mantissa bits of elements of typical size are far "
+        "above it in fp32; flips of the low mantissa bits change an element by less than 2^-10 of its value and "
+        "stay under it" + (f" ({len(missed)} changed the result here without being caught: "
+                           + ", ".join(sorted({f"{r['phase']} {r['bit_class']} bit {r['bit']}" for r in missed}))
+                           + ")" if missed else "") + ".",
+        SECTION[1],
+    ]
+    return "\n".join(lines)
+
+
 def worker(specs_file: Path, out: Path, steps: int) -> None:
     """Run specs under torchrun (3 ranks); rank 0 writes one JSON line per spec."""
     import torch.distributed as dist
@@ -209,6 +390,16 @@ def worker(specs_file: Path, out: Path, steps: int) -> None:
             detect = _fit(steps, checks=True)
             row = _outcome(spec, reference, detect, reference)
             row["outcome"] = "false_alarm" if detect["error"] else "clean"
+        elif spec["site"] == "matmul_clean":
+            detect = _fit(steps, checks=False, check_set="defaults+matmul")
+            row = _outcome(spec, reference, detect, reference)
+            row["outcome"] = "false_alarm" if detect["error"] else "clean"
+        elif spec["site"] == "matmul":
+            fault = _matmul_fault(spec)
+            effect = _fit(steps, checks=False, fault=fault)
+            defaults = _fit(steps, checks=False, fault=fault, check_set="defaults")
+            with_matmul = _fit(steps, checks=False, fault=fault, check_set="defaults+matmul")
+            row = _matmul_outcome(spec, effect, defaults, with_matmul, reference)
         elif spec["site"] in ("checkpoint", "study"):
             bad = out / f"{spec['id']}.ckpt"
             bare = out / f"{spec['id']}-bare.ckpt"
@@ -262,8 +453,6 @@ def run_campaign(out: Path, injections: int = 200, clean: int = 20, workers: int
 
     Raises ``ValueError`` for a bad number, ``OutputError`` when ``out`` or ``doc`` cannot be
     written (checked before any training), ``CampaignFailed`` when a training fails."""
-    from sdc_core.safeio import atomic_write_text
-
     if injections < 0 or clean < 0 or workers < 1 or steps < 8 or study < 0:
         raise ValueError("need injections >= 0, clean >= 0, workers >= 1, steps >= 8 and study >= 0")
     out, doc = Path(out), None if doc is None else Path(doc)
@@ -275,6 +464,18 @@ def run_campaign(out: Path, injections: int = 200, clean: int = 20, workers: int
             raise OutputError(f"--doc {doc} is a folder; give a markdown file name")
         _make_folder(doc.parent, "--doc's folder")
     specs = plan(injections, clean, seed, steps, study)
+    rows = _run_specs(specs, out, workers, steps)
+    summary = report(rows, out, seed=seed, steps=steps)
+    if doc is not None:
+        write_doc(out, doc, f"sdc campaign --injections {injections} --clean {clean} --study {study} --seed {seed} "
+                            f"--steps {steps} --out {out} --doc {doc}")  # fmt: skip
+    return summary
+
+
+def _run_specs(specs: list[dict[str, Any]], out: Path, workers: int, steps: int) -> list[dict[str, Any]]:
+    """Run ``specs`` in ``workers`` torchrun launches of 3 ranks; every spec's result row, by id."""
+    from sdc_core.safeio import atomic_write_text
+
     atomic_write_text(out / "plan.json", json.dumps(specs, indent=1))
     chunks = [specs[i::workers] for i in range(workers)]
     procs = []
@@ -304,11 +505,7 @@ def run_campaign(out: Path, injections: int = 200, clean: int = 20, workers: int
     rows = [json.loads(line) for i in range(len(chunks)) if (out / f"chunk{i}.jsonl").exists()
             for line in (out / f"chunk{i}.jsonl").read_text().splitlines()]  # fmt: skip
     rows.sort(key=lambda r: r["id"])
-    summary = report(rows, out, seed=seed, steps=steps)
-    if doc is not None:
-        write_doc(out, doc, f"sdc campaign --injections {injections} --clean {clean} --study {study} --seed {seed} "
-                            f"--steps {steps} --out {out} --doc {doc}")  # fmt: skip
-    return summary
+    return rows
 
 
 def _make_folder(folder: Path, what: str) -> None:
@@ -333,8 +530,8 @@ def write_doc(out: Path, doc: Path, command: str) -> None:
     if plotted:
         atomic_write(png, lambda f: f.write((out / "detection.png").read_bytes()))
     atomic_write(doc.with_suffix(".csv"), lambda f: f.write((out / "results.csv").read_bytes()))
-    atomic_write_text(doc, markdown(json.loads((out / "results.json").read_text()), command,
-                                    png.name if plotted else None))  # fmt: skip
+    text = markdown(json.loads((out / "results.json").read_text()), command, png.name if plotted else None)
+    atomic_write_text(doc, with_section(text, section(doc.read_text() if doc.is_file() else "")))
 
 
 def _table(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -447,12 +644,25 @@ def plot(table: list[dict[str, Any]], path: Path) -> bool:
     return True
 
 
-def _main() -> None:
+def _main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["matmul"]:  # the compute-fault campaign of the matmul checksum check (its driver)
+        parser = argparse.ArgumentParser(prog="python -m lightning_sdc.campaign matmul")
+        parser.add_argument("--out", type=Path, default=Path("sdc-campaign-matmul"))
+        parser.add_argument("--per-class", type=int, default=3, help="injections per phase and bit class")
+        parser.add_argument("--clean", type=int, default=3)
+        parser.add_argument("--workers", type=int, default=1)
+        parser.add_argument("--seed", type=int, default=0)
+        parser.add_argument("--steps", type=int, default=12)
+        parser.add_argument("--doc", type=Path, help="write the campaign's section of this coverage page")
+        a = parser.parse_args(argv[1:])
+        run_matmul_campaign(a.out, a.per_class, a.clean, a.workers, a.seed, a.steps, a.doc)
+        return
     parser = argparse.ArgumentParser()
     parser.add_argument("--worker", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--steps", type=int, default=12)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     worker(args.worker, args.out, args.steps)
 
 

@@ -99,7 +99,7 @@ class SDCError(RuntimeError):
 
         Raises ``ValueError`` naming the problem for anything else (the data may come from a file).
         """
-        known = (SDCError, NonFiniteGradientError, ReplayMismatchError, FingerprintMismatchError)
+        known = (SDCError, NonFiniteGradientError, ReplayMismatchError, FingerprintMismatchError, ChecksumMismatchError)
         types = {t.__name__: t for t in known}
         try:
             kind = types[data["type"]]
@@ -161,6 +161,40 @@ class FingerprintMismatchError(SDCError):
     """The replicas' weight fingerprints differ after an optimizer step."""
 
     check = "weight_fingerprint"
+
+
+class ChecksumMismatchError(SDCError):
+    """A matrix product disagreed with its checksum beyond the rounding bound on one rank: the
+    multiply was computed wrongly there (``sdc_core.matmul``).
+
+    Besides the common fields: ``module`` (the product's module name, e.g. ``"encoder.layers.0.linear1"``
+    or ``"encoder.layers.0.self_attn.in_proj"``), ``phase`` (``"forward"`` or ``"backward"``) and
+    ``host`` (the faulty rank's host); ``details["product"]`` says which product (``"output"``,
+    ``"input_gradient"`` or ``"weight_gradient"``) and ``details["violations"]`` lists every
+    rank's, module's and phase's excess over the bound.
+    """
+
+    check = "matmul_checksum"
+
+    def __init__(self, *, module: str | None = None, phase: str | None = None, **kwargs: Any) -> None:
+        details = dict(kwargs.pop("details", None) or {})
+        if module is not None:
+            details["module"] = module
+        if phase is not None:
+            details["phase"] = phase
+        super().__init__(details=details, **kwargs)
+
+    @property
+    def module(self) -> str | None:
+        return self.details.get("module")
+
+    @property
+    def phase(self) -> str | None:
+        return self.details.get("phase")
+
+    @property
+    def host(self) -> str | None:
+        return None if self.rank is None else self.hosts.get(self.rank)
 
 
 class ReplayUnavailableError(RuntimeError):

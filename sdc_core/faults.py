@@ -13,6 +13,11 @@ unless a fault is installed.
   named parameter's local gradient flips before the all-reduce.
 * ``Fault(kind="weight_bit_flip" | "optimizer_state", ...)``: right after optimizer step
   ``step``, flip a bit of a named parameter, or of its optimizer state tensor ``state_key``.
+* ``Fault(kind="matmul_output", phase=..., ...)``: at step ``step``, one element of a named
+  ``nn.Linear``'s matrix product comes out wrong inside the layer (a faulty multiply-accumulate):
+  its output (``phase="forward"``), or in the backward the input gradient (``"input_grad"``) or
+  the weight gradient (``"weight_grad"``) as the product's autograd node returns them, before
+  anything downstream reads them. Modes as for ``module_output``.
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ from torch import nn
 
 _INT_VIEW = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 KINDS = ("module_output", "nonfinite_gradient", "gradient_bit_flip", "weight_bit_flip", "optimizer_state")
+KINDS += ("matmul_output",)
+MATMUL_PHASES = ("forward", "input_grad", "weight_grad")
 
 
 def flip_bit(t: torch.Tensor, index: int, bit: int) -> tuple[float, float]:
@@ -65,6 +72,7 @@ class Fault:
     mode: str = "persistent"
     value: float = float("nan")
     state_key: str = "exp_avg"
+    phase: str = "forward"
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -77,6 +85,8 @@ class Fault:
                 raise ValueError(f"{name} must be an integer >= 0, got {v!r}")
         if self.kind in ("weight_bit_flip", "optimizer_state", "gradient_bit_flip") and self.bit is None:
             raise ValueError(f"bit is required for kind={self.kind!r}")
+        if self.kind == "matmul_output" and self.phase not in MATMUL_PHASES:
+            raise ValueError(f"phase must be one of {MATMUL_PHASES} for kind='matmul_output', got {self.phase!r}")
 
 
 @dataclass
@@ -102,6 +112,11 @@ class FaultInjector:
                 if fault.target not in modules:
                     raise ValueError(f"no module named {fault.target!r}; known: {sorted(modules)[:10]}")
                 self._handles.append(modules[fault.target].register_forward_hook(self._output_hook(i, fault)))
+            elif fault.kind == "matmul_output":
+                module_ = modules.get(fault.target)
+                if not isinstance(module_, nn.Linear):
+                    raise ValueError(f"{fault.target!r} is not an nn.Linear; known: {sorted(modules)[:10]}")
+                self._handles.append(_MatmulFault(self, i, fault, module_))
             elif fault.kind in ("nonfinite_gradient", "gradient_bit_flip"):
                 if fault.target not in params:
                     raise ValueError(f"no parameter named {fault.target!r}; known: {sorted(params)[:10]}")
@@ -180,3 +195,76 @@ class FaultInjector:
             return grad
 
         return hook
+
+
+class _MatmulFault:
+    """A wrong element inside one ``nn.Linear``'s product: the layer's ``forward`` is wrapped on the
+    instance, so the wrong value is what the product returned (forward hooks, the matmul checksum
+    check's included, see it), and backward faults ride a post-hook on the product's autograd node
+    registered before anyone else's. ``remove()`` restores the layer."""
+
+    def __init__(self, injector: FaultInjector, i: int, fault: Fault, module: nn.Module) -> None:
+        self.injector, self.i, self.fault, self.module = injector, i, fault, module
+        original = module.forward
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            y = original(*args, **kwargs)
+            if isinstance(y, torch.Tensor) and self._due():
+                self._corrupt(y)
+            return y
+
+        self._forward = forward
+        module.forward = forward  # type: ignore[method-assign]
+
+    def remove(self) -> None:
+        if vars(self.module).get("forward") is self._forward:
+            del self.module.forward
+
+    def _due(self) -> bool:
+        inj, fault = self.injector, self.fault
+        if inj.step < fault.step or (fault.mode == "once" and inj.step != fault.step):
+            return False
+        if fault.phase != "forward" and not torch.is_grad_enabled():
+            return False
+        inj._calls[self.i] = inj._calls.get(self.i, 0) + 1
+        return not (fault.mode in ("intermittent", "once") and inj._calls[self.i] > 1)
+
+    def _wrong(self, t: torch.Tensor) -> tuple[float, float]:
+        """Make one element of ``t`` (flat ``index`` modulo its size, any layout) wrong, in place."""
+        j = self.fault.index % t.numel()
+        at = tuple(int(v) for v in torch.unravel_index(torch.tensor(j), t.shape))
+        old = t[at].reshape(1).clone()
+        new = old.clone()
+        if self.fault.bit is not None:
+            flip_bit(new, 0, self.fault.bit)
+        else:
+            new.mul_(self.fault.factor)
+        t[at] = new[0]
+        return float(old), float(new)
+
+    def _corrupt(self, y: torch.Tensor) -> None:
+        fault, inj = self.fault, self.injector
+        record = {"kind": fault.kind, "phase": fault.phase, "step": inj.step, "target": fault.target}
+        if fault.phase == "forward":
+            with torch.no_grad():
+                old, new = self._wrong(y.detach())
+            inj.fired.append({**record, "old": old, "new": new})
+            return
+        from sdc_core.matmul import product_node
+
+        found = product_node(y)
+        if found is None:
+            raise ValueError(f"no matrix product found behind the output of {fault.target!r}")
+        node, dx_at = found
+        at = dx_at if fault.phase == "input_grad" else dx_at + 1
+
+        def hook(grad_inputs: tuple[Any, ...], grad_outputs: tuple[Any, ...]) -> tuple[Any, ...] | None:
+            grads = list(grad_inputs)
+            if grads[at] is None:
+                return None
+            grads[at] = grads[at].clone()
+            old, new = self._wrong(grads[at])
+            inj.fired.append({**record, "old": old, "new": new})
+            return tuple(grads)
+
+        node.register_hook(hook)

@@ -1,0 +1,271 @@
+"""What the matrix-product checksum check costs: a small transformer's training step, one process,
+with and without the check, in interleaved rounds (``python -m benchmarks.matmul``).
+
+Configurations alternate every ``STEPS_PER_ROUND`` steps (none; the check at its defaults, with
+checksums over blocks of 32; the check over whole rows, ``block=0``; the defaults on every 4th
+step), so drifts of a shared machine hit all alike; each round's median step time gives one
+ratio, and the spread of those ratios is the spread of the estimate. The check's own code is also
+timed inside the same steps (its forward hooks and backward node hooks, wrapped), which does not
+drift with the machine. Widths 256 (the model of ``benchmarks/step.py``) and up show how the share
+falls with the model width; fp32 and bf16 autocast. ``--out`` writes JSON; the tables print as
+markdown (what docs/performance.md shows).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.common import WorkTimer, summary, sync
+from benchmarks.step import TinyTransformer
+from sdc_core.matmul import MatmulChecksum, MatmulChecksumConfig
+
+STEPS_PER_ROUND = 4
+CONFIGS = ("none", "checksum", "checksum_rows", "checksum_every_4")
+
+
+def run_one(width: int, precision: str, rounds: int, device: torch.device, batch: int = 16,
+            seq: int = 64) -> dict[str, Any]:  # fmt: skip
+    """One model width and precision: every configuration in ``rounds`` alternating rounds."""
+    torch.manual_seed(0)
+    model = TinyTransformer(d=width, heads=max(width // 64, 1)).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    data = torch.randint(0, 2000, (batch, seq + 1), device=device)
+    timer = WorkTimer()
+    settings = {"checksum": {}, "checksum_rows": {"block": 0}, "checksum_every_4": {"every_n_steps": 4}}
+    checks = {c: MatmulChecksum(MatmulChecksumConfig(**settings[c])) for c in CONFIGS[1:]}
+    for check in checks.values():  # the check's own code, forward and backward, timed in the same steps
+        check._check = timer.wrap(check._check)  # type: ignore[method-assign]
+        check._check_backward = timer.wrap(check._check_backward)  # type: ignore[method-assign]
+    counter = {"step": 0}
+    autocast = precision == "bf16"
+
+    def step(config: str) -> float:
+        check = checks.get(config)
+        if check is not None:
+            check.arm(counter["step"])
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+            loss = model(data)
+        loss.backward()
+        if check is not None:
+            check.verdict(counter["step"])
+        opt.step()
+        counter["step"] += 1
+        return float(loss.detach())
+
+    times: dict[str, list[float]] = {c: [] for c in CONFIGS}
+    work: dict[str, list[float]] = {c: [] for c in CONFIGS}
+    per_round: dict[str, list[float]] = {c: [] for c in CONFIGS}
+    for c in CONFIGS:  # warm-up, and every check attached once to see it run
+        if c in checks:
+            checks[c].attach(model)
+        step(c)
+        if c in checks:
+            checks[c].resolve()
+            checks[c].detach()
+    for _ in range(rounds):
+        for c in CONFIGS:
+            if c in checks:
+                checks[c].attach(model)
+            kept = []
+            for _ in range(STEPS_PER_ROUND):
+                sync(device)
+                timer.take()
+                t0 = time.perf_counter()
+                step(c)
+                sync(device)
+                kept.append(time.perf_counter() - t0)
+                work[c].append(timer.take())
+            if c in checks:
+                checks[c].resolve()
+                checks[c].detach()
+            times[c] += kept
+            per_round[c].append(statistics.median(kept))
+    failures = sum(ch.stats.failures for ch in checks.values())
+    base = summary(times["none"])["median"]
+    by_round = {c: [m / b - 1 for m, b in zip(per_round[c], per_round["none"], strict=True)] for c in CONFIGS[1:]}
+    return {
+        "width": width,
+        "precision": precision,
+        "params": sum(p.numel() for p in model.parameters()),
+        "tokens": batch * seq,
+        "step_ms": {c: 1000 * summary(t)["median"] for c, t in times.items()},
+        "overhead": {c: summary(times[c])["median"] / base - 1 for c in CONFIGS[1:]},
+        "overhead_by_round": by_round,
+        "overhead_round_median": {c: statistics.median(v) for c, v in by_round.items()},
+        "work_share": {c: sum(work[c]) / sum(times[c]) for c in CONFIGS[1:]},
+        "false_alarms": failures,
+        "rounds": rounds,
+    }
+
+
+def clean_run(steps: int, precision: str, device: torch.device, width: int = 128, layers: int = 2,
+              batch: int = 16, seq: int = 32) -> dict[str, Any]:  # fmt: skip
+    """Train a small transformer ``steps`` steps with the check on every step (``verdict`` read
+    before each update); returns the alarms and the largest ratio seen per product (of 1.0)."""
+    torch.manual_seed(0)
+    model = TinyTransformer(d=width, layers=layers, heads=max(width // 32, 1)).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    gen = torch.Generator().manual_seed(1)
+    check = MatmulChecksum(MatmulChecksumConfig(on_failure="warn"))
+    check.attach(model)
+    peak: dict[str, float] = {}
+    losses = []
+    for step in range(steps):
+        data = torch.randint(0, 2000, (batch, seq + 1), generator=gen).to(device)
+        check.arm(step)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
+            loss = model(data)
+        loss.backward()
+        for (_, product), value in check.worst().items():
+            peak[product] = max(peak.get(product, 0.0), value)
+        check.verdict(step, now=True)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(loss.detach()))
+    check.detach()
+    return {
+        "steps": steps, "precision": precision, "width": width, "alarms": check.stats.failures,
+        "verdicts": check.stats.runs, "largest_ratio": peak, "loss_first": losses[0], "loss_last": losses[-1],
+    }  # fmt: skip
+
+
+STRESS_SHAPES = [(64, 16384, 64), (8, 65536, 32), (4096, 4096, 4096), (8192, 1024, 4096), (32, 8192, 8192),
+                 (1, 4096, 4096), (2048, 12288, 1024), (3, 5, 7), (512, 3000, 77)]  # fmt: skip
+
+
+def stress(device: torch.device, shapes: list[tuple[int, int, int]] = STRESS_SHAPES) -> dict[str, Any]:
+    """False-alarm stress on this device's own kernels: products of many shapes (long reductions
+    where GPU libraries split them), all-positive and constant data (correlated rounding), fp32
+    with and without TF32, bf16 and fp16 autocast (reduced-precision reductions as the backend
+    allows them); then a wrong element in each phase under bf16 autocast, caught through the
+    device's verdict path. Returns the largest ratio per setting and product, and the alarms."""
+    from sdc_core.errors import ChecksumMismatchError
+    from sdc_core.faults import Fault, FaultInjector
+
+    gen = torch.Generator().manual_seed(0)
+    worst: dict[str, float] = {}
+    alarms = 0
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    for setting in ("fp32", "tf32", "bf16", "fp16"):
+        torch.backends.cuda.matmul.allow_tf32 = setting == "tf32"
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(setting)
+        for n, k, m in shapes:
+            for pattern in ("normal", "positive", "constant"):
+                for scale in (1e-3, 1.0, 30.0):
+                    layer = torch.nn.Linear(k, m).to(device)
+                    x = torch.randn(n, k, generator=gen).to(device) * scale
+                    with torch.no_grad():
+                        if pattern == "positive":
+                            x, _ = x.abs(), layer.weight.abs_()
+                        elif pattern == "constant":
+                            x = torch.full((n, k), scale * (1 + 2**-9), device=device)
+                            layer.weight.fill_(1.0 / k)
+                    check = MatmulChecksum()
+                    check.attach(layer)
+                    check.arm(0)
+                    with torch.autocast(device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+                        y = layer(x.requires_grad_(True))
+                    y.backward(torch.randn(y.shape, generator=gen).to(device, y.dtype))
+                    for (_, product), value in check.worst().items():
+                        worst[f"{setting}/{product}"] = max(worst.get(f"{setting}/{product}", 0.0), value)
+                    check.verdict(0, now=True)
+                    check.detach()
+                    alarms += check.stats.failures
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    caught: dict[str, Any] = {}
+    for phase in ("forward", "input_grad", "weight_grad"):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64)).to(device)
+        check = MatmulChecksum()
+        check.attach(model)
+        fault = Fault("matmul_output", rank=0, step=2, target="2", index=7, factor=-1e3, mode="once", phase=phase)
+        injector = FaultInjector([fault])
+        injector.install(model, 0)
+        x = torch.randn(32, 64, device=device, requires_grad=True)
+        caught[phase] = None
+        try:
+            for step in range(4):
+                injector.set_step(step)
+                check.arm(step)
+                with torch.autocast(device.type, dtype=torch.bfloat16):
+                    model(x).float().square().mean().backward()
+                check.verdict(step)
+            check.resolve()
+        except ChecksumMismatchError as err:
+            caught[phase] = {"step": err.step, "module": err.module, "phase": err.phase, "ratio": err.details["ratio"]}
+        check.detach()
+    return {"device": str(device), "worst_ratio": worst, "alarms": alarms, "faults_caught": caught}
+
+
+def markdown(results: list[dict[str, Any]]) -> str:
+    """The docs/performance.md section for these results."""
+    lines = [
+        "| width | precision | parameters | step ms (none) | configuration | step time vs none (median of rounds) "
+        "| per-round range | the check's own code, share of its step |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        for c in CONFIGS[1:]:
+            rng = r["overhead_by_round"][c]
+            lines.append(
+                f"| {r['width']} | {r['precision']} | {r['params']:,} | {r['step_ms']['none']:.1f} | {c} | "
+                f"{100 * r['overhead_round_median'][c]:+.1f}% | {100 * min(rng):+.1f}% to {100 * max(rng):+.1f}% | "
+                f"{100 * r['work_share'][c]:.1f}% |"
+            )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--widths", default="256,512")
+    parser.add_argument("--precisions", default="fp32,bf16")
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    parser.add_argument("--clean-steps", type=int, default=0, help="instead: a long clean run of this many steps")
+    parser.add_argument("--stress", action="store_true", help="instead: the false-alarm stress on this device")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.stress:
+        found = stress(device)
+        print(json.dumps(found, indent=1))
+        ok = found["alarms"] == 0 and all(v is not None for v in found["faults_caught"].values())
+        return 0 if ok else 1
+    if args.clean_steps:
+        runs = [clean_run(args.clean_steps, p, device) for p in args.precisions.split(",")]
+        print(json.dumps(runs, indent=1))
+        if args.out:
+            from sdc_core.safeio import atomic_write_text
+
+            atomic_write_text(args.out, json.dumps({"device": str(device), "clean_runs": runs}, indent=1))
+        return 0 if all(r["alarms"] == 0 for r in runs) else 1
+    results = [
+        run_one(int(w), p, args.rounds, device, args.batch, args.seq)
+        for w in args.widths.split(",")
+        for p in args.precisions.split(",")
+    ]
+    text = markdown(results)
+    print(text)
+    if args.out:
+        from sdc_core.safeio import atomic_write_text
+
+        meta = {"device": str(device), "torch": torch.__version__, "threads": torch.get_num_threads()}
+        atomic_write_text(args.out, json.dumps({"meta": meta, "results": results, "markdown": text}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
