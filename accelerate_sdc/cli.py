@@ -50,6 +50,7 @@ _HELP = {
     "max_heals": "heals allowed per rank before a mismatch raises",
     "fingerprint_rolling": "fingerprint 1/k of the tensors per comparison, each within k comparisons (1: all)",
     "update_audit_every_n_steps": "FSDP2: a partner recomputes each rank's optimizer update every n steps (0: off)",
+    "matmul_checksum": "verify every nn.Linear product's row sums in forward and backward (opt-in)",
     "log_every_n_steps": "how often the counters go to the trackers",
 }
 

@@ -241,6 +241,13 @@ class SDCHooks:
         self.replay: Any = RingReplay(replay) if replay else None
         self.fingerprint: Any = WeightFingerprint(fingerprint) if fingerprint else None
         self.update_audit: Any = None
+        matmul = self.settings.matmul()
+        if matmul is not None:
+            from sdc_core.matmul import MatmulChecksum
+
+            self.matmul: Any = MatmulChecksum(matmul)
+        else:
+            self.matmul = None
         self.step = 0  # optimizer steps (sync steps) so far: the index of the coming update
         self._updates = 0
         self._inner_hook, self._inner_state = self._fw.take_comm_hook()
@@ -266,7 +273,7 @@ class SDCHooks:
 
     @property
     def checks(self) -> list[Any]:
-        return [c for c in (self.nonfinite, self.replay, self.fingerprint) if c is not None]
+        return [c for c in (self.nonfinite, self.replay, self.fingerprint, self.matmul) if c is not None]
 
     @property
     def module(self) -> nn.Module | None:
@@ -321,6 +328,7 @@ class SDCHooks:
                 if check is not None:
                     warnings.warn(f"SDC {name} is inactive: a single process has no replica", UserWarning, stacklevel=2)
             self.replay = self.fingerprint = None
+        self._attach_matmul(module, topo)
         self._wrap_step(optimizer)
         self._model, self._optimizer = model, optimizer
         handle = fw.before_checkpoint(self._before_save)
@@ -339,6 +347,9 @@ class SDCHooks:
         self._module = model
         shutdown.arm()
         topo = Topology.gather(local_rank=self._fw.local_rank)
+        if self.matmul is not None:  # DTensor weights are not covered (sdc_core.matmul)
+            warnings.warn("SDC matmul_checksum is inactive on a fully_shard model", UserWarning, stacklevel=3)
+            self.matmul = None
         if self.replay is not None:
             self.replay = ShardedReplay(self.replay.config, self.replay.stats, topo)
             get, load = self._state_hooks(model)
@@ -377,6 +388,23 @@ class SDCHooks:
             self._handles.append(handle)
         return self
 
+    def _attach_matmul(self, module: nn.Module, topo: Topology) -> None:
+        """The matrix-product checksums (``matmul_checksum``): every ``nn.Linear`` (and attention
+        projection) of ``module`` verified in its forward and backward; armed before the step's
+        first forward, its verdict sent before the replay audit and read at the next step."""
+        matmul = self.matmul
+        if matmul is None:
+            return
+        matmul.topology = topo
+        matmul.attach(module)
+
+        def arm(mod: nn.Module, args: Any) -> None:  # the first forward of a step reads the previous verdict
+            if mod.training and torch.is_grad_enabled() and not self._in_replay():
+                self._verdict(matmul, lambda: matmul.arm(self.step), matmul.config.on_failure)
+
+        self._handles.append(module.register_forward_pre_hook(arm))
+        self._handles.append(_Call(matmul.detach))
+
     def _state_hooks(self, module: nn.Module) -> tuple[Any, Any]:
         get, load = self._replay_state
         if get is None and load is None:  # the model's own methods, when it has them
@@ -386,6 +414,11 @@ class SDCHooks:
     def _hook_forward(self, module: nn.Module) -> None:
         self._handles.append(module.register_forward_pre_hook(self._before_forward, with_kwargs=True))
         self._handles.append(module.register_forward_hook(self._after_forward, with_kwargs=True))
+
+    def _resolve_matmul(self) -> None:
+        matmul = self.matmul
+        if matmul is not None:
+            self._verdict(matmul, matmul.resolve, matmul.config.on_failure)
 
     def _resolve_nonfinite(self) -> None:
         nonfinite = self.nonfinite
@@ -571,6 +604,9 @@ class SDCHooks:
         module, step = self._module, self.step
         scaler = fw.scaler is not None
         skipped = False
+        if self.matmul is not None:  # the step's products: sent now, read at the next step (or before a save)
+            matmul = self.matmul
+            self._verdict(matmul, lambda: matmul.verdict(step), matmul.config.on_failure)
         if self._checked == step:  # check_gradients_now took this step's verdict already
             skipped = self._checked_skip
         elif nonfinite is not None:  # read now when the replay audits this step: it must not act first
@@ -646,6 +682,7 @@ class SDCHooks:
         (one extra read and one host wait): training does not end with replicas that differ
         unnoticed. Raises the ``SDCError`` on every process."""
         try:
+            self._resolve_matmul()
             if self.nonfinite is not None:
                 self._resolve_nonfinite()
             self._check_now()
@@ -682,6 +719,7 @@ class SDCHooks:
         ``load_state_dict`` verifies what was loaded. Works the same before
         ``torch.distributed.checkpoint.save`` (sharded models: compared, not fingerprinted).
         Cost: one host wait and one read of the weights (and of the saved state)."""
+        self._resolve_matmul()
         if self.nonfinite is not None:  # no checkpoint after a step whose verdict is unread
             self._resolve_nonfinite()
         self._check_now()
@@ -889,6 +927,16 @@ def _to_device(value: Any, device: torch.device | None) -> Any:
     if isinstance(value, list | tuple):
         return type(value)(_to_device(v, device) for v in value)
     return value
+
+
+class _Call:
+    """Handle whose ``remove`` calls ``fn``."""
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        self.fn = fn
+
+    def remove(self) -> None:
+        self.fn()
 
 
 class _Restore:

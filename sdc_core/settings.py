@@ -66,6 +66,7 @@ class SDCSettings:
     max_heals: int = 3
     fingerprint_rolling: int = 1
     update_audit_every_n_steps: int = 0
+    matmul_checksum: bool = False
     log_every_n_steps: int = 50
 
     def nonfinite(self) -> NonFiniteConfig | None:
@@ -92,6 +93,14 @@ class SDCSettings:
             self.max_heals,
             rolling=self.fingerprint_rolling,
         )
+
+    def matmul(self) -> Any:
+        """The matrix-product checksum check's config (``MatmulChecksumConfig``), or None when off."""
+        if not self.matmul_checksum:
+            return None
+        from sdc_core.matmul import MatmulChecksumConfig
+
+        return MatmulChecksumConfig()
 
     def update_audit(self) -> UpdateAudit | None:
         """FSDP2 without replicas: a partner recomputes each rank's optimizer update every n-th step."""

@@ -16,7 +16,9 @@ runs the named scenarios one after the other in one process group; each rank wri
   in rank 1's weights after step 2: the fingerprint names it), ``flip_audited`` (the same after
   step 1, before the audited step 2: reported as the weight fault it is, not as a compute fault),
   ``update`` (FSDP: a wrong update of rank 1's shard at step 4, named by the update audit),
-  ``save`` (a clean run, then ``before_save``, a checkpoint written and loaded back, verified by a
+  ``matmul``/``matmul_clean``/``matmul_backward`` (``matmul_checksum`` on; a wrong element inside
+  rank 2's ``head`` product, forward or weight gradient, at step 3, which the replay does not
+  audit), ``save`` (a clean run, then ``before_save``, a checkpoint written and loaded back, verified by a
   fresh hook set; a changed weight refused).
 
 With several ranks on one GPU the process group is gloo (NCCL refuses two ranks on a device);
@@ -181,6 +183,9 @@ def faults(model: str, kind: str) -> list[Fault]:
         return [Fault("module_output", rank=2, step=2, target=module, factor=1.5, index=3)]
     if kind == "flip":
         return [Fault("weight_bit_flip", rank=1, step=2, target=weight, index=5, bit=27)]
+    if kind in ("matmul", "matmul_backward"):  # a wrong element inside a product, once, at a step not audited
+        phase = "forward" if kind == "matmul" else "weight_grad"
+        return [Fault("matmul_output", rank=2, step=3, target="head", index=3, factor=-3.0, mode="once", phase=phase)]
     if kind == "flip_audited":  # after update 1, digested already; step 2 is audited: the replay sees it first
         return [Fault("weight_bit_flip", rank=1, step=1, target=weight, index=5, bit=27)]
     return []
@@ -217,6 +222,8 @@ def train(name: str, out: Path, device: torch.device) -> dict[str, Any]:
         settings: dict[str, Any] = {"replay_every_n_steps": 2, "fingerprint_every_n_steps": 1, "log_every_n_steps": 1}
         if kind == "update":
             settings |= {"replay_every_n_steps": 0, "fingerprint_every_n_steps": 0, "update_audit_every_n_steps": 2}
+        if kind.startswith("matmul"):
+            settings |= {"matmul_checksum": True}
         hooks = SDCHooks(run_dir=out / name.replace(":", "-"), log=lambda m, s: metrics.append((s, m)), **settings)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

@@ -58,7 +58,8 @@ def check_models(out: Path, models: list[str], world: int, exact: set[str]) -> N
 
 @pytest.fixture(scope="module")
 def ddp(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return launch(tmp_path_factory.mktemp("plain_ddp"), [f"mlp:{k}" for k in (*KINDS, "save", "flip_audited")], 3)
+    return launch(tmp_path_factory.mktemp("plain_ddp"), [f"mlp:{k}" for k in (*KINDS, "save", "flip_audited", "matmul_clean", "matmul",
+                                                                          "matmul_backward")], 3)
 
 
 def test_plain_torchrun_ddp_loop_names_the_faulty_rank_with_every_check(ddp: Path) -> None:
@@ -77,6 +78,19 @@ def test_a_weight_flip_before_an_audited_step_is_reported_as_a_weight_fault(ddp:
     assert "body.3.weight" in err["message"]
     assert [i.split("-", 1)[1] for i in results(ddp, "mlp:flip_audited", 3)[0]["incidents"]] == [
         "weight_fingerprint-step1.json"]  # one incident: the weight fault, not a compute fault besides
+
+
+def test_matmul_checksum_setting_names_a_wrong_product_in_its_own_step(ddp: Path) -> None:
+    """``matmul_checksum=True`` on the plain route: a wrong element inside rank 2's ``head`` product at
+    step 3 (a step the replay does not audit) is named at step 3, forward and backward; a clean run
+    with the check trains bit-identically to one without any check."""
+    clean, off = results(ddp, "mlp:matmul_clean", 3), results(ddp, "mlp:off", 3)
+    assert all(r["error"] is None for r in clean)
+    assert [r["weights"] for r in clean] == [r["weights"] for r in off]
+    for kind, phase in (("matmul", "forward"), ("matmul_backward", "backward")):
+        err = same_error(ddp, f"mlp:{kind}", 3)
+        assert (err["type"], err["rank"], err["step"]) == ("ChecksumMismatchError", 2, 3), err["message"]
+        assert "head" in err["message"] and phase in err["message"]
 
 
 def test_plain_loop_logs_through_the_callable_and_carries_counters(ddp: Path) -> None:
