@@ -58,8 +58,8 @@ def check_models(out: Path, models: list[str], world: int, exact: set[str]) -> N
 
 @pytest.fixture(scope="module")
 def ddp(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return launch(tmp_path_factory.mktemp("plain_ddp"), [f"mlp:{k}" for k in (*KINDS, "save", "flip_audited", "matmul_clean", "matmul",
-                                                                          "matmul_backward")], 3)
+    kinds = (*KINDS, "save", "flip_audited", "matmul_clean", "matmul", "matmul_backward")
+    return launch(tmp_path_factory.mktemp("plain_ddp"), [f"mlp:{k}" for k in kinds], 3)
 
 
 def test_plain_torchrun_ddp_loop_names_the_faulty_rank_with_every_check(ddp: Path) -> None:
