@@ -99,7 +99,7 @@ from torch import nn
 
 from sdc_core.errors import ChecksumMismatchError
 from sdc_core.stats import CheckStats
-from sdc_core.topology import Topology, all_gather_objects, is_distributed
+from sdc_core.topology import HostRead, Topology, all_gather_objects, collective_device, is_distributed
 
 FORWARD, INPUT_GRAD, WEIGHT_GRAD = 0, 1, 2
 PRODUCTS = ("output", "input_gradient", "weight_gradient")
@@ -686,8 +686,7 @@ class _Pending:
     payload: torch.Tensor  # the step's worst ratio, all-reduced (MAX) in place
     work: Any
     records: list[tuple[int, int, torch.Tensor]]  # this rank's (site, product, worst ratio) (for the names)
-    host: torch.Tensor | None = None  # CUDA: a pinned copy, readable once ``event`` has passed
-    event: Any = None
+    read: HostRead | None = None  # the all-reduced value, read on the host without draining the queue
 
 
 @dataclass
@@ -719,6 +718,7 @@ class MatmulChecksum:
     _bounds: dict[tuple[Any, ...], LinearBound] = field(default_factory=dict)
     _rounding: dict[tuple[torch.dtype, str], Rounding] = field(default_factory=dict)
     _pending: _Pending | None = None
+    _home: torch.device | None = None  # the model's device: where the step's flag is made
 
     # -- set-up
 
@@ -726,6 +726,7 @@ class MatmulChecksum:
         """Hook every covered product of ``model`` (names relative to it); returns the checked
         sites. What is not covered, and why, is in ``uncovered``."""
         self.detach()
+        self._home = next((p.device for p in model.parameters()), None)
         skip: set[str] = set()
         for name, module in model.named_modules():
             if name in skip:
@@ -844,11 +845,8 @@ class MatmulChecksum:
         t0 = time.perf_counter()
         self._armed = False
         records, self._records = self._records, []
-        device = torch.device("cpu")
-        if dist.is_initialized() and dist.get_backend() == "nccl":
-            device = torch.device("cuda", torch.cuda.current_device())
-        elif records:
-            device = records[0][2].device
+        # decided from the model's device and the group's backends, alike on every rank whatever each saw
+        device = collective_device(self._home)
         groups: dict[torch.device, list[torch.Tensor]] = {}
         for _, _, worst in records:
             groups.setdefault(worst.device, []).append(worst)
@@ -857,14 +855,7 @@ class MatmulChecksum:
         payload = torch.nan_to_num(payload, nan=math.inf)
         work = dist.all_reduce(payload, op=dist.ReduceOp.MAX, async_op=True) if is_distributed() else None
         pending = _Pending(step, payload, work, records)
-        if payload.is_cuda:  # read later from pinned memory once the event has passed: no stall
-            if work is not None:
-                work.wait()  # NCCL: the current stream waits for the reduction, the host does not
-                pending.work = None
-            pending.host = torch.empty(1, dtype=torch.float32, pin_memory=True)
-            pending.host.copy_(payload, non_blocking=True)
-            pending.event = torch.cuda.Event()
-            pending.event.record()
+        pending.read = HostRead(payload, work)  # on CUDA: an event now, a side-stream copy when read
         self._pending = pending
         self.stats.add_time(time.perf_counter() - t0)
         if now:
@@ -876,13 +867,8 @@ class MatmulChecksum:
         if pending is None:
             return
         t0 = time.perf_counter()
-        if pending.event is not None:
-            pending.event.synchronize()
-            value = float(pending.host[0])  # type: ignore[index]
-        else:
-            if pending.work is not None:
-                pending.work.wait()
-            value = float(pending.payload[0])
+        assert pending.read is not None
+        value = float(pending.read.get()[0])  # waits for this value (and its all-reduce) only
         self.stats.runs += 1
         if value <= 1.0:
             self.stats.last_verified_step = pending.step

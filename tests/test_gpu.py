@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import worker_env
-from test_plain import KINDS, check_models, launch
+from conftest import results, worker_env
+from test_plain import KINDS, check_models, launch, same_error
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -32,8 +32,8 @@ EXACT = {"mlp", "bf16", "fp16", "compile"}
 
 @pytest.fixture(scope="module")
 def gpu_ddp(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return launch(tmp_path_factory.mktemp("gpu"), [f"{m}:{k}" for m in MODELS for k in KINDS], 3, device="cuda",
-                  timeout=480)  # fmt: skip
+    scenarios = [f"{m}:{k}" for m in MODELS for k in (*KINDS, "matmul_clean")] + ["mlp:matmul", "bf16:matmul"]
+    return launch(tmp_path_factory.mktemp("gpu"), scenarios, 3, device="cuda", timeout=480)
 
 
 @pytest.mark.parametrize("model", MODELS)
@@ -51,3 +51,14 @@ def test_gpu_single_device_route_names_a_nan_and_runs_clean(tmp_path: Path, rout
     result = json.loads(out.read_text())
     assert "type" not in result["clean"], result["clean"]
     assert result["nan"]["type"] == "NonFiniteGradientError" and result["nan"]["step"] == 2, result["nan"]
+
+
+def test_gpu_matmul_checksums_never_alarm_on_clean_products_and_name_a_wrong_one(gpu_ddp: Path) -> None:
+    """``matmul_checksum`` on CUDA (TF32 allowed or not, bf16/fp16 autocast, split-K): no alarm on any
+    model's clean run; a wrong element inside rank 2's product at step 3 is named there (fp32, bf16)."""
+    for model in MODELS:
+        rows = results(gpu_ddp, f"{model}:matmul_clean", 3)
+        assert all(r["error"] is None for r in rows), f"{model}: {rows[0]['error']}"
+    for model in ("mlp", "bf16"):
+        err = same_error(gpu_ddp, f"{model}:matmul", 3)
+        assert (err["type"], err["rank"], err["step"]) == ("ChecksumMismatchError", 2, 3), err["message"]
