@@ -411,7 +411,9 @@ def _host_digests(
     pieces = []
     for same, positions, arg, cat in batches:
         parts = _padded([tensors[indices[p]] for p in positions], [p in padded for p in positions] if padded else None)
-        values = torch.cat(parts).view(-1) if cat else flatten(parts)  # cat: a copy, and cheaper per tensor
+        # cat: a copy, and cheaper per tensor; reshape, since cat keeps a channels-last layout (logical order, as
+        # tensor_digest reads it)
+        values = torch.cat(parts).reshape(-1) if cat else flatten(parts)
         if not cat and len(parts) == 1:
             values = values.clone()  # ``flatten`` of one tensor is a view of it
         values = values.view(torch.int64)  # our own buffer: shifted in place

@@ -414,17 +414,25 @@ class RingReplay:
         step: int,
         module: nn.Module,
         step_fn: StepFn,
-        to_device: Callable[[Any], Any] = lambda b: b,
+        to_device: Callable[[Any], Any] | None = None,
         context: Callable[[], AbstractContextManager[Any]] = nullcontext,
     ) -> bool:
         """Run the audit of ``step`` if it was armed (every rank alike); raise on a verdict.
 
-        Returns True when the optimizer step must be skipped (``on_failure="skip_step"`` and a
-        transient fault). Raises ``ReplayMismatchError`` (a fault) or ``ReplayUnavailableError``
-        (the step cannot be replayed faithfully) on every rank."""
+        ``to_device`` moves a received batch to where the replay runs; default: its tensors to
+        the module's device (batches travel between ranks as host bytes). Returns True when the
+        optimizer step must be skipped (``on_failure="skip_step"`` and a transient fault). Raises
+        ``ReplayMismatchError`` (a fault) or ``ReplayUnavailableError`` (the step cannot be
+        replayed faithfully) on every rank."""
         self._window.exit()  # the owner's backward is done: the user's own settings from here on
         if self._armed_step != step:
             return False
+        if to_device is None:
+            home = next((p.device for p in module.parameters()), None)
+
+            def to_device(batch: Any) -> Any:
+                return _fresh(batch, home)
+
         try:
             return self._audit(step, module, step_fn, to_device, context)
         finally:

@@ -95,3 +95,16 @@ def test_batches_joined_by_cat_or_by_flatten():
     plan = fp._host_plan(tuple((t.device, t.dtype, t.shape) for t in tensors))
     assert {cat for _, _, _, cat in plan[0]} == {True, False}
     _check(tensors)
+
+
+def test_channels_last_tensors_batched_on_the_host_give_their_tensor_digests() -> None:
+    """Conv weights in channels-last layout (not contiguous) batched together: ``cat`` keeps their
+    layout, so the batch is read in logical order (the GPU suite's conv model crashed on a view)."""
+    import torch
+
+    from sdc_core.fingerprint import grouped_digests, tensor_digest
+
+    g = torch.Generator().manual_seed(3)
+    weights = [torch.randn(8, 3, 3, 3, generator=g).to(memory_format=torch.channels_last) for _ in range(4)]
+    digests, _ = grouped_digests(weights)
+    assert digests.tolist() == [int(tensor_digest(w)) for w in weights]
