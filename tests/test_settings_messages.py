@@ -3,6 +3,7 @@ reads as one line per rank, not a traceback per rank."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -60,10 +61,11 @@ def test_bad_environment_value_in_a_launched_script_is_one_line_per_rank(tmp_pat
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=3", str(script)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1, proc.stderr[-4000:]
-    lines = proc.stderr.splitlines()
-    found = sorted(line for line in lines if line.endswith(LINE))
-    # each rank that got to print says one line; the launcher may stop the others first (a race, seen under load)
-    assert found and set(found) <= {f"[rank{r}]: {LINE}" for r in range(3)} and len(found) == len(set(found)), found
+    # each rank that got to print says its one line (the launcher may stop the others first, and two ranks'
+    # writes may share a line of the combined stderr: both seen under load)
+    ranks = re.findall(r"\[rank(\d)\]: " + re.escape(LINE), proc.stderr)
+    assert ranks and len(ranks) == len(set(ranks)) and set(ranks) <= {"0", "1", "2"}, proc.stderr[-3000:]
+    assert proc.stderr.count(LINE) == len(ranks)  # no other copy of the message (a traceback's last line)
     assert str(script) not in proc.stderr.replace(f"{script} FAILED", "")  # no worker traceback through it
     assert "settings.py" not in proc.stderr
 
