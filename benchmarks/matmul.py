@@ -205,6 +205,71 @@ def stress(device: torch.device, shapes: list[tuple[int, int, int]] = STRESS_SHA
     return {"device": str(device), "worst_ratio": worst, "alarms": alarms, "faults_caught": caught}
 
 
+BREAKDOWN_SHAPES = [(1024, 256, 768), (1024, 256, 256), (1024, 256, 1024), (1024, 1024, 256), (1024, 256, 2000)]
+
+
+def _timed(fn: Any, device: torch.device, repeats: int) -> float:
+    """Median milliseconds of ``fn`` over ``repeats`` calls after one warm-up."""
+    fn()
+    samples = []
+    for _ in range(repeats):
+        sync(device)
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        samples.append(time.perf_counter() - t0)
+    return 1000 * statistics.median(samples)
+
+
+def _breakdown_one(device: torch.device, n: int, k: int, m: int, repeats: int) -> dict[str, Any]:
+    from sdc_core.matmul import LinearBound, rounding
+
+    rnd = rounding(torch.float32, device.type)
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(n, k, generator=gen).to(device), (torch.randn(m, k, generator=gen) / k**0.5).to(device)
+    b, dy = torch.randn(m, generator=gen).to(device), torch.randn(n, m, generator=gen).to(device)
+    y, dx, dwt = torch.nn.functional.linear(x, w, b), dy @ w, x.t() @ dy
+    dy_norms = torch.linalg.vector_norm(dy, dim=-1)
+    product_ms = _timed(lambda: torch.nn.functional.linear(x, w, b), device, repeats)
+    row: dict[str, Any] = {"shape": [n, k, m], "product_ms": product_ms}
+    for block in (32, 0):
+        lb = LinearBound.of(w, b, torch.float32, rnd, 2.0, block)
+        _, _, norms, sums = lb.forward_ratio(x, y, True)
+        parts = {
+            "per_step_bound_ms": lambda blk=block: LinearBound.of(w, b, torch.float32, rnd, 2.0, blk),
+            "forward_ms": lambda lb=lb: lb.forward_ratio(x, y, True),
+            "dy_norms_ms": lambda: torch.linalg.vector_norm(dy, dim=-1),
+            "input_grad_ms": lambda lb=lb: lb.input_grad_ratio(dy, dx, dy_norms),
+            "weight_grad_ms": lambda lb=lb, s=sums, q=norms: lb.weight_grad_ratio(dy, dwt, s, q, dy_norms),
+        }
+        row[f"block{block}"] = {name: _timed(fn, device, repeats) for name, fn in parts.items()}
+    return row
+
+
+def breakdown(device: torch.device, shapes: list[tuple[int, int, int]] = BREAKDOWN_SHAPES,
+              repeats: int = 15) -> list[dict[str, Any]]:  # fmt: skip
+    """Where the cost goes: per product of the benchmark transformer's shapes (tokens x in x out),
+    the product itself (forward; the backward runs two of the same size) against each part of
+    the check, with blocks of 32 and with whole rows, in milliseconds (medians of ``repeats``)."""
+    return [_breakdown_one(device, n, k, m, repeats) for n, k, m in shapes]
+
+
+def breakdown_markdown(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| product (tokens x in x out) | product, ms | blocks of 32: per-step bound | forward | dY norms | "
+        "input gradient | weight gradient | all, vs the 3 products | rows: all, vs the 3 products |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        b, w = r["block32"], r["block0"]
+        share = sum(b.values()) / (3 * r["product_ms"])
+        share_rows = sum(w.values()) / (3 * r["product_ms"])
+        lines.append(f"| {' x '.join(map(str, r['shape']))} | {r['product_ms']:.2f} | {b['per_step_bound_ms']:.2f} | "
+                     f"{b['forward_ms']:.2f} | {b['dy_norms_ms']:.2f} | {b['input_grad_ms']:.2f} | "
+                     f"{b['weight_grad_ms']:.2f} | {100 * share:.1f}% | {100 * share_rows:.1f}% |")  # fmt: skip
+    return "\n".join(lines)
+
+
 def markdown(results: list[dict[str, Any]]) -> str:
     """The docs/performance.md section for these results."""
     lines = [
@@ -257,13 +322,15 @@ def main(argv: list[str] | None = None) -> int:
         for w in args.widths.split(",")
         for p in args.precisions.split(",")
     ]
-    text = markdown(results)
+    parts = breakdown(device)
+    text = markdown(results) + "\n\n" + breakdown_markdown(parts)
     print(text)
     if args.out:
         from sdc_core.safeio import atomic_write_text
 
         meta = {"device": str(device), "torch": torch.__version__, "threads": torch.get_num_threads()}
-        atomic_write_text(args.out, json.dumps({"meta": meta, "results": results, "markdown": text}, indent=1))
+        atomic_write_text(args.out, json.dumps({"meta": meta, "results": results, "breakdown": parts,
+                                                "markdown": text}, indent=1))  # fmt: skip
     return 0
 
 

@@ -60,7 +60,8 @@ covered as linears. Not covered: the attention products themselves (``Q K^T``, `
 SDPA), ``nn.Linear`` subclasses with their own ``forward`` (LoRA-style layers: their inner
 ``nn.Linear`` are covered), other matrix products (``torch.matmul``/``bmm``/``addmm`` calls,
 Hugging Face ``Conv1D``, convolutions, embeddings), DTensor (tensor-parallel) weights, the bias
-gradient. ``coverage()`` lists what a model has of each.
+gradient, modules run through ``torch.compile`` (the hooks stand aside while it traces).
+``coverage()`` lists what a model has of each.
 
 Verdict: no host synchronisation and no extra synchronous collective in the step. Each product
 appends its worst normalised residual (a 0-d device tensor) to the step's list. ``verdict(step)``
@@ -952,7 +953,7 @@ class MatmulChecksum:
     # -- the hot path
 
     def _on_linear(self, site: int, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        if self._armed and args and isinstance(output, torch.Tensor):
+        if self._armed and args and isinstance(output, torch.Tensor) and not torch.compiler.is_compiling():
             self._check(site, args[0], module.weight, module.bias, output)
 
     def _failed_check(self, err: Exception) -> None:
