@@ -335,8 +335,8 @@ class LinearBound:
                 bias_sum, bias_abs = bt.sum(-1, dtype=acc), torch.linalg.vector_norm(bt, 1, dim=-1, dtype=acc)
             rows = wt.reshape(nf, bf, k)
             cols = wt.reshape(m, nx, bx)
-            fro_f = torch.linalg.vector_norm(rows, dim=(1, 2), dtype=acc)
-            fro_x = torch.linalg.vector_norm(cols, dim=(0, 2), dtype=acc)
+            fro_f = torch.linalg.vector_norm(wt.reshape(nf, bf * k), dim=-1, dtype=acc)  # contiguous reductions:
+            fro_x = torch.linalg.vector_norm(torch.linalg.vector_norm(cols, dim=-1, dtype=acc), dim=0)  # fast on CPUs
             t_slope, t_icpt = fro_f * k_[0], bias_abs * k_[1]
             dt_slope = fro_x * k_[5]
             return cls(
