@@ -260,6 +260,12 @@ def _constants(device: torch.device, k: int, m: int, bf: int, bx: int, rnd: Roun
         const_d,  # 7
         rnd.limit,  # 8
         0.0,  # 9
+        # a 2-norm computed in the accumulation dtype can lose up to the root of its smallest normal per element
+        # to underflow (squares of tiny values flush or go subnormal): what is added to each before use
+        2 * math.sqrt(k) * math.sqrt(rnd.tiny_acc),  # 10: ||x_i|| (over its blocks)
+        math.sqrt(bf) * math.sqrt(rnd.tiny_acc),  # 11: ||y_ib||
+        math.sqrt(m) * math.sqrt(rnd.tiny_acc),  # 12: ||dy_i||
+        math.sqrt(bx) * math.sqrt(rnd.tiny_acc),  # 13: ||x_ib||, ||dx_ib||, ||dW_jb||
     ]
     return tuple(torch.tensor(values, dtype=rnd.acc_dtype, device=device).unbind())
 
@@ -312,8 +318,10 @@ class LinearBound:
     f_slope: torch.Tensor
     f_icpt: torch.Tensor
     f_xmax: torch.Tensor
-    dt_slope: torch.Tensor  # T'_ib = dt_slope_b ||dy_i|| >= sum_{l in b} sum_j |dy_ij w_jl|
+    dt_slope: torch.Tensor  # T'_ib = dt_slope_b ||dy_i|| + dt_icpt_b >= sum_{l in b} sum_j |dy_ij w_jl|
+    dt_icpt: torch.Tensor
     d_slope: torch.Tensor
+    d_icpt: torch.Tensor
     d_ymax: torch.Tensor
 
     @classmethod
@@ -335,10 +343,13 @@ class LinearBound:
                 bias_sum, bias_abs = bt.sum(-1, dtype=acc), torch.linalg.vector_norm(bt, 1, dim=-1, dtype=acc)
             rows = wt.reshape(nf, bf, k)
             cols = wt.reshape(m, nx, bx)
-            fro_f = torch.linalg.vector_norm(rows, dim=(1, 2), dtype=acc)
-            fro_x = torch.linalg.vector_norm(cols, dim=(0, 2), dtype=acc)
-            t_slope, t_icpt = fro_f * k_[0], bias_abs * k_[1]
-            dt_slope = fro_x * k_[5]
+            fro_f = torch.linalg.vector_norm(wt.reshape(nf, bf * k), dim=-1, dtype=acc)  # contiguous reductions:
+            fro_x = torch.linalg.vector_norm(torch.linalg.vector_norm(cols, dim=-1, dtype=acc), dim=0)  # fast on CPUs
+            t_slope = fro_f * k_[0]
+            t_icpt = torch.addcmul(bias_abs * k_[1], t_slope, k_[10])  # + the underflow allowance of ||x_i||
+            f_slope = fro_f * k_[2]
+            dt_slope, d_slope = fro_x * k_[5], fro_x * k_[6]
+            dt_icpt = dt_slope * k_[12]
             return cls(
                 k=k,
                 m=m,
@@ -354,12 +365,14 @@ class LinearBound:
                 bias_sum=bias_sum,
                 t_slope=t_slope,
                 t_icpt=t_icpt,
-                f_slope=fro_f * k_[2],
-                f_icpt=torch.addcmul(k_[4], bias_abs, k_[3]),
+                f_slope=f_slope,
+                f_icpt=torch.addcmul(torch.addcmul(k_[4], bias_abs, k_[3]), f_slope, k_[10]),
                 f_xmax=(k_[8] - t_icpt) / t_slope,  # inf for a zero block, NaN (nothing judged) for a NaN one
                 dt_slope=dt_slope,
-                d_slope=fro_x * k_[6],
-                d_ymax=k_[8] / dt_slope,
+                dt_icpt=dt_icpt,
+                d_slope=d_slope,
+                d_icpt=torch.addcmul(k_[7], d_slope, k_[12]),
+                d_ymax=(k_[8] - dt_icpt) / dt_slope,
             )
 
     def x_blocks(self, x2: torch.Tensor) -> torch.Tensor:
@@ -377,7 +390,8 @@ class LinearBound:
         if self.rnd.out:
             t = torch.addcmul(self.t_icpt, col, self.t_slope)
             if y3 is not None:  # the output's rounding: sum_j |y_ij| <= sqrt(bf) ||y_ib||, capped by T_ib
-                norms = torch.linalg.vector_norm(y3, dim=-1, dtype=self.rnd.acc_dtype).mul_(self.consts[0])
+                norms = torch.linalg.vector_norm(y3, dim=-1, dtype=self.rnd.acc_dtype)
+                norms = norms.add_(self.consts[11]).mul_(self.consts[0])
                 t = torch.minimum(norms, t)
             bound.add_(t, alpha=2 * self.safety * self.rnd.out)
         return bound
@@ -415,11 +429,12 @@ class LinearBound:
 
     def input_grad_bound(self, dy_norms: torch.Tensor, dx3: torch.Tensor | None) -> torch.Tensor:
         col = dy_norms.unsqueeze(-1)
-        bound = torch.addcmul(self.consts[7], col, self.d_slope)
+        bound = torch.addcmul(self.d_icpt, col, self.d_slope)
         if self.rnd.out:
-            t = col * self.dt_slope
+            t = torch.addcmul(self.dt_icpt, col, self.dt_slope)
             if dx3 is not None:
-                norms = torch.linalg.vector_norm(dx3, dim=-1, dtype=self.rnd.acc_dtype).mul_(self.consts[5])
+                norms = torch.linalg.vector_norm(dx3, dim=-1, dtype=self.rnd.acc_dtype)
+                norms = norms.add_(self.consts[13]).mul_(self.consts[5])
                 t = torch.minimum(norms, t)
             bound.add_(t, alpha=self.safety * self.rnd.out)
         return bound
@@ -455,11 +470,15 @@ class LinearBound:
             dy_norms.device, self.bx, dy_norms.shape[0], self.rnd, self.safety
         )
         dots = dy_norms @ x_block_norms  # g sqrt(bx) dots_b >= sum_{l in b} sum_i |dy_ij x_il| for every row j
+        # both norms may have lost their underflow allowance: sum_i (a_i + da)(b_i + db)
+        da, db = self.consts[12], self.consts[13]
+        n = dy_norms.shape[0]
+        dots = torch.addcmul(torch.addcmul(dots, x_block_norms.sum(0), da), torch.add(dy_norms.sum(), da, alpha=n), db)
         bound = torch.addcmul(const, dots, slope)
         if self.rnd.out:
             cap = dots * g_sqrt_b
             if dw3 is not None:
-                norms = torch.linalg.vector_norm(dw3, dim=-1, dtype=self.rnd.acc_dtype).mul_(g_sqrt_b)
+                norms = torch.linalg.vector_norm(dw3, dim=-1, dtype=self.rnd.acc_dtype).add_(db).mul_(g_sqrt_b)
                 cap = torch.minimum(norms, cap)
             bound = torch.add(bound, cap, alpha=self.safety * self.rnd.out)
         return bound, torch.lt(dots, dot_max)

@@ -12,7 +12,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
@@ -64,6 +64,10 @@ def _run(model: nn.Module, x: torch.Tensor, precision: str, dy_scale: float, gen
     bias=st.booleans(), layout=st.sampled_from(["2d", "3d", "3d_transposed"]), block=st.sampled_from([0, 5, 32]),
     seed=st.integers(0, 2**16),
 )  # fmt: skip
+@example(n=6, k=8, m=5, precision="bf16_autocast", pattern="mixed_scale", x_exp=0, w_exp=0, dy_exp=0, bias=True,
+         layout="2d", block=0, seed=19833)  # the check's own arithmetic once ran under autocast
+@example(n=1, k=2, m=1, precision="bf16_autocast", pattern="normal", x_exp=-11, w_exp=0, dy_exp=-12, bias=False,
+         layout="2d", block=0, seed=0)  # 2-norms of values near 1e-23 underflow
 def test_clean_products_never_alarm(n, k, m, precision, pattern, x_exp, w_exp, dy_exp, bias, layout, block, seed):
     """Random shapes, magnitudes from 1e-12 to 1e12, all-positive and constant data (correlated
     rounding errors), every precision: the forward, input-gradient and weight-gradient checks of a
