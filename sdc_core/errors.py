@@ -75,6 +75,8 @@ class SDCError(RuntimeError):
             )
         if world == 2:
             return "run with 3 or more replicas to localize, or test these hosts"
+        if self.details.get("several_ranks"):  # same-device re-runs held: devices disagree, not a common cause
+            return "several ranks disagree and no single rank explains it: test every suspect host"
         if isinstance(world, int) and len(self.suspects) >= world:
             return "every replica is a suspect: look for a common cause (learning rate, data, numerics) first"
         return "no majority named one rank: test these hosts"

@@ -574,9 +574,12 @@ class RingReplay:
             return self._unreplayable(step, unreproducible_message(
                 step, refused, worst_self, wheres, rtol if lenient else self.tolerance, self.config.exact,
                 self.advice))  # fmt: skip
-        # every pair disagreeing at the first audit means the replay does not compute what the owners
-        # did; once pairs have agreed (a strict-mode re-calibration starts its rounds anew), it is a fault
-        if mismatching and len(mismatching) == world and (rings >= 3 or (first and not self._agreed)):
+        # every pair disagreeing at the first audit of two replicas means the replay does not compute
+        # what the owners did; once pairs have agreed (a strict-mode re-calibration starts its rounds
+        # anew), it is a fault. With three or more, referees tell: a step that depends on the rank
+        # agrees with no one on any batch, devices that disagree (two faulty ranks in turn) agree with some
+        every_pair = bool(mismatching) and len(mismatching) == world
+        if every_pair and rings < 3 and first and not self._agreed:
             self.stats.add_time(time.perf_counter() - t0)
             return self._unreplayable(step, every_pair_message(step, topo, first, self.advice))
         if not mismatching:
@@ -587,12 +590,18 @@ class RingReplay:
             self.stats.add_time(time.perf_counter() - t0)
             return False
         return self._attribute(step, topo, partners, inverse, table, mismatching, micro, own, received, mine,
-                               replay, prepare, replay_payload, t0, tol_for)  # fmt: skip
+                               replay, prepare, replay_payload, t0, tol_for,
+                               every_pair=(first if every_pair and rings >= 3 else None))  # fmt: skip
 
     def _attribute(self, step, topo, partners, inverse, table, mismatching, micro, own, received, mine,  # type: ignore[no-untyped-def]
-                   replay, prepare, replay_payload, t0, tol_for) -> bool:  # fmt: skip
+                   replay, prepare, replay_payload, t0, tol_for, every_pair=None) -> bool:  # fmt: skip
         """Rare path: attribute the disagreeing pairs, with a referee round for pairs no culprit
-        explains, and classify the named rank's fault; raises ``ReplayMismatchError``."""
+        explains, and classify the named rank's fault; raises ``ReplayMismatchError``.
+
+        ``every_pair`` (whether this is the first audit; None unless every pair disagrees with
+        three or more replicas): every pair gets a referee; when no referee agrees with either
+        side of any pair, the step is not replayable (``ReplayUnavailableError``), else the
+        ranks' devices disagree."""
         world, me = topo.world_size, topo.rank
         tol, atol = self.tolerance, float(self.config.atol)
         rings = len(self.groups) if self.groups else world
@@ -605,6 +614,8 @@ class RingReplay:
         where = compare_raw(received["digest"], mine, self.names, atol)[2] if mine is not None else ""
         wheres = all_gather_objects(where)
         culprits, disputed = explain(rings, partners, mismatching)
+        if every_pair is not None:  # every rank is a "culprit": only referees can tell a fault from the step
+            culprits, disputed = set(), sorted(mismatching)
         referees, assignments = self._referee_jobs(disputed, mismatching, topo)
         sends, recv_from = referee_sends(assignments, me, micro, own, mine)
         got = exchange(sends, recv_from) if referees else {}
@@ -640,7 +651,11 @@ class RingReplay:
             return self._failed(step, [f for _, f in gathered], inverse, t0)
         for part, _ in gathered:
             rulings.update(part)
-        rank, suspects, notes = settle(rings, culprits, disputed, rulings)
+        if every_pair is not None and not any(a or b for a, b in rulings.values()):
+            self.stats.add_time(time.perf_counter() - t0)
+            return self._unreplayable(step, every_pair_message(step, topo, every_pair, self.advice))
+        evidence = {} if self.groups else {"mismatching": mismatching, "referees": referees}
+        rank, suspects, notes = settle(rings, culprits, disputed, rulings, **evidence)
         classification = None
         if rank is not None:  # the suspect re-runs what disagreed: does it reproduce its result?
             mine_again = None
@@ -678,6 +693,7 @@ class RingReplay:
             "node_ranks": topo.node_ranks(suspects),
             "world_size": world,
             "classification": classification,
+            **({"several_ranks": True} if "attribution" in notes else {}),
             **({"tensor_parallel_groups": [list(g) for g in self.groups]} if self.groups else {}),
         }  # fmt: skip
         reproduced = all(r[3] and not disagree(bool(r[4]), r[5], tol) for r in table)

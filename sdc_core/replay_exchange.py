@@ -57,10 +57,20 @@ def settle(
     culprits: set[int],
     disputed: Sequence[tuple[int, int]],
     referee_says: dict[tuple[int, int], tuple[bool, bool]],
+    *,
+    mismatching: Sequence[tuple[int, int]] | None = None,
+    referees: dict[tuple[int, int], int | None] | None = None,
 ) -> tuple[int | None, tuple[int, ...], dict[str, Any]]:
     """Final attribution: ``(rank, suspects, notes)``.
 
     ``referee_says[(owner, replayer)] = (agrees_with_owner, agrees_with_replayer)``.
+
+    With ``mismatching`` (every disagreeing pair) and ``referees`` (who judged each disputed
+    pair), a rank is named only when it alone explains every observation (``single_fault``): a
+    referee that is itself faulty (two ranks with the same persistent fault agree with each
+    other) can otherwise make a healthy rank the only suspect. When no single rank explains
+    them and some pair needed a referee, the suspects are every rank of a disagreeing pair and
+    ``notes["attribution"]`` says that several ranks disagree.
     """
     suspects = set(culprits)
     notes: dict[str, Any] = {}
@@ -81,7 +91,41 @@ def settle(
             suspects.update((o, q))
             notes[f"{o}->{q}"] = "referee agrees with " + ("both" if with_owner else "neither")
     ordered = tuple(sorted(suspects))
-    return (ordered[0] if len(ordered) == 1 and world > 2 else None), ordered, notes
+    rank = ordered[0] if len(ordered) == 1 and world > 2 else None
+    if mismatching is None or world <= 2:
+        return rank, ordered, notes
+    if rank is not None and single_fault(rank, mismatching, referee_says, referees or {}):
+        return rank, ordered, notes
+    involved = {r for pair in mismatching for r in pair}
+    if rank is not None or (disputed and len(mismatching) > 1):  # referees' rulings may come from a faulty rank
+        notes["attribution"] = SEVERAL
+        ordered = tuple(sorted(suspects | involved))
+    return None, ordered, notes
+
+
+SEVERAL = "several ranks disagree: no single faulty rank explains every disagreement"
+
+
+def single_fault(
+    rank: int,
+    mismatching: Iterable[tuple[int, int]],
+    referee_says: dict[tuple[int, int], tuple[bool, bool]],
+    referees: dict[tuple[int, int], int | None],
+) -> bool:
+    """Whether ``rank`` alone being faulty explains the evidence: it is part of every
+    disagreeing pair, and every other referee agreed with the other side of its pair, not with
+    ``rank`` (a fault may spare some computations, so agreeing pairs prove nothing)."""
+    if any(rank not in pair for pair in mismatching):
+        return False
+    for (o, q), (with_owner, with_replayer) in referee_says.items():
+        t = referees.get((o, q))
+        if t is None or t == rank:
+            continue
+        if rank == o and (with_owner or not with_replayer):
+            return False
+        if rank == q and (with_replayer or not with_owner):
+            return False
+    return True
 
 
 def _describe(err: BaseException) -> str:
@@ -249,9 +293,14 @@ def mismatch_reason(
     """Why a ``ReplayMismatchError`` names ``rank`` (or only ``suspects``), in words."""
     note = " while each rank reproduces its own result on its own device" if reproduced else ""
     if rank is not None:
+        caveat = (
+            "; with three replicas, the two others sharing one persistent fault would look the same"
+            if rings == 3 and classification == "persistent"
+            else ""
+        )
         return (
             f"its results disagree with its partners' replays "
-            f"(largest difference {worst:.3g} in {where}; the fault is {classification})"
+            f"(largest difference {worst:.3g} in {where}; the fault is {classification}{caveat})"
         )
     if world == 2:
         return (
@@ -263,7 +312,10 @@ def mismatch_reason(
             f"the two data-parallel groups disagree on a replayed batch{note}; with two groups no third "
             "opinion can tell which of each disagreeing pair (same tensor-parallel coordinate) is wrong"
         )
-    reason = f"{len(mismatching)} of {world} replay pairs disagree{note}, and no single rank explains them all"
+    reason = (
+        f"several ranks disagree: {len(mismatching)} of {world} replay pairs disagree{note}, and no single rank "
+        "explains them all"
+    )
     if one_group and len(suspects) > 1:
         reason += (
             "; the suspects are one tensor-parallel group: a fault before one of its collectives reaches "
