@@ -1,0 +1,119 @@
+"""Hostile peers: several faulty ranks at once (issue 22, item 5).
+
+The attribution (``explain``, ``pick_referee``, ``settle``) over simulated comparisons for every
+pair of faulty ranks in worlds of 4 to 8, and real ``torchrun`` runs (``tests/hostile_scenarios.py``)
+with the same persistent fault on two ranks.
+
+With three replicas, two ranks sharing one persistent fault give exactly the observations one
+faulty third rank gives (the two agree with each other, the third with neither): no protocol can
+tell them apart, so the 3-rank run checks that the verdict is an SDC error that says so.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import must_run, results
+
+from sdc_core.replay_exchange import SEVERAL, explain, pick_referee, settle
+from sdc_core.topology import ring_partners
+
+SCRIPT = Path(__file__).with_name("hostile_scenarios.py")
+
+
+def _attribute(world: int, node_of: list[int], computes: Any) -> tuple[str, int | None, tuple[int, ...]]:
+    """The replay's attribution protocol (``RingReplay._audit`` and ``_attribute``) with
+    ``computes(batch, rank)`` standing for the result rank ``rank`` gets for ``batch``'s owner.
+    Returns ``("none" | "unreplayable" | "sdc", rank, suspects)``."""
+    partners = ring_partners(node_of)
+    inverse = [0] * world
+    for o, q in enumerate(partners):
+        inverse[q] = o
+    mismatching = sorted((inverse[q], q) for q in range(world) if computes(inverse[q], inverse[q]) != computes(inverse[q], q))
+    if not mismatching:
+        return "none", None, ()
+    every_pair = len(mismatching) == world
+    culprits, disputed = explain(world, partners, mismatching)
+    if every_pair:
+        culprits, disputed = set(), list(mismatching)
+    busy = {r for pair in mismatching for r in pair}
+    referees = {pair: pick_referee(*pair, world, node_of, busy) for pair in disputed}
+    rulings = {(o, q): (computes(o, t) == computes(o, o), computes(o, t) == computes(o, q))
+               for (o, q), t in referees.items() if t is not None}  # fmt: skip
+    if every_pair and not any(a or b for a, b in rulings.values()):
+        return "unreplayable", None, ()
+    rank, suspects, notes = settle(world, culprits, disputed, rulings, mismatching=mismatching, referees=referees)
+    if rank is None and len(mismatching) > 1 and disputed:
+        assert notes["attribution"] == SEVERAL
+    return "sdc", rank, suspects
+
+
+def _layouts() -> list[tuple[int, list[int]]]:
+    out = []
+    for world in range(4, 9):
+        out.append((world, [0] * world))
+        if world % 2 == 0:
+            out.append((world, [r // (world // 2) for r in range(world)]))
+            out.append((world, [r % 2 for r in range(world)]))
+    return out
+
+
+@pytest.mark.parametrize(("world", "node_of"), _layouts(), ids=lambda v: str(v))
+def test_shared_persistent_fault_never_names_a_healthy_rank(world: int, node_of: list[int]) -> None:
+    """Faulty ranks compute the same wrong result for any batch (they agree with each other)."""
+    wrong = {}
+    for size in (1, 2, 3):
+        for faulty in itertools.combinations(range(world), size):
+            if size == 3 and world < 6:
+                continue
+            kind, rank, suspects = _attribute(world, node_of, lambda _b, r, f=faulty: r in f)
+            ok = kind == "sdc" and (rank in faulty or rank is None)
+            # (three neighbours in a row: the middle one only ever meets its faulty peers, and nothing shows it)
+            ok = ok and (size == 3 or set(faulty) <= set(suspects))
+            if size == 1:
+                ok = ok and rank == faulty[0]
+            if not ok:
+                wrong[faulty] = (kind, rank, suspects)
+    assert not wrong, f"faulty ranks -> (verdict, named, suspects), partners {ring_partners(node_of)}: {wrong}"
+
+
+@pytest.mark.parametrize("world", range(3, 9))
+def test_rank_dependent_step_stays_unreplayable(world: int) -> None:
+    """Every replay differs from every other computation: no referee agrees with anyone."""
+    assert _attribute(world, [0] * world, lambda b, r: (b, r))[0] == "unreplayable"
+
+
+def _errors(out: Path, scenario: str, world: int) -> list[dict[str, Any]]:
+    rows = results(out, scenario, world)
+    errors = [r["error"] for r in rows]
+    assert all(e is not None for e in errors), f"{scenario}: not every rank raised: {errors}"
+    assert len({(e["type"], e["rank"], e["step"], tuple(e["suspects"])) for e in errors}) == 1, errors
+    assert all(r["incidents"] for r in rows), f"{scenario}: no incident written"
+    return errors
+
+
+@pytest.mark.slow
+def test_two_ranks_share_a_persistent_fault(tmp_path: Path) -> None:
+    """4 ranks: faulty neighbours (1, 2), faulty ranks in turn (0, 2: every pair disagrees), the
+    latter with ``on_unreplayable="warn"`` too; 3 ranks: (1, 2). An SDC verdict on every rank at
+    the same step, every faulty rank a suspect, no healthy rank named."""
+    four = ["1+2:module", "0+2:module", "0+2:matmul:warn"]
+    must_run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", str(SCRIPT),
+              "--out", str(tmp_path / "four"), "--only", ",".join(four)], timeout=400)  # fmt: skip
+    for scenario in four:
+        err = _errors(tmp_path / "four", scenario, 4)[0]
+        faulty = {int(r) for r in scenario.split(":")[0].split("+")}
+        assert err["type"] == "ReplayMismatchError", f"{scenario}: {err['message']}"
+        assert err["rank"] is None and faulty <= set(err["suspects"]), f"{scenario}: {err['message']}"
+        assert err["step"] == 1 and "several ranks disagree" in err["message"], err["message"]
+        assert err["details"]["several_ranks"] is True
+    must_run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=3", str(SCRIPT),
+              "--out", str(tmp_path / "three"), "--only", "1+2:module"], timeout=300)  # fmt: skip
+    err = _errors(tmp_path / "three", "1+2:module", 3)[0]
+    assert err["type"] == "ReplayMismatchError" and err["step"] == 1, err["message"]
+    # indistinguishable from rank 0 alone being faulty: the verdict names it and says what else fits
+    assert "the two others sharing one persistent fault would look the same" in err["message"], err["message"]
