@@ -10,7 +10,6 @@ output element of ``head`` scaled; ``body``: one of ``body.0``; ``matmul``: one 
 
 from __future__ import annotations
 
-import os
 import sys
 import warnings
 from pathlib import Path

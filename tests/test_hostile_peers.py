@@ -33,7 +33,9 @@ def _attribute(world: int, node_of: list[int], computes: Any) -> tuple[str, int 
     inverse = [0] * world
     for o, q in enumerate(partners):
         inverse[q] = o
-    mismatching = sorted((inverse[q], q) for q in range(world) if computes(inverse[q], inverse[q]) != computes(inverse[q], q))
+    mismatching = sorted(
+        (inverse[q], q) for q in range(world) if computes(inverse[q], inverse[q]) != computes(inverse[q], q)
+    )
     if not mismatching:
         return "none", None, ()
     every_pair = len(mismatching) == world
