@@ -24,6 +24,7 @@ from sdc_core.faults import Fault, FaultInjector, flip_bit
 from sdc_core.fingerprint import FingerprintConfig, WeightFingerprint, tensor_digest, tensor_digests, vote
 from sdc_core.gradients import GradientTap, NonFiniteConfig, NonFiniteGradient
 from sdc_core.hooks import Framework, SDCHooks
+from sdc_core.payload import PayloadError
 from sdc_core.replay import ReplayConfig, RingReplay, StateCapture
 from sdc_core.settings import SDCConfigError, SDCSettings
 from sdc_core.stats import CheckStats
@@ -42,6 +43,7 @@ __all__ = [
     "NonFiniteConfig",
     "NonFiniteGradient",
     "NonFiniteGradientError",
+    "PayloadError",
     "ReplayConfig",
     "ReplayMismatchError",
     "ReplayUnavailableError",

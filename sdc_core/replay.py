@@ -78,6 +78,7 @@ from torch import nn
 
 from sdc_core.errors import ReplayMismatchError, ReplayUnavailableError
 from sdc_core.gradients import GradientTap
+from sdc_core.payload import PayloadError
 from sdc_core.replay_compare import (
     AUTO_MARGIN,
     Digest,
@@ -139,6 +140,7 @@ from sdc_core.topology import (
     Topology,
     all_gather_objects,
     all_gather_tensor,
+    check_replay_payload,
     exchange,
     is_distributed,
     owners_of,
@@ -185,6 +187,10 @@ class ReplayConfig:
             with deterministic kernels (``RingReplay`` docstring), so GPU replays compare bit for
             bit; ``False``: the user's own settings (nondeterministic kernels are then tolerated
             as measured noise, up to ``rtol``, with ``exact="auto"``).
+        allow_pickled_batches: whether THIS rank unpickles a partner's micro-batch that does not
+            travel as plain data (``sdc_core.payload``); ``None`` (default): the environment
+            variable ``SDC_ALLOW_PICKLED_BATCHES``, off unless set. Only if every rank is trusted:
+            unpickling runs code a peer chose.
     """
 
     every_n_steps: int = 100
@@ -195,6 +201,7 @@ class ReplayConfig:
     on_unreplayable: str = "raise"
     max_state_mb: float = 256.0
     deterministic: bool = True
+    allow_pickled_batches: bool | None = None
 
     def __post_init__(self) -> None:
         if self.on_failure not in ("raise", "skip_step", "rollback"):
@@ -214,6 +221,8 @@ class ReplayConfig:
             raise ValueError(f"max_state_mb must be a finite number >= 0, got {mb!r}")
         if not isinstance(self.deterministic, bool):
             raise ValueError(f"deterministic must be True or False, got {self.deterministic!r}")
+        if self.allow_pickled_batches is not None and not isinstance(self.allow_pickled_batches, bool):
+            raise ValueError(f"allow_pickled_batches must be True, False or None, got {self.allow_pickled_batches!r}")
 
 
 @dataclass
@@ -382,6 +391,11 @@ class RingReplay:
             self.replaying = False
         return _assemble(self.names, rows, loss)
 
+    def _exchange(self, sends: dict[int, Any], recv_from: list[int]) -> dict[int, Any]:
+        """``exchange`` of replay payloads: pickled batches as configured, every received payload
+        checked for the replay's shape (``PayloadError`` on every rank otherwise)."""
+        return exchange(sends, recv_from, allow_pickle=self.config.allow_pickled_batches, validate=check_replay_payload)
+
     def _unreplayable(self, step: int, message: str) -> bool:
         """Every rank alike: raise ``ReplayUnavailableError``, or warn once and turn the audit off."""
         self.stats.bump("unreplayable")
@@ -435,6 +449,8 @@ class RingReplay:
 
         try:
             return self._audit(step, module, step_fn, to_device, context)
+        except PayloadError as err:  # raised on every rank together by the exchange: a peer sent what is refused
+            return self._unreplayable(step, f"RingReplayAudit could not exchange its data at step {step}: {err}.")
         finally:
             if self._probed is not None:  # the mode of the next audited step: every rank alike
                 self._strict, self._probed = self._probed, None
@@ -491,7 +507,7 @@ class RingReplay:
         except Exception as err:  # the partner still gets a message: no rank is left waiting
             failure = failure or f"preparing its micro-batches: {_describe(err)}"
             payload = {TRANSFER_ERROR: f"the owner could not send its micro-batches: {_describe(err)}"}
-        received = exchange({partners[me]: payload}, [inverse[me]])[inverse[me]]
+        received = self._exchange({partners[me]: payload}, [inverse[me]])[inverse[me]]
         batches: list[MicroBatch] = []
         if self.lockstep:  # replays are collective: every rank must be able to start one, or none does
             try:
@@ -618,7 +634,7 @@ class RingReplay:
             culprits, disputed = set(), sorted(mismatching)
         referees, assignments = self._referee_jobs(disputed, mismatching, topo)
         sends, recv_from = referee_sends(assignments, me, micro, own, mine)
-        got = exchange(sends, recv_from) if referees else {}
+        got = self._exchange(sends, recv_from) if referees else {}
         my_rulings: dict[tuple[int, int], tuple[bool, bool]] = {}
         my_failure = ""
         jobs = [(o, q) for o, q, t in assignments if t == me]

@@ -37,7 +37,8 @@ def group() -> Iterator[None]:
 
 
 def _originals() -> dict[tuple[str, str], Any]:
-    return {(ns, n): getattr(sys.modules[ns], n) for ns, n in NAMES if ns in sys.modules and hasattr(sys.modules[ns], n)}
+    present = [(ns, n) for ns, n in NAMES if ns in sys.modules and hasattr(sys.modules[ns], n)]
+    return {(ns, n): getattr(sys.modules[ns], n) for ns, n in present}
 
 
 def _works() -> float:
@@ -127,7 +128,7 @@ def test_an_interrupted_entry_or_exit_never_leaves_collectives_refused(group: No
             failures[cut] = repr(err)
         cut += 1
     assert cut > 10, "the tracer saw too few lines of the guard"
-    assert not failures, f"collectives refused after an interrupted guard: {failures}"
+    assert not failures, f"collectives refused after {len(failures)} interrupted guards, e.g. {sorted(failures)[:3]}"
     with forbid_collectives():
         pass
     assert _originals() == before
