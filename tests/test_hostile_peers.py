@@ -119,3 +119,30 @@ def test_two_ranks_share_a_persistent_fault(tmp_path: Path) -> None:
     assert err["type"] == "ReplayMismatchError" and err["step"] == 1, err["message"]
     # indistinguishable from rank 0 alone being faulty: the verdict names it and says what else fits
     assert "the two others sharing one persistent fault would look the same" in err["message"], err["message"]
+
+
+def test_replay_config_allow_pickled_batches() -> None:
+    import sdc_core
+    from sdc_core.payload import PayloadError
+    from sdc_core.replay import ReplayConfig
+
+    assert sdc_core.PayloadError is PayloadError and "PayloadError" in sdc_core.__all__
+    assert ReplayConfig().allow_pickled_batches is None  # the environment decides
+    assert ReplayConfig(allow_pickled_batches=True).allow_pickled_batches is True
+    with pytest.raises(ValueError, match="allow_pickled_batches must be True, False or None, got 'yes'"):
+        ReplayConfig(allow_pickled_batches="yes")  # type: ignore[arg-type]
+
+
+@pytest.mark.slow
+def test_a_pickled_batch_from_a_peer(tmp_path: Path) -> None:
+    """A rank that sends its batch pickled to partners that refuse it: ``ReplayUnavailableError``
+    on every rank at the same step (not a ``PayloadError`` escaping the audit); with
+    ``allow_pickled_batches=True`` on every rank the same batches are replayed."""
+    must_run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=3", str(SCRIPT),
+              "--out", str(tmp_path), "--only", "pickle:hostile,pickle:trusted"], timeout=300)  # fmt: skip
+    hostile = [r["error"] for r in results(tmp_path, "pickle:hostile", 3)]
+    assert all(e is not None and e["type"] == "ReplayUnavailableError" and e["step"] == 0 for e in hostile), hostile
+    assert len({e["message"] for e in hostile}) == 1
+    assert "rank 2 refused the payload of rank 1: it holds a pickled object" in hostile[0]["message"]
+    trusted = results(tmp_path, "pickle:trusted", 3)
+    assert all(r["error"] is None and r["stats"]["runs"] == 4 for r in trusted), trusted
