@@ -10,7 +10,12 @@ rank then learns which (owner, replayer) pairs disagree and reaches the same att
 * a rank whose own result and whose replay of another rank both disagree is the faulty one;
 * a single disagreeing pair is settled by a third rank (a referee on yet another node where
   possible) replaying the disputed batch: the side it agrees with is healthy;
-* with two ranks no third opinion exists: ``rank`` is None and both are suspects.
+* with two ranks no third opinion exists: ``rank`` is None and both are suspects;
+* a rank is named only when it alone explains every disagreeing pair and every other referee's
+  ruling; otherwise (several faulty ranks, e.g. two with the same persistent fault, which agree
+  with each other) ``rank`` is None, every rank of a disagreeing pair is a suspect and the
+  verdict says that several ranks disagree. With three replicas two ranks sharing one fault look
+  exactly like the third one being faulty: that verdict names it and says so.
 
 Faithful replay: at the start of each audited micro-batch the owner captures what its step reads
 besides the batch (``StateCapture``): Python ``random``, NumPy and torch CPU/CUDA RNG state,
@@ -19,15 +24,16 @@ its submodules, and the user's ``sdc_replay_state()``. The replayer runs the unw
 detached aliases of its trainable parameters with that state swapped in, and afterwards puts its
 own state back (every submodule's attributes, RNG, user state): the replay has no side effect,
 ``.grad``, optimizer, DDP, metrics objects and loggers are untouched, and a run with the audit on
-trains bit-identically to one with it off. Collectives called inside a replay are refused
+trains bit-identically to one with it off. Collectives the replayed step calls are refused
 (``CollectiveInReplay``) before they reach the transport, so no rank is ever left in a
-collective the others do not enter.
+collective the others do not enter; other threads' collectives and a signal handler's pass.
 
 Trust before accusation: at the first audit of a process, and at every audit with a
 disagreement, each rank also re-runs its OWN micro-batches on its own device. A step that two or
 more ranks cannot reproduce on their own device (nondeterminism, state the capture cannot see),
-or a step where every replay pair disagrees while each rank reproduces itself (the step depends
-on the rank, or ranks run different software), is not replayable: ``ReplayUnavailableError`` on
+or a step where every replay pair disagrees while each rank reproduces itself and no referee
+agrees with either side of any pair (the step depends on the rank, or ranks run different
+software; with two replicas, at the first audit, without referees), is not replayable: ``ReplayUnavailableError`` on
 every rank (not an ``SDCError``), or with ``on_unreplayable="warn"`` one warning and the audit
 off. A failure inside any replay (an exception, a refused collective) ends the same way.
 
