@@ -306,8 +306,19 @@ class WeightFingerprintCheck(_SDCCallback):
             replicas (pure FSDP) and compares bit for bit (0: off). Costs a copy and a transfer
             of the shard, its gradient and optimizer state, and one extra optimizer step.
 
-    The comparison of step ``s`` is read at the end of the next training batch, so the host never
-    waits for the GPU in the step that computed it. Before a checkpoint is written and when
+    The comparison of step ``s`` is read in the next optimizer step, after its backward and before
+    its update (``before_update``: after the previous non-finite verdict, before this step's
+    non-finite verdict and ring replay, whatever the callback order; under gradient accumulation
+    at the end of the step's first micro-batch), so the host never waits for the GPU in the step
+    that computed it, and a weight fault is never reported as the replay's compute fault. A
+    ``RingReplayAudit`` disagreement is checked against the current weights first (every tensor):
+    replicas that differ raise this check's ``FingerprintMismatchError`` instead. Latency: a
+    replica that diverged is named at the next compared update (``every_n_steps`` x ``rolling``
+    at most), before the update after it. Sharded models (FSDP2): a shard without replica is
+    digested after each compared update ``s`` and again before the next forward; a bit flipped
+    in between is reported, with step ``s`` and the rank named, before the update of step
+    ``s + 1``; other moments are not watched for such shards (docs/coverage.md says what is
+    covered). Before a checkpoint is written and when
     training ends, the current weights are compared at once (one extra read and one host wait),
     whatever the cadence: no checkpoint comes from a replica the check has not verified, and
     ``fit`` does not return with replicas that differ. Raises ``FingerprintMismatchError`` on

@@ -28,7 +28,9 @@ SCENARIOS: dict[str, Any] = {
     ),
     # compared every 2nd update (steps 1, 3, 5, ...): a flip after the update of step 3, reported before step 4's
     "rest_every_2": lambda o: fit(
-        o, "rest_every_2", [FlipShard(rank=1, step=4), WeightFingerprintCheck(every_n_steps=2), NonFiniteGradientCheck()]
+        o,
+        "rest_every_2",
+        [FlipShard(rank=1, step=4), WeightFingerprintCheck(every_n_steps=2), NonFiniteGradientCheck()],
     ),
 }
 
