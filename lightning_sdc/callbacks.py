@@ -479,9 +479,11 @@ class RingReplayAudit(_SDCCallback):
     owner's RNG and module state (see ``sdc_core.replay.StateCapture``; define
     ``sdc_replay_state()`` / ``sdc_load_replay_state(state)`` for state it cannot see). It has no
     side effect on gradients, optimizer, buffers, module attributes, metrics, RNG or loggers.
-    Raises ``ReplayMismatchError`` (a fault) or ``ReplayUnavailableError`` on every rank.
-    Parameters that do not train at the audit (frozen since ``fit`` started, or by
-    ``toggle_optimizer``) are not compared.
+    Raises ``ReplayMismatchError`` (a fault) or ``ReplayUnavailableError`` on every rank. A
+    disagreement is first checked against the replicas' weights (``_weights_explain``): replicas
+    whose weights differ compute differently, and that weight fault is what every rank raises
+    (``FingerprintMismatchError`` naming the tensors). Parameters that do not train at the audit
+    (frozen since ``fit`` started, or by ``toggle_optimizer``) are not compared.
 
     Manual optimization (``automatic_optimization = False``) needs ``sdc_replay_step``; it
     returns the loss of the backward passes before the batch's FIRST ``optimizer.step()``, from
