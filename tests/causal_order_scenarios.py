@@ -41,6 +41,13 @@ SCENARIOS: dict[str, Any] = {
     "flip_cadence": lambda o: fit(o, "flip_cadence", [*checks(fingerprint_every=5), flip(2, "head.weight")], steps=6),
     # no WeightFingerprintCheck: a one-off comparison names the tensors all the same
     "flip_no_fingerprint": lambda o: fit(o, "flip_no_fingerprint", [*checks(None), flip(2, "head.weight")], steps=6),
+    # heal: the replay's disagreement is explained by the healed replica; the step is dropped, training goes on
+    "flip_heal": lambda o: fit(
+        o, "flip_heal",
+        [RingReplayAudit(every_n_steps=1, exact=True), WeightFingerprintCheck(every_n_steps=5, on_failure="heal"),
+         flip(2, "head.weight")],
+        steps=6,
+    ),
     # a wrong product with equal weights stays a compute fault
     "compute": lambda o: fit(
         o, "compute", [*checks(), FaultInjector([Fault("module_output", rank=1, step=3, target="head", factor=1.5)])],

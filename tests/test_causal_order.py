@@ -58,7 +58,8 @@ def test_weight_flip_is_reported_as_a_weight_fault_at_its_step_in_either_callbac
 
 @pytest.fixture(scope="module")
 def more(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return launch(tmp_path_factory.mktemp("causal_more"), ["flip_cadence", "flip_no_fingerprint", "compute"])
+    scenarios = ["flip_cadence", "flip_no_fingerprint", "flip_heal", "compute"]
+    return launch(tmp_path_factory.mktemp("causal_more"), scenarios)
 
 
 @pytest.mark.slow
@@ -74,3 +75,14 @@ def test_replay_disagreement_with_differing_weights_is_a_weight_fault(more: Path
 def test_wrong_result_with_equal_weights_stays_a_compute_fault(more: Path) -> None:
     err = same_error(more, "compute")
     assert err["type"] == "ReplayMismatchError" and (err["step"], err["rank"]) == (3, 1)
+
+
+@pytest.mark.slow
+def test_replay_disagreement_explained_by_a_healed_replica_drops_the_step_and_training_goes_on(more: Path) -> None:
+    per_rank = results(more, "flip_heal", WORLD)
+    assert all(r["error"] is None and r["global_step"] == 6 and r["finite"] for r in per_rank), per_rank
+    assert len({r["weights"] for r in per_rank}) == 1  # replicas identical again
+    assert per_rank[0]["states"]["WeightFingerprintCheck"]["extra"]["heals"] == 1
+    folder = more / "logs" / "flip_heal" / "version_0" / "sdc" / "incidents"
+    incidents = [json.loads(p.read_text()) for p in folder.glob("*.json")]
+    assert [(i["policy"], i["rank"], i["step"]) for i in incidents] == [("heal", 1, 2)]
