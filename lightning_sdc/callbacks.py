@@ -20,7 +20,7 @@ from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
 from lightning_sdc import _common as c
 from sdc_core import shutdown
 from sdc_core.checkpoint import FINGERPRINT_KEY, check_loaded_checkpoint, fingerprint_checkpoint
-from sdc_core.errors import SDCError, as_sdc_error
+from sdc_core.errors import ReplayMismatchError, SDCError, as_sdc_error
 from sdc_core.faults import Fault
 from sdc_core.faults import FaultInjector as _CoreInjector
 from sdc_core.fingerprint import FingerprintConfig, WeightFingerprint
@@ -238,8 +238,7 @@ class NonFiniteGradientCheck(_SDCCallback):
             self._settle(trainer, pl_module, self._core.resolve)
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
-        if self._decided_step != trainer.global_step:
-            self.decide(trainer, pl_module)
+        before_update(trainer, pl_module)  # this check's verdict among the others', in causal order
 
     def decide(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Hand this step's gradients to the check (every rank, after backward, before the update).
@@ -307,8 +306,19 @@ class WeightFingerprintCheck(_SDCCallback):
             replicas (pure FSDP) and compares bit for bit (0: off). Costs a copy and a transfer
             of the shard, its gradient and optimizer state, and one extra optimizer step.
 
-    The comparison of step ``s`` is read at the end of the next training batch, so the host never
-    waits for the GPU in the step that computed it. Before a checkpoint is written and when
+    The comparison of step ``s`` is read in the next optimizer step, after its backward and before
+    its update (``before_update``: after the previous non-finite verdict, before this step's
+    non-finite verdict and ring replay, whatever the callback order; under gradient accumulation
+    at the end of the step's first micro-batch), so the host never waits for the GPU in the step
+    that computed it, and a weight fault is never reported as the replay's compute fault. A
+    ``RingReplayAudit`` disagreement is checked against the current weights first (every tensor):
+    replicas that differ raise this check's ``FingerprintMismatchError`` instead. Latency: a
+    replica that diverged is named at the next compared update (``every_n_steps`` x ``rolling``
+    at most), before the update after it. Sharded models (FSDP2): a shard without replica is
+    digested after each compared update ``s`` and again before the next forward; a bit flipped
+    in between is reported, with step ``s`` and the rank named, before the update of step
+    ``s + 1``; other moments are not watched for such shards (docs/coverage.md says what is
+    covered). Before a checkpoint is written and when
     training ends, the current weights are compared at once (one extra read and one host wait),
     whatever the cadence: no checkpoint comes from a replica the check has not verified, and
     ``fit`` does not return with replicas that differ. Raises ``FingerprintMismatchError`` on
@@ -357,8 +367,19 @@ class WeightFingerprintCheck(_SDCCallback):
             self._core.before_use()
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        before_update(trainer, pl_module)  # the pending comparison is read here, in causal order
         if self._update_audit is not None:
             self._update_audit.before_update(trainer.global_step, optimizer)
+
+    def _resolve_before_update(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:
+        """Read the pending comparison (of the weights after an earlier update) before this
+        step's update; True when it healed or rolled back the replicas (the gradients of this
+        step were then computed from other weights)."""
+        if not (c.is_ddp(trainer) or c.is_sharded(trainer)):
+            return False
+        failures = self._core.stats.failures
+        self._resolve(trainer, pl_module)
+        return self._core.stats.failures != failures
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         if self._update_audit is not None and trainer.global_step != self._seen_step:
@@ -458,9 +479,11 @@ class RingReplayAudit(_SDCCallback):
     owner's RNG and module state (see ``sdc_core.replay.StateCapture``; define
     ``sdc_replay_state()`` / ``sdc_load_replay_state(state)`` for state it cannot see). It has no
     side effect on gradients, optimizer, buffers, module attributes, metrics, RNG or loggers.
-    Raises ``ReplayMismatchError`` (a fault) or ``ReplayUnavailableError`` on every rank.
-    Parameters that do not train at the audit (frozen since ``fit`` started, or by
-    ``toggle_optimizer``) are not compared.
+    Raises ``ReplayMismatchError`` (a fault) or ``ReplayUnavailableError`` on every rank. A
+    disagreement is first checked against the replicas' weights (``_weights_explain``): replicas
+    whose weights differ compute differently, and that weight fault is what every rank raises
+    (``FingerprintMismatchError`` naming the tensors). Parameters that do not train at the audit
+    (frozen since ``fit`` started, or by ``toggle_optimizer``) are not compared.
 
     Manual optimization (``automatic_optimization = False``) needs ``sdc_replay_step``; it
     returns the loss of the backward passes before the batch's FIRST ``optimizer.step()``, from
@@ -571,14 +594,16 @@ class RingReplayAudit(_SDCCallback):
         self._core.record_loss(loss)
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
-        if self._core.armed:  # the non-finite verdict of this step comes first, whatever the callback order
-            for cb in trainer.callbacks:
-                if isinstance(cb, NonFiniteGradientCheck) and cb._decided_step != trainer.global_step:
-                    cb.decide(trainer, pl_module)
-            if any(isinstance(cb, NonFiniteGradientCheck) and cb._dropped_step == trainer.global_step
-                   for cb in trainer.callbacks):  # fmt: skip
-                self._core.disarm()  # a step the gradient check dropped is not audited
-                return
+        before_update(trainer, pl_module)  # the earlier checks' verdicts first, whatever the callback order
+
+    def _audit_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """The audit of this step (``before_update`` calls it last; a no-op when not armed)."""
+        if self._core.armed and any(
+            isinstance(cb, NonFiniteGradientCheck) and cb._dropped_step == trainer.global_step
+            for cb in trainer.callbacks
+        ):
+            self._core.disarm()  # a step the gradient check dropped is not audited
+            return
         if self._core.armed and self._names:
             # only what trains now is compared: a parameter frozen since fit started (the other
             # optimizers' under toggle_optimizer, a fine-tuning schedule) gets no local gradient
@@ -603,6 +628,10 @@ class RingReplayAudit(_SDCCallback):
                 to_device=trainer.strategy.batch_to_device,
                 context=trainer.precision_plugin.train_step_context,
             )
+        except ReplayMismatchError as err:
+            if not self._weights_explain(trainer, pl_module, err):  # raises the weight fault itself
+                self._handle(trainer, pl_module, err, max_step=err.step)
+            skip = True  # rolled back, or the weight fault was healed: this step's gradients are dropped
         except SDCError as err:
             self._handle(trainer, pl_module, err, max_step=err.step)
             skip = True
@@ -611,6 +640,78 @@ class RingReplayAudit(_SDCCallback):
         elif skip:  # a transient fault: every rank drops this step
             drop_step(pl_module.parameters(), scaler_active=scaler is not None)
             self._failed(trainer, "skip_step")
+
+    def _weights_explain(self, trainer: pl.Trainer, pl_module: pl.LightningModule, err: ReplayMismatchError) -> bool:
+        """A replay disagreement is about to be raised (every rank is here together): compare the
+        replicas' current weights first. A replica whose weights differ computes differently, so
+        the weight fault is what is reported: ``FingerprintMismatchError`` naming the rank and the
+        tensors, raised (and recorded) by the ``WeightFingerprintCheck`` (its ``on_failure``
+        applies) or, without one, by a one-off comparison of every parameter. Returns True when
+        that check healed or rolled back replicas that include every rank the replay named (the
+        step is then dropped, no compute fault raised); False when the weights agree (the
+        compute fault stands). Sharded models without a ``WeightFingerprintCheck``: no comparison.
+        Cost: one read of the weights and one all-reduce, on a failing step only."""
+        fp = next((cb for cb in trainer.callbacks if isinstance(cb, WeightFingerprintCheck)), None)
+        step = max(trainer.global_step - 1, 0)  # the weights now: after the previous update
+        if fp is not None and fp._core.active and (c.is_ddp(trainer) or c.is_sharded(trainer)):
+            symptom, self._core.last_error = self._core.last_error, None  # the replay's disagreement: a symptom
+            try:
+                fp._core.check_now(step, pl_module, trainer.optimizers)
+            except SDCError as fault:
+                fp._handle(trainer, pl_module, fault, max_step=fp._core.stats.last_verified_step + 1)
+                acted: SDCError | None = fault  # rolled back (else _handle raised the weight fault)
+            else:
+                acted = fp._core.last_error  # healed, or None: the replicas agree
+                if acted is not None:
+                    fp._failed(trainer, "heal")
+            if acted is not None and set(err.suspects) <= set(acted.suspects):
+                return True  # explained: no compute fault of its own
+            self._core.last_error = symptom
+            return False
+        if not c.is_ddp(trainer):
+            return False
+        once = WeightFingerprint(FingerprintConfig(), topology=self._core.topology)
+        try:
+            once.check_now(step, pl_module, trainer.optimizers)
+        except SDCError as fault:
+            self._core.last_error = None
+            record_verdict(once, self._run_dir or trainer.default_root_dir, trainer.is_global_zero, "raise")
+            mark_verdict(fault, self._spawn_marker if isinstance(trainer.strategy.launcher, _MultiProcessingLauncher)
+                         else None)  # fmt: skip
+            raise
+        return False
+
+
+def before_update(trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    """The verdicts due before an optimizer step's update, in causal order whatever the order of
+    ``trainer.callbacks``: the pending non-finite verdict of an earlier step, the pending weight
+    comparison (of the weights after an earlier update), this step's non-finite verdict, then
+    this step's ring replay audit. An earlier fault is thus never reported as a later one's
+    symptom: weights flipped after step ``s`` make the replay of step ``s + 1`` disagree, but
+    the comparison of step ``s`` is read first and names the tensors. Every SDC callback's
+    ``on_before_optimizer_step`` calls it; each part runs once per step (the later calls find
+    nothing pending). Every rank runs the same parts in the same order."""
+    callbacks = trainer.callbacks
+    for cb in callbacks:
+        if isinstance(cb, NonFiniteGradientCheck) and cb._core.pending_step is not None:
+            cb._settle(trainer, pl_module, cb._core.resolve)
+    acted = False
+    for cb in callbacks:
+        if isinstance(cb, WeightFingerprintCheck):
+            acted = cb._resolve_before_update(trainer, pl_module) or acted
+    if acted:  # healed or rolled back: this step's gradients come from other weights
+        for cb in callbacks:
+            if isinstance(cb, RingReplayAudit) and cb._core.armed:
+                cb._core.disarm()
+        if any(isinstance(cb, WeightFingerprintCheck) and cb._core.config.on_failure == "rollback" for cb in callbacks):
+            scaler = getattr(trainer.precision_plugin, "scaler", None)
+            drop_step(pl_module.parameters(), scaler_active=scaler is not None)
+    for cb in callbacks:
+        if isinstance(cb, NonFiniteGradientCheck) and cb._decided_step != trainer.global_step:
+            cb.decide(trainer, pl_module)
+    for cb in callbacks:
+        if isinstance(cb, RingReplayAudit):
+            cb._audit_step(trainer, pl_module)
 
 
 class FaultInjector(Callback):

@@ -439,25 +439,37 @@ class _Pending:
     groups: list[ReplicaGroup]
     per_tensor: list[Any]  # per replicated group: () -> per-tensor digests
     reduced: list[torch.Tensor]  # per replicated group: (max fp, max ~fp) after the all-reduce
-    flags: HostRead  # [replica mismatch here, at-rest change here], MAX over the world
-    work: Any
-    at_rest: Any  # (digests after the update, digests before the next forward, group) or None
-    at_rest_step: int | None
+    mismatch: torch.Tensor  # a replica mismatch here (0-d int64, on the device)
+    baseline: Any  # (fp, per-tensor digests, group) of the unreplicated shards after the update, or None
     module: nn.Module
     optimizers: list[torch.optim.Optimizer]
+    flags: HostRead | None = None  # [replica mismatch here, at-rest change here], MAX over the world
+    work: Any = None
+    at_rest: Any = None  # (digests after the update, digests before the next forward, group) or None
+    at_rest_step: int | None = None
 
 
 @dataclass
 class ShardedFingerprint:
     """``WeightFingerprint`` for sharded models; adapters call ``start`` after an update,
-    ``before_use`` before the next forward, ``resolve`` one batch later and ``finish`` at the end.
+    ``before_use`` before the next forward, ``resolve`` before the next update (or one batch
+    later) and ``finish`` at the end.
 
     Replicated tensors (HSDP, TP-replicated, plain): each replica group all-reduces 16 bytes per
     rank in its own process group; on a mismatch per-tensor digests are gathered and the group
     votes (three or more replicas name the minority rank). Unreplicated shards (pure FSDP): the
     digest taken after update ``s`` is recomputed by ``before_use`` and compared on the device
-    (no host wait); a change means a bit changed at rest on that rank. Every rank then learns both
-    outcomes through one 8-byte MAX all-reduce over the world, read one batch later.
+    (no host wait); a change means a bit changed at rest on that rank. Both outcomes of update
+    ``s`` then travel in one 8-byte MAX all-reduce over the world, started by ``before_use`` (at
+    once by ``start`` when no shard lacks a replica) and read by the next ``resolve``.
+
+    Latency: the comparison of update ``s`` (replicas, and the window at rest from its digest to
+    the next forward) is read by the next ``resolve``: the adapters call it before the update of
+    step ``s + 1`` (Lightning's ``on_before_optimizer_step``, the plain loop's ``optimizer.step``),
+    so a flipped shard is reported, with step ``s`` and the rank named, before it enters another
+    update. Only windows after compared updates (every ``every_n_steps``) are watched; a bit that
+    changes in an unreplicated shard at any other time (during the forward and backward, inside
+    the update) has no witness here (the update audit recomputes updates).
 
     Cost per check: one read of the local shards (two for unreplicated ones), 16 bytes per rank
     in the replica group plus 8 bytes per rank in the world; no host synchronisation in the step.
@@ -471,8 +483,6 @@ class ShardedFingerprint:
     heals: dict[int, int] = field(default_factory=dict)
     _groups: list[ReplicaGroup] | None = None
     _pending: _Pending | None = None
-    _baseline: tuple[int, torch.Tensor, Any, ReplicaGroup] | None = None  # step, fp, per_tensor, group
-    _rest: tuple[int, torch.Tensor, Any] | None = None  # step, changed flag, (rows, rows now, group)
 
     @property
     def active(self) -> bool:
@@ -489,7 +499,8 @@ class ShardedFingerprint:
         return self._groups
 
     def start(self, step: int, module: nn.Module, optimizers: Iterable[torch.optim.Optimizer]) -> None:
-        """Digest the local shards after optimizer step ``step`` and start the comparisons."""
+        """Digest the local shards after optimizer step ``step`` and start the comparisons (the
+        world all-reduce waits for ``before_use`` when some shard has no replica)."""
         self.resolve()
         t0 = time.perf_counter()
         optimizers = list(optimizers)
@@ -501,7 +512,7 @@ class ShardedFingerprint:
             digests, rows = grouped_digests([local(t) for t in g.tensors], device=device)
             fp = combine(digests)
             if len(g.ranks) == 1:
-                baseline = (step, fp, rows, g)
+                baseline = (fp, rows, g)
                 continue
             pair = torch.stack([fp, torch.bitwise_not(fp)])
             works.append(dist.all_reduce(pair, op=dist.ReduceOp.MAX, group=g.group, async_op=True))
@@ -513,32 +524,39 @@ class ShardedFingerprint:
         mismatch = torch.zeros((), dtype=torch.int64, device=device)
         for pair in reduced:
             mismatch = mismatch | (pair[0] != torch.bitwise_not(pair[1])).to(torch.int64)
-        rest_step, rest_flag, rest_rows = self._rest if self._rest is not None else (None, None, None)
-        flags = torch.stack([mismatch, rest_flag.to(device, torch.int64) if rest_flag is not None else mismatch * 0])
-        work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, async_op=True)
-        self._pending = _Pending(step, replicated, per_tensor, reduced, HostRead(flags, work), work, rest_rows,
-                                 rest_step, module, optimizers)  # fmt: skip
-        self._baseline, self._rest = baseline, None
+        self._pending = _Pending(step, replicated, per_tensor, reduced, mismatch, baseline, module, optimizers)
         self.stats.add_time(time.perf_counter() - t0)
+        if baseline is None:  # nothing at rest to watch: the comparison travels now
+            self.before_use()
 
     def before_use(self) -> None:
-        """Re-digest the unreplicated shards (before the next forward reads them) and compare with
-        their digest after the update, on the device. Cheap to call when nothing is pending."""
-        if self._baseline is None or self._rest is not None:
+        """Close the window at rest of the pending comparison (before the next forward reads the
+        shards): re-digest the unreplicated shards, compare with their digest after the update on
+        the device, and start the world all-reduce of both outcomes. Cheap when nothing is open."""
+        pending = self._pending
+        if pending is None or pending.flags is not None:
             return
         t0 = time.perf_counter()
-        step, fp, rows, g = self._baseline
-        now, now_rows = grouped_digests([local(t) for t in g.tensors], device=fp.device)
-        changed = combine(now) != fp  # on the device: no host wait
-        self._rest = (step, changed, (rows, now_rows, g))
+        rest = torch.zeros_like(pending.mismatch)
+        if pending.baseline is not None:
+            fp, rows, g = pending.baseline
+            now, now_rows = grouped_digests([local(t) for t in g.tensors], device=fp.device)
+            rest = (combine(now) != fp).to(torch.int64).to(rest.device)  # on the device: no host wait
+            pending.at_rest, pending.at_rest_step, pending.baseline = (rows, now_rows, g), pending.step, None
+        flags = torch.stack([pending.mismatch, rest])
+        pending.work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, async_op=True)
+        pending.flags = HostRead(flags, pending.work)
         self.stats.add_time(time.perf_counter() - t0)
 
     def resolve(self) -> None:
-        """Read the pending comparison (every rank, same place); raise on a mismatch."""
+        """Read the pending comparison (every rank, same place); raise on a mismatch. A window at
+        rest still open is closed now (``before_use``)."""
+        self.before_use()
         pending, self._pending = self._pending, None
         if pending is None:
             return
         t0 = time.perf_counter()
+        assert pending.flags is not None
         replica_bad, rest_bad = pending.flags.get().tolist()  # waits for this all-reduce only
         self.stats.runs += 1
         if not replica_bad and not rest_bad:
@@ -557,27 +575,15 @@ class ShardedFingerprint:
                 pending.work.wait(timeout=timedelta(seconds=timeout_s))
 
     def check_now(self, step: int, module: nn.Module, optimizers: Iterable[torch.optim.Optimizer]) -> None:
-        """Compare the current shards at once (the final comparison): the window at rest since the
-        last digest, the pending comparison, then the current weights (every rank, same place)."""
-        self.before_use()
+        """Compare the current shards at once (before a checkpoint, at the end of training): the
+        pending comparison (its window at rest closed now), then the current weights (every rank,
+        same place)."""
         self.start(step, module, optimizers)
         self.finish()
 
     def finish(self) -> None:
-        """At the end of training: the pending comparison, then the last window at rest (the
-        unreplicated shards re-digested now against their digest after the last checked update)."""
-        self.resolve()
-        if self._baseline is None or not self.active:
-            return
-        self.before_use()
-        rest_step, rest_flag, rest_rows = self._rest  # type: ignore[misc]
-        self._rest = self._baseline = None
-        flags = torch.stack([torch.zeros((), dtype=torch.int64), rest_flag.cpu().to(torch.int64)])
-        flags = flags.to(collective_device())
-        work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, async_op=True)
-        assert self._groups is not None
-        self._pending = _Pending(rest_step, [], [], [], HostRead(flags, work), work, rest_rows, rest_step, nn.Module(),
-                                 [])  # fmt: skip
+        """At the end of training: the pending comparison, its window at rest closed now (the
+        unreplicated shards re-digested against their digest after the last compared update)."""
         self.resolve()
 
     def _fail(self, pending: _Pending, replica_bad: bool, rest_bad: bool, t0: float) -> None:
