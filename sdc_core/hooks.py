@@ -638,19 +638,42 @@ class SDCHooks:
         raised and the fingerprint check is on, the replicas' current weights are compared first
         (every rank is here together); a replica whose weights changed since the last comparison
         computes differently, so the weight fault is what is raised (``FingerprintMismatchError``
-        naming the tensors), not a compute fault. Cost: one extra comparison, on a failing step only."""
-        replay, fp = self.replay, self.fingerprint
+        naming the tensors), not a compute fault. Without the fingerprint check (DDP) a one-off
+        comparison of every parameter does it. When the fingerprint check healed replicas that
+        include every rank the replay named, the disagreement is explained: the step is dropped
+        (True) and no compute fault is raised or recorded. Cost: one extra comparison, on a
+        failing step only."""
+        replay = self.replay
 
         def audit() -> bool:
             try:
                 return bool(replay.audit(step, module, self._replay_step, self._to_device))
-            except ReplayMismatchError:
-                if fp is not None:  # raises (and records) the weight fault when the replicas' weights differ
-                    self._verdict(fp, lambda: fp.check_now(max(step - 1, 0), module, [_inner(self._optimizer)]),
-                                  "heal")  # fmt: skip
+            except ReplayMismatchError as symptom:
+                if self._weights_explain(step, module, symptom):
+                    replay.last_error = None  # a symptom of the healed weight fault: no incident of its own
+                    return True
                 raise
 
         return bool(self._verdict(replay, audit, "skip_step"))
+
+    def _weights_explain(self, step: int, module: nn.Module, symptom: ReplayMismatchError) -> bool:
+        """Compare the replicas' current weights after a replay disagreement (every rank together).
+        Raises (and records) the weight fault when they differ and are not healed; True when they
+        were healed and the heal covers every rank the replay named."""
+        fp = self.fingerprint
+        if fp is None:
+            if self._fw.num_processes < 2 or is_sharded(module):
+                return False
+            fp = WeightFingerprint(topology=self.replay.topology if self.replay is not None else None)
+        failures, healed = fp.stats.failures, []
+
+        def compare() -> None:  # returns only when the replicas agree or were healed
+            fp.check_now(max(step - 1, 0), module, [_inner(self._optimizer)])
+            if fp.stats.failures != failures and fp.last_error is not None:
+                healed.append(fp.last_error)  # read before the incident is recorded (which clears it)
+
+        self._verdict(fp, compare, "heal")
+        return bool(healed) and set(symptom.suspects) <= set(healed[0].suspects)
 
     def _record(self, check: Any, policy: str) -> None:
         """Write the incident of ``check``'s last verdict (main process; a failed write only warns)."""

@@ -14,7 +14,8 @@ runs the named scenarios one after the other in one process group; each rank wri
   GradScaler, which skips a lone overflow itself), ``activation`` (a wrong
   output element of one module on rank 2 from step 2: the replay names it), ``flip`` (a bit flip
   in rank 1's weights after step 2: the fingerprint names it), ``flip_audited`` (the same after
-  step 1, before the audited step 2: reported as the weight fault it is, not as a compute fault),
+  step 1, before the audited step 2: reported as the weight fault it is, not as a compute fault;
+  ``flip_audited_nofp`` without the fingerprint check, ``flip_audited_heal`` with it healing),
   ``update`` (FSDP: a wrong update of rank 1's shard at step 4, named by the update audit),
   ``matmul``/``matmul_clean``/``matmul_backward`` (``matmul_checksum`` on; a wrong element inside
   rank 2's ``head`` product, forward or weight gradient, at step 3, which the replay does not
@@ -186,7 +187,7 @@ def faults(model: str, kind: str) -> list[Fault]:
     if kind in ("matmul", "matmul_backward"):  # a wrong element inside a product, once, at a step not audited
         phase = "forward" if kind == "matmul" else "weight_grad"
         return [Fault("matmul_output", rank=2, step=3, target="head", index=3, factor=-3.0, mode="once", phase=phase)]
-    if kind == "flip_audited":  # after update 1, digested already; step 2 is audited: the replay sees it first
+    if kind.startswith("flip_audited"):  # after update 1, digested already; step 2 is audited: the replay sees it first
         return [Fault("weight_bit_flip", rank=1, step=1, target=weight, index=5, bit=27)]
     return []
 
@@ -224,6 +225,10 @@ def train(name: str, out: Path, device: torch.device) -> dict[str, Any]:
             settings |= {"replay_every_n_steps": 0, "fingerprint_every_n_steps": 0, "update_audit_every_n_steps": 2}
         if kind.startswith("matmul"):
             settings |= {"matmul_checksum": True}
+        if kind == "flip_audited_nofp":  # no fingerprint check: a one-off comparison names the weight fault
+            settings |= {"fingerprint_every_n_steps": 0}
+        if kind == "flip_audited_heal":  # the weight fault healed: the replay's symptom drops the step
+            settings |= {"fingerprint_on_failure": "heal"}
         hooks = SDCHooks(run_dir=out / name.replace(":", "-"), log=lambda m, s: metrics.append((s, m)), **settings)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

@@ -58,7 +58,8 @@ def check_models(out: Path, models: list[str], world: int, exact: set[str]) -> N
 
 @pytest.fixture(scope="module")
 def ddp(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    kinds = (*KINDS, "save", "flip_audited", "matmul_clean", "matmul", "matmul_backward")
+    kinds = (*KINDS, "save", "flip_audited", "flip_audited_nofp", "flip_audited_heal", "matmul_clean", "matmul",
+             "matmul_backward")
     return launch(tmp_path_factory.mktemp("plain_ddp"), [f"mlp:{k}" for k in kinds], 3)
 
 
@@ -78,6 +79,14 @@ def test_a_weight_flip_before_an_audited_step_is_reported_as_a_weight_fault(ddp:
     assert "body.3.weight" in err["message"]
     assert [i.split("-", 1)[1] for i in results(ddp, "mlp:flip_audited", 3)[0]["incidents"]] == [
         "weight_fingerprint-step1.json"]  # one incident: the weight fault, not a compute fault besides
+    nofp = same_error(ddp, "mlp:flip_audited_nofp", 3)  # no fingerprint check: a one-off comparison
+    assert (nofp["type"], nofp["rank"]) == ("FingerprintMismatchError", 1), nofp["message"]
+    assert "body.3.weight" in nofp["message"]
+    healed = results(ddp, "mlp:flip_audited_heal", 3)  # healed: the replay's symptom drops the step, no error
+    assert all(r["error"] is None for r in healed), [r["error"] for r in healed]
+    assert len({r["weights"] for r in healed}) == 1  # the replicas agree at the end
+    assert [i.split("-", 1)[1] for i in healed[0]["incidents"]] == ["weight_fingerprint-step1.json"]
+    assert healed[0]["state"]["updates"] == healed[0]["state"]["step"] - 1  # step 2 dropped
 
 
 def test_matmul_checksum_setting_names_a_wrong_product_in_its_own_step(ddp: Path) -> None:
