@@ -43,6 +43,7 @@ _HELP = {
     "replay_on_unreplayable": "a step the replay cannot reproduce: raise, or warn once and turn the audit off",
     "replay_max_state_mb": "MiB of module state copied per audited step for the replay",
     "replay_deterministic": "replay with deterministic kernels, bit-comparable on GPUs (false: your own settings)",
+    "replay_allow_pickled_batches": "unpickle a partner's non-tensor micro-batch in the replay (trust every rank)",
     "fingerprint_every_n_steps": "weight fingerprint cadence in optimizer steps (0: off)",
     "include_buffers": "fingerprint buffers too (BatchNorm statistics excluded)",
     "include_optimizer_state": "fingerprint the optimizer state too",

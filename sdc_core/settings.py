@@ -44,7 +44,9 @@ class SDCSettings:
     ``replay_every_n_steps`` and ``fingerprint_every_n_steps`` of 0 turn that check off;
     ``nonfinite_gradient=False`` turns the gradient check off. ``update_audit_every_n_steps``
     (default 0, off) applies to FSDP2 models only (``WeightFingerprintCheck``'s argument of the
-    same name); a DDP run ignores it.
+    same name); a DDP run ignores it. ``replay_allow_pickled_batches=True`` lets this rank unpickle
+    a partner's micro-batch that is not made of tensors, numbers and strings (trust every rank);
+    False leaves it to ``SDC_ALLOW_PICKLED_BATCHES`` (off unless set).
     """
 
     nonfinite_gradient: bool = True
@@ -59,6 +61,7 @@ class SDCSettings:
     replay_on_unreplayable: str = "raise"
     replay_max_state_mb: float = 256.0
     replay_deterministic: bool = True
+    replay_allow_pickled_batches: bool = False
     fingerprint_every_n_steps: int = 1
     include_buffers: bool = False
     include_optimizer_state: bool = False
@@ -80,6 +83,7 @@ class SDCSettings:
         return ReplayConfig(
             self.replay_every_n_steps, self.replay_exact, self.replay_rtol, self.replay_atol, self.replay_on_failure,
             self.replay_on_unreplayable, self.replay_max_state_mb, self.replay_deterministic,
+            allow_pickled_batches=True if self.replay_allow_pickled_batches else None,
         )  # fmt: skip
 
     def fingerprint(self) -> FingerprintConfig | None:
@@ -312,7 +316,8 @@ def _resolve(sources: Sources, **kwargs: Any) -> tuple[SDCSettings, dict[str, st
         (checked.replay, {"every_n_steps": "replay_every_n_steps", "exact": "replay_exact",
                            "rtol": "replay_rtol", "atol": "replay_atol",
                            "on_failure": "replay_on_failure", "on_unreplayable": "replay_on_unreplayable",
-                           "max_state_mb": "replay_max_state_mb", "deterministic": "replay_deterministic"}),
+                           "max_state_mb": "replay_max_state_mb", "deterministic": "replay_deterministic",
+                           "allow_pickled_batches": "replay_allow_pickled_batches"}),
         (checked.fingerprint, {"every_n_steps": "fingerprint_every_n_steps", "include_buffers": "include_buffers",
                                 "include_optimizer_state": "include_optimizer_state",
                                 "on_failure": "fingerprint_on_failure", "max_heals": "max_heals",

@@ -275,6 +275,20 @@ def test_replay_deterministic_is_a_setting_on_every_route() -> None:
         SDCHooks(replay_deterministic="maybe")
 
 
+def test_replay_allow_pickled_batches_is_a_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``replay_allow_pickled_batches`` (hook sets, ``ACCELERATE_SDC_REPLAY_ALLOW_PICKLED_BATCHES``) reaches
+    the replay's config: True allows; the default leaves it to ``SDC_ALLOW_PICKLED_BATCHES``."""
+    from accelerate_sdc.config import resolve
+    from sdc_core import SDCConfigError, SDCHooks
+
+    assert SDCHooks().replay.config.allow_pickled_batches is None
+    assert SDCHooks(replay_allow_pickled_batches=True).replay.config.allow_pickled_batches is True
+    monkeypatch.setenv("ACCELERATE_SDC_REPLAY_ALLOW_PICKLED_BATCHES", "1")
+    assert resolve()[0].replay().allow_pickled_batches is True
+    with pytest.raises(SDCConfigError, match="replay_allow_pickled_batches"):
+        SDCHooks(replay_allow_pickled_batches="maybe")
+
+
 def test_the_step_wrapper_keeps_the_schedulers_mark_so_torch_does_not_warn() -> None:
     """An LR scheduler created before ``attach`` marks ``optimizer.step``; the hook set's wrapper keeps
     the original's attributes (``functools.wraps``), so torch does not warn on every step that
