@@ -8,9 +8,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from conftest import ROOT, worker_env
 
 
+@pytest.mark.slow  # a multi-process launch: the default run stays under 10 minutes
 def test_benchmark_entry_point_quick(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     cmd = [sys.executable, "-m", "benchmarks", "--quick", "--device", "cpu", "--out", str(out)]

@@ -115,6 +115,7 @@ def test_verify_and_resume_catch_a_changed_checkpoint(
     assert info.value.step == 3
 
 
+@pytest.mark.slow  # a multi-process launch: the default run stays under 10 minutes
 def test_tiny_campaign_writes_its_outputs(tmp_path: Path) -> None:
     from lightning_sdc.campaign import run_campaign
 

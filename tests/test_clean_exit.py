@@ -43,6 +43,7 @@ def _finish(procs: list[subprocess.Popen]) -> list[tuple[int, str, str]]:
 
 
 @pytest.mark.skipif(os.name != "posix", reason="gloo on POSIX")
+@pytest.mark.slow  # a multi-process launch: the default run stays under 10 minutes
 def test_gloo_thread_needing_python_at_exit_no_longer_aborts() -> None:
     (a0, a0_out, a0_err), (a1, _, a1_err) = _finish(_start("armed", free_port()))
     assert "waiting at exit: 1" in a0_out, a0_out  # a gloo worker waits for the GIL when the script ends

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from conftest import ROOT, worker_env
 
 BIN = Path(sys.executable).parent
@@ -34,6 +35,7 @@ def test_accelerate_demo_names_the_faulty_rank(tmp_path: Path) -> None:
     assert len(list((tmp_path / "runs" / "accelerate_demo" / "sdc" / "incidents").glob("*.json"))) == 1
 
 
+@pytest.mark.slow  # a multi-process launch: the default run stays under 10 minutes
 def test_plain_torchrun_demo_names_the_faulty_rank(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=3",
            str(ROOT / "examples" / "torchrun_demo.py"), "--fault", "weights", "--faulty-rank", "2"]  # fmt: skip

@@ -23,6 +23,7 @@ def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+@pytest.mark.slow  # a multi-process launch: the default run stays under 10 minutes
 def test_training_is_bit_identical_with_the_tap_on_and_off(out: Path) -> None:
     for plain, tapped in (("plain", "tapped"), ("plain_view", "tapped_view")):
         off, on = results(out, plain, WORLD), results(out, tapped, WORLD)
@@ -34,11 +35,13 @@ def test_training_is_bit_identical_with_the_tap_on_and_off(out: Path) -> None:
 
 
 @pytest.mark.parametrize("scenario", ["nan", "nan_view"])
+@pytest.mark.slow  # a multi-process launch: the default run stays under 10 minutes
 def test_a_nan_on_one_rank_is_named_on_every_rank_in_its_step(out: Path, scenario: str) -> None:
     for r in results(out, scenario, WORLD):
         assert r["error"] == {"step": 2, "rank": 1, "parameters": {"1": ["0.weight"]}}
 
 
+@pytest.mark.slow  # a multi-process launch: the default run stays under 10 minutes
 def test_static_graph_ddp_trains_identically_and_carries_the_flag(out: Path) -> None:
     off, on = results(out, "plain_static", WORLD), results(out, "tapped_static", WORLD)
     assert off[0]["weights"] == on[0]["weights"] and on[0]["error"] is None
@@ -48,6 +51,7 @@ def test_static_graph_ddp_trains_identically_and_carries_the_flag(out: Path) -> 
         assert r["error"] == {"step": 2, "rank": 0, "parameters": {"0": ["0.weight"]}}
 
 
+@pytest.mark.slow  # a multi-process launch: the default run stays under 10 minutes
 def test_reentrant_checkpointing_is_read_whole_and_named(out: Path) -> None:
     """Parameter gradients computed in nested backward passes (the last layer's first): every
     parameter is still read, and the first layer's NaN names its rank, not "all ranks"."""
@@ -58,6 +62,7 @@ def test_reentrant_checkpointing_is_read_whole_and_named(out: Path) -> None:
         assert r["error"] == {"step": 1, "rank": 1, "parameters": {"1": ["0.weight"]}}
 
 
+@pytest.mark.slow  # a multi-process launch: the default run stays under 10 minutes
 def test_channels_last_gradients_train_identically_and_carry_the_flag(out: Path) -> None:
     off, on = results(out, "plain_conv", WORLD), results(out, "tapped_conv", WORLD)
     assert off[0]["weights"] == on[0]["weights"] and on[0]["error"] is None
@@ -66,12 +71,14 @@ def test_channels_last_gradients_train_identically_and_carry_the_flag(out: Path)
         assert r["error"] == {"step": 3, "rank": 2, "parameters": {"2": ["0.weight"]}}
 
 
+@pytest.mark.slow  # a multi-process launch: the default run stays under 10 minutes
 def test_a_nan_in_a_no_sync_micro_batch_is_seen_at_the_sync_one(out: Path) -> None:
     for r in results(out, "nan_accumulated", WORLD):
         assert r["error"] == {"step": 1, "rank": 2, "parameters": {"2": ["0.weight"]}}
         assert r["recorded"][:3] == [0, 0, 6]  # only the sync micro-batch is read
 
 
+@pytest.mark.slow  # a multi-process launch: the default run stays under 10 minutes
 def test_a_users_comm_hook_registered_first_composes_with_the_tap(out: Path) -> None:
     for r in results(out, "nan_comm_hook", WORLD):
         assert r["inner_hook"] == "allreduce_hook"

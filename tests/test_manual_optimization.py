@@ -36,6 +36,7 @@ def same_error(out: Path, scenario: str) -> dict[str, Any]:
     return errors[0]
 
 
+@pytest.mark.slow  # a multi-process launch: the default run stays under 10 minutes
 def test_clean_gan_run_raises_nothing_and_audits_every_batch(gan: Path) -> None:
     rows = results(gan, "clean", 3)
     assert len({r["weights"] for r in rows}) == 1
@@ -49,12 +50,14 @@ def test_clean_gan_run_raises_nothing_and_audits_every_batch(gan: Path) -> None:
         assert all(c["failures"] == 0 for c in checks.values())
 
 
+@pytest.mark.slow  # a multi-process launch: the default run stays under 10 minutes
 def test_nan_in_one_ranks_generator_gradient_is_named(gan: Path) -> None:
     err = same_error(gan, "nan_generator")
     assert (err["type"], err["rank"], err["step"]) == ("NonFiniteGradientError", 1, 2)
     assert err["details"]["parameters"] == {"1": ["generator.0.weight"]}
 
 
+@pytest.mark.slow  # a multi-process launch: the default run stays under 10 minutes
 def test_wrong_generator_output_is_named_by_the_replay_of_the_first_step(gan: Path) -> None:
     err = same_error(gan, "activation")
     assert (err["type"], err["rank"], err["step"]) == ("ReplayMismatchError", 0, 2)

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from benchmarks import matmul as bench
 
 
+@pytest.mark.slow  # a multi-process launch: the default run stays under 10 minutes
 def test_step_breakdown_stress_and_section(tmp_path: Path) -> None:
     cpu = torch.device("cpu")
     run = bench.run_one(32, "fp32", rounds=1, device=cpu, batch=2, seq=8)

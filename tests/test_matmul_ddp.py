@@ -28,6 +28,7 @@ def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
     ("mm_input_grad", "head", "backward", "input_gradient"),
     ("mm_weight_grad", "body", "backward", "weight_gradient"),
 ])  # fmt: skip
+@pytest.mark.slow  # a multi-process launch: the default run stays under 10 minutes
 def test_a_wrong_product_on_rank_1_raises_on_every_rank(out: Path, scenario: str, module: str, phase: str,
                                                         product: str) -> None:  # fmt: skip
     per_rank = results(out, scenario, WORLD)
@@ -43,6 +44,7 @@ def test_a_wrong_product_on_rank_1_raises_on_every_rank(out: Path, scenario: str
     assert len(fired) == 1 and fired[0]["step"] == 3
 
 
+@pytest.mark.slow  # a multi-process launch: the default run stays under 10 minutes
 def test_without_the_check_the_same_fault_goes_unseen(out: Path) -> None:
     """The default checks miss a finite wrong product at a step the replay does not audit."""
     per_rank = results(out, "mm_forward_unchecked", WORLD)
@@ -52,6 +54,7 @@ def test_without_the_check_the_same_fault_goes_unseen(out: Path) -> None:
 
 
 @pytest.mark.parametrize("scenario", ["mm_clean", "mm_clean_bf16"])
+@pytest.mark.slow  # a multi-process launch: the default run stays under 10 minutes
 def test_clean_runs_raise_nothing(out: Path, scenario: str) -> None:
     for r in results(out, scenario, WORLD):
         assert r["error"] is None
@@ -59,6 +62,7 @@ def test_clean_runs_raise_nothing(out: Path, scenario: str) -> None:
         assert state["runs"] == 8 and state["failures"] == 0 and state["last_verified_step"] == 7
 
 
+@pytest.mark.slow  # a multi-process launch: the default run stays under 10 minutes
 def test_clean_training_is_bit_identical_with_the_check(out: Path) -> None:
     off, on = results(out, "mm_off", WORLD), results(out, "mm_clean", WORLD)
     assert [r["weights"] for r in off] == [r["weights"] for r in on]

@@ -94,6 +94,7 @@ def acc_out(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+@pytest.mark.slow  # a multi-process launch: the default run stays under 10 minutes
 def test_accelerate_clip_grad_norm_does_not_change_the_names(acc_out: Path) -> None:
     err, per_rank = same_error(acc_out, "clip")
     incidents = [json.loads(p.read_text()) for p in (acc_out / "run" / "sdc" / "incidents").glob("*.json")]
@@ -103,6 +104,7 @@ def test_accelerate_clip_grad_norm_does_not_change_the_names(acc_out: Path) -> N
     assert all(r["raised_at"] == 3 for r in per_rank)  # read at the next optimizer.step
 
 
+@pytest.mark.slow  # a multi-process launch: the default run stays under 10 minutes
 def test_accelerate_save_state_after_an_unread_non_finite_step_raises(acc_out: Path) -> None:
     err, per_rank = same_error(acc_out, "save_after_nan")
     assert (err["step"], err["rank"]) == (2, 1)

@@ -42,6 +42,7 @@ def clean(out: Path, scenario: str, steps: int) -> list[dict[str, Any]]:
     return rows
 
 
+@pytest.mark.slow  # a multi-process launch: the default run stays under 10 minutes
 def test_deterministic_kernels_make_the_replay_exact(out: Path) -> None:
     rows = clean(out, "det_clean", 6)
     assert all(r["mode"] == "strict" for r in rows)
@@ -50,6 +51,7 @@ def test_deterministic_kernels_make_the_replay_exact(out: Path) -> None:
     assert all(r["noisy_calls"] == 0 for r in rows)  # every step is audited: the owners' forwards ran inside
 
 
+@pytest.mark.slow  # a multi-process launch: the default run stays under 10 minutes
 def test_opt_out_noise_gives_no_false_verdict(out: Path) -> None:
     rows = clean(out, "off_clean", 16)
     assert all(r["mode"] == "off" for r in rows)
@@ -58,6 +60,7 @@ def test_opt_out_noise_gives_no_false_verdict(out: Path) -> None:
     assert 0 < extra["tolerance"] <= 1e-3 and rows[0]["stats"]["max_diff"] > 0
 
 
+@pytest.mark.slow  # a multi-process launch: the default run stays under 10 minutes
 def test_kernel_without_deterministic_version_falls_back_without_false_verdict(out: Path) -> None:
     rows = clean(out, "fallback_clean", 12)
     assert all(r["mode"] == "warn_only" for r in rows)  # the probe under warn_only=False failed on every rank
@@ -65,6 +68,7 @@ def test_kernel_without_deterministic_version_falls_back_without_false_verdict(o
     assert all(r["noisy_calls"] > 0 for r in rows)
 
 
+@pytest.mark.slow  # a multi-process launch: the default run stays under 10 minutes
 def test_bit_equality_without_determinism_is_refused_not_blamed(out: Path) -> None:
     errors = [r["error"] for r in results(out, "off_exact", WORLD)]
     assert errors[0] is not None and all(e == errors[0] for e in errors)
@@ -75,6 +79,7 @@ def test_bit_equality_without_determinism_is_refused_not_blamed(out: Path) -> No
 @pytest.mark.parametrize(("scenario", "rank", "step", "mode"),
                          [("det_fault", 1, 3, "strict"), ("off_fault", 2, 5, "off"),
                           ("fallback_fault", 0, 2, "warn_only")])  # fmt: skip
+@pytest.mark.slow  # a multi-process launch: the default run stays under 10 minutes
 def test_a_real_fault_is_named_in_every_mode(out: Path, scenario: str, rank: int, step: int, mode: str) -> None:
     errors = [r["error"] for r in results(out, scenario, WORLD)]
     assert errors[0] is not None and all(e == errors[0] for e in errors), errors
@@ -84,6 +89,7 @@ def test_a_real_fault_is_named_in_every_mode(out: Path, scenario: str, rank: int
     assert err["details"]["deterministic"] == mode
 
 
+@pytest.mark.slow  # a multi-process launch: the default run stays under 10 minutes
 def test_bf16_mixed_on_cpu_replays_bit_for_bit_with_dropout_and_attention(out: Path) -> None:
     """The replay runs the forward under the precision's autocast and the backward outside it, as
     Lightning does; a backward inside autocast gave other gradients on CPU (a false alarm)."""

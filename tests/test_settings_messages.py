@@ -70,6 +70,7 @@ def test_bad_environment_value_in_a_launched_script_is_one_line_per_rank(tmp_pat
     assert "settings.py" not in proc.stderr
 
 
+@pytest.mark.slow  # a multi-process launch: the default run stays under 10 minutes
 def test_other_exceptions_keep_their_traceback() -> None:
     code = (
         "from sdc_core.settings import SDCConfigError, resolve\n"

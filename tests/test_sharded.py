@@ -90,6 +90,7 @@ def hsdp(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return launch(tmp_path_factory.mktemp("hsdp"), ["hsdp_update", "hsdp_nan"], 6)
 
 
+@pytest.mark.slow  # a multi-process launch: the default run stays under 10 minutes
 def test_hsdp_wrong_update_on_one_replica_is_named_by_majority(hsdp: Path) -> None:
     err = same_error(hsdp, "hsdp_update", 6, "FingerprintMismatchError")
     assert err["rank"] == 3 and err["step"] == 4
@@ -152,6 +153,7 @@ def hsdp_more(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return launch(tmp_path_factory.mktemp("hsdp_more"), ["hsdp_heal", "hsdp_clean"], 6)
 
 
+@pytest.mark.slow  # a multi-process launch: the default run stays under 10 minutes
 def test_hsdp_nan_in_one_ranks_local_gradients_names_it(hsdp: Path) -> None:
     """The flag rides the reduce-scatter and then the replicate all-reduce: every rank of both
     dimensions learns it from its own reduced shard."""
@@ -175,6 +177,7 @@ def run_example(nproc: int, *args: str) -> str:
     return proc.stdout
 
 
+@pytest.mark.slow  # a multi-process launch: the default run stays under 10 minutes
 def test_plain_fully_shard_with_tensor_parallel_names_the_rank_whose_shard_changed_at_rest() -> None:
     out = run_example(4, "--tp", "2", "--fault", "at_rest")  # FSDP 2 x TP 2 over gloo
     assert "SDC check 'weight_fingerprint' failed at step 4: rank 1" in out and "param:2.weight" in out

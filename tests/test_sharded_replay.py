@@ -21,6 +21,7 @@ def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return launch(tmp_path_factory.mktemp("sharded_replay"), names, WORLD, script=SCENARIOS)
 
 
+@pytest.mark.slow  # a multi-process launch: the default run stays under 10 minutes
 def test_stateful_step_under_fsdp2_replays_exactly_without_side_effect(out: Path) -> None:
     """A counter, a torchmetrics metric, an EMA buffer, carried hidden state, a frozen sharded teacher
     updated in place, Python/NumPy RNG, gradient accumulation: exact replays, no alarm, and every
@@ -35,12 +36,14 @@ def test_stateful_step_under_fsdp2_replays_exactly_without_side_effect(out: Path
     assert replay["runs"] == 4 and replay["failures"] == 0 and replay["max_diff"] == 0.0
 
 
+@pytest.mark.slow  # a multi-process launch: the default run stays under 10 minutes
 def test_step_the_capture_cannot_see_is_refused_on_every_rank_not_blamed(out: Path) -> None:
     err = same_error(out, "opaque", WORLD, "ReplayUnavailableError")
     assert "could not reproduce their own result on their own device" in err["message"]
     assert "not evidence of a faulty device" in err["message"] and "sdc_replay_state()" in err["message"]
 
 
+@pytest.mark.slow  # a multi-process launch: the default run stays under 10 minutes
 def test_single_disagreeing_pair_is_settled_by_a_referee(out: Path) -> None:
     err = same_error(out, "referee", WORLD, "ReplayMismatchError")
     assert err["rank"] == 2 and err["suspects"] == [2] and err["step"] == 2
@@ -50,6 +53,7 @@ def test_single_disagreeing_pair_is_settled_by_a_referee(out: Path) -> None:
     assert details["classification"] == "transient"  # only the first forward of the step was wrong
 
 
+@pytest.mark.slow  # a multi-process launch: the default run stays under 10 minutes
 def test_persistent_fault_seen_by_one_pair_is_named_and_not_skipped(out: Path) -> None:
     err = same_error(out, "data_fault", WORLD, "ReplayMismatchError")
     assert err["rank"] == 2 and err["suspects"] == [2] and err["step"] == 2
@@ -57,12 +61,14 @@ def test_persistent_fault_seen_by_one_pair_is_named_and_not_skipped(out: Path) -
     assert err["details"]["classification"] == "persistent"  # on_failure="skip_step" raises all the same
 
 
+@pytest.mark.slow  # a multi-process launch: the default run stays under 10 minutes
 def test_skip_step_drops_transient_fault_steps_alike_on_every_rank(out: Path) -> None:
     rows = results(out, "referee_skip", WORLD)
     assert all(r["error"] is None and r["global_step"] == 8 and r["finite"] for r in rows)
     assert all(r["states"]["RingReplayAudit"]["extra"]["skipped_steps"] == 3 for r in rows)  # steps 2, 4, 6
 
 
+@pytest.mark.slow  # a multi-process launch: the default run stays under 10 minutes
 def test_nonfinite_check_under_fsdp2_issues_one_small_all_reduce_per_step(out: Path) -> None:
     """The flag rides in the reduce-scatter input; each rank reads its own reduced shard and the
     verdict is agreed by one 4-byte all-reduce per step (a reduced shard is one rank's alone). A

@@ -56,6 +56,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.slow  # a multi-process launch: the default run stays under 10 minutes
 def test_witnesses_of_dtensors_on_hsdp_fsdp_and_tp_meshes() -> None:
     proc = subprocess.run([sys.executable, "-c", _FAKE], env=worker_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]

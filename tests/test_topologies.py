@@ -10,6 +10,7 @@ import pytest
 from conftest import SCENARIOS, free_port, results, torchrun, worker_env
 
 
+@pytest.mark.slow  # a multi-process launch: the default run stays under 10 minutes
 def test_two_replicas_cannot_localize(tmp_path: Path) -> None:
     torchrun(tmp_path, ["pair_fingerprint", "pair_replay", "pair_heal"], nproc=2)
     for scenario, error_type in (
@@ -25,6 +26,7 @@ def test_two_replicas_cannot_localize(tmp_path: Path) -> None:
     assert results(tmp_path, "pair_heal", 2)[0]["error"]["details"]["action"] == "not healed: no strict majority"
 
 
+@pytest.mark.slow  # a multi-process launch: the default run stays under 10 minutes
 def test_two_nodes_pair_across_nodes_and_report_node_rank(tmp_path: Path) -> None:
     port = free_port()
     cmd = [

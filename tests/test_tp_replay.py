@@ -20,6 +20,7 @@ def tp2x2(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return launch(tmp_path_factory.mktemp("tp2x2"), ["tp_off", "tp_on", "tp_fault"], 4, script=SCENARIOS)
 
 
+@pytest.mark.slow  # a multi-process launch: the default run stays under 10 minutes
 def test_tp_2x2_clean_audit_every_step_is_exact_and_bit_identical(tp2x2: Path) -> None:
     """Dropout, gradient accumulation, the audit on all 8 steps: exact replays, nothing raised,
     every rank's shards bit for bit as with the audit off."""
@@ -32,6 +33,7 @@ def test_tp_2x2_clean_audit_every_step_is_exact_and_bit_identical(tp2x2: Path) -
     assert replay["runs"] == 8 and replay["failures"] == 0 and replay["max_diff"] == 0.0
 
 
+@pytest.mark.slow  # a multi-process launch: the default run stays under 10 minutes
 def test_tp_2x2_persistent_fault_is_caught_on_every_rank_with_its_pair_as_suspects(tp2x2: Path) -> None:
     """Two data-parallel groups: no referee group exists, so the faulty rank 1 and rank 3 (the same
     tensor-parallel coordinate in the other group) are both suspects; ranks 0 and 2 agree."""
@@ -50,6 +52,7 @@ def tp3x2(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return launch(tmp_path_factory.mktemp("tp3x2"), ["tp_referee"], 6, script=SCENARIOS)
 
 
+@pytest.mark.slow  # a multi-process launch: the default run stays under 10 minutes
 def test_tp_3x2_referee_group_names_exactly_the_faulty_rank(tp3x2: Path) -> None:
     """Only rank 1's first forward of each step is wrong: one pair disagrees (1 -> 3); group 2
     (ranks 4 and 5) replays group 0's batch together and rank 5 rules for the replayer."""

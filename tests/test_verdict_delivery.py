@@ -53,6 +53,7 @@ def assert_verdict(proc: subprocess.CompletedProcess, out: Path, code: int = 86)
 # -- through the real launchers -------------------------------------------------------------------
 
 
+@pytest.mark.slow  # a multi-process launch: the default run stays under 10 minutes
 def test_sdc_run_torchrun_exits_86_even_when_the_incident_cannot_be_written(tmp_path: Path) -> None:
     """torchrun alone exits 1; inside `sdc run` the job exits 86. `<log dir>/sdc` is a file, so
     no incident can be written: every rank still raises the same verdict and a warning names it.
