@@ -518,12 +518,15 @@ class LinearBound:
         return torch.where(judged, threshold, math.inf)
 
 
+_NOTHING = contextlib.nullcontext()  # reusable: no state
+
+
 def plain_arithmetic(device_type: str) -> contextlib.AbstractContextManager[Any]:
     """Autocast off where it is on (the check's arithmetic runs in its own dtypes: a check computed
     in bf16 would be no check); nothing otherwise."""
     if torch.is_autocast_enabled(device_type):
         return torch.autocast(device_type, enabled=False)
-    return contextlib.nullcontext()
+    return _NOTHING
 
 
 def _threshold(bound: torch.Tensor, safety: float, growth: float) -> torch.Tensor:
@@ -1014,7 +1017,8 @@ class MatmulChecksum:
         if y.numel() == 0 or y.shape[-1] != m or x.shape[-1] != k:
             return
         node = product_node(y) if torch.is_grad_enabled() else None
-        with torch.no_grad(), plain_arithmetic(y.device.type):
+        # every operand is detached (the bound detaches the weight): nothing is recorded, no grad-mode switch
+        with plain_arithmetic(y.device.type):
             lb = self._bound(weight, bias, y.dtype, y.device.type)
             x2 = operand(x.detach(), y.dtype, lb.rnd.acc_dtype, k)
             needs_dw = node is not None and weight.requires_grad
@@ -1057,7 +1061,9 @@ class MatmulChecksum:
             return
         dx, dwt = grad_inputs[dx_at], grad_inputs[dx_at + 1]
         n, k, m, acc = x_block_norms.shape[0], lb.k, lb.m, lb.rnd.acc_dtype
-        with torch.no_grad(), plain_arithmetic(dy.device.type):
+        # the backward runs with grad mode off unless it builds a graph (create_graph=True)
+        grad = torch.no_grad() if torch.is_grad_enabled() else _NOTHING
+        with grad, plain_arithmetic(dy.device.type):
             dy2 = dy.reshape(-1, m)
             if dy2.shape[0] != n:
                 return
