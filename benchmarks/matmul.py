@@ -350,7 +350,8 @@ def section(runs: list[dict[str, Any]], parts: list[dict[str, Any]]) -> str:
         "",
         "Commands: `python -m benchmarks.matmul --widths 256,512 --precisions fp32 --rounds 6 --threads 1 "
         "--clock cpu --out FILE`; then `python -m benchmarks.matmul --doc docs/performance.md --from FILE,... "
-        "[--parts BREAKDOWN]` renders this section (the files used: `docs/performance-matmul.json`). "
+        "[--parts BREAKDOWN]` renders this section (`--from docs/performance-matmul.json`: the runs and the "
+        "breakdown used here, bundled). "
         f"Device {meta['device']}, torch {meta['torch']}, {meta['threads']} thread(s); times are {clock_text}.",
         "",
         "### Where the cost goes, per product",
@@ -438,8 +439,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.doc:
         from sdc_core.safeio import atomic_write_text
 
-        runs = [json.loads(Path(f).read_text()) for f in args.sources.split(",")]
-        parts = json.loads(args.parts.read_text()) if args.parts else runs[0]["breakdown"]
+        runs, kept = [], None  # a file is one run, or a bundle {"runs": [...], "parts": [...]} (the docs' file)
+        for f in args.sources.split(","):
+            content = json.loads(Path(f).read_text())
+            runs += content.get("runs", [content])
+            kept = kept or content.get("parts")
+        parts = json.loads(args.parts.read_text()) if args.parts else kept or runs[0]["breakdown"]
         old = args.doc.read_text() if args.doc.is_file() else ""
         atomic_write_text(args.doc, _with_section(old, section(runs, parts)))
         return 0
