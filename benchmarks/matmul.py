@@ -369,13 +369,14 @@ def section(runs: list[dict[str, Any]], parts: list[dict[str, Any]]) -> str:
         "sums, the thin product) in the forward; dY (row norms and two thin products), dX and dW (block sums) "
         "in the backward; and, once per step, three reads of the weight for its block sums and norms. At width "
         f"256 one read of an output already costs {100 * read_first:.1f}% of the product that wrote it "
-        f"({100 * read_last:.1f}% at width 2048): the check's reads alone are several times the issue's 2% "
-        "there, whatever the code does around them. (2) With blocks of 32, the thin products: `width / 32` "
+        f"({100 * read_last:.1f}% at width 2048, in cache; more from memory), and the check makes about three "
+        "reads of the output's size per product of the step: its reads alone are above the issue's 2% of the "
+        "products there, whatever the code does around them. (2) With blocks of 32, the thin products: `width / 32` "
         "columns against the product's `width`, a fixed 1/32 of its multiply-adds at every width, and run less "
         f"efficiently than the product (width 256, {first['shape'][2]} outputs: the blocks add "
         f"{thin['forward_ms']:.2f} ms to the forward check and {thin['input_grad_ms']:.2f} ms to the input-gradient "
         f"one, against a {first['product_ms']:.2f} ms product); so blocks of 32 cannot go under about 3% of the "
-        "products at any width; whole rows (`block=0`) have none. (3) Per product, about forty small kernels "
+        "products at any width; whole rows (`block=0`) have none. (3) Per product, about thirty-five small kernels "
         "and two Python hooks: fixed costs that matter only for small products.",
         "",
         "### A training step (one process; configurations alternating every 4 steps)",
@@ -385,9 +386,9 @@ def section(runs: list[dict[str, Any]], parts: list[dict[str, Any]]) -> str:
         "`step time vs none` compares whole steps of alternating rounds (its per-round range shows how far "
         "the comparison can be trusted); `own code` is the time spent inside the check's hooks in those same "
         "steps. `before` rows are the code before the cost work, measured the same way in the same session. "
-        "In bf16 autocast this CPU computes the products themselves slowly (no bf16 units), so the check, "
-        "which computes in fp32, is a small share there; on hardware with fast bf16 products expect its fp32 "
-        "share.",
+        "bf16 autocast is not in these runs: this CPU computes bf16 products themselves slowly (no bf16 units), "
+        "so the check, which computes in fp32, is a small share there; on hardware with fast bf16 products "
+        "expect its fp32 share (`--precisions bf16` measures it).",
         "",
         "Verdict against the issue's target: the check is off by default and stays an opt-in. Per checked step "
         f"at width {base['width']} it costs {100 * base['overhead_round_median']['checksum']:+.1f}% with blocks "
