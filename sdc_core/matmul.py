@@ -75,10 +75,13 @@ update instead (one host wait).
 
 Cost (benchmarks/matmul.py, docs/performance.md): per product, reads of the output and the
 input in the forward (a block sum, the thin product, block norms and block sums), of dY (a row
-norm and two thin products), dX and dW in the backward, about forty small kernels and two Python
-calls; per weight and step about twenty small kernels. Memory-bound work next to a
-compute-bound product: its share falls as ``1/width``. Bit-identical training: the check only
-reads.
+norm and two thin products), dX and dW in the backward, about thirty-five small kernels and two
+Python calls; per weight and step three reads of the weight and about twenty small kernels. The
+reads are memory-bound work next to a compute-bound product: their share falls as ``1/width``
+(at width 256 on a CPU one read of an output costs 1-2% of the product that wrote it). The thin
+products of blocks are ``1/block`` of the product's multiply-adds at every width: blocks of 32
+cannot cost under about 3% of the products; whole rows (``block=0``) have none. Bit-identical
+training: the check only reads.
 """
 
 from __future__ import annotations
@@ -334,46 +337,51 @@ class LinearBound:
         nx, bx = blocks(k, block)
         acc = rnd.acc_dtype
         k_ = _constants(weight.device, k, m, bf, bx, rnd, float(safety))
-        with torch.no_grad():
-            wt = weight.detach().to(dtype)
-            if bias is None:
-                bias_sum = bias_abs = k_[9].expand(nf)
-            else:
-                bt = bias.detach().to(dtype).reshape(nf, bf)
-                bias_sum, bias_abs = bt.sum(-1, dtype=acc), torch.linalg.vector_norm(bt, 1, dim=-1, dtype=acc)
-            rows = wt.reshape(nf, bf, k)
-            cols = wt.reshape(m, nx, bx)
-            fro_f = torch.linalg.vector_norm(wt.reshape(nf, bf * k), dim=-1, dtype=acc)  # contiguous reductions:
-            fro_x = torch.linalg.vector_norm(torch.linalg.vector_norm(cols, dim=-1, dtype=acc), dim=0)  # fast on CPUs
-            t_slope = fro_f * k_[0]
-            t_icpt = torch.addcmul(bias_abs * k_[1], t_slope, k_[10])  # + the underflow allowance of ||x_i||
-            f_slope = fro_f * k_[2]
-            dt_slope, d_slope = fro_x * k_[5], fro_x * k_[6]
-            dt_icpt = dt_slope * k_[12]
-            return cls(
-                k=k,
-                m=m,
-                nf=nf,
-                bf=bf,
-                nx=nx,
-                bx=bx,
-                rnd=rnd,
-                safety=float(safety),
-                consts=k_,
-                cf=rows.sum(1, dtype=acc),
-                dx=cols.sum(-1, dtype=acc).t().contiguous(),
-                bias_sum=bias_sum,
-                t_slope=t_slope,
-                t_icpt=t_icpt,
-                f_slope=f_slope,
-                f_icpt=torch.addcmul(torch.addcmul(k_[4], bias_abs, k_[3]), f_slope, k_[10]),
-                f_xmax=(k_[8] - t_icpt) / t_slope,  # inf for a zero block, NaN (nothing judged) for a NaN one
-                dt_slope=dt_slope,
-                dt_icpt=dt_icpt,
-                d_slope=d_slope,
-                d_icpt=torch.addcmul(k_[7], d_slope, k_[12]),
-                d_ymax=(k_[8] - dt_icpt) / dt_slope,
-            )
+        # detached operands: nothing here is recorded by autograd (no grad-mode switch needed)
+        wt = weight.detach()
+        wt = wt if wt.dtype == dtype else wt.to(dtype)
+        if bias is None:
+            bias_sum = bias_abs = k_[9].expand(nf)
+        else:
+            bt = bias.detach()
+            bt = (bt if bt.dtype == dtype else bt.to(dtype)).reshape(nf, bf)
+            bias_sum, bias_abs = bt.sum(-1, dtype=acc), torch.linalg.vector_norm(bt, 1, dim=-1, dtype=acc)
+        cols = wt.reshape(m, nx, bx)
+        # one read of the weight for both Frobenius norms: the 2-norm of each row's backward block
+        # (m x nx), then over the rows of a backward block (nx) and over the forward block's rows (nf):
+        # a norm of norms is the norm, computed with no more rounding than the direct one
+        q = torch.linalg.vector_norm(cols, dim=-1, dtype=acc)
+        fro_x = torch.linalg.vector_norm(q, dim=0)
+        fro_f = torch.linalg.vector_norm(q.reshape(nf, bf * nx), dim=-1)
+        t_slope = fro_f * k_[0]
+        t_icpt = torch.addcmul(bias_abs * k_[1], t_slope, k_[10])  # + the underflow allowance of ||x_i||
+        f_slope = fro_f * k_[2]
+        dt_slope, d_slope = fro_x * k_[5], fro_x * k_[6]
+        dt_icpt = dt_slope * k_[12]
+        return cls(
+            k=k,
+            m=m,
+            nf=nf,
+            bf=bf,
+            nx=nx,
+            bx=bx,
+            rnd=rnd,
+            safety=float(safety),
+            consts=k_,
+            cf=wt.reshape(nf, bf, k).sum(1, dtype=acc),
+            dx=cols.sum(-1, dtype=acc).t(),  # a transposed view: the thin product reads it as it is
+            bias_sum=bias_sum,
+            t_slope=t_slope,
+            t_icpt=t_icpt,
+            f_slope=f_slope,
+            f_icpt=torch.addcmul(torch.addcmul(k_[4], bias_abs, k_[3]), f_slope, k_[10]),
+            f_xmax=(k_[8] - t_icpt) / t_slope,  # inf for a zero block, NaN (nothing judged) for a NaN one
+            dt_slope=dt_slope,
+            dt_icpt=dt_icpt,
+            d_slope=d_slope,
+            d_icpt=torch.addcmul(k_[7], d_slope, k_[12]),
+            d_ymax=(k_[8] - dt_icpt) / dt_slope,
+        )
 
     def x_blocks(self, x2: torch.Tensor) -> torch.Tensor:
         """``x2`` (n x k) as n x nx x bx (the backward blocks)."""
@@ -469,11 +477,10 @@ class LinearBound:
         slope, const, g_sqrt_b, dot_max = _weight_grad_constants(
             dy_norms.device, self.bx, dy_norms.shape[0], self.rnd, self.safety
         )
-        dots = dy_norms @ x_block_norms  # g sqrt(bx) dots_b >= sum_{l in b} sum_i |dy_ij x_il| for every row j
-        # both norms may have lost their underflow allowance: sum_i (a_i + da)(b_i + db)
+        # g sqrt(bx) dots_b >= sum_{l in b} sum_i |dy_ij x_il| for every row j; both norms may have lost
+        # their underflow allowance: dots_b = sum_i (||dy_i|| + da)(||x_i,b|| + db), one thin product
         da, db = self.consts[12], self.consts[13]
-        n = dy_norms.shape[0]
-        dots = torch.addcmul(torch.addcmul(dots, x_block_norms.sum(0), da), torch.add(dy_norms.sum(), da, alpha=n), db)
+        dots = torch.mv(torch.add(x_block_norms, db).t(), torch.add(dy_norms, da))
         bound = torch.addcmul(const, dots, slope)
         if self.rnd.out:
             cap = dots * g_sqrt_b
@@ -496,7 +503,7 @@ class LinearBound:
         block 2-norms: per row of ``dW`` and backward block (m x nx), the residual over the bound."""
         dw3 = dwt.t().reshape(self.m, self.nx, self.bx)
         sums = dw3.sum(-1, dtype=self.rnd.acc_dtype).t()  # nx x m
-        residual = torch.addmm(sums, x_block_sums.t().contiguous(), dy2, alpha=-1).t().abs_()
+        residual = torch.addmm(sums, x_block_sums.t(), dy2, alpha=-1).t().abs_()  # BLAS reads the transposed view
         if dy_norms is None:
             dy_norms = torch.linalg.vector_norm(dy2, dim=-1)
         bound, judged = self.weight_grad_bound(x_block_norms, dy_norms, dw3)
@@ -514,12 +521,15 @@ class LinearBound:
         return torch.where(judged, threshold, math.inf)
 
 
+_NOTHING = contextlib.nullcontext()  # reusable: no state
+
+
 def plain_arithmetic(device_type: str) -> contextlib.AbstractContextManager[Any]:
     """Autocast off where it is on (the check's arithmetic runs in its own dtypes: a check computed
     in bf16 would be no check); nothing otherwise."""
     if torch.is_autocast_enabled(device_type):
         return torch.autocast(device_type, enabled=False)
-    return contextlib.nullcontext()
+    return _NOTHING
 
 
 def _threshold(bound: torch.Tensor, safety: float, growth: float) -> torch.Tensor:
@@ -1010,7 +1020,8 @@ class MatmulChecksum:
         if y.numel() == 0 or y.shape[-1] != m or x.shape[-1] != k:
             return
         node = product_node(y) if torch.is_grad_enabled() else None
-        with torch.no_grad(), plain_arithmetic(y.device.type):
+        # every operand is detached (the bound detaches the weight): nothing is recorded, no grad-mode switch
+        with plain_arithmetic(y.device.type):
             lb = self._bound(weight, bias, y.dtype, y.device.type)
             x2 = operand(x.detach(), y.dtype, lb.rnd.acc_dtype, k)
             needs_dw = node is not None and weight.requires_grad
@@ -1053,7 +1064,9 @@ class MatmulChecksum:
             return
         dx, dwt = grad_inputs[dx_at], grad_inputs[dx_at + 1]
         n, k, m, acc = x_block_norms.shape[0], lb.k, lb.m, lb.rnd.acc_dtype
-        with torch.no_grad(), plain_arithmetic(dy.device.type):
+        # the backward runs with grad mode off unless it builds a graph (create_graph=True)
+        grad = torch.no_grad() if torch.is_grad_enabled() else _NOTHING
+        with grad, plain_arithmetic(dy.device.type):
             dy2 = dy.reshape(-1, m)
             if dy2.shape[0] != n:
                 return
