@@ -28,7 +28,8 @@ over blocks of ``L`` entries has, per block,
 where ``T`` bounds the block's sum of absolute products ``sum |x||w|`` (Cauchy-Schwarz on row
 norms and the block's Frobenius norm: ``||x_i||_2 sqrt(L) ||W_B||_F + ||b_B||_1``), ``u_in`` the
 rounding of fp32 operands to TF32 (2^-11) or bf16 (2^-8) where the backend allows it for fp32
-matmuls, ``u_out`` the rounding of the result to a narrower output (bf16 2^-8, fp16 2^-11; 0 for
+matmuls (the product's own for fp32 products, and the check's fp32 thin products for every
+dtype), ``u_out`` the rounding of the result to a narrower output (bf16 2^-8, fp16 2^-11; 0 for
 fp32; twice in the forward, which may round before adding the bias), ``N`` the block's absolute
 sum of the narrow output (at most ``sqrt(L)`` times its 2-norm, capped by ``T`` so a huge wrong
 element cannot hide behind the bound it inflates), ``S`` the partial sums of a split-K reduction
@@ -164,7 +165,7 @@ class Rounding:
     acc_dtype: torch.dtype  # the check computes in this dtype
     acc: float  # unit roundoff of the product's accumulation
     out: float  # rounding of the result to a narrower output dtype (0 when it is the accumulation dtype)
-    inp: float  # rounding of fp32 operands to TF32/bf16 inside the product (0 unless the backend allows it)
+    inp: float  # rounding of fp32 operands to TF32/bf16 in fp32 products, the check's too (0 unless allowed)
     split: float  # split-K partial sums reduced in the output precision (CUDA reduced-precision reduction)
     tiny_acc: float  # smallest normal number of the accumulation (flush-to-zero underflow)
     tiny_out: float
@@ -208,7 +209,9 @@ def rounding(dtype: torch.dtype, device_type: str) -> Rounding:
             else m.allow_bf16_reduced_precision_reduction
         )
         split = REDUCED_PRECISION_SPLITS * out if reduced else 0.0
-    inp = _fp32_input_rounding(device_type) if dtype == torch.float32 else 0.0
+    # fp32 operands rounded to TF32/bf16 where the backend allows it: the product's own (fp32 products)
+    # and the check's thin products, which run in fp32 whatever the product's dtype (bf16/fp16 too)
+    inp = _fp32_input_rounding(device_type) if acc_dtype == torch.float32 else 0.0
     return Rounding(
         acc_dtype=acc_dtype,
         acc=acc,

@@ -330,3 +330,19 @@ def test_discard_warns_about_its_own_failure_without_collectives():
         assert check.discard() == 0
     assert any("failed its checksum on this rank" in str(w.message) for w in seen)
     check.resolve()  # nothing pending any more
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_reduced_fp32_matmul_precision_widens_the_bound_of_every_dtype(dtype: torch.dtype) -> None:
+    """The check's own thin products run in fp32 whatever the product's dtype, so where the backend
+    rounds fp32 operands (TF32: ``set_float32_matmul_precision("high")``, ``allow_tf32`` on CUDA) the
+    bound counts that rounding for bf16 and fp16 products too, not only for fp32 ones."""
+    before = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("highest")
+        assert rounding(dtype, "cpu").inp == 0.0
+        torch.set_float32_matmul_precision("high")
+        assert rounding(dtype, "cpu").inp == 2.0**-11
+        assert rounding(torch.float64, "cpu").inp == 0.0  # a float64 check is not rounded
+    finally:
+        torch.set_float32_matmul_precision(before)
