@@ -8,15 +8,19 @@ run in alternating rounds over the same tensors and report GB/s and the ratio to
 * ``fingerprint``: ``combine(grouped_digests(...))`` as the weight fingerprint check runs it;
 * ``class_sums``: only the first stage of the digest, the (r, m) sums of the 64-bit words (no
   weighting): the floor under ``fingerprint`` with torch's own kernels;
-* ``nonfinite_ddp``: what the non-finite check runs under DDP: the local gradients' largest
-  magnitudes at the end of backward (``_foreach_norm``: a few multi-tensor kernels per dtype),
-  then the verdict's read of the reduced gradients (the same, here over the same tensors) and
-  its one host read;
+* ``nonfinite_ddp``: what the non-finite check runs under DDP: the local gradients' read at the
+  end of backward (``peaks``: on CUDA the largest magnitudes, a few multi-tensor kernels per
+  dtype; on the CPU a sum per large tensor and one multi-tensor 2-norm of the small ones), then
+  the verdict's read of the reduced gradients (the same, here over the same tensors) and its one
+  host read;
 * ``nonfinite_tensor``: one ``aminmax`` per tensor, the check's single-process (``.grad``) path;
 * ``sha1_host``: SHA-1 of the bytes copied to the host (Megatron-LM's cross-replica check);
 * ``hash_tensor``: ``torch.hash_tensor`` (xor) per tensor;
 * ``isfinite_loop``: ``torch.isfinite(g).all().item()`` per tensor, the loop people write;
 * ``copy``: one device-to-device copy of the same bytes (the device's copy bandwidth).
+
+``python -m benchmarks.kernels --nonfinite`` times one CPU read of the non-finite check
+(``nonfinite_reads``) against the inf-norm it replaced and a plain sum.
 
 ``python -m benchmarks.kernels --host --baseline REV[,REV...]`` times the host (CPU) fingerprint
 path alone on mixes of tensor counts, sizes and dtypes against earlier git revisions of
@@ -34,7 +38,7 @@ import torch
 
 from benchmarks.common import interleaved, summary
 from sdc_core.fingerprint import class_parts, combine, grouped_digests, words
-from sdc_core.gradients import any_nonfinite, any_nonfinite_multi
+from sdc_core.gradients import any_nonfinite, any_nonfinite_multi, peaks
 
 
 def make_tensors(total: int, layout: str, dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
@@ -48,7 +52,7 @@ def candidates(tensors: list[torch.Tensor]) -> dict[str, Any]:
     flat = torch.cat([t.reshape(-1) for t in tensors])
 
     def nonfinite_ddp() -> bool:
-        torch.stack(torch._foreach_norm(tensors, float("inf")))  # the local read at the end of backward
+        peaks(tensors)  # the local read at the end of backward
         return bool(any_nonfinite_multi(tensors))  # the verdict on the reduced gradients
 
     def sha1() -> str:
@@ -185,12 +189,57 @@ def host(baselines: list[str], repeats: int) -> list[dict[str, Any]]:
     return rows
 
 
+_DDP_MODEL = [(2048, 64), (2048,), (2048, 2048), (2048,), (1, 2048), (1,)]  # benchmarks.ddp_lightning.Model
+NONFINITE_MIXES = {  # name: shapes, dtype
+    "DDP benchmark model (6 tensors, 4.3M)": (_DDP_MODEL, torch.float32),
+    "the same in bf16": (_DDP_MODEL, torch.bfloat16),
+    "1000 x 1000 fp32": ([(1000,)] * 1000, torch.float32),
+    "100 x 100k fp32": ([(100_000,)] * 100, torch.float32),
+}
+
+
+def nonfinite_reads(repeats: int) -> list[dict[str, Any]]:
+    """CPU seconds (``time.process_time``, this process, one thread) of one read of a gradient set
+    by the non-finite check: ``peaks`` (now: the CPU screen), ``inf_norm`` (the read it replaced,
+    ``_foreach_norm(ord=inf)``, a scalar loop on the CPU) and ``sum`` (one ``sum`` per tensor,
+    the memory-read floor), in alternating rounds; minimum and median, and the ratios to ``sum``.
+    A DDP step makes two such reads (the local gradients, then the reduced ones)."""
+    import time
+
+    fns_of = {
+        "peaks": peaks,
+        "inf_norm": lambda ts: torch.stack(torch._foreach_norm(ts, float("inf"))),
+        "sum": lambda ts: torch.stack([t.sum() for t in ts]),
+    }
+    rows = []
+    for name, (shapes, dtype) in NONFINITE_MIXES.items():
+        g = torch.Generator().manual_seed(0)
+        tensors = [torch.randn(s, generator=g).to(dtype) for s in shapes]
+        times: dict[str, list[float]] = {v: [] for v in fns_of}
+        for rnd in range(repeats + 1):
+            for v, fn in fns_of.items():
+                t0 = time.process_time()
+                fn(tensors)
+                if rnd:
+                    times[v].append(time.process_time() - t0)
+        row: dict[str, Any] = {"mix": name, "tensors": len(tensors), "bytes": sum(t.nbytes for t in tensors)}
+        for v, samples in times.items():
+            row[v] = {"min": min(samples), "median": summary(samples)["median"]}
+        row["vs_sum"] = {v: row[v]["median"] / row["sum"]["median"] for v in fns_of}
+        rows.append(row)
+        cols = "  ".join(f"{v} {1e3 * row[v]['min']:6.2f} / {1e3 * row[v]['median']:6.2f} ms" for v in fns_of)
+        print(f"{name:38} {cols}  (median / sum: peaks {row['vs_sum']['peaks']:.2f}, "
+              f"inf_norm {row['vs_sum']['inf_norm']:.2f})", flush=True)  # fmt: skip
+    return rows
+
+
 if __name__ == "__main__":
     import argparse
     import json
 
     parser = argparse.ArgumentParser(description="The host fingerprint path's CPU time per call, against a revision")
-    parser.add_argument("--host", action="store_true", help="time the host fingerprint path (the only mode here)")
+    parser.add_argument("--host", action="store_true", help="time the host fingerprint path (the default mode)")
+    parser.add_argument("--nonfinite", action="store_true", help="time the non-finite check's CPU read instead")
     parser.add_argument("--baseline", default="", help="git revisions to compare with, comma-separated")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (DDP ranks on a small host run 1)")
     parser.add_argument("--repeats", type=int, default=30)
@@ -198,7 +247,10 @@ if __name__ == "__main__":
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print("CPU time per call, min / median (one thread unless --threads)")
-    result = host([rev for rev in args.baseline.split(",") if rev], args.repeats)
+    if args.nonfinite:
+        result = nonfinite_reads(args.repeats)
+    else:
+        result = host([rev for rev in args.baseline.split(",") if rev], args.repeats)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"threads": args.threads, "baseline": args.baseline, "rows": result}, f, indent=1)

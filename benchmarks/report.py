@@ -203,9 +203,11 @@ A run of some sections replaces those sections in the JSON and keeps the others.
 
 KERNELS_TEXT = """Candidates over the same tensors: `sum` (the memory-read limit), `fingerprint` (what the
 weight check runs), `class_sums` (the digest's first stage alone: the (r, m) sums of the 64-bit
-words, without the weighting), `nonfinite_ddp` (what the non-finite check runs under DDP: per
-parameter, from its gradient hook, the sum of the local gradient, one read of its bytes, and the
-flag folded into element 0; then the elements 0 gathered and read back),
+words, without the weighting), `nonfinite_ddp` (what the non-finite check runs under DDP: the
+read of the local gradients at the end of backward and the verdict's read of the reduced ones,
+each `peaks`: on the CPU a sum per tensor of 64k elements or more and one multi-tensor 2-norm of
+the smaller ones, the exact largest magnitude only where that is non-finite; on CUDA the largest
+magnitudes, a few multi-tensor kernels per dtype),
 `nonfinite_tensor` (the check's single-process `.grad` path), `sha1_host` (SHA-1 of the bytes on
 the host, Megatron-LM's cross-replica check), `hash_tensor` (`torch.hash_tensor`, xor),
 `isfinite_loop` (`torch.isfinite(g).all().item()` per tensor) and `copy` (bytes copied per second
@@ -216,10 +218,9 @@ tensors.
 KERNELS_AFTER = """
 Reading the table:
 - On large tensors (10M and 100M rows) the fingerprint runs at {fp_large} of the plain sum and the
-  non-finite DDP path at {nf_large}, without a host synchronisation per tensor. The non-finite
-  path reads the local gradients once (per-parameter sums, the cheapest reduction: NaN and Inf
-  survive a sum) and folds its flag into element 0 of each gradient, which the all-reduce
-  carries to every rank: the decision needs no second read. On this CPU
+  non-finite DDP path at {nf_large} (two reads: the local gradients, for the names, and the
+  reduced ones, for a verdict every rank shares without a collective; nothing is written into
+  the gradients). On this CPU
   the plain sum itself is only {sum_vs_sha} faster than SHA-1 of the host bytes (SHA-1 needs no
   device-to-host copy here), and a check that reads every byte cannot beat SHA-1 by more than that on this machine: the
   fingerprint reaches {fp_vs_sha}, so the 10x target is met only where the sum itself allows
@@ -237,11 +238,8 @@ Reading the table:
   puts it at or near the plain sum for the 1M set. For 1,000 tensors of 10k-100k elements it
   reaches {fp_small} of the sum: the int64 reduction and the per-tensor Python work of the digest
   cost more than a float `sum` there, so the 0.8x target is missed in that layout on this CPU.
-  The DDP gradient path (`nonfinite_ddp`) pays a Python call and three small kernels per
-  parameter too (sum, flag, fold), about 10 microseconds per parameter here: the price of
-  folding the flag in before DDP's own C++ reduction, which spares the `1 / world_size` pass over
-  every bucket that DDP cannot fuse into its copy under a Python communication hook, and the
-  Python callbacks on the communication threads.
+  The DDP gradient path (`nonfinite_ddp`) reads small tensors in one multi-tensor call per
+  dtype, so its cost per small tensor is a loop step in C++, not a Python call.
 - The 1M single-tensor rows measure fixed per-call overhead (a few tenths of a millisecond), not
   bandwidth.
 """
@@ -285,7 +283,8 @@ does, so their share falls with the work per step.
 DDP_AFTER = """What the cheap checks add on a clean step: the gradient check makes no collective (NaN and
 Inf survive DDP's own all-reduce, so every rank reads the verdict from its reduced gradients)
 and, with `on_failure="raise"` (the default), reads its device flag one step later, so the host
-never waits for the step's gradients; its work is one read of the gradients on the device. The
+never waits for the step's gradients; its work is two reads of the gradients on the device (the
+local ones at the end of backward, the reduced ones for the verdict). The
 fingerprint digests the weights and sends 16 bytes in one asynchronous all-reduce read a batch
 later. Three ranks share two cores here, so any of this competes with the other ranks' compute.
 An audited step does the normal step, one extra forward and backward of the partner's
@@ -306,8 +305,8 @@ POLICY_TEXT = """
 ## 5. What each `on_failure` policy of the gradient check costs
 
 The gradient check's work on the device is the same under every policy (one read of the local
-gradients, the per-parameter sums in each parameter's gradient hook, whose flag rides in element
-0 of the gradient through DDP's own all-reduce). No policy makes a collective on a clean DDP step. What
+gradients at the end of backward, one of the reduced gradients for the verdict: NaN and Inf
+survive DDP's own all-reduce). No policy makes a collective on a clean DDP step. What
 differs is when the host reads the verdict:
 
 | policy / situation | when the host reads the verdict |

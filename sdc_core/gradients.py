@@ -24,8 +24,9 @@ cannot change them. Under gradient accumulation the hook runs on the sync micro-
 
 Cost of a clean DDP step: per parameter a Python call (the tap's hook) and no kernel; at the end
 of backward one read of the local gradients, at the verdict one read of the reduced ones, each a
-few multi-tensor kernels per dtype (``_foreach_norm``), whatever the number of parameters; no
-collective. That batched local read relies on DDP keeping the local values in ``.grad`` until
+few multi-tensor kernels per dtype (``peaks``: ``_foreach_norm``), whatever the number of
+parameters (on the CPU a screen at about the cost of a sum instead of torch's slow inf-norm
+loop); no collective. That batched local read relies on DDP keeping the local values in ``.grad`` until
 its own end-of-backward callback (it copies them into its buckets and writes the reduced values
 back only then); the first two synchronised backwards check it (no write to any gradient before the
 end of backward: version counters) and, where it does not hold (``gradient_as_bucket_view``, a
@@ -364,7 +365,7 @@ class NonFiniteGradient(NonFiniteVerdicts):
         gradients intact at its end (DDP's reducer copies them into its buckets and writes the
         reduced values back only in its own end-of-backward callback, which runs after the
         tap's; not so with ``gradient_as_bucket_view`` or a reducer finalised inside a nested
-        backward), all at once at the end of backward (``_foreach_norm``, a few multi-tensor
+        backward), all at once at the end of backward (``peaks``, a few multi-tensor
         kernels per dtype). Nothing is written into the gradients."""
         self.tap = tap
         tap.consumers.append(self._read)
@@ -400,7 +401,7 @@ class NonFiniteGradient(NonFiniteVerdicts):
             grads.append(g)
             params.append(p)
         for grads, params in groups.values():
-            self._local.append((torch.stack(torch._foreach_norm(grads, float("inf"))), params))
+            self._local.append((peaks(grads), params))
 
     @property
     def pending_step(self) -> int | None:
@@ -526,16 +527,45 @@ def local_sum(grad: torch.Tensor) -> torch.Tensor:
     return grad.sum(dtype=torch.float32 if grad.dtype == torch.float16 else None)
 
 
+_SUMMED = 1 << 16  # elements: on the CPU, larger tensors are screened by their own sum
+
+
+def peaks(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Per tensor (all of one dtype and device) a value that is non-finite exactly when the tensor
+    holds NaN or Inf (1-d, on their device, no host synchronisation off the CPU); read-only.
+
+    Off the CPU: the largest magnitudes (``_foreach_norm(ord=inf)``: a few multi-tensor kernels
+    however many tensors, no overflow of finite values). On the CPU, where torch's inf-norm is a
+    scalar loop (10-30x slower than a sum), a screen first: the sum of each tensor of at least
+    ``_SUMMED`` elements (the cheapest read there is; one op each, a few microseconds against the
+    tens it takes to read such a tensor) and the 2-norms of the smaller ones in one multi-tensor
+    call (``_foreach_norm(ord=2)``, vectorised; fp16 accumulated in fp32). NaN and Inf survive both;
+    only where a screen value is non-finite (NaN/Inf, or finite values overflowing) is that
+    tensor's largest magnitude taken: the same finiteness as the largest magnitudes. Reading the
+    screen's finiteness on the host is no synchronisation on the CPU (the values are computed)."""
+    if tensors[0].device.type != "cpu":
+        return torch.stack(torch._foreach_norm(tensors, float("inf")))
+    half = tensors[0].dtype == torch.float16  # a sum or a norm in fp16 overflows at 65504
+    small = [t for t in tensors if half or t.numel() < _SUMMED]
+    norms = iter(torch._foreach_norm(small, 2, dtype=torch.float32 if half else None) if small else ())
+    screen = torch.stack([next(norms) if half or t.numel() < _SUMMED else t.sum() for t in tensors])
+    overflowed = (~torch.isfinite(screen)).nonzero().flatten().tolist()  # rare: NaN/Inf or huge values
+    if overflowed:
+        exact = torch.stack(torch._foreach_norm([tensors[i] for i in overflowed], float("inf")))
+        screen[overflowed] = exact.to(screen.dtype)
+    return screen
+
+
 def any_nonfinite_multi(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """One flag (0-d bool tensor on the first tensor's device, no host synchronisation): does any
-    tensor hold NaN or Inf? Exact (the largest magnitude, ``_foreach_norm(ord=inf)``: no overflow
-    of finite values), read-only, and per dtype and device one multi-tensor call (a few kernels
-    on CUDA, however many tensors) plus a handful of kernels to combine."""
+    tensor hold NaN or Inf? Exact (``peaks``: no overflow of finite values), read-only, and per
+    dtype and device one multi-tensor call (a few kernels on CUDA, however many tensors; on the
+    CPU a screen at about the cost of a sum) plus a handful of kernels to combine."""
     groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
     for t in tensors:
         groups.setdefault((t.dtype, t.device), []).append(t)
     home = tensors[0].device
-    finite = [torch.isfinite(torch.stack(torch._foreach_norm(ts, float("inf")))).all() for ts in groups.values()]
+    finite = [torch.isfinite(peaks(ts)).all() for ts in groups.values()]
     if len(finite) > 1:  # to the first device (blocking where it is a host copy: read at once)
         return ~torch.stack([f.to(home) for f in finite]).all()
     return ~finite[0]

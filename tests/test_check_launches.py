@@ -1,5 +1,7 @@
-"""Kernel launches of the non-finite check per DDP step do not grow with the number of parameters
-(one gloo rank, in process; CPU ops counted with a dispatch mode, views excluded)."""
+"""Kernel launches of the cheap checks per DDP step do not grow with the number of parameters
+(one gloo rank, in process; CPU ops counted with a dispatch mode, views excluded), and the
+multi-tensor reads of the non-finite check keep a fixed count on the device path too (meta
+tensors take the path CUDA takes)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from sdc_core.gradients import GradientTap, NonFiniteGradient
+from sdc_core.fingerprint import WeightFingerprint
+from sdc_core.gradients import GradientTap, NonFiniteGradient, any_nonfinite_multi, peaks
 
 
 class _Kernels(TorchDispatchMode):
@@ -23,7 +26,9 @@ class _Kernels(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _step_ops(layers: int, checked: bool) -> tuple[int, NonFiniteGradient | None]:
+def _step_ops(
+    layers: int, checked: bool, fingerprint: WeightFingerprint | None = None
+) -> tuple[int, NonFiniteGradient | None]:
     torch.manual_seed(0)
     net = nn.Sequential(*[nn.Linear(8, 8) for _ in range(layers)])
     ddp = DDP(net)
@@ -39,6 +44,9 @@ def _step_ops(layers: int, checked: bool) -> tuple[int, NonFiniteGradient | None
         if check is not None:
             check.verdict(i, net.named_parameters())
             check.resolve()
+        if fingerprint is not None:  # digest, 16-byte all-reduce, read (the default every step)
+            fingerprint.start(i, net, [])
+            fingerprint.resolve()
 
     for i in range(3):  # the first two read backwards choose the mode
         step(i)
@@ -60,3 +68,43 @@ def test_nonfinite_launches_per_step_do_not_grow_with_parameters(tmp_path):
         assert extra[5] == extra[100] > 0, extra
     finally:
         dist.destroy_process_group()
+
+
+def test_default_checks_launches_per_step_do_not_grow_with_parameters(tmp_path):
+    """The gradient check and the weight fingerprint together (the default checks of a clean
+    step, the replay audit aside): the same number of ops for 200 and 800 parameters (with few
+    tensors of a size, the fingerprint puts them in one mixed batch: another fixed count)."""
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        extra = {}
+        for layers in (100, 400):
+            plain, _ = _step_ops(layers, checked=False)
+            fingerprint = WeightFingerprint()
+            checked, check = _step_ops(layers, checked=True, fingerprint=fingerprint)
+            assert check is not None and check.batched and fingerprint.stats.runs == 4
+            assert fingerprint.stats.failures == 0
+            extra[layers] = checked - plain
+        assert extra[100] == extra[400] > 0, extra
+    finally:
+        dist.destroy_process_group()
+
+
+def _ops(fn, tensors: list[torch.Tensor]) -> int:
+    with _Kernels() as k:
+        fn(tensors)
+    return k.count
+
+
+def test_multi_tensor_reads_keep_a_fixed_op_count_on_the_device_path_and_the_cpu_path():
+    """``peaks`` and ``any_nonfinite_multi`` (the local and the reduced read): on meta tensors (the
+    branch CUDA takes: ``_foreach_norm(inf)``) and on clean CPU tensors (the 2-norm screen), the
+    op count is the same for 10 and 200 tensors. A non-finite CPU tensor costs its exact re-read."""
+    for device in ("meta", "cpu"):
+        for fn in (peaks, any_nonfinite_multi):
+            counts = {n: _ops(fn, [torch.ones(8 + i % 3, device=device) for i in range(n)]) for n in (10, 200)}
+            assert counts[10] == counts[200] > 0, (device, fn.__name__, counts)
+    clean = [torch.ones(9) for _ in range(10)]
+    bad = [t.clone() for t in clean]
+    bad[4][3] = float("inf")
+    assert _ops(peaks, bad) > _ops(peaks, clean)  # the screen fired: the exact read of that tensor
+    assert torch.isfinite(peaks(bad)).tolist() == [i != 4 for i in range(10)]
