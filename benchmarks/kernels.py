@@ -200,9 +200,10 @@ NONFINITE_MIXES = {  # name: shapes, dtype
 
 def nonfinite_reads(repeats: int) -> list[dict[str, Any]]:
     """CPU seconds (``time.process_time``, this process, one thread) of one read of a gradient set
-    by the non-finite check: ``peaks`` (now: the CPU screen), ``inf_norm`` (the read it replaced,
-    ``_foreach_norm(ord=inf)``, a scalar loop on the CPU) and ``sum`` (one ``sum`` per tensor,
-    the memory-read floor), in alternating rounds; minimum and median, and the ratios to ``sum``.
+    by the non-finite check: ``peaks`` (now: ``aminmax`` and a multi-tensor inf-norm on the CPU),
+    ``inf_norm`` (the read it replaced, ``_foreach_norm(ord=inf)``, a scalar loop on the CPU) and
+    ``sum`` (one ``sum`` per tensor, the memory-read floor), in alternating rounds; minimum and
+    median, and the ratios to ``sum``.
     A DDP step makes two such reads (the local gradients, then the reduced ones)."""
     import time
 

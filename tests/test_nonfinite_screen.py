@@ -1,6 +1,6 @@
-"""The CPU screen of the non-finite reads (``peaks``): per-tensor sums for large tensors, 2-norms
-for small ones, the exact largest magnitude where a screen value is non-finite. It must flag
-exactly the tensors holding NaN or Inf, never a finite tensor whose sum or norm overflows."""
+"""The CPU read of the non-finite check (``peaks``): the largest magnitude of every tensor
+(``aminmax`` for large tensors, one multi-tensor inf-norm for small ones). It must flag exactly the
+tensors holding NaN or Inf, never a finite tensor whose sum or norm would overflow."""
 
 from __future__ import annotations
 
