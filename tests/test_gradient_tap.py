@@ -85,6 +85,7 @@ def test_a_users_comm_hook_registered_first_composes_with_the_tap(out: Path) -> 
         assert r["error"] == {"step": 1, "rank": 0, "parameters": {"0": ["0.weight"]}}
 
 
+@pytest.mark.slow  # a multi-process launch: the default run stays under 10 minutes
 def test_the_tap_reads_nothing_outside_ddp_and_removes_its_hooks(out: Path) -> None:
     for r in results(out, "tapped", WORLD):
         assert r["read_outside_ddp"] == 0 and r["hooks_left"] == 0

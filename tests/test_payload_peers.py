@@ -221,6 +221,7 @@ def peers(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+@pytest.mark.slow  # a multi-process launch: the default run stays under 10 minutes
 def test_clean_exchange_and_gather_deliver_batches_without_pickle(peers: Path) -> None:
     for r, row in enumerate(results(peers, "clean", WORLD)):
         assert row["error"] is None, row["message"]
@@ -241,6 +242,7 @@ def test_clean_exchange_and_gather_deliver_batches_without_pickle(peers: Path) -
     ("gather_pickle", "rank 1 could not send its object"),
     ("bad_shape", "rank 2 refused the payload of rank 1: a replay payload has the keys ['micro']"),
 ])  # fmt: skip
+@pytest.mark.slow  # a multi-process launch: the default run stays under 10 minutes
 def test_a_hostile_peer_gives_every_rank_the_same_typed_error_at_once(peers: Path, scenario: str, says: str) -> None:
     rows = results(peers, scenario, WORLD)
     assert all(r["error"] == "PayloadError" for r in rows), [(r["error"], r["message"][:200]) for r in rows]
@@ -249,6 +251,7 @@ def test_a_hostile_peer_gives_every_rank_the_same_typed_error_at_once(peers: Pat
     assert not any(r["ran_code"] for r in rows)  # no code from a peer ran anywhere
 
 
+@pytest.mark.slow  # a multi-process launch: the default run stays under 10 minutes
 def test_an_honest_batch_that_would_need_pickling_or_is_too_large_arrives_as_a_message(peers: Path) -> None:
     rows = results(peers, "unencodable", WORLD)
     assert all(r["error"] is None and not r["ran_code"] for r in rows)

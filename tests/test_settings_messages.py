@@ -54,6 +54,7 @@ LINE = (
 )
 
 
+@pytest.mark.slow  # a multi-process launch: the default run stays under 10 minutes
 def test_bad_environment_value_in_a_launched_script_is_one_line_per_rank(tmp_path: Path) -> None:
     script = tmp_path / "train.py"
     script.write_text(BAD_ENV_SCRIPT)

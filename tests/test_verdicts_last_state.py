@@ -94,11 +94,13 @@ def test_lightning_resume_loses_no_comparison(lightning_run: Path) -> None:
 # -- Accelerate --------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # a multi-process launch: the default run stays under 10 minutes
 def test_accelerate_flip_after_the_last_step_is_caught_by_finish(accelerate_run: Path) -> None:
     err = _same_error(results(accelerate_run, "end_flip", 3))
     assert err["rank"] == 1 and "stem.weight" in err["message"]
 
 
+@pytest.mark.slow  # a multi-process launch: the default run stays under 10 minutes
 def test_accelerate_save_state_after_a_flip_raises_before_writing(accelerate_run: Path) -> None:
     per_rank = results(accelerate_run, "save_flip", 3)
     err = _same_error(per_rank, "save_error")
@@ -108,6 +110,7 @@ def test_accelerate_save_state_after_a_flip_raises_before_writing(accelerate_run
         assert not r["folder_left"]  # the refused save leaves no empty folder behind
 
 
+@pytest.mark.slow  # a multi-process launch: the default run stays under 10 minutes
 def test_accelerate_load_state_verifies_what_it_loaded(accelerate_run: Path) -> None:
     for r in results(accelerate_run, "clean_save", 3):
         assert r["save_error"] is None and "model.safetensors" in r["saved_files"]
