@@ -146,12 +146,14 @@ def launch_b(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+@pytest.mark.slow  # a multi-process launch: the default run stays under 10 minutes
 def test_sdc_section_travels_through_accelerate_sdc_launch(launch_b: Path) -> None:
     for r in results(launch_b, "settings", 3):
         assert r["settings"]["replay_every_n_steps"] == 1 and r["settings"]["replay_rtol"] == 0.01
         assert r["sources"]["replay_rtol"] == "environment variable ACCELERATE_SDC_REPLAY_RTOL"
 
 
+@pytest.mark.slow  # a multi-process launch: the default run stays under 10 minutes
 def test_bf16_and_user_comm_hook_compose_without_false_alarm(launch_b: Path) -> None:
     for r in results(launch_b, "clean", 3):
         assert r["error"] is None and r["tap_inner"] == "fp16_compress_hook"
@@ -160,6 +162,7 @@ def test_bf16_and_user_comm_hook_compose_without_false_alarm(launch_b: Path) -> 
     assert err["rank"] == 1
 
 
+@pytest.mark.slow  # a multi-process launch: the default run stays under 10 minutes
 def test_hooks_created_after_prepare_keep_the_comm_hook_accelerate_registered(launch_b: Path) -> None:
     """First scenario of the launch: ``prepare`` registers the fp16 hook itself, ``SDCHooks`` comes
     after it, keeps that hook and still names the rank."""

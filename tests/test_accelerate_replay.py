@@ -47,6 +47,7 @@ def same_error(out: Path, scenario: str, error_type: str) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("style", STYLES)
+@pytest.mark.slow  # a multi-process launch: the default run stays under 10 minutes
 def test_replayed_loss_is_the_back_propagated_one_and_training_is_unchanged(out: Path, style: str) -> None:
     check_no_alarm_no_side_effect(out, style)
 
@@ -70,12 +71,14 @@ def check_no_alarm_no_side_effect(out: Path, style: str) -> None:
             assert on["memory"] == 1.25  # 10 real forwards of 0.125
 
 
+@pytest.mark.slow  # a multi-process launch: the default run stays under 10 minutes
 def test_a_loss_the_replay_cannot_see_is_refused_with_the_fix(out: Path) -> None:
     err = same_error(out, "closure", "ReplayUnavailableError")
     assert "not evidence of a faulty device" in err["message"]
     assert "SDCHooks.replayable(fn)" in err["message"]
 
 
+@pytest.mark.slow  # a multi-process launch: the default run stays under 10 minutes
 def test_a_real_fault_is_still_named_with_replayable(out: Path) -> None:
     err = same_error(out, "outside_fault", "ReplayMismatchError")
     assert (err["rank"], err["step"], err["suspects"]) == (1, 2, [1])

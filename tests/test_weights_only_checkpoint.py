@@ -31,6 +31,7 @@ def _verify(path: Path) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=120)  # fmt: skip
 
 
+@pytest.mark.slow  # a multi-process launch: the default run stays under 10 minutes
 def test_flip_before_a_weights_only_checkpoint_raises_before_it_is_written(run: Path) -> None:
     per_rank = results(run, "wo_flip", 3)
     errors = [r["error"] for r in per_rank]
@@ -46,6 +47,7 @@ def test_flip_before_a_weights_only_checkpoint_raises_before_it_is_written(run: 
     assert proc.returncode == 0 and "clean" in proc.stdout.lower(), proc.stdout + proc.stderr
 
 
+@pytest.mark.slow  # a multi-process launch: the default run stays under 10 minutes
 def test_unread_nonfinite_verdict_is_read_before_a_weights_only_checkpoint(run: Path) -> None:
     per_rank = results(run, "wo_nonfinite", 3)
     errors = [r["error"] for r in per_rank]
@@ -56,6 +58,7 @@ def test_unread_nonfinite_verdict_is_read_before_a_weights_only_checkpoint(run: 
     assert per_rank[0]["ckpts"] == {}  # the step-4 checkpoint (built after the NaN step) was not written
 
 
+@pytest.mark.slow  # a multi-process launch: the default run stays under 10 minutes
 def test_clean_run_fingerprints_weights_only_checkpoints_and_keeps_the_user_hook(run: Path) -> None:
     per_rank = results(run, "wo_clean", 3)
     for r in per_rank:
