@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 
 def sync(device: torch.device) -> None:
@@ -159,3 +160,26 @@ def audited_split(steps: list[dict[str, float]], steps_per_fit: int, skip: int,
         (audited if (skip + i % kept) % every == 0 else normal).append(step)
     ratio = summary([s["seconds"] for s in audited])["median"] / summary([s["seconds"] for s in normal])["median"]
     return audited, normal, ratio
+
+
+class Model(nn.Module):
+    """The Lightning benchmark's MLP (4.3M parameters in 6 tensors at width 2048); returns its loss
+    (what the replay audit looks for)."""
+
+    def __init__(self, width: int = 2048) -> None:
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Linear(64, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 1)
+        )
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.mse_loss(self.net(x), y)
+
+
+# the SDCHooks settings of the DDP benchmarks' configurations (None: no hook set)
+DDP_SETTINGS: dict[str, dict[str, Any] | None] = {
+    "none": None,
+    "nonfinite": {"replay_every_n_steps": 0, "fingerprint_every_n_steps": 0},
+    "fingerprint": {"nonfinite_gradient": False, "replay_every_n_steps": 0},
+    "defaults": {},
+}

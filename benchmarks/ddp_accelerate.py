@@ -19,33 +19,13 @@ import torch
 import torch.distributed as dist
 from accelerate import Accelerator
 from accelerate.utils import set_seed
-from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from accelerate_sdc import SDCHooks
-from benchmarks.common import WorkTimer, alternate, audited_split, step_table
+from benchmarks.common import DDP_SETTINGS, Model, WorkTimer, alternate, audited_split, step_table
 
 BATCH = 128
-SETTINGS: dict[str, dict[str, Any] | None] = {
-    "none": None,
-    "nonfinite": {"replay_every_n_steps": 0, "fingerprint_every_n_steps": 0},
-    "fingerprint": {"nonfinite_gradient": False, "replay_every_n_steps": 0},
-    "defaults": {},
-    "audit_often": {"replay_every_n_steps": 10},
-}
-
-
-class Model(nn.Module):
-    """The Lightning benchmark's MLP; returns its loss (what the replay audit looks for)."""
-
-    def __init__(self, width: int = 2048) -> None:
-        super().__init__()
-        self.net = nn.Sequential(
-            nn.Linear(64, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 1)
-        )
-
-    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return nn.functional.mse_loss(self.net(x), y)
+SETTINGS: dict[str, dict[str, Any] | None] = DDP_SETTINGS | {"audit_often": {"replay_every_n_steps": 10}}
 
 
 def run(acc: Accelerator, config: str, steps: int, replay_every: int) -> list[dict[str, float]]:

@@ -24,32 +24,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from benchmarks.common import WorkTimer, summary
+from benchmarks.common import DDP_SETTINGS, Model, WorkTimer, summary
 from sdc_core.hooks import SDCHooks
 
 BATCH = 128
-SETTINGS: dict[str, dict[str, Any] | None] = {
-    "none": None,
-    "nonfinite": {"replay_every_n_steps": 0, "fingerprint_every_n_steps": 0},
-    "fingerprint": {"nonfinite_gradient": False, "replay_every_n_steps": 0},
-    "defaults": {},
-}
-
-
-class Model(nn.Module):
-    """The Lightning benchmark's MLP (4.3M parameters in 6 tensors); returns its loss."""
-
-    def __init__(self, width: int = 2048) -> None:
-        super().__init__()
-        self.net = nn.Sequential(
-            nn.Linear(64, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 1)
-        )
-
-    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return nn.functional.mse_loss(self.net(x), y)
+SETTINGS = DDP_SETTINGS
 
 
 class Run:
