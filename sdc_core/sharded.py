@@ -446,7 +446,6 @@ class _Pending:
     flags: HostRead | None = None  # [replica mismatch here, at-rest change here], MAX over the world
     work: Any = None
     at_rest: Any = None  # (digests after the update, digests before the next forward, group) or None
-    at_rest_step: int | None = None
 
 
 @dataclass
@@ -542,7 +541,7 @@ class ShardedFingerprint:
             fp, rows, g = pending.baseline
             now, now_rows = grouped_digests([local(t) for t in g.tensors], device=fp.device)
             rest = (combine(now) != fp).to(torch.int64).to(rest.device)  # on the device: no host wait
-            pending.at_rest, pending.at_rest_step, pending.baseline = (rows, now_rows, g), pending.step, None
+            pending.at_rest, pending.baseline = (rows, now_rows, g), None
         flags = torch.stack([pending.mismatch, rest])
         pending.work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, async_op=True)
         pending.flags = HostRead(flags, pending.work)
@@ -628,7 +627,7 @@ class ShardedFingerprint:
             "differing_tensors": differing,
             "replica_groups": {str(list(k)): v for k, v in groups_seen.items()},
             "changed_at_rest": at_rest,
-            "at_rest_window": pending.at_rest_step,
+            "at_rest_window": pending.step if pending.at_rest is not None else None,
             "node_ranks": topo.node_ranks(ordered),
             "world_size": len(gathered),
             "sharded": True,
@@ -636,7 +635,7 @@ class ShardedFingerprint:
         parts = []
         if at_rest:
             who = ", ".join(f"rank {r}: {', '.join(n[:3])}" for r, n in sorted(at_rest.items()))
-            parts.append(f"its shard changed at rest between the update of step {pending.at_rest_step} and the next "
+            parts.append(f"its shard changed at rest between the update of step {pending.step} and the next "
                          f"forward ({who})")  # fmt: skip
         if differing:
             parts.append("its shard differs from its replicas' in " + "; ".join(
@@ -649,9 +648,9 @@ class ShardedFingerprint:
         elif self.config.on_failure == "heal":
             details["action"] = "not healed: " + ("a shard without replica changed at rest" if at_rest else
                                                   "no strict majority" if no_majority else "past max_heals")
-        step = pending.at_rest_step if at_rest and not differing else pending.step
-        self.last_error = FingerprintMismatchError(step=step, rank=named, suspects=ordered, hosts=topo.hosts(ordered),
-                                                   details=details, reason=reason)  # fmt: skip
+        self.last_error = FingerprintMismatchError(
+            step=pending.step, rank=named, suspects=ordered, hosts=topo.hosts(ordered), details=details, reason=reason
+        )
         self.stats.add_time(time.perf_counter() - t0)
         if not heal:
             raise self.last_error
