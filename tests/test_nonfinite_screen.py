@@ -7,16 +7,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sdc_core.gradients import _SUMMED, any_nonfinite_multi, peaks
+from sdc_core.gradients import _AMINMAX_FROM, any_nonfinite_multi, peaks
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 def test_the_cpu_screen_flags_exactly_nan_and_inf_in_small_and_large_tensors(dtype: torch.dtype) -> None:
     big = torch.finfo(dtype).max / 4  # finite, but sums and squares of several such values overflow
-    sizes = [3, 1000, _SUMMED - 1, _SUMMED + 5]
+    sizes = [3, 1000, _AMINMAX_FROM - 1, _AMINMAX_FROM + 5]
     clean = [torch.randn(n).to(dtype) for n in sizes]
-    clean += [torch.full((n,), big, dtype=dtype) for n in (7, _SUMMED + 1)]  # overflowing screens
-    clean.append(torch.tensor([-big, big] * (_SUMMED // 2), dtype=dtype))
+    clean += [torch.full((n,), big, dtype=dtype) for n in (7, _AMINMAX_FROM + 1)]  # overflowing screens
+    clean.append(torch.tensor([-big, big] * (_AMINMAX_FROM // 2), dtype=dtype))
     before = [t.clone() for t in clean]
     values = peaks(clean)
     assert bool(torch.isfinite(values).all()), values
