@@ -23,7 +23,7 @@ from sdc_core.checkpoint import FINGERPRINT_KEY, check_loaded_checkpoint, finger
 from sdc_core.errors import ReplayMismatchError, SDCError, as_sdc_error
 from sdc_core.faults import Fault
 from sdc_core.faults import FaultInjector as _CoreInjector
-from sdc_core.fingerprint import FingerprintConfig, WeightFingerprint
+from sdc_core.fingerprint import FingerprintConfig, WeightFingerprint, healed_by_comparison
 from sdc_core.gradients import NonFiniteConfig, NonFiniteGradient, drop_step
 from sdc_core.incidents import install_exit_code, mark_verdict, record_verdict
 from sdc_core.replay import ReplayConfig, RingReplay, StateCapture
@@ -656,13 +656,12 @@ class RingReplayAudit(_SDCCallback):
         if fp is not None and fp._core.active and (c.is_ddp(trainer) or c.is_sharded(trainer)):
             symptom, self._core.last_error = self._core.last_error, None  # the replay's disagreement: a symptom
             try:
-                fp._core.check_now(step, pl_module, trainer.optimizers)
+                acted: SDCError | None = healed_by_comparison(fp._core, step, pl_module, trainer.optimizers)
             except SDCError as fault:
                 fp._handle(trainer, pl_module, fault, max_step=fp._core.stats.last_verified_step + 1)
-                acted: SDCError | None = fault  # rolled back (else _handle raised the weight fault)
+                acted = fault  # rolled back (else _handle raised the weight fault)
             else:
-                acted = fp._core.last_error  # healed, or None: the replicas agree
-                if acted is not None:
+                if acted is not None:  # healed (None: the replicas agree)
                     fp._failed(trainer, "heal")
             if acted is not None and set(err.suspects) <= set(acted.suspects):
                 return True  # explained: no compute fault of its own

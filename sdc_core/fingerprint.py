@@ -74,6 +74,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Any
 
 import torch
 from torch import nn
@@ -852,6 +853,18 @@ class WeightFingerprint:
         self.resolve()
 
 
+def healed_by_comparison(check: Any, step: int, module: nn.Module, optimizers: Iterable[torch.optim.Optimizer]
+                         ) -> FingerprintMismatchError | None:  # fmt: skip
+    """Compare every tensor of the replicas now (``check.check_now``, a ``WeightFingerprint`` or
+    ``ShardedFingerprint``; every rank together). Raises the weight fault when the replicas differ
+    and are not healed; returns the healed fault when ``on_failure="heal"`` repaired them, None
+    when they agree (decided by this comparison's failure count, never a stale ``last_error``).
+    Used after a replay disagreement: a replica whose weights changed computes differently."""
+    failures = check.stats.failures
+    check.check_now(step, module, optimizers)
+    return check.last_error if check.stats.failures != failures else None
+
+
 __all__ = [
     "DIGEST_VERSION",
     "FingerprintConfig",
@@ -859,6 +872,7 @@ __all__ = [
     "combine",
     "fingerprinted_tensors",
     "grouped_digests",
+    "healed_by_comparison",
     "tensor_digest",
     "tensor_digest_v1",
     "tensor_digests",

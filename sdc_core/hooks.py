@@ -59,7 +59,7 @@ from torch.nn.parallel import DistributedDataParallel
 from sdc_core import shutdown
 from sdc_core.checkpoint import FINGERPRINT_KEY, check_loaded_checkpoint, fingerprint_checkpoint
 from sdc_core.errors import ReplayMismatchError, SDCError
-from sdc_core.fingerprint import WeightFingerprint
+from sdc_core.fingerprint import WeightFingerprint, healed_by_comparison
 from sdc_core.gradients import GradientTap, NonFiniteGradient, drop_step
 from sdc_core.incidents import install_exit_code, mark_verdict, record_verdict
 from sdc_core.replay import RingReplay, StateCapture
@@ -665,15 +665,9 @@ class SDCHooks:
             if self._fw.num_processes < 2 or is_sharded(module):
                 return False
             fp = WeightFingerprint(topology=self.replay.topology if self.replay is not None else None)
-        failures, healed = fp.stats.failures, []
-
-        def compare() -> None:  # returns only when the replicas agree or were healed
-            fp.check_now(max(step - 1, 0), module, [_inner(self._optimizer)])
-            if fp.stats.failures != failures and fp.last_error is not None:
-                healed.append(fp.last_error)  # read before the incident is recorded (which clears it)
-
-        self._verdict(fp, compare, "heal")
-        return bool(healed) and set(symptom.suspects) <= set(healed[0].suspects)
+        now = max(step - 1, 0)  # the weights now: after the previous update
+        healed = self._verdict(fp, lambda: healed_by_comparison(fp, now, module, [_inner(self._optimizer)]), "heal")
+        return healed is not None and set(symptom.suspects) <= set(healed.suspects)
 
     def _record(self, check: Any, policy: str) -> None:
         """Write the incident of ``check``'s last verdict (main process; a failed write only warns)."""
