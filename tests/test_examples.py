@@ -13,6 +13,7 @@ from conftest import ROOT, worker_env
 BIN = Path(sys.executable).parent
 
 
+@pytest.mark.slow  # a multi-process launch: the default run stays under 10 minutes (Lightning DDP: test_lightning_ddp)
 def test_lightning_demo_names_the_faulty_rank(tmp_path: Path) -> None:
     script = str(ROOT / "examples" / "lightning_ddp_demo.py")
     cmd = [sys.executable, script, "--fault", "weights", "--faulty-rank", "2", "--steps", "9"]

@@ -54,6 +54,7 @@ def _verify(path: Path) -> subprocess.CompletedProcess:
 # -- Lightning ---------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # a multi-process launch: the default run stays under 10 minutes
 def test_lightning_flip_after_the_last_compared_step_is_caught_at_the_end(lightning_run: Path) -> None:
     # cadence 3 with 8 steps: steps 2 and 5 are compared; the flip comes after step 7
     err = _same_error(results(lightning_run, "end_flip", 3))
@@ -61,6 +62,7 @@ def test_lightning_flip_after_the_last_compared_step_is_caught_at_the_end(lightn
     assert "body.weight" in err["message"]
 
 
+@pytest.mark.slow  # a multi-process launch: the default run stays under 10 minutes
 def test_lightning_checkpoint_is_not_written_from_an_unverified_replica(lightning_run: Path) -> None:
     per_rank = results(lightning_run, "save_flip", 3)
     err = _same_error(per_rank)
@@ -72,6 +74,7 @@ def test_lightning_checkpoint_is_not_written_from_an_unverified_replica(lightnin
     assert proc.returncode == 0, proc.stdout + proc.stderr  # the one written is clean
 
 
+@pytest.mark.slow  # a multi-process launch: the default run stays under 10 minutes
 def test_lightning_checkpoints_hold_the_comparison_of_the_saved_state(lightning_run: Path) -> None:
     for name, ckpt in results(lightning_run, "uninterrupted", 3)[0]["ckpts"].items():
         assert ckpt["version"] == 2
@@ -82,6 +85,7 @@ def test_lightning_checkpoints_hold_the_comparison_of_the_saved_state(lightning_
     assert proc.returncode == 0 and "clean" in proc.stdout.lower(), proc.stdout + proc.stderr
 
 
+@pytest.mark.slow  # a multi-process launch: the default run stays under 10 minutes
 def test_lightning_resume_loses_no_comparison(lightning_run: Path) -> None:
     whole = results(lightning_run, "uninterrupted", 3)
     resumed = results(lightning_run, "resumed", 3)
