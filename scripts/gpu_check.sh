@@ -2,7 +2,8 @@
 # The GPU checks in one call (one GPU, a few minutes): the GPU test suite, then the GPU benchmark.
 #   bash scripts/gpu_check.sh [OUT_DIR]     (default: gpu-results/)
 # Uses the python3 that has torch with CUDA (no venv, no install: the machine may reach no registry).
-# Writes OUT_DIR/gpu_suite.log, gpu_replay.log (+ gpu_replay.json), gpu_step.json and gpu_bench.log.
+# Writes OUT_DIR/gpu_suite.log, gpu_replay.log (+ gpu_replay.json), memory*.json (+ gpu_memory.log), gpu_step.json
+# and gpu_bench.log.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-gpu-results}"
@@ -19,10 +20,18 @@ if [ "${SDC_GPU_REPLAY:-1}" = 1 ]; then  # the ring replay's modes on nondetermi
   OUT="$out" timeout "${SDC_GPU_REPLAY_TIMEOUT:-150}" python3 -m torch.distributed.run --standalone \
     --nproc-per-node 3 tests/gpu_replay_check.py 2>&1 | tee "$out/gpu_replay.log" || replay=$?
 fi
+memory=0
+if [ "${SDC_GPU_MEMORY:-1}" = 1 ]; then  # peak device memory of clean and audited steps (2 ranks on the GPU over gloo)
+  for view in "" "--bucket-view"; do
+    timeout "${SDC_GPU_MEMORY_TIMEOUT:-90}" python3 -m torch.distributed.run --standalone --nproc-per-node 2 \
+      -m benchmarks.memory --device cuda --spec 1024,12,16,32000 --batch 8 --seq 512 --configs none,defaults,audited \
+      $view --out "$out/memory${view:+-bucket-view}.json" 2>&1 | tee -a "$out/gpu_memory.log" || memory=$?
+  done
+fi
 bench=0
 if [ "${SDC_GPU_BENCH:-1}" = 1 ]; then
   timeout "${SDC_GPU_BENCH_TIMEOUT:-200}" python3 -m benchmarks.gpu_step --out "$out/gpu_step.json" 2>&1 \
     | tee "$out/gpu_bench.log" || bench=$?
 fi
-echo "gpu suite exit $suite, replay check exit $replay, benchmark exit $bench" | tee -a "$out/machine.txt"
-[ "$suite" = 0 ] && [ "$replay" = 0 ] && [ "$bench" = 0 ]
+echo "gpu suite exit $suite, replay check exit $replay, memory exit $memory, benchmark exit $bench" | tee -a "$out/machine.txt"
+[ "$suite" = 0 ] && [ "$replay" = 0 ] && [ "$memory" = 0 ] && [ "$bench" = 0 ]

@@ -50,3 +50,50 @@ def test_gpu_step_benchmark_quick_on_cpu(tmp_path: Path) -> None:
     assert row["step_ms"]["none"] > 0 and row["step_ms"]["checks"] > 0
     assert set(row["work_ms"]) == {"nonfinite", "fingerprint"} and all(v > 0 for v in row["work_ms"].values())
     assert all(v > 0 for v in row["fingerprint_gbps"].values())
+
+
+def test_live_bytes_counts_new_storages_until_they_are_freed() -> None:
+    """The memory benchmark's CPU tracker: new storages count until freed; views, in-place and
+    ``out=`` results and storages made before are not new."""
+    import torch
+
+    from benchmarks.memory import LiveBytes
+
+    before = torch.ones(256)
+    tracker = LiveBytes()
+    with tracker:
+        a = torch.ones(1000)  # 4000 bytes
+        assert tracker.live == 4000
+        a.view(10, 100).add_(1)
+        torch.mul(a, 2, out=a)
+        assert before.view(16, 16).shape == (16, 16) and tracker.live == 4000
+        c = a * 2
+        assert tracker.live == 8000
+        del c
+        assert tracker.live == 4000 and tracker.peak == 8000
+        tracker.reset()
+        assert tracker.peak == 4000
+        del a
+        assert tracker.live == 0
+
+
+@pytest.mark.slow  # two multi-process launches
+def test_memory_benchmark_audited_step_adds_the_gradients_only_without_bucket_views(tmp_path: Path) -> None:
+    """An audited step's peak: with gradients in DDP's buckets it adds under 10% of the weights;
+    with separate ``.grad`` memory it adds the step's own gradients (held for the update while
+    the partner's micro-batch is re-run), about one copy of the weights."""
+    rows = {}
+    for view in (False, True):
+        out = tmp_path / f"mem{view}.json"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               "-m", "benchmarks.memory", "--out", str(out), "--spec", "128,2,4,512", "--batch", "4", "--seq", "64",
+               "--skip", "2", "--steps", "2", "--configs", "none,defaults,audited"]  # fmt: skip
+        cmd += ["--bucket-view"] if view else []
+        proc = subprocess.run(cmd, cwd=ROOT, env=worker_env(), capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        rows[view] = json.loads(out.read_text())
+    for row in rows.values():
+        assert row["excess_vs_weights"]["none"] == 0 and row["peak_step_bytes"]["none"] > 0
+        assert abs(row["excess_vs_weights"]["defaults"]) < 0.05
+    assert rows[True]["excess_vs_weights"]["audited"] < 0.10
+    assert 0.8 < rows[False]["excess_vs_weights"]["audited"] < 1.3
