@@ -194,6 +194,8 @@ def faults(model: str, kind: str) -> list[Fault]:
 
 def train(name: str, out: Path, device: torch.device) -> dict[str, Any]:
     model_name, kind = name.split(":")
+    bucket_view = model_name.endswith("_bv")  # the gradients live in DDP's buckets (what a memory-tight audit uses)
+    model_name = model_name.removesuffix("_bv")
     rank, world = dist.get_rank(), dist.get_world_size()
     net = build(model_name, device)
     sharded = model_name == "fsdp"
@@ -206,7 +208,8 @@ def train(name: str, out: Path, device: torch.device) -> dict[str, Any]:
         fully_shard(net.head, mesh=mesh)
         wrapped: nn.Module = fully_shard(net, mesh=mesh)
     else:
-        wrapped = DistributedDataParallel(net, device_ids=[device.index] if device.type == "cuda" else None)
+        wrapped = DistributedDataParallel(net, device_ids=[device.index] if device.type == "cuda" else None,
+                                          gradient_as_bucket_view=bucket_view)  # fmt: skip
     optimizer = torch.optim.AdamW(wrapped.parameters(), lr=1e-2)
     scaler = torch.amp.GradScaler(device.type) if model_name == "fp16" else None
     metrics: list[tuple[int, dict[str, float]]] = []
