@@ -30,7 +30,7 @@ from benchmarks.common import DDP_SETTINGS, Model, WorkTimer, summary
 from sdc_core.hooks import SDCHooks
 
 BATCH = 128
-SETTINGS = DDP_SETTINGS
+SETTINGS = DDP_SETTINGS | {"defaults_reduced_read": {}}  # the defaults, the verdict read from the reduced gradients
 
 
 class Run:
@@ -45,6 +45,10 @@ class Run:
         self.sdc = SDCHooks(**settings) if settings is not None else None
         if self.sdc is not None:
             self.sdc.attach(self.model, self.opt)
+            if config == "defaults_reduced_read":  # as before the carried verdict: no rider, the second read
+                nonfinite = self.sdc.nonfinite
+                verdict = nonfinite.verdict
+                nonfinite.verdict = lambda *a, carry=False, **k: verdict(*a, **k)  # type: ignore[method-assign]
             inner = self.work.wrap(self.sdc._step)
             self.sdc._step = lambda optimizer, original, *a, **k: inner(optimizer, self.work.exclude(original), *a, **k)  # type: ignore[method-assign]
             self.work.wrap_taps([getattr(self.model, "_sdc_gradient_tap", None)])

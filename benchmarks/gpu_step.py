@@ -6,10 +6,10 @@
 Setup: GPT-style decoder models of three sizes (about 60M, 270M and 1.4B parameters; fp32
 weights, bf16 autocast, fused AdamW, batch 8 x 1024 tokens) wrapped in a ONE-rank
 ``DistributedDataParallel`` (NCCL on CUDA, gloo on CPU), so the checks run their DDP paths: the
-gradient tap's hooks in backward, the non-finite verdict from the reduced gradients, the weight
-fingerprint's digest and its 16-byte all-reduce. The core objects (``GradientTap``,
-``NonFiniteGradient``, ``WeightFingerprint``) are driven as the adapters drive them: verdict
-after backward, fingerprint after the update, both read one step later.
+gradient tap's hooks in backward, the local gradients' read at the end of backward, the weight
+fingerprint's digest and its all-reduce, which carries the non-finite verdict (24 bytes). The
+core objects (``GradientTap``, ``NonFiniteGradient``, ``WeightFingerprint``) are driven as the hook
+set drives them: verdict after backward, fingerprint after the update, both read one step later.
 
 Per size it reports:
 
@@ -18,7 +18,8 @@ Per size it reports:
   the block, blocks of the two configurations interleaved over ``rounds`` rounds (medians);
 * ``work_ms``: each check's work alone, device-synchronised before and after (serialized: what it
   adds when nothing overlaps it), on the gradients and weights of a real step: ``nonfinite`` =
-  the per-parameter hook work + the verdict on the reduced gradients + its host read;
+  the per-parameter hook work + the end-of-backward read of the local gradients + the flag the
+  fingerprint's all-reduce carries (the verdict reads no reduced gradients) + its host read;
   ``fingerprint`` = digest, combine, all-reduce and read;
 * ``peak_mem_gib``: peak device memory over a block of steps without and with the checks;
 * ``fingerprint_gbps``: the fingerprint over the parameters against one ``sum`` per tensor and
@@ -145,11 +146,15 @@ class Trainer:
         with self.amp:
             loss = self.ddp(self.data)
         loss.backward()
-        if self.nonfinite is not None:  # as the adapters do: after backward, before the update
-            self.nonfinite.verdict(self.step_no, self.model.named_parameters())
+        carry = self.nonfinite is not None and self.fingerprint is not None
+        if self.nonfinite is not None:  # as the hook set does: after backward, before the update
+            self.nonfinite.verdict(self.step_no, self.model.named_parameters(), carry=carry)
         self.opt.step()
-        if self.fingerprint is not None:  # after the update; read one step later
-            self.fingerprint.start(self.step_no, self.model, [self.opt])
+        if self.fingerprint is not None:  # after the update, carrying the gradient verdict; read one step later
+            rider = self.nonfinite.rider() if carry and self.nonfinite is not None else None
+            carrier = self.fingerprint.start(self.step_no, self.model, [self.opt], rider=rider)
+            if rider is not None and carrier is not None and self.nonfinite is not None:
+                self.nonfinite.carried_by(carrier, 2)
         self.step_no += 1
 
     def block(self, steps: int) -> float:
@@ -218,7 +223,10 @@ def measure(name: str, spec: tuple[int, int, int, int], device: torch.device, ba
                 consume(p, g)
         for finish in tap.finishers:  # and at the end of backward
             finish()
-        nf.verdict(tr.step_no, tr.model.named_parameters(), now=True)  # verdict + host read
+        nf.verdict(tr.step_no, tr.model.named_parameters(), carry=True)  # the flag the fingerprint carries
+        flag = nf.rider()
+        nf._pending = None
+        assert flag is not None and not bool(flag)  # its host read (the carried all-reduce is the fingerprint's)
 
     def fingerprint_work() -> None:
         fp.start(tr.step_no, tr.model, [tr.opt])

@@ -24,7 +24,7 @@ from sdc_core.errors import ReplayMismatchError, SDCError, as_sdc_error
 from sdc_core.faults import Fault
 from sdc_core.faults import FaultInjector as _CoreInjector
 from sdc_core.fingerprint import FingerprintConfig, WeightFingerprint, healed_by_comparison
-from sdc_core.gradients import NonFiniteConfig, NonFiniteGradient, drop_step
+from sdc_core.gradients import NonFiniteConfig, NonFiniteGradient, carries, drop_step, start_carrying
 from sdc_core.incidents import install_exit_code, mark_verdict, record_verdict
 from sdc_core.replay import ReplayConfig, RingReplay, StateCapture
 from sdc_core.sharded import ShardedFingerprint, ShardedNonFinite
@@ -233,8 +233,19 @@ class NonFiniteGradientCheck(_SDCCallback):
         elif c.is_ddp(trainer):
             self._core.attach(c.gradient_tap(trainer, pl_module))
 
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        self._uncarried()
+
+    def _uncarried(self) -> None:
+        """A verdict left for the fingerprint's all-reduce that none carried (no comparison
+        started): read from the reduced gradients, still those of its step (Lightning zeroes them
+        inside the next optimizer closure, after this hook)."""
+        if isinstance(self._core, NonFiniteGradient):
+            self._core.uncarried()
+
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
         if self._core.pending_step is not None:  # the previous step's verdict, read one step later
+            self._uncarried()
             self._settle(trainer, pl_module, self._core.resolve)
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
@@ -250,11 +261,19 @@ class NonFiniteGradientCheck(_SDCCallback):
         self._decided_step = trainer.global_step
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         audited = any(isinstance(cb, RingReplayAudit) and cb._core.armed for cb in trainer.callbacks)
+        # the verdict rides the fingerprint's all-reduce after this update (one optimizer per batch)
+        fingerprints = [cb._core for cb in trainer.callbacks if isinstance(cb, WeightFingerprintCheck)]
+        carry = (
+            pl_module.automatic_optimization
+            and len(trainer.optimizers) == 1
+            and len(fingerprints) == 1
+            and carries(self._core, fingerprints[0], trainer.global_step, now=audited, scaler_active=scaler is not None)
+        )
+        extra = {"carry": True} if carry else {}
 
         def verdict() -> None:
-            if self._core.verdict(
-                trainer.global_step, pl_module.named_parameters(), scaler_active=scaler is not None, now=audited
-            ):
+            named = pl_module.named_parameters()
+            if self._core.verdict(trainer.global_step, named, scaler_active=scaler is not None, now=audited, **extra):
                 self._dropped_step = trainer.global_step
 
         self._settle(trainer, pl_module, verdict, scaler_active=scaler is not None)
@@ -272,9 +291,11 @@ class NonFiniteGradientCheck(_SDCCallback):
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
         # no checkpoint (weights-only ones included) is written after a step whose verdict is
         # unread (every rank dumps checkpoints)
+        self._uncarried()
         self._settle(trainer, pl_module, self._core.resolve)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._uncarried()
         self._settle(trainer, pl_module, self._core.resolve)
         super().on_train_end(trainer, pl_module)
 
@@ -393,8 +414,10 @@ class WeightFingerprintCheck(_SDCCallback):
             self._resolve(trainer, pl_module)  # a verdict is recorded (once) and raised in _handle
             if trainer.global_step != self._seen_step:
                 self._seen_step = trainer.global_step
-                if self._core.due(trainer.global_step - 1):
-                    self._core.start(trainer.global_step - 1, pl_module, trainer.optimizers)
+                if self._core.due(trainer.global_step - 1):  # carrying a gradient verdict left for it
+                    gradients = [cb._core for cb in trainer.callbacks if isinstance(cb, NonFiniteGradientCheck)]
+                    carried = gradients[0] if len(gradients) == 1 else None
+                    start_carrying(self._core, carried, trainer.global_step - 1, pl_module, trainer.optimizers)
         super().on_train_batch_end(trainer, pl_module)
 
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
@@ -691,8 +714,10 @@ def before_update(trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
     ``on_before_optimizer_step`` calls it; each part runs once per step (the later calls find
     nothing pending). Every rank runs the same parts in the same order."""
     callbacks = trainer.callbacks
-    for cb in callbacks:
-        if isinstance(cb, NonFiniteGradientCheck) and cb._core.pending_step is not None:
+    for cb in callbacks:  # an earlier step's (this step's, decided by an earlier call, is read one step later)
+        pending = cb._core.pending_step if isinstance(cb, NonFiniteGradientCheck) else None
+        if pending is not None and pending < trainer.global_step:
+            cb._uncarried()
             cb._settle(trainer, pl_module, cb._core.resolve)
     acted = False
     for cb in callbacks:

@@ -737,12 +737,19 @@ class WeightFingerprint:
         return (step + 1) % self.config.every_n_steps == 0
 
     def start(
-        self, step: int, module: nn.Module, optimizers: Iterable[torch.optim.Optimizer], every_tensor: bool = False
-    ) -> None:
+        self,
+        step: int,
+        module: nn.Module,
+        optimizers: Iterable[torch.optim.Optimizer],
+        every_tensor: bool = False,
+        rider: torch.Tensor | None = None,
+    ) -> HostRead | None:
         """Digest the replica after optimizer step ``step`` and start the O(1) comparison: of the
         next rolling slice (``config.rolling`` > 1), or of every tensor (``every_tensor``, or
         ``rolling`` = 1). Every rank must make the same calls (the slice is the call count's).
 
+        ``rider`` (a 0-d flag on the device; every rank alike, given or not): carried in the same
+        all-reduce (8 bytes more), its maximum over the ranks at index 2 of the returned reader.
         Resolves any earlier pending comparison first (it may raise).
         """
         self.resolve()
@@ -761,12 +768,15 @@ class WeightFingerprint:
         device = collective_device(home_device(tensors))  # the tensors' own device when the backend serves it
         digests, per_tensor = grouped_digests(tensors, device=device)
         fp = combine(digests)
-        reduced = torch.stack([fp, torch.bitwise_not(fp)])
+        parts = [fp, torch.bitwise_not(fp)]
+        if rider is not None:
+            parts.append(rider.reshape(()).to(device=fp.device, dtype=torch.int64))
+        reduced = torch.stack(parts)
         work = torch.distributed.all_reduce(reduced, op=torch.distributed.ReduceOp.MAX, async_op=True)
-        self._pending = _Pending(
-            step, per_tensor, module, list(optimizers), [n for n, _ in named], HostRead(reduced, work), work, part
-        )
+        read = HostRead(reduced, work)
+        self._pending = _Pending(step, per_tensor, module, list(optimizers), [n for n, _ in named], read, work, part)
         self.stats.add_time(time.perf_counter() - t0)
+        return read if rider is not None else None
 
     def resolve(self) -> None:
         """Read the pending comparison (every rank, same place); raise on a mismatch."""
@@ -774,7 +784,7 @@ class WeightFingerprint:
         if pending is None:
             return
         t0 = time.perf_counter()
-        hi, not_lo = pending.reduced.get().tolist()  # waits for this all-reduce only, not the stream
+        hi, not_lo = pending.reduced.get().tolist()[:2]  # waits for this all-reduce only, not the stream
         self.stats.runs += 1
         if hi == ~not_lo:
             if pending.part is None:

@@ -60,7 +60,7 @@ from sdc_core import shutdown
 from sdc_core.checkpoint import FINGERPRINT_KEY, check_loaded_checkpoint, fingerprint_checkpoint
 from sdc_core.errors import ReplayMismatchError, SDCError
 from sdc_core.fingerprint import WeightFingerprint, healed_by_comparison
-from sdc_core.gradients import GradientTap, NonFiniteGradient, drop_step
+from sdc_core.gradients import GradientTap, NonFiniteGradient, carries, drop_step, start_carrying
 from sdc_core.incidents import install_exit_code, mark_verdict, record_verdict
 from sdc_core.replay import RingReplay, StateCapture
 from sdc_core.settings import PLAIN, Sources, resolve
@@ -607,13 +607,17 @@ class SDCHooks:
         if self.matmul is not None:  # the step's products: sent now, read at the next step (or before a save)
             matmul = self.matmul
             self._verdict(matmul, lambda: matmul.verdict(step), matmul.config.on_failure)
+        carry = False  # the gradient verdict rides the fingerprint's all-reduce after this update
         if self._checked == step:  # check_gradients_now took this step's verdict already
             skipped = self._checked_skip
         elif nonfinite is not None:  # read now when the replay audits this step: it must not act first
             now = replay is not None and replay.armed
+            carry = carries(nonfinite, fp, self._updates, now=now, scaler_active=scaler)
             skipped = self._verdict(
                 nonfinite,
-                lambda: nonfinite.verdict(step, module.named_parameters(), scaler_active=scaler, now=now),
+                lambda: nonfinite.verdict(
+                    step, module.named_parameters(), scaler_active=scaler, now=now, **({"carry": True} if carry else {})
+                ),
                 nonfinite.config.on_failure,
             )
         if replay is not None and skipped:
@@ -623,12 +627,21 @@ class SDCHooks:
             skipped = True
         self._write_due_log()  # this step's verdicts are in: the pending point is complete
         fw._updated = False
-        out = original(*args, **kwargs)
+        try:
+            out = original(*args, **kwargs)
+        except BaseException:
+            if carry:  # the verdict stays readable: from the reduced gradients, still in place
+                nonfinite.uncarried()
+            raise
         self.step += 1
-        if not skipped and not fw.step_was_skipped(optimizer):
+        updated = not skipped and not fw.step_was_skipped(optimizer)
+        if carry and not updated:  # no update, so no fingerprint to carry the flag: read the gradients
+            carry = False
+            nonfinite.uncarried()
+        if updated:
             self._updates += 1
             if fp is not None and fp.due(self._updates - 1):
-                fp.start(step, module, [_inner(optimizer)])
+                start_carrying(fp, nonfinite if carry else None, step, module, [_inner(optimizer)])
         if self.step % self.settings.log_every_n_steps == 0:
             self.log()
         return out

@@ -24,7 +24,7 @@ def test_step_interleaved_ddp_benchmark_tiny(tmp_path: Path) -> None:
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
-    configs = {"none", "nonfinite", "fingerprint", "defaults"}
+    configs = {"none", "nonfinite", "fingerprint", "defaults", "defaults_reduced_read"}
     assert result["world_size"] == 2 and set(result["step_seconds"]) == configs
     assert all(row["n"] == 4 and row["median"] > 0 for row in result["step_seconds"].values())
     assert result["overhead"]["none"] == 0 and len(result["overhead_by_block"]["defaults"]) == 2

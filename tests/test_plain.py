@@ -59,7 +59,7 @@ def check_models(out: Path, models: list[str], world: int, exact: set[str]) -> N
 @pytest.fixture(scope="module")
 def ddp(tmp_path_factory: pytest.TempPathFactory) -> Path:
     kinds = (*KINDS, "save", "flip_audited", "flip_audited_nofp", "flip_audited_heal", "matmul_clean", "matmul",
-             "matmul_backward")
+             "matmul_backward", "nan_carried", "nan_early_carried")
     bucket_view = [f"mlp_bv:{k}" for k in KINDS]
     return launch(tmp_path_factory.mktemp("plain_ddp"), [f"mlp:{k}" for k in kinds] + bucket_view, 3)
 
@@ -79,6 +79,21 @@ def test_every_check_holds_with_gradients_in_ddp_buckets(ddp: Path) -> None:
     weights = {name: [r["weights"] for r in results(ddp, name, 3)] for name in ("mlp_bv:clean", "mlp:clean")}
     assert weights["mlp_bv:clean"] == weights["mlp:clean"]
     assert same_error(ddp, "mlp_bv:nan", 3)["step"] == same_error(ddp, "mlp:nan", 3)["step"]
+
+
+def test_a_verdict_carried_by_the_fingerprint_all_reduce_names_the_rank(ddp: Path) -> None:
+    """No replay, fingerprint every step: the gradient verdict rides the fingerprint's all-reduce
+    (no read of the reduced gradients). Rank 1's NaN after the first two backwards (exact local
+    evidence) and during them (each rank's flag from the reduced gradients) is named at its step
+    on every rank, with its parameter, one step later."""
+    grad = "body.0.weight"
+    for scenario, step in (("mlp:nan_carried", 3), ("mlp:nan_early_carried", 1)):
+        err = same_error(ddp, scenario, 3)
+        assert (err["type"], err["rank"], err["step"]) == ("NonFiniteGradientError", 1, step), err["message"]
+        assert err["details"]["pattern"] == "one_rank" and err["details"]["parameters"] == {"1": [grad]}
+        assert all(r["step"] == step + 1 for r in results(ddp, scenario, 3))  # read at the next optimizer step
+    clean = results(ddp, "mlp:clean", 3)[0]["state"]["checks"]["nonfinite_gradient"]  # replay every 2nd step
+    assert clean["extra"]["carried_verdicts"] >= 2 and clean["failures"] == 0, clean
 
 
 def test_a_weight_flip_before_an_audited_step_is_reported_as_a_weight_fault(ddp: Path) -> None:
