@@ -202,11 +202,13 @@ class NonFiniteGradientCheck(_SDCCallback):
             overflows on this many consecutive steps; ordinary overflow stays the scaler's business.
         max_names: offending parameter names reported per rank.
 
-    Cost under DDP: one read of the gradients on the device per optimizer step (each local
-    gradient's sum, in a per-parameter hook before DDP's reducer copies it; the flag rides in
-    element 0 of the gradient) and no collective: NaN/Inf survive the all-reduce, so every rank
-    sees them in the same reduced gradients; ranks and parameters are gathered only then. When
-    the verdict is read:
+    Cost under DDP: a read of the local gradients at the end of backward (a few multi-tensor
+    kernels per dtype, before DDP's reducer writes the reduced values back) and no collective of
+    its own: NaN/Inf survive the all-reduce, so every rank sees them in the same reduced
+    gradients, read at the verdict; on steps a ``WeightFingerprintCheck`` compares the replicas
+    (one optimizer, automatic optimization) each rank's local flag rides that comparison's
+    all-reduce instead, and the reduced gradients are not read. Ranks and parameters are
+    gathered only on a non-finite step. When the verdict is read:
 
     * ``"raise"``, ``"warn"``: one step later, before the next backward (no host synchronisation
       in the step). The error names the step it belongs to; that step's update has happened, the
