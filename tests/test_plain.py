@@ -60,8 +60,12 @@ def check_models(out: Path, models: list[str], world: int, exact: set[str]) -> N
 def ddp(tmp_path_factory: pytest.TempPathFactory) -> Path:
     kinds = (*KINDS, "save", "flip_audited", "flip_audited_nofp", "flip_audited_heal", "matmul_clean", "matmul",
              "matmul_backward", "nan_carried", "nan_early_carried")
-    bucket_view = [f"mlp_bv:{k}" for k in KINDS]
-    return launch(tmp_path_factory.mktemp("plain_ddp"), [f"mlp:{k}" for k in kinds] + bucket_view, 3)
+    return launch(tmp_path_factory.mktemp("plain_ddp"), [f"mlp:{k}" for k in kinds], 3)
+
+
+@pytest.fixture(scope="module")
+def ddp_bucket_view(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return launch(tmp_path_factory.mktemp("plain_ddp_bv"), ["mlp:clean", "mlp:nan"] + [f"mlp_bv:{k}" for k in KINDS], 3)
 
 
 def test_plain_torchrun_ddp_loop_names_the_faulty_rank_with_every_check(ddp: Path) -> None:
@@ -72,13 +76,15 @@ def test_plain_torchrun_ddp_loop_names_the_faulty_rank_with_every_check(ddp: Pat
     assert same_error(ddp, "mlp:flip", 3)["step"] == 3  # flipped after update 2, digested after update 3
 
 
-def test_every_check_holds_with_gradients_in_ddp_buckets(ddp: Path) -> None:
+@pytest.mark.slow  # a multi-process launch: the default run stays under 10 minutes
+def test_every_check_holds_with_gradients_in_ddp_buckets(ddp_bucket_view: Path) -> None:
     """``gradient_as_bucket_view=True`` (the layout docs/performance.md recommends for audits close to
     the memory limit): clean runs bit-identical to runs without checks, and the same verdicts."""
-    check_models(ddp, ["mlp_bv"], 3, exact={"mlp_bv"})
-    weights = {name: [r["weights"] for r in results(ddp, name, 3)] for name in ("mlp_bv:clean", "mlp:clean")}
+    out = ddp_bucket_view
+    check_models(out, ["mlp_bv"], 3, exact={"mlp_bv"})
+    weights = {name: [r["weights"] for r in results(out, name, 3)] for name in ("mlp_bv:clean", "mlp:clean")}
     assert weights["mlp_bv:clean"] == weights["mlp:clean"]
-    assert same_error(ddp, "mlp_bv:nan", 3)["step"] == same_error(ddp, "mlp:nan", 3)["step"]
+    assert same_error(out, "mlp_bv:nan", 3)["step"] == same_error(out, "mlp:nan", 3)["step"]
 
 
 def test_a_verdict_carried_by_the_fingerprint_all_reduce_names_the_rank(ddp: Path) -> None:

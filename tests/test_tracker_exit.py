@@ -34,6 +34,7 @@ raise err
 """
 
 
+@pytest.mark.slow  # a multi-process launch: the default run stays under 10 minutes
 def test_ranks_wait_for_rank_0_exit_handlers_under_torchrun(tmp_path: Path) -> None:
     script = tmp_path / "slow_tracker.py"
     script.write_text(SLOW_TRACKER)

@@ -71,6 +71,7 @@ def test_sdc_run_torchrun_exits_86_even_when_the_incident_cannot_be_written(tmp_
     assert "NotADirectoryError" in proc.stderr and "Connection closed by peer" not in proc.stderr
 
 
+@pytest.mark.slow  # a multi-process launch: the default run stays under 10 minutes (ddp_spawn stays)
 def test_accelerate_sdc_launch_exits_86_and_applies_policies(tmp_path: Path) -> None:
     """`accelerate-sdc launch` alone gives 86. Before the verdict, a NaN step the gradient check
     skipped (skip_step) with the replay on every step: not audited, no ReplayMismatchError, and
