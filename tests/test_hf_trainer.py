@@ -18,14 +18,22 @@ from conftest import must_run, results, worker_env
 pytest.importorskip("transformers")
 
 SCRIPT = Path(__file__).with_name("hf_trainer_scenarios.py")
-SCENARIOS = ["bad_settings", "plain", "clean", "smoothing", "save", "resume", "weights", "epoch_flip", "nan",
-             "activation"]  # fmt: skip
+SCENARIOS = ["bad_settings", "plain", "clean", "weights", "nan", "activation"]
+MORE = ["smoothing", "save", "resume", "epoch_flip"]  # a second launch, under -m slow
 STEPS = 4
 
 
 @pytest.fixture(scope="module")
 def hf(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("hf")
+    return _launch(tmp_path_factory.mktemp("hf"), SCENARIOS)
+
+
+@pytest.fixture(scope="module")
+def hf_more(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _launch(tmp_path_factory.mktemp("hf_more"), MORE)
+
+
+def _launch(out: Path, scenarios: list[str]) -> Path:
     env = worker_env() | {
         "MLFLOW_TRACKING_URI": f"file:{out / 'mlruns'}",
         "MLFLOW_ALLOW_FILE_STORE": "true",
@@ -33,7 +41,7 @@ def hf(tmp_path_factory: pytest.TempPathFactory) -> Path:
         "HF_HUB_OFFLINE": "1",
     }
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=3", str(SCRIPT),
-           "--out", str(out), "--only", ",".join(SCENARIOS)]  # fmt: skip
+           "--out", str(out), "--only", ",".join(scenarios)]  # fmt: skip
     must_run(cmd, env, 600)
     return out
 
@@ -59,14 +67,17 @@ def test_clean_trainer_run_is_bit_identical_to_one_without_the_callback(hf: Path
         assert r["log_steps"] == [1, 2, 3, 4]  # every logging_steps, one point per step
 
 
-def test_label_smoothing_replays_the_labels_compute_loss_pops(hf: Path) -> None:
-    for r in results(hf, "smoothing", 3):
+@pytest.mark.slow  # a second launch: the default run stays under 10 minutes
+def test_label_smoothing_replays_the_labels_compute_loss_pops(hf_more: Path) -> None:
+    for r in results(hf_more, "smoothing", 3):
         assert r["error"] is None
         assert r["state"]["checks"]["ring_replay"]["runs"] == STEPS
         assert r["state"]["checks"]["ring_replay"]["max_diff"] == 0.0  # bit-exact on CPU
 
 
-def test_counters_travel_in_trainer_checkpoints(hf: Path) -> None:
+@pytest.mark.slow  # a second launch: the default run stays under 10 minutes
+def test_counters_travel_in_trainer_checkpoints(hf_more: Path) -> None:
+    hf = hf_more
     saved = json.loads((hf / "save" / "checkpoint-2" / "trainer_state.json").read_text())
     counters = saved["stateful_callbacks"]["SDCTrainerCallback"]["attributes"]["sdc_state"]
     assert counters["step"] == 2 and counters["checks"]["ring_replay"]["runs"] == 2
@@ -148,7 +159,8 @@ def test_trainer_bf16_clean_run_and_activation_fault(tmp_path: Path) -> None:
     assert (err["type"], err["rank"], err["step"]) == ("ReplayMismatchError", 0, 2)
 
 
-def test_a_save_decided_at_the_epoch_end_compares_the_replicas_first(hf: Path) -> None:
-    err = same_error(hf, "epoch_flip")
+@pytest.mark.slow  # a second launch: the default run stays under 10 minutes
+def test_a_save_decided_at_the_epoch_end_compares_the_replicas_first(hf_more: Path) -> None:
+    err = same_error(hf_more, "epoch_flip")
     assert err["type"] == "FingerprintMismatchError" and err["rank"] == 2
-    assert all(r["checkpoints"] == [] for r in results(hf, "epoch_flip", 3))  # nothing written from a bad replica
+    assert all(r["checkpoints"] == [] for r in results(hf_more, "epoch_flip", 3))  # nothing written from a bad replica

@@ -1,7 +1,8 @@
 """The checks under FSDP2 (4 CPU ranks) and HSDP 3 x 2 (6 CPU ranks) with Lightning ModelParallelStrategy.
 
-Real ``torchrun`` launches of ``tests/sharded_scenarios.py`` over gloo. The default run holds one
-launch per topology; the other scenarios are marked slow.
+Real ``torchrun`` launches of ``tests/sharded_scenarios.py`` over gloo, all under ``-m slow`` (the
+default run keeps the plain-PyTorch FSDP2 launch of ``tests/test_plain.py`` and the in-band
+verdict launch of ``tests/test_sharded_inband_unit.py``).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ def fsdp(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return launch(tmp_path_factory.mktemp("fsdp"), scenarios, 4)
 
 
+@pytest.mark.slow  # Lightning FSDP2 launch; the default run keeps the plain FSDP2 one (test_plain)
 def test_fsdp2_clean_run_of_all_three_checks_with_bf16_dropout_accumulation_is_bit_identical(fsdp: Path) -> None:
     clean, off = results(fsdp, "clean", 4), results(fsdp, "off", 4)
     assert all(r["error"] is None and r["global_step"] == 8 for r in clean)
@@ -55,6 +57,7 @@ def test_fsdp2_clean_run_of_all_three_checks_with_bf16_dropout_accumulation_is_b
     assert states["RingReplayAudit"]["runs"] == 4 and states["RingReplayAudit"]["max_diff"] == 0.0  # exact replays
 
 
+@pytest.mark.slow  # Lightning FSDP2 launch; the default run keeps the plain FSDP2 one (test_plain)
 def test_fsdp2_ring_replay_names_a_rank_computing_wrong(fsdp: Path) -> None:
     err = same_error(fsdp, "replay_fault", 4, "ReplayMismatchError")
     assert err["rank"] == 2 and err["step"] == 2
@@ -62,6 +65,7 @@ def test_fsdp2_ring_replay_names_a_rank_computing_wrong(fsdp: Path) -> None:
     assert err["details"]["classification"] == "persistent"
 
 
+@pytest.mark.slow  # Lightning FSDP2 launch; the default run keeps the plain FSDP2 one (test_plain)
 def test_fsdp2_nan_in_one_ranks_local_gradients_names_it(fsdp: Path) -> None:
     err = same_error(fsdp, "nan_one", 4, "NonFiniteGradientError")
     assert err["rank"] == 2 and err["step"] == 3 and err["details"]["pattern"] == "one_rank"
@@ -69,6 +73,7 @@ def test_fsdp2_nan_in_one_ranks_local_gradients_names_it(fsdp: Path) -> None:
     assert list((fsdp / "sdc" / "incidents").glob("*nonfinite_gradient-step3.json"))
 
 
+@pytest.mark.slow  # Lightning FSDP2 launch; the default run keeps the plain FSDP2 one (test_plain)
 def test_fsdp2_bit_flip_at_rest_in_one_shard_names_the_rank(fsdp: Path) -> None:
     err = same_error(fsdp, "at_rest", 4, "FingerprintMismatchError")
     assert err["rank"] == 3 and err["suspects"] == [3]
@@ -78,6 +83,7 @@ def test_fsdp2_bit_flip_at_rest_in_one_shard_names_the_rank(fsdp: Path) -> None:
     assert all(r["global_step"] == 4 for r in results(fsdp, "at_rest", 4))
 
 
+@pytest.mark.slow  # Lightning FSDP2 launch; the default run keeps the plain FSDP2 one (test_plain)
 def test_fsdp2_wrong_update_is_named_by_partner_and_referee_recomputation(fsdp: Path) -> None:
     err = same_error(fsdp, "update_fault", 4, "FingerprintMismatchError")
     assert err["rank"] == 1 and err["step"] == 4

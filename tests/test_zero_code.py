@@ -44,6 +44,7 @@ def zero(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+@pytest.mark.slow  # a multi-process launch: the default run stays under 10 minutes
 def test_sdc_checks_env_adds_the_three_checks_to_a_script_that_mentions_none(zero: Path) -> None:
     for r in results(zero, "auto", 3):
         added = ["NonFiniteGradientCheck", "RingReplayAudit", "WeightFingerprintCheck"]
@@ -52,6 +53,7 @@ def test_sdc_checks_env_adds_the_three_checks_to_a_script_that_mentions_none(zer
         assert r["runs"]["NonFiniteGradientCheck"] >= 4 and r["runs"]["RingReplayAudit"] == 1  # step 0 audited
 
 
+@pytest.mark.slow  # a multi-process launch: the default run stays under 10 minutes
 def test_user_checks_are_kept_and_sdc_metrics_are_monitorable(zero: Path) -> None:
     for r in results(zero, "mixed", 3):
         assert r["error"] is None
@@ -62,6 +64,7 @@ def test_user_checks_are_kept_and_sdc_metrics_are_monitorable(zero: Path) -> Non
         assert r["best_score"] == 6.0  # ModelCheckpoint(monitor="sdc/ring_replay/runs", mode="max")
 
 
+@pytest.mark.slow  # a multi-process launch: the default run stays under 10 minutes
 def test_unset_adds_nothing_and_a_bad_value_is_named(zero: Path) -> None:
     for r in results(zero, "off", 3):
         assert r["error"] is None and r["callbacks"] == []
