@@ -1,4 +1,5 @@
-"""Render docs/performance.md from the benchmark JSON: ``python -m benchmarks.report [JSON] [MD]``.
+"""Render docs/performance.md from the benchmark JSON: ``python -m benchmarks.report [JSON] [MD]``
+(sections of the page that the JSON does not make, written by hand, are kept: ``merge``).
 
 The numbers in the page are never typed by hand; the prose around them is below.
 """
@@ -147,6 +148,8 @@ def render(data: dict[str, Any]) -> str:
     if d:
         parts.append(f"\n## 3. Lightning DDP, {d['world_size']} CPU ranks ({d['params']:,} parameters)\n")
         parts.append(DDP_TEXT)
+        if data.get("ddp_machine_note"):  # the run of the JSON shared the machine with other jobs
+            parts.append(DDP_LOADED)
         parts.append(ddp_table(d))
         big = data.get("ddp_large_batch")
         if big:
@@ -234,14 +237,19 @@ Reading the table:
   but weaken what the digest guarantees
   against structured faults (the `sdc_core.fingerprint` docstring): we keep the guarantee.
 - With 1,000 small tensors every candidate pays a Python and kernel-launch cost per tensor. The
-  fingerprint groups tensors under 4,096 elements into one flattened copy (one C++ call), which
-  puts it at or near the plain sum for the 1M set. For 1,000 tensors of 10k-100k elements it
+  fingerprint (as measured here, before the host path below) grouped tensors under 4,096
+  elements into one flattened copy (one C++ call), which put it at or near the plain sum for
+  the 1M set. For 1,000 tensors of 10k-100k elements it
   reaches {fp_small} of the sum: the int64 reduction and the per-tensor Python work of the digest
   cost more than a float `sum` there, so the 0.8x target is missed in that layout on this CPU.
   The DDP gradient path (`nonfinite_ddp`) reads small tensors in one multi-tensor call per
   dtype, so its cost per small tensor is a loop step in C++, not a Python call.
 - The 1M single-tensor rows measure fixed per-call overhead (a few tenths of a millisecond), not
   bandwidth.
+- The `nonfinite_ddp` column above was measured at an earlier revision of the check (one sum per
+  parameter with the flag folded into element 0 of the gradient). The check now writes nothing
+  into the gradients and reads them twice (local, then reduced); what that read costs on this
+  CPU is measured in "The non-finite check's CPU read" below.
 """
 
 STEP_TEXT = """One process has no replicas, so the checks' work is timed through the core calls they make
@@ -280,13 +288,22 @@ work does not grow with the batch (one read of the gradients, one of the weights
 does, so their share falls with the work per step.
 """
 
+DDP_LOADED = """
+Measured 2026-12-01 on the same 2-core machine while other jobs ran on it (load average 1-6):
+steps take about 0.2 s instead of about 0.12 s on the quiet machine, and single rounds move by
+tens of percent, so the wall-time columns cannot resolve a few percent here; the "checks' own
+work" column, measured inside the same steps, is the steadier figure.
+"""
+
 DDP_AFTER = """What the cheap checks add on a clean step: the gradient check makes no collective (NaN and
 Inf survive DDP's own all-reduce, so every rank reads the verdict from its reduced gradients)
 and, with `on_failure="raise"` (the default), reads its device flag one step later, so the host
-never waits for the step's gradients; its work is two reads of the gradients on the device (the
-local ones at the end of backward, the reduced ones for the verdict). The
-fingerprint digests the weights and sends 16 bytes in one asynchronous all-reduce read a batch
-later. Three ranks share two cores here, so any of this competes with the other ranks' compute.
+never waits for the step's gradients; its work was two reads of the gradients on the device
+when this table was measured (the local ones at the end of backward, the reduced ones for the
+verdict); the verdict now rides the fingerprint's all-reduce on the steps it compares, one read
+(the step-by-step run below measures both). The fingerprint digests the weights and sends 16
+bytes (24 with the carried verdict) in one asynchronous all-reduce read a batch later. Three
+ranks share two cores here, so any of this competes with the other ranks' compute.
 An audited step does the normal step, one extra forward and backward of the partner's
 micro-batch, the gradient digests and the batch transfer: the target allows about 2x a normal
 step; the measured ratio is {audited:.2f}x.
@@ -349,17 +366,67 @@ CADENCE_TEXT = """
   apart, so a divergence is still caught, at most k - 1 steps later, and named at the step it
   is seen; a checkpoint is still verified when it is written. Where the step is short next to
   reading the weights once (small batches, CPUs), this is the lever.
+- `WeightFingerprintCheck(rolling=k)` (`fingerprint_rolling` for `SDCHooks` and Accelerate)
+  keeps the comparison every `every_n_steps` but digests a fixed 1/k of the tensors (balanced
+  by bytes) each time, so the per-step read is about 1/k, evenly spread, and every tensor is
+  compared within k comparisons (detection latency: docs/coverage.md); checkpoints and the end
+  of training still compare every tensor.
 - `RingReplayAudit(every_n_steps=n)` costs about one step per audit, so about 1/n of the run
   time: 100 gives about 1%, 1,000 about 0.1%. A fault that is persistent is caught within n steps;
   an intermittent one is caught with a probability that grows with the audited fraction.
 """
 
 
+def _sections(text: str) -> list[tuple[str | None, str]]:
+    """``text`` cut before every ``##`` and ``###`` heading: (heading line, or None for what comes
+    before the first; the heading and its text up to the next such heading). An opening HTML
+    comment on the line before a heading belongs to that heading's section."""
+    out: list[tuple[str | None, str]] = [(None, "")]
+    for line in text.splitlines(keepends=True):
+        if line.startswith(("## ", "### ")):
+            heading, body = out[-1]
+            lines = body.splitlines(keepends=True)
+            marker = ""  # an HTML comment right before a heading opens that section (matmul's marker)
+            if lines and lines[-1].startswith("<!--") and not lines[-1].startswith("<!-- /"):
+                marker = lines.pop()
+            out[-1] = (heading, "".join(lines))
+            out.append((line.rstrip("\n"), marker + line))
+        else:
+            out[-1] = (out[-1][0], out[-1][1] + line)
+    return out
+
+
+def merge(rendered: str, previous: str) -> str:
+    """``rendered`` with the sections of ``previous`` that the render does not make (written by
+    hand: the GPU results, the step-interleaved DDP run, the matrix-product and memory sections)
+    put back after the generated section they followed, in their order (at the end when that
+    section is gone). Text edited by hand inside a generated section is replaced."""
+    made = {heading for heading, _ in _sections(rendered)}
+    kept: dict[str | None, list[str]] = {}
+    anchor: str | None = None
+    for heading, text in _sections(previous):
+        if heading is None or heading in made:
+            anchor = heading
+        else:
+            kept.setdefault(anchor, []).append(text)
+    out = []
+    for heading, text in _sections(rendered):
+        out.append(text)
+        out += kept.pop(heading, [])
+    out += [text for texts in kept.values() for text in texts]
+    return "".join(out)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     src = Path(argv[0]) if argv else ROOT / "docs" / "performance.json"
     dst = Path(argv[1]) if len(argv) > 1 else ROOT / "docs" / "performance.md"
-    dst.write_text(render(json.loads(src.read_text())))
+    page = render(json.loads(src.read_text()))
+    if dst.exists():  # the sections written by hand stay
+        page = merge(page, dst.read_text())
+    tmp = dst.with_name(dst.name + ".tmp")
+    tmp.write_text(page)
+    tmp.replace(dst)
     print(f"wrote {dst}")
     return 0
 

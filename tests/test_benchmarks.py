@@ -97,3 +97,17 @@ def test_memory_benchmark_audited_step_adds_the_gradients_only_without_bucket_vi
         assert abs(row["excess_vs_weights"]["defaults"]) < 0.05
     assert rows[True]["excess_vs_weights"]["audited"] < 0.10
     assert 0.8 < rows[False]["excess_vs_weights"]["audited"] < 1.3
+
+
+def test_report_keeps_the_sections_written_by_hand() -> None:
+    """Re-rendering docs/performance.md from its JSON (what ``make bench`` ends with) leaves the page
+    as it is: the generated sections come out the same and the ones written by hand (GPU results,
+    the step-by-step DDP run, the matrix-product and memory sections) stay where they stood."""
+    from benchmarks.report import merge, render
+
+    page = (ROOT / "docs" / "performance.md").read_text()
+    rendered = render(json.loads((ROOT / "docs" / "performance.json").read_text()))
+    assert "## 8. Memory" not in rendered and "## 8. Memory" in page  # a section the render does not make
+    assert merge(rendered, page) == page
+    moved = merge(rendered.replace("## 2. A transformer step", "## 2. The transformer step"), page)
+    assert "## 8. Memory" in moved and "### Step by step: plain DDP" in moved
