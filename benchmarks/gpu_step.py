@@ -44,7 +44,7 @@ import torch.distributed as dist
 from torch import nn
 
 from sdc_core.fingerprint import FingerprintConfig, WeightFingerprint, combine, grouped_digests, tensor_digests
-from sdc_core.gradients import GradientTap, NonFiniteGradient
+from sdc_core.gradients import GradientTap, NonFiniteGradient, start_carrying
 
 SIZES = {  # name: (d_model, layers, heads, vocab)
     "60M": (576, 10, 9, 32000),
@@ -151,10 +151,7 @@ class Trainer:
             self.nonfinite.verdict(self.step_no, self.model.named_parameters(), carry=carry)
         self.opt.step()
         if self.fingerprint is not None:  # after the update, carrying the gradient verdict; read one step later
-            rider = self.nonfinite.rider() if carry and self.nonfinite is not None else None
-            carrier = self.fingerprint.start(self.step_no, self.model, [self.opt], rider=rider)
-            if rider is not None and carrier is not None and self.nonfinite is not None:
-                self.nonfinite.carried_by(carrier, 2)
+            start_carrying(self.fingerprint, self.nonfinite, self.step_no, self.model, [self.opt])
         self.step_no += 1
 
     def block(self, steps: int) -> float:

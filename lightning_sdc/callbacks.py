@@ -236,18 +236,18 @@ class NonFiniteGradientCheck(_SDCCallback):
             self._core.attach(c.gradient_tap(trainer, pl_module))
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        self._uncarried()
+        self._uncarried()  # before the next optimizer closure zeroes the gradients
 
     def _uncarried(self) -> None:
         """A verdict left for the fingerprint's all-reduce that none carried (no comparison
-        started): read from the reduced gradients, still those of its step (Lightning zeroes them
-        inside the next optimizer closure, after this hook)."""
+        started): read from the reduced gradients, still those of its step. Call only before the
+        next closure zeroes them (batch start, a checkpoint, the end of training); a verdict still
+        uncarried at its resolve raises instead of passing unread."""
         if isinstance(self._core, NonFiniteGradient):
             self._core.uncarried()
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
         if self._core.pending_step is not None:  # the previous step's verdict, read one step later
-            self._uncarried()
             self._settle(trainer, pl_module, self._core.resolve)
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
@@ -271,11 +271,12 @@ class NonFiniteGradientCheck(_SDCCallback):
             and len(fingerprints) == 1
             and carries(self._core, fingerprints[0], trainer.global_step, now=audited, scaler_active=scaler is not None)
         )
-        extra = {"carry": True} if carry else {}
 
         def verdict() -> None:
-            named = pl_module.named_parameters()
-            if self._core.verdict(trainer.global_step, named, scaler_active=scaler is not None, now=audited, **extra):
+            if self._core.verdict(
+                trainer.global_step, pl_module.named_parameters(), scaler_active=scaler is not None, now=audited,
+                carry=carry,
+            ):
                 self._dropped_step = trainer.global_step
 
         self._settle(trainer, pl_module, verdict, scaler_active=scaler is not None)
@@ -719,7 +720,6 @@ def before_update(trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
     for cb in callbacks:  # an earlier step's (this step's, decided by an earlier call, is read one step later)
         pending = cb._core.pending_step if isinstance(cb, NonFiniteGradientCheck) else None
         if pending is not None and pending < trainer.global_step:
-            cb._uncarried()
             cb._settle(trainer, pl_module, cb._core.resolve)
     acted = False
     for cb in callbacks:

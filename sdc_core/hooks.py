@@ -615,9 +615,7 @@ class SDCHooks:
             carry = carries(nonfinite, fp, self._updates, now=now, scaler_active=scaler)
             skipped = self._verdict(
                 nonfinite,
-                lambda: nonfinite.verdict(
-                    step, module.named_parameters(), scaler_active=scaler, now=now, **({"carry": True} if carry else {})
-                ),
+                lambda: nonfinite.verdict(step, module.named_parameters(), scaler_active=scaler, now=now, carry=carry),
                 nonfinite.config.on_failure,
             )
         if replay is not None and skipped:
