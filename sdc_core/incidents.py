@@ -25,7 +25,6 @@ import io
 import json
 import os
 import re
-import socket
 import sys
 import threading
 import time
@@ -37,7 +36,7 @@ from typing import Any
 from sdc_core import exit_order
 from sdc_core.errors import SDCError
 from sdc_core.safeio import UnreadableError, create_unique
-from sdc_core.topology import RankFacts, Topology
+from sdc_core.topology import RankFacts, Topology, node_name
 
 EXIT_CODE_ENV = "SDC_EXIT_CODE"
 DEFAULT_EXIT_CODE = 86
@@ -127,7 +126,7 @@ def mark_verdict(error: SDCError, also: str | Path | None = None) -> None:
     error._sdc_marked = True  # type: ignore[attr-defined]
     exit_order.capture()  # the process group may be gone by the time the verdict ends the process
     record = {
-        "host": socket.gethostname(),
+        "host": node_name(),
         "pid": os.getpid(),
         "rank": os.environ.get("RANK"),
         "restart": _restart_count(),
@@ -137,7 +136,7 @@ def mark_verdict(error: SDCError, also: str | Path | None = None) -> None:
     targets = [Path(also)] if also is not None else []
     folder = os.environ.get(VERDICT_DIR_ENV)
     if folder and Path(folder).is_dir():  # absent on the other nodes of a job started on one node
-        targets.append(Path(folder) / f"{socket.gethostname()}-{os.getpid()}-{time.time_ns()}.json")
+        targets.append(Path(folder) / f"{node_name()}-{os.getpid()}-{time.time_ns()}.json")
     for target in targets:
         try:
             tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")

@@ -143,6 +143,20 @@ def _env_int(*names: str) -> int | None:
     return None
 
 
+NODE_NAME_ENVS = ("SLURMD_NODENAME", "NODE_NAME")  # Slurm's node; Kubernetes' (downward API: spec.nodeName)
+
+
+def node_name() -> str:
+    """The name the scheduler knows this process's node by, the one to drain or cordon:
+    ``SLURMD_NODENAME`` under Slurm, else ``NODE_NAME`` (Kubernetes, from the downward API), else
+    the host name. Several Slurm nodes can share one host; only the scheduler's name tells them apart."""
+    for name in NODE_NAME_ENVS:
+        value = os.environ.get(name, "").strip()
+        if value:
+            return value
+    return socket.gethostname()
+
+
 @dataclass(frozen=True)
 class RankFacts:
     """What is known of one rank: its host, node rank, local rank and device (gathered once)."""
@@ -196,7 +210,7 @@ class Topology:
         rank = dist.get_rank() if is_distributed() else 0
         mine = RankFacts(
             rank=rank,
-            host=socket.gethostname(),
+            host=node_name(),
             node_rank=node_rank
             if node_rank is not None
             else (_env_int("GROUP_RANK", "NODE_RANK", "SLURM_NODEID") or 0),
