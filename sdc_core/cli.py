@@ -6,7 +6,8 @@ sdc corrupt-checkpoint CKPT (-o OUT | --in-place) [--target weights|optimizer|al
     [--count N | --fraction F] [--bit-class sign|exponent_top|exponent|mantissa | --bits 3,30]
     [--seed S] [--trust-pickle]
 sdc report DIR_OR_FILE... [--json] [--strict]
-sdc exclude-list DIR_OR_FILE... [--format slurm|lines] [--strict]
+sdc exclude-list DIR_OR_FILE... [--format slurm|lines|reason] [--strict]
+sdc node-name   the node this process runs on, as the checks record it (SLURMD_NODENAME, NODE_NAME or host)
 sdc campaign [--injections N] [--clean N] [--out DIR] [--workers W] [--seed S] [--study N] [--doc FILE]
 sdc run -- COMMAND [ARG ...]   run a launch command; exit 86 when the job ended on an SDC verdict,
     0 on success, the command's own code otherwise (see sdc_core.launch)
@@ -268,18 +269,28 @@ def _report(args: argparse.Namespace) -> int:
     return EXIT_UNREADABLE if skipped and args.strict else EXIT_OK
 
 
+def _node_name(args: argparse.Namespace) -> int:
+    from sdc_core.topology import node_name
+
+    print(node_name())
+    return EXIT_OK
+
+
 def _exclude_arguments(e: argparse.ArgumentParser) -> None:
     _incident_arguments(e)
-    e.add_argument("--format", choices=["slurm", "lines"], default="slurm",
-                   help="slurm: comma separated, for --exclude; lines: one hostname a line")  # fmt: skip
+    e.add_argument("--format", choices=["slurm", "lines", "reason"], default="slurm",
+                   help="slurm: comma separated, for --exclude; lines: one hostname a line; reason: one "
+                        "line naming the check, step and node of each, for a drain reason")  # fmt: skip
 
 
 def _exclude(args: argparse.Namespace) -> int:
-    from sdc_core.incidents import exclude_hosts
+    from sdc_core.incidents import exclude_hosts, exclude_reason
 
     incidents, skipped = _load(args)
     hosts = exclude_hosts(incidents)
-    if hosts:
+    if hosts and args.format == "reason":
+        print(exclude_reason(incidents))
+    elif hosts:
         print(",".join(hosts) if args.format == "slurm" else "\n".join(hosts))
     return EXIT_UNREADABLE if skipped and args.strict else EXIT_OK
 
@@ -290,6 +301,8 @@ register(Command("corrupt-checkpoint", "flip bits in a copy of a saved checkpoin
                  _corrupt_arguments, _corrupt))  # fmt: skip
 register(Command("report", "summarise SDC incidents across runs, per host and device", _report_arguments, _report))
 register(Command("exclude-list", "hosts to take out, in a form schedulers take", _exclude_arguments, _exclude))
+register(Command("node-name", "the node name the checks record for this process (SLURMD_NODENAME, NODE_NAME, host)",
+                 run=_node_name))  # fmt: skip
 register(Command("campaign", "fault-injection campaign over short Lightning DDP trainings (needs lightning)",
                  delegate="lightning_sdc.cli:campaign_main"))  # fmt: skip
 register(Command("run", "sdc run -- COMMAND: exit 86 (SDC_EXIT_CODE) when the job ended on an SDC verdict",

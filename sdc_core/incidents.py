@@ -361,6 +361,22 @@ def exclude_hosts(incidents: list[dict[str, Any]]) -> list[str]:
     return sorted(out)
 
 
+def exclude_reason(incidents: list[dict[str, Any]]) -> str:
+    """Why ``exclude_hosts`` lists its hosts, in one line a scheduler keeps as a node's reason
+    (``sdc exclude-list --format reason``): ``SDC weight_fingerprint at step 8 on n2``, one entry
+    per check, step and host of the incidents that named one, oldest first; empty when none did."""
+    seen: list[str] = []
+    for inc in sorted(incidents, key=lambda i: str(i.get("time_iso") or "")):
+        check = re.sub(r"[^A-Za-z0-9_.-]", "?", str(inc.get("check")))[:40]
+        step = inc.get("step")
+        where = f" at step {step}" if isinstance(step, int) and not isinstance(step, bool) else ""
+        for host in exclude_hosts([inc]):
+            entry = f"{check}{where} on {re.sub(r'[^A-Za-z0-9_.-]', '?', host)[:64]}"
+            if entry not in seen:
+                seen.append(entry)
+    return "SDC " + "; ".join(seen) if seen else ""
+
+
 def record_verdict(check: Any, run_dir: str | Path | None, is_main: bool, policy: str) -> Path | None:
     """Write the incident of ``check.last_error`` (once) on the main process; what adapters call
     after a verdict, whether it raised, skipped the step or warned.
