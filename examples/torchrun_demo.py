@@ -92,7 +92,8 @@ def main() -> int:
         hooks.before_save()  # compare the replicas before writing a checkpoint
         if not args.fsdp and rank == 0:
             Path("runs/torchrun_demo").mkdir(parents=True, exist_ok=True)
-            torch.save({"model": net.state_dict(), "sdc": hooks.state_dict()}, "runs/torchrun_demo/last.pt")
+            state = {"model": net.state_dict(), "optimizer": optimizer.state_dict(), "sdc": hooks.state_dict()}
+            torch.save(state, "runs/torchrun_demo/last.pt")  # sdc verify-checkpoint runs/torchrun_demo/last.pt
         hooks.finish()
     except SDCError as err:
         if rank == 0:

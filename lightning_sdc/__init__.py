@@ -12,22 +12,17 @@ Lightning Fabric: ``lightning_sdc.fabric.SDCHooks``. Without code changes: ``SDC
 (``lightning_sdc.auto``, through the ``lightning.pytorch.callbacks_factory`` entry point).
 """
 
-from lightning_sdc.callbacks import (
-    FaultInjector,
-    MatmulChecksumCheck,
-    NonFiniteGradientCheck,
-    RingReplayAudit,
-    WeightFingerprintCheck,
-)
-from sdc_core import Fault
-from sdc_core.errors import (
-    ChecksumMismatchError,
-    FingerprintMismatchError,
-    NonFiniteGradientError,
-    ReplayMismatchError,
-    ReplayUnavailableError,
-    SDCError,
-)
+from sdc_core._lazy import lazy_exports
+
+# Imported on first use, so ``sdc campaign --help`` does not import Lightning.
+_EXPORTS = {
+    "lightning_sdc.callbacks": ("FaultInjector", "MatmulChecksumCheck", "NonFiniteGradientCheck", "RingReplayAudit",
+                                "WeightFingerprintCheck"),
+    "sdc_core.faults": ("Fault",),
+    "sdc_core.errors": ("ChecksumMismatchError", "FingerprintMismatchError", "NonFiniteGradientError",
+                        "ReplayMismatchError", "ReplayUnavailableError", "SDCError"),
+}  # fmt: skip
+__getattr__, __dir__ = lazy_exports("lightning_sdc", globals(), _EXPORTS)
 
 __all__ = [
     "ChecksumMismatchError",

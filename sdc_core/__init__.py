@@ -13,22 +13,23 @@ seams over the same driver.
 """
 
 from sdc_core import shutdown  # first: its exit handler runs after those registered later
-from sdc_core.errors import (
-    FingerprintMismatchError,
-    NonFiniteGradientError,
-    ReplayMismatchError,
-    ReplayUnavailableError,
-    SDCError,
-)
-from sdc_core.faults import Fault, FaultInjector, flip_bit
-from sdc_core.fingerprint import FingerprintConfig, WeightFingerprint, tensor_digest, tensor_digests, vote
-from sdc_core.gradients import GradientTap, NonFiniteConfig, NonFiniteGradient
-from sdc_core.hooks import Framework, SDCHooks
-from sdc_core.payload import PayloadError
-from sdc_core.replay import ReplayConfig, RingReplay, StateCapture
-from sdc_core.settings import SDCConfigError, SDCSettings
-from sdc_core.stats import CheckStats
-from sdc_core.topology import Topology, ring_partners
+from sdc_core._lazy import lazy_exports
+
+# Imported on first use (PEP 562), so ``import sdc_core`` (and ``sdc --help``) does not import torch.
+_EXPORTS = {
+    "sdc_core.errors": ("FingerprintMismatchError", "NonFiniteGradientError", "ReplayMismatchError",
+                        "ReplayUnavailableError", "SDCError"),
+    "sdc_core.faults": ("Fault", "FaultInjector", "flip_bit"),
+    "sdc_core.fingerprint": ("FingerprintConfig", "WeightFingerprint", "tensor_digest", "tensor_digests", "vote"),
+    "sdc_core.gradients": ("GradientTap", "NonFiniteConfig", "NonFiniteGradient"),
+    "sdc_core.hooks": ("Framework", "SDCHooks"),
+    "sdc_core.payload": ("PayloadError",),
+    "sdc_core.replay": ("ReplayConfig", "RingReplay", "StateCapture"),
+    "sdc_core.settings": ("SDCConfigError", "SDCSettings"),
+    "sdc_core.stats": ("CheckStats",),
+    "sdc_core.topology": ("Topology", "ring_partners"),
+}  # fmt: skip
+__getattr__, __dir__ = lazy_exports("sdc_core", globals(), _EXPORTS)
 
 __version__ = "0.1.0"
 

@@ -44,6 +44,11 @@ from sdc_core.safeio import (
 )
 
 FINGERPRINT_KEY = "sdc_fingerprint"
+ACCELERATE_STATE = "sdc_state.json"  # the hook set's state in an Accelerate save_state folder
+TRAINER_STATE = "trainer_state.json"  # a Hugging Face Trainer checkpoint folder's state
+_STATE_FILES = ("model", "pytorch_model", "optimizer")  # the files of a folder that hold the saved state
+_FOLDERS = ("accelerate", "trainer")
+_MAX_JSON_BYTES = 64 << 20
 _DIGESTS = {1: tensor_digest_v1, 2: tensor_digest}  # fingerprint version -> per-tensor digest (newest written)
 FINGERPRINT_VERSION = max(_DIGESTS)
 BIT_CLASSES = ("sign", "exponent_top", "exponent", "mantissa")
@@ -136,7 +141,7 @@ def changed_tensors(obj: dict[str, Any]) -> list[str] | None:
 class Checkpoint:
     """A loaded checkpoint: its kind, its objects and where each came from."""
 
-    kind: str  # "lightning", "state_dict" or "accelerate"
+    kind: str  # "lightning", "state_dict", "accelerate" (a save_state folder) or "trainer" (a Trainer checkpoint)
     path: Path
     objects: dict[str, Any] = field(default_factory=dict)  # file name (or "") -> loaded object
     metadata: dict[str, dict[str, str] | None] = field(default_factory=dict)  # safetensors header metadata
@@ -159,15 +164,28 @@ class Checkpoint:
             files = sorted(path.iterdir())
         except OSError as err:
             raise UnreadableError(f"cannot read folder {path}: {err.strerror or err}") from None
+        if any(f.name == ".metadata" for f in files) and any(f.suffix == ".distcp" for f in files):
+            raise UnreadableError(
+                f"{path} is a torch.distributed.checkpoint (DCP) folder: sdc reads Lightning .ckpt files, torch.save "
+                "files and Accelerate / Trainer folders, not DCP shards (the hook set compares the replicas before "
+                "dcp.save; sharded state carries no fingerprint)"
+            )
         for f in files:
             if f.suffix == ".safetensors":
                 objects[f.name], metadata[f.name] = _safetensors_load(f)
             elif f.suffix in (".bin", ".pt", ".pth"):
-                objects[f.name] = load_torch(f, trust_pickle)
+                if f.name.startswith(_STATE_FILES):
+                    objects[f.name] = load_torch(f, trust_pickle)
+                    continue
+                try:  # an auxiliary file (scheduler, RNG states, Trainer arguments) may need unpickling
+                    objects[f.name] = load_torch(f, trust_pickle)
+                except UnreadableError:
+                    continue  # left out (never unpickled); a written copy keeps it byte for byte
         if not objects:
-            raise UnreadableError(f"{path} holds no model or optimizer files of an Accelerate save_state folder "
-                                  "(*.safetensors, *.bin, *.pt, *.pth)")  # fmt: skip
-        return cls("accelerate", path, objects, metadata)
+            raise UnreadableError(f"{path} holds no model or optimizer files of an Accelerate save_state or Trainer "
+                                  "checkpoint folder (*.safetensors, *.bin, *.pt, *.pth)")  # fmt: skip
+        kind = "trainer" if (path / TRAINER_STATE).is_file() else "accelerate"
+        return cls(kind, path, objects, metadata)
 
     def tensors(self) -> Iterator[tuple[str, str, torch.Tensor]]:
         """``(name, group, tensor)`` for every floating tensor; group is "weights" or "optimizer"."""
@@ -181,7 +199,7 @@ class Checkpoint:
         """Write to ``out`` atomically. A file is written beside ``out`` and renamed onto it; a
         folder is built beside ``out`` and renamed into place (``out`` must not exist or be empty),
         or, when ``out`` is the folder read, each of its files is replaced in turn."""
-        if self.kind != "accelerate":
+        if self.kind not in _FOLDERS:
             atomic_write(out, lambda f: torch.save(self.objects[""], f))
             return
         if out.exists() and out.resolve() == self.path.resolve():
@@ -257,9 +275,10 @@ def _walk(obj: Any, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
 _GROUPS: dict[str, tuple[tuple[tuple[str, ...], str], ...]] = {
     "lightning": ((("state_dict/",), "weights"), (("optimizer_states/",), "optimizer")),
     "accelerate": ((("optimizer",), "optimizer"), (("model", "pytorch_model"), "weights")),
+    "trainer": ((("optimizer",), "optimizer"), (("model", "pytorch_model"), "weights")),
     "state_dict": ((("optimizer", "optim"), "optimizer"),),
 }
-_OTHER = {"lightning": "other", "accelerate": "other", "state_dict": "weights"}
+_OTHER = {"lightning": "other", "accelerate": "other", "trainer": "other", "state_dict": "weights"}
 
 
 def _group(kind: str, key: str) -> str:
@@ -399,25 +418,157 @@ def _inside(a: Path, folder: Path) -> bool:
 def verify(path: str | Path, trust_pickle: bool = False) -> dict[str, Any]:
     """Recompute a checkpoint's fingerprint and compare it with the one stored when it was written.
 
-    Returns ``{"status": "clean" | "corrupted" | "no_fingerprint", "changed": [...], "path": ...}``
-    with ``"reason"`` when the status is not clean; ``UnreadableError`` for a file it cannot read.
-    A damaged stored fingerprint counts as corrupted (the file changed); one of another version
-    as no fingerprint it can use."""
+    The fingerprint is found wherever this project's routes put it: at the top level of a
+    Lightning ``.ckpt``, inside the hook set's state in a ``torch.save`` file (the plain recipe's
+    ``"sdc": hooks.state_dict()``), in an Accelerate ``save_state`` folder's ``sdc_state.json``
+    or a Trainer checkpoint's ``trainer_state.json``. The hook set's fingerprint names the tensors
+    ``model/...`` and ``optimizer/...``; each is matched to the entry (or file) of the checkpoint
+    that holds exactly those tensor names (``module.`` and ``_orig_mod.`` prefixes of a wrapped
+    model's state dict allowed).
+
+    Returns ``{"status": "clean" | "corrupted" | "no_fingerprint", "changed": [...], "path": ...,
+    "where": ...}`` with ``"reason"`` when the status is not clean; ``UnreadableError`` for a file
+    it cannot read. A damaged stored fingerprint counts as corrupted (the file changed); one of
+    another version, or one covering state the file does not hold, as no fingerprint it can use."""
     ckpt = Checkpoint.load(path, trust_pickle)
-    obj = ckpt.objects.get("")
     out: dict[str, Any] = {"status": "no_fingerprint", "changed": [], "path": str(path)}
+    found = _find_fingerprint(ckpt)
+    if isinstance(found, str):
+        return out | {"reason": f"no SDC fingerprint stored ({found})"}
+    holder, where, candidates = found
+    out["where"] = where
     try:
-        changed = changed_tensors(obj) if isinstance(obj, dict) else None
+        stored = stored_fingerprint(holder)
     except FingerprintUnusable as err:
         return out | {"status": "corrupted" if err.damaged else "no_fingerprint", "reason": str(err)}
-    if changed is None:
-        where = "an Accelerate folder" if ckpt.kind == "accelerate" else "it was written without WeightFingerprintCheck"
-        return out | {"reason": f"no SDC fingerprint stored ({where})"}
-    total = len(obj[FINGERPRINT_KEY]["tensors"])
-    out |= {"status": "corrupted" if changed else "clean", "changed": changed, "tensors": total}
+    assert stored is not None
+    version, was = stored
+    if candidates is None:  # at the top level: what fingerprint_checkpoint covers
+        now = fingerprint_checkpoint(holder, version)["tensors"]
+    else:
+        tensors, missing = _matched(list(was), candidates)
+        if missing:
+            what = " and ".join(repr(m) for m in missing)
+            return out | {"reason": f"its SDC fingerprint ({where}) covers {what}, which the file does not hold "
+                                    "(save the model and the optimizer state beside the SDC state, as the recipe does)"}
+        now = {name: int(_DIGESTS[version](t)) for name, t in tensors.items()}
+    changed = sorted(k for k in set(was) | set(now) if was.get(k) != now.get(k))
+    out |= {"status": "corrupted" if changed else "clean", "changed": changed, "tensors": len(was)}
     if changed:
         out["reason"] = f"{len(changed)} tensors changed since it was written"
     return out
+
+
+def _find_fingerprint(ckpt: Checkpoint) -> tuple[dict[str, Any], str, dict[str, Any] | None] | str:
+    """``(holder, where, candidates)``: the dict holding ``sdc_fingerprint``, a phrase saying where
+    it sits, and the entries its tensor names are matched against (None: the holder is the whole
+    checkpoint, names as ``fingerprint_checkpoint`` makes them). A string says why there is none."""
+    if ckpt.kind in _FOLDERS:
+        sdc_state = _read_json(ckpt.path / ACCELERATE_STATE)
+        if isinstance(sdc_state, dict) and FINGERPRINT_KEY in sdc_state:
+            return sdc_state, f"in {ACCELERATE_STATE}", ckpt.objects
+        trainer = _read_json(ckpt.path / TRAINER_STATE) if ckpt.kind == "trainer" else None
+        for name, state in _callback_states(trainer):
+            if isinstance(state, dict) and FINGERPRINT_KEY in state:
+                return state, f"in {TRAINER_STATE}, callback {name}", ckpt.objects
+        if ckpt.kind == "trainer":
+            return ("a Hugging Face Trainer checkpoint: SDCTrainerCallback compares the replicas before the Trainer "
+                    "saves, and stores its counters, not a fingerprint")  # fmt: skip
+        if sdc_state is not None:
+            return f"its {ACCELERATE_STATE} holds the SDC counters only: the saved model was not the hook set's"
+        return f"an Accelerate save_state folder without {ACCELERATE_STATE}: written without the SDC hook set"
+    obj = ckpt.objects.get("")
+    if not isinstance(obj, dict):
+        return "not a dictionary of state: nothing sdc-checks writes"
+    if FINGERPRINT_KEY in obj:
+        return obj, "at the top level", None
+    for key, value in obj.items():
+        for path, holder in _dicts(value, (str(key),)):
+            if FINGERPRINT_KEY in holder:
+                where = "under " + "/".join(repr(p) for p in path)
+                return holder, where, {k: v for k, v in obj.items() if k != key}
+    counters = next((str(k) for k, v in obj.items() if _is_hook_state(v)), None)
+    if counters is not None:
+        return (f"the SDC state under {counters!r} holds counters only: call hooks.before_save() before "
+                "hooks.state_dict() (the Fabric route stores no fingerprint)")  # fmt: skip
+    if ckpt.kind == "lightning":
+        return "it was written without WeightFingerprintCheck"
+    return ("a state dict written without the SDC hook set: save {'model': ..., 'optimizer': ..., "
+            "'sdc': hooks.state_dict()} after hooks.before_save()")  # fmt: skip
+
+
+def _dicts(obj: Any, path: tuple[str, ...], depth: int = 3) -> Iterator[tuple[tuple[str, ...], dict[str, Any]]]:
+    """Every dict in nested dicts down to ``depth`` levels, with the keys leading to it."""
+    if not isinstance(obj, dict) or depth == 0:
+        return
+    yield path, obj
+    for key, value in obj.items():
+        if key != FINGERPRINT_KEY:
+            yield from _dicts(value, (*path, str(key)), depth - 1)
+
+
+def _is_hook_state(value: Any) -> bool:
+    return isinstance(value, dict) and {"step", "updates", "checks"} <= set(value)
+
+
+def _callback_states(trainer_state: Any) -> Iterator[tuple[str, Any]]:
+    """The hook-set states the Trainer callbacks stored in ``trainer_state.json``."""
+    callbacks = trainer_state.get("stateful_callbacks") if isinstance(trainer_state, dict) else None
+    for name, entry in (callbacks or {}).items() if isinstance(callbacks, dict) else ():
+        for item in entry if isinstance(entry, list) else [entry]:
+            attributes = item.get("attributes") if isinstance(item, dict) else None
+            if isinstance(attributes, dict):
+                yield str(name), attributes.get("sdc_state")
+
+
+def _read_json(path: Path) -> Any:
+    """A small JSON file (None when absent); ``UnreadableError`` when it is not JSON."""
+    if not path.is_file():
+        return None
+    try:
+        if path.stat().st_size > _MAX_JSON_BYTES:
+            raise UnreadableError(f"{path} is larger than {_MAX_JSON_BYTES >> 20} MiB: not a state file")
+        return json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise UnreadableError(f"{path} is not a readable JSON state file: {err}") from None
+
+
+_WRAPPERS = ("module.", "_orig_mod.")  # prefixes of a DDP-wrapped or compiled model's state dict
+
+
+def _matched(names: list[str], candidates: dict[str, Any]) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """The tensors the fingerprint ``names`` (``<group>/<name>``) refer to, found in ``candidates``
+    (a checkpoint's top-level entries, or a folder's files): each group is the candidate holding
+    exactly the group's tensor names, preferring one named like the group (``model``,
+    ``model.safetensors``); else the candidate named like it (its differences then show as changed
+    tensors). Returns the tensors and the groups found nowhere."""
+    groups: dict[str, set[str]] = {}
+    for name in names:
+        group, _, rest = name.partition("/")
+        groups.setdefault(group, set()).add(rest)
+    walked = {key: dict(_walk(value, "")) for key, value in candidates.items()}
+    found: dict[str, torch.Tensor] = {}
+    missing = []
+    for group, rels in groups.items():
+        named_like = [k for k in walked if k == group or k.split(".")[0] == group]
+        choice = None
+        for key in [*named_like, *(k for k in walked if k not in named_like)]:
+            for prefix in ("", *_WRAPPERS):
+                if prefix and not all(n.startswith(prefix) for n in walked[key]):
+                    continue
+                renamed = {n[len(prefix):]: t for n, t in walked[key].items()}
+                if set(renamed) == rels:
+                    choice = renamed
+                    break
+            if choice is not None:
+                break
+        if choice is None and named_like:
+            choice = walked[named_like[0]]
+        if choice is None:
+            missing.append(group)
+            continue
+        found.update({f"{group}/{n}": t for n, t in choice.items()})
+    return found, missing
 
 
 def check_loaded_checkpoint(obj: dict[str, Any], step: int) -> None:

@@ -162,9 +162,10 @@ TRUST_HELP = ("unpickle in full: lets the file run code while it is read. Only f
               "yourself; files of this project load without it")  # fmt: skip
 
 
-def _corrupt_arguments(c: argparse.ArgumentParser) -> None:
-    from sdc_core.checkpoint import BIT_CLASSES
+BIT_CLASSES = ("sign", "exponent_top", "exponent", "mantissa")  # sdc_core.checkpoint's (tested equal; no torch here)
 
+
+def _corrupt_arguments(c: argparse.ArgumentParser) -> None:
     c.add_argument("ckpt", type=Path, help="Lightning .ckpt, torch.save state dict, or Accelerate save_state folder")
     where = c.add_mutually_exclusive_group(required=True)
     where.add_argument("-o", "--output", type=Path, help="where to write the altered copy (never the input)")
@@ -201,7 +202,8 @@ def _corrupt(args: argparse.Namespace) -> int:
 
 
 def _verify_arguments(v: argparse.ArgumentParser) -> None:
-    v.add_argument("ckpt", type=Path, help="Lightning .ckpt or torch.save file")
+    v.add_argument("ckpt", type=Path, help="Lightning .ckpt, torch.save file (the fingerprint at the top level or "
+                   "under the hook set's state, e.g. 'sdc'), Accelerate save_state or Trainer checkpoint folder")
     v.add_argument("--json", action="store_true", help="print the result as JSON")
     v.add_argument("--trust-pickle", action="store_true", help=TRUST_HELP)
 
@@ -218,13 +220,16 @@ def _verify(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result, indent=1))
     elif result["status"] == "clean":
-        print(f"{args.ckpt}: clean ({result['tensors']} tensors match the fingerprint stored when it was written)")
+        where = f" {result['where']}" if result.get("where") not in (None, "at the top level") else ""
+        print(f"{args.ckpt}: clean ({result['tensors']} tensors match the fingerprint stored{where} when it was "
+              "written)")  # fmt: skip
     elif result["status"] == "corrupted":
         print(f"{args.ckpt}: CORRUPTED: {result['reason']}" + (":" if result["changed"] else ""))
         for name in result["changed"][:50]:
             print(f"  {name}")
     else:
-        print(f"{args.ckpt}: {result['reason']}; nothing to compare with")
+        tail = "; nothing to compare with" if result["reason"].startswith("no SDC fingerprint") else ""
+        print(f"{args.ckpt}: {result['reason']}{tail}")
     return {"clean": EXIT_OK, "corrupted": EXIT_CHANGED}.get(result["status"], EXIT_NO_FINGERPRINT)
 
 

@@ -29,8 +29,6 @@ import tempfile
 from collections.abc import Sequence
 from typing import Any
 
-from sdc_core.incidents import VERDICT_DIR_ENV, exit_code, read_verdicts
-
 USAGE = "usage: sdc run [--] COMMAND [ARG ...]   (e.g. sdc run -- torchrun --nproc-per-node 8 train.py)"
 _FORWARDED = ("SIGTERM", "SIGHUP", "SIGUSR1", "SIGUSR2", "SIGINT", "SIGQUIT")
 _FROM_TERMINAL = ("SIGINT", "SIGQUIT")
@@ -38,6 +36,8 @@ _FROM_TERMINAL = ("SIGINT", "SIGQUIT")
 
 def job_exit_code(returncode: int, verdicts: Sequence[dict[str, Any]], sdc_code: int | None = None) -> int:
     """The exit code for the job: see the module docstring."""
+    from sdc_core.incidents import exit_code
+
     code = exit_code() if sdc_code is None else sdc_code
     if returncode == 0:
         return 0
@@ -63,6 +63,8 @@ def run_command(cmd: Sequence[str], env: dict[str, str] | None = None) -> int:
     What ``sdc run`` and ``accelerate-sdc launch`` do. Raises ``FileNotFoundError`` /
     ``PermissionError`` when the command cannot be started.
     """
+    from sdc_core.incidents import VERDICT_DIR_ENV, exit_code, read_verdicts  # here: `sdc run --help` stays quick
+
     env = dict(os.environ if env is None else env)
     sdc_code = exit_code(env)  # the command's setting; a bad one is named before anything starts
     folder = tempfile.mkdtemp(prefix="sdc-verdict-")
