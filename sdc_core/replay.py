@@ -103,9 +103,12 @@ from sdc_core.replay_compare import (
 )
 from sdc_core.replay_exchange import (
     LIGHTNING_ADVICE,
+    SEVERAL,
     _cause,
     _describe,
+    attribute,
     every_pair_message,
+    evidence,
     explain,
     failed_message,
     for_transfer,
@@ -115,6 +118,7 @@ from sdc_core.replay_exchange import (
     referee_jobs,
     referee_sends,
     replay_partners,
+    ruling_note,
     settle,
     unreproducible_message,
 )
@@ -275,6 +279,7 @@ class RingReplay:
     _tolerance: float | None = None
     _rounds: int = 0  # same-device calibration rounds in the current mode
     _agreed: bool = False  # some audit of this process found the replay pairs agreeing
+    _exact_audits: int = 0  # audits in the current mode whose every pair agreed bit for bit
     _strict: bool | None = None  # None: not probed yet; True: the step runs under warn_only=False
     _probed: bool | None = None  # the probe's result, applied when its audit ends
     _window: DeterministicWindow = field(default_factory=DeterministicWindow)
@@ -419,6 +424,15 @@ class RingReplay:
         self._tolerance = calibrate(self._tolerance, self_diffs, float(self.config.rtol))
         self.stats.extra = {**(self.stats.extra or {}), "tolerance": self._tolerance}
 
+    def _settle_noise(self, noise: float) -> None:
+        """``exact="auto"``: a disagreement this noise explained raises the tolerance to cover such
+        noise from now on (``AUTO_MARGIN`` times it, at most ``rtol``): the run leaves bit equality
+        for a calibrated tolerance instead of re-running every noisy audit."""
+        if self.config.exact != "auto" or self.config.exact is True:
+            return
+        self._tolerance = max(self.tolerance, min(float(self.config.rtol), AUTO_MARGIN * noise))
+        self.stats.extra = {**(self.stats.extra or {}), "tolerance": self._tolerance}
+
     def _referee_jobs(
         self, disputed: Sequence[tuple[int, int]], mismatching: Sequence[tuple[int, int]], topo: Topology
     ) -> tuple[dict[tuple[int, int], int | None], list[tuple[int, int, int]]]:
@@ -461,7 +475,7 @@ class RingReplay:
             if self._probed is not None:  # the mode of the next audited step: every rank alike
                 self._strict, self._probed = self._probed, None
                 if self._strict:  # deterministic attention backward and the like from now on: calibrate anew
-                    self._rounds, self._tolerance = 0, None
+                    self._rounds, self._tolerance, self._exact_audits = 0, None, 0
                 self.stats.extra = {**(self.stats.extra or {}), "strict_determinism": float(self.strict)}
 
     def _audit(
@@ -482,9 +496,10 @@ class RingReplay:
         micro, self._micro, self._armed_step = self._micro, [], None
         own_states = [mb.state for mb in micro]
         atol, rtol = float(self.config.atol), float(self.config.rtol)
-        confirm = not self.strict  # kernels may be nondeterministic: a disagreement is re-run on both sides
-        lenient = confirm and self.config.exact == "auto" and self.config.exact is not True  # noise is tolerated
-        needed = CALIBRATION_ROUNDS if lenient else 1
+        # exact="auto" tolerates measured noise up to rtol in every mode: a kernel may be nondeterministic
+        # on some calls even under torch's deterministic switch (one exact audit proves nothing)
+        lenient = self.config.exact == "auto" and self.config.exact is not True
+        needed = CALIBRATION_ROUNDS if lenient and not self.strict else 1
         first, calibrating = self._rounds == 0, self._rounds < needed
         probe = self.config.deterministic and self._strict is None
 
@@ -562,13 +577,14 @@ class RingReplay:
             return pairs, unrepro
 
         mismatching, unreproducible = judge()
-        if mismatching and (confirm or not calibrating):  # re-runs decide whether the replay can be trusted
+        if mismatching:  # confirm before accusing: both sides of every pair re-run what they computed
+            self.stats.bump("confirmations")
             if not calibrating:
                 mine_self, self_failure = self_round()
             rerun, rerun_failure = (True, 0.0, ""), ""
-            if confirm:  # the replayer re-runs its replay: noise on its side shows as a difference with itself
-                again, rerun_failure = _attempt(lambda: replay(batches) if self.lockstep else replay_payload(received))
-                rerun = compare_raw(mine, again, self.names, atol) if again is not None else rerun
+            # the replayer re-runs its replay: noise on its side shows as a difference with itself
+            again, rerun_failure = _attempt(lambda: replay(batches) if self.lockstep else replay_payload(received))
+            rerun = compare_raw(mine, again, self.names, atol) if again is not None else rerun
             srow = [float(mine_self[0]), mine_self[1], float(bool(self_failure or rerun_failure)), float(rerun[0]),
                     rerun[1]]  # fmt: skip
             stable = all_gather_tensor(torch.tensor(srow, dtype=torch.float64)).tolist()
@@ -578,11 +594,15 @@ class RingReplay:
                 return self._failed(step, all_gather_objects(what), inverse, t0)
             for q, (s_exact, s_diff, *_rest) in enumerate(stable):
                 table[q][3:6] = [1.0, s_exact, s_diff]
-            if confirm:
-                noise = [max(_noise(r[0], r[1]), _noise(r[3], r[4])) for r in stable]
-                self.stats.extra = {**(self.stats.extra or {}), "max_noise": max(noise)}
-            self._calibrate(noise if noise is not None else _self_diffs(table))
+            noise = [max(_noise(r[0], r[1]), _noise(r[3], r[4])) for r in stable]
+            self.stats.extra = {**(self.stats.extra or {}), "max_noise": max(noise)}
+            self._calibrate(noise)
+            before = set(mismatching)
             mismatching, unreproducible = judge()
+            explained = sorted(before - set(mismatching))
+            if explained:  # the pair's own re-runs differ as much: noise, and the tolerance moves to cover it
+                self.stats.bump("disagreements_explained_by_noise")
+                self._settle_noise(max(noise[r] for pair in explained for r in pair))
             if noise is not None and self.config.exact is True:  # bit equality demanded: a noisy pair is no proof
                 shaky = sorted({r for pair in mismatching for r in pair if noise[r] > 0})
         worst = max((r[1] for r in table if not math.isnan(r[1])), default=0.0)
@@ -606,6 +626,9 @@ class RingReplay:
             return self._unreplayable(step, every_pair_message(step, topo, first, self.advice))
         if not mismatching:
             self._agreed = True
+            if all(r[0] for r in table):  # evidence for bit-reproducibility, never taken as proof
+                self._exact_audits += 1
+                self.stats.extra = {**(self.stats.extra or {}), "exact_audits": float(self._exact_audits)}
             if unreproducible:  # verified by the partner; the one rank's re-run differed: note it
                 self.stats.bump("self_replay_mismatches")
             self.stats.last_verified_step = step
@@ -629,14 +652,21 @@ class RingReplay:
         rings = len(self.groups) if self.groups else world
         group_of = group_index(self.groups, world)
 
-        def differs(a: Digest, b: Digest, *ranks: int) -> bool:
+        lenient = self.config.exact == "auto" and self.config.exact is not True
+
+        def differs(a: Digest, b: Digest, *ranks: int, scale: float = 0.0) -> bool:
+            """Whether ``a`` and ``b`` disagree; ``scale``: the size of the disagreement being judged,
+            a 1/``AUTO_MARGIN`` of which (at most ``rtol``) is noise for ``exact="auto"``, so that a
+            referee's noisy replay still sides with the result it is near to."""
             exact, diff, _ = compare_raw(a, b, self.names, atol)
-            return disagree(exact, diff, tol_for(*ranks))
+            floor = min(float(self.config.rtol), scale / AUTO_MARGIN) if lenient and math.isfinite(scale) else 0.0
+            return disagree(exact, diff, max(tol_for(*ranks), floor))
 
         where = compare_raw(received["digest"], mine, self.names, atol)[2] if mine is not None else ""
         wheres = all_gather_objects(where)
-        culprits, disputed = explain(rings, partners, mismatching)
-        if every_pair is not None:  # every rank is a "culprit": only referees can tell a fault from the step
+        if self.groups:  # tensor parallel: pairs no culprit explains get a referee group
+            culprits, disputed = explain(rings, partners, mismatching)
+        if not self.groups or every_pair is not None:  # every disagreeing pair gets a referee
             culprits, disputed = set(), sorted(mismatching)
         referees, assignments = self._referee_jobs(disputed, mismatching, topo)
         sends, recv_from = referee_sends(assignments, me, micro, own, mine)
@@ -665,8 +695,9 @@ class RingReplay:
                 my_failure = f"refereeing {o}->{q}: {err}"
                 continue
             if (o, q) in referees:  # a tensor-parallel peer's job that agreed: its replay served the group
-                with_owner = not differs(got[o]["digest"], ref, o, me)
-                my_rulings[(o, q)] = (with_owner, not differs(got[q]["replay"], ref, q, me))
+                gap = compare_raw(got[o]["digest"], got[q]["replay"], self.names, atol)[1]
+                with_owner = not differs(got[o]["digest"], ref, o, me, scale=gap)
+                my_rulings[(o, q)] = (with_owner, not differs(got[q]["replay"], ref, q, me, scale=gap))
         rulings: dict[tuple[int, int], tuple[bool, bool]] = {}
         gathered = all_gather_objects((my_rulings, my_failure))
         if any(f for _, f in gathered):
@@ -676,8 +707,13 @@ class RingReplay:
         if every_pair is not None and not any(a or b for a, b in rulings.values()):
             self.stats.add_time(time.perf_counter() - t0)
             return self._unreplayable(step, every_pair_message(step, topo, every_pair, self.advice))
-        evidence = {} if self.groups else {"mismatching": mismatching, "referees": referees}
-        rank, suspects, notes = settle(rings, culprits, disputed, rulings, **evidence)
+        if self.groups:
+            rank, suspects, notes = settle(rings, culprits, disputed, rulings)
+        else:  # the fewest faulty ranks that explain every comparison (``attribute``)
+            rank, suspects, explanations = attribute(world, *evidence(inverse, mismatching, referees, rulings))
+            notes = {f"{o}->{q}": ruling_note(rulings.get((o, q))) for o, q in disputed}
+            if rank is None and world > 2:
+                notes |= {"attribution": SEVERAL, "explanations": explanations}
         classification = None
         if rank is not None:  # the suspect re-runs what disagreed: does it reproduce its result?
             mine_again = None
@@ -688,7 +724,8 @@ class RingReplay:
                 if again is None:
                     mine_again = f"unknown ({err.split(':')[0]})"
                 else:
-                    persistent = before is not None and not differs(before, again, me)
+                    gap = max((table[q][1] for q in range(world) if rank in (inverse[q], q)), default=0.0)
+                    persistent = before is not None and not differs(before, again, me, scale=gap)
                     mine_again = "persistent" if persistent else "transient"
             elif self.lockstep and group_of[me] == group_of[rank]:  # its tensor-parallel peers re-run the same
                 _attempt(lambda: replay(micro) if as_owner else replay_payload(received))
@@ -709,6 +746,7 @@ class RingReplay:
             "referees": {f"{o}->{q}": t for (o, q), t in referees.items()},
             "rulings": notes,
             "exact": self.config.exact,
+            "exact_audits": self._exact_audits,
             "tolerance": tol,
             "rtol": self.config.rtol,
             "deterministic": self.mode,
