@@ -25,6 +25,11 @@ Per size it reports:
 * ``fingerprint_gbps``: the fingerprint over the parameters against one ``sum`` per tensor and
   one ``sum`` over a single flat buffer of the same bytes (the memory-read limit), GB/s;
 * ``digest_matches_cpu``: per-tensor digests on the device equal those of the CPU copies.
+
+``--matmul`` adds a third configuration to the interleaved blocks: the default checks plus the
+matrix-product check (``MatmulChecksum`` at its defaults, armed before each forward, its verdict
+sent after backward), reported as ``step_ms["matmul"]`` and ``step_ms["matmul_overhead"]``.
+The JSON is rewritten after each model size, so a run cut short keeps the sizes it finished.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ from torch import nn
 
 from sdc_core.fingerprint import FingerprintConfig, WeightFingerprint, combine, grouped_digests, tensor_digests
 from sdc_core.gradients import GradientTap, NonFiniteGradient, start_carrying
+from sdc_core.matmul import MatmulChecksum
 
 SIZES = {  # name: (d_model, layers, heads, vocab)
     "60M": (576, 10, 9, 32000),
@@ -118,34 +124,47 @@ class Trainer:
         self.tap: GradientTap | None = None
         self.nonfinite: NonFiniteGradient | None = None
         self.fingerprint: WeightFingerprint | None = None
+        self.matmul: MatmulChecksum | None = None
         self._checks = (NonFiniteGradient(), WeightFingerprint(FingerprintConfig()))  # kept across blocks
+        self._matmul = MatmulChecksum()
 
     @property
     def params(self) -> int:
         return sum(p.numel() for p in self.model.parameters())
 
-    def attach(self) -> None:
+    def attach(self, matmul: bool = False) -> None:
         self.tap = GradientTap.attach(self.ddp, self.names)
         self.nonfinite, self.fingerprint = self._checks
         self.nonfinite.attach(self.tap)
+        if matmul:
+            self.matmul = self._matmul
+            self.matmul.attach(self.model)
 
     def detach(self) -> None:
         self.resolve()
         if self.tap is not None:
             self.tap.remove()
-        self.tap = self.nonfinite = self.fingerprint = None
+        if self.matmul is not None:
+            self.matmul.detach()
+        self.tap = self.nonfinite = self.fingerprint = self.matmul = None
 
     def resolve(self) -> None:
         if self.nonfinite is not None:
             self.nonfinite.resolve()
         if self.fingerprint is not None:
             self.fingerprint.resolve()
+        if self.matmul is not None:
+            self.matmul.resolve()
 
     def step(self) -> None:
         self.opt.zero_grad(set_to_none=True)
+        if self.matmul is not None:
+            self.matmul.arm(self.step_no)
         with self.amp:
             loss = self.ddp(self.data)
         loss.backward()
+        if self.matmul is not None:
+            self.matmul.verdict(self.step_no)
         carry = self.nonfinite is not None and self.fingerprint is not None
         if self.nonfinite is not None:  # as the hook set does: after backward, before the update
             self.nonfinite.verdict(self.step_no, self.model.named_parameters(), carry=carry)
@@ -177,7 +196,7 @@ def timed(device: torch.device, fn: Any, repeats: int) -> float:
 
 
 def measure(name: str, spec: tuple[int, int, int, int], device: torch.device, batch: int, seq: int,
-            steps: int, rounds: int) -> dict[str, Any]:  # fmt: skip
+            steps: int, rounds: int, matmul: bool = False) -> dict[str, Any]:  # fmt: skip
     tr = Trainer(spec, device, batch, seq)
     params = list(tr.model.parameters())
     row: dict[str, Any] = {"model": name, "params": tr.params, "tensors": len(params), "batch": [batch, seq]}
@@ -186,23 +205,31 @@ def measure(name: str, spec: tuple[int, int, int, int], device: torch.device, ba
     tr.attach()
     tr.block(2)
     tr.detach()
-    times: dict[str, list[float]] = {"none": [], "checks": []}
+    configs = ("none", "checks", "matmul") if matmul else ("none", "checks")
+    if matmul:
+        tr.attach(matmul=True)
+        tr.block(2)
+        tr.detach()
+    times: dict[str, list[float]] = {c: [] for c in configs}
     peaks: dict[str, float] = {}
     for r in range(rounds):
-        for config in ("none", "checks") if r % 2 == 0 else ("checks", "none"):
-            if config == "checks":
-                tr.attach()
+        for config in configs if r % 2 == 0 else configs[::-1]:
+            if config != "none":
+                tr.attach(matmul=config == "matmul")
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
             times[config].append(tr.block(steps))
             if device.type == "cuda":
                 peaks[config] = max(peaks.get(config, 0.0), torch.cuda.max_memory_allocated(device) / 2**30)
-            if config == "checks":
+            if config != "none":
                 tr.detach()
     none, checks = med(times["none"]), med(times["checks"])
     row["step_ms"] = {"none": 1e3 * none, "checks": 1e3 * checks, "overhead": checks / none - 1,
                       "samples_none": [1e3 * t for t in times["none"]],
                       "samples_checks": [1e3 * t for t in times["checks"]]}  # fmt: skip
+    if matmul:
+        row["step_ms"].update({"matmul": 1e3 * med(times["matmul"]), "matmul_overhead": med(times["matmul"]) / none - 1,
+                               "samples_matmul": [1e3 * t for t in times["matmul"]]})  # fmt: skip
     if peaks:
         row["peak_mem_gib"] = peaks
 
@@ -268,6 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", default=None, help="comma-separated subset of " + ",".join(SIZES))
     parser.add_argument("--steps", type=int, default=None, help="steps per timed block")
     parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds")
+    parser.add_argument("--matmul", action="store_true", help="also the default checks + the matrix-product check")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda":
@@ -291,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.perf_counter()
     for name, spec in sizes.items():
         t0 = time.perf_counter()
-        row = measure(name, spec, device, batch, seq, steps, rounds)
+        row = measure(name, spec, device, batch, seq, steps, rounds, args.matmul)
         row["wall_s"] = time.perf_counter() - t0
         rows.append(row)
         s, w, g = row["step_ms"], row["work_ms"], row["fingerprint_gbps"]
@@ -300,20 +328,21 @@ def main(argv: list[str] | None = None) -> int:
               f"({100 * row['work_vs_step']['nonfinite']:.1f}%), fingerprint {w['fingerprint']:.2f} ms "
               f"({100 * row['work_vs_step']['fingerprint']:.1f}%) | fp {g['fingerprint']:.0f} GB/s, sum/tensor "
               f"{g['sum_per_tensor']:.0f}, flat {g['sum_flat']:.0f} | digests match CPU: {row['digest_matches_cpu']}"
+              + (f" | matmul {s['matmul']:8.2f} ms ({100 * s['matmul_overhead']:+.1f}%)" if "matmul" in s else "")
               + (f" | peak GiB {row['peak_mem_gib']}" if "peak_mem_gib" in row else ""), flush=True)  # fmt: skip
-    result = {
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "torch": torch.__version__,
-        "backend": dist.get_backend_config(),
-        "steps_per_block": steps,
-        "rounds": rounds,
-        "total_s": time.perf_counter() - t_start,
-        "rows": rows,
-    }
-    tmp = args.out + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(result, f, indent=1, default=lambda x: None if isinstance(x, float) and math.isnan(x) else str(x))
-    os.replace(tmp, args.out)
+        result = {  # rewritten after each size: a run cut short keeps what it finished
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "torch": torch.__version__,
+            "backend": dist.get_backend_config(),
+            "steps_per_block": steps,
+            "rounds": rounds,
+            "total_s": time.perf_counter() - t_start,
+            "rows": rows,
+        }
+        tmp = args.out + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(result, f, indent=1, default=lambda x: None if isinstance(x, float) and math.isnan(x) else str(x))
+        os.replace(tmp, args.out)
     dist.destroy_process_group()
     return 0
 

@@ -137,7 +137,19 @@ def run_one(width: int, precision: str, rounds: int, device: torch.device, batch
 def clean_run(steps: int, precision: str, device: torch.device, width: int = 128, layers: int = 2,
               batch: int = 16, seq: int = 32) -> dict[str, Any]:  # fmt: skip
     """Train a small transformer ``steps`` steps with the check on every step (``verdict`` read
-    before each update); returns the alarms and the largest ratio seen per product (of 1.0)."""
+    before each update); returns the alarms and the largest ratio seen per product (of 1.0).
+    ``precision``: ``fp32`` (TF32 off), ``tf32`` (fp32 with TF32 products allowed on CUDA) or
+    ``bf16`` (autocast)."""
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = precision == "tf32"
+    try:
+        return _clean_run(steps, precision, device, width, layers, batch, seq)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+
+
+def _clean_run(steps: int, precision: str, device: torch.device, width: int, layers: int, batch: int,
+               seq: int) -> dict[str, Any]:  # fmt: skip
     torch.manual_seed(0)
     model = TinyTransformer(d=width, layers=layers, heads=max(width // 32, 1)).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
@@ -415,6 +427,14 @@ def _share(row: dict[str, Any], key: str) -> float:
     return sum(row[key].values()) / (3 * row["product_ms"])
 
 
+def _shapes(text: str) -> list[tuple[int, int, int]]:
+    """``"n,k,m;n,k,m"`` -> products (tokens x in x out)."""
+    out = [tuple(int(v) for v in part.split(",")) for part in text.split(";") if part.strip()]
+    if any(len(shape) != 3 for shape in out):
+        raise SystemExit(f"shapes are n,k,m triples separated by ';', got {text!r}")
+    return out  # type: ignore[return-value]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--widths", default="256,512")
@@ -432,6 +452,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--clean-steps", type=int, default=0, help="instead: a long clean run of this many steps")
     parser.add_argument("--stress", action="store_true", help="instead: the false-alarm stress on this device")
+    parser.add_argument("--stress-shapes", default="", help="with --stress: n,k,m products, ';'-separated (tiny runs)")
+    parser.add_argument("--breakdown-shapes", default="", help="the cost breakdown's n,k,m products, ';'-separated")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--doc", type=Path, help="instead: write the section of this page from --from files")
     parser.add_argument("--from", dest="sources", default="", help="benchmark JSON files, comma-separated")
@@ -454,8 +476,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.stress:
-        found = stress(device)
+        found = stress(device, _shapes(args.stress_shapes) or STRESS_SHAPES)
         print(json.dumps(found, indent=1))
+        if args.out:
+            from sdc_core.safeio import atomic_write_text
+
+            atomic_write_text(args.out, json.dumps(found, indent=1))
         ok = found["alarms"] == 0 and all(v is not None for v in found["faults_caught"].values())
         return 0 if ok else 1
     if args.clean_steps:
@@ -471,7 +497,7 @@ def main(argv: list[str] | None = None) -> int:
         for w in args.widths.split(",")
         for p in args.precisions.split(",")
     ]
-    parts = breakdown(device)
+    parts = breakdown(device, _shapes(args.breakdown_shapes) or BREAKDOWN_SHAPES)
     text = markdown(results) + "\n\n" + breakdown_markdown(parts)
     print(text)
     if args.out:

@@ -1,37 +1,245 @@
 #!/usr/bin/env bash
-# The GPU checks in one call (one GPU, a few minutes): the GPU test suite, then the GPU benchmark.
-#   bash scripts/gpu_check.sh [OUT_DIR]     (default: gpu-results/)
-# Uses the python3 that has torch with CUDA (no venv, no install: the machine may reach no registry).
-# Writes OUT_DIR/gpu_suite.log, gpu_replay.log (+ gpu_replay.json), memory*.json (+ gpu_memory.log), gpu_step.json
-# and gpu_bench.log.
+# shellcheck disable=SC2329  # the stages' functions are called as "stage_$s"
+# The GPU checks in stages that each fit a short loan of one GPU (each stage under 4 minutes).
+#
+#   bash scripts/gpu_check.sh STAGE OUT_DIR            STAGE: trust, bench, memory, matmul or all
+#   bash scripts/gpu_check.sh --dry-run STAGE OUT_DIR  (or SDC_GPU_DRY_RUN=1): on the CPU, tiny sizes
+#   bash scripts/gpu_check.sh OUT_DIR                  a lone path: all stages (the older form)
+#   bash scripts/gpu_check.sh                          all stages into gpu-results/
+#   (a relative OUT_DIR is taken from the repository root; a stage name alone writes to gpu-results/)
+#
+# Stages, most important first (run trust first; one call per stage fits a short loan):
+#   trust   the GPU pytest suite (-m "gpu or not slow": tests/test_gpu.py, the digest kernel, copy-path
+#           and backend-parsing tests) -> trust.log, gpu_suite.xml; then the ring replay's modes on
+#           nondeterministic kernels (3 ranks on one GPU, tests/gpu_replay_check.py) -> gpu_replay.json,
+#           judged: clean runs raise nothing, each injected fault is named on its rank and step
+#   bench   the checks' cost on the 60M/270M/1.4B GPT-style step, with the matrix-product check as a
+#           third configuration (python -m benchmarks.gpu_step --matmul) -> bench.log, gpu_step.json
+#   memory  peak device memory of clean and audited steps, DDP's default layout and bucket views
+#           (2 ranks on the GPU, python -m benchmarks.memory) -> memory.log, memory.json,
+#           memory-bucket-view.json
+#   matmul  the matrix-product check's clean runs (fp32, TF32 allowed, bf16 autocast) and the
+#           false-alarm stress on this GPU's kernels, then its cost at the 270M model's width
+#           (python -m benchmarks.matmul) -> matmul.log, matmul_clean.json, matmul_stress.json,
+#           matmul_cost.json
+#   all     the four in that order
+#
+# Every stage tees its output into OUT_DIR/<stage>.log as it runs (appended, a header per run),
+# rewrites its JSON, and appends one line to OUT_DIR/summary.txt: "<stage> PASS|FAIL <seconds>s: ...".
+# The exit status is 0 when every stage run passed, 1 when one failed, 2 for a usage error.
+# A stage's limit bounds its steps together (each killed 10 s after its own timeout at the latest).
+# Timeouts (seconds, each stage's total and its steps' own): SDC_GPU_TRUST_TIMEOUT (225),
+# SDC_GPU_SUITE_TIMEOUT (170), SDC_GPU_REPLAY_TIMEOUT (60), SDC_GPU_BENCH_TIMEOUT (200),
+# SDC_GPU_MEMORY_TIMEOUT (180), SDC_GPU_MATMUL_TIMEOUT (225). SDC_GPU_SKIP=memory,matmul leaves
+# stages out (reported as skipped); SDC_GPU_BENCH_ARGS replaces the benchmark's arguments
+# (default "--matmul --rounds 8"). Uses $PYTHON, default python3 (the machine's torch with CUDA: no venv, no
+# install). The dry run hides CUDA, collects the suite instead of running it, runs every python entry
+# point on the CPU with tiny sizes and says in the summary what it skipped.
 set -uo pipefail
-cd "$(dirname "$0")/.."
-out="${1:-gpu-results}"
-mkdir -p "$out"
+cd "$(dirname "$0")/.." || exit 2
+
+STAGES=(trust bench memory matmul)
+ACCEPTED="trust, bench, memory, matmul, all"
+die() { echo "gpu_check.sh: $1 (stages: $ACCEPTED; usage: bash scripts/gpu_check.sh [--dry-run] STAGE OUT_DIR)" >&2; exit 2; }
+
+dry="${SDC_GPU_DRY_RUN:-0}"
+[ "$dry" = 0 ] || [ "$dry" = 1 ] || die "SDC_GPU_DRY_RUN must be 0 or 1, got '$dry'"
+args=()
+for arg in "$@"; do
+  case "$arg" in
+    --dry-run) dry=1 ;;
+    -h | --help) sed -n '3,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
+    -*) die "unknown option '$arg'" ;;
+    *) args+=("$arg") ;;
+  esac
+done
+is_stage() { case "$1" in trust | bench | memory | matmul | all) return 0 ;; *) return 1 ;; esac; }
+case "${#args[@]}" in
+  0) stage=all out=gpu-results ;;
+  1) if is_stage "${args[0]}"; then stage="${args[0]}" out=gpu-results; else stage=all out="${args[0]}"; fi ;;
+  2) stage="${args[0]}" out="${args[1]}"; is_stage "$stage" || die "unknown stage '$stage'" ;;
+  *) die "too many arguments" ;;
+esac
+[ "$stage" = all ] && run_stages=("${STAGES[@]}") || run_stages=("$stage")
+mkdir -p "$out" || die "cannot make the output folder '$out'"
+PY="${PYTHON:-python3}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
-python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name(0))' | tee "$out/machine.txt"
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee -a "$out/machine.txt"
-suite=0
-timeout "${SDC_GPU_SUITE_TIMEOUT:-330}" python3 -m pytest -q -p no:cacheprovider -m "gpu or not slow" -rs \
-  tests/test_gpu.py tests/test_fingerprint_batched.py tests/test_device_paths_unit.py tests/test_replay_copies.py \
-  2>&1 | tee "$out/gpu_suite.log" || suite=$?
-replay=0
-if [ "${SDC_GPU_REPLAY:-1}" = 1 ]; then  # the ring replay's modes on nondeterministic GPU kernels (3 ranks, one GPU)
-  OUT="$out" timeout "${SDC_GPU_REPLAY_TIMEOUT:-150}" python3 -m torch.distributed.run --standalone \
-    --nproc-per-node 3 tests/gpu_replay_check.py 2>&1 | tee "$out/gpu_replay.log" || replay=$?
+if [ "$dry" = 1 ]; then
+  export CUDA_VISIBLE_DEVICES="" OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"  # the CPU paths, one thread each
+  tag=" [dry run]"
+else
+  tag=""
 fi
-memory=0
-if [ "${SDC_GPU_MEMORY:-1}" = 1 ]; then  # peak device memory of clean and audited steps (2 ranks on the GPU over gloo)
-  for view in "" "--bucket-view"; do
-    timeout "${SDC_GPU_MEMORY_TIMEOUT:-90}" python3 -m torch.distributed.run --standalone --nproc-per-node 2 \
-      -m benchmarks.memory --device cuda --spec 1024,12,16,32000 --batch 8 --seq 512 --configs none,defaults,audited \
-      $view --out "$out/memory${view:+-bucket-view}.json" 2>&1 | tee -a "$out/gpu_memory.log" || memory=$?
+
+# -- one stage: a deadline, a log, notes for its summary line --------------------------------------
+begin() {  # begin STAGE SECONDS
+  name=$1 deadline=$((SECONDS + $2)) started=$SECONDS failed=0 notes=() log="$out/$1.log"
+  echo "== $name$tag $(date -u +%FT%TZ) (limit $2 s) ==" | tee -a "$log"
+}
+note() { notes+=("$1"); }
+step() {  # step LABEL SECONDS CMD...: CMD under the smaller of SECONDS and the stage's time left, teed
+  local label=$1 own=$2 left limit rc
+  shift 2
+  left=$((deadline - SECONDS))
+  limit=$((own < left ? own : left))
+  if [ "$limit" -le 0 ]; then
+    note "$label not run (stage time spent)"
+    failed=1
+    return 1
+  fi
+  echo "-- $label (timeout ${limit}s): $*" | tee -a "$log"
+  timeout -k 10 "$limit" "$@" 2>&1 | tee -a "$log"
+  rc=${PIPESTATUS[0]}
+  if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then
+    note "$label TIMEOUT after ${limit}s"
+  else
+    note "$label exit $rc"
+  fi
+  [ "$rc" = 0 ] || failed=1
+  return "$rc"
+}
+finish() {
+  local status=PASS joined=""
+  [ "$failed" = 0 ] || status=FAIL
+  [ "${#notes[@]}" = 0 ] || joined=$(printf '; %s' "${notes[@]}")
+  echo "$name $status $((SECONDS - started))s$tag: ${joined#; }" | tee -a "$log" "$out/summary.txt"
+  [ "$failed" = 0 ] || any_failed=1
+}
+summarize() {  # summarize KIND FILE: a short digest of a JSON result into the notes (never fails the stage)
+  local line
+  [ -s "$2" ] || return 0
+  line=$("$PY" - "$1" "$2" <<'EOF' 2>/dev/null
+import json, sys
+kind, data = sys.argv[1], json.load(open(sys.argv[2]))
+if kind == "bench":
+    parts = []
+    for r in data["rows"]:
+        s = r["step_ms"]
+        mm = f", matmul {100 * s['matmul_overhead']:+.1f}%" if "matmul_overhead" in s else ""
+        parts.append(f"{r['model']} {100 * s['overhead']:+.1f}%{mm} (fp/flat sum {r['fingerprint_vs_sum']['flat']:.2f}x)")
+    print("step cost: " + ", ".join(parts))
+elif kind == "memory":
+    ex = data.get("excess_vs_weights", {})
+    print(("bucket views" if data["gradient_as_bucket_view"] else "default layout") + ": "
+          + ", ".join(f"{c} {100 * v:+.1f}%" for c, v in ex.items() if c != "none") + " of the weights")
+elif kind == "matmul_cost":
+    print("cost: " + ", ".join(f"w{r['width']} {r['precision']} {100 * r['overhead']['checksum']:+.1f}%"
+                               for r in data["results"]))
+EOF
+  ) && [ -n "$line" ] && note "$line"
+  return 0
+}
+
+# -- the stages ------------------------------------------------------------------------------------
+stage_trust() {
+  begin trust "${SDC_GPU_TRUST_TIMEOUT:-225}"
+  local files=(tests/test_gpu.py tests/test_fingerprint_batched.py tests/test_device_paths_unit.py
+    tests/test_replay_copies.py)
+  rm -f "$out/gpu_replay.json" "$out/gpu_suite.xml"
+  if [ "$dry" = 1 ]; then
+    step suite-collect "${SDC_GPU_SUITE_TIMEOUT:-170}" "$PY" -m pytest -q -p no:cacheprovider -m "gpu or not slow" \
+      --collect-only "${files[@]}"
+    note "skipped: the suite's run (CUDA; collected only)"
+  else
+    step suite "${SDC_GPU_SUITE_TIMEOUT:-170}" "$PY" -m pytest -q -p no:cacheprovider -m "gpu or not slow" -rs \
+      --junitxml "$out/gpu_suite.xml" "${files[@]}"
+  fi
+  # the ring replay's modes on nondeterministic GPU kernels (3 gloo ranks on one GPU; CPU: tiny sizes)
+  if step replay "${SDC_GPU_REPLAY_TIMEOUT:-60}" env OUT="$out" "$PY" -m torch.distributed.run --standalone \
+    --nproc-per-node 3 tests/gpu_replay_check.py; then
+    local verdict
+    verdict=$("$PY" - "$out/gpu_replay.json" <<'EOF' 2>&1
+import json, sys
+r, bad = json.load(open(sys.argv[1])), []
+for s in ("det_clean", "off_clean"):  # a clean run raises nothing
+    if r[s]["error"] is not None:
+        bad.append(f"{s} raised {r[s]['error']['type']}")
+e = r["off_exact"]["error"]  # bit equality without determinism may be refused, never blamed
+if e is not None and e["type"] != "ReplayUnavailableError":
+    bad.append(f"off_exact raised {e['type']}")
+for s, rank, at in (("det_fault", 1, 3), ("off_fault", 2, 5)):  # each fault named on its rank and step
+    e = r[s]["error"] or {}
+    if (e.get("type"), e.get("rank"), e.get("step")) != ("ReplayMismatchError", rank, at):
+        bad.append(f"{s} not named as rank {rank} step {at}: {e.get('type')} rank {e.get('rank')} step {e.get('step')}")
+if r["stale_read"]["new_wrong_reads"]:
+    bad.append(f"stale reads {r['stale_read']['new_wrong_reads']} of {r['stale_read']['of']}")
+print("replay verdicts " + ("as expected" if not bad else "WRONG: " + ", ".join(bad)))
+sys.exit(1 if bad else 0)
+EOF
+    ) || failed=1
+    echo "$verdict" | tee -a "$log"
+    note "${verdict##*$'\n'}"
+  fi
+  [ "$dry" = 0 ] || note "the replay on the CPU (tiny sizes)"
+  finish
+}
+
+stage_bench() {
+  begin bench "${SDC_GPU_BENCH_TIMEOUT:-200}"
+  rm -f "$out/gpu_step.json"
+  local extra
+  if [ "$dry" = 1 ]; then
+    read -r -a extra <<<"--matmul --quick --device cpu --sizes tiny --steps 1 --rounds 1"
+    note "skipped: the 60M/270M/1.4B sizes (CUDA; tiny on the CPU)"
+  else
+    read -r -a extra <<<"${SDC_GPU_BENCH_ARGS:---matmul --rounds 8}"
+  fi
+  step gpu_step "${SDC_GPU_BENCH_TIMEOUT:-200}" "$PY" -m benchmarks.gpu_step "${extra[@]}" --out "$out/gpu_step.json"
+  summarize bench "$out/gpu_step.json"
+  finish
+}
+
+stage_memory() {
+  begin memory "${SDC_GPU_MEMORY_TIMEOUT:-180}"
+  local sizes=(--device cuda --spec "1024,12,16,32000" --batch 8 --seq 512) view file
+  if [ "$dry" = 1 ]; then
+    sizes=(--device cpu --spec "64,2,4,256" --batch 2 --seq 16 --steps 1 --skip 1)
+    note "skipped: CUDA allocator peaks (CPU storage count, tiny model)"
+  fi
+  for view in "" --bucket-view; do  # DDP's default gradient layout, then gradient_as_bucket_view=True
+    file="$out/memory${view:+-bucket-view}.json"
+    rm -f "$file"
+    step "memory${view:+ $view}" 120 "$PY" -m torch.distributed.run --standalone --nproc-per-node 2 \
+      -m benchmarks.memory "${sizes[@]}" --configs none,defaults,audited ${view:+"$view"} --out "$file"
+    summarize memory "$file"
   done
-fi
-bench=0
-if [ "${SDC_GPU_BENCH:-1}" = 1 ]; then
-  timeout "${SDC_GPU_BENCH_TIMEOUT:-200}" python3 -m benchmarks.gpu_step --out "$out/gpu_step.json" 2>&1 \
-    | tee "$out/gpu_bench.log" || bench=$?
-fi
-echo "gpu suite exit $suite, replay check exit $replay, memory exit $memory, benchmark exit $bench" | tee -a "$out/machine.txt"
-[ "$suite" = 0 ] && [ "$replay" = 0 ] && [ "$memory" = 0 ] && [ "$bench" = 0 ]
+  finish
+}
+
+stage_matmul() {
+  begin matmul "${SDC_GPU_MATMUL_TIMEOUT:-225}"
+  local clean=(--clean-steps 300) stress=(--stress) cost=(--widths 1024 --precisions "fp32,bf16" --rounds 4 --batch 8
+    --seq 512 --breakdown-shapes "4096,1024,3072;4096,1024,1024;4096,1024,4096;4096,4096,1024;4096,1024,2000")
+  rm -f "$out"/matmul_{clean,stress,cost}.json
+  if [ "$dry" = 1 ]; then
+    clean=(--clean-steps 2) stress=(--stress --stress-shapes "4,40,8;3,5,7")
+    cost=(--widths 32 --precisions "fp32,bf16" --rounds 1 --batch 2 --seq 8 --breakdown-shapes "16,64,64")
+    note "skipped: CUDA kernels (TF32, the stress's large shapes; tiny on the CPU)"
+  fi
+  # clean runs with the check on every step: no alarm with TF32 allowed or under bf16 autocast
+  step clean 60 "$PY" -m benchmarks.matmul "${clean[@]}" --precisions fp32,tf32,bf16 --out "$out/matmul_clean.json"
+  # the false-alarm stress on this device's kernels (fp32, TF32, bf16, fp16) and a wrong element caught per phase
+  step stress 120 "$PY" -m benchmarks.matmul "${stress[@]}" --out "$out/matmul_stress.json"
+  # its cost in a step at the 270M model's width (benchmarks.matmul's transformer; bench has the 270M step)
+  step cost 90 "$PY" -m benchmarks.matmul "${cost[@]}" --out "$out/matmul_cost.json"
+  summarize matmul_cost "$out/matmul_cost.json"
+  finish
+}
+
+# -- the call --------------------------------------------------------------------------------------
+any_failed=0
+{
+  echo "gpu_check.sh $stage $out$tag, $(date -u +%FT%TZ), tree $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
+  "$PY" -c 'import torch; c = torch.cuda.is_available()
+print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name(0) if c else "(no CUDA device)")'
+  [ "$dry" = 1 ] || nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+} 2>&1 | tee -a "$out/machine.txt"
+skip=",${SDC_GPU_SKIP:-},"
+for s in "${run_stages[@]}"; do
+  if [[ "$skip" == *",$s,"* ]]; then
+    echo "$s SKIPPED 0s$tag: in SDC_GPU_SKIP" | tee -a "$out/summary.txt"
+    continue
+  fi
+  "stage_$s"
+done
+exit "$any_failed"
