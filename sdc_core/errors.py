@@ -147,6 +147,18 @@ def _jsonable(value: Any) -> Any:
     return repr(value)
 
 
+TRACEBACK_ENV = "SDC_TRACEBACK"  # set to 1: an uncaught verdict prints its full traceback too
+
+
+def verdict_line(error: SDCError) -> str:
+    """The one line an uncaught verdict prints on each rank: the error's type and message (check,
+    step, rank, host, what to do) and where its incident is (``error.incident``, the file, on the
+    rank that wrote it; ``error.incident_dir`` elsewhere: both set when the incident is recorded)."""
+    where = getattr(error, "incident", None) or getattr(error, "incident_dir", None)
+    incident = f" Incident: {where}." if where else ""
+    return f"{type(error).__name__}: {error}{incident} ({TRACEBACK_ENV}=1 shows the traceback)"
+
+
 class NonFiniteGradientError(SDCError):
     """Local (pre-all-reduce) gradients of one or more ranks contained NaN or Inf."""
 

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from sdc_core import exit_order
-from sdc_core.errors import SDCError
+from sdc_core.errors import TRACEBACK_ENV, SDCError, verdict_line
 from sdc_core.safeio import UnreadableError, create_unique
 from sdc_core.topology import RankFacts, Topology, node_name
 
@@ -56,7 +56,8 @@ def exit_code(environ: Mapping[str, str] | None = None) -> int:
 def install_exit_code() -> None:
     """Make an uncaught ``SDCError`` exit the process with ``exit_code()`` (idempotent).
 
-    The previous ``sys.excepthook`` still prints the traceback first; then the verdict is marked
+    The verdict prints one line per process (``errors.verdict_line``: the message and where the
+    incident is; ``SDC_TRACEBACK=1``: the previous ``sys.excepthook``'s traceback); then it is marked
     for the launcher (``mark_verdict``), non-daemon threads are joined and the ``atexit`` handlers
     run, as at any normal exit (an MLflow run is ended, not left RUNNING), and the process ends with
     the code (``SDC_EXIT_CODE=0``: Python's own 1). In a job of several processes, the ranks other
@@ -72,7 +73,12 @@ def install_exit_code() -> None:
     previous = sys.excepthook
 
     def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
-        previous(kind, value, tb)
+        if isinstance(value, SDCError) and os.environ.get(TRACEBACK_ENV, "").strip() in ("", "0"):
+            rank = os.environ.get("RANK")  # torch's excepthook (a StringIO stderr) adds the rank itself
+            prefix = f"[rank{rank}]: " if rank and not isinstance(sys.stderr, io.StringIO) else ""
+            print(prefix + verdict_line(value), file=sys.stderr, flush=True)  # one line, not a traceback
+        else:
+            previous(kind, value, tb)
         if isinstance(value, SDCError):
             _release_stderr()
             mark_verdict(value)
@@ -132,6 +138,7 @@ def mark_verdict(error: SDCError, also: str | Path | None = None) -> None:
         "restart": _restart_count(),
         "run_id": os.environ.get("TORCHELASTIC_RUN_ID"),
         "error": error.to_dict(),
+        "incident": getattr(error, "incident", None) or getattr(error, "incident_dir", None),
     }
     targets = [Path(also)] if also is not None else []
     folder = os.environ.get(VERDICT_DIR_ENV)
@@ -389,13 +396,17 @@ def record_verdict(check: Any, run_dir: str | Path | None, is_main: bool, policy
     if error is None:
         return None
     check.last_error = None
+    error.incident_dir = str(Path(run_dir or ".") / "sdc" / "incidents")  # type: ignore[attr-defined]
     if not is_main:
         return None
     try:
         topology = check.topology or _local_topology(error)
-        return write_incident(run_dir or ".", error, topology, check.config, policy)
+        path = write_incident(run_dir or ".", error, topology, check.config, policy)
+        error.incident = str(path)  # type: ignore[attr-defined]
+        return path
     except Exception as err:  # the report must never cost the verdict
         where = Path(run_dir or ".") / "sdc" / "incidents"
+        error.incident = f"none (not written to {where}: {type(err).__name__})"  # type: ignore[attr-defined]
         warnings.warn(f"SDC incident of {error.check} at step {error.step} not written to {where}: "
                       f"{type(err).__name__}: {err}", RuntimeWarning, stacklevel=2)  # fmt: skip
         return None

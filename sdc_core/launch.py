@@ -46,6 +46,23 @@ def job_exit_code(returncode: int, verdicts: Sequence[dict[str, Any]], sdc_code:
     return 128 - returncode if returncode < 0 else returncode
 
 
+def summary(returncode: int, verdicts: Sequence[dict[str, Any]], job_code: int) -> str | None:
+    """The line ``sdc run`` ends with: the verdict it saw and where its incident is, or that the
+    job failed for another reason (None when it succeeded without a verdict)."""
+    if verdicts:
+        message = str((verdicts[0].get("error") or {}).get("message") or "an SDC verdict")
+        places = [str(v["incident"]) for v in verdicts if v.get("incident")]
+        incident = next((p for p in places if p.endswith(".json")), places[0] if places else None)
+        where = f" Incident: {incident}." if incident else ""
+        if returncode == 0:
+            return f"sdc run: the job finished (exit 0); it handled an SDC verdict itself: {message}{where}"
+        return f"sdc run: the job ended on an SDC verdict (exit {job_code}): {message}{where}"
+    if returncode != 0:
+        return (f"sdc run: the job failed (exit {job_code}) for a reason other than an SDC verdict: no process "
+                "raised one (see the job's own error above)")  # fmt: skip
+    return None
+
+
 def _in_foreground() -> bool:
     """Whether this process group is a terminal's foreground group (the terminal then sends
     SIGINT/SIGQUIT to the command as well, so forwarding them would deliver them twice)."""
@@ -91,7 +108,12 @@ def run_command(cmd: Sequence[str], env: dict[str, str] | None = None) -> int:
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
-        return job_exit_code(returncode, read_verdicts(folder), sdc_code)
+        verdicts = read_verdicts(folder)
+        code = job_exit_code(returncode, verdicts, sdc_code)
+        line = summary(returncode, verdicts, code)
+        if line is not None:
+            print(line, file=sys.stderr, flush=True)
+        return code
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 
