@@ -39,7 +39,8 @@ def test_scheduler_scripts_are_valid_shell() -> None:
     from conftest import ROOT
 
     scripts = sorted((ROOT / "examples" / "after_detection").glob("*.sh"))
-    assert {p.name for p in scripts} == {"k8s_cordon.sh", "slurm_requeue.sh", "torchrun_elastic.sh"}
+    names = {"k8s_cordon.sh", "slurm_lightning.sh", "slurm_requeue.sh", "torchrun_elastic.sh"}
+    assert {p.name for p in scripts} == names
     for script in scripts:
         assert subprocess.run(["bash", "-n", str(script)]).returncode == 0, script
         assert "sdc exclude-list" in Path(script).read_text()
@@ -86,3 +87,60 @@ def test_a_bad_field_is_skipped_with_a_warning_and_the_rest_reported(tmp_path, c
     else:
         assert out.strip() == "node-a,node-b,node-c,node-d,node-e"
     assert sdc([command, str(tmp_path / "run"), "--strict"]) == 4  # a skipped field counts as skipped
+
+
+@pytest.mark.parametrize(("env", "expected"), [
+    ({"SLURMD_NODENAME": "n3", "NODE_NAME": "k8s-node"}, "n3"),  # Slurm first
+    ({"NODE_NAME": "k8s-node"}, "k8s-node"),  # Kubernetes' downward API
+    ({"SLURMD_NODENAME": " ", "NODE_NAME": ""}, None),  # blank: the host name
+    ({}, None),
+])  # fmt: skip
+def test_node_name_is_the_schedulers_name_for_the_node(monkeypatch, capsys, tmp_path, env: dict,
+                                                      expected: str | None) -> None:  # fmt: skip
+    """Incidents, verdict markers, exclude lists and `sdc node-name` name the node the scheduler
+    knows: several Slurm nodes on one host share its host name."""
+    import json
+    import socket
+
+    from sdc_core.cli import main as sdc
+    from sdc_core.errors import FingerprintMismatchError
+    from sdc_core.incidents import mark_verdict
+    from sdc_core.topology import Topology, node_name
+
+    for name in ("SLURMD_NODENAME", "NODE_NAME"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    want = expected or socket.gethostname()
+    assert node_name() == want
+    assert Topology.gather().ranks[0].host == want  # the facts incidents and verdict messages use
+    assert sdc(["node-name"]) == 0 and capsys.readouterr().out == f"{want}\n"
+    folder = tmp_path
+    monkeypatch.setenv("SDC_VERDICT_DIR", str(folder))
+    mark_verdict(FingerprintMismatchError(step=1, rank=0, suspects=(0,), hosts={0: want}))
+    (marker,) = folder.glob("*.json")
+    assert marker.name.startswith(f"{want}-") and json.loads(marker.read_text())["host"] == want
+
+
+def test_exclude_reason_names_check_step_and_node(tmp_path, capsys) -> None:
+    """`sdc exclude-list --format reason`: the line a drained node keeps as its reason."""
+    import json
+
+    from sdc_core.cli import main as sdc
+
+    folder = tmp_path / "run" / "sdc" / "incidents"
+    folder.mkdir(parents=True)
+    for i, (check, step, host) in enumerate([("weight_fingerprint", 8, "n2"), ("ring_replay", 12, "n4"),
+                                             ("weight_fingerprint", 8, "n2"), ("replay", None, "n;1 rm")]):  # fmt: skip
+        (folder / f"{i}.json").write_text(json.dumps(_incident(host, check=check, step=step,
+                                                               time_iso=f"2026-01-0{i + 1}T00:00:00Z")))  # fmt: skip
+    (folder / "unlocalized.json").write_text(json.dumps(_incident("n9", exclude_hosts=[], check="nonfinite")))
+    assert sdc(["exclude-list", str(tmp_path / "run"), "--format", "reason"]) == 0
+    assert capsys.readouterr().out == (
+        "SDC weight_fingerprint at step 8 on n2; ring_replay at step 12 on n4; replay on n?1?rm\n"
+    )
+    assert sdc(["exclude-list", str(tmp_path / "run")]) == 0
+    assert capsys.readouterr().out == "n2,n4,n;1 rm\n"
+    empty = tmp_path / "none"
+    empty.mkdir()
+    assert sdc(["exclude-list", str(empty), "--format", "reason"]) == 0 and capsys.readouterr().out == ""

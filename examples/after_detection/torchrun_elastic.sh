@@ -14,8 +14,8 @@ while true; do
     train.py --run-dir "$RUN_DIR" "$@"
   code=$?
   [ "$code" -eq "${SDC_EXIT_CODE:-86}" ] || exit "$code"      # a clean finish or a real crash
-  if sdc exclude-list "$RUN_DIR" --format lines | grep -qx "$(hostname)"; then
-    echo "this host was named faulty by an SDC check: leaving the job" >&2
+  if sdc exclude-list "$RUN_DIR" --format lines | grep -qx "$(sdc node-name)"; then  # as the ranks recorded it
+    echo "this node was named faulty by an SDC check: leaving the job" >&2
     exit "$code"
   fi
   sleep 10                                                     # let the others see the smaller group
