@@ -22,3 +22,4 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ] || ! "$py" -c 'import importlib.
   "$py" -m pip install -q -e ".[test]"
   printf '%s\n' "$want" > "$stamp.tmp" && mv "$stamp.tmp" "$stamp"
 fi
+bash scripts/slurm_setup.sh   # Slurm for tests/test_slurm.py, where missing (root + apt-get only)

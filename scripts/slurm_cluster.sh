@@ -12,6 +12,7 @@ cmd=${1:?usage: slurm_cluster.sh start|stop DIR}
 dir=${2:?usage: slurm_cluster.sh start|stop DIR}
 nodes=(n1 n2 n3 n4)
 export SLURM_CONF="$dir/slurm.conf"
+export PATH="$PATH:/usr/sbin:/sbin"  # the daemons, where root's PATH lacks them
 
 die() { echo "slurm_cluster: $*" >&2; exit 3; }
 

@@ -85,7 +85,7 @@ class Cluster:
 
 
 def start_cluster(**env: str) -> Iterator[Cluster]:
-    if not shutil.which("sbatch") or not shutil.which("slurmctld"):
+    if not shutil.which("sbatch"):
         pytest.skip("Slurm is not installed (scripts/setup.sh installs it where it runs as root with apt-get)")
     folder = Path(tempfile.mkdtemp(prefix="sdc-slurm-"))  # short: the munge socket path has a length limit
     proc = subprocess.run(["bash", str(CLUSTER), "start", str(folder)], env=os.environ | env, capture_output=True,
