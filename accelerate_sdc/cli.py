@@ -184,7 +184,15 @@ def main(argv: list[str] | None = None) -> int:
     for f in fields(config.SDCSettings):
         cfg.add_argument(f"--{f.name}", help=f"{_HELP[f.name]} (default {f.default})")
     sub.add_parser("launch", help="accelerate launch, for a config file with an sdc: section")
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # a misspelled setting: named, with the closest one (the hook set's own suggestion)
+        from sdc_core.settings import suggest
+
+        flags = ["--default", "--config_file", *(f"--{f.name}" for f in fields(config.SDCSettings))]
+        bad = unknown[0].split("=")[0]
+        print(f"accelerate-sdc {args.command}: error: unknown option {bad!r}{suggest(bad, flags)} "
+              f"(see accelerate-sdc {args.command} --help)", file=sys.stderr)  # fmt: skip
+        return 2
     from sdc_core.cli import run_guarded
 
     return run_guarded("accelerate-sdc config", lambda: _config(args))  # 2: a bad value, 4: cannot write

@@ -27,6 +27,7 @@ from sdc_core.fingerprint import FingerprintConfig, WeightFingerprint, healed_by
 from sdc_core.gradients import NonFiniteConfig, NonFiniteGradient, carries, drop_step, start_carrying
 from sdc_core.incidents import install_exit_code, mark_verdict, record_verdict
 from sdc_core.replay import ReplayConfig, RingReplay, StateCapture
+from sdc_core.settings import SDCConfigError, checked_keywords, one_line_when_uncaught
 from sdc_core.sharded import ShardedFingerprint, ShardedNonFinite
 from sdc_core.sharded_replay import ShardedReplay
 from sdc_core.sharded_update import UpdateAudit, update_audit
@@ -36,6 +37,12 @@ class _SDCCallback(Callback):
     """Common plumbing: strategy check, topology, counters in checkpoints, logging, verdict delivery."""
 
     _core: Any
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """A misspelled keyword names the check, the keyword and the closest argument."""
+        super().__init_subclass__(**kwargs)
+        if "__init__" in cls.__dict__ and not getattr(cls.__init__, "_sdc_checked", False):
+            cls.__init__ = checked_keywords(cls.__dict__["__init__"])  # type: ignore[method-assign]
 
     def __init__(self) -> None:
         # Made where the Trainer is built and carried to ddp_spawn workers inside the callback:
@@ -49,7 +56,8 @@ class _SDCCallback(Callback):
         try:
             return config(*args)
         except ValueError as err:
-            raise ValueError(f"{type(self).__name__}: {err}") from None
+            one_line_when_uncaught()  # a configuration error is one line per rank, not a traceback
+            raise SDCConfigError(f"{type(self).__name__}: {err}") from None
 
     @property
     def state_key(self) -> str:

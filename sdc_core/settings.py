@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
+import inspect
 import io
 import math
 import os
@@ -125,6 +127,34 @@ def suggest(name: str, known: list[str]) -> str:
         match = next(k for k in known if k.lower() == close[0])
         return f" (did you mean {match!r}?)"
     return f"; known: {', '.join(known)}"
+
+
+class UnknownArgumentError(SDCConfigError, TypeError):
+    """A keyword no setting or argument has (a ``TypeError`` too, as Python's own for a bad keyword)."""
+
+
+def checked_keywords(init: Callable[..., None]) -> Callable[..., None]:
+    """Wrap a constructor so an unknown keyword raises ``UnknownArgumentError`` naming the class,
+    the keyword and the closest known one (``suggest``), instead of Python's bare ``TypeError``.
+    The signature stays visible to introspection (``functools.wraps``: LightningCLI reads it)."""
+    params = inspect.signature(init).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return init
+    names = [n for n, p in list(params.items())[1:] if p.kind is not inspect.Parameter.POSITIONAL_ONLY]
+
+    @functools.wraps(init)
+    def checked(self: Any, *args: Any, **kwargs: Any) -> None:
+        unknown = next((k for k in kwargs if k not in names), None)
+        if unknown is not None:
+            one_line_when_uncaught()
+            raise UnknownArgumentError(
+                f"unknown argument {unknown!r} of {type(self).__name__} (value {kwargs[unknown]!r})"
+                f"{suggest(unknown, names)}; its arguments: {', '.join(names)}"
+            )
+        init(self, *args, **kwargs)
+
+    checked._sdc_checked = True  # type: ignore[attr-defined]
+    return checked
 
 
 def coerce(key: str, value: Any, source: str) -> Any:
