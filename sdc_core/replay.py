@@ -7,15 +7,18 @@ LOCAL gradients, taken in each parameter's gradient hook before DDP's all-reduce
 recomputes loss and gradients with the same weights and the owner's state and compares. Every
 rank then learns which (owner, replayer) pairs disagree and reaches the same attribution:
 
-* a rank whose own result and whose replay of another rank both disagree is the faulty one;
-* a single disagreeing pair is settled by a third rank (a referee on yet another node where
-  possible) replaying the disputed batch: the side it agrees with is healthy;
-* with two ranks no third opinion exists: ``rank`` is None and both are suspects;
-* a rank is named only when it alone explains every disagreeing pair and every other referee's
-  ruling; otherwise (several faulty ranks, e.g. two with the same persistent fault, which agree
-  with each other) ``rank`` is None, every rank of a disagreeing pair is a suspect and the
-  verdict says that several ranks disagree. With three replicas two ranks sharing one fault look
-  exactly like the third one being faulty: that verdict names it and says so.
+* no rank is named before a disagreement is confirmed: both sides of every disagreeing pair
+  re-run what they computed (the owner its own micro-batches, the replayer its replay), and a
+  difference within ``AUTO_MARGIN`` times what those re-runs show (at most ``rtol``) is noise:
+  no verdict, and the tolerance moves to cover it;
+* every pair that still disagrees gets a referee (a third rank, on yet another node where
+  possible) replaying the disputed batch; ``attribute`` then weighs every comparison and names
+  a rank alone only when it is the one smallest explanation of what was seen, else lists every
+  rank that could be faulty (several faulty ranks: never a healthy rank named alone while the
+  faulty ones are fewer than the healthy ones);
+* with two ranks no third opinion exists: ``rank`` is None and both are suspects. With three
+  replicas two ranks sharing one fault look exactly like the third one being faulty: that
+  verdict names it and says so.
 
 Faithful replay: at the start of each audited micro-batch the owner captures what its step reads
 besides the batch (``StateCapture``): Python ``random``, NumPy and torch CPU/CUDA RNG state,
@@ -45,13 +48,18 @@ user's settings restored after each; see ``RingReplay``.
 Comparison: ``exact="auto"`` (default) calibrates from same-device re-runs: when each rank's
 re-run of its own micro-batches is bit-identical (the lower median over ranks), comparisons are
 exact; otherwise the tolerance is ``min(rtol, 100 * noise floor)``, the noise floor being the
-lower median of the ranks' same-device differences. In ``strict`` mode one round decides; else
-three audits do, and a disagreement re-runs both sides of every pair first: a difference within
-100 times the noise the pair's own re-runs show (at most ``rtol``) is noise, not a fault. One
-faulty device cannot move a lower median, and ``rtol`` caps what any evidence can do.
+lower median of the ranks' same-device differences. In ``strict`` mode one round sets it; else
+three audits do. Exactness stays a hypothesis in every mode: a kernel may be nondeterministic on
+some calls only, so a later disagreement is confirmed as above, and noise it reveals raises the
+tolerance (``exact_audits`` counts the audits whose every pair agreed bit for bit). ``rtol``
+caps what any evidence can do: a difference above it is never noise.
 ``exact=True`` demands bit equality; ``exact=False`` uses ``rtol`` as is. Differences are
 measured per parameter on loss, gradient norm and gradient sum (the latter relative to
 ``sqrt(numel) * norm``), with ``atol`` the floor of the denominators.
+
+Cost of a disagreement (clean audits pay none of it): one more run of its own micro-batches on
+every rank, one more replay on every replayer, then one referee replay per disagreeing pair and
+one re-run by a named rank.
 
 Cost: on audited steps, deterministic kernels for the owner's micro-batches (+9 to 11% on an
 H200, docs/coverage.md) and one extra forward and backward of the partner's micro-batches (three
@@ -255,9 +263,9 @@ class RingReplay:
     (which also makes flash and memory-efficient attention backward deterministic) and the
     calibration starts over in that mode. Without that proof (or with ``deterministic=False``),
     ``exact="auto"`` takes ``CALIBRATION_ROUNDS`` audits of same-device re-runs before its
-    tolerance settles, and a disagreeing pair is re-run on both sides before any accusation:
-    differences within ``AUTO_MARGIN`` times the noise the pair's own re-runs show (at most
-    ``rtol``) are noise, not a fault.
+    tolerance settles. In every mode a disagreeing pair is re-run on both sides before any
+    accusation: differences within ``AUTO_MARGIN`` times the noise the pair's own re-runs show
+    (at most ``rtol``) are noise, not a fault.
     """
 
     config: ReplayConfig = field(default_factory=ReplayConfig)
@@ -640,8 +648,9 @@ class RingReplay:
 
     def _attribute(self, step, topo, partners, inverse, table, mismatching, micro, own, received, mine,  # type: ignore[no-untyped-def]
                    replay, prepare, replay_payload, t0, tol_for, every_pair=None) -> bool:  # fmt: skip
-        """Rare path: attribute the disagreeing pairs, with a referee round for pairs no culprit
-        explains, and classify the named rank's fault; raises ``ReplayMismatchError``.
+        """Rare path: a referee round for every disagreeing pair (tensor parallel: for the pairs no
+        culprit explains), the attribution, and the named rank's re-run that classifies its fault;
+        raises ``ReplayMismatchError``.
 
         ``every_pair`` (whether this is the first audit; None unless every pair disagrees with
         three or more replicas): every pair gets a referee; when no referee agrees with either

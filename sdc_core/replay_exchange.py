@@ -2,13 +2,13 @@
 
 Contract: rank ``r``'s micro-batches go to ``replay_partners(...)[r]`` (a rank on another node
 when there are several; per tensor-parallel coordinate over data-parallel groups with
-``groups``). Given the ``(owner, replayer)`` pairs that disagree, ``explain`` names the ranks
-that disagree both as owner and as replayer and leaves the other pairs disputed; ``referee_jobs``
-gives each disputed pair a third rank (a whole third group under tensor parallelism, on another
-node where possible) that replays the disputed batch; ``settle`` turns the referees' rulings
-into the final ``(rank, suspects, notes)``: one rank only when exactly one is suspect and three
-or more replicas take part. ``mismatch_report`` and the ``*_message`` functions word the
-verdicts every rank raises.
+``groups``). Given the ``(owner, replayer)`` pairs that disagree, ``referee_jobs`` gives each
+disagreeing pair a third rank (a whole third group under tensor parallelism, on another node
+where possible) that replays the disputed batch; ``evidence`` and ``attribute`` turn every
+comparison into ``(rank, suspects, explanations)``: one rank only when it is the one smallest
+explanation. Under tensor parallelism ``explain`` (ranks that disagree both as owner and as
+replayer) and ``settle`` (the referees' rulings on the other pairs) decide. ``mismatch_reason``
+and the ``*_message`` functions word the verdicts every rank raises.
 
 Cost: pure functions on small Python lists (world-size sized); no communication here (the ring
 replay calls ``sdc_core.topology.exchange`` with what ``referee_sends`` returns).
