@@ -26,7 +26,7 @@ stop_pid() {  # stop_pid PID: SIGTERM, then SIGKILL after 5 s
 ours() {  # the PIDs of processes started by this cluster (they carry its SLURM_CONF)
   local p
   for p in /proc/[0-9]*; do
-    tr '\0' '\n' <"$p/environ" 2>/dev/null | grep -qxF "SLURM_CONF=$SLURM_CONF" && echo "${p#/proc/}"
+    { tr '\0' '\n' <"$p/environ"; } 2>/dev/null | grep -qxF "SLURM_CONF=$SLURM_CONF" && echo "${p#/proc/}"
   done
 }
 
