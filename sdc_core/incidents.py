@@ -208,10 +208,23 @@ def write_incident(run_dir: str | Path, error: SDCError, topology: Topology, con
         "config": dataclasses.asdict(config) if dataclasses.is_dataclass(config) else dict(config or {}),
         "world_size": topology.world_size,
         "suspects": {str(r): f for r, f in facts.items()},
-        "exclude_hosts": [topology.ranks[error.rank].host] if error.rank is not None else [],
+        "exclude_hosts": _exclude(error, topology),
     }
     text = json.dumps(incident, indent=1, default=str)
     return create_unique(folder, f"{int(now * 1000)}-{error.check}-step{error.step}", ".json", text)
+
+
+def _exclude(error: SDCError, topology: Topology) -> list[str]:
+    """The hosts to take out: the named rank's; with several ranks whose devices disagree (a
+    confirmed replay verdict that no single rank explains), every suspect's while they are fewer
+    than the ranks (each may be faulty; none is known healthy); none when every rank is a suspect
+    (a common cause is likelier) or two replicas cannot tell."""
+    if error.rank is not None:
+        return [topology.ranks[error.rank].host]
+    several = bool(error.details.get("several_ranks")) if isinstance(error.details, dict) else False
+    if several and 0 < len(error.suspects) < topology.world_size:
+        return sorted({topology.ranks[r].host for r in error.suspects if r < topology.world_size})
+    return []
 
 
 def load_incidents(paths: Iterable[str | Path], skipped: list[str] | None = None) -> list[dict[str, Any]]:
@@ -357,7 +370,8 @@ def summarise(incidents: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def exclude_hosts(incidents: list[dict[str, Any]]) -> list[str]:
-    """Hosts of ranks a verdict named as faulty (suspects that were not localized are not listed);
+    """Hosts of ranks a verdict named as faulty, or of the suspects of a verdict that several ranks
+    disagree (fewer than every rank: ``write_incident``);
     a string ``exclude_hosts`` is one host name (or a comma separated list), never its letters."""
     out: set[str] = set()
     for inc in incidents:

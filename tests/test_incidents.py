@@ -144,3 +144,27 @@ def test_exclude_reason_names_check_step_and_node(tmp_path, capsys) -> None:
     empty = tmp_path / "none"
     empty.mkdir()
     assert sdc(["exclude-list", str(empty), "--format", "reason"]) == 0 and capsys.readouterr().out == ""
+
+
+def test_incident_excludes_the_suspects_of_a_verdict_that_several_ranks_disagree(tmp_path) -> None:
+    """A confirmed replay verdict that no single rank explains: every suspect's host is excluded
+    while they are fewer than the ranks; none when every rank is a suspect; the named rank's alone
+    when one is named."""
+    import json
+
+    from sdc_core.errors import ReplayMismatchError
+    from sdc_core.incidents import write_incident
+    from sdc_core.topology import RankFacts, Topology
+
+    topo = Topology(ranks=tuple(RankFacts(rank=r, host=f"n{r}", node_rank=r, local_rank=0) for r in range(4)), rank=0)
+
+    def excluded(rank: int | None, suspects: tuple[int, ...], **details: object) -> list[str]:
+        err = ReplayMismatchError(step=3, rank=rank, suspects=suspects, hosts=topo.hosts(suspects),
+                                  details={"world_size": 4, **details}, reason="test")  # fmt: skip
+        path = write_incident(tmp_path / f"run{rank}{suspects}", err, topo, {}, "raise")
+        return json.loads(path.read_text())["exclude_hosts"]
+
+    assert excluded(None, (1, 2), several_ranks=True) == ["n1", "n2"]
+    assert excluded(None, (0, 1, 2, 3), several_ranks=True) == []
+    assert excluded(None, (1, 2)) == []  # not localized for another reason (e.g. no referee)
+    assert excluded(2, (2,)) == ["n2"]
