@@ -12,6 +12,7 @@ when the faulty rank was named (or, with ``--fault none``, when nothing fired).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 from typing import Any
 
@@ -50,7 +51,10 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=20)
     args = parser.parse_args()
     set_seed(0)
-    accelerator = Accelerator(project_dir="runs/accelerate_demo")  # incidents: runs/accelerate_demo/sdc/incidents/
+    tensorboard = importlib.util.find_spec("tensorboard") is not None  # pip install tensorboard for the tracker
+    # incidents: runs/accelerate_demo/sdc/incidents/; sdc/* metrics: TensorBoard files under runs/accelerate_demo/demo
+    accelerator = Accelerator(log_with="tensorboard" if tensorboard else None, project_dir="runs/accelerate_demo")
+    accelerator.init_trackers("demo")  # without it, log_with logs nothing
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2048, 16, generator=g)
     loader = DataLoader(TensorDataset(x, x.sum(1, keepdim=True).sin()), batch_size=16)
@@ -84,7 +88,10 @@ def run(args: argparse.Namespace, accelerator: Accelerator, model: nn.Module, op
     except SDCError as err:
         if accelerator.is_main_process:
             print(f"\nDETECTED on every rank: {err}\n  check={err.check} step={err.step} rank={err.rank} "
-                  f"suspects={err.suspects} hosts={err.hosts}", flush=True)  # fmt: skip
+                  f"suspects={err.suspects} hosts={err.hosts}\n"
+                  f"  incident: {getattr(err, 'incident', 'runs/accelerate_demo/sdc/incidents')}; sdc/* metrics: "
+                  "TensorBoard, runs/accelerate_demo/demo\n  next: sdc report runs/accelerate_demo",
+                  flush=True)  # fmt: skip
         return 0 if err.rank == args.faulty_rank and args.fault != "none" else 1
     if accelerator.is_main_process:
         print(f"\nNo SDC detected in {sdc.step} steps.", flush=True)

@@ -17,6 +17,7 @@ import sys
 
 import lightning.pytorch as L
 import torch
+from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -81,7 +82,7 @@ def main() -> int:
         enable_progress_bar=False,
         enable_model_summary=False,
         enable_checkpointing=False,
-        logger=False,
+        logger=CSVLogger("runs", name="lightning_demo", version=""),  # sdc/* metrics: runs/lightning_demo/metrics.csv
         default_root_dir="runs/lightning_demo",  # incidents land in runs/lightning_demo/sdc/incidents/
     )
     try:
@@ -90,7 +91,9 @@ def main() -> int:
         if trainer.global_rank == 0:
             print(
                 f"\nDETECTED on every rank: {err}\n  check={err.check} step={err.step} rank={err.rank} "
-                f"suspects={err.suspects} hosts={err.hosts}",
+                f"suspects={err.suspects} hosts={err.hosts}\n"
+                f"  incident: {getattr(err, 'incident', 'runs/lightning_demo/sdc/incidents')}; "
+                "sdc/* metrics: runs/lightning_demo/metrics.csv\n  next: sdc report runs/lightning_demo",
                 flush=True,
             )
         return 0 if err.rank == args.faulty_rank and args.fault != "none" else 1

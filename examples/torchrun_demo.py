@@ -31,6 +31,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from sdc_core import Fault, FaultInjector, SDCError, SDCHooks
 
 
+class CsvTracker:
+    """A minimal tracker: one row per logged step, one column per metric (``sdc/...``)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.rows = path, []
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        self.rows.append({"step": step, **metrics})
+        names = sorted({k for row in self.rows for k in row} - {"step"})
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        columns = ["step", *names]
+        lines = [",".join(columns)] + [",".join(str(row.get(k, "")) for k in columns) for row in self.rows]
+        self.path.write_text("\n".join(lines) + "\n")
+
+
 class Net(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -66,8 +81,9 @@ def main() -> int:
         model = DistributedDataParallel(net)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
+    tracker = CsvTracker(Path("runs/torchrun_demo/metrics.csv")) if rank == 0 else None  # one writer: rank 0
     hooks = SDCHooks(replay_every_n_steps=4, run_dir="runs/torchrun_demo",
-                     log=lambda metrics, step: print(f"step {step}: {metrics}") if rank == 0 else None)  # fmt: skip
+                     log=lambda metrics, step: tracker.log(metrics, step) if tracker else None)  # fmt: skip
     hooks.attach(model, optimizer)
 
     step_of_fault = 4  # an audited step (the replay runs every 4th step)
@@ -98,6 +114,8 @@ def main() -> int:
     except SDCError as err:
         if rank == 0:
             print(f"DETECTED on every rank: {err}")
+            print(f"  incident: {getattr(err, 'incident', 'runs/torchrun_demo/sdc/incidents')}; "
+                  f"sdc/* metrics: {tracker.path if tracker else '-'}\n  next: sdc report runs/torchrun_demo")
         named = err.rank == args.faulty_rank
         dist.destroy_process_group()
         return 0 if named and args.fault != "none" else 1
