@@ -49,3 +49,14 @@ def test_changelog_is_in_keep_a_changelog_form() -> None:
     lines = text.splitlines()
     continued = [line for line in lines if line.startswith("  ") and line.strip()]
     assert not continued, continued[:3]  # one line per change
+
+
+def test_every_route_in_the_readme_points_to_an_example_a_test_runs() -> None:
+    readme = (ROOT / "README.md").read_text()
+    examples = sorted(set(re.findall(r"examples/(\w+\.py)", readme)))
+    assert len(examples) >= 6, examples  # Lightning, plain, Accelerate, Trainer, Fabric, zero-code
+    tests = "\n".join(p.read_text() for p in (ROOT / "tests").glob("test_*.py"))
+    for name in examples:
+        assert (ROOT / "examples" / name).is_file(), name
+        assert f'"{name}"' in tests or f"'{name}'" in tests or f"/{name}" in tests, f"no test runs examples/{name}"
+    assert "bash scripts/test.sh" in readme  # CI's .ci/run calls it
