@@ -95,6 +95,9 @@ def main() -> int:
     }.get(args.fault)
     injector = FaultInjector([fault] if fault else [])
     injector.install(net, rank)
+    # a weight fault strikes inside the update (as a faulty optimizer step would), so the comparison
+    # after that update sees it: verdicts name the step of Fault(step=...)
+    optimizer.register_step_post_hook(lambda *_: injector.after_step(injector.step, net, [optimizer]))
     g = torch.Generator().manual_seed(100 + rank)  # every rank its own data
     try:
         for step in range(args.steps):
@@ -104,7 +107,6 @@ def main() -> int:
             loss.backward()
             optimizer.step()  # the checks run around the real update
             optimizer.zero_grad()
-            injector.after_step(step, net, [optimizer])
         hooks.before_save()  # compare the replicas before writing a checkpoint
         if not args.fsdp and rank == 0:
             Path("runs/torchrun_demo").mkdir(parents=True, exist_ok=True)

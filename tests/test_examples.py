@@ -73,7 +73,7 @@ def test_plain_torchrun_demo_names_the_faulty_rank(tmp_path: Path) -> None:
            str(ROOT / "examples" / "torchrun_demo.py"), "--fault", "weights", "--faulty-rank", "2"]  # fmt: skip
     proc = subprocess.run(cmd, cwd=tmp_path, env=worker_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    assert "DETECTED on every rank: SDC check 'weight_fingerprint' failed at step 3: rank 2" in proc.stdout
+    assert "DETECTED on every rank: SDC check 'weight_fingerprint' failed at step 2: rank 2" in proc.stdout
     assert len(list((tmp_path / "runs" / "torchrun_demo" / "sdc" / "incidents").glob("*.json"))) == 1
     _assert_whole_story(proc.stdout, tmp_path, "torchrun_demo")
     header = (tmp_path / "runs" / "torchrun_demo" / "metrics.csv").read_text().splitlines()[0]
