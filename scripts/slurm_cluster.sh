@@ -5,7 +5,7 @@
 #   bash scripts/slurm_cluster.sh start DIR    # prints `export SLURM_CONF=DIR/slurm.conf`
 #   bash scripts/slurm_cluster.sh stop DIR     # cancels the jobs, stops every daemon by its PID
 # Exit 3 (and one line on stderr) when Slurm or munge is not installed or does not come up.
-# A requeued job waits cred_expire seconds before it starts again: 10 s here (120 by default).
+# A requeued job waits cred_expire seconds before it starts again: 5 s here (120 by default).
 # RequeueExit=86 (Slurm requeues a job that exits 86); SDC_SLURM_REQUEUE_EXIT= (empty) leaves it out.
 set -uo pipefail
 cmd=${1:?usage: slurm_cluster.sh start|stop DIR}
@@ -72,7 +72,7 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket=$sock,cred_expire=10
+AuthInfo=socket=$sock,cred_expire=5
 StateSaveLocation=$dir/state
 SlurmdSpoolDir=$dir/spool/%n
 SlurmctldPidFile=$dir/run/slurmctld.pid
