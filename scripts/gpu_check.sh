@@ -12,7 +12,9 @@
 #   trust   the GPU pytest suite (-m "gpu or not slow": tests/test_gpu.py, the digest kernel, copy-path
 #           and backend-parsing tests) -> trust.log, gpu_suite.xml; then the ring replay's modes on
 #           nondeterministic kernels (3 ranks on one GPU, tests/gpu_replay_check.py) -> gpu_replay.json,
-#           judged: clean runs raise nothing, each injected fault is named on its rank and step
+#           judged: clean runs raise nothing, each injected fault is named on its rank and step; then a
+#           kernel noisy on some calls only (tests/nondeterminism_scenarios.py --device cuda) ->
+#           nondeterminism/, judged the same way
 #   bench   the checks' cost on the 60M/270M/1.4B GPT-style step, with the matrix-product check as a
 #           third configuration (python -m benchmarks.gpu_step --matmul) -> bench.log, gpu_step.json
 #   memory  peak device memory of clean and audited steps, DDP's default layout and bucket views
@@ -28,8 +30,9 @@
 # rewrites its JSON, and appends one line to OUT_DIR/summary.txt: "<stage> PASS|FAIL <seconds>s: ...".
 # The exit status is 0 when every stage run passed, 1 when one failed, 2 for a usage error.
 # A stage's limit bounds its steps together (each killed 10 s after its own timeout at the latest).
-# Timeouts (seconds, each stage's total and its steps' own): SDC_GPU_TRUST_TIMEOUT (225),
-# SDC_GPU_SUITE_TIMEOUT (170), SDC_GPU_REPLAY_TIMEOUT (60), SDC_GPU_BENCH_TIMEOUT (200),
+# Timeouts (seconds, each stage's total and its steps' own): SDC_GPU_TRUST_TIMEOUT (235),
+# SDC_GPU_SUITE_TIMEOUT (170), SDC_GPU_REPLAY_TIMEOUT (60),
+# SDC_GPU_INTERMITTENT_TIMEOUT (50), SDC_GPU_BENCH_TIMEOUT (200),
 # SDC_GPU_MEMORY_TIMEOUT (180), SDC_GPU_MATMUL_TIMEOUT (225). SDC_GPU_SKIP=memory,matmul leaves
 # stages out (reported as skipped); SDC_GPU_BENCH_ARGS replaces the benchmark's arguments
 # (default "--matmul --rounds 8"). Uses $PYTHON, default python3 (the machine's torch with CUDA: no venv, no
@@ -132,7 +135,7 @@ EOF
 
 # -- the stages ------------------------------------------------------------------------------------
 stage_trust() {
-  begin trust "${SDC_GPU_TRUST_TIMEOUT:-225}"
+  begin trust "${SDC_GPU_TRUST_TIMEOUT:-235}"
   local files=(tests/test_gpu.py tests/test_fingerprint_batched.py tests/test_device_paths_unit.py
     tests/test_replay_copies.py)
   rm -f "$out/gpu_replay.json" "$out/gpu_suite.xml"
@@ -164,6 +167,33 @@ for s, rank, at in (("det_fault", 1, 3), ("off_fault", 2, 5)):  # each fault nam
 if r["stale_read"]["new_wrong_reads"]:
     bad.append(f"stale reads {r['stale_read']['new_wrong_reads']} of {r['stale_read']['of']}")
 print("replay verdicts " + ("as expected" if not bad else "WRONG: " + ", ".join(bad)))
+sys.exit(1 if bad else 0)
+EOF
+    ) || failed=1
+    echo "$verdict" | tee -a "$log"
+    note "${verdict##*$'\n'}"
+  fi
+  # a kernel noisy on some calls only (a lucky exact audit must not make a later noisy one a verdict)
+  local nd="$out/nondeterminism" runs=6 device=cuda
+  [ "$dry" = 0 ] || runs=2 device=cpu
+  rm -rf "$nd"
+  if step intermittent "${SDC_GPU_INTERMITTENT_TIMEOUT:-50}" "$PY" -m torch.distributed.run --standalone \
+    --nproc-per-node 3 tests/nondeterminism_scenarios.py --out "$nd" --device "$device" --runs "$runs" \
+    --only some:every,every:every,some:every:activation,some:every:backward; then
+    local verdict
+    verdict=$("$PY" - "$nd" <<'EOF' 2>&1
+import json, sys
+from pathlib import Path
+out, bad = Path(sys.argv[1]), []
+def runs(s):
+    return json.loads((out / f"{s}.rank0.json").read_text())["runs"]
+for s in ("some:every", "every:every"):  # clean runs raise nothing
+    bad += [f"{s} run {i}: {r['error']['message'][:120]}" for i, r in enumerate(runs(s)) if r["error"]]
+for s, rank in (("some:every:activation", 2), ("some:every:backward", 0)):  # named on its rank at step 2
+    e = runs(s)[0]["error"] or {}
+    if (e.get("type"), e.get("rank"), e.get("step")) != ("ReplayMismatchError", rank, 2):
+        bad.append(f"{s} not named as rank {rank} step 2: {e.get('type')} rank {e.get('rank')} step {e.get('step')}")
+print("intermittent kernel verdicts " + ("as expected" if not bad else "WRONG: " + "; ".join(bad)))
 sys.exit(1 if bad else 0)
 EOF
     ) || failed=1

@@ -1,7 +1,7 @@
 """Many short clean runs on kernels that are nondeterministic as GPU atomics are: run under ``torchrun``.
 
-``torchrun --nproc-per-node 3 tests/nondeterminism_scenarios.py --out DIR --only some:every,... [--runs 30]``
-trains a small embedding-bag regressor in a plain DDP loop through ``sdc_core.SDCHooks`` (every
+``torchrun --nproc-per-node 3 tests/nondeterminism_scenarios.py --out DIR --only some:every,... [--runs 30]
+[--device cuda]`` trains a small embedding-bag regressor in a plain DDP loop through ``sdc_core.SDCHooks`` (every
 check on), ``--runs`` times per scenario, each run a fresh model, DDP wrapper and hook set. Its
 pooling is a scatter-add with 32 duplicate indices per output row whose summation order is drawn,
 when the kernel is noisy, from a generator seeded by ``os.urandom``: nothing the replay captures
@@ -57,6 +57,7 @@ class Pool(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, src: torch.Tensor, index: torch.Tensor, rows: int, noisy: bool) -> torch.Tensor:
         order = torch.randperm(index.numel(), generator=NOISE) if noisy else torch.arange(index.numel())
+        order = order.to(index.device)
         ctx.save_for_backward(index)
         return src.new_zeros(rows, src.shape[1]).index_add_(0, index[order], src[order])
 
@@ -91,7 +92,7 @@ class NoisyPool(nn.Module):
     def forward(self, vectors: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         noisy = self.noisy(tokens)
         self.noisy_calls += int(noisy)
-        index = torch.arange(tokens.shape[0]).repeat_interleave(tokens.shape[1])
+        index = torch.arange(tokens.shape[0], device=tokens.device).repeat_interleave(tokens.shape[1])
         return Pool.apply(vectors.reshape(-1, vectors.shape[-1]), index, tokens.shape[0], noisy)
 
 
@@ -108,10 +109,13 @@ class Net(nn.Module):
         return nn.functional.mse_loss(self.head(h), y)
 
 
+DEVICE = [torch.device("cpu")]
+
+
 def batch(run: int, step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 * run + 10 * step + rank)
     tokens = torch.randint(0, VOCAB, (BATCH, LENGTH), generator=g)
-    return tokens, torch.randn(BATCH, 1, generator=g)
+    return tokens.to(DEVICE[0]), torch.randn(BATCH, 1, generator=g).to(DEVICE[0])
 
 
 FAULTS = {
@@ -127,7 +131,7 @@ def one_run(kernel: str, setting: str, run: int, fault: str | None, out: Path) -
     if kernel.startswith("user_"):
         torch.use_deterministic_algorithms(True, warn_only=kernel == "user_incapable")
     torch.manual_seed(run)  # the same initial weights on every rank
-    net = Net(kernel)
+    net = Net(kernel).to(DEVICE[0])
     model = DistributedDataParallel(net)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     settings = {"replay_every_n_steps": 1} if setting == "every" else {}
@@ -172,7 +176,9 @@ def main() -> None:
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--only", required=True)
     parser.add_argument("--runs", type=int, default=30)
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda: every rank on cuda:0 (gloo)")
     args = parser.parse_args()
+    DEVICE[0] = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
     args.out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(1)
     dist.init_process_group("gloo")

@@ -53,7 +53,7 @@ def test_dry_run_runs_each_stage_and_writes_its_log_json_and_summary_line(dry_al
     for name in JSON[stage]:
         assert json.loads((out / name).read_text()), name
     if stage == "trust":  # the replay's verdicts are judged, not just printed
-        assert "replay verdicts as expected" in line, line
+        assert "replay verdicts as expected" in line and "intermittent kernel verdicts as expected" in line, line
     if stage == "bench":  # the matrix-product configuration rides the step benchmark
         (row,) = json.loads((out / "gpu_step.json").read_text())["rows"]
         assert row["step_ms"]["matmul"] > 0 and "matmul" in line, line
