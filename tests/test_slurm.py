@@ -92,7 +92,8 @@ def start_cluster(**env: str) -> Iterator[Cluster]:
                           text=True, timeout=60)  # fmt: skip
     try:
         if proc.returncode != 0:
-            pytest.skip(f"no private Slurm cluster here: {proc.stderr.strip().splitlines()[-1:]}")
+            why = (proc.stderr.strip().splitlines() or [f"slurm_cluster.sh exited {proc.returncode}"])[-1]
+            pytest.skip(f"no private Slurm cluster here: {why}")
         yield Cluster(folder)
     finally:
         subprocess.run(["bash", str(CLUSTER), "stop", str(folder)], capture_output=True, timeout=120)
