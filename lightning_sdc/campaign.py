@@ -58,7 +58,7 @@ class CampaignFailed(RuntimeError):
 
 def plan(injections: int, clean: int, seed: int, steps: int, study: int = 0) -> list[dict[str, Any]]:
     """Seeded specs: sites and bit classes in turn, rank, step, tensor, element and bit at random."""
-    from sdc_core.checkpoint import bits_of_class
+    from sdc_core.checkpoint_faults import bits_of_class
 
     rng = random.Random(seed)
     specs = []
@@ -212,7 +212,7 @@ def plan_matmul(per_class: int, clean: int, seed: int, steps: int) -> list[dict[
     """Seeded compute faults inside matrix products: ``per_class`` per phase and bit class, at a
     random rank, layer, element and bit of the class, at steps 1 .. steps - 2 (the replay audits
     step 0 only at its default cadence); plus ``clean`` clean runs with the matmul check."""
-    from sdc_core.checkpoint import bits_of_class
+    from sdc_core.checkpoint_faults import bits_of_class
 
     rng = random.Random(seed)
     specs = [{"id": f"mm-{phase}-{bit_class}-{i}", "site": "matmul", "phase": phase, "bit_class": bit_class,
@@ -447,7 +447,8 @@ def worker(specs_file: Path, out: Path, steps: int) -> None:
     """Run specs under torchrun (3 ranks); rank 0 writes one JSON line per spec."""
     import torch.distributed as dist
 
-    from sdc_core.checkpoint import FINGERPRINT_KEY, Corruption, corrupt_file
+    from sdc_core.checkpoint import FINGERPRINT_KEY
+    from sdc_core.checkpoint_faults import Corruption, corrupt_file
     from sdc_core.safeio import load_torch
 
     specs = json.loads(specs_file.read_text())

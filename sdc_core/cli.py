@@ -162,7 +162,7 @@ TRUST_HELP = ("unpickle in full: lets the file run code while it is read. Only f
               "yourself; files of this project load without it")  # fmt: skip
 
 
-BIT_CLASSES = ("sign", "exponent_top", "exponent", "mantissa")  # sdc_core.checkpoint's (tested equal; no torch here)
+BIT_CLASSES = ("sign", "exponent_top", "exponent", "mantissa")  # sdc_core.checkpoint_faults' (tested equal; no torch here)
 
 
 def _corrupt_arguments(c: argparse.ArgumentParser) -> None:
@@ -183,7 +183,7 @@ def _corrupt_arguments(c: argparse.ArgumentParser) -> None:
 
 
 def _corrupt(args: argparse.Namespace) -> int:
-    from sdc_core.checkpoint import Corruption, corrupt_file
+    from sdc_core.checkpoint_faults import Corruption, corrupt_file
 
     spec = Corruption(
         target=args.target,

@@ -34,7 +34,7 @@ def test_help_of_every_command_imports_nothing_heavy() -> None:
 
 
 def test_bit_classes_match_the_checkpoint_module() -> None:
-    from sdc_core.checkpoint import BIT_CLASSES
+    from sdc_core.checkpoint_faults import BIT_CLASSES
 
     assert cli.BIT_CLASSES == BIT_CLASSES
 
