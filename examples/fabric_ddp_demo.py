@@ -7,7 +7,9 @@
 
 The loop accumulates 2 micro-batches per optimizer step with ``fabric.no_backward_sync`` and
 divides the loss before ``fabric.backward``: ``hooks.replayable`` tells the replay audit exactly
-that. Incidents go to ``runs/fabric_demo/sdc/incidents/``; the counters travel in ``fabric.save``.
+that. Incidents go to ``runs/fabric_demo/sdc/incidents/``, the ``sdc/*`` metrics to a CSV file
+(``runs/fabric_demo/csv/version_0/metrics.csv``, Fabric's ``CSVLogger``); the counters travel in
+``fabric.save``.
 Exit status 0 when the faulty rank was named (or, with ``--fault none``, when nothing fired).
 """
 
@@ -18,6 +20,7 @@ import sys
 
 import torch
 from lightning.fabric import Fabric, seed_everything
+from lightning.fabric.loggers import CSVLogger
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -39,7 +42,8 @@ def main() -> int:
     parser.add_argument("--faulty-rank", type=int, default=1)
     parser.add_argument("--steps", type=int, default=12)
     args = parser.parse_args()
-    fabric = Fabric(accelerator="cpu", strategy="ddp", devices=3)
+    tracker = CSVLogger("runs/fabric_demo", name="csv", version=0)  # the sdc/* metrics, through fabric.log_dict
+    fabric = Fabric(accelerator="cpu", strategy="ddp", devices=3, loggers=tracker)
     fabric.launch()
     seed_everything(0, verbose=False)
     model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Dropout(0.1), nn.Linear(64, 1))
@@ -72,7 +76,9 @@ def main() -> int:
     except SDCError as err:
         if fabric.is_global_zero:
             print(f"\nDETECTED on every rank: {err}\n  check={err.check} step={err.step} rank={err.rank} "
-                  f"suspects={err.suspects} hosts={err.hosts}", flush=True)  # fmt: skip
+                  f"suspects={err.suspects} hosts={err.hosts}\n"
+                  f"  incident: {getattr(err, 'incident', 'runs/fabric_demo/sdc/incidents')}; sdc/* metrics: "
+                  f"{tracker.log_dir}/metrics.csv\n  next: sdc report runs/fabric_demo", flush=True)  # fmt: skip
         return 0 if err.rank == args.faulty_rank and args.fault != "none" else 1
     fabric.save("runs/fabric_demo/last.ckpt", {"model": model, "optimizer": optimizer, "sdc": hooks})
     if fabric.is_global_zero:

@@ -696,8 +696,9 @@ class SDCHooks:
         if self._fw.num_processes > 1:  # the script may now free the model and the process group
             shutdown.settle_threads()
         if isinstance(err, SDCError):
-            try:
-                self.log(force=True)
+            try:  # the failure point at the step the verdict is about (a verdict read one step later too)
+                at = err.step if isinstance(err.step, int) and 0 <= err.step <= self.step else self.step
+                self.log(force=True, step=at if self._logged_step != at else self.step)
             except Exception as log_err:
                 warnings.warn(f"SDC counters not logged: {log_err!r}", RuntimeWarning, stacklevel=3)
 
@@ -770,20 +771,22 @@ class SDCHooks:
             out.update(check.stats.metrics())
         return out
 
-    def log(self, force: bool = False) -> None:
+    def log(self, force: bool = False, step: int | None = None) -> None:
         """Send the counters to the framework's trackers (or the ``log`` callable).
 
         One point per step and metric, never two with different values: a periodic point
         (``force=False``, every ``log_every_n_steps``) is written once the next step's verdicts
-        are in (or by ``finish`` or a failure, whichever comes first); ``force=True`` writes now
-        and flushes, unless this step was written already.
+        are in (or by ``finish`` or a failure, whichever comes first); ``force=True`` writes now,
+        at ``step`` (default: the coming update's; a verdict's: the step it is about), and
+        flushes, unless that step was written already.
         """
         if not force:
             self._log_due = self.step
             return
         self._log_due = None
-        if self._logged_step != self.step:
-            self._write(self.step)
+        at = self.step if step is None else step
+        if self._logged_step != at:
+            self._write(at)
         self._fw.flush()
 
     def _write_due_log(self) -> None:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from conftest import ROOT, worker_env
+from test_examples import _assert_whole_story, _tensorboard_tags
 from test_zero_code import publish_entry_points
 
 pytestmark = pytest.mark.slow
@@ -27,6 +28,8 @@ def test_hf_trainer_demo_names_the_faulty_rank(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert "SDC check 'weight_fingerprint' failed at step 4: rank 2" in proc.stdout
     assert len(list((tmp_path / "runs" / "hf_trainer_demo" / "sdc" / "incidents").glob("*.json"))) == 1
+    _assert_whole_story(proc.stdout, tmp_path, "hf_trainer_demo")
+    assert "sdc/weight_fingerprint/failures" in _tensorboard_tags(tmp_path / "runs" / "hf_trainer_demo" / "tensorboard")
 
 
 def test_fabric_demo_names_the_faulty_rank(tmp_path: Path) -> None:
@@ -35,6 +38,9 @@ def test_fabric_demo_names_the_faulty_rank(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert "SDC check 'ring_replay' failed at step 5: rank 1" in proc.stdout
     assert len(list((tmp_path / "runs" / "fabric_demo" / "sdc" / "incidents").glob("*.json"))) == 1
+    _assert_whole_story(proc.stdout, tmp_path, "fabric_demo")
+    header = (tmp_path / "runs" / "fabric_demo" / "csv" / "version_0" / "metrics.csv").read_text().splitlines()[0]
+    assert "sdc/ring_replay/failures" in header
 
 
 def test_zero_code_demo_is_guarded_only_with_sdc_checks(tmp_path: Path) -> None:
