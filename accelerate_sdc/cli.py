@@ -29,6 +29,7 @@ import yaml
 from accelerate_sdc import config
 from sdc_core.launch import run_command
 from sdc_core.safeio import OutputError
+from sdc_core.settings import coerce
 
 _HELP = {
     "nonfinite_gradient": "check local gradients for NaN/Inf before the all-reduce",
@@ -64,13 +65,13 @@ def _config(args: argparse.Namespace) -> int:
     interactive = not args.default and not given and sys.stdin.isatty()
     for f in fields(config.SDCSettings):
         if f.name in given:
-            values[f.name] = config._coerce(f.name, given[f.name], f"option --{f.name}")
+            values[f.name] = coerce(f.name, given[f.name], f"option --{f.name}")
         elif interactive:
             try:
                 answer = input(f"{_HELP[f.name]} [{f.default}]: ").strip()
             except EOFError:
                 raise config.SDCConfigError("no answer (end of input); pass --default or --<setting> options") from None
-            values[f.name] = config._coerce(f.name, answer, "your answer") if answer else f.default
+            values[f.name] = coerce(f.name, answer, "your answer") if answer else f.default
         else:
             values[f.name] = f.default
     config.SDCSettings(**values)  # type check only; the cross checks run below

@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 from sdc_core.settings import SDCConfigError, SDCSettings, Sources, read_file
-from sdc_core.settings import coerce as _coerce
 from sdc_core.settings import resolve as _resolve
 
 ENV_PREFIX = "ACCELERATE_SDC_"
@@ -58,5 +57,3 @@ def resolve(**kwargs: Any) -> tuple[SDCSettings, dict[str, str]]:
     """
     return _resolve(SOURCES, **kwargs)
 
-
-_ = _coerce  # re-exported for callers of the old private name

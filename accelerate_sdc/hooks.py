@@ -29,15 +29,14 @@ from torch import nn
 
 from accelerate_sdc import config
 from sdc_core.errors import SDCError
-from sdc_core.hooks import LOOP_ADVICE, Framework, LossFn
+from sdc_core.hooks import Framework, LossFn
 from sdc_core.hooks import SDCHooks as _CoreHooks
 from sdc_core.safeio import atomic_write_text
 
 STATE_FILE = "sdc_state.json"  # the hook set's counters in a save_state folder
 MAX_STATE_BYTES = 64 << 20
 
-ACCELERATE_ADVICE = LOOP_ADVICE
-__all__ = ["ACCELERATE_ADVICE", "AccelerateFramework", "Framework", "LossFn", "SDCHooks"]
+__all__ = ["AccelerateFramework", "Framework", "LossFn", "SDCHooks"]
 
 
 class AccelerateFramework(Framework):

@@ -30,7 +30,7 @@ from sdc_core.replay import ReplayConfig, RingReplay, StateCapture
 from sdc_core.settings import SDCConfigError, checked_keywords, one_line_when_uncaught
 from sdc_core.sharded import ShardedFingerprint, ShardedNonFinite
 from sdc_core.sharded_replay import ShardedReplay
-from sdc_core.sharded_update import UpdateAudit, update_audit
+from sdc_core.sharded_update import update_audit
 
 
 class _SDCCallback(Callback):
@@ -379,7 +379,7 @@ class WeightFingerprintCheck(_SDCCallback):
         )
         self._core = WeightFingerprint(config)
         self._seen_step = 0
-        self._update_audit = sharded_update_audit(update_audit_every_n_steps)
+        self._update_audit = update_audit(update_audit_every_n_steps)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_fit_start(trainer, pl_module)
@@ -481,8 +481,10 @@ class WeightFingerprintCheck(_SDCCallback):
         super().on_train_end(trainer, pl_module)
 
 
-def sharded_update_audit(every_n_steps: int) -> UpdateAudit | None:
-    return update_audit(every_n_steps)
+LIGHTNING_ADVICE = (
+    "Expose state the capture cannot see with sdc_replay_state()/sdc_load_replay_state(state) on the "
+    "LightningModule, or define a side-effect free sdc_replay_step(batch, batch_idx)"
+)  # the replay's advice for unreplayable steps, in Lightning's terms
 
 
 class RingReplayAudit(_SDCCallback):
@@ -546,7 +548,7 @@ class RingReplayAudit(_SDCCallback):
         config = self._settings(
             ReplayConfig, every_n_steps, exact, rtol, atol, on_failure, on_unreplayable, max_state_mb, deterministic
         )
-        self._core = RingReplay(config)
+        self._core = RingReplay(config, advice=LIGHTNING_ADVICE, label="RingReplayAudit")
         self._training_step: Any = None
         self._names: list[str] = []  # the parameters that trained when fit started (DDP)
 
@@ -566,7 +568,8 @@ class RingReplayAudit(_SDCCallback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_fit_start(trainer, pl_module)
         if c.is_sharded(trainer):  # FSDP2: every rank replays its partner's batch through the sharded model
-            self._core = ShardedReplay(self._core.config, self._core.stats, self._core.topology)
+            self._core = ShardedReplay(self._core.config, self._core.stats, self._core.topology,
+                                       advice=self._core.advice, label=self._core.label)
             self._core.attach(
                 pl_module,
                 exclude=c.lightning_internals(),

@@ -1,8 +1,7 @@
 """``sdc campaign``: the fault-injection campaign, which trains with Lightning.
 
 The ``sdc`` console script is ``sdc_core.cli:main`` (the commands that know no framework live
-there); it hands ``sdc campaign ...`` to ``campaign_main``. ``main`` here is that same console
-script, kept for code that imported it from this module.
+there); it hands ``sdc campaign ...`` to ``campaign_main``.
 
 sdc campaign [--injections N] [--clean N] [--out DIR] [--workers W] [--seed S] [--steps N]
     [--study N] [--doc FILE]
@@ -17,7 +16,6 @@ import sys
 from pathlib import Path
 
 from sdc_core.cli import EXIT_CHANGED, EXIT_OK, parser_for
-from sdc_core.cli import main as main
 
 
 def _at_least(low: int) -> type:

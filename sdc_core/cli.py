@@ -162,7 +162,7 @@ TRUST_HELP = ("unpickle in full: lets the file run code while it is read. Only f
               "yourself; files of this project load without it")  # fmt: skip
 
 
-BIT_CLASSES = ("sign", "exponent_top", "exponent", "mantissa")  # sdc_core.checkpoint_faults' (tested equal; no torch here)
+BIT_CLASSES = ("sign", "exponent_top", "exponent", "mantissa")  # as in checkpoint_faults (tested equal; no torch)
 
 
 def _corrupt_arguments(c: argparse.ArgumentParser) -> None:

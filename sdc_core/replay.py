@@ -97,24 +97,20 @@ from sdc_core.replay_compare import (
     AUTO_MARGIN,
     Digest,
     Row,
-    _assemble,
-    _digest_row,
-    _grad_fingerprint,
-    _lower_median,
-    _sum_norm,
+    assemble,
     calibrate,
     compare,
     compare_raw,
+    digest_row,
     disagree,
     grad_digest,
     lower_median,
 )
 from sdc_core.replay_exchange import (
-    LIGHTNING_ADVICE,
+    DEFAULT_ADVICE,
     SEVERAL,
-    _cause,
-    _describe,
     attribute,
+    describe,
     every_pair_message,
     evidence,
     explain,
@@ -140,11 +136,7 @@ from sdc_core.replay_state import (
     StepState,
     TensorRef,
     _all_rng,
-    _copy_plain,
-    _first_device,
     _fresh,
-    _np_random,
-    _set_rng,
     capture_rng,
     deterministic,
     forbid_collectives,
@@ -165,17 +157,14 @@ from sdc_core.topology import (
 )
 
 __all__ = [
-    "AUTO_MARGIN", "CALIBRATION_ROUNDS", "EXACT_MODES", "LIGHTNING_ADVICE", "SEND_BY_DIGEST_BYTES",
+    "AUTO_MARGIN", "CALIBRATION_ROUNDS", "DEFAULT_ADVICE", "EXACT_MODES", "SEND_BY_DIGEST_BYTES",
     "CollectiveInReplay", "DeterministicWindow", "Digest", "MicroBatch", "ReplayConfig", "RingReplay", "Row",
-    "StateCapture", "StepFn", "StepState", "TensorRef", "calibrate", "capture_rng", "compare", "compare_raw",
-    "deterministic", "disagree", "every_pair_message", "explain", "is_determinism_error",
-    "failed_message", "for_transfer", "forbid_collectives", "grad_digest", "group_index", "lower_median",
-    "mismatch_reason", "pick_referee", "referee_jobs", "referee_sends", "replay_each_gradient", "replay_gradients",
-    "replay_partners", "settle", "unreproducible_message",
+    "StateCapture", "StepFn", "StepState", "TensorRef", "assemble", "calibrate", "capture_rng", "compare",
+    "compare_raw", "deterministic", "describe", "digest_row", "disagree", "every_pair_message", "explain",
+    "is_determinism_error", "failed_message", "for_transfer", "forbid_collectives", "grad_digest", "group_index",
+    "lower_median", "mismatch_reason", "pick_referee", "referee_jobs", "referee_sends", "replay_each_gradient",
+    "replay_gradients", "replay_partners", "settle", "unreproducible_message",
 ]  # fmt: skip
-# private names kept importable from here for callers written before the split
-_COMPAT = (_all_rng, _assemble, _cause, _copy_plain, _describe, _digest_row, _first_device, _fresh,
-           _grad_fingerprint, _lower_median, _np_random, _set_rng, _sum_norm)  # fmt: skip
 
 EXACT_MODES = (True, False, "auto")
 CALIBRATION_ROUNDS = 3  # exact="auto" without strict determinism: same-device rounds before the tolerance settles
@@ -250,8 +239,8 @@ class RingReplay:
     Adapter calls, per optimizer step: ``arm(step)`` (is this step audited?), ``record(...)``
     per micro-batch (``begin()`` where the step itself starts, when later than ``record``) and
     ``record_loss(...)``, then ``audit(...)`` after backward and before the update, on every rank.
-    ``capture`` (a ``StateCapture``) and ``advice`` (the adapter's hint for unreplayable steps)
-    are set by the adapter.
+    ``capture`` (a ``StateCapture``), ``advice`` (the adapter's hint for unreplayable steps, in
+    its users' terms) and ``label`` (the audit's name in failure texts) are set by the adapter.
 
     Deterministic kernels (``config.deterministic``): ``begin()`` (called by ``record``) switches
     torch to deterministic algorithms for the owner's audited micro-batch, forward and backward,
@@ -273,7 +262,8 @@ class RingReplay:
     topology: Topology | None = None
     names: list[str] = field(default_factory=list)
     capture: StateCapture | None = None
-    advice: str = LIGHTNING_ADVICE
+    advice: str = DEFAULT_ADVICE
+    label: str = "The ring replay audit"  # how failure texts name the audit (adapters: their class name)
     disabled: bool = False
     replaying: bool = False
     lockstep: bool = False  # replays run collectives (sharded models): every rank replays in every round
@@ -373,7 +363,7 @@ class RingReplay:
                 mb.state = self.capture.capture(self.capture.max_bytes - used)
             except Exception as err:
                 mb.state = None
-                self._capture_error = self._capture_error or f"capturing its state: {_describe(err)}"
+                self._capture_error = self._capture_error or f"capturing its state: {describe(err)}"
 
     def record_loss(self, loss: torch.Tensor) -> None:
         """The loss the owner back-propagates for the current audited micro-batch (no host sync)."""
@@ -384,10 +374,10 @@ class RingReplay:
     def _consume(self, p: nn.Parameter, grad: torch.Tensor) -> None:
         if self._armed_step is None or self._tap is None:
             return
-        self._local[self._tap.names.get(id(p), "?")] = _digest_row(grad)
+        self._local[self._tap.names.get(id(p), "?")] = digest_row(grad)
 
     def _own_digest(self) -> Digest:
-        return _assemble(self.names, self._local, self._loss if self._loss is not None else 0.0)
+        return assemble(self.names, self._local, self._loss if self._loss is not None else 0.0)
 
     def _replay_digest(
         self,
@@ -401,14 +391,14 @@ class RingReplay:
         rows: dict[str, Row] = {}
 
         def digest(name: str, grad: torch.Tensor) -> None:  # each gradient as produced, then freed
-            rows[name] = _digest_row(grad)
+            rows[name] = digest_row(grad)
 
         self.replaying = True
         try:
             loss = replay_each_gradient(module, self.names, batches, step_fn, digest, to_device, context, self.capture)
         finally:
             self.replaying = False
-        return _assemble(self.names, rows, loss)
+        return assemble(self.names, rows, loss)
 
     def _exchange(self, sends: dict[int, Any], recv_from: list[int]) -> dict[int, Any]:
         """``exchange`` of replay payloads: pickled batches as configured, every received payload
@@ -418,6 +408,7 @@ class RingReplay:
     def _unreplayable(self, step: int, message: str) -> bool:
         """Every rank alike: raise ``ReplayUnavailableError``, or warn once and turn the audit off."""
         self.stats.bump("unreplayable")
+        message = f"{self.label} {message}"
         if self.config.on_unreplayable == "warn":
             self.disabled = True
             warnings.warn(f"{message} The ring replay audit is now off.", UserWarning, stacklevel=4)
@@ -478,7 +469,7 @@ class RingReplay:
         try:
             return self._audit(step, module, step_fn, to_device, context)
         except PayloadError as err:  # raised on every rank together by the exchange: a peer sent what is refused
-            return self._unreplayable(step, f"RingReplayAudit could not exchange its data at step {step}: {err}.")
+            return self._unreplayable(step, f"could not exchange its data at step {step}: {err}.")
         finally:
             if self._probed is not None:  # the mode of the next audited step: every rank alike
                 self._strict, self._probed = self._probed, None
@@ -534,15 +525,15 @@ class RingReplay:
         try:
             payload: dict[str, Any] = {"micro": for_transfer(micro), "digest": own}
         except Exception as err:  # the partner still gets a message: no rank is left waiting
-            failure = failure or f"preparing its micro-batches: {_describe(err)}"
-            payload = {TRANSFER_ERROR: f"the owner could not send its micro-batches: {_describe(err)}"}
+            failure = failure or f"preparing its micro-batches: {describe(err)}"
+            payload = {TRANSFER_ERROR: f"the owner could not send its micro-batches: {describe(err)}"}
         received = self._exchange({partners[me]: payload}, [inverse[me]])[inverse[me]]
         batches: list[MicroBatch] = []
         if self.lockstep:  # replays are collective: every rank must be able to start one, or none does
             try:
                 batches, prep_failure = prepare(received), ""
             except Exception as err:
-                prep_failure = _describe(err)
+                prep_failure = describe(err)
             failure = failure or prep_failure
             if _any_rank(bool(failure)):
                 return self._failed(step, all_gather_objects(failure), inverse, t0)
@@ -689,7 +680,7 @@ class RingReplay:
                 try:
                     prepare(got[o])
                 except Exception as err:
-                    my_failure = my_failure or f"refereeing {o}->{q}: {_describe(err)}"
+                    my_failure = my_failure or f"refereeing {o}->{q}: {describe(err)}"
             if _any_rank(bool(my_failure)):
                 return self._failed(step, all_gather_objects(my_failure), inverse, t0)
             assigned = [t for _, _, t in assignments]
@@ -788,7 +779,7 @@ def _attempt(fn: Callable[[], Digest]) -> tuple[Digest | None, str]:
     try:
         return fn(), ""
     except Exception as err:
-        return None, _describe(err)
+        return None, describe(err)
 
 
 def _any_rank(flag: bool) -> bool:

@@ -23,17 +23,25 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from sdc_core.fingerprint import tensor_digest
 
-if TYPE_CHECKING:
-    from sdc_core.replay import ReplayConfig
-
 AUTO_MARGIN = 100.0  # exact="auto": tolerance = AUTO_MARGIN * measured same-device noise floor (GPU noise
 # fluctuates from batch to batch; a fault must stand out from it by two orders of magnitude)
+
+
+class Tolerances(Protocol):
+    """What ``compare`` reads of a configuration (``sdc_core.replay.ReplayConfig`` has it)."""
+
+    @property
+    def exact(self) -> bool | str: ...
+    @property
+    def rtol(self) -> float: ...
+    @property
+    def atol(self) -> float: ...
 
 
 @dataclass
@@ -62,7 +70,7 @@ def _grad_fingerprint(g: torch.Tensor) -> torch.Tensor:
     return tensor_digest(g.detach() + 0.0)
 
 
-def _digest_row(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+def digest_row(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """``(sum, norm, exact fingerprint, numel)`` of one gradient, on its device (no sync)."""
     gs, gn = _sum_norm(g)
     return gs, gn, _grad_fingerprint(g), g.numel()
@@ -71,7 +79,7 @@ def _digest_row(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
 Row = tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]
 
 
-def _assemble(names: Sequence[str], rows: dict[str, Row], loss: torch.Tensor | float) -> Digest:
+def assemble(names: Sequence[str], rows: dict[str, Row], loss: torch.Tensor | float) -> Digest:
     """A ``Digest`` in ``names`` order; a parameter without a row (no gradient) counts as zeros.
 
     Cost: the rows are packed on one device (an accelerator's when any row is there) into one
@@ -112,7 +120,7 @@ def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 def grad_digest(names: Sequence[str], grads: dict[str, torch.Tensor], loss: torch.Tensor | float) -> Digest:
     """Digest of gradients keyed by parameter name (a missing gradient counts as zeros)."""
-    return _assemble(names, {n: _digest_row(g) for n, g in grads.items() if g is not None}, loss)
+    return assemble(names, {n: digest_row(g) for n, g in grads.items() if g is not None}, loss)
 
 
 def compare_raw(a: Digest, b: Digest, names: Sequence[str], atol: float = 1e-6) -> tuple[bool, float, str]:
@@ -152,7 +160,7 @@ def disagree(exact: bool, diff: float, tolerance: float) -> bool:
     return (not exact) if tolerance == 0 else (diff > tolerance or math.isnan(diff))
 
 
-def compare(a: Digest, b: Digest, config: ReplayConfig, names: Sequence[str]) -> tuple[bool, float, str]:
+def compare(a: Digest, b: Digest, config: Tolerances, names: Sequence[str]) -> tuple[bool, float, str]:
     """``(mismatch, largest relative difference, where)`` under ``config``'s fixed tolerance
     (bit equality for ``exact=True``, ``rtol`` otherwise; ``RingReplay`` calibrates ``"auto"``)."""
     exact, diff, where = compare_raw(a, b, names, config.atol)
@@ -163,9 +171,6 @@ def lower_median(values: Sequence[float]) -> float:
     """The lower median: no single value (one faulty rank) can raise it above a healthy one."""
     ordered = sorted(values)
     return ordered[(len(ordered) - 1) // 2] if ordered else 0.0
-
-
-_lower_median = lower_median
 
 
 def calibrate(current: float | None, self_diffs: Sequence[float], rtol: float) -> float:

@@ -250,14 +250,15 @@ def single_fault(
     return True
 
 
-def _describe(err: BaseException) -> str:
+def describe(err: BaseException) -> str:
+    """``"Type: message"`` of an exception, as the replay's failure texts quote it."""
     return f"{type(err).__name__}: {err}"
 
 
-LIGHTNING_ADVICE = (
-    "Expose state the capture cannot see with sdc_replay_state()/sdc_load_replay_state(state) on the "
-    "LightningModule, or define a side-effect free sdc_replay_step(batch, batch_idx)"
-)
+DEFAULT_ADVICE = (
+    "Expose state the capture cannot see with the StateCapture's get_state/load_state hooks, or replay "
+    "a side-effect free step function (RingReplay.audit's step_fn)"
+)  # the core's own terms; each adapter sets RingReplay.advice in its users' terms
 
 
 def _cause(failures: Sequence[str], advice: str) -> str:
@@ -267,8 +268,7 @@ def _cause(failures: Sequence[str], advice: str) -> str:
         return (
             "the training step communicates (a torch.distributed collective inside it, e.g. self.all_gather, "
             "accelerator.gather, a metric synced on step): a replay runs on one rank only and cannot take part in "
-            "a collective. Replay a step without communication (sdc_replay_step in Lightning, a loss function "
-            "without gathers with Accelerate), or turn the audit off"
+            "a collective. Replay a step without communication, or turn the audit off. " + advice
         )
     if "use_reentrant" in text:
         return (
@@ -361,10 +361,11 @@ def referee_sends(
 
 
 def failed_message(step: int, failures: Sequence[str], inverse: Sequence[int], advice: str) -> str:
-    """The ``ReplayUnavailableError`` text for replays that raised (``failures[r]``: rank ``r``'s)."""
+    """The ``ReplayUnavailableError`` text for replays that raised (``failures[r]``: rank ``r``'s),
+    to follow the audit's name (``RingReplay.label``)."""
     listed = "; ".join(f"rank {r} replaying rank {inverse[r]}: {f}" for r, f in enumerate(failures) if f)
     return (
-        f"RingReplayAudit could not replay at step {step}: {listed}. Likely cause and fix: "
+        f"could not replay at step {step}: {listed}. Likely cause and fix: "
         f"{_cause([f for f in failures if f], advice)}."
     )
 
@@ -372,7 +373,8 @@ def failed_message(step: int, failures: Sequence[str], inverse: Sequence[int], a
 def unreproducible_message(
     step: int, ranks: Sequence[int], worst: float, wheres: Sequence[str], tolerance: float, exact: Any, advice: str
 ) -> str:
-    """The ``ReplayUnavailableError`` text for ranks that could not reproduce their own result."""
+    """The ``ReplayUnavailableError`` text for ranks that could not reproduce their own result, to
+    follow the audit's name (``RingReplay.label``)."""
     how = (
         "compares bit for bit (exact=True): use exact='auto' to allow measured noise, or make the step "
         "deterministic (torch.use_deterministic_algorithms(True))"
@@ -381,7 +383,7 @@ def unreproducible_message(
         "(an object that is neither a tensor nor a plain Python value, a global, an iterator)"
     )
     return (
-        f"RingReplayAudit cannot trust its replay at step {step}: ranks {list(ranks)} could not reproduce "
+        f"cannot trust its replay at step {step}: ranks {list(ranks)} could not reproduce "
         f"their own result on their own device (largest difference {worst:.3g} in "
         f"{', '.join(sorted({wheres[q] or 'loss' for q in ranks}))}; tolerance "
         f"{tolerance:.3g}). This is not evidence of a faulty device: the step {how}. {advice}."
@@ -389,7 +391,8 @@ def unreproducible_message(
 
 
 def every_pair_message(step: int, topo: Topology, first: bool, advice: str) -> str:
-    """The ``ReplayUnavailableError`` text when every replay pair disagrees."""
+    """The ``ReplayUnavailableError`` text when every replay pair disagrees, to follow the audit's
+    name (``RingReplay.label``)."""
     software = {(f.device, f.versions) for f in topo.ranks}
     differ = (
         " The ranks do run different devices or software: "
@@ -400,9 +403,10 @@ def every_pair_message(step: int, topo: Topology, first: bool, advice: str) -> s
     )
     when = "at its first audit" if first else ""
     return (
-        f"RingReplayAudit cannot trust its replay at step {step}: every replay pair disagrees {when} while "
+        f"cannot trust its replay at step {step}: every replay pair disagrees {when} while "
         "each rank reproduces its own result on its own device, so the replay does not compute what the "
-        "owners computed: the step depends on the rank (self.global_rank, per-rank data outside the batch, "
+        "owners computed: the step depends on the rank (its rank, e.g. self.global_rank or "
+        "torch.distributed.get_rank(), per-rank data outside the batch, "
         "a loss computed from values the replay does not receive) or the ranks compute differently."
         f"{differ} {advice}."
     ).replace("  ", " ")

@@ -57,7 +57,7 @@ from torch import nn
 from torch.nn.utils.stateless import _reparametrize_module
 
 from sdc_core.replay import RingReplay
-from sdc_core.replay_compare import Digest, Row, _assemble, _digest_row
+from sdc_core.replay_compare import Digest, Row, assemble, digest_row
 from sdc_core.replay_state import MicroBatch, StateCapture, StepFn, _all_rng, _set_rng
 from sdc_core.sharded import GradientTapComm, fsdp_taps, local
 
@@ -99,15 +99,15 @@ def tensor_parallel_groups(module: nn.Module, world: int) -> list[tuple[int, ...
         return None
     if len(meshes) > 1:
         raise ValueError(
-            "RingReplayAudit on a sharded model supports one tensor-parallel device mesh; the parameters use "
+            "The ring replay audit on a sharded model supports one tensor-parallel device mesh; the parameters use "
             f"{len(meshes)} ({[names for _, names, _ in meshes]})"
         )
     root, names, dims = meshes[0]
     ranks = root.mesh.detach().cpu()
     if sorted(ranks.flatten().tolist()) != list(range(world)):
         raise ValueError(
-            f"RingReplayAudit on a sharded model needs the tensor-parallel device mesh {names} to hold every one of "
-            f"the {world} ranks once (its ranks: {ranks.flatten().tolist()})"
+            f"The ring replay audit on a sharded model needs the tensor-parallel device mesh {names} to hold every "
+            f"one of the {world} ranks once (its ranks: {ranks.flatten().tolist()})"
         )
     rest = [i for i in range(ranks.ndim) if i not in dims]
     size = 1
@@ -179,11 +179,11 @@ class ShardedReplay(RingReplay):
             return
         if not self._local:
             self._labels = []
-        self._local[str(len(self._local))] = _digest_row(flat)
+        self._local[str(len(self._local))] = digest_row(flat)
         self._labels.append(_label(names))
 
     def _consume_replay(self, flat: torch.Tensor, names: list[str]) -> None:
-        self._replayed.append((_digest_row(flat), _label(names)))
+        self._replayed.append((digest_row(flat), _label(names)))
 
     def _named(self, labels: list[str]) -> None:
         if len(labels) > len(self.names):  # the labels "where" reports (the same on every rank: SPMD)
@@ -192,7 +192,7 @@ class ShardedReplay(RingReplay):
     def _own_digest(self) -> Digest:
         self._named(self._labels)
         keys = [str(i) for i in range(len(self._local))]
-        return _assemble(keys, self._local, self._loss if self._loss is not None else 0.0)
+        return assemble(keys, self._local, self._loss if self._loss is not None else 0.0)
 
     def _replay_digest(
         self,
@@ -253,7 +253,7 @@ class ShardedReplay(RingReplay):
         replayed, self._replayed = self._replayed, []
         self._named([label for _, label in replayed])
         keys = [str(i) for i in range(len(replayed))]
-        return _assemble(keys, {k: row for k, (row, _) in zip(keys, replayed, strict=True)}, loss_total)
+        return assemble(keys, {k: row for k, (row, _) in zip(keys, replayed, strict=True)}, loss_total)
 
 
 def _label(names: list[str]) -> str:

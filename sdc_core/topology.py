@@ -292,13 +292,6 @@ def owners_of(partners: tuple[int, ...] | list[int]) -> list[int]:
     return owners
 
 
-def all_reduce_max(values: torch.Tensor) -> torch.Tensor:
-    """In-place MAX all-reduce on the collective device (a no-op without a process group)."""
-    if is_distributed():
-        dist.all_reduce(values, op=dist.ReduceOp.MAX)
-    return values
-
-
 def all_gather_tensor(value: torch.Tensor) -> torch.Tensor:
     """Stack every rank's ``value`` (same shape on all ranks) along a new first dimension."""
     if not is_distributed():

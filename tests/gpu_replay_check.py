@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from sdc_core.errors import ReplayMismatchError, ReplayUnavailableError
 from sdc_core.faults import Fault, FaultInjector
 from sdc_core.gradients import GradientTap
-from sdc_core.replay import ReplayConfig, RingReplay, StateCapture, _assemble, _digest_row, deterministic
+from sdc_core.replay import ReplayConfig, RingReplay, StateCapture, assemble, deterministic, digest_row
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a smoke test of the script only, tiny sizes
 VOCAB, D, B, T = (4096, 256, 8, 256) if DEVICE == "cuda" else (64, 16, 2, 8)
@@ -102,7 +102,7 @@ def train(deterministic_: bool, steps: int, faults: list[Fault] = (), **kw: Any)
 
 def stale_read_check() -> dict[str, int]:
     """Rows on the GPU, the first one on the host, each read right after a long queue of GPU work:
-    the old ``.to(cpu, non_blocking=True)`` + stack against ``_assemble``."""
+    the old ``.to(cpu, non_blocking=True)`` + stack against ``assemble``."""
     big = torch.randn(4096 if DEVICE == "cuda" else 64, 4096 if DEVICE == "cuda" else 64, device=DEVICE)
     bad_old = bad_new = 0
 
@@ -110,7 +110,7 @@ def stale_read_check() -> dict[str, int]:
         nonlocal big
         for _ in range(30):
             big = big @ big * 1e-4  # queued work the digests (and copies) wait behind
-        return {"host": _digest_row(torch.ones(10)), **{n: _digest_row(g) for n, g in grads.items()}}
+        return {"host": digest_row(torch.ones(10)), **{n: digest_row(g) for n, g in grads.items()}}
 
     for i in range(20):
         grads = {f"p{j}": torch.full((1000,), float(i * 100 + j), device=DEVICE) for j in range(64)}
@@ -118,7 +118,7 @@ def stale_read_check() -> dict[str, int]:
         rows = rows_after_work(grads)
         bad_old += torch.stack([r[0].to("cpu", non_blocking=True) for r in rows.values()])[1:].tolist() != truth
         rows = rows_after_work(grads)
-        bad_new += _assemble(list(rows), rows, 0.0).sums[1:].tolist() != truth
+        bad_new += assemble(list(rows), rows, 0.0).sums[1:].tolist() != truth
     return {"old_wrong_reads": bad_old, "new_wrong_reads": bad_new, "of": 20}
 
 

@@ -12,9 +12,9 @@ import torch
 from ddp_scenarios import Net, loader
 
 from lightning_sdc import FingerprintMismatchError, WeightFingerprintCheck
-from lightning_sdc.cli import main as sdc
 from sdc_core.checkpoint import Checkpoint
 from sdc_core.checkpoint_faults import bits_of_class
+from sdc_core.cli import main as sdc
 
 INT = {4: torch.int32, 2: torch.int16, 8: torch.int64}
 

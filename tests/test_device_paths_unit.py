@@ -116,8 +116,6 @@ def test_home_device_prefers_the_accelerator():
 # A copy with non_blocking=True is allowed only where an event gates its read.
 _ALLOWED = {
     ("topology.py", "get"),  # HostRead.get: a side-stream copy behind an event it waits on
-    ("replay.py", "_assemble"),  # owned by the replay split (its nested `col`); reported to the lead
-    ("replay.py", "col"),
 }
 
 

@@ -210,7 +210,7 @@ def test_rank_zero_writes_one_incident_per_verdict(out: Path) -> None:
 def test_report_and_exclude_list_read_incidents_back(out: Path, capsys: pytest.CaptureFixture) -> None:
     import json
 
-    from lightning_sdc.cli import main as sdc
+    from sdc_core.cli import main as sdc
 
     assert sdc(["report", str(out / "logs"), "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)

@@ -21,12 +21,12 @@ from sdc_core.replay import (
     RingReplay,
     StateCapture,
     StepState,
-    _all_rng,
-    _assemble,
-    _digest_row,
+    assemble,
+    digest_row,
     grad_digest,
     replay_gradients,
 )
+from sdc_core.replay_state import _all_rng  # private to the replay: tests build micro-batches
 
 
 @pytest.fixture
@@ -54,8 +54,8 @@ def copies(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[str, bool]]]:
 
 def test_assemble_copies_blocking_and_reads_the_values(copies: list[tuple[str, bool]]) -> None:
     grads = {f"p{i}": torch.randn(7, dtype=torch.float32 if i % 2 else torch.bfloat16) for i in range(6)}
-    rows = {n: _digest_row(g) for n, g in grads.items()}
-    d = _assemble([*grads, "missing"], rows, torch.tensor(1.25, dtype=torch.float32))
+    rows = {n: digest_row(g) for n, g in grads.items()}
+    d = assemble([*grads, "missing"], rows, torch.tensor(1.25, dtype=torch.float32))
     assert copies and not any(nb for _, nb in copies), copies  # the loss at least is converted
     assert d.loss == 1.25 and d.sums[-1] == 0 and d.fps[-1] == 0
     for i, g in enumerate(grads.values()):
@@ -133,11 +133,11 @@ def test_each_gradient_is_digested_and_freed_as_it_is_produced(n: int) -> None:
         nonlocal most_alive
         most_alive = max(most_alive, sum(r() is not None for r in alive))
         alive.append(weakref.ref(grad))
-        rows[name] = _digest_row(grad)
+        rows[name] = digest_row(grad)
 
     loss = replay_each_gradient(m, names, micro(n), step, consume)
     assert sorted(rows) == sorted(full) == sorted(names)  # the side layer's gradient from micro-batch 0 too
     assert most_alive <= 1  # the previous gradient was freed before the next arrived: no full second set
-    got, want = _assemble(names, rows, loss), grad_digest(names, full, loss_full)
+    got, want = assemble(names, rows, loss), grad_digest(names, full, loss_full)
     assert torch.equal(got.fps, want.fps) and torch.equal(got.sums, want.sums) and got.loss == want.loss
     assert all(p.grad is None for p in m.parameters())  # no side effect on .grad

@@ -18,15 +18,15 @@ from sdc_core.replay import (
     RingReplay,
     StateCapture,
     TensorRef,
-    _all_rng,
-    _assemble,
-    _digest_row,
+    assemble,
     compare_raw,
+    digest_row,
     disagree,
     forbid_collectives,
     grad_digest,
     replay_gradients,
 )
+from sdc_core.replay_state import _all_rng  # private to the replay: tests build micro-batches
 
 
 class Opaque:
@@ -204,7 +204,7 @@ def test_collectives_are_refused_inside_and_restored_after() -> None:
 
 def test_digest_is_read_with_one_device_to_host_copy(monkeypatch: pytest.MonkeyPatch) -> None:
     grads = {f"p{i}": torch.randn(5) for i in range(40)}
-    rows = {n: _digest_row(g) for n, g in grads.items()}
+    rows = {n: digest_row(g) for n, g in grads.items()}
     calls = []
     real = torch.Tensor.cpu
 
@@ -213,7 +213,7 @@ def test_digest_is_read_with_one_device_to_host_copy(monkeypatch: pytest.MonkeyP
         return real(self, *a, **k)
 
     monkeypatch.setattr(torch.Tensor, "cpu", counting)
-    d = _assemble([*grads, "missing"], rows, torch.tensor(2.5, dtype=torch.float64))
+    d = assemble([*grads, "missing"], rows, torch.tensor(2.5, dtype=torch.float64))
     assert len(calls) == 1
     monkeypatch.undo()
     assert d.loss == 2.5 and d.sums.shape == (41,) and d.fps.dtype == torch.int64 and d.fps[-1] == 0
