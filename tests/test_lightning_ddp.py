@@ -129,7 +129,13 @@ def test_persistent_compute_fault_is_attributed_by_two_pairs(out: Path) -> None:
     pairs = {tuple(p) for p in err["details"]["mismatching_pairs"]}
     partners = err["details"]["partners"]
     assert pairs == {(1, partners[1]), (partners.index(1), 1)}
-    assert err["details"]["referees"] == {}
+    # every disagreeing pair is replayed by a third rank, and each sides against rank 1
+    referees = err["details"]["referees"]
+    assert set(referees) == {f"{o}->{q}" for o, q in pairs}
+    assert all(t not in (int(o), int(q)) for pair, t in referees.items() for o, q in [pair.split("->")])
+    rulings = err["details"]["rulings"]
+    assert "owner is faulty" in rulings[f"1->{partners[1]}"]
+    assert "replayer is faulty" in rulings[f"{partners.index(1)}->1"]
 
 
 def test_intermittent_fault_is_settled_by_a_referee(out: Path) -> None:
