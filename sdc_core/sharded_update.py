@@ -14,6 +14,9 @@ tensors per parameter, 2 for Adam): a copy of (2 + k) * S bytes, (2 + k) * S byt
 received point to point, one extra optimizer step on a shard, two digests. Other steps pay one
 Python check in the optimizer hooks.
 
+Every payload a rank receives is checked (``check_update_payload``) before it is used: a
+malformed one raises ``PayloadError`` on every rank alike, as for every other peer payload.
+
 Limits: exact equality assumes the partner's device computes the optimizer's elementwise kernels
 like the owner's (same device type and torch build); optimizers with a closure or cross-parameter
 state (e.g. LBFGS) are not recomputed faithfully. Under HSDP the fingerprint's replica comparison
@@ -39,6 +42,7 @@ from sdc_core.topology import (
     Topology,
     all_gather_objects,
     all_gather_tensor,
+    check_update_payload,
     exchange,
     is_distributed,
     owners_of,
@@ -145,7 +149,7 @@ class UpdateAudit:
         partners = topo.partners()
         inverse = owners_of(partners)
         payload = {"groups": snap, "after": after} if snap is not None and after is not None else {"skipped": True}
-        received = exchange({partners[me]: payload}, [inverse[me]])[inverse[me]]
+        received = exchange({partners[me]: payload}, [inverse[me]], validate=check_update_payload)[inverse[me]]
         failure = ""
         mismatch, names, mine = False, [], None
         try:
@@ -209,7 +213,7 @@ class UpdateAudit:
         referees = {pair: pick_referee(pair[0], pair[1], world, node_of, busy) for pair in disputed}
         sends = {ref: payload for (o, _), ref in referees.items() if o == me and ref is not None}
         recv = [o for (o, _), ref in referees.items() if ref == me]
-        got = exchange(sends, recv)
+        got = exchange(sends, recv, validate=check_update_payload)
         verdicts: dict[int, tuple[bool, bool]] = {}
         for (o, q), ref in referees.items():
             if ref == me and "skipped" not in got[o] and TRANSFER_ERROR not in got[o]:

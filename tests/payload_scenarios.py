@@ -16,8 +16,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from scenario_runner import main_for
+from torch import nn
 
 import sdc_core.payload as payload
+import sdc_core.sharded_update as sharded_update
 import sdc_core.topology as topology
 from sdc_core.replay import Digest, MicroBatch
 from sdc_core.topology import Topology, all_gather_objects, check_replay_payload, exchange
@@ -198,8 +200,50 @@ def over_limit(out: Path) -> dict[str, Any]:
     return outcome(lambda: {s: sorted(v) for s, v in ring(lambda r: big, max_bytes=8192).items()}, out)
 
 
+def _update_audit_steps(steps: int) -> dict[str, Any]:
+    """``steps`` Adam steps of one replica of a small layer under the FSDP2 update audit (every
+    step audited; without shards each rank's whole tensors stand for its shard)."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    audit = sharded_update.UpdateAudit(every_n_steps=1)
+    audit.attach(opt, model)
+    for step in range(steps):
+        opt.zero_grad()
+        model(torch.ones(2, 4)).sum().backward()
+        audit.before_update(step, opt)
+        opt.step()
+        audit.audit(step)
+    return {"runs": audit.stats.runs, "verified": audit.stats.last_verified_step}
+
+
+def update_clean(out: Path) -> dict[str, Any]:
+    """Honest update audit payloads (parameters, gradients, Adam state) pass its validation."""
+    return outcome(lambda: _update_audit_steps(2), out)
+
+
+def update_bad_payload(out: Path) -> dict[str, Any]:
+    """The hostile rank's update audit snapshot holds a gradient of another shape than its
+    parameter: refused by ``check_update_payload`` on every rank, before any recomputation."""
+
+    def bad(real: Any) -> Any:
+        def snapshot(*args: Any) -> Any:
+            groups = real(*args)
+            groups[0]["items"][0]["grad"] = torch.ones(1)
+            return groups
+
+        return snapshot
+
+    original = patched(sharded_update, "_snapshot", bad)
+    try:
+        return outcome(lambda: _update_audit_steps(1), out)
+    finally:
+        restore(sharded_update, "_snapshot", original)
+
+
 SCENARIOS = {f.__name__: f for f in (clean, unencodable, malicious_pickle, foreign_bytes, huge_size, short_size,
-                                     gather_huge_size, gather_pickle, bad_shape, over_limit)}  # fmt: skip
+                                     gather_huge_size, gather_pickle, bad_shape, over_limit, update_clean,
+                                     update_bad_payload)}  # fmt: skip
 
 if __name__ == "__main__":
     dist.init_process_group("gloo", timeout=timedelta(seconds=float(os.environ.get("PG_TIMEOUT", "60"))))

@@ -241,6 +241,8 @@ def test_clean_exchange_and_gather_deliver_batches_without_pickle(peers: Path) -
     ("gather_huge_size", "rank 1 announced 1125899906842624 bytes"),
     ("gather_pickle", "rank 1 could not send its object"),
     ("bad_shape", "rank 2 refused the payload of rank 1: a replay payload has the keys ['micro']"),
+    ("update_bad_payload", "rank 2 refused the payload of rank 1: an update payload's gradient of weight does not "
+                           "match its parameter"),
 ])  # fmt: skip
 @pytest.mark.slow  # a multi-process launch: the default run stays under 10 minutes
 def test_a_hostile_peer_gives_every_rank_the_same_typed_error_at_once(peers: Path, scenario: str, says: str) -> None:
@@ -249,6 +251,13 @@ def test_a_hostile_peer_gives_every_rank_the_same_typed_error_at_once(peers: Pat
     assert len({r["message"] for r in rows}) == 1 and says in rows[0]["message"]
     assert all(r["seconds"] < 20 for r in rows)  # the process group timeout is 60 s: nobody waited for it
     assert not any(r["ran_code"] for r in rows)  # no code from a peer ran anywhere
+
+
+@pytest.mark.slow  # a multi-process launch: the default run stays under 10 minutes
+def test_the_update_audit_accepts_honest_payloads(peers: Path) -> None:
+    for row in results(peers, "update_clean", WORLD):
+        assert row["error"] is None, row["message"]
+        assert row["result"] == {"runs": 2, "verified": 1}
 
 
 @pytest.mark.slow  # a multi-process launch: the default run stays under 10 minutes
