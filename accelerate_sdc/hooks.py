@@ -24,8 +24,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from accelerate.utils import DDPCommunicationHookType, send_to_device
 from torch import nn
+
+from sdc_core._lazy import missing
+
+try:
+    from accelerate.utils import DDPCommunicationHookType, send_to_device
+except ImportError as err:
+    raise missing(err, "accelerate", "accelerate", "accelerate_sdc") from None
 
 from accelerate_sdc import config
 from sdc_core.errors import SDCError

@@ -35,11 +35,16 @@ from contextlib import nullcontext
 from typing import Any
 
 import torch
-from transformers import Trainer, TrainerCallback
-from transformers.trainer_callback import DefaultFlowCallback, ExportableState
 
 from accelerate_sdc import config
 from accelerate_sdc.hooks import AccelerateFramework, SDCHooks
+from sdc_core._lazy import missing
+
+try:
+    from transformers import Trainer, TrainerCallback
+    from transformers.trainer_callback import DefaultFlowCallback, ExportableState
+except ImportError as err:
+    raise missing(err, "transformers", "transformers", "accelerate_sdc.transformers") from None
 
 
 class _TrainerFramework(AccelerateFramework):

@@ -12,8 +12,9 @@ Lightning Fabric: ``lightning_sdc.fabric.SDCHooks``. Without code changes: ``SDC
 (``lightning_sdc.auto``, through the ``lightning.pytorch.callbacks_factory`` entry point).
 """
 
-from sdc_core._lazy import lazy_exports
+from sdc_core._lazy import lazy_exports, require
 
+require("lightning", "lightning", "lightning_sdc")  # found, not imported: `sdc campaign --help` stays quick
 # Imported on first use, so ``sdc campaign --help`` does not import Lightning.
 _EXPORTS = {
     "lightning_sdc.callbacks": ("FaultInjector", "MatmulChecksumCheck", "NonFiniteGradientCheck", "RingReplayAudit",

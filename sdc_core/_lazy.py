@@ -1,9 +1,11 @@
 """Package exports imported on first use (PEP 562): ``import sdc_core`` or ``lightning_sdc`` stays
-cheap (no torch, no Lightning) until a name is used, so ``sdc --help`` answers at once."""
+cheap (no torch, no Lightning) until a name is used, so ``sdc --help`` answers at once; and
+``require``, the one-line ``ImportError`` of an adapter whose framework is not installed."""
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from collections.abc import Callable
 from typing import Any
 
@@ -27,3 +29,27 @@ def lazy_exports(
         return sorted({*namespace, *home})
 
     return getattr_, dir_
+
+
+
+def _advice(module: str, extra: str, package: str) -> str:
+    return f"{package} needs {module}, which is not installed: pip install 'sdc-checks[{extra}]'"
+
+
+def require(module: str, extra: str, package: str) -> None:
+    """Raise ``ImportError`` naming the extra to install when the top-level package ``module``
+    (the framework ``package`` adapts) is not installed. Imports nothing: finding it is enough."""
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a blocked import, or a module in sys.modules without a spec
+        found = False
+    if not found:
+        raise ImportError(_advice(module, extra, package), name=module)
+
+
+def missing(err: ImportError, module: str, extra: str, package: str) -> ImportError:
+    """What to raise for ``err``, met importing the framework ``module`` at the top of an adapter:
+    the one-line advice when ``module`` itself is not installed, else ``err`` (a broken install)."""
+    if (err.name or "").split(".")[0] != module:
+        return err
+    return ImportError(_advice(module, extra, package), name=module)

@@ -338,6 +338,8 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 target = getattr(importlib.import_module(module), function)
             except ImportError as err:
+                if "pip install" in str(err):  # an adapter's one line, naming the extra to install
+                    raise ValueError(str(err)) from None
                 raise ValueError(f"'sdc {cmd.name}' needs {err.name or module} (pip install it): {err}") from None
             try:
                 return int(target(argv[1:]) or 0)
