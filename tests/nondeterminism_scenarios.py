@@ -7,7 +7,7 @@ pooling is a scatter-add with 32 duplicate indices per output row whose summatio
 when the kernel is noisy, from a generator seeded by ``os.urandom``: nothing the replay captures
 or restores can repeat it (what atomics do on a GPU when contention varies).
 
-A scenario is ``<kernel>:<setting>[:<fault>]``:
+A scenario is ``<kernel>:<setting>[:<fault>][@<runs>]``:
 
 * kernels: ``every`` (noisy on every call), ``some`` (on about one call in four), ``batches``
   (on every call for the batches whose tokens collide, never for the others), ``capable``
@@ -166,6 +166,8 @@ def one_run(kernel: str, setting: str, run: int, fault: str | None, out: Path) -
 
 
 def scenario(name: str, runs: int, out: Path) -> dict[str, Any]:
+    name, _, count = name.partition("@")  # "<kernel>:<setting>@8": 8 runs instead of --runs
+    runs = int(count) if count else runs
     kernel, setting, *fault = name.split(":")
     results = [one_run(kernel, setting, r, fault[0] if fault else None, out) for r in range(1 if fault else runs)]
     return {"runs": results}
