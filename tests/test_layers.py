@@ -1,0 +1,128 @@
+"""Imports go one way (docs/architecture.md): the core names no framework and no adapter, only
+fault injection, the CLI and the campaign import fault injection, adapters do not import each
+other, and no module of a package imports itself back at module level.
+
+Every module of ``sdc_core``, ``lightning_sdc`` and ``accelerate_sdc`` is parsed with ``ast``:
+imports at module level and inside functions (a lazy import is still a dependency) count."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+from conftest import ROOT
+
+PACKAGES = ("sdc_core", "lightning_sdc", "accelerate_sdc")
+FRAMEWORKS = ("lightning", "pytorch_lightning", "accelerate", "transformers")
+FAULT_INJECTION = {"sdc_core.faults", "sdc_core.checkpoint_faults"}
+# who may import fault injection: itself, the CLI (sdc corrupt-checkpoint) and the adapters (the
+# Lightning FaultInjector callback, the campaign)
+MAY_INJECT = {*FAULT_INJECTION, "sdc_core.cli"}
+
+
+def modules(root: Path = ROOT) -> dict[str, Path]:
+    """``{dotted name: file}`` for every module of the three packages."""
+    found = {}
+    for package in PACKAGES:
+        for path in sorted((root / package).glob("*.py")):
+            found[package if path.stem == "__init__" else f"{package}.{path.stem}"] = path
+    return found
+
+
+def imports(source: str, module: str, known: set[str]) -> list[tuple[str, bool, int]]:
+    """``(imported module, at module level, line)`` for every import in ``source``; ``from p
+    import x`` is ``p.x`` when that is a module in ``known``, else ``p``."""
+    package = module if module in PACKAGES else module.rpartition(".")[0]
+    found: list[tuple[str, bool, int]] = []
+
+    def visit(node: ast.AST, top: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            inner = top and not isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda)
+            if isinstance(child, ast.Import):
+                found.extend((a.name, top, child.lineno) for a in child.names)
+            elif isinstance(child, ast.ImportFrom):
+                base = child.module or ""
+                if child.level:
+                    parts = package.split(".")[: len(package.split(".")) - child.level + 1]
+                    base = ".".join([*parts, base] if base else parts)
+                for a in child.names:
+                    name = f"{base}.{a.name}"
+                    found.append((name if name in known else base, top, child.lineno))
+            visit(child, inner)
+
+    visit(ast.parse(source), True)
+    return found
+
+
+def graph() -> dict[str, list[tuple[str, bool, int]]]:
+    mods = modules()
+    return {m: imports(path.read_text(), m, set(mods)) for m, path in mods.items()}
+
+
+def top(name: str) -> str:
+    return name.split(".")[0]
+
+
+def test_the_core_imports_no_framework_and_no_adapter() -> None:
+    wrong = [f"{m}:{line} imports {dep}" for m, deps in graph().items() if top(m) == "sdc_core"
+             for dep, _, line in deps if top(dep) in (*FRAMEWORKS, "lightning_sdc", "accelerate_sdc")]  # fmt: skip
+    assert wrong == []
+
+
+def test_only_fault_injection_the_cli_and_the_adapters_import_fault_injection() -> None:
+    wrong = [f"{m}:{line} imports {dep}" for m, deps in graph().items() if top(m) == "sdc_core" and m not in MAY_INJECT
+             for dep, _, line in deps if dep in FAULT_INJECTION]  # fmt: skip
+    assert wrong == []
+
+
+def test_adapters_do_not_import_each_other() -> None:
+    other = {"lightning_sdc": "accelerate_sdc", "accelerate_sdc": "lightning_sdc"}
+    wrong = [f"{m}:{line} imports {dep}" for m, deps in graph().items() if top(m) in other
+             for dep, _, line in deps if top(dep) == other[top(m)]]  # fmt: skip
+    assert wrong == []
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Every cycle of ``edges`` found by a depth-first search (each reported once per entry point)."""
+    found: list[list[str]] = []
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def walk(node: str) -> None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(edges.get(node, ())):
+            if state.get(nxt) == 1:
+                found.append([*path[path.index(nxt) :], nxt])
+            elif nxt not in state:
+                walk(nxt)
+        path.pop()
+        state[node] = 2
+
+    for node in sorted(edges):
+        if node not in state:
+            walk(node)
+    return found
+
+
+def test_no_import_cycle_at_module_level() -> None:
+    g = graph()
+    edges = {m: {dep for dep, at_top, _ in deps if at_top and dep in g and dep != m} for m, deps in g.items()}
+    assert cycles(edges) == []
+
+
+def test_the_checks_see_lazy_imports_and_cycles() -> None:
+    source = "import torch\n\ndef f():\n    from sdc_core import faults\n    import lightning.pytorch\n"
+    known = {"sdc_core.faults"}
+    assert imports(source, "sdc_core.hooks", known) == [
+        ("torch", True, 1), ("sdc_core.faults", False, 4), ("lightning.pytorch", False, 5)]  # fmt: skip
+    assert imports("from . import faults\nfrom .x import y\n", "sdc_core.hooks", known) == [
+        ("sdc_core.faults", True, 1), ("sdc_core.x", True, 2)]  # fmt: skip
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_every_module_is_seen(package: str) -> None:
+    assert any(m == package for m in modules()) and sum(top(m) == package for m in modules()) > 3
