@@ -133,6 +133,13 @@ EOF
   return 0
 }
 
+judge() {  # judge FILE <<'EOF' (python reading FILE, printing one line, exit 1 when wrong): logged, noted
+  local verdict
+  verdict=$("$PY" - "$1" 2>&1) || failed=1
+  echo "$verdict" | tee -a "$log"
+  note "${verdict##*$'\n'}"
+}
+
 # -- the stages ------------------------------------------------------------------------------------
 stage_trust() {
   begin trust "${SDC_GPU_TRUST_TIMEOUT:-235}"
@@ -150,8 +157,7 @@ stage_trust() {
   # the ring replay's modes on nondeterministic GPU kernels (3 gloo ranks on one GPU; CPU: tiny sizes)
   if step replay "${SDC_GPU_REPLAY_TIMEOUT:-60}" env OUT="$out" "$PY" -m torch.distributed.run --standalone \
     --nproc-per-node 3 tests/gpu_replay_check.py; then
-    local verdict
-    verdict=$("$PY" - "$out/gpu_replay.json" <<'EOF' 2>&1
+    judge "$out/gpu_replay.json" <<'EOF'
 import json, sys
 r, bad = json.load(open(sys.argv[1])), []
 for s in ("det_clean", "off_clean"):  # a clean run raises nothing
@@ -169,9 +175,6 @@ if r["stale_read"]["new_wrong_reads"]:
 print("replay verdicts " + ("as expected" if not bad else "WRONG: " + ", ".join(bad)))
 sys.exit(1 if bad else 0)
 EOF
-    ) || failed=1
-    echo "$verdict" | tee -a "$log"
-    note "${verdict##*$'\n'}"
   fi
   # a kernel noisy on some calls only (a lucky exact audit must not make a later noisy one a verdict)
   local nd="$out/nondeterminism" runs=6 device=cuda
@@ -180,8 +183,7 @@ EOF
   if step intermittent "${SDC_GPU_INTERMITTENT_TIMEOUT:-50}" "$PY" -m torch.distributed.run --standalone \
     --nproc-per-node 3 tests/nondeterminism_scenarios.py --out "$nd" --device "$device" --runs "$runs" \
     --only some:every,every:every,some:every:activation,some:every:backward; then
-    local verdict
-    verdict=$("$PY" - "$nd" <<'EOF' 2>&1
+    judge "$nd" <<'EOF'
 import json, sys
 from pathlib import Path
 out, bad = Path(sys.argv[1]), []
@@ -196,9 +198,6 @@ for s, rank in (("some:every:activation", 2), ("some:every:backward", 0)):  # na
 print("intermittent kernel verdicts " + ("as expected" if not bad else "WRONG: " + "; ".join(bad)))
 sys.exit(1 if bad else 0)
 EOF
-    ) || failed=1
-    echo "$verdict" | tee -a "$log"
-    note "${verdict##*$'\n'}"
   fi
   [ "$dry" = 0 ] || note "the replay on the CPU (tiny sizes)"
   finish
