@@ -54,20 +54,46 @@ class LiveBytes(TorchDispatchMode):
     """Counts the bytes of every new storage a torch operator returns while the mode is on, until
     the storage is freed; ``peak`` is the most held at once since ``reset``. A storage is counted
     once; outputs that share an input's storage (views, in-place and ``out=`` results) are not new,
-    and storages made outside the mode are not counted."""
+    and storages made outside the mode are not counted. A counted storage resized in place
+    (``UntypedStorage.resize_``, how the replay sets the step's own gradients aside) counts its
+    new size from then on."""
 
     def __init__(self) -> None:
         super().__init__()
         self.live = 0
         self.peak = 0
-        self._seen: set[int] = set()
+        self._seen: dict[int, int] = {}  # id of a counted storage -> the bytes it holds now
+        self._resize: Any = None
 
     def reset(self) -> None:
         self.peak = self.live
 
     def _free(self, key: int, nbytes: int) -> None:
-        self._seen.discard(key)
-        self.live -= nbytes
+        self.live -= self._seen.pop(key, 0)
+
+    def __enter__(self) -> LiveBytes:
+        self._resize = vars(torch.UntypedStorage).get("resize_")  # None: the method torch's base class has
+        original = torch.UntypedStorage.resize_
+        tracker = self
+
+        def resize_(storage: Any, nbytes: int) -> Any:
+            out = original(storage, nbytes)
+            key = id(storage)
+            if key in tracker._seen:
+                tracker.live += storage.nbytes() - tracker._seen[key]
+                tracker._seen[key] = storage.nbytes()
+                tracker.peak = max(tracker.peak, tracker.live)
+            return out
+
+        torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
+        return super().__enter__()  # type: ignore[no-any-return]
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._resize is None:
+            del torch.UntypedStorage.resize_
+        else:
+            torch.UntypedStorage.resize_ = self._resize  # type: ignore[method-assign]
+        super().__exit__(*exc)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
@@ -77,7 +103,7 @@ class LiveBytes(TorchDispatchMode):
                 storage = t.untyped_storage()
                 key = id(storage)
                 if key not in self._seen and storage.nbytes() and storage.data_ptr() not in inputs:
-                    self._seen.add(key)
+                    self._seen[key] = storage.nbytes()
                     self.live += storage.nbytes()
                     self.peak = max(self.peak, self.live)
                     weakref.finalize(storage, self._free, key, storage.nbytes())

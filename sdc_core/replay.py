@@ -130,6 +130,7 @@ from sdc_core.replay_state import (
     SEND_BY_DIGEST_BYTES,
     CollectiveInReplay,
     DeterministicWindow,
+    GradientsAside,
     MicroBatch,
     StateCapture,
     StepFn,
@@ -281,6 +282,7 @@ class RingReplay:
     _strict: bool | None = None  # None: not probed yet; True: the step runs under warn_only=False
     _probed: bool | None = None  # the probe's result, applied when its audit ends
     _window: DeterministicWindow = field(default_factory=DeterministicWindow)
+    _aside: GradientsAside = field(default_factory=GradientsAside)  # the step's own .grad during its re-runs
     _capture_error: str = ""
     last_error: ReplayMismatchError | None = None
 
@@ -293,6 +295,7 @@ class RingReplay:
         self._tap = tap
         self.names = list(names)
         tap.consumers.append(self._consume)
+        tap.finishers.append(self._end_of_backward)
 
     def arm(self, step: int) -> bool:
         """Called at each micro-batch start; True when this step's micro-batches are audited."""
@@ -300,9 +303,11 @@ class RingReplay:
         if not due:
             self._armed_step = None
             self._window.exit()
+            self._aside.clear()
             return False
         if self._armed_step != step:
             self._armed_step, self._micro, self._loss, self._local = step, [], None, {}
+            self._aside.clear()
             self._capture_error = ""
         return True
 
@@ -311,6 +316,7 @@ class RingReplay:
         e.g. because another check already dropped that optimizer step."""
         self._armed_step, self._micro, self._loss, self._local = None, [], None, {}
         self._window.exit()
+        self._aside.clear()
 
     @property
     def strict(self) -> bool:
@@ -370,6 +376,12 @@ class RingReplay:
         if self._armed_step is not None and not self.replaying:
             loss = loss.detach().double()
             self._loss = loss if self._loss is None else self._loss + loss.to(self._loss.device)
+
+    def _end_of_backward(self) -> None:
+        """The tap's finisher: at the end of an audited step's synchronised backward, find where DDP
+        keeps a copy of the reduced gradients (``GradientsAside``: its buckets, default layout)."""
+        if self._armed_step is not None and not self.replaying and self._tap is not None:
+            self._aside.watch(self._tap.ddp, self._tap.params)
 
     def _consume(self, p: nn.Parameter, grad: torch.Tensor) -> None:
         if self._armed_step is None or self._tap is None:
@@ -466,8 +478,11 @@ class RingReplay:
             def to_device(batch: Any) -> Any:
                 return _fresh(batch, home)
 
-        try:
-            return self._audit(step, module, step_fn, to_device, context)
+        try:  # the step's own gradients out of the way of the re-runs where DDP keeps a copy
+            with self._aside.aside() as aside:
+                if aside:
+                    self.stats.extra = {**(self.stats.extra or {}), "gradients_set_aside_bytes": float(aside)}
+                return self._audit(step, module, step_fn, to_device, context)
         except PayloadError as err:  # raised on every rank together by the exchange: a peer sent what is refused
             return self._unreplayable(step, f"could not exchange its data at step {step}: {err}.")
         finally:

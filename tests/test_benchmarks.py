@@ -7,6 +7,7 @@ import math
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import ROOT, worker_env
@@ -75,28 +76,45 @@ def test_live_bytes_counts_new_storages_until_they_are_freed() -> None:
         assert tracker.peak == 4000
         del a
         assert tracker.live == 0
+        b = torch.ones(1000)  # a storage resized in place counts its new size (the replay's .grad set aside)
+        b.untyped_storage().resize_(0)
+        assert tracker.live == 0 and b.untyped_storage().nbytes() == 0
+        b.untyped_storage().resize_(4000)
+        assert tracker.live == 4000
+    assert "resize_" not in vars(torch.UntypedStorage)  # the tracker's patch is gone
+
+
+def memory_run(tmp_path: Path, configs: str, bucket_view: bool) -> dict[str, Any]:
+    out = tmp_path / f"mem{bucket_view}.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "benchmarks.memory", "--out", str(out), "--spec", "128,2,4,512", "--batch", "4", "--seq", "64",
+           "--skip", "2", "--steps", "2", "--configs", configs]  # fmt: skip
+    cmd += ["--bucket-view"] if bucket_view else []
+    proc = subprocess.run(cmd, cwd=ROOT, env=worker_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(out.read_text())  # type: ignore[no-any-return]
+
+
+def test_memory_benchmark_audited_step_adds_under_a_tenth_of_the_weights_with_ddp_defaults(tmp_path: Path) -> None:
+    """DDP's default layout (``.grad`` memory of its own, ``gradient_as_bucket_view=False``): the
+    audited step's own gradients wait in DDP's buckets while the partner's micro-batch is re-run,
+    so the audit adds under 10% of the weights to the step's peak (it added one copy of the
+    weights before), the first audits (the self re-run, the probe) included."""
+    row = memory_run(tmp_path, "none,audited", False)
+    assert row["excess_vs_weights"]["none"] == 0 and row["peak_step_bytes"]["none"] > 0
+    assert row["excess_vs_weights"]["audited"] < 0.10
+    assert row["first_steps_excess_vs_weights"]["audited"] < 0.10
 
 
 @pytest.mark.slow  # two multi-process launches
-def test_memory_benchmark_audited_step_adds_the_gradients_only_without_bucket_views(tmp_path: Path) -> None:
-    """An audited step's peak: with gradients in DDP's buckets it adds under 10% of the weights;
-    with separate ``.grad`` memory it adds the step's own gradients (held for the update while
-    the partner's micro-batch is re-run), about one copy of the weights."""
-    rows = {}
-    for view in (False, True):
-        out = tmp_path / f"mem{view}.json"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               "-m", "benchmarks.memory", "--out", str(out), "--spec", "128,2,4,512", "--batch", "4", "--seq", "64",
-               "--skip", "2", "--steps", "2", "--configs", "none,defaults,audited"]  # fmt: skip
-        cmd += ["--bucket-view"] if view else []
-        proc = subprocess.run(cmd, cwd=ROOT, env=worker_env(), capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        rows[view] = json.loads(out.read_text())
+def test_memory_benchmark_audited_step_adds_under_a_tenth_of_the_weights_in_both_layouts(tmp_path: Path) -> None:
+    """An audited step's peak adds under 10% of the weights with gradients in DDP's buckets and
+    with separate ``.grad`` memory alike; a clean step with the default checks adds nothing."""
+    rows = {view: memory_run(tmp_path, "none,defaults,audited", view) for view in (False, True)}
     for row in rows.values():
         assert row["excess_vs_weights"]["none"] == 0 and row["peak_step_bytes"]["none"] > 0
         assert abs(row["excess_vs_weights"]["defaults"]) < 0.05
-    assert rows[True]["excess_vs_weights"]["audited"] < 0.10
-    assert 0.8 < rows[False]["excess_vs_weights"]["audited"] < 1.3
+        assert row["excess_vs_weights"]["audited"] < 0.10
 
 
 def test_report_keeps_the_sections_written_by_hand() -> None:

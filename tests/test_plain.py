@@ -81,6 +81,17 @@ def test_plain_torchrun_ddp_loop_names_the_faulty_rank_with_every_check(ddp: Pat
         assert at == same_error(ddp, f"mlp:{kind}", 3)["step"] and metrics[f"sdc/{check}/failures"] == 1, (kind, at)
 
 
+def test_audited_steps_set_their_own_gradients_aside_with_ddp_defaults(ddp: Path) -> None:
+    """DDP's default layout: on the audited steps the step's own gradients wait in DDP's buckets
+    while the partner's micro-batch is re-run (every trainable parameter's), and the clean run is
+    still bit-identical to the run without checks, the faults still named (``check_models``)."""
+    clean = results(ddp, "mlp:clean", 3)
+    for r in clean:
+        extra = r["state"]["checks"]["ring_replay"]["extra"]
+        assert extra["gradients_set_aside_bytes"] > 0, extra
+    assert [r["weights"] for r in clean] == [r["weights"] for r in results(ddp, "mlp:off", 3)]
+
+
 @pytest.mark.slow  # a multi-process launch: the default run stays under 10 minutes
 def test_every_check_holds_with_gradients_in_ddp_buckets(ddp_bucket_view: Path) -> None:
     """``gradient_as_bucket_view=True`` (the layout docs/performance.md recommends for audits close to
