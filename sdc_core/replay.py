@@ -65,7 +65,8 @@ Cost: on audited steps, deterministic kernels for the owner's micro-batches (+9 
 H200, docs/coverage.md) and one extra forward and backward of the partner's micro-batches (three
 at the first audit: the self re-run and the strict probe; two at the next and, without strict
 determinism, the first three audits), its gradients digested as they are produced (no second
-full set of gradients is held), the batch and state transfer (point to point, never
+full set of gradients is held; with DDP's default layout the step's own ``.grad`` waits in DDP's
+buckets meanwhile, ``GradientsAside``), the batch and state transfer (point to point, never
 gathered), a per-parameter digest of the local gradients read with one device-to-host copy, a
 clone of the state per audited step (at most ``max_state_mb``, 256 MiB; larger tensors are read live and
 guarded against in-place change) and one all-gather of six float64 per rank. Other steps pay

@@ -8,7 +8,8 @@ device). ``replay_gradients`` re-runs micro-batches with that state swapped in, 
 aliases of the trainable parameters, with ``torch.distributed`` collectives refused
 (``forbid_collectives``), and restores everything afterwards: ``.grad``, optimizer, DDP,
 attributes, RNG and user state are as before, so training is bit-identical with the audit on and
-off.
+off. ``GradientsAside`` keeps an audited step's own gradients out of the way of its re-runs
+where DDP holds a copy of them anyway (its buckets, in DDP's default layout), bit for bit.
 
 Cost: a capture clones state tensors on their device (no host sync) within ``max_state_mb`` per
 audited step (larger tensors are read live and guarded against in-place change); frozen tensors
