@@ -744,7 +744,7 @@ class _BucketCopies(TorchDispatchMode):
                 hit = self.grads.get(dst.data_ptr()) if isinstance(src, torch.Tensor) else None
                 if hit is not None and hit[1] is dst:
                     self.found.append((hit[0], dst, src))
-            except Exception:  # noqa: BLE001 - a record missed is a gradient kept where it is
+            except Exception:  # a record missed is a gradient kept where it is
                 pass
         return out
 
@@ -792,8 +792,8 @@ class GradientsAside:
     def watch(self, ddp: Any, params: Sequence[nn.Parameter]) -> None:
         """At the end of a synchronised backward (an autograd callback, queued before DDP's):
         record DDP's copies of its buckets into ``.grad`` in the callbacks that follow."""
-        self._found = []
-        if self._mode is not None or not self.applies(ddp):
+        self._found, self._mode = [], None  # a mode left by a failed callback is gone with that backward's state
+        if not self.applies(ddp):
             return
         grads = {}
         for p in params:
@@ -814,7 +814,7 @@ class GradientsAside:
         self._mode = mode
         try:
             torch.autograd.Variable._execution_engine.queue_callback(stop)
-        except Exception:  # noqa: BLE001 - no callback to leave the mode: leave it now, record nothing
+        except Exception:  # no callback to leave the mode: leave it now, record nothing
             self._mode = None
             mode.__exit__(None, None, None)
 
@@ -855,7 +855,7 @@ class GradientsAside:
                 try:
                     g.untyped_storage().resize_(nbytes)
                     g.copy_(view)
-                except BaseException as err:  # noqa: BLE001
+                except BaseException as err:  # the others are still put back
                     error = error or err
             if error is not None:
                 raise error
