@@ -696,9 +696,8 @@ class SDCHooks:
         if self._fw.num_processes > 1:  # the script may now free the model and the process group
             shutdown.settle_threads()
         if isinstance(err, SDCError):
-            try:  # the failure point at the step the verdict is about (a verdict read one step later too)
-                at = err.step if isinstance(err.step, int) and 0 <= err.step <= self.step else self.step
-                self.log(force=True, step=at if self._logged_step != at else self.step)
+            try:  # at the tracker step of now: the updates done (a verdict about step s after its update: s + 1)
+                self.log(force=True)
             except Exception as log_err:
                 warnings.warn(f"SDC counters not logged: {log_err!r}", RuntimeWarning, stacklevel=3)
 
@@ -771,22 +770,23 @@ class SDCHooks:
             out.update(check.stats.metrics())
         return out
 
-    def log(self, force: bool = False, step: int | None = None) -> None:
+    def log(self, force: bool = False) -> None:
         """Send the counters to the framework's trackers (or the ``log`` callable).
 
         One point per step and metric, never two with different values: a periodic point
         (``force=False``, every ``log_every_n_steps``) is written once the next step's verdicts
-        are in (or by ``finish`` or a failure, whichever comes first); ``force=True`` writes now,
-        at ``step`` (default: the coming update's; a verdict's: the step it is about), and
-        flushes, unless that step was written already.
+        are in (or by ``finish`` or a failure, whichever comes first); ``force=True`` writes now
+        and flushes, unless this step was written already. The tracker step is the number of
+        optimizer updates done (Lightning's ``global_step``): the point of a verdict about step
+        ``s`` (0-based, as ``SDCError.step`` and ``Fault(step=)``) read after that step's update
+        is ``s + 1``, one read before it ``s``.
         """
         if not force:
             self._log_due = self.step
             return
         self._log_due = None
-        at = self.step if step is None else step
-        if self._logged_step != at:
-            self._write(at)
+        if self._logged_step != self.step:
+            self._write(self.step)
         self._fw.flush()
 
     def _write_due_log(self) -> None:
