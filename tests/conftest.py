@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,10 +42,26 @@ def must_run(cmd: list[str], env: dict[str, str] | None = None, timeout: float =
     return proc
 
 
-def torchrun(out: Path, scenarios: list[str], nproc: int, timeout: float = 420) -> subprocess.CompletedProcess:
-    """One single-node ``torchrun`` running ``scenarios`` in sequence; fails the test on a crash or hang."""
-    return must_run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-                     str(SCENARIOS), "--out", str(out), "--only", ",".join(scenarios)], timeout=timeout)  # fmt: skip
+def torchrun_cmd(script: Path | str, out: Path | str | None, scenarios: Sequence[str] | str | None, nproc: int,
+                 *extra_args: str, module: bool = False) -> list[str]:  # fmt: skip
+    """``python -m torch.distributed.run --standalone --nproc-per-node=<nproc> <script> [--out OUT]
+    [--only a,b] <extra_args>`` (``module``: ``script`` is a module name, run with ``-m``)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    cmd += ["-m", str(script)] if module else [str(script)]
+    if out is not None:
+        cmd += ["--out", str(out)]
+    if scenarios is not None:
+        cmd += ["--only", scenarios if isinstance(scenarios, str) else ",".join(scenarios)]
+    return cmd + [str(a) for a in extra_args]
+
+
+def torchrun(script: Path | str, out: Path | str | None, scenarios: Sequence[str] | str | None, nproc: int,
+             *extra_args: str, timeout: float = 420, env: dict[str, str] | None = None,
+             cwd: Path | str | None = None, module: bool = False) -> subprocess.CompletedProcess:  # fmt: skip
+    """One single-node ``torchrun`` of ``script`` (``torchrun_cmd``): ``scenarios`` in sequence, each
+    rank writing under ``out``; ``env`` is ``worker_env()`` by default. Fails the test on a crash or
+    a hang (``must_run``)."""
+    return must_run(torchrun_cmd(script, out, scenarios, nproc, *extra_args, module=module), env, timeout, cwd)
 
 
 def results(out: Path, scenario: str, world: int) -> list[dict[str, Any]]:

@@ -5,24 +5,17 @@ only where checks run."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, worker_env
+from conftest import ROOT, torchrun, worker_env
 
 
 @pytest.mark.slow
 def test_step_interleaved_ddp_benchmark_tiny(tmp_path: Path) -> None:
     out = tmp_path / "steps.json"
-    args = ["--out", str(out), "--steps", "4", "--skip", "1", "--block", "2", "--width", "32"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-    cmd += ["-m", "benchmarks.ddp_steps"]
-    cmd += args
-    env = dict(worker_env(), OMP_NUM_THREADS="1")
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    torchrun("benchmarks.ddp_steps", out, None, 2, "--steps", "4", "--skip", "1", "--block", "2", "--width", "32",
+             timeout=300, env=worker_env() | {"OMP_NUM_THREADS": "1"}, cwd=ROOT, module=True)  # fmt: skip
     result = json.loads(out.read_text())
     configs = {"none", "nonfinite", "fingerprint", "defaults", "defaults_reduced_read"}
     assert result["world_size"] == 2 and set(result["step_seconds"]) == configs

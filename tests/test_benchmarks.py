@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import ROOT, worker_env
+from conftest import ROOT, torchrun, worker_env
 
 
 @pytest.mark.slow  # a multi-process launch: the default run stays under 10 minutes
@@ -86,12 +86,9 @@ def test_live_bytes_counts_new_storages_until_they_are_freed() -> None:
 
 def memory_run(tmp_path: Path, configs: str, bucket_view: bool) -> dict[str, Any]:
     out = tmp_path / f"mem{bucket_view}.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "benchmarks.memory", "--out", str(out), "--spec", "128,2,4,512", "--batch", "4", "--seq", "64",
-           "--skip", "2", "--steps", "2", "--configs", configs]  # fmt: skip
-    cmd += ["--bucket-view"] if bucket_view else []
-    proc = subprocess.run(cmd, cwd=ROOT, env=worker_env(), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    torchrun("benchmarks.memory", out, None, 2, "--spec", "128,2,4,512", "--batch", "4", "--seq", "64", "--skip", "2",
+             "--steps", "2", "--configs", configs, *(["--bucket-view"] if bucket_view else []), timeout=300, cwd=ROOT,
+             module=True)  # fmt: skip
     return json.loads(out.read_text())  # type: ignore[no-any-return]
 
 

@@ -9,20 +9,18 @@ rank and the tensor), whatever the order of the callbacks. Real ``torchrun`` lau
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import must_run, results
+from conftest import results, torchrun
 
 SCRIPT = Path(__file__).with_name("causal_order_scenarios.py")
 WORLD = 3
 
 
 def launch(out: Path, scenarios: list[str]) -> Path:
-    must_run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}",
-              str(SCRIPT), "--out", str(out), "--only", ",".join(scenarios)], timeout=420)  # fmt: skip
+    torchrun(SCRIPT, out, scenarios, WORLD, timeout=420)
     return out
 
 

@@ -9,14 +9,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, worker_env
+from conftest import ROOT, torchrun
 from torch import nn
 
 from sdc_core.cli import main as sdc
@@ -84,10 +82,8 @@ def test_plain_recipe_under_sdc_key(tmp_path: Path, capsys: pytest.CaptureFixtur
 
 def test_torchrun_demo_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """examples/torchrun_demo.py (3 DDP ranks under torchrun) saves model, optimizer and SDC state."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=3",
-           str(ROOT / "examples" / "torchrun_demo.py"), "--fault", "none", "--steps", "3"]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=tmp_path, env=worker_env(), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    torchrun(ROOT / "examples" / "torchrun_demo.py", None, None, 3, "--fault", "none", "--steps", "3", timeout=300,
+             cwd=tmp_path)  # fmt: skip
     path = tmp_path / "runs" / "torchrun_demo" / "last.pt"
     assert set(torch.load(path, weights_only=True)) == {"model", "optimizer", "sdc"}
     assert _round_trip(path, tmp_path / "bad.pt", capsys, target="weights")[0].startswith("model/")

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, worker_env
+from conftest import ROOT, torchrun, worker_env
 
 BIN = Path(sys.executable).parent
 
@@ -69,10 +69,8 @@ def test_accelerate_demo_names_the_faulty_rank(tmp_path: Path) -> None:
 
 @pytest.mark.slow  # a multi-process launch: the default run stays under 10 minutes
 def test_plain_torchrun_demo_names_the_faulty_rank(tmp_path: Path) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=3",
-           str(ROOT / "examples" / "torchrun_demo.py"), "--fault", "weights", "--faulty-rank", "2"]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=tmp_path, env=worker_env(), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    proc = torchrun(ROOT / "examples" / "torchrun_demo.py", None, None, 3, "--fault", "weights", "--faulty-rank", "2",
+                    timeout=300, cwd=tmp_path)  # fmt: skip
     assert "DETECTED on every rank: SDC check 'weight_fingerprint' failed at step 2: rank 2" in proc.stdout
     assert len(list((tmp_path / "runs" / "torchrun_demo" / "sdc" / "incidents").glob("*.json"))) == 1
     _assert_whole_story(proc.stdout, tmp_path, "torchrun_demo")

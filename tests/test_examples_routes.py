@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, worker_env
+from conftest import ROOT, torchrun, worker_env
 from test_examples import _assert_whole_story, _tensorboard_tags
 from test_zero_code import publish_entry_points
 
@@ -22,10 +22,8 @@ def run(cmd: list[str], cwd: Path, env: dict[str, str]) -> subprocess.CompletedP
 def test_hf_trainer_demo_names_the_faulty_rank(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
     env = worker_env() | {"ACCELERATE_SDC_CONFIG_FILE": os.devnull}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=3",
-           str(ROOT / "examples" / "hf_trainer_demo.py"), "--fault", "weights", "--faulty-rank", "2"]  # fmt: skip
-    proc = run(cmd, tmp_path, env)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    proc = torchrun(ROOT / "examples" / "hf_trainer_demo.py", None, None, 3, "--fault", "weights", "--faulty-rank", "2",
+                    timeout=600, env=env, cwd=tmp_path)  # fmt: skip
     assert "SDC check 'weight_fingerprint' failed at step 4: rank 2" in proc.stdout
     assert len(list((tmp_path / "runs" / "hf_trainer_demo" / "sdc" / "incidents").glob("*.json"))) == 1
     _assert_whole_story(proc.stdout, tmp_path, "hf_trainer_demo")

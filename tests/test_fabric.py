@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import must_run, results, worker_env
+from conftest import results, torchrun, worker_env
 
 SCRIPT = Path(__file__).with_name("fabric_scenarios.py")
 SCENARIOS = ["clean", "audit_off", "audit_on", "nonfinite", "fingerprint", "replay", "heal", "skip", "clip", "save",
@@ -17,9 +16,7 @@ SCENARIOS = ["clean", "audit_off", "audit_on", "nonfinite", "fingerprint", "repl
 
 def launch(out: Path, scenarios: list[str], *options: str) -> Path:
     env = worker_env() | {"ACCELERATE_SDC_CONFIG_FILE": "/dev/null"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=3", str(SCRIPT),
-           "--out", str(out), "--only", ",".join(scenarios), *options]  # fmt: skip
-    must_run(cmd, env, 600)
+    torchrun(SCRIPT, out, scenarios, 3, *options, timeout=600, env=env)
     return out
 
 

@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import itertools
 import os
-import sys
 from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-from conftest import must_run, results
+from conftest import results, torchrun
 from torch import nn
 
 from sdc_core.fingerprint import FingerprintConfig, WeightFingerprint, fingerprinted_tensors, rolling_slices
@@ -127,8 +126,7 @@ def test_lightning_callback_argument() -> None:
 
 @pytest.mark.slow  # about 40 s on a loaded 2-core machine: python -m pytest -m slow tests/test_fingerprint_rolling.py
 def test_three_ranks_name_a_flip_outside_the_slice_within_k_comparisons(tmp_path: Path) -> None:
-    must_run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=3", str(SCRIPT),
-              "--out", str(tmp_path), "--only", "clean,flip,flip_every,flip_end"], timeout=420)  # fmt: skip
+    torchrun(SCRIPT, tmp_path, "clean,flip,flip_every,flip_end", 3, timeout=420)
     clean = results(tmp_path, "clean", 3)
     assert all(r["error"] is None for r in clean), clean[0]["error"]
     assert all(r["stats"]["failures"] == 0 and r["stats"]["runs"] == 7 for r in clean)  # 6 rolling, 1 at the end

@@ -5,11 +5,10 @@ communication hook, clean removal."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import must_run, results
+from conftest import results, torchrun
 
 SCRIPT = Path(__file__).with_name("gradient_tap_scenarios.py")
 WORLD = 3
@@ -18,8 +17,7 @@ WORLD = 3
 @pytest.fixture(scope="module")
 def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("tap")
-    must_run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}",
-              str(SCRIPT), "--out", str(out)])  # fmt: skip
+    torchrun(SCRIPT, out, None, WORLD)
     return out
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import must_run, results, worker_env
+from conftest import results, torchrun, worker_env
 
 pytest.importorskip("transformers")
 
@@ -33,16 +33,14 @@ def hf_more(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _launch(tmp_path_factory.mktemp("hf_more"), MORE)
 
 
-def _launch(out: Path, scenarios: list[str]) -> Path:
+def _launch(out: Path, scenarios: list[str], *options: str) -> Path:
     env = worker_env() | {
         "MLFLOW_TRACKING_URI": f"file:{out / 'mlruns'}",
         "MLFLOW_ALLOW_FILE_STORE": "true",
         "ACCELERATE_SDC_CONFIG_FILE": "/dev/null",
         "HF_HUB_OFFLINE": "1",
     }
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=3", str(SCRIPT),
-           "--out", str(out), "--only", ",".join(scenarios)]  # fmt: skip
-    must_run(cmd, env, 600)
+    torchrun(SCRIPT, out, scenarios, 3, *options, timeout=600, env=env)
     return out
 
 
@@ -145,13 +143,7 @@ def test_callback_rejects_bad_settings_at_construction(hf: Path) -> None:
 
 @pytest.mark.slow
 def test_trainer_bf16_clean_run_and_activation_fault(tmp_path: Path) -> None:
-    env = worker_env() | {"ACCELERATE_SDC_CONFIG_FILE": "/dev/null", "HF_HUB_OFFLINE": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=3", str(SCRIPT),
-           "--out", str(tmp_path), "--only", "plain,clean,activation", "--bf16"]  # fmt: skip
-    env["MLFLOW_TRACKING_URI"] = f"file:{tmp_path / 'mlruns'}"
-    env["MLFLOW_ALLOW_FILE_STORE"] = "true"
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    _launch(tmp_path, ["plain", "clean", "activation"], "--bf16")
     plain, clean = results(tmp_path, "plain", 3), results(tmp_path, "clean", 3)
     assert len({r["weights"] for r in plain + clean}) == 1
     assert all(r["error"] is None and r["state"]["checks"]["ring_replay"]["runs"] == STEPS for r in clean)

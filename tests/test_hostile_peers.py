@@ -12,12 +12,11 @@ tell them apart, so the 3-rank run checks that the verdict is an SDC error that 
 from __future__ import annotations
 
 import itertools
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import must_run, results
+from conftest import results, torchrun
 
 from sdc_core.replay_exchange import SEVERAL, explain, pick_referee, settle
 from sdc_core.topology import ring_partners
@@ -104,8 +103,7 @@ def test_two_ranks_share_a_persistent_fault(tmp_path: Path) -> None:
     latter with ``on_unreplayable="warn"`` too; 3 ranks: (1, 2). An SDC verdict on every rank at
     the same step, every faulty rank a suspect, no healthy rank named."""
     four = ["1+2:module", "0+2:module", "0+2:matmul:warn"]
-    must_run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", str(SCRIPT),
-              "--out", str(tmp_path / "four"), "--only", ",".join(four)], timeout=400)  # fmt: skip
+    torchrun(SCRIPT, tmp_path / "four", four, 4, timeout=400)
     for scenario in four:
         err = _errors(tmp_path / "four", scenario, 4)[0]
         faulty = {int(r) for r in scenario.split(":")[0].split("+")}
@@ -113,8 +111,7 @@ def test_two_ranks_share_a_persistent_fault(tmp_path: Path) -> None:
         assert err["rank"] is None and faulty <= set(err["suspects"]), f"{scenario}: {err['message']}"
         assert err["step"] == 1 and "several ranks disagree" in err["message"], err["message"]
         assert err["details"]["several_ranks"] is True
-    must_run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=3", str(SCRIPT),
-              "--out", str(tmp_path / "three"), "--only", "1+2:module"], timeout=300)  # fmt: skip
+    torchrun(SCRIPT, tmp_path / "three", "1+2:module", 3, timeout=300)
     err = _errors(tmp_path / "three", "1+2:module", 3)[0]
     assert err["type"] == "ReplayMismatchError" and err["step"] == 1, err["message"]
     # indistinguishable from rank 0 alone being faulty: the verdict names it and says what else fits
@@ -138,8 +135,7 @@ def test_a_pickled_batch_from_a_peer(tmp_path: Path) -> None:
     """A rank that sends its batch pickled to partners that refuse it: ``ReplayUnavailableError``
     on every rank at the same step (not a ``PayloadError`` escaping the audit); with
     ``allow_pickled_batches=True`` on every rank the same batches are replayed."""
-    must_run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=3", str(SCRIPT),
-              "--out", str(tmp_path), "--only", "pickle:hostile,pickle:trusted"], timeout=300)  # fmt: skip
+    torchrun(SCRIPT, tmp_path, "pickle:hostile,pickle:trusted", 3, timeout=300)
     hostile = [r["error"] for r in results(tmp_path, "pickle:hostile", 3)]
     assert all(e is not None and e["type"] == "ReplayUnavailableError" and e["step"] == 0 for e in hostile), hostile
     assert len({e["message"] for e in hostile}) == 1

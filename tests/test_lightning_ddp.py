@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import results, torchrun
+from conftest import SCENARIOS, results, torchrun
 
 WORLD = 3
 THREE_RANK = [
@@ -28,7 +28,7 @@ THREE_RANK = [
 @pytest.fixture(scope="module")
 def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("ddp3")
-    torchrun(path, THREE_RANK, nproc=WORLD)
+    torchrun(SCENARIOS, path, THREE_RANK, WORLD)
     return path
 
 

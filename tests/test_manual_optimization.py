@@ -8,20 +8,18 @@ its loss); ``trainer.global_step``, what ``every_n_steps`` counts, advances once
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import must_run, results
+from conftest import results, torchrun
 
 SCRIPT = Path(__file__).with_name("gan_scenarios.py")
 STEPS = 8  # 4 batches, two optimizer steps each
 
 
 def launch(out: Path, scenarios: str) -> Path:
-    must_run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=3", str(SCRIPT),
-              "--out", str(out), "--only", scenarios], timeout=600)  # fmt: skip
+    torchrun(SCRIPT, out, scenarios, 3, timeout=600)
     return out
 
 

@@ -3,11 +3,10 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import must_run, results
+from conftest import results, torchrun
 
 WORLD = 3
 SCENARIOS = ["mm_off", "mm_clean", "mm_clean_bf16", "mm_forward", "mm_input_grad", "mm_weight_grad",
@@ -18,8 +17,7 @@ SCENARIOS = ["mm_off", "mm_clean", "mm_clean_bf16", "mm_forward", "mm_input_grad
 def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("matmul3")
     script = Path(__file__).with_name("matmul_scenarios.py")
-    must_run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}", str(script),
-              "--out", str(path), "--only", ",".join(SCENARIOS)])  # fmt: skip
+    torchrun(script, path, SCENARIOS, WORLD)
     return path
 
 

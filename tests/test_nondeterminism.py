@@ -14,12 +14,11 @@ more, and the faults; ``-m slow`` runs 30 of every kernel at both settings.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import must_run, results
+from conftest import results, torchrun
 
 WORLD = 3
 SCRIPT = Path(__file__).with_name("nondeterminism_scenarios.py")
@@ -28,9 +27,7 @@ FAULTS = {"flip": 1, "activation": 2, "backward": 0}  # the faulty rank of each 
 
 
 def launch(out: Path, scenarios: list[str], runs: int, timeout: float) -> None:
-    must_run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}",
-              str(SCRIPT), "--out", str(out), "--only", ",".join(scenarios), "--runs", str(runs)],
-             timeout=timeout)  # fmt: skip
+    torchrun(SCRIPT, out, scenarios, WORLD, "--runs", str(runs), timeout=timeout)
 
 
 def runs(out: Path, scenario: str) -> list[list[dict[str, Any]]]:

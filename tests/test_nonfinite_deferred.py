@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import must_run, results, worker_env
+from conftest import must_run, results, torchrun, worker_env
 
 HERE = Path(__file__).parent
 BIN = Path(sys.executable).parent
@@ -26,8 +26,7 @@ WORLD = 3
 @pytest.fixture(scope="module")
 def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("nonfinite3")
-    must_run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}",
-              str(HERE / "nonfinite_scenarios.py"), "--out", str(path)], worker_env(), cwd=path)  # fmt: skip
+    torchrun(HERE / "nonfinite_scenarios.py", path, None, WORLD, cwd=path)
     return path
 
 

@@ -11,14 +11,13 @@ import contextlib
 import enum
 import io
 import random
-import sys
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
 import pytest
 import torch
-from conftest import must_run, results, worker_env
+from conftest import results, torchrun, worker_env
 
 from sdc_core.payload import NotEncodable, PayloadError, decode, encode, max_payload_bytes, pickle_allowed
 from sdc_core.replay import Digest, MicroBatch, StepState, TensorRef
@@ -216,8 +215,7 @@ def peers(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("payload_peers")
     env = worker_env() | {"PG_TIMEOUT": "60"}
     env["PYTHONPATH"] = str(SCRIPT.parent) + ":" + env["PYTHONPATH"]
-    must_run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}", str(SCRIPT),
-              "--out", str(out)], env=env, timeout=240)  # fmt: skip
+    torchrun(SCRIPT, out, None, WORLD, timeout=240, env=env)
     return out
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import ROOT, must_run, results, worker_env
+from conftest import ROOT, results, torchrun, worker_env
 
 SCRIPT = Path(__file__).with_name("plain_scenarios.py")
 KINDS = ("off", "clean", "nan", "activation", "flip")
@@ -23,9 +23,7 @@ EXPECTED = {"nan": ("NonFiniteGradientError", 1), "activation": ("ReplayMismatch
 
 
 def launch(out: Path, scenarios: list[str], nproc: int, device: str = "cpu", timeout: float = 540) -> Path:
-    must_run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-              str(SCRIPT), "--out", str(out), "--only", ",".join(scenarios), "--device", device],
-             timeout=timeout)  # fmt: skip
+    torchrun(SCRIPT, out, scenarios, nproc, "--device", device, timeout=timeout)
     return out
 
 

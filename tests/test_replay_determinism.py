@@ -9,13 +9,12 @@ Plus unit tests of the deterministic window (one process).
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from conftest import must_run, results, worker_env
+from conftest import results, torchrun
 
 from sdc_core.replay import DeterministicWindow, ReplayConfig, RingReplay, deterministic, is_determinism_error
 
@@ -28,8 +27,7 @@ SCENARIOS = ["det_clean", "off_clean", "fallback_clean", "off_exact", "det_fault
 @pytest.fixture(scope="module")
 def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("determinism")
-    must_run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}",
-              str(SCRIPT), "--out", str(path), "--only", ",".join(SCENARIOS)], worker_env(), 600)  # fmt: skip
+    torchrun(SCRIPT, path, SCENARIOS, WORLD, timeout=600)
     return path
 
 

@@ -8,12 +8,11 @@ buffers bit-identical with the audit on and off; a step that cannot be replayed 
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import must_run, results, worker_env
+from conftest import results, torchrun
 
 WORLD = 3
 SCRIPT = Path(__file__).with_name("replay_scenarios.py")
@@ -25,10 +24,7 @@ SCENARIOS = [
 
 
 def launch(path: Path, scenarios: list[str]) -> Path:
-
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}",
-           str(SCRIPT), "--out", str(path), "--only", ",".join(scenarios)]  # fmt: skip
-    must_run(cmd, worker_env(), 600)
+    torchrun(SCRIPT, path, scenarios, WORLD, timeout=600)
     return path
 
 

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import worker_env
+from conftest import torchrun_cmd, worker_env
 
 from sdc_core.settings import SDCConfigError, resolve
 
@@ -59,8 +59,7 @@ def test_bad_environment_value_in_a_launched_script_is_one_line_per_rank(tmp_pat
     script = tmp_path / "train.py"
     script.write_text(BAD_ENV_SCRIPT)
     env = worker_env() | {"ACCELERATE_SDC_CONFIG_FILE": "/dev/null", "ACCELERATE_SDC_REPLAY_EVERY_N_STEPS": "abc"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=3", str(script)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(torchrun_cmd(script, None, None, 3), env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1, proc.stderr[-4000:]
     # each rank that got to print says its one line (the launcher may stop the others first, and two ranks'
     # writes may share a line of the combined stderr: both seen under load)

@@ -7,7 +7,6 @@ verdict launch of ``tests/test_sharded_inband_unit.py``).
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -15,20 +14,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import must_run, worker_env
+from conftest import results, torchrun, worker_env
 
 SCENARIOS = Path(__file__).with_name("sharded_scenarios.py")
 
 
 def launch(out: Path, scenarios: list[str], nproc: int, timeout: float = 540, script: Path = SCENARIOS) -> Path:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           str(script), "--out", str(out), "--only", ",".join(scenarios)]  # fmt: skip
-    must_run(cmd, worker_env(), timeout, out)
+    torchrun(script, out, scenarios, nproc, timeout=timeout, cwd=out)
     return out
-
-
-def results(out: Path, scenario: str, world: int) -> list[dict[str, Any]]:
-    return [json.loads((out / f"{scenario}.rank{r}.json").read_text()) for r in range(world)]
 
 
 def same_error(out: Path, scenario: str, world: int, error_type: str) -> dict[str, Any]:
@@ -176,11 +169,7 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "fsdp2_torchrun_dem
 
 
 def run_example(nproc: int, *args: str) -> str:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(EXAMPLE),
-           *args]  # fmt: skip
-    proc = subprocess.run(cmd, env=worker_env(), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    return proc.stdout
+    return torchrun(EXAMPLE, None, None, nproc, *args, timeout=300).stdout
 
 
 @pytest.mark.slow  # a multi-process launch: the default run stays under 10 minutes

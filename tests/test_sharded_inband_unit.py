@@ -7,13 +7,12 @@ every rank the same verdict (the decision to gather names is taken from data eve
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import must_run, results, worker_env
+from conftest import results, torchrun, worker_env
 
 from sdc_core.sharded import ShardedNonFinite
 
@@ -25,8 +24,7 @@ def nan_in_reduction(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("nan_in_reduction")
     env = worker_env() | {"PG_TIMEOUT": "60"}
     env["PYTHONPATH"] = str(SCRIPT.parent) + ":" + env["PYTHONPATH"]
-    must_run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=3", str(SCRIPT),
-              "--out", str(out)], env=env, timeout=180)  # fmt: skip
+    torchrun(SCRIPT, out, None, 3, timeout=180, env=env)
     return out
 
 

@@ -12,7 +12,7 @@ from conftest import SCENARIOS, free_port, results, torchrun, worker_env
 
 @pytest.mark.slow  # a multi-process launch: the default run stays under 10 minutes
 def test_two_replicas_cannot_localize(tmp_path: Path) -> None:
-    torchrun(tmp_path, ["pair_fingerprint", "pair_replay", "pair_heal"], nproc=2)
+    torchrun(SCENARIOS, tmp_path, ["pair_fingerprint", "pair_replay", "pair_heal"], 2)
     for scenario, error_type in (
         ("pair_fingerprint", "FingerprintMismatchError"),
         ("pair_replay", "ReplayMismatchError"),

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import ROOT, must_run, results, worker_env
+from conftest import ROOT, must_run, results, torchrun, worker_env
 
 BIN = Path(sys.executable).parent
 HERE = Path(__file__).parent
@@ -22,9 +22,7 @@ ACCELERATE = ["end_flip", "save_flip", "clean_save", "clean_load", "tampered_loa
 @pytest.fixture(scope="module")
 def lightning_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("verdict_pl")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=3",
-           str(HERE / "verdict_scenarios.py"), "--out", str(out), "--only", ",".join(LIGHTNING)]  # fmt: skip
-    must_run(cmd, cwd=ROOT)
+    torchrun(HERE / "verdict_scenarios.py", out, LIGHTNING, 3, cwd=ROOT)
     return out
 
 

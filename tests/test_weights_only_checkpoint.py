@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, must_run, results, worker_env
+from conftest import ROOT, results, torchrun, worker_env
 
 BIN = Path(sys.executable).parent
 HERE = Path(__file__).parent
@@ -20,9 +20,7 @@ SCENARIOS = ["wo_flip", "wo_nonfinite", "wo_clean"]
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("weights_only")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=3",
-           str(HERE / "weights_only_scenarios.py"), "--out", str(out), "--only", ",".join(SCENARIOS)]  # fmt: skip
-    must_run(cmd, worker_env(), 420, ROOT)
+    torchrun(HERE / "weights_only_scenarios.py", out, SCENARIOS, 3, timeout=420, cwd=ROOT)
     return out
 
 

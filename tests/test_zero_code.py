@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, must_run, results, worker_env
+from conftest import ROOT, results, torchrun, worker_env
 
 tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 
@@ -38,9 +38,7 @@ def zero(tmp_path_factory: pytest.TempPathFactory) -> Path:
     env = worker_env()
     env["PYTHONPATH"] = str(publish_entry_points(out / "site")) + ":" + env["PYTHONPATH"]
     env["SDC_CHECKS"] = "1"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=3", str(SCRIPT),
-           "--out", str(out), "--only", "auto,mixed,off,bad"]  # fmt: skip
-    must_run(cmd, env, 600)
+    torchrun(SCRIPT, out, "auto,mixed,off,bad", 3, timeout=600, env=env)
     return out
 
 
