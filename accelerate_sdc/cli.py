@@ -29,32 +29,7 @@ import yaml
 from accelerate_sdc import config
 from sdc_core.launch import run_command
 from sdc_core.safeio import OutputError
-from sdc_core.settings import coerce
-
-_HELP = {
-    "nonfinite_gradient": "check local gradients for NaN/Inf before the all-reduce",
-    "on_failure": "what the gradient check does: raise, skip_step or warn",
-    "overflow_patience": "fp16: consecutive steps a lone rank may overflow before it is flagged",
-    "max_names": "offending parameter names reported per rank",
-    "replay_every_n_steps": "ring replay audit cadence in optimizer steps (0: off)",
-    "replay_exact": "replay comparison: auto (bit equality where the step replays bit for bit), true or false",
-    "replay_rtol": "relative tolerance of the replay comparison",
-    "replay_atol": "absolute floor of the replay comparison",
-    "replay_on_failure": "what a replay mismatch does: raise, or skip_step when the fault proves transient",
-    "replay_on_unreplayable": "a step the replay cannot reproduce: raise, or warn once and turn the audit off",
-    "replay_max_state_mb": "MiB of module state copied per audited step for the replay",
-    "replay_deterministic": "replay with deterministic kernels, bit-comparable on GPUs (false: your own settings)",
-    "replay_allow_pickled_batches": "unpickle a partner's non-tensor micro-batch in the replay (trust every rank)",
-    "fingerprint_every_n_steps": "weight fingerprint cadence in optimizer steps (0: off)",
-    "include_buffers": "fingerprint buffers too (BatchNorm statistics excluded)",
-    "include_optimizer_state": "fingerprint the optimizer state too",
-    "fingerprint_on_failure": "what a fingerprint mismatch does: raise, or heal from the majority",
-    "max_heals": "heals allowed per rank before a mismatch raises",
-    "fingerprint_rolling": "fingerprint 1/k of the tensors per comparison, each within k comparisons (1: all)",
-    "update_audit_every_n_steps": "FSDP2: a partner recomputes each rank's optimizer update every n steps (0: off)",
-    "matmul_checksum": "verify every nn.Linear product's row sums in forward and backward (opt-in)",
-    "log_every_n_steps": "how often the counters go to the trackers",
-}
+from sdc_core.settings import coerce, field_doc  # prompts and help: the settings' own docs
 
 
 def _config(args: argparse.Namespace) -> int:
@@ -68,7 +43,7 @@ def _config(args: argparse.Namespace) -> int:
             values[f.name] = coerce(f.name, given[f.name], f"option --{f.name}")
         elif interactive:
             try:
-                answer = input(f"{_HELP[f.name]} [{f.default}]: ").strip()
+                answer = input(f"{field_doc(f.name)} [{f.default}]: ").strip()
             except EOFError:
                 raise config.SDCConfigError("no answer (end of input); pass --default or --<setting> options") from None
             values[f.name] = coerce(f.name, answer, "your answer") if answer else f.default
@@ -183,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg.add_argument("--default", action="store_true", help="take the defaults without asking")
     cfg.add_argument("--config_file", "--config-file", help="where to write (default: accelerate's config dir)")
     for f in fields(config.SDCSettings):
-        cfg.add_argument(f"--{f.name}", help=f"{_HELP[f.name]} (default {f.default})")
+        cfg.add_argument(f"--{f.name}", help=f"{field_doc(f.name)} (default {f.default})")
     sub.add_parser("launch", help="accelerate launch, for a config file with an sdc: section")
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # a misspelled setting: named, with the closest one (the hook set's own suggestion)

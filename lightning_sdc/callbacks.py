@@ -50,11 +50,11 @@ class _SDCCallback(Callback):
         self._spawn_marker = str(Path(tempfile.gettempdir()) / f"sdc-verdict-{uuid.uuid4().hex}.json")
         self._run_dir: str | None = None
 
-    def _settings(self, config: Callable[..., Any], *args: Any) -> Any:
-        """``config(*args)``, with a bad value's ``ValueError`` naming this callback (LightningCLI
-        otherwise shows it deep inside a union-type message)."""
+    def _settings(self, config: Callable[..., Any], **kwargs: Any) -> Any:
+        """``config(**kwargs)`` (the check's settings, by name), with a bad value's ``ValueError``
+        naming this callback (LightningCLI otherwise shows it deep inside a union-type message)."""
         try:
-            return config(*args)
+            return config(**kwargs)
         except ValueError as err:
             one_line_when_uncaught()  # a configuration error is one line per rank, not a traceback
             raise SDCConfigError(f"{type(self).__name__}: {err}") from None
@@ -230,7 +230,10 @@ class NonFiniteGradientCheck(_SDCCallback):
 
     def __init__(self, on_failure: str = "raise", overflow_patience: int = 3, max_names: int = 5) -> None:
         super().__init__()
-        self._core = NonFiniteGradient(self._settings(NonFiniteConfig, on_failure, overflow_patience, max_names))
+        config = self._settings(
+            NonFiniteConfig, on_failure=on_failure, overflow_patience=overflow_patience, max_names=max_names
+        )
+        self._core = NonFiniteGradient(config)
         self._decided_step: int | None = None
         self._dropped_step: int | None = None  # the step this check dropped (the replay skips its audit)
 
@@ -375,8 +378,10 @@ class WeightFingerprintCheck(_SDCCallback):
     ) -> None:
         super().__init__()
         config = self._settings(
-            FingerprintConfig, every_n_steps, include_buffers, include_optimizer_state, on_failure, max_heals, rolling
-        )
+            FingerprintConfig, every_n_steps=every_n_steps, include_buffers=include_buffers,
+            include_optimizer_state=include_optimizer_state, on_failure=on_failure, max_heals=max_heals,
+            rolling=rolling,
+        )  # fmt: skip
         self._core = WeightFingerprint(config)
         self._seen_step = 0
         self._update_audit = update_audit(update_audit_every_n_steps)
@@ -546,8 +551,9 @@ class RingReplayAudit(_SDCCallback):
     ) -> None:
         super().__init__()
         config = self._settings(
-            ReplayConfig, every_n_steps, exact, rtol, atol, on_failure, on_unreplayable, max_state_mb, deterministic
-        )
+            ReplayConfig, every_n_steps=every_n_steps, exact=exact, rtol=rtol, atol=atol, on_failure=on_failure,
+            on_unreplayable=on_unreplayable, max_state_mb=max_state_mb, deterministic=deterministic,
+        )  # fmt: skip
         self._core = RingReplay(config, advice=LIGHTNING_ADVICE, label="RingReplayAudit")
         self._training_step: Any = None
         self._names: list[str] = []  # the parameters that trained when fit started (DDP)
@@ -818,7 +824,10 @@ class MatmulChecksumCheck(_SDCCallback):
         from sdc_core.matmul import MatmulChecksum, MatmulChecksumConfig  # here: this class's hunk stays apart
 
         super().__init__()
-        config = self._settings(MatmulChecksumConfig, on_failure, every_n_steps, safety, block, attention, max_names)
+        config = self._settings(
+            MatmulChecksumConfig, on_failure=on_failure, every_n_steps=every_n_steps, safety=safety, block=block,
+            attention=attention, max_names=max_names,
+        )  # fmt: skip
         self._core = MatmulChecksum(config)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

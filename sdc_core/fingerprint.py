@@ -81,6 +81,7 @@ from torch import nn
 
 from sdc_core import _triton_digest
 from sdc_core.errors import FingerprintMismatchError
+from sdc_core.schema import documented, setting
 from sdc_core.stats import CheckStats
 from sdc_core.topology import HostRead, Topology, all_gather_tensor, collective_device, is_distributed
 
@@ -566,37 +567,41 @@ def combine(digests: torch.Tensor) -> torch.Tensor:
     return _mix(digests, 2) + _signed(digests.numel() * _COUNT_WEIGHT)
 
 
-@dataclass(frozen=True)
+@documented
+@dataclass(frozen=True, kw_only=True)
 class FingerprintConfig:
-    """Settings of the weight fingerprint check (validated on construction).
+    """Settings of the weight fingerprint check (keyword-only, validated on construction)."""
 
-    Args:
-        every_n_steps: compare after every n-th optimizer step (>= 1).
-        include_buffers: also compare buffers, except BatchNorm running statistics, which
-            differ per rank without SyncBatchNorm. Buffers a forward pass updates on each rank
-            differ legitimately too: leave this off for such models.
-        include_optimizer_state: also compare the optimizer state tensors (Adam moments, ...).
-        on_failure: ``"raise"`` (default), or ``"heal"``: with a strict majority the differing
-            replicas take the parameters, buffers and optimizer state of a majority rank by
-            broadcast and training continues; without a majority, or after ``max_heals`` heals
-            of the same rank, it raises.
-        max_heals: heals allowed per rank before a mismatch on it raises (>= 1).
-        rolling: compare 1/rolling of the tensors per comparison (>= 1; 1: all of them). The
-            tensors are split once into ``rolling`` slices (``rolling_slices``: by index, the
-            same on every rank) and the comparisons take the slices in turn, so every tensor is
-            compared once every ``rolling`` comparisons: a replica whose weights diverged is
-            caught at most ``rolling * every_n_steps`` steps later (its weights stay apart), for
-            about 1/rolling of the fingerprint's cost per comparison. On-demand comparisons
-            (before a checkpoint is written, at the end of training, on a replay disagreement)
-            still compare every tensor. Sharded (FSDP2) models compare every shard regardless.
-    """
-
-    every_n_steps: int = 1
-    include_buffers: bool = False
-    include_optimizer_state: bool = False
-    on_failure: str = "raise"
-    max_heals: int = 3
-    rolling: int = 1
+    every_n_steps: int = setting(
+        1, "weight fingerprint cadence in optimizer steps", "Compare after every n-th optimizer step (>= 1)."
+    )
+    include_buffers: bool = setting(
+        False,
+        "fingerprint buffers too (BatchNorm statistics excluded)",
+        "BatchNorm running statistics differ per rank without SyncBatchNorm. Buffers a forward pass updates on "
+        "each rank differ legitimately too: leave this off for such models.",
+    )
+    include_optimizer_state: bool = setting(
+        False, "fingerprint the optimizer state too", "The optimizer state tensors (Adam moments, ...)."
+    )
+    on_failure: str = setting(
+        "raise",
+        "what a fingerprint mismatch does: raise, or heal from the majority",
+        "``heal``: with a strict majority the differing replicas take the parameters, buffers and optimizer "
+        "state of a majority rank by broadcast and training continues; without a majority, or after "
+        "``max_heals`` heals of the same rank, it raises.",
+    )
+    max_heals: int = setting(3, "heals allowed per rank before a mismatch raises (>= 1)")
+    rolling: int = setting(
+        1,
+        "fingerprint 1/k of the tensors per comparison, each within k comparisons (1: all)",
+        "The tensors are split once into ``rolling`` slices (``rolling_slices``: by index, the same on every "
+        "rank) and the comparisons take the slices in turn, so every tensor is compared once every ``rolling`` "
+        "comparisons: a replica whose weights diverged is caught at most ``rolling * every_n_steps`` steps later "
+        "(its weights stay apart), for about 1/rolling of the fingerprint's cost per comparison. On-demand "
+        "comparisons (before a checkpoint is written, at the end of training, on a replay disagreement) still "
+        "compare every tensor. Sharded (FSDP2) models compare every shard regardless (>= 1).",
+    )
 
     def __post_init__(self) -> None:
         if self.on_failure not in ("raise", "heal", "rollback"):

@@ -81,6 +81,7 @@ from torch.utils._pytree import tree_leaves
 
 from sdc_core.errors import NonFiniteGradientError
 from sdc_core.fingerprint import WeightFingerprint, flatten, group_small
+from sdc_core.schema import documented, setting
 from sdc_core.stats import CheckStats
 from sdc_core.topology import HostRead, Topology, all_gather_objects, is_distributed
 
@@ -210,25 +211,26 @@ def _dense(grad: torch.Tensor | None) -> bool:
     return grad is not None and grad.layout == torch.strided and grad.numel() > 0
 
 
-@dataclass(frozen=True)
+@documented
+@dataclass(frozen=True, kw_only=True)
 class NonFiniteConfig:
-    """Settings of the non-finite gradient check (validated on construction).
+    """Settings of the non-finite gradient check (keyword-only, validated on construction)."""
 
-    Args:
-        on_failure: ``"raise"`` (default), ``"skip_step"`` (every rank drops the optimizer step,
-            the weights stay clean), ``"warn"``, or ``"rollback"`` (raised here; the Lightning
-            adapter reloads the newest verified checkpoint). Under DDP, ``"raise"`` and
-            ``"warn"`` read the verdict one step later (no host synchronisation in the step);
-            the others read it before the update.
-        overflow_patience: with an fp16 GradScaler, overflow is the scaler's business; a rank is
-            flagged only when it is the only rank with non-finite local gradients on this many
-            consecutive steps (>= 1).
-        max_names: how many offending parameter names to report per rank.
-    """
-
-    on_failure: str = "raise"
-    overflow_patience: int = 3
-    max_names: int = 5
+    on_failure: str = setting(
+        "raise",
+        "what the gradient check does on a non-finite gradient: raise, skip_step or warn",
+        "``skip_step``: every rank drops the optimizer step, the weights stay clean; ``rollback``: the core "
+        "raises and the Lightning adapter reloads the newest verified checkpoint. Under DDP, ``raise`` and "
+        "``warn`` read the verdict one step later (no host synchronisation in the step); the others read it "
+        "before the update.",
+    )
+    overflow_patience: int = setting(
+        3,
+        "fp16: consecutive steps a lone rank may overflow before it is flagged (>= 1)",
+        "With a GradScaler, overflow is the scaler's business: a rank is flagged only when it is the only rank "
+        "with non-finite local gradients on this many consecutive steps.",
+    )
+    max_names: int = setting(5, "offending parameter names reported per rank (>= 1)")
 
     def __post_init__(self) -> None:
         if self.on_failure not in _ON_FAILURE:

@@ -103,6 +103,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sdc_core.errors import ChecksumMismatchError
+from sdc_core.schema import documented, setting
 from sdc_core.stats import CheckStats
 from sdc_core.topology import HostRead, Topology, all_gather_objects, collective_device, is_distributed
 
@@ -114,31 +115,34 @@ _ON_FAILURE = ("raise", "warn")
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
-@dataclass(frozen=True)
+@documented
+@dataclass(frozen=True, kw_only=True)
 class MatmulChecksumConfig:
-    """Settings of the matrix-product checksum check (validated on construction).
+    """Settings of the matrix-product checksum check (keyword-only, validated on construction)."""
 
-    Args:
-        on_failure: ``"raise"`` (default): every rank raises ``ChecksumMismatchError``;
-            ``"warn"``: every rank warns and training goes on.
-        every_n_steps: check optimizer steps 0, n, 2n, ... (1: every step). The cost and the
-            share of transient faults caught both scale with 1/n.
-        safety: factor on the worst-case rounding bound (>= 1).
-        block: outputs (forward) and inputs (backward) per checksum, at least (the smallest divisor
-            of the width from there; 0: whole rows). Smaller blocks catch smaller errors: the
-            bound of a block grows with it; the price is a thin extra product of ``width / block``
-            columns per product.
-        attention: also check ``nn.MultiheadAttention``'s in- and out-projections (replaces
-            ``torch.nn.functional.linear`` by a checking wrapper while attached).
-        max_names: violations reported per rank.
-    """
-
-    on_failure: str = "raise"
-    every_n_steps: int = 1
-    safety: float = 2.0
-    block: int = 32
-    attention: bool = True
-    max_names: int = 5
+    on_failure: str = setting(
+        "raise",
+        "what a wrong matrix product does: raise, or warn and go on",
+        "``raise``: every rank raises ``ChecksumMismatchError``; ``warn``: every rank warns and training goes on.",
+    )
+    every_n_steps: int = setting(
+        1,
+        "checked optimizer steps: 0, n, 2n, ... (1: every step)",
+        "The cost and the share of transient faults caught both scale with 1/n (>= 1).",
+    )
+    safety: float = setting(2.0, "factor on the worst-case rounding bound (>= 1)")
+    block: int = setting(
+        32,
+        "outputs (forward) and inputs (backward) per checksum, at least (0: whole rows)",
+        "The block is the smallest divisor of the width from there. Smaller blocks catch smaller errors: the "
+        "bound of a block grows with it; the price is a thin extra product of ``width / block`` columns per product.",
+    )
+    attention: bool = setting(
+        True,
+        "also check nn.MultiheadAttention's in- and out-projections",
+        "Replaces ``torch.nn.functional.linear`` by a checking wrapper while attached.",
+    )
+    max_names: int = setting(5, "violations reported per rank (>= 1)")
 
     def __post_init__(self) -> None:
         if self.on_failure not in _ON_FAILURE:

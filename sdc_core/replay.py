@@ -146,6 +146,7 @@ from sdc_core.replay_state import (
     replay_each_gradient,
     replay_gradients,
 )
+from sdc_core.schema import documented, setting
 from sdc_core.stats import CheckStats
 from sdc_core.topology import (
     TRANSFER_ERROR,
@@ -172,45 +173,57 @@ EXACT_MODES = (True, False, "auto")
 CALIBRATION_ROUNDS = 3  # exact="auto" without strict determinism: same-device rounds before the tolerance settles
 
 
-@dataclass(frozen=True)
+@documented
+@dataclass(frozen=True, kw_only=True)
 class ReplayConfig:
-    """Settings of the ring replay audit (validated on construction).
+    """Settings of the ring replay audit (keyword-only, validated on construction)."""
 
-    Args:
-        every_n_steps: audit every n-th optimizer step (steps 0, n, 2n, ...; >= 1).
-        exact: ``"auto"`` (default): bit equality where the first audit shows the step replays
-            bit for bit, else a tolerance from the measured noise floor (at most ``rtol``);
-            ``True``: bit equality; ``False``: the tolerance ``rtol``.
-        rtol: relative tolerance of loss, gradient norms and sums with ``exact=False``; the
-            loosest tolerance ``exact="auto"`` may choose (> 0, < 1).
-        atol: absolute floor of the denominators (>= 0).
-        on_failure: ``"raise"`` (default) or ``"skip_step"``: when the faulty rank is named and
-            its fault proves transient (re-running the disagreeing computation gives a different
-            result), every rank drops the step instead; a persistent fault still raises.
-        on_unreplayable: ``"raise"`` (default): a step that cannot be replayed faithfully raises
-            ``ReplayUnavailableError``; ``"warn"``: warn once and turn the audit off.
-        max_state_mb: at most this many MiB of state tensors are cloned per audited step (all its
-            micro-batches together, held until the audit); tensors past it are read live, and a
-            replay that changes one of them in place is refused.
-        deterministic: ``True`` (default): the owner's audited micro-batches and every replay run
-            with deterministic kernels (``RingReplay`` docstring), so GPU replays compare bit for
-            bit; ``False``: the user's own settings (nondeterministic kernels are then tolerated
-            as measured noise, up to ``rtol``, with ``exact="auto"``).
-        allow_pickled_batches: whether THIS rank unpickles a partner's micro-batch that does not
-            travel as plain data (``sdc_core.payload``); ``None`` (default): the environment
-            variable ``SDC_ALLOW_PICKLED_BATCHES``, off unless set. Only if every rank is trusted:
-            unpickling runs code a peer chose.
-    """
-
-    every_n_steps: int = 100
-    exact: bool | str = "auto"
-    rtol: float = 1e-3
-    atol: float = 1e-6
-    on_failure: str = "raise"
-    on_unreplayable: str = "raise"
-    max_state_mb: float = 256.0
-    deterministic: bool = True
-    allow_pickled_batches: bool | None = None
+    every_n_steps: int = setting(100, "ring replay audit cadence in optimizer steps", "Steps 0, n, 2n, ... (>= 1).")
+    exact: bool | str = setting(
+        "auto",
+        "replay comparison: auto (bit equality where the step replays bit for bit), true or false",
+        "``auto``: bit equality where the first audit shows the step replays bit for bit, else a tolerance from "
+        "the measured noise floor (at most ``rtol``); ``True``: bit equality; ``False``: the tolerance ``rtol``.",
+    )
+    rtol: float = setting(
+        1e-3,
+        "relative tolerance of the replay comparison",
+        "It applies to loss, gradient norms and sums with ``exact=False``; the loosest tolerance ``exact='auto'`` may "
+        "choose (> 0, < 1).",
+    )
+    atol: float = setting(1e-6, "absolute floor of the replay comparison", "The floor of the denominators (>= 0).")
+    on_failure: str = setting(
+        "raise",
+        "what a replay mismatch does: raise, or skip_step when the fault proves transient",
+        "With ``skip_step``, when the faulty rank is named and its fault proves transient (re-running the disagreeing "
+        "computation gives a different result), every rank drops the step instead; a persistent fault still "
+        "raises.",
+    )
+    on_unreplayable: str = setting(
+        "raise",
+        "a step the replay cannot reproduce: raise, or warn once and turn the audit off",
+        "With ``raise``, a step that cannot be replayed faithfully raises ``ReplayUnavailableError``.",
+    )
+    max_state_mb: float = setting(
+        256.0,
+        "MiB of module state copied per audited step for the replay",
+        "State tensors are cloned up to this many MiB per audited step (all its micro-batches together, held until "
+        "the audit); tensors past it are read live, and a replay that changes one of them in place is refused.",
+    )
+    deterministic: bool = setting(
+        True,
+        "replay with deterministic kernels, bit-comparable on GPUs (false: your own settings)",
+        "``True``: the owner's audited micro-batches and every replay run with deterministic kernels "
+        "(``RingReplay`` docstring); ``False``: nondeterministic kernels are tolerated as measured noise, up to "
+        "``rtol``, with ``exact='auto'``.",
+    )
+    allow_pickled_batches: bool | None = setting(
+        None,
+        "unpickle a partner's non-tensor micro-batch in the replay (trust every rank)",
+        "Whether THIS rank unpickles a partner's micro-batch that does not travel as plain data "
+        "(``sdc_core.payload``); ``None``: the environment variable ``SDC_ALLOW_PICKLED_BATCHES``, off unless "
+        "set. Only if every rank is trusted: unpickling runs code a peer chose.",
+    )
 
     def __post_init__(self) -> None:
         if self.on_failure not in ("raise", "skip_step", "rollback"):

@@ -31,7 +31,9 @@ from typing import Any
 
 from sdc_core.fingerprint import FingerprintConfig
 from sdc_core.gradients import NonFiniteConfig
+from sdc_core.matmul import MatmulChecksumConfig
 from sdc_core.replay import ReplayConfig
+from sdc_core.schema import settings_of
 from sdc_core.sharded_update import UpdateAudit, update_audit
 
 
@@ -39,74 +41,98 @@ class SDCConfigError(ValueError):
     """A setting has a bad value; the message names the key and its source."""
 
 
+def _from(config: type, name: str, *, default: Any = dataclasses.MISSING, doc: str = "") -> Any:
+    """An ``SDCSettings`` field that IS setting ``name`` of ``config``: the config's default and doc
+    (``default`` and ``doc`` for the few that differ: a cadence of 0 that turns a check off)."""
+    f = settings_of(config)[name]
+    return dataclasses.field(
+        default=f.default if default is dataclasses.MISSING else default,
+        metadata={**f.metadata, "doc": doc or f.metadata["doc"], "config": config, "field": name},
+    )
+
+
+def _own(default: Any, doc: str) -> Any:
+    """An ``SDCSettings`` field of its own (a check's switch, the tracker cadence)."""
+    return dataclasses.field(default=default, metadata={"doc": doc})
+
+
+# the config fields the hook set does not offer as settings (their defaults apply); tests/test_settings_schema.py
+# fails when a config gains a setting that is neither here nor a field of SDCSettings
+NOT_OFFERED: dict[type, tuple[str, ...]] = {
+    MatmulChecksumConfig: tuple(settings_of(MatmulChecksumConfig)),  # the switch matmul_checksum only
+}
+
+
 @dataclass(frozen=True)
 class SDCSettings:
     """All settings of the hook set (names mirror the Lightning callbacks' arguments).
 
-    ``replay_every_n_steps`` and ``fingerprint_every_n_steps`` of 0 turn that check off;
-    ``nonfinite_gradient=False`` turns the gradient check off. ``update_audit_every_n_steps``
-    (default 0, off) applies to FSDP2 models only (``WeightFingerprintCheck``'s argument of the
-    same name); a DDP run ignores it. ``replay_allow_pickled_batches=True`` lets this rank unpickle
-    a partner's micro-batch that is not made of tensors, numbers and strings (trust every rank);
-    False leaves it to ``SDC_ALLOW_PICKLED_BATCHES`` (off unless set).
+    Each field that belongs to a check is that check's config field (``_from``: same default and
+    doc, read by ``accelerate-sdc config``); ``field_doc`` gives any field's doc. ``replay_every_n_steps``
+    and ``fingerprint_every_n_steps`` of 0 turn that check off; ``nonfinite_gradient=False`` turns
+    the gradient check off. ``update_audit_every_n_steps`` (default 0, off) applies to FSDP2 models
+    only (``WeightFingerprintCheck``'s argument of the same name); a DDP run ignores it.
+    ``replay_allow_pickled_batches=True`` lets this rank unpickle a partner's micro-batch that is not
+    made of tensors, numbers and strings (trust every rank); False leaves it to
+    ``SDC_ALLOW_PICKLED_BATCHES`` (off unless set).
     """
 
-    nonfinite_gradient: bool = True
-    on_failure: str = "raise"
-    overflow_patience: int = 3
-    max_names: int = 5
-    replay_every_n_steps: int = 100
-    replay_exact: bool | str = "auto"
-    replay_rtol: float = 1e-3
-    replay_atol: float = 1e-6
-    replay_on_failure: str = "raise"
-    replay_on_unreplayable: str = "raise"
-    replay_max_state_mb: float = 256.0
-    replay_deterministic: bool = True
-    replay_allow_pickled_batches: bool = False
-    fingerprint_every_n_steps: int = 1
-    include_buffers: bool = False
-    include_optimizer_state: bool = False
-    fingerprint_on_failure: str = "raise"
-    max_heals: int = 3
-    fingerprint_rolling: int = 1
-    update_audit_every_n_steps: int = 0
-    matmul_checksum: bool = False
-    log_every_n_steps: int = 50
+    nonfinite_gradient: bool = _own(True, "check local gradients for NaN/Inf before the all-reduce")
+    on_failure: str = _from(NonFiniteConfig, "on_failure")
+    overflow_patience: int = _from(NonFiniteConfig, "overflow_patience")
+    max_names: int = _from(NonFiniteConfig, "max_names")
+    replay_every_n_steps: int = _from(
+        ReplayConfig, "every_n_steps", doc="ring replay audit cadence in optimizer steps (0: off)"
+    )
+    replay_exact: bool | str = _from(ReplayConfig, "exact")
+    replay_rtol: float = _from(ReplayConfig, "rtol")
+    replay_atol: float = _from(ReplayConfig, "atol")
+    replay_on_failure: str = _from(ReplayConfig, "on_failure")
+    replay_on_unreplayable: str = _from(ReplayConfig, "on_unreplayable")
+    replay_max_state_mb: float = _from(ReplayConfig, "max_state_mb")
+    replay_deterministic: bool = _from(ReplayConfig, "deterministic")
+    replay_allow_pickled_batches: bool = _from(ReplayConfig, "allow_pickled_batches", default=False)  # False: None
+    fingerprint_every_n_steps: int = _from(
+        FingerprintConfig, "every_n_steps", doc="weight fingerprint cadence in optimizer steps (0: off)"
+    )
+    include_buffers: bool = _from(FingerprintConfig, "include_buffers")
+    include_optimizer_state: bool = _from(FingerprintConfig, "include_optimizer_state")
+    fingerprint_on_failure: str = _from(FingerprintConfig, "on_failure")
+    max_heals: int = _from(FingerprintConfig, "max_heals")
+    fingerprint_rolling: int = _from(FingerprintConfig, "rolling")
+    update_audit_every_n_steps: int = _from(
+        UpdateAudit, "every_n_steps", default=0,
+        doc="FSDP2: a partner recomputes each rank's optimizer update every n steps (0: off)",
+    )  # fmt: skip
+    matmul_checksum: bool = _own(False, "verify every nn.Linear product's row sums in forward and backward (opt-in)")
+    log_every_n_steps: int = _own(50, "how often the counters go to the trackers")
+
+    def _kwargs(self, config: type) -> dict[str, Any]:
+        """The values of ``config``'s settings, by its field names."""
+        return {name: getattr(self, setting) for name, setting in settings_for(config).items()}
 
     def nonfinite(self) -> NonFiniteConfig | None:
         if not self.nonfinite_gradient:
             return None
-        return NonFiniteConfig(self.on_failure, self.overflow_patience, self.max_names)
+        return NonFiniteConfig(**self._kwargs(NonFiniteConfig))
 
     def replay(self) -> ReplayConfig | None:
         if self.replay_every_n_steps == 0:
             return None
-        return ReplayConfig(
-            self.replay_every_n_steps, self.replay_exact, self.replay_rtol, self.replay_atol, self.replay_on_failure,
-            self.replay_on_unreplayable, self.replay_max_state_mb, self.replay_deterministic,
-            allow_pickled_batches=True if self.replay_allow_pickled_batches else None,
-        )  # fmt: skip
+        kwargs = self._kwargs(ReplayConfig)
+        kwargs["allow_pickled_batches"] = True if self.replay_allow_pickled_batches else None  # False: the environment
+        return ReplayConfig(**kwargs)
 
     def fingerprint(self) -> FingerprintConfig | None:
         if self.fingerprint_every_n_steps == 0:
             return None
-        return FingerprintConfig(
-            self.fingerprint_every_n_steps,
-            self.include_buffers,
-            self.include_optimizer_state,
-            self.fingerprint_on_failure,
-            self.max_heals,
-            rolling=self.fingerprint_rolling,
-        )
+        return FingerprintConfig(**self._kwargs(FingerprintConfig))
 
-    def matmul(self) -> Any:
-        """The matrix-product checksum check's config (``MatmulChecksumConfig``), or None when off."""
+    def matmul(self) -> MatmulChecksumConfig | None:
+        """The matrix-product checksum check's config, or None when off."""
         if not self.matmul_checksum:
             return None
-        from sdc_core.matmul import MatmulChecksumConfig
-
-        return MatmulChecksumConfig()
+        return MatmulChecksumConfig(**self._kwargs(MatmulChecksumConfig))
 
     def update_audit(self) -> UpdateAudit | None:
         """FSDP2 without replicas: a partner recomputes each rank's optimizer update every n-th step."""
@@ -114,6 +140,16 @@ class SDCSettings:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def field_doc(name: str) -> str:
+    """The one-line doc of setting ``name`` (``accelerate-sdc config`` prompts and help)."""
+    return next(f.metadata["doc"] for f in fields(SDCSettings) if f.name == name)
+
+
+def settings_for(config: type) -> dict[str, str]:
+    """``config``'s field names and the ``SDCSettings`` names that set them, in field order."""
+    return {f.metadata["field"]: f.name for f in fields(SDCSettings) if f.metadata.get("config") is config}
 
 
 _TYPES = {f.name: type(f.default) for f in fields(SDCSettings)}
@@ -340,20 +376,12 @@ def _resolve(sources: Sources, **kwargs: Any) -> tuple[SDCSettings, dict[str, st
         replay_every_n_steps=settings.replay_every_n_steps or 1,
         fingerprint_every_n_steps=settings.fingerprint_every_n_steps or 1,
     )
-    sections = (
-        (checked.nonfinite, {"on_failure": "on_failure", "overflow_patience": "overflow_patience",
-                              "max_names": "max_names"}),
-        (checked.replay, {"every_n_steps": "replay_every_n_steps", "exact": "replay_exact",
-                           "rtol": "replay_rtol", "atol": "replay_atol",
-                           "on_failure": "replay_on_failure", "on_unreplayable": "replay_on_unreplayable",
-                           "max_state_mb": "replay_max_state_mb", "deterministic": "replay_deterministic",
-                           "allow_pickled_batches": "replay_allow_pickled_batches"}),
-        (checked.fingerprint, {"every_n_steps": "fingerprint_every_n_steps", "include_buffers": "include_buffers",
-                                "include_optimizer_state": "include_optimizer_state",
-                                "on_failure": "fingerprint_on_failure", "max_heals": "max_heals",
-                                "rolling": "fingerprint_rolling"}),
-        (checked.update_audit, {"update_audit_every_n_steps": "update_audit_every_n_steps"}),
-    )  # fmt: skip
+    sections = (  # each config's settings, by field name (the first names the setting of an unplaced error)
+        (checked.nonfinite, settings_for(NonFiniteConfig)),
+        (checked.replay, settings_for(ReplayConfig)),
+        (checked.fingerprint, settings_for(FingerprintConfig)),
+        (checked.update_audit, settings_for(UpdateAudit)),
+    )
     for key, allowed in POLICIES.items():
         value = getattr(settings, key)
         if value == "rollback":

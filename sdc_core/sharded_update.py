@@ -35,6 +35,7 @@ from torch import nn
 from sdc_core.errors import FingerprintMismatchError, ReplayUnavailableError
 from sdc_core.fingerprint import tensor_digest
 from sdc_core.replay import explain, pick_referee, settle
+from sdc_core.schema import setting
 from sdc_core.sharded import local
 from sdc_core.stats import CheckStats
 from sdc_core.topology import (
@@ -85,7 +86,7 @@ def recompute(kind: type[torch.optim.Optimizer], groups: list[dict[str, Any]]) -
     return [int(tensor_digest(p)) for p, _ in params]
 
 
-@dataclass
+@dataclass(kw_only=True)
 class UpdateAudit:
     """Partner recomputation of each rank's optimizer update on its shard (see the module docstring).
 
@@ -93,7 +94,7 @@ class UpdateAudit:
     backward and right before the update (gradients final, parameters and state pre-step), and
     ``audit(step)`` after the update, on every rank."""
 
-    every_n_steps: int = 1
+    every_n_steps: int = setting(1, "FSDP2: a partner recomputes each rank's optimizer update every n steps (>= 1)")
     stats: CheckStats = field(default_factory=lambda: CheckStats("update_audit"))
     topology: Topology | None = None
     last_error: FingerprintMismatchError | None = None
@@ -233,7 +234,7 @@ def update_audit(every_n_steps: int) -> UpdateAudit | None:
     ``ValueError`` naming the setting for anything but an integer >= 0."""
     if isinstance(every_n_steps, int) and not isinstance(every_n_steps, bool) and every_n_steps == 0:
         return None
-    return UpdateAudit(every_n_steps)
+    return UpdateAudit(every_n_steps=every_n_steps)
 
 
 __all__ = ["UpdateAudit", "recompute", "update_audit"]

@@ -1,0 +1,42 @@
+"""A check's settings, declared once: the fields of its config dataclass, each with its doc.
+
+A config field made by ``setting(default, doc, more)`` is a setting: ``doc`` is one line (what
+``accelerate-sdc config`` asks and ``--help`` shows), ``more`` the details; ``documented`` writes
+both into the class docstring's ``Args:``. ``SDCSettings`` (``sdc_core.settings``) takes its
+defaults, docs and mapping to each config from these fields. Fields without a doc are a check's
+state, not settings. No torch, no imports of the package: every config module imports this one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import textwrap
+from typing import Any, TypeVar
+
+T = TypeVar("T", bound=type)
+
+
+def setting(default: Any, doc: str, more: str = "") -> Any:
+    """A config field that is a setting: ``default``, a one-line ``doc`` and optional details."""
+    return dataclasses.field(default=default, metadata={"doc": doc, "more": more})
+
+
+def settings_of(config: type) -> dict[str, dataclasses.Field[Any]]:
+    """The fields of ``config`` that are settings (those with a doc), in declaration order."""
+    return {f.name: f for f in dataclasses.fields(config) if "doc" in f.metadata}
+
+
+def describe(f: dataclasses.Field[Any]) -> str:
+    """The whole doc of a setting: its line and its details."""
+    doc, more = f.metadata["doc"], f.metadata.get("more", "")
+    return f"{doc}. {more}" if more else f"{doc}."
+
+
+def documented(cls: T) -> T:
+    """Append an ``Args:`` section made of the settings' docs to ``cls.__doc__`` (one source)."""
+    lines = [
+        textwrap.fill(f"{name}: {describe(f)}", width=96, initial_indent=" " * 8, subsequent_indent=" " * 12)
+        for name, f in settings_of(cls).items()
+    ]
+    cls.__doc__ = (cls.__doc__ or "").rstrip() + "\n\n    Args:\n" + "\n".join(lines) + "\n"
+    return cls
