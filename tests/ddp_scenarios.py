@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import sys
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -19,13 +18,12 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.plugins.precision import MixedPrecision
-from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from scenario_runner import main_for
+from scenario_runner import cpu_ddp_trainer, main_for
 
 from lightning_sdc import (
     Fault,
@@ -127,17 +125,14 @@ def fit(
     model = model or Net()
     world = int(os.environ["WORLD_SIZE"])
     local = int(os.environ["LOCAL_WORLD_SIZE"])
-    trainer = L.Trainer(
-        accelerator="cpu",
+    trainer = cpu_ddp_trainer(
+        ddp=strategy_kwargs,
         devices=local,
         num_nodes=world // local,
-        strategy=DDPStrategy(timeout=timedelta(seconds=90), **(strategy_kwargs or {})),
         max_steps=steps,
         logger=CSVLogger(out / "logs", name=name, version=0),
         log_every_n_steps=1,
         callbacks=callbacks,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         enable_checkpointing=any(isinstance(cb, ModelCheckpoint) for cb in callbacks),
         **trainer_kwargs,
     )

@@ -18,7 +18,6 @@ import json
 import os
 import sys
 import warnings
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # also when run throug
 
 import lightning.pytorch as L
 from lightning.pytorch.loggers import CSVLogger
-from lightning.pytorch.strategies import DDPStrategy
-from scenario_runner import fresh
+from scenario_runner import cpu_ddp_trainer, fresh
 from torch.multiprocessing.spawn import ProcessRaisedException
 
 from lightning_sdc import FaultInjector as FaultCallback
@@ -80,11 +78,10 @@ def lightning(args: argparse.Namespace) -> None:
     if args.skip_first:  # a NaN step the gradient check drops; the replay, listed first, must not audit it
         from lightning_sdc import RingReplayAudit
 
-        skip = L.Trainer(accelerator="cpu", devices=args.devices, strategy=DDPStrategy(timeout=timedelta(seconds=60)),
-                         max_steps=4, logger=CSVLogger(args.out / "logs", name="skip", version=0),
-                         callbacks=[RingReplayAudit(every_n_steps=1), NonFiniteGradientCheck(on_failure="skip_step"),
-                                    FaultCallback([Fault("nonfinite_gradient", rank=1, step=2, target="body.weight")])],
-                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)  # fmt: skip
+        callbacks = [RingReplayAudit(every_n_steps=1), NonFiniteGradientCheck(on_failure="skip_step"),
+                     FaultCallback([Fault("nonfinite_gradient", rank=1, step=2, target="body.weight")])]  # fmt: skip
+        skip = cpu_ddp_trainer(timeout_s=60, devices=args.devices, max_steps=4, callbacks=callbacks,
+                               logger=CSVLogger(args.out / "logs", name="skip", version=0))  # fmt: skip
         skip.fit(Net(), data())  # a ReplayMismatchError here fails the test
         checks = [cb._core for cb in skip.callbacks if hasattr(cb, "_core")]
         metrics = {k: float(v) for core in checks for k, v in core.stats.metrics().items()}
@@ -94,12 +91,10 @@ def lightning(args: argparse.Namespace) -> None:
         (logs / "run" / "version_0").mkdir(parents=True, exist_ok=True)
         (logs / "run" / "version_0" / "sdc").write_text("a file where the incident folder should be")
     L.seed_everything(1, verbose=False)
-    trainer = L.Trainer(
-        accelerator="cpu",
+    trainer = cpu_ddp_trainer(
+        timeout_s=60,
+        ddp={"start_method": "spawn"} if args.strategy == "ddp_spawn" else None,
         devices=args.devices,
-        strategy=DDPStrategy(start_method="spawn", timeout=timedelta(seconds=60))
-        if args.strategy == "ddp_spawn"
-        else DDPStrategy(timeout=timedelta(seconds=60)),
         max_steps=6,
         logger=CSVLogger(logs, name="run", version=0),
         callbacks=[
@@ -109,9 +104,6 @@ def lightning(args: argparse.Namespace) -> None:
             FaultCallback([Fault("weight_bit_flip", rank=1, step=3, target="head.weight", index=2, bit=22)]),
             Record(args.out),
         ],
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
     )
     try:
         trainer.fit(Net(), data())

@@ -14,19 +14,17 @@ from __future__ import annotations
 import os
 import sys
 import warnings
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as L
 import torch
-from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from scenario_runner import parse, run_each
+from scenario_runner import cpu_ddp_trainer, parse, run_each
 
 from lightning_sdc import Fault, FaultInjector, ReplayUnavailableError, RingReplayAudit, SDCError
 from sdc_core.replay import ReplayConfig, RingReplay
@@ -104,19 +102,7 @@ def fit(capable: bool, deterministic: bool, steps: int, faults: list[Fault] = ()
     audit = RingReplayAudit(every_n_steps=1)
     audit._core = RingReplay(ReplayConfig(every_n_steps=1, deterministic=deterministic, **kw))
     callbacks: list[Any] = [audit] + ([FaultInjector(list(faults))] if faults else [])
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=int(os.environ["LOCAL_WORLD_SIZE"]),
-        strategy=DDPStrategy(timeout=timedelta(seconds=90)),
-        max_steps=steps,
-        precision=precision,
-        logger=False,
-        callbacks=callbacks,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        default_root_dir=OUT[0],
-    )
+    trainer = cpu_ddp_trainer(max_steps=steps, precision=precision, callbacks=callbacks, default_root_dir=OUT[0])
     error = None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

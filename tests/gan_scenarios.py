@@ -9,19 +9,17 @@ optimizer steps (``trainer.global_step`` counts each optimizer's step).
 from __future__ import annotations
 
 import sys
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as L
 import torch
-from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from scenario_runner import main_for
+from scenario_runner import cpu_ddp_trainer, main_for
 
 from lightning_sdc import (
     Fault,
@@ -94,17 +92,13 @@ def run(out: Path, name: str, faults: list[Fault] = (), replay_step: bool = True
         **replay: int) -> dict[str, Any]:  # fmt: skip
     L.seed_everything(1, verbose=False)
     checks = [NonFiniteGradientCheck(), RingReplayAudit(**replay), WeightFingerprintCheck()] if sdc else []
-    trainer = L.Trainer(
-        accelerator="cpu",
+    trainer = cpu_ddp_trainer(
+        timeout_s=60,
+        ddp={"find_unused_parameters": True},  # what a GAN under DDP needs
         devices=3,
-        strategy=DDPStrategy(find_unused_parameters=True, timeout=timedelta(seconds=60)),  # what a GAN under DDP needs
         max_epochs=1,
         callbacks=[*checks, FaultInjector(list(faults))],
-        logger=False,
         default_root_dir=str(out / name),
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
     )
     model = GANWithReplayStep() if replay_step else GAN()
     error = None

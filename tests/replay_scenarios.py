@@ -12,7 +12,6 @@ import os
 import random
 import sys
 import warnings
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -20,14 +19,13 @@ import lightning.pytorch as L
 import numpy as np
 import torch
 import torchmetrics
-from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from scenario_runner import parse, run_each
+from scenario_runner import cpu_ddp_trainer, parse, run_each
 
 from lightning_sdc import Fault, FaultInjector, ReplayUnavailableError, RingReplayAudit, SDCError
 from sdc_core.fingerprint import combine, tensor_digests
@@ -133,16 +131,9 @@ def fit(pattern: str, audit: bool, steps: int = 6, model_cls: type = Stateful, f
     model = model_cls(pattern)
     callbacks: list[Any] = [RingReplayAudit(every_n_steps=1, **kw)] if audit else []
     callbacks += [FaultInjector(list(faults))] if faults else []
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=int(os.environ["LOCAL_WORLD_SIZE"]),
-        strategy=DDPStrategy(timeout=timedelta(seconds=90)),
+    trainer = cpu_ddp_trainer(
         max_steps=steps,
-        logger=False,
         callbacks=callbacks,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
         default_root_dir=OUT[0],  # incidents of the failing scenarios go there
     )
     error = None

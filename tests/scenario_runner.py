@@ -56,3 +56,22 @@ def fresh(acc: Any, seed: int) -> None:
     set_seed(seed)
     for registry in (acc._custom_objects, acc._models, acc._optimizers, acc._dataloaders, acc._schedulers):
         registry.clear()
+
+
+def cpu_ddp_trainer(*, timeout_s: float = 90, ddp: dict[str, Any] | None = None, **overrides: Any) -> Any:
+    """The ``lightning.pytorch.Trainer`` the scenarios fit: CPU, this node's ranks as devices
+    (``LOCAL_WORLD_SIZE``), ``DDPStrategy(timeout=timeout_s seconds, **ddp)``, no logger, progress
+    bar, model summary or checkpointing; ``overrides`` are any other Trainer arguments or replace these
+    (a ``strategy`` given replaces the ``DDPStrategy``)."""
+    from datetime import timedelta
+
+    import lightning.pytorch as L
+    from lightning.pytorch.strategies import DDPStrategy
+
+    if "strategy" not in overrides:
+        overrides["strategy"] = DDPStrategy(timeout=timedelta(seconds=timeout_s), **(ddp or {}))
+    if "devices" not in overrides:
+        overrides["devices"] = int(os.environ["LOCAL_WORLD_SIZE"])
+    common = {"accelerator": "cpu", "logger": False, "enable_progress_bar": False, "enable_model_summary": False,
+              "enable_checkpointing": False}  # fmt: skip
+    return L.Trainer(**(common | overrides))

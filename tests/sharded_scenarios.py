@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from scenario_runner import main_for
+from scenario_runner import cpu_ddp_trainer, main_for
 
 from lightning_sdc import (
     Fault,
@@ -135,20 +135,16 @@ def fit(out: Path, name: str, callbacks: list[Any], steps: int = 8, model: Shard
     CountingReduceScatter.calls = 0
     model = model or make()
     world = int(os.environ["WORLD_SIZE"])
-    trainer = L.Trainer(
-        accelerator="cpu",
+    trainer = cpu_ddp_trainer(
         devices=world,
         strategy=ModelParallelStrategy(
             data_parallel_size=world // tensor_parallel, tensor_parallel_size=tensor_parallel,
             timeout=timedelta(seconds=90),
         ),
         max_steps=steps,
-        logger=False,
         default_root_dir=out,  # incidents: <out>/sdc/incidents/
         callbacks=callbacks,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        **({"enable_checkpointing": False} | trainer_kwargs),
+        **trainer_kwargs,
     )
     error = None
     try:
