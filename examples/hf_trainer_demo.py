@@ -71,7 +71,6 @@ def main() -> int:
         output_dir="runs/hf_trainer_demo",  # incidents: runs/hf_trainer_demo/sdc/incidents/
         use_cpu=True,
         report_to=["tensorboard"],  # the sdc/* metrics go to every tracker named here (e.g. "mlflow" too)
-        logging_dir="runs/hf_trainer_demo/tensorboard",
         per_device_train_batch_size=4,
         gradient_accumulation_steps=2,
         max_steps=args.steps,
@@ -89,7 +88,7 @@ def main() -> int:
             print(f"\nDETECTED on every rank: {err}\n  check={err.check} step={err.step} rank={err.rank} "
                   f"suspects={err.suspects} hosts={err.hosts}\n"
                   f"  incident: {getattr(err, 'incident', 'runs/hf_trainer_demo/sdc/incidents')}; sdc/* metrics: "
-                  "TensorBoard, runs/hf_trainer_demo/tensorboard\n  next: sdc report runs/hf_trainer_demo",
+                  "TensorBoard, runs/hf_trainer_demo/runs\n  next: sdc report runs/hf_trainer_demo",
                   flush=True)  # fmt: skip
         return 0 if err.rank == args.faulty_rank and args.fault != "none" else 1
     if trainer.is_world_process_zero():

@@ -27,7 +27,8 @@ def test_hf_trainer_demo_names_the_faulty_rank(tmp_path: Path) -> None:
     assert "SDC check 'weight_fingerprint' failed at step 4: rank 2" in proc.stdout
     assert len(list((tmp_path / "runs" / "hf_trainer_demo" / "sdc" / "incidents").glob("*.json"))) == 1
     _assert_whole_story(proc.stdout, tmp_path, "hf_trainer_demo")
-    assert "sdc/weight_fingerprint/failures" in _tensorboard_tags(tmp_path / "runs" / "hf_trainer_demo" / "tensorboard")
+    tags = _tensorboard_tags(tmp_path / "runs" / "hf_trainer_demo" / "runs")  # the Trainer adds its "train/"
+    assert "train/sdc/weight_fingerprint/failures" in tags, sorted(tags)
 
 
 def test_fabric_demo_names_the_faulty_rank(tmp_path: Path) -> None:
