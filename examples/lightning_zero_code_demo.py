@@ -8,7 +8,9 @@ entry point), ``SDC_CHECKS=1`` adds NonFiniteGradientCheck, RingReplayAudit and
 WeightFingerprintCheck with their defaults to every Trainer (``SDC_CHECKS=ring_replay,...`` picks
 some). Callbacks you pass yourself are kept. ``--flip-rank`` makes the model flip one weight bit on
 that rank after step 3 (a fire drill written as plain model code). An SDC verdict ends the run with
-exit code 86; incidents go to ``runs/zero_code_demo/sdc/incidents/``.
+exit code 86 and one line per rank naming the check, step, rank, host and incident file (under
+``runs/zero_code_demo/lightning_logs/version_0/sdc/incidents/``); the ``sdc/*`` metrics are in
+Lightning's default logger (TensorBoard there); then ``sdc report runs/zero_code_demo``.
 """
 
 from __future__ import annotations

@@ -49,5 +49,10 @@ def test_zero_code_demo_is_guarded_only_with_sdc_checks(tmp_path: Path) -> None:
     proc = run([sys.executable, script, "--flip-rank", "2"], tmp_path, env | {"SDC_CHECKS": "1"})
     assert proc.returncode == 86, proc.stdout[-2000:] + proc.stderr[-4000:]  # the SDC exit code
     assert "SDC check 'weight_fingerprint' failed at step 3: rank 2" in proc.stdout + proc.stderr
+    # the whole story with no code: Lightning's default logger holds the sdc/* metrics, the one-line
+    # verdict says where the incident is
+    (incident,) = (tmp_path / "runs" / "zero_code_demo").rglob("sdc/incidents/*.json")
+    assert incident.name in proc.stdout + proc.stderr
+    assert "sdc/weight_fingerprint/failures" in _tensorboard_tags(tmp_path / "runs" / "zero_code_demo")
     proc = run([sys.executable, script], tmp_path, env | {"SDC_CHECKS": "0"})
     assert proc.returncode == 0 and "SDC callbacks: none" in proc.stdout, proc.stderr[-3000:]
