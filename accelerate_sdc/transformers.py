@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import warnings
 from contextlib import nullcontext
 from typing import Any
 
@@ -67,7 +68,16 @@ class _TrainerFramework(AccelerateFramework):
         self.trainer.log(dict(metrics))
 
     def flush(self) -> None:
-        return None  # the Trainer's tracker callbacks flush in on_log
+        """The Trainer's tracker callbacks write in ``on_log``, but its MLflow callback queues
+        metrics asynchronously: flushed here (a verdict's counters, the end of training), so they
+        reach the run before a verdict ends the process. Costs nothing without MLflow."""
+        mlflow = sys.modules.get("mlflow")
+        flush = getattr(mlflow, "flush_async_logging", None)
+        if callable(flush):
+            try:
+                flush()
+            except Exception as err:  # a tracker's failure never hides the verdict
+                warnings.warn(f"MLflow's queued metrics not flushed: {err!r}", RuntimeWarning, stacklevel=2)
 
     def register_for_checkpointing(self, obj: Any) -> None:
         return None  # the Trainer saves its own checkpoints, not accelerator.save_state
