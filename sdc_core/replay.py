@@ -441,21 +441,17 @@ class RingReplay:
             return False
         raise ReplayUnavailableError(message)
 
+    @property
+    def _auto(self) -> bool:
+        """``exact="auto"``: measured noise is tolerated, up to ``rtol`` (``True == "auto"`` is False)."""
+        return self.config.exact == "auto"
+
     def _calibrate(self, self_diffs: Sequence[float]) -> None:
         """``exact="auto"``: set (or raise, never above ``rtol``) the tolerance from the ranks'
         same-device differences (``calibrate``; 0: bit for bit -> exact comparisons)."""
-        if self.config.exact != "auto" or self.config.exact is True:
+        if not self._auto:
             return
         self._tolerance = calibrate(self._tolerance, self_diffs, float(self.config.rtol))
-        self.stats.extra = {**(self.stats.extra or {}), "tolerance": self._tolerance}
-
-    def _settle_noise(self, noise: float) -> None:
-        """``exact="auto"``: a disagreement this noise explained raises the tolerance to cover such
-        noise from now on (``AUTO_MARGIN`` times it, at most ``rtol``): the run leaves bit equality
-        for a calibrated tolerance instead of re-running every noisy audit."""
-        if self.config.exact != "auto" or self.config.exact is True:
-            return
-        self._tolerance = max(self.tolerance, min(float(self.config.rtol), AUTO_MARGIN * noise))
         self.stats.extra = {**(self.stats.extra or {}), "tolerance": self._tolerance}
 
     def _referee_jobs(
@@ -526,7 +522,7 @@ class RingReplay:
         atol, rtol = float(self.config.atol), float(self.config.rtol)
         # exact="auto" tolerates measured noise up to rtol in every mode: a kernel may be nondeterministic
         # on some calls even under torch's deterministic switch (one exact audit proves nothing)
-        lenient = self.config.exact == "auto" and self.config.exact is not True
+        lenient = self._auto
         needed = CALIBRATION_ROUNDS if lenient and not self.strict else 1
         first, calibrating = self._rounds == 0, self._rounds < needed
         probe = self.config.deterministic and self._strict is None
@@ -630,8 +626,8 @@ class RingReplay:
             explained = sorted(before - set(mismatching))
             if explained:  # the pair's own re-runs differ as much: noise, and the tolerance moves to cover it
                 self.stats.bump("disagreements_explained_by_noise")
-                self._settle_noise(max(noise[r] for pair in explained for r in pair))
-            if noise is not None and self.config.exact is True:  # bit equality demanded: a noisy pair is no proof
+                self._calibrate([max(noise[r] for pair in explained for r in pair)])
+            if self.config.exact is True:  # bit equality demanded: a noisy pair is no proof
                 shaky = sorted({r for pair in mismatching for r in pair if noise[r] > 0})
         worst = max((r[1] for r in table if not math.isnan(r[1])), default=0.0)
         if math.isfinite(worst):
@@ -681,7 +677,7 @@ class RingReplay:
         rings = len(self.groups) if self.groups else world
         group_of = group_index(self.groups, world)
 
-        lenient = self.config.exact == "auto" and self.config.exact is not True
+        lenient = self._auto
 
         def differs(a: Digest, b: Digest, *ranks: int, scale: float = 0.0) -> bool:
             """Whether ``a`` and ``b`` disagree; ``scale``: the size of the disagreement being judged,
@@ -693,9 +689,9 @@ class RingReplay:
 
         where = compare_raw(received["digest"], mine, self.names, atol)[2] if mine is not None else ""
         wheres = all_gather_objects(where)
-        if self.groups:  # tensor parallel: pairs no culprit explains get a referee group
+        if self.groups and every_pair is None:  # tensor parallel: pairs no culprit explains get a referee group
             culprits, disputed = explain(rings, partners, mismatching)
-        if not self.groups or every_pair is not None:  # every disagreeing pair gets a referee
+        else:  # every disagreeing pair gets a referee
             culprits, disputed = set(), sorted(mismatching)
         referees, assignments = self._referee_jobs(disputed, mismatching, topo)
         sends, recv_from = referee_sends(assignments, me, micro, own, mine)
