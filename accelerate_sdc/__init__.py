@@ -9,15 +9,17 @@ Hugging Face Trainer: ``accelerate_sdc.transformers.SDCTrainerCallback`` (needs 
 ``transformers`` extra; importing this package does not).
 """
 
-from accelerate_sdc.config import SDCConfigError, SDCSettings
-from accelerate_sdc.hooks import SDCHooks
-from sdc_core.errors import (
-    FingerprintMismatchError,
-    NonFiniteGradientError,
-    ReplayMismatchError,
-    ReplayUnavailableError,
-    SDCError,
-)
+from sdc_core._lazy import lazy_exports, require
+
+require("accelerate", "accelerate", "accelerate_sdc")  # found, not imported: `accelerate-sdc --help` stays quick
+# Imported on first use, so ``accelerate-sdc --help`` imports neither torch nor Accelerate.
+_EXPORTS = {
+    "accelerate_sdc.config": ("SDCConfigError", "SDCSettings"),
+    "accelerate_sdc.hooks": ("SDCHooks",),
+    "sdc_core.errors": ("FingerprintMismatchError", "NonFiniteGradientError", "ReplayMismatchError",
+                        "ReplayUnavailableError", "SDCError"),
+}  # fmt: skip
+__getattr__, __dir__ = lazy_exports("accelerate_sdc", globals(), _EXPORTS)
 
 __all__ = [
     "FingerprintMismatchError",

@@ -26,13 +26,18 @@ from pathlib import Path
 
 import yaml
 
-from accelerate_sdc import config
 from sdc_core.launch import run_command
 from sdc_core.safeio import OutputError
-from sdc_core.settings import coerce, field_doc  # prompts and help: the settings' own docs
+from sdc_core.settings_help import SETTINGS  # --help: the settings' own docs, without importing torch
+
+# `accelerate_sdc.config` (the schema, and torch through the checks' configs) is imported by the
+# commands that run, not by --help.
 
 
 def _config(args: argparse.Namespace) -> int:
+    from accelerate_sdc import config
+    from sdc_core.settings import coerce, field_doc  # prompts: the settings' own docs
+
     path = Path(args.config_file) if args.config_file else config.default_file()
     _check_owned(path)
     given = {f.name: getattr(args, f.name) for f in fields(config.SDCSettings) if getattr(args, f.name) is not None}
@@ -66,6 +71,8 @@ def _config(args: argparse.Namespace) -> int:
 def _check_owned(path: Path) -> None:
     """Raise unless ``path`` is missing, empty, or a file of SDC settings only (what this
     command writes): it never replaces a file it does not own, such as an accelerate config."""
+    from accelerate_sdc import config
+
     if path.is_dir():
         raise config.SDCConfigError(f"--config_file {path} is a folder; give a file name")
     if not path.exists():
@@ -87,6 +94,8 @@ def _check_owned(path: Path) -> None:
 
 def _validated(values: dict[str, object], source: str) -> dict[str, object]:
     """Run the same checks ``SDCHooks`` runs, reporting ``source``."""
+    from accelerate_sdc import config
+
     saved = {k: v for k, v in os.environ.items() if k.startswith(config.ENV_PREFIX)}
     for k in saved:
         del os.environ[k]
@@ -108,6 +117,8 @@ def _validated(values: dict[str, object], source: str) -> dict[str, object]:
 
 
 def _launch(rest: list[str]) -> int:
+    from accelerate_sdc import config
+
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--config_file", "--config-file", dest="config_file")
     known, passthrough = parser.parse_known_args(rest)
@@ -157,14 +168,14 @@ def main(argv: list[str] | None = None) -> int:
     cfg = sub.add_parser("config", help="write the SDC settings beside accelerate's config", allow_abbrev=False)
     cfg.add_argument("--default", action="store_true", help="take the defaults without asking")
     cfg.add_argument("--config_file", "--config-file", help="where to write (default: accelerate's config dir)")
-    for f in fields(config.SDCSettings):
-        cfg.add_argument(f"--{f.name}", help=f"{field_doc(f.name)} (default {f.default})")
+    for name, default, doc in SETTINGS:
+        cfg.add_argument(f"--{name}", help=f"{doc} (default {default})")
     sub.add_parser("launch", help="accelerate launch, for a config file with an sdc: section")
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # a misspelled setting: named, with the closest one (the hook set's own suggestion)
         from sdc_core.settings import suggest
 
-        flags = ["--default", "--config_file", *(f"--{f.name}" for f in fields(config.SDCSettings))]
+        flags = ["--default", "--config_file", *(f"--{name}" for name, _, _ in SETTINGS)]
         bad = unknown[0].split("=")[0]
         print(f"accelerate-sdc {args.command}: error: unknown option {bad!r}{suggest(bad, flags)} "
               f"(see accelerate-sdc {args.command} --help)", file=sys.stderr)  # fmt: skip

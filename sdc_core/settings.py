@@ -147,6 +147,18 @@ def field_doc(name: str) -> str:
     return next(f.metadata["doc"] for f in fields(SDCSettings) if f.name == name)
 
 
+def help_table_source() -> str:
+    """The text of ``sdc_core/settings_help.py``: each setting's name, default and doc, for a
+    ``--help`` that imports no torch (``tests/test_cli_startup.py`` keeps the file equal to this)."""
+    rows = "".join(f"    ({f.name!r}, {f.default!r},\n     {f.metadata['doc']!r}),\n" for f in fields(SDCSettings))
+    return (
+        '"""Generated from ``sdc_core.settings.SDCSettings`` by ``help_table_source()`` (do not edit): each\n'
+        "setting's ``(name, default, one-line doc)``, so ``accelerate-sdc --help`` imports no torch.\n"
+        '``tests/test_cli_startup.py`` fails when this differs from the schema."""\n\n'
+        f"SETTINGS: tuple[tuple[str, object, str], ...] = (\n{rows})\n"
+    )
+
+
 def settings_for(config: type) -> dict[str, str]:
     """``config``'s field names and the ``SDCSettings`` names that set them, in field order."""
     return {f.metadata["field"]: f.name for f in fields(SDCSettings) if f.metadata.get("config") is config}

@@ -1,4 +1,5 @@
-"""`sdc --help` and every subcommand's --help answer at once (no torch, no framework imported), and
+"""`sdc --help`, every subcommand's --help and `accelerate-sdc --help` answer at once (no torch, no
+framework imported; the settings' help from a table generated from the schema), and
 `scripts/setup.sh` (which `scripts/demo.sh` and `scripts/test.sh` call) installs only when needed."""
 
 from __future__ import annotations
@@ -7,6 +8,8 @@ import json
 import subprocess
 import sys
 import time
+from pathlib import Path
+from typing import Any
 
 from conftest import ROOT, worker_env
 
@@ -58,3 +61,55 @@ def test_setup_installs_only_when_needed() -> None:
     assert "installing" not in proc.stderr  # nothing changed: pip is not run
     assert time.perf_counter() - start < 5
     assert (ROOT / ".venv" / ".sdc-installed").is_file()
+
+
+# Runs an installed console script as it is (its own file, as `accelerate-sdc --help` would), then
+# reports what it imported: the `sys.modules` of that process, not a wall time.
+CONSOLE = """
+import json, runpy, sys
+script, *sys.argv[1:] = sys.argv[1:]
+sys.argv[0] = script
+try:
+    runpy.run_path(script, run_name="__main__")
+except SystemExit as exit:
+    code = exit.code
+heavy = sorted(m for m in ("torch", "lightning", "accelerate", "transformers") if m in sys.modules)
+print("\\nIMPORTED " + json.dumps({"code": code, "heavy": heavy}))
+"""
+
+
+def _console(command: str, *argv: str) -> tuple[str, dict[str, Any]]:
+    script = Path(sys.executable).with_name(command)  # what `pip install -e .` put beside the interpreter
+    assert script.is_file(), f"{script}: the console command is not installed (bash scripts/setup.sh)"
+    proc = subprocess.run([sys.executable, "-c", CONSOLE, str(script), *argv], env=worker_env(), capture_output=True,
+                          text=True, timeout=60, cwd=ROOT)  # fmt: skip
+    out, _, report = proc.stdout.rpartition("\nIMPORTED ")
+    assert report, proc.stderr
+    return out, json.loads(report)
+
+
+def test_the_settings_help_table_is_the_schema() -> None:
+    from sdc_core import settings
+
+    table = ROOT / "sdc_core" / "settings_help.py"
+    assert table.read_text() == settings.help_table_source(), (
+        "sdc_core/settings_help.py differs from SDCSettings; regenerate it: .venv/bin/python -c \"import pathlib, "
+        "sdc_core.settings as s; pathlib.Path('sdc_core/settings_help.py').write_text(s.help_table_source())\"")
+
+
+def test_console_help_is_complete_and_imports_no_torch() -> None:
+    from dataclasses import fields
+
+    from sdc_core.settings import SDCSettings, field_doc
+
+    out, got = _console("accelerate-sdc", "--help")
+    assert got == {"code": 0, "heavy": []}, got
+    assert "accelerate-sdc config" in out and "accelerate-sdc launch" in out and "{config,launch}" in out
+    out, got = _console("accelerate-sdc", "config", "--help")
+    assert got == {"code": 0, "heavy": []}, got
+    text = "".join(out.split())  # argparse wraps lines, also at hyphens
+    for f in fields(SDCSettings):  # every setting, with the schema's doc and default
+        assert "".join(f"--{f.name} {f.name.upper()} {field_doc(f.name)} (default {f.default})".split()) in text
+    out, got = _console("sdc", "--help")
+    assert got == {"code": 0, "heavy": []}, got
+    assert all(name in out for name in cli.COMMANDS), out
