@@ -381,6 +381,11 @@ class NonFiniteGradient(NonFiniteVerdicts):
     batched: bool = False  # local gradients read in one multi-tensor pass at the end of backward
     _probes: int = 0  # read backwards checked so far (the mode is chosen after two)
     _intact: bool = True  # the local gradients were intact at the end of every probed backward
+    magnitude_groups: int = 0  # opt-in (``want_magnitudes``): groups of the local magnitudes read
+    _group_of: dict[int, int] = field(default_factory=dict)  # id(parameter) -> its group
+    _group_index: dict[tuple[int, ...], torch.Tensor] = field(default_factory=dict)  # cached scatter indices
+    _peaked: list[tuple[torch.Tensor, list[nn.Parameter]]] = field(default_factory=list)  # per-parameter peaks
+    _magnitudes: torch.Tensor | None = None  # the last read backward's, until ``take_magnitudes``
 
     def attach(self, tap: GradientTap) -> None:
         """Read each parameter's local gradient: per parameter (its sum, one reduction kernel) on
@@ -394,19 +399,73 @@ class NonFiniteGradient(NonFiniteVerdicts):
         tap.consumers.append(self._read)
         tap.finishers.append(self._end_of_backward)
 
+    def want_magnitudes(self, groups: int) -> int:
+        """Opt in to the local-gradient magnitudes (for ``sdc_core.screen``; call after ``attach``,
+        on every rank alike): from the next read backward on, each one also leaves a vector of
+        ``k = min(groups, trainable parameters)`` values (``take_magnitudes``), value ``j`` the
+        log2 of the largest magnitude of any LOCAL gradient element in group ``j`` (the tap's
+        parameters in model order cut into ``k`` contiguous groups of near-equal count; the same
+        on every rank). Returns ``k``. Cost in batched mode: the per-tensor peaks the check reads
+        anyway plus a handful of small kernels per dtype; in per-parameter mode (the first two
+        backwards, ``gradient_as_bucket_view``) one extra reduction per parameter. Nothing changes
+        when never called."""
+        if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1:
+            raise ValueError(f"groups must be an integer >= 1, got {groups!r}")
+        if self.tap is None:
+            raise RuntimeError("want_magnitudes needs the gradient tap: call attach first")
+        params = self.tap.params
+        k = min(groups, len(params))
+        self.magnitude_groups = k
+        self._group_of = {id(p): i * k // len(params) for i, p in enumerate(params)}
+        self._group_index = {}
+        return k
+
+    def take_magnitudes(self) -> torch.Tensor | None:
+        """The last read backward's local magnitudes (``want_magnitudes``), then forgotten: 1-d
+        float32 on the gradients' device, no host synchronisation; NaN for a group none of whose
+        gradients this rank saw or all of which were exactly zero, +Inf for a group holding NaN or
+        Inf. None when nothing was read since the last call (no synchronised backward, or local
+        values written before the end of backward)."""
+        out, self._magnitudes = self._magnitudes, None
+        return out
+
     def _read(self, p: nn.Parameter, grad: torch.Tensor) -> None:
         self._seen.append((p, grad, grad._version))
         if not self.batched:
             self._local.append((local_sum(grad).reshape(1), [p]))
+            if self.magnitude_groups:
+                self._peaked.append((peaks([grad]), [p]))
+
+    def _group_magnitudes(self, local: list[tuple[torch.Tensor, list[nn.Parameter]]]) -> torch.Tensor | None:
+        """Per group the log2 of the largest of ``local``'s peaks (see ``take_magnitudes``)."""
+        pairs = [(v, ps) for v, ps in local if ps]
+        if not pairs:
+            return None
+        home = pairs[0][0].device
+        out = torch.full((self.magnitude_groups,), float("-inf"), device=home)
+        for values, params in pairs:
+            key = tuple(id(p) for p in params)
+            index = self._group_index.get(key)
+            if index is None or index.device != home:
+                index = torch.tensor([self._group_of.get(i, 0) for i in key], device=home)
+                if len(self._group_index) < 64:
+                    self._group_index[key] = index
+            v = values.to(home, torch.float32)
+            v = torch.where(torch.isfinite(v), v, torch.full_like(v, float("inf")))
+            out.scatter_reduce_(0, index, torch.log2(v), "amax")  # zero peaks: -inf, ignored by amax
+        return torch.where(out == float("-inf"), torch.full_like(out, float("nan")), out)
 
     def _end_of_backward(self) -> None:
         """Take the local evidence of the gradients seen in this backward (batched mode), after
         checking that none was written since its hook read it (else fall back for good)."""
         seen, self._seen = self._seen, []
+        peaked, self._peaked = self._peaked, []
         if not seen:
             return
         intact = all(g._version == v for _, g, v in seen)
         if not self.batched:
+            if self.magnitude_groups:
+                self._magnitudes = self._group_magnitudes(peaked)
             # decide once, from the first two read backwards (DDP's first iteration differs from
             # the steady state: static graphs delay its reduction to the end of backward)
             self._probes += 1
@@ -423,8 +482,10 @@ class NonFiniteGradient(NonFiniteVerdicts):
             grads, params = groups.setdefault((g.dtype, g.device), ([], []))
             grads.append(g)
             params.append(p)
-        for grads, params in groups.values():
-            self._local.append((peaks(grads), params))
+        read = [(peaks(grads), params) for grads, params in groups.values()]
+        self._local += read
+        if self.magnitude_groups:
+            self._magnitudes = self._group_magnitudes(read)
 
     @property
     def pending_step(self) -> int | None:
@@ -461,7 +522,7 @@ class NonFiniteGradient(NonFiniteVerdicts):
         t0 = time.perf_counter()
         if self._seen and self.batched:  # a backward whose end the tap did not see
             self._end_of_backward()
-        self._seen = []
+        self._seen, self._peaked = [], []
         local, self._local = self._local, []
         if self.tap is None or not (local or is_distributed()):  # no DDP backward (one process): .grad
             return self._single_process(step, list(params), scaler_active, t0)
@@ -520,7 +581,7 @@ class NonFiniteGradient(NonFiniteVerdicts):
         of that step were non-finite (a host read of a flag the device has computed). Returns
         that step, or None."""
         flags, self._pending = self._pending, None
-        self._local, self._seen = [], []
+        self._local, self._seen, self._peaked, self._magnitudes = [], [], [], None
         if flags is None or not flags.readable() or not flags.nonfinite():  # never waits for a peer
             return None
         warnings.warn(

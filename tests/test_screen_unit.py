@@ -1,0 +1,213 @@
+"""The every-step screen's band and payload checks, one process (``GradientScreen.judge`` on rows as
+the all_gather delivers them), and the magnitude read of the non-finite check."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from sdc_core.gradients import NonFiniteGradient
+from sdc_core.screen import GradientScreen, ScreenConfig, ScreenResult, loss_magnitude
+from sdc_core.topology import RankFacts, Topology
+
+K = 4  # groups; rows carry K + 1 values (the loss last)
+
+
+def screen(world: int = 4, **config: object) -> GradientScreen:
+    facts = tuple(RankFacts(rank=r, host="h", node_rank=0, local_rank=r) for r in range(world))
+    s = GradientScreen(ScreenConfig(**config), Topology(ranks=facts, rank=0))  # type: ignore[arg-type]
+    s._setup(K, [f"p{j}" for j in range(K)])
+    return s
+
+
+def rows(step: int, values: torch.Tensor) -> torch.Tensor:
+    """The gathered rows: header (step, width) and each rank's values (world x (K + 1))."""
+    world = values.shape[0]
+    head = torch.tensor([[float(step), float(K + 1)]] * world, dtype=torch.float64)
+    return torch.cat([head, values.double()], 1)
+
+
+def healthy(g: torch.Generator, world: int, spread: float = 0.7, level: float = -8.0) -> torch.Tensor:
+    """log2 magnitudes of ranks on heterogeneous batches: a common level (the phase of training)
+    plus a per-rank spread of ``spread`` log2 units (a factor of 1.6)."""
+    return level + spread * torch.randn(world, K + 1, generator=g, dtype=torch.float64)
+
+
+def test_config_validates() -> None:
+    bad_configs = ({"groups": 0}, {"groups": True}, {"window": 0}, {"z": 0.0}, {"z": math.inf}, {"min_band": -1.0},
+                   {"min_band": 5.0, "initial_band": 4.0}, {"initial_band": 13.0},
+                   {"calibration_samples": 1.5})  # fmt: skip
+    for bad in bad_configs:
+        with pytest.raises(ValueError):
+            ScreenConfig(**bad)  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        ScreenConfig(16)  # type: ignore[misc]  # keyword-only
+    assert "min_band:" in (ScreenConfig.__doc__ or "")
+
+
+def test_healthy_steps_never_flag_and_the_band_calibrates() -> None:
+    """2000 healthy steps with a moving level (warm-up, training) and a spread that grows: no flag."""
+    s, g = screen(), torch.Generator().manual_seed(0)
+    flags = 0
+    for step in range(2000):
+        level = -2.0 - 10.0 * min(1.0, step / 100) + 3.0 * math.sin(step / 50)  # warm-up, then drifting
+        spread = 0.5 + 1.0 * step / 2000
+        flags += bool(s.judge(step, rows(step, healthy(g, 4, spread, level))))
+    assert flags == 0
+    band, calibrated = s.bands()
+    assert bool(calibrated.all()) and bool((band >= 5.0).all()) and bool((band <= 12.0).all())
+    assert s.stats.runs == 2000 and s.stats.failures == 0 and s.stats.last_verified_step == 1999
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 8])
+def test_a_grown_value_names_that_rank_only(world: int) -> None:
+    s, g = screen(world), torch.Generator().manual_seed(1)
+    for step in range(50):
+        assert not s.judge(step, rows(step, healthy(g, world)))
+    for bad_rank, value, factor in ((world - 1, 2, 2.0**10), (0, K, 2.0**20)):  # a group; the loss
+        v = healthy(g, world)
+        v[bad_rank, value] += math.log2(factor)
+        res = s.judge(50 + bad_rank, rows(50 + bad_rank, v))
+        assert res.ranks == (bad_rank,), res
+        assert res.details[bad_rank]["reason"] == "band"
+        assert res.details[bad_rank]["value"] == s.names[value]
+        assert res.details[bad_rank]["excess"] > res.details[bad_rank]["band"]
+    assert s.stats.failures == 2 and s.stats.extra == {"hits": 2.0, "suspect_ranks": 2.0, "band_suspects": 2.0}
+
+
+def test_shrunk_values_and_small_changes_pass() -> None:
+    """One-sided: a value that fell, or grew by less than the band, is not flagged."""
+    s, g = screen(), torch.Generator().manual_seed(2)
+    for step in range(40):
+        s.judge(step, rows(step, healthy(g, 4)))
+    v = healthy(g, 4)
+    v[1, 0] -= 30.0  # a flip that made an element tiny
+    v[2, 1] += 1.0  # a mantissa-sized change
+    assert not s.judge(40, rows(40, v))
+
+
+def test_before_calibration_the_initial_band_holds() -> None:
+    s = screen()
+    band, calibrated = s.bands()
+    assert not bool(calibrated.any()) and bool((band == 10.0).all())
+    v = torch.full((4, K + 1), -5.0, dtype=torch.float64)
+    v[3, 0] += 9.0  # 512x: within the initial band
+    assert not s.judge(0, rows(0, v))
+    v[3, 0] += 2.0  # 2048x
+    assert s.judge(1, rows(1, v)).ranks == (3,)
+
+
+def test_a_faulty_rank_cannot_widen_the_band() -> None:
+    """A rank that always sits just under the band never ratchets it past ``max_band``; flagged rows stay out."""
+    s, g = screen(3), torch.Generator().manual_seed(3)
+    for step in range(600):
+        v = healthy(g, 3)
+        band, _ = s.bands()
+        v[2] = v[:2].max(0).values + band[: K + 1] - 0.01
+        s.judge(step, rows(step, v))
+    band, _ = s.bands()
+    assert bool((band <= 12.0).all())
+    v = healthy(g, 3)
+    v[1, 0] += 13.0
+    assert s.judge(600, rows(600, v)).ranks == (1,)
+
+
+def test_hostile_rows() -> None:
+    """Wrong step or width, values out of the float range, NaN headers, -Inf: the sender, and only
+    the sender, is a suspect; +Inf (non-finite gradients) names the rank; NaN is no opinion."""
+    s, g = screen(4), torch.Generator().manual_seed(4)
+    for step in range(30):
+        s.judge(step, rows(step, healthy(g, 4)))
+    cases = [((0, 0), 31.0, "malformed"), ((1, 1), 99.0, "malformed"), ((2, 0), math.nan, "malformed"),
+             ((3, 2 + 1), 5000.0, "malformed"), ((0, 2 + 2), -math.inf, "malformed"),
+             ((1, 2 + 3), math.inf, "nonfinite")]  # fmt: skip
+    for step, ((rank, col), value, reason) in enumerate(cases, start=30):
+        r = rows(step, healthy(g, 4))
+        r[rank, col] = value
+        res = s.judge(step, r)
+        assert res.ranks == (rank,) and res.details[rank]["reason"] == reason, (rank, col, value, res)
+    r = rows(40, healthy(g, 4))
+    r[:3, 2:] = math.nan  # three ranks without an opinion: one rank alone is compared with nobody
+    r[3, 2:] = 50.0
+    assert not s.judge(40, r)
+    with pytest.raises(ValueError):
+        s.judge(41, torch.zeros(4, K + 2, dtype=torch.float64))  # the wrong shape: a local bug, not a peer's
+
+
+def test_zero_peers_do_not_make_others_suspects() -> None:
+    """Groups whose gradients were exactly zero on most ranks (a module only some batches use)
+    send NaN: the rank that used it is not compared with them."""
+    s, g = screen(4), torch.Generator().manual_seed(5)
+    for step in range(30):
+        s.judge(step, rows(step, healthy(g, 4)))
+    v = healthy(g, 4)
+    v[:3, 1] = math.nan
+    assert not s.judge(30, rows(30, v))
+
+
+def test_state_round_trip() -> None:
+    s, g = screen(4), torch.Generator().manual_seed(6)
+    for step in range(60):
+        s.judge(step, rows(step, healthy(g, 4, spread=2.0)))
+    t = screen(4)
+    t.load_state_dict(s.state_dict())
+    assert torch.equal(t.bands()[0], s.bands()[0]) and t.stats.runs == 60
+    state = s.state_dict()
+    state["history"][0, 0, 0] = 1e9
+    with pytest.raises(ValueError):
+        screen(4).load_state_dict(state)
+    other = screen(3)
+    other.load_state_dict(s.state_dict())  # another world size: recalibrates
+    assert not bool(other.bands()[1].any())
+
+
+def test_observe_and_suspects_one_process() -> None:
+    """Without a process group: no witness, no suspect; steps are judged in order; unknown steps raise."""
+    s = GradientScreen()
+    s._setup(K, ["a"] * K)
+    s.observe(0, torch.zeros(K), torch.tensor(1.0))
+    s.observe(1, None, None)
+    s.observe(2, torch.zeros(K), torch.tensor(2.0))  # a third pending step judges the first
+    assert s.pending_steps == [0, 1, 2]
+    assert s.suspects(1) == ScreenResult(step=1) and s.suspects(0).ranks == ()
+    with pytest.raises(LookupError):
+        s.suspects(0)
+    with pytest.raises(ValueError):
+        s.observe(2, None)
+    s.discard()
+    assert s.pending_steps == []
+
+
+def test_loss_magnitude() -> None:
+    dev = torch.device("cpu")
+    assert loss_magnitude(torch.tensor(8.0), dev).item() == 3.0
+    assert loss_magnitude(torch.tensor(-0.25), dev).item() == -2.0
+    assert math.isnan(loss_magnitude(torch.tensor(0.0), dev).item())
+    assert math.isnan(loss_magnitude(None, dev).item())
+    assert loss_magnitude(torch.tensor(float("nan")), dev).item() == math.inf
+
+
+def test_group_magnitudes_of_the_read() -> None:
+    """``_group_magnitudes`` (the read's last part): per group the log2 of its largest peak; NaN
+    for unseen or all-zero groups, +Inf for NaN/Inf; parameters in model order."""
+
+    class Tap:
+        def __init__(self, params: list[nn.Parameter]) -> None:
+            self.params, self.names = params, {id(p): f"p{i}" for i, p in enumerate(params)}
+
+    params = [nn.Parameter(torch.zeros(3)) for _ in range(6)]
+    nf = NonFiniteGradient()
+    nf.tap = Tap(params)  # type: ignore[assignment]
+    assert nf.want_magnitudes(3) == 3 and nf.want_magnitudes(100) == 6
+    nf.want_magnitudes(3)  # groups {0, 1}, {2, 3}, {4, 5}
+    local = [(torch.tensor([4.0, 0.5, 0.0]), [params[0], params[1], params[2]]),
+             (torch.tensor([float("nan")], dtype=torch.float64), [params[5]])]  # fmt: skip
+    out = nf._group_magnitudes(local)
+    assert out is not None and out.dtype == torch.float32
+    assert out[0].item() == 2.0 and math.isnan(out[1].item()) and out[2].item() == math.inf
+    assert nf.take_magnitudes() is None
+    with pytest.raises(ValueError):
+        nf.want_magnitudes(0)
