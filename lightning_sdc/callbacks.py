@@ -20,12 +20,13 @@ from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
 from lightning_sdc import _common as c
 from sdc_core import shutdown
 from sdc_core.checkpoint import FINGERPRINT_KEY, check_loaded_checkpoint, fingerprint_checkpoint
-from sdc_core.errors import ReplayMismatchError, SDCError, as_sdc_error
+from sdc_core.driver import Seam, StepContext, StepDriver
+from sdc_core.errors import SDCError, as_sdc_error
 from sdc_core.faults import Fault
 from sdc_core.faults import FaultInjector as _CoreInjector
-from sdc_core.fingerprint import FingerprintConfig, WeightFingerprint, healed_by_comparison
-from sdc_core.gradients import NonFiniteConfig, NonFiniteGradient, carries, drop_step, start_carrying
-from sdc_core.incidents import install_exit_code, mark_verdict, record_verdict
+from sdc_core.fingerprint import FingerprintConfig, WeightFingerprint
+from sdc_core.gradients import NonFiniteConfig, NonFiniteGradient
+from sdc_core.incidents import install_exit_code, mark_verdict
 from sdc_core.replay import ReplayConfig, RingReplay, StateCapture
 from sdc_core.settings import SDCConfigError, checked_keywords, one_line_when_uncaught
 from sdc_core.sharded import ShardedFingerprint, ShardedNonFinite
@@ -33,8 +34,99 @@ from sdc_core.sharded_replay import ShardedReplay
 from sdc_core.sharded_update import update_audit
 
 
+class _TrainerSeam(Seam):
+    """The core driver's seam of one Trainer: its run folder and ranks, its loggers, its rollback,
+    the replay's step function (the ``RingReplayAudit`` that owns the replay)."""
+
+    def __init__(self, trainer: pl.Trainer, marker: str) -> None:
+        self.trainer = trainer
+        self.marker = marker  # the ddp_spawn marker of the first SDC callback (read in the caller of fit)
+        self.resolved_run_dir: str | None = None
+        self.seen_step: int | None = None  # the global step at the last after-update work (or fit start)
+
+    @property
+    def run_dir(self) -> str:
+        return self.resolved_run_dir or self.trainer.default_root_dir
+
+    @property
+    def is_main(self) -> bool:
+        return self.trainer.is_global_zero
+
+    @property
+    def world_size(self) -> int:
+        return self.trainer.world_size
+
+    def report(self, check: Any, policy: str) -> None:
+        try:
+            c.log_stats(self.trainer, check.stats, force=True)
+        except Exception as err:
+            warnings.warn(f"SDC counters not logged: {type(err).__name__}: {err}", RuntimeWarning, stacklevel=2)
+
+    def mark(self, error: SDCError) -> None:
+        spawned = isinstance(self.trainer.strategy.launcher, _MultiProcessingLauncher)
+        mark_verdict(error, self.marker if spawned else None)
+
+    def rollback(self, error: SDCError, max_step: int) -> SDCError:
+        return c.rollback(self.trainer, self.trainer.lightning_module, error, max_step)
+
+    def audit(self, replay: Any, step: StepContext) -> bool:
+        owner = next(cb for cb in self.trainer.callbacks if isinstance(cb, RingReplayAudit) and cb._core is replay)
+        return owner._replay(self.trainer, step)
+
+
+_DRIVER = "_sdc_driver"
+
+
+def _driver(trainer: pl.Trainer) -> StepDriver:
+    """The one core driver of this Trainer's SDC callbacks (made at the first callback's ``setup``)."""
+    driver = vars(trainer).get(_DRIVER)
+    if driver is None:
+        callbacks = [cb for cb in trainer.callbacks if isinstance(cb, _SDCCallback)]
+        seam = _TrainerSeam(trainer, callbacks[0]._spawn_marker if callbacks else "")
+        driver = StepDriver(seam, lambda: [check for cb in trainer.callbacks if isinstance(cb, _SDCCallback)
+                                           for check in cb._checks()])  # fmt: skip
+        vars(trainer)[_DRIVER] = driver
+    return driver
+
+
+def _context(trainer: pl.Trainer, pl_module: pl.LightningModule, index: int | None = None) -> StepContext:
+    """The step as the driver sees it: ``trainer.global_step`` (or ``index``) is both the step and
+    the update index (Lightning counts every optimizer step)."""
+    step = trainer.global_step if index is None else index
+    return StepContext(
+        step, step, pl_module, list(trainer.optimizers),
+        scaler_active=getattr(trainer.precision_plugin, "scaler", None) is not None,
+        carry=pl_module.automatic_optimization and len(trainer.optimizers) == 1,
+    )  # fmt: skip
+
+
+def before_update(trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    """The verdicts due before an optimizer step's update, in causal order whatever the order of
+    ``trainer.callbacks`` (``sdc_core.driver.StepDriver``): the pending non-finite verdict of an
+    earlier step, the pending weight comparison, this step's matrix-product and non-finite
+    verdicts, then this step's ring replay audit. Every SDC callback's
+    ``on_before_optimizer_step`` calls it; the driver runs each step's once."""
+    driver, step = _driver(trainer), _context(trainer, pl_module)
+    driver.resolve_pending(step)
+    driver.before_update(step)
+
+
+def _after_batch(trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    """At a batch's end, once per global step (whichever SDC callback comes first): after an
+    update, the pending weight comparison, the update audit and the comparison of the new
+    weights, started (read in the next optimizer step, before its update)."""
+    driver = _driver(trainer)
+    seam = driver.seam
+    assert isinstance(seam, _TrainerSeam)
+    if seam.seen_step == trainer.global_step:  # no update since: nothing to do
+        return
+    seam.seen_step = trainer.global_step
+    driver.resolve_comparison(_context(trainer, pl_module))
+    driver.after_update(_context(trainer, pl_module, trainer.global_step - 1), True)
+
+
 class _SDCCallback(Callback):
-    """Common plumbing: strategy check, topology, counters in checkpoints, logging, verdict delivery."""
+    """Common plumbing: strategy check, topology, counters in checkpoints, logging, the driver's events."""
 
     _core: Any
 
@@ -48,7 +140,10 @@ class _SDCCallback(Callback):
         # Made where the Trainer is built and carried to ddp_spawn workers inside the callback:
         # where a worker leaves its verdict for the caller of trainer.fit (see on_exception).
         self._spawn_marker = str(Path(tempfile.gettempdir()) / f"sdc-verdict-{uuid.uuid4().hex}.json")
-        self._run_dir: str | None = None
+
+    def _checks(self) -> list[Any]:
+        """The core checks this callback contributes to the driver."""
+        return [self._core]
 
     def _settings(self, config: Callable[..., Any], **kwargs: Any) -> Any:
         """``config(**kwargs)`` (the check's settings, by name), with a bad value's ``ValueError``
@@ -73,11 +168,17 @@ class _SDCCallback(Callback):
         if stage == "fit":
             c.require_supported_strategy(trainer, type(self).__name__)
             install_exit_code()
+            if next(cb for cb in trainer.callbacks if isinstance(cb, _SDCCallback)) is self:
+                vars(trainer).pop(_DRIVER, None)  # a new fit: a new driver
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._core.topology = c.topology(trainer)
-        # Resolved here, on every rank: `trainer.log_dir` is a broadcast, never safe on an error path.
-        self._run_dir = trainer.log_dir or trainer.default_root_dir
+        seam = _driver(trainer).seam
+        assert isinstance(seam, _TrainerSeam)
+        if seam.resolved_run_dir is None:
+            # Resolved here, on every rank: `trainer.log_dir` is a broadcast, never safe on an error path.
+            seam.resolved_run_dir = trainer.log_dir or trainer.default_root_dir
+        seam.seen_step = trainer.global_step
         route_weights_only_saves(trainer, pl_module)
         if trainer.world_size > 1:  # the communication threads finish with Python before it shuts down
             shutdown.arm()
@@ -86,10 +187,31 @@ class _SDCCallback(Callback):
         unroute_weights_only_saves(pl_module)
         c.remove_gradient_tap(trainer)
 
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        before_update(trainer, pl_module)  # this check's verdict among the others', in causal order
+
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        _after_batch(trainer, pl_module)
         c.log_stats(trainer, self._core.stats)
 
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
+        """No checkpoint (weights-only ones included: see ``route_weights_only_saves``) is written
+        after a step whose verdict is unread or from replicas that differ: the driver's
+        ``before_save`` (once per checkpoint, every rank: Lightning builds it on all of them)."""
+        self._before_save(trainer, pl_module, checkpoint)
+
+    def _before_save(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> bool:
+        """The driver's comparison before this checkpoint; this callback's counters in it are
+        refreshed (Lightning took them before). True when a heal or rollback changed the weights."""
+        changed = _driver(trainer).before_save(_context(trainer, pl_module), key=(id(checkpoint), trainer.global_step))
+        if isinstance(checkpoint.get("callbacks"), dict) and self.state_key in checkpoint["callbacks"]:
+            checkpoint["callbacks"][self.state_key] = self.state_dict()  # counters with this comparison
+        return changed
+
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """The last pending verdicts read and the final weights compared before ``fit`` returns,
+        whatever the cadence (once, whichever SDC callback comes first)."""
+        _driver(trainer).before_save(_context(trainer, pl_module), key=("end", trainer.global_step))
         c.log_stats(trainer, self._core.stats, force=True)
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
@@ -97,9 +219,10 @@ class _SDCCallback(Callback):
         launcher (``sdc run``); under ``ddp_spawn``, in the caller of ``fit``, the worker's text-only
         exception becomes the ``SDCError`` it was (``except SDCError`` works there)."""
         unroute_weights_only_saves(pl_module)
-        discard = getattr(self._core, "discard", None)
-        if discard is not None:  # no all-reduce of the check left in flight into the exit
-            discard()
+        for check in self._checks():  # no all-reduce of the check left in flight into the exit
+            discard = getattr(check, "discard", None)
+            if discard is not None:
+                discard()
         if isinstance(exception, SDCError):
             mark_verdict(exception)
             return
@@ -114,39 +237,6 @@ class _SDCCallback(Callback):
             marker.unlink(missing_ok=True)
         as_sdc_error(exception, error)
         install_exit_code()  # the caller's process exits with the SDC code too when it goes uncaught
-
-    def _handle(self, trainer: pl.Trainer, pl_module: pl.LightningModule, error: SDCError, max_step: int) -> None:
-        """Raise ``error`` on this rank (after logging it), or, with ``on_failure="rollback"``, roll
-        back to the newest checkpoint verified clean at or before ``max_step`` and return."""
-        if self._core.config.on_failure != "rollback":
-            self._failed(trainer)
-            raise error
-        self._rollback(trainer, pl_module, error, max_step)
-
-    def _rollback(self, trainer: pl.Trainer, pl_module: pl.LightningModule, error: SDCError, max_step: int) -> None:
-        """Roll back and record the incident, or raise if impossible."""
-        try:
-            self._core.last_error = c.rollback(trainer, pl_module, error, max_step)
-        except SDCError as err:
-            self._core.last_error = err
-            self._failed(trainer)
-            raise
-        self._core.stats.bump("rollbacks")
-        self._failed(trainer, "rollback")
-
-    def _failed(self, trainer: pl.Trainer, policy: str = "raise") -> None:
-        """Record the check's last verdict: counters to the loggers, the incident (global rank 0),
-        and for a raised verdict a marker for the launcher. Runs no collective and never raises:
-        a failed report only warns, so every rank still raises the same verdict."""
-        error = self._core.last_error
-        try:
-            c.log_stats(trainer, self._core.stats, force=True)
-        except Exception as err:
-            warnings.warn(f"SDC counters not logged: {type(err).__name__}: {err}", RuntimeWarning, stacklevel=2)
-        record_verdict(self._core, self._run_dir or trainer.default_root_dir, trainer.is_global_zero, policy)
-        if policy == "raise" and error is not None:
-            spawned = isinstance(trainer.strategy.launcher, _MultiProcessingLauncher)
-            mark_verdict(error, self._spawn_marker if spawned else None)
 
     def state_dict(self) -> dict[str, Any]:
         return self._core.stats.state_dict()
@@ -234,12 +324,9 @@ class NonFiniteGradientCheck(_SDCCallback):
             NonFiniteConfig, on_failure=on_failure, overflow_patience=overflow_patience, max_names=max_names
         )
         self._core = NonFiniteGradient(config)
-        self._decided_step: int | None = None
-        self._dropped_step: int | None = None  # the step this check dropped (the replay skips its audit)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_fit_start(trainer, pl_module)
-        self._decided_step = self._dropped_step = None
         if c.is_sharded(trainer):  # FSDP2: the tap sits in each parameter group's reduce-scatter
             self._core = ShardedNonFinite(self._core.config, self._core.stats, self._core.topology)
             self._core.attach(pl_module)
@@ -247,75 +334,14 @@ class NonFiniteGradientCheck(_SDCCallback):
             self._core.attach(c.gradient_tap(trainer, pl_module))
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        self._uncarried()  # before the next optimizer closure zeroes the gradients
-
-    def _uncarried(self) -> None:
         """A verdict left for the fingerprint's all-reduce that none carried (no comparison
-        started): read from the reduced gradients, still those of its step. Call only before the
-        next closure zeroes them (batch start, a checkpoint, the end of training); a verdict still
-        uncarried at its resolve raises instead of passing unread."""
+        started): read from the reduced gradients, still those of its step, before the next
+        closure zeroes them (a verdict still uncarried at its resolve raises instead of passing unread)."""
         if isinstance(self._core, NonFiniteGradient):
             self._core.uncarried()
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
-        if self._core.pending_step is not None:  # the previous step's verdict, read one step later
-            self._settle(trainer, pl_module, self._core.resolve)
-
-    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
-        before_update(trainer, pl_module)  # this check's verdict among the others', in causal order
-
-    def decide(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Hand this step's gradients to the check (every rank, after backward, before the update).
-
-        The verdict is read now when the policy needs it before the update, or when a
-        ``RingReplayAudit`` audits this step (another check must not act on gradients this one
-        is about to condemn); else one step later.
-        """
-        self._decided_step = trainer.global_step
-        scaler = getattr(trainer.precision_plugin, "scaler", None)
-        audited = any(isinstance(cb, RingReplayAudit) and cb._core.armed for cb in trainer.callbacks)
-        # the verdict rides the fingerprint's all-reduce after this update (one optimizer per batch)
-        fingerprints = [cb._core for cb in trainer.callbacks if isinstance(cb, WeightFingerprintCheck)]
-        carry = (
-            pl_module.automatic_optimization
-            and len(trainer.optimizers) == 1
-            and len(fingerprints) == 1
-            and carries(self._core, fingerprints[0], trainer.global_step, now=audited, scaler_active=scaler is not None)
-        )
-
-        def verdict() -> None:
-            if self._core.verdict(
-                trainer.global_step, pl_module.named_parameters(), scaler_active=scaler is not None, now=audited,
-                carry=carry,
-            ):
-                self._dropped_step = trainer.global_step
-
-        self._settle(trainer, pl_module, verdict, scaler_active=scaler is not None)
-
-    def _settle(self, trainer: pl.Trainer, pl_module: pl.LightningModule, fn: Any, scaler_active: bool = False) -> None:
-        try:
-            fn()
-        except SDCError as err:
-            self._handle(trainer, pl_module, err, max_step=err.step)
-            drop_step(pl_module.parameters(), scaler_active=scaler_active)  # rolled back: drop this step
-            return
-        if self._core.last_error is not None:  # skipped or warned: still an incident
-            self._failed(trainer, self._core.config.on_failure)
-
-    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
-        # no checkpoint (weights-only ones included) is written after a step whose verdict is
-        # unread (every rank dumps checkpoints)
-        self._uncarried()
-        self._settle(trainer, pl_module, self._core.resolve)
-
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._uncarried()
-        self._settle(trainer, pl_module, self._core.resolve)
-        super().on_train_end(trainer, pl_module)
-
-    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        self._core.discard()  # no collective: the other ranks may not be here
-        super().on_exception(trainer, pl_module, exception)
+        _driver(trainer).resolve_gradients(_context(trainer, pl_module))  # the previous step's, one step later
 
 
 class WeightFingerprintCheck(_SDCCallback):
@@ -383,12 +409,13 @@ class WeightFingerprintCheck(_SDCCallback):
             rolling=rolling,
         )  # fmt: skip
         self._core = WeightFingerprint(config)
-        self._seen_step = 0
         self._update_audit = update_audit(update_audit_every_n_steps)
+
+    def _checks(self) -> list[Any]:
+        return [self._core, *([self._update_audit] if self._update_audit is not None else [])]
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_fit_start(trainer, pl_module)
-        self._seen_step = trainer.global_step
         if c.is_sharded(trainer):  # shards compared in their replica groups, unreplicated ones at rest
             self._core = ShardedFingerprint(self._core.config, self._core.stats, self._core.topology)
             if self._update_audit is not None:
@@ -403,87 +430,22 @@ class WeightFingerprintCheck(_SDCCallback):
         if isinstance(self._core, ShardedFingerprint):
             self._core.before_use()
 
-    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
-        before_update(trainer, pl_module)  # the pending comparison is read here, in causal order
-        if self._update_audit is not None:
-            self._update_audit.before_update(trainer.global_step, optimizer)
-
-    def _resolve_before_update(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:
-        """Read the pending comparison (of the weights after an earlier update) before this
-        step's update; True when it healed or rolled back the replicas (the gradients of this
-        step were then computed from other weights)."""
-        if not (c.is_ddp(trainer) or c.is_sharded(trainer)):
-            return False
-        failures = self._core.stats.failures
-        self._resolve(trainer, pl_module)
-        return self._core.stats.failures != failures
-
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        if self._update_audit is not None and trainer.global_step != self._seen_step:
-            try:
-                self._update_audit.audit(trainer.global_step - 1)
-            except SDCError as err:
-                self._core.last_error = err
-                self._failed(trainer)
-                raise
-        if c.is_ddp(trainer) or c.is_sharded(trainer):
-            self._resolve(trainer, pl_module)  # a verdict is recorded (once) and raised in _handle
-            if trainer.global_step != self._seen_step:
-                self._seen_step = trainer.global_step
-                if self._core.due(trainer.global_step - 1):  # carrying a gradient verdict left for it
-                    gradients = [cb._core for cb in trainer.callbacks if isinstance(cb, NonFiniteGradientCheck)]
-                    carried = gradients[0] if len(gradients) == 1 else None
-                    start_carrying(self._core, carried, trainer.global_step - 1, pl_module, trainer.optimizers)
-        super().on_train_batch_end(trainer, pl_module)
-
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
-        """Compare the replicas' current weights (every rank: Lightning builds the checkpoint on
-        all of them) before the checkpoint is written, then store its fingerprint. A mismatch
-        raises before anything is written; a heal or rollback refreshes the checkpoint's tensors."""
-        if c.is_sharded(trainer):  # distributed checkpoints hold DTensor shards: compared, not fingerprinted
-            if self._core.active:
-                self._check_now(trainer, pl_module)
-            return
-        if c.is_ddp(trainer) and self._core.active:
-            failures = self._core.stats.failures
-            self._check_now(trainer, pl_module)
-            if self._core.stats.failures != failures:  # healed or rolled back: save the new state
-                checkpoint["state_dict"] = trainer.strategy.lightning_module_state_dict()
-                if "optimizer_states" in checkpoint:
-                    checkpoint["optimizer_states"] = [trainer.strategy.optimizer_state(o) for o in trainer.optimizers]
-            if isinstance(checkpoint.get("callbacks"), dict) and self.state_key in checkpoint["callbacks"]:
-                checkpoint["callbacks"][self.state_key] = self.state_dict()  # counters with this comparison
-        checkpoint[FINGERPRINT_KEY] = fingerprint_checkpoint(checkpoint)
+        """The replicas' current weights are compared (every rank) before the checkpoint is
+        written, then its fingerprint stored. A mismatch raises before anything is written; a heal
+        or rollback refreshes the checkpoint's tensors. Distributed checkpoints of sharded models
+        hold DTensor shards: compared, not fingerprinted."""
+        if self._before_save(trainer, pl_module, checkpoint) and c.is_ddp(trainer):  # save the new state
+            checkpoint["state_dict"] = trainer.strategy.lightning_module_state_dict()
+            if "optimizer_states" in checkpoint:
+                checkpoint["optimizer_states"] = [trainer.strategy.optimizer_state(o) for o in trainer.optimizers]
+        if not c.is_sharded(trainer):
+            checkpoint[FINGERPRINT_KEY] = fingerprint_checkpoint(checkpoint)
 
     def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
         if c.is_sharded(trainer):
             return
         check_loaded_checkpoint(checkpoint, int(checkpoint.get("global_step", trainer.global_step)))
-
-    def _resolve(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        try:
-            self._core.resolve()
-        except SDCError as err:
-            self._handle(trainer, pl_module, err, max_step=self._core.stats.last_verified_step + 1)
-            return
-        if self._core.last_error is not None:  # healed: still an incident
-            self._failed(trainer, "heal")
-
-    def _check_now(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Resolve the pending comparison, then compare the current weights at once (every rank)."""
-        try:
-            self._core.check_now(max(trainer.global_step - 1, 0), pl_module, trainer.optimizers)
-        except SDCError as err:
-            self._handle(trainer, pl_module, err, max_step=self._core.stats.last_verified_step + 1)
-            return
-        if self._core.last_error is not None:  # healed: still an incident
-            self._failed(trainer, "heal")
-
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """The final weights are compared before ``fit`` returns, whatever the cadence."""
-        if (c.is_ddp(trainer) or c.is_sharded(trainer)) and self._core.active:
-            self._check_now(trainer, pl_module)
-        super().on_train_end(trainer, pl_module)
 
 
 LIGHTNING_ADVICE = (
@@ -521,7 +483,7 @@ class RingReplayAudit(_SDCCallback):
     ``sdc_replay_state()`` / ``sdc_load_replay_state(state)`` for state it cannot see). It has no
     side effect on gradients, optimizer, buffers, module attributes, metrics, RNG or loggers.
     Raises ``ReplayMismatchError`` (a fault) or ``ReplayUnavailableError`` on every rank. A
-    disagreement is first checked against the replicas' weights (``_weights_explain``): replicas
+    disagreement is first checked against the replicas' weights (``sdc_core.driver``): replicas
     whose weights differ compute differently, and that weight fault is what every rank raises
     (``FingerprintMismatchError`` naming the tensors). Parameters that do not train at the audit
     (frozen since ``fit`` started, or by ``toggle_optimizer``) are not compared.
@@ -636,18 +598,11 @@ class RingReplayAudit(_SDCCallback):
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
         self._core.record_loss(loss)
 
-    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
-        before_update(trainer, pl_module)  # the earlier checks' verdicts first, whatever the callback order
-
-    def _audit_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """The audit of this step (``before_update`` calls it last; a no-op when not armed)."""
-        if self._core.armed and any(
-            isinstance(cb, NonFiniteGradientCheck) and cb._dropped_step == trainer.global_step
-            for cb in trainer.callbacks
-        ):
-            self._core.disarm()  # a step the gradient check dropped is not audited
-            return
-        if self._core.armed and self._names:
+    def _replay(self, trainer: pl.Trainer, step: StepContext) -> bool:
+        """The audit of this step with Lightning's step function (the driver calls it when this
+        replay is armed, explains a disagreement and delivers the verdict); True: drop the step."""
+        pl_module = trainer.lightning_module
+        if self._names:
             # only what trains now is compared: a parameter frozen since fit started (the other
             # optimizers' under toggle_optimizer, a fine-tuning schedule) gets no local gradient
             trains = {n for n, p in pl_module.named_parameters() if p.requires_grad}
@@ -663,98 +618,8 @@ class RingReplayAudit(_SDCCallback):
             loss = loss / trainer.accumulate_grad_batches
             return scaler.scale(loss) if scaler is not None else loss
 
-        try:
-            skip = self._core.audit(
-                trainer.global_step,
-                pl_module,
-                step_fn,
-                to_device=trainer.strategy.batch_to_device,
-                context=trainer.precision_plugin.train_step_context,
-            )
-        except ReplayMismatchError as err:
-            if not self._weights_explain(trainer, pl_module, err):  # raises the weight fault itself
-                self._handle(trainer, pl_module, err, max_step=err.step)
-            skip = True  # rolled back, or the weight fault was healed: this step's gradients are dropped
-        except SDCError as err:
-            self._handle(trainer, pl_module, err, max_step=err.step)
-            skip = True
-        if skip and self._core.config.on_failure == "rollback":
-            drop_step(pl_module.parameters(), scaler_active=scaler is not None)
-        elif skip:  # a transient fault: every rank drops this step
-            drop_step(pl_module.parameters(), scaler_active=scaler is not None)
-            self._failed(trainer, "skip_step")
-
-    def _weights_explain(self, trainer: pl.Trainer, pl_module: pl.LightningModule, err: ReplayMismatchError) -> bool:
-        """A replay disagreement is about to be raised (every rank is here together): compare the
-        replicas' current weights first. A replica whose weights differ computes differently, so
-        the weight fault is what is reported: ``FingerprintMismatchError`` naming the rank and the
-        tensors, raised (and recorded) by the ``WeightFingerprintCheck`` (its ``on_failure``
-        applies) or, without one, by a one-off comparison of every parameter. Returns True when
-        that check healed or rolled back replicas that include every rank the replay named (the
-        step is then dropped, no compute fault raised); False when the weights agree (the
-        compute fault stands). Sharded models without a ``WeightFingerprintCheck``: no comparison.
-        Cost: one read of the weights and one all-reduce, on a failing step only."""
-        fp = next((cb for cb in trainer.callbacks if isinstance(cb, WeightFingerprintCheck)), None)
-        step = max(trainer.global_step - 1, 0)  # the weights now: after the previous update
-        if fp is not None and fp._core.active and (c.is_ddp(trainer) or c.is_sharded(trainer)):
-            symptom, self._core.last_error = self._core.last_error, None  # the replay's disagreement: a symptom
-            try:
-                acted: SDCError | None = healed_by_comparison(fp._core, step, pl_module, trainer.optimizers)
-            except SDCError as fault:
-                fp._handle(trainer, pl_module, fault, max_step=fp._core.stats.last_verified_step + 1)
-                acted = fault  # rolled back (else _handle raised the weight fault)
-            else:
-                if acted is not None:  # healed (None: the replicas agree)
-                    fp._failed(trainer, "heal")
-            if acted is not None and set(err.suspects) <= set(acted.suspects):
-                return True  # explained: no compute fault of its own
-            self._core.last_error = symptom
-            return False
-        if not c.is_ddp(trainer):
-            return False
-        once = WeightFingerprint(FingerprintConfig(), topology=self._core.topology)
-        try:
-            once.check_now(step, pl_module, trainer.optimizers)
-        except SDCError as fault:
-            self._core.last_error = None
-            record_verdict(once, self._run_dir or trainer.default_root_dir, trainer.is_global_zero, "raise")
-            mark_verdict(fault, self._spawn_marker if isinstance(trainer.strategy.launcher, _MultiProcessingLauncher)
-                         else None)  # fmt: skip
-            raise
-        return False
-
-
-def before_update(trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-    """The verdicts due before an optimizer step's update, in causal order whatever the order of
-    ``trainer.callbacks``: the pending non-finite verdict of an earlier step, the pending weight
-    comparison (of the weights after an earlier update), this step's non-finite verdict, then
-    this step's ring replay audit. An earlier fault is thus never reported as a later one's
-    symptom: weights flipped after step ``s`` make the replay of step ``s + 1`` disagree, but
-    the comparison of step ``s`` is read first and names the tensors. Every SDC callback's
-    ``on_before_optimizer_step`` calls it; each part runs once per step (the later calls find
-    nothing pending). Every rank runs the same parts in the same order."""
-    callbacks = trainer.callbacks
-    for cb in callbacks:  # an earlier step's (this step's, decided by an earlier call, is read one step later)
-        pending = cb._core.pending_step if isinstance(cb, NonFiniteGradientCheck) else None
-        if pending is not None and pending < trainer.global_step:
-            cb._settle(trainer, pl_module, cb._core.resolve)
-    acted = False
-    for cb in callbacks:
-        if isinstance(cb, WeightFingerprintCheck):
-            acted = cb._resolve_before_update(trainer, pl_module) or acted
-    if acted:  # healed or rolled back: this step's gradients come from other weights
-        for cb in callbacks:
-            if isinstance(cb, RingReplayAudit) and cb._core.armed:
-                cb._core.disarm()
-        if any(isinstance(cb, WeightFingerprintCheck) and cb._core.config.on_failure == "rollback" for cb in callbacks):
-            scaler = getattr(trainer.precision_plugin, "scaler", None)
-            drop_step(pl_module.parameters(), scaler_active=scaler is not None)
-    for cb in callbacks:
-        if isinstance(cb, NonFiniteGradientCheck) and cb._decided_step != trainer.global_step:
-            cb.decide(trainer, pl_module)
-    for cb in callbacks:
-        if isinstance(cb, RingReplayAudit):
-            cb._audit_step(trainer, pl_module)
+        return bool(self._core.audit(step.index, pl_module, step_fn, to_device=trainer.strategy.batch_to_device,
+                                     context=trainer.precision_plugin.train_step_context))  # fmt: skip
 
 
 class FaultInjector(Callback):
@@ -835,17 +700,8 @@ class MatmulChecksumCheck(_SDCCallback):
         self._core.attach(pl_module)
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        self._settle(trainer, pl_module, lambda: self._core.arm(trainer.global_step))  # reads the last verdict
-
-    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
-        self._settle(trainer, pl_module, lambda: self._core.verdict(trainer.global_step))
-
-    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
-        self._settle(trainer, pl_module, self._core.resolve)  # no checkpoint after a step with an unread verdict
-
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._settle(trainer, pl_module, self._core.resolve)
-        super().on_train_end(trainer, pl_module)
+        core, step = self._core, trainer.global_step
+        _driver(trainer).deliver(core, lambda: core.arm(step))  # reads the last verdict
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._core.detach()
@@ -854,12 +710,3 @@ class MatmulChecksumCheck(_SDCCallback):
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         super().on_exception(trainer, pl_module, exception)  # discards the pending verdict: no collective
         self._core.detach()
-
-    def _settle(self, trainer: pl.Trainer, pl_module: pl.LightningModule, fn: Callable[[], Any]) -> None:
-        try:
-            fn()
-        except SDCError as err:
-            self._handle(trainer, pl_module, err, max_step=err.step)
-            return
-        if self._core.last_error is not None:  # warned: still an incident
-            self._failed(trainer, self._core.config.on_failure)

@@ -58,10 +58,11 @@ from torch.nn.parallel import DistributedDataParallel
 
 from sdc_core import shutdown
 from sdc_core.checkpoint import FINGERPRINT_KEY, check_loaded_checkpoint, fingerprint_checkpoint
-from sdc_core.errors import ReplayMismatchError, SDCError
-from sdc_core.fingerprint import WeightFingerprint, healed_by_comparison
-from sdc_core.gradients import GradientTap, NonFiniteGradient, carries, drop_step, start_carrying
-from sdc_core.incidents import install_exit_code, mark_verdict, record_verdict
+from sdc_core.driver import Seam, StepContext, StepDriver
+from sdc_core.errors import SDCError
+from sdc_core.fingerprint import WeightFingerprint
+from sdc_core.gradients import GradientTap, NonFiniteGradient
+from sdc_core.incidents import install_exit_code
 from sdc_core.replay import RingReplay, StateCapture
 from sdc_core.settings import PLAIN, Sources, resolve
 from sdc_core.sharded import ShardedFingerprint, ShardedNonFinite, is_sharded
@@ -257,7 +258,6 @@ class SDCHooks:
         self._replaying = False
         self._replay_state = (replay_state, load_replay_state)
         self._module: nn.Module | None = None
-        self._run_dir: str | None = None
         self._model: nn.Module | None = None  # as wrapped (the DDP model)
         self._optimizer: Any = None
         self._checkpoint_fingerprint: dict[str, Any] | None = None  # of the state being saved
@@ -265,15 +265,16 @@ class SDCHooks:
         self._handles: list[Any] = []
         self._consumers: list[tuple[list[Any], Any]] = []  # (tap list, consumer) pairs to remove on detach
         self._log_due: int | None = None  # step of the periodic point not written yet
-        self._checked: int | None = None  # the step check_gradients_now decided
-        self._recorded: BaseException | None = None  # the last verdict whose incident was written
-        self._checked_skip = False
         self._logged_step: int | None = None
+        self._driver = StepDriver(_LoopSeam(self), self._all_checks)
         self._fw.register_for_checkpointing(self)
 
     @property
     def checks(self) -> list[Any]:
         return [c for c in (self.nonfinite, self.replay, self.fingerprint, self.matmul) if c is not None]
+
+    def _all_checks(self) -> list[Any]:
+        return [*self.checks, *([self.update_audit] if self.update_audit is not None else [])]
 
     @property
     def module(self) -> nn.Module | None:
@@ -370,16 +371,7 @@ class SDCHooks:
         self.update_audit = audit = self.settings.update_audit()
         if audit is not None:  # wrong updates of shards without replicas: a partner recomputes them
             audit.topology = topo
-            audit.attach(optimizer, model)
-            inner = _inner(optimizer)  # the hooks run on sync steps only
-
-            def before(opt: Any, *_: Any) -> None:
-                audit.before_update(self.step, opt)
-
-            def after(opt: Any, *_: Any) -> None:  # runs after the audit's own digest hook (registered first)
-                self._verdict(audit, lambda: audit.audit(self.step), "raise")
-
-            self._handles += [inner.register_step_pre_hook(before), inner.register_step_post_hook(after)]
+            audit.attach(optimizer, model)  # the driver snapshots before each update and audits after it
         self._wrap_step(optimizer)
         self._model, self._optimizer = model, optimizer
         # shards are compared before a save; the saved state (DTensor shards) carries no fingerprint
@@ -400,7 +392,7 @@ class SDCHooks:
 
         def arm(mod: nn.Module, args: Any) -> None:  # the first forward of a step reads the previous verdict
             if mod.training and torch.is_grad_enabled() and not self._in_replay():
-                self._verdict(matmul, lambda: matmul.arm(self.step), matmul.config.on_failure)
+                self._driver.deliver(matmul, lambda: matmul.arm(self.step))
 
         self._handles.append(module.register_forward_pre_hook(arm))
         self._handles.append(_Call(matmul.detach))
@@ -414,16 +406,6 @@ class SDCHooks:
     def _hook_forward(self, module: nn.Module) -> None:
         self._handles.append(module.register_forward_pre_hook(self._before_forward, with_kwargs=True))
         self._handles.append(module.register_forward_hook(self._after_forward, with_kwargs=True))
-
-    def _resolve_matmul(self) -> None:
-        matmul = self.matmul
-        if matmul is not None:
-            self._verdict(matmul, matmul.resolve, matmul.config.on_failure)
-
-    def _resolve_nonfinite(self) -> None:
-        nonfinite = self.nonfinite
-        assert nonfinite is not None
-        self._verdict(nonfinite, nonfinite.resolve, nonfinite.config.on_failure)
 
     # -- replay capture ------------------------------------------------------------------------
 
@@ -575,118 +557,38 @@ class SDCHooks:
 
         atexit.register(at_exit)
 
-    def _verdict(self, check: Any, run: Callable[[], Any], policy: str) -> Any:
-        """Run one check's call; record its verdict with the policy actually applied: ``policy``
-        when it returned (skipped, warned, healed), ``"raise"`` when it raised."""
-        try:
-            out = run()
-        except SDCError as err:
-            if err is not self._recorded:  # a verdict raised through an outer call is recorded once
-                self._recorded = err
-                if check.last_error is None:
-                    check.last_error = err
-                self._record(check, "raise")
-            mark_verdict(err)
-            raise
-        self._record(check, policy)
-        return out
+    def _context(self, optimizer: Any = None) -> StepContext:
+        """The step as the driver sees it: the coming update's step and update index."""
+        assert self._module is not None
+        return StepContext(self.step, self._updates, self._module, [_inner(optimizer or self._optimizer)],
+                           scaler_active=self._fw.scaler is not None)  # fmt: skip
 
     def _step(self, optimizer: Any, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        fw = self._fw
-        fp, nonfinite, replay = self.fingerprint, self.nonfinite, self.replay
-        if nonfinite is not None:  # the previous step's verdict, read one step later (raise, warn)
-            self._verdict(nonfinite, nonfinite.resolve, nonfinite.config.on_failure)
-        if fp is not None:  # the comparison started after the previous update
-            self._verdict(fp, fp.resolve, "heal")
+        fw, driver = self._fw, self._driver
+        if self._module is None:  # detached: the step as it was
+            return original(*args, **kwargs)
+        driver.resolve_pending(self._context(optimizer))  # the earlier steps' verdicts, also on accumulation steps
         if not fw.sync_gradients:
             return original(*args, **kwargs)
-        assert self._module is not None
-        module, step = self._module, self.step
-        scaler = fw.scaler is not None
-        skipped = False
-        if self.matmul is not None:  # the step's products: sent now, read at the next step (or before a save)
-            matmul = self.matmul
-            self._verdict(matmul, lambda: matmul.verdict(step), matmul.config.on_failure)
-        carry = False  # the gradient verdict rides the fingerprint's all-reduce after this update
-        if self._checked == step:  # check_gradients_now took this step's verdict already
-            skipped = self._checked_skip
-        elif nonfinite is not None:  # read now when the replay audits this step: it must not act first
-            now = replay is not None and replay.armed
-            carry = carries(nonfinite, fp, self._updates, now=now, scaler_active=scaler)
-            skipped = self._verdict(
-                nonfinite,
-                lambda: nonfinite.verdict(step, module.named_parameters(), scaler_active=scaler, now=now, carry=carry),
-                nonfinite.config.on_failure,
-            )
-        if replay is not None and skipped:
-            replay.disarm()  # a step the gradient check dropped is not audited
-        elif replay is not None and self._audit(step, module):  # a transient fault: every rank drops this step
-            drop_step(module.parameters(), scaler_active=scaler)
-            skipped = True
+        plan = driver.before_update(self._context(optimizer))
         self._write_due_log()  # this step's verdicts are in: the pending point is complete
         fw._updated = False
         try:
             out = original(*args, **kwargs)
         except BaseException:
-            if carry:  # the verdict stays readable: from the reduced gradients, still in place
-                nonfinite.uncarried()
+            driver.update_failed(plan)
             raise
+        step = self.step
         self.step += 1
-        updated = not skipped and not fw.step_was_skipped(optimizer)
-        if carry and not updated:  # no update, so no fingerprint to carry the flag: read the gradients
-            carry = False
-            nonfinite.uncarried()
+        updated = not plan.skipped and not fw.step_was_skipped(optimizer)
         if updated:
             self._updates += 1
-            if fp is not None and fp.due(self._updates - 1):
-                start_carrying(fp, nonfinite if carry else None, step, module, [_inner(optimizer)])
+        done = StepContext(step, self._updates - 1, self._module, [_inner(optimizer)],
+                           scaler_active=fw.scaler is not None)  # fmt: skip
+        driver.after_update(done, updated, plan)
         if self.step % self.settings.log_every_n_steps == 0:
             self.log()
         return out
-
-    def _audit(self, step: int, module: nn.Module) -> bool:
-        """The replay audit of this step. Verdicts in causal order: when a replay disagreement is
-        raised and the fingerprint check is on, the replicas' current weights are compared first
-        (every rank is here together); a replica whose weights changed since the last comparison
-        computes differently, so the weight fault is what is raised (``FingerprintMismatchError``
-        naming the tensors), not a compute fault. Without the fingerprint check (DDP) a one-off
-        comparison of every parameter does it. When the fingerprint check healed replicas that
-        include every rank the replay named, the disagreement is explained: the step is dropped
-        (True) and no compute fault is raised or recorded. Cost: one extra comparison, on a
-        failing step only."""
-        replay = self.replay
-
-        def audit() -> bool:
-            try:
-                return bool(replay.audit(step, module, self._replay_step, self._to_device))
-            except ReplayMismatchError as symptom:
-                if self._weights_explain(step, module, symptom):
-                    replay.last_error = None  # a symptom of the healed weight fault: no incident of its own
-                    return True
-                raise
-
-        return bool(self._verdict(replay, audit, "skip_step"))
-
-    def _weights_explain(self, step: int, module: nn.Module, symptom: ReplayMismatchError) -> bool:
-        """Compare the replicas' current weights after a replay disagreement (every rank together).
-        Raises (and records) the weight fault when they differ and are not healed; True when they
-        were healed and the heal covers every rank the replay named."""
-        fp = self.fingerprint
-        if fp is None:
-            if self._fw.num_processes < 2 or is_sharded(module):
-                return False
-            fp = WeightFingerprint(topology=self.replay.topology if self.replay is not None else None)
-        now = max(step - 1, 0)  # the weights now: after the previous update
-        healed = self._verdict(fp, lambda: healed_by_comparison(fp, now, module, [_inner(self._optimizer)]), "heal")
-        return healed is not None and set(symptom.suspects) <= set(healed.suspects)
-
-    def _record(self, check: Any, policy: str) -> None:
-        """Write the incident of ``check``'s last verdict (main process; a failed write only warns)."""
-        if check.last_error is None:
-            return
-        if self._run_dir is None:
-            self._run_dir = self._fw.run_dir
-        record_verdict(check, self._run_dir, self._fw.is_main, policy)
 
     def _path_out(self, err: BaseException) -> None:
         """An exception leaves the step: the pending fingerprint all-reduce is finished, not left
@@ -710,10 +612,7 @@ class SDCHooks:
         (one extra read and one host wait): training does not end with replicas that differ
         unnoticed. Raises the ``SDCError`` on every process."""
         try:
-            self._resolve_matmul()
-            if self.nonfinite is not None:
-                self._resolve_nonfinite()
-            self._check_now()
+            self._compare_now()
         finally:
             self.log(force=True)
             if self._fw.num_processes > 1:  # the script may now free the model and the process group
@@ -725,19 +624,11 @@ class SDCHooks:
         ``NonFiniteGradientError`` naming the rank on every process, as ``optimizer.step`` would
         have. Call it on every process, after backward. Cost: one host wait; nothing on a finite
         step beyond that (the step's own verdict is then read as usual)."""
-        nonfinite, module = self.nonfinite, self._module
-        if nonfinite is None or module is None or not self._fw.sync_gradients:
+        if self.nonfinite is None or self._module is None or not self._fw.sync_gradients:
             return
-        if self._checked == self.step:
-            return
-        self._resolve_nonfinite()  # the previous step's, first
-        scaler = self._fw.scaler is not None
-        self._checked = self.step  # the step's evidence is taken once: optimizer.step will not take it again
-        self._checked_skip = bool(self._verdict(
-            nonfinite,
-            lambda: nonfinite.verdict(self.step, module.named_parameters(), scaler_active=scaler, now=True),
-            nonfinite.config.on_failure,
-        ))
+        step = self._context()
+        self._driver.resolve_gradients(step, before=self.step)  # the previous step's, first
+        self._driver.gradients(step, now=True)  # taken once: optimizer.step will not take it again
 
     def before_save(self, fingerprint: bool = True) -> None:
         """Call on every process before writing a checkpoint: reads the pending non-finite
@@ -747,22 +638,19 @@ class SDCHooks:
         ``load_state_dict`` verifies what was loaded. Works the same before
         ``torch.distributed.checkpoint.save`` (sharded models: compared, not fingerprinted).
         Cost: one host wait and one read of the weights (and of the saved state)."""
-        self._resolve_matmul()
-        if self.nonfinite is not None:  # no checkpoint after a step whose verdict is unread
-            self._resolve_nonfinite()
-        self._check_now()
+        self._compare_now()
         sharded = self._module is not None and is_sharded(self._module)
         self._checkpoint_fingerprint = (
             fingerprint_checkpoint(self._saved_tensors()) if fingerprint and self._module is not None and not sharded
             else None
         )  # fmt: skip
 
-    def _check_now(self) -> None:
-        """Resolve the pending comparison, then compare the current weights (every process)."""
-        if self.fingerprint is None or self._module is None:
-            return
-        fp, module = self.fingerprint, self._module
-        self._verdict(fp, lambda: fp.check_now(max(self.step - 1, 0), module, [_inner(self._optimizer)]), "heal")
+    def _compare_now(self) -> None:
+        """The pending verdicts read and the current weights compared (every process)."""
+        if self._module is not None:
+            self._driver.compare_now(self._context())
+        elif self.nonfinite is not None:  # not attached: only a verdict of an earlier attachment can be pending
+            self._driver.deliver(self.nonfinite, self.nonfinite.resolve)
 
     def metrics(self) -> dict[str, float]:
         out: dict[str, float] = {}
@@ -828,7 +716,7 @@ class SDCHooks:
         if self._module is None or not self.owns(models):
             self._checkpoint_fingerprint = None
             if self.nonfinite is not None:  # no checkpoint after a step whose verdict is unread
-                self._resolve_nonfinite()
+                self._driver.deliver(self.nonfinite, self.nonfinite.resolve)
             return
         self.before_save()
 
@@ -869,6 +757,33 @@ class SDCHooks:
             self._loaded_fingerprint = stored
             if self._module is not None:
                 self._verify_loaded(stored)
+
+
+class _LoopSeam(Seam):
+    """The driver's seam of a hook set: its framework's run folder and rank; a replay runs the
+    recorded micro-batch through ``replayable`` or the model's forward."""
+
+    def __init__(self, hooks: SDCHooks) -> None:
+        self._hooks = weakref.proxy(hooks)  # the hook set owns the driver, which owns this seam
+        self._run_dir: str | None = None
+
+    @property
+    def run_dir(self) -> str:
+        if self._run_dir is None:  # resolved once: a framework's answer may be a collective
+            self._run_dir = self._hooks._fw.run_dir
+        return self._run_dir
+
+    @property
+    def is_main(self) -> bool:
+        return self._hooks._fw.is_main
+
+    @property
+    def world_size(self) -> int:
+        return self._hooks._fw.num_processes
+
+    def audit(self, replay: Any, step: StepContext) -> bool:
+        hooks = self._hooks
+        return bool(replay.audit(step.index, step.module, hooks._replay_step, hooks._to_device))
 
 
 def _loss_of(result: Any) -> torch.Tensor:

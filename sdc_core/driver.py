@@ -1,0 +1,437 @@
+"""``StepDriver``: the one loop driver of the SDC checks, whatever the training loop.
+
+Every seam calls it: ``SDCHooks`` (the plain-PyTorch loop, and through it Accelerate, Fabric and
+the Hugging Face Trainer) from its wrapper of ``optimizer.step``, and the Lightning callbacks from
+the trainer's events. What it owns, once:
+
+* the order of the verdicts in an optimizer step (``resolve_pending`` then ``before_update``):
+  an earlier step's non-finite verdict, the pending weight comparison (of the weights after an
+  earlier update), this step's matrix-product verdict, this step's non-finite verdict, this step's
+  replay audit, then the update audit's snapshot. An earlier fault is never reported as a later
+  one's symptom: weights flipped after step ``s`` make the replay of step ``s + 1`` disagree, but
+  the comparison of step ``s`` is read first and names the tensors;
+* which verdict rides the fingerprint's all-reduce after the update (``carries``), and the
+  start of that comparison (``after_update``);
+* what one check's verdict means for the others: a step the gradient check dropped is not
+  audited; replicas healed or rolled back before the update are not audited (their gradients
+  came from other weights); a replay disagreement is first checked against the replicas'
+  weights (``_explained_by_weights``), and the weight fault is what is raised;
+* delivery (``deliver``): the incident with the policy actually applied, the seam's report
+  (counters to the trackers), the marker for the launcher, the seam's rollback;
+* the comparisons before a checkpoint is written and at the end of training.
+
+The seam (``Seam``) answers what only the framework knows: where incidents go, how to log, how to
+roll back, how a replay recomputes a micro-batch. Every rank calls the same methods in the same
+order; each runs the same collectives on every rank, on its error paths too.
+Cost: a few Python calls per step beyond the checks' own.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from sdc_core.errors import ReplayMismatchError, SDCError
+from sdc_core.fingerprint import WeightFingerprint, healed_by_comparison
+from sdc_core.gradients import NonFiniteGradient, carries, drop_step, start_carrying
+from sdc_core.incidents import mark_verdict, record_verdict
+from sdc_core.replay import RingReplay
+from sdc_core.sharded import ShardedFingerprint, ShardedNonFinite, is_sharded
+from sdc_core.sharded_replay import ShardedReplay
+from sdc_core.sharded_update import UpdateAudit
+
+
+class RolledBack:
+    """What ``deliver`` returns when the seam rolled back instead of raising."""
+
+    def __repr__(self) -> str:
+        return "ROLLED_BACK"
+
+
+ROLLED_BACK = RolledBack()
+
+
+@dataclass
+class StepContext:
+    """What the seam knows of one optimizer step.
+
+    Args:
+        index: the step (0-based): ``SDCError.step``, the replay's and matmul check's cadence.
+        update: the 0-based index of the update in question, for the fingerprint's cadence
+            (the coming one before the update, the one just done after it).
+        module: the unwrapped (or ``fully_shard``) model.
+        optimizers: the torch optimizers of the step (inner ones, not a framework's wrappers).
+        scaler_active: an fp16 GradScaler scales this step.
+        carry: the gradient verdict may ride the fingerprint's all-reduce (one optimizer per
+            step, automatic optimisation: the comparison after this update is this step's).
+    """
+
+    index: int
+    update: int
+    module: nn.Module
+    optimizers: list[Any]
+    scaler_active: bool = False
+    carry: bool = True
+
+
+@dataclass
+class StepPlan:
+    """What ``before_update`` decided: the update is skipped on every rank, and the gradient
+    verdicts whose flag rides the fingerprint's all-reduce after it."""
+
+    skipped: bool = False
+    carrying: list[NonFiniteGradient] = field(default_factory=list)
+
+
+class Seam:
+    """What the driver asks of a framework; this default is the plain-PyTorch answer."""
+
+    @property
+    def run_dir(self) -> str:
+        """Where incidents go (``<run_dir>/sdc/incidents``)."""
+        return "."
+
+    @property
+    def is_main(self) -> bool:
+        """True on the process that writes incidents (global rank 0)."""
+        return True
+
+    @property
+    def world_size(self) -> int:
+        return 1
+
+    def report(self, check: Any, policy: str) -> None:
+        """A verdict of ``check`` was recorded with ``policy``: e.g. its counters to the trackers.
+        Must not raise and run no collective."""
+
+    def mark(self, error: SDCError) -> None:
+        """A verdict is raised: leave the marker for the launcher (``mark_verdict``)."""
+        mark_verdict(error)
+
+    def rollback(self, error: SDCError, max_step: int) -> SDCError:
+        """Restore the newest checkpoint verified clean at or before ``max_step`` (every rank
+        together) and return ``error`` with what was done; raise it when impossible. The plain
+        loop has no checkpoint of its own to restore (the settings refuse ``"rollback"``)."""
+        raise error
+
+    def audit(self, replay: Any, step: StepContext) -> bool:
+        """Run ``replay.audit`` for this step with the framework's step function; True when the
+        step is to be dropped on every rank (a transient fault)."""
+        raise NotImplementedError
+
+
+class StepDriver:
+    """The verdicts of the SDC checks in the order of cause and effect, for any seam.
+
+    Args:
+        seam: the framework's answers (``Seam``).
+        checks: returns the checks now in use (the non-finite, fingerprint, replay, matmul and
+            update-audit cores, DDP or sharded); asked at every call, so a seam may swap a check
+            for its sharded variant or drop it.
+    """
+
+    def __init__(self, seam: Seam, checks: Callable[[], Iterable[Any]]) -> None:
+        self.seam = seam
+        self._checks = checks
+        self._recorded: BaseException | None = None  # the last verdict whose incident was written
+        self._decided: dict[int, tuple[int, bool]] = {}  # id(non-finite check) -> (step decided, dropped)
+        self._planned: tuple[int, StepPlan] | None = None  # before_update ran for this step
+        self._saved: tuple[Any, bool] | None = None  # (key, weights changed) of the last before_save
+        self.rolled_back: SDCError | None = None  # the verdict of the last rollback, with what was done
+
+    def reset(self) -> None:
+        """Forget per-step state (a new ``fit``)."""
+        self._recorded = None
+        self._decided = {}
+        self._planned = self._saved = None
+
+    # -- the checks, by kind ----------------------------------------------------------------------
+
+    def _of(self, *kinds: type) -> list[Any]:
+        return [c for c in self._checks() if isinstance(c, kinds)]
+
+    @property
+    def nonfinite(self) -> list[Any]:
+        return self._of(NonFiniteGradient, ShardedNonFinite)
+
+    @property
+    def fingerprints(self) -> list[Any]:
+        return self._of(WeightFingerprint, ShardedFingerprint)
+
+    @property
+    def replays(self) -> list[Any]:
+        return self._of(RingReplay, ShardedReplay)
+
+    @property
+    def matmuls(self) -> list[Any]:
+        matmul = sys.modules.get("sdc_core.matmul")  # not loaded: no such check exists (an opt-in, heavy import)
+        return self._of(matmul.MatmulChecksum) if matmul is not None else []
+
+    @property
+    def update_audits(self) -> list[Any]:
+        return self._of(UpdateAudit)
+
+    # -- delivery -----------------------------------------------------------------------------
+
+    def deliver(self, check: Any, run: Callable[[], Any], policy: str | None = None) -> Any:
+        """Run one check's call and deliver its verdict: returned (skipped, warned, healed:
+        recorded with ``policy``, default the check's ``on_failure``), raised (recorded as
+        ``"raise"``, marked, re-raised) or, with ``on_failure="rollback"``, rolled back by the
+        seam (recorded as ``"rollback"``; returns ``ROLLED_BACK``)."""
+        policy = policy or _policy(check)
+        try:
+            out = run()
+        except SDCError as err:
+            if err is self._recorded:  # raised through an outer call: recorded once
+                self.seam.mark(err)
+                raise
+            if check.last_error is None:
+                check.last_error = err
+            if _policy(check) == "rollback":
+                try:
+                    check.last_error = self.seam.rollback(err, _rollback_bound(check, err))
+                except SDCError as failed:
+                    check.last_error = failed
+                    self._raise(check, failed)
+                check.stats.bump("rollbacks")
+                self.rolled_back = check.last_error
+                self._record(check, "rollback")
+                return ROLLED_BACK
+            self._raise(check, err)
+        self._record(check, policy)
+        return out
+
+    def _raise(self, check: Any, err: SDCError) -> None:
+        self._recorded = err
+        self._record(check, "raise")
+        self.seam.mark(err)
+        raise err
+
+    def _record(self, check: Any, policy: str) -> None:
+        """The incident of ``check``'s last verdict (main process; a failed write only warns)."""
+        if check.last_error is None:
+            return
+        record_verdict(check, self.seam.run_dir, self.seam.is_main, policy)
+        self.seam.report(check, policy)
+
+    def _gradients(self, check: Any, run: Callable[[], Any], step: StepContext) -> Any:
+        """A non-finite verdict; a rollback drops the coming update (its gradients are stale)."""
+        out = self.deliver(check, run)
+        if out is ROLLED_BACK:
+            drop_step(step.module.parameters(), scaler_active=step.scaler_active)
+        return out
+
+    # -- the step -----------------------------------------------------------------------------
+
+    def resolve_gradients(self, step: StepContext, before: int | None = None) -> None:
+        """Read the pending non-finite verdicts (of steps before ``before``, when given)."""
+        for nf in self.nonfinite:
+            pending = nf.pending_step
+            if pending is not None and (before is None or pending < before):
+                self._gradients(nf, nf.resolve, step)
+
+    def resolve_pending(self, step: StepContext) -> bool:
+        """The verdicts of earlier steps, before this step's: pending non-finite verdicts, then the
+        pending weight comparison (``resolve_comparison``). Every rank, after backward (or at the
+        step's first micro-batch). True when replicas were healed or rolled back."""
+        self.resolve_gradients(step, before=step.index)
+        return self.resolve_comparison(step)
+
+    def resolve_comparison(self, step: StepContext) -> bool:
+        """Read the pending weight comparison (of the weights after an earlier update). When it
+        healed or rolled back replicas, this step's gradients came from other weights: its replay
+        is not run, and after a rollback its update is dropped. Returns True then."""
+        acted = rolled = False
+        for fp in self.fingerprints:
+            failures = fp.stats.failures
+            rolled = self.deliver(fp, fp.resolve, "heal") is ROLLED_BACK or rolled
+            acted = acted or fp.stats.failures != failures
+        if acted:
+            for replay in self.replays:
+                if replay.armed:
+                    replay.disarm()
+        if rolled:
+            drop_step(step.module.parameters(), scaler_active=step.scaler_active)
+        return acted
+
+    def gradients(self, step: StepContext, now: bool = False) -> bool:
+        """Hand this step's gradients to the non-finite checks (once per step): the verdict is read
+        now when the policy needs it before the update, when ``now`` (a caller about to act on
+        the gradients) or when a replay audits this step, else one step later (riding the
+        fingerprint's all-reduce where ``carries`` allows). True when the update is dropped."""
+        fps = self.fingerprints
+        audited = now or any(r.armed for r in self.replays)
+        dropped = False
+        for nf in self.nonfinite:
+            decided = self._decided.get(id(nf))
+            if decided is not None and decided[0] == step.index:
+                dropped = dropped or decided[1]
+                continue
+            carry = step.carry and len(fps) == 1 and carries(nf, fps[0], step.update, now=audited,
+                                                             scaler_active=step.scaler_active)  # fmt: skip
+
+            def verdict(nf: Any = nf, carry: bool = carry) -> bool:
+                return bool(nf.verdict(step.index, step.module.named_parameters(), scaler_active=step.scaler_active,
+                                       now=audited, carry=carry))  # fmt: skip
+
+            out = self._gradients(nf, verdict, step)
+            drop = out is True or out is ROLLED_BACK
+            self._decided[id(nf)] = (step.index, drop)
+            dropped = dropped or drop
+        return dropped
+
+    def before_update(self, step: StepContext) -> StepPlan:
+        """This step's verdicts, before its update (every rank, after backward; once per step:
+        a second call for the same step returns the first plan). Call ``resolve_pending`` first."""
+        if self._planned is not None and self._planned[0] == step.index:
+            return self._planned[1]
+        plan = StepPlan()
+        for matmul in self.matmuls:  # the step's products: sent now, read at the next step
+            self.deliver(matmul, lambda m=matmul: m.verdict(step.index))
+        plan.skipped = self.gradients(step)
+        plan.carrying = [nf for nf in self.nonfinite if isinstance(nf, NonFiniteGradient) and nf.rider() is not None]
+        for replay in self.replays:
+            if not replay.armed:
+                continue
+            if plan.skipped:
+                replay.disarm()  # a step the gradient check dropped is not audited
+            elif self._audit(replay, step):  # a transient fault (or rolled back): every rank drops this step
+                drop_step(step.module.parameters(), scaler_active=step.scaler_active)
+                plan.skipped = True
+        for audit in self.update_audits:  # last: the update's inputs as the optimizer will see them
+            audit.before_update(step.index, step.optimizers[0])
+        self._planned = (step.index, plan)
+        return plan
+
+    def update_failed(self, plan: StepPlan) -> None:
+        """The optimizer step raised: the carried verdicts are read from the reduced gradients."""
+        for nf in plan.carrying:
+            nf.uncarried()
+
+    def after_update(self, step: StepContext, updated: bool, plan: StepPlan | None = None) -> None:
+        """After the update of ``step`` (``step.update``: its index): the update audit's verdict,
+        then the comparison of the replicas' new weights, started (read at the next step),
+        carrying the gradient verdict left for it (``plan``: default, what ``before_update``
+        decided for this step). Without an update, the carried verdict is read from the reduced
+        gradients instead."""
+        for audit in self.update_audits:
+            self.deliver(audit, lambda a=audit: a.audit(step.index), "raise")
+        if plan is None and self._planned is not None and self._planned[0] == step.index:
+            plan = self._planned[1]
+        carrying = plan.carrying if plan is not None else []
+        if not updated:
+            for nf in carrying:
+                nf.uncarried()
+            return
+        fps = self.fingerprints
+        for fp in fps:
+            if fp.active and fp.due(step.update):
+                start_carrying(fp, carrying[0] if carrying and len(fps) == 1 else None, step.index, step.module,
+                               step.optimizers)  # fmt: skip
+
+    def _audit(self, replay: Any, step: StepContext) -> bool:
+        """The replay audit of this step, delivered. A disagreement is first checked against the
+        replicas' weights: a replica whose weights changed since the last comparison computes
+        differently, so the weight fault is what is raised (``FingerprintMismatchError`` naming
+        the tensors), not a compute fault; when the fingerprint check healed replicas that
+        include every rank the replay named, the disagreement is explained: the step is dropped
+        (True) and no compute fault is raised or recorded. Cost: one extra comparison, on a
+        failing step only."""
+
+        def audit() -> bool:
+            try:
+                return bool(self.seam.audit(replay, step))
+            except ReplayMismatchError as symptom:
+                if self._explained_by_weights(replay, step, symptom):
+                    return True
+                raise
+
+        out = self.deliver(replay, audit, "skip_step")
+        return out is ROLLED_BACK or bool(out)
+
+    def _explained_by_weights(self, replay: Any, step: StepContext, symptom: ReplayMismatchError) -> bool:
+        """Compare the replicas' current weights (every rank together, every tensor): the weight
+        fault is raised (and recorded) when they differ and are not healed; True when they were
+        healed or rolled back and that covers every rank the replay named. Without a fingerprint
+        check a one-off comparison of every parameter does it (DDP; sharded models: none)."""
+        fps = [fp for fp in self.fingerprints if fp.active]
+        if fps:
+            fp = fps[0]
+        elif self.seam.world_size > 1 and not is_sharded(step.module):
+            fp = WeightFingerprint(topology=replay.topology)
+        else:
+            return False
+        now = max(step.index - 1, 0)  # the weights now: after the previous update
+        replay.last_error = None  # a symptom until the weights are compared
+        acted = self.deliver(fp, lambda: healed_by_comparison(fp, now, step.module, step.optimizers), "heal")
+        if acted is ROLLED_BACK:
+            acted = self.rolled_back
+        if acted is not None and set(symptom.suspects) <= set(acted.suspects):
+            return True
+        replay.last_error = symptom
+        return False
+
+    # -- checkpoints and the end --------------------------------------------------------------
+
+    def compare_now(self, step: StepContext) -> bool:
+        """Read the pending verdicts and compare the replicas' current weights at once, whatever
+        the cadence (every rank; one host wait and one read of the weights): the matmul and
+        non-finite verdicts still pending, then the pending comparison and a fresh one. True
+        when a heal or rollback changed the weights."""
+        for matmul in self.matmuls:
+            self.deliver(matmul, matmul.resolve)
+        for nf in self.nonfinite:
+            if isinstance(nf, NonFiniteGradient):
+                nf.uncarried()  # a verdict no all-reduce carried: read from the reduced gradients
+            self._gradients(nf, nf.resolve, step)
+        changed = False
+        for fp in self.fingerprints:
+            if not fp.active:
+                continue
+            failures = fp.stats.failures
+            self.deliver(fp, lambda f=fp: f.check_now(max(step.index - 1, 0), step.module, step.optimizers), "heal")
+            changed = changed or fp.stats.failures != failures
+        return changed
+
+    def before_save(self, step: StepContext, key: Any = None) -> bool:
+        """``compare_now`` before a checkpoint is written (every rank, before any file exists),
+        once per ``key`` (a seam whose checks each see the save passes the same key: the first
+        call compares, the others get its answer). True when a heal or rollback changed the weights."""
+        if key is not None and self._saved is not None and self._saved[0] == key:
+            return self._saved[1]
+        changed = self.compare_now(step)
+        self._saved = (key, changed) if key is not None else None
+        return changed
+
+    def discard(self) -> None:
+        """An exception leaves the loop: drop what is in flight without any collective (the other
+        ranks may not be here)."""
+        for check in self._checks():
+            discard = getattr(check, "discard", None)
+            if discard is not None:
+                discard()
+
+
+def _policy(check: Any) -> str:
+    config = getattr(check, "config", None)
+    return getattr(config, "on_failure", "raise") if config is not None else "raise"
+
+
+def _rollback_bound(check: Any, error: SDCError) -> int:
+    """The newest step a rollback may return to: for a weight fault, the step after the last
+    comparison that found the replicas equal; for a compute fault, the faulty step."""
+    if isinstance(check, WeightFingerprint | ShardedFingerprint):
+        return check.stats.last_verified_step + 1
+    return error.step
+
+
+def inner_optimizers(optimizers: Iterable[Any]) -> list[Any]:
+    """The torch optimizers inside a framework's wrappers (Accelerate, Fabric)."""
+    return [getattr(o, "optimizer", o) for o in optimizers]
+
+
+__all__ = ["ROLLED_BACK", "Seam", "StepContext", "StepDriver", "StepPlan", "inner_optimizers"]
