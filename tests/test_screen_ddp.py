@@ -1,0 +1,48 @@
+"""The every-step screen in real DDP (3 gloo ranks under torchrun, ``screen_scenarios.py``): a small
+transformer on heterogeneous batches (short and long sequences, token-budget batch sizes,
+imbalanced labels) with dropout and a learning-rate warm-up."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from conftest import results, torchrun
+
+SCRIPT = Path(__file__).with_name("screen_scenarios.py")
+WORLD = 3
+
+
+def flags(result: dict) -> dict[int, list[int]]:
+    return {r["step"]: r["ranks"] for r in result["results"] if r["ranks"]}
+
+
+def test_clean_run_never_flags_and_a_fault_names_its_rank_at_its_step(tmp_path: Path) -> None:
+    torchrun(SCRIPT, tmp_path, "clean,faults", WORLD, timeout=300)
+    clean = results(tmp_path, "clean", WORLD)
+    assert all(r["results"] == clean[0]["results"] for r in clean)  # every rank the same verdicts
+    assert len(clean[0]["results"]) == 60 and flags(clean[0]) == {}
+    assert clean[0]["losses"][-1] < clean[0]["losses"][0]  # it trains
+    faulty = results(tmp_path, "faults", WORLD)
+    assert all(r["results"] == faulty[0]["results"] for r in faulty)
+    assert flags(faulty[0]) == {30: [1], 45: [2]}, faulty[0]["results"]
+    at30, at45 = (faulty[0]["results"][s]["details"] for s in (30, 45))
+    assert at30["1"]["reason"] == "band" and at45["2"]["reason"] == "band"
+    assert "enc.linear2.weight" in at45["2"]["value"]
+    assert faulty[1]["stats"]["sdc/gradient_screen/hits"] == 2.0
+
+
+@pytest.mark.slow
+def test_rates(tmp_path: Path) -> None:
+    """Many clean steps and one random fault every third step (every site and bit class): no
+    wrong rank is ever named; every fault that dominates its step's gradient (relative change
+    >= 1, or non-finite) is flagged at its step on its rank; clean steps flag rarely."""
+    torchrun(SCRIPT, tmp_path, "rates", WORLD, "--steps", "600", "--every", "3", timeout=900)
+    out = results(tmp_path, "rates", WORLD)[0]
+    clean = out["clean"]
+    false_flags = sum(bool(r["ranks"]) for r in clean)
+    assert false_flags <= len(clean) // 100, [r for r in clean if r["ranks"]]
+    for inj in out["injections"]:
+        assert inj["ranks"] in ([], [inj["rank"]]), inj
+        big = inj["rel_change"] == "nonfinite" or inj["rel_change"] >= 1.0
+        assert not big or inj["ranks"] == [inj["rank"]], inj
