@@ -31,12 +31,14 @@ import time
 import warnings
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sdc_core import exit_order
 from sdc_core.errors import TRACEBACK_ENV, SDCError, verdict_line
 from sdc_core.safeio import UnreadableError, create_unique
-from sdc_core.topology import RankFacts, Topology, node_name
+
+if TYPE_CHECKING:  # topology imports torch: `sdc report` and `sdc exclude-list` read incidents without it
+    from sdc_core.topology import Topology
 
 EXIT_CODE_ENV = "SDC_EXIT_CODE"
 DEFAULT_EXIT_CODE = 86
@@ -130,6 +132,8 @@ def mark_verdict(error: SDCError, also: str | Path | None = None) -> None:
     if getattr(error, "_sdc_marked", False):
         return
     error._sdc_marked = True  # type: ignore[attr-defined]
+    from sdc_core.topology import node_name
+
     exit_order.capture()  # the process group may be gone by the time the verdict ends the process
     record = {
         "host": node_name(),
@@ -428,6 +432,8 @@ def record_verdict(check: Any, run_dir: str | Path | None, is_main: bool, policy
 
 def _local_topology(error: SDCError) -> Topology:
     """What is known without a collective: the hosts the error names (facts unknown elsewhere)."""
+    from sdc_core.topology import RankFacts, Topology
+
     world = error.details.get("world_size")
     world = world if isinstance(world, int) else max([*error.suspects, error.rank or 0]) + 1
     facts = [RankFacts(r, error.hosts.get(r, "?"), node_rank=-1, local_rank=-1, device="?") for r in range(world)]

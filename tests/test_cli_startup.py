@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 from conftest import ROOT, worker_env
 
 from sdc_core import cli
@@ -93,8 +94,9 @@ def test_the_settings_help_table_is_the_schema() -> None:
 
     table = ROOT / "sdc_core" / "settings_help.py"
     assert table.read_text() == settings.help_table_source(), (
-        "sdc_core/settings_help.py differs from SDCSettings; regenerate it: .venv/bin/python -c \"import pathlib, "
-        "sdc_core.settings as s; pathlib.Path('sdc_core/settings_help.py').write_text(s.help_table_source())\"")
+        'sdc_core/settings_help.py differs from SDCSettings; regenerate it: .venv/bin/python -c "import pathlib, '
+        "sdc_core.settings as s; pathlib.Path('sdc_core/settings_help.py').write_text(s.help_table_source())\""
+    )
 
 
 def test_console_help_is_complete_and_imports_no_torch() -> None:
@@ -113,3 +115,25 @@ def test_console_help_is_complete_and_imports_no_torch() -> None:
     out, got = _console("sdc", "--help")
     assert got == {"code": 0, "heavy": []}, got
     assert all(name in out for name in cli.COMMANDS), out
+
+
+def test_report_and_exclude_list_read_incidents_without_torch(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """What a job script runs after a verdict (`sdc report`, `sdc exclude-list`, `sdc run`'s last
+    line) reads incidents without importing torch (about 2 s each on 2 cores)."""
+    from sdc_core.errors import FingerprintMismatchError
+    from sdc_core.incidents import write_incident
+    from sdc_core.topology import RankFacts, Topology
+
+    error = FingerprintMismatchError(step=3, rank=1, suspects=(1,), hosts={1: "node-b"}, details={"world_size": 3})
+    topology = Topology(ranks=tuple(RankFacts(r, ("node-a", "node-b", "node-c")[r], node_rank=r, local_rank=0)
+                                    for r in range(3)), rank=0)  # fmt: skip
+    write_incident(tmp_path / "run", error, topology, None, "raise")
+    for argv in (["report", str(tmp_path)], ["exclude-list", str(tmp_path)]):
+        proc = subprocess.run([sys.executable, "-c", PROBE, *argv], env=worker_env(), capture_output=True, text=True,
+                              timeout=60, cwd=ROOT)  # fmt: skip
+        result = json.loads(proc.stdout)
+        assert result["code"] == 0 and result["heavy"] == [], (argv, result, proc.stderr)
+    assert cli.main(["exclude-list", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.strip() == "node-b"  # the incident was read
