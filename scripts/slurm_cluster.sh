@@ -16,18 +16,24 @@ export PATH="$PATH:/usr/sbin:/sbin"  # the daemons, where root's PATH lacks them
 
 die() { echo "slurm_cluster: $*" >&2; exit 3; }
 
-stop_pid() {  # stop_pid PID: SIGTERM, then SIGKILL after 5 s
-  local pid=$1 i
-  kill "$pid" 2>/dev/null || return 0
-  for i in $(seq 50); do kill -0 "$pid" 2>/dev/null || return 0; sleep 0.1; done
-  kill -9 "$pid" 2>/dev/null || true
+stop_pids() {  # stop_pids PID...: SIGTERM to all at once (a daemon takes ~2 s), SIGKILL to any left after 5 s
+  local pid i left
+  [ "$#" -gt 0 ] || return 0
+  kill "$@" 2>/dev/null || true
+  for i in $(seq 50); do
+    left=()
+    for pid in "$@"; do kill -0 "$pid" 2>/dev/null && left+=("$pid"); done
+    [ "${#left[@]}" -eq 0 ] && return 0
+    sleep 0.1
+  done
+  kill -9 "${left[@]}" 2>/dev/null || true
 }
 
-ours() {  # the PIDs of processes started by this cluster (they carry its SLURM_CONF)
-  local p
-  for p in /proc/[0-9]*; do
-    { tr '\0' '\n' <"$p/environ"; } 2>/dev/null | grep -qxF "SLURM_CONF=$SLURM_CONF" && echo "${p#/proc/}"
-  done
+pids_in() { local f; for f in "$@"; do [ -f "$f" ] && cat "$f"; done; return 0; }  # pids_in FILE...
+
+ours() {  # the PIDs of processes started by this cluster (they carry its SLURM_CONF); one grep, not two per process
+  grep -lzxF "SLURM_CONF=$SLURM_CONF" /proc/[0-9]*/environ 2>/dev/null | sed 's#^/proc/\([0-9]*\)/environ$#\1#'
+  return 0
 }
 
 stop() {
@@ -36,11 +42,9 @@ stop() {
     scancel --full --quiet --user="$(id -un)" 2>/dev/null || true
     for _ in $(seq 50); do [ -z "$(squeue -h -o %i 2>/dev/null)" ] && break; sleep 0.2; done
   fi
-  local f
-  for f in "$dir"/run/slurmd.*.pid "$dir/run/slurmctld.pid" "$dir/run/munged.pid"; do
-    [ -f "$f" ] && stop_pid "$(cat "$f")"
-  done
-  for f in $(ours); do [ "$f" != "$$" ] && stop_pid "$f"; done  # job steps left behind, if any
+  # shellcheck disable=SC2046  # one PID a word
+  stop_pids $(pids_in "$dir"/run/slurmd.*.pid "$dir/run/slurmctld.pid" "$dir/run/munged.pid")  # one wait, not one each
+  stop_pids $(ours | grep -vx "$$")  # job steps left behind, if any
   return 0
 }
 

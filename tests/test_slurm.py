@@ -144,13 +144,12 @@ def assert_drain_requeue_resume(slurm: Cluster, job: int, cwd: Path, run: Path, 
     return second
 
 
-def test_torchrun_route_drains_the_faulty_node_requeues_and_resumes(slurm: Cluster, tmp_path: Path) -> None:
+def faulty_torchrun_job(slurm: Cluster, tmp_path: Path) -> dict:
     """``sbatch slurm_requeue.sh`` on 3 of 4 nodes, a weight bit flip on n2's rank: the job exits
     86 (the controller records it), n2 is drained, the job is requeued by Slurm (RequeueExit=86),
-    runs on n1, n3, n4 from the last verified checkpoint and completes. Then n2 is put back (as
-    after its replacement) and a clean job resumed from that same checkpoint completes with the
-    same weights and drains nothing."""
-    faulty, clean = tmp_path / "faulty", tmp_path / "clean"
+    runs on n1, n3, n4 from the last verified checkpoint and completes. Returns the resumed
+    attempt's record."""
+    faulty = tmp_path / "faulty"
     faulty.mkdir()
     job = slurm.sbatch("slurm_requeue.sh", faulty, "torchrun", "--fault-node", "n2",
                        NPROC="1", RDZV_PORT=str(free_port()), RUN_DIR=str(faulty / "run"))  # fmt: skip
@@ -159,7 +158,21 @@ def test_torchrun_route_drains_the_faulty_node_requeues_and_resumes(slurm: Clust
     assert [(r["JobState"], r["ExitCode"]) for r in ended] == [("FAILED", "86:0"), ("COMPLETED", "0:0")], ended
     named = subprocess.run(["sdc", "exclude-list", str(faulty / "run")], env=slurm.env, capture_output=True, text=True)
     assert named.stdout.strip() == "n2"  # the node, not the host name all four nodes share
+    return second
 
+
+def test_torchrun_route_drains_the_faulty_node_requeues_and_resumes(slurm: Cluster, tmp_path: Path) -> None:
+    """``faulty_torchrun_job``; its clean counterpart resumed from the same checkpoint: ``-m slow``."""
+    faulty_torchrun_job(slurm, tmp_path)
+
+
+@pytest.mark.slow  # a second job (about 30 s): the default run keeps the drain, requeue and resume above
+def test_a_clean_job_resumed_from_the_same_checkpoint_ends_with_the_same_weights(slurm: Cluster,
+                                                                                 tmp_path: Path) -> None:  # fmt: skip
+    """After the faulty job above, n2 is put back (as after its replacement) and a clean job
+    resumed from that same checkpoint completes with the same weights and drains nothing."""
+    second = faulty_torchrun_job(slurm, tmp_path)
+    faulty, clean = tmp_path / "faulty", tmp_path / "clean"
     slurm.run("scontrol", "update", "NodeName=n2", "State=RESUME")  # the operator, once n2 is replaced
     (clean / "run" / "ckpt").mkdir(parents=True)
     shutil.copy(second["resumed_from"], clean / "run" / "ckpt")
