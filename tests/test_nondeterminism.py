@@ -7,9 +7,10 @@ the user's ``torch.use_deterministic_algorithms``. Clean runs at the defaults an
 replay on every step must raise nothing; a weight flip, an activation fault and a backward
 fault far above the noise must be named, with the right rank, on every rank alike.
 
-The default run holds 30 clean runs of the kernel that caught the old replay out (noisy on some
-calls, replay every step: a lucky exact first audit made it trust exactness), fewer of three
-more, and the faults; ``-m slow`` runs 30 of every kernel at both settings.
+The default run holds 12 clean runs of the kernel that caught the old replay out (noisy on some
+calls, replay every step: a lucky exact first audit made it trust exactness; 9 of 12 runs met a
+disagreement the re-runs explained), 4 of three more, and the faults; ``-m slow`` runs 30 of
+every kernel at both settings.
 """
 
 from __future__ import annotations
@@ -67,13 +68,13 @@ def assert_named(out: Path, kernel: str, fault: str) -> dict[str, Any]:
 def quick(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("nondeterminism")
     faults = [f"{k}:every:{f}" for k in ("some", "every") for f in FAULTS]
-    more = [f"{s}@8" for s in ("batches:every", "incapable:defaults", "every:every")]
-    launch(out, ["some:every", *more, *faults], 30, 500)  # one launch: one start-up of the ranks
+    more = [f"{s}@4" for s in ("batches:every", "incapable:defaults", "every:every")]
+    launch(out, ["some:every", *more, *faults], 12, 500)  # one launch: one start-up of the ranks
     return out
 
 
-def test_thirty_clean_runs_on_a_kernel_noisy_on_some_calls_accuse_no_one(quick: Path) -> None:
-    totals = assert_clean(quick, "some:every", 30)
+def test_clean_runs_on_a_kernel_noisy_on_some_calls_accuse_no_one(quick: Path) -> None:
+    totals = assert_clean(quick, "some:every", 12)
     assert totals["noisy_calls"] > 0  # the kernel really was noisy
     # the case of the issue happened and was told from a fault: disagreements that re-runs explained
     assert totals.get("disagreements_explained_by_noise", 0) > 0
@@ -82,7 +83,7 @@ def test_thirty_clean_runs_on_a_kernel_noisy_on_some_calls_accuse_no_one(quick: 
 
 def test_noisy_batches_defaults_and_every_call_accuse_no_one(quick: Path) -> None:
     for scenario in ("batches:every", "incapable:defaults", "every:every"):
-        totals = assert_clean(quick, f"{scenario}@8", 8)
+        totals = assert_clean(quick, f"{scenario}@4", 4)
         assert totals["noisy_calls"] > 0, scenario
 
 

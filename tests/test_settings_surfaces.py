@@ -47,13 +47,15 @@ def test_the_hook_set_and_the_callbacks_suggest_alike() -> None:
 
 
 def test_uncaught_configuration_errors_are_one_line(tmp_path: Path) -> None:
-    for code in ("from lightning_sdc import RingReplayAudit; RingReplayAudit(every_n_step=5)",
-                 "from lightning_sdc import RingReplayAudit; RingReplayAudit(on_failure='explode')"):  # fmt: skip
-        proc = subprocess.run([sys.executable, "-c", code], env=worker_env(), capture_output=True, text=True,
-                              timeout=120)  # fmt: skip
+    codes = ("from lightning_sdc import RingReplayAudit; RingReplayAudit(every_n_step=5)",
+             "from lightning_sdc import RingReplayAudit; RingReplayAudit(on_failure='explode')")  # fmt: skip
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=worker_env(), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for code in codes]  # fmt: skip  # side by side
+    for proc in procs:
+        _, stderr = proc.communicate(timeout=120)
         assert proc.returncode == 1
-        lines = proc.stderr.strip().splitlines()
-        assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+        lines = stderr.strip().splitlines()
+        assert len(lines) == 1 and "Traceback" not in stderr, stderr
         assert lines[0].startswith(("UnknownArgumentError: unknown argument 'every_n_step'",
                                     "SDCConfigError: RingReplayAudit: on_failure"))  # fmt: skip
 
