@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import os
 import re
+import runpy
 import subprocess
-import sys
+import warnings
 from pathlib import Path
 
+import pytest
 import torch
 from conftest import ROOT, torchrun_cmd, worker_env
 
@@ -153,23 +155,30 @@ def test_every_python_block_of_the_readme_is_run_or_named() -> None:
     assert [sum(m in b for m in markers) for b in blocks] == [1] * len(blocks), "a README block none of these names"
 
 
-def test_readme_snippets_run_as_written(tmp_path: Path) -> None:
-    """The plain block under torchrun (2 gloo ranks), the Accelerate and Fabric blocks in one
-    process, side by side; then what each promises: a checkpoint `sdc` verifies, `sdc/*` tags in
-    TensorBoard (the init_trackers line), a Fabric file with the hook set's state."""
-    env = {**worker_env(), "HF_HOME": str(tmp_path / "hf"), "ACCELERATE_SDC_CONFIG_FILE": os.devnull}
+def test_readme_snippets_run_as_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plain block under torchrun (2 gloo ranks) while the Accelerate and Fabric blocks run
+    here, one process each needs no launcher; then what each promises: a checkpoint `sdc`
+    verifies, `sdc/*` tags in TensorBoard (the init_trackers line), the hook set's state in the
+    Fabric file."""
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # no accelerate config of this machine's user
+    monkeypatch.setenv("ACCELERATE_SDC_CONFIG_FILE", os.devnull)
     for route in SNIPPETS:
         (tmp_path / route).mkdir()
         (tmp_path / route / "snippet.py").write_text(_readme_script(route))
-    one_process = "import os, runpy\nfor d in ('accelerate', 'fabric'):\n    os.chdir(d)\n" \
-                  "    runpy.run_path('snippet.py', run_name='__main__')\n    os.chdir('..')\n"  # fmt: skip
-    procs = [subprocess.Popen(torchrun_cmd("snippet.py", None, None, 2), cwd=tmp_path / "plain", env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True),
-             subprocess.Popen([sys.executable, "-W", "ignore", "-c", one_process], cwd=tmp_path, env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)]  # fmt: skip
-    for proc in procs:
-        out, _ = proc.communicate(timeout=240)
-        assert proc.returncode == 0, out[-6000:]
+    plain = subprocess.Popen(torchrun_cmd("snippet.py", None, None, 2), cwd=tmp_path / "plain", env=worker_env(),
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    try:
+        for route in ("accelerate", "fabric"):
+            monkeypatch.chdir(tmp_path / route)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # one process: the replica checks say they are inactive
+                runpy.run_path("snippet.py", run_name="__main__")
+    finally:
+        from accelerate.state import AcceleratorState
+
+        AcceleratorState._reset_state(reset_partial_state=True)  # later tests make their own Accelerator
+        out, _ = plain.communicate(timeout=240)
+    assert plain.returncode == 0, out[-6000:]
     for rank in (0, 1):  # the plain recipe's file: verified clean against the fingerprint under "sdc"
         assert sdc_main(["verify-checkpoint", str(tmp_path / "plain" / f"last.rank{rank}.pt")]) == 0
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
