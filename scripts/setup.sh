@@ -11,6 +11,7 @@ python="${PYTHON:-python3}"
 [ -x .venv/bin/python ] || "$python" -m venv .venv
 py=.venv/bin/python
 stamp=.venv/.sdc-installed
+export PIP_DISABLE_PIP_VERSION_CHECK=1  # no round trip to the index to ask whether pip itself is the newest
 if ! "$py" -c 'import importlib.metadata as m, sys; sys.exit(m.version("torch").split("+")[0] != "2.13.0")' 2>/dev/null; then
   echo "setup: installing torch 2.13.0 into .venv" >&2
   "$py" -m pip install -q "torch==2.13.0" ${SDC_TORCH_INDEX:+--index-url "$SDC_TORCH_INDEX"}
