@@ -70,8 +70,8 @@ def test_an_adapter_without_its_framework_names_the_extra(blocked: str, modules:
 
 
 def test_the_other_adapters_import_without_a_framework_they_do_not_use() -> None:
-    got = probe("transformers,lightning", "accelerate_sdc")
-    assert got["accelerate_sdc"] is None and got["core"] == [True, []]
+    got = probe("transformers,lightning", "accelerate_sdc", "accelerate_sdc.hooks")  # the package exports lazily
+    assert got["accelerate_sdc"] is None and got["accelerate_sdc.hooks"] is None and got["core"] == [True, []]
     got = probe("accelerate,transformers", "lightning_sdc")
     assert got["lightning_sdc"] is None
 
