@@ -40,16 +40,21 @@ class ThreadTimer(WorkTimer):
     def __init__(self) -> None:
         super().__init__()
         self.cpu_seconds = 0.0
+        self.parts: dict[str, float] = {}  # CPU seconds per wrapped callable's name
 
     def wrap(self, fn: Any) -> Any:
         timed = super().wrap(fn)
+        name = fn.__name__
+        self.parts.setdefault(name, 0.0)
 
         def counted(*args: Any, **kwargs: Any) -> Any:
             c0 = time.thread_time()
             try:
                 return timed(*args, **kwargs)
             finally:
-                self.cpu_seconds += time.thread_time() - c0
+                spent = time.thread_time() - c0
+                self.cpu_seconds += spent
+                self.parts[name] += spent
 
         return counted
 
@@ -74,6 +79,7 @@ class Run:
             self.observe = self.work.wrap(self.screen.observe)
             self.suspects = self.work.wrap(self.screen.suspects)
         self.steps: list[dict[str, float]] = []
+        self.parts_after_skip: dict[str, float] = {}
         self.flagged = 0
         self.i = 0
 
@@ -104,10 +110,14 @@ def main() -> None:
     runs = {c: Run(c, args.width) for c in CONFIGS}
     g = torch.Generator().manual_seed(dist.get_rank())
     for i in range(args.skip + args.steps):
+        if i == args.skip:
+            screen_run = runs["defaults_screen"]
+            screen_run.parts_after_skip = dict(screen_run.work.parts)
         x = torch.randn(BATCH, 64, generator=g)
         for c in CONFIGS if i % 2 == 0 else CONFIGS[::-1]:
             runs[c].step(x, x[:, :1])
     screen = runs["defaults_screen"]
+    parts = {k: v - screen.parts_after_skip.get(k, 0.0) for k, v in screen.work.parts.items()}
     screen.flagged += bool(screen.screen.suspects(screen.i - 1))  # type: ignore[union-attr]
     for run in runs.values():
         if run.sdc is not None:
@@ -128,6 +138,7 @@ def main() -> None:
             "screen_own_work_share_of_defaults_step": own / sum(wall["defaults"]),
             "screen_own_work_ms_per_step": 1000 * own / len(wall["defaults"]),
             "screen_own_cpu_ms_per_step": 1000 * own_cpu / len(wall["defaults"]),
+            "screen_own_cpu_ms_per_step_by_call": {k: 1000 * v / len(wall["defaults"]) for k, v in parts.items()},
             "screen_own_cpu_share_of_defaults_step_wall": own_cpu / sum(wall["defaults"]),
             "screen_own_cpu_share_of_defaults_main_thread_cpu": own_cpu / main_cpu,
             "screen_vs_defaults_median": statistics.median(wall["defaults_screen"])

@@ -32,9 +32,13 @@ never enter the history, and the band is capped at ``max_band``.
 
 Cost per step: on the device a handful of tiny kernels (the row), one all_gather of
 ``world x (k + 3)`` float64 values started right after backward, no host synchronisation in the
-step; at ``suspects`` one wait (long finished when read one step later), a few small host
-reductions over the rows, and every ``_REFRESH`` steps two medians over the history
-(``window x world x (k + 2)`` values).
+step; at ``suspects`` one wait (long finished when read one step later), one ``tolist`` of the
+rows and plain-Python arithmetic on them (no torch op per value), and every ``_REFRESH`` steps
+two torch medians over the history (``window x world x (k + 2)`` values).
+
+To confirm a hit elsewhere (a partner's recomputation of the suspect's step), ``ScreenResult``
+carries the step's ``values`` and ``bands``; ``in_band(row, reference(result.values, rank),
+result.bands)`` applies the judge's rule to one recomputed row against the other ranks' median.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from __future__ import annotations
 import math
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -60,6 +65,7 @@ _LOG2_LIMIT = 1100.0  # |log2| of any finite float64 magnitude is below this
 _MAX_PENDING = 2  # observed steps whose verdict may wait (the driver reads one step later at most)
 _MAD_TO_SIGMA = 1.4826
 _REFRESH = 8  # judged steps between two recalibrations of the band (its medians are the host cost)
+_isfinite = math.isfinite
 
 
 @documented
@@ -117,16 +123,80 @@ class ScreenResult:
     ``ranks``: the suspects, ascending. ``details[rank]``: ``reason`` (``"band"``: a value above
     its band; ``"nonfinite"``: the rank's gradients held NaN/Inf; ``"malformed"``: its row broke
     the protocol), and for ``"band"`` the ``value`` (group name or ``"loss"``) furthest out, its
-    ``excess`` over the rank's level (for ``"level"``: the level itself) and its ``band``, log2 units."""
+    ``excess`` over the rank's level (for ``"level"``: the level itself) and its ``band``, log2 units.
+
+    ``values[rank]``: that rank's gathered row as judged, ``GradientScreen.names`` order without
+    ``"level"`` (the groups, then the loss), log2: NaN for no opinion and for every value of a
+    malformed row, +Inf where the rank's gradients held NaN/Inf. ``bands``: the band of each value
+    and, last, of the level, used for this step. Both are evidence, not verdict: left out of
+    ``==`` and ``repr``; compare a recomputed row with ``in_band(row, reference(values, rank), bands)``."""
 
     step: int
     ranks: tuple[int, ...] = ()
     details: dict[int, dict[str, Any]] = field(default_factory=dict)
     calibrated: bool = False  # every value's band was calibrated (not initial_band)
     margin: float = -math.inf  # the largest (deviation - band) of any rank and value: > 0 when the band flags
+    values: tuple[tuple[float, ...], ...] = field(default=(), compare=False, repr=False)
+    bands: tuple[float, ...] = field(default=(), compare=False, repr=False)
 
     def __bool__(self) -> bool:
         return bool(self.ranks)
+
+
+def _median(values: Sequence[float]) -> float:
+    """The lower median of the values that are not NaN (``torch.nanmedian``'s), NaN when none."""
+    v = sorted(values) if _isfinite(sum(values)) else sorted(a for a in values if a == a)  # a finite sum: no NaN
+    return v[(len(v) - 1) // 2] if v else math.nan
+
+
+def reference(values: Sequence[Sequence[float]], exclude: int | None = None) -> list[float]:
+    """Per value what a rank's row is compared with: the lower median of the ranks' values
+    (``ScreenResult.values``; NaN and +Inf are no opinion). Without ``exclude`` (what ``judge``
+    uses) all ranks, NaN where fewer than two have a value; with it the ranks other than
+    ``exclude``, NaN where none has one."""
+    need = 2 if exclude is None else 1
+    others = [v for i, v in enumerate(values) if i != exclude]
+    if not others:  # nobody to compare with
+        return [math.nan] * (len(values[0]) if values else 0)
+    if len(others) >= need and all(map(_isfinite, map(sum, others))):  # no NaN nor Inf anywhere
+        m = (len(others) - 1) // 2
+        return [sorted(col)[m] for col in zip(*others, strict=True)]
+    out = []
+    for col in zip(*others, strict=True):
+        v = sorted(a for a in col if a == a and a != math.inf)
+        out.append(v[(len(v) - 1) // 2] if len(v) >= need else math.nan)
+    return out
+
+
+def _deviations(row: Sequence[float], ref: Sequence[float]) -> list[float]:
+    """``row``'s level-corrected deviations from ``ref``, then its level (log2; NaN: none). The
+    level is the median deviation (how much larger this rank's batch made everything); each value
+    is corrected by the smaller of the level and the loss's (last) deviation (``torch.fmin``: NaN
+    only when both are): a harder batch raises its loss with its gradients, a fault in backward
+    raises gradients only."""
+    raw = [a - b for a, b in zip(row, ref, strict=True)]
+    level, loss = _median(raw), raw[-1]
+    shift = loss if level != level or loss < level else level
+    dev = [a - shift for a in raw]
+    dev.append(level)
+    return dev
+
+
+def in_band(row: Sequence[float], ref: Sequence[float], bands: Sequence[float]) -> bool:
+    """Whether one row of values stays within ``bands`` relative to ``ref``, by the rule ``judge``
+    applies to each rank: no level-corrected deviation, nor the level, above its band.
+
+    ``row``: the groups then the loss, log2 (``ScreenResult.values``' layout, e.g. a partner's
+    recomputation of a suspect's step; NaN: no opinion, the loss may be NaN). ``ref``: the
+    reference of that step, same layout (``reference(result.values, rank)``: the other ranks'
+    median). ``bands``: ``ScreenResult.bands`` (one more: the level's, last). A value that is
+    neither NaN nor finite within the range of log2 magnitudes (+Inf: non-finite gradients) is out
+    of band. Pure host arithmetic. Raises ``ValueError`` when the lengths do not match."""
+    if not len(row) == len(ref) == len(bands) - 1:
+        raise ValueError(f"in_band: {len(row)} values, {len(ref)} references, {len(bands)} bands")
+    if not all(a != a or -_LOG2_LIMIT <= a <= _LOG2_LIMIT for a in row):
+        return False
+    return not any(d > b for d, b in zip(_deviations(row, ref), bands, strict=True))
 
 
 def loss_magnitude(loss: torch.Tensor | None, device: torch.device) -> torch.Tensor:
@@ -134,9 +204,8 @@ def loss_magnitude(loss: torch.Tensor | None, device: torch.device) -> torch.Ten
     for no loss or a zero loss (no opinion), +Inf for a non-finite one."""
     if loss is None:
         return torch.full((1,), float("nan"), device=device)
-    v = loss.detach().reshape(-1)[:1].to(device, torch.float32).abs()
-    v = torch.where(torch.isfinite(v), v, torch.full_like(v, float("inf")))
-    return torch.where(v > 0, torch.log2(v), torch.full_like(v, float("nan")))
+    v = loss.detach().reshape(-1)[:1].to(device, torch.float32).abs().log2()  # NaN, +Inf, -Inf (zero)
+    return torch.nan_to_num(v, nan=math.inf, posinf=math.inf, neginf=math.nan)
 
 
 class GradientScreen:
@@ -157,13 +226,15 @@ class GradientScreen:
         self.names: list[str] = []  # the values' names: a group's first parameter, or "loss"
         self.last_result: ScreenResult | None = None
         self._device: torch.device | None = None
+        self._targets: dict[torch.device | None, torch.device] = {}  # ``collective_device`` per source device
         self._pending: OrderedDict[int, HostRead] = OrderedDict()
         self._judged: dict[int, ScreenResult] = {}
         self._history: torch.Tensor | None = None  # (window, world, width) healthy positive deviations, NaN: none
+        self._fresh: list[tuple[int, list[list[float]]]] = []  # (slot, rows) judged, not yet in _history
         self._cursor = 0
         self._filled = 0
-        self._band: tuple[torch.Tensor, torch.Tensor] | None = None  # ``bands()``, refreshed every _REFRESH steps
-        self.last_deviations: torch.Tensor | None = None  # the last judged step's (world x (width + 1)), log2
+        self._band: tuple[list[float], bool] | None = None  # ``bands()``, all calibrated; refreshed every _REFRESH
+        self._last_dev: list[list[float]] | None = None
 
     @property
     def world_size(self) -> int:
@@ -195,6 +266,8 @@ class GradientScreen:
         self.names = [f"group {j} ({n})" for j, n in enumerate(names)] + ["loss", "level"]
         shape = (self.config.window, self.world_size, width + 1)
         self._history = torch.full(shape, float("nan"), dtype=torch.float64)
+        self._fresh = []
+        self._targets = {}
         self._cursor = self._filled = 0
         self._band = None
 
@@ -211,16 +284,21 @@ class GradientScreen:
             self._judge_oldest()
         if magnitudes is not None and self._device is None:
             self._device = magnitudes.device
-        device = collective_device(magnitudes.device if magnitudes is not None else self._device)
-        row = torch.empty(_HEADER + self.width, dtype=torch.float64, device=device)
-        row[0].fill_(float(step))
-        row[1].fill_(float(self.width))
+        source = magnitudes.device if magnitudes is not None else self._device
+        device = self._targets.get(source)
+        if device is None:
+            device = self._targets[source] = collective_device(source)
         k = self.width - 1
+        if device.type == "cpu":
+            head = torch.tensor([float(step), float(self.width)], dtype=torch.float64)
+        else:  # no host-to-device copy (it would wait for the device's queue)
+            head = torch.full((_HEADER,), float(self.width), dtype=torch.float64, device=device)
+            head[0] = float(step)
         if magnitudes is None or magnitudes.numel() != k:  # a read this rank could not make: no opinion
-            row[_HEADER : _HEADER + k].fill_(float("nan"))
+            mags = torch.full((k,), float("nan"), dtype=torch.float64, device=device)
         else:
-            row[_HEADER : _HEADER + k].copy_(magnitudes.reshape(-1))
-        row[-1:].copy_(loss_magnitude(loss, device))
+            mags = magnitudes.reshape(-1).to(device)
+        row = torch.cat([head, mags, loss_magnitude(loss, device)]).to(torch.float64)  # float64 by promotion
         if is_distributed():
             out = torch.empty(self.world_size, row.numel(), dtype=torch.float64, device=device)
             work = dist.all_gather(list(out.unbind(0)), row, async_op=True)
@@ -252,12 +330,13 @@ class GradientScreen:
         step, read = self._pending.popitem(last=False)
         rows = read.get()
         t0 = time.perf_counter()
-        self._judged[step] = self.judge(step, rows.to("cpu", torch.float64))
+        self._judged[step] = self.judge(step, rows)
         self.stats.add_time(time.perf_counter() - t0)
 
     def bands(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Per value its band now (log2 units, float64) and whether it is calibrated."""
         cfg = self.config
+        self._flush()
         assert self._history is not None
         h = self._history[: self._filled].reshape(-1, self.width + 1)
         samples = (~torch.isnan(h)).sum(0)
@@ -269,54 +348,93 @@ class GradientScreen:
         band = (med + cfg.z * _MAD_TO_SIGMA * mad).clamp(cfg.min_band, cfg.max_band)
         return torch.where(calibrated, band, torch.full_like(band, float(cfg.initial_band))), calibrated
 
+    @property
+    def last_deviations(self) -> torch.Tensor | None:
+        """The last judged step's deviations (world x (width + 1), log2; the level last), or None."""
+        return None if self._last_dev is None else torch.tensor(self._last_dev, dtype=torch.float64)
+
+    def _flush(self) -> None:
+        """Write the healthy deviations judged since the last flush into the history tensor."""
+        if not self._fresh:
+            return
+        assert self._history is not None
+        latest = dict(self._fresh)  # the last rows per slot (a window shorter than the flush)
+        self._fresh = []
+        rows = torch.tensor(list(latest.values()), dtype=torch.float64)
+        self._history.index_copy_(0, torch.tensor(list(latest)), rows)
+
     def judge(self, step: int, rows: torch.Tensor) -> ScreenResult:
         """The verdict on ``rows`` (``world x (2 + width)`` float64, every rank's row; identical on
-        every rank), and the history updated with its healthy deviations. Pure host arithmetic."""
+        every rank), and the history updated with its healthy deviations. Pure host arithmetic:
+        one ``tolist`` of the rows, then plain Python on ``world x (width + 3)`` numbers."""
         world = rows.shape[0]
         self.stats.runs += 1
         if rows.shape != (world, _HEADER + self.width) or world != self.world_size:
             raise ValueError(f"screen rows of shape {tuple(rows.shape)}, expected ({self.world_size}, "
                              f"{_HEADER + self.width})")  # fmt: skip
-        head, vals = rows[:, :_HEADER], rows[:, _HEADER:]
-        expect = torch.nanmedian(head, 0).values  # the step most ranks sent; the width every rank agreed on
-        malformed = ~((head[:, 0] == expect[0]) & (head[:, 1] == self.width))  # rank-independent
-        legal = torch.isnan(vals) | (vals == float("inf")) | (torch.isfinite(vals) & (vals.abs() <= _LOG2_LIMIT))
-        malformed |= ~legal.all(1)
-        nonfinite = (vals == float("inf")).any(1) & ~malformed
-        x = vals.clone()
-        x[malformed] = float("nan")
-        x[x == float("inf")] = float("nan")
-        ref = torch.nanmedian(x, 0).values  # the lower median of the ranks with a value, per value
-        count = (~torch.isnan(x)).sum(0)
-        raw = x - ref
-        raw[:, count < 2] = float("nan")  # one rank alone has nobody to be compared with
-        level = torch.nanmedian(raw, 1, keepdim=True).values  # how much larger this rank's batch made everything
-        # each value against the smaller of that level and the loss's deviation (a harder batch raises its
-        # loss with its gradients; a fault in backward raises gradients only); then the level itself
-        dev = torch.cat([raw - torch.fmin(level, raw[:, -1:]), level], 1)
-        if self._band is None or self.stats.runs % _REFRESH == 1:
-            self._band = self.bands()
-        band, calibrated = self._band
-        self.last_deviations = dev
-        over = dev > band  # NaN compares False
-        flagged = over.any(1) | nonfinite | malformed
-        details: dict[int, dict[str, Any]] = {}
-        for r in torch.nonzero(flagged).flatten().tolist():
-            if bool(malformed[r]):
-                details[r] = {"reason": "malformed"}
-            elif bool(nonfinite[r]):
-                details[r] = {"reason": "nonfinite"}
+        width, nan, inf, limit = self.width, math.nan, math.inf, _LOG2_LIMIT
+        table: list[list[float]] = rows.to("cpu", torch.float64).tolist()
+        expect = _median([r[0] for r in table])  # the step most ranks sent
+        values: list[tuple[float, ...]] = []  # as reported: NaN for a malformed row, +Inf kept
+        judged: list[list[float]] = []  # as compared: +Inf is no opinion too
+        malformed: list[bool] = []
+        nonfinite: list[bool] = []
+        for r in table:
+            v = r[_HEADER:]
+            if _isfinite(sum(v)):  # every value finite (a NaN or an Inf makes the sum non-finite)
+                legal = -limit <= min(v) and max(v) <= limit
             else:
-                j = int(torch.argmax(torch.where(over[r], dev[r] - band, torch.full_like(band, -math.inf))))
-                details[r] = {"reason": "band", "value": self.names[j], "excess": float(dev[r, j]),
-                              "band": float(band[j])}  # fmt: skip
-        healthy = dev.clone()
-        healthy[flagged] = float("nan")
-        healthy[~(healthy > 0)] = float("nan")
-        assert self._history is not None
-        self._history[self._cursor] = healthy.clamp(max=self.config.max_band)
+                legal = all(a != a or a == inf or -limit <= a <= limit for a in v)
+            bad = r[0] != expect or r[1] != width or not legal
+            malformed.append(bad)
+            if bad:
+                v = [nan] * width
+                nonfinite.append(False)
+            elif inf in v:
+                nonfinite.append(True)
+                values.append(tuple(v))
+                judged.append([nan if a == inf else a for a in v])
+                continue
+            else:
+                nonfinite.append(False)
+            values.append(tuple(v))
+            judged.append(v)
+        ref = reference(judged)
+        if self._band is None or self.stats.runs % _REFRESH == 1:
+            band_t, calibrated_t = self.bands()
+            self._band = (band_t.tolist(), bool(calibrated_t.all()))
+        band, calibrated = self._band
+        devs = [_deviations(x, ref) for x in judged]
+        self._last_dev = devs
+        max_band, margin = self.config.max_band, -inf
+        details: dict[int, dict[str, Any]] = {}
+        healthy: list[list[float]] = []
+        for r, dev in enumerate(devs):
+            excess = [d - b for d, b in zip(dev, band, strict=True)]
+            if _isfinite(sum(excess)):
+                worst = max(excess)
+                at = excess.index(worst)  # the first on ties
+            else:  # NaN never wins
+                worst, at = -inf, -1
+                for j, e in enumerate(excess):
+                    if e > worst:
+                        worst, at = e, j
+            margin = max(margin, worst)
+            if malformed[r]:
+                details[r] = {"reason": "malformed"}
+            elif nonfinite[r]:
+                details[r] = {"reason": "nonfinite"}
+            elif worst > 0:  # d > b exactly when d - b > 0 (finite floats)
+                details[r] = {"reason": "band", "value": self.names[at], "excess": dev[at], "band": band[at]}
+            if r in details:
+                healthy.append([nan] * (width + 1))
+            else:
+                healthy.append([min(d, max_band) if d > 0 else nan for d in dev])
+        self._fresh.append((self._cursor, healthy))
         self._cursor = (self._cursor + 1) % self.config.window
         self._filled = min(self._filled + 1, self.config.window)
+        if len(self._fresh) >= _REFRESH:
+            self._flush()
         ranks = tuple(details)
         if ranks:
             self.stats.failures += 1
@@ -326,14 +444,14 @@ class GradientScreen:
                 self.stats.bump(f"{info['reason']}_suspects")
         else:
             self.stats.last_verified_step = step
-        excess = torch.nan_to_num(dev - band, nan=-math.inf).max()
-        result = ScreenResult(step=step, ranks=ranks, details=details, calibrated=bool(calibrated.all()),
-                              margin=float(excess))  # fmt: skip
+        result = ScreenResult(step=step, ranks=ranks, details=details, calibrated=calibrated, margin=margin,
+                              values=tuple(values), bands=tuple(band))  # fmt: skip
         self.last_result = result
         return result
 
     def state_dict(self) -> dict[str, Any]:
         """Counters and the band's history (identical on every rank: rank 0's restores all)."""
+        self._flush()
         history = self._history.clone() if self._history is not None else None
         return {"stats": self.stats.state_dict(), "history": history, "cursor": self._cursor, "filled": self._filled}
 
@@ -341,6 +459,7 @@ class GradientScreen:
         """Restore what ``state_dict`` saved; a history of another shape (another world size or
         model) is dropped, the band recalibrates. Raises ``ValueError`` on a malformed state."""
         self.stats.load_state_dict(state["stats"])
+        self._flush()
         history = state.get("history")
         if history is None or self._history is None or not isinstance(history, torch.Tensor):
             return

@@ -6,9 +6,9 @@ token-budget style, with imbalanced labels (60/20/10/7/3%), dropout, AdamW and a
 learning-rate warm-up over the first 20 steps. The screen reads what the non-finite check reads
 (``want_magnitudes``) and every rank writes every step's verdict.
 
-Scenarios: ``clean`` (no fault), ``faults`` (the top exponent bit of one element of ``enc.linear1``'s
-weight gradient as its product returns it, rank 1, step 30; a gradient exponent flip on rank 2 at
-step 45), ``rates`` (many clean steps; every ``--every``-th step one
+Scenarios: ``clean`` (60 steps, no fault), ``faults`` (50 steps, clean up to step 29; the top
+exponent bit of one element of ``enc.linear1``'s weight gradient as its product returns it, rank 1,
+step 30; a gradient exponent flip on rank 2 at step 45), ``rates`` (many clean steps; every ``--every``-th step one
 random fault of every kind and bit class on a random rank, measured against a clean re-run of the
 same step, the weights restored after it)."""
 
@@ -154,7 +154,8 @@ def clean(out: Any) -> dict[str, Any]:
 
 
 def faults(out: Any) -> dict[str, Any]:
-    return train(60, seed=1, faults=[
+    """50 steps: 0-29 clean (the warm-up included), a fault on rank 1 at step 30 and on rank 2 at 45."""
+    return train(50, seed=1, faults=[
         Fault(kind="matmul_output", rank=1, step=30, target="enc.linear1", index=7, bit=30, phase="weight_grad",
               mode="once"),
         Fault(kind="gradient_bit_flip", rank=2, step=45, target="enc.linear2.weight", index=11, bit=30),
@@ -238,7 +239,7 @@ def main() -> None:
         p.add_argument("--every", type=int, default=3)
         p.add_argument("--seed", type=int, default=0)
 
-    args = parse("clean,faults", extra)
+    args = parse("faults", extra)
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     scenarios = {"clean": clean, "faults": faults,

@@ -17,19 +17,29 @@ def flags(result: dict) -> dict[int, list[int]]:
     return {r["step"]: r["ranks"] for r in result["results"] if r["ranks"]}
 
 
-def test_clean_run_never_flags_and_a_fault_names_its_rank_at_its_step(tmp_path: Path) -> None:
-    torchrun(SCRIPT, tmp_path, "clean,faults", WORLD, timeout=300)
-    clean = results(tmp_path, "clean", WORLD)
-    assert all(r["results"] == clean[0]["results"] for r in clean)  # every rank the same verdicts
-    assert len(clean[0]["results"]) == 60 and flags(clean[0]) == {}
-    assert clean[0]["losses"][-1] < clean[0]["losses"][0]  # it trains
+def test_a_clean_stretch_never_flags_and_faults_name_their_rank_at_their_step(tmp_path: Path) -> None:
+    """One launch, 50 steps: steps 0-29 clean (the warm-up included) and no flag, then a fault on
+    rank 1 at step 30 and one on rank 2 at step 45, each named at its step, and no other flag."""
+    torchrun(SCRIPT, tmp_path, "faults", WORLD, timeout=300)
     faulty = results(tmp_path, "faults", WORLD)
-    assert all(r["results"] == faulty[0]["results"] for r in faulty)
+    assert all(r["results"] == faulty[0]["results"] for r in faulty)  # every rank the same verdicts
+    assert [r["step"] for r in faulty[0]["results"]] == list(range(50))
     assert flags(faulty[0]) == {30: [1], 45: [2]}, faulty[0]["results"]
     at30, at45 = (faulty[0]["results"][s]["details"] for s in (30, 45))
     assert at30["1"]["reason"] == "band" and at45["2"]["reason"] == "band"
     assert "enc.linear2.weight" in at45["2"]["value"]
     assert faulty[1]["stats"]["sdc/gradient_screen/hits"] == 2.0
+    assert all(r["losses"][-1] < r["losses"][0] for r in faulty)  # it trains
+
+
+@pytest.mark.slow
+def test_a_clean_run_never_flags(tmp_path: Path) -> None:
+    """60 clean steps, every rank the same verdicts, no flag."""
+    torchrun(SCRIPT, tmp_path, "clean", WORLD, timeout=300)
+    clean = results(tmp_path, "clean", WORLD)
+    assert all(r["results"] == clean[0]["results"] for r in clean)
+    assert len(clean[0]["results"]) == 60 and flags(clean[0]) == {}
+    assert clean[0]["losses"][-1] < clean[0]["losses"][0]
 
 
 @pytest.mark.slow

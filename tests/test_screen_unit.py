@@ -211,3 +211,32 @@ def test_group_magnitudes_of_the_read() -> None:
     assert nf.take_magnitudes() is None
     with pytest.raises(ValueError):
         nf.want_magnitudes(0)
+
+
+def test_observe_builds_the_row_on_a_device_without_a_host_copy() -> None:
+    """Off the host the row's header is filled on the device (no host-to-device copy): the same
+    float64 layout, here on the ``meta`` device (no process group: the row stays where it was made)."""
+    s = GradientScreen()
+    s._setup(K, ["a"] * K)
+    s.observe(3, torch.zeros(K, device="meta"), torch.tensor(2.0, device="meta"))
+    s.observe(4, None, None)
+    for step in (3, 4):
+        row = s._pending[step].value
+        assert row.device.type == "meta" and row.dtype == torch.float64 and row.shape == (1, 2 + K + 1)
+    s.discard()
+
+
+def test_a_result_carries_the_judged_values_and_bands() -> None:
+    """``values``: the rows as judged (NaN for a malformed row, +Inf kept); ``bands``: one per value
+    and the level; neither takes part in ``==``."""
+    s, g = screen(3), torch.Generator().manual_seed(9)
+    v = healthy(g, 3)
+    r = rows(0, v)
+    r[1, 0] = 7.0  # a wrong step: malformed
+    r[2, 3] = math.inf
+    res = s.judge(0, r)
+    assert res.ranks == (1, 2) and len(res.values) == 3 and len(res.bands) == K + 2
+    assert list(res.values[0]) == v[0].tolist() and all(math.isnan(a) for a in res.values[1])
+    assert res.values[2][1] == math.inf and res.bands == (10.0,) * (K + 2)
+    assert res == ScreenResult(step=0, ranks=res.ranks, details=res.details, margin=res.margin)
+    assert s.last_deviations is not None and s.last_deviations.shape == (3, K + 2)

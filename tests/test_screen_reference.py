@@ -1,0 +1,232 @@
+"""The every-step screen's plain-Python ``judge`` against the torch one it replaced (kept here,
+verbatim, as ``TorchScreen``): the same verdicts, details, margins, bands, history and deviations
+on random and adversarial rows (NaN, Inf, malformed headers and values, ties, signed zeros, a
+value only one rank has, a window shorter than the recalibration period); ``in_band`` and
+``reference`` against the judge's own rule."""
+
+from __future__ import annotations
+
+import math
+import random
+from typing import Any
+
+import pytest
+import torch
+
+from sdc_core.screen import (
+    _HEADER,
+    _LOG2_LIMIT,
+    _MAD_TO_SIGMA,
+    _REFRESH,
+    GradientScreen,
+    ScreenConfig,
+    ScreenResult,
+    in_band,
+    reference,
+)
+from sdc_core.topology import RankFacts, Topology
+
+K = 4
+
+
+class TorchScreen(GradientScreen):
+    """The screen as it was before the plain-Python judge: ``bands`` and ``judge`` in torch ops."""
+
+    last_deviations: Any = None  # a plain attribute here (a property of the new screen)
+
+    def bands(self) -> tuple[torch.Tensor, torch.Tensor]:
+        cfg = self.config
+        assert self._history is not None
+        h = self._history[: self._filled].reshape(-1, self.width + 1)
+        samples = (~torch.isnan(h)).sum(0)
+        calibrated = samples >= cfg.calibration_samples
+        if not bool(calibrated.any()):
+            return torch.full((self.width + 1,), float(cfg.initial_band), dtype=torch.float64), calibrated
+        med = torch.nanmedian(h, 0).values
+        mad = torch.nanmedian((h - med).abs(), 0).values
+        band = (med + cfg.z * _MAD_TO_SIGMA * mad).clamp(cfg.min_band, cfg.max_band)
+        return torch.where(calibrated, band, torch.full_like(band, float(cfg.initial_band))), calibrated
+
+    def judge(self, step: int, rows: torch.Tensor) -> ScreenResult:
+        world = rows.shape[0]
+        self.stats.runs += 1
+        if rows.shape != (world, _HEADER + self.width) or world != self.world_size:
+            raise ValueError("shape")
+        head, vals = rows[:, :_HEADER], rows[:, _HEADER:]
+        expect = torch.nanmedian(head, 0).values
+        malformed = ~((head[:, 0] == expect[0]) & (head[:, 1] == self.width))
+        legal = torch.isnan(vals) | (vals == float("inf")) | (torch.isfinite(vals) & (vals.abs() <= _LOG2_LIMIT))
+        malformed |= ~legal.all(1)
+        nonfinite = (vals == float("inf")).any(1) & ~malformed
+        x = vals.clone()
+        x[malformed] = float("nan")
+        x[x == float("inf")] = float("nan")
+        ref = torch.nanmedian(x, 0).values
+        count = (~torch.isnan(x)).sum(0)
+        raw = x - ref
+        raw[:, count < 2] = float("nan")
+        level = torch.nanmedian(raw, 1, keepdim=True).values
+        dev = torch.cat([raw - torch.fmin(level, raw[:, -1:]), level], 1)
+        if self._band is None or self.stats.runs % _REFRESH == 1:
+            self._band = self.bands()  # type: ignore[assignment]
+        band, calibrated = self._band  # type: ignore[misc]
+        self.last_deviations = dev
+        over = dev > band
+        flagged = over.any(1) | nonfinite | malformed
+        details: dict[int, dict[str, Any]] = {}
+        for r in torch.nonzero(flagged).flatten().tolist():
+            if bool(malformed[r]):
+                details[r] = {"reason": "malformed"}
+            elif bool(nonfinite[r]):
+                details[r] = {"reason": "nonfinite"}
+            else:
+                j = int(torch.argmax(torch.where(over[r], dev[r] - band, torch.full_like(band, -math.inf))))
+                details[r] = {"reason": "band", "value": self.names[j], "excess": float(dev[r, j]),
+                              "band": float(band[j])}  # fmt: skip
+        healthy = dev.clone()
+        healthy[flagged] = float("nan")
+        healthy[~(healthy > 0)] = float("nan")
+        assert self._history is not None
+        self._history[self._cursor] = healthy.clamp(max=self.config.max_band)
+        self._cursor = (self._cursor + 1) % self.config.window
+        self._filled = min(self._filled + 1, self.config.window)
+        ranks = tuple(details)
+        if ranks:
+            self.stats.failures += 1
+            self.stats.bump("hits")
+            self.stats.bump("suspect_ranks", len(ranks))
+            for info in details.values():
+                self.stats.bump(f"{info['reason']}_suspects")
+        else:
+            self.stats.last_verified_step = step
+        excess = torch.nan_to_num(dev - band, nan=-math.inf).max()
+        return ScreenResult(step=step, ranks=ranks, details=details, calibrated=bool(calibrated.all()),
+                            margin=float(excess))  # fmt: skip
+
+
+def pair(world: int, **config: Any) -> tuple[GradientScreen, TorchScreen]:
+    facts = tuple(RankFacts(rank=r, host="h", node_rank=0, local_rank=r) for r in range(world))
+    out = []
+    for cls in (GradientScreen, TorchScreen):
+        s = cls(ScreenConfig(**config), Topology(ranks=facts, rank=0))
+        s._setup(K, [f"p{j}" for j in range(K)])
+        out.append(s)
+    return out[0], out[1]  # type: ignore[return-value]
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal, NaN where NaN, and the same bits otherwise (signed zeros aside)."""
+    return a.shape == b.shape and bool(torch.equal(torch.isnan(a), torch.isnan(b))) and bool(
+        torch.equal(torch.nan_to_num(a, nan=0.0), torch.nan_to_num(b, nan=0.0)))  # fmt: skip
+
+
+ODD = (math.nan, math.inf, -math.inf, 5000.0, -1100.5, 1100.0, -1100.0, 0.0, -0.0, 1e-300)
+
+
+def adversarial_rows(rng: random.Random, step: int, world: int, hostile: float) -> torch.Tensor:
+    """Heterogeneous healthy rows, quantized now and then (ties), with hostile cells and headers."""
+    level, spread = rng.uniform(-20, 5), rng.choice((0.0, 0.3, 1.0, 3.0))
+    quantum = rng.choice((None, None, 0.5, 1.0))
+    rows = []
+    for _ in range(world):
+        shift = rng.gauss(0, 2.0) if rng.random() < 0.2 else 0.0  # a rank whose batch raised everything
+        v = [level + shift + rng.gauss(0, spread) for _ in range(K + 1)]
+        if quantum is not None:
+            v = [round(a / quantum) * quantum for a in v]
+        rows.append([float(step), float(K + 1), *v])
+    for r in rows:
+        if rng.random() < hostile:
+            kind = rng.randrange(7)
+            col = _HEADER + rng.randrange(K + 1)
+            if kind == 0:
+                r[col] = rng.choice(ODD)
+            elif kind == 1:
+                r[col] += rng.choice((6.0, 11.0, 13.0, 40.0))  # a grown value
+            elif kind == 2:
+                r[rng.randrange(_HEADER)] = rng.choice((math.nan, step + 1.0, 99.0, -0.0, math.inf))
+            elif kind == 3:
+                r[_HEADER:] = [math.nan] * (K + 1)  # no opinion
+            elif kind == 4:
+                r[-1] = math.nan  # no loss
+            elif kind == 5:
+                r[_HEADER:] = [rows[0][_HEADER + j] for j in range(K + 1)]  # a tie with rank 0
+            else:
+                r[_HEADER + rng.randrange(K)] = math.inf  # non-finite gradients
+    if rng.random() < 0.1:  # a value only one rank has
+        col = _HEADER + rng.randrange(K + 1)
+        for r in rows[1:]:
+            r[col] = math.nan
+    return torch.tensor(rows, dtype=torch.float64)
+
+
+@pytest.mark.parametrize(("world", "config", "hostile"), [
+    (1, {}, 0.2), (2, {}, 0.1), (3, {}, 0.05), (3, {}, 0.3), (4, {"window": 3, "calibration_samples": 2}, 0.2),
+    (4, {"window": 50, "calibration_samples": 5, "z": 2.0, "min_band": 0.5, "initial_band": 1.0}, 0.1),
+    (8, {"calibration_samples": 10}, 0.1)])  # fmt: skip
+def test_the_plain_python_judge_gives_the_torch_judges_verdicts(world: int, config: dict, hostile: float) -> None:
+    new, old = pair(world, **config)
+    rng = random.Random(world * 1000 + len(config))
+    reasons = set()
+    for step in range(250):
+        rows = adversarial_rows(rng, step, world, hostile)
+        a, b = new.judge(step, rows.clone()), old.judge(step, rows.clone())
+        reasons |= {d["reason"] for d in a.details.values()}
+        assert (a.step, a.ranks, a.details, a.calibrated) == (b.step, b.ranks, b.details, b.calibrated), (step, rows)
+        assert a.margin == b.margin or (math.isnan(a.margin) and math.isnan(b.margin)), (step, a.margin, b.margin)
+        assert same(new.last_deviations, old.last_deviations), step  # type: ignore[arg-type]
+        assert list(a.bands) == old._band[0].tolist()  # type: ignore[index]
+        vals = rows[:, _HEADER:].clone()  # what was judged: malformed rows blanked
+        for r in range(world):
+            if a.details.get(r, {}).get("reason") == "malformed":
+                vals[r] = math.nan
+        assert same(torch.tensor(a.values, dtype=torch.float64), vals), step
+        if step % 37 == 0:
+            assert same(new.bands()[0], old.bands()[0]) and torch.equal(new.bands()[1], old.bands()[1])
+            assert same(new.state_dict()["history"], old.state_dict()["history"])
+    assert new.stats.state_dict() == old.stats.state_dict()
+    assert old.stats.runs - old.stats.failures > 0  # clean verdicts were seen, and every kind of suspect
+    assert reasons == ({"malformed", "nonfinite", "band"} if world > 1 else {"malformed", "nonfinite"}), reasons
+
+
+def test_in_band_and_reference_follow_the_judges_rule() -> None:
+    """For every rank the judge did not name malformed or non-finite, ``in_band`` on its row
+    against ``reference(values)`` says what the band said; a partner's clean recomputation of a
+    faulty rank's row is in band against the other ranks' median, the faulty row is not."""
+    s, _ = pair(4)
+    rng = random.Random(7)
+    seen = {True: 0, False: 0}
+    for step in range(300):
+        res = s.judge(step, adversarial_rows(rng, step, 4, 0.2))
+        ref = reference(res.values)
+        for r in range(4):
+            reason = res.details.get(r, {}).get("reason")
+            if reason in ("malformed", "nonfinite"):
+                assert not any(math.isinf(a) for a in res.values[r]) or not in_band(res.values[r], ref, res.bands)
+                continue
+            ok = in_band(res.values[r], ref, res.bands)
+            assert ok == (reason is None), (step, r, res.details)
+            seen[ok] += 1
+    assert seen[True] > 100 and seen[False] > 10
+    g = torch.Generator().manual_seed(8)
+    for step in range(300, 340):  # calibrate on clean rows
+        s.judge(step, torch.cat([torch.tensor([[float(step), K + 1.0]] * 4, dtype=torch.float64),
+                                 -8 + 0.5 * torch.randn(4, K + 1, generator=g, dtype=torch.float64)], 1))  # fmt: skip
+    clean = (-8 + 0.5 * torch.randn(4, K + 1, generator=g, dtype=torch.float64)).tolist()
+    faulty = [row[:] for row in clean]
+    faulty[2][1] += 14.0  # 2^14 in group 1 on rank 2
+    res = s.judge(340, torch.tensor([[340.0, K + 1.0, *row] for row in faulty], dtype=torch.float64))
+    assert res.ranks == (2,)
+    others = reference(res.values, exclude=2)
+    assert not in_band(faulty[2], others, res.bands)
+    assert in_band(clean[2], others, res.bands)
+    assert in_band([*clean[2][:-1], math.nan], others, res.bands)  # a recomputation without its loss
+    assert not in_band([*clean[2][:-1], math.inf], others, res.bands)  # non-finite
+    assert not in_band([*clean[2][:-1], -math.inf], others, res.bands)  # out of the protocol
+    assert in_band([math.nan] * (K + 1), others, res.bands)  # no opinion: nothing out of band
+    with pytest.raises(ValueError):
+        in_band(clean[2], others, res.bands[:-1])
+    r = reference([[1.0, math.nan], [3.0, math.inf], [2.0, 5.0]])
+    assert r[0] == 2.0 and math.isnan(r[1])  # one rank alone is compared with nobody
+    assert reference([[1.0, math.nan], [3.0, math.inf], [2.0, 5.0]], exclude=0) == [2.0, 5.0]
+    assert reference([[4.0, 1.0], [2.0, 3.0]]) == [2.0, 1.0]  # the lower median
+    assert all(math.isnan(a) for a in reference([[1.0, 2.0]], exclude=0))
