@@ -43,11 +43,13 @@ from typing import Any
 import torch
 from torch import nn
 
-SITES = ("activation", "gradient", "weights", "optimizer", "checkpoint")
+SITES = ("activation", "gradient", "matmul_output", "weights", "optimizer", "checkpoint")
+COMPUTE_SITES = ("activation", "gradient", "matmul_output")  # transient compute faults: one wrong value in one step
 BIT_CLASSES = ("sign", "exponent_top", "exponent", "mantissa")
 MODULES = ("l1", "l2", "l3")
 PARAMS = ("l1.weight", "l1.bias", "l2.weight", "l2.bias", "l3.weight", "l3.bias")
 WORLD = 3
+BATCH = 16
 CKPT_STEP = 5
 STUDY_FRACTION = 0.01
 
@@ -56,32 +58,47 @@ class CampaignFailed(RuntimeError):
     """A campaign training failed (its log names why)."""
 
 
-def plan(injections: int, clean: int, seed: int, steps: int, study: int = 0) -> list[dict[str, Any]]:
-    """Seeded specs: sites and bit classes in turn, rank, step, tensor, element and bit at random."""
+def plan(injections: int, clean: int, seed: int, steps: int, study: int = 0, hard: int = 0,
+         sites: tuple[str, ...] = SITES) -> list[dict[str, Any]]:  # fmt: skip
+    """Seeded specs: sites and bit classes in turn, rank, step, tensor, element and bit at random;
+    ``clean`` clean runs, each with another data order (the spread of their final losses is what
+    ``harmful`` is measured against); ``hard`` clean runs of each hard kind (heterogeneous batches,
+    a genuine loss spike) for false alarms. ``sites``: the fault sites to take in turn (all)."""
+    if not sites or any(site not in SITES for site in sites):
+        raise ValueError(f"sites must be some of {SITES}, got {sites!r}")
     from sdc_core.checkpoint_faults import bits_of_class
 
     rng = random.Random(seed)
     specs = []
     for i in range(injections):
-        site, bit_class = SITES[i % len(SITES)], BIT_CLASSES[(i // len(SITES)) % len(BIT_CLASSES)]
+        site, bit_class = sites[i % len(sites)], BIT_CLASSES[(i // len(sites)) % len(BIT_CLASSES)]
         spec = {"id": f"inj{i:04d}", "site": site, "bit_class": bit_class, "rank": rng.randrange(WORLD),
                 "step": rng.randrange(2, steps - 3), "index": rng.randrange(10_000),
                 "bit": rng.choice(bits_of_class(torch.float32, bit_class)), "seed": rng.randrange(2**31)}  # fmt: skip
         if site == "activation":
             spec["target"] = rng.choice(MODULES)
+        elif site == "matmul_output":  # one element of a product inside a Linear: its output, or a gradient it returns
+            spec["phase"] = MATMUL_PHASES[(i // len(sites)) % len(MATMUL_PHASES)]  # every phase x bit class in 12
+            spec["target"] = rng.choice(MATMUL_TARGETS[spec["phase"]])
         elif site == "checkpoint":  # both targets for every bit class
-            spec["target"] = "weights" if i // (len(SITES) * len(BIT_CLASSES)) % 2 == 0 else "optimizer"
+            spec["target"] = "weights" if i // (len(sites) * len(BIT_CLASSES)) % 2 == 0 else "optimizer"
             spec["step"], spec["rank"] = CKPT_STEP, -1  # on disk: every rank loads the same bits
         else:
             spec["target"] = rng.choice(PARAMS)
         specs.append(spec)
-    specs += [{"id": f"clean{i:03d}", "site": "clean", "bit_class": "-", "rank": -1, "step": -1} for i in range(clean)]
+    specs += [{"id": f"clean{i:03d}", "site": "clean", "variant": "order", "order": i + 1, "bit_class": "-",
+               "rank": -1, "step": -1} for i in range(clean)]  # fmt: skip
     for i in range(study):  # checkpoint alteration as in the SBAC-PAD 2022 study: 1% of the entries
         for target in ("weights", "optimizer"):
             for bit_class in BIT_CLASSES:
                 specs.append({"id": f"study-{target}-{bit_class}-{i}", "site": "study", "target": target,
                               "bit_class": bit_class, "rank": -1, "step": CKPT_STEP, "fraction": STUDY_FRACTION,
                               "seed": rng.randrange(2**31)})  # fmt: skip
+    for i in range(hard):  # clean runs that a screen may flag: heterogeneous batches, a genuine spike
+        specs.append({"id": f"hard-hetero{i:03d}", "site": "clean", "variant": "hetero", "bit_class": "-", "rank": -1,
+                      "step": -1, "seed": rng.randrange(2**31)})  # fmt: skip
+        specs.append({"id": f"hard-spike{i:03d}", "site": "clean", "variant": "spike", "bit_class": "-", "rank": -1,
+                      "step": -1, "spike_rank": i % WORLD, "spike_step": 1 + i % (steps - 2)})  # fmt: skip
     return specs
 
 
@@ -126,6 +143,36 @@ def _data() -> tuple[torch.Tensor, torch.Tensor]:
     return x, (x[:, :4].sum(1, keepdim=True)).sin()
 
 
+HETERO_LOG2_RANGE = 2.0  # heterogeneous batches: each rank's batch of each step scaled by 2^U(-2, 2)
+SPIKE_FACTOR = 1e3  # a genuine spike: one batch's targets scaled by this (its gradient about 2^10 larger)
+
+
+def _training_data(spec: dict[str, Any] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The data a run trains on: ``_data()``, or for a clean spec another order (``order``),
+    heterogeneous batches (``hetero``: every rank's batch of every step, inputs and targets, scaled
+    by its own factor, so the ranks' gradients differ by up to 2^8 at a step) or a genuine spike
+    (``spike``: the targets of one batch, rank ``spike_rank`` at ``spike_step``, scaled by
+    ``SPIKE_FACTOR``: a huge gradient on any rank that computes that batch). Lightning's
+    DistributedSampler without shuffling gives rank r the samples r, r + 3, ...: sample i is in rank
+    ``i % WORLD``'s batch of step ``i // WORLD // BATCH``."""
+    x, y = _data()
+    spec = spec or {}
+    variant = spec.get("variant", "")
+    if variant == "order" and spec.get("order", 0):
+        perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(int(spec["order"])))
+        x, y = x[perm], y[perm]
+    elif variant == "hetero":
+        cell = torch.arange(len(x)) % WORLD + WORLD * (torch.arange(len(x)) // WORLD // BATCH)
+        g = torch.Generator().manual_seed(int(spec["seed"]))
+        scale = 2.0 ** ((torch.rand(int(cell.max()) + 1, generator=g) * 2 - 1) * HETERO_LOG2_RANGE)
+        x, y = x * scale[cell, None], y * scale[cell, None]
+    elif variant == "spike":
+        i = WORLD * (BATCH * int(spec["spike_step"]) + torch.arange(BATCH)) + int(spec["spike_rank"])
+        y = y.clone()
+        y[i] *= SPIKE_FACTOR
+    return x, y
+
+
 def _fault(spec: dict[str, Any]) -> Any:
     from sdc_core.faults import Fault
 
@@ -140,7 +187,7 @@ def _fault(spec: dict[str, Any]) -> Any:
 
 
 def _fit(steps: int, checks: bool, fault: Any = None, ckpt_path: str | None = None, save: str | None = None,
-         check_set: str | None = None) -> dict:  # fmt: skip
+         check_set: str | None = None, data: dict[str, Any] | None = None) -> dict:  # fmt: skip
     import lightning.pytorch as L
     from lightning.pytorch.strategies import DDPStrategy
     from torch.utils.data import DataLoader, TensorDataset
@@ -163,7 +210,7 @@ def _fit(steps: int, checks: bool, fault: Any = None, ckpt_path: str | None = No
         callbacks.append(WeightFingerprintCheck(every_n_steps=10**6))  # stores the fingerprint in the checkpoint
     if fault is not None:
         callbacks.append(FaultInjector([fault]))
-    x, y = _data()
+    x, y = _training_data(data)
     trainer = L.Trainer(accelerator="cpu", devices=WORLD, strategy=DDPStrategy(timeout=timedelta(seconds=120)),
                         max_steps=steps, callbacks=callbacks, logger=False, enable_progress_bar=False,
                         enable_model_summary=False, enable_checkpointing=False,
@@ -178,19 +225,58 @@ def _fit(steps: int, checks: bool, fault: Any = None, ckpt_path: str | None = No
         crash = f"{type(err).__name__}: {err}"[:300]
     if save and error is None:
         trainer.save_checkpoint(save)
+    x, y = _data()  # the final loss on the same samples for every run
     with torch.no_grad():
         weights = torch.cat([p.detach().reshape(-1) for p in module.parameters()])
         loss = float(nn.functional.mse_loss(module(x[:512]), y[:512]))
-    return {"error": error, "crash": crash, "weights": weights, "loss": loss}
+    return {"error": error, "crash": crash, "weights": weights, "loss": loss, "counters": _counters(callbacks)}
 
 
-def _outcome(spec: dict[str, Any], effect: dict, detect: dict, reference: dict) -> dict[str, Any]:
+def _counters(callbacks: list[Any]) -> dict[str, float]:
+    """What the screen and the replay counted in a run (the same on every rank): the screen's hits
+    and the replay's escalations of them, cleared, unconfirmed and confirmed, and its audits."""
+    from lightning_sdc import NonFiniteGradientCheck, RingReplayAudit
+
+    out: dict[str, float] = {}
+    for cb in callbacks:
+        if isinstance(cb, RingReplayAudit):
+            stats = cb._core.stats
+            out["replay_audits"] = float(stats.runs)
+            for name in ("screen_escalations", "screen_cleared", "screen_unconfirmed", "screen_confirmed"):
+                out[name] = float((stats.extra or {}).get(name, 0.0))
+        elif isinstance(cb, NonFiniteGradientCheck) and getattr(cb, "_screen", None) is not None:
+            extra = cb._screen.stats.extra or {}
+            out["screen_hits"] = float(extra.get("hits", 0.0))
+            for reason in ("band", "nonfinite", "malformed"):  # why the screen flagged (a rank, once per step)
+                out[f"screen_{reason}"] = float(extra.get(f"{reason}_suspects", 0.0))
+    return out
+
+
+def _verdict(prefix: str, run: dict, spec: dict[str, Any]) -> dict[str, Any]:
+    """One check set's verdict on a run, as row fields ``<prefix>_*``: which check raised (``by``;
+    ``gradient_screen`` for a replay verdict the screen escalated), the rank and suspects named, the
+    steps from the fault to the error, a crash, and the screen's and replay's counters."""
+    err = run["error"]
+    source = (err.get("details") or {}).get("source", "") if err else ""
+    return {
+        f"{prefix}_by": ("gradient_screen" if source == "gradient_screen" else err["check"]) if err else "",
+        f"{prefix}_rank": err["rank"] if err else None,
+        f"{prefix}_suspects": list(err.get("suspects") or []) if err else [],
+        f"{prefix}_latency": (err["step"] - spec["step"]) if err and spec.get("step", -1) >= 0 else None,
+        f"{prefix}_crash": run.get("crash") or "",
+        **{f"{prefix}_{k}": v for k, v in run.get("counters", {}).items()},
+    }  # fmt: skip
+
+
+def _outcome(spec: dict[str, Any], effect: dict, detect: dict, reference: dict,
+             defaults: dict | None = None) -> dict[str, Any]:  # fmt: skip
     w, ref = effect["weights"], reference["weights"]
     finite = bool(torch.isfinite(w).all())
     rel = float((w - ref).norm() / ref.norm()) if finite else math.inf
     changed = rel > 1e-6
     err = detect["error"]
-    row = {**{k: spec.get(k) for k in ("id", "site", "bit_class", "rank", "step", "target", "bit", "index")},
+    keys = ("id", "site", "phase", "variant", "bit_class", "rank", "step", "target", "bit", "index")
+    row = {**{k: spec.get(k) for k in keys},
            "changed": changed, "weight_rel_diff": rel, "final_loss": effect["loss"], "clean_loss": reference["loss"],
            "diverged": (not math.isfinite(effect["loss"])) or effect["loss"] > 2 * reference["loss"],
            "detected_by": err["check"] if err else "", "named_rank": err["rank"] if err else None,
@@ -200,12 +286,16 @@ def _outcome(spec: dict[str, Any], effect: dict, detect: dict, reference: dict) 
     row["crash"] = detect.get("crash") or effect.get("crash") or ""
     row["changed"] = changed or bool(effect.get("crash"))
     row["diverged"] = row["diverged"] or bool(effect.get("crash"))
+    row["nonfinite"] = not finite or not math.isfinite(effect["loss"]) or bool(effect.get("crash"))
+    if defaults is not None:
+        row.update(_verdict("defaults", defaults, spec))
     return row
 
 
 MATMUL_PHASES = ("forward", "input_grad", "weight_grad")
 MATMUL_TARGETS = {"forward": MODULES, "input_grad": ("l2", "l3"), "weight_grad": MODULES}  # l1's input needs no grad
 SECTION = ("<!-- matmul-campaign -->", "<!-- /matmul-campaign -->")
+CAMPAIGN_SECTION = ("<!-- campaign -->", "<!-- /campaign -->")  # what ``sdc campaign --doc`` writes
 
 
 def plan_matmul(per_class: int, clean: int, seed: int, steps: int) -> list[dict[str, Any]]:
@@ -460,10 +550,13 @@ def worker(specs_file: Path, out: Path, steps: int) -> None:
     results = out / f"{specs_file.stem}.jsonl"
     for spec in specs:
         t0 = time.perf_counter()
-        if spec["site"] == "clean":
-            detect = _fit(steps, checks=True)
-            row = _outcome(spec, reference, detect, reference)
+        if spec["site"] == "clean":  # another data order or a hard batch: without checks, every step, defaults
+            effect = _fit(steps, checks=False, data=spec)
+            detect = _fit(steps, checks=True, data=spec)
+            defaults = _fit(steps, checks=False, check_set="defaults", data=spec)
+            row = _outcome(spec, effect, detect, reference, defaults)
             row["outcome"] = "false_alarm" if detect["error"] else "clean"
+            row["defaults_outcome"] = "false_alarm" if defaults["error"] else "clean"
         elif spec["site"] == "matmul_clean":
             detect = _fit(steps, checks=False, check_set="defaults+matmul")
             row = _outcome(spec, reference, detect, reference)
@@ -488,7 +581,9 @@ def worker(specs_file: Path, out: Path, steps: int) -> None:
             effect = _fit(steps, checks=False, ckpt_path=str(bad))
             detect = _fit(steps, checks=True, ckpt_path=str(bad))
             runtime = _fit(steps, checks=True, ckpt_path=str(bare))
-            row = _outcome(spec, effect, detect, reference)
+            at_defaults = spec["site"] == "checkpoint"  # the study measures the checkpoint, not the checks
+            defaults = _fit(steps, checks=False, check_set="defaults", ckpt_path=str(bad)) if at_defaults else None
+            row = _outcome(spec, effect, detect, reference, defaults)
             row["runtime_detected_by"] = runtime["error"]["check"] if runtime["error"] else ""
             row["runtime_crash"] = runtime["crash"] or ""
             row["effect_crash"] = effect["crash"] or ""
@@ -498,11 +593,11 @@ def worker(specs_file: Path, out: Path, steps: int) -> None:
             if rank == 0:
                 for f in (bad, bare, Path(f"{bad}.flips.json")):
                     f.unlink(missing_ok=True)
-        else:
-            fault = _fault(spec)
-            row = _outcome(
-                spec, _fit(steps, checks=False, fault=fault), _fit(steps, checks=True, fault=fault), reference
-            )
+        else:  # without checks (the effect), all three every step (what they can see), at their defaults
+            fault = _matmul_fault(spec) if spec["site"] == "matmul_output" else _fault(spec)
+            effect, detect = _fit(steps, checks=False, fault=fault), _fit(steps, checks=True, fault=fault)
+            defaults = _fit(steps, checks=False, fault=fault, check_set="defaults")
+            row = _outcome(spec, effect, detect, reference, defaults)
         row["seconds"] = time.perf_counter() - t0
         if rank == 0:
             with results.open("a") as f:
@@ -521,14 +616,15 @@ def _progress(done: int, total: int, t0: float) -> None:
     sys.stderr.flush()
 
 
-def run_campaign(out: Path, injections: int = 200, clean: int = 20, workers: int = 1, seed: int = 0,
-                 steps: int = 12, study: int = 0, doc: Path | None = None) -> dict[str, Any]:  # fmt: skip
+def run_campaign(out: Path, injections: int = 200, clean: int = 20, workers: int = 1, seed: int = 0, steps: int = 12,
+                 study: int = 0, doc: Path | None = None, hard: int = 0,
+                 sites: tuple[str, ...] = SITES) -> dict[str, Any]:  # fmt: skip
     """Plan, run (``workers`` trainings at once), aggregate and report; returns the summary.
 
     Raises ``ValueError`` for a bad number, ``OutputError`` when ``out`` or ``doc`` cannot be
     written (checked before any training), ``CampaignFailed`` when a training fails."""
-    if injections < 0 or clean < 0 or workers < 1 or steps < 8 or study < 0:
-        raise ValueError("need injections >= 0, clean >= 0, workers >= 1, steps >= 8 and study >= 0")
+    if injections < 0 or clean < 0 or workers < 1 or steps < 8 or study < 0 or hard < 0:
+        raise ValueError("need injections >= 0, clean >= 0, workers >= 1, steps >= 8, study >= 0 and hard >= 0")
     out, doc = Path(out), None if doc is None else Path(doc)
     _make_folder(out, "--out")
     if doc is not None:
@@ -537,12 +633,13 @@ def run_campaign(out: Path, injections: int = 200, clean: int = 20, workers: int
 
             raise OutputError(f"--doc {doc} is a folder; give a markdown file name")
         _make_folder(doc.parent, "--doc's folder")
-    specs = plan(injections, clean, seed, steps, study)
+    specs = plan(injections, clean, seed, steps, study, hard, tuple(sites))
     rows = _run_specs(specs, out, workers, steps)
     summary = report(rows, out, seed=seed, steps=steps)
     if doc is not None:
-        write_doc(out, doc, f"sdc campaign --injections {injections} --clean {clean} --study {study} --seed {seed} "
-                            f"--steps {steps} --out {out} --doc {doc}")  # fmt: skip
+        only = "" if tuple(sites) == SITES else f" --sites {','.join(sites)}"
+        write_doc(out, doc, f"sdc campaign --injections {injections} --clean {clean} --hard {hard} --study {study} "
+                            f"--seed {seed} --steps {steps}{only} --out {out} --doc {doc}")  # fmt: skip
     return summary
 
 
@@ -605,7 +702,32 @@ def write_doc(out: Path, doc: Path, command: str) -> None:
         atomic_write(png, lambda f: f.write((out / "detection.png").read_bytes()))
     atomic_write(doc.with_suffix(".csv"), lambda f: f.write((out / "results.csv").read_bytes()))
     text = markdown(json.loads((out / "results.json").read_text()), command, png.name if plotted else None)
-    atomic_write_text(doc, with_section(text, section(doc.read_text() if doc.is_file() else "")))
+    atomic_write_text(doc, with_campaign(doc.read_text() if doc.is_file() else "", text))
+
+
+_GENERATED = ("# Detection coverage, measured", "## Summary", "## At the defaults", "## What goes undetected",
+              "## Checkpoint alteration")  # the headings of a page written before the campaign's markers  # fmt: skip
+
+
+def with_campaign(text: str, part: str) -> str:
+    """The coverage page ``text`` with the campaign's part replaced by ``part``: between its
+    markers; on a page from before the markers, from the top to the first section the campaign
+    does not write (``_GENERATED``); on an empty page ``part`` alone. Every other section (the
+    matmul campaign's, the hand-written ones) stays where it is."""
+    start, end = text.find(CAMPAIGN_SECTION[0]), text.find(CAMPAIGN_SECTION[1])
+    if 0 <= start < end:
+        return text[:start] + part + text[end + len(CAMPAIGN_SECTION[1]) :]
+    if not text.startswith(_GENERATED[0]):
+        return part + "\n" + ("\n" + text if text.strip() else "")
+    cut, at = len(text), 0
+    while (at := text.find("\n#", at + 1)) >= 0:
+        line = text[at + 1 : text.find("\n", at + 1) if text.find("\n", at + 1) >= 0 else len(text)]
+        if not line.startswith(_GENERATED):
+            cut = at + 1
+            break
+    if 0 <= text.find(SECTION[0]) < cut:
+        cut = text.find(SECTION[0])
+    return part + "\n\n" + text[cut:]
 
 
 def _table(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -624,6 +746,7 @@ def _table(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "detected": len(det), "masked": sum(r["outcome"] == "masked" for r in rs),
             "silent": sum(r["outcome"] == "silent" for r in rs),
             "crashed": sum(r["outcome"] == "crashed" for r in rs),
+            "harmful": sum(bool(r.get("harmful")) for r in rs),
             "by_nonfinite": sum(r["detected_by"] == "nonfinite_gradient" for r in rs),
             "by_replay": sum(r["detected_by"] == "ring_replay" for r in rs),
             "by_fingerprint": sum(r["detected_by"] == "weight_fingerprint" for r in rs),
@@ -634,14 +757,116 @@ def _table(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return table
 
 
+def loss_spread(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The final losses of the clean runs with other data orders and the reference order: their
+    spread (largest less smallest) is how much a final loss moves without any fault."""
+    ref = next((r["clean_loss"] for r in rows if "clean_loss" in r), math.nan)
+    orders = [r["final_loss"] for r in rows if r["site"] == "clean" and r.get("variant", "order") == "order"]
+    losses = [v for v in (ref, *orders) if math.isfinite(v)]
+    return {"clean_loss": ref, "runs": len(losses), "spread": max(losses) - min(losses) if losses else 0.0,
+            "min": min(losses, default=math.nan), "max": max(losses, default=math.nan)}  # fmt: skip
+
+
+def mark_harmful(rows: list[dict[str, Any]], spread: float) -> None:
+    """``harmful`` on every injected row: the run without checks diverged (crashed, or non-finite
+    weights or loss) or its final loss is worse than the clean run's by more than ``spread``."""
+    for r in rows:
+        if r["site"] in SITES:
+            loss = r["final_loss"]
+            r["harmful"] = bool(r.get("nonfinite")) or not math.isfinite(loss) or loss - r["clean_loss"] > spread
+
+
+def _within_one_step(r: dict[str, Any]) -> bool:
+    return bool(r.get("defaults_by")) and r.get("defaults_latency") is not None and 0 <= r["defaults_latency"] <= 1
+
+
+def _defaults_table(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per site and bit class, at the callbacks' default arguments: harmful injections, detections
+    (all, and of the harmful ones: any, within one step), the rank named, what raised, and the
+    screen hits the replay cleared."""
+    table = []
+    for site in SITES:
+        for bit_class in BIT_CLASSES:
+            rs = [r for r in rows if r["site"] == site and r["bit_class"] == bit_class]
+            if not rs:
+                continue
+            det = [r for r in rs if r.get("defaults_by")]
+            harm = [r for r in rs if r.get("harmful")]
+            local = site != "checkpoint"  # a checkpoint has no rank: every replica loads the same file
+            table.append({
+                "site": site, "bit_class": bit_class, "injections": len(rs), "harmful": len(harm),
+                "detected": len(det), "harmful_detected": sum(bool(r.get("defaults_by")) for r in harm),
+                "harmful_within_1": sum(_within_one_step(r) for r in harm),
+                "harmful_silent": sum(not r.get("defaults_by") for r in harm),
+                "right_rank": sum(r["defaults_rank"] == r["rank"] for r in det) if local else None,
+                "screen_flagged": sum(r.get("defaults_screen_hits", 0) > 0 for r in rs),
+                "screen_cleared": int(sum(r.get("defaults_screen_cleared", 0) for r in rs)),
+                "by": dict(sorted(collections.Counter(r["defaults_by"] for r in det).items())),
+            })  # fmt: skip
+    return table
+
+
+def _clean_table(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per kind of clean run: false alarms with the replay every step and at the defaults, false
+    accusations at the defaults (a verdict naming a rank), the screen's hits and what the replay did."""
+    out = []
+    for variant in ("order", "hetero", "spike"):
+        rs = [r for r in rows if r["site"] == "clean" and r.get("variant", "order") == variant]
+        if not rs:
+            continue
+        out.append({
+            "variant": variant, "runs": len(rs),
+            "false_alarms_every_step": sum(r["outcome"] == "false_alarm" for r in rs),
+            "false_alarms": sum(r.get("defaults_outcome") == "false_alarm" for r in rs),
+            "false_accusations": sum(r.get("defaults_outcome") == "false_alarm"
+                                     and (r.get("defaults_rank") is not None or bool(r.get("defaults_suspects")))
+                                     for r in rs),
+            "screen_flagged": sum(r.get("defaults_screen_hits", 0) > 0 for r in rs),
+            "screen_hits": int(sum(r.get("defaults_screen_hits", 0) for r in rs)),
+            "screen_cleared": int(sum(r.get("defaults_screen_cleared", 0) for r in rs)),
+            "screen_unconfirmed": int(sum(r.get("defaults_screen_unconfirmed", 0) for r in rs)),
+        })  # fmt: skip
+    return out
+
+
+def defaults_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The headline numbers at the defaults: harmful transient compute faults detected within one
+    step with the right rank, every rank-local detection's rank, and false alarms in clean runs."""
+    comp = [r for r in rows if r["site"] in COMPUTE_SITES]
+    harm = [r for r in comp if r.get("harmful")]
+    within = [r for r in harm if _within_one_step(r)]
+    local = [r for r in rows if r["site"] in SITES and r["site"] != "checkpoint" and r.get("defaults_by")]
+    clean = _clean_table(rows)
+    return {
+        "compute_injections": len(comp), "compute_harmful": len(harm),
+        "compute_harmful_detected": sum(bool(r.get("defaults_by")) for r in harm),
+        "compute_harmful_within_1": len(within),
+        "compute_harmful_within_1_right_rank": sum(r["defaults_rank"] == r["rank"] for r in within),
+        "compute_detected": sum(bool(r.get("defaults_by")) for r in comp),
+        "rank_local_detections": len(local), "right_rank": sum(r["defaults_rank"] == r["rank"] for r in local),
+        "harmful": sum(bool(r.get("harmful")) for r in rows if r["site"] in SITES),
+        "harmful_detected": sum(bool(r.get("harmful")) and bool(r.get("defaults_by")) for r in rows
+                                if r["site"] in SITES),
+        "clean_runs": sum(c["runs"] for c in clean), "false_alarms": sum(c["false_alarms"] for c in clean),
+        "false_accusations": sum(c["false_accusations"] for c in clean),
+        "missed_compute": [{k: r.get(k) for k in ("id", "site", "phase", "bit_class", "rank", "step", "target", "bit",
+                                                  "final_loss", "clean_loss", "nonfinite", "defaults_by",
+                                                  "defaults_latency", "defaults_screen_hits")}
+                           for r in harm if r not in within],
+    }  # fmt: skip
+
+
 def report(rows: list[dict[str, Any]], out: Path, seed: int, steps: int) -> dict[str, Any]:
     """Write results.csv/json, the PNG plot; print the table; return the summary."""
+    spread = loss_spread(rows)
+    mark_harmful(rows, spread["spread"])
     table = _table(rows)
     clean = [r for r in rows if r["site"] == "clean"]
     summary = {
         "seed": seed, "steps": steps, "world_size": WORLD, "injections": sum(t["injections"] for t in table),
         "clean_runs": len(clean), "false_alarms": sum(r["outcome"] == "false_alarm" for r in clean),
-        "table": table, "study": study(rows),
+        "table": table, "study": study(rows), "loss_spread": spread, "defaults_table": _defaults_table(rows),
+        "clean_table": _clean_table(rows), "defaults": defaults_summary(rows),
     }  # fmt: skip
     from sdc_core.safeio import atomic_write_text
 
@@ -659,6 +884,7 @@ def report(rows: list[dict[str, Any]], out: Path, seed: int, steps: int) -> dict
     for t in table:
         print(" ".join(f"{t[h]!s:>14}" for h in head))
     print(f"clean runs: {len(clean)}, false alarms: {summary['false_alarms']}")
+    print("at the defaults:", json.dumps({k: v for k, v in summary["defaults"].items() if k != "missed_compute"}))
     plot(table, out / "detection.png")
     return summary
 
@@ -749,21 +975,161 @@ if __name__ == "__main__":
     _main()
 
 
+def _pct(part: int, whole: int) -> str:
+    return f"{part}/{whole} ({100 * part / whole:.0f}%)" if whole else f"{part}/{whole}"
+
+
+def defaults_markdown(summ: dict[str, Any], runs: list[dict[str, Any]]) -> list[str]:
+    """The coverage page's section on the callbacks at their default arguments (numbers computed)."""
+    if "defaults" not in summ:  # a results.json from before the defaults column
+        return []
+    d, spread = summ["defaults"], summ["loss_spread"]
+    head = ["site", "bit_class", "injections", "harmful", "detected", "harmful_detected", "harmful_within_1",
+            "harmful_silent", "right_rank", "screen_flagged", "screen_cleared", "by"]  # fmt: skip
+    lines = [
+        "## At the defaults: caught in the step it happens?",
+        "",
+        "The same injections, trained a third time with the callbacks at their default arguments: "
+        "`NonFiniteGradientCheck()` (with its every-step gradient screen, `screen=True`), `RingReplayAudit()` "
+        f"(every 100 steps: of these {summ['steps']} steps only step 0 is audited; every fault here is injected "
+        "later) and `WeightFingerprintCheck()` (every step). A screen hit is escalated to the flagged rank's "
+        "ring partner, which recomputes its micro-batches in the same step; only a hit the partner confirms "
+        'raises (`ReplayMismatchError`, `details["source"] == "gradient_screen"`, column `by`: '
+        "`gradient_screen`).",
+        "",
+        f"**Harmful** = the run without checks crashed, or its weights or final loss are non-finite, or its "
+        f"final loss is worse than the clean run's ({spread['clean_loss']:.4g}) by more than the spread of the "
+        f"final losses of {spread['runs']} clean runs with other data orders (the reference order included: "
+        f"{spread['min']:.4g} to {spread['max']:.4g}, spread {spread['spread']:.3g}).",
+        "",
+        "| " + " | ".join(head) + " |",
+        "|" + "---|" * len(head),
+    ]
+    for t in summ["defaults_table"]:
+        cells = [", ".join(f"{k} {v}" for k, v in t[h].items()) or "-" if h == "by" else
+                 "-" if t[h] is None else str(t[h]) for h in head]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "Columns: `detected` = a check raised at the defaults (any injection, harmful or not); `harmful_detected`, "
+        "`harmful_within_1` = of the harmful ones, detected at all, and with the error naming the fault's step or "
+        "the next (weight and optimizer faults happen after an update: the fingerprint of that update names them); "
+        "`harmful_silent` = harmful and not detected; `right_rank` = detections that named the injected rank "
+        "alone; `screen_flagged` = runs where the screen flagged a rank at least once; `screen_cleared` = screen "
+        "hits the partner's recomputation reproduced (no verdict, `sdc/ring_replay/screen_cleared`); `by` = what "
+        "raised first.",
+        "",
+        "Clean runs at the defaults (false alarms; `order` = another data order, `hetero` = every rank's batch of "
+        f"every step scaled by its own factor 2^U(-{HETERO_LOG2_RANGE:g}, {HETERO_LOG2_RANGE:g}), inputs and targets, "
+        f"`spike` = one rank's batch of one step with its targets x{SPIKE_FACTOR:g}, a genuine loss spike that any "
+        "rank computing that batch reproduces):",
+        "",
+        "| clean runs | runs | false alarms, replay every step | false alarms at the defaults | false accusations "
+        "at the defaults | runs the screen flagged | screen hits | cleared by the replay | unconfirmed |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for c in summ["clean_table"]:
+        lines.append(f"| {c['variant']} | {c['runs']} | {c['false_alarms_every_step']} | {c['false_alarms']} | "
+                     f"{c['false_accusations']} | {c['screen_flagged']} | {c['screen_hits']} | {c['screen_cleared']} "
+                     f"| {c['screen_unconfirmed']} |")  # fmt: skip
+    missed = d["missed_compute"]
+    kinds = collections.Counter(f"{m['site']}{' ' + m['phase'] if m.get('phase') else ''} {m['bit_class']}"
+                                for m in missed)  # fmt: skip
+    lines += [
+        "",
+        "### Summary at the defaults",
+        "",
+        f"- **Harmful transient compute faults** ({', '.join(COMPUTE_SITES)}): detected within one step "
+        f"{_pct(d['compute_harmful_within_1'], d['compute_harmful'])}, with the injected rank named in "
+        f"{d['compute_harmful_within_1_right_rank']} of those; detected at all "
+        f"{_pct(d['compute_harmful_detected'], d['compute_harmful'])}. Target: at least 95% within one step.",
+        f"- Every harmful injection (all sites): detected {_pct(d['harmful_detected'], d['harmful'])}.",
+        f"- Right rank: {d['right_rank']} of {d['rank_local_detections']} rank-local detections at the defaults "
+        "named the injected rank.",
+        f"- Clean runs: **{d['false_alarms']} false alarms, {d['false_accusations']} false accusations in "
+        f"{d['clean_runs']}** at the defaults.",
+    ]
+    if missed:
+        lines += ["", "Harmful compute faults not caught within one step at the defaults, by kind: "
+                  + ", ".join(f"{k} {n}" for k, n in sorted(kinds.items())) + ". Each:", "",
+                  "| id | site | phase | bit class | bit | target | rank | step | final loss / clean | screen hits | "
+                  "caught by, latency |", "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+        for m in missed:
+            ratio = m["final_loss"] / m["clean_loss"] if math.isfinite(m["final_loss"]) else math.inf
+            caught = f"{m['defaults_by']}, {m['defaults_latency']}" if m["defaults_by"] else "-"
+            lines.append(f"| {m['id']} | {m['site']} | {m.get('phase') or '-'} | {m['bit_class']} | {m['bit']} | "
+                         f"{m['target']} | {m['rank']} | {m['step']} | {ratio:.3g} | "
+                         f"{int(m.get('defaults_screen_hits') or 0)} | {caught} |")  # fmt: skip
+    lines += ["", *_why_defaults(summ, runs), ""]
+    return lines
+
+
+def _why_defaults(summ: dict[str, Any], runs: list[dict[str, Any]]) -> list[str]:
+    """What the defaults miss among the transient compute faults, and why (numbers computed)."""
+    from sdc_core.screen import ScreenConfig
+
+    screen = ScreenConfig()
+    comp = [r for r in runs if r["site"] in COMPUTE_SITES]
+    spread = summ["loss_spread"]["spread"]
+    finite = [r for r in comp if not r.get("nonfinite") and math.isfinite(r["final_loss"])]
+    worst = max(finite, key=lambda r: r["final_loss"] - r["clean_loss"], default=None)
+    sign = [r for r in comp if r["bit_class"] == "sign"]
+    dropped = [r for r in comp if r.get("defaults_screen_nonfinite", 0) > 0 and not r.get("defaults_by")]
+    flagged = [r for r in comp if r.get("defaults_screen_band", 0) > 0]
+    band_caught = [r for r in flagged if r.get("defaults_by") == "gradient_screen"]
+    changed = [r for r in comp if r["changed"]]
+    changed_caught = [r for r in changed if _within_one_step(r)]
+    every = [r for r in changed if r["outcome"] == "detected"]
+    lines = [
+        "### What the defaults miss among transient compute faults, and why",
+        "",
+        f"- **Harm needs more than one step here.** {len(comp)} transient compute faults; the largest final-loss "
+        "increase of a run that stayed finite was "
+        + (f"{worst['final_loss'] - worst['clean_loss']:.3g} ({worst['site']} {worst['bit_class']} bit "
+           f"{worst['bit']})" if worst else "-")
+        + f", against a spread of {spread:.3g} between data orders. Adam bounds each element's update to a few "
+        "learning rates whatever one gradient says, so one wrong gradient in a short run moves the final loss "
+        "less than another data order does; its lasting effect (a huge second moment that freezes the "
+        "parameter) needs a longer training to show. Of the faults that changed the final weights at all, the "
+        f"defaults caught {_pct(len(changed_caught), len(changed))} within one step (the replay every step: "
+        f"{_pct(len(every), len(changed))}).",
+        f"- **Sign flips** ({len(sign)} here, {sum(bool(r.get('defaults_by')) for r in sign)} caught at the "
+        "defaults): the screen compares the largest magnitude of each group of gradients; a flipped sign leaves "
+        "every magnitude as it was. Only the replay sees them, on the steps it audits (one in 100).",
+        f"- **Growth below the band**: the screen flags a value that grew more than the band over the ranks' median "
+        f"of the same step; until a value has {screen.calibration_samples} healthy deviations (longer than these "
+        f"runs) the band is 2^{screen.initial_band:g}, later calibrated, at least 2^{screen.min_band:g}. Lower "
+        "exponent bits (x2 to x2^64 for one element, or a shrink) and mantissa bits, and a grown element that "
+        "stays under its group's largest, stay inside it. Band hits on compute faults here: "
+        f"{len(flagged)} runs, {len(band_caught)} confirmed by the partner and raised.",
+        f"- **A loss that overflows while the gradients stay finite** ({len(dropped)} runs here; the replay every "
+        f"step caught {sum(r['outcome'] == 'detected' and r['latency'] == 0 for r in dropped)} of them in their "
+        "step): the top exponent bit of one output of the last layer makes the "
+        "rank's loss infinite; the screen flags the rank as `nonfinite`, but only `band` hits are escalated to "
+        "the partner and the non-finite check reads the gradients, which are finite: the hit is counted "
+        "(`sdc/gradient_screen/nonfinite_suspects`) and nothing is raised.",
+    ]
+    return lines
+
+
 def markdown(results: dict[str, Any], command: str, plot_path: str | None) -> str:
     """docs/coverage.md from a campaign's results.json (numbers computed, never typed)."""
     summ, runs = results["summary"], results["runs"]
     table = summ["table"]
-    head = ["site", "bit_class", "injections", "changed", "detected", "masked", "silent", "crashed", "by_nonfinite",
-            "by_replay", "by_fingerprint", "attributed", "median_latency", "diverged"]  # fmt: skip
+    head = ["site", "bit_class", "injections", "changed", "harmful", "detected", "masked", "silent", "crashed",
+            "by_nonfinite", "by_replay", "by_fingerprint", "attributed", "median_latency", "diverged"]  # fmt: skip
+    head = [h for h in head if all(h in t for t in table)]
     lines = [
+        CAMPAIGN_SECTION[0],
         "# Detection coverage, measured",
         "",
         "What the checks catch and how often they cry wolf, from a seeded fault-injection campaign: short "
         f"Lightning DDP trainings on {summ['world_size']} CPU ranks ({summ['steps']} optimizer steps, the small "
         "model in `lightning_sdc/campaign.py`), each with one injected fault, plus clean runs. Every injection "
-        "runs without checks (did it change the result?) and with all three checks (which one caught it, was "
-        "the right rank named, how many steps later). The replay audit runs every step here to measure what it "
-        "can see; at a cadence of n it audits a transient compute fault with probability 1/n.",
+        "runs without checks (did it change the result? was it harmful?), with all three checks (which one "
+        "caught it, was the right rank named, how many steps later) and with the three checks at their default "
+        "arguments (next section but one). The replay audit runs every step in the second run to measure what "
+        "it can see; at a cadence of n it audits a transient compute fault with probability 1/n.",
         "",
         "Produced by:",
         "",
@@ -799,6 +1165,7 @@ def markdown(results: dict[str, Any], command: str, plot_path: str | None) -> st
         f"{sum(r['attributed'] for r in attributed)} named the injected rank.",
         f"- Clean runs: {summ['false_alarms']} false alarms in {summ['clean_runs']}.",
         "",
+        *defaults_markdown(summ, runs),
         "## What goes undetected, and why",
         "",
         "- **Small-magnitude compute faults** ("
@@ -852,6 +1219,6 @@ def markdown(results: dict[str, Any], command: str, plot_path: str | None) -> st
         "the optimizer state is the more fragile part; for exponent and mantissa flips the two behave alike at "
         "this scale, and flips of the top exponent bit ruin either. Every altered checkpoint was caught on resume "
         "by the fingerprint stored when it was written (`sdc verify-checkpoint` gives the same verdict offline).",
-        "",
+        CAMPAIGN_SECTION[1],
     ]
     return "\n".join(lines)

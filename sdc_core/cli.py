@@ -8,7 +8,7 @@ sdc corrupt-checkpoint CKPT (-o OUT | --in-place) [--target weights|optimizer|al
 sdc report DIR_OR_FILE... [--json] [--strict]
 sdc exclude-list DIR_OR_FILE... [--format slurm|lines|reason] [--strict]
 sdc node-name   the node this process runs on, as the checks record it (SLURMD_NODENAME, NODE_NAME or host)
-sdc campaign [--injections N] [--clean N] [--out DIR] [--workers W] [--seed S] [--study N] [--doc FILE]
+sdc campaign [--injections N] [--clean N] [--hard N] [--out DIR] [--workers W] [--seed S] [--study N] [--doc FILE]
 sdc run -- COMMAND [ARG ...]   run a launch command; exit 86 when the job ended on an SDC verdict,
     0 on success, the command's own code otherwise (see sdc_core.launch)
 

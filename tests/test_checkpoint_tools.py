@@ -120,10 +120,13 @@ def test_verify_and_resume_catch_a_changed_checkpoint(
 def test_tiny_campaign_writes_its_outputs(tmp_path: Path) -> None:
     from lightning_sdc.campaign import run_campaign
 
-    summary = run_campaign(tmp_path, injections=5, clean=1, steps=8)
-    assert summary["injections"] == 5 and summary["clean_runs"] == 1 and summary["false_alarms"] == 0
+    summary = run_campaign(tmp_path, injections=6, clean=1, steps=8)
+    assert summary["injections"] == 6 and summary["clean_runs"] == 1 and summary["false_alarms"] == 0
+    assert summary["defaults"]["false_alarms"] == 0 and summary["defaults"]["clean_runs"] == 1
     rows = json.loads((tmp_path / "results.json").read_text())["runs"]
-    assert {r["site"] for r in rows} == {"activation", "gradient", "weights", "optimizer", "checkpoint", "clean"}
+    assert {r["site"] for r in rows} == {"activation", "gradient", "matmul_output", "weights", "optimizer",
+                                         "checkpoint", "clean"}  # fmt: skip
+    assert all("defaults_by" in r and ("harmful" in r) == (r["site"] != "clean") for r in rows)
     assert all(r["outcome"] in ("detected", "masked", "silent", "clean") for r in rows)
     weights = next(r for r in rows if r["site"] == "weights")  # a sign flip in one replica's weights
     # the replay of the next step or the fingerprint of this one, whichever is read first
@@ -131,7 +134,7 @@ def test_tiny_campaign_writes_its_outputs(tmp_path: Path) -> None:
     assert weights["detected_by"] in ("ring_replay", "weight_fingerprint")
     ckpt = next(r for r in rows if r["site"] == "checkpoint")
     assert ckpt["outcome"] == "detected" and ckpt["detected_by"] == "weight_fingerprint" and ckpt["latency"] == 0
-    assert (tmp_path / "results.csv").read_text().count("\n") == 7
+    assert (tmp_path / "results.csv").read_text().count("\n") == 8
     assert (tmp_path / "detection.png").read_bytes()[:4] == b"\x89PNG"
     assert list((tmp_path / "sdc" / "incidents").glob("*.json"))  # the trainings' incidents stay in the campaign folder
 
