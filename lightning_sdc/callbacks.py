@@ -28,6 +28,7 @@ from sdc_core.fingerprint import FingerprintConfig, WeightFingerprint
 from sdc_core.gradients import NonFiniteConfig, NonFiniteGradient
 from sdc_core.incidents import install_exit_code, mark_verdict
 from sdc_core.replay import ReplayConfig, RingReplay, StateCapture
+from sdc_core.screen import GradientScreen, ScreenConfig
 from sdc_core.settings import SDCConfigError, checked_keywords, one_line_when_uncaught
 from sdc_core.sharded import ShardedFingerprint, ShardedNonFinite
 from sdc_core.sharded_replay import ShardedReplay
@@ -43,6 +44,7 @@ class _TrainerSeam(Seam):
         self.marker = marker  # the ddp_spawn marker of the first SDC callback (read in the caller of fit)
         self.resolved_run_dir: str | None = None
         self.seen_step: int | None = None  # the global step at the last after-update work (or fit start)
+        self.last_loss: torch.Tensor | None = None  # the loss of the last backward (the screen's loss value)
 
     @property
     def run_dir(self) -> str:
@@ -69,9 +71,12 @@ class _TrainerSeam(Seam):
     def rollback(self, error: SDCError, max_step: int) -> SDCError:
         return c.rollback(self.trainer, self.trainer.lightning_module, error, max_step)
 
-    def audit(self, replay: Any, step: StepContext) -> bool:
+    def replay_functions(self, replay: Any, step: StepContext) -> tuple[Any, Any, Any]:
         owner = next(cb for cb in self.trainer.callbacks if isinstance(cb, RingReplayAudit) and cb._core is replay)
-        return owner._replay(self.trainer, step)
+        return owner._replay_functions(self.trainer)
+
+    def loss(self) -> torch.Tensor | None:
+        return self.last_loss
 
 
 _DRIVER = "_sdc_driver"
@@ -192,7 +197,8 @@ class _SDCCallback(Callback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         _after_batch(trainer, pl_module)
-        c.log_stats(trainer, self._core.stats)
+        for check in self._checks():
+            c.log_stats(trainer, check.stats)
 
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
         """No checkpoint (weights-only ones included: see ``route_weights_only_saves``) is written
@@ -212,7 +218,8 @@ class _SDCCallback(Callback):
         """The last pending verdicts read and the final weights compared before ``fit`` returns,
         whatever the cadence (once, whichever SDC callback comes first)."""
         _driver(trainer).before_save(_context(trainer, pl_module), key=("end", trainer.global_step))
-        c.log_stats(trainer, self._core.stats, force=True)
+        for check in self._checks():
+            c.log_stats(trainer, check.stats, force=True)
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         """Every path out: no collective of the check left in flight; the verdict marked for the
@@ -318,12 +325,19 @@ class NonFiniteGradientCheck(_SDCCallback):
     Without DDP, ``.grad`` is checked before the optimizer step (one host read).
     """
 
-    def __init__(self, on_failure: str = "raise", overflow_patience: int = 3, max_names: int = 5) -> None:
+    def __init__(
+        self, on_failure: str = "raise", overflow_patience: int = 3, max_names: int = 5, screen: bool = True
+    ) -> None:
         super().__init__()
         config = self._settings(
             NonFiniteConfig, on_failure=on_failure, overflow_patience=overflow_patience, max_names=max_names
         )
         self._core = NonFiniteGradient(config)
+        self._screen: GradientScreen | None = GradientScreen(ScreenConfig()) if screen else None
+        self._screening = False  # attached in this fit (DDP only)
+
+    def _checks(self) -> list[Any]:
+        return [self._core, *([self._screen] if self._screening else [])]
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_fit_start(trainer, pl_module)
@@ -332,6 +346,13 @@ class NonFiniteGradientCheck(_SDCCallback):
             self._core.attach(pl_module)
         elif c.is_ddp(trainer):
             self._core.attach(c.gradient_tap(trainer, pl_module))
+            if self._screen is not None:  # every step, the local peaks compared across the ranks
+                self._screen.topology = self._core.topology
+                self._screen.attach(self._core)
+                self._screening = True
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        _driver(trainer).prepare()  # every callback's core is in place: a replay keeps steps for the screen
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         """A verdict left for the fingerprint's all-reduce that none carried (no comparison
@@ -341,7 +362,12 @@ class NonFiniteGradientCheck(_SDCCallback):
             self._core.uncarried()
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
-        _driver(trainer).resolve_gradients(_context(trainer, pl_module))  # the previous step's, one step later
+        driver = _driver(trainer)
+        driver.resolve_gradients(_context(trainer, pl_module))  # the previous step's, one step later
+        if self._screening:
+            seam = driver.seam
+            assert isinstance(seam, _TrainerSeam)
+            seam.last_loss = loss.detach()
 
 
 class WeightFingerprintCheck(_SDCCallback):
@@ -568,7 +594,7 @@ class RingReplayAudit(_SDCCallback):
 
         @functools.wraps(original)
         def training_step(*args: Any, **kwargs: Any) -> Any:
-            if core.armed:
+            if core.armed or core.keeping:
                 core.begin(pl_module.device)
             return original(*args, **kwargs)
 
@@ -598,9 +624,9 @@ class RingReplayAudit(_SDCCallback):
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
         self._core.record_loss(loss)
 
-    def _replay(self, trainer: pl.Trainer, step: StepContext) -> bool:
-        """The audit of this step with Lightning's step function (the driver calls it when this
-        replay is armed, explains a disagreement and delivers the verdict); True: drop the step."""
+    def _replay_functions(self, trainer: pl.Trainer) -> tuple[Any, Any, Any]:
+        """``(step_fn, to_device, context)`` of a replay in Lightning's terms (the driver runs the
+        audit or a screen confirmation with them, explains a disagreement and delivers the verdict)."""
         pl_module = trainer.lightning_module
         if self._names:
             # only what trains now is compared: a parameter frozen since fit started (the other
@@ -618,8 +644,7 @@ class RingReplayAudit(_SDCCallback):
             loss = loss / trainer.accumulate_grad_batches
             return scaler.scale(loss) if scaler is not None else loss
 
-        return bool(self._core.audit(step.index, pl_module, step_fn, to_device=trainer.strategy.batch_to_device,
-                                     context=trainer.precision_plugin.train_step_context))  # fmt: skip
+        return step_fn, trainer.strategy.batch_to_device, trainer.precision_plugin.train_step_context
 
 
 class FaultInjector(Callback):

@@ -40,6 +40,8 @@ from sdc_core.fingerprint import WeightFingerprint, healed_by_comparison
 from sdc_core.gradients import NonFiniteGradient, carries, drop_step, start_carrying
 from sdc_core.incidents import mark_verdict, record_verdict
 from sdc_core.replay import RingReplay
+from sdc_core.replay_screen import confirm_hits, skips
+from sdc_core.screen import GradientScreen
 from sdc_core.sharded import ShardedFingerprint, ShardedNonFinite, is_sharded
 from sdc_core.sharded_replay import ShardedReplay
 from sdc_core.sharded_update import UpdateAudit
@@ -121,7 +123,15 @@ class Seam:
     def audit(self, replay: Any, step: StepContext) -> bool:
         """Run ``replay.audit`` for this step with the framework's step function; True when the
         step is to be dropped on every rank (a transient fault)."""
+        return bool(replay.audit(step.index, step.module, *self.replay_functions(replay, step)))
+
+    def replay_functions(self, replay: Any, step: StepContext) -> tuple[Any, Any, Any]:
+        """``(step_fn, to_device, context)``: how a replay recomputes a recorded micro-batch here."""
         raise NotImplementedError
+
+    def loss(self) -> Any:
+        """This rank's loss of the step (a tensor, no host read), or None: the screen's loss value."""
+        return None
 
 
 class StepDriver:
@@ -142,6 +152,14 @@ class StepDriver:
         self._planned: tuple[int, StepPlan] | None = None  # before_update ran for this step
         self._saved: tuple[Any, bool] | None = None  # (key, weights changed) of the last before_save
         self.rolled_back: SDCError | None = None  # the verdict of the last rollback, with what was done
+
+    def prepare(self) -> None:
+        """Once the checks are in place (every rank alike): with a screen, the DDP replay keeps every
+        step's micro-batches, so that a partner can confirm a hit in its step."""
+        screening = bool(self.screens)
+        for replay in self.replays:
+            if isinstance(replay, RingReplay):
+                replay.keep_every_step = screening
 
     def reset(self) -> None:
         """Forget per-step state (a new ``fit``)."""
@@ -174,6 +192,10 @@ class StepDriver:
     @property
     def update_audits(self) -> list[Any]:
         return self._of(UpdateAudit)
+
+    @property
+    def screens(self) -> list[Any]:
+        return self._of(GradientScreen)
 
     # -- delivery -----------------------------------------------------------------------------
 
@@ -290,10 +312,17 @@ class StepDriver:
         if self._planned is not None and self._planned[0] == step.index:
             return self._planned[1]
         plan = StepPlan()
+        sources = [nf for nf in self.nonfinite if isinstance(nf, NonFiniteGradient) and nf.magnitude_groups]
+        for screen in self.screens:  # first: its all_gather starts right after backward, read below
+            screen.observe(step.index, sources[0].take_magnitudes() if sources else None, self.seam.loss())
         for matmul in self.matmuls:  # the step's products: sent now, read at the next step
             self.deliver(matmul, lambda m=matmul: m.verdict(step.index))
         plan.skipped = self.gradients(step)
         plan.carrying = [nf for nf in self.nonfinite if isinstance(nf, NonFiniteGradient) and nf.rider() is not None]
+        for screen in self.screens:
+            if self._screen(screen, step, plan.skipped):
+                drop_step(step.module.parameters(), scaler_active=step.scaler_active)
+                plan.skipped = True
         for replay in self.replays:
             if not replay.armed:
                 continue
@@ -332,6 +361,36 @@ class StepDriver:
             if fp.active and fp.due(step.update):
                 start_carrying(fp, carrying[0] if carrying and len(fps) == 1 else None, step.index, step.module,
                                step.optimizers)  # fmt: skip
+
+    def _screen(self, screen: Any, step: StepContext, skipped: bool) -> bool:
+        """This step's screen verdict (read now: its confirmation needs the weights the step
+        computed with; one host wait on a small all_gather started right after backward). A band
+        hit is escalated to a partner's recomputation (``replay_screen.confirm_hits``) by the DDP
+        replay keeping every step's micro-batches; only a confirmed hit is a verdict, checked
+        against the replicas' weights first as the replay's own. Without such a replay, or on a
+        step already dropped or audited anyway, hits are only counted. True: drop the step."""
+        result = screen.suspects(step.index)
+        keepers = [r for r in self.replays if isinstance(r, RingReplay) and r.keep_every_step and r.active]
+        if not result or skipped or not keepers or keepers[0].armed:
+            for replay in keepers:
+                replay.take_kept(step.index)
+            return False
+        replay = keepers[0]
+        source = next((nf for nf in self.nonfinite if isinstance(nf, NonFiniteGradient) and nf.magnitude_groups), None)
+
+        def confirm() -> bool:
+            group_of = source.magnitude_group if source is not None else (lambda name: None)
+            error = confirm_hits(replay, result, step.module, group_of, *self.seam.replay_functions(replay, step))
+            if error is None:
+                return False
+            if self._explained_by_weights(replay, step, error):
+                return True
+            if skips(replay, error):
+                return True
+            raise error
+
+        out = self.deliver(replay, confirm, "skip_step")
+        return out is ROLLED_BACK or bool(out)
 
     def _audit(self, replay: Any, step: StepContext) -> bool:
         """The replay audit of this step, delivered. A disagreement is first checked against the

@@ -386,6 +386,7 @@ class NonFiniteGradient(NonFiniteVerdicts):
     _group_index: dict[tuple[int, ...], torch.Tensor] = field(default_factory=dict)  # cached scatter indices
     _peaked: list[tuple[torch.Tensor, list[nn.Parameter]]] = field(default_factory=list)  # per-parameter peaks
     _magnitudes: torch.Tensor | None = None  # the last read backward's, until ``take_magnitudes``
+    _group_names: dict[str, int] | None = None  # name -> group, made on first use (``magnitude_group``)
 
     def attach(self, tap: GradientTap) -> None:
         """Read each parameter's local gradient: per parameter (its sum, one reduction kernel) on
@@ -418,7 +419,15 @@ class NonFiniteGradient(NonFiniteVerdicts):
         self.magnitude_groups = k
         self._group_of = {id(p): i * k // len(params) for i, p in enumerate(params)}
         self._group_index = {}
+        self._group_names = None
         return k
+
+    def magnitude_group(self, name: str) -> int | None:
+        """The group (``want_magnitudes``) of the parameter named ``name``, or None."""
+        if self._group_names is None:
+            names = self.tap.names if self.tap is not None else {}
+            self._group_names = {names.get(pid, "?"): g for pid, g in self._group_of.items()}
+        return self._group_names.get(name)
 
     def take_magnitudes(self) -> torch.Tensor | None:
         """The last read backward's local magnitudes (``want_magnitudes``), then forgotten: 1-d

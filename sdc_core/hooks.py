@@ -64,6 +64,7 @@ from sdc_core.fingerprint import WeightFingerprint
 from sdc_core.gradients import GradientTap, NonFiniteGradient
 from sdc_core.incidents import install_exit_code
 from sdc_core.replay import RingReplay, StateCapture
+from sdc_core.screen import GradientScreen
 from sdc_core.settings import PLAIN, Sources, resolve
 from sdc_core.sharded import ShardedFingerprint, ShardedNonFinite, is_sharded
 from sdc_core.sharded_replay import ShardedReplay
@@ -242,6 +243,7 @@ class SDCHooks:
         self.replay: Any = RingReplay(replay) if replay else None
         self.fingerprint: Any = WeightFingerprint(fingerprint) if fingerprint else None
         self.update_audit: Any = None
+        self.screen: Any = None  # the every-step screen: made at attach (DDP, with the gradient check)
         matmul = self.settings.matmul()
         if matmul is not None:
             from sdc_core.matmul import MatmulChecksum
@@ -271,7 +273,7 @@ class SDCHooks:
 
     @property
     def checks(self) -> list[Any]:
-        return [c for c in (self.nonfinite, self.replay, self.fingerprint, self.matmul) if c is not None]
+        return [c for c in (self.nonfinite, self.replay, self.fingerprint, self.matmul, self.screen) if c is not None]
 
     def _all_checks(self) -> list[Any]:
         return [*self.checks, *([self.update_audit] if self.update_audit is not None else [])]
@@ -315,6 +317,7 @@ class SDCHooks:
             before = {name: len(getattr(tap, name, ())) for name in _CONSUMER_LISTS}
             if self.nonfinite:
                 self.nonfinite.attach(tap)
+                self._attach_screen(topo)
             if self.replay:
                 trainable = [n for n, p in module.named_parameters() if p.requires_grad]
                 self.replay.attach(tap, trainable)
@@ -379,6 +382,16 @@ class SDCHooks:
         if handle is not None:
             self._handles.append(handle)
         return self
+
+    def _attach_screen(self, topo: Topology) -> None:
+        """The every-step screen on the gradient check's read (``gradient_screen``); the replay keeps
+        every step's micro-batches so that a partner can confirm a hit in its step."""
+        config = self.settings.screen()
+        if config is None or self.nonfinite is None:
+            return
+        self.screen = GradientScreen(config, topo)
+        self.screen.attach(self.nonfinite)
+        self._driver.prepare()
 
     def _attach_matmul(self, module: nn.Module, topo: Topology) -> None:
         """The matrix-product checksums (``matmul_checksum``): every ``nn.Linear`` (and attention
@@ -781,9 +794,8 @@ class _LoopSeam(Seam):
     def world_size(self) -> int:
         return self._hooks._fw.num_processes
 
-    def audit(self, replay: Any, step: StepContext) -> bool:
-        hooks = self._hooks
-        return bool(replay.audit(step.index, step.module, hooks._replay_step, hooks._to_device))
+    def replay_functions(self, replay: Any, step: StepContext) -> tuple[Any, Any, Any]:
+        return self._hooks._replay_step, self._hooks._to_device, nullcontext
 
 
 def _loss_of(result: Any) -> torch.Tensor:

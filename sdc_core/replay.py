@@ -298,6 +298,10 @@ class RingReplay:
     _window: DeterministicWindow = field(default_factory=DeterministicWindow)
     _aside: GradientsAside = field(default_factory=GradientsAside)  # the step's own .grad during its re-runs
     _capture_error: str = ""
+    keep_every_step: bool = False  # the screen's escalation: record every step's micro-batches (``kept``)
+    _kept_step: int | None = None
+    _kept: list[MicroBatch] = field(default_factory=list)
+    screen_strikes: dict[int, int] = field(default_factory=dict)  # confirmed screen hits per rank
     last_error: ReplayMismatchError | None = None
 
     @property
@@ -318,7 +322,13 @@ class RingReplay:
             self._armed_step = None
             self._window.exit()
             self._aside.clear()
+            if self.keep_every_step and self.active and not self.replaying:  # kept for a possible escalation
+                if self._kept_step != step:
+                    self._kept_step, self._kept = step, []
+                return True
+            self._kept_step, self._kept = None, []
             return False
+        self._kept_step, self._kept = None, []
         if self._armed_step != step:
             self._armed_step, self._micro, self._loss, self._local = step, [], None, {}
             self._aside.clear()
@@ -344,14 +354,26 @@ class RingReplay:
         return "off" if not self.config.deterministic else "strict" if self.strict else "warn_only"
 
     @property
+    def keeping(self) -> bool:
+        """True while a step that is not audited is recorded for a possible escalation."""
+        return self._armed_step is None and self._kept_step is not None
+
+    def take_kept(self, step: int) -> list[MicroBatch]:
+        """The micro-batches kept for ``step`` (its state as captured), then forgotten; empty when
+        none were kept for that step."""
+        kept, step_kept = self._kept, self._kept_step
+        self._kept_step, self._kept = None, []
+        return kept if step_kept == step else []
+
+    @property
     def armed(self) -> bool:
         """True between ``arm`` of an audited step and its ``audit``."""
         return self._armed_step is not None
 
     @property
     def recorded(self) -> int:
-        """Micro-batches recorded for the armed step so far."""
-        return len(self._micro)
+        """Micro-batches recorded for the armed (or kept) step so far."""
+        return len(self._kept if self.keeping else self._micro)
 
     @property
     def tolerance(self) -> float:
@@ -364,21 +386,24 @@ class RingReplay:
 
     def record(self, batch: Any, batch_idx: int, device: torch.device | None = None, state: bool = True) -> None:
         """Remember an audited micro-batch, the RNG state and (``state=True``) the module state
-        it starts from. Cost: the capture's clones, on audited micro-batches only."""
-        self._micro.append(MicroBatch(batch, batch_idx, *_all_rng(device)))
+        it starts from. Cost: the capture's clones, on audited micro-batches (and, with
+        ``keep_every_step``, on every micro-batch: references and the RNG, plus the capture)."""
+        (self._kept if self.keeping else self._micro).append(MicroBatch(batch, batch_idx, *_all_rng(device)))
         if state:
             self.begin(device)
 
     def begin(self, device: torch.device | None = None) -> None:
         """The step of the last recorded micro-batch starts now: (re)capture its RNG and state."""
-        if self._armed_step is None or not self._micro or self.replaying:
+        kept = self.keeping
+        micro = self._kept if kept else self._micro
+        if (self._armed_step is None and not kept) or not micro or self.replaying:
             return
-        mb = self._micro[-1]
+        mb = micro[-1]
         mb.cpu_rng, mb.cuda_rng, mb.py_rng, mb.np_rng = _all_rng(device)
-        if self.config.deterministic:  # the owner's forward and backward: in the replays' mode
+        if self.config.deterministic and not kept:  # the owner's forward and backward: in the replays' mode
             self._window.enter(self.strict)
         if self.capture is not None:  # one budget for all micro-batches of the step (held until the audit)
-            used = sum(m.state.nbytes for m in self._micro[:-1] if m.state is not None)
+            used = sum(m.state.nbytes for m in micro[:-1] if m.state is not None)
             try:  # a failure here is reported by the audit, on every rank alike
                 mb.state = self.capture.capture(self.capture.max_bytes - used)
             except Exception as err:
@@ -404,6 +429,46 @@ class RingReplay:
 
     def _own_digest(self) -> Digest:
         return assemble(self.names, self._local, self._loss if self._loss is not None else 0.0)
+
+    def recompute(
+        self,
+        module: nn.Module,
+        batches: list[MicroBatch],
+        step_fn: StepFn,
+        consume: Callable[[str, torch.Tensor], None],
+        to_device: Callable[[Any], Any],
+        context: Callable[[], AbstractContextManager[Any]] = nullcontext,
+    ) -> torch.Tensor:
+        """Recompute ``batches`` on this rank (no collective, no side effect), handing each
+        trainable parameter's gradient to ``consume(name, grad)``; returns the summed loss."""
+        self.replaying = True
+        try:
+            return replay_each_gradient(module, self.names, batches, step_fn, consume, to_device, context,
+                                        self.capture)  # fmt: skip
+        finally:
+            self.replaying = False
+
+    def exchange_batches(self, sends: dict[int, list[MicroBatch]], recv_from: list[int]) -> dict[int, Any]:
+        """Send micro-batches to partners (every rank alike; ``exchange``): what arrives is checked
+        as a replay payload, and resolved into ``MicroBatch`` lists (a received ``TRANSFER_ERROR``
+        text stays a text)."""
+        empty = assemble(self.names, {}, 0.0)
+        payloads: dict[int, Any] = {}
+        for dst, micro in sends.items():
+            try:
+                payloads[dst] = {"micro": for_transfer(micro), "digest": empty}
+            except Exception as err:  # the partner still gets a message: no rank is left waiting
+                payloads[dst] = {TRANSFER_ERROR: f"the owner could not send its micro-batches: {describe(err)}"}
+        received = self._exchange(payloads, recv_from)
+        own = [mb.state for micro in sends.values() for mb in micro]
+        out: dict[int, Any] = {}
+        for src, payload in received.items():
+            if TRANSFER_ERROR in payload:
+                out[src] = str(payload[TRANSFER_ERROR])
+                continue
+            out[src] = [MicroBatch(**{**vars(mb), "state": StateCapture.resolve(mb.state, own)})
+                        for mb in payload["micro"]]  # fmt: skip
+        return out
 
     def _replay_digest(
         self,

@@ -34,6 +34,7 @@ from sdc_core.gradients import NonFiniteConfig
 from sdc_core.matmul import MatmulChecksumConfig
 from sdc_core.replay import ReplayConfig
 from sdc_core.schema import settings_of
+from sdc_core.screen import ScreenConfig
 from sdc_core.sharded_update import UpdateAudit, update_audit
 
 
@@ -104,6 +105,17 @@ class SDCSettings:
         UpdateAudit, "every_n_steps", default=0,
         doc="FSDP2: a partner recomputes each rank's optimizer update every n steps (0: off)",
     )  # fmt: skip
+    gradient_screen: bool = _own(
+        True, "each step, compare the ranks' local-gradient peaks; a partner's replay confirms a hit before "
+        "a rank is named",
+    )  # fmt: skip
+    screen_groups: int = _from(ScreenConfig, "groups")
+    screen_min_band: float = _from(ScreenConfig, "min_band")
+    screen_max_band: float = _from(ScreenConfig, "max_band")
+    screen_initial_band: float = _from(ScreenConfig, "initial_band")
+    screen_z: float = _from(ScreenConfig, "z")
+    screen_window: int = _from(ScreenConfig, "window")
+    screen_calibration_samples: int = _from(ScreenConfig, "calibration_samples")
     matmul_checksum: bool = _own(False, "verify every nn.Linear product's row sums in forward and backward (opt-in)")
     log_every_n_steps: int = _own(50, "how often the counters go to the trackers")
 
@@ -127,6 +139,12 @@ class SDCSettings:
         if self.fingerprint_every_n_steps == 0:
             return None
         return FingerprintConfig(**self._kwargs(FingerprintConfig))
+
+    def screen(self) -> ScreenConfig | None:
+        """The every-step screen's config, or None when it (or the gradient check it reads from) is off."""
+        if not (self.gradient_screen and self.nonfinite_gradient):
+            return None
+        return ScreenConfig(**self._kwargs(ScreenConfig))
 
     def matmul(self) -> MatmulChecksumConfig | None:
         """The matrix-product checksum check's config, or None when off."""

@@ -21,12 +21,13 @@ from sdc_core.gradients import NonFiniteConfig
 from sdc_core.matmul import MatmulChecksumConfig
 from sdc_core.replay import ReplayConfig
 from sdc_core.schema import settings_of
+from sdc_core.screen import ScreenConfig
 from sdc_core.settings import NOT_OFFERED, SDCSettings, field_doc, settings_for
 from sdc_core.sharded_update import UpdateAudit
 
-CONFIGS = (NonFiniteConfig, ReplayConfig, FingerprintConfig, MatmulChecksumConfig, UpdateAudit)
+CONFIGS = (NonFiniteConfig, ReplayConfig, FingerprintConfig, MatmulChecksumConfig, UpdateAudit, ScreenConfig)
 PREFIX = {NonFiniteConfig: "", ReplayConfig: "replay_", FingerprintConfig: "fingerprint_",
-          UpdateAudit: "update_audit_"}  # fmt: skip
+          UpdateAudit: "update_audit_", ScreenConfig: "screen_"}  # fmt: skip
 # the public names that do not follow the prefix (kept as they were released)
 UNPREFIXED = {"include_buffers", "include_optimizer_state", "max_heals"}
 # where an SDCSettings default differs from its config's, and why
@@ -38,11 +39,13 @@ PUBLIC = {
     "replay_on_failure": "raise", "replay_on_unreplayable": "raise", "replay_max_state_mb": 256.0,
     "replay_deterministic": True, "replay_allow_pickled_batches": False, "fingerprint_every_n_steps": 1,
     "include_buffers": False, "include_optimizer_state": False, "fingerprint_on_failure": "raise", "max_heals": 3,
-    "fingerprint_rolling": 1, "update_audit_every_n_steps": 0, "matmul_checksum": False, "log_every_n_steps": 50,
+    "fingerprint_rolling": 1, "update_audit_every_n_steps": 0, "gradient_screen": True, "screen_groups": 16,
+    "screen_min_band": 5.0, "screen_max_band": 12.0, "screen_initial_band": 10.0, "screen_z": 10.0,
+    "screen_window": 200, "screen_calibration_samples": 20, "matmul_checksum": False, "log_every_n_steps": 50,
 }  # fmt: skip
 # callback -> (its config, config settings it does not take, arguments of its own and the setting they equal)
 CALLBACKS: dict[type, tuple[type, set[str], dict[str, str]]] = {
-    NonFiniteGradientCheck: (NonFiniteConfig, set(), {}),
+    NonFiniteGradientCheck: (NonFiniteConfig, set(), {"screen": "gradient_screen"}),
     RingReplayAudit: (ReplayConfig, {"allow_pickled_batches"}, {}),
     WeightFingerprintCheck: (FingerprintConfig, set(), {"update_audit_every_n_steps": "update_audit_every_n_steps"}),
     MatmulChecksumCheck: (MatmulChecksumConfig, set(), {}),

@@ -1,0 +1,177 @@
+"""Confirming a screen hit: a partner recomputes the suspect's micro-batches before anyone is named.
+
+The every-step screen (``sdc_core.screen``) flags a rank whose local-gradient peaks left the
+band the healthy ranks show. A flag alone accuses nobody: a batch may really have a huge gradient
+(a genuine spike), and the band is a statistical judgement. ``confirm_hits`` runs in the same
+step, before the update, on the weights the step computed with:
+
+1. every flagged rank ``r`` sends the micro-batches it kept for the step (``RingReplay.keep_every_step``:
+   references, RNG and the captured state) to its ring partner ``p`` (one ``exchange``);
+2. ``p`` recomputes them side-effect free and takes the same statistic (per group the log2 of the
+   largest gradient magnitude); every rank gathers the recomputed rows (one ``all_gather``);
+3. every rank decides alike, per flagged rank:
+   * the partner reproduced ``r``'s values within ``REPRODUCED`` log2 units: the batch really
+     gives such gradients (a genuine spike): cleared, counted (``screen_cleared``), no verdict;
+   * the partner's values differ AND stay within the band of the other ranks: ``r`` computed its
+     step wrongly: confirmed (``ReplayMismatchError`` naming ``r``, ``details["source"] ==
+     "gradient_screen"``);
+   * anything else (nothing kept, a recomputation that failed, a partner whose own values leave
+     the band): unconfirmed, counted (``screen_unconfirmed``), no verdict.
+
+Whether ``r``'s fault was transient or persistent is not told (an escalation costs one replay);
+with ``on_failure="skip_step"`` the first confirmed hit of a rank drops the step on every rank
+(the wrong update never happens) and a second one raises. Kernel noise is far below the
+threshold: a nondeterministic reduction changes a peak by a relative 1e-6, ``REPRODUCED`` is a
+factor of 2, while a flag means a value at least ``min_band`` (2^5) above the ranks' median.
+Cost: nothing on a step without a flag; on a flagged step, the transfer of the suspects'
+micro-batches, one forward and backward per suspect on its partner, and two small collectives.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from sdc_core.errors import ReplayMismatchError
+from sdc_core.replay_exchange import describe, replay_partners
+from sdc_core.screen import in_band, reference
+from sdc_core.topology import Topology, collective_device, is_distributed, owners_of
+
+REPRODUCED = 1.0  # log2 units: a recomputed peak within a factor 2 of the owner's reproduces it
+
+
+def confirm_hits(
+    replay: Any,
+    result: Any,
+    module: nn.Module,
+    group_of: Callable[[str], int | None],
+    step_fn: Callable[[Any, int], torch.Tensor],
+    to_device: Callable[[Any], Any],
+    context: Callable[[], AbstractContextManager[Any]],
+) -> ReplayMismatchError | None:
+    """Confirm the band hits of ``result`` (a ``ScreenResult``) by partner recomputation (every
+    rank alike, in the step, before its update): the verdict naming the confirmed ranks, or
+    None (``skips`` applies the policy)."""
+    step = result.step
+    kept = replay.take_kept(step)
+    topo: Topology = replay.topology or Topology.gather()
+    partners = replay_partners(topo, replay.groups)
+    inverse = owners_of(partners)
+    hits = [r for r in result.ranks if result.details[r].get("reason") == "band" and partners[r] != r]
+    if not hits or not is_distributed():
+        return None
+    me = topo.rank
+    replay.stats.bump("screen_escalations")
+    sends = {partners[me]: kept} if me in hits else {}
+    owner = inverse[me]
+    received = replay.exchange_batches(sends, [owner] if owner in hits else [])
+    width = len(result.values[0]) - 1  # the groups (the loss is not compared: scaled and summed otherwise)
+    mine = torch.full((width,), float("nan"), dtype=torch.float64)
+    note = ""
+    batches = received.get(owner)
+    if isinstance(batches, list) and batches:
+        try:
+            mine = _recomputed_peaks(replay, module, batches, step_fn, to_device, group_of, context, width)
+        except Exception as err:  # every rank still meets at the gather below
+            note = describe(err)
+    elif isinstance(batches, str):
+        note = batches
+    rows = _gather(mine)
+    confirmed, cleared = [], []
+    for r in hits:
+        verdict = _judge(result, r, rows[partners[r]].tolist())
+        (confirmed if verdict == "confirmed" else cleared if verdict == "cleared" else []).append(r)
+    replay.stats.bump("screen_cleared", len(cleared))
+    replay.stats.bump("screen_unconfirmed", len(hits) - len(confirmed) - len(cleared))
+    if not confirmed:
+        return None
+    replay.stats.bump("screen_confirmed", len(confirmed))
+    return _error(result, confirmed, partners, topo, note)
+
+
+def skips(replay: Any, error: ReplayMismatchError) -> bool:
+    """Apply the replay's policy to a confirmed screen hit (every rank alike): True when every rank
+    drops the step (``skip_step`` and each named rank's first confirmed hit); the error is then
+    the replay's ``last_error`` (recorded as skipped). False: raise it."""
+    replay.stats.failures += 1
+    strikes = replay.screen_strikes
+    for r in error.suspects:
+        strikes[r] = strikes.get(r, 0) + 1
+    skip = replay.config.on_failure == "skip_step" and all(strikes[r] == 1 for r in error.suspects)
+    replay.last_error = error
+    if skip:
+        replay.stats.bump("skipped_steps")
+        error.details["action"] = "every rank dropped the step (skip_step: the rank's first confirmed hit)"
+    return skip
+
+
+def _recomputed_peaks(
+    replay: Any, module: nn.Module, batches: list[Any], step_fn: Callable[[Any, int], torch.Tensor],
+    to_device: Callable[[Any], Any], group_of: Callable[[str], int | None],
+    context: Callable[[], AbstractContextManager[Any]], width: int,
+) -> torch.Tensor:  # fmt: skip
+    """Per group the log2 of the largest magnitude of the recomputed gradients (NaN: none)."""
+    peaks: dict[int, torch.Tensor] = {}
+
+    def consume(name: str, grad: torch.Tensor) -> None:
+        g = group_of(name)
+        if g is None or not 0 <= g < width:
+            return
+        peak = grad.detach().abs().max().double()
+        peaks[g] = peak if g not in peaks else torch.maximum(peaks[g], peak.to(peaks[g].device))
+
+    replay.recompute(module, batches, step_fn, consume, to_device, context)
+    out = torch.full((width,), float("nan"), dtype=torch.float64)
+    for g, peak in peaks.items():
+        v = float(peak)  # one host read per group, on the rare escalated step only
+        out[g] = math.log2(v) if v > 0 and math.isfinite(v) else (float("inf") if not math.isfinite(v) else math.nan)
+    return out
+
+
+def _gather(row: torch.Tensor) -> torch.Tensor:
+    """Every rank's recomputed row (``world x width``, float64, on the host)."""
+    device = collective_device()
+    mine = row.to(device)
+    out = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, mine)
+    return torch.stack(out).cpu()
+
+
+def _judge(result: Any, rank: int, recomputed: Sequence[float]) -> str:
+    """``"cleared"``, ``"confirmed"`` or ``"unconfirmed"`` for one flagged rank (pure: every rank alike)."""
+    width = len(recomputed)
+    owner = result.values[rank][:width]
+    pairs = [(a, b) for a, b in zip(owner, recomputed, strict=True) if math.isfinite(a) and math.isfinite(b)]
+    if not pairs:
+        return "unconfirmed"
+    if max(abs(a - b) for a, b in pairs) <= REPRODUCED:
+        return "cleared"
+    if any(v == float("inf") for v in recomputed):
+        return "unconfirmed"  # the partner's recomputation is not finite: it proves nothing
+    row = [*recomputed, float("nan")]  # the loss is not compared
+    return "confirmed" if in_band(row, reference(result.values, rank), result.bands) else "unconfirmed"
+
+
+def _error(result: Any, ranks: list[int], partners: Sequence[int], topo: Topology, note: str) -> ReplayMismatchError:
+    """The verdict of confirmed screen hits (every rank builds the same)."""
+    hits = [{"rank": r, "recomputed_by": partners[r], **result.details[r]} for r in ranks]
+    first = hits[0]
+    who = f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+    reason = (
+        f"the every-step gradient screen saw {who}'s local gradients out of band at step {result.step} "
+        f"({first.get('value')}: 2^{first.get('excess', 0.0):.1f} above the ranks' median, band "
+        f"2^{first.get('band', 0.0):.1f}); rank {first['recomputed_by']} recomputed the same micro-batches on the "
+        f"same weights and stayed within the band: {who} computed that step wrongly"
+    )
+    details: dict[str, Any] = {"source": "gradient_screen", "screen": hits,
+                               "classification": "transient or persistent not told (one replay per escalation)"}
+    if note:
+        details["note"] = note
+    return ReplayMismatchError(step=result.step, rank=ranks[0] if len(ranks) == 1 else None, suspects=tuple(ranks),
+                               hosts=topo.hosts(ranks), details=details, reason=reason)  # fmt: skip

@@ -1,0 +1,144 @@
+"""The every-step screen at the defaults of ``sdc_core.SDCHooks``, end to end: run with torchrun, 3 ranks.
+
+The heterogeneous transformer classifier of ``screen_scenarios`` (short and long sequences,
+imbalanced labels, dropout, AdamW, a warm-up) trains in a plain DDP loop with the hook set at its
+defaults (the replay audits one step in 100: steps 0 and 100 only). Scenarios:
+
+* ``fault``: the top exponent bit of one element of rank 1's local weight gradient at step 40
+  (a step the replay does not audit): the screen flags it, the partner's recomputation confirms
+  it, and every rank raises ``ReplayMismatchError`` naming rank 1 at step 40, before its update.
+* ``spike``: rank 2's batch of step 40 is a genuine spike (its pooled features scaled 10^4, so the
+  gradient is huge on any rank that computes it): flagged, reproduced by the partner, cleared;
+  training goes on to the end without a verdict.
+* ``skip``: the ``fault`` with ``replay_on_failure="skip_step"``: every rank drops step 40 and
+  training goes on; the replicas stay equal (the final comparison passes).
+* ``lightning``: the ``fault`` in a ``Trainer(strategy="ddp")`` fit with the three callbacks at
+  their default arguments: the same verdict, from the callbacks' one driver.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from scenario_runner import parse, run_each
+from screen_scenarios import WARMUP, Classifier, batch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from sdc_core import Fault, FaultInjector, SDCError, SDCHooks
+
+STEPS, AT = 60, 40
+
+
+class Spiky(Classifier):
+    """The classifier whose pooled features are scaled by ``scale`` before the head: a genuine,
+    reproducible spike (the head's gradient and the loss grow with it on any rank)."""
+
+    scale = 1.0
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        pad = tokens == 0
+        h = self.enc(self.embed(tokens), src_key_padding_mask=pad)
+        keep = (~pad).unsqueeze(-1).float()
+        pooled = (h * keep).sum(1) / keep.sum(1)
+        return torch.nn.functional.cross_entropy(self.head(pooled * self.scale), labels)
+
+
+def train(out: Path, name: str, faults: list[Fault], spike: bool = False, **settings: Any) -> dict[str, Any]:
+    torch.manual_seed(0)
+    rank = dist.get_rank()
+    net = Spiky()
+    ddp = DDP(net)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=3e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / WARMUP))
+    hooks = SDCHooks(run_dir=out / name, **settings).attach(ddp, opt)
+    injector = FaultInjector(faults)
+    injector.install(net, rank)
+    result: dict[str, Any] = {"steps": 0}
+    try:
+        for step in range(STEPS):
+            injector.set_step(step)
+            net.scale = 1e4 if spike and rank == 2 and step == AT else 1.0
+            tokens, labels = batch(0, rank, step)
+            ddp(tokens, labels).backward()
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+            result["steps"] = step + 1
+        hooks.finish()
+    except SDCError as err:
+        result["error"] = err.to_dict()
+    finally:
+        injector.remove()
+    result["replay"] = hooks.replay.stats.state_dict() if hooks.replay is not None else None
+    result["screen"] = hooks.screen.stats.state_dict() if hooks.screen is not None else None
+    result["digest"] = float(sum(p.detach().double().sum() for p in net.parameters()))
+    hooks.detach()
+    return result
+
+
+def lightning(out: Path) -> dict[str, Any]:
+    """The fault under Lightning, the SDC callbacks at their defaults."""
+    import lightning.pytorch as L
+    from scenario_runner import cpu_ddp_trainer
+    from torch.utils.data import DataLoader
+
+    from lightning_sdc import FaultInjector as InjectorCallback
+    from lightning_sdc import NonFiniteGradientCheck, RingReplayAudit, WeightFingerprintCheck
+
+    class Lit(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.model = Classifier()
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return self.model(*batch)
+
+        def configure_optimizers(self) -> Any:
+            opt = torch.optim.AdamW(self.parameters(), lr=3e-3)
+            sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / WARMUP))
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    rank = dist.get_rank()
+    loader = DataLoader(list(range(STEPS)), batch_size=1, collate_fn=lambda idx: batch(0, rank, idx[0]))
+    checks = [NonFiniteGradientCheck(), RingReplayAudit(), WeightFingerprintCheck()]
+    faults = [Fault(kind="gradient_bit_flip", rank=1, step=AT, target="model.enc.linear2.weight", index=11, bit=30)]
+    trainer = cpu_ddp_trainer(max_steps=STEPS, use_distributed_sampler=False, default_root_dir=str(out / "lightning"),
+                              callbacks=[*checks, InjectorCallback(faults)])  # fmt: skip
+    result: dict[str, Any] = {}
+    try:
+        trainer.fit(Lit(), loader)
+    except SDCError as err:
+        result["error"] = err.to_dict()
+    result["steps"] = trainer.global_step
+    result["replay"] = checks[1]._core.stats.state_dict()
+    result["screen"] = checks[0]._screen.stats.state_dict() if checks[0]._screen is not None else None
+    return result
+
+
+def fault() -> list[Fault]:
+    return [Fault(kind="gradient_bit_flip", rank=1, step=AT, target="enc.linear2.weight", index=11, bit=30)]
+
+
+def main() -> None:
+    args = parse("fault,spike,skip,lightning")
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    scenarios = {
+        "fault": lambda: train(args.out, "fault", fault()),
+        "spike": lambda: train(args.out, "spike", [], spike=True),
+        "skip": lambda: train(args.out, "skip", fault(), replay_on_failure="skip_step"),
+        "lightning": lambda: lightning(args.out),
+    }
+    try:
+        run_each(args.only, lambda name: scenarios[name](), args.out, int(os.environ["RANK"]))
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+"""The every-step screen at the hook set's defaults, end to end (``screen_escalation_scenarios``):
+one torchrun of 3 gloo ranks. A wrong gradient on a step the replay does not audit is named in
+its own step, on every rank, after a partner's recomputation confirmed it; a genuine spike is
+flagged, reproduced by the partner and cleared; ``skip_step`` drops the faulty step and training
+goes on with equal replicas; under Lightning the callbacks at their defaults give the same verdict."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, results, torchrun
+
+WORLD = 3
+
+
+@pytest.fixture(scope="module")
+def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("screen_escalation")
+    torchrun(ROOT / "tests" / "screen_escalation_scenarios.py", path, "fault,spike,skip,lightning", WORLD)
+    return path
+
+
+def incidents(folder: Path) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted((folder / "sdc" / "incidents").glob("*.json"))]
+
+
+def test_a_wrong_gradient_on_an_unaudited_step_is_named_in_its_step_after_confirmation(out: Path) -> None:
+    runs = results(out, "fault", WORLD)
+    errors = [r["error"] for r in runs]
+    assert all(e == errors[0] for e in errors)  # the same verdict on every rank
+    error = errors[0]
+    assert error["type"] == "ReplayMismatchError" and error["step"] == 40 and error["rank"] == 1, error
+    assert error["suspects"] == [1] and error["details"]["source"] == "gradient_screen"
+    (hit,) = error["details"]["screen"]
+    assert hit["rank"] == 1 and hit["recomputed_by"] != 1 and hit["reason"] == "band"
+    assert all(r["steps"] == 40 for r in runs)  # raised before step 40's update
+    assert all(r["replay"]["extra"]["screen_confirmed"] == 1 for r in runs)
+    assert all(r["replay"]["runs"] == 1 for r in runs)  # the replay audited step 0 only: the screen found it
+    (incident,) = incidents(out / "fault")
+    assert incident["policy"] == "raise" and incident["error"]["details"]["source"] == "gradient_screen"
+
+
+def test_a_genuine_spike_is_flagged_reproduced_by_the_partner_and_cleared(out: Path) -> None:
+    runs = results(out, "spike", WORLD)
+    assert all("error" not in r and r["steps"] == 60 for r in runs), runs[0]
+    assert all(r["screen"]["extra"]["hits"] == 1 for r in runs)  # the spike stood out ...
+    assert all(r["replay"]["extra"]["screen_cleared"] == 1 and r["replay"]["failures"] == 0 for r in runs)
+    assert len({r["digest"] for r in runs}) == 1  # ... and every replica applied it
+    assert incidents(out / "spike") == []
+
+
+def test_skip_step_drops_the_confirmed_faulty_step_and_training_goes_on(out: Path) -> None:
+    runs = results(out, "skip", WORLD)
+    assert all("error" not in r and r["steps"] == 60 for r in runs), runs[0]
+    assert all(r["replay"]["extra"]["skipped_steps"] == 1 for r in runs)
+    assert len({r["digest"] for r in runs}) == 1  # the replicas stayed equal (the final comparison passed)
+    (incident,) = incidents(out / "skip")
+    assert incident["policy"] == "skip_step" and incident["error"]["rank"] == 1
+
+
+def test_lightning_callbacks_at_their_defaults_name_the_rank_in_its_step(out: Path) -> None:
+    runs = results(out, "lightning", WORLD)
+    errors = [r["error"] for r in runs]
+    assert all(e == errors[0] for e in errors)
+    error = errors[0]
+    assert error["type"] == "ReplayMismatchError" and (error["step"], error["rank"]) == (40, 1), error
+    assert error["details"]["source"] == "gradient_screen"
+    assert all(r["steps"] == 40 and r["replay"]["runs"] == 1 for r in runs)  # before the update; audited: step 0
