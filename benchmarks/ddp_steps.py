@@ -30,7 +30,8 @@ from benchmarks.common import DDP_SETTINGS, Model, WorkTimer, summary
 from sdc_core.hooks import SDCHooks
 
 BATCH = 128
-SETTINGS = DDP_SETTINGS | {"defaults_reduced_read": {}}  # the defaults, the verdict read from the reduced gradients
+# the defaults with the verdict read from the reduced gradients; the defaults without the every-step screen
+SETTINGS = DDP_SETTINGS | {"defaults_reduced_read": {}, "defaults_no_screen": {"gradient_screen": False}}
 
 
 class Run:
