@@ -86,7 +86,7 @@ step() {  # step LABEL SECONDS CMD...: CMD under the smaller of SECONDS and the 
   left=$((deadline - SECONDS))
   limit=$((own < left ? own : left))
   if [ "$limit" -le 0 ]; then
-    note "$label not run (stage time spent)"
+    note "$label not run: stage TIMEOUT (its time was spent)"
     failed=1
     return 1
   fi
