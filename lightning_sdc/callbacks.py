@@ -44,7 +44,7 @@ class _TrainerSeam(Seam):
         self.marker = marker  # the ddp_spawn marker of the first SDC callback (read in the caller of fit)
         self.resolved_run_dir: str | None = None
         self.seen_step: int | None = None  # the global step at the last after-update work (or fit start)
-        self.last_loss: torch.Tensor | None = None  # the loss of the last backward (the screen's loss value)
+        self.last_loss: torch.Tensor | None = None  # the step's loss so far (the screen's loss value)
 
     @property
     def run_dir(self) -> str:
@@ -76,7 +76,8 @@ class _TrainerSeam(Seam):
         return owner._replay_functions(self.trainer)
 
     def loss(self) -> torch.Tensor | None:
-        return self.last_loss
+        loss, self.last_loss = self.last_loss, None
+        return loss
 
 
 _DRIVER = "_sdc_driver"
@@ -367,7 +368,8 @@ class NonFiniteGradientCheck(_SDCCallback):
         if self._screening:
             seam = driver.seam
             assert isinstance(seam, _TrainerSeam)
-            seam.last_loss = loss.detach()
+            # as back-propagated (normalised, scaled) and summed over the step's micro-batches: what a replay returns
+            seam.last_loss = loss.detach() if seam.last_loss is None else seam.last_loss + loss.detach()
 
 
 class WeightFingerprintCheck(_SDCCallback):

@@ -244,6 +244,7 @@ class SDCHooks:
         self.fingerprint: Any = WeightFingerprint(fingerprint) if fingerprint else None
         self.update_audit: Any = None
         self.screen: Any = None  # the every-step screen: made at attach (DDP, with the gradient check)
+        self._screen_loss: torch.Tensor | None = None  # the loss of the step's last forward (the screen's value)
         matmul = self.settings.matmul()
         if matmul is not None:
             from sdc_core.matmul import MatmulChecksum
@@ -462,6 +463,8 @@ class SDCHooks:
                 self._in_replayable -= 1
             if record:
                 replay.record_loss(self._normalize(_loss_of(loss)).detach())
+                if self.screen is not None:
+                    self._add_screen_loss(_loss_of(loss))
             return loss
 
         return wrapper
@@ -486,8 +489,16 @@ class SDCHooks:
 
     def _after_forward(self, module: nn.Module, args: tuple, kwargs: dict, outputs: Any) -> None:
         assert self.replay is not None
-        if self._recording_forward(module) and self.replay.armed:
+        if not self._recording_forward(module):
+            return
+        if self.replay.armed:
             self.replay.record_loss(self._backward_loss(outputs, args, kwargs).detach())
+        if self.screen is not None:  # the screen's loss value: the model's own, when it returns one (no compute)
+            loss = getattr(outputs, "loss", None)
+            loss = outputs.get("loss") if loss is None and isinstance(outputs, dict) else loss
+            loss = outputs if loss is None and isinstance(outputs, torch.Tensor) and outputs.numel() == 1 else loss
+            if self.loss_fn is None and isinstance(loss, torch.Tensor):
+                self._add_screen_loss(loss)
 
     def _backward_loss(self, outputs: Any, args: tuple, kwargs: dict) -> torch.Tensor:
         """The loss as the loop back-propagates it (normalised, scaled)."""
@@ -506,6 +517,12 @@ class SDCHooks:
                 "loss_fn=(outputs, *args, **kwargs) -> loss to SDCHooks or attach()"
             )
         return self._normalize(loss)
+
+    def _add_screen_loss(self, loss: torch.Tensor) -> None:
+        """The step's loss for the screen, as back-propagated (normalised, scaled) and summed over
+        its micro-batches: what a partner's recomputation returns."""
+        loss = self._normalize(loss.detach())
+        self._screen_loss = loss if self._screen_loss is None else self._screen_loss + loss
 
     def _normalize(self, loss: torch.Tensor) -> torch.Tensor:
         """The framework's division by the accumulation steps and the GradScaler's scaling."""
@@ -796,6 +813,10 @@ class _LoopSeam(Seam):
 
     def replay_functions(self, replay: Any, step: StepContext) -> tuple[Any, Any, Any]:
         return self._hooks._replay_step, self._hooks._to_device, nullcontext
+
+    def loss(self) -> torch.Tensor | None:
+        loss, self._hooks._screen_loss = self._hooks._screen_loss, None
+        return loss
 
 
 def _loss_of(result: Any) -> torch.Tensor:

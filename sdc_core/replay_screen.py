@@ -63,7 +63,7 @@ def confirm_hits(
     topo: Topology = replay.topology or Topology.gather()
     partners = replay_partners(topo, replay.groups)
     inverse = owners_of(partners)
-    hits = [r for r in result.ranks if result.details[r].get("reason") == "band" and partners[r] != r]
+    hits = [r for r in result.ranks if _escalated(result, r) and partners[r] != r]
     if not hits or not is_distributed():
         return None
     me = topo.rank
@@ -71,8 +71,8 @@ def confirm_hits(
     sends = {partners[me]: kept} if me in hits else {}
     owner = inverse[me]
     received = replay.exchange_batches(sends, [owner] if owner in hits else [])
-    width = len(result.values[0]) - 1  # the groups (the loss is not compared: scaled and summed otherwise)
-    mine = torch.full((width,), float("nan"), dtype=torch.float64)
+    width = len(result.values[0]) - 1  # the groups, then the loss
+    mine = torch.full((width + 1,), float("nan"), dtype=torch.float64)  # the groups' peaks, the loss (log2)
     note = ""
     batches = received.get(owner)
     if isinstance(batches, list) and batches:
@@ -126,8 +126,9 @@ def _recomputed_peaks(
         peak = grad.detach().abs().max().double()
         peaks[g] = peak if g not in peaks else torch.maximum(peaks[g], peak.to(peaks[g].device))
 
-    replay.recompute(module, batches, step_fn, consume, to_device, context)
-    out = torch.full((width,), float("nan"), dtype=torch.float64)
+    loss = float(replay.recompute(module, batches, step_fn, consume, to_device, context).abs())
+    out = torch.full((width + 1,), float("nan"), dtype=torch.float64)
+    out[width] = math.log2(loss) if 0 < loss < math.inf else (math.inf if loss != 0 else math.nan)
     for g, peak in peaks.items():
         v = float(peak)  # one host read per group, on the rare escalated step only
         out[g] = math.log2(v) if v > 0 and math.isfinite(v) else (float("inf") if not math.isfinite(v) else math.nan)
@@ -143,19 +144,27 @@ def _gather(row: torch.Tensor) -> torch.Tensor:
     return torch.stack(out).cpu()
 
 
+def _escalated(result: Any, rank: int) -> bool:
+    """A hit a partner can confirm: values above the band, or a non-finite loss from finite local
+    gradients (non-finite gradients are the non-finite check's verdict)."""
+    reason = result.details[rank].get("reason")
+    if reason == "band":
+        return True
+    row = result.values[rank]
+    return reason == "nonfinite" and row[-1] == math.inf and all(v != math.inf for v in row[:-1])
+
+
 def _judge(result: Any, rank: int, recomputed: Sequence[float]) -> str:
-    """``"cleared"``, ``"confirmed"`` or ``"unconfirmed"`` for one flagged rank (pure: every rank alike)."""
-    width = len(recomputed)
-    owner = result.values[rank][:width]
-    pairs = [(a, b) for a, b in zip(owner, recomputed, strict=True) if math.isfinite(a) and math.isfinite(b)]
+    """``"cleared"``, ``"confirmed"`` or ``"unconfirmed"`` for one flagged rank (pure: every rank
+    alike). ``recomputed``: the partner's row, the layout of ``result.values`` (group peaks, then
+    the loss as the step back-propagates it, log2; NaN: none, +Inf: non-finite)."""
+    owner = result.values[rank]
+    pairs = [(a, b) for a, b in zip(owner, recomputed, strict=True) if not (math.isnan(a) or math.isnan(b))]
     if not pairs:
-        return "unconfirmed"
-    if max(abs(a - b) for a, b in pairs) <= REPRODUCED:
-        return "cleared"
-    if any(v == float("inf") for v in recomputed):
-        return "unconfirmed"  # the partner's recomputation is not finite: it proves nothing
-    row = [*recomputed, float("nan")]  # the loss is not compared
-    return "confirmed" if in_band(row, reference(result.values, rank), result.bands) else "unconfirmed"
+        return "unconfirmed"  # nothing recomputed (or nothing to compare)
+    if all(a == b if math.isinf(a) or math.isinf(b) else abs(a - b) <= REPRODUCED for a, b in pairs):
+        return "cleared"  # the partner reproduced the flagged values: the batch gives them
+    return "confirmed" if in_band(list(recomputed), reference(result.values, rank), result.bands) else "unconfirmed"
 
 
 def _error(result: Any, ranks: list[int], partners: Sequence[int], topo: Topology, note: str) -> ReplayMismatchError:
@@ -163,12 +172,19 @@ def _error(result: Any, ranks: list[int], partners: Sequence[int], topo: Topolog
     hits = [{"rank": r, "recomputed_by": partners[r], **result.details[r]} for r in ranks]
     first = hits[0]
     who = f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
-    reason = (
-        f"the every-step gradient screen saw {who}'s local gradients out of band at step {result.step} "
-        f"({first.get('value')}: 2^{first.get('excess', 0.0):.1f} above the ranks' median, band "
-        f"2^{first.get('band', 0.0):.1f}); rank {first['recomputed_by']} recomputed the same micro-batches on the "
-        f"same weights and stayed within the band: {who} computed that step wrongly"
-    )
+    if first.get("reason") == "nonfinite":
+        reason = (
+            f"the every-step gradient screen saw {who}'s loss non-finite at step {result.step} while its local "
+            f"gradients were finite; rank {first['recomputed_by']} recomputed the same micro-batches on the same "
+            f"weights and got a finite loss and gradients within the band: {who} computed that step wrongly"
+        )
+    else:
+        reason = (
+            f"the every-step gradient screen saw {who}'s {first.get('value')} out of band at step {result.step} "
+            f"(2^{first.get('excess', 0.0):.1f} above the ranks' median, band "
+            f"2^{first.get('band', 0.0):.1f}); rank {first['recomputed_by']} recomputed the same micro-batches on "
+            f"the same weights and stayed within the band: {who} computed that step wrongly"
+        )
     details: dict[str, Any] = {"source": "gradient_screen", "screen": hits,
                                "classification": "transient or persistent not told (one replay per escalation)"}
     if note:

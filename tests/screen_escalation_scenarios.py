@@ -12,6 +12,9 @@ defaults (the replay audits one step in 100: steps 0 and 100 only). Scenarios:
   training goes on to the end without a verdict.
 * ``skip``: the ``fault`` with ``replay_on_failure="skip_step"``: every rank drops step 40 and
   training goes on; the replicas stay equal (the final comparison passes).
+* ``logit``: the top exponent bit of one logit of rank 1's head flipped from step 40 on (a wrong
+  activation that mostly moves the loss; it blows up only on steps whose logit lies below 2 in
+  magnitude): named at the first step it blows the loss up, before that step's update.
 * ``lightning``: the ``fault`` in a ``Trainer(strategy="ddp")`` fit with the three callbacks at
   their default arguments: the same verdict, from the callbacks' one driver.
 """
@@ -125,7 +128,7 @@ def fault() -> list[Fault]:
 
 
 def main() -> None:
-    args = parse("fault,spike,skip,lightning")
+    args = parse("fault,spike,skip,lightning,logit")
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     scenarios = {
@@ -133,6 +136,8 @@ def main() -> None:
         "spike": lambda: train(args.out, "spike", [], spike=True),
         "skip": lambda: train(args.out, "skip", fault(), replay_on_failure="skip_step"),
         "lightning": lambda: lightning(args.out),
+        "logit": lambda: train(args.out, "logit", [Fault(kind="module_output", rank=1, step=AT, target="head",
+                                                         index=3, bit=30)]),
     }
     try:
         run_each(args.only, lambda name: scenarios[name](), args.out, int(os.environ["RANK"]))

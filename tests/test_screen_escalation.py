@@ -18,7 +18,7 @@ WORLD = 3
 @pytest.fixture(scope="module")
 def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("screen_escalation")
-    torchrun(ROOT / "tests" / "screen_escalation_scenarios.py", path, "fault,spike,skip,lightning", WORLD)
+    torchrun(ROOT / "tests" / "screen_escalation_scenarios.py", path, "fault,spike,skip,lightning,logit", WORLD)
     return path
 
 
@@ -68,3 +68,12 @@ def test_lightning_callbacks_at_their_defaults_name_the_rank_in_its_step(out: Pa
     assert error["type"] == "ReplayMismatchError" and (error["step"], error["rank"]) == (40, 1), error
     assert error["details"]["source"] == "gradient_screen"
     assert all(r["steps"] == 40 and r["replay"]["runs"] == 1 for r in runs)  # before the update; audited: step 0
+
+
+def test_a_wrong_logit_that_blows_the_loss_up_is_named_in_that_step(out: Path) -> None:
+    runs = results(out, "logit", WORLD)
+    error = runs[0]["error"]
+    assert all(r["error"] == error for r in runs)
+    assert error["type"] == "ReplayMismatchError" and error["rank"] == 1 and error["step"] >= 40, error
+    assert error["details"]["screen"][0]["value"] == "loss"  # the loss stood out, the partner's did not
+    assert all(r["steps"] == error["step"] for r in runs)  # before that step's update
