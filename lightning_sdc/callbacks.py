@@ -355,6 +355,20 @@ class NonFiniteGradientCheck(_SDCCallback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         _driver(trainer).prepare()  # every callback's core is in place: a replay keeps steps for the screen
 
+    def state_dict(self) -> dict[str, Any]:
+        """The check's counters, and the screen's under ``"screen"``."""
+        state = super().state_dict()
+        if self._screen is not None:
+            state["screen"] = self._screen.stats.state_dict()
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state = dict(state_dict)
+        screen = state.pop("screen", None)
+        super().load_state_dict(state)
+        if screen is not None and self._screen is not None:
+            self._screen.stats.load_state_dict(screen)
+
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         """A verdict left for the fingerprint's all-reduce that none carried (no comparison
         started): read from the reduced gradients, still those of its step, before the next
