@@ -21,7 +21,9 @@ through a Trainer seam and adds only what the Trainer does differently:
   the Trainer's default) and the scheduler stay the Trainer's;
 * metrics go through ``trainer.log`` to every ``report_to`` tracker, every ``logging_steps``
   unless ``log_every_n_steps`` is set; incidents go to ``<output_dir>/sdc/incidents``; the
-  counters travel in the Trainer's checkpoints.
+  counters and a fingerprint of the saved model and optimizer state travel in the Trainer's
+  checkpoints (``trainer_state.json``): ``sdc verify-checkpoint`` checks a checkpoint folder, and
+  ``train(resume_from_checkpoint=...)`` verifies the loaded tensors before training goes on.
 
 Settings as for ``SDCHooks``: keywords, ``ACCELERATE_SDC_*`` variables, ``accelerate-sdc config``.
 Importing ``accelerate_sdc`` does not import this module; this module needs ``transformers``.
@@ -95,9 +97,11 @@ class SDCTrainerCallback(TrainerCallback, ExportableState):
             ``accelerate-sdc config`` file; a bad value raises ``SDCConfigError`` here.
 
     Raises ``SDCError`` subclasses out of ``trainer.train()`` on every rank in the same step
-    (``err.step`` is the Trainer's ``global_step``). The counters are saved in the Trainer's
-    checkpoints (``trainer_state.json``, as an ``ExportableState``) and go on after
-    ``train(resume_from_checkpoint=...)``. ``self.hooks`` is the underlying ``SDCHooks``.
+    (``err.step`` is the Trainer's ``global_step``). The counters and the saved state's
+    fingerprint are stored in the Trainer's checkpoints (``trainer_state.json``, as an
+    ``ExportableState``); ``train(resume_from_checkpoint=...)`` verifies the loaded model and
+    optimizer state against it (``FingerprintMismatchError`` naming the changed tensors, on every
+    rank) and the counters go on. ``self.hooks`` is the underlying ``SDCHooks``.
     Cost: that of ``SDCHooks``, plus one Python wrapper call per ``compute_loss``.
     """
 
@@ -177,12 +181,16 @@ class SDCTrainerCallback(TrainerCallback, ExportableState):
     def _wrap_save_checkpoint(self, trainer: Trainer) -> None:
         """Every checkpoint the Trainer writes, whatever decided it (``save_strategy`` "steps",
         "epoch" or "best", an evaluation), goes through ``_save_checkpoint`` on every process:
-        before it, the pending non-finite verdict is read and the replicas are compared."""
+        before it, the pending non-finite verdict is read, the replicas are compared and the model
+        and optimizer state fingerprinted (``state()`` then carries it into ``trainer_state.json``)."""
         original = trainer._save_checkpoint
 
         def save_checkpoint(*args: Any, **kwargs: Any) -> Any:
             if self._attached and self.hooks is not None:
-                self.hooks.before_save(fingerprint=False)  # raises on every process before anything is written
+                self.hooks.before_save()  # raises on every process before anything is written
+                stored = self.hooks._checkpoint_fingerprint
+                if stored is not None and trainer.args.save_only_model:  # no optimizer.pt: the model only
+                    stored["tensors"] = {k: v for k, v in stored["tensors"].items() if k.startswith("model/")}
             return original(*args, **kwargs)
 
         trainer._save_checkpoint = save_checkpoint  # type: ignore[method-assign]

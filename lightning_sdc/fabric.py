@@ -14,7 +14,7 @@ for i, batch in enumerate(loader):
         optimizer.step()                      # the checks run around the real update
         optimizer.zero_grad()
 hooks.finish()
-fabric.save(path, {"model": model, "optimizer": optimizer, "sdc": hooks})  # counters travel along
+fabric.save(path, {"model": model, "optimizer": optimizer, "sdc": hooks})  # counters and fingerprint
 ```
 
 Behaviour and settings are those of the core hook set ``sdc_core.SDCHooks`` that serves every
@@ -32,13 +32,17 @@ module needs Lightning only, not Accelerate. Differences:
   ``run_dir`` (default: the first logger's ``log_dir``, else the working directory).
 * Counters are saved by ``fabric.save``/restored by ``fabric.load`` when the hook set is in the
   state dictionary (it has ``state_dict``/``load_state_dict``). Before ``fabric.save`` writes,
-  a pending non-finite verdict is read and the replicas' weights are compared.
+  a pending non-finite verdict is read, the replicas' weights are compared and the model and
+  optimizer state fingerprinted (stored with the counters, so ``sdc verify-checkpoint`` checks
+  the file); once ``fabric.load`` has restored every object of the state (whatever their
+  order), the loaded tensors are verified against it: ``FingerprintMismatchError`` naming them.
 
 Strategies: ``"ddp"`` (and its variants) or a single device; others raise ``ValueError``.
 """
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -162,6 +166,36 @@ class FabricFramework(Framework):
         self._pre_save.append(fn)
         return _Remove(self._pre_save, fn)
 
+    def after_load(self, fn: Callable[[dict[str, Any]], None]) -> None:
+        """Run ``fn(state)`` after ``fabric.load(path, state)`` has restored every object of
+        ``state`` (every process; ``fn`` is held weakly). Inside the load, ``loading`` is True."""
+        fabric = self.fabric
+        if "load" not in vars(fabric):  # once per Fabric
+            original = fabric.load
+            fabric._sdc_after_load = []
+            fabric._sdc_loading = 0
+
+            def load(path: Any, state: dict[str, Any] | None = None, strict: bool = True, **kwargs: Any) -> Any:
+                fabric._sdc_loading += 1
+                try:
+                    remainder = original(path, state, strict, **kwargs)
+                finally:
+                    fabric._sdc_loading -= 1
+                for ref in list(fabric._sdc_after_load):
+                    hook = ref()
+                    if hook is not None:
+                        hook(state or {})
+                return remainder
+
+            fabric.load = load  # type: ignore[method-assign]
+        alive = [ref for ref in fabric._sdc_after_load if ref() is not None]
+        fabric._sdc_after_load = [*alive, weakref.WeakMethod(fn)]  # type: ignore[arg-type]
+
+    @property
+    def loading(self) -> bool:
+        """True while ``fabric.load`` restores objects."""
+        return bool(getattr(self.fabric, "_sdc_loading", 0))
+
     def take_comm_hook(self) -> tuple[Any, Any]:
         return None, None  # Fabric's DDPStrategy registers no communication hook
 
@@ -216,7 +250,9 @@ class SDCHooks(_HookSet):
         if not isinstance(fabric, Fabric):
             raise TypeError(f"lightning_sdc.fabric.SDCHooks needs a launched Fabric, got {type(fabric).__name__}")
         self.fabric = fabric
-        super().__init__(loss_fn, framework=FabricFramework(fabric, run_dir), sources=SOURCES, **settings)
+        framework = FabricFramework(fabric, run_dir)
+        super().__init__(loss_fn, framework=framework, sources=SOURCES, **settings)
+        framework.after_load(self._after_load)
 
     def attach(self, model: nn.Module, optimizer: Any, loss_fn: LossFn | None = None) -> SDCHooks:
         """Hook the model and optimizer ``fabric.setup`` returned (every process)."""
@@ -251,9 +287,26 @@ class SDCHooks(_HookSet):
 
         fabric.clip_gradients = clip_gradients  # type: ignore[method-assign]
 
-    def _before_save(self, models: list[Any], weights: Any, output_dir: Any) -> None:
-        """Before ``fabric.save``: compare the replicas (raising on a mismatch). No fingerprint
-        is stored with the counters: ``fabric.load`` restores objects in the order of your state
-        dictionary, so it could not be checked against tensors certain to be loaded already."""
-        super()._before_save(models, weights, output_dir)
-        self._checkpoint_fingerprint = None
+    def _verify_loaded(self, stored: dict[str, Any]) -> None:
+        """Inside ``fabric.load`` the model or optimizer may not be restored yet (objects load in
+        the order of your state dictionary): the fingerprint is kept for ``_after_load``."""
+        fw = self._fw
+        if isinstance(fw, FabricFramework) and fw.loading:
+            self._loaded_fingerprint = stored
+            return
+        super()._verify_loaded(stored)
+
+    def _after_load(self, state: dict[str, Any]) -> None:
+        """After ``fabric.load``: the restored model and optimizer state verified against the
+        fingerprint loaded with the counters (raises ``FingerprintMismatchError`` on every process:
+        each loads the same file). Before ``attach`` it is verified by ``attach``."""
+        stored = self._loaded_fingerprint
+        if stored is None or self._module is None:
+            return
+        models = [v for v in state.values() if isinstance(v, nn.Module)]
+        if not models or not self.owns(models):
+            self._loaded_fingerprint = None
+            warnings.warn("the SDC fingerprint loaded by fabric.load is not verified: the state loaded with it does "
+                          "not hold the model this hook set is attached to", UserWarning, stacklevel=3)  # fmt: skip
+            return
+        self._verify_loaded(stored)

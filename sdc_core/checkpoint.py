@@ -290,11 +290,14 @@ def verify(path: str | Path, trust_pickle: bool = False) -> dict[str, Any]:
     if candidates is None:  # at the top level: what fingerprint_checkpoint covers
         now = fingerprint_checkpoint(holder, version)["tensors"]
     else:
-        tensors, missing = _matched(list(was), candidates)
+        tensors, missing = _matched(was, candidates)
         if missing:
             what = " and ".join(repr(m) for m in missing)
-            return out | {"reason": f"its SDC fingerprint ({where}) covers {what}, which the file does not hold "
-                                    "(save the model and the optimizer state beside the SDC state, as the recipe does)"}
+            return out | {"reason": f"its SDC fingerprint ({where}) covers {what}, which the file does not hold: no "
+                                    "entry holds exactly its tensor names (save the model and the optimizer state in "
+                                    "the same file or folder as the SDC state, under any keys, as the recipes do: "
+                                    "{'model': ..., 'optimizer': ..., 'sdc': ...}; a model saved elsewhere, or a state "
+                                    "dict renamed, cannot be matched)"}
         now = {name: int(_DIGESTS[version](t)) for name, t in tensors.items()}
     changed = sorted(k for k in set(was) | set(now) if was.get(k) != now.get(k))
     out |= {"status": "corrupted" if changed else "clean", "changed": changed, "tensors": len(was)}
@@ -316,8 +319,10 @@ def _find_fingerprint(ckpt: Checkpoint) -> tuple[dict[str, Any], str, dict[str, 
             if isinstance(state, dict) and FINGERPRINT_KEY in state:
                 return state, f"in {TRAINER_STATE}, callback {name}", ckpt.objects
         if ckpt.kind == "trainer":
-            return ("a Hugging Face Trainer checkpoint: SDCTrainerCallback compares the replicas before the Trainer "
-                    "saves, and stores its counters, not a fingerprint")  # fmt: skip
+            if any(state is not None for _, state in _callback_states(trainer)):
+                return (f"a Hugging Face Trainer checkpoint whose {TRAINER_STATE} holds the SDC counters only "
+                        "(saved by an sdc-checks release before the Trainer route stored a fingerprint)")  # fmt: skip
+            return "a Hugging Face Trainer checkpoint written without SDCTrainerCallback"
         if sdc_state is not None:
             return f"its {ACCELERATE_STATE} holds the SDC counters only: the saved model was not the hook set's"
         return f"an Accelerate save_state folder without {ACCELERATE_STATE}: written without the SDC hook set"
@@ -334,7 +339,8 @@ def _find_fingerprint(ckpt: Checkpoint) -> tuple[dict[str, Any], str, dict[str, 
     counters = next((str(k) for k, v in obj.items() if _is_hook_state(v)), None)
     if counters is not None:
         return (f"the SDC state under {counters!r} holds counters only: call hooks.before_save() before "
-                "hooks.state_dict() (the Fabric route stores no fingerprint)")  # fmt: skip
+                "hooks.state_dict() (fabric.save does; a Fabric file of an sdc-checks release before that holds "
+                "counters only)")  # fmt: skip
     if ckpt.kind == "lightning":
         return "it was written without WeightFingerprintCheck"
     return ("a state dict written without the SDC hook set: save {'model': ..., 'optimizer': ..., "
@@ -380,16 +386,19 @@ def _read_json(path: Path) -> Any:
 _WRAPPERS = ("module.", "_orig_mod.")  # prefixes of a DDP-wrapped or compiled model's state dict
 
 
-def _matched(names: list[str], candidates: dict[str, Any]) -> tuple[dict[str, torch.Tensor], list[str]]:
-    """The tensors the fingerprint ``names`` (``<group>/<name>``) refer to, found in ``candidates``
-    (a checkpoint's top-level entries, or a folder's files): each group is the candidate holding
-    exactly the group's tensor names, preferring one named like the group (``model``,
-    ``model.safetensors``); else the candidate named like it (its differences then show as changed
-    tensors). Returns the tensors and the groups found nowhere."""
-    groups: dict[str, set[str]] = {}
-    for name in names:
+def _matched(was: dict[str, int], candidates: dict[str, Any]) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """The tensors the fingerprint ``was`` (``<group>/<name>`` -> stored digest) refers to, found
+    in ``candidates`` (a checkpoint's top-level entries, or a folder's files): each group is the
+    candidate holding exactly the group's tensor names, preferring one named like the group
+    (``model``, ``model.safetensors``); else the candidate named like it (its differences then show
+    as changed tensors). A name a candidate lacks counts as held when its stored digest is that of
+    a name it holds: a tied weight, written once (``save_pretrained`` drops ``lm_head.weight`` tied
+    to the embedding); it is compared with that tensor. Returns the tensors and the groups found
+    nowhere."""
+    groups: dict[str, dict[str, int]] = {}
+    for name, digest in was.items():
         group, _, rest = name.partition("/")
-        groups.setdefault(group, set()).add(rest)
+        groups.setdefault(group, {})[rest] = digest
     walked = {key: dict(_walk(value, "")) for key, value in candidates.items()}
     found: dict[str, torch.Tensor] = {}
     missing = []
@@ -401,8 +410,8 @@ def _matched(names: list[str], candidates: dict[str, Any]) -> tuple[dict[str, to
                 if prefix and not all(n.startswith(prefix) for n in walked[key]):
                     continue
                 renamed = {n[len(prefix):]: t for n, t in walked[key].items()}
-                if set(renamed) == rels:
-                    choice = renamed
+                choice = _with_tied(renamed, rels)
+                if choice is not None:
                     break
             if choice is not None:
                 break
@@ -413,6 +422,21 @@ def _matched(names: list[str], candidates: dict[str, Any]) -> tuple[dict[str, to
             continue
         found.update({f"{group}/{n}": t for n, t in choice.items()})
     return found, missing
+
+
+def _with_tied(held: dict[str, torch.Tensor], rels: dict[str, int]) -> dict[str, torch.Tensor] | None:
+    """``held`` when it holds exactly the names of ``rels`` (name -> stored digest), the names it
+    lacks being tied to ones it holds (the same stored digest): each then maps to that tensor.
+    None when the names differ otherwise."""
+    if not set(held) <= set(rels):
+        return None
+    lacking = set(rels) - set(held)
+    if not lacking:
+        return held
+    by_digest = {rels[n]: n for n in held}
+    if not all(rels[n] in by_digest for n in lacking):
+        return None
+    return held | {n: held[by_digest[rels[n]]] for n in lacking}
 
 
 def check_loaded_checkpoint(obj: dict[str, Any], step: int) -> None:

@@ -58,11 +58,11 @@ def train(fabric: Fabric, out: Path, name: str, steps: int = 6, faults: list[Fau
     injector = FaultInjector(list(faults))
     injector.install(model.module, fabric.global_rank)
     opt.optimizer.register_step_post_hook(lambda *_: injector.after_step(injector.step, model.module, [opt.optimizer]))
-    if load is not None:
-        fabric.load(load, {"model": model, "optimizer": opt, "sdc": hooks})
     data = fabric.setup_dataloaders(loader())
     error = None
     try:
+        if load is not None:  # the SDC state first: restored before the model and optimizer
+            fabric.load(load, {"sdc": hooks, "model": model, "optimizer": opt})
         for i, (x, y) in enumerate(data):
             injector.set_step(hooks.step)
             accumulating = (i + 1) % ACCUMULATE != 0
@@ -90,6 +90,18 @@ def train(fabric: Fabric, out: Path, name: str, steps: int = 6, faults: list[Fau
     }
 
 
+def resume_corrupted(fabric: Fabric, out: Path) -> dict[str, Any]:
+    """``sdc corrupt-checkpoint`` flips one optimizer entry of the ``save`` scenario's file (rank 0);
+    every rank's ``fabric.load`` of the copy raises the verdict naming it."""
+    from sdc_core.cli import main as sdc
+
+    bad = out / "state_corrupted.ckpt"
+    if fabric.global_rank == 0:
+        sdc(["corrupt-checkpoint", str(out / "state.ckpt"), "-o", str(bad), "--target", "optimizer", "--seed", "3"])
+    fabric.barrier()
+    return train(fabric, out, "resume_corrupted", steps=6, replay_every_n_steps=1, load=bad)
+
+
 def scenarios(fabric: Fabric, out: Path) -> dict[str, Any]:
     def run(name: str, **kw: Any) -> Any:
         return lambda: train(fabric, out, name, **kw)
@@ -112,6 +124,7 @@ def scenarios(fabric: Fabric, out: Path) -> dict[str, Any]:
             Fault("nonfinite_gradient", rank=1, step=2, target="stem.weight")]),
         "save": run("save", steps=3, replay_every_n_steps=1, save=out / "state.ckpt"),
         "resume": run("resume", steps=6, replay_every_n_steps=1, load=out / "state.ckpt"),
+        "resume_corrupted": lambda: resume_corrupted(fabric, out),
     }  # fmt: skip
 
 

@@ -118,6 +118,19 @@ def bad_settings() -> dict[str, Any]:
     return {"message": None}
 
 
+def resume_corrupted(out: Path) -> dict[str, Any]:
+    """``sdc corrupt-checkpoint`` flips one entry of the tied embedding (``lm_head.weight`` is not
+    in model.safetensors) of the ``save`` checkpoint (rank 0); every rank's resume raises."""
+    from sdc_core.cli import main as sdc
+
+    bad = out / "corrupted"
+    if dist.get_rank() == 0:
+        sdc(["corrupt-checkpoint", str(out / "save" / "checkpoint-2"), "-o", str(bad), "--pattern", "wte",
+             "--seed", "2"])  # fmt: skip
+    dist.barrier()
+    return run(out, "resume_corrupted", resume=str(bad), replay_every_n_steps=1)
+
+
 def scenarios(out: Path) -> dict[str, Any]:
     return {
         "bad_settings": bad_settings,
@@ -126,6 +139,7 @@ def scenarios(out: Path) -> dict[str, Any]:
         "smoothing": lambda: run(out, "smoothing", label_smoothing=0.1, replay_every_n_steps=1),
         "save": lambda: run(out, "save", save=True, replay_every_n_steps=1),
         "resume": lambda: run(out, "resume", resume=str(out / "save" / "checkpoint-2"), replay_every_n_steps=1),
+        "resume_corrupted": lambda: resume_corrupted(out),
         "weights": lambda: run(out, "weights", replay_every_n_steps=0, faults=[
             Fault("weight_bit_flip", rank=2, step=1, target="transformer.h.0.mlp.c_proj.weight", index=7, bit=20)]),
         # a save decided at the epoch's end (4 steps per epoch): the replicas are compared before it

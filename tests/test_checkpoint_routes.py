@@ -1,8 +1,9 @@
 """`sdc verify-checkpoint` and `sdc corrupt-checkpoint` read what every route of this project writes.
 
-Per route: write a checkpoint with the route as its README recipe does, verify it with `sdc`, flip a
-bit with `sdc`, verify the copy again. Routes that store no fingerprint (Fabric, the Trainer) get
-a true "none stored" (exit 3) naming the route, and their files still take `corrupt-checkpoint`.
+Per route (plain, torchrun demo, Accelerate, Lightning, Fabric, the Trainer): write a checkpoint
+with the route as its README recipe does, verify it with `sdc`, flip a bit with `sdc`, verify the
+copy again (it names the tensor); Fabric and the Trainer also load the copy, which raises. A file
+whose fingerprint covers state it does not hold gets a true "does not hold" (exit 3).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import hashlib
 import json
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -126,60 +128,100 @@ def test_lightning_model_checkpoint_file(tmp_path: Path, capsys: pytest.CaptureF
     assert _round_trip(path, tmp_path / "bad.ckpt", capsys)[0].startswith("optimizer_states/")
 
 
-def test_fabric_file_says_it_holds_counters_only(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    from lightning.fabric import Fabric
-
+def _fabric_run(fabric: Any, tmp_path: Path) -> tuple[Any, Any, Any]:
     from lightning_sdc.fabric import SDCHooks
 
-    fabric = Fabric(accelerator="cpu", devices=1)
     net = _net()
     net, optimizer = fabric.setup(net, torch.optim.AdamW(net.parameters()))
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+        warnings.simplefilter("ignore")  # one process: the replica checks say they are inactive
         hooks = SDCHooks(fabric, run_dir=str(tmp_path)).attach(net, optimizer)
-    fabric.backward(net(torch.randn(5, 4)).pow(2).mean())
-    optimizer.step()
+    return net, optimizer, hooks
+
+
+def test_fabric_save_round_trip_and_load_verifies(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """fabric.save stores the fingerprint with the counters; sdc verifies and corrupts the file;
+    fabric.load verifies once everything is restored, whatever the order of the state's keys."""
+    from lightning.fabric import Fabric
+
+    from sdc_core.errors import FingerprintMismatchError
+
+    fabric = Fabric(accelerator="cpu", devices=1)
+    net, optimizer, hooks = _fabric_run(fabric, tmp_path)
+    for _ in range(2):
+        fabric.backward(net(torch.randn(5, 4)).pow(2).mean())
+        optimizer.step()
+        optimizer.zero_grad()
     hooks.finish()
     path = tmp_path / "last.ckpt"
     fabric.save(path, {"model": net, "optimizer": optimizer, "sdc": hooks})
-    assert sdc(["verify-checkpoint", str(path)]) == NONE
-    out = capsys.readouterr().out
-    assert "under 'sdc' holds counters only" in out and "Fabric" in out
-    assert sdc(["corrupt-checkpoint", str(path), "-o", str(tmp_path / "bad.ckpt"), "--target", "optimizer"]) == OK
-    assert sdc(["verify-checkpoint", str(tmp_path / "bad.ckpt")]) == NONE
+    changed = _round_trip(path, tmp_path / "bad.ckpt", capsys)
+    assert changed[0].startswith("optimizer/state/")
+    # loading: the SDC state first in the dictionary, so it is restored before the model and optimizer
+    fresh, fresh_opt, fresh_hooks = _fabric_run(fabric, tmp_path)
+    fabric.load(path, {"sdc": fresh_hooks, "model": fresh, "optimizer": fresh_opt})
+    assert fresh_hooks.step == hooks.step == 2
+    fresh, fresh_opt, fresh_hooks = _fabric_run(fabric, tmp_path)
+    with pytest.raises(FingerprintMismatchError) as err:
+        fabric.load(tmp_path / "bad.ckpt", {"sdc": fresh_hooks, "model": fresh, "optimizer": fresh_opt})
+    assert err.value.details["checkpoint_changed_tensors"] == changed and changed[0] in str(err.value)
+    # a file whose model sits under a key of the user's own, holding other names: said so
+    torch.save({"net": {"w": torch.zeros(2)}, "optimizer": optimizer.state_dict(), "sdc": hooks.state_dict()},
+               tmp_path / "other.ckpt")  # fmt: skip
+    capsys.readouterr()
+    assert sdc(["verify-checkpoint", str(tmp_path / "other.ckpt")]) == NONE
+    assert "covers 'model', which the file does not hold" in capsys.readouterr().out
 
 
-def test_trainer_checkpoint_folder(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    """A Trainer checkpoint (its pickled training_args.bin is left unread): read, altered, and
-    truthfully reported as holding no fingerprint."""
+class _TrainerModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = _net()
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"loss": nn.functional.cross_entropy(self.net(x), labels)}
+
+
+def _trainer(tmp_path: Path, max_steps: int, **options: Any) -> Any:
     from transformers import Trainer, TrainingArguments
 
     from accelerate_sdc.transformers import SDCTrainerCallback
 
-    class Model(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = _net()
-
-        def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
-            return {"loss": nn.functional.cross_entropy(self.net(x), labels)}
-
     data = [{"x": torch.randn(4), "labels": torch.tensor(i % 2)} for i in range(16)]
-    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], max_steps=2, save_steps=2,
-                             per_device_train_batch_size=4, disable_tqdm=True)  # fmt: skip
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], max_steps=max_steps, save_steps=2,
+                             per_device_train_batch_size=4, disable_tqdm=True, **options)  # fmt: skip
+    return Trainer(model=_TrainerModel(), args=args, train_dataset=data, callbacks=[SDCTrainerCallback()])
+
+
+def test_trainer_checkpoint_round_trip_and_resume_verifies(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """A Trainer checkpoint folder carries the fingerprint in trainer_state.json (its pickled
+    training_args.bin is left unread and copied as is); resuming from an altered copy raises."""
+    from sdc_core.errors import FingerprintMismatchError
+
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        Trainer(model=Model(), args=args, train_dataset=data, callbacks=[SDCTrainerCallback()]).train()
+        _trainer(tmp_path, 2).train()
     folder = tmp_path / "checkpoint-2"
     assert (folder / "training_args.bin").is_file()
-    assert sdc(["verify-checkpoint", str(folder)]) == NONE
-    assert "Hugging Face Trainer checkpoint" in capsys.readouterr().out
-    out = tmp_path / "bad"
-    assert sdc(["corrupt-checkpoint", str(folder), "-o", str(out), "--target", "weights"]) == OK
-    flips = json.loads(Path(f"{out}.flips.json").read_text())["flips"]
-    assert flips[0]["tensor"].startswith("model.safetensors/")
-    assert (out / "training_args.bin").read_bytes() == (folder / "training_args.bin").read_bytes()
-    assert sdc(["verify-checkpoint", str(out)]) == NONE
+    changed = _round_trip(folder, tmp_path / "bad", capsys, target="weights")
+    flips = json.loads(Path(f"{tmp_path / 'bad'}.flips.json").read_text())["flips"]
+    assert flips[0]["tensor"].startswith("model.safetensors/") and changed[0].startswith("model/net.")
+    assert (tmp_path / "bad" / "training_args.bin").read_bytes() == (folder / "training_args.bin").read_bytes()
+    capsys.readouterr()
+    assert sdc(["verify-checkpoint", str(tmp_path / "bad"), "--json"]) == CHANGED
+    assert json.loads(capsys.readouterr().out)["where"] == "in trainer_state.json, callback SDCTrainerCallback"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _trainer(tmp_path / "resumed", 3).train(resume_from_checkpoint=str(folder))  # clean: verified, goes on
+        with pytest.raises(FingerprintMismatchError) as err:
+            _trainer(tmp_path / "resumed_bad", 3).train(resume_from_checkpoint=str(tmp_path / "bad"))
+    assert err.value.details["checkpoint_changed_tensors"] == changed and changed[0] in str(err.value)
+    # save_only_model: no optimizer.pt, a fingerprint of the model alone
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _trainer(tmp_path / "only", 2, save_only_model=True).train()
+    assert not (tmp_path / "only" / "checkpoint-2" / "optimizer.pt").exists()
+    _round_trip(tmp_path / "only" / "checkpoint-2", tmp_path / "only_bad", capsys, target="weights")
 
 
 def test_dcp_folder_is_named_as_such(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

@@ -11,7 +11,7 @@ from conftest import results, torchrun, worker_env
 
 SCRIPT = Path(__file__).with_name("fabric_scenarios.py")
 SCENARIOS = ["clean", "audit_off", "audit_on", "nonfinite", "fingerprint", "replay", "heal", "skip", "clip", "save",
-             "resume"]  # fmt: skip
+             "resume", "resume_corrupted"]  # fmt: skip
 
 
 def launch(out: Path, scenarios: list[str], *options: str) -> Path:
@@ -73,6 +73,11 @@ def test_fabric_save_and_load_carry_the_counters(fab: Path) -> None:
     for r in results(fab, "resume", 3):
         assert r["error"] is None and r["state"]["step"] == 6
         assert r["state"]["checks"]["ring_replay"]["runs"] == saved["checks"]["ring_replay"]["runs"] + 3
+    # the file altered by `sdc corrupt-checkpoint`: every rank's fabric.load raises, naming the tensor
+    flips = json.loads((fab / "state_corrupted.ckpt.flips.json").read_text())["flips"]
+    err = same_error(fab, "resume_corrupted")
+    assert err["type"] == "FingerprintMismatchError" and flips[0]["tensor"] in err["message"]
+    assert err["details"]["checkpoint_changed_tensors"] == [flips[0]["tensor"]]
 
 
 def test_fabric_metrics_one_point_per_step(fab: Path) -> None:

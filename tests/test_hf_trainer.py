@@ -19,7 +19,7 @@ pytest.importorskip("transformers")
 
 SCRIPT = Path(__file__).with_name("hf_trainer_scenarios.py")
 SCENARIOS = ["bad_settings", "plain", "clean", "weights", "nan", "activation"]
-MORE = ["smoothing", "save", "resume", "epoch_flip"]  # a second launch, under -m slow
+MORE = ["smoothing", "save", "resume", "resume_corrupted", "epoch_flip"]  # a second launch, under -m slow
 STEPS = 4
 
 
@@ -82,6 +82,16 @@ def test_counters_travel_in_trainer_checkpoints(hf_more: Path) -> None:
     for r in results(hf, "resume", 3):  # resumed at step 2 from that checkpoint, trained to 4
         assert r["error"] is None and r["state"]["step"] == STEPS
         assert r["state"]["checks"]["ring_replay"]["runs"] == STEPS  # 2 saved + 2 after the resume
+    # the fingerprint in trainer_state.json: `sdc verify-checkpoint` matches the folder's files (the
+    # GPT-2's lm_head.weight, tied to the embedding, is not in model.safetensors); resuming from a copy
+    # altered by `sdc corrupt-checkpoint` raises on every rank, naming both names of the tied tensor
+    from sdc_core.cli import main as sdc
+
+    assert sdc(["verify-checkpoint", str(hf / "save" / "checkpoint-2")]) == 0
+    assert sdc(["verify-checkpoint", str(hf / "corrupted")]) == 1
+    err = same_error(hf, "resume_corrupted")
+    assert err["type"] == "FingerprintMismatchError"
+    assert err["details"]["checkpoint_changed_tensors"] == ["model/lm_head.weight", "model/transformer.wte.weight"]
 
 
 @pytest.mark.parametrize(
