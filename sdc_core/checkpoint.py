@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
 import warnings
@@ -313,11 +314,11 @@ def _find_fingerprint(ckpt: Checkpoint) -> tuple[dict[str, Any], str, dict[str, 
     if ckpt.kind in _FOLDERS:
         sdc_state = _read_json(ckpt.path / ACCELERATE_STATE)
         if isinstance(sdc_state, dict) and FINGERPRINT_KEY in sdc_state:
-            return sdc_state, f"in {ACCELERATE_STATE}", ckpt.objects
+            return sdc_state, f"in {ACCELERATE_STATE}", _merged_shards(ckpt.objects)
         trainer = _read_json(ckpt.path / TRAINER_STATE) if ckpt.kind == "trainer" else None
         for name, state in _callback_states(trainer):
             if isinstance(state, dict) and FINGERPRINT_KEY in state:
-                return state, f"in {TRAINER_STATE}, callback {name}", ckpt.objects
+                return state, f"in {TRAINER_STATE}, callback {name}", _merged_shards(ckpt.objects)
         if ckpt.kind == "trainer":
             if any(state is not None for _, state in _callback_states(trainer)):
                 return (f"a Hugging Face Trainer checkpoint whose {TRAINER_STATE} holds the SDC counters only "
@@ -345,6 +346,22 @@ def _find_fingerprint(ckpt: Checkpoint) -> tuple[dict[str, Any], str, dict[str, 
         return "it was written without WeightFingerprintCheck"
     return ("a state dict written without the SDC hook set: save {'model': ..., 'optimizer': ..., "
             "'sdc': hooks.state_dict()} after hooks.before_save()")  # fmt: skip
+
+
+_SHARD = re.compile(r"(model|pytorch_model)-\d+-of-\d+\.(safetensors|bin)")
+
+
+def _merged_shards(objects: dict[str, Any]) -> dict[str, Any]:
+    """A folder's files with a sharded model's (``model-00001-of-00002.safetensors``, ...) merged
+    into one entry ``model``: the fingerprint's ``model/...`` is matched against all of them."""
+    shards = sorted(name for name in objects if _SHARD.fullmatch(name))
+    if not shards:
+        return objects
+    merged: dict[str, Any] = {}
+    for name in shards:
+        if isinstance(objects[name], dict):
+            merged.update(objects[name])
+    return {k: v for k, v in objects.items() if k not in shards} | {"model": merged}
 
 
 def _dicts(obj: Any, path: tuple[str, ...], depth: int = 3) -> Iterator[tuple[tuple[str, ...], dict[str, Any]]]:

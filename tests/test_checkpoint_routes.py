@@ -165,7 +165,10 @@ def test_fabric_save_round_trip_and_load_verifies(tmp_path: Path, capsys: pytest
     with pytest.raises(FingerprintMismatchError) as err:
         fabric.load(tmp_path / "bad.ckpt", {"sdc": fresh_hooks, "model": fresh, "optimizer": fresh_opt})
     assert err.value.details["checkpoint_changed_tensors"] == changed and changed[0] in str(err.value)
-    # a file whose model sits under a key of the user's own, holding other names: said so
+    # keys of the user's own: each entry is matched by the tensor names it holds
+    fabric.save(tmp_path / "keys.ckpt", {"net": net, "opt": optimizer, "sdc": hooks})
+    assert sdc(["verify-checkpoint", str(tmp_path / "keys.ckpt")]) == OK
+    # a file whose model entry holds other names (saved elsewhere, renamed): said so
     torch.save({"net": {"w": torch.zeros(2)}, "optimizer": optimizer.state_dict(), "sdc": hooks.state_dict()},
                tmp_path / "other.ckpt")  # fmt: skip
     capsys.readouterr()

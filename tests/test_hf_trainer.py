@@ -88,6 +88,17 @@ def test_counters_travel_in_trainer_checkpoints(hf_more: Path) -> None:
     from sdc_core.cli import main as sdc
 
     assert sdc(["verify-checkpoint", str(hf / "save" / "checkpoint-2")]) == 0
+    # a model too large for one file (save_pretrained's max_shard_size): its shards are matched together
+    import shutil
+
+    from transformers import GPT2LMHeadModel
+
+    sharded = hf / "sharded"
+    shutil.copytree(hf / "save" / "checkpoint-2", sharded)
+    (sharded / "model.safetensors").unlink()
+    GPT2LMHeadModel.from_pretrained(hf / "save" / "checkpoint-2").save_pretrained(sharded, max_shard_size="200KB")
+    assert len(list(sharded.glob("model-*-of-*.safetensors"))) > 1
+    assert sdc(["verify-checkpoint", str(sharded)]) == 0
     assert sdc(["verify-checkpoint", str(hf / "corrupted")]) == 1
     err = same_error(hf, "resume_corrupted")
     assert err["type"] == "FingerprintMismatchError"
