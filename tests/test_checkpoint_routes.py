@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 import warnings
 from pathlib import Path
 from typing import Any
@@ -80,6 +81,11 @@ def test_plain_recipe_under_sdc_key(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert sdc(["verify-checkpoint", str(tmp_path / "no_optimizer.pt")]) == NONE
     out = capsys.readouterr().out
     assert "covers 'optimizer', which the file does not hold" in out and "without" not in out
+    # the hook set's state without before_save (as fabric.save stored it in earlier releases): counters only
+    torch.save({"model": net.state_dict(), "optimizer": optimizer.state_dict(), "sdc": SDCHooks().state_dict()},
+               tmp_path / "counters.pt")  # fmt: skip
+    assert sdc(["verify-checkpoint", str(tmp_path / "counters.pt")]) == NONE
+    assert "under 'sdc' holds counters only: call hooks.before_save()" in capsys.readouterr().out
 
 
 def test_torchrun_demo_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
@@ -219,6 +225,19 @@ def test_trainer_checkpoint_round_trip_and_resume_verifies(tmp_path: Path, capsy
         with pytest.raises(FingerprintMismatchError) as err:
             _trainer(tmp_path / "resumed_bad", 3).train(resume_from_checkpoint=str(tmp_path / "bad"))
     assert err.value.details["checkpoint_changed_tensors"] == changed and changed[0] in str(err.value)
+    # a folder of an earlier release (counters only in trainer_state.json), and one without the callback
+    old = tmp_path / "old"
+    shutil.copytree(folder, old)
+    state = json.loads((old / "trainer_state.json").read_text())
+    del state["stateful_callbacks"]["SDCTrainerCallback"]["attributes"]["sdc_state"]["sdc_fingerprint"]
+    (old / "trainer_state.json").write_text(json.dumps(state))
+    capsys.readouterr()
+    assert sdc(["verify-checkpoint", str(old)]) == NONE
+    assert "trainer_state.json holds the SDC counters only" in capsys.readouterr().out
+    del state["stateful_callbacks"]["SDCTrainerCallback"]
+    (old / "trainer_state.json").write_text(json.dumps(state))
+    assert sdc(["verify-checkpoint", str(old)]) == NONE
+    assert "written without SDCTrainerCallback" in capsys.readouterr().out
     # save_only_model: no optimizer.pt, a fingerprint of the model alone
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
