@@ -39,6 +39,7 @@ import torch.distributed as dist
 from torch import nn
 
 from sdc_core.errors import ReplayMismatchError
+from sdc_core.payload import PayloadError
 from sdc_core.replay_exchange import describe, replay_partners
 from sdc_core.screen import in_band, reference
 from sdc_core.topology import Topology, collective_device, is_distributed, owners_of
@@ -70,7 +71,11 @@ def confirm_hits(
     replay.stats.bump("screen_escalations")
     sends = {partners[me]: kept} if me in hits else {}
     owner = inverse[me]
-    received = replay.exchange_batches(sends, [owner] if owner in hits else [])
+    try:
+        received = replay.exchange_batches(sends, [owner] if owner in hits else [])
+    except PayloadError:  # raised on every rank together: a peer sent what is refused; no witness, no verdict
+        replay.stats.bump("screen_unconfirmed", len(hits))
+        return None
     width = len(result.values[0]) - 1  # the groups, then the loss
     mine = torch.full((width + 1,), float("nan"), dtype=torch.float64)  # the groups' peaks, the loss (log2)
     note = ""
