@@ -14,7 +14,8 @@ class SDCError(RuntimeError):
     """A silent-data-corruption check failed.
 
     Attributes:
-        check: ``"nonfinite_gradient"``, ``"ring_replay"`` or ``"weight_fingerprint"``.
+        check: ``"nonfinite_gradient"``, ``"ring_replay"`` (also a confirmed screen hit:
+            ``details["source"] == "gradient_screen"``), ``"weight_fingerprint"`` or ``"matmul_checksum"``.
         step: the global optimizer step the evidence belongs to.
         rank: the faulty global rank, or ``None`` when it cannot be localized.
         suspects: sorted tuple of the ranks that may be faulty.
