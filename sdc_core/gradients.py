@@ -434,7 +434,11 @@ class NonFiniteGradient(NonFiniteVerdicts):
         float32 on the gradients' device, no host synchronisation; NaN for a group none of whose
         gradients this rank saw or all of which were exactly zero, +Inf for a group holding NaN or
         Inf. None when nothing was read since the last call (no synchronised backward, or local
-        values written before the end of backward)."""
+        values written before the end of backward). A backward whose end the tap did not see (a
+        model output that holds no tensor the tap can hook, e.g. a custom result object) is
+        taken here, as ``verdict`` does."""
+        if self._seen and self.magnitude_groups:
+            self._end_of_backward()
         out, self._magnitudes = self._magnitudes, None
         return out
 

@@ -125,6 +125,8 @@ def scenarios(out: Path) -> dict[str, Any]:
             Fault("nonfinite_gradient", rank=0, step=1, target="head.bias")]),
         "heal": lambda acc: train(acc, "heal", replay_every_n_steps=0, fingerprint_on_failure="heal", faults=[
             Fault("weight_bit_flip", rank=1, step=2, target="stem.weight", index=9, bit=21)]),
+        "screen": lambda acc: train(acc, "screen", faults=[  # step 4: not audited (the config's replay: every 3)
+            Fault("gradient_bit_flip", rank=2, step=4, target="head.bias", index=0, bit=30)]),
         "save": lambda acc: train(acc, "save", steps=3, replay_every_n_steps=1, save=out / "state"),
         "resume": lambda acc: train(acc, "resume", steps=6, replay_every_n_steps=1, load=out / "state"),
     }  # fmt: skip

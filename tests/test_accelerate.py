@@ -26,6 +26,7 @@ LAUNCH_A = [
     "fingerprint",
     "replay",
     "heal",
+    "screen",
     "save",
     "resume",
 ]
@@ -89,6 +90,15 @@ def test_clean_run_with_accumulation_raises_nothing(launch_a: Path) -> None:
         assert checks["ring_replay"]["runs"] == 3 and checks["weight_fingerprint"]["runs"] == 6 + 1
         assert all(c["failures"] == 0 for c in checks.values())
     assert len({r["weights"] for r in per_rank}) == 1
+
+
+def test_the_every_step_screen_names_a_wrong_gradient_on_an_unaudited_step(launch_a: Path) -> None:
+    """At the settings the config gives (the replay every 3 steps, 2 micro-batches a step), a
+    wrong local gradient on rank 2 at step 4 is flagged by the screen, confirmed by the partner's
+    recomputation of both micro-batches and named in its step."""
+    err = same_error(launch_a, "screen", "ReplayMismatchError")
+    assert (err["step"], err["rank"]) == (4, 2) and err["details"]["source"] == "gradient_screen", err
+    assert all(r["step"] == 4 for r in results(launch_a, "screen", 3))  # raised before step 4's update
 
 
 def test_replay_has_no_side_effect(launch_a: Path) -> None:
