@@ -161,12 +161,6 @@ class StepDriver:
             if isinstance(replay, RingReplay):
                 replay.keep_every_step = screening
 
-    def reset(self) -> None:
-        """Forget per-step state (a new ``fit``)."""
-        self._recorded = None
-        self._decided = {}
-        self._planned = self._saved = None
-
     # -- the checks, by kind ----------------------------------------------------------------------
 
     def _of(self, *kinds: type) -> list[Any]:
@@ -196,6 +190,11 @@ class StepDriver:
     @property
     def screens(self) -> list[Any]:
         return self._of(GradientScreen)
+
+    @property
+    def _magnitudes(self) -> NonFiniteGradient | None:
+        """The gradient check whose read gives the screen its magnitudes (``want_magnitudes``)."""
+        return next((nf for nf in self.nonfinite if isinstance(nf, NonFiniteGradient) and nf.magnitude_groups), None)
 
     # -- delivery -----------------------------------------------------------------------------
 
@@ -312,9 +311,9 @@ class StepDriver:
         if self._planned is not None and self._planned[0] == step.index:
             return self._planned[1]
         plan = StepPlan()
-        sources = [nf for nf in self.nonfinite if isinstance(nf, NonFiniteGradient) and nf.magnitude_groups]
+        source = self._magnitudes
         for screen in self.screens:  # first: its all_gather starts right after backward, read below
-            screen.observe(step.index, sources[0].take_magnitudes() if sources else None, self.seam.loss())
+            screen.observe(step.index, source.take_magnitudes() if source is not None else None, self.seam.loss())
         for matmul in self.matmuls:  # the step's products: sent now, read at the next step
             self.deliver(matmul, lambda m=matmul: m.verdict(step.index))
         plan.skipped = self.gradients(step)
@@ -375,22 +374,16 @@ class StepDriver:
             for replay in keepers:
                 replay.take_kept(step.index)
             return False
-        replay = keepers[0]
-        source = next((nf for nf in self.nonfinite if isinstance(nf, NonFiniteGradient) and nf.magnitude_groups), None)
+        replay, source = keepers[0], self._magnitudes
 
         def confirm() -> bool:
             group_of = source.magnitude_group if source is not None else (lambda name: None)
             error = confirm_hits(replay, result, step.module, group_of, *self.seam.replay_functions(replay, step))
-            if error is None:
-                return False
-            if self._explained_by_weights(replay, step, error):
-                return True
-            if skips(replay, error):
-                return True
-            raise error
+            if error is not None:
+                raise error
+            return False
 
-        out = self.deliver(replay, confirm, "skip_step")
-        return out is ROLLED_BACK or bool(out)
+        return self._replay_verdict(replay, step, confirm, skips=lambda error: skips(replay, error))
 
     def _audit(self, replay: Any, step: StepContext) -> bool:
         """The replay audit of this step, delivered. A disagreement is first checked against the
@@ -401,15 +394,25 @@ class StepDriver:
         (True) and no compute fault is raised or recorded. Cost: one extra comparison, on a
         failing step only."""
 
-        def audit() -> bool:
+        return self._replay_verdict(replay, step, lambda: self.seam.audit(replay, step))
+
+    def _replay_verdict(self, replay: Any, step: StepContext, run: Callable[[], Any],
+                        skips: Callable[[ReplayMismatchError], bool] | None = None) -> bool:  # fmt: skip
+        """Deliver a replay's verdict on this step (``run``: True to drop the step, or raises): a
+        disagreement is checked against the replicas' weights first, then ``skips`` may turn it into
+        a dropped step. True: every rank drops the step (skipped, explained or rolled back)."""
+
+        def checked() -> bool:
             try:
-                return bool(self.seam.audit(replay, step))
+                return bool(run())
             except ReplayMismatchError as symptom:
                 if self._explained_by_weights(replay, step, symptom):
                     return True
+                if skips is not None and skips(symptom):
+                    return True
                 raise
 
-        out = self.deliver(replay, audit, "skip_step")
+        out = self.deliver(replay, checked, "skip_step")
         return out is ROLLED_BACK or bool(out)
 
     def _explained_by_weights(self, replay: Any, step: StepContext, symptom: ReplayMismatchError) -> bool:
@@ -488,9 +491,4 @@ def _rollback_bound(check: Any, error: SDCError) -> int:
     return error.step
 
 
-def inner_optimizers(optimizers: Iterable[Any]) -> list[Any]:
-    """The torch optimizers inside a framework's wrappers (Accelerate, Fabric)."""
-    return [getattr(o, "optimizer", o) for o in optimizers]
-
-
-__all__ = ["ROLLED_BACK", "Seam", "StepContext", "StepDriver", "StepPlan", "inner_optimizers"]
+__all__ = ["ROLLED_BACK", "Seam", "StepContext", "StepDriver", "StepPlan"]
