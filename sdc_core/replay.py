@@ -451,23 +451,16 @@ class RingReplay:
     def exchange_batches(self, sends: dict[int, list[MicroBatch]], recv_from: list[int]) -> dict[int, Any]:
         """Send micro-batches to partners (every rank alike; ``exchange``): what arrives is checked
         as a replay payload, and resolved into ``MicroBatch`` lists (a received ``TRANSFER_ERROR``
-        text stays a text)."""
+        text, and a state that cannot be resolved, become a text)."""
         empty = assemble(self.names, {}, 0.0)
-        payloads: dict[int, Any] = {}
-        for dst, micro in sends.items():
-            try:
-                payloads[dst] = {"micro": for_transfer(micro), "digest": empty}
-            except Exception as err:  # the partner still gets a message: no rank is left waiting
-                payloads[dst] = {TRANSFER_ERROR: f"the owner could not send its micro-batches: {describe(err)}"}
-        received = self._exchange(payloads, recv_from)
+        received = self._exchange({dst: _payload(micro, empty)[0] for dst, micro in sends.items()}, recv_from)
         own = [mb.state for micro in sends.values() for mb in micro]
         out: dict[int, Any] = {}
         for src, payload in received.items():
-            if TRANSFER_ERROR in payload:
-                out[src] = str(payload[TRANSFER_ERROR])
-                continue
-            out[src] = [MicroBatch(**{**vars(mb), "state": StateCapture.resolve(mb.state, own)})
-                        for mb in payload["micro"]]  # fmt: skip
+            try:  # a text instead of a list: every rank still goes on to the next collective
+                out[src] = _micro_batches(payload, own)
+            except Exception as err:
+                out[src] = describe(err)
         return out
 
     def _replay_digest(
@@ -484,11 +477,7 @@ class RingReplay:
         def digest(name: str, grad: torch.Tensor) -> None:  # each gradient as produced, then freed
             rows[name] = digest_row(grad)
 
-        self.replaying = True
-        try:
-            loss = replay_each_gradient(module, self.names, batches, step_fn, digest, to_device, context, self.capture)
-        finally:
-            self.replaying = False
+        loss = self.recompute(module, batches, step_fn, digest, to_device, context)
         return assemble(self.names, rows, loss)
 
     def _exchange(self, sends: dict[int, Any], recv_from: list[int]) -> dict[int, Any]:
@@ -597,12 +586,7 @@ class RingReplay:
                 return self._replay_digest(module, batches, step_fn, to_device, context)
 
         def prepare(payload: dict[str, Any]) -> list[MicroBatch]:
-            if TRANSFER_ERROR in payload:
-                raise RuntimeError(payload[TRANSFER_ERROR])
-            return [
-                MicroBatch(**{**vars(mb), "state": StateCapture.resolve(mb.state, own_states)})
-                for mb in payload["micro"]
-            ]
+            return _micro_batches(payload, own_states)
 
         def replay_payload(payload: dict[str, Any]) -> Digest:
             return replay(prepare(payload))
@@ -612,11 +596,8 @@ class RingReplay:
             return (compare_raw(own, again, self.names, atol) if again is not None else (True, 0.0, "")), err
 
         failure, self._capture_error = self._capture_error, ""
-        try:
-            payload: dict[str, Any] = {"micro": for_transfer(micro), "digest": own}
-        except Exception as err:  # the partner still gets a message: no rank is left waiting
-            failure = failure or f"preparing its micro-batches: {describe(err)}"
-            payload = {TRANSFER_ERROR: f"the owner could not send its micro-batches: {describe(err)}"}
+        payload, why = _payload(micro, own)
+        failure = failure or why
         received = self._exchange({partners[me]: payload}, [inverse[me]])[inverse[me]]
         batches: list[MicroBatch] = []
         if self.lockstep:  # replays are collective: every rank must be able to start one, or none does
@@ -870,6 +851,25 @@ def _attempt(fn: Callable[[], Digest]) -> tuple[Digest | None, str]:
         return fn(), ""
     except Exception as err:
         return None, describe(err)
+
+
+def _payload(micro: list[MicroBatch], digest: Digest) -> tuple[dict[str, Any], str]:
+    """What an owner sends its replayer, and why it failed to build it ("" when it did not): on a
+    failure the partner still gets a message (``TRANSFER_ERROR``), so no rank is left waiting."""
+    try:
+        return {"micro": for_transfer(micro), "digest": digest}, ""
+    except Exception as err:
+        why = describe(err)
+        sent = {TRANSFER_ERROR: f"the owner could not send its micro-batches: {why}"}
+        return sent, f"preparing its micro-batches: {why}"
+
+
+def _micro_batches(payload: dict[str, Any], own_states: list[Any]) -> list[MicroBatch]:
+    """The micro-batches of a received payload, their states resolved (``StateCapture.resolve``
+    against this rank's own); raises ``RuntimeError`` with the owner's text when it could not send."""
+    if TRANSFER_ERROR in payload:
+        raise RuntimeError(payload[TRANSFER_ERROR])
+    return [MicroBatch(**{**vars(mb), "state": StateCapture.resolve(mb.state, own_states)}) for mb in payload["micro"]]
 
 
 def _any_rank(flag: bool) -> bool:
