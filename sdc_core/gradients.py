@@ -455,7 +455,7 @@ class NonFiniteGradient(NonFiniteVerdicts):
         if not pairs:
             return None
         home = pairs[0][0].device
-        out = torch.full((self.magnitude_groups,), float("-inf"), device=home)
+        indexed = []
         for values, params in pairs:
             key = tuple(id(p) for p in params)
             index = self._group_index.get(key)
@@ -463,10 +463,8 @@ class NonFiniteGradient(NonFiniteVerdicts):
                 index = torch.tensor([self._group_of.get(i, 0) for i in key], device=home)
                 if len(self._group_index) < 64:
                     self._group_index[key] = index
-            v = values.to(home, torch.float32)
-            v = torch.where(torch.isfinite(v), v, torch.full_like(v, float("inf")))
-            out.scatter_reduce_(0, index, torch.log2(v), "amax")  # zero peaks: -inf, ignored by amax
-        return torch.where(out == float("-inf"), torch.full_like(out, float("nan")), out)
+            indexed.append((values, index))
+        return log2_peaks_by_group(indexed, self.magnitude_groups)
 
     def _end_of_backward(self) -> None:
         """Take the local evidence of the gradients seen in this backward (batched mode), after
@@ -731,6 +729,20 @@ def peaks(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
             lo, hi = torch.aminmax(t)
             values.append(torch.maximum(lo.abs(), hi.abs()))
     return torch.stack(values)
+
+
+def log2_peaks_by_group(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], groups: int) -> torch.Tensor:
+    """Per group ``j < groups`` the log2 of the largest of the peaks given to it: ``pairs`` of 1-d
+    peaks (``peaks``) and their groups' indices (1-d, on the first peaks' device). NaN for a group
+    without a peak or with zero peaks only, +Inf for one holding a non-finite peak. float32 on that
+    device, no host synchronisation: the statistic of ``NonFiniteGradient.take_magnitudes``."""
+    home = pairs[0][0].device
+    out = torch.full((groups,), float("-inf"), device=home)
+    for values, index in pairs:
+        v = values.to(home, torch.float32)
+        v = torch.where(torch.isfinite(v), v, torch.full_like(v, float("inf")))
+        out.scatter_reduce_(0, index.to(home), torch.log2(v), "amax")  # zero peaks: -inf, ignored by amax
+    return torch.where(out == float("-inf"), torch.full_like(out, float("nan")), out)
 
 
 def any_nonfinite_multi(tensors: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -39,6 +39,7 @@ import torch.distributed as dist
 from torch import nn
 
 from sdc_core.errors import ReplayMismatchError
+from sdc_core.gradients import log2_peaks_by_group, peaks
 from sdc_core.payload import PayloadError
 from sdc_core.replay_exchange import describe, replay_partners
 from sdc_core.screen import in_band, reference
@@ -121,23 +122,19 @@ def _recomputed_peaks(
     to_device: Callable[[Any], Any], group_of: Callable[[str], int | None],
     context: Callable[[], AbstractContextManager[Any]], width: int,
 ) -> torch.Tensor:  # fmt: skip
-    """Per group the log2 of the largest magnitude of the recomputed gradients (NaN: none)."""
-    peaks: dict[int, torch.Tensor] = {}
+    """Per group the log2 of the largest magnitude of the recomputed gradients, as the owner's read
+    takes it (``log2_peaks_by_group``; NaN: none), then the loss's: one host read."""
+    pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
 
-    def consume(name: str, grad: torch.Tensor) -> None:
+    def consume(name: str, grad: torch.Tensor) -> None:  # each gradient as produced, then freed
         g = group_of(name)
-        if g is None or not 0 <= g < width:
-            return
-        peak = grad.detach().abs().max().double()
-        peaks[g] = peak if g not in peaks else torch.maximum(peaks[g], peak.to(peaks[g].device))
+        if g is not None and 0 <= g < width:
+            pairs.append((peaks([grad.detach()]), torch.tensor([g], device=grad.device)))
 
-    loss = float(replay.recompute(module, batches, step_fn, consume, to_device, context).abs())
-    out = torch.full((width + 1,), float("nan"), dtype=torch.float64)
-    out[width] = math.log2(loss) if 0 < loss < math.inf else (math.inf if loss != 0 else math.nan)
-    for g, peak in peaks.items():
-        v = float(peak)  # one host read per group, on the rare escalated step only
-        out[g] = math.log2(v) if v > 0 and math.isfinite(v) else (float("inf") if not math.isfinite(v) else math.nan)
-    return out
+    loss = replay.recompute(module, batches, step_fn, consume, to_device, context).detach().reshape(1)
+    last = log2_peaks_by_group([(loss.abs(), torch.zeros(1, dtype=torch.long))], 1)
+    groups = log2_peaks_by_group(pairs, width) if pairs else torch.full((width,), float("nan"), device=last.device)
+    return torch.cat([groups, last.to(groups.device)]).double().cpu()
 
 
 def _gather(row: torch.Tensor) -> torch.Tensor:
