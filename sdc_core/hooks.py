@@ -462,9 +462,10 @@ class SDCHooks:
             finally:
                 self._in_replayable -= 1
             if record:
-                replay.record_loss(self._normalize(_loss_of(loss)).detach())
+                normalized = self._normalize(_loss_of(loss)).detach()
+                replay.record_loss(normalized)
                 if self.screen is not None:
-                    self._add_screen_loss(_loss_of(loss))
+                    self._add_screen_loss(normalized)
             return loss
 
         return wrapper
@@ -491,26 +492,20 @@ class SDCHooks:
         assert self.replay is not None
         if not self._recording_forward(module):
             return
-        if self.replay.armed:
-            self.replay.record_loss(self._backward_loss(outputs, args, kwargs).detach())
-        if self.screen is not None:  # the screen's loss value: the model's own, when it returns one (no compute)
-            loss = getattr(outputs, "loss", None)
-            loss = outputs.get("loss") if loss is None and isinstance(outputs, dict) else loss
-            loss = outputs if loss is None and isinstance(outputs, torch.Tensor) and outputs.numel() == 1 else loss
-            if self.loss_fn is None and isinstance(loss, torch.Tensor):
+        loss = self._backward_loss(outputs, args, kwargs).detach() if self.replay.armed else None
+        if loss is not None:
+            self.replay.record_loss(loss)
+        if self.screen is not None and self.loss_fn is None:  # the screen's value: the model's own loss (no compute)
+            own = _own_loss(outputs)
+            if loss is None and isinstance(own, torch.Tensor):
+                loss = self._normalize(own.detach())
+            if loss is not None:
                 self._add_screen_loss(loss)
 
     def _backward_loss(self, outputs: Any, args: tuple, kwargs: dict) -> torch.Tensor:
         """The loss as the loop back-propagates it (normalised, scaled)."""
-        if self.loss_fn is not None:
-            loss = self.loss_fn(outputs, *args, **kwargs)
-        elif getattr(outputs, "loss", None) is not None:
-            loss = outputs.loss
-        elif isinstance(outputs, dict) and "loss" in outputs:
-            loss = outputs["loss"]
-        elif isinstance(outputs, torch.Tensor) and outputs.numel() == 1:
-            loss = outputs
-        else:
+        loss = self.loss_fn(outputs, *args, **kwargs) if self.loss_fn is not None else _own_loss(outputs)
+        if loss is None:
             raise ValueError(
                 "the ring replay audit cannot find the loss: the model returns neither `.loss` nor a scalar; "
                 "wrap your loss computation with SDCHooks.replayable(fn), or pass "
@@ -519,9 +514,8 @@ class SDCHooks:
         return self._normalize(loss)
 
     def _add_screen_loss(self, loss: torch.Tensor) -> None:
-        """The step's loss for the screen, as back-propagated (normalised, scaled) and summed over
-        its micro-batches: what a partner's recomputation returns."""
-        loss = self._normalize(loss.detach())
+        """Add a micro-batch's loss, as back-propagated (normalised, scaled), to the step's loss for
+        the screen: summed over the micro-batches, what a partner's recomputation returns."""
         self._screen_loss = loss if self._screen_loss is None else self._screen_loss + loss
 
     def _normalize(self, loss: torch.Tensor) -> torch.Tensor:
@@ -587,10 +581,11 @@ class SDCHooks:
 
         atexit.register(at_exit)
 
-    def _context(self, optimizer: Any = None) -> StepContext:
-        """The step as the driver sees it: the coming update's step and update index."""
+    def _context(self, optimizer: Any = None, index: int | None = None, update: int | None = None) -> StepContext:
+        """The step as the driver sees it: by default the coming update's step and update index."""
         assert self._module is not None
-        return StepContext(self.step, self._updates, self._module, [_inner(optimizer or self._optimizer)],
+        return StepContext(self.step if index is None else index, self._updates if update is None else update,
+                           self._module, [_inner(optimizer or self._optimizer)],
                            scaler_active=self._fw.scaler is not None)  # fmt: skip
 
     def _step(self, optimizer: Any, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -613,9 +608,7 @@ class SDCHooks:
         updated = not plan.skipped and not fw.step_was_skipped(optimizer)
         if updated:
             self._updates += 1
-        done = StepContext(step, self._updates - 1, self._module, [_inner(optimizer)],
-                           scaler_active=fw.scaler is not None)  # fmt: skip
-        driver.after_update(done, updated, plan)
+        driver.after_update(self._context(optimizer, step, self._updates - 1), updated, plan)
         if self.step % self.settings.log_every_n_steps == 0:
             self.log()
         return out
@@ -817,6 +810,17 @@ class _LoopSeam(Seam):
     def loss(self) -> torch.Tensor | None:
         loss, self._hooks._screen_loss = self._hooks._screen_loss, None
         return loss
+
+
+def _own_loss(outputs: Any) -> Any:
+    """The loss a model's output carries (``outputs.loss``, a dict's ``"loss"``, a scalar output), or None."""
+    if getattr(outputs, "loss", None) is not None:
+        return outputs.loss
+    if isinstance(outputs, dict) and "loss" in outputs:
+        return outputs["loss"]
+    if isinstance(outputs, torch.Tensor) and outputs.numel() == 1:
+        return outputs
+    return None
 
 
 def _loss_of(result: Any) -> torch.Tensor:
