@@ -95,6 +95,13 @@ def _driver(trainer: pl.Trainer) -> StepDriver:
     return driver
 
 
+def _seam(trainer: pl.Trainer) -> _TrainerSeam:
+    """The seam of this Trainer's driver."""
+    seam = _driver(trainer).seam
+    assert isinstance(seam, _TrainerSeam)
+    return seam
+
+
 def _context(trainer: pl.Trainer, pl_module: pl.LightningModule, index: int | None = None) -> StepContext:
     """The step as the driver sees it: ``trainer.global_step`` (or ``index``) is both the step and
     the update index (Lightning counts every optimizer step)."""
@@ -121,9 +128,7 @@ def _after_batch(trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
     """At a batch's end, once per global step (whichever SDC callback comes first): after an
     update, the pending weight comparison, the update audit and the comparison of the new
     weights, started (read in the next optimizer step, before its update)."""
-    driver = _driver(trainer)
-    seam = driver.seam
-    assert isinstance(seam, _TrainerSeam)
+    driver, seam = _driver(trainer), _seam(trainer)
     if seam.seen_step == trainer.global_step:  # no update since: nothing to do
         return
     seam.seen_step = trainer.global_step
@@ -179,8 +184,7 @@ class _SDCCallback(Callback):
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._core.topology = c.topology(trainer)
-        seam = _driver(trainer).seam
-        assert isinstance(seam, _TrainerSeam)
+        seam = _seam(trainer)
         if seam.resolved_run_dir is None:
             # Resolved here, on every rank: `trainer.log_dir` is a broadcast, never safe on an error path.
             seam.resolved_run_dir = trainer.log_dir or trainer.default_root_dir
@@ -380,8 +384,7 @@ class NonFiniteGradientCheck(_SDCCallback):
         driver = _driver(trainer)
         driver.resolve_gradients(_context(trainer, pl_module))  # the previous step's, one step later
         if self._screening:
-            seam = driver.seam
-            assert isinstance(seam, _TrainerSeam)
+            seam = _seam(trainer)
             # as back-propagated (normalised, scaled) and summed over the step's micro-batches: what a replay returns
             seam.last_loss = loss.detach() if seam.last_loss is None else seam.last_loss + loss.detach()
 
