@@ -26,9 +26,9 @@ from pathlib import Path
 
 import yaml
 
-from sdc_core.launch import run_command
-from sdc_core.safeio import OutputError
-from sdc_core.settings_help import SETTINGS  # --help: the settings' own docs, without importing torch
+from sdc_core.driver.settings_help import SETTINGS  # --help: the settings' own docs, without importing torch
+from sdc_core.io.safe_files import OutputError
+from sdc_core.ops.launch import run_command
 
 # `accelerate_sdc.config` (the schema, and torch through the checks' configs) is imported by the
 # commands that run, not by --help.
@@ -36,7 +36,7 @@ from sdc_core.settings_help import SETTINGS  # --help: the settings' own docs, w
 
 def _config(args: argparse.Namespace) -> int:
     from accelerate_sdc import config
-    from sdc_core.settings import coerce, field_doc  # prompts: the settings' own docs
+    from sdc_core.driver.settings import coerce, field_doc  # prompts: the settings' own docs
 
     path = Path(args.config_file) if args.config_file else config.default_file()
     _check_owned(path)
@@ -57,7 +57,7 @@ def _config(args: argparse.Namespace) -> int:
     config.SDCSettings(**values)  # type check only; the cross checks run below
     os.environ.pop(config.CONFIG_FILE_ENV, None)
     settings = _validated(values, f"accelerate-sdc config ({path})")
-    from sdc_core.safeio import atomic_write_text
+    from sdc_core.io.safe_files import atomic_write_text
 
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("launch", help="accelerate launch, for a config file with an sdc: section")
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # a misspelled setting: named, with the closest one (the hook set's own suggestion)
-        from sdc_core.settings import suggest
+        from sdc_core.driver.settings import suggest
 
         flags = ["--default", "--config_file", *(f"--{name}" for name, _, _ in SETTINGS)]
         bad = unknown[0].split("=")[0]

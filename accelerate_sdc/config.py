@@ -21,8 +21,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from sdc_core.settings import SDCConfigError, SDCSettings, Sources, read_file
-from sdc_core.settings import resolve as _resolve
+from sdc_core.driver.settings import SDCConfigError, SDCSettings, Sources, read_file
+from sdc_core.driver.settings import resolve as _resolve
 
 ENV_PREFIX = "ACCELERATE_SDC_"
 CONFIG_FILE_ENV = ENV_PREFIX + "CONFIG_FILE"

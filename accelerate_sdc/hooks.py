@@ -34,10 +34,10 @@ except ImportError as err:
     raise missing(err, "accelerate", "accelerate", "accelerate_sdc") from None
 
 from accelerate_sdc import config
+from sdc_core.driver.hooks import Framework, LossFn
+from sdc_core.driver.hooks import SDCHooks as _CoreHooks
 from sdc_core.errors import SDCError
-from sdc_core.hooks import Framework, LossFn
-from sdc_core.hooks import SDCHooks as _CoreHooks
-from sdc_core.safeio import atomic_write_text
+from sdc_core.io.safe_files import atomic_write_text
 
 STATE_FILE = "sdc_state.json"  # the hook set's counters in a save_state folder
 MAX_STATE_BYTES = 64 << 20

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from benchmarks.common import DDP_SETTINGS, Model, WorkTimer, summary
-from sdc_core.hooks import SDCHooks
+from sdc_core.driver.hooks import SDCHooks
 
 BATCH = 128
 # the defaults with the verdict read from the reduced gradients; the defaults without the every-step screen

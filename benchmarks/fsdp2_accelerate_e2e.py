@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from accelerate_sdc import SDCError, SDCHooks
 from sdc_core import Fault, FaultInjector, flip_bit
-from sdc_core.sharded import is_sharded, local
+from sdc_core.sharded.checks import is_sharded, local
 
 
 class Block(nn.Module):

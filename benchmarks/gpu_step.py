@@ -48,9 +48,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from sdc_core.fingerprint import FingerprintConfig, WeightFingerprint, combine, grouped_digests, tensor_digests
-from sdc_core.gradients import GradientTap, NonFiniteGradient, start_carrying
-from sdc_core.matmul import MatmulChecksum
+from sdc_core.checks.fingerprint import FingerprintConfig, WeightFingerprint, combine, grouped_digests, tensor_digests
+from sdc_core.checks.gradients import GradientTap, NonFiniteGradient, start_carrying
+from sdc_core.checks.matmul import MatmulChecksum
 
 SIZES = {  # name: (d_model, layers, heads, vocab)
     "60M": (576, 10, 9, 32000),

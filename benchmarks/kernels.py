@@ -24,7 +24,7 @@ run in alternating rounds over the same tensors and report GB/s and the ratio to
 
 ``python -m benchmarks.kernels --host --baseline REV[,REV...]`` times the host (CPU) fingerprint
 path alone on mixes of tensor counts, sizes and dtypes against earlier git revisions of
-``sdc_core/fingerprint.py`` and a plain ``sum``: CPU time of this process, one thread (what a
+``sdc_core/checks/fingerprint.py`` and a plain ``sum``: CPU time of this process, one thread (what a
 DDP rank on a small host runs), alternating rounds.
 """
 
@@ -37,8 +37,8 @@ from typing import Any
 import torch
 
 from benchmarks.common import interleaved, summary
-from sdc_core.fingerprint import class_parts, combine, grouped_digests, words
-from sdc_core.gradients import any_nonfinite, any_nonfinite_multi, peaks
+from sdc_core.checks.fingerprint import class_parts, combine, grouped_digests, words
+from sdc_core.checks.gradients import any_nonfinite, any_nonfinite_multi, peaks
 
 
 def make_tensors(total: int, layout: str, dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
@@ -130,7 +130,7 @@ def host_mix(name: str) -> list[torch.Tensor]:
 
 
 def _revision_module(rev: str) -> Any:
-    """``sdc_core/fingerprint.py`` as of git revision ``rev``, imported under its own name."""
+    """``sdc_core/checks/fingerprint.py`` as of git revision ``rev``, imported under its own name."""
     import importlib.util
     import subprocess
     import sys
@@ -138,7 +138,7 @@ def _revision_module(rev: str) -> Any:
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent
-    src = subprocess.run(["git", "show", f"{rev}:sdc_core/fingerprint.py"], cwd=root, check=True,
+    src = subprocess.run(["git", "show", f"{rev}:sdc_core/checks/fingerprint.py"], cwd=root, check=True,
                          capture_output=True, text=True).stdout  # fmt: skip
     path = Path(tempfile.mkdtemp()) / f"fingerprint_{rev}.py"
     path.write_text(src)
@@ -161,8 +161,7 @@ def host(baselines: list[str], repeats: int) -> list[dict[str, Any]]:
     alternating rounds over the same tensors: minimum and median per mix, and the ratios."""
     import time
 
-    from sdc_core import fingerprint
-
+    from sdc_core.checks import fingerprint
     versions = {"now": fingerprint, **{rev: _revision_module(rev) for rev in baselines}}
     rows = []
     for name in [*HOST_MIXES, "GPT 4 x 256"]:

@@ -25,7 +25,7 @@ import torch
 
 from benchmarks.common import WorkTimer, summary, sync
 from benchmarks.step import TinyTransformer
-from sdc_core.matmul import MatmulChecksum, MatmulChecksumConfig
+from sdc_core.checks.matmul import MatmulChecksum, MatmulChecksumConfig
 
 STEPS_PER_ROUND = 4
 CONFIGS = ("none", "checksum", "checksum_rows", "checksum_every_4")
@@ -188,7 +188,7 @@ def stress(device: torch.device, shapes: list[tuple[int, int, int]] = STRESS_SHA
     allows them); then a wrong element in each phase under bf16 autocast, caught through the
     device's verdict path. Returns the largest ratio per setting and product, and the alarms."""
     from sdc_core.errors import ChecksumMismatchError
-    from sdc_core.faults import Fault, FaultInjector
+    from sdc_core.faults.inject import Fault, FaultInjector
 
     gen = torch.Generator().manual_seed(0)
     worst: dict[str, float] = {}
@@ -262,7 +262,7 @@ def _timed(fn: Any, device: torch.device, repeats: int) -> float:
 
 
 def _breakdown_one(device: torch.device, n: int, k: int, m: int, repeats: int) -> dict[str, Any]:
-    from sdc_core.matmul import LinearBound, rounding
+    from sdc_core.checks.matmul import LinearBound, rounding
 
     rnd = rounding(torch.float32, device.type)
     gen = torch.Generator().manual_seed(0)
@@ -460,7 +460,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parts", type=Path, help="with --doc: a breakdown JSON (else the first file's)")
     args = parser.parse_args(argv)
     if args.doc:
-        from sdc_core.safeio import atomic_write_text
+        from sdc_core.io.safe_files import atomic_write_text
 
         runs, kept = [], None  # a file is one run, or a bundle {"runs": [...], "parts": [...]} (the docs' file)
         for f in args.sources.split(","):
@@ -479,7 +479,7 @@ def main(argv: list[str] | None = None) -> int:
         found = stress(device, _shapes(args.stress_shapes) or STRESS_SHAPES)
         print(json.dumps(found, indent=1))
         if args.out:
-            from sdc_core.safeio import atomic_write_text
+            from sdc_core.io.safe_files import atomic_write_text
 
             atomic_write_text(args.out, json.dumps(found, indent=1))
         ok = found["alarms"] == 0 and all(v is not None for v in found["faults_caught"].values())
@@ -488,7 +488,7 @@ def main(argv: list[str] | None = None) -> int:
         runs = [clean_run(args.clean_steps, p, device) for p in args.precisions.split(",")]
         print(json.dumps(runs, indent=1))
         if args.out:
-            from sdc_core.safeio import atomic_write_text
+            from sdc_core.io.safe_files import atomic_write_text
 
             atomic_write_text(args.out, json.dumps({"device": str(device), "clean_runs": runs}, indent=1))
         return 0 if all(r["alarms"] == 0 for r in runs) else 1
@@ -501,7 +501,7 @@ def main(argv: list[str] | None = None) -> int:
     text = markdown(results) + "\n\n" + breakdown_markdown(parts)
     print(text)
     if args.out:
-        from sdc_core.safeio import atomic_write_text
+        from sdc_core.io.safe_files import atomic_write_text
 
         meta = {"device": str(device), "torch": torch.__version__, "threads": torch.get_num_threads(),
                 "clock": args.clock}  # fmt: skip

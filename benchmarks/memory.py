@@ -38,7 +38,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from benchmarks.gpu_step import GPT
-from sdc_core.hooks import SDCHooks
+from sdc_core.driver.hooks import SDCHooks
 
 SETTINGS: dict[str, dict[str, Any] | None] = {
     "none": None,

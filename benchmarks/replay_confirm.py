@@ -28,7 +28,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from benchmarks.common import Model, summary
-from sdc_core.hooks import SDCHooks
+from sdc_core.driver.hooks import SDCHooks
 
 BATCH = 128
 CONFIGS = ("none", "audited", "noisy")

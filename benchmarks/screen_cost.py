@@ -25,8 +25,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from benchmarks.common import Model, WorkTimer, summary
-from sdc_core.hooks import SDCHooks
-from sdc_core.screen import GradientScreen
+from sdc_core.checks.screen import GradientScreen
+from sdc_core.driver.hooks import SDCHooks
 
 BATCH = 128
 CONFIGS = ("none", "defaults", "defaults_screen")

@@ -19,9 +19,9 @@ import torch
 from torch import nn
 
 from benchmarks.common import summary, sync
-from sdc_core.fingerprint import combine, grouped_digests
-from sdc_core.gradients import NonFiniteGradient
-from sdc_core.replay import MicroBatch, ReplayConfig, capture_rng, grad_digest, replay_gradients
+from sdc_core.checks.fingerprint import combine, grouped_digests
+from sdc_core.checks.gradients import NonFiniteGradient
+from sdc_core.replay.ring import MicroBatch, ReplayConfig, capture_rng, grad_digest, replay_gradients
 
 
 class TinyTransformer(nn.Module):

@@ -31,8 +31,8 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from sdc_core import SDCError, flip_bit
-from sdc_core.sharded import ShardedFingerprint, ShardedNonFinite, local
-from sdc_core.topology import Topology
+from sdc_core.dist.topology import Topology
+from sdc_core.sharded.checks import ShardedFingerprint, ShardedNonFinite, local
 
 
 def main() -> int:

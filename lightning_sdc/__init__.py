@@ -6,7 +6,7 @@ trainer = L.Trainer(strategy="ddp", callbacks=[NonFiniteGradientCheck(),
 ```
 
 Opt-in: ``MatmulChecksumCheck()`` verifies every matrix product against a checksum, so a wrong
-multiply is caught on the rank and in the step where it happens (``sdc_core.matmul``).
+multiply is caught on the rank and in the step where it happens (``sdc_core.checks.matmul``).
 
 Lightning Fabric: ``lightning_sdc.fabric.SDCHooks``. Without code changes: ``SDC_CHECKS=1``
 (``lightning_sdc.auto``, through the ``lightning.pytorch.callbacks_factory`` entry point).
@@ -19,7 +19,7 @@ require("lightning", "lightning", "lightning_sdc")  # found, not imported: `sdc 
 _EXPORTS = {
     "lightning_sdc.callbacks": ("FaultInjector", "MatmulChecksumCheck", "NonFiniteGradientCheck", "RingReplayAudit",
                                 "WeightFingerprintCheck"),
-    "sdc_core.faults": ("Fault",),
+    "sdc_core.faults.inject": ("Fault",),
     "sdc_core.errors": ("ChecksumMismatchError", "FingerprintMismatchError", "NonFiniteGradientError",
                         "ReplayMismatchError", "ReplayUnavailableError", "SDCError"),
 }  # fmt: skip

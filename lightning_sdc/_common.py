@@ -12,9 +12,9 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, ModelParallelStrategy, SingleDeviceStrategy
 
-from sdc_core.gradients import GradientTap
+from sdc_core.checks.gradients import GradientTap
+from sdc_core.dist.topology import Topology
 from sdc_core.stats import CheckStats
-from sdc_core.topology import Topology
 
 _STASH = "_sdc_user_comm_hook"
 
@@ -142,8 +142,8 @@ def rollback(trainer: pl.Trainer, pl_module: pl.LightningModule, error: Any, max
     Files are read with ``weights_only=True``: a file dropped into the checkpoint folder cannot
     run code. ``SDC_TRUST_PICKLE=1`` unpickles in full (checkpoints holding custom objects, e.g.
     hyperparameters of your own classes), with a warning per file."""
-    from sdc_core.checkpoint import newest_verified
-    from sdc_core.safeio import load_torch, trust_pickle_from_env
+    from sdc_core.io.checkpoints import newest_verified
+    from sdc_core.io.safe_files import load_torch, trust_pickle_from_env
 
     trust = trust_pickle_from_env()
     folders = [cb.dirpath for cb in trainer.checkpoint_callbacks if getattr(cb, "dirpath", None)]

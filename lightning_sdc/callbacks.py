@@ -18,21 +18,21 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
 
 from lightning_sdc import _common as c
-from sdc_core import shutdown
-from sdc_core.checkpoint import FINGERPRINT_KEY, check_loaded_checkpoint, fingerprint_checkpoint
-from sdc_core.driver import Seam, StepContext, StepDriver
+from sdc_core.checks.fingerprint import FingerprintConfig, WeightFingerprint
+from sdc_core.checks.gradients import NonFiniteConfig, NonFiniteGradient
+from sdc_core.checks.screen import GradientScreen, ScreenConfig
+from sdc_core.dist import shutdown
+from sdc_core.driver.settings import SDCConfigError, checked_keywords, one_line_when_uncaught
+from sdc_core.driver.step import Seam, StepContext, StepDriver
 from sdc_core.errors import SDCError, as_sdc_error
-from sdc_core.faults import Fault
-from sdc_core.faults import FaultInjector as _CoreInjector
-from sdc_core.fingerprint import FingerprintConfig, WeightFingerprint
-from sdc_core.gradients import NonFiniteConfig, NonFiniteGradient
-from sdc_core.incidents import install_exit_code, mark_verdict
-from sdc_core.replay import ReplayConfig, RingReplay, StateCapture
-from sdc_core.screen import GradientScreen, ScreenConfig
-from sdc_core.settings import SDCConfigError, checked_keywords, one_line_when_uncaught
-from sdc_core.sharded import ShardedFingerprint, ShardedNonFinite
-from sdc_core.sharded_replay import ShardedReplay
-from sdc_core.sharded_update import update_audit
+from sdc_core.faults.inject import Fault
+from sdc_core.faults.inject import FaultInjector as _CoreInjector
+from sdc_core.io.checkpoints import FINGERPRINT_KEY, check_loaded_checkpoint, fingerprint_checkpoint
+from sdc_core.ops.incidents import install_exit_code, mark_verdict
+from sdc_core.replay.ring import ReplayConfig, RingReplay, StateCapture
+from sdc_core.sharded.checks import ShardedFingerprint, ShardedNonFinite
+from sdc_core.sharded.replay import ShardedReplay
+from sdc_core.sharded.update_audit import update_audit
 
 
 class _TrainerSeam(Seam):
@@ -115,7 +115,7 @@ def _context(trainer: pl.Trainer, pl_module: pl.LightningModule, index: int | No
 
 def before_update(trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
     """The verdicts due before an optimizer step's update, in causal order whatever the order of
-    ``trainer.callbacks`` (``sdc_core.driver.StepDriver``): the pending non-finite verdict of an
+    ``trainer.callbacks`` (``sdc_core.driver.step.StepDriver``): the pending non-finite verdict of an
     earlier step, the pending weight comparison, this step's matrix-product and non-finite
     verdicts, then this step's ring replay audit. Every SDC callback's
     ``on_before_optimizer_step`` calls it; the driver runs each step's once."""
@@ -524,11 +524,11 @@ class RingReplayAudit(_SDCCallback):
 
     The replay runs ``pl_module.sdc_replay_step(batch, batch_idx)`` when defined (it must return
     the loss, or a dict with ``"loss"``), else ``training_step`` with logging muted, with the
-    owner's RNG and module state (see ``sdc_core.replay.StateCapture``; define
+    owner's RNG and module state (see ``sdc_core.replay.ring.StateCapture``; define
     ``sdc_replay_state()`` / ``sdc_load_replay_state(state)`` for state it cannot see). It has no
     side effect on gradients, optimizer, buffers, module attributes, metrics, RNG or loggers.
     Raises ``ReplayMismatchError`` (a fault) or ``ReplayUnavailableError`` on every rank. A
-    disagreement is first checked against the replicas' weights (``sdc_core.driver``): replicas
+    disagreement is first checked against the replicas' weights (``sdc_core.driver.step``): replicas
     whose weights differ compute differently, and that weight fault is what every rank raises
     (``FingerprintMismatchError`` naming the tensors). Parameters that do not train at the audit
     (frozen since ``fit`` started, or by ``toggle_optimizer``) are not compared.
@@ -667,7 +667,7 @@ class RingReplayAudit(_SDCCallback):
 
 
 class FaultInjector(Callback):
-    """Fire drills: simulate a faulty rank (see ``sdc_core.faults``). Never use in production.
+    """Fire drills: simulate a faulty rank (see ``sdc_core.faults.inject``). Never use in production.
 
     Args:
         faults: ``sdc_core.Fault`` objects or dicts of their fields (for YAML configs).
@@ -712,7 +712,7 @@ class MatmulChecksumCheck(_SDCCallback):
         max_names: violations reported per rank.
 
     Covers ``nn.Linear`` layers and ``nn.MultiheadAttention`` projections of the LightningModule
-    (``sdc_core.matmul`` says what is not covered, and which errors are seen: docs/coverage.md).
+    (``sdc_core.checks.matmul`` says what is not covered, and which errors are seen: docs/coverage.md).
     Cost: memory-bound reads and thin products per product (docs/performance.md: a sizeable share
     of a CPU step at width 256, falling as 1/width; ``every_n_steps`` divides it)
     and one asynchronous 4-byte all-reduce per step; the verdict of step s is read when step s + 1
@@ -730,7 +730,7 @@ class MatmulChecksumCheck(_SDCCallback):
         attention: bool = True,
         max_names: int = 5,
     ) -> None:
-        from sdc_core.matmul import MatmulChecksum, MatmulChecksumConfig  # here: this class's hunk stays apart
+        from sdc_core.checks.matmul import MatmulChecksum, MatmulChecksumConfig  # here: this class's hunk stays apart
 
         super().__init__()
         config = self._settings(

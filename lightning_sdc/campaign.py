@@ -66,7 +66,7 @@ def plan(injections: int, clean: int, seed: int, steps: int, study: int = 0, har
     a genuine loss spike) for false alarms. ``sites``: the fault sites to take in turn (all)."""
     if not sites or any(site not in SITES for site in sites):
         raise ValueError(f"sites must be some of {SITES}, got {sites!r}")
-    from sdc_core.checkpoint_faults import bits_of_class
+    from sdc_core.faults.checkpoint import bits_of_class
 
     rng = random.Random(seed)
     specs = []
@@ -174,7 +174,7 @@ def _training_data(spec: dict[str, Any] | None = None) -> tuple[torch.Tensor, to
 
 
 def _fault(spec: dict[str, Any]) -> Any:
-    from sdc_core.faults import Fault
+    from sdc_core.faults.inject import Fault
 
     prefix = "model."
     site = spec["site"]
@@ -302,7 +302,7 @@ def plan_matmul(per_class: int, clean: int, seed: int, steps: int) -> list[dict[
     """Seeded compute faults inside matrix products: ``per_class`` per phase and bit class, at a
     random rank, layer, element and bit of the class, at steps 1 .. steps - 2 (the replay audits
     step 0 only at its default cadence); plus ``clean`` clean runs with the matmul check."""
-    from sdc_core.checkpoint_faults import bits_of_class
+    from sdc_core.faults.checkpoint import bits_of_class
 
     rng = random.Random(seed)
     specs = [{"id": f"mm-{phase}-{bit_class}-{i}", "site": "matmul", "phase": phase, "bit_class": bit_class,
@@ -316,7 +316,7 @@ def plan_matmul(per_class: int, clean: int, seed: int, steps: int) -> list[dict[
 
 
 def _matmul_fault(spec: dict[str, Any]) -> Any:
-    from sdc_core.faults import Fault
+    from sdc_core.faults.inject import Fault
 
     return Fault("matmul_output", rank=spec["rank"], step=spec["step"], target="model." + spec["target"],
                  index=spec["index"], bit=spec["bit"], mode="once", phase=spec["phase"])  # fmt: skip
@@ -369,7 +369,7 @@ def run_matmul_campaign(out: Path, per_class: int = 3, clean: int = 3, workers: 
     """The compute-fault campaign of the matmul checksum check: plan, run, summarise (``out`` gets
     ``matmul-results.json``); with ``doc``, its section of the coverage page is written (the rest of
     the page is left as it is). Returns the summary."""
-    from sdc_core.safeio import atomic_write_text
+    from sdc_core.io.safe_files import atomic_write_text
 
     if per_class < 1 or clean < 0 or workers < 1 or steps < 8:
         raise ValueError("need per_class >= 1, clean >= 0, workers >= 1 and steps >= 8")
@@ -392,7 +392,7 @@ def write_matmul_doc(out: Path, doc: Path, clean_runs: Path | None = None) -> No
     """Write (or replace) the matmul campaign's section of the coverage page ``doc`` from the
     campaign folder ``out`` (and, if given, the JSON of ``python -m benchmarks.matmul
     --clean-steps N --out FILE``); the rest of the page stays as it is. Atomic."""
-    from sdc_core.safeio import atomic_write_text
+    from sdc_core.io.safe_files import atomic_write_text
 
     results = json.loads((Path(out) / "matmul-results.json").read_text())
     long_runs = json.loads(Path(clean_runs).read_text()) if clean_runs is not None else None
@@ -461,7 +461,8 @@ def matmul_markdown(summary: dict[str, Any], rows: list[dict[str, Any]], command
         f"their step with the right rank, the defaults plus the matmul check {tot['matmul']}. Clean runs with the "
         f"check: {summary['false_alarms']} false alarms in {summary['clean_runs']}.",
         "",
-        "What the check sees: a wrong element whose error exceeds the rounding bound of its block (`sdc_core.matmul`). "
+        "What the check sees: a wrong element whose error exceeds the rounding bound of its block "
+        "(`sdc_core.checks.matmul`). "
         "Sign flips, exponent flips and flips of the upper mantissa bits of elements of typical size are far "
         "above it in fp32; flips of the low mantissa bits change an element by less than 2^-10 of its value and "
         "stay under it" + (f" ({len(missed)} changed the result here without being caught: "
@@ -498,8 +499,8 @@ def _long_runs_table(data: dict[str, Any] | None) -> list[str]:
 def visible_sizes_table(widths: tuple[int, ...] = (64, 256, 1024, 4096)) -> list[str]:
     """Markdown: the error of one element always caught, relative to the row's largest element
     (the weight gradient: to the gradient's largest), per width and precision, with the default
-    blocks of 32 and with whole rows (``sdc_core.matmul.visible_error_sizes``; computed here)."""
-    from sdc_core.matmul import visible_error_sizes
+    blocks of 32 and with whole rows (``sdc_core.checks.matmul.visible_error_sizes``; computed here)."""
+    from sdc_core.checks.matmul import visible_error_sizes
 
     lines = [
         "Fault sizes always caught (the stated threshold: a wrong element at least this far from the right value "
@@ -537,9 +538,9 @@ def worker(specs_file: Path, out: Path, steps: int) -> None:
     """Run specs under torchrun (3 ranks); rank 0 writes one JSON line per spec."""
     import torch.distributed as dist
 
-    from sdc_core.checkpoint import FINGERPRINT_KEY
-    from sdc_core.checkpoint_faults import Corruption, corrupt_file
-    from sdc_core.safeio import load_torch
+    from sdc_core.faults.checkpoint import Corruption, corrupt_file
+    from sdc_core.io.checkpoints import FINGERPRINT_KEY
+    from sdc_core.io.safe_files import load_torch
 
     specs = json.loads(specs_file.read_text())
     reference = _fit(steps, checks=False)
@@ -629,7 +630,7 @@ def run_campaign(out: Path, injections: int = 200, clean: int = 20, workers: int
     _make_folder(out, "--out")
     if doc is not None:
         if doc.is_dir():
-            from sdc_core.safeio import OutputError
+            from sdc_core.io.safe_files import OutputError
 
             raise OutputError(f"--doc {doc} is a folder; give a markdown file name")
         _make_folder(doc.parent, "--doc's folder")
@@ -645,7 +646,7 @@ def run_campaign(out: Path, injections: int = 200, clean: int = 20, workers: int
 
 def _run_specs(specs: list[dict[str, Any]], out: Path, workers: int, steps: int) -> list[dict[str, Any]]:
     """Run ``specs`` in ``workers`` torchrun launches of 3 ranks; every spec's result row, by id."""
-    from sdc_core.safeio import atomic_write_text
+    from sdc_core.io.safe_files import atomic_write_text
 
     atomic_write_text(out / "plan.json", json.dumps(specs, indent=1))
     chunks = [specs[i::workers] for i in range(workers)]
@@ -680,7 +681,7 @@ def _run_specs(specs: list[dict[str, Any]], out: Path, workers: int, steps: int)
 
 
 def _make_folder(folder: Path, what: str) -> None:
-    from sdc_core.safeio import OutputError
+    from sdc_core.io.safe_files import OutputError
 
     if folder.exists() and not folder.is_dir():
         raise OutputError(f"{what} {folder} is a file, not a folder; give a folder")
@@ -693,7 +694,7 @@ def _make_folder(folder: Path, what: str) -> None:
 def write_doc(out: Path, doc: Path, command: str) -> None:
     """Write the coverage page (and its CSV and, when plotted, its plot beside it) from a
     campaign folder; every file atomically."""
-    from sdc_core.safeio import atomic_write, atomic_write_text
+    from sdc_core.io.safe_files import atomic_write, atomic_write_text
 
     _make_folder(doc.parent, "--doc's folder")
     png = doc.with_suffix(".png")
@@ -868,7 +869,7 @@ def report(rows: list[dict[str, Any]], out: Path, seed: int, steps: int) -> dict
         "table": table, "study": study(rows), "loss_spread": spread, "defaults_table": _defaults_table(rows),
         "clean_table": _clean_table(rows), "defaults": defaults_summary(rows),
     }  # fmt: skip
-    from sdc_core.safeio import atomic_write_text
+    from sdc_core.io.safe_files import atomic_write_text
 
     for row in summary["study"]:
         print("study:", row)
@@ -920,7 +921,7 @@ def plot(table: list[dict[str, Any]], path: Path) -> bool:
         warnings.warn("matplotlib is not installed: no detection plot (pip install matplotlib); the tables and "
                       "the coverage page are written without it", UserWarning, stacklevel=2)  # fmt: skip
         return False
-    from sdc_core.safeio import atomic_write
+    from sdc_core.io.safe_files import atomic_write
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -1066,7 +1067,7 @@ def defaults_markdown(summ: dict[str, Any], runs: list[dict[str, Any]]) -> list[
 
 def _why_defaults(summ: dict[str, Any], runs: list[dict[str, Any]]) -> list[str]:
     """What the defaults miss among the transient compute faults, and why (numbers computed)."""
-    from sdc_core.screen import ScreenConfig
+    from sdc_core.checks.screen import ScreenConfig
 
     screen = ScreenConfig()
     comp = [r for r in runs if r["site"] in COMPUTE_SITES]

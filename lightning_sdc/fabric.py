@@ -55,9 +55,9 @@ from lightning.fabric.wrappers import is_wrapped
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from sdc_core.hooks import Framework, LossFn
-from sdc_core.hooks import SDCHooks as _HookSet
-from sdc_core.settings import Sources
+from sdc_core.driver.hooks import Framework, LossFn
+from sdc_core.driver.hooks import SDCHooks as _HookSet
+from sdc_core.driver.settings import Sources
 
 
 def _settings_file() -> Path | None:

@@ -12,22 +12,23 @@ and host when the evidence allows. ``SDCHooks`` drives all three in a plain PyTo
 seams over the same driver.
 """
 
-from sdc_core import shutdown  # first: its exit handler runs after those registered later
 from sdc_core._lazy import lazy_exports
+from sdc_core.dist import shutdown  # first: its exit handler runs after those registered later
 
 # Imported on first use (PEP 562), so ``import sdc_core`` (and ``sdc --help``) does not import torch.
 _EXPORTS = {
     "sdc_core.errors": ("FingerprintMismatchError", "NonFiniteGradientError", "ReplayMismatchError",
                         "ReplayUnavailableError", "SDCError"),
-    "sdc_core.faults": ("Fault", "FaultInjector", "flip_bit"),
-    "sdc_core.fingerprint": ("FingerprintConfig", "WeightFingerprint", "tensor_digest", "tensor_digests", "vote"),
-    "sdc_core.gradients": ("GradientTap", "NonFiniteConfig", "NonFiniteGradient"),
-    "sdc_core.hooks": ("Framework", "SDCHooks"),
-    "sdc_core.payload": ("PayloadError",),
-    "sdc_core.replay": ("ReplayConfig", "RingReplay", "StateCapture"),
-    "sdc_core.settings": ("SDCConfigError", "SDCSettings"),
+    "sdc_core.faults.inject": ("Fault", "FaultInjector", "flip_bit"),
+    "sdc_core.checks.fingerprint": ("FingerprintConfig", "WeightFingerprint", "tensor_digest", "tensor_digests",
+                                    "vote"),
+    "sdc_core.checks.gradients": ("GradientTap", "NonFiniteConfig", "NonFiniteGradient"),
+    "sdc_core.driver.hooks": ("Framework", "SDCHooks"),
+    "sdc_core.dist.payload": ("PayloadError",),
+    "sdc_core.replay.ring": ("ReplayConfig", "RingReplay", "StateCapture"),
+    "sdc_core.driver.settings": ("SDCConfigError", "SDCSettings"),
     "sdc_core.stats": ("CheckStats",),
-    "sdc_core.topology": ("Topology", "ring_partners"),
+    "sdc_core.dist.topology": ("Topology", "ring_partners"),
 }  # fmt: skip
 __getattr__, __dir__ = lazy_exports("sdc_core", globals(), _EXPORTS)
 

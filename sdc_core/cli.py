@@ -10,7 +10,7 @@ sdc exclude-list DIR_OR_FILE... [--format slurm|lines|reason] [--strict]
 sdc node-name   the node this process runs on, as the checks record it (SLURMD_NODENAME, NODE_NAME or host)
 sdc campaign [--injections N] [--clean N] [--hard N] [--out DIR] [--workers W] [--seed S] [--study N] [--doc FILE]
 sdc run -- COMMAND [ARG ...]   run a launch command; exit 86 when the job ended on an SDC verdict,
-    0 on success, the command's own code otherwise (see sdc_core.launch)
+    0 on success, the command's own code otherwise (see sdc_core.ops.launch)
 
 Exit codes (every command):
   0  done; verify-checkpoint: clean
@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sdc_core.safeio import OutputError, UnreadableError
+from sdc_core.io.safe_files import OutputError, UnreadableError
 
 EXIT_OK = 0
 EXIT_CHANGED = 1
@@ -183,7 +183,7 @@ def _corrupt_arguments(c: argparse.ArgumentParser) -> None:
 
 
 def _corrupt(args: argparse.Namespace) -> int:
-    from sdc_core.checkpoint_faults import Corruption, corrupt_file
+    from sdc_core.faults.checkpoint import Corruption, corrupt_file
 
     spec = Corruption(
         target=args.target,
@@ -209,7 +209,7 @@ def _verify_arguments(v: argparse.ArgumentParser) -> None:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from sdc_core.checkpoint import verify
+    from sdc_core.io.checkpoints import verify
 
     try:
         result = verify(args.ckpt, trust_pickle=args.trust_pickle)
@@ -243,7 +243,7 @@ def _incident_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _load(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[str]]:
-    from sdc_core.incidents import load_incidents
+    from sdc_core.ops.incidents import load_incidents
 
     skipped: list[str] = []
     incidents = load_incidents(args.dirs, skipped=skipped)
@@ -258,7 +258,7 @@ def _report_arguments(r: argparse.ArgumentParser) -> None:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from sdc_core.incidents import summarise
+    from sdc_core.ops.incidents import summarise
 
     incidents, skipped = _load(args)
     rows = summarise(incidents)
@@ -275,7 +275,7 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _node_name(args: argparse.Namespace) -> int:
-    from sdc_core.topology import node_name
+    from sdc_core.dist.topology import node_name
 
     print(node_name())
     return EXIT_OK
@@ -289,7 +289,7 @@ def _exclude_arguments(e: argparse.ArgumentParser) -> None:
 
 
 def _exclude(args: argparse.Namespace) -> int:
-    from sdc_core.incidents import exclude_hosts, exclude_reason
+    from sdc_core.ops.incidents import exclude_hosts, exclude_reason
 
     incidents, skipped = _load(args)
     hosts = exclude_hosts(incidents)
@@ -311,7 +311,7 @@ register(Command("node-name", "the node name the checks record for this process 
 register(Command("campaign", "fault-injection campaign over short Lightning DDP trainings (needs lightning)",
                  delegate="lightning_sdc.cli:campaign_main"))  # fmt: skip
 register(Command("run", "sdc run -- COMMAND: exit 86 (SDC_EXIT_CODE) when the job ended on an SDC verdict",
-                 delegate="sdc_core.launch:main"))  # fmt: skip
+                 delegate="sdc_core.ops.launch:main"))  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------- main

@@ -180,7 +180,7 @@ class FingerprintMismatchError(SDCError):
 
 class ChecksumMismatchError(SDCError):
     """A matrix product disagreed with its checksum beyond the rounding bound on one rank: the
-    multiply was computed wrongly there (``sdc_core.matmul``).
+    multiply was computed wrongly there (``sdc_core.checks.matmul``).
 
     Besides the common fields: ``module`` (the product's module name, e.g. ``"encoder.layers.0.linear1"``
     or ``"encoder.layers.0.self_attn.in_proj"``), ``phase`` (``"forward"`` or ``"backward"``) and

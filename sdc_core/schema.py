@@ -2,7 +2,7 @@
 
 A config field made by ``setting(default, doc, more)`` is a setting: ``doc`` is one line (what
 ``accelerate-sdc config`` asks and ``--help`` shows), ``more`` the details; ``documented`` writes
-both into the class docstring's ``Args:``. ``SDCSettings`` (``sdc_core.settings``) takes its
+both into the class docstring's ``Args:``. ``SDCSettings`` (``sdc_core.driver.settings``) takes its
 defaults, docs and mapping to each config from these fields. Fields without a doc are a check's
 state, not settings. No torch, no imports of the package: every config module imports this one.
 """

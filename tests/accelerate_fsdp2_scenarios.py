@@ -26,8 +26,8 @@ from scenario_runner import parse, run_each
 
 from accelerate_sdc import SDCError, SDCHooks
 from sdc_core import Fault, FaultInjector, flip_bit
-from sdc_core.fingerprint import combine, tensor_digests
-from sdc_core.sharded import ShardedFingerprint, ShardedNonFinite, local
+from sdc_core.checks.fingerprint import combine, tensor_digests
+from sdc_core.sharded.checks import ShardedFingerprint, ShardedNonFinite, local
 
 
 class Regressor(nn.Module):

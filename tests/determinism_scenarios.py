@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from scenario_runner import cpu_ddp_trainer, parse, run_each
 
 from lightning_sdc import Fault, FaultInjector, ReplayUnavailableError, RingReplayAudit, SDCError
-from sdc_core.replay import ReplayConfig, RingReplay
+from sdc_core.replay.ring import ReplayConfig, RingReplay
 
 NOISE = 2e-6  # relative size of the kernel's noise (bf16 GPU atomics differ by ~1e-4, fp32 ones by ~1e-6)
 

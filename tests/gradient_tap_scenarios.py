@@ -15,9 +15,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import checkpoint
 
-from sdc_core import shutdown
+from sdc_core.checks.gradients import GradientTap, NonFiniteConfig, NonFiniteGradient
+from sdc_core.dist import shutdown
 from sdc_core.errors import NonFiniteGradientError
-from sdc_core.gradients import GradientTap, NonFiniteConfig, NonFiniteGradient
 
 STEPS = 4
 

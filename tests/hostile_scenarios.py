@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from scenario_runner import parse, run_each
 
 from sdc_core import Fault, FaultInjector, ReplayUnavailableError, SDCError, SDCHooks
-from sdc_core.payload import ALLOW_PICKLE_ENV
+from sdc_core.dist.payload import ALLOW_PICKLE_ENV
 
 STEPS = 4
 

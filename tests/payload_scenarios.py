@@ -18,11 +18,11 @@ import torch.distributed as dist
 from scenario_runner import main_for
 from torch import nn
 
-import sdc_core.payload as payload
-import sdc_core.sharded_update as sharded_update
-import sdc_core.topology as topology
-from sdc_core.replay import Digest, MicroBatch
-from sdc_core.topology import Topology, all_gather_objects, check_replay_payload, exchange
+import sdc_core.dist.payload as payload
+import sdc_core.dist.topology as topology
+import sdc_core.sharded.update_audit as sharded_update
+from sdc_core.dist.topology import Topology, all_gather_objects, check_replay_payload, exchange
+from sdc_core.replay.ring import Digest, MicroBatch
 
 HOSTILE = 1  # the rank that misbehaves in each scenario
 WORLD = 3

@@ -27,11 +27,11 @@ from scenario_runner import parse, run_each
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from sdc_core.checkpoint_faults import bits_of_class
-from sdc_core.faults import Fault, FaultInjector
-from sdc_core.gradients import GradientTap, NonFiniteConfig, NonFiniteGradient
-from sdc_core.screen import GradientScreen, ScreenConfig
-from sdc_core.topology import Topology
+from sdc_core.checks.gradients import GradientTap, NonFiniteConfig, NonFiniteGradient
+from sdc_core.checks.screen import GradientScreen, ScreenConfig
+from sdc_core.dist.topology import Topology
+from sdc_core.faults.checkpoint import bits_of_class
+from sdc_core.faults.inject import Fault, FaultInjector
 
 VOCAB, CLASSES, WIDTH = 256, 5, 32
 PRIORS = torch.tensor([0.6, 0.2, 0.1, 0.07, 0.03])

@@ -18,9 +18,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
 
-from sdc_core import shutdown
+from sdc_core.dist import shutdown
 from sdc_core.errors import SDCError
-from sdc_core.sharded import ShardedNonFinite
+from sdc_core.sharded.checks import ShardedNonFinite
 
 POISONED_RANK, POISONED_STEP = 1, 1
 

@@ -23,8 +23,8 @@ from scenario_runner import main_for
 from sharded_scenarios import ShardedNet, fit
 
 from lightning_sdc import Fault, FaultInjector, NonFiniteGradientCheck, ReplayUnavailableError, RingReplayAudit
-from sdc_core.fingerprint import combine, tensor_digests
-from sdc_core.sharded import local
+from sdc_core.checks.fingerprint import combine, tensor_digests
+from sdc_core.sharded.checks import local
 
 
 class Opaque:

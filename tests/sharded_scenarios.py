@@ -36,8 +36,8 @@ from lightning_sdc import (
     WeightFingerprintCheck,
 )
 from sdc_core import flip_bit
-from sdc_core.fingerprint import combine, tensor_digests
-from sdc_core.sharded import local
+from sdc_core.checks.fingerprint import combine, tensor_digests
+from sdc_core.sharded.checks import local
 
 
 class CountingReduceScatter(DefaultReduceScatter):

@@ -30,7 +30,7 @@ from torch.nn import functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from sdc_core import Fault
-from sdc_core.topology import node_name
+from sdc_core.dist.topology import node_name
 
 STEPS, CKPT_EVERY, FAULT_STEP = 10, 3, 7  # checkpoints after steps 3, 6 and 9; the flip after step 7
 
@@ -139,7 +139,7 @@ def lightning(args: argparse.Namespace) -> None:
     from torch.utils.data import DataLoader, Dataset
 
     from lightning_sdc import FaultInjector, NonFiniteGradientCheck, WeightFingerprintCheck
-    from sdc_core.checkpoint import newest_verified
+    from sdc_core.io.checkpoints import newest_verified
 
     class Steps(Dataset):
         """Batch ``i`` of this rank is ``batch(i, rank)`` (no sampler: each rank its own data)."""

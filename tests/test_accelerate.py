@@ -238,8 +238,8 @@ def test_keywords_override_environment_override_file(tmp_path: Path, monkeypatch
 
 
 def test_corrupt_checkpoint_reads_and_writes_accelerate_folders(launch_a: Path, tmp_path: Path) -> None:
-    from sdc_core.checkpoint import Checkpoint
     from sdc_core.cli import main as sdc
+    from sdc_core.io.checkpoints import Checkpoint
 
     src, out = launch_a / "state", tmp_path / "state_bad"
     before = {f.name: f.read_bytes() for f in src.iterdir() if f.is_file()}

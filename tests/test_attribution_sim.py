@@ -25,8 +25,8 @@ from typing import Any
 
 import pytest
 
-from sdc_core.replay_exchange import attribute, evidence, referee_jobs
-from sdc_core.topology import RankFacts, Topology, owners_of, ring_partners
+from sdc_core.dist.topology import RankFacts, Topology, owners_of, ring_partners
+from sdc_core.replay.attribution import attribute, evidence, referee_jobs
 
 MODES = ("persistent", "owner", "replay", "mixed")
 

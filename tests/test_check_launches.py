@@ -11,8 +11,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from sdc_core.fingerprint import WeightFingerprint
-from sdc_core.gradients import GradientTap, NonFiniteGradient, any_nonfinite_multi, peaks
+from sdc_core.checks.fingerprint import WeightFingerprint
+from sdc_core.checks.gradients import GradientTap, NonFiniteGradient, any_nonfinite_multi, peaks
 
 
 class _Kernels(TorchDispatchMode):

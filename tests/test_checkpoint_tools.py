@@ -12,9 +12,9 @@ import torch
 from ddp_scenarios import Net, loader
 
 from lightning_sdc import FingerprintMismatchError, WeightFingerprintCheck
-from sdc_core.checkpoint import Checkpoint
-from sdc_core.checkpoint_faults import bits_of_class
 from sdc_core.cli import main as sdc
+from sdc_core.faults.checkpoint import bits_of_class
+from sdc_core.io.checkpoints import Checkpoint
 
 INT = {4: torch.int32, 2: torch.int16, 8: torch.int64}
 
@@ -141,7 +141,7 @@ def test_tiny_campaign_writes_its_outputs(tmp_path: Path) -> None:
 
 def test_count_1_never_permutes_the_whole_target(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """--count 1 built a permutation of every entry (8 bytes each: 56 GB for a 7B checkpoint)."""
-    from sdc_core.checkpoint_faults import Corruption, corrupt
+    from sdc_core.faults.checkpoint import Corruption, corrupt
 
     real = torch.randperm
 
@@ -162,7 +162,7 @@ def test_sampled_positions_are_distinct_and_uniform() -> None:
     from collections import Counter
     from itertools import combinations
 
-    from sdc_core.checkpoint_faults import distinct_positions
+    from sdc_core.faults.checkpoint import distinct_positions
 
     seen = Counter()
     for seed in range(3000):

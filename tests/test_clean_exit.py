@@ -3,7 +3,7 @@
 The mechanism, reproduced deterministically with two plain processes (tests/exit_scenarios.py):
 a gloo worker that must take the GIL (to run or release a Python future callback, as after every
 bucket of a Python DDP communication hook) when interpreter teardown has begun is ended by
-CPython with ``pthread_exit``, which aborts the process in C++. ``sdc_core.shutdown.arm()``
+CPython with ``pthread_exit``, which aborts the process in C++. ``sdc_core.dist.shutdown.arm()``
 makes the exit wait until no such thread is left."""
 
 from __future__ import annotations
@@ -68,8 +68,7 @@ def test_without_the_settle_the_same_exit_aborts() -> None:
 def test_settle_returns_at_once_without_foreign_threads() -> None:
     import time
 
-    from sdc_core import shutdown
-
+    from sdc_core.dist import shutdown
     assert shutdown.foreign_thread_states() == 0
     t0 = time.monotonic()
     assert shutdown.settle_threads(settle_s=0.05)

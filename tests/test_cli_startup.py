@@ -38,7 +38,7 @@ def test_help_of_every_command_imports_nothing_heavy() -> None:
 
 
 def test_bit_classes_match_the_checkpoint_module() -> None:
-    from sdc_core.checkpoint_faults import BIT_CLASSES
+    from sdc_core.faults.checkpoint import BIT_CLASSES
 
     assert cli.BIT_CLASSES == BIT_CLASSES
 
@@ -90,19 +90,19 @@ def _console(command: str, *argv: str) -> tuple[str, dict[str, Any]]:
 
 
 def test_the_settings_help_table_is_the_schema() -> None:
-    from sdc_core import settings
-
-    table = ROOT / "sdc_core" / "settings_help.py"
+    from sdc_core.driver import settings
+    table = ROOT / "sdc_core" / "driver" / "settings_help.py"
     assert table.read_text() == settings.help_table_source(), (
-        'sdc_core/settings_help.py differs from SDCSettings; regenerate it: .venv/bin/python -c "import pathlib, '
-        "sdc_core.settings as s; pathlib.Path('sdc_core/settings_help.py').write_text(s.help_table_source())\""
+        "sdc_core/driver/settings_help.py differs from SDCSettings; regenerate it: .venv/bin/python -c "
+        "\"import pathlib, sdc_core.driver.settings as s; "
+        "pathlib.Path('sdc_core/driver/settings_help.py').write_text(s.help_table_source())\""
     )
 
 
 def test_console_help_is_complete_and_imports_no_torch() -> None:
     from dataclasses import fields
 
-    from sdc_core.settings import SDCSettings, field_doc
+    from sdc_core.driver.settings import SDCSettings, field_doc
 
     out, got = _console("accelerate-sdc", "--help")
     assert got == {"code": 0, "heavy": []}, got
@@ -122,9 +122,9 @@ def test_report_and_exclude_list_read_incidents_without_torch(
 ) -> None:
     """What a job script runs after a verdict (`sdc report`, `sdc exclude-list`, `sdc run`'s last
     line) reads incidents without importing torch (about 2 s each on 2 cores)."""
+    from sdc_core.dist.topology import RankFacts, Topology
     from sdc_core.errors import FingerprintMismatchError
-    from sdc_core.incidents import write_incident
-    from sdc_core.topology import RankFacts, Topology
+    from sdc_core.ops.incidents import write_incident
 
     error = FingerprintMismatchError(step=3, rank=1, suspects=(1,), hosts={1: "node-b"}, details={"world_size": 3})
     topology = Topology(ranks=tuple(RankFacts(r, ("node-a", "node-b", "node-c")[r], node_rank=r, local_rank=0)

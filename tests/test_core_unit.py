@@ -12,13 +12,13 @@ import pickle
 import pytest
 import torch
 
+from sdc_core.checks.fingerprint import FingerprintConfig, combine, tensor_digest, tensor_digests, vote
+from sdc_core.checks.gradients import NonFiniteConfig
+from sdc_core.dist.topology import ring_partners
 from sdc_core.errors import FingerprintMismatchError, NonFiniteGradientError, ReplayMismatchError, SDCError
-from sdc_core.faults import Fault, flip_bit
-from sdc_core.fingerprint import FingerprintConfig, combine, tensor_digest, tensor_digests, vote
-from sdc_core.gradients import NonFiniteConfig
-from sdc_core.replay import ReplayConfig, compare, explain, grad_digest, pick_referee, settle
+from sdc_core.faults.inject import Fault, flip_bit
+from sdc_core.replay.ring import ReplayConfig, compare, explain, grad_digest, pick_referee, settle
 from sdc_core.stats import CheckStats
-from sdc_core.topology import ring_partners
 
 FLOAT_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 _INT_OF_SIZE = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
@@ -707,7 +707,7 @@ def test_check_stats_failed_load_changes_nothing():
 
 
 def test_nonfinite_flags_are_exact_across_dtypes():
-    from sdc_core.gradients import nonfinite_flags
+    from sdc_core.checks.gradients import nonfinite_flags
 
     tensors = [
         torch.ones(3, dtype=torch.bfloat16),

@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from sdc_core.fingerprint import combine, grouped_digests, home_device, tensor_digests
-from sdc_core.topology import HostRead, collective_device, device_backends
+from sdc_core.checks.fingerprint import combine, grouped_digests, home_device, tensor_digests
+from sdc_core.dist.topology import HostRead, collective_device, device_backends
 
 ROOT = Path(__file__).resolve().parents[1]
 CUDA0, CUDA1, CPU = torch.device("cuda", 0), torch.device("cuda", 1), torch.device("cpu")
@@ -115,13 +115,13 @@ def test_home_device_prefers_the_accelerator():
 
 # A copy with non_blocking=True is allowed only where an event gates its read.
 _ALLOWED = {
-    ("topology.py", "get"),  # HostRead.get: a side-stream copy behind an event it waits on
+    ("dist/topology.py", "get"),  # HostRead.get: a side-stream copy behind an event it waits on
 }
 
 
 def test_non_blocking_copies_only_behind_an_event():
     found = set()
-    for path in sorted((ROOT / "sdc_core").glob("*.py")):
+    for path in sorted((ROOT / "sdc_core").rglob("*.py")):
         tree = ast.parse(path.read_text())
         for fn in ast.walk(tree):
             if not isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef):
@@ -131,6 +131,6 @@ def test_non_blocking_copies_only_behind_an_event():
                     k.arg == "non_blocking" and not (isinstance(k.value, ast.Constant) and k.value.value is False)
                     for k in node.keywords
                 ):
-                    found.add((path.name, fn.name))
+                    found.add((path.relative_to(ROOT / "sdc_core").as_posix(), fn.name))
     assert found <= _ALLOWED, f"non_blocking copies outside an event-gated read: {sorted(found - _ALLOWED)}"
-    assert ("topology.py", "get") in found
+    assert ("dist/topology.py", "get") in found

@@ -191,7 +191,7 @@ from types import SimpleNamespace
 import lightning.pytorch as L
 import torch
 """, None, """
-from sdc_core.replay_state import StateCapture  # what RingReplayAudit builds from the two methods
+from sdc_core.replay.state import StateCapture  # what RingReplayAudit builds from the two methods
 
 model = Model()
 model.memory, model.sampler_state = SimpleNamespace(tensor=torch.zeros(3)), SimpleNamespace(position=0)

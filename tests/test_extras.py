@@ -40,7 +40,7 @@ for module in sys.argv[2:]:
     except ImportError as err:
         out[module] = f"{type(err).__name__}: {err}"
 import sdc_core
-from sdc_core.hooks import SDCHooks  # the plain-PyTorch driver needs no framework
+from sdc_core.driver.hooks import SDCHooks  # the plain-PyTorch driver needs no framework
 
 out["core"] = [sdc_core.SDCHooks is SDCHooks, sorted(m for m in sys.modules if m.split(".")[0] in BLOCKED)]
 print(json.dumps(out))

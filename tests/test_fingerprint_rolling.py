@@ -14,8 +14,8 @@ import torch.distributed as dist
 from conftest import results, torchrun
 from torch import nn
 
-from sdc_core.fingerprint import FingerprintConfig, WeightFingerprint, fingerprinted_tensors, rolling_slices
-from sdc_core.settings import SDCConfigError, resolve
+from sdc_core.checks.fingerprint import FingerprintConfig, WeightFingerprint, fingerprinted_tensors, rolling_slices
+from sdc_core.driver.settings import SDCConfigError, resolve
 
 SCRIPT = Path(__file__).with_name("rolling_scenarios.py")
 

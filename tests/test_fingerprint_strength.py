@@ -1,6 +1,6 @@
 """Strength of the version-2 digest against structured faults (property tests, CPU, no processes).
 
-The module docstring of ``sdc_core.fingerprint`` derives the guarantee: a difference is missed
+The module docstring of ``sdc_core.checks.fingerprint`` derives the guarantee: a difference is missed
 only when every class sum cancels (words exactly a multiple of the odd column count apart) or,
 otherwise, with probability <= 2**-31. These tests check the definition against a pure-Python
 reference, and that the fault patterns the plain word sum (version 1) let cancel are now seen.
@@ -12,15 +12,15 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sdc_core.checkpoint import FINGERPRINT_KEY, changed_tensors, fingerprint_checkpoint
-from sdc_core.faults import flip_bit
-from sdc_core.fingerprint import (
+from sdc_core.checks.fingerprint import (
     combine,
     grouped_digests,
     splitmix64,
     tensor_digest,
     tensor_digest_v1,
 )
+from sdc_core.faults.inject import flip_bit
+from sdc_core.io.checkpoints import FINGERPRINT_KEY, changed_tensors, fingerprint_checkpoint
 
 MASK = (1 << 64) - 1
 FAST = settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
@@ -40,8 +40,7 @@ def _signed(v: int) -> int:
 
 def _ref_digest(t: torch.Tensor) -> int:
     """The module docstring's definition, in Python integers."""
-    from sdc_core import fingerprint as fp
-
+    from sdc_core.checks import fingerprint as fp
     raw = bytes(t.contiguous().view(-1).view(torch.uint8).tolist())
     raw += b"\0" * (-len(raw) % 8)
     words = [int.from_bytes(raw[i : i + 8], "little", signed=True) for i in range(0, len(raw), 8)]
@@ -61,8 +60,7 @@ def _ref_digest(t: torch.Tensor) -> int:
 
 def _columns(n_words: int) -> int:
     """The class stride of a tensor of ``n_words`` 64-bit words (n_words when one row)."""
-    from sdc_core import fingerprint as fp
-
+    from sdc_core.checks import fingerprint as fp
     rows = max(1, min(fp._ROWS, n_words // fp._MIN_COLUMNS))
     if rows == 1:
         return n_words

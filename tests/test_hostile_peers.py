@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 from conftest import results, torchrun
 
-from sdc_core.replay_exchange import SEVERAL, explain, pick_referee, settle
-from sdc_core.topology import ring_partners
+from sdc_core.dist.topology import ring_partners
+from sdc_core.replay.attribution import SEVERAL, explain, pick_referee, settle
 
 SCRIPT = Path(__file__).with_name("hostile_scenarios.py")
 
@@ -120,8 +120,8 @@ def test_two_ranks_share_a_persistent_fault(tmp_path: Path) -> None:
 
 def test_replay_config_allow_pickled_batches() -> None:
     import sdc_core
-    from sdc_core.payload import PayloadError
-    from sdc_core.replay import ReplayConfig
+    from sdc_core.dist.payload import PayloadError
+    from sdc_core.replay.ring import ReplayConfig
 
     assert sdc_core.PayloadError is PayloadError and "PayloadError" in sdc_core.__all__
     assert ReplayConfig().allow_pickled_batches is None  # the environment decides

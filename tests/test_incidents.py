@@ -9,7 +9,7 @@ import pytest
 from conftest import worker_env
 
 SCRIPT = """
-from sdc_core.incidents import install_exit_code
+from sdc_core.ops.incidents import install_exit_code
 from sdc_core import FingerprintMismatchError
 install_exit_code()
 if {sdc}:
@@ -103,9 +103,9 @@ def test_node_name_is_the_schedulers_name_for_the_node(monkeypatch, capsys, tmp_
     import socket
 
     from sdc_core.cli import main as sdc
+    from sdc_core.dist.topology import Topology, node_name
     from sdc_core.errors import FingerprintMismatchError
-    from sdc_core.incidents import mark_verdict
-    from sdc_core.topology import Topology, node_name
+    from sdc_core.ops.incidents import mark_verdict
 
     for name in ("SLURMD_NODENAME", "NODE_NAME"):
         monkeypatch.delenv(name, raising=False)
@@ -152,9 +152,9 @@ def test_incident_excludes_the_suspects_of_a_verdict_that_several_ranks_disagree
     when one is named."""
     import json
 
+    from sdc_core.dist.topology import RankFacts, Topology
     from sdc_core.errors import ReplayMismatchError
-    from sdc_core.incidents import write_incident
-    from sdc_core.topology import RankFacts, Topology
+    from sdc_core.ops.incidents import write_incident
 
     topo = Topology(ranks=tuple(RankFacts(rank=r, host=f"n{r}", node_rank=r, local_rank=0) for r in range(4)), rank=0)
 

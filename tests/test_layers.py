@@ -15,25 +15,29 @@ from conftest import ROOT
 
 PACKAGES = ("sdc_core", "lightning_sdc", "accelerate_sdc")
 FRAMEWORKS = ("lightning", "pytorch_lightning", "accelerate", "transformers")
-FAULT_INJECTION = {"sdc_core.faults", "sdc_core.checkpoint_faults"}
+# The core's layers, bottom up (docs/architecture.md): a module imports only from its own subpackage, from
+# a layer below it, and from the leaves. Fault injection and the CLI are the top: nothing else imports them.
+LEAVES = {"sdc_core.errors", "sdc_core.stats", "sdc_core.schema", "sdc_core._lazy"}
+LAYERS = ("dist", "checks", "io", "ops", "replay", "sharded", "driver", "faults", "cli")
 # who may import fault injection: itself, the CLI (sdc corrupt-checkpoint) and the adapters (the
 # Lightning FaultInjector callback, the campaign)
-MAY_INJECT = {*FAULT_INJECTION, "sdc_core.cli"}
+MAY_INJECT = ("sdc_core.faults", "sdc_core.cli")
 
 
 def modules(root: Path = ROOT) -> dict[str, Path]:
     """``{dotted name: file}`` for every module of the three packages."""
     found = {}
     for package in PACKAGES:
-        for path in sorted((root / package).glob("*.py")):
-            found[package if path.stem == "__init__" else f"{package}.{path.stem}"] = path
+        for path in sorted((root / package).rglob("*.py")):
+            parts = path.relative_to(root).with_suffix("").parts
+            found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     return found
 
 
-def imports(source: str, module: str, known: set[str]) -> list[tuple[str, bool, int]]:
+def imports(source: str, module: str, known: set[str], is_package: bool = False) -> list[tuple[str, bool, int]]:
     """``(imported module, at module level, line)`` for every import in ``source``; ``from p
     import x`` is ``p.x`` when that is a module in ``known``, else ``p``."""
-    package = module if module in PACKAGES else module.rpartition(".")[0]
+    package = module if is_package else module.rpartition(".")[0]
     found: list[tuple[str, bool, int]] = []
 
     def visit(node: ast.AST, top: bool) -> None:
@@ -57,7 +61,7 @@ def imports(source: str, module: str, known: set[str]) -> list[tuple[str, bool, 
 
 def graph() -> dict[str, list[tuple[str, bool, int]]]:
     mods = modules()
-    return {m: imports(path.read_text(), m, set(mods)) for m, path in mods.items()}
+    return {m: imports(path.read_text(), m, set(mods), path.stem == "__init__") for m, path in mods.items()}
 
 
 def top(name: str) -> str:
@@ -70,10 +74,42 @@ def test_the_core_imports_no_framework_and_no_adapter() -> None:
     assert wrong == []
 
 
+def injects(name: str) -> bool:
+    return name == "sdc_core.faults" or name.startswith("sdc_core.faults.")
+
+
 def test_only_fault_injection_the_cli_and_the_adapters_import_fault_injection() -> None:
-    wrong = [f"{m}:{line} imports {dep}" for m, deps in graph().items() if top(m) == "sdc_core" and m not in MAY_INJECT
-             for dep, _, line in deps if dep in FAULT_INJECTION]  # fmt: skip
+    wrong = [f"{m}:{line} imports {dep}" for m, deps in graph().items()
+             if top(m) == "sdc_core" and not any(m == a or m.startswith(a + ".") for a in MAY_INJECT)
+             for dep, _, line in deps if injects(dep)]  # fmt: skip
     assert wrong == []
+
+
+def layer(module: str) -> int | None:
+    """The index of ``module``'s layer in ``LAYERS``; -1 for a leaf, None for the package itself."""
+    if module in LEAVES:
+        return -1
+    parts = module.split(".")
+    return LAYERS.index(parts[1]) if len(parts) > 1 else None
+
+
+def test_every_core_module_is_in_a_layer() -> None:
+    assert [m for m in modules() if top(m) == "sdc_core" and m != "sdc_core" and m not in LEAVES
+            and m.split(".")[1] not in LAYERS] == []  # fmt: skip
+
+
+def test_the_core_imports_only_down_its_layers() -> None:
+    g = graph()
+    wrong = [f"{m}:{line} imports {dep}" for m, deps in g.items() if top(m) == "sdc_core" and layer(m) is not None
+             for dep, _, line in deps if dep in g and top(dep) == "sdc_core" and dep != "sdc_core"
+             and not (layer(dep) < layer(m) or (layer(dep) == layer(m) and layer(m) >= 0))]  # fmt: skip
+    assert wrong == []
+
+
+def test_the_layer_check_fails_on_an_upward_import() -> None:
+    assert layer("sdc_core.checks.gradients") < layer("sdc_core.replay.ring") < layer("sdc_core.driver.hooks")
+    assert layer("sdc_core.errors") == -1 and layer("sdc_core") is None
+    assert layer("sdc_core.driver.step") < layer("sdc_core.faults.inject")
 
 
 def test_adapters_do_not_import_each_other() -> None:
@@ -113,12 +149,14 @@ def test_no_import_cycle_at_module_level() -> None:
 
 
 def test_the_checks_see_lazy_imports_and_cycles() -> None:
-    source = "import torch\n\ndef f():\n    from sdc_core import faults\n    import lightning.pytorch\n"
-    known = {"sdc_core.faults"}
-    assert imports(source, "sdc_core.hooks", known) == [
-        ("torch", True, 1), ("sdc_core.faults", False, 4), ("lightning.pytorch", False, 5)]  # fmt: skip
-    assert imports("from . import faults\nfrom .x import y\n", "sdc_core.hooks", known) == [
-        ("sdc_core.faults", True, 1), ("sdc_core.x", True, 2)]  # fmt: skip
+    source = "import torch\n\ndef f():\n    from sdc_core.faults import inject\n    import lightning.pytorch\n"
+    known = {"sdc_core.faults.inject"}
+    assert imports(source, "sdc_core.driver.hooks", known) == [
+        ("torch", True, 1), ("sdc_core.faults.inject", False, 4), ("lightning.pytorch", False, 5)]  # fmt: skip
+    assert imports("from . import step\nfrom .x import y\n", "sdc_core.driver.hooks", {"sdc_core.driver.step"}) == [
+        ("sdc_core.driver.step", True, 1), ("sdc_core.driver.x", True, 2)]  # fmt: skip
+    assert imports("from . import step\n", "sdc_core.driver", {"sdc_core.driver.step"}, is_package=True) == [
+        ("sdc_core.driver.step", True, 1)]  # fmt: skip
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]
     assert cycles({"a": {"b"}, "b": set()}) == []
 

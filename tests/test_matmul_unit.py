@@ -16,9 +16,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from sdc_core.errors import ChecksumMismatchError, SDCError
-from sdc_core.faults import Fault, FaultInjector
-from sdc_core.matmul import (
+from sdc_core.checks.matmul import (
     LinearBound,
     MatmulChecksum,
     MatmulChecksumConfig,
@@ -28,6 +26,8 @@ from sdc_core.matmul import (
     rounding,
     visible_error_sizes,
 )
+from sdc_core.errors import ChecksumMismatchError, SDCError
+from sdc_core.faults.inject import Fault, FaultInjector
 
 FAST = settings(max_examples=80, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 PRECISIONS = ("fp32", "fp64", "bf16_autocast", "fp16_autocast", "bf16_weights")

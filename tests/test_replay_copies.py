@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from sdc_core.replay import (
+from sdc_core.replay.ring import (
     MicroBatch,
     RingReplay,
     StateCapture,
@@ -26,7 +26,7 @@ from sdc_core.replay import (
     grad_digest,
     replay_gradients,
 )
-from sdc_core.replay_state import _all_rng  # private to the replay: tests build micro-batches
+from sdc_core.replay.state import _all_rng  # private to the replay: tests build micro-batches
 
 
 @pytest.fixture
@@ -118,7 +118,7 @@ def micro(n: int) -> list[MicroBatch]:
 def test_each_gradient_is_digested_and_freed_as_it_is_produced(n: int) -> None:
     import weakref
 
-    from sdc_core.replay import replay_each_gradient
+    from sdc_core.replay.ring import replay_each_gradient
 
     torch.manual_seed(0)
     m = Deep()

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from sdc_core.replay import (
+from sdc_core.replay.ring import (
     CollectiveInReplay,
     MicroBatch,
     ReplayConfig,
@@ -26,7 +26,7 @@ from sdc_core.replay import (
     grad_digest,
     replay_gradients,
 )
-from sdc_core.replay_state import _all_rng  # private to the replay: tests build micro-batches
+from sdc_core.replay.state import _all_rng  # private to the replay: tests build micro-batches
 
 
 class Opaque:

@@ -16,7 +16,7 @@ import pytest
 import torch
 from conftest import results, torchrun
 
-from sdc_core.replay import DeterministicWindow, ReplayConfig, RingReplay, deterministic, is_determinism_error
+from sdc_core.replay.ring import DeterministicWindow, ReplayConfig, RingReplay, deterministic, is_determinism_error
 
 WORLD = 3
 SCRIPT = Path(__file__).with_name("determinism_scenarios.py")

@@ -23,10 +23,10 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_sdc import FingerprintMismatchError, WeightFingerprintCheck
 from sdc_core import cli
-from sdc_core.checkpoint import FINGERPRINT_KEY
 from sdc_core.cli import EXIT_CHANGED, EXIT_NO_FINGERPRINT, EXIT_OK, EXIT_UNREADABLE, EXIT_USAGE
 from sdc_core.cli import main as sdc
-from sdc_core.safeio import atomic_write_text
+from sdc_core.io.checkpoints import FINGERPRINT_KEY
+from sdc_core.io.safe_files import atomic_write_text
 
 
 class Payload:
@@ -305,11 +305,11 @@ def test_report_skips_bad_files_names_them_and_reports_the_rest(tmp_path: Path, 
 
 
 def test_incidents_in_the_same_millisecond_are_two_files(tmp_path: Path, monkeypatch: Any) -> None:
-    from sdc_core.incidents import load_incidents, write_incident
-    from sdc_core.topology import Topology
+    from sdc_core.dist.topology import Topology
+    from sdc_core.ops.incidents import load_incidents, write_incident
 
     topo = Topology.gather()
-    monkeypatch.setattr("sdc_core.incidents.time.time", lambda: 1_700_000_000.0)
+    monkeypatch.setattr("sdc_core.ops.incidents.time.time", lambda: 1_700_000_000.0)
     err = FingerprintMismatchError(step=3, rank=0, suspects=(0,), hosts={0: "h"})
     paths = {write_incident(tmp_path, err, topo, {"every_n_steps": 1}, "raise") for _ in range(3)}
     assert len(paths) == 3
@@ -319,7 +319,7 @@ def test_incidents_in_the_same_millisecond_are_two_files(tmp_path: Path, monkeyp
 
 @pytest.mark.parametrize(("value", "code"), [("", 86), ("  ", 86), ("7", 7), ("0", 0)])
 def test_empty_exit_code_setting_is_unset(monkeypatch: Any, value: str, code: int) -> None:
-    from sdc_core.incidents import exit_code
+    from sdc_core.ops.incidents import exit_code
 
     monkeypatch.setenv("SDC_EXIT_CODE", value)
     assert exit_code() == code

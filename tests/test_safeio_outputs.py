@@ -14,10 +14,10 @@ import torch
 
 from sdc_core.cli import EXIT_OK, EXIT_UNREADABLE
 from sdc_core.cli import main as sdc
+from sdc_core.dist.topology import RankFacts, Topology
 from sdc_core.errors import FingerprintMismatchError
-from sdc_core.incidents import write_incident
-from sdc_core.safeio import OutputError, atomic_write_text, check_output, create_unique
-from sdc_core.topology import RankFacts, Topology
+from sdc_core.io.safe_files import OutputError, atomic_write_text, check_output, create_unique
+from sdc_core.ops.incidents import write_incident
 
 
 @pytest.fixture

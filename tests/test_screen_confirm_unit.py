@@ -1,5 +1,5 @@
 """The rule that turns a screen hit and a partner's recomputation into a verdict
-(``sdc_core.replay_screen._judge``), on hand-made evidence: pure host arithmetic, identical on every
+(``sdc_core.replay.confirm._judge``), on hand-made evidence: pure host arithmetic, identical on every
 rank. A reproduced value clears (a genuine spike), a recomputation inside the band confirms, and
 anything that proves nothing (no recomputation, a partner out of band or non-finite) accuses no one."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import math
 
-from sdc_core.replay_screen import _escalated, _judge
-from sdc_core.screen import ScreenResult
+from sdc_core.checks.screen import ScreenResult
+from sdc_core.replay.confirm import _escalated, _judge
 
 NAN, INF = math.nan, math.inf
 BANDS = (5.0, 5.0, 5.0, 5.0)  # two groups, the loss, the level

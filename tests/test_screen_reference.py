@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from sdc_core.screen import (
+from sdc_core.checks.screen import (
     _HEADER,
     _LOG2_LIMIT,
     _MAD_TO_SIGMA,
@@ -24,7 +24,7 @@ from sdc_core.screen import (
     in_band,
     reference,
 )
-from sdc_core.topology import RankFacts, Topology
+from sdc_core.dist.topology import RankFacts, Topology
 
 K = 4
 

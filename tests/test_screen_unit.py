@@ -9,9 +9,9 @@ import pytest
 import torch
 from torch import nn
 
-from sdc_core.gradients import NonFiniteGradient
-from sdc_core.screen import GradientScreen, ScreenConfig, ScreenResult, loss_magnitude
-from sdc_core.topology import RankFacts, Topology
+from sdc_core.checks.gradients import NonFiniteGradient
+from sdc_core.checks.screen import GradientScreen, ScreenConfig, ScreenResult, loss_magnitude
+from sdc_core.dist.topology import RankFacts, Topology
 
 K = 4  # groups; rows carry K + 1 values (the loss last)
 

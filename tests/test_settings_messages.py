@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from conftest import torchrun_cmd, worker_env
 
-from sdc_core.settings import SDCConfigError, resolve
+from sdc_core.driver.settings import SDCConfigError, resolve
 
 
 @pytest.mark.parametrize("key", ["replay_every_n_steps", "fingerprint_every_n_steps"])
@@ -73,7 +73,7 @@ def test_bad_environment_value_in_a_launched_script_is_one_line_per_rank(tmp_pat
 @pytest.mark.slow  # a multi-process launch: the default run stays under 10 minutes
 def test_other_exceptions_keep_their_traceback() -> None:
     code = (
-        "from sdc_core.settings import SDCConfigError, resolve\n"
+        "from sdc_core.driver.settings import SDCConfigError, resolve\n"
         "try:\n    resolve(replay_rtol=5)\nexcept SDCConfigError:\n    pass\n"
         "raise KeyError('not a setting')\n"
     )

@@ -16,14 +16,14 @@ import pytest
 import yaml
 
 from lightning_sdc import MatmulChecksumCheck, NonFiniteGradientCheck, RingReplayAudit, WeightFingerprintCheck
-from sdc_core.fingerprint import FingerprintConfig
-from sdc_core.gradients import NonFiniteConfig
-from sdc_core.matmul import MatmulChecksumConfig
-from sdc_core.replay import ReplayConfig
+from sdc_core.checks.fingerprint import FingerprintConfig
+from sdc_core.checks.gradients import NonFiniteConfig
+from sdc_core.checks.matmul import MatmulChecksumConfig
+from sdc_core.checks.screen import ScreenConfig
+from sdc_core.driver.settings import NOT_OFFERED, SDCSettings, field_doc, settings_for
+from sdc_core.replay.ring import ReplayConfig
 from sdc_core.schema import settings_of
-from sdc_core.screen import ScreenConfig
-from sdc_core.settings import NOT_OFFERED, SDCSettings, field_doc, settings_for
-from sdc_core.sharded_update import UpdateAudit
+from sdc_core.sharded.update_audit import UpdateAudit
 
 CONFIGS = (NonFiniteConfig, ReplayConfig, FingerprintConfig, MatmulChecksumConfig, UpdateAudit, ScreenConfig)
 PREFIX = {NonFiniteConfig: "", ReplayConfig: "replay_", FingerprintConfig: "fingerprint_",

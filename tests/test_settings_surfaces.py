@@ -12,7 +12,7 @@ import pytest
 from conftest import worker_env
 
 from lightning_sdc import MatmulChecksumCheck, NonFiniteGradientCheck, RingReplayAudit, WeightFingerprintCheck
-from sdc_core.settings import SDCConfigError, UnknownArgumentError, suggest
+from sdc_core.driver.settings import SDCConfigError, UnknownArgumentError, suggest
 
 TYPOS = [
     (RingReplayAudit, "every_n_step", "every_n_steps"),

@@ -14,7 +14,7 @@ import pytest
 import torch
 from conftest import results, torchrun, worker_env
 
-from sdc_core.sharded import ShardedNonFinite
+from sdc_core.sharded.checks import ShardedNonFinite
 
 SCRIPT = Path(__file__).with_name("sharded_nan_scenarios.py")
 

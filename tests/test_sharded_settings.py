@@ -14,7 +14,7 @@ import yaml
 
 from accelerate_sdc.config import SDCConfigError, resolve
 from lightning_sdc import WeightFingerprintCheck
-from sdc_core.sharded_update import UpdateAudit
+from sdc_core.sharded.update_audit import UpdateAudit
 
 
 def test_update_audit_setting_from_every_source(tmp_path: Path, monkeypatch: Any) -> None:

@@ -79,7 +79,7 @@ def test_tp_3x2_fault_before_a_tp_collective_names_the_tensor_parallel_group(tp3
 
 
 def test_group_ring_partners_keep_the_tensor_parallel_coordinate() -> None:
-    from sdc_core.topology import group_ring_partners
+    from sdc_core.dist.topology import group_ring_partners
 
     assert group_ring_partners([(0, 1), (2, 3), (4, 5)], [0] * 6) == (2, 3, 4, 5, 0, 1)
     # two nodes, groups (0, 1), (2, 3) on node 0 and (4, 5), (6, 7) on node 1: every hop crosses nodes
@@ -90,8 +90,8 @@ def test_group_ring_partners_keep_the_tensor_parallel_coordinate() -> None:
 
 
 def test_referee_jobs_give_a_whole_third_group_every_coordinate_of_the_disputed_group_pair() -> None:
-    from sdc_core.replay import RingReplay
-    from sdc_core.topology import RankFacts, Topology
+    from sdc_core.dist.topology import RankFacts, Topology
+    from sdc_core.replay.ring import RingReplay
 
     topo = Topology(tuple(RankFacts(r, "h", 0, r) for r in range(6)), 0)
     core = RingReplay(groups=[(0, 1), (2, 3), (4, 5)])
@@ -118,7 +118,7 @@ def _module_on(meshes: list[_Mesh], fsdp_mesh: _Mesh, monkeypatch: pytest.Monkey
     import torch
     from torch import nn
 
-    import sdc_core.sharded as sharded
+    import sdc_core.sharded.checks as sharded
 
     class FakeFSDP(nn.Module):
         def _get_fsdp_state(self) -> SimpleNamespace:
@@ -135,7 +135,7 @@ def _module_on(meshes: list[_Mesh], fsdp_mesh: _Mesh, monkeypatch: pytest.Monkey
 
 
 def test_tensor_parallel_groups_are_read_from_the_mesh_in_any_dimension_order(monkeypatch: pytest.MonkeyPatch) -> None:
-    from sdc_core.sharded_replay import tensor_parallel_groups
+    from sdc_core.sharded.replay import tensor_parallel_groups
 
     dp = _Mesh([0, 1, 2], ("dp",))
     tp_first = _Mesh([[0, 1, 2], [3, 4, 5]], ("tp", "dp"))  # rank = 3 * tp + dp

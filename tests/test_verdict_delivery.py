@@ -18,13 +18,13 @@ from conftest import ROOT, worker_env
 
 from sdc_core.cli import main as sdc_main
 from sdc_core.errors import FingerprintMismatchError, NonFiniteGradientError, SDCError, as_sdc_error
-from sdc_core.incidents import record_verdict
-from sdc_core.launch import job_exit_code, run_command
+from sdc_core.ops.incidents import record_verdict
+from sdc_core.ops.launch import job_exit_code, run_command
 
 SCRIPT = str(Path(__file__).with_name("delivery_scenarios.py"))
 BIN = Path(sys.executable).parent
 SDC = [sys.executable, "-m", "sdc_core.cli"]  # the `sdc` console script
-RUN = [sys.executable, "-m", "sdc_core.launch"]  # what `sdc run` calls, without the other commands' imports
+RUN = [sys.executable, "-m", "sdc_core.ops.launch"]  # what `sdc run` calls, without the other commands' imports
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3"]
 
 
@@ -137,7 +137,7 @@ def test_lightning_ddp_subprocess_launcher_exits_86(tmp_path: Path) -> None:
 
 RAISE = (
     "import atexit, pathlib, sys\n"
-    "from sdc_core.incidents import install_exit_code\n"
+    "from sdc_core.ops.incidents import install_exit_code\n"
     "from sdc_core import FingerprintMismatchError\n"
     "install_exit_code()\n"
     "atexit.register(lambda: pathlib.Path(sys.argv[1]).write_text('FINISHED'))  # as MLflow ends its run\n"
@@ -310,7 +310,7 @@ def test_worker_restarted_after_a_verdict_stops_at_import(tmp_path: Path) -> Non
     """What a torchrun restart inside `sdc run` sees: a marker of attempt 0 of the same run."""
     marker = {"restart": 0, "run_id": "run-a", "error": {"message": "SDC check 'weight_fingerprint' failed"}}
     (tmp_path / "host-1-1.json").write_text(json.dumps(marker))
-    code = "import sdc_core.incidents; print('trained')"  # what the adapters import
+    code = "import sdc_core.ops.incidents; print('trained')"  # what the adapters import
     base = {"SDC_VERDICT_DIR": str(tmp_path), "TORCHELASTIC_RUN_ID": "run-a"}
     restarted = launch([sys.executable, "-c", code], tmp_path, **base, TORCHELASTIC_RESTART_COUNT="1")
     assert restarted.returncode == 86 and "trained" not in restarted.stdout

@@ -79,7 +79,7 @@ def test_clean_run_fingerprints_weights_only_checkpoints_and_keeps_the_user_hook
 def test_rollback_passes_over_weights_only_checkpoints(tmp_path: Path) -> None:
     import torch
 
-    from sdc_core.checkpoint import FINGERPRINT_KEY, fingerprint_checkpoint, newest_verified
+    from sdc_core.io.checkpoints import FINGERPRINT_KEY, fingerprint_checkpoint, newest_verified
 
     weights = {"layer.weight": torch.arange(6.0).reshape(2, 3)}
     full = {"global_step": 2, "state_dict": weights, "optimizer_states": [{"state": {}, "param_groups": []}]}

@@ -17,7 +17,7 @@ from accelerate_scenarios import Regressor, loader
 from scenario_runner import fresh, parse, run_each
 
 from accelerate_sdc import SDCError, SDCHooks
-from sdc_core.faults import flip_bit
+from sdc_core.faults.inject import flip_bit
 
 
 def train(acc: Accelerator, steps: int, flip_rank: int | None = None, save: Path | None = None,

@@ -35,7 +35,7 @@ module's ``Framework`` is the plain-PyTorch answer. What the driver does, whatev
   reduce-scatter, the sharded fingerprint, the sharded replay and the optional update audit.
 
 A failure raises the ``SDCError`` on every rank in the same step, writes an incident under
-``<run_dir>/sdc/incidents`` (rank 0) and sets the process exit code (``sdc_core.incidents``).
+``<run_dir>/sdc/incidents`` (rank 0) and sets the process exit code (``sdc_core.ops.incidents``).
 Cost: as ``sdc_core`` documents per check; the driver itself adds a few Python calls per step.
 """
 
@@ -56,19 +56,19 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from sdc_core import shutdown
-from sdc_core.checkpoint import FINGERPRINT_KEY, check_loaded_checkpoint, fingerprint_checkpoint
-from sdc_core.driver import Seam, StepContext, StepDriver
+from sdc_core.checks.fingerprint import WeightFingerprint
+from sdc_core.checks.gradients import GradientTap, NonFiniteGradient
+from sdc_core.checks.screen import GradientScreen
+from sdc_core.dist import shutdown
+from sdc_core.dist.topology import Topology
+from sdc_core.driver.settings import PLAIN, Sources, resolve
+from sdc_core.driver.step import Seam, StepContext, StepDriver
 from sdc_core.errors import SDCError
-from sdc_core.fingerprint import WeightFingerprint
-from sdc_core.gradients import GradientTap, NonFiniteGradient
-from sdc_core.incidents import install_exit_code
-from sdc_core.replay import RingReplay, StateCapture
-from sdc_core.screen import GradientScreen
-from sdc_core.settings import PLAIN, Sources, resolve
-from sdc_core.sharded import ShardedFingerprint, ShardedNonFinite, is_sharded
-from sdc_core.sharded_replay import ShardedReplay
-from sdc_core.topology import Topology
+from sdc_core.io.checkpoints import FINGERPRINT_KEY, check_loaded_checkpoint, fingerprint_checkpoint
+from sdc_core.ops.incidents import install_exit_code
+from sdc_core.replay.ring import RingReplay, StateCapture
+from sdc_core.sharded.checks import ShardedFingerprint, ShardedNonFinite, is_sharded
+from sdc_core.sharded.replay import ShardedReplay
 
 LossFn = Callable[..., torch.Tensor]
 MetricsFn = Callable[[dict[str, float], int], None]
@@ -210,7 +210,7 @@ class SDCHooks:
             ``sdc_replay_state`` / ``sdc_load_replay_state`` methods, when it has them).
         run_dir, log, accumulation_steps: see ``Framework`` (plain-PyTorch route only).
         framework: the seam (``Framework`` subclasses of the adapters); default: plain PyTorch.
-        sources: where settings come from besides keywords (``sdc_core.settings.Sources``).
+        sources: where settings come from besides keywords (``sdc_core.driver.settings.Sources``).
         **settings: any field of ``SDCSettings`` (``nonfinite_gradient``, ``on_failure``,
             ``replay_every_n_steps``, ``fingerprint_every_n_steps``, ...); 0 turns a cadence off.
             A bad value raises ``SDCConfigError`` naming it.
@@ -247,7 +247,7 @@ class SDCHooks:
         self._screen_loss: torch.Tensor | None = None  # the loss of the step's last forward (the screen's value)
         matmul = self.settings.matmul()
         if matmul is not None:
-            from sdc_core.matmul import MatmulChecksum
+            from sdc_core.checks.matmul import MatmulChecksum
 
             self.matmul: Any = MatmulChecksum(matmul)
         else:
@@ -352,7 +352,7 @@ class SDCHooks:
         self._module = model
         shutdown.arm()
         topo = Topology.gather(local_rank=self._fw.local_rank)
-        if self.matmul is not None:  # DTensor weights are not covered (sdc_core.matmul)
+        if self.matmul is not None:  # DTensor weights are not covered (sdc_core.checks.matmul)
             warnings.warn("SDC matmul_checksum is inactive on a fully_shard model", UserWarning, stacklevel=3)
             self.matmul = None
         if self.replay is not None:
@@ -574,7 +574,7 @@ class SDCHooks:
             del alive
             # Gloo threads finish releasing a Python comm hook's callbacks first: the
             # collection below may destroy the DDP model, whose reducer drops the process group
-            # with the GIL held and joins those threads (see sdc_core.shutdown).
+            # with the GIL held and joins those threads (see sdc_core.dist.shutdown).
             shutdown.settle_threads()
             # The hooks and the DDP model form reference cycles: collected here, while Python is whole.
             gc.collect()

@@ -102,10 +102,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from sdc_core.dist.topology import HostRead, Topology, all_gather_objects, collective_device, is_distributed
 from sdc_core.errors import ChecksumMismatchError
 from sdc_core.schema import documented, setting
 from sdc_core.stats import CheckStats
-from sdc_core.topology import HostRead, Topology, all_gather_objects, collective_device, is_distributed
 
 FORWARD, INPUT_GRAD, WEIGHT_GRAD = 0, 1, 2
 PRODUCTS = ("output", "input_gradient", "weight_gradient")

@@ -11,7 +11,7 @@ replayer) and ``settle`` (the referees' rulings on the other pairs) decide. ``mi
 and the ``*_message`` functions word the verdicts every rank raises.
 
 Cost: pure functions on small Python lists (world-size sized); no communication here (the ring
-replay calls ``sdc_core.topology.exchange`` with what ``referee_sends`` returns).
+replay calls ``sdc_core.dist.topology.exchange`` with what ``referee_sends`` returns).
 
 Limits: with two replicas (or two data-parallel groups) no third opinion exists: both are
 suspects and ``rank`` is None.
@@ -23,8 +23,8 @@ import itertools
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from sdc_core.replay_state import MicroBatch, StateCapture
-from sdc_core.topology import Topology, group_ring_partners
+from sdc_core.dist.topology import Topology, group_ring_partners
+from sdc_core.replay.state import MicroBatch, StateCapture
 
 
 def explain(

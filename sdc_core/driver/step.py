@@ -35,16 +35,16 @@ from typing import Any
 
 from torch import nn
 
+from sdc_core.checks.fingerprint import WeightFingerprint, healed_by_comparison
+from sdc_core.checks.gradients import NonFiniteGradient, carries, drop_step, start_carrying
+from sdc_core.checks.screen import GradientScreen
 from sdc_core.errors import ReplayMismatchError, SDCError
-from sdc_core.fingerprint import WeightFingerprint, healed_by_comparison
-from sdc_core.gradients import NonFiniteGradient, carries, drop_step, start_carrying
-from sdc_core.incidents import mark_verdict, record_verdict
-from sdc_core.replay import RingReplay
-from sdc_core.replay_screen import confirm_hits, skips
-from sdc_core.screen import GradientScreen
-from sdc_core.sharded import ShardedFingerprint, ShardedNonFinite, is_sharded
-from sdc_core.sharded_replay import ShardedReplay
-from sdc_core.sharded_update import UpdateAudit
+from sdc_core.ops.incidents import mark_verdict, record_verdict
+from sdc_core.replay.confirm import confirm_hits, skips
+from sdc_core.replay.ring import RingReplay
+from sdc_core.sharded.checks import ShardedFingerprint, ShardedNonFinite, is_sharded
+from sdc_core.sharded.replay import ShardedReplay
+from sdc_core.sharded.update_audit import UpdateAudit
 
 
 class RolledBack:
@@ -180,7 +180,7 @@ class StepDriver:
 
     @property
     def matmuls(self) -> list[Any]:
-        matmul = sys.modules.get("sdc_core.matmul")  # not loaded: no such check exists (an opt-in, heavy import)
+        matmul = sys.modules.get("sdc_core.checks.matmul")  # not loaded: no such check exists (an opt-in, heavy import)
         return self._of(matmul.MatmulChecksum) if matmul is not None else []
 
     @property

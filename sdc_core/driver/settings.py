@@ -29,13 +29,13 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from sdc_core.fingerprint import FingerprintConfig
-from sdc_core.gradients import NonFiniteConfig
-from sdc_core.matmul import MatmulChecksumConfig
-from sdc_core.replay import ReplayConfig
+from sdc_core.checks.fingerprint import FingerprintConfig
+from sdc_core.checks.gradients import NonFiniteConfig
+from sdc_core.checks.matmul import MatmulChecksumConfig
+from sdc_core.checks.screen import ScreenConfig
+from sdc_core.replay.ring import ReplayConfig
 from sdc_core.schema import settings_of
-from sdc_core.screen import ScreenConfig
-from sdc_core.sharded_update import UpdateAudit, update_audit
+from sdc_core.sharded.update_audit import UpdateAudit, update_audit
 
 
 class SDCConfigError(ValueError):
@@ -166,11 +166,11 @@ def field_doc(name: str) -> str:
 
 
 def help_table_source() -> str:
-    """The text of ``sdc_core/settings_help.py``: each setting's name, default and doc, for a
+    """The text of ``sdc_core/driver/settings_help.py``: each setting's name, default and doc, for a
     ``--help`` that imports no torch (``tests/test_cli_startup.py`` keeps the file equal to this)."""
     rows = "".join(f"    ({f.name!r}, {f.default!r},\n     {f.metadata['doc']!r}),\n" for f in fields(SDCSettings))
     return (
-        '"""Generated from ``sdc_core.settings.SDCSettings`` by ``help_table_source()`` (do not edit): each\n'
+        '"""Generated from ``sdc_core.driver.settings.SDCSettings`` by ``help_table_source()`` (do not edit): each\n'
         "setting's ``(name, default, one-line doc)``, so ``accelerate-sdc --help`` imports no torch.\n"
         '``tests/test_cli_startup.py`` fails when this differs from the schema."""\n\n'
         f"SETTINGS: tuple[tuple[str, object, str], ...] = (\n{rows})\n"

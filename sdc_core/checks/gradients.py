@@ -79,11 +79,11 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
+from sdc_core.checks.fingerprint import WeightFingerprint, flatten, group_small
+from sdc_core.dist.topology import HostRead, Topology, all_gather_objects, is_distributed
 from sdc_core.errors import NonFiniteGradientError
-from sdc_core.fingerprint import WeightFingerprint, flatten, group_small
 from sdc_core.schema import documented, setting
 from sdc_core.stats import CheckStats
-from sdc_core.topology import HostRead, Topology, all_gather_objects, is_distributed
 
 GradConsumer = Callable[[nn.Parameter, torch.Tensor], None]
 _ON_FAILURE = ("raise", "skip_step", "warn", "rollback")
@@ -401,7 +401,7 @@ class NonFiniteGradient(NonFiniteVerdicts):
         tap.finishers.append(self._end_of_backward)
 
     def want_magnitudes(self, groups: int) -> int:
-        """Opt in to the local-gradient magnitudes (for ``sdc_core.screen``; call after ``attach``,
+        """Opt in to the local-gradient magnitudes (for ``sdc_core.checks.screen``; call after ``attach``,
         on every rank alike): from the next read backward on, each one also leaves a vector of
         ``k = min(groups, trainable parameters)`` values (``take_magnitudes``), value ``j`` the
         log2 of the largest magnitude of any LOCAL gradient element in group ``j`` (the tap's

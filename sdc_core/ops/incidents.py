@@ -12,7 +12,7 @@
   (default 86, ``SDC_EXIT_CODE`` to change, 0 to keep Python's own 1) after the ``atexit``
   handlers ran (trackers close their runs). Launchers (torchrun, ``accelerate launch``) turn any
   failed worker into their own exit code 1, so ``mark_verdict`` also leaves a marker in
-  ``$SDC_VERDICT_DIR`` for ``sdc run`` / ``accelerate-sdc launch`` (``sdc_core.launch``), which
+  ``$SDC_VERDICT_DIR`` for ``sdc run`` / ``accelerate-sdc launch`` (``sdc_core.ops.launch``), which
   exit 86 for the job.
 """
 
@@ -33,12 +33,12 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from sdc_core import exit_order
+from sdc_core.dist import exit_order
 from sdc_core.errors import TRACEBACK_ENV, SDCError, verdict_line
-from sdc_core.safeio import UnreadableError, create_unique
+from sdc_core.io.safe_files import UnreadableError, create_unique
 
 if TYPE_CHECKING:  # topology imports torch: `sdc report` and `sdc exclude-list` read incidents without it
-    from sdc_core.topology import Topology
+    from sdc_core.dist.topology import Topology
 
 EXIT_CODE_ENV = "SDC_EXIT_CODE"
 DEFAULT_EXIT_CODE = 86
@@ -63,7 +63,7 @@ def install_exit_code() -> None:
     for the launcher (``mark_verdict``), non-daemon threads are joined and the ``atexit`` handlers
     run, as at any normal exit (an MLflow run is ended, not left RUNNING), and the process ends with
     the code (``SDC_EXIT_CODE=0``: Python's own 1). In a job of several processes, the ranks other
-    than 0 leave only once rank 0's ``atexit`` handlers ran (``sdc_core.exit_order``, at most
+    than 0 leave only once rank 0's ``atexit`` handlers ran (``sdc_core.dist.exit_order``, at most
     15 s): the launcher stops the whole group when the first rank exits, and rank 0 owns the
     trackers. Other exceptions are left alone. In a worker group that torchrun restarted after an
     SDC verdict (inside ``sdc run``), the first call ends the process at once with the code.
@@ -132,7 +132,7 @@ def mark_verdict(error: SDCError, also: str | Path | None = None) -> None:
     if getattr(error, "_sdc_marked", False):
         return
     error._sdc_marked = True  # type: ignore[attr-defined]
-    from sdc_core.topology import node_name
+    from sdc_core.dist.topology import node_name
 
     exit_order.capture()  # the process group may be gone by the time the verdict ends the process
     record = {
@@ -432,7 +432,7 @@ def record_verdict(check: Any, run_dir: str | Path | None, is_main: bool, policy
 
 def _local_topology(error: SDCError) -> Topology:
     """What is known without a collective: the hosts the error names (facts unknown elsewhere)."""
-    from sdc_core.topology import RankFacts, Topology
+    from sdc_core.dist.topology import RankFacts, Topology
 
     world = error.details.get("world_size")
     world = world if isinstance(world, int) else max([*error.suspects, error.rank or 0]) + 1

@@ -79,11 +79,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from sdc_core import _triton_digest
+from sdc_core.checks import _triton_digest
+from sdc_core.dist.topology import HostRead, Topology, all_gather_tensor, collective_device, is_distributed
 from sdc_core.errors import FingerprintMismatchError
 from sdc_core.schema import documented, setting
 from sdc_core.stats import CheckStats
-from sdc_core.topology import HostRead, Topology, all_gather_tensor, collective_device, is_distributed
 
 DIGEST_VERSION = 2
 _ROWS = 16  # at most this many words per class (more only past _MAX_CLASSES classes)

@@ -35,8 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from sdc_core.errors import FingerprintMismatchError
-from sdc_core.fingerprint import (
+from sdc_core.checks.fingerprint import (
     FingerprintConfig,
     combine,
     fingerprinted_tensors,
@@ -44,9 +43,10 @@ from sdc_core.fingerprint import (
     home_device,
     vote,
 )
-from sdc_core.gradients import NonFiniteVerdicts
+from sdc_core.checks.gradients import NonFiniteVerdicts
+from sdc_core.dist.topology import HostRead, Topology, all_gather_objects, collective_device, is_distributed
+from sdc_core.errors import FingerprintMismatchError
 from sdc_core.stats import CheckStats
-from sdc_core.topology import HostRead, Topology, all_gather_objects, collective_device, is_distributed
 
 try:  # torch >= 2.4
     from torch.distributed.fsdp import FSDPModule

@@ -53,12 +53,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from sdc_core.dist.topology import HostRead, Topology, collective_device, is_distributed
 from sdc_core.schema import documented, setting
 from sdc_core.stats import CheckStats
-from sdc_core.topology import HostRead, Topology, collective_device, is_distributed
 
 if TYPE_CHECKING:
-    from sdc_core.gradients import NonFiniteGradient
+    from sdc_core.checks.gradients import NonFiniteGradient
 
 _HEADER = 2  # step, width
 _LOG2_LIMIT = 1100.0  # |log2| of any finite float64 magnitude is below this

@@ -4,9 +4,9 @@ This module reads Lightning ``.ckpt`` files, plain ``torch.save`` state dicts, A
 ``save_state`` and Hugging Face Trainer folders (``Checkpoint``), writes them back atomically (a
 hard link to the input is replaced, never written through) and only to a regular file: a device
 or FIFO given as the output is refused. Flipping bits in a saved checkpoint (fault injection) is
-``sdc_core.checkpoint_faults``; nothing here imports fault injection.
+``sdc_core.faults.checkpoint``; nothing here imports fault injection.
 
-Every file is read with ``weights_only=True`` (``sdc_core.safeio.load_torch``): reading a checkpoint
+Every file is read with ``weights_only=True`` (``sdc_core.io.safe_files.load_torch``): reading a checkpoint
 cannot run code hidden in it; ``trust_pickle=True`` opts in, loudly, for a legacy file you wrote.
 
 ``fingerprint_checkpoint(obj)`` is what ``WeightFingerprintCheck`` stores in the checkpoints it
@@ -28,9 +28,9 @@ from typing import Any
 
 import torch
 
+from sdc_core.checks.fingerprint import tensor_digest, tensor_digest_v1
 from sdc_core.errors import FingerprintMismatchError
-from sdc_core.fingerprint import tensor_digest, tensor_digest_v1
-from sdc_core.safeio import (
+from sdc_core.io.safe_files import (
     OutputError,
     UnreadableError,
     atomic_write,

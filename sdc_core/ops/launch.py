@@ -4,7 +4,7 @@ torchrun, ``accelerate launch`` and most launchers turn any failed worker into t
 1, whatever the worker's code, and a worker cannot change that. ``sdc run`` starts the command
 with ``SDC_VERDICT_DIR`` naming a fresh private folder; every process that raises an SDC verdict
 (uncaught, or through the Lightning / Accelerate adapters) leaves a small marker there
-(``sdc_core.incidents.mark_verdict``). When the command ends:
+(``sdc_core.ops.incidents.mark_verdict``). When the command ends:
 
 * exit 0 stays 0 (the job finished, or handled the verdict itself);
 * a failure with a marker exits ``SDC_EXIT_CODE`` (default 86; 0 keeps the command's code);
@@ -36,7 +36,7 @@ _FROM_TERMINAL = ("SIGINT", "SIGQUIT")
 
 def job_exit_code(returncode: int, verdicts: Sequence[dict[str, Any]], sdc_code: int | None = None) -> int:
     """The exit code for the job: see the module docstring."""
-    from sdc_core.incidents import exit_code
+    from sdc_core.ops.incidents import exit_code
 
     code = exit_code() if sdc_code is None else sdc_code
     if returncode == 0:
@@ -80,7 +80,7 @@ def run_command(cmd: Sequence[str], env: dict[str, str] | None = None) -> int:
     What ``sdc run`` and ``accelerate-sdc launch`` do. Raises ``FileNotFoundError`` /
     ``PermissionError`` when the command cannot be started.
     """
-    from sdc_core.incidents import VERDICT_DIR_ENV, exit_code, read_verdicts  # here: `sdc run --help` stays quick
+    from sdc_core.ops.incidents import VERDICT_DIR_ENV, exit_code, read_verdicts  # here: `sdc run --help` stays quick
 
     env = dict(os.environ if env is None else env)
     sdc_code = exit_code(env)  # the command's setting; a bad one is named before anything starts

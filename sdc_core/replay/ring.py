@@ -91,23 +91,20 @@ from typing import Any
 import torch
 from torch import nn
 
-from sdc_core.errors import ReplayMismatchError, ReplayUnavailableError
-from sdc_core.gradients import GradientTap
-from sdc_core.payload import PayloadError
-from sdc_core.replay_compare import (
-    AUTO_MARGIN,
-    Digest,
-    Row,
-    assemble,
-    calibrate,
-    compare,
-    compare_raw,
-    digest_row,
-    disagree,
-    grad_digest,
-    lower_median,
+from sdc_core.checks.gradients import GradientTap
+from sdc_core.dist.payload import PayloadError
+from sdc_core.dist.topology import (
+    TRANSFER_ERROR,
+    Topology,
+    all_gather_objects,
+    all_gather_tensor,
+    check_replay_payload,
+    exchange,
+    is_distributed,
+    owners_of,
 )
-from sdc_core.replay_exchange import (
+from sdc_core.errors import ReplayMismatchError, ReplayUnavailableError
+from sdc_core.replay.attribution import (
     DEFAULT_ADVICE,
     SEVERAL,
     attribute,
@@ -127,7 +124,20 @@ from sdc_core.replay_exchange import (
     settle,
     unreproducible_message,
 )
-from sdc_core.replay_state import (
+from sdc_core.replay.compare import (
+    AUTO_MARGIN,
+    Digest,
+    Row,
+    assemble,
+    calibrate,
+    compare,
+    compare_raw,
+    digest_row,
+    disagree,
+    grad_digest,
+    lower_median,
+)
+from sdc_core.replay.state import (
     SEND_BY_DIGEST_BYTES,
     CollectiveInReplay,
     DeterministicWindow,
@@ -148,16 +158,6 @@ from sdc_core.replay_state import (
 )
 from sdc_core.schema import documented, setting
 from sdc_core.stats import CheckStats
-from sdc_core.topology import (
-    TRANSFER_ERROR,
-    Topology,
-    all_gather_objects,
-    all_gather_tensor,
-    check_replay_payload,
-    exchange,
-    is_distributed,
-    owners_of,
-)
 
 __all__ = [
     "AUTO_MARGIN", "CALIBRATION_ROUNDS", "DEFAULT_ADVICE", "EXACT_MODES", "SEND_BY_DIGEST_BYTES",
@@ -221,7 +221,7 @@ class ReplayConfig:
         None,
         "unpickle a partner's non-tensor micro-batch in the replay (trust every rank)",
         "Whether THIS rank unpickles a partner's micro-batch that does not travel as plain data "
-        "(``sdc_core.payload``); ``None``: the environment variable ``SDC_ALLOW_PICKLED_BATCHES``, off unless "
+        "(``sdc_core.dist.payload``); ``None``: the environment variable ``SDC_ALLOW_PICKLED_BATCHES``, off unless "
         "set. Only if every rank is trusted: unpickling runs code a peer chose.",
     )
 

@@ -1,4 +1,4 @@
-"""Generated from ``sdc_core.settings.SDCSettings`` by ``help_table_source()`` (do not edit): each
+"""Generated from ``sdc_core.driver.settings.SDCSettings`` by ``help_table_source()`` (do not edit): each
 setting's ``(name, default, one-line doc)``, so ``accelerate-sdc --help`` imports no torch.
 ``tests/test_cli_startup.py`` fails when this differs from the schema."""
 

@@ -32,13 +32,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from sdc_core.errors import FingerprintMismatchError, ReplayUnavailableError
-from sdc_core.fingerprint import tensor_digest
-from sdc_core.replay import explain, pick_referee, settle
-from sdc_core.schema import setting
-from sdc_core.sharded import local
-from sdc_core.stats import CheckStats
-from sdc_core.topology import (
+from sdc_core.checks.fingerprint import tensor_digest
+from sdc_core.dist.topology import (
     TRANSFER_ERROR,
     Topology,
     all_gather_objects,
@@ -48,6 +43,11 @@ from sdc_core.topology import (
     is_distributed,
     owners_of,
 )
+from sdc_core.errors import FingerprintMismatchError, ReplayUnavailableError
+from sdc_core.replay.ring import explain, pick_referee, settle
+from sdc_core.schema import setting
+from sdc_core.sharded.checks import local
+from sdc_core.stats import CheckStats
 
 
 def _snapshot(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> list[dict[str, Any]]:

@@ -1,6 +1,6 @@
 """Confirming a screen hit: a partner recomputes the suspect's micro-batches before anyone is named.
 
-The every-step screen (``sdc_core.screen``) flags a rank whose local-gradient peaks left the
+The every-step screen (``sdc_core.checks.screen``) flags a rank whose local-gradient peaks left the
 band the healthy ranks show. A flag alone accuses nobody: a batch may really have a huge gradient
 (a genuine spike), and the band is a statistical judgement. ``confirm_hits`` runs in the same
 step, before the update, on the weights the step computed with:
@@ -38,12 +38,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from sdc_core.checks.gradients import log2_peaks_by_group, peaks
+from sdc_core.checks.screen import in_band, reference
+from sdc_core.dist.payload import PayloadError
+from sdc_core.dist.topology import Topology, collective_device, is_distributed, owners_of
 from sdc_core.errors import ReplayMismatchError
-from sdc_core.gradients import log2_peaks_by_group, peaks
-from sdc_core.payload import PayloadError
-from sdc_core.replay_exchange import describe, replay_partners
-from sdc_core.screen import in_band, reference
-from sdc_core.topology import Topology, collective_device, is_distributed, owners_of
+from sdc_core.replay.attribution import describe, replay_partners
 
 REPRODUCED = 1.0  # log2 units: a recomputed peak within a factor 2 of the owner's reproduces it
 

@@ -1,7 +1,7 @@
 """Checkpoint alteration: the fault-injection technique of the SBAC-PAD 2022 study of DDP and
 Horovod training: flip bits in a saved checkpoint, resume, and watch what happens.
 
-``corrupt_file`` reads any checkpoint ``sdc_core.checkpoint.Checkpoint`` reads, flips chosen bits
+``corrupt_file`` reads any checkpoint ``sdc_core.io.checkpoints.Checkpoint`` reads, flips chosen bits
 in chosen tensors with a seeded generator, and logs every flip (tensor, index, bit, old and new
 value) so a run can be replayed. It never writes over its input unless asked to, and writes every
 output atomically. Used by ``sdc corrupt-checkpoint`` and the campaign; the checks never import it.
@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 
-from sdc_core.checkpoint import Checkpoint
-from sdc_core.faults import flip_bit
-from sdc_core.safeio import atomic_write_text, check_output
+from sdc_core.faults.inject import flip_bit
+from sdc_core.io.checkpoints import Checkpoint
+from sdc_core.io.safe_files import atomic_write_text, check_output
 
 BIT_CLASSES = ("sign", "exponent_top", "exponent", "mantissa")
 # (exponent bits, mantissa bits) per float format

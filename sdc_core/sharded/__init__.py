@@ -1,0 +1,3 @@
+"""The FSDP2 (``fully_shard``) variants: the non-finite check and fingerprint over shards
+(``checks``), the sharded replay (``replay``) and the update audit (``update_audit``). On
+``replay`` and ``checks``."""
