@@ -1,0 +1,547 @@
+"""Who is where: ranks, hosts and nodes, replay partners, and the few collectives the checks use.
+
+Facts about each rank (hostname, node rank, local rank) are gathered once, at set-up, with one
+``all_gather_objects``; nothing here runs per step except the small helpers the checks call on
+their own cadence.
+
+Nothing a peer sends is unpickled: ``all_gather_objects`` and ``exchange`` carry objects in the
+form of ``sdc_core.dist.payload`` (JSON header plus raw tensor bytes), agree on sizes before any
+buffer is allocated, and raise ``PayloadError`` on every rank together for anything malformed,
+oversized or refused: one corrupted or compromised rank can neither run code on its partners nor
+leave them waiting.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from sdc_core.dist.payload import (
+    ALLOW_PICKLE_ENV,
+    MAX_PAYLOAD_ENV,
+    NotEncodable,
+    PayloadError,
+    decode,
+    encode,
+    max_payload_bytes,
+    pickle_allowed,
+)
+
+
+def is_distributed() -> bool:
+    """True when a process group with more than one rank is initialized."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def device_backends(config: str | None = None) -> dict[str, str]:
+    """Device type -> name of the backend that serves it, for a backend string as
+    ``dist.get_backend_config()`` writes it (``"nccl"``, ``"gloo"``, ``"cpu:gloo,cuda:nccl"``, ...),
+    by default the default process group's (empty when none is initialized). Parsed by torch's
+    own ``BackendConfig`` (a single name stands for every device type torch says it serves:
+    ``"gloo"`` serves ``cpu`` and ``cuda``, ``"nccl"`` only ``cuda``). Raises ``ValueError`` on a
+    malformed string."""
+    if config is None:
+        if not (dist.is_available() and dist.is_initialized()):
+            return {}
+        config = dist.get_backend_config()
+    from torch.distributed.distributed_c10d import BackendConfig
+
+    return {str(d): str(b) for d, b in BackendConfig(config).get_device_backend_map().items()}
+
+
+def _current(kind: str) -> torch.device:
+    """The current device of type ``kind`` (``cuda`` -> ``cuda:<current>``)."""
+    module = getattr(torch, kind, None)
+    if module is not None and hasattr(module, "current_device") and module.is_available():
+        return torch.device(kind, module.current_device())
+    return torch.device(kind)
+
+
+def collective_device(device: torch.device | str | None = None, config: str | None = None) -> torch.device:
+    """Where tensors made on ``device`` go to the default group's collectives.
+
+    ``device`` itself when a backend of the group serves its type (NCCL for ``cuda``; gloo, UCC
+    and MPI also carry ``cuda`` tensors, through the host on their own threads, waiting on the
+    producing stream themselves), so device-made values never cross to the host on the checks'
+    side. Otherwise the host when the group serves ``cpu``, else the device type the group serves
+    (``"nccl"`` with CPU tensors: the current CUDA device). ``device=None`` asks for values made
+    on the host (pickled payloads, host counters): the host when the group serves it, else the
+    group's device. Without a process group: ``device``, or the host. ``config`` overrides the
+    group's backend string (``device_backends``).
+    """
+    backends = device_backends(config)
+    if device is not None:
+        device = torch.device(device)
+        if not backends or device.type in backends:
+            return device if device.index is not None or device.type == "cpu" else _current(device.type)
+    if not backends or "cpu" in backends:
+        return torch.device("cpu")
+    return _current(next(iter(backends)))
+
+
+class HostRead:
+    """A device tensor's value, to be read on the host later without draining the device's queue.
+
+    Create it right where the value is produced (after starting any asynchronous collective
+    ``work`` on it): on CUDA it records an event on the producing stream. ``get()`` then makes a
+    side stream wait for that event (and for ``work``), copies the value into pinned host memory
+    there and waits for that copy only: work queued after the value (the next step's forward and
+    backward) is not waited for. Never a ``non_blocking`` copy read before it landed. On the host
+    (CPU tensors) ``get()`` waits for ``work`` and returns the value; other device types take a
+    blocking copy. Cost: one event, one tiny copy, and one wait when read.
+    """
+
+    def __init__(self, value: torch.Tensor, work: Any = None) -> None:
+        self.value = value
+        self.work = work
+        self.event = None
+        if value.device.type == "cuda":
+            self.event = torch.cuda.Event()
+            self.event.record(torch.cuda.current_stream(value.device))
+
+    def get(self) -> torch.Tensor:
+        """The value as a CPU tensor, once it (and ``work``) has landed."""
+        if self.event is None:
+            if self.work is not None:
+                self.work.wait()
+            return self.value if self.value.device.type == "cpu" else self.value.to("cpu")
+        device = self.value.device
+        stream = _side_stream(device)
+        stream.wait_event(self.event)
+        with torch.cuda.stream(stream):
+            if self.work is not None:
+                self.work.wait()  # NCCL: this stream waits for it; gloo: the host waits, then this stream
+            host = torch.empty(self.value.shape, dtype=self.value.dtype, pin_memory=True)
+            host.copy_(self.value, non_blocking=True)
+            landed = torch.cuda.Event()
+            landed.record(stream)
+        landed.synchronize()  # the copy (and what it waited for) only
+        return host
+
+
+_side_streams: dict[torch.device, Any] = {}
+
+
+def _side_stream(device: torch.device) -> Any:
+    """One side stream per CUDA device, for ``HostRead`` copies."""
+    if device not in _side_streams:
+        _side_streams[device] = torch.cuda.Stream(device)
+    return _side_streams[device]
+
+
+def _env_int(*names: str) -> int | None:
+    for name in names:
+        value = os.environ.get(name)
+        if value is not None and value.strip().lstrip("-").isdigit():
+            return int(value)
+    return None
+
+
+NODE_NAME_ENVS = ("SLURMD_NODENAME", "NODE_NAME")  # Slurm's node; Kubernetes' (downward API: spec.nodeName)
+
+
+def node_name() -> str:
+    """The name the scheduler knows this process's node by, the one to drain or cordon:
+    ``SLURMD_NODENAME`` under Slurm, else ``NODE_NAME`` (Kubernetes, from the downward API), else
+    the host name. Several Slurm nodes can share one host; only the scheduler's name tells them apart."""
+    for name in NODE_NAME_ENVS:
+        value = os.environ.get(name, "").strip()
+        if value:
+            return value
+    return socket.gethostname()
+
+
+@dataclass(frozen=True)
+class RankFacts:
+    """What is known of one rank: its host, node rank, local rank and device (gathered once)."""
+
+    rank: int
+    host: str
+    node_rank: int
+    local_rank: int
+    device: str = "cpu"
+    device_uuid: str | None = None
+    versions: tuple[tuple[str, str], ...] = ()
+
+
+def _device_facts() -> tuple[str, str | None, tuple[tuple[str, str], ...]]:
+    """This process's device name, UUID (where the device has one) and library versions."""
+    import platform
+
+    versions = [("torch", str(torch.__version__)), ("python", platform.python_version())]
+    if torch.cuda.is_available():
+        index = torch.cuda.current_device()
+        props = torch.cuda.get_device_properties(index)
+        versions += [("cuda", str(torch.version.cuda)), ("cudnn", str(torch.backends.cudnn.version()))]
+        try:  # the kernel driver's version line, where the NVIDIA driver exposes it
+            with open("/proc/driver/nvidia/version") as f:
+                versions.append(("driver", f.readline().strip()))
+        except OSError:
+            pass
+        uuid = getattr(props, "uuid", None)
+        return props.name, (str(uuid) if uuid is not None else None), tuple(versions)
+    return platform.processor() or platform.machine() or "cpu", None, tuple(versions)
+
+
+@dataclass(frozen=True)
+class Topology:
+    """The facts of every rank, identical on all ranks once gathered."""
+
+    ranks: tuple[RankFacts, ...]
+    rank: int
+
+    @property
+    def world_size(self) -> int:
+        return len(self.ranks)
+
+    @classmethod
+    def gather(cls, node_rank: int | None = None, local_rank: int | None = None) -> Topology:
+        """Collect every rank's facts (one ``all_gather_objects``; call once, on every rank).
+
+        ``node_rank`` defaults to ``GROUP_RANK`` (torchrun), ``NODE_RANK`` (Lightning) or
+        ``SLURM_NODEID``; ``local_rank`` to ``LOCAL_RANK`` or ``SLURM_LOCALID``.
+        """
+        rank = dist.get_rank() if is_distributed() else 0
+        mine = RankFacts(
+            rank=rank,
+            host=node_name(),
+            node_rank=node_rank
+            if node_rank is not None
+            else (_env_int("GROUP_RANK", "NODE_RANK", "SLURM_NODEID") or 0),
+            local_rank=local_rank if local_rank is not None else (_env_int("LOCAL_RANK", "SLURM_LOCALID") or 0),
+            **dict(zip(("device", "device_uuid", "versions"), _device_facts(), strict=True)),
+        )
+        if not is_distributed():
+            return cls(ranks=(mine,), rank=0)
+        gathered = all_gather_objects(mine)
+        if not all(isinstance(f, RankFacts) and f.rank == r for r, f in enumerate(gathered)):
+            raise PayloadError("gathering the ranks' facts failed: a rank sent something else than its own facts")
+        return cls(ranks=tuple(gathered), rank=rank)
+
+    def hosts(self, ranks: Any) -> dict[int, str]:
+        return {int(r): self.ranks[int(r)].host for r in ranks}
+
+    def node_ranks(self, ranks: Any) -> dict[int, int]:
+        return {int(r): self.ranks[int(r)].node_rank for r in ranks}
+
+    @property
+    def num_nodes(self) -> int:
+        return len({f.node_rank for f in self.ranks})
+
+    def partners(self) -> tuple[int, ...]:
+        """``partners()[r]`` is the rank that replays rank ``r``'s batch: one cycle through all
+        ranks, crossing nodes at every hop when the nodes are of equal size."""
+        return ring_partners([f.node_rank for f in self.ranks])
+
+
+def ring_partners(node_of_rank: list[int]) -> tuple[int, ...]:
+    """Replay permutation for ranks placed on the given nodes (see ``Topology.partners``).
+
+    The ranks are interleaved across nodes (first rank of each node, then the second of each,
+    ...) and each replays the batch of the one before it in that cycle. One cycle through all
+    ranks means no two ranks replay each other (which would make a faulty rank and its partner
+    indistinguishable); with equal node sizes every partner sits on another node. On one node
+    the partner of ``r`` is ``r + 1``.
+    """
+    world = len(node_of_rank)
+    seen: dict[int, int] = {}
+    local_index = []
+    for node in node_of_rank:
+        local_index.append(seen.get(node, 0))
+        seen[node] = local_index[-1] + 1
+    order = sorted(range(world), key=lambda r: (local_index[r], node_of_rank[r], r))
+    partner = [0] * world
+    for i, r in enumerate(order):
+        partner[r] = order[(i + 1) % world]
+    return tuple(partner)
+
+
+def group_ring_partners(groups: list[tuple[int, ...]], node_of_rank: list[int]) -> tuple[int, ...]:
+    """Replay permutation when ranks compute each batch together in ``groups`` (tensor-parallel
+    groups, one per data-parallel index, each listed in tensor-parallel coordinate order).
+
+    The ring runs over the groups (``ring_partners`` on the node of each group's first rank): the
+    group after ``g`` replays ``g``'s batches, its rank with coordinate ``t`` replaying what rank
+    ``t`` of ``g`` computed, so the members of a group replay one batch together and their
+    collectives pair up. With ``D`` groups the permutation is ``T`` cycles of length ``D``.
+    Raises ``ValueError`` unless the groups are of one size and cover every rank exactly once."""
+    world = len(node_of_rank)
+    sizes = {len(g) for g in groups}
+    if len(sizes) != 1 or sorted(r for g in groups for r in g) != list(range(world)):
+        raise ValueError(f"tensor-parallel groups must be of one size and cover the {world} ranks once, got {groups}")
+    ring = ring_partners([node_of_rank[g[0]] for g in groups])
+    partner = [0] * world
+    for g, members in enumerate(groups):
+        for t, r in enumerate(members):
+            partner[r] = groups[ring[g]][t]
+    return tuple(partner)
+
+
+def owners_of(partners: tuple[int, ...] | list[int]) -> list[int]:
+    """The inverse of a replay permutation: ``owners_of(partners)[q]`` is the rank whose batch
+    rank ``q`` replays."""
+    owners = [0] * len(partners)
+    for o, q in enumerate(partners):
+        owners[q] = o
+    return owners
+
+
+def all_gather_tensor(value: torch.Tensor) -> torch.Tensor:
+    """Stack every rank's ``value`` (same shape on all ranks) along a new first dimension."""
+    if not is_distributed():
+        return value.unsqueeze(0)
+    out = [torch.empty_like(value) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, value)
+    return torch.stack(out)
+
+
+def _agree(failures: list[str], what: str) -> None:
+    """Raise ``PayloadError`` on every rank when any rank lists a failure (a collective: every rank
+    calls it at the same point). Costs one 4-byte all-gather; the texts (512 bytes a rank) travel
+    only when some rank failed."""
+    flags = all_gather_tensor(torch.tensor([len(failures)], dtype=torch.int32, device=collective_device()))
+    if not any(flags.flatten().tolist()):
+        return
+    mine = "; ".join(failures).encode("utf-8", "replace")[:_TEXT_BYTES]
+    text = torch.zeros(_TEXT_BYTES, dtype=torch.uint8)
+    if mine:
+        text[: len(mine)] = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
+    rows = all_gather_tensor(text.to(collective_device())).cpu()
+    said = [bytes(r.tolist()).rstrip(b"\0").decode("utf-8", "replace") for r in rows]
+    raise PayloadError(f"{what} failed: " + "; ".join(t for t in said if t))
+
+
+_TEXT_BYTES = 512
+
+
+def all_gather_objects(obj: Any, *, max_bytes: int | None = None) -> list[Any]:
+    """Every rank's ``obj``, in rank order, never unpickled: ``obj`` travels in the form of
+    ``sdc_core.dist.payload`` (plain values, containers, tensors, named tuples, sdc_core dataclasses).
+
+    Sizes are agreed first (one all-gather of 24 bytes a rank), checked on every rank against the
+    smallest ``max_bytes`` of all ranks (default ``SDC_MAX_PAYLOAD_MB`` or 4 GiB), and the receive
+    buffers' allocation is agreed too (4 bytes a rank), so a bad size or a buffer that cannot be
+    held raises ``PayloadError`` on every rank, never on one while the others wait. Every rank
+    decodes the same bytes, so an object that cannot be read (or one its rank could not encode)
+    raises ``PayloadError`` naming that rank on every rank. Rare paths only: three collectives."""
+    if not is_distributed():
+        return [obj]
+    world, me = dist.get_world_size(), dist.get_rank()
+    device = collective_device()
+    limit = max_payload_bytes(max_bytes)
+    try:
+        data, ok = encode(obj, where=f"rank {me}'s object"), 1
+    except (NotEncodable, RuntimeError) as err:
+        data, ok = encode(f"{type(err).__name__}: {err}"), 0
+    table = all_gather_tensor(torch.tensor([data.numel(), limit, ok], dtype=torch.int64, device=device)).tolist()
+    agreed = min(r[1] for r in table)
+    bad = [f"rank {r} announced {n} bytes (the limit is {agreed} bytes, {MAX_PAYLOAD_ENV})"
+           for r, (n, _, _) in enumerate(table) if not 0 < n <= agreed]  # fmt: skip
+    if bad:
+        raise PayloadError("gathering objects failed: " + "; ".join(bad))
+    longest = max(r[0] for r in table)
+    failure = []
+    try:
+        padded = torch.zeros(longest, dtype=torch.uint8, device=device)
+        padded[: data.numel()] = data.to(device)
+        bufs = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in range(world)]
+    except Exception as err:  # out of memory: decided together below
+        failure = [f"rank {me} cannot hold {world} x {longest} bytes: {type(err).__name__}: {err}"]
+    _agree(failure, "gathering objects")
+    dist.all_gather(bufs, padded)
+    out = []
+    for r, (n, _, sent) in enumerate(table):
+        try:
+            value = decode(bufs[r][:n])
+        except PayloadError as err:
+            raise PayloadError(f"gathering objects failed: rank {r}'s object cannot be read: {err}") from None
+        if not sent:
+            raise PayloadError(f"gathering objects failed: rank {r} could not send its object: {value}")
+        out.append(value)
+    return out
+
+
+TRANSFER_ERROR = "__sdc_transfer_error__"
+
+
+def _outgoing(obj: Any, allow_pickle: bool, limit: int) -> torch.Tensor:
+    """The payload of ``obj`` (CPU bytes); an object that cannot travel, or one over the limit,
+    becomes ``{TRANSFER_ERROR: why}`` so the receiver still gets a message and no rank waits."""
+    try:
+        data = encode(obj, allow_pickle=allow_pickle)
+    except (NotEncodable, RuntimeError) as err:
+        hint = (" Make the batch (and the state the replay carries) tensors and plain values, or, if you trust "
+                f"every rank, allow pickled batches on every rank (allow_pickled_batches, {ALLOW_PICKLE_ENV}=1)."
+                if isinstance(err, NotEncodable) and not allow_pickle else "")  # fmt: skip
+        return encode({TRANSFER_ERROR: f"cannot send: {err}.{hint}"})
+    if data.numel() > limit:
+        return encode({TRANSFER_ERROR: f"cannot send: the payload is {data.numel()} bytes, above the limit of "
+                                       f"{limit} bytes (raise {MAX_PAYLOAD_ENV}, in MiB, on every rank)"})  # fmt: skip
+    return data
+
+
+def _fit(data: torch.Tensor, size: int) -> torch.Tensor:
+    if data.numel() == size:
+        return data
+    out = torch.zeros(size, dtype=torch.uint8)
+    out[: min(size, data.numel())] = data[:size]
+    return out
+
+
+def exchange(
+    sends: dict[int, Any],
+    recv_from: list[int],
+    *,
+    allow_pickle: bool | None = None,
+    max_bytes: int | None = None,
+    validate: Callable[[Any], None] | None = None,
+) -> dict[int, Any]:
+    """Point-to-point exchange: ``sends[dst] = obj``; returns ``{src: obj}`` for each source.
+
+    Every rank calls it at the same point with a plan consistent with the others' (a send to
+    ``d`` on rank ``s`` matches ``s`` in ``recv_from`` on rank ``d``). Objects travel in the form
+    of ``sdc_core.dist.payload`` and arrive on the CPU; nothing a peer sends is unpickled unless THIS
+    rank's ``allow_pickle`` (default ``SDC_ALLOW_PICKLED_BATCHES``, off) says so. An object this
+    rank cannot send (it would need pickling, or is larger than ``max_bytes``) arrives as
+    ``{TRANSFER_ERROR: why}``.
+
+    Guarantees: the plan and every size are agreed first (one all-gather of ``2W + 1`` integers
+    a rank) and checked on every rank against the smallest ``max_bytes`` of all ranks (default
+    ``SDC_MAX_PAYLOAD_MB`` or 4 GiB); receive buffers are allocated and that is agreed (4 bytes
+    a rank); after the transfer each receiver decodes and runs ``validate`` (raising on a shape
+    its caller cannot use), and that is agreed (4 bytes a rank). Any failure (an inconsistent
+    plan, a size over the limit, a buffer that cannot be held, a malformed payload, a pickled
+    object this rank does not accept, a failed ``validate``) raises ``PayloadError`` on every
+    rank, naming the ranks, never on one while the others wait. Cost: one copy of each payload
+    into a buffer and one out; three small collectives beside the transfers."""
+    world, me = dist.get_world_size(), dist.get_rank()
+    device = collective_device()
+    allow, limit = pickle_allowed(allow_pickle), max_payload_bytes(max_bytes)
+    payloads = {dst: _outgoing(obj, allow, limit) for dst, obj in sends.items()}
+    row = [-1] * world + [0] * world + [limit]
+    for dst, data in payloads.items():
+        row[dst] = data.numel()
+    for src in recv_from:
+        row[world + src] = 1
+    table = all_gather_tensor(torch.tensor(row, dtype=torch.int64, device=device)).tolist()
+    agreed = min(r[2 * world] for r in table)
+    problems = []
+    for s in range(world):
+        for d in range(world):
+            size, expected = table[s][d], bool(table[d][world + s])
+            if size < -1 or size > agreed or size == 0:
+                problems.append(f"rank {s} announced {size} bytes for rank {d} (the limit is {agreed} bytes, "
+                                f"{MAX_PAYLOAD_ENV})")  # fmt: skip
+            elif (size >= 0) != expected:
+                problems.append(f"rank {s} {'sends to' if size >= 0 else 'sends nothing to'} rank {d}, which "
+                                f"{'does not expect it' if size >= 0 else 'expects a payload'}")  # fmt: skip
+    if problems:
+        raise PayloadError("payload exchange failed: " + "; ".join(problems[:8]))
+    failure = []
+    try:  # exactly the agreed sizes go on the wire, whatever this rank's row said (gloo aborts a receiver
+        # that gets more bytes than it expects); a payload that disagrees with its size fails to decode
+        outgoing = {d: _fit(data, table[me][d]).to(device) for d, data in payloads.items()}
+        incoming = {s: torch.empty(table[s][me], dtype=torch.uint8, device=device) for s in recv_from}
+    except Exception as err:  # out of memory: decided together below
+        failure = [f"rank {me} cannot hold the payloads: {type(err).__name__}: {err}"]
+    _agree(failure, "payload exchange")
+    works = [(None, dist.isend(t, d)) for d, t in outgoing.items()]
+    works += [(s, dist.irecv(b, s)) for s, b in incoming.items()]
+    failures, broken = [], set()
+    for src, work in works:
+        try:
+            work.wait()
+        except Exception as err:  # a transfer that failed here (a peer sent other bytes than it announced)
+            what = f"receive from rank {src}" if src is not None else "send"
+            failures.append(f"rank {me} could not {what}: {type(err).__name__}: {err}")
+            broken.add(src)
+    received = {}
+    for src, buf in incoming.items():
+        if src in broken:
+            continue
+        try:
+            received[src] = decode(buf, allow_pickle=allow)
+            if validate is not None:
+                validate(received[src])
+        except Exception as err:
+            failures.append(f"rank {me} refused the payload of rank {src}: {err}")
+    _agree(failures, "payload exchange")
+    return received
+
+
+def check_replay_payload(payload: Any) -> None:
+    """``validate`` for the ring replay's exchanges (``sdc_core.replay.ring``): raises ``ValueError``
+    unless ``payload`` is ``{TRANSFER_ERROR: text}`` or holds ``micro`` (a list of ``MicroBatch``)
+    with ``digest``, and/or ``replay``, each a well formed ``Digest`` (1-D tensors of one length:
+    float64 sums, norms and numels, int64 fingerprints; a float loss)."""
+    if not isinstance(payload, dict):
+        raise ValueError(f"a replay payload is a {type(payload).__name__}, not a dict")
+    if TRANSFER_ERROR in payload:
+        if set(payload) != {TRANSFER_ERROR} or not isinstance(payload[TRANSFER_ERROR], str):
+            raise ValueError("a replay transfer error is not one text")
+        return
+    keys = set(payload)
+    if not keys or not keys <= {"micro", "digest", "replay"} or ("micro" in keys) != ("digest" in keys):
+        raise ValueError(f"a replay payload has the keys {sorted(map(str, payload))}")
+    micro = payload.get("micro", [])
+    if not isinstance(micro, list) or not all(_named(m, "MicroBatch") for m in micro):
+        raise ValueError("a replay payload's micro-batches are not a list of MicroBatch")
+    for key in ("digest", "replay"):
+        if key in payload:
+            _check_digest(payload[key], key)
+
+
+def _named(obj: Any, name: str) -> bool:
+    return type(obj).__name__ == name and type(obj).__module__.startswith("sdc_core.")
+
+
+def _check_digest(d: Any, key: str) -> None:
+    if not _named(d, "Digest"):
+        raise ValueError(f"a replay payload's {key} is a {type(d).__name__}, not a Digest")
+    parts = {"sums": torch.float64, "norms": torch.float64, "fps": torch.int64, "numels": torch.float64}
+    lengths = set()
+    for field, dtype in parts.items():
+        t = getattr(d, field)
+        if not isinstance(t, torch.Tensor) or t.dtype != dtype or t.dim() != 1:
+            raise ValueError(f"a replay payload's {key}.{field} is not a 1-D {dtype} tensor")
+        lengths.add(t.numel())
+    if len(lengths) != 1 or not isinstance(d.loss, float):
+        raise ValueError(f"a replay payload's {key} has tensors of lengths {sorted(lengths)} or a loss not a float")
+
+
+def check_update_payload(payload: Any) -> None:
+    """``validate`` for the update audit's exchanges (``sdc_core.sharded.update_audit``): raises
+    ``ValueError`` unless ``payload`` is ``{TRANSFER_ERROR: text}``, ``{"skipped": True}`` or
+    ``{"groups": [...], "after": [int, ...]}`` whose items hold a name, a parameter shard, a
+    gradient of the same shape (or None) and a state of tensors and plain values."""
+    if not isinstance(payload, dict):
+        raise ValueError(f"an update payload is a {type(payload).__name__}, not a dict")
+    if TRANSFER_ERROR in payload or "skipped" in payload:
+        if len(payload) != 1:
+            raise ValueError("an update payload mixes a skip or an error with data")
+        return
+    groups, after = payload.get("groups"), payload.get("after")
+    if set(payload) != {"groups", "after"} or not isinstance(groups, list) or not isinstance(after, list):
+        raise ValueError(f"an update payload has the keys {sorted(map(str, payload))}")
+    count = 0
+    for g in groups:
+        if not isinstance(g, dict) or not isinstance(g.get("hyper"), dict) or not isinstance(g.get("items"), list):
+            raise ValueError("an update payload's group is not {'hyper': dict, 'items': list}")
+        for item in g["items"]:
+            p = item.get("param") if isinstance(item, dict) else None
+            if not isinstance(p, torch.Tensor) or not isinstance(item.get("name"), str):
+                raise ValueError("an update payload's item lacks a name or a parameter tensor")
+            grad, state = item.get("grad"), item.get("state")
+            if grad is not None and (not isinstance(grad, torch.Tensor) or grad.shape != p.shape):
+                raise ValueError(f"an update payload's gradient of {item['name']} does not match its parameter")
+            if not isinstance(state, dict):
+                raise ValueError(f"an update payload's state of {item['name']} is not a dict")
+            count += 1
+    if len(after) != count or not all(isinstance(a, int) and not isinstance(a, bool) for a in after):
+        raise ValueError(f"an update payload lists {len(after)} digests for {count} tensors")
