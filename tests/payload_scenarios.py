@@ -21,7 +21,8 @@ from torch import nn
 import sdc_core.dist.payload as payload
 import sdc_core.dist.topology as topology
 import sdc_core.sharded.update_audit as sharded_update
-from sdc_core.dist.topology import Topology, all_gather_objects, check_replay_payload, exchange
+from sdc_core.dist.payload_checks import check_replay_payload
+from sdc_core.dist.topology import Topology, all_gather_objects, exchange
 from sdc_core.replay.ring import Digest, MicroBatch
 
 HOSTILE = 1  # the rank that misbehaves in each scenario

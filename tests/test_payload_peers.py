@@ -20,7 +20,8 @@ import torch
 from conftest import results, torchrun, worker_env
 
 from sdc_core.dist.payload import NotEncodable, PayloadError, decode, encode, max_payload_bytes, pickle_allowed
-from sdc_core.dist.topology import TRANSFER_ERROR, RankFacts, check_replay_payload, check_update_payload
+from sdc_core.dist.payload_checks import check_replay_payload, check_update_payload
+from sdc_core.dist.topology import TRANSFER_ERROR, RankFacts
 from sdc_core.replay.ring import Digest, MicroBatch, StepState, TensorRef
 
 SCRIPT = Path(__file__).with_name("payload_scenarios.py")

@@ -539,33 +539,12 @@ class _Decoder:
         return cls(**values)
 
 
-_TAGS = {
+_TAGS = {  # the tag of a node -> the method that rebuilds it
     tag: getattr(_Decoder, f"_{tag}")
-    for tag in (
-        "list",
-        "tuple",
-        "set",
-        "frozenset",
-        "deque",
-        "size",
-        "dtype",
-        "device",
-        "complex",
-        "bytes",
-        "bytearray",
-        "dict",
-        "odict",
-        "ddict",
-        "mapping",
-        "tensor",
-        "ndarray",
-        "npscalar",
-        "pickle",
-        "ntuple",
-        "enum",
-        "dataclass",
-    )
-}
+    for tag in ("list", "tuple", "set", "frozenset", "deque", "size", "dtype", "device", "complex", "bytes",
+                "bytearray", "dict", "odict", "ddict", "mapping", "tensor", "ndarray", "npscalar", "pickle", "ntuple",
+                "enum", "dataclass")
+}  # fmt: skip
 
 
 def decode(data: torch.Tensor, allow_pickle: bool = False) -> Any:

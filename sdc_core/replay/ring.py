@@ -93,12 +93,12 @@ from torch import nn
 
 from sdc_core.checks.gradients import GradientTap
 from sdc_core.dist.payload import PayloadError
+from sdc_core.dist.payload_checks import check_replay_payload
 from sdc_core.dist.topology import (
     TRANSFER_ERROR,
     Topology,
     all_gather_objects,
     all_gather_tensor,
-    check_replay_payload,
     exchange,
     is_distributed,
     owners_of,

@@ -33,12 +33,12 @@ import torch
 from torch import nn
 
 from sdc_core.checks.fingerprint import tensor_digest
+from sdc_core.dist.payload_checks import check_update_payload
 from sdc_core.dist.topology import (
     TRANSFER_ERROR,
     Topology,
     all_gather_objects,
     all_gather_tensor,
-    check_update_payload,
     exchange,
     is_distributed,
     owners_of,
