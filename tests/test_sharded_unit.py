@@ -11,7 +11,7 @@ import torch
 from conftest import worker_env
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from sdc_core.sharded.checks import Witnesses, replicate_ranks
+from sdc_core.sharded.replicas import Witnesses, replicate_ranks
 
 HSDP = torch.arange(6).reshape(3, 2)  # (replicate, shard): ranks 0, 2, 4 hold the same shard
 
@@ -32,7 +32,7 @@ import json, torch, torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from sdc_core.sharded.checks import plan_groups, witnesses
+from sdc_core.sharded.replicas import plan_groups, witnesses
 out = {}
 for rank in range(6):
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=6)

@@ -118,7 +118,7 @@ def _module_on(meshes: list[_Mesh], fsdp_mesh: _Mesh, monkeypatch: pytest.Monkey
     import torch
     from torch import nn
 
-    import sdc_core.sharded.checks as sharded
+    import sdc_core.sharded.tap as sharded
 
     class FakeFSDP(nn.Module):
         def _get_fsdp_state(self) -> SimpleNamespace:

@@ -1,10 +1,7 @@
 """The checks on sharded models: FSDP2 (``fully_shard``), HSDP and tensor parallelism.
 
-One rule for witnesses: the ranks that hold the same bytes of a tensor are its replicas. A
-DTensor's replicas are read from its placements and device mesh: the ranks that share this
-rank's coordinate on every mesh dimension that is not ``Replicate`` (DDP-style plain tensors are
-replicated over the whole world). Pure FSDP: no replica; HSDP: the replicate dimension, per
-shard; tensor parallel: the TP ranks of a parameter that TP leaves replicated.
+Witnesses follow one rule: the ranks that hold the same bytes of a tensor are its replicas
+(``sdc_core.sharded.replicas``). ``local`` and ``is_sharded`` say what this rank holds.
 
 * ``ShardedNonFinite``: every rank's LOCAL unsharded gradients are read inside FSDP2's
   reduce-scatter (a ``ReduceScatter`` comm that wraps the one in place, the user's included), before
@@ -25,8 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -35,29 +31,22 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from sdc_core.checks.fingerprint import (
-    FingerprintConfig,
-    combine,
-    fingerprinted_tensors,
-    grouped_digests,
-    home_device,
-    vote,
-)
+from sdc_core.checks.digest import combine, grouped_digests, home_device
+from sdc_core.checks.fingerprint import FingerprintConfig, fingerprinted_tensors, vote
 from sdc_core.checks.gradients import NonFiniteVerdicts
 from sdc_core.dist.topology import HostRead, Topology, all_gather_objects, collective_device, is_distributed
 from sdc_core.errors import FingerprintMismatchError
+from sdc_core.sharded.replicas import ReplicaGroup, plan_groups, settle_groups
+from sdc_core.sharded.tap import GradientTapComm, fsdp_taps
 from sdc_core.stats import CheckStats
 
 try:  # torch >= 2.4
-    from torch.distributed.fsdp import FSDPModule
-    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
     from torch.distributed.tensor import DTensor
 except ImportError:  # pragma: no cover - old torch: nothing here is sharded
-    FSDPModule = DTensor = None  # type: ignore[assignment,misc]
-    ReduceScatter = object  # type: ignore[assignment,misc]
+    DTensor = None  # type: ignore[assignment,misc]
 
 
-# -- the witness rule ------------------------------------------------------------------------------
+# -- what this rank holds ----------------------------------------------------------------------------
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -72,221 +61,7 @@ def is_sharded(module: nn.Module) -> bool:
     return DTensor is not None and any(isinstance(p, DTensor) for p in module.parameters())
 
 
-def replicate_ranks(mesh_ranks: torch.Tensor, coordinate: Sequence[int], placements: Sequence[Any]) -> tuple[int, ...]:
-    """The global ranks holding the same bytes as this rank: those of ``mesh_ranks`` (the mesh's
-    rank layout) that share ``coordinate`` on every dimension whose placement is not ``Replicate``.
-    Returns ``()`` when a placement is ``Partial`` (pending reduction: the bytes are no one's yet)."""
-    if any(getattr(p, "is_partial", lambda: False)() for p in placements):
-        return ()
-    index = tuple(slice(None) if p.is_replicate() else int(c) for p, c in zip(placements, coordinate, strict=True))
-    return tuple(sorted(int(r) for r in mesh_ranks[index].flatten().tolist()))
-
-
-@dataclass(frozen=True)
-class Witnesses:
-    """Where a tensor's replicas are: ``ranks`` (sorted, this rank included) and the mesh
-    dimensions that replicate it (``dims``; ``None`` for a plain tensor: the whole world)."""
-
-    ranks: tuple[int, ...]
-    mesh: Any = None
-    dims: tuple[int, ...] | None = None
-
-    @property
-    def kind(self) -> tuple:
-        """Identical on every rank for the same tensor (SPMD): orders the collectives."""
-        if self.mesh is None:
-            return ("world",)
-        return ("mesh", tuple(self.mesh.shape), self.dims)
-
-
-def witnesses(t: torch.Tensor, world_size: int) -> Witnesses:
-    """The replicas of ``t`` by the witness rule (see the module docstring).
-
-    A DTensor on a sub-mesh (e.g. the ``dp`` mesh of a ``dp x tp`` mesh, for a layer tensor
-    parallelism leaves alone) is read on its root mesh, the dimensions it is not placed on
-    counting as ``Replicate`` (the same module computes the same bytes there); ``settle_groups``
-    keeps such a group only if every member reports it, so a dimension where that is false
-    (pipeline stages) demotes the tensor to "no replica" instead of pairing ranks that lack it.
-    """
-    if DTensor is None or not isinstance(t, DTensor):
-        return Witnesses(tuple(range(world_size)))
-    mesh, placements = t.device_mesh, list(t.placements)
-    root = mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else mesh
-    names, root_names = mesh.mesh_dim_names, root.mesh_dim_names
-    if root is not mesh and names and root_names and all(n in root_names for n in names):
-        from torch.distributed.tensor import Replicate
-
-        widened: list[Any] = [Replicate()] * root.ndim
-        for name, p in zip(names, placements, strict=True):
-            widened[root_names.index(name)] = p
-        mesh, placements = root, widened
-    coordinate = mesh.get_coordinate()
-    if coordinate is None:  # this rank is not in the tensor's mesh
-        return Witnesses(())
-    ranks = replicate_ranks(mesh.mesh, coordinate, placements)
-    dims = tuple(i for i, p in enumerate(placements) if p.is_replicate())
-    return Witnesses(ranks, mesh, dims)
-
-
-@dataclass
-class ReplicaGroup:
-    """Tensors with the same replicas, and the process group they are compared in."""
-
-    witnesses: Witnesses
-    names: list[str]
-    tensors: list[torch.Tensor]
-    group: Any = None  # ProcessGroup, or None for the default (world) group
-
-    @property
-    def ranks(self) -> tuple[int, ...]:
-        return self.witnesses.ranks
-
-
-def plan_groups(named: Sequence[tuple[str, torch.Tensor]], world_size: int) -> list[ReplicaGroup]:
-    """Partition ``named`` tensors by their replicas, in an order identical on every rank.
-
-    Groups of one rank (no replica: pure FSDP shards) come first; tensors with a ``Partial``
-    placement are left out. ``settle_groups`` confirms them and attaches process groups.
-    """
-    groups: dict[tuple, ReplicaGroup] = {}
-    for name, t in named:
-        w = witnesses(t, world_size)
-        if not w.ranks:
-            continue
-        key = (True, w.kind, w.ranks) if len(w.ranks) > 1 else (False, ("solo",), w.ranks)
-        if key not in groups:
-            groups[key] = ReplicaGroup(w, [], [])
-        groups[key].names.append(name)
-        groups[key].tensors.append(t)
-    return [groups[k] for k in sorted(groups, key=lambda k: (k[0], repr(k[1])))]
-
-
-def settle_groups(groups: list[ReplicaGroup], world_size: int) -> list[ReplicaGroup]:
-    """Confirm each replica group with its members and give it a process group (a collective:
-    call on every rank at the same point).
-
-    A group is kept only when every member rank reports the same ranks with the same tensor
-    names; the tensors of any other group join this rank's unreplicated group. A single replicate
-    mesh dimension reuses the mesh's process group; the whole world uses the default group;
-    other rank sets get ``new_group``, created over the union of every rank's sets in one order.
-    """
-    mine = {g.ranks: g.names for g in groups if len(g.ranks) > 1}
-    gathered = all_gather_objects(mine) if world_size > 1 else [mine]
-    rank = dist.get_rank() if world_size > 1 else 0
-    kept: list[ReplicaGroup] = []
-    solo = ReplicaGroup(Witnesses((rank,)), [], [])
-    for g in groups:
-        if len(g.ranks) == 1 or not all(gathered[q].get(g.ranks) == g.names for q in g.ranks):
-            solo.names += g.names
-            solo.tensors += g.tensors
-        else:
-            kept.append(g)
-    needed = set()
-    for g in kept:
-        w = g.witnesses
-        if len(w.ranks) == world_size:
-            g.group = None
-        elif w.dims is not None and len(w.dims) == 1:
-            g.group = w.mesh.get_group(w.dims[0])
-        else:
-            needed.add(w.ranks)
-    everyone = all_gather_objects(sorted(needed)) if world_size > 1 else [sorted(needed)]
-    union = sorted({tuple(r) for theirs in everyone for r in theirs})
-    made = {ranks: dist.new_group(list(ranks)) for ranks in union}
-    for g in kept:
-        if g.witnesses.ranks in made:
-            g.group = made[g.witnesses.ranks]
-    return ([solo] if solo.names else []) + kept
-
-
 # -- non-finite local gradients under FSDP2 -------------------------------------------------------
-
-
-class GradientTapComm(ReduceScatter):  # type: ignore[misc,valid-type]
-    """FSDP2 reduce-scatter that lets consumers read the LOCAL unsharded gradients of one FSDP
-    parameter group (flat, pre-divided, padding zero) and then runs the comm it wraps: FSDP's
-    default, or one the user set with ``set_custom_reduce_scatter``. Consumers must not
-    synchronise with the host."""
-
-    def __init__(self, inner: Any, names: list[str], param_group: Any = None) -> None:
-        self.inner = inner
-        self.names = names
-        self.consumers: list[Any] = []
-        self.replay_consumers: list[Any] = []
-        self.output_consumers: list[Any] = []  # see ``watch_output``
-        self.replaying = False  # an audit replay: digest, then no reduction at all (output zeros)
-        self.param_group = param_group
-        self.group_size = 1  # ranks of the reduce-scatter being tapped (set on each call)
-
-    @property
-    def mesh_size(self) -> int:
-        """Ranks the group's gradients are reduced over (shard x replicate): its FSDP mesh."""
-        mesh = getattr(getattr(self.param_group, "mesh_info", None), "mesh", None)
-        return int(mesh.size()) if mesh is not None else 0
-
-    def watch_output(self) -> None:
-        """Let ``output_consumers`` read this rank's reduced shard after the reduction is complete
-        (after the HSDP all-reduce), on FSDP's post-reduce stream: installs a wrapper of the
-        parameter group's all-reduce hook (the user's, if any, runs first). Not during replays."""
-        pg = self.param_group
-        if pg is None or isinstance(pg._all_reduce_hook, _OutputHook):
-            return
-        pg._all_reduce_hook = _OutputHook(pg._all_reduce_hook, self)
-
-    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return self.inner.allocate(size, dtype=dtype, device=device)
-
-    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any,
-                 async_op: bool = False) -> Any:  # fmt: skip
-        if self.replaying:
-            for consume in self.replay_consumers:
-                consume(input_tensor, self.names)
-            output_tensor.zero_()
-            return None
-        self.group_size = group.size() if group is not None else 1
-        for consume in self.consumers:
-            consume(input_tensor, self.names)
-        return self.inner(output_tensor=output_tensor, input_tensor=input_tensor, group=group, op=op,
-                          async_op=async_op)  # fmt: skip
-
-
-class _OutputHook:
-    """An FSDP2 all-reduce hook: the user's hook, then the tap's output consumers."""
-
-    def __init__(self, inner: Any, tap: GradientTapComm) -> None:
-        self.inner, self.tap = inner, tap
-
-    def __call__(self, reduce_output: torch.Tensor) -> None:
-        if self.inner is not None:
-            self.inner(reduce_output)
-        if not self.tap.replaying:
-            for consume in self.tap.output_consumers:
-                consume(reduce_output)
-
-
-def fsdp_taps(module: nn.Module) -> list[GradientTapComm]:
-    """The gradient taps of every FSDP2 parameter group in ``module``, installed once (wrapping
-    the reduce-scatter comm in place). A parameter group whose reduce-scatter spans one rank
-    (HSDP with a shard size of 1) never calls the comm: it is left out, with a warning."""
-    if FSDPModule is None:
-        return []
-    names = {id(p): n for n, p in module.named_parameters()}
-    taps: list[GradientTapComm] = []
-    for m in module.modules():
-        if not isinstance(m, FSDPModule):
-            continue
-        for pg in m._get_fsdp_state()._fsdp_param_groups:
-            comm = pg._reduce_scatter_comm
-            if not isinstance(comm, GradientTapComm):
-                group = pg.mesh_info.shard_process_group if hasattr(pg.mesh_info, "shard_process_group") else None
-                if group is not None and group.size() == 1:
-                    warnings.warn("a parameter group is not sharded (shard size 1): its local gradients are "
-                                  "not visible to the non-finite check", UserWarning, stacklevel=2)  # fmt: skip
-                    continue
-                comm = GradientTapComm(comm, [names.get(id(fp.sharded_param), "?") for fp in pg.fsdp_params], pg)
-                pg._reduce_scatter_comm = comm
-            taps.append(comm)
-    return taps
 
 
 @dataclass
@@ -668,7 +443,6 @@ class ShardedFingerprint:
                         dist.broadcast(local(t), src=src, group=g.group)
 
 
-
 def _changed(held: Any) -> list[str]:
     """Names of the tensors whose digest changed between the two reads of a window at rest."""
     if held is None:
@@ -677,17 +451,4 @@ def _changed(held: Any) -> list[str]:
     return [n for n, a, b in zip(g.names, rows().tolist(), now_rows().tolist(), strict=True) if a != b]
 
 
-__all__ = [
-    "GradientTapComm",
-    "ReplicaGroup",
-    "ShardedFingerprint",
-    "ShardedNonFinite",
-    "Witnesses",
-    "fsdp_taps",
-    "is_sharded",
-    "local",
-    "plan_groups",
-    "replicate_ranks",
-    "settle_groups",
-    "witnesses",
-]
+__all__ = ["ShardedFingerprint", "ShardedNonFinite", "is_sharded", "local"]

@@ -59,13 +59,14 @@ from torch.nn.utils.stateless import _reparametrize_module
 from sdc_core.replay.compare import Digest, Row, assemble, digest_row
 from sdc_core.replay.ring import RingReplay
 from sdc_core.replay.state import MicroBatch, StateCapture, StepFn, _all_rng, _set_rng
-from sdc_core.sharded.checks import GradientTapComm, fsdp_taps, local
+from sdc_core.sharded.checks import local
+from sdc_core.sharded.tap import GradientTapComm, fsdp_taps
 
 
 def _other_parallel_meshes(module: nn.Module) -> list[tuple[Any, tuple[str, ...], list[int]]]:
     """``(root mesh, its dimension names, indices of the dimensions of size > 1 FSDP does not
     use)`` for every distinct root mesh of the parameters that has such dimensions."""
-    from sdc_core.sharded.checks import FSDPModule
+    from sdc_core.sharded.tap import FSDPModule
 
     fsdp_meshes: list[Any] = []
     for m in module.modules():

@@ -1,0 +1,157 @@
+"""The witness rule of the sharded checks: which ranks hold the same bytes of a tensor.
+
+The ranks that hold the same bytes of a tensor are its replicas. A DTensor's replicas are read
+from its placements and device mesh: the ranks that share this rank's coordinate on every mesh
+dimension that is not ``Replicate`` (DDP-style plain tensors are replicated over the whole world).
+Pure FSDP: no replica; HSDP: the replicate dimension, per shard; tensor parallel: the TP ranks of
+a parameter that TP leaves replicated. ``plan_groups`` partitions tensors by their replicas, in an
+order identical on every rank; ``settle_groups`` confirms the groups with their members and gives
+each a process group (a collective), so ``ShardedFingerprint`` compares each group in its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from sdc_core.dist.topology import all_gather_objects
+
+try:  # torch >= 2.4
+    from torch.distributed.tensor import DTensor
+except ImportError:  # pragma: no cover - old torch: nothing here is sharded
+    DTensor = None  # type: ignore[assignment,misc]
+
+
+def replicate_ranks(mesh_ranks: torch.Tensor, coordinate: Sequence[int], placements: Sequence[Any]) -> tuple[int, ...]:
+    """The global ranks holding the same bytes as this rank: those of ``mesh_ranks`` (the mesh's
+    rank layout) that share ``coordinate`` on every dimension whose placement is not ``Replicate``.
+    Returns ``()`` when a placement is ``Partial`` (pending reduction: the bytes are no one's yet)."""
+    if any(getattr(p, "is_partial", lambda: False)() for p in placements):
+        return ()
+    index = tuple(slice(None) if p.is_replicate() else int(c) for p, c in zip(placements, coordinate, strict=True))
+    return tuple(sorted(int(r) for r in mesh_ranks[index].flatten().tolist()))
+
+
+@dataclass(frozen=True)
+class Witnesses:
+    """Where a tensor's replicas are: ``ranks`` (sorted, this rank included) and the mesh
+    dimensions that replicate it (``dims``; ``None`` for a plain tensor: the whole world)."""
+
+    ranks: tuple[int, ...]
+    mesh: Any = None
+    dims: tuple[int, ...] | None = None
+
+    @property
+    def kind(self) -> tuple:
+        """Identical on every rank for the same tensor (SPMD): orders the collectives."""
+        if self.mesh is None:
+            return ("world",)
+        return ("mesh", tuple(self.mesh.shape), self.dims)
+
+
+def witnesses(t: torch.Tensor, world_size: int) -> Witnesses:
+    """The replicas of ``t`` by the witness rule (see the module docstring).
+
+    A DTensor on a sub-mesh (e.g. the ``dp`` mesh of a ``dp x tp`` mesh, for a layer tensor
+    parallelism leaves alone) is read on its root mesh, the dimensions it is not placed on
+    counting as ``Replicate`` (the same module computes the same bytes there); ``settle_groups``
+    keeps such a group only if every member reports it, so a dimension where that is false
+    (pipeline stages) demotes the tensor to "no replica" instead of pairing ranks that lack it.
+    """
+    if DTensor is None or not isinstance(t, DTensor):
+        return Witnesses(tuple(range(world_size)))
+    mesh, placements = t.device_mesh, list(t.placements)
+    root = mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else mesh
+    names, root_names = mesh.mesh_dim_names, root.mesh_dim_names
+    if root is not mesh and names and root_names and all(n in root_names for n in names):
+        from torch.distributed.tensor import Replicate
+
+        widened: list[Any] = [Replicate()] * root.ndim
+        for name, p in zip(names, placements, strict=True):
+            widened[root_names.index(name)] = p
+        mesh, placements = root, widened
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:  # this rank is not in the tensor's mesh
+        return Witnesses(())
+    ranks = replicate_ranks(mesh.mesh, coordinate, placements)
+    dims = tuple(i for i, p in enumerate(placements) if p.is_replicate())
+    return Witnesses(ranks, mesh, dims)
+
+
+@dataclass
+class ReplicaGroup:
+    """Tensors with the same replicas, and the process group they are compared in."""
+
+    witnesses: Witnesses
+    names: list[str]
+    tensors: list[torch.Tensor]
+    group: Any = None  # ProcessGroup, or None for the default (world) group
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        return self.witnesses.ranks
+
+
+def plan_groups(named: Sequence[tuple[str, torch.Tensor]], world_size: int) -> list[ReplicaGroup]:
+    """Partition ``named`` tensors by their replicas, in an order identical on every rank.
+
+    Groups of one rank (no replica: pure FSDP shards) come first; tensors with a ``Partial``
+    placement are left out. ``settle_groups`` confirms them and attaches process groups.
+    """
+    groups: dict[tuple, ReplicaGroup] = {}
+    for name, t in named:
+        w = witnesses(t, world_size)
+        if not w.ranks:
+            continue
+        key = (True, w.kind, w.ranks) if len(w.ranks) > 1 else (False, ("solo",), w.ranks)
+        if key not in groups:
+            groups[key] = ReplicaGroup(w, [], [])
+        groups[key].names.append(name)
+        groups[key].tensors.append(t)
+    return [groups[k] for k in sorted(groups, key=lambda k: (k[0], repr(k[1])))]
+
+
+def settle_groups(groups: list[ReplicaGroup], world_size: int) -> list[ReplicaGroup]:
+    """Confirm each replica group with its members and give it a process group (a collective:
+    call on every rank at the same point).
+
+    A group is kept only when every member rank reports the same ranks with the same tensor
+    names; the tensors of any other group join this rank's unreplicated group. A single replicate
+    mesh dimension reuses the mesh's process group; the whole world uses the default group;
+    other rank sets get ``new_group``, created over the union of every rank's sets in one order.
+    """
+    mine = {g.ranks: g.names for g in groups if len(g.ranks) > 1}
+    gathered = all_gather_objects(mine) if world_size > 1 else [mine]
+    rank = dist.get_rank() if world_size > 1 else 0
+    kept: list[ReplicaGroup] = []
+    solo = ReplicaGroup(Witnesses((rank,)), [], [])
+    for g in groups:
+        if len(g.ranks) == 1 or not all(gathered[q].get(g.ranks) == g.names for q in g.ranks):
+            solo.names += g.names
+            solo.tensors += g.tensors
+        else:
+            kept.append(g)
+    needed = set()
+    for g in kept:
+        w = g.witnesses
+        if len(w.ranks) == world_size:
+            g.group = None
+        elif w.dims is not None and len(w.dims) == 1:
+            g.group = w.mesh.get_group(w.dims[0])
+        else:
+            needed.add(w.ranks)
+    everyone = all_gather_objects(sorted(needed)) if world_size > 1 else [sorted(needed)]
+    union = sorted({tuple(r) for theirs in everyone for r in theirs})
+    made = {ranks: dist.new_group(list(ranks)) for ranks in union}
+    for g in kept:
+        if g.witnesses.ranks in made:
+            g.group = made[g.witnesses.ranks]
+    return ([solo] if solo.names else []) + kept
+
+
+
+__all__ = ["ReplicaGroup", "Witnesses", "plan_groups", "replicate_ranks", "settle_groups", "witnesses"]
