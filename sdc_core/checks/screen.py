@@ -168,6 +168,43 @@ def reference(values: Sequence[Sequence[float]], exclude: int | None = None) -> 
     return out
 
 
+def _read_rows(
+    table: list[list[float]], width: int
+) -> tuple[list[tuple[float, ...]], list[list[float]], list[bool], list[bool]]:
+    """The gathered rows (``step, width, values...`` per rank; peers are hostile) as ``(values,
+    judged, malformed, nonfinite)``: per rank its values as reported (all NaN for a malformed row:
+    a step or width other than the ranks' median, or a value neither NaN, +Inf nor finite within
+    the range of log2 magnitudes; +Inf kept), as compared (+Inf is no opinion too), whether the
+    row was malformed and whether it held +Inf (the rank's gradients held NaN/Inf)."""
+    nan, inf, limit = math.nan, math.inf, _LOG2_LIMIT
+    expect = _median([r[0] for r in table])  # the step most ranks sent
+    values: list[tuple[float, ...]] = []
+    judged: list[list[float]] = []
+    malformed: list[bool] = []
+    nonfinite: list[bool] = []
+    for r in table:
+        v = r[_HEADER:]
+        if _isfinite(sum(v)):  # every value finite (a NaN or an Inf makes the sum non-finite)
+            legal = -limit <= min(v) and max(v) <= limit
+        else:
+            legal = all(a != a or a == inf or -limit <= a <= limit for a in v)
+        bad = r[0] != expect or r[1] != width or not legal
+        malformed.append(bad)
+        if bad:
+            v = [nan] * width
+            nonfinite.append(False)
+        elif inf in v:
+            nonfinite.append(True)
+            values.append(tuple(v))
+            judged.append([nan if a == inf else a for a in v])
+            continue
+        else:
+            nonfinite.append(False)
+        values.append(tuple(v))
+        judged.append(v)
+    return values, judged, malformed, nonfinite
+
+
 def _deviations(row: Sequence[float], ref: Sequence[float]) -> list[float]:
     """``row``'s level-corrected deviations from ``ref``, then its level (log2; NaN: none). The
     level is the median deviation (how much larger this rank's batch made everything); each value
@@ -372,33 +409,8 @@ class GradientScreen:
         if rows.shape != (world, _HEADER + self.width) or world != self.world_size:
             raise ValueError(f"screen rows of shape {tuple(rows.shape)}, expected ({self.world_size}, "
                              f"{_HEADER + self.width})")  # fmt: skip
-        width, nan, inf, limit = self.width, math.nan, math.inf, _LOG2_LIMIT
-        table: list[list[float]] = rows.to("cpu", torch.float64).tolist()
-        expect = _median([r[0] for r in table])  # the step most ranks sent
-        values: list[tuple[float, ...]] = []  # as reported: NaN for a malformed row, +Inf kept
-        judged: list[list[float]] = []  # as compared: +Inf is no opinion too
-        malformed: list[bool] = []
-        nonfinite: list[bool] = []
-        for r in table:
-            v = r[_HEADER:]
-            if _isfinite(sum(v)):  # every value finite (a NaN or an Inf makes the sum non-finite)
-                legal = -limit <= min(v) and max(v) <= limit
-            else:
-                legal = all(a != a or a == inf or -limit <= a <= limit for a in v)
-            bad = r[0] != expect or r[1] != width or not legal
-            malformed.append(bad)
-            if bad:
-                v = [nan] * width
-                nonfinite.append(False)
-            elif inf in v:
-                nonfinite.append(True)
-                values.append(tuple(v))
-                judged.append([nan if a == inf else a for a in v])
-                continue
-            else:
-                nonfinite.append(False)
-            values.append(tuple(v))
-            judged.append(v)
+        width, nan, inf = self.width, math.nan, math.inf
+        values, judged, malformed, nonfinite = _read_rows(rows.to("cpu", torch.float64).tolist(), width)
         ref = reference(judged)
         if self._band is None or self.stats.runs % _REFRESH == 1:
             band_t, calibrated_t = self.bands()
