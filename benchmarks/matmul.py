@@ -262,7 +262,7 @@ def _timed(fn: Any, device: torch.device, repeats: int) -> float:
 
 
 def _breakdown_one(device: torch.device, n: int, k: int, m: int, repeats: int) -> dict[str, Any]:
-    from sdc_core.checks.matmul import LinearBound, rounding
+    from sdc_core.checks.matmul_bound import LinearBound, rounding
 
     rnd = rounding(torch.float32, device.type)
     gen = torch.Generator().manual_seed(0)

@@ -500,7 +500,7 @@ def visible_sizes_table(widths: tuple[int, ...] = (64, 256, 1024, 4096)) -> list
     """Markdown: the error of one element always caught, relative to the row's largest element
     (the weight gradient: to the gradient's largest), per width and precision, with the default
     blocks of 32 and with whole rows (``sdc_core.checks.matmul.visible_error_sizes``; computed here)."""
-    from sdc_core.checks.matmul import visible_error_sizes
+    from sdc_core.checks.matmul_bound import visible_error_sizes
 
     lines = [
         "Fault sizes always caught (the stated threshold: a wrong element at least this far from the right value "

@@ -16,16 +16,9 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from sdc_core.checks.matmul import (
-    LinearBound,
-    MatmulChecksum,
-    MatmulChecksumConfig,
-    check_linear,
-    operand,
-    product_node,
-    rounding,
-    visible_error_sizes,
-)
+from sdc_core.checks.matmul import MatmulChecksum, MatmulChecksumConfig
+from sdc_core.checks.matmul_bound import LinearBound, check_linear, operand, rounding, visible_error_sizes
+from sdc_core.checks.matmul_sites import product_node
 from sdc_core.errors import ChecksumMismatchError, SDCError
 from sdc_core.faults.inject import Fault, FaultInjector
 

@@ -250,7 +250,7 @@ class _MatmulFault:
                 old, new = self._wrong(y.detach())
             inj.fired.append({**record, "old": old, "new": new})
             return
-        from sdc_core.checks.matmul import product_node
+        from sdc_core.checks.matmul_sites import product_node
 
         found = product_node(y)
         if found is None:
