@@ -48,8 +48,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from sdc_core.checks.fingerprint import FingerprintConfig, WeightFingerprint, combine, grouped_digests, tensor_digests
-from sdc_core.checks.gradients import GradientTap, NonFiniteGradient, start_carrying
+from sdc_core.checks.digest import combine, grouped_digests, tensor_digests
+from sdc_core.checks.fingerprint import FingerprintConfig, WeightFingerprint
+from sdc_core.checks.gradient_tap import GradientTap
+from sdc_core.checks.gradients import NonFiniteGradient, start_carrying
 from sdc_core.checks.matmul import MatmulChecksum
 
 SIZES = {  # name: (d_model, layers, heads, vocab)

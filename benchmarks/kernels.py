@@ -37,8 +37,8 @@ from typing import Any
 import torch
 
 from benchmarks.common import interleaved, summary
-from sdc_core.checks.fingerprint import class_parts, combine, grouped_digests, words
-from sdc_core.checks.gradients import any_nonfinite, any_nonfinite_multi, peaks
+from sdc_core.checks.digest import class_parts, combine, grouped_digests, words
+from sdc_core.checks.reductions import any_nonfinite, any_nonfinite_multi, peaks
 
 
 def make_tensors(total: int, layout: str, dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from benchmarks.common import summary, sync
-from sdc_core.checks.fingerprint import combine, grouped_digests
+from sdc_core.checks.digest import combine, grouped_digests
 from sdc_core.checks.gradients import NonFiniteGradient
 from sdc_core.replay.ring import MicroBatch, ReplayConfig, capture_rng, grad_digest, replay_gradients
 

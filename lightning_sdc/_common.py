@@ -12,7 +12,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, ModelParallelStrategy, SingleDeviceStrategy
 
-from sdc_core.checks.gradients import GradientTap
+from sdc_core.checks.gradient_tap import GradientTap
 from sdc_core.dist.topology import Topology
 from sdc_core.stats import CheckStats
 

@@ -24,7 +24,7 @@ from scenario_runner import fresh, parse, run_each
 
 from accelerate_sdc import SDCError, SDCHooks
 from sdc_core import Fault, FaultInjector
-from sdc_core.checks.fingerprint import combine, tensor_digests
+from sdc_core.checks.digest import combine, tensor_digests
 from sdc_core.errors import ReplayUnavailableError
 
 

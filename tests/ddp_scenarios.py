@@ -34,7 +34,7 @@ from lightning_sdc import (
     SDCError,
     WeightFingerprintCheck,
 )
-from sdc_core.checks.fingerprint import combine, tensor_digests
+from sdc_core.checks.digest import combine, tensor_digests
 
 
 class Net(L.LightningModule):

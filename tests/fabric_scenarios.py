@@ -28,7 +28,7 @@ from scenario_runner import parse, run_each
 
 from lightning_sdc.fabric import SDCHooks
 from sdc_core import Fault, FaultInjector, SDCError
-from sdc_core.checks.fingerprint import combine, tensor_digests
+from sdc_core.checks.digest import combine, tensor_digests
 
 ACCUMULATE = 2
 CAPTURE = "replayable"

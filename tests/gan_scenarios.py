@@ -29,7 +29,7 @@ from lightning_sdc import (
     SDCError,
     WeightFingerprintCheck,
 )
-from sdc_core.checks.fingerprint import combine, tensor_digests
+from sdc_core.checks.digest import combine, tensor_digests
 
 BATCHES = 4
 

@@ -25,7 +25,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sdc_core.checks.gradients import GradientTap
+from sdc_core.checks.gradient_tap import GradientTap
 from sdc_core.errors import ReplayMismatchError, ReplayUnavailableError
 from sdc_core.faults.inject import Fault, FaultInjector
 from sdc_core.replay.ring import ReplayConfig, RingReplay, StateCapture, assemble, deterministic, digest_row

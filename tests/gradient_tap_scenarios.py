@@ -15,7 +15,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import checkpoint
 
-from sdc_core.checks.gradients import GradientTap, NonFiniteConfig, NonFiniteGradient
+from sdc_core.checks.gradient_tap import GradientTap
+from sdc_core.checks.gradients import NonFiniteConfig, NonFiniteGradient
 from sdc_core.dist import shutdown
 from sdc_core.errors import NonFiniteGradientError
 

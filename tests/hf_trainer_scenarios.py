@@ -26,7 +26,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, 
 from accelerate_sdc import SDCConfigError, SDCError
 from accelerate_sdc.transformers import SDCTrainerCallback
 from sdc_core import Fault, FaultInjector
-from sdc_core.checks.fingerprint import combine, tensor_digests
+from sdc_core.checks.digest import combine, tensor_digests
 
 STEPS = 4
 BF16 = False

@@ -49,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from scenario_runner import run_each
 
 from sdc_core import Fault, FaultInjector, SDCError, SDCHooks, flip_bit
-from sdc_core.checks.fingerprint import combine, tensor_digests
+from sdc_core.checks.digest import combine, tensor_digests
 from sdc_core.sharded.checks import local
 
 STEPS = 6

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from scenario_runner import cpu_ddp_trainer, parse, run_each
 
 from lightning_sdc import Fault, FaultInjector, ReplayUnavailableError, RingReplayAudit, SDCError
-from sdc_core.checks.fingerprint import combine, tensor_digests
+from sdc_core.checks.digest import combine, tensor_digests
 
 
 class Stateful(L.LightningModule):

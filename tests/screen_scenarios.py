@@ -27,7 +27,8 @@ from scenario_runner import parse, run_each
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from sdc_core.checks.gradients import GradientTap, NonFiniteConfig, NonFiniteGradient
+from sdc_core.checks.gradient_tap import GradientTap
+from sdc_core.checks.gradients import NonFiniteConfig, NonFiniteGradient
 from sdc_core.checks.screen import GradientScreen, ScreenConfig
 from sdc_core.dist.topology import Topology
 from sdc_core.faults.checkpoint import bits_of_class

@@ -23,7 +23,7 @@ from scenario_runner import main_for
 from sharded_scenarios import ShardedNet, fit
 
 from lightning_sdc import Fault, FaultInjector, NonFiniteGradientCheck, ReplayUnavailableError, RingReplayAudit
-from sdc_core.checks.fingerprint import combine, tensor_digests
+from sdc_core.checks.digest import combine, tensor_digests
 from sdc_core.sharded.checks import local
 
 

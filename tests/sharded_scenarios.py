@@ -36,7 +36,7 @@ from lightning_sdc import (
     WeightFingerprintCheck,
 )
 from sdc_core import flip_bit
-from sdc_core.checks.fingerprint import combine, tensor_digests
+from sdc_core.checks.digest import combine, tensor_digests
 from sdc_core.sharded.checks import local
 
 

@@ -12,7 +12,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from sdc_core.checks.fingerprint import WeightFingerprint
-from sdc_core.checks.gradients import GradientTap, NonFiniteGradient, any_nonfinite_multi, peaks
+from sdc_core.checks.gradient_tap import GradientTap
+from sdc_core.checks.gradients import NonFiniteGradient
+from sdc_core.checks.reductions import any_nonfinite_multi, peaks
 
 
 class _Kernels(TorchDispatchMode):

@@ -12,7 +12,8 @@ import pickle
 import pytest
 import torch
 
-from sdc_core.checks.fingerprint import FingerprintConfig, combine, tensor_digest, tensor_digests, vote
+from sdc_core.checks.digest import combine, tensor_digest, tensor_digests
+from sdc_core.checks.fingerprint import FingerprintConfig, vote
 from sdc_core.checks.gradients import NonFiniteConfig
 from sdc_core.dist.topology import ring_partners
 from sdc_core.errors import FingerprintMismatchError, NonFiniteGradientError, ReplayMismatchError, SDCError
@@ -707,7 +708,7 @@ def test_check_stats_failed_load_changes_nothing():
 
 
 def test_nonfinite_flags_are_exact_across_dtypes():
-    from sdc_core.checks.gradients import nonfinite_flags
+    from sdc_core.checks.reductions import nonfinite_flags
 
     tensors = [
         torch.ones(3, dtype=torch.bfloat16),

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from sdc_core.checks.fingerprint import combine, grouped_digests, home_device, tensor_digests
+from sdc_core.checks.digest import combine, grouped_digests, home_device, tensor_digests
 from sdc_core.dist.topology import HostRead, collective_device, device_backends
 
 ROOT = Path(__file__).resolve().parents[1]

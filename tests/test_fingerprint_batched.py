@@ -8,7 +8,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from sdc_core.checks import _triton_digest
-from sdc_core.checks.fingerprint import combine, grouped_digests, tensor_digest
+from sdc_core.checks.digest import combine, grouped_digests, tensor_digest
 
 
 def _mixed(seed: int, device: str = "cpu") -> list[torch.Tensor]:

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sdc_core.checks import fingerprint as fp
-from sdc_core.checks.fingerprint import combine, grouped_digests, tensor_digest
+from sdc_core.checks import digest as fp
+from sdc_core.checks.digest import combine, grouped_digests, tensor_digest
 
 
 def _check(tensors: list[torch.Tensor]) -> None:
@@ -102,7 +102,7 @@ def test_channels_last_tensors_batched_on_the_host_give_their_tensor_digests() -
     layout, so the batch is read in logical order (the GPU suite's conv model crashed on a view)."""
     import torch
 
-    from sdc_core.checks.fingerprint import grouped_digests, tensor_digest
+    from sdc_core.checks.digest import grouped_digests, tensor_digest
 
     g = torch.Generator().manual_seed(3)
     weights = [torch.randn(8, 3, 3, 3, generator=g).to(memory_format=torch.channels_last) for _ in range(4)]

@@ -12,13 +12,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sdc_core.checks.fingerprint import (
-    combine,
-    grouped_digests,
-    splitmix64,
-    tensor_digest,
-    tensor_digest_v1,
-)
+from sdc_core.checks.digest import combine, grouped_digests, splitmix64, tensor_digest, tensor_digest_v1
 from sdc_core.faults.inject import flip_bit
 from sdc_core.io.checkpoints import FINGERPRINT_KEY, changed_tensors, fingerprint_checkpoint
 
@@ -40,7 +34,7 @@ def _signed(v: int) -> int:
 
 def _ref_digest(t: torch.Tensor) -> int:
     """The module docstring's definition, in Python integers."""
-    from sdc_core.checks import fingerprint as fp
+    from sdc_core.checks import digest as fp
     raw = bytes(t.contiguous().view(-1).view(torch.uint8).tolist())
     raw += b"\0" * (-len(raw) % 8)
     words = [int.from_bytes(raw[i : i + 8], "little", signed=True) for i in range(0, len(raw), 8)]
@@ -60,7 +54,7 @@ def _ref_digest(t: torch.Tensor) -> int:
 
 def _columns(n_words: int) -> int:
     """The class stride of a tensor of ``n_words`` 64-bit words (n_words when one row)."""
-    from sdc_core.checks import fingerprint as fp
+    from sdc_core.checks import digest as fp
     rows = max(1, min(fp._ROWS, n_words // fp._MIN_COLUMNS))
     if rows == 1:
         return n_words

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sdc_core.checks.gradients import NonFiniteGradient, _StepFlags, any_nonfinite_multi, local_sum
+from sdc_core.checks.gradients import NonFiniteGradient, _StepFlags
+from sdc_core.checks.reductions import any_nonfinite_multi, local_sum
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sdc_core.checks.gradients import _AMINMAX_FROM, any_nonfinite_multi, peaks
+from sdc_core.checks.reductions import _AMINMAX_FROM, any_nonfinite_multi, peaks
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])

@@ -1,6 +1,6 @@
 """The version-2 tensor digest of many CUDA tensors in ONE kernel launch (Triton).
 
-Same value as ``fingerprint.tensor_digest`` for every tensor, bit for bit (the class sums and
+Same value as ``digest.tensor_digest`` for every tensor, bit for bit (the class sums and
 their splitmix64 weighting of the ``fingerprint`` module docstring, all in wrapping 64-bit
 integer arithmetic; the weights are computed in registers, not read from memory). Each program
 takes ``BLOCK`` classes of one tensor (the tensors' addresses come from a table), sums each

@@ -71,144 +71,23 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves
 
-from sdc_core.checks.fingerprint import WeightFingerprint, flatten, group_small
+from sdc_core.checks.fingerprint import WeightFingerprint
+from sdc_core.checks.gradient_tap import GradientTap
+from sdc_core.checks.reductions import any_nonfinite, local_sum, log2_peaks_by_group, peaks
 from sdc_core.dist.topology import HostRead, Topology, all_gather_objects, is_distributed
 from sdc_core.errors import NonFiniteGradientError
 from sdc_core.schema import documented, setting
 from sdc_core.stats import CheckStats
 
-GradConsumer = Callable[[nn.Parameter, torch.Tensor], None]
 _ON_FAILURE = ("raise", "skip_step", "warn", "rollback")
 _DEFERRED = ("raise", "warn")  # policies whose verdict may be read one step later
-
-
-class GradientTap:
-    """Lets the checks read each parameter's LOCAL gradient of a DDP model before DDP's
-    reducer copies it into its all-reduce bucket.
-
-    A post-accumulate-grad hook per trainable parameter (torch runs it inside the parameter's
-    gradient accumulation, before the reducer's own hook on that accumulation: checked in
-    tests). On the backward of a forward DDP ran with gradient synchronisation (not under
-    ``no_sync``: under gradient accumulation, the sync micro-batch, whose ``.grad`` holds the sum
-    of the micro-batches), ``consumers`` read ``(parameter, local gradient)``, then ``writers``
-    may change the gradient in place (none of the checks does); ``finishers`` run at the end of
-    that backward, before DDP's own end-of-backward callback. They run on the autograd
-    thread and must not synchronise with the host nor raise. The tap is armed by DDP's forward
-    and disarmed at the end of the backward through that forward's output (a callback queued from
-    the output's gradient hook), so gradients computed in nested backward passes (reentrant
-    activation checkpointing) are read too, and a backward outside DDP afterwards is not. On CUDA
-    the hook runs with the accumulation's stream current, the stream DDP's own hook on the same
-    accumulation then copies the gradient on, so what a consumer enqueues reads the gradient
-    before that copy in stream order.
-
-    The tap registers no communication hook: DDP's reduction stays its own C++ all-reduce (it
-    fuses the ``1 / world_size`` scaling into its copy), so the tap adds no pass over the
-    buckets and no Python callback on the communication threads. A user's communication hook
-    (``inner_hook``, taken from the framework's setting) is registered on the model as it is.
-    ``GradientTap.attach(ddp_model, ...)`` returns the model's tap or installs a new one.
-    Cost when no consumer is due: one Python call per parameter per sync backward.
-    """
-
-    def __init__(self, ddp_model: nn.parallel.DistributedDataParallel, names: dict[int, str]) -> None:
-        self.ddp = ddp_model
-        self.names = names
-        ignored = set(getattr(ddp_model, "parameters_to_ignore", ()))  # not reduced: no shared flag
-        self.params = [p for n, p in ddp_model.module.named_parameters() if p.requires_grad and n not in ignored]
-        self.inner_hook: Callable[..., Any] | None = None
-        self.consumers: list[GradConsumer] = []
-        self.writers: list[GradConsumer] = []
-        self.finishers: list[Callable[[], None]] = []  # run at the end of each read backward
-        self._armed = False
-        self._queued = False
-        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
-        self._handles.append(ddp_model.register_forward_pre_hook(self._on_forward))
-        self._handles.append(ddp_model.register_forward_hook(self._on_output))
-
-    @classmethod
-    def attach(
-        cls,
-        ddp_model: nn.parallel.DistributedDataParallel,
-        names: dict[int, str],
-        inner_hook: Callable[..., Any] | None = None,
-        inner_state: Any = None,
-    ) -> GradientTap:
-        """Return the tap of ``ddp_model``, installing it (once) if there is none yet, and register
-        ``inner_hook`` (the user's communication hook, if any) on the model."""
-        tap = getattr(ddp_model, "_sdc_gradient_tap", None)
-        if tap is None:
-            tap = cls(ddp_model, names)
-            ddp_model._sdc_gradient_tap = tap  # type: ignore[assignment]
-        registered = getattr(ddp_model, "_comm_hooks", None)
-        if registered:  # registered by the framework or the user already (DDP accepts one)
-            tap.inner_hook = registered[0][0]
-        elif inner_hook is not None:
-            ddp_model.register_comm_hook(state=inner_state, hook=inner_hook)
-            tap.inner_hook = inner_hook
-        return tap
-
-    def remove(self) -> None:
-        """Remove the hooks from the parameters and the model (a removed tap reads nothing)."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
-        if getattr(self.ddp, "_sdc_gradient_tap", None) is self:
-            del self.ddp._sdc_gradient_tap
-
-    def reduced_nonfinite(self) -> torch.Tensor | None:
-        """Whether any parameter's gradient holds NaN or Inf (0-d bool on the device, no host
-        synchronisation; ``any_nonfinite_multi``: a few multi-tensor kernels per dtype, not per
-        parameter), or None without gradients. After a synchronised backward these are the
-        REDUCED gradients, identical on every rank (DDP leaves a parameter no rank used without
-        gradient on every rank alike)."""
-        grads = [p.grad for p in self.params if _dense(p.grad)]
-        return any_nonfinite_multi(grads) if grads else None
-
-    def _on_forward(self, module: nn.Module, args: Any) -> None:
-        # DDP decides here whether this forward's backward synchronises (not under no_sync); a
-        # backward that failed before its end-of-backward callback ran leaves nothing behind
-        self._armed = torch.is_grad_enabled() and bool(module.require_backward_grad_sync)
-        self._queued = False
-
-    def _on_output(self, module: nn.Module, args: Any, output: Any) -> None:
-        """Disarm at the end of the backward through this output (a later backward outside DDP
-        reads nothing): the output's gradient hook runs in that backward's own graph task, also
-        when parameter gradients come from nested ones (reentrant activation checkpointing)."""
-        if self._armed:
-            for leaf in tree_leaves(output):
-                if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
-                    leaf.register_hook(self._on_output_grad)
-
-    def _on_output_grad(self, grad: torch.Tensor) -> None:
-        if not self._queued:
-            self._queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._disarm)
-
-    def _on_grad(self, p: nn.Parameter) -> None:
-        if not self._armed or not _dense(p.grad):
-            return
-        g = p.grad
-        for consume in self.consumers:
-            consume(p, g)
-        for write in self.writers:
-            write(p, g)
-
-    def _disarm(self) -> None:
-        self._armed = self._queued = False
-        for finish in self.finishers:
-            finish()
-
-
-def _dense(grad: torch.Tensor | None) -> bool:
-    """A gradient the tap reads and flags: present, strided (not sparse) and not empty."""
-    return grad is not None and grad.layout == torch.strided and grad.numel() > 0
 
 
 @documented
@@ -693,96 +572,3 @@ def drop_step(params: Iterable[torch.Tensor], scaler_active: bool = False) -> No
         return
     for p in params:
         p.grad = None
-
-
-def local_sum(grad: torch.Tensor) -> torch.Tensor:
-    """The sum of one gradient (0-d tensor on its device, no host synchronisation): one pass over
-    its bytes, the cheapest reduction there is. Non-finite exactly when the gradient holds NaN or
-    Inf (NaN and Inf survive a sum; ``Inf + -Inf`` is NaN) or when summing its finite values
-    overflows the float range (values near the float maximum). fp16 is summed in float32 (an fp16
-    sum would overflow at 65504)."""
-    return grad.sum(dtype=torch.float32 if grad.dtype == torch.float16 else None)
-
-
-_AMINMAX_FROM = 1 << 11  # elements: on the CPU, tensors this large or larger are read one by one (``aminmax``)
-
-
-def peaks(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Per tensor (all of one dtype and device) its largest magnitude: non-finite exactly when the
-    tensor holds NaN or Inf (1-d, on their device; no host synchronisation, no host read; finite
-    values never overflow); read-only.
-
-    Off the CPU: ``_foreach_norm(ord=inf)``, a few multi-tensor kernels however many tensors. On
-    the CPU torch's inf-norm is a scalar loop, 3-15x slower than a sum on tensors of a few thousand
-    elements or more: those give their largest magnitude from ``aminmax`` (vectorised, 1.1-1.8x a
-    sum; one op each, a few microseconds against the tens or hundreds it takes to read such a
-    tensor), and the smaller ones from one multi-tensor inf-norm (as fast as a sum there)."""
-    if tensors[0].device.type != "cpu":
-        return torch.stack(torch._foreach_norm(tensors, float("inf")))
-    small = [t for t in tensors if t.numel() < _AMINMAX_FROM]
-    norms = iter(torch._foreach_norm(small, float("inf")) if small else ())
-    values = []
-    for t in tensors:
-        if t.numel() < _AMINMAX_FROM:
-            values.append(next(norms))
-        else:
-            lo, hi = torch.aminmax(t)
-            values.append(torch.maximum(lo.abs(), hi.abs()))
-    return torch.stack(values)
-
-
-def log2_peaks_by_group(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], groups: int) -> torch.Tensor:
-    """Per group ``j < groups`` the log2 of the largest of the peaks given to it: ``pairs`` of 1-d
-    peaks (``peaks``) and their groups' indices (1-d, on the first peaks' device). NaN for a group
-    without a peak or with zero peaks only, +Inf for one holding a non-finite peak. float32 on that
-    device, no host synchronisation: the statistic of ``NonFiniteGradient.take_magnitudes``."""
-    home = pairs[0][0].device
-    out = torch.full((groups,), float("-inf"), device=home)
-    for values, index in pairs:
-        v = values.to(home, torch.float32)
-        v = torch.where(torch.isfinite(v), v, torch.full_like(v, float("inf")))
-        out.scatter_reduce_(0, index.to(home), torch.log2(v), "amax")  # zero peaks: -inf, ignored by amax
-    return torch.where(out == float("-inf"), torch.full_like(out, float("nan")), out)
-
-
-def any_nonfinite_multi(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """One flag (0-d bool tensor on the first tensor's device, no host synchronisation): does any
-    tensor hold NaN or Inf? Exact (``peaks``: no overflow of finite values), read-only, and per
-    dtype and device one multi-tensor call (a few kernels on CUDA, however many tensors; on the
-    CPU 1.2-1.9x the cost of a sum) plus a handful of kernels to combine."""
-    groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-    for t in tensors:
-        groups.setdefault((t.dtype, t.device), []).append(t)
-    home = tensors[0].device
-    finite = [torch.isfinite(peaks(ts)).all() for ts in groups.values()]
-    if len(finite) > 1:  # to the first device (blocking where it is a host copy: read at once)
-        return ~torch.stack([f.to(home) for f in finite]).all()
-    return ~finite[0]
-
-
-def _minmax(t: torch.Tensor) -> torch.Tensor:
-    """(min, max) of ``t`` as float64 (exact for every float format, so tensors of different
-    dtypes stack), NaN/Inf preserved. One reduction kernel, no host synchronisation."""
-    lo, hi = torch.aminmax(t)
-    return torch.stack([lo, hi]).double()
-
-
-def _nonfinite(minmax: torch.Tensor) -> torch.Tensor:
-    """Per-row flag from stacked (min, max) pairs: True where either is NaN or Inf."""
-    return ~torch.isfinite(minmax).all(dim=-1)
-
-
-def nonfinite_flags(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
-    """Per-tensor flags, True where a tensor holds NaN or Inf (exact; no host synchronisation)."""
-    return _nonfinite(torch.stack([_minmax(t) for t in tensors]))
-
-
-def any_nonfinite(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """One flag (0-d bool tensor, no host synchronisation): does any tensor hold NaN or Inf?
-
-    Tensors under ``fingerprint.SMALL_TENSOR`` elements are concatenated per dtype first (one copy kernel
-    instead of one reduction each: with many small tensors per-kernel overhead dominates).
-    """
-    large, groups = group_small(tensors)
-    units = [tensors[i] for i in large] + [flatten([tensors[i] for i in g]) for g in groups.values()]
-    return nonfinite_flags(units).any()

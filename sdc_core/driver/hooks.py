@@ -57,7 +57,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from sdc_core.checks.fingerprint import WeightFingerprint
-from sdc_core.checks.gradients import GradientTap, NonFiniteGradient
+from sdc_core.checks.gradient_tap import GradientTap
+from sdc_core.checks.gradients import NonFiniteGradient
 from sdc_core.checks.screen import GradientScreen
 from sdc_core.dist import shutdown
 from sdc_core.dist.topology import Topology

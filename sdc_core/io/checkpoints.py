@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from sdc_core.checks.fingerprint import tensor_digest, tensor_digest_v1
+from sdc_core.checks.digest import tensor_digest, tensor_digest_v1
 from sdc_core.errors import FingerprintMismatchError
 from sdc_core.io.safe_files import (
     OutputError,

@@ -27,7 +27,7 @@ from typing import Protocol
 
 import torch
 
-from sdc_core.checks.fingerprint import tensor_digest
+from sdc_core.checks.digest import tensor_digest
 
 AUTO_MARGIN = 100.0  # exact="auto": tolerance = AUTO_MARGIN * measured same-device noise floor (GPU noise
 # fluctuates from batch to batch; a fault must stand out from it by two orders of magnitude)

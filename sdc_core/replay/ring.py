@@ -91,7 +91,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from sdc_core.checks.gradients import GradientTap
+from sdc_core.checks.gradient_tap import GradientTap
 from sdc_core.dist.payload import PayloadError
 from sdc_core.dist.payload_checks import check_replay_payload
 from sdc_core.dist.topology import (

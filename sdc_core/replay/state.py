@@ -44,7 +44,7 @@ from torch import nn
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from sdc_core.checks.fingerprint import tensor_digest
+from sdc_core.checks.digest import tensor_digest
 
 SEND_BY_DIGEST_BYTES = 1 << 20  # frozen parameters and buffers above this travel by digest
 CUBLAS_DETERMINISTIC = ":4096:8"

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from sdc_core.checks.fingerprint import tensor_digest
+from sdc_core.checks.digest import tensor_digest
 from sdc_core.dist.payload_checks import check_update_payload
 from sdc_core.dist.topology import (
     TRANSFER_ERROR,

@@ -1,0 +1,137 @@
+"""The local-gradient tap: each parameter's LOCAL gradient of a DDP model, read before DDP's
+reducer copies it into its all-reduce bucket (what ``NonFiniteGradient``, the replay's
+recording and the screen read)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves
+
+from sdc_core.checks.reductions import any_nonfinite_multi
+
+GradConsumer = Callable[[nn.Parameter, torch.Tensor], None]
+
+
+class GradientTap:
+    """Lets the checks read each parameter's LOCAL gradient of a DDP model before DDP's
+    reducer copies it into its all-reduce bucket.
+
+    A post-accumulate-grad hook per trainable parameter (torch runs it inside the parameter's
+    gradient accumulation, before the reducer's own hook on that accumulation: checked in
+    tests). On the backward of a forward DDP ran with gradient synchronisation (not under
+    ``no_sync``: under gradient accumulation, the sync micro-batch, whose ``.grad`` holds the sum
+    of the micro-batches), ``consumers`` read ``(parameter, local gradient)``, then ``writers``
+    may change the gradient in place (none of the checks does); ``finishers`` run at the end of
+    that backward, before DDP's own end-of-backward callback. They run on the autograd
+    thread and must not synchronise with the host nor raise. The tap is armed by DDP's forward
+    and disarmed at the end of the backward through that forward's output (a callback queued from
+    the output's gradient hook), so gradients computed in nested backward passes (reentrant
+    activation checkpointing) are read too, and a backward outside DDP afterwards is not. On CUDA
+    the hook runs with the accumulation's stream current, the stream DDP's own hook on the same
+    accumulation then copies the gradient on, so what a consumer enqueues reads the gradient
+    before that copy in stream order.
+
+    The tap registers no communication hook: DDP's reduction stays its own C++ all-reduce (it
+    fuses the ``1 / world_size`` scaling into its copy), so the tap adds no pass over the
+    buckets and no Python callback on the communication threads. A user's communication hook
+    (``inner_hook``, taken from the framework's setting) is registered on the model as it is.
+    ``GradientTap.attach(ddp_model, ...)`` returns the model's tap or installs a new one.
+    Cost when no consumer is due: one Python call per parameter per sync backward.
+    """
+
+    def __init__(self, ddp_model: nn.parallel.DistributedDataParallel, names: dict[int, str]) -> None:
+        self.ddp = ddp_model
+        self.names = names
+        ignored = set(getattr(ddp_model, "parameters_to_ignore", ()))  # not reduced: no shared flag
+        self.params = [p for n, p in ddp_model.module.named_parameters() if p.requires_grad and n not in ignored]
+        self.inner_hook: Callable[..., Any] | None = None
+        self.consumers: list[GradConsumer] = []
+        self.writers: list[GradConsumer] = []
+        self.finishers: list[Callable[[], None]] = []  # run at the end of each read backward
+        self._armed = False
+        self._queued = False
+        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
+        self._handles.append(ddp_model.register_forward_pre_hook(self._on_forward))
+        self._handles.append(ddp_model.register_forward_hook(self._on_output))
+
+    @classmethod
+    def attach(
+        cls,
+        ddp_model: nn.parallel.DistributedDataParallel,
+        names: dict[int, str],
+        inner_hook: Callable[..., Any] | None = None,
+        inner_state: Any = None,
+    ) -> GradientTap:
+        """Return the tap of ``ddp_model``, installing it (once) if there is none yet, and register
+        ``inner_hook`` (the user's communication hook, if any) on the model."""
+        tap = getattr(ddp_model, "_sdc_gradient_tap", None)
+        if tap is None:
+            tap = cls(ddp_model, names)
+            ddp_model._sdc_gradient_tap = tap  # type: ignore[assignment]
+        registered = getattr(ddp_model, "_comm_hooks", None)
+        if registered:  # registered by the framework or the user already (DDP accepts one)
+            tap.inner_hook = registered[0][0]
+        elif inner_hook is not None:
+            ddp_model.register_comm_hook(state=inner_state, hook=inner_hook)
+            tap.inner_hook = inner_hook
+        return tap
+
+    def remove(self) -> None:
+        """Remove the hooks from the parameters and the model (a removed tap reads nothing)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        if getattr(self.ddp, "_sdc_gradient_tap", None) is self:
+            del self.ddp._sdc_gradient_tap
+
+    def reduced_nonfinite(self) -> torch.Tensor | None:
+        """Whether any parameter's gradient holds NaN or Inf (0-d bool on the device, no host
+        synchronisation; ``any_nonfinite_multi``: a few multi-tensor kernels per dtype, not per
+        parameter), or None without gradients. After a synchronised backward these are the
+        REDUCED gradients, identical on every rank (DDP leaves a parameter no rank used without
+        gradient on every rank alike)."""
+        grads = [p.grad for p in self.params if dense(p.grad)]
+        return any_nonfinite_multi(grads) if grads else None
+
+    def _on_forward(self, module: nn.Module, args: Any) -> None:
+        # DDP decides here whether this forward's backward synchronises (not under no_sync); a
+        # backward that failed before its end-of-backward callback ran leaves nothing behind
+        self._armed = torch.is_grad_enabled() and bool(module.require_backward_grad_sync)
+        self._queued = False
+
+    def _on_output(self, module: nn.Module, args: Any, output: Any) -> None:
+        """Disarm at the end of the backward through this output (a later backward outside DDP
+        reads nothing): the output's gradient hook runs in that backward's own graph task, also
+        when parameter gradients come from nested ones (reentrant activation checkpointing)."""
+        if self._armed:
+            for leaf in tree_leaves(output):
+                if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+                    leaf.register_hook(self._on_output_grad)
+
+    def _on_output_grad(self, grad: torch.Tensor) -> None:
+        if not self._queued:
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._disarm)
+
+    def _on_grad(self, p: nn.Parameter) -> None:
+        if not self._armed or not dense(p.grad):
+            return
+        g = p.grad
+        for consume in self.consumers:
+            consume(p, g)
+        for write in self.writers:
+            write(p, g)
+
+    def _disarm(self) -> None:
+        self._armed = self._queued = False
+        for finish in self.finishers:
+            finish()
+
+
+def dense(grad: torch.Tensor | None) -> bool:
+    """A gradient the tap reads and flags: present, strided (not sparse) and not empty."""
+    return grad is not None and grad.layout == torch.strided and grad.numel() > 0
