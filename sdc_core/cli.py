@@ -1,5 +1,5 @@
-"""sdc: checkpoint verification and alteration, incident reports, and the commands of the
-framework adapters (sdc campaign trains with Lightning and lives in lightning_sdc.cli).
+"""sdc: checkpoint verification and alteration, incident reports, and fault-injection campaigns
+(sdc campaign trains with the runner a framework adapter installs: sdc_core.faults.campaign_runner).
 
 sdc verify-checkpoint CKPT [--json] [--trust-pickle]
 sdc corrupt-checkpoint CKPT (-o OUT | --in-place) [--target weights|optimizer|all] [--pattern REGEX]
@@ -300,6 +300,78 @@ def _exclude(args: argparse.Namespace) -> int:
     return EXIT_UNREADABLE if skipped and args.strict else EXIT_OK
 
 
+# --------------------------------------------------------------------------------------- campaign
+
+
+def _at_least(low: int) -> type:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+
+    parse.__name__ = f"integer >= {low}"
+    return parse  # type: ignore[return-value]
+
+
+def _sites(text: str) -> tuple[str, ...]:
+    from sdc_core.faults.campaign_runner import SITES
+
+    sites = tuple(s.strip() for s in text.split(",") if s.strip())
+    if not sites or any(s not in SITES for s in sites):
+        raise argparse.ArgumentTypeError(f"expected some of {','.join(SITES)}, got {text!r}")
+    return sites
+
+
+def campaign_parser() -> argparse.ArgumentParser:
+    k = parser_for("sdc campaign", "fault-injection campaign over short multi-process Lightning trainings")
+    k.add_argument("--injections", type=_at_least(0), default=200)
+    k.add_argument("--clean", type=_at_least(0), default=20, help="clean runs, each with another data order")
+    k.add_argument("--hard", type=_at_least(0), default=0,
+                   help="also N clean runs of heterogeneous batches and N with a genuine loss spike")  # fmt: skip
+    k.add_argument("--out", type=Path, default=Path("sdc-campaign"), help="campaign folder (created)")
+    k.add_argument("--workers", type=_at_least(1), default=1, help="trainings at once (each uses 3 processes)")
+    k.add_argument("--seed", type=int, default=0)
+    k.add_argument("--steps", type=_at_least(8), default=12)
+    k.add_argument("--sites", type=_sites, default=None,
+                   help="fault sites to inject, comma-separated (default: all of activation, gradient, "
+                   "matmul_output, weights, optimizer, checkpoint)")  # fmt: skip
+    k.add_argument("--study", type=_at_least(0), default=0,
+                   help="also run N checkpoint-alteration study runs per group")  # fmt: skip
+    k.add_argument("--doc", type=Path, help="also write a coverage page (markdown; its CSV and, with matplotlib, "
+                   "its plot beside it)")  # fmt: skip
+    return k
+
+
+def campaign_main(argv: list[str]) -> int:
+    """``sdc campaign``: find the installed runner first (entry point group
+    ``sdc_checks.campaign_runners``), so that without one even ``--help`` says what to install;
+    then parse and run. Returns the exit code (errors are raised for ``run_guarded`` to print)."""
+    from sdc_core.faults.campaign_runner import RUNNER_GROUP, SITES, find_runner
+
+    try:
+        runner = find_runner()
+    except ImportError as err:
+        raise _needs("campaign", RUNNER_GROUP, err) from None
+    try:
+        args = campaign_parser().parse_args(argv)
+    except SystemExit as exit_:
+        return int(exit_.code or 0)
+    from sdc_core.faults.campaign_run import CampaignFailed, run_campaign
+
+    try:
+        run_campaign(args.out, injections=args.injections, clean=args.clean, workers=args.workers, seed=args.seed,
+                     steps=args.steps, study=args.study, doc=args.doc, hard=args.hard, sites=args.sites or SITES,
+                     runner=runner)  # fmt: skip
+    except CampaignFailed as err:
+        print(f"sdc campaign: error: {err}", file=sys.stderr)
+        return EXIT_CHANGED
+    return EXIT_OK
+
+
 register(Command("verify-checkpoint", "compare a checkpoint with the fingerprint stored when it was written",
                  _verify_arguments, _verify))  # fmt: skip
 register(Command("corrupt-checkpoint", "flip bits in a copy of a saved checkpoint (checkpoint alteration)",
@@ -309,12 +381,20 @@ register(Command("exclude-list", "hosts to take out, in a form schedulers take",
 register(Command("node-name", "the node name the checks record for this process (SLURMD_NODENAME, NODE_NAME, host)",
                  run=_node_name))  # fmt: skip
 register(Command("campaign", "fault-injection campaign over short Lightning DDP trainings (needs lightning)",
-                 delegate="lightning_sdc.cli:campaign_main"))  # fmt: skip
+                 delegate="sdc_core.cli:campaign_main"))  # fmt: skip
 register(Command("run", "sdc run -- COMMAND: exit 86 (SDC_EXIT_CODE) when the job ended on an SDC verdict",
                  delegate="sdc_core.ops.launch:main"))  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------- main
+
+
+def _needs(command: str, module: str, err: ImportError) -> ValueError:
+    """The usage error of a command whose import failed: an adapter's one line naming the extra
+    to install as it is, else what is missing."""
+    if "pip install" in str(err):
+        return ValueError(str(err))
+    return ValueError(f"'sdc {command}' needs {err.name or module} (pip install it): {err}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -338,9 +418,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 target = getattr(importlib.import_module(module), function)
             except ImportError as err:
-                if "pip install" in str(err):  # an adapter's one line, naming the extra to install
-                    raise ValueError(str(err)) from None
-                raise ValueError(f"'sdc {cmd.name}' needs {err.name or module} (pip install it): {err}") from None
+                raise _needs(cmd.name, module, err) from None
             try:
                 return int(target(argv[1:]) or 0)
             except SystemExit as exit_:  # a delegate that parses with plain argparse

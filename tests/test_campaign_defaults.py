@@ -1,4 +1,4 @@
-"""The campaign's defaults column and its harmful outcome (``lightning_sdc.campaign``): the plan,
+"""The campaign's defaults column and its harmful outcome (``sdc_core.faults.campaign``): the plan,
 the data of the hard clean runs as each rank's sampler deals it, the summary, and the coverage
 page's campaign part written without touching the other sections; (slow) a tiny real campaign at
 the defaults on 3 CPU ranks."""
@@ -14,7 +14,9 @@ import pytest
 import torch
 from torch.utils.data import DistributedSampler, TensorDataset
 
-from lightning_sdc import campaign as c
+from sdc_core.faults import campaign as c
+from sdc_core.faults import campaign_report as cr
+from sdc_core.faults import campaign_run as run
 
 
 def _batches(x: torch.Tensor, rank: int, steps: int) -> list[torch.Tensor]:
@@ -41,20 +43,34 @@ def test_plan_has_every_site_clean_orders_and_hard_runs() -> None:
     assert {(s["site"], s["bit_class"]) for s in compute} == {(a, b) for a in c.COMPUTE_SITES for b in c.BIT_CLASSES}
     with pytest.raises(ValueError, match="sites must be"):
         c.plan(1, 0, 0, 12, sites=("wires",))
-    from lightning_sdc.cli import SITES, campaign_parser
+    from sdc_core.cli import campaign_parser
 
-    assert SITES == c.SITES  # the cli's copy (it imports no torch)
     assert campaign_parser().parse_args(["--sites", "gradient,matmul_output"]).sites == ("gradient", "matmul_output")
 
 
+def test_sdc_campaign_finds_its_runner_through_the_entry_point(monkeypatch: pytest.MonkeyPatch,
+                                                              capsys: pytest.CaptureFixture) -> None:  # fmt: skip
+    from lightning_sdc.campaign import RUNNER
+    from sdc_core import cli
+    from sdc_core.faults import campaign_runner
+
+    runner = campaign_runner.find_runner()
+    assert runner is RUNNER and runner.name == "lightning" and runner.worker_module == "lightning_sdc.campaign"
+    monkeypatch.setattr(campaign_runner, "entry_points", lambda group: [])  # no framework's runner installed
+    assert cli.main(["campaign", "--help"]) == cli.EXIT_USAGE
+    err = capsys.readouterr().err.strip()
+    assert err == ("sdc campaign: error: sdc campaign needs a framework to train with, and none is installed: "
+                   "pip install 'sdc-checks[lightning]'")  # fmt: skip
+
+
 def test_hard_clean_data_as_each_rank_trains_on_it() -> None:
-    x0, y0 = c._data()
-    x, y = c._training_data({"variant": "order", "order": 2})
+    x0, y0 = c.base_data()
+    x, y = c.training_data({"variant": "order", "order": 2})
     assert not torch.equal(x, x0)  # another order of the same samples
     assert torch.allclose(torch.sort(y0.reshape(-1)).values, torch.sort(y.reshape(-1)).values)
-    assert torch.equal(c._training_data({"variant": "order", "order": 0})[0], x0)
+    assert torch.equal(c.training_data({"variant": "order", "order": 0})[0], x0)
 
-    xh, _ = c._training_data({"variant": "hetero", "seed": 5})
+    xh, _ = c.training_data({"variant": "hetero", "seed": 5})
     scales = []
     for rank in range(c.WORLD):
         for step, (got, base) in enumerate(zip(_batches(xh, rank, 12), _batches(x0, rank, 12), strict=True)):
@@ -63,7 +79,7 @@ def test_hard_clean_data_as_each_rank_trains_on_it() -> None:
             scales.append(math.log2(float(ratio.flatten()[0])))
     assert max(abs(s) for s in scales) <= c.HETERO_LOG2_RANGE and max(scales) - min(scales) > 2
 
-    _, ys = c._training_data({"variant": "spike", "spike_rank": 2, "spike_step": 4})
+    _, ys = c.training_data({"variant": "spike", "spike_rank": 2, "spike_step": 4})
     for rank in range(c.WORLD):
         for step, (got, base) in enumerate(zip(_batches(ys, rank, 12), _batches(y0, rank, 12), strict=True)):
             factor = c.SPIKE_FACTOR if (rank, step) == (2, 4) else 1.0
@@ -101,9 +117,9 @@ def _rows() -> list[dict[str, Any]]:  # fmt: skip
 
 
 def test_harmful_against_the_spread_and_the_summary_at_the_defaults(tmp_path: Path, monkeypatch: Any) -> None:
-    monkeypatch.setattr(c, "plot", lambda table, path: False)  # drawn by the campaign tests (3 s here)
+    monkeypatch.setattr(cr, "plot", lambda table, path: False)  # drawn by the campaign tests (3 s here)
     rows = _rows()
-    summary = c.report(rows, tmp_path, seed=0, steps=12)
+    summary = cr.report(rows, tmp_path, seed=0, steps=12)
     assert summary["loss_spread"]["spread"] == pytest.approx(0.05) and summary["loss_spread"]["runs"] == 3
     harmful = {r["site"] + "/" + r["bit_class"]: r["harmful"] for r in rows if r["site"] in c.SITES}
     assert harmful == {"gradient/exponent_top": True, "activation/exponent_top": True, "matmul_output/sign": True,
@@ -121,28 +137,28 @@ def test_harmful_against_the_spread_and_the_summary_at_the_defaults(tmp_path: Pa
 
 
 def test_the_campaign_part_of_the_page_is_replaced_and_the_rest_kept(tmp_path: Path, monkeypatch: Any) -> None:
-    monkeypatch.setattr(c, "plot", lambda table, path: False)
+    monkeypatch.setattr(cr, "plot", lambda table, path: False)
     out = tmp_path / "camp"
     out.mkdir()
-    c.report(_rows(), out, seed=0, steps=12)
+    cr.report(_rows(), out, seed=0, steps=12)
     doc = tmp_path / "coverage.md"
     legacy = ("# Detection coverage, measured\n\nold table\n\n## Summary\n\nold\n\n## Checkpoint alteration: x\n\n"
-              "old study\n\n## Ring replay on GPUs\n\nhand-written\n\n" + c.SECTION[0] + "\nmatmul\n" + c.SECTION[1]
+              "old study\n\n## Ring replay on GPUs\n\nhand-written\n\n" + cr.SECTION[0] + "\nmatmul\n" + cr.SECTION[1]
               + "\n\n## Every-step screen\n\nhand-written too\n")  # fmt: skip
     doc.write_text(legacy)
-    c.write_doc(out, doc, "sdc campaign ...")
+    cr.write_doc(out, doc, "sdc campaign ...")
     first = doc.read_text()
     assert "old table" not in first and "old study" not in first
-    assert first.startswith(c.CAMPAIGN_SECTION[0] + "\n# Detection coverage, measured")
-    for kept in ("## Ring replay on GPUs\n\nhand-written", c.SECTION[0] + "\nmatmul\n", "hand-written too"):
+    assert first.startswith(cr.CAMPAIGN_SECTION[0] + "\n# Detection coverage, measured")
+    for kept in ("## Ring replay on GPUs\n\nhand-written", cr.SECTION[0] + "\nmatmul\n", "hand-written too"):
         assert kept in first
     assert "## At the defaults" in first and "| matmul_output | sign |" in first
     assert "false accusations in 3" in first.replace("**", "")
-    c.write_doc(out, doc, "sdc campaign ...")  # rewritten in place, not appended twice
+    cr.write_doc(out, doc, "sdc campaign ...")  # rewritten in place, not appended twice
     assert doc.read_text() == first
     doc.write_text("")
-    c.write_doc(out, doc, "sdc campaign ...")
-    assert doc.read_text().startswith(c.CAMPAIGN_SECTION[0]) and c.CAMPAIGN_SECTION[1] in doc.read_text()
+    cr.write_doc(out, doc, "sdc campaign ...")
+    assert doc.read_text().startswith(cr.CAMPAIGN_SECTION[0]) and cr.CAMPAIGN_SECTION[1] in doc.read_text()
 
 
 @pytest.mark.slow  # a multi-process launch (about a minute on 2 cores)
@@ -155,7 +171,7 @@ def test_a_tiny_campaign_at_the_defaults(tmp_path: Path) -> None:
         {"id": "hard-spike000", "site": "clean", "variant": "spike", "bit_class": "-", "rank": -1, "step": -1,
          "spike_rank": 1, "spike_step": 2},  # flagged in the campaign (later spikes the level explains)
     ]  # fmt: skip
-    rows = {r["id"]: r for r in c._run_specs(specs, tmp_path, workers=1, steps=8)}
+    rows = {r["id"]: r for r in run.run_specs(specs, tmp_path, workers=1, steps=8)}
     fault = rows["inj0000"]
     assert (fault["defaults_by"], fault["defaults_rank"], fault["defaults_latency"]) == ("gradient_screen", 1, 0)
     assert fault["defaults_replay_audits"] == 1  # step 0 only: the screen found it

@@ -118,7 +118,7 @@ def test_verify_and_resume_catch_a_changed_checkpoint(
 
 @pytest.mark.slow  # a multi-process launch: the default run stays under 10 minutes
 def test_tiny_campaign_writes_its_outputs(tmp_path: Path) -> None:
-    from lightning_sdc.campaign import run_campaign
+    from sdc_core.faults.campaign_run import run_campaign
 
     summary = run_campaign(tmp_path, injections=6, clean=1, steps=8)
     assert summary["injections"] == 6 and summary["clean_runs"] == 1 and summary["false_alarms"] == 0

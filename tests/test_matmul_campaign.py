@@ -8,7 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from lightning_sdc import campaign as c
+from sdc_core.faults import campaign as c
+from sdc_core.faults import campaign_matmul_report as m
+from sdc_core.faults import campaign_report as cr
+from sdc_core.faults import campaign_run as run
 
 
 def _row(phase: str, bit_class: str, changed: bool, by: str = "", rank: int = 1, latency: int | None = 0) -> dict:
@@ -28,7 +31,7 @@ def test_plan_covers_every_phase_and_bit_class_at_unaudited_steps() -> None:
 
 
 def test_summary_and_section_of_the_coverage_page(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(c, "visible_sizes_table", lambda: ["(sizes)"])  # computed at widths up to 4096: slow
+    monkeypatch.setattr(m, "visible_sizes_table", lambda: ["(sizes)"])  # computed at widths up to 4096: slow
     rows = [
         _row("forward", "sign", True, "matmul_checksum"),
         _row("forward", "sign", True, "matmul_checksum", rank=0),
@@ -46,13 +49,13 @@ def test_summary_and_section_of_the_coverage_page(tmp_path: Path, monkeypatch: p
     out.mkdir()
     (out / "matmul-results.json").write_text(json.dumps({"summary": {**summary, "steps": 12, "world_size": 3,
                                                                      "command": "cmd"}, "runs": rows}))  # fmt: skip
-    c.write_matmul_doc(out, doc)
+    m.write_matmul_doc(out, doc)
     first = doc.read_text()
-    assert first.startswith("# Detection coverage") and c.SECTION[0] in first and "forward mantissa bit 3" in first
-    c.write_matmul_doc(out, doc)  # rewritten in place, not appended twice
+    assert first.startswith("# Detection coverage") and cr.SECTION[0] in first and "forward mantissa bit 3" in first
+    m.write_matmul_doc(out, doc)  # rewritten in place, not appended twice
     assert doc.read_text() == first
-    kept = c.with_section("# a new main page\n", c.section(first))  # what write_doc does with the main campaign
-    assert kept.startswith("# a new main page") and c.section(kept) == c.section(first)
+    kept = cr.with_section("# a new main page\n", cr.section(first))  # what write_doc does with the main campaign
+    assert kept.startswith("# a new main page") and cr.section(kept) == cr.section(first)
 
 
 @pytest.mark.slow
@@ -60,7 +63,7 @@ def test_a_tiny_matmul_campaign_catches_what_the_defaults_miss(tmp_path: Path) -
     wanted = {("forward", "sign"), ("weight_grad", "exponent")}
     specs = [s for s in c.plan_matmul(per_class=1, clean=1, seed=0, steps=8)
              if s["site"] == "matmul_clean" or (s["phase"], s["bit_class"]) in wanted]  # fmt: skip
-    rows = {r["id"]: r for r in c._run_specs(specs, tmp_path, workers=1, steps=8)}
+    rows = {r["id"]: r for r in run.run_specs(specs, tmp_path, workers=1, steps=8)}
     for spec in specs[:-1]:
         row = rows[spec["id"]]
         assert row["changed"]

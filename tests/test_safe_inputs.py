@@ -329,7 +329,7 @@ def test_empty_exit_code_setting_is_unset(monkeypatch: Any, value: str, code: in
 
 
 def test_campaign_doc_is_written_without_matplotlib(tmp_path: Path, monkeypatch: Any) -> None:
-    from lightning_sdc.campaign import BIT_CLASSES, SITES, report, write_doc
+    from sdc_core.faults.campaign_report import BIT_CLASSES, SITES, report, write_doc
 
     rows = [{"id": f"{s}{b}", "site": s, "bit_class": b, "rank": 1, "step": 3, "target": "l1.weight", "bit": 30,
              "index": 0, "changed": True, "weight_rel_diff": 0.1, "final_loss": 1.0, "clean_loss": 1.0,

@@ -1,0 +1,429 @@
+"""Fault-injection campaigns: how much each check catches, and how often it cries wolf.
+
+``sdc campaign`` plans seeded injections over five fault sites (forward activation, local
+gradient, weights after a step, optimizer state, saved checkpoint) and four bit classes (sign,
+top exponent bit, other exponent bits, mantissa), plus clean runs. Each injection runs twice as a
+short DDP training on 3 CPU ranks: once without checks, to see whether the fault changed the
+result at all, and once with all three checks, to see which check caught it, whether the faulty
+rank was named, and how many steps later. Outcome per injection:
+
+* detected: a check raised (attributed: it named the injected rank);
+* masked: not detected, and the final weights equal the clean run's within ``1e-6`` relative;
+* silent: not detected, and the final weights differ: the harm the checks missed.
+
+Checkpoint injections flip bits in a checkpoint written mid-run, then resume on every rank. They
+also run a third time with the checkpoint's stored fingerprint removed, to show what the run-time
+checks alone catch (every replica loads the same bits, so only non-finite values are visible).
+
+The compute-fault campaign of the matrix-product checksum check (``plan_matmul``): a bit flipped
+in one element of a product's output inside a layer (forward output, input gradient or weight
+gradient) of one rank, at a step the replay does not audit at its default cadence, each trained
+three times: without checks, with the default checks, and with the defaults plus the matmul check.
+
+This module plans, builds the data and the faults, classifies runs and summarises them; the
+trainings are a framework's (``campaign_runner``), the launches ``campaign_run``, the files and
+pages ``campaign_report``. Nothing here knows a framework.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import random
+from typing import Any
+
+import torch
+
+from sdc_core.faults.campaign_runner import SITES
+from sdc_core.faults.checkpoint import BIT_CLASSES, bits_of_class
+from sdc_core.faults.inject import MATMUL_PHASES, Fault
+
+COMPUTE_SITES = ("activation", "gradient", "matmul_output")  # transient compute faults: one wrong value in one step
+MODULES = ("l1", "l2", "l3")  # the campaign model's layers (``Linear(16, 64)``, ``(64, 64)``, ``(64, 1)``)
+PARAMS = ("l1.weight", "l1.bias", "l2.weight", "l2.bias", "l3.weight", "l3.bias")
+MATMUL_TARGETS = {"forward": MODULES, "input_grad": ("l2", "l3"), "weight_grad": MODULES}  # l1's input needs no grad
+WORLD = 3
+BATCH = 16
+CKPT_STEP = 5
+STUDY_FRACTION = 0.01
+HETERO_LOG2_RANGE = 2.0  # heterogeneous batches: each rank's batch of each step scaled by 2^U(-2, 2)
+SPIKE_FACTOR = 1e3  # a genuine spike: one batch's targets scaled by this (its gradient about 2^10 larger)
+
+
+# -------------------------------------------------------------------------------------------- plans
+
+
+def _injection(i: int, sites: tuple[str, ...], steps: int, rng: random.Random) -> dict[str, Any]:
+    """The ``i``-th injection of a plan over ``sites``: its site and bit class in turn, the rest drawn."""
+    site, bit_class = sites[i % len(sites)], BIT_CLASSES[(i // len(sites)) % len(BIT_CLASSES)]
+    spec = {"id": f"inj{i:04d}", "site": site, "bit_class": bit_class, "rank": rng.randrange(WORLD),
+            "step": rng.randrange(2, steps - 3), "index": rng.randrange(10_000),
+            "bit": rng.choice(bits_of_class(torch.float32, bit_class)), "seed": rng.randrange(2**31)}  # fmt: skip
+    if site == "activation":
+        spec["target"] = rng.choice(MODULES)
+    elif site == "matmul_output":  # one element of a product inside a Linear: its output, or a gradient it returns
+        spec["phase"] = MATMUL_PHASES[(i // len(sites)) % len(MATMUL_PHASES)]  # every phase x bit class in 12
+        spec["target"] = rng.choice(MATMUL_TARGETS[spec["phase"]])
+    elif site == "checkpoint":  # both targets for every bit class
+        spec["target"] = "weights" if i // (len(sites) * len(BIT_CLASSES)) % 2 == 0 else "optimizer"
+        spec["step"], spec["rank"] = CKPT_STEP, -1  # on disk: every rank loads the same bits
+    else:
+        spec["target"] = rng.choice(PARAMS)
+    return spec
+
+
+def plan(injections: int, clean: int, seed: int, steps: int, study: int = 0, hard: int = 0,
+         sites: tuple[str, ...] = SITES) -> list[dict[str, Any]]:  # fmt: skip
+    """Seeded specs: sites and bit classes in turn, rank, step, tensor, element and bit at random;
+    ``clean`` clean runs, each with another data order (the spread of their final losses is what
+    ``harmful`` is measured against); ``hard`` clean runs of each hard kind (heterogeneous batches,
+    a genuine loss spike) for false alarms. ``sites``: the fault sites to take in turn (all)."""
+    if not sites or any(site not in SITES for site in sites):
+        raise ValueError(f"sites must be some of {SITES}, got {sites!r}")
+    rng = random.Random(seed)
+    specs = [_injection(i, sites, steps, rng) for i in range(injections)]
+    specs += [{"id": f"clean{i:03d}", "site": "clean", "variant": "order", "order": i + 1, "bit_class": "-",
+               "rank": -1, "step": -1} for i in range(clean)]  # fmt: skip
+    for i in range(study):  # checkpoint alteration as in the SBAC-PAD 2022 study: 1% of the entries
+        for target in ("weights", "optimizer"):
+            for bit_class in BIT_CLASSES:
+                specs.append({"id": f"study-{target}-{bit_class}-{i}", "site": "study", "target": target,
+                              "bit_class": bit_class, "rank": -1, "step": CKPT_STEP, "fraction": STUDY_FRACTION,
+                              "seed": rng.randrange(2**31)})  # fmt: skip
+    for i in range(hard):  # clean runs that a screen may flag: heterogeneous batches, a genuine spike
+        specs.append({"id": f"hard-hetero{i:03d}", "site": "clean", "variant": "hetero", "bit_class": "-", "rank": -1,
+                      "step": -1, "seed": rng.randrange(2**31)})  # fmt: skip
+        specs.append({"id": f"hard-spike{i:03d}", "site": "clean", "variant": "spike", "bit_class": "-", "rank": -1,
+                      "step": -1, "spike_rank": i % WORLD, "spike_step": 1 + i % (steps - 2)})  # fmt: skip
+    return specs
+
+
+def plan_matmul(per_class: int, clean: int, seed: int, steps: int) -> list[dict[str, Any]]:
+    """Seeded compute faults inside matrix products: ``per_class`` per phase and bit class, at a
+    random rank, layer, element and bit of the class, at steps 1 .. steps - 2 (the replay audits
+    step 0 only at its default cadence); plus ``clean`` clean runs with the matmul check."""
+    rng = random.Random(seed)
+    specs = [{"id": f"mm-{phase}-{bit_class}-{i}", "site": "matmul", "phase": phase, "bit_class": bit_class,
+              "rank": rng.randrange(WORLD), "step": rng.randrange(1, steps - 1),
+              "target": rng.choice(MATMUL_TARGETS[phase]), "index": rng.randrange(10_000),
+              "bit": rng.choice(bits_of_class(torch.float32, bit_class))}
+             for phase in MATMUL_PHASES for bit_class in BIT_CLASSES for i in range(per_class)]  # fmt: skip
+    specs += [{"id": f"mm-clean{i:03d}", "site": "matmul_clean", "bit_class": "-", "rank": -1, "step": -1}
+              for i in range(clean)]  # fmt: skip
+    return specs
+
+
+# ----------------------------------------------------------------------------------- data and faults
+
+
+def base_data() -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference samples (2048 inputs of width 16 and their targets); every run's final loss
+    is measured on the first 512."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2048, 16, generator=g)
+    return x, (x[:, :4].sum(1, keepdim=True)).sin()
+
+
+def training_data(spec: dict[str, Any] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The data a run trains on: ``base_data()``, or for a clean spec another order (``order``),
+    heterogeneous batches (``hetero``: every rank's batch of every step, inputs and targets, scaled
+    by its own factor, so the ranks' gradients differ by up to 2^8 at a step) or a genuine spike
+    (``spike``: the targets of one batch, rank ``spike_rank`` at ``spike_step``, scaled by
+    ``SPIKE_FACTOR``: a huge gradient on any rank that computes that batch). A DistributedSampler
+    without shuffling (what the runner trains with) gives rank r the samples r, r + 3, ...: sample
+    i is in rank ``i % WORLD``'s batch of step ``i // WORLD // BATCH``."""
+    x, y = base_data()
+    spec = spec or {}
+    variant = spec.get("variant", "")
+    if variant == "order" and spec.get("order", 0):
+        perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(int(spec["order"])))
+        x, y = x[perm], y[perm]
+    elif variant == "hetero":
+        cell = torch.arange(len(x)) % WORLD + WORLD * (torch.arange(len(x)) // WORLD // BATCH)
+        g = torch.Generator().manual_seed(int(spec["seed"]))
+        scale = 2.0 ** ((torch.rand(int(cell.max()) + 1, generator=g) * 2 - 1) * HETERO_LOG2_RANGE)
+        x, y = x * scale[cell, None], y * scale[cell, None]
+    elif variant == "spike":
+        i = WORLD * (BATCH * int(spec["spike_step"]) + torch.arange(BATCH)) + int(spec["spike_rank"])
+        y = y.clone()
+        y[i] *= SPIKE_FACTOR
+    return x, y
+
+
+def fault_for(spec: dict[str, Any], prefix: str = "") -> Fault:
+    """The ``Fault`` of an injection spec (every site but ``checkpoint`` and ``study``), its
+    target under ``prefix`` (where the runner keeps the campaign's model)."""
+    site, target = spec["site"], prefix + spec["target"]
+    if site in ("matmul", "matmul_output"):
+        return Fault("matmul_output", rank=spec["rank"], step=spec["step"], target=target, index=spec["index"],
+                     bit=spec["bit"], mode="once", phase=spec["phase"])  # fmt: skip
+    if site == "activation":
+        return Fault("module_output", rank=spec["rank"], step=spec["step"], target=target, index=spec["index"],
+                     bit=spec["bit"], mode="once")  # fmt: skip
+    kind = {"gradient": "gradient_bit_flip", "weights": "weight_bit_flip", "optimizer": "optimizer_state"}[site]
+    return Fault(kind, rank=spec["rank"], step=spec["step"], target=target, index=spec["index"], bit=spec["bit"],
+                 state_key="exp_avg_sq" if spec["bit_class"] == "mantissa" else "exp_avg")  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------- classification
+
+
+def _weights_apart(effect: dict[str, Any], reference: dict[str, Any]) -> tuple[bool, float]:
+    """Whether a run's final weights are finite, and their distance from the reference run's
+    (relative, infinite when they are not finite)."""
+    w, ref = effect["weights"], reference["weights"]
+    finite = bool(torch.isfinite(w).all())
+    return finite, float((w - ref).norm() / ref.norm()) if finite else math.inf
+
+
+def _diverged(effect: dict[str, Any], reference: dict[str, Any]) -> bool:
+    return (not math.isfinite(effect["loss"])) or effect["loss"] > 2 * reference["loss"]
+
+
+def _verdict(prefix: str, run: dict, spec: dict[str, Any]) -> dict[str, Any]:
+    """One check set's verdict on a run, as row fields ``<prefix>_*``: which check raised (``by``;
+    ``gradient_screen`` for a replay verdict the screen escalated), the rank and suspects named, the
+    steps from the fault to the error, a crash, and the screen's and replay's counters."""
+    err = run["error"]
+    source = (err.get("details") or {}).get("source", "") if err else ""
+    return {
+        f"{prefix}_by": ("gradient_screen" if source == "gradient_screen" else err["check"]) if err else "",
+        f"{prefix}_rank": err["rank"] if err else None,
+        f"{prefix}_suspects": list(err.get("suspects") or []) if err else [],
+        f"{prefix}_latency": (err["step"] - spec["step"]) if err and spec.get("step", -1) >= 0 else None,
+        f"{prefix}_crash": run.get("crash") or "",
+        **{f"{prefix}_{k}": v for k, v in run.get("counters", {}).items()},
+    }  # fmt: skip
+
+
+def outcome(spec: dict[str, Any], effect: dict, detect: dict, reference: dict,
+            defaults: dict | None = None) -> dict[str, Any]:  # fmt: skip
+    """One injection's row: did the run without checks (``effect``) change the result against the
+    clean ``reference``, what the checks every step said (``detect``), and, when given, what the
+    checks at their defaults said (``defaults_*``)."""
+    finite, rel = _weights_apart(effect, reference)
+    changed = rel > 1e-6
+    err = detect["error"]
+    keys = ("id", "site", "phase", "variant", "bit_class", "rank", "step", "target", "bit", "index")
+    row = {**{k: spec.get(k) for k in keys},
+           "changed": changed, "weight_rel_diff": rel, "final_loss": effect["loss"], "clean_loss": reference["loss"],
+           "diverged": _diverged(effect, reference),
+           "detected_by": err["check"] if err else "", "named_rank": err["rank"] if err else None,
+           "attributed": bool(err) and err["rank"] == spec.get("rank"),
+           "latency": (err["step"] - spec["step"]) if err and spec.get("step", -1) >= 0 else None}  # fmt: skip
+    row["outcome"] = "detected" if err else "crashed" if detect.get("crash") else "silent" if changed else "masked"
+    row["crash"] = detect.get("crash") or effect.get("crash") or ""
+    row["changed"] = changed or bool(effect.get("crash"))
+    row["diverged"] = row["diverged"] or bool(effect.get("crash"))
+    row["nonfinite"] = not finite or not math.isfinite(effect["loss"]) or bool(effect.get("crash"))
+    if defaults is not None:
+        row.update(_verdict("defaults", defaults, spec))
+    return row
+
+
+def matmul_outcome(spec: dict[str, Any], effect: dict, defaults: dict, matmul: dict,
+                   reference: dict) -> dict[str, Any]:  # fmt: skip
+    """One matmul injection: did it change the result, and what each check set said (which check,
+    which rank, how many steps after the fault the error named)."""
+    _, rel = _weights_apart(effect, reference)
+    row = {k: spec.get(k) for k in ("id", "site", "phase", "bit_class", "rank", "step", "target", "bit", "index")}
+    row.update(changed=rel > 1e-6 or bool(effect.get("crash")), weight_rel_diff=rel,
+               diverged=_diverged(effect, reference) or bool(effect.get("crash")))  # fmt: skip
+    for name, run in (("defaults", defaults), ("matmul", matmul)):
+        err = run["error"]
+        row[f"{name}_by"] = err["check"] if err else ""
+        row[f"{name}_rank"] = err["rank"] if err else None
+        row[f"{name}_latency"] = err["step"] - spec["step"] if err else None
+        row[f"{name}_crash"] = run.get("crash") or ""
+    return row
+
+
+def loss_spread(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The final losses of the clean runs with other data orders and the reference order: their
+    spread (largest less smallest) is how much a final loss moves without any fault."""
+    ref = next((r["clean_loss"] for r in rows if "clean_loss" in r), math.nan)
+    orders = [r["final_loss"] for r in rows if r["site"] == "clean" and r.get("variant", "order") == "order"]
+    losses = [v for v in (ref, *orders) if math.isfinite(v)]
+    return {"clean_loss": ref, "runs": len(losses), "spread": max(losses) - min(losses) if losses else 0.0,
+            "min": min(losses, default=math.nan), "max": max(losses, default=math.nan)}  # fmt: skip
+
+
+def mark_harmful(rows: list[dict[str, Any]], spread: float) -> None:
+    """``harmful`` on every injected row: the run without checks diverged (crashed, or non-finite
+    weights or loss) or its final loss is worse than the clean run's by more than ``spread``."""
+    for r in rows:
+        if r["site"] in SITES:
+            loss = r["final_loss"]
+            r["harmful"] = bool(r.get("nonfinite")) or not math.isfinite(loss) or loss - r["clean_loss"] > spread
+
+
+def within_one_step(r: dict[str, Any]) -> bool:
+    """Whether the checks at their defaults named the row's fault in its step or the next."""
+    return bool(r.get("defaults_by")) and r.get("defaults_latency") is not None and 0 <= r["defaults_latency"] <= 1
+
+
+# ------------------------------------------------------------------------------------------ summaries
+
+
+def _table(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per site and bit class, with the checks every step: injections, what changed, the outcomes,
+    what raised, the rank named, the median latency, divergence."""
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in rows:
+        if r["site"] in SITES:
+            groups.setdefault((r["site"], r["bit_class"]), []).append(r)
+    table = []
+    for (site, bit_class), rs in sorted(
+        groups.items(), key=lambda kv: (SITES.index(kv[0][0]), BIT_CLASSES.index(kv[0][1]))
+    ):
+        det = [r for r in rs if r["outcome"] == "detected"]
+        lat = sorted(r["latency"] for r in det if r["latency"] is not None)
+        table.append({
+            "site": site, "bit_class": bit_class, "injections": len(rs), "changed": sum(r["changed"] for r in rs),
+            "detected": len(det), "masked": sum(r["outcome"] == "masked" for r in rs),
+            "silent": sum(r["outcome"] == "silent" for r in rs),
+            "crashed": sum(r["outcome"] == "crashed" for r in rs),
+            "harmful": sum(bool(r.get("harmful")) for r in rs),
+            "by_nonfinite": sum(r["detected_by"] == "nonfinite_gradient" for r in rs),
+            "by_replay": sum(r["detected_by"] == "ring_replay" for r in rs),
+            "by_fingerprint": sum(r["detected_by"] == "weight_fingerprint" for r in rs),
+            "attributed": sum(r["attributed"] for r in det),
+            "median_latency": lat[len(lat) // 2] if lat else None,
+            "diverged": sum(r["diverged"] for r in rs),
+        })  # fmt: skip
+    return table
+
+
+def _defaults_table(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per site and bit class, at the callbacks' default arguments: harmful injections, detections
+    (all, and of the harmful ones: any, within one step), the rank named, what raised, and the
+    screen hits the replay cleared."""
+    table = []
+    for site in SITES:
+        for bit_class in BIT_CLASSES:
+            rs = [r for r in rows if r["site"] == site and r["bit_class"] == bit_class]
+            if not rs:
+                continue
+            det = [r for r in rs if r.get("defaults_by")]
+            harm = [r for r in rs if r.get("harmful")]
+            local = site != "checkpoint"  # a checkpoint has no rank: every replica loads the same file
+            table.append({
+                "site": site, "bit_class": bit_class, "injections": len(rs), "harmful": len(harm),
+                "detected": len(det), "harmful_detected": sum(bool(r.get("defaults_by")) for r in harm),
+                "harmful_within_1": sum(within_one_step(r) for r in harm),
+                "harmful_silent": sum(not r.get("defaults_by") for r in harm),
+                "right_rank": sum(r["defaults_rank"] == r["rank"] for r in det) if local else None,
+                "screen_flagged": sum(r.get("defaults_screen_hits", 0) > 0 for r in rs),
+                "screen_cleared": int(sum(r.get("defaults_screen_cleared", 0) for r in rs)),
+                "by": dict(sorted(collections.Counter(r["defaults_by"] for r in det).items())),
+            })  # fmt: skip
+    return table
+
+
+def _clean_table(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per kind of clean run: false alarms with the replay every step and at the defaults, false
+    accusations at the defaults (a verdict naming a rank), the screen's hits and what the replay did."""
+    out = []
+    for variant in ("order", "hetero", "spike"):
+        rs = [r for r in rows if r["site"] == "clean" and r.get("variant", "order") == variant]
+        if not rs:
+            continue
+        out.append({
+            "variant": variant, "runs": len(rs),
+            "false_alarms_every_step": sum(r["outcome"] == "false_alarm" for r in rs),
+            "false_alarms": sum(r.get("defaults_outcome") == "false_alarm" for r in rs),
+            "false_accusations": sum(r.get("defaults_outcome") == "false_alarm"
+                                     and (r.get("defaults_rank") is not None or bool(r.get("defaults_suspects")))
+                                     for r in rs),
+            "screen_flagged": sum(r.get("defaults_screen_hits", 0) > 0 for r in rs),
+            "screen_hits": int(sum(r.get("defaults_screen_hits", 0) for r in rs)),
+            "screen_cleared": int(sum(r.get("defaults_screen_cleared", 0) for r in rs)),
+            "screen_unconfirmed": int(sum(r.get("defaults_screen_unconfirmed", 0) for r in rs)),
+        })  # fmt: skip
+    return out
+
+
+def defaults_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The headline numbers at the defaults: harmful transient compute faults detected within one
+    step with the right rank, every rank-local detection's rank, and false alarms in clean runs."""
+    comp = [r for r in rows if r["site"] in COMPUTE_SITES]
+    harm = [r for r in comp if r.get("harmful")]
+    within = [r for r in harm if within_one_step(r)]
+    local = [r for r in rows if r["site"] in SITES and r["site"] != "checkpoint" and r.get("defaults_by")]
+    clean = _clean_table(rows)
+    return {
+        "compute_injections": len(comp), "compute_harmful": len(harm),
+        "compute_harmful_detected": sum(bool(r.get("defaults_by")) for r in harm),
+        "compute_harmful_within_1": len(within),
+        "compute_harmful_within_1_right_rank": sum(r["defaults_rank"] == r["rank"] for r in within),
+        "compute_detected": sum(bool(r.get("defaults_by")) for r in comp),
+        "rank_local_detections": len(local), "right_rank": sum(r["defaults_rank"] == r["rank"] for r in local),
+        "harmful": sum(bool(r.get("harmful")) for r in rows if r["site"] in SITES),
+        "harmful_detected": sum(bool(r.get("harmful")) and bool(r.get("defaults_by")) for r in rows
+                                if r["site"] in SITES),
+        "clean_runs": sum(c["runs"] for c in clean), "false_alarms": sum(c["false_alarms"] for c in clean),
+        "false_accusations": sum(c["false_accusations"] for c in clean),
+        "missed_compute": [{k: r.get(k) for k in ("id", "site", "phase", "bit_class", "rank", "step", "target", "bit",
+                                                  "final_loss", "clean_loss", "nonfinite", "defaults_by",
+                                                  "defaults_latency", "defaults_screen_hits")}
+                           for r in harm if r not in within],
+    }  # fmt: skip
+
+
+def study(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Checkpoint alteration (1% of the entries flipped, then resume): model weights against
+    optimizer state, per bit class."""
+    out = []
+    for target in ("weights", "optimizer"):
+        for bit_class in BIT_CLASSES:
+            rs = [r for r in rows if r["site"] == "study" and r["target"] == target and r["bit_class"] == bit_class]
+            if not rs:
+                continue
+            finite = [r["final_loss"] / r["clean_loss"] for r in rs if math.isfinite(r["final_loss"])]
+            out.append({
+                "target": target, "bit_class": bit_class, "runs": len(rs), "changed": sum(r["changed"] for r in rs),
+                "diverged": sum(r["diverged"] for r in rs),
+                "crashed_on_resume": sum(bool(r.get("effect_crash")) for r in rs),
+                "median_loss_ratio": sorted(finite)[len(finite) // 2] if finite else None,
+                "caught_on_load": sum(r["outcome"] == "detected" for r in rs),
+                "caught_at_runtime_without_fingerprint": sum(bool(r.get("runtime_detected_by")) for r in rs),
+            })  # fmt: skip
+    return out
+
+
+def summarise(rows: list[dict[str, Any]], seed: int, steps: int) -> dict[str, Any]:
+    """The campaign's summary (what results.json holds beside the rows); marks ``harmful`` on
+    the injected rows first (against the spread of the clean runs' final losses)."""
+    spread = loss_spread(rows)
+    mark_harmful(rows, spread["spread"])
+    table = _table(rows)
+    clean = [r for r in rows if r["site"] == "clean"]
+    return {
+        "seed": seed, "steps": steps, "world_size": WORLD, "injections": sum(t["injections"] for t in table),
+        "clean_runs": len(clean), "false_alarms": sum(r["outcome"] == "false_alarm" for r in clean),
+        "table": table, "study": study(rows), "loss_spread": spread, "defaults_table": _defaults_table(rows),
+        "clean_table": _clean_table(rows), "defaults": defaults_summary(rows),
+    }  # fmt: skip
+
+
+def matmul_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per phase and bit class: injections, changed, and for each check set how many were caught
+    naming the fault's own step, by which check, with the injected rank."""
+    table = []
+    for phase in MATMUL_PHASES:
+        for bit_class in BIT_CLASSES:
+            rs = [r for r in rows if r["site"] == "matmul" and r["phase"] == phase and r["bit_class"] == bit_class]
+            if not rs:
+                continue
+            entry: dict[str, Any] = {"phase": phase, "bit_class": bit_class, "injections": len(rs),
+                                     "changed": sum(r["changed"] for r in rs)}  # fmt: skip
+            for name in ("defaults", "matmul"):
+                caught = [r for r in rs if r[f"{name}_by"]]
+                entry[f"{name}_caught"] = len(caught)
+                entry[f"{name}_same_step"] = sum(r[f"{name}_latency"] == 0 for r in caught)
+                entry[f"{name}_right_rank"] = sum(r[f"{name}_rank"] == r["rank"] for r in caught)
+                entry[f"{name}_silent"] = sum(r["changed"] and not r[f"{name}_by"] for r in rs)
+                entry[f"{name}_by"] = dict(sorted(collections.Counter(r[f"{name}_by"] for r in caught).items()))
+            table.append(entry)
+    clean = [r for r in rows if r["site"] == "matmul_clean"]
+    return {"table": table, "clean_runs": len(clean), "false_alarms": sum(r["outcome"] == "false_alarm" for r in clean)}
