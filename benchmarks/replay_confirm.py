@@ -71,7 +71,7 @@ class Run:
         self.opt.zero_grad()
         self.steps.append((time.perf_counter() - t0, self.confirmations()))
         if self.sdc is not None and self.sdc.replay is not None and self.noisy:
-            self.sdc.replay._tolerance = 0.0  # benchmark only: confirm every noisy audit, not just the first
+            self.sdc.replay.calibration.measured = 0.0  # benchmark only: confirm every noisy audit, not just the first
 
 
 def main() -> None:

@@ -13,7 +13,7 @@ _SCRIPT = r"""
 import json, torch, torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-from sdc_core.replay.state import GradientsAside
+from sdc_core.replay.rerun import GradientsAside
 
 dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 out = {}

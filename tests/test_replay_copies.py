@@ -26,7 +26,7 @@ from sdc_core.replay.ring import (
     grad_digest,
     replay_gradients,
 )
-from sdc_core.replay.state import _all_rng  # private to the replay: tests build micro-batches
+from sdc_core.replay.state import all_rng  # tests build micro-batches
 
 
 @pytest.fixture
@@ -87,7 +87,7 @@ def test_state_transfer_and_replay_copy_blocking(copies: list[tuple[str, bool]])
     resolved = StateCapture.resolve(sent, [state])
     assert resolved is not None and torch.equal(resolved.tensors["buffer:big"], m.big)
     x = torch.randn(3, 4)
-    loss, grads = replay_gradients(m, names, [MicroBatch(x, 0, *_all_rng(None), state=resolved)],
+    loss, grads = replay_gradients(m, names, [MicroBatch(x, 0, *all_rng(None), state=resolved)],
                                    lambda b, _: m(b).pow(2).mean(), capture=cap)  # fmt: skip
     expected = torch.autograd.grad(m(x).pow(2).mean(), [p for p in m.parameters() if p.requires_grad])
     assert all(torch.equal(grads[n], e) for n, e in zip(names, expected, strict=True)) and float(loss) > 0
@@ -111,7 +111,7 @@ class Deep(nn.Module):
 
 def micro(n: int) -> list[MicroBatch]:
     g = torch.Generator().manual_seed(5)
-    return [MicroBatch((torch.randn(4, 16, generator=g), i == 0), i, *_all_rng(None)) for i in range(n)]
+    return [MicroBatch((torch.randn(4, 16, generator=g), i == 0), i, *all_rng(None)) for i in range(n)]
 
 
 @pytest.mark.parametrize("n", [1, 3])

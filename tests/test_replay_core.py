@@ -26,7 +26,7 @@ from sdc_core.replay.ring import (
     grad_digest,
     replay_gradients,
 )
-from sdc_core.replay.state import _all_rng  # private to the replay: tests build micro-batches
+from sdc_core.replay.state import all_rng  # tests build micro-batches
 
 
 class Opaque:
@@ -95,7 +95,7 @@ def same(a: dict, b: dict) -> bool:
 
 def run_owner(m: Stepper, x: torch.Tensor, capture: StateCapture) -> tuple[MicroBatch, torch.Tensor, dict]:
     """What the owner does on an audited micro-batch: record, then its real step."""
-    mb = MicroBatch(x, 0, *_all_rng(None), state=capture.capture())
+    mb = MicroBatch(x, 0, *all_rng(None), state=capture.capture())
     loss = m(x)
     grads = torch.autograd.grad(loss, [p for p in m.parameters() if p.requires_grad])
     return mb, loss.detach(), dict(zip(names(m), grads, strict=True))
@@ -237,7 +237,7 @@ def test_calibration_takes_the_lower_median_and_is_capped() -> None:
     def calibrated(*rounds: list[float], exact: object = "auto", rtol: float = 1e-3) -> float:
         r = RingReplay(ReplayConfig(exact=exact, rtol=rtol))
         for diffs in rounds:
-            r._calibrate(diffs)
+            r.calibration.calibrate(diffs, r.config, r.stats)
         return r.tolerance
 
     assert calibrated([0.0, 0.0, 0.3]) == 0.0  # one (faulty) rank cannot loosen anything

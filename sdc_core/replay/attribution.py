@@ -11,7 +11,8 @@ replayer) and ``settle`` (the referees' rulings on the other pairs) decide. ``mi
 and the ``*_message`` functions word the verdicts every rank raises.
 
 Cost: pure functions on small Python lists (world-size sized); no communication here (the ring
-replay calls ``sdc_core.dist.topology.exchange`` with what ``referee_sends`` returns).
+replay calls ``sdc_core.dist.topology.exchange`` with what ``send_payload`` and ``referee_sends``
+return, and reads a partner's micro-batches with ``received_batches``).
 
 Limits: with two replicas (or two data-parallel groups) no third opinion exists: both are
 suspects and ``rank`` is None.
@@ -23,7 +24,7 @@ import itertools
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from sdc_core.dist.topology import Topology, group_ring_partners
+from sdc_core.dist.topology import TRANSFER_ERROR, Topology, group_ring_partners
 from sdc_core.replay.state import MicroBatch, StateCapture
 
 
@@ -338,6 +339,25 @@ def referee_jobs(
 def for_transfer(micro: Sequence[MicroBatch]) -> list[MicroBatch]:
     """``micro`` as it travels: large frozen tensors of each state replaced by their digest."""
     return [MicroBatch(**{**vars(mb), "state": StateCapture.for_transfer(mb.state)}) for mb in micro]
+
+
+def send_payload(micro: list[MicroBatch], digest: Any) -> tuple[dict[str, Any], str]:
+    """What an owner sends its replayer, and why it failed to build it ("" when it did not): on a
+    failure the partner still gets a message (``TRANSFER_ERROR``), so no rank is left waiting."""
+    try:
+        return {"micro": for_transfer(micro), "digest": digest}, ""
+    except Exception as err:
+        why = describe(err)
+        sent = {TRANSFER_ERROR: f"the owner could not send its micro-batches: {why}"}
+        return sent, f"preparing its micro-batches: {why}"
+
+
+def received_batches(payload: dict[str, Any], own_states: list[Any]) -> list[MicroBatch]:
+    """The micro-batches of a received payload, their states resolved (``StateCapture.resolve``
+    against this rank's own); raises ``RuntimeError`` with the owner's text when it could not send."""
+    if TRANSFER_ERROR in payload:
+        raise RuntimeError(payload[TRANSFER_ERROR])
+    return [MicroBatch(**{**vars(mb), "state": StateCapture.resolve(mb.state, own_states)}) for mb in payload["micro"]]
 
 
 def referee_sends(

@@ -72,10 +72,12 @@ clone of the state per audited step (at most ``max_state_mb``, 256 MiB; larger t
 guarded against in-place change) and one all-gather of six float64 per rank. Other steps pay
 nothing. The referee and self re-run rounds run only when a pair disagrees.
 
-Modules: ``replay_state`` (what a step reads besides its batch, the side-effect free re-run),
-``replay_compare`` (digests, comparison, calibration), ``replay_exchange`` (what the ranks send,
-attribution, verdict texts); this module keeps ``ReplayConfig`` and ``RingReplay`` and re-exports
-their public names.
+Modules: ``state`` (what a step reads besides its batch), ``rerun`` (the side-effect free re-run),
+``guard`` (collectives refused in a replay), ``determinism`` (deterministic kernels), ``compare``
+(digests, comparison), ``calibration`` (what the audits learnt: tolerance, mode), ``audit`` (one
+audited step up to the referee round), ``referee`` (the referee round and the verdict),
+``attribution`` (what the ranks send, attribution, verdict texts); this module keeps
+``ReplayConfig`` and ``RingReplay`` and re-exports their public names.
 """
 
 from __future__ import annotations
@@ -94,36 +96,28 @@ from torch import nn
 from sdc_core.checks.gradient_tap import GradientTap
 from sdc_core.dist.payload import PayloadError
 from sdc_core.dist.payload_checks import check_replay_payload
-from sdc_core.dist.topology import (
-    TRANSFER_ERROR,
-    Topology,
-    all_gather_objects,
-    all_gather_tensor,
-    exchange,
-    is_distributed,
-    owners_of,
-)
+from sdc_core.dist.topology import Topology, exchange, is_distributed
 from sdc_core.errors import ReplayMismatchError, ReplayUnavailableError
 from sdc_core.replay.attribution import (
     DEFAULT_ADVICE,
-    SEVERAL,
-    attribute,
     describe,
     every_pair_message,
-    evidence,
     explain,
     failed_message,
     for_transfer,
     group_index,
     mismatch_reason,
     pick_referee,
+    received_batches,
     referee_jobs,
     referee_sends,
     replay_partners,
-    ruling_note,
+    send_payload,
     settle,
     unreproducible_message,
 )
+from sdc_core.replay.audit import StepAudit
+from sdc_core.replay.calibration import CALIBRATION_ROUNDS, Calibration
 from sdc_core.replay.compare import (
     AUTO_MARGIN,
     Digest,
@@ -137,24 +131,20 @@ from sdc_core.replay.compare import (
     grad_digest,
     lower_median,
 )
+from sdc_core.replay.determinism import DeterministicWindow, deterministic, is_determinism_error
+from sdc_core.replay.guard import CollectiveInReplay, forbid_collectives
+from sdc_core.replay.referee import attribute_step
+from sdc_core.replay.rerun import GradientsAside, replay_each_gradient, replay_gradients
 from sdc_core.replay.state import (
     SEND_BY_DIGEST_BYTES,
-    CollectiveInReplay,
-    DeterministicWindow,
-    GradientsAside,
     MicroBatch,
     StateCapture,
     StepFn,
     StepState,
     TensorRef,
-    _all_rng,
-    _fresh,
+    all_rng,
     capture_rng,
-    deterministic,
-    forbid_collectives,
-    is_determinism_error,
-    replay_each_gradient,
-    replay_gradients,
+    fresh,
 )
 from sdc_core.schema import documented, setting
 from sdc_core.stats import CheckStats
@@ -170,7 +160,6 @@ __all__ = [
 ]  # fmt: skip
 
 EXACT_MODES = (True, False, "auto")
-CALIBRATION_ROUNDS = 3  # exact="auto" without strict determinism: same-device rounds before the tolerance settles
 
 
 @documented
@@ -248,6 +237,29 @@ class ReplayConfig:
 
 
 @dataclass
+class KeptSteps:
+    """The micro-batches of one step that is not audited (references, RNG and captured state),
+    kept while the screen escalates (``RingReplay.keep_every_step``), for a partner to recompute."""
+
+    step: int | None = None
+    batches: list[MicroBatch] = field(default_factory=list)
+
+    def start(self, step: int) -> None:
+        """Keep ``step``'s micro-batches (those kept so far, when it is the step being kept)."""
+        if self.step != step:
+            self.step, self.batches = step, []
+
+    def clear(self) -> None:
+        self.step, self.batches = None, []
+
+    def take(self, step: int) -> list[MicroBatch]:
+        """The micro-batches kept for ``step``, then forgotten; empty when none were kept for it."""
+        kept, step_kept = self.batches, self.step
+        self.clear()
+        return kept if step_kept == step else []
+
+
+@dataclass
 class RingReplay:
     """Framework-neutral ring replay audit.
 
@@ -265,11 +277,7 @@ class RingReplay:
     forward and backward at that audit), the mode is ``warn_only=True`` so that the user's step
     never fails on a kernel without a deterministic implementation; after it, ``warn_only=False``
     (which also makes flash and memory-efficient attention backward deterministic) and the
-    calibration starts over in that mode. Without that proof (or with ``deterministic=False``),
-    ``exact="auto"`` takes ``CALIBRATION_ROUNDS`` audits of same-device re-runs before its
-    tolerance settles. In every mode a disagreeing pair is re-run on both sides before any
-    accusation: differences within ``AUTO_MARGIN`` times the noise the pair's own re-runs show
-    (at most ``rtol``) are noise, not a fault.
+    calibration starts over in that mode (``Calibration``; the module docstring tells the rest).
     """
 
     config: ReplayConfig = field(default_factory=ReplayConfig)
@@ -288,19 +296,12 @@ class RingReplay:
     _loss: torch.Tensor | None = None
     _local: dict[str, Row] = field(default_factory=dict)
     _tap: GradientTap | None = None
-    _calibrated: bool = False
-    _tolerance: float | None = None
-    _rounds: int = 0  # same-device calibration rounds in the current mode
-    _agreed: bool = False  # some audit of this process found the replay pairs agreeing
-    _exact_audits: int = 0  # audits in the current mode whose every pair agreed bit for bit
-    _strict: bool | None = None  # None: not probed yet; True: the step runs under warn_only=False
-    _probed: bool | None = None  # the probe's result, applied when its audit ends
+    calibration: Calibration = field(default_factory=Calibration)  # what the audits learnt (tolerance, mode)
     _window: DeterministicWindow = field(default_factory=DeterministicWindow)
     _aside: GradientsAside = field(default_factory=GradientsAside)  # the step's own .grad during its re-runs
     _capture_error: str = ""
     keep_every_step: bool = False  # the screen's escalation: record every step's micro-batches (``kept``)
-    _kept_step: int | None = None
-    _kept: list[MicroBatch] = field(default_factory=list)
+    kept: KeptSteps = field(default_factory=KeptSteps)
     screen_strikes: dict[int, int] = field(default_factory=dict)  # confirmed screen hits per rank
     last_error: ReplayMismatchError | None = None
 
@@ -323,12 +324,11 @@ class RingReplay:
             self._window.exit()
             self._aside.clear()
             if self.keep_every_step and self.active and not self.replaying:  # kept for a possible escalation
-                if self._kept_step != step:
-                    self._kept_step, self._kept = step, []
+                self.kept.start(step)
                 return True
-            self._kept_step, self._kept = None, []
+            self.kept.clear()
             return False
-        self._kept_step, self._kept = None, []
+        self.kept.clear()
         if self._armed_step != step:
             self._armed_step, self._micro, self._loss, self._local = step, [], None, {}
             self._aside.clear()
@@ -344,26 +344,23 @@ class RingReplay:
 
     @property
     def strict(self) -> bool:
-        """True once the step is known to run under ``torch.use_deterministic_algorithms(True)``
-        without ``warn_only``: replays are then deterministic and compare bit for bit."""
-        return self.config.deterministic and self._strict is True
+        """Whether replays run under strict determinism now (``Calibration.strict``)."""
+        return self.calibration.strict(self.config)
 
     @property
     def mode(self) -> str:
-        """``"strict"``, ``"warn_only"`` (deterministic kernels where torch has them) or ``"off"``."""
-        return "off" if not self.config.deterministic else "strict" if self.strict else "warn_only"
+        """``"strict"``, ``"warn_only"`` or ``"off"`` (``Calibration.mode``)."""
+        return self.calibration.mode(self.config)
 
     @property
     def keeping(self) -> bool:
         """True while a step that is not audited is recorded for a possible escalation."""
-        return self._armed_step is None and self._kept_step is not None
+        return self._armed_step is None and self.kept.step is not None
 
     def take_kept(self, step: int) -> list[MicroBatch]:
         """The micro-batches kept for ``step`` (its state as captured), then forgotten; empty when
         none were kept for that step."""
-        kept, step_kept = self._kept, self._kept_step
-        self._kept_step, self._kept = None, []
-        return kept if step_kept == step else []
+        return self.kept.take(step)
 
     @property
     def armed(self) -> bool:
@@ -373,33 +370,29 @@ class RingReplay:
     @property
     def recorded(self) -> int:
         """Micro-batches recorded for the armed (or kept) step so far."""
-        return len(self._kept if self.keeping else self._micro)
+        return len(self.kept.batches if self.keeping else self._micro)
 
     @property
     def tolerance(self) -> float:
         """The tolerance comparisons use now (0: bit equality)."""
-        if self.config.exact is True:
-            return 0.0
-        if self.config.exact is False:
-            return float(self.config.rtol)
-        return self._tolerance if self._tolerance is not None else 0.0
+        return self.calibration.tolerance(self.config)
 
     def record(self, batch: Any, batch_idx: int, device: torch.device | None = None, state: bool = True) -> None:
         """Remember an audited micro-batch, the RNG state and (``state=True``) the module state
         it starts from. Cost: the capture's clones, on audited micro-batches (and, with
         ``keep_every_step``, on every micro-batch: references and the RNG, plus the capture)."""
-        (self._kept if self.keeping else self._micro).append(MicroBatch(batch, batch_idx, *_all_rng(device)))
+        (self.kept.batches if self.keeping else self._micro).append(MicroBatch(batch, batch_idx, *all_rng(device)))
         if state:
             self.begin(device)
 
     def begin(self, device: torch.device | None = None) -> None:
         """The step of the last recorded micro-batch starts now: (re)capture its RNG and state."""
         kept = self.keeping
-        micro = self._kept if kept else self._micro
+        micro = self.kept.batches if kept else self._micro
         if (self._armed_step is None and not kept) or not micro or self.replaying:
             return
         mb = micro[-1]
-        mb.cpu_rng, mb.cuda_rng, mb.py_rng, mb.np_rng = _all_rng(device)
+        mb.cpu_rng, mb.cuda_rng, mb.py_rng, mb.np_rng = all_rng(device)
         if self.config.deterministic and not kept:  # the owner's forward and backward: in the replays' mode
             self._window.enter(self.strict)
         if self.capture is not None:  # one budget for all micro-batches of the step (held until the audit)
@@ -453,12 +446,12 @@ class RingReplay:
         as a replay payload, and resolved into ``MicroBatch`` lists (a received ``TRANSFER_ERROR``
         text, and a state that cannot be resolved, become a text)."""
         empty = assemble(self.names, {}, 0.0)
-        received = self._exchange({dst: _payload(micro, empty)[0] for dst, micro in sends.items()}, recv_from)
+        received = self._exchange({dst: send_payload(micro, empty)[0] for dst, micro in sends.items()}, recv_from)
         own = [mb.state for micro in sends.values() for mb in micro]
         out: dict[int, Any] = {}
         for src, payload in received.items():
             try:  # a text instead of a list: every rank still goes on to the next collective
-                out[src] = _micro_batches(payload, own)
+                out[src] = received_batches(payload, own)
             except Exception as err:
                 out[src] = describe(err)
         return out
@@ -495,28 +488,11 @@ class RingReplay:
             return False
         raise ReplayUnavailableError(message)
 
-    @property
-    def _auto(self) -> bool:
-        """``exact="auto"``: measured noise is tolerated, up to ``rtol`` (``True == "auto"`` is False)."""
-        return self.config.exact == "auto"
-
-    def _calibrate(self, self_diffs: Sequence[float]) -> None:
-        """``exact="auto"``: set (or raise, never above ``rtol``) the tolerance from the ranks'
-        same-device differences (``calibrate``; 0: bit for bit -> exact comparisons)."""
-        if not self._auto:
-            return
-        self._tolerance = calibrate(self._tolerance, self_diffs, float(self.config.rtol))
-        self.stats.extra = {**(self.stats.extra or {}), "tolerance": self._tolerance}
-
     def _referee_jobs(
         self, disputed: Sequence[tuple[int, int]], mismatching: Sequence[tuple[int, int]], topo: Topology
     ) -> tuple[dict[tuple[int, int], int | None], list[tuple[int, int, int]]]:
         """``referee_jobs`` over this audit's ``groups``."""
         return referee_jobs(disputed, mismatching, topo, self.groups)
-
-    def _failed(self, step: int, failures: Sequence[str], inverse: Sequence[int], t0: float) -> bool:
-        self.stats.add_time(time.perf_counter() - t0)
-        return self._unreplayable(step, failed_message(step, failures, inverse, self.advice))
 
     def audit(
         self,
@@ -540,7 +516,7 @@ class RingReplay:
             home = next((p.device for p in module.parameters()), None)
 
             def to_device(batch: Any) -> Any:
-                return _fresh(batch, home)
+                return fresh(batch, home)
 
         try:  # the step's own gradients out of the way of the re-runs where DDP keeps a copy
             with self._aside.aside() as aside:
@@ -550,11 +526,7 @@ class RingReplay:
         except PayloadError as err:  # raised on every rank together by the exchange: a peer sent what is refused
             return self._unreplayable(step, f"could not exchange its data at step {step}: {err}.")
         finally:
-            if self._probed is not None:  # the mode of the next audited step: every rank alike
-                self._strict, self._probed = self._probed, None
-                if self._strict:  # deterministic attention backward and the like from now on: calibrate anew
-                    self._rounds, self._tolerance, self._exact_audits = 0, None, 0
-                self.stats.extra = {**(self.stats.extra or {}), "strict_determinism": float(self.strict)}
+            self.calibration.settle_probe(self.config, self.stats)  # the mode of the next audited step
 
     def _audit(
         self,
@@ -564,325 +536,23 @@ class RingReplay:
         to_device: Callable[[Any], Any],
         context: Callable[[], AbstractContextManager[Any]],
     ) -> bool:
+        """One ``StepAudit`` of the recorded micro-batches, then, when pairs still disagree, the
+        referee round (``attribute_step``); its verdict becomes ``last_error``."""
         t0 = time.perf_counter()
         topo = self.topology or Topology.gather()
-        world, me = topo.world_size, topo.rank
-        partners = replay_partners(topo, self.groups)
-        inverse = owners_of(partners)
-        rings = len(self.groups) if self.groups else world  # the length of each replay cycle
         own = self._own_digest()
         micro, self._micro, self._armed_step = self._micro, [], None
-        own_states = [mb.state for mb in micro]
-        atol, rtol = float(self.config.atol), float(self.config.rtol)
-        # exact="auto" tolerates measured noise up to rtol in every mode: a kernel may be nondeterministic
-        # on some calls even under torch's deterministic switch (one exact audit proves nothing)
-        lenient = self._auto
-        needed = CALIBRATION_ROUNDS if lenient and not self.strict else 1
-        first, calibrating = self._rounds == 0, self._rounds < needed
-        probe = self.config.deterministic and self._strict is None
-
-        def replay(batches: list[MicroBatch], strict: bool | None = None) -> Digest:
-            with deterministic(self.config.deterministic, self.strict if strict is None else strict):
-                return self._replay_digest(module, batches, step_fn, to_device, context)
-
-        def prepare(payload: dict[str, Any]) -> list[MicroBatch]:
-            return _micro_batches(payload, own_states)
-
-        def replay_payload(payload: dict[str, Any]) -> Digest:
-            return replay(prepare(payload))
-
-        def self_round() -> tuple[tuple[bool, float, str], str]:
-            again, err = _attempt(lambda: replay(micro))
-            return (compare_raw(own, again, self.names, atol) if again is not None else (True, 0.0, "")), err
-
         failure, self._capture_error = self._capture_error, ""
-        payload, why = _payload(micro, own)
-        failure = failure or why
-        received = self._exchange({partners[me]: payload}, [inverse[me]])[inverse[me]]
-        batches: list[MicroBatch] = []
-        if self.lockstep:  # replays are collective: every rank must be able to start one, or none does
-            try:
-                batches, prep_failure = prepare(received), ""
-            except Exception as err:
-                prep_failure = describe(err)
-            failure = failure or prep_failure
-            if _any_rank(bool(failure)):
-                return self._failed(step, all_gather_objects(failure), inverse, t0)
-            mine, replay_failure = _attempt(lambda: replay(batches))
-        else:
-            mine, replay_failure = _attempt(lambda: replay_payload(received))
-        failure = failure or replay_failure
-        cross = compare_raw(received["digest"], mine, self.names, atol) if mine is not None else (True, 0.0, "")
-        mine_self, self_failure = self_round() if calibrating else ((True, 0.0, ""), "")
-        if self_failure and not failure:
-            failure = f"re-running its own micro-batches: {self_failure}"
-        # the probe: can the step run under warn_only=False (deterministic attention backward too)?
-        strict_ok = probe and _attempt(lambda: replay(micro, strict=True))[0] is not None
-        row = [float(cross[0]), cross[1], float(bool(failure)), float(calibrating), float(mine_self[0]), mine_self[1],
-               float(strict_ok)]  # fmt: skip
-        table = all_gather_tensor(torch.tensor(row, dtype=torch.float64)).tolist()
-        if probe:
-            self._probed = all(r[6] for r in table)
-        if any(r[2] for r in table):
-            return self._failed(step, all_gather_objects(failure), inverse, t0)
-        if calibrating:
-            self._calibrated, self._rounds = True, self._rounds + 1
-            self._calibrate(_self_diffs(table))
-        self.stats.runs += 1
-        noise: list[float] | None = None  # per rank: what its own re-runs show (not strict, on a disagreement)
-        shaky: list[int] = []  # exact comparisons: ranks of disagreeing pairs that disagree with themselves
 
-        def tol_for(*ranks: int) -> float:
-            """The tolerance of a comparison between ``ranks``: in lenient mode, at least the noise
-            their own re-runs showed (times ``AUTO_MARGIN``, at most ``rtol``)."""
-            tol = self.tolerance
-            if not lenient or noise is None:
-                return tol
-            return max(tol, min(rtol, AUTO_MARGIN * max(noise[r] for r in ranks)))
+        def recompute(batches: list[MicroBatch]) -> Digest:
+            return self._replay_digest(module, batches, step_fn, to_device, context)
 
-        def judge() -> tuple[list[tuple[int, int]], list[int]]:
-            pairs = [(inverse[q], q) for q, r in enumerate(table) if disagree(bool(r[0]), r[1], tol_for(inverse[q], q))]
-            bound = rtol if lenient else self.tolerance  # lenient: noise up to rtol is not a failure
-            unrepro = [q for q, r in enumerate(table) if r[3] and disagree(bool(r[4]), r[5], bound)]
-            return pairs, unrepro
-
-        mismatching, unreproducible = judge()
-        if mismatching:  # confirm before accusing: both sides of every pair re-run what they computed
-            self.stats.bump("confirmations")
-            if not calibrating:
-                mine_self, self_failure = self_round()
-            rerun, rerun_failure = (True, 0.0, ""), ""
-            # the replayer re-runs its replay: noise on its side shows as a difference with itself
-            again, rerun_failure = _attempt(lambda: replay(batches) if self.lockstep else replay_payload(received))
-            rerun = compare_raw(mine, again, self.names, atol) if again is not None else rerun
-            srow = [float(mine_self[0]), mine_self[1], float(bool(self_failure or rerun_failure)), float(rerun[0]),
-                    rerun[1]]  # fmt: skip
-            stable = all_gather_tensor(torch.tensor(srow, dtype=torch.float64)).tolist()
-            if any(r[2] for r in stable):
-                what = f"re-running its own micro-batches: {self_failure}" if self_failure else ""
-                what = what or (f"re-running its replay: {rerun_failure}" if rerun_failure else "")
-                return self._failed(step, all_gather_objects(what), inverse, t0)
-            for q, (s_exact, s_diff, *_rest) in enumerate(stable):
-                table[q][3:6] = [1.0, s_exact, s_diff]
-            noise = [max(_noise(r[0], r[1]), _noise(r[3], r[4])) for r in stable]
-            self.stats.extra = {**(self.stats.extra or {}), "max_noise": max(noise)}
-            self._calibrate(noise)
-            before = set(mismatching)
-            mismatching, unreproducible = judge()
-            explained = sorted(before - set(mismatching))
-            if explained:  # the pair's own re-runs differ as much: noise, and the tolerance moves to cover it
-                self.stats.bump("disagreements_explained_by_noise")
-                self._calibrate([max(noise[r] for pair in explained for r in pair)])
-            if self.config.exact is True:  # bit equality demanded: a noisy pair is no proof
-                shaky = sorted({r for pair in mismatching for r in pair if noise[r] > 0})
-        worst = max((r[1] for r in table if not math.isnan(r[1])), default=0.0)
-        if math.isfinite(worst):
-            self.stats.max_diff = max(self.stats.max_diff, worst)
-        if len(unreproducible) >= 2 or shaky:
-            refused = sorted(set(unreproducible) | set(shaky))
-            wheres = all_gather_objects(mine_self[2])
-            self.stats.add_time(time.perf_counter() - t0)
-            worst_self = max(max(table[q][5], noise[q] if noise else 0.0) for q in refused)
-            return self._unreplayable(step, unreproducible_message(
-                step, refused, worst_self, wheres, rtol if lenient else self.tolerance, self.config.exact,
-                self.advice))  # fmt: skip
-        # every pair disagreeing at the first audit of two replicas means the replay does not compute
-        # what the owners did; once pairs have agreed (a strict-mode re-calibration starts its rounds
-        # anew), it is a fault. With three or more, referees tell: a step that depends on the rank
-        # agrees with no one on any batch, devices that disagree (two faulty ranks in turn) agree with some
-        every_pair = bool(mismatching) and len(mismatching) == world
-        if every_pair and rings < 3 and first and not self._agreed:
-            self.stats.add_time(time.perf_counter() - t0)
-            return self._unreplayable(step, every_pair_message(step, topo, first, self.advice))
-        if not mismatching:
-            self._agreed = True
-            if all(r[0] for r in table):  # evidence for bit-reproducibility, never taken as proof
-                self._exact_audits += 1
-                self.stats.extra = {**(self.stats.extra or {}), "exact_audits": float(self._exact_audits)}
-            if unreproducible:  # verified by the partner; the one rank's re-run differed: note it
-                self.stats.bump("self_replay_mismatches")
-            self.stats.last_verified_step = step
-            self.stats.add_time(time.perf_counter() - t0)
-            return False
-        return self._attribute(step, topo, partners, inverse, table, mismatching, micro, own, received, mine,
-                               replay, prepare, replay_payload, t0, tol_for,
-                               every_pair=(first if every_pair and rings >= 3 else None))  # fmt: skip
-
-    def _attribute(self, step, topo, partners, inverse, table, mismatching, micro, own, received, mine,  # type: ignore[no-untyped-def]
-                   replay, prepare, replay_payload, t0, tol_for, every_pair=None) -> bool:  # fmt: skip
-        """Rare path: a referee round for every disagreeing pair (tensor parallel: for the pairs no
-        culprit explains), the attribution, and the named rank's re-run that classifies its fault;
-        raises ``ReplayMismatchError``.
-
-        ``every_pair`` (whether this is the first audit; None unless every pair disagrees with
-        three or more replicas): every pair gets a referee; when no referee agrees with either
-        side of any pair, the step is not replayable (``ReplayUnavailableError``), else the
-        ranks' devices disagree."""
-        world, me = topo.world_size, topo.rank
-        tol, atol = self.tolerance, float(self.config.atol)
-        rings = len(self.groups) if self.groups else world
-        group_of = group_index(self.groups, world)
-
-        lenient = self._auto
-
-        def differs(a: Digest, b: Digest, *ranks: int, scale: float = 0.0) -> bool:
-            """Whether ``a`` and ``b`` disagree; ``scale``: the size of the disagreement being judged,
-            a 1/``AUTO_MARGIN`` of which (at most ``rtol``) is noise for ``exact="auto"``, so that a
-            referee's noisy replay still sides with the result it is near to."""
-            exact, diff, _ = compare_raw(a, b, self.names, atol)
-            floor = min(float(self.config.rtol), scale / AUTO_MARGIN) if lenient and math.isfinite(scale) else 0.0
-            return disagree(exact, diff, max(tol_for(*ranks), floor))
-
-        where = compare_raw(received["digest"], mine, self.names, atol)[2] if mine is not None else ""
-        wheres = all_gather_objects(where)
-        if self.groups and every_pair is None:  # tensor parallel: pairs no culprit explains get a referee group
-            culprits, disputed = explain(rings, partners, mismatching)
-        else:  # every disagreeing pair gets a referee
-            culprits, disputed = set(), sorted(mismatching)
-        referees, assignments = self._referee_jobs(disputed, mismatching, topo)
-        sends, recv_from = referee_sends(assignments, me, micro, own, mine)
-        got = self._exchange(sends, recv_from) if referees else {}
-        my_rulings: dict[tuple[int, int], tuple[bool, bool]] = {}
-        my_failure = ""
-        jobs = [(o, q) for o, q, t in assignments if t == me]
-        rounds = len(jobs)
-        if self.lockstep:  # replays are collective: every rank replays in every referee round
-            for o, q in jobs:
-                try:
-                    prepare(got[o])
-                except Exception as err:
-                    my_failure = my_failure or f"refereeing {o}->{q}: {describe(err)}"
-            if _any_rank(bool(my_failure)):
-                return self._failed(step, all_gather_objects(my_failure), inverse, t0)
-            assigned = [t for _, _, t in assignments]
-            rounds = max(assigned.count(r) for r in range(world))
-        for i in range(rounds):
-            if i >= len(jobs):  # lockstep: no pair for this rank in this round; its replay joins the others'
-                _attempt(lambda: replay(micro))
-                continue
-            o, q = jobs[i]
-            ref, err = _attempt(lambda o=o: replay_payload(got[o]))
-            if ref is None:
-                my_failure = f"refereeing {o}->{q}: {err}"
-                continue
-            if (o, q) in referees:  # a tensor-parallel peer's job that agreed: its replay served the group
-                gap = compare_raw(got[o]["digest"], got[q]["replay"], self.names, atol)[1]
-                with_owner = not differs(got[o]["digest"], ref, o, me, scale=gap)
-                my_rulings[(o, q)] = (with_owner, not differs(got[q]["replay"], ref, q, me, scale=gap))
-        rulings: dict[tuple[int, int], tuple[bool, bool]] = {}
-        gathered = all_gather_objects((my_rulings, my_failure))
-        if any(f for _, f in gathered):
-            return self._failed(step, [f for _, f in gathered], inverse, t0)
-        for part, _ in gathered:
-            rulings.update(part)
-        if every_pair is not None and not any(a or b for a, b in rulings.values()):
-            self.stats.add_time(time.perf_counter() - t0)
-            return self._unreplayable(step, every_pair_message(step, topo, every_pair, self.advice))
-        if self.groups:
-            rank, suspects, notes = settle(rings, culprits, disputed, rulings)
-        else:  # the fewest faulty ranks that explain every comparison (``attribute``)
-            rank, suspects, explanations = attribute(world, *evidence(inverse, mismatching, referees, rulings))
-            notes = {f"{o}->{q}": ruling_note(rulings.get((o, q))) for o, q in disputed}
-            if rank is None and world > 2:
-                notes |= {"attribution": SEVERAL, "explanations": explanations}
-        classification = None
-        if rank is not None:  # the suspect re-runs what disagreed: does it reproduce its result?
-            mine_again = None
-            as_owner = (rank, partners[rank]) in mismatching
-            if me == rank:
-                again, err = _attempt(lambda: replay(micro) if as_owner else replay_payload(received))
-                before = own if as_owner else mine
-                if again is None:
-                    mine_again = f"unknown ({err.split(':')[0]})"
-                else:
-                    gap = max((table[q][1] for q in range(world) if rank in (inverse[q], q)), default=0.0)
-                    persistent = before is not None and not differs(before, again, me, scale=gap)
-                    mine_again = "persistent" if persistent else "transient"
-            elif self.lockstep and group_of[me] == group_of[rank]:  # its tensor-parallel peers re-run the same
-                _attempt(lambda: replay(micro) if as_owner else replay_payload(received))
-            elif self.lockstep:  # the suspect's re-run is collective: the others replay alongside
-                _attempt(lambda: replay(micro))
-            classification = all_gather_objects(mine_again)[rank]
-        self.stats.failures += 1
-        self.stats.add_time(time.perf_counter() - t0)
-        bad = [q for q in range(world) if disagree(bool(table[q][0]), table[q][1], tol_for(inverse[q], q))]
-        worst = max((table[q][1] for q in bad), default=0.0)
-        details = {
-            "mismatching_pairs": [list(p) for p in mismatching],
-            "differences": {inverse[q]: table[q][1] for q in bad},
-            "where": {inverse[q]: wheres[q] for q in bad},
-            "self_replay": {q: "reproduced" if not disagree(bool(table[q][4]), table[q][5], tol) else "differed"
-                            for q in range(world) if table[q][3]},
-            "partners": list(partners),
-            "referees": {f"{o}->{q}": t for (o, q), t in referees.items()},
-            "rulings": notes,
-            "exact": self.config.exact,
-            "exact_audits": self._exact_audits,
-            "tolerance": tol,
-            "rtol": self.config.rtol,
-            "deterministic": self.mode,
-            "node_ranks": topo.node_ranks(suspects),
-            "world_size": world,
-            "classification": classification,
-            **({"several_ranks": True} if "attribution" in notes else {}),
-            **({"tensor_parallel_groups": [list(g) for g in self.groups]} if self.groups else {}),
-        }  # fmt: skip
-        reproduced = all(r[3] and not disagree(bool(r[4]), r[5], tol) for r in table)
-        where_worst = (wheres[partners[rank]] or wheres[rank]) if rank is not None else ""
-        one_group = bool(self.groups) and len({group_of[r] for r in suspects}) == 1
-        reason = mismatch_reason(rank, world, rings, mismatching, suspects, worst, where_worst, classification,
-                                 reproduced, one_group)  # fmt: skip
-        skip = self.config.on_failure == "skip_step" and classification == "transient"
-        if skip:
-            details["action"] = "step skipped on every rank"
-        self.last_error = ReplayMismatchError(
-            step=step, rank=rank, suspects=suspects, hosts=topo.hosts(suspects), details=details, reason=reason
-        )
-        if not skip:
-            raise self.last_error
-        self.stats.bump("skipped_steps")
-        return True
-
-
-def _attempt(fn: Callable[[], Digest]) -> tuple[Digest | None, str]:
-    """``(fn(), "")``, or ``(None, what it raised)``: replay failures are decided together, so no
-    rank is ever left in a collective the others do not enter."""
-    try:
-        return fn(), ""
-    except Exception as err:
-        return None, describe(err)
-
-
-def _payload(micro: list[MicroBatch], digest: Digest) -> tuple[dict[str, Any], str]:
-    """What an owner sends its replayer, and why it failed to build it ("" when it did not): on a
-    failure the partner still gets a message (``TRANSFER_ERROR``), so no rank is left waiting."""
-    try:
-        return {"micro": for_transfer(micro), "digest": digest}, ""
-    except Exception as err:
-        why = describe(err)
-        sent = {TRANSFER_ERROR: f"the owner could not send its micro-batches: {why}"}
-        return sent, f"preparing its micro-batches: {why}"
-
-
-def _micro_batches(payload: dict[str, Any], own_states: list[Any]) -> list[MicroBatch]:
-    """The micro-batches of a received payload, their states resolved (``StateCapture.resolve``
-    against this rank's own); raises ``RuntimeError`` with the owner's text when it could not send."""
-    if TRANSFER_ERROR in payload:
-        raise RuntimeError(payload[TRANSFER_ERROR])
-    return [MicroBatch(**{**vars(mb), "state": StateCapture.resolve(mb.state, own_states)}) for mb in payload["micro"]]
-
-
-def _any_rank(flag: bool) -> bool:
-    """Whether ``flag`` is set on any rank (one all-gather of one float64 per rank)."""
-    return any(all_gather_tensor(torch.tensor([float(flag)], dtype=torch.float64)).flatten().tolist())
-
-
-def _noise(exact: float, diff: float) -> float:
-    """A same-device difference as a number: 0 when bit-identical, else at least a tiny positive
-    value (a difference the digest's sums cannot see still does not count as exact)."""
-    return 0.0 if exact else (diff if diff > 0 else 1e-12)
-
-
-def _self_diffs(table: Sequence[Sequence[float]]) -> list[float]:
-    """Each rank's same-device difference from its audit table row."""
-    return [_noise(r[4], r[5]) for r in table]
+        run = StepAudit(step, topo, self.config, self.stats, self.calibration, lambda: self.names, self.groups,
+                        self.lockstep, self.advice, micro, own, failure, recompute, self._exchange,
+                        self._unreplayable, t0)  # fmt: skip
+        try:
+            result = run.run()
+            return attribute_step(run) if result is None else result
+        finally:
+            if run.error is not None:
+                self.last_error = run.error

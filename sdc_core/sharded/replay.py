@@ -58,7 +58,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 
 from sdc_core.replay.compare import Digest, Row, assemble, digest_row
 from sdc_core.replay.ring import RingReplay
-from sdc_core.replay.state import MicroBatch, StateCapture, StepFn, _all_rng, _set_rng
+from sdc_core.replay.state import MicroBatch, StateCapture, StepFn, all_rng, set_rng
 from sdc_core.sharded.checks import local
 from sdc_core.sharded.tap import GradientTapComm, fsdp_taps
 
@@ -209,7 +209,7 @@ class ShardedReplay(RingReplay):
         grads = [p.grad for p in params]
         device = next((p.device for p in params), torch.device("cpu"))
         capture = self.capture or StateCapture(module, [n for n, _ in module.named_parameters()], max_state_mb=0)
-        saved_rng = _all_rng(device)
+        saved_rng = all_rng(device)
         loss_total = torch.zeros((), dtype=torch.float64, device=device)
         frozen = [local(p) for p in self._frozen]
         copies = [self._frozen_at.get(i) for i in range(len(batches))] if frozen else []
@@ -226,7 +226,7 @@ class ShardedReplay(RingReplay):
                 with torch.no_grad():
                     for t, copy in zip(frozen, copies[i] if copies else [], strict=True):
                         t.copy_(copy)
-                _set_rng(mb.cpu_rng, mb.cuda_rng, mb.py_rng, mb.np_rng, device)
+                set_rng(mb.cpu_rng, mb.cuda_rng, mb.py_rng, mb.np_rng, device)
                 batch = to_device(mb.batch)
                 with capture.applied(mb.state) as tensors, _reparametrize_module(module, tensors, tie_weights=True):
                     with context():
@@ -239,7 +239,7 @@ class ShardedReplay(RingReplay):
             self.replaying = False
             for p, g in zip(params, grads, strict=True):
                 p.grad = g
-            _set_rng(*saved_rng, device)
+            set_rng(*saved_rng, device)
             guarded = [i for i, (t, v) in enumerate(zip(frozen, versions, strict=True)) if t._version != v]
             with torch.no_grad():
                 for t, copy in zip(frozen, saved, strict=True):

@@ -1,0 +1,105 @@
+"""What the ring replay's audits have learnt of a step: the tolerance and the determinism mode.
+
+Contract: ``Calibration`` holds, across the audits of one process, what decides how the next
+comparison is judged: the tolerance ``exact="auto"`` measured (``calibrate``, never lowered,
+never above ``rtol``), the same-device rounds taken in the current mode (``CALIBRATION_ROUNDS``
+without strict determinism, else one), whether replay pairs have ever agreed, the audits whose
+every pair agreed bit for bit, and whether the step is known to run under strict determinism
+(the probe of the first audit, applied by ``settle_probe`` when that audit ends; a proof starts
+the calibration over). Every update is computed from all-gathered values, so every rank holds
+the same.
+
+Cost: host arithmetic on a few numbers per audit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from sdc_core.replay.compare import Tolerances, calibrate
+from sdc_core.stats import CheckStats
+
+CALIBRATION_ROUNDS = 3  # exact="auto" without strict determinism: same-device rounds before the tolerance settles
+
+
+class AuditSettings(Tolerances, Protocol):
+    """What the audit reads of its configuration (``sdc_core.replay.ring.ReplayConfig`` has it)."""
+
+    @property
+    def deterministic(self) -> bool: ...
+    @property
+    def on_failure(self) -> str: ...
+
+
+@dataclass
+class Calibration:
+    """The audits' learnt state (every rank alike); ``config`` is passed in, as it may be replaced."""
+
+    measured: float | None = None  # the tolerance exact="auto" measured; None: no round yet
+    rounds: int = 0  # same-device calibration rounds in the current mode
+    agreed: bool = False  # some audit of this process found the replay pairs agreeing
+    exact_audits: int = 0  # audits in the current mode whose every pair agreed bit for bit
+    proven_strict: bool | None = None  # None: not probed yet; True: the step runs under warn_only=False
+    probed: bool | None = None  # the probe's result, applied when its audit ends
+
+    @staticmethod
+    def lenient(config: AuditSettings) -> bool:
+        """``exact="auto"``: measured noise is tolerated, up to ``rtol`` (``True == "auto"`` is False)."""
+        return config.exact == "auto"
+
+    def tolerance(self, config: AuditSettings) -> float:
+        """The tolerance comparisons use now (0: bit equality)."""
+        if config.exact is True:
+            return 0.0
+        if config.exact is False:
+            return float(config.rtol)
+        return self.measured if self.measured is not None else 0.0
+
+    def strict(self, config: AuditSettings) -> bool:
+        """True once the step is known to run under ``torch.use_deterministic_algorithms(True)``
+        without ``warn_only``: replays are then deterministic and compare bit for bit."""
+        return config.deterministic and self.proven_strict is True
+
+    def mode(self, config: AuditSettings) -> str:
+        """``"strict"``, ``"warn_only"`` (deterministic kernels where torch has them) or ``"off"``."""
+        return "off" if not config.deterministic else "strict" if self.strict(config) else "warn_only"
+
+    def plan(self, config: AuditSettings) -> tuple[bool, bool, bool]:
+        """``(first, calibrating, probe)`` for an audit starting now: the first of the current mode,
+        one that takes a same-device round, one that probes strict determinism."""
+        # exact="auto" tolerates measured noise up to rtol in every mode: a kernel may be nondeterministic
+        # on some calls even under torch's deterministic switch (one exact audit proves nothing)
+        needed = CALIBRATION_ROUNDS if self.lenient(config) and not self.strict(config) else 1
+        return self.rounds == 0, self.rounds < needed, config.deterministic and self.proven_strict is None
+
+    def calibrate(self, self_diffs: Sequence[float], config: AuditSettings, stats: CheckStats) -> None:
+        """``exact="auto"``: set (or raise, never above ``rtol``) the tolerance from the ranks'
+        same-device differences (``calibrate``; 0: bit for bit -> exact comparisons)."""
+        if not self.lenient(config):
+            return
+        self.measured = calibrate(self.measured, self_diffs, float(config.rtol))
+        stats.extra = {**(stats.extra or {}), "tolerance": self.measured}
+
+    def round_taken(self, self_diffs: Sequence[float], config: AuditSettings, stats: CheckStats) -> None:
+        """A same-device calibration round of the current mode was taken, with these differences."""
+        self.rounds += 1
+        self.calibrate(self_diffs, config, stats)
+
+    def pairs_agreed(self, bit_for_bit: bool, stats: CheckStats) -> None:
+        """Every replay pair of an audit agreed (``bit_for_bit``: exactly, evidence never taken as proof)."""
+        self.agreed = True
+        if bit_for_bit:
+            self.exact_audits += 1
+            stats.extra = {**(stats.extra or {}), "exact_audits": float(self.exact_audits)}
+
+    def settle_probe(self, config: AuditSettings, stats: CheckStats) -> None:
+        """At the end of an audit: the probe's result sets the mode of the next audited step (every
+        rank alike); a proof of strict determinism starts the calibration anew."""
+        if self.probed is None:
+            return
+        self.proven_strict, self.probed = self.probed, None
+        if self.proven_strict:  # deterministic attention backward and the like from now on: calibrate anew
+            self.rounds, self.measured, self.exact_audits = 0, None, 0
+        stats.extra = {**(stats.extra or {}), "strict_determinism": float(self.strict(config))}

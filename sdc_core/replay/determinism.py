@@ -1,0 +1,98 @@
+"""Deterministic kernels around the audited micro-batches and their replays.
+
+Contract: ``DeterministicWindow`` switches torch to deterministic kernels and puts the caller's
+settings back; ``deterministic()`` is the same as a context manager; ``is_determinism_error``
+tells torch's refusal of a kernel without a deterministic implementation. At import, when the
+user has not set it and CUDA is not yet initialised, ``CUBLAS_WORKSPACE_CONFIG`` is set to
+``CUBLAS_DETERMINISTIC`` (cuBLAS reads it when its first handle is created).
+
+Cost: setting five flags (microseconds).
+
+Limits: custom CUDA or Triton kernels outside torch's switch are not covered; compiled graphs
+keep the kernels they were compiled with.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+CUBLAS_DETERMINISTIC = ":4096:8"
+
+# cuBLAS reads its workspace configuration when its first handle is created, long before any audit
+# exists; torch refuses (or warns about) cuBLAS under deterministic algorithms without it. Set here,
+# at import, when the user has not set it and CUDA is not yet initialised: a fixed 32 MiB workspace
+# per handle and stream, no change of any result. A value the user set is kept.
+if "CUBLAS_WORKSPACE_CONFIG" not in os.environ and not torch.cuda.is_initialized():
+    os.environ["CUBLAS_WORKSPACE_CONFIG"] = CUBLAS_DETERMINISTIC
+
+
+@dataclass
+class DeterministicWindow:
+    """Switches torch to deterministic kernels and back, and puts the caller's settings back.
+
+    ``enter(strict)``: ``torch.use_deterministic_algorithms(True, warn_only=not strict)`` (set
+    through ``torch._C`` so that ``torch._inductor.config`` is neither imported, seconds, nor
+    changed, which could recompile compiled graphs), cuDNN deterministic without benchmarking,
+    and no filling of uninitialised memory (it changes no correct result and costs a write of
+    every new tensor). ``strict=False`` never raises in a kernel without a deterministic
+    implementation (it warns and runs it): the owner's micro-batch runs in the user's loop and
+    must not fail there; flash and memory-efficient attention backward stay nondeterministic
+    then (torch makes them deterministic only with ``warn_only=False``). ``exit()`` restores
+    what ``enter`` found; both are idempotent. Cost: setting five flags (microseconds).
+
+    Limits: custom CUDA or Triton kernels outside torch's switch (atomics in an extension) are
+    not covered; compiled graphs keep the kernels they were compiled with.
+    """
+
+    _saved: tuple[bool, bool, bool, bool, bool] | None = None
+
+    @property
+    def on(self) -> bool:
+        return self._saved is not None
+
+    def enter(self, strict: bool) -> None:
+        if self._saved is None:
+            import torch.utils.deterministic as det
+
+            cudnn = torch.backends.cudnn
+            self._saved = (torch.are_deterministic_algorithms_enabled(),
+                           torch.is_deterministic_algorithms_warn_only_enabled(),
+                           cudnn.deterministic, cudnn.benchmark, det.fill_uninitialized_memory)  # fmt: skip
+        torch._C._set_deterministic_algorithms(True, warn_only=not strict)
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+        torch.utils.deterministic.fill_uninitialized_memory = False  # type: ignore[attr-defined]
+
+    def exit(self) -> None:
+        if self._saved is None:
+            return
+        mode, warn_only, cudnn_det, cudnn_bench, fill = self._saved
+        self._saved = None
+        torch._C._set_deterministic_algorithms(mode, warn_only=warn_only)
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = cudnn_det, cudnn_bench
+        torch.utils.deterministic.fill_uninitialized_memory = fill  # type: ignore[attr-defined]
+
+
+@contextmanager
+def deterministic(enabled: bool = True, strict: bool = False) -> Iterator[None]:
+    """Inside: deterministic kernels (``DeterministicWindow``; nothing when ``enabled`` is False);
+    the caller's settings are back afterwards, whatever was on before."""
+    if not enabled:
+        yield
+        return
+    window = DeterministicWindow()
+    window.enter(strict)
+    try:
+        yield
+    finally:
+        window.exit()
+
+
+def is_determinism_error(err: BaseException) -> bool:
+    """Whether ``err`` is torch refusing a kernel without a deterministic implementation."""
+    text = str(err)
+    return isinstance(err, RuntimeError) and ("deterministic" in text or "CUBLAS_WORKSPACE_CONFIG" in text)

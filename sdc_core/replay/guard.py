@@ -1,0 +1,195 @@
+"""Collectives refused inside a replay: a replay runs on one rank only, so a collective in it
+would leave the ranks in different collectives.
+
+Contract: inside ``forbid_collectives()`` the ``torch.distributed`` collectives, as looked up at
+call time, raise ``CollectiveInReplay`` on the thread that entered it, before they reach the
+transport; other threads' collectives and those of a Python signal handler interrupting the
+replay go through. Exception- and signal-safe: an entry or exit cut short never leaves
+collectives refused.
+
+Cost: a wrapped collective outside a guard pays one thread-local look-up.
+
+Limits: functions imported by name before the replay and functional collectives are not refused.
+"""
+
+from __future__ import annotations
+
+import functools
+import signal
+import sys
+import threading
+import weakref
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any
+
+
+class CollectiveInReplay(RuntimeError):
+    """A ``torch.distributed`` collective was called inside a replay (refused before transport)."""
+
+
+_COLLECTIVES = (
+    "all_reduce", "all_gather", "all_gather_object", "all_gather_into_tensor", "_all_gather_base",
+    "reduce_scatter", "reduce_scatter_tensor", "_reduce_scatter_base", "broadcast", "broadcast_object_list",
+    "reduce", "gather", "gather_object", "scatter", "scatter_object_list", "all_to_all", "all_to_all_single",
+    "barrier", "monitored_barrier", "send", "recv", "isend", "irecv", "batch_isend_irecv",
+    "all_reduce_coalesced", "all_gather_coalesced", "send_object_list", "recv_object_list",
+)  # fmt: skip
+_NAMESPACES = ("torch.distributed", "torch.distributed.distributed_c10d", "torch.distributed.nn.functional",
+               "torch.distributed.nn")  # fmt: skip
+
+
+class _Guard:
+    """One replay's refusal of collectives, on the thread that entered it (``forbid_collectives``)."""
+
+    __slots__ = ("__weakref__", "active", "entry")
+
+    def __init__(self) -> None:
+        self.active = False
+        self.entry = 0  # id() of the frame that entered the guard: the signal-handler search stops there
+
+    def __enter__(self) -> None:
+        self.entry = id(sys._getframe(1))
+        stack = _guards()
+        stack[:] = [g for g in stack if (t := g()) is not None and t.active]  # guards cut short are gone
+        stack.append(weakref.ref(self))
+        _install(self)
+        self.active = True  # from here on (one attribute store) this thread's collectives are refused
+
+    def __exit__(self, *_exc: object) -> None:
+        self.active = False
+        stack = _guards()
+        stack[:] = [g for g in stack if (t := g()) is not None and t is not self and t.active]
+        _uninstall()
+
+
+_GUARD_CODES = frozenset((_Guard.__enter__.__code__, _Guard.__exit__.__code__))
+_LOCAL = threading.local()
+_LOCK = threading.RLock()  # re-entrant: a signal handler on the locking thread may enter a guard too
+_ORIGINALS: dict[tuple[str, str], Callable[..., Any]] = {}  # (namespace, name) -> the function wrapped
+
+
+def _guards() -> list[weakref.ref[_Guard]]:
+    """This thread's guards (weak: a guard whose exit was interrupted dies with its last reference)."""
+    stack = getattr(_LOCAL, "guards", None)
+    if stack is None:
+        stack = _LOCAL.guards = []
+    return stack
+
+
+def _refuses(frame: Any) -> bool:
+    """Whether the collective called from ``frame`` is the replay's: this thread has a live guard
+    whose entering frame is on the stack, with no Python signal handler running in between (a
+    handler interrupts the replay, what it does is not part of the replayed step). A guard whose
+    entering frame has returned had its exit cut short: it is dropped here."""
+    codes: set[Any] | None = None
+    for ref in reversed(getattr(_LOCAL, "guards", ())):
+        guard = ref()
+        if guard is None or not guard.active:
+            continue
+        f = frame
+        while f is not None and id(f) != guard.entry:
+            codes = _handler_codes() if codes is None else codes
+            if f.f_code in codes:
+                return False
+            f = f.f_back
+        if f is not None and not _cut_short(guard):
+            return True
+        guard.active = False
+    return False
+
+
+def _cut_short(guard: _Guard) -> bool:
+    """Whether an exception being handled now (or one it replaced) left ``guard``'s own entry or
+    exit: that guard is over, though it may not have switched itself off."""
+    err: BaseException | None = sys.exc_info()[1]
+    seen = 0
+    while err is not None and seen < 16:
+        tb = err.__traceback__
+        while tb is not None:
+            if tb.tb_frame.f_locals.get("self") is guard and tb.tb_frame.f_code in _GUARD_CODES:
+                return True
+            tb = tb.tb_next
+        err, seen = err.__context__, seen + 1
+    return False
+
+
+def _handler_codes() -> set[Any]:
+    """The code objects of the Python signal handlers installed now."""
+    codes = set()
+    for sig in signal.valid_signals():
+        try:
+            handler = signal.getsignal(sig)
+        except (OSError, ValueError):
+            continue
+        while isinstance(handler, functools.partial):
+            handler = handler.func
+        if not callable(handler):  # SIG_DFL, SIG_IGN, None
+            continue
+        code = getattr(getattr(handler, "__func__", handler), "__code__", None)
+        code = code or getattr(type(handler).__call__, "__code__", None)  # a callable object (Lightning's)
+        if code is not None:
+            codes.add(code)
+    return codes
+
+
+def _wrap(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def collective(*args: Any, **kwargs: Any) -> Any:
+        if getattr(_LOCAL, "guards", None) and _refuses(sys._getframe(1)):
+            raise CollectiveInReplay(f"torch.distributed.{name} was called inside the replayed training step")
+        return original(*args, **kwargs)
+
+    collective._sdc_wrapped = original  # type: ignore[attr-defined]
+    return collective
+
+
+def _install(guard: _Guard) -> None:
+    """Wrap every collective (idempotent; an interrupted install leaves pass-through wrappers)."""
+    with _LOCK:
+        _ALL.add(guard)
+        for ns in _NAMESPACES:
+            mod = sys.modules.get(ns)
+            for name in _COLLECTIVES if mod is not None else ():
+                fn = getattr(mod, name, None)
+                if callable(fn) and not hasattr(fn, "_sdc_wrapped"):
+                    _ORIGINALS[(ns, name)] = fn
+                    setattr(mod, name, _wrap(name, fn))
+
+
+def _uninstall() -> None:
+    """Put the originals back once no thread has a live guard (what is still wrapped refuses
+    nothing outside a guard, so an interrupted uninstall only costs a function call)."""
+    with _LOCK:
+        if any(_live_anywhere()):
+            return
+        for (ns, name), fn in list(_ORIGINALS.items()):
+            mod = sys.modules.get(ns)
+            if mod is not None and hasattr(getattr(mod, name, None), "_sdc_wrapped"):
+                setattr(mod, name, fn)
+
+
+_ALL: weakref.WeakSet[_Guard] = weakref.WeakSet()
+
+
+def _live_anywhere() -> list[_Guard]:
+    return [g for g in list(_ALL) if g.active]
+
+
+def forbid_collectives() -> AbstractContextManager[None]:
+    """Inside, the ``torch.distributed`` collectives (as looked up at call time by Lightning,
+    torchmetrics, ``torch.distributed.nn``) raise ``CollectiveInReplay`` on THIS thread instead of
+    communicating. A replay runs on one rank only, so a collective in it would leave ranks in
+    different collectives. Other threads' collectives, and those of a Python signal handler that
+    interrupts the replay (Lightning's SIGTERM handler broadcasts), go through: they are not part
+    of the replayed step, and refusing them on one rank would make the ranks diverge.
+
+    Exception- and signal-safe: the wrappers are installed before the guard turns on (one
+    attribute store) and refuse only while a live guard of the calling thread exists, so an entry
+    or exit cut short by an exception or a signal handler never leaves collectives refused (a
+    guard whose exit was cut short dies with its last reference, the exception's traceback).
+    The originals are put back when the last guard of any thread ends. Not covered: functions
+    imported by name before the replay, functional collectives
+    (``torch.distributed._functional_collectives``). Cost: a wrapped collective outside a guard
+    pays one thread-local look-up."""
+    return _Guard()
