@@ -208,27 +208,11 @@ def home_device(tensors: Iterable[torch.Tensor]) -> torch.device:
     return next((t.device for t in tensors if not t.is_cpu), torch.device("cpu"))
 
 
-SMALL_TENSOR = 1 << 12  # elements: ``group_small`` (the non-finite check's host path) groups smaller tensors
-
-
 def flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """One contiguous 1-d copy of ``tensors`` (same dtype), made by a single C++ call: with many
     small tensors the per-tensor Python overhead, not bandwidth, is what costs."""
     with torch.no_grad():
         return torch._utils._flatten_dense_tensors(list(tensors)).detach()
-
-
-def group_small(tensors: Sequence[torch.Tensor]) -> tuple[list[int], dict[tuple[torch.dtype, torch.device], list[int]]]:
-    """Indices of the tensors to reduce one by one, and of the small ones (under
-    ``SMALL_TENSOR`` elements) grouped per dtype and device, to reduce as one flattened copy."""
-    large: list[int] = []
-    groups: dict[tuple[torch.dtype, torch.device], list[int]] = {}
-    for i, t in enumerate(tensors):
-        if t.numel() >= SMALL_TENSOR or t.dtype == torch.bool:
-            large.append(i)
-        else:
-            groups.setdefault((t.dtype, t.device), []).append(i)
-    return large, groups
 
 
 _BATCH_CLASSES = 1 << 15  # units with at most this many classes share one batched weighting

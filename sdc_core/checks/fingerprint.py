@@ -152,6 +152,14 @@ def copy_replica(module: nn.Module, optimizers: Iterable[torch.optim.Optimizer],
                             torch.distributed.broadcast(state[key], src=src)
 
 
+def replica_groups(rows: list[tuple[int, ...]]) -> dict[tuple[int, ...], list[int]]:
+    """The ranks of each distinct digest row, in rank order, by first appearance."""
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for r, row in enumerate(rows):
+        groups.setdefault(row, []).append(r)
+    return groups
+
+
 def vote(rows: list[tuple[int, ...]]) -> tuple[int | None, tuple[int, ...], int | None]:
     """Vote on per-rank digest rows.
 
@@ -160,9 +168,7 @@ def vote(rows: list[tuple[int, ...]]) -> tuple[int | None, tuple[int, ...], int 
     majority rank. Without a strict majority (two replicas, or a tie) ``rank`` and ``reference``
     are None and every rank is a suspect.
     """
-    groups: dict[tuple[int, ...], list[int]] = {}
-    for r, row in enumerate(rows):
-        groups.setdefault(row, []).append(r)
+    groups = replica_groups(rows)
     biggest = max(groups.values(), key=len)
     if len(groups) == 1:
         return None, (), biggest[0]
@@ -281,9 +287,7 @@ class WeightFingerprint:
         self.stats.failures += 1
         self.stats.add_time(time.perf_counter() - t0)
         topo = self.topology or Topology.gather()
-        groups: dict[tuple[int, ...], list[int]] = {}
-        for r, row in enumerate(rows):
-            groups.setdefault(row, []).append(r)
+        groups = replica_groups(rows)
         details = {
             "groups": sorted(groups.values()),
             "reference_rank": reference,
