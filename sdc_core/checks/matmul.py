@@ -163,7 +163,7 @@ class MatmulChecksum:
     _products: ProductSites = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        self._products = ProductSites(self._on_linear, self._check, lambda: self._armed)
+        self._products = ProductSites(self._on_linear, self._check, self._is_armed)  # bound methods: picklable
 
     @property
     def sites(self) -> list[str]:
@@ -213,6 +213,9 @@ class MatmulChecksum:
 
     @property
     def armed(self) -> bool:
+        return self._armed
+
+    def _is_armed(self) -> bool:
         return self._armed
 
     @property
