@@ -34,7 +34,7 @@ except ImportError as err:
     raise missing(err, "accelerate", "accelerate", "accelerate_sdc") from None
 
 from accelerate_sdc import config
-from sdc_core.driver.hooks import Framework, LossFn
+from sdc_core.driver.framework import Framework, LossFn
 from sdc_core.driver.hooks import SDCHooks as _CoreHooks
 from sdc_core.errors import SDCError
 from sdc_core.io.safe_files import atomic_write_text

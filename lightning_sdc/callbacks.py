@@ -22,7 +22,8 @@ from sdc_core.checks.fingerprint import FingerprintConfig, WeightFingerprint
 from sdc_core.checks.gradients import NonFiniteConfig, NonFiniteGradient
 from sdc_core.checks.screen import GradientScreen, ScreenConfig
 from sdc_core.dist import shutdown
-from sdc_core.driver.settings import SDCConfigError, checked_keywords, one_line_when_uncaught
+from sdc_core.dist.uncaught import one_line_when_uncaught
+from sdc_core.driver.settings import SDCConfigError, checked_keywords
 from sdc_core.driver.step import Seam, StepContext, StepDriver
 from sdc_core.errors import SDCError, as_sdc_error
 from sdc_core.faults.inject import Fault
@@ -162,7 +163,7 @@ class _SDCCallback(Callback):
         try:
             return config(**kwargs)
         except ValueError as err:
-            one_line_when_uncaught()  # a configuration error is one line per rank, not a traceback
+            one_line_when_uncaught(SDCConfigError)  # a configuration error is one line per rank, not a traceback
             raise SDCConfigError(f"{type(self).__name__}: {err}") from None
 
     @property

@@ -55,7 +55,7 @@ from lightning.fabric.wrappers import is_wrapped
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from sdc_core.driver.hooks import Framework, LossFn
+from sdc_core.driver.framework import Framework, LossFn
 from sdc_core.driver.hooks import SDCHooks as _HookSet
 from sdc_core.driver.settings import Sources
 

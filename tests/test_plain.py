@@ -291,7 +291,7 @@ def test_no_import_cycle_and_no_adapter_imports_another() -> None:
 def test_replay_reenters_the_recorded_autocast_and_attention_backends() -> None:
     """The forward context recorded at the owner's forward (autocast dtype, the SDPA backends an
     ``sdpa_kernel`` block allowed) is what the replay runs under; bad recorded values are refused."""
-    from sdc_core.driver.hooks import _autocast, _autocast_state, _sdpa_backends, _sdpa_state
+    from sdc_core.driver.replay_capture import _autocast, _autocast_state, _sdpa_backends, _sdpa_state
 
     cpu = torch.device("cpu")
     with torch.autocast("cpu", dtype=torch.bfloat16):

@@ -19,11 +19,9 @@ import dataclasses
 import difflib
 import functools
 import inspect
-import io
 import math
 import os
 import re
-import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -33,6 +31,7 @@ from sdc_core.checks.fingerprint import FingerprintConfig
 from sdc_core.checks.gradients import NonFiniteConfig
 from sdc_core.checks.matmul import MatmulChecksumConfig
 from sdc_core.checks.screen import ScreenConfig
+from sdc_core.dist.uncaught import one_line_when_uncaught
 from sdc_core.replay.ring import ReplayConfig
 from sdc_core.schema import settings_of
 from sdc_core.sharded.update_audit import UpdateAudit, update_audit
@@ -212,7 +211,7 @@ def checked_keywords(init: Callable[..., None]) -> Callable[..., None]:
     def checked(self: Any, *args: Any, **kwargs: Any) -> None:
         unknown = next((k for k in kwargs if k not in names), None)
         if unknown is not None:
-            one_line_when_uncaught()
+            one_line_when_uncaught(SDCConfigError)
             raise UnknownArgumentError(
                 f"unknown argument {unknown!r} of {type(self).__name__} (value {kwargs[unknown]!r})"
                 f"{suggest(unknown, names)}; its arguments: {', '.join(names)}"
@@ -346,29 +345,6 @@ def _either(words: tuple[str, ...]) -> str:
     return ", ".join(quoted[:-1]) + " or " + quoted[-1]
 
 
-def one_line_when_uncaught() -> None:
-    """Make an uncaught ``SDCConfigError`` print one line on stderr (``SDCConfigError: <message>``,
-    with ``[rank<r>]: `` in front under a launcher) instead of a traceback, and the process exit 1
-    as after any uncaught exception: in a launched job every rank raises the same error, and eight
-    tracebacks hide the one line that matters. Other exceptions go to the previous
-    ``sys.excepthook``. Idempotent; ``resolve`` calls it before raising."""
-    if getattr(sys.excepthook, "_sdc_config", False):
-        return
-    previous = sys.excepthook
-
-    def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
-        if not isinstance(value, SDCConfigError):
-            previous(kind, value, tb)
-            return
-        rank = os.environ.get("RANK")
-        # torch's own excepthook (init_process_group installs it around ours) adds the rank itself
-        prefix = f"[rank{rank}]: " if rank and not isinstance(sys.stderr, io.StringIO) else ""
-        print(f"{prefix}{kind.__name__}: {value}", file=sys.stderr, flush=True)
-
-    hook._sdc_config = True  # type: ignore[attr-defined]
-    sys.excepthook = hook
-
-
 def resolve(sources: Sources = PLAIN, **kwargs: Any) -> tuple[SDCSettings, dict[str, str]]:
     """Merge defaults, the settings file, the environment and ``kwargs``, and validate every value.
 
@@ -379,7 +355,7 @@ def resolve(sources: Sources = PLAIN, **kwargs: Any) -> tuple[SDCSettings, dict[
     try:
         return _resolve(sources, **kwargs)
     except SDCConfigError:
-        one_line_when_uncaught()
+        one_line_when_uncaught(SDCConfigError)
         raise
 
 

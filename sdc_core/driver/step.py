@@ -38,23 +38,14 @@ from torch import nn
 from sdc_core.checks.fingerprint import WeightFingerprint, healed_by_comparison
 from sdc_core.checks.gradients import NonFiniteGradient, carries, drop_step, start_carrying
 from sdc_core.checks.screen import GradientScreen
+from sdc_core.driver.delivery import ROLLED_BACK, Delivery
 from sdc_core.errors import ReplayMismatchError, SDCError
-from sdc_core.ops.incidents import mark_verdict, record_verdict
+from sdc_core.ops.incidents import mark_verdict
 from sdc_core.replay.confirm import confirm_hits, skips
 from sdc_core.replay.ring import RingReplay
 from sdc_core.sharded.checks import ShardedFingerprint, ShardedNonFinite, is_sharded
 from sdc_core.sharded.replay import ShardedReplay
 from sdc_core.sharded.update_audit import UpdateAudit
-
-
-class RolledBack:
-    """What ``deliver`` returns when the seam rolled back instead of raising."""
-
-    def __repr__(self) -> str:
-        return "ROLLED_BACK"
-
-
-ROLLED_BACK = RolledBack()
 
 
 @dataclass
@@ -134,6 +125,11 @@ class Seam:
         return None
 
 
+def _of_kind(*kinds: type) -> Any:
+    """A property of ``StepDriver``: the checks now in use that are of one of ``kinds``, in order."""
+    return property(lambda self: [c for c in self._checks() if isinstance(c, kinds)])
+
+
 class StepDriver:
     """The verdicts of the SDC checks in the order of cause and effect, for any seam.
 
@@ -147,11 +143,10 @@ class StepDriver:
     def __init__(self, seam: Seam, checks: Callable[[], Iterable[Any]]) -> None:
         self.seam = seam
         self._checks = checks
-        self._recorded: BaseException | None = None  # the last verdict whose incident was written
         self._decided: dict[int, tuple[int, bool]] = {}  # id(non-finite check) -> (step decided, dropped)
         self._planned: tuple[int, StepPlan] | None = None  # before_update ran for this step
         self._saved: tuple[Any, bool] | None = None  # (key, weights changed) of the last before_save
-        self.rolled_back: SDCError | None = None  # the verdict of the last rollback, with what was done
+        self._delivery = Delivery(seam)
 
     def prepare(self) -> None:
         """Once the checks are in place (every rank alike): with a screen, the DDP replay keeps every
@@ -163,33 +158,16 @@ class StepDriver:
 
     # -- the checks, by kind ----------------------------------------------------------------------
 
-    def _of(self, *kinds: type) -> list[Any]:
-        return [c for c in self._checks() if isinstance(c, kinds)]
-
-    @property
-    def nonfinite(self) -> list[Any]:
-        return self._of(NonFiniteGradient, ShardedNonFinite)
-
-    @property
-    def fingerprints(self) -> list[Any]:
-        return self._of(WeightFingerprint, ShardedFingerprint)
-
-    @property
-    def replays(self) -> list[Any]:
-        return self._of(RingReplay, ShardedReplay)
+    nonfinite = _of_kind(NonFiniteGradient, ShardedNonFinite)
+    fingerprints = _of_kind(WeightFingerprint, ShardedFingerprint)
+    replays = _of_kind(RingReplay, ShardedReplay)
+    update_audits = _of_kind(UpdateAudit)
+    screens = _of_kind(GradientScreen)
 
     @property
     def matmuls(self) -> list[Any]:
         matmul = sys.modules.get("sdc_core.checks.matmul")  # not loaded: no such check exists (an opt-in, heavy import)
-        return self._of(matmul.MatmulChecksum) if matmul is not None else []
-
-    @property
-    def update_audits(self) -> list[Any]:
-        return self._of(UpdateAudit)
-
-    @property
-    def screens(self) -> list[Any]:
-        return self._of(GradientScreen)
+        return [c for c in self._checks() if isinstance(c, matmul.MatmulChecksum)] if matmul is not None else []
 
     @property
     def _magnitudes(self) -> NonFiniteGradient | None:
@@ -199,45 +177,9 @@ class StepDriver:
     # -- delivery -----------------------------------------------------------------------------
 
     def deliver(self, check: Any, run: Callable[[], Any], policy: str | None = None) -> Any:
-        """Run one check's call and deliver its verdict: returned (skipped, warned, healed:
-        recorded with ``policy``, default the check's ``on_failure``), raised (recorded as
-        ``"raise"``, marked, re-raised) or, with ``on_failure="rollback"``, rolled back by the
-        seam (recorded as ``"rollback"``; returns ``ROLLED_BACK``)."""
-        policy = policy or _policy(check)
-        try:
-            out = run()
-        except SDCError as err:
-            if err is self._recorded:  # raised through an outer call: recorded once
-                self.seam.mark(err)
-                raise
-            if check.last_error is None:
-                check.last_error = err
-            if _policy(check) == "rollback":
-                try:
-                    check.last_error = self.seam.rollback(err, _rollback_bound(check, err))
-                except SDCError as failed:
-                    check.last_error = failed
-                    self._raise(check, failed)
-                check.stats.bump("rollbacks")
-                self.rolled_back = check.last_error
-                self._record(check, "rollback")
-                return ROLLED_BACK
-            self._raise(check, err)
-        self._record(check, policy)
-        return out
-
-    def _raise(self, check: Any, err: SDCError) -> None:
-        self._recorded = err
-        self._record(check, "raise")
-        self.seam.mark(err)
-        raise err
-
-    def _record(self, check: Any, policy: str) -> None:
-        """The incident of ``check``'s last verdict (main process; a failed write only warns)."""
-        if check.last_error is None:
-            return
-        record_verdict(check, self.seam.run_dir, self.seam.is_main, policy)
-        self.seam.report(check, policy)
+        """Run one check's call and deliver its verdict (``Delivery.deliver``): returned, raised, or
+        rolled back by the seam (``ROLLED_BACK``)."""
+        return self._delivery.deliver(check, run, policy)
 
     def _gradients(self, check: Any, run: Callable[[], Any], step: StepContext) -> Any:
         """A non-finite verdict; a rollback drops the coming update (its gradients are stale)."""
@@ -305,6 +247,12 @@ class StepDriver:
             dropped = dropped or drop
         return dropped
 
+    def gradients_now(self, step: StepContext) -> None:
+        """Read this step's non-finite verdict now, for a caller about to act on the gradients: the
+        earlier steps' verdicts first; the step's gradients are then taken (once per step)."""
+        self.resolve_gradients(step, before=step.index)
+        self.gradients(step, now=True)
+
     def before_update(self, step: StepContext) -> StepPlan:
         """This step's verdicts, before its update (every rank, after backward; once per step:
         a second call for the same step returns the first plan). Call ``resolve_pending`` first."""
@@ -327,7 +275,8 @@ class StepDriver:
                 continue
             if plan.skipped:
                 replay.disarm()  # a step the gradient check dropped is not audited
-            elif self._audit(replay, step):  # a transient fault (or rolled back): every rank drops this step
+            elif self._replay_verdict(replay, step, lambda r=replay: self.seam.audit(r, step)):  # a transient fault
+                # (or rolled back, or explained by the weights): every rank drops this step
                 drop_step(step.module.parameters(), scaler_active=step.scaler_active)
                 plan.skipped = True
         for audit in self.update_audits:  # last: the update's inputs as the optimizer will see them
@@ -364,7 +313,7 @@ class StepDriver:
     def _screen(self, screen: Any, step: StepContext, skipped: bool) -> bool:
         """This step's screen verdict (read now: its confirmation needs the weights the step
         computed with; one host wait on a small all_gather started right after backward). A band
-        hit is escalated to a partner's recomputation (``replay_screen.confirm_hits``) by the DDP
+        hit is escalated to a partner's recomputation (``replay.confirm.confirm_hits``) by the DDP
         replay keeping every step's micro-batches; only a confirmed hit is a verdict, checked
         against the replicas' weights first as the replay's own. Without such a replay, or on a
         step already dropped or audited anyway, hits are only counted. True: drop the step."""
@@ -384,17 +333,6 @@ class StepDriver:
             return False
 
         return self._replay_verdict(replay, step, confirm, skips=lambda error: skips(replay, error))
-
-    def _audit(self, replay: Any, step: StepContext) -> bool:
-        """The replay audit of this step, delivered. A disagreement is first checked against the
-        replicas' weights: a replica whose weights changed since the last comparison computes
-        differently, so the weight fault is what is raised (``FingerprintMismatchError`` naming
-        the tensors), not a compute fault; when the fingerprint check healed replicas that
-        include every rank the replay named, the disagreement is explained: the step is dropped
-        (True) and no compute fault is raised or recorded. Cost: one extra comparison, on a
-        failing step only."""
-
-        return self._replay_verdict(replay, step, lambda: self.seam.audit(replay, step))
 
     def _replay_verdict(self, replay: Any, step: StepContext, run: Callable[[], Any],
                         skips: Callable[[ReplayMismatchError], bool] | None = None) -> bool:  # fmt: skip
@@ -416,10 +354,13 @@ class StepDriver:
         return out is ROLLED_BACK or bool(out)
 
     def _explained_by_weights(self, replay: Any, step: StepContext, symptom: ReplayMismatchError) -> bool:
-        """Compare the replicas' current weights (every rank together, every tensor): the weight
-        fault is raised (and recorded) when they differ and are not healed; True when they were
-        healed or rolled back and that covers every rank the replay named. Without a fingerprint
-        check a one-off comparison of every parameter does it (DDP; sharded models: none)."""
+        """Compare the replicas' current weights (every rank together, every tensor): a replica whose
+        weights changed since the last comparison computes differently, so the weight fault is raised
+        (and recorded: ``FingerprintMismatchError`` naming the tensors, not a compute fault) when they
+        differ and are not healed; True when they were healed or rolled back and that covers every
+        rank the replay named (the step is dropped, no compute fault raised or recorded). Without a
+        fingerprint check a one-off comparison of every parameter does it (DDP; sharded models:
+        none). Cost: one extra comparison, on a failing step only."""
         fps = [fp for fp in self.fingerprints if fp.active]
         if fps:
             fp = fps[0]
@@ -431,7 +372,7 @@ class StepDriver:
         replay.last_error = None  # a symptom until the weights are compared
         acted = self.deliver(fp, lambda: healed_by_comparison(fp, now, step.module, step.optimizers), "heal")
         if acted is ROLLED_BACK:
-            acted = self.rolled_back
+            acted = self._delivery.rolled_back
         if acted is not None and set(symptom.suspects) <= set(acted.suspects):
             return True
         replay.last_error = symptom
@@ -478,17 +419,4 @@ class StepDriver:
                 discard()
 
 
-def _policy(check: Any) -> str:
-    config = getattr(check, "config", None)
-    return getattr(config, "on_failure", "raise") if config is not None else "raise"
-
-
-def _rollback_bound(check: Any, error: SDCError) -> int:
-    """The newest step a rollback may return to: for a weight fault, the step after the last
-    comparison that found the replicas equal; for a compute fault, the faulty step."""
-    if isinstance(check, WeightFingerprint | ShardedFingerprint):
-        return check.stats.last_verified_step + 1
-    return error.step
-
-
-__all__ = ["ROLLED_BACK", "Seam", "StepContext", "StepDriver", "StepPlan"]
+__all__ = ["Seam", "StepContext", "StepDriver", "StepPlan"]

@@ -1,0 +1,180 @@
+"""``LoopChecks``: the check cores of a hook set and how they meet its model.
+
+Built from the settings (the non-finite gradient check, the ring replay, the weight fingerprint,
+the matrix-product checksums), then attached once a model is known:
+
+* a DDP model (``attach_tap``): the shared gradient tap, ahead of DDP's reducer, feeds the
+  non-finite check (and through it the every-step screen) and the replay with each rank's LOCAL
+  gradients; the replay captures state through ``StateCapture`` and records the loop's forwards;
+* a ``fully_shard`` model (``attach_sharded``): the sharded cores take the place of the DDP ones
+  (the non-finite check in the reduce-scatter, the sharded replay and fingerprint, the optional
+  update audit); the matrix-product checksums do not cover DTensor weights and are dropped;
+* one process (``single_process``): the replay and the fingerprint have no replica to compare with.
+
+``detach`` takes the tap's consumers back. None of this communicates (the topology is gathered by
+the caller, on every rank alike).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from sdc_core.checks.fingerprint import WeightFingerprint
+from sdc_core.checks.gradient_tap import GradientTap
+from sdc_core.checks.gradients import NonFiniteGradient
+from sdc_core.checks.screen import GradientScreen, ScreenConfig
+from sdc_core.dist.topology import Topology
+from sdc_core.driver.replay_capture import LoopCapture
+from sdc_core.driver.settings import SDCSettings
+from sdc_core.replay.ring import RingReplay, StateCapture
+from sdc_core.sharded.checks import ShardedFingerprint, ShardedNonFinite
+from sdc_core.sharded.replay import ShardedReplay
+
+_CONSUMER_LISTS = ("consumers", "writers")  # the gradient tap's consumer lists
+
+LOOP_ADVICE = (
+    "If the loss you back-propagate is not the model's own output (labels outside the model, extra loss "
+    "terms, a loss scaled by the number of processes), wrap its computation with SDCHooks.replayable(fn); "
+    "expose state the capture cannot see with SDCHooks(replay_state=..., load_replay_state=...)"
+)
+
+
+class LoopChecks:
+    """The cores a hook set's settings turn on (each None when off), DDP or sharded once attached."""
+
+    def __init__(self, settings: SDCSettings) -> None:
+        nonfinite, replay, fingerprint = settings.nonfinite(), settings.replay(), settings.fingerprint()
+        self.nonfinite: Any = NonFiniteGradient(nonfinite) if nonfinite else None
+        self.replay: Any = RingReplay(replay) if replay else None
+        self.fingerprint: Any = WeightFingerprint(fingerprint) if fingerprint else None
+        self.update_audit: Any = None
+        self.screen: Any = None  # the every-step screen: made at attach (DDP, with the gradient check)
+        matmul = settings.matmul()
+        if matmul is not None:
+            from sdc_core.checks.matmul import MatmulChecksum
+
+            self.matmul: Any = MatmulChecksum(matmul)
+        else:
+            self.matmul = None
+        self._consumers: list[tuple[list[Any], Any]] = []  # (tap list, consumer) pairs to remove on detach
+
+    @property
+    def checks(self) -> list[Any]:
+        """The cores in use (the update audit aside), whose counters the hook set logs and saves."""
+        return [c for c in (self.nonfinite, self.replay, self.fingerprint, self.matmul, self.screen) if c is not None]
+
+    def all(self) -> list[Any]:
+        """Every core the driver orders, the update audit included."""
+        return [*self.checks, *([self.update_audit] if self.update_audit is not None else [])]
+
+    def single_process(self) -> None:
+        """One process: the replay and the fingerprint are off (warned), the others stay."""
+        for check, name in ((self.replay, "ring replay audit"), (self.fingerprint, "weight fingerprint check")):
+            if check is not None:
+                warnings.warn(f"SDC {name} is inactive: a single process has no replica", UserWarning, stacklevel=3)
+        self.replay = self.fingerprint = None
+
+    def attach_tap(self, module: nn.Module, ddp: Any, capture: LoopCapture, comm_hook: tuple[Any, Any],
+                   screen: Callable[[], ScreenConfig | None], topo: Topology) -> list[Any]:  # fmt: skip
+        """A DDP model: the gradient tap feeds the non-finite check (and the screen, when ``screen()``
+        gives its config) and the replay; returns the handles of the replay's forward hooks. Nothing
+        without either check."""
+        if not (self.nonfinite or self.replay):
+            return []
+        names = {id(p): n for n, p in module.named_parameters()}
+        tap = GradientTap.attach(ddp, names, inner_hook=comm_hook[0], inner_state=comm_hook[1])
+        before = {name: len(getattr(tap, name, ())) for name in _CONSUMER_LISTS}
+        handles = []
+        if self.nonfinite:
+            self.nonfinite.attach(tap)
+            config = screen()
+            if config is not None:  # the screen reads the gradient check's magnitudes
+                self.screen = GradientScreen(config, topo)
+                self.screen.attach(self.nonfinite)
+        if self.replay:
+            trainable = [n for n, p in module.named_parameters() if p.requires_grad]
+            self.replay.attach(tap, trainable)
+            get, load = capture.state_hooks(module)
+            self.replay.capture = StateCapture(module, trainable, get_state=get, load_state=load,
+                                               max_state_mb=self.replay.config.max_state_mb)  # fmt: skip
+            self.replay.advice = LOOP_ADVICE
+            handles = capture.hook_forward(module)
+        self._consumers = [(getattr(tap, n), c) for n in _CONSUMER_LISTS for c in getattr(tap, n, [])[before[n] :]]
+        return handles
+
+    def attach_sharded(self, model: nn.Module, optimizer: Any, capture: LoopCapture,
+                       update_audit: Callable[[], Any], topo: Topology) -> list[Any]:  # fmt: skip
+        """A ``fully_shard`` model (FSDP2, HSDP): the non-finite check reads each rank's local
+        gradients in the reduce-scatter, the fingerprint compares shards within their replica groups
+        and re-checks unreplicated shards before each training forward, the ring replay has every
+        rank replay its partner's recorded inputs through the sharded model together; when
+        ``update_audit()`` gives the update audit, a partner recomputes each rank's update. Returns
+        the forward hooks' handles."""
+        handles = []
+        if self.matmul is not None:  # DTensor weights are not covered (sdc_core.checks.matmul)
+            warnings.warn("SDC matmul_checksum is inactive on a fully_shard model", UserWarning, stacklevel=3)
+            self.matmul = None
+        if self.replay is not None:
+            self.replay = ShardedReplay(self.replay.config, self.replay.stats, topo)
+            get, load = capture.state_hooks(model)
+            self.replay.attach(model, get_state=get, load_state=load)
+            self.replay.advice = LOOP_ADVICE
+            handles += capture.hook_forward(model)
+        if self.nonfinite is not None:
+            self.nonfinite = ShardedNonFinite(self.nonfinite.config, self.nonfinite.stats, topo)
+            self.nonfinite.attach(model)
+        if self.fingerprint is not None:
+            fingerprint = self.fingerprint = ShardedFingerprint(self.fingerprint.config, self.fingerprint.stats, topo)
+
+            def before_forward(module: nn.Module, args: Any) -> None:
+                if module.training:
+                    fingerprint.before_use()
+
+            handles.append(model.register_forward_pre_hook(before_forward))
+        self.update_audit = audit = update_audit()
+        if audit is not None:  # wrong updates of shards without replicas: a partner recomputes them
+            audit.topology = topo
+            audit.attach(optimizer, model)  # the driver snapshots before each update and audits after it
+        return handles
+
+    def attach_matmul(self, module: nn.Module, topo: Topology, arm: Callable[[Any], None]) -> list[Any]:
+        """The matrix-product checksums (``matmul_checksum``): every ``nn.Linear`` (and attention
+        projection) of ``module`` verified in its forward and backward; ``arm(matmul)`` runs before
+        each training forward with gradients (the first of a step reads the previous verdict).
+        Returns the removable handles."""
+        matmul = self.matmul
+        if matmul is None:
+            return []
+        matmul.topology = topo
+        matmul.attach(module)
+
+        def before_forward(mod: nn.Module, args: Any) -> None:
+            if mod.training and torch.is_grad_enabled():
+                arm(matmul)
+
+        return [module.register_forward_pre_hook(before_forward), _Call(matmul.detach)]
+
+    def detach(self) -> None:
+        """The tap's consumers removed (its parameter hooks stay, reading nothing)."""
+        for consumers, consumer in self._consumers:
+            if consumer in consumers:
+                consumers.remove(consumer)
+        self._consumers = []
+
+
+class _Call:
+    """Handle whose ``remove`` calls ``fn``."""
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        self.fn = fn
+
+    def remove(self) -> None:
+        self.fn()
+
+
+__all__ = ["LOOP_ADVICE", "LoopChecks"]

@@ -1,0 +1,277 @@
+"""``LoopCapture``: what the ring replay and the screen take from a plain loop's forwards.
+
+On an audited step (``replay.arm``) each micro-batch is recorded with what it ran under, so that
+a partner recomputes it the same way: ``replayable(fn)`` wrappers record ``fn``'s arguments, and
+otherwise a forward pre-/post-hook on the unwrapped model records its inputs; both record the
+autocast state and the scaled-dot-product-attention backends of the forward, and the loss as the
+loop back-propagates it (divided by the accumulation steps, scaled by the GradScaler). A replay
+recomputes a recorded micro-batch under the same states (``replay_step``). The step's loss,
+summed over its micro-batches, is kept for the every-step screen (``take_loss``). Nothing is
+recorded in a replay, outside training, without gradients, or by the forward hooks once a
+``replayable`` wrapper is in use. No communication; cost: a few Python calls per forward.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from sdc_core.driver.framework import Framework, LossFn
+
+
+class Loop(Protocol):
+    """What the capture reads of its hook set, at every call (each may change between calls)."""
+
+    replay: Any  # the DDP or sharded replay core, or None
+    screen: Any  # the every-step screen, or None
+    step: int  # the index of the coming update
+    loss_fn: LossFn | None
+
+    @property
+    def module(self) -> nn.Module | None: ...
+
+
+class LoopCapture:
+    """The replay's records of a loop's micro-batches, their recomputation, and the screen's loss.
+
+    Args:
+        loop: the hook set (``Loop``): its current replay, screen, step, ``loss_fn`` and module.
+        fw: the framework's answers (the loss divisor, the GradScaler, the replay's model and context).
+        replay_state / load_replay_state: the explicit state hooks of ``SDCHooks`` (``state_hooks``).
+    """
+
+    def __init__(self, loop: Loop, fw: Framework, replay_state: Callable[[], Any] | None = None,
+                 load_replay_state: Callable[[Any], None] | None = None) -> None:  # fmt: skip
+        self._loop = loop
+        self._fw = fw
+        self._state = (replay_state, load_replay_state)
+        self._replayables: list[Callable[..., torch.Tensor]] = []
+        self._uses_replayable = False
+        self._in_replayable = 0
+        self._replaying = False
+        self._loss: torch.Tensor | None = None  # the loss of the step's forwards so far (the screen's value)
+
+    def state_hooks(self, module: nn.Module) -> tuple[Any, Any]:
+        """``(get, load)`` for the replay's state capture: the explicit hooks, else the model's own
+        ``sdc_replay_state`` / ``sdc_load_replay_state`` methods when it has them."""
+        get, load = self._state
+        if get is None and load is None:
+            get, load = getattr(module, "sdc_replay_state", None), getattr(module, "sdc_load_replay_state", None)
+        return get, load
+
+    def hook_forward(self, module: nn.Module) -> list[Any]:
+        """Record ``module``'s forwards (removable handles): its inputs before, its loss after."""
+        return [module.register_forward_pre_hook(self._before_forward, with_kwargs=True),
+                module.register_forward_hook(self._after_forward, with_kwargs=True)]  # fmt: skip
+
+    def in_replay(self) -> bool:
+        """True while a replay runs (the DDP core says so; the sharded one runs ``replay_step``)."""
+        return self._replaying or bool(getattr(self._loop.replay, "replaying", False))
+
+    # -- recording ------------------------------------------------------------------------------
+
+    def replayable(self, fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        """``fn(model, *args, **kwargs)`` wrapped: on audited steps its arguments, states and loss
+        are recorded (see ``SDCHooks.replayable``); from now on the forward hooks record nothing."""
+        index = len(self._replayables)
+        self._replayables.append(fn)
+        self._uses_replayable = True
+
+        @functools.wraps(fn)
+        def wrapper(model: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+            loop = self._loop
+            module, replay = loop.module, loop.replay
+            record = (
+                replay is not None
+                and module is not None
+                and not self.in_replay()
+                and module.training
+                and torch.is_grad_enabled()
+                and replay.arm(loop.step)
+            )
+            if record:
+                device = _device(module)
+                replay.record(("fn", index, args, kwargs, _autocast_state(device), _sdpa_state()), replay.recorded,
+                              device)  # fmt: skip
+            self._in_replayable += 1
+            try:
+                loss = fn(model, *args, **kwargs)
+            finally:
+                self._in_replayable -= 1
+            if record:
+                normalized = self.normalize(_loss_of(loss)).detach()
+                replay.record_loss(normalized)
+                if loop.screen is not None:
+                    self._add_loss(normalized)
+            return loss
+
+        return wrapper
+
+    def _recording_forward(self, module: nn.Module) -> bool:
+        assert self._loop.replay is not None
+        return not (
+            self._uses_replayable or self._in_replayable or self.in_replay()
+            or not module.training or not torch.is_grad_enabled()
+        )  # fmt: skip
+
+    def _before_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        replay = self._loop.replay
+        assert replay is not None
+        if self._recording_forward(module) and replay.arm(self._loop.step):
+            device = _device(module)
+            replay.record(("forward", 0, args, kwargs, _autocast_state(device), _sdpa_state()), replay.recorded,
+                          device)  # fmt: skip
+
+    def _after_forward(self, module: nn.Module, args: tuple, kwargs: dict, outputs: Any) -> None:
+        replay = self._loop.replay
+        assert replay is not None
+        if not self._recording_forward(module):
+            return
+        loss = self.backward_loss(outputs, args, kwargs).detach() if replay.armed else None
+        if loss is not None:
+            replay.record_loss(loss)
+        if self._loop.screen is not None and self._loop.loss_fn is None:  # the model's own loss (no compute)
+            own = _own_loss(outputs)
+            if loss is None and isinstance(own, torch.Tensor):
+                loss = self.normalize(own.detach())
+            if loss is not None:
+                self._add_loss(loss)
+
+    def _add_loss(self, loss: torch.Tensor) -> None:
+        """Add a micro-batch's loss, as back-propagated (normalised, scaled), to the step's loss for
+        the screen: summed over the micro-batches, what a partner's recomputation returns."""
+        self._loss = loss if self._loss is None else self._loss + loss
+
+    def take_loss(self) -> torch.Tensor | None:
+        """The step's loss for the screen (no host read), and a fresh sum for the next step."""
+        loss, self._loss = self._loss, None
+        return loss
+
+    # -- the loss and its recomputation ---------------------------------------------------------
+
+    def backward_loss(self, outputs: Any, args: tuple, kwargs: dict) -> torch.Tensor:
+        """The loss as the loop back-propagates it (normalised, scaled)."""
+        loss_fn = self._loop.loss_fn
+        loss = loss_fn(outputs, *args, **kwargs) if loss_fn is not None else _own_loss(outputs)
+        if loss is None:
+            raise ValueError(
+                "the ring replay audit cannot find the loss: the model returns neither `.loss` nor a scalar; "
+                "wrap your loss computation with SDCHooks.replayable(fn), or pass "
+                "loss_fn=(outputs, *args, **kwargs) -> loss to SDCHooks or attach()"
+            )
+        return self.normalize(loss)
+
+    def normalize(self, loss: torch.Tensor) -> torch.Tensor:
+        """The framework's division by the accumulation steps and the GradScaler's scaling."""
+        divisor = self._fw.loss_divisor
+        loss = loss / divisor if divisor != 1 else loss
+        scaler = self._fw.scaler
+        return scaler.scale(loss) if scaler is not None else loss
+
+    def replay_step(self, batch: tuple[Any, ...], batch_idx: int) -> torch.Tensor:
+        """The loss of a recorded micro-batch, recomputed by the unwrapped model under its recorded states."""
+        module = self._loop.module
+        assert module is not None
+        kind, index, args, kwargs, *rest = batch
+        amp = rest[0] if rest else None
+        sdpa = rest[1] if len(rest) > 1 else None
+        self._replaying = True
+        try:
+            with _autocast(amp), _sdpa_backends(sdpa):
+                if kind == "fn":
+                    model = self._fw.replay_model(module)
+                    return self.normalize(_loss_of(self._replayables[index](model, *args, **kwargs)))
+                with self._fw.replay_context():
+                    outputs = module(*args, **kwargs)
+                return self.backward_loss(outputs, args, kwargs)
+        finally:
+            self._replaying = False
+
+    def to_device(self, batch: Any) -> Any:
+        """A received micro-batch moved to the model's device."""
+        module = self._loop.module
+        return self._fw.to_device(batch, _device(module) if module is not None else None)
+
+
+def _own_loss(outputs: Any) -> Any:
+    """The loss a model's output carries (``outputs.loss``, a dict's ``"loss"``, a scalar output), or None."""
+    if getattr(outputs, "loss", None) is not None:
+        return outputs.loss
+    if isinstance(outputs, dict) and "loss" in outputs:
+        return outputs["loss"]
+    if isinstance(outputs, torch.Tensor) and outputs.numel() == 1:
+        return outputs
+    return None
+
+
+def _loss_of(result: Any) -> torch.Tensor:
+    """The loss in what a ``replayable`` function returned: the tensor itself, or the first item
+    of a ``(loss, outputs)`` pair (the Hugging Face ``compute_loss(..., return_outputs=True)`` form)."""
+    if isinstance(result, tuple | list) and result and isinstance(result[0], torch.Tensor):
+        return result[0]
+    if not isinstance(result, torch.Tensor):
+        raise TypeError(f"a replayable function must return the loss tensor, got {type(result).__name__}")
+    return result
+
+
+def _device(module: nn.Module | None) -> torch.device | None:
+    return None if module is None else next((p.device for p in module.parameters()), None)
+
+
+def _autocast_state(device: torch.device | None) -> tuple[str, str] | None:
+    """``(device_type, dtype name)`` of the autocast the current code runs under, or None."""
+    kind = device.type if device is not None else "cpu"
+    try:
+        if not torch.is_autocast_enabled(kind):
+            return None
+        return kind, str(torch.get_autocast_dtype(kind)).removeprefix("torch.")
+    except (RuntimeError, TypeError):  # a device type autocast does not know
+        return None
+
+
+def _autocast(state: Any) -> AbstractContextManager[Any]:
+    """Re-enter the autocast recorded by ``_autocast_state`` (nothing when it was off)."""
+    if state is None:
+        return nullcontext()
+    kind, dtype = state
+    if not isinstance(kind, str) or not isinstance(dtype, str) or not isinstance(getattr(torch, dtype, None),
+                                                                                 torch.dtype):  # fmt: skip
+        raise ValueError(f"bad recorded autocast state {state!r}")
+    return torch.autocast(kind, dtype=getattr(torch, dtype))
+
+
+_SDPA = ("flash", "mem_efficient", "math", "cudnn")
+
+
+def _sdpa_state() -> tuple[bool, ...]:
+    """Which scaled-dot-product-attention backends the forward may use (``sdpa_kernel`` sets these
+    flags): the replay must pick the same kernel, or dropout masks and roundings differ."""
+    b = torch.backends.cuda
+    return tuple(bool(getattr(b, f"{name}_sdp_enabled")()) for name in _SDPA)
+
+
+@contextmanager
+def _sdpa_backends(state: Any) -> Iterator[None]:
+    """Re-enter the SDPA backend flags recorded by ``_sdpa_state`` (nothing when none were recorded)."""
+    if state is None:
+        yield
+        return
+    if not (isinstance(state, tuple | list) and len(state) == len(_SDPA) and all(isinstance(v, bool) for v in state)):
+        raise ValueError(f"bad recorded attention backends {state!r}")
+    b = torch.backends.cuda
+    before = _sdpa_state()
+    for name, on in zip(_SDPA, state, strict=True):
+        getattr(b, f"enable_{name}_sdp")(on)
+    try:
+        yield
+    finally:
+        for name, on in zip(_SDPA, before, strict=True):
+            getattr(b, f"enable_{name}_sdp")(on)
+
+
+__all__ = ["Loop", "LoopCapture"]
