@@ -138,14 +138,19 @@ def _bits(text: str) -> tuple[int, ...]:
     return bits
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+def _at_least(low: int) -> type:
+    """An argparse type: an integer of at least ``low``, with a one-line message otherwise."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+
+    parse.__name__ = f"integer >= {low}"
+    return parse  # type: ignore[return-value]
 
 
 def _fraction(text: str) -> float:
@@ -173,7 +178,7 @@ def _corrupt_arguments(c: argparse.ArgumentParser) -> None:
     c.add_argument("--target", choices=["weights", "optimizer", "all"], default="weights")
     c.add_argument("--pattern", help="regular expression on tensor names (e.g. 'layer\\.3\\.')")
     amount = c.add_mutually_exclusive_group()
-    amount.add_argument("--count", type=_positive_int, help="number of flipped entries (default 1)")
+    amount.add_argument("--count", type=_at_least(1), help="number of flipped entries (default 1)")
     amount.add_argument("--fraction", type=_fraction, help="fraction of the target's entries to flip")
     bits = c.add_mutually_exclusive_group()
     bits.add_argument("--bit-class", choices=BIT_CLASSES, help="which bits to flip (default exponent_top)")
@@ -301,20 +306,6 @@ def _exclude(args: argparse.Namespace) -> int:
 
 
 # --------------------------------------------------------------------------------------- campaign
-
-
-def _at_least(low: int) -> type:
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
-        return value
-
-    parse.__name__ = f"integer >= {low}"
-    return parse  # type: ignore[return-value]
 
 
 def _sites(text: str) -> tuple[str, ...]:
