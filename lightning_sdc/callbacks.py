@@ -1,307 +1,29 @@
-"""Lightning callbacks over ``sdc_core``: they translate trainer events into core calls."""
+"""Lightning callbacks over ``sdc_core``: they translate trainer events into core calls (the
+plumbing they share, the Trainer's seam and driver included, is ``lightning_sdc._common``)."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import json
-import tempfile
-import uuid
-import warnings
-from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
 
 from lightning_sdc import _common as c
 from sdc_core.checks.fingerprint import FingerprintConfig, WeightFingerprint
 from sdc_core.checks.gradients import NonFiniteConfig, NonFiniteGradient
 from sdc_core.checks.screen import GradientScreen, ScreenConfig
-from sdc_core.dist import shutdown
-from sdc_core.dist.uncaught import one_line_when_uncaught
-from sdc_core.driver.settings import SDCConfigError, checked_keywords
-from sdc_core.driver.step import Seam, StepContext, StepDriver
-from sdc_core.errors import SDCError, as_sdc_error
 from sdc_core.faults.inject import Fault
 from sdc_core.faults.inject import FaultInjector as _CoreInjector
 from sdc_core.io.checkpoints import FINGERPRINT_KEY, check_loaded_checkpoint, fingerprint_checkpoint
-from sdc_core.ops.incidents import install_exit_code, mark_verdict
 from sdc_core.replay.ring import ReplayConfig, RingReplay, StateCapture
 from sdc_core.sharded.checks import ShardedFingerprint, ShardedNonFinite
 from sdc_core.sharded.replay import ShardedReplay
 from sdc_core.sharded.update_audit import update_audit
 
 
-class _TrainerSeam(Seam):
-    """The core driver's seam of one Trainer: its run folder and ranks, its loggers, its rollback,
-    the replay's step function (the ``RingReplayAudit`` that owns the replay)."""
-
-    def __init__(self, trainer: pl.Trainer, marker: str) -> None:
-        self.trainer = trainer
-        self.marker = marker  # the ddp_spawn marker of the first SDC callback (read in the caller of fit)
-        self.resolved_run_dir: str | None = None
-        self.seen_step: int | None = None  # the global step at the last after-update work (or fit start)
-        self.last_loss: torch.Tensor | None = None  # the step's loss so far (the screen's loss value)
-
-    @property
-    def run_dir(self) -> str:
-        return self.resolved_run_dir or self.trainer.default_root_dir
-
-    @property
-    def is_main(self) -> bool:
-        return self.trainer.is_global_zero
-
-    @property
-    def world_size(self) -> int:
-        return self.trainer.world_size
-
-    def report(self, check: Any, policy: str) -> None:
-        try:
-            c.log_stats(self.trainer, check.stats, force=True)
-        except Exception as err:
-            warnings.warn(f"SDC counters not logged: {type(err).__name__}: {err}", RuntimeWarning, stacklevel=2)
-
-    def mark(self, error: SDCError) -> None:
-        spawned = isinstance(self.trainer.strategy.launcher, _MultiProcessingLauncher)
-        mark_verdict(error, self.marker if spawned else None)
-
-    def rollback(self, error: SDCError, max_step: int) -> SDCError:
-        return c.rollback(self.trainer, self.trainer.lightning_module, error, max_step)
-
-    def replay_functions(self, replay: Any, step: StepContext) -> tuple[Any, Any, Any]:
-        owner = next(cb for cb in self.trainer.callbacks if isinstance(cb, RingReplayAudit) and cb._core is replay)
-        return owner._replay_functions(self.trainer)
-
-    def loss(self) -> torch.Tensor | None:
-        loss, self.last_loss = self.last_loss, None
-        return loss
-
-
-_DRIVER = "_sdc_driver"
-
-
-def _driver(trainer: pl.Trainer) -> StepDriver:
-    """The one core driver of this Trainer's SDC callbacks (made at the first callback's ``setup``)."""
-    driver = vars(trainer).get(_DRIVER)
-    if driver is None:
-        callbacks = [cb for cb in trainer.callbacks if isinstance(cb, _SDCCallback)]
-        seam = _TrainerSeam(trainer, callbacks[0]._spawn_marker if callbacks else "")
-        driver = StepDriver(seam, lambda: [check for cb in trainer.callbacks if isinstance(cb, _SDCCallback)
-                                           for check in cb._checks()])  # fmt: skip
-        vars(trainer)[_DRIVER] = driver
-    return driver
-
-
-def _seam(trainer: pl.Trainer) -> _TrainerSeam:
-    """The seam of this Trainer's driver."""
-    seam = _driver(trainer).seam
-    assert isinstance(seam, _TrainerSeam)
-    return seam
-
-
-def _context(trainer: pl.Trainer, pl_module: pl.LightningModule, index: int | None = None) -> StepContext:
-    """The step as the driver sees it: ``trainer.global_step`` (or ``index``) is both the step and
-    the update index (Lightning counts every optimizer step)."""
-    step = trainer.global_step if index is None else index
-    return StepContext(
-        step, step, pl_module, list(trainer.optimizers),
-        scaler_active=getattr(trainer.precision_plugin, "scaler", None) is not None,
-        carry=pl_module.automatic_optimization and len(trainer.optimizers) == 1,
-    )  # fmt: skip
-
-
-def before_update(trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-    """The verdicts due before an optimizer step's update, in causal order whatever the order of
-    ``trainer.callbacks`` (``sdc_core.driver.step.StepDriver``): the pending non-finite verdict of an
-    earlier step, the pending weight comparison, this step's matrix-product and non-finite
-    verdicts, then this step's ring replay audit. Every SDC callback's
-    ``on_before_optimizer_step`` calls it; the driver runs each step's once."""
-    driver, step = _driver(trainer), _context(trainer, pl_module)
-    driver.resolve_pending(step)
-    driver.before_update(step)
-
-
-def _after_batch(trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-    """At a batch's end, once per global step (whichever SDC callback comes first): after an
-    update, the pending weight comparison, the update audit and the comparison of the new
-    weights, started (read in the next optimizer step, before its update)."""
-    driver, seam = _driver(trainer), _seam(trainer)
-    if seam.seen_step == trainer.global_step:  # no update since: nothing to do
-        return
-    seam.seen_step = trainer.global_step
-    driver.resolve_comparison(_context(trainer, pl_module))
-    driver.after_update(_context(trainer, pl_module, trainer.global_step - 1), True)
-
-
-class _SDCCallback(Callback):
-    """Common plumbing: strategy check, topology, counters in checkpoints, logging, the driver's events."""
-
-    _core: Any
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        """A misspelled keyword names the check, the keyword and the closest argument."""
-        super().__init_subclass__(**kwargs)
-        if "__init__" in cls.__dict__ and not getattr(cls.__init__, "_sdc_checked", False):
-            cls.__init__ = checked_keywords(cls.__dict__["__init__"])  # type: ignore[method-assign]
-
-    def __init__(self) -> None:
-        # Made where the Trainer is built and carried to ddp_spawn workers inside the callback:
-        # where a worker leaves its verdict for the caller of trainer.fit (see on_exception).
-        self._spawn_marker = str(Path(tempfile.gettempdir()) / f"sdc-verdict-{uuid.uuid4().hex}.json")
-
-    def _checks(self) -> list[Any]:
-        """The core checks this callback contributes to the driver."""
-        return [self._core]
-
-    def _settings(self, config: Callable[..., Any], **kwargs: Any) -> Any:
-        """``config(**kwargs)`` (the check's settings, by name), with a bad value's ``ValueError``
-        naming this callback (LightningCLI otherwise shows it deep inside a union-type message)."""
-        try:
-            return config(**kwargs)
-        except ValueError as err:
-            one_line_when_uncaught(SDCConfigError)  # a configuration error is one line per rank, not a traceback
-            raise SDCConfigError(f"{type(self).__name__}: {err}") from None
-
-    @property
-    def state_key(self) -> str:
-        """Unique per configuration, so two instances of one check (other settings) can coexist.
-        Computed once (the settings are frozen; Lightning reads this many times per step)."""
-        key = self.__dict__.get("_state_key")
-        if key is None:
-            config = {k: v for k, v in dataclasses.asdict(self._core.config).items() if (k, v) != ("rolling", 1)}
-            key = self.__dict__["_state_key"] = self._generate_state_key(**config)  # rolling=1: the key as before
-        return key
-
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage == "fit":
-            c.require_supported_strategy(trainer, type(self).__name__)
-            install_exit_code()
-            if next(cb for cb in trainer.callbacks if isinstance(cb, _SDCCallback)) is self:
-                vars(trainer).pop(_DRIVER, None)  # a new fit: a new driver
-
-    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._core.topology = c.topology(trainer)
-        seam = _seam(trainer)
-        if seam.resolved_run_dir is None:
-            # Resolved here, on every rank: `trainer.log_dir` is a broadcast, never safe on an error path.
-            seam.resolved_run_dir = trainer.log_dir or trainer.default_root_dir
-        seam.seen_step = trainer.global_step
-        route_weights_only_saves(trainer, pl_module)
-        if trainer.world_size > 1:  # the communication threads finish with Python before it shuts down
-            shutdown.arm()
-
-    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        unroute_weights_only_saves(pl_module)
-        c.remove_gradient_tap(trainer)
-
-    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
-        before_update(trainer, pl_module)  # this check's verdict among the others', in causal order
-
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        _after_batch(trainer, pl_module)
-        for check in self._checks():
-            c.log_stats(trainer, check.stats)
-
-    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
-        """No checkpoint (weights-only ones included: see ``route_weights_only_saves``) is written
-        after a step whose verdict is unread or from replicas that differ: the driver's
-        ``before_save`` (once per checkpoint, every rank: Lightning builds it on all of them)."""
-        self._before_save(trainer, pl_module, checkpoint)
-
-    def _before_save(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> bool:
-        """The driver's comparison before this checkpoint; this callback's counters in it are
-        refreshed (Lightning took them before). True when a heal or rollback changed the weights."""
-        changed = _driver(trainer).before_save(_context(trainer, pl_module), key=(id(checkpoint), trainer.global_step))
-        if isinstance(checkpoint.get("callbacks"), dict) and self.state_key in checkpoint["callbacks"]:
-            checkpoint["callbacks"][self.state_key] = self.state_dict()  # counters with this comparison
-        return changed
-
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """The last pending verdicts read and the final weights compared before ``fit`` returns,
-        whatever the cadence (once, whichever SDC callback comes first)."""
-        _driver(trainer).before_save(_context(trainer, pl_module), key=("end", trainer.global_step))
-        for check in self._checks():
-            c.log_stats(trainer, check.stats, force=True)
-
-    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        """Every path out: no collective of the check left in flight; the verdict marked for the
-        launcher (``sdc run``); under ``ddp_spawn``, in the caller of ``fit``, the worker's text-only
-        exception becomes the ``SDCError`` it was (``except SDCError`` works there)."""
-        unroute_weights_only_saves(pl_module)
-        for check in self._checks():  # no all-reduce of the check left in flight into the exit
-            discard = getattr(check, "discard", None)
-            if discard is not None:
-                discard()
-        if isinstance(exception, SDCError):
-            mark_verdict(exception)
-            return
-        marker = Path(self._spawn_marker)
-        if not marker.is_file():
-            return
-        try:
-            error = SDCError.from_dict(json.loads(marker.read_text())["error"])
-        except (OSError, ValueError, KeyError, TypeError):
-            return
-        finally:
-            marker.unlink(missing_ok=True)
-        as_sdc_error(exception, error)
-        install_exit_code()  # the caller's process exits with the SDC code too when it goes uncaught
-
-    def state_dict(self) -> dict[str, Any]:
-        return self._core.stats.state_dict()
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._core.stats.load_state_dict(state_dict)
-
-
-_WEIGHTS_ONLY_ROUTE = "_sdc_weights_only_route"
-
-
-def route_weights_only_saves(trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-    """Give the SDC callbacks their ``on_save_checkpoint`` for weights-only checkpoints too.
-
-    For ``ModelCheckpoint(save_weights_only=True)`` and ``trainer.save_checkpoint(path,
-    weights_only=True)`` Lightning calls no callback hook, but it still calls the LightningModule's
-    ``on_save_checkpoint`` on every rank while it builds the checkpoint, before anything is
-    written. That method is wrapped on the instance (once, whatever the number of SDC callbacks;
-    the user's own override still runs, last, as for a full checkpoint): on a weights-only
-    checkpoint (no ``callbacks`` entry) it first runs every SDC callback's ``on_save_checkpoint``
-    in ``trainer.callbacks`` order, so pending verdicts are read, the replicas compared and the
-    fingerprint stored, or the verdict raised on every rank before the file exists. Removed at
-    teardown and on an exception. Costs nothing on full checkpoints (one dictionary lookup)."""
-    if getattr(vars(pl_module).get("on_save_checkpoint"), _WEIGHTS_ONLY_ROUTE, None) is not None:
-        return
-    original = pl_module.on_save_checkpoint
-
-    @functools.wraps(original)
-    def on_save_checkpoint(checkpoint: dict[str, Any]) -> Any:
-        if "callbacks" not in checkpoint:  # weights only: Lightning called no callback hook
-            for cb in trainer.callbacks:
-                if isinstance(cb, _SDCCallback):
-                    cb.on_save_checkpoint(trainer, pl_module, checkpoint)
-        return original(checkpoint)
-
-    # what to put back: an attribute set on the instance before, or nothing (the class's method)
-    setattr(on_save_checkpoint, _WEIGHTS_ONLY_ROUTE, (vars(pl_module).get("on_save_checkpoint"),))
-    pl_module.on_save_checkpoint = on_save_checkpoint  # type: ignore[method-assign]
-
-
-def unroute_weights_only_saves(pl_module: pl.LightningModule) -> None:
-    """Undo ``route_weights_only_saves`` (idempotent): the module's own method is back."""
-    route = getattr(vars(pl_module).get("on_save_checkpoint"), _WEIGHTS_ONLY_ROUTE, None)
-    if route is None:
-        return
-    if route[0] is None:
-        del pl_module.on_save_checkpoint
-    else:
-        pl_module.on_save_checkpoint = route[0]  # type: ignore[method-assign]
-
-
-class NonFiniteGradientCheck(_SDCCallback):
+class NonFiniteGradientCheck(c.SDCCallback):
     """Flag every rank whose LOCAL gradients hold NaN/Inf, before the all-reduce spreads them.
 
     Args:
@@ -358,7 +80,7 @@ class NonFiniteGradientCheck(_SDCCallback):
                 self._screening = True
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        _driver(trainer).prepare()  # every callback's core is in place: a replay keeps steps for the screen
+        c.trainer_driver(trainer).prepare()  # every callback's core is in place: a replay keeps steps for the screen
 
     def state_dict(self) -> dict[str, Any]:
         """The check's counters, and the screen's under ``"screen"``."""
@@ -382,15 +104,15 @@ class NonFiniteGradientCheck(_SDCCallback):
             self._core.uncarried()
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
-        driver = _driver(trainer)
-        driver.resolve_gradients(_context(trainer, pl_module))  # the previous step's, one step later
+        driver = c.trainer_driver(trainer)
+        driver.resolve_gradients(c.step_context(trainer, pl_module))  # the previous step's, one step later
         if self._screening:
-            seam = _seam(trainer)
+            seam = c.trainer_seam(trainer)
             # as back-propagated (normalised, scaled) and summed over the step's micro-batches: what a replay returns
             seam.last_loss = loss.detach() if seam.last_loss is None else seam.last_loss + loss.detach()
 
 
-class WeightFingerprintCheck(_SDCCallback):
+class WeightFingerprintCheck(c.SDCCallback):
     """Compare exact fingerprints of the replicas' weights after every ``every_n_steps`` steps.
 
     Args:
@@ -500,7 +222,7 @@ LIGHTNING_ADVICE = (
 )  # the replay's advice for unreplayable steps, in Lightning's terms
 
 
-class RingReplayAudit(_SDCCallback):
+class RingReplayAudit(c.SDCCallback):
     """Every ``every_n_steps`` steps, a partner rank replays each rank's micro-batches.
 
     Args:
@@ -698,7 +420,7 @@ class FaultInjector(Callback):
         self._handles = []
 
 
-class MatmulChecksumCheck(_SDCCallback):
+class MatmulChecksumCheck(c.SDCCallback):
     """Verify every matrix product of each rank against a checksum, forward and backward, and
     raise ``ChecksumMismatchError`` on every rank naming the rank, host, module and phase of a
     product that came out wrong (a faulty multiply-accumulate), in the step it happened.
@@ -746,7 +468,7 @@ class MatmulChecksumCheck(_SDCCallback):
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         core, step = self._core, trainer.global_step
-        _driver(trainer).deliver(core, lambda: core.arm(step))  # reads the last verdict
+        c.trainer_driver(trainer).deliver(core, lambda: core.arm(step))  # reads the last verdict
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._core.detach()

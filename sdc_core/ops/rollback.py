@@ -1,0 +1,52 @@
+"""Rollback to the newest checkpoint verified clean, whatever the framework.
+
+``roll_back`` chooses the checkpoint on the main rank (``newest_verified``: weights-only reads
+unless ``trust_pickle``; a file that cannot be verified is passed over and named), shares the
+choice with every rank through the framework's ``broadcast`` (every rank meets there, whatever
+happened in the search), and has the framework ``restore`` it. It returns the verdict with
+``details["action"]`` saying what was done, or raises it, saying why not, when no checkpoint
+verified clean at or before the step exists. Data and step counters are the framework's: they go on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from sdc_core.errors import SDCError
+from sdc_core.io.checkpoints import newest_verified
+
+
+def roll_back(error: SDCError, max_step: int, folders: list[str], *, is_main: bool, trust_pickle: bool,
+              broadcast: Callable[[Any], Any], restore: Callable[[str], Any]) -> SDCError:  # fmt: skip
+    """The newest checkpoint of ``folders`` verified clean at or before ``max_step`` restored on
+    every rank (``restore(path)`` loads it and returns its step); ``broadcast(obj)`` returns the
+    main rank's ``obj`` on every rank. Returns ``error`` with ``details["action"]`` (and
+    ``"rollback_skipped"``: the files passed over) set; raises it when there is none."""
+    skipped: list[str] = []
+    path = None
+    if is_main:
+        try:  # whatever happens here, every rank meets at the broadcast below
+            path = newest_verified(folders, max_step, trust_pickle=trust_pickle, skipped=skipped)
+        except Exception as err:
+            skipped.append(f"checkpoint search failed: {type(err).__name__}: {err}")
+    path, skipped = broadcast((str(path) if path else None, skipped[:20]))  # the same on every rank
+    details = dict(error.details)
+    if skipped:
+        details["rollback_skipped"] = skipped
+    if path is None:
+        details["action"] = f"rollback failed: no checkpoint verified clean at or before step {max_step} in {folders}"
+        if skipped:
+            details["action"] += f" ({len(skipped)} passed over, e.g. {skipped[0]})"
+        raise _with_details(error, details)
+    step = restore(path)
+    details["action"] = f"rolled back to {path} (step {step})"
+    return _with_details(error, details)
+
+
+def _with_details(error: SDCError, details: dict[str, Any]) -> SDCError:
+    return type(error)(step=error.step, rank=error.rank, suspects=error.suspects, hosts=error.hosts,
+                       details=details, reason=error.reason)  # fmt: skip
+
+
+__all__ = ["roll_back"]
