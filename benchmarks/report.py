@@ -235,7 +235,7 @@ Reading the table:
   twice, a shifted temporary written and read, two weight vectors: about 6/16 of the words'
   traffic more, at memory speed) costs the rest. Fewer, wider classes would cut the second stage
   but weaken what the digest guarantees
-  against structured faults (the `sdc_core.checks.fingerprint` docstring): we keep the guarantee.
+  against structured faults (the `sdc_core.checks.digest` docstring): we keep the guarantee.
 - With 1,000 small tensors every candidate pays a Python and kernel-launch cost per tensor. The
   fingerprint (as measured here, before the host path below) grouped tensors under 4,096
   elements into one flattened copy (one C++ call), which put it at or near the plain sum for

@@ -1,6 +1,6 @@
 """Strength of the version-2 digest against structured faults (property tests, CPU, no processes).
 
-The module docstring of ``sdc_core.checks.fingerprint`` derives the guarantee: a difference is missed
+The module docstring of ``sdc_core.checks.digest`` derives the guarantee: a difference is missed
 only when every class sum cancels (words exactly a multiple of the odd column count apart) or,
 otherwise, with probability <= 2**-31. These tests check the definition against a pure-Python
 reference, and that the fault patterns the plain word sum (version 1) let cancel are now seen.
