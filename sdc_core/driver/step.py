@@ -16,8 +16,9 @@ the trainer's events. What it owns, once:
   audited; replicas healed or rolled back before the update are not audited (their gradients
   came from other weights); a replay disagreement is first checked against the replicas'
   weights (``_explained_by_weights``), and the weight fault is what is raised;
-* delivery (``deliver``): the incident with the policy actually applied, the seam's report
-  (counters to the trackers), the marker for the launcher, the seam's rollback;
+* delivery (``deliver``, done by ``delivery.Delivery``): the incident with the policy actually
+  applied, the seam's report (counters to the trackers), the marker for the launcher, the seam's
+  rollback;
 * the comparisons before a checkpoint is written and at the end of training.
 
 The seam (``Seam``) answers what only the framework knows: where incidents go, how to log, how to
@@ -275,8 +276,8 @@ class StepDriver:
                 continue
             if plan.skipped:
                 replay.disarm()  # a step the gradient check dropped is not audited
-            elif self._replay_verdict(replay, step, lambda r=replay: self.seam.audit(r, step)):  # a transient fault
-                # (or rolled back, or explained by the weights): every rank drops this step
+            elif self._replay_verdict(replay, step, lambda r=replay: self.seam.audit(r, step)):
+                # a transient fault (or rolled back, or explained by the weights): every rank drops this step
                 drop_step(step.module.parameters(), scaler_active=step.scaler_active)
                 plan.skipped = True
         for audit in self.update_audits:  # last: the update's inputs as the optimizer will see them
