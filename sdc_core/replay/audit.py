@@ -79,7 +79,7 @@ class StepAudit:
     batches: list[MicroBatch] = field(default_factory=list)  # its micro-batches, prepared (lockstep)
     mine: Digest | None = None  # this rank's replay of its owner's micro-batches
     mine_self: Comparison = _SAME  # this rank's re-run of its own micro-batches against its own result
-    table: list[list[float]] = field(default_factory=list)  # per replayer q: the comparisons (``_row``)
+    table: list[list[float]] = field(default_factory=list)  # per replayer: its row of ``_replay_round``
     noise: list[float] | None = None  # per rank: what its own re-runs show (on a disagreement)
     mismatching: list[Pair] = field(default_factory=list)  # the pairs that disagree
     every_pair: bool | None = None  # every pair disagrees (3+ replicas): whether at the first audit, else None
@@ -189,8 +189,9 @@ class StepAudit:
 
     def _replay_round(self, calibrating: bool, probe: bool) -> bool | None:
         """The exchange, the replay of the owner's micro-batches (when calibrating, the re-run of this
-        rank's own; with ``probe`` one more under strict determinism) and the gather of ``table``.
-        Returns the audit's result when some rank failed, else None."""
+        rank's own; with ``probe`` one more under strict determinism) and the gather of ``table``, a
+        row per rank: the replay's (exact, difference), failed, self re-run taken, its (exact,
+        difference), strict probe passed. Returns the audit's result when some rank failed, else None."""
         me, failure = self.me, self.failure
         payload, why = send_payload(self.micro, self.own)
         failure = failure or why

@@ -61,7 +61,6 @@ def attribute_step(run: StepAudit) -> bool:
     if run.every_pair is not None and not any(a or b for a, b in refereed.values()):
         run.done()
         return run.unreplayable(run.step, every_pair_message(run.step, topo, run.every_pair, run.advice))
-    explanations: Any = None
     if run.groups:
         rank, suspects, notes = settle(run.rings, culprits, disputed, refereed)
     else:  # the fewest faulty ranks that explain every comparison (``attribute``)

@@ -548,8 +548,8 @@ class RingReplay:
             return self._replay_digest(module, batches, step_fn, to_device, context)
 
         run = StepAudit(step, topo, self.config, self.stats, self.calibration, lambda: self.names, self.groups,
-                        self.lockstep, self.advice, micro, own, failure, recompute, self._exchange,
-                        self._unreplayable, t0)  # fmt: skip
+                        self.lockstep, self.advice, micro, own, failure=failure, recompute=recompute,
+                        exchange=self._exchange, unreplayable=self._unreplayable, t0=t0)  # fmt: skip
         try:
             result = run.run()
             return attribute_step(run) if result is None else result
