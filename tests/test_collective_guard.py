@@ -18,8 +18,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from sdc_core.replay.ring import CollectiveInReplay, forbid_collectives
 from sdc_core.replay import guard as replay_state
+from sdc_core.replay.ring import CollectiveInReplay, forbid_collectives
 
 NAMES = [(ns, name) for ns in replay_state._NAMESPACES for name in replay_state._COLLECTIVES]
 
