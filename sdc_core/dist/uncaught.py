@@ -16,6 +16,14 @@ import sys
 from typing import Any
 
 
+def print_line(text: str) -> None:
+    """Print ``text`` on stderr, with ``[rank<r>]: `` in front under a launcher, unless torch's own
+    excepthook (``init_process_group`` installs it around ours; it swaps stderr for a buffer) adds it."""
+    rank = os.environ.get("RANK")
+    prefix = f"[rank{rank}]: " if rank and not isinstance(sys.stderr, io.StringIO) else ""
+    print(prefix + text, file=sys.stderr, flush=True)
+
+
 def one_line_when_uncaught(kind: type[BaseException]) -> None:
     """Install the one-line hook for ``kind`` (idempotent while it is the current ``sys.excepthook``);
     the settings call it with ``SDCConfigError`` before raising one."""
@@ -27,13 +35,10 @@ def one_line_when_uncaught(kind: type[BaseException]) -> None:
         if not isinstance(value, kind):
             previous(raised, value, tb)
             return
-        rank = os.environ.get("RANK")
-        # torch's own excepthook (init_process_group installs it around ours) adds the rank itself
-        prefix = f"[rank{rank}]: " if rank and not isinstance(sys.stderr, io.StringIO) else ""
-        print(f"{prefix}{raised.__name__}: {value}", file=sys.stderr, flush=True)
+        print_line(f"{raised.__name__}: {value}")
 
     hook._sdc_one_line = kind  # type: ignore[attr-defined]
     sys.excepthook = hook
 
 
-__all__ = ["one_line_when_uncaught"]
+__all__ = ["one_line_when_uncaught", "print_line"]

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sdc_core.dist import exit_order
+from sdc_core.dist.uncaught import print_line
 from sdc_core.errors import TRACEBACK_ENV, SDCError, verdict_line
 from sdc_core.io.safe_files import UnreadableError, create_unique
 
@@ -76,9 +77,7 @@ def install_exit_code() -> None:
 
     def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
         if isinstance(value, SDCError) and os.environ.get(TRACEBACK_ENV, "").strip() in ("", "0"):
-            rank = os.environ.get("RANK")  # torch's excepthook (a StringIO stderr) adds the rank itself
-            prefix = f"[rank{rank}]: " if rank and not isinstance(sys.stderr, io.StringIO) else ""
-            print(prefix + verdict_line(value), file=sys.stderr, flush=True)  # one line, not a traceback
+            print_line(verdict_line(value))  # one line, not a traceback
         else:
             previous(kind, value, tb)
         if isinstance(value, SDCError):
