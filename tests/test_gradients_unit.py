@@ -46,3 +46,33 @@ def test_the_multi_tensor_verdict_flags_exactly_nan_and_inf(dtype: torch.dtype) 
             grads = [t.clone() for t in clean]
             grads[k].view(-1)[-1] = bad
             assert bool(any_nonfinite_multi(grads)), (bad, k)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_the_host_log2_peaks_equal_the_kernels_ones(dtype: torch.dtype) -> None:
+    """The CPU path of ``log2_peaks_by_group`` (maxima and log2 in Python) gives what the kernels
+    give, within one float32 rounding of the log2, and exactly NaN for empty or all-zero groups and
+    +Inf for non-finite ones."""
+    from sdc_core.checks.reductions import _log2_peaks_on_device, _log2_peaks_on_host, log2_peaks_by_group
+
+    g = torch.Generator().manual_seed(3)
+    for trial in range(40):
+        groups = 1 + trial % 7
+        pairs = []
+        for _ in range(1 + trial % 3):
+            n = int(torch.randint(1, 12, (1,), generator=g))
+            values = (torch.rand(n, generator=g) * 10.0 ** float(torch.randint(-30, 30, (1,), generator=g))).to(dtype)
+            if trial % 4 == 1:
+                values[0] = 0.0
+            if trial % 5 == 2:
+                values[-1] = float("nan") if trial % 2 else float("inf")
+            if trial == 7:
+                values.fill_(1e300 if dtype == torch.float64 else 0.0)  # float64 beyond float32: Inf
+            pairs.append((values, torch.randint(0, groups, (n,), generator=g)))
+        host = _log2_peaks_on_host(pairs, groups)
+        kernels = _log2_peaks_on_device(pairs, groups, torch.device("cpu"))
+        assert torch.equal(host.isnan(), kernels.isnan()), (trial, host, kernels)
+        assert torch.equal(host.isinf(), kernels.isinf()), (trial, host, kernels)
+        finite = host.isfinite()
+        assert torch.allclose(host[finite], kernels[finite], rtol=2**-22, atol=2**-22), (trial, host, kernels)
+        assert torch.equal(log2_peaks_by_group(pairs, groups).nan_to_num(nan=-1.0), host.nan_to_num(nan=-1.0))

@@ -240,3 +240,17 @@ def test_a_result_carries_the_judged_values_and_bands() -> None:
     assert res.values[2][1] == math.inf and res.bands == (10.0,) * (K + 2)
     assert res == ScreenResult(step=0, ranks=res.ranks, details=res.details, margin=res.margin)
     assert s.last_deviations is not None and s.last_deviations.shape == (3, K + 2)
+
+
+def test_the_host_row_carries_what_the_kernels_row_carries() -> None:
+    """On the CPU ``observe`` builds its row from the values read (``_loss_log2``); it equals the
+    kernels' row (``loss_magnitude``) for ordinary, zero, negative, non-finite and float64 losses."""
+    from sdc_core.checks.screen import _loss_log2
+
+    dev = torch.device("cpu")
+    for loss in [torch.tensor(8.0), torch.tensor(-0.25), torch.tensor(0.0), torch.tensor(float("nan")),
+                 torch.tensor(float("-inf")), torch.tensor(1e300, dtype=torch.float64),
+                 torch.tensor([0.6931, 2.0]), torch.tensor(3.7e-12, dtype=torch.float64), None]:  # fmt: skip
+        kernels, host = loss_magnitude(loss, dev).item(), _loss_log2(loss)
+        same = kernels == host or (math.isnan(kernels) and math.isnan(host))
+        assert same or abs(kernels - host) <= 1e-6 * max(1.0, abs(host)), loss

@@ -6,6 +6,7 @@ writes into it."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -55,14 +56,42 @@ def log2_peaks_by_group(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], grou
     """Per group ``j < groups`` the log2 of the largest of the peaks given to it: ``pairs`` of 1-d
     peaks (``peaks``) and their groups' indices (1-d, on the first peaks' device). NaN for a group
     without a peak or with zero peaks only, +Inf for one holding a non-finite peak. float32 on that
-    device, no host synchronisation: the statistic of ``NonFiniteGradient.take_magnitudes``."""
+    device, no host synchronisation: the statistic of ``NonFiniteGradient.take_magnitudes``.
+
+    Off the CPU a few kernels per pair. On the CPU, where reading a value waits for nothing, the
+    peaks are read and their maxima and log2 taken in Python (log2 is monotonic: the log2 of the
+    largest peak is the largest log2): one tensor made instead of seven ops per pair, the
+    screen's largest host cost there."""
     home = pairs[0][0].device
+    if home.type == "cpu" and all(v.device.type == "cpu" for v, _ in pairs):
+        return _log2_peaks_on_host(pairs, groups)
+    return _log2_peaks_on_device(pairs, groups, home)
+
+
+def _log2_peaks_on_device(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], groups: int,
+                          home: torch.device) -> torch.Tensor:  # fmt: skip
+    """``log2_peaks_by_group`` in kernels on ``home``, without a host read."""
     out = torch.full((groups,), float("-inf"), device=home)
     for values, index in pairs:
         v = values.to(home, torch.float32)
         v = torch.where(torch.isfinite(v), v, torch.full_like(v, float("inf")))
         out.scatter_reduce_(0, index.to(home), torch.log2(v), "amax")  # zero peaks: -inf, ignored by amax
     return torch.where(out == float("-inf"), torch.full_like(out, float("nan")), out)
+
+
+def _log2_peaks_on_host(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], groups: int) -> torch.Tensor:
+    """``log2_peaks_by_group`` for CPU tensors: the per-group maxima and their log2 in Python, one
+    tensor made (the log2 correctly rounded to float32; the kernels' may differ by one unit in
+    the last place)."""
+    inf, nan = math.inf, math.nan
+    best = [0.0] * groups  # 0: no positive peak yet (NaN below)
+    for values, index in pairs:
+        for v, j in zip(values.to(torch.float32).tolist(), index.tolist(), strict=False):  # as scatter_reduce_
+            if not -inf < v < inf:  # NaN or Inf: the group holds a non-finite value
+                v = inf
+            if v > best[j]:
+                best[j] = v
+    return torch.tensor([math.log2(b) if b > 0 else nan for b in best], dtype=torch.float32)
 
 
 def any_nonfinite_multi(tensors: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -43,6 +43,7 @@ result.bands)`` applies the judge's rule to one recomputed row against the other
 
 from __future__ import annotations
 
+import ctypes
 import math
 import time
 from collections import OrderedDict
@@ -245,6 +246,18 @@ def loss_magnitude(loss: torch.Tensor | None, device: torch.device) -> torch.Ten
     return torch.nan_to_num(v, nan=math.inf, posinf=math.inf, neginf=math.nan)
 
 
+def _loss_log2(loss: torch.Tensor | None) -> float:
+    """``loss_magnitude``'s value for a loss on the host, as a Python float (no op but the read):
+    log2 of |loss| rounded to float32; NaN for no loss or a zero one, +Inf for a non-finite one."""
+    if loss is None:
+        return math.nan
+    first = loss.item() if loss.numel() == 1 else float(loss.detach().reshape(-1)[0])
+    v = abs(ctypes.c_float(first).value)  # float32, as loss_magnitude reads it
+    if not v < math.inf:  # NaN or Inf (an overflow to float32 included)
+        return math.inf
+    return math.log2(v) if v > 0 else math.nan
+
+
 class GradientScreen:
     """Framework-neutral every-step screen (module docstring). The driver calls, on every rank
     alike: ``attach(nonfinite)`` once (one blocking collective: the ranks agree on the width),
@@ -326,6 +339,13 @@ class GradientScreen:
         if device is None:
             device = self._targets[source] = collective_device(source)
         k = self.width - 1
+        on_host = device.type == "cpu" and (magnitudes is None or magnitudes.device.type == "cpu")
+        if on_host and (loss is None or loss.device.type == "cpu"):  # reading a value waits for nothing here
+            mags_host = magnitudes.tolist() if magnitudes is not None and magnitudes.numel() == k else [math.nan] * k
+            row = torch.tensor([float(step), float(self.width), *mags_host, _loss_log2(loss)], dtype=torch.float64)
+            self._start(step, row, device)
+            self.stats.add_time(time.perf_counter() - t0)
+            return
         if device.type == "cpu":
             head = torch.tensor([float(step), float(self.width)], dtype=torch.float64)
         else:  # no host-to-device copy (it would wait for the device's queue)
@@ -336,13 +356,17 @@ class GradientScreen:
         else:
             mags = magnitudes.reshape(-1).to(device)
         row = torch.cat([head, mags, loss_magnitude(loss, device)]).to(torch.float64)  # float64 by promotion
+        self._start(step, row, device)
+        self.stats.add_time(time.perf_counter() - t0)
+
+    def _start(self, step: int, row: torch.Tensor, device: torch.device) -> None:
+        """Start the all_gather of this rank's ``row`` for ``step`` (every rank alike; async)."""
         if is_distributed():
             out = torch.empty(self.world_size, row.numel(), dtype=torch.float64, device=device)
             work = dist.all_gather(list(out.unbind(0)), row, async_op=True)
             self._pending[step] = HostRead(out, work)
         else:
             self._pending[step] = HostRead(row.reshape(1, -1))
-        self.stats.add_time(time.perf_counter() - t0)
 
     def suspects(self, step: int) -> ScreenResult:
         """The verdict on ``step`` (waits for its all_gather; judges older pending steps first).
