@@ -18,10 +18,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from sdc_core.replay import guard as replay_state
+from sdc_core.replay import guard as guard_module
 from sdc_core.replay.ring import CollectiveInReplay, forbid_collectives
 
-NAMES = [(ns, name) for ns in replay_state._NAMESPACES for name in replay_state._COLLECTIVES]
+NAMES = [(ns, name) for ns in guard_module._NAMESPACES for name in guard_module._COLLECTIVES]
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +94,7 @@ def test_an_interrupted_entry_or_exit_never_leaves_collectives_refused(group: No
     as a signal handler's raises between two lines: afterwards collectives work, and once a later
     guard ends every collective is the original again."""
     before = _originals()
-    here = replay_state.__file__
+    here = guard_module.__file__
 
     def run(cut: int) -> bool:
         """One guarded replay with an exception at the ``cut``-th line of the guard's code; False
@@ -138,7 +138,7 @@ def test_a_real_signal_during_entry_and_exit(group: None) -> None:
     """Real signals, from another thread, whose handler raises when it interrupts the guard's own
     code (entering, installing, leaving, uninstalling), over many guarded replays."""
     before = _originals()
-    here, cut_short, fired = replay_state.__file__, [0], [0]
+    here, cut_short, fired = guard_module.__file__, [0], [0]
 
     def handler(_signum: int, frame: Any) -> None:
         fired[0] += 1
