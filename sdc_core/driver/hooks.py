@@ -382,7 +382,9 @@ class _LoopSeam(Seam):
 
     def __init__(self, fw: Framework, capture: LoopCapture) -> None:
         self._fw = fw
-        self._capture = capture
+        # the hook set owns the capture and the driver, which owns this seam; the capture holds the
+        # hook set: a weak proxy here keeps the seam out of that cycle (as the seam was before the split)
+        self._capture = weakref.proxy(capture)
         self._run_dir: str | None = None
 
     @property
