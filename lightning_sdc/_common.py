@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import json
 import tempfile
 import uuid
@@ -25,10 +26,11 @@ from sdc_core.checks.gradient_tap import GradientTap
 from sdc_core.dist import shutdown
 from sdc_core.dist.topology import Topology
 from sdc_core.dist.uncaught import one_line_when_uncaught
-from sdc_core.driver.settings import SDCConfigError, checked_keywords
+from sdc_core.driver.settings import SDCConfigError, SDCSettings, checked_keywords
 from sdc_core.driver.step import Seam, StepContext, StepDriver
 from sdc_core.errors import SDCError, as_sdc_error
 from sdc_core.ops.incidents import install_exit_code, mark_verdict
+from sdc_core.schema import documented, settings_of
 from sdc_core.stats import CheckStats
 
 _STASH = "_sdc_user_comm_hook"
@@ -278,6 +280,19 @@ def after_batch(trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
     driver.after_update(step_context(trainer, pl_module, trainer.global_step - 1), True)
 
 
+def documented_by(config: type, **own: str) -> Callable[[type], type]:
+    """Class decorator: the callback's ``Args:`` section from the settings schema, so each argument's
+    doc exists once (LightningCLI's help reads it): the ``config`` setting of the argument's name,
+    or the ``SDCSettings`` field that ``own`` names for it."""
+    fields = {f.name: f for f in dataclasses.fields(SDCSettings)}
+    docs = {**settings_of(config), **{argument: fields[name] for argument, name in own.items()}}
+
+    def decorate(cls: type) -> type:
+        return documented(cls, {name: docs[name] for name in list(inspect.signature(cls.__init__).parameters)[1:]})
+
+    return decorate
+
+
 class SDCCallback(Callback):
     """Common plumbing: strategy check, topology, counters in checkpoints, logging, the driver's events."""
 
@@ -302,11 +317,12 @@ class SDCCallback(Callback):
         """``(step_fn, to_device, context)`` of the replay this callback owns (``RingReplayAudit``)."""
         raise NotImplementedError
 
-    def _settings(self, config: Callable[..., Any], **kwargs: Any) -> Any:
-        """``config(**kwargs)`` (the check's settings, by name), with a bad value's ``ValueError``
-        naming this callback (LightningCLI otherwise shows it deep inside a union-type message)."""
+    def _settings(self, config: type, arguments: dict[str, Any]) -> Any:
+        """``config`` built from the ``arguments`` (the constructor's ``locals()``) named as its
+        settings, with a bad value's ``ValueError`` naming this callback (LightningCLI otherwise
+        shows it deep inside a union-type message)."""
         try:
-            return config(**kwargs)
+            return config(**{name: arguments[name] for name in settings_of(config) if name in arguments})
         except ValueError as err:
             one_line_when_uncaught(SDCConfigError)  # a configuration error is one line per rank, not a traceback
             raise SDCConfigError(f"{type(self).__name__}: {err}") from None

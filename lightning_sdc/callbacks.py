@@ -13,6 +13,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning_sdc import _common as c
 from sdc_core.checks.fingerprint import FingerprintConfig, WeightFingerprint
 from sdc_core.checks.gradients import NonFiniteConfig, NonFiniteGradient
+from sdc_core.checks.matmul import MatmulChecksum, MatmulChecksumConfig
 from sdc_core.checks.screen import GradientScreen, ScreenConfig
 from sdc_core.faults.inject import Fault
 from sdc_core.faults.inject import FaultInjector as _CoreInjector
@@ -23,44 +24,26 @@ from sdc_core.sharded.replay import ShardedReplay
 from sdc_core.sharded.update_audit import update_audit
 
 
+@c.documented_by(NonFiniteConfig, screen="gradient_screen")
 class NonFiniteGradientCheck(c.SDCCallback):
     """Flag every rank whose LOCAL gradients hold NaN/Inf, before the all-reduce spreads them.
 
-    Args:
-        on_failure: ``"raise"`` (default) raises ``NonFiniteGradientError`` on every rank;
-            ``"skip_step"`` drops the optimizer step on every rank (the weights stay clean);
-            ``"warn"`` only warns; ``"rollback"`` reloads the newest verified checkpoint. Every
-            verdict is logged under ``sdc/nonfinite_gradient/``.
-        overflow_patience: under an fp16 GradScaler a rank is flagged only when it alone
-            overflows on this many consecutive steps; ordinary overflow stays the scaler's business.
-        max_names: offending parameter names reported per rank.
-
-    Cost under DDP: a read of the local gradients at the end of backward (a few multi-tensor
-    kernels per dtype, before DDP's reducer writes the reduced values back) and no collective of
-    its own: NaN/Inf survive the all-reduce, so every rank sees them in the same reduced
-    gradients, read at the verdict; on steps a ``WeightFingerprintCheck`` compares the replicas
-    (one optimizer, automatic optimization) each rank's local flag rides that comparison's
-    all-reduce instead, and the reduced gradients are not read. Ranks and parameters are
-    gathered only on a non-finite step. When the verdict is read:
-
-    * ``"raise"``, ``"warn"``: one step later, before the next backward (no host synchronisation
-      in the step). The error names the step it belongs to; that step's update has happened, the
-      next one does not. It is also read before a checkpoint is written (none is written after a
-      non-finite step) and at the end of training.
-    * ``"skip_step"``, ``"rollback"``, an fp16 GradScaler, and steps a ``RingReplayAudit``
-      audits: one host read before the update, in the same step.
-
-    Without DDP, ``.grad`` is checked before the optimizer step (one host read).
+    Under DDP: a read of the local gradients at the end of backward (a few multi-tensor kernels per
+    dtype) and no collective of its own (NaN/Inf survive the all-reduce, so every rank reads the
+    verdict from the reduced gradients, or it rides a ``WeightFingerprintCheck``'s all-reduce); the
+    ``screen`` compares the ranks' gradient peaks from the same read every step. ``"raise"`` and
+    ``"warn"`` are read one step later (the error names that step, whose update has happened; also
+    before a checkpoint and at the end of training), the other
+    policies, an fp16 GradScaler and audited steps before the update; verdicts are logged under
+    ``sdc/nonfinite_gradient/``. Without DDP, ``.grad`` is checked before the optimizer step (one
+    host read). Details: docs/checks-and-settings.md.
     """
 
     def __init__(
         self, on_failure: str = "raise", overflow_patience: int = 3, max_names: int = 5, screen: bool = True
     ) -> None:
         super().__init__()
-        config = self._settings(
-            NonFiniteConfig, on_failure=on_failure, overflow_patience=overflow_patience, max_names=max_names
-        )
-        self._core = NonFiniteGradient(config)
+        self._core = NonFiniteGradient(self._settings(NonFiniteConfig, locals()))
         self._screen: GradientScreen | None = GradientScreen(ScreenConfig()) if screen else None
         self._screening = False  # attached in this fit (DDP only)
 
@@ -112,52 +95,21 @@ class NonFiniteGradientCheck(c.SDCCallback):
             seam.last_loss = loss.detach() if seam.last_loss is None else seam.last_loss + loss.detach()
 
 
+@c.documented_by(FingerprintConfig, update_audit_every_n_steps="update_audit_every_n_steps")
 class WeightFingerprintCheck(c.SDCCallback):
     """Compare exact fingerprints of the replicas' weights after every ``every_n_steps`` steps.
 
-    Args:
-        every_n_steps: cadence in optimizer steps (``trainer.global_step``; under manual
-            optimization every optimizer's step counts, and the weights are compared at the end
-            of a batch whose step count is then a multiple of ``every_n_steps``).
-        include_buffers: also compare buffers (BatchNorm running statistics excluded).
-        include_optimizer_state: also compare optimizer state tensors.
-        on_failure: ``"raise"`` (default) or ``"heal"``: with a strict majority the differing
-            replicas copy a majority rank's parameters, buffers and optimizer state and training
-            goes on (an incident is written); without a majority, or past ``max_heals`` heals
-            of the same rank, it raises.
-        max_heals: heals allowed per rank.
-        rolling: compare 1/rolling of the tensors at each comparison, a fixed slice in turn
-            (``FingerprintConfig.rolling``): every tensor within ``rolling`` comparisons, so a
-            divergence is named up to ``rolling * every_n_steps`` steps later; checkpoints and
-            the end of training still compare every tensor.
-        update_audit_every_n_steps: sharded models (``ModelParallelStrategy``) only: every n-th
-            step a partner rank recomputes each rank's optimizer update of its shard without
-            replicas (pure FSDP) and compares bit for bit (0: off). Costs a copy and a transfer
-            of the shard, its gradient and optimizer state, and one extra optimizer step.
-
     The comparison of step ``s`` is read in the next optimizer step, after its backward and before
-    its update (``before_update``: after the previous non-finite verdict, before this step's
-    non-finite verdict and ring replay, whatever the callback order; under gradient accumulation
-    at the end of the step's first micro-batch), so the host never waits for the GPU in the step
-    that computed it, and a weight fault is never reported as the replay's compute fault. A
-    ``RingReplayAudit`` disagreement is checked against the current weights first (every tensor):
-    replicas that differ raise this check's ``FingerprintMismatchError`` instead. Latency: a
-    replica that diverged is named at the next compared update (``every_n_steps`` x ``rolling``
-    at most), before the update after it. Sharded models (FSDP2): a shard without replica is
-    digested after each compared update ``s`` and again before the next forward; a bit flipped
-    in between is reported, with step ``s`` and the rank named, before the update of step
-    ``s + 1``; other moments are not watched for such shards (docs/coverage.md says what is
-    covered). Before a checkpoint is written and when
-    training ends, the current weights are compared at once (one extra read and one host wait),
-    whatever the cadence: no checkpoint comes from a replica the check has not verified, and
-    ``fit`` does not return with replicas that differ. Raises ``FingerprintMismatchError`` on
-    every rank; with 3+ replicas the minority rank is named.
-
-    Checkpoints written while it is on carry a fingerprint of their weights and optimizer state;
-    resuming from one whose tensors changed on disk raises ``FingerprintMismatchError`` naming
-    them (``sdc verify-checkpoint`` checks a file offline). ``save_weights_only`` checkpoints
-    (for which Lightning calls no callback) are compared and fingerprinted too, from the
-    LightningModule's ``on_save_checkpoint`` (see ``route_weights_only_saves``).
+    its update (after the earlier non-finite verdict, before this step's and the replay's, whatever
+    the callback order), so the host never waits in the step that computed it and a weight fault is
+    never reported as the replay's compute fault; a ``RingReplayAudit`` disagreement is checked
+    against the current weights first. Before a checkpoint is written and when training ends the
+    weights are compared at once, whatever the cadence. Raises ``FingerprintMismatchError`` on every
+    rank; with 3+ replicas the minority rank is named. Under manual optimization every
+    ``optimizer.step()`` counts. Checkpoints carry a fingerprint of their weights and optimizer
+    state, verified on resume (``sdc verify-checkpoint`` offline), ``save_weights_only`` ones too
+    (``route_weights_only_saves``). Sharded models (FSDP2): docs/sharded.md. Details:
+    docs/checks-and-settings.md.
     """
 
     def __init__(
@@ -171,12 +123,7 @@ class WeightFingerprintCheck(c.SDCCallback):
         rolling: int = 1,
     ) -> None:
         super().__init__()
-        config = self._settings(
-            FingerprintConfig, every_n_steps=every_n_steps, include_buffers=include_buffers,
-            include_optimizer_state=include_optimizer_state, on_failure=on_failure, max_heals=max_heals,
-            rolling=rolling,
-        )  # fmt: skip
-        self._core = WeightFingerprint(config)
+        self._core = WeightFingerprint(self._settings(FingerprintConfig, locals()))
         self._update_audit = update_audit(update_audit_every_n_steps)
 
     def _checks(self) -> list[Any]:
@@ -222,50 +169,22 @@ LIGHTNING_ADVICE = (
 )  # the replay's advice for unreplayable steps, in Lightning's terms
 
 
+@c.documented_by(ReplayConfig)
 class RingReplayAudit(c.SDCCallback):
     """Every ``every_n_steps`` steps, a partner rank replays each rank's micro-batches.
 
-    Args:
-        every_n_steps: audit optimizer steps 0, n, 2n, ...
-        exact: ``"auto"`` (default): compare bit for bit where the first audit shows the step
-            replays bit for bit on every rank's own device, else with a tolerance from the
-            measured noise floor (at most ``rtol``); ``True``: bit equality; ``False``: ``rtol``.
-        rtol: tolerance of loss, gradient norms and sums with ``exact=False``; the cap of the
-            calibrated tolerance with ``"auto"`` (default 1e-3).
-        atol: absolute floor of the tolerance denominators (default 1e-6).
-        on_failure: ``"raise"`` (default) or ``"skip_step"``: when the named rank's fault proves
-            transient (it does not reproduce its wrong result), every rank drops the step and
-            training goes on; a persistent fault still raises. ``details["classification"]``
-            says which it was.
-        on_unreplayable: ``"raise"`` (default): a step that cannot be replayed faithfully raises
-            ``ReplayUnavailableError`` naming the likely cause and fix; ``"warn"``: warn once and
-            turn the audit off.
-        max_state_mb: at most this many MiB of state tensors are copied per audited step (default 256).
-        deterministic: ``True`` (default): the audited micro-batches and their replays run with
-            deterministic kernels, so GPU replays compare bit for bit (``sdc_core.ReplayConfig``);
-            ``False`` for steps with custom CUDA/Triton kernels that have no deterministic path.
-
-    The replay runs ``pl_module.sdc_replay_step(batch, batch_idx)`` when defined (it must return
-    the loss, or a dict with ``"loss"``), else ``training_step`` with logging muted, with the
-    owner's RNG and module state (see ``sdc_core.replay.ring.StateCapture``; define
-    ``sdc_replay_state()`` / ``sdc_load_replay_state(state)`` for state it cannot see). It has no
-    side effect on gradients, optimizer, buffers, module attributes, metrics, RNG or loggers.
-    Raises ``ReplayMismatchError`` (a fault) or ``ReplayUnavailableError`` on every rank. A
-    disagreement is first checked against the replicas' weights (``sdc_core.driver.step``): replicas
-    whose weights differ compute differently, and that weight fault is what every rank raises
-    (``FingerprintMismatchError`` naming the tensors). Parameters that do not train at the audit
-    (frozen since ``fit`` started, or by ``toggle_optimizer``) are not compared.
-
-    Manual optimization (``automatic_optimization = False``) needs ``sdc_replay_step``; it
-    returns the loss of the backward passes before the batch's FIRST ``optimizer.step()``, from
-    the RNG state and module state ``training_step`` started with. That first step is what is
-    audited. With several optimizers (a GAN: generator, then discriminator) the later steps of
-    the batch are not replayed: a wrong but finite result in their computation that leaves the
-    replicas equal goes unseen by this check, while ``NonFiniteGradientCheck`` still checks every
-    optimizer's gradients and ``WeightFingerprintCheck`` compares all weights after the batch.
-    ``every_n_steps`` counts optimizer steps (``trainer.global_step``, which manual optimization
-    advances at every ``optimizer.step()``: twice per batch in a GAN); a batch is audited when the
-    step count at its start is a multiple of ``every_n_steps``.
+    The replay runs ``pl_module.sdc_replay_step(batch, batch_idx)`` when defined (it returns the
+    loss, or a dict with ``"loss"``), else ``training_step`` with logging muted, with the owner's
+    RNG and module state (define ``sdc_replay_state()`` / ``sdc_load_replay_state(state)`` for
+    state the capture cannot see); no side effect on gradients, optimizer, buffers, module
+    attributes, metrics, RNG or loggers. Raises ``ReplayMismatchError`` (a fault) or
+    ``ReplayUnavailableError`` on every rank; a disagreement is first checked against the replicas'
+    weights (a weight fault raises ``FingerprintMismatchError``). Parameters frozen at the audit are
+    not compared. Manual optimization needs ``sdc_replay_step``, returning the loss of the backward
+    passes before the batch's first ``optimizer.step()``: only that first step is audited (a GAN's
+    later steps are covered by ``NonFiniteGradientCheck`` and ``WeightFingerprintCheck``), and a
+    batch is audited when ``trainer.global_step`` at its start is a multiple of ``every_n_steps``.
+    Details: docs/checks-and-settings.md, docs/replay-contract.md.
     """
 
     def __init__(
@@ -280,10 +199,7 @@ class RingReplayAudit(c.SDCCallback):
         deterministic: bool = True,
     ) -> None:
         super().__init__()
-        config = self._settings(
-            ReplayConfig, every_n_steps=every_n_steps, exact=exact, rtol=rtol, atol=atol, on_failure=on_failure,
-            on_unreplayable=on_unreplayable, max_state_mb=max_state_mb, deterministic=deterministic,
-        )  # fmt: skip
+        config = self._settings(ReplayConfig, locals())
         self._core = RingReplay(config, advice=LIGHTNING_ADVICE, label="RingReplayAudit")
         self._training_step: Any = None
         self._names: list[str] = []  # the parameters that trained when fit started (DDP)
@@ -303,31 +219,20 @@ class RingReplayAudit(c.SDCCallback):
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_fit_start(trainer, pl_module)
-        if c.is_sharded(trainer):  # FSDP2: every rank replays its partner's batch through the sharded model
-            self._core = ShardedReplay(self._core.config, self._core.stats, self._core.topology,
-                                       advice=self._core.advice, label=self._core.label)
-            self._core.attach(
-                pl_module,
-                exclude=c.lightning_internals(),
-                get_state=getattr(pl_module, "sdc_replay_state", None),
-                load_state=getattr(pl_module, "sdc_load_replay_state", None),
-            )
-            self._wrap_training_step(pl_module)
-        elif c.is_ddp(trainer):
-            names = [n for n, p in pl_module.named_parameters() if p.requires_grad]
-            self._core.attach(c.gradient_tap(trainer, pl_module), names)
-            self._names = names
-            self._core.capture = StateCapture(
-                pl_module,
-                names,
-                exclude=c.lightning_internals(),
-                get_state=getattr(pl_module, "sdc_replay_state", None),
-                load_state=getattr(pl_module, "sdc_load_replay_state", None),
-                max_state_mb=self._core.config.max_state_mb,
-            )
-            self._wrap_training_step(pl_module)
-        else:
+        if not (c.is_sharded(trainer) or c.is_ddp(trainer)):
             c.warn_inactive(type(self).__name__, "a single process has no partner to replay its batches")
+            return
+        state = {"exclude": c.lightning_internals(), "get_state": getattr(pl_module, "sdc_replay_state", None),
+                 "load_state": getattr(pl_module, "sdc_load_replay_state", None)}  # fmt: skip
+        core = self._core
+        if c.is_sharded(trainer):  # FSDP2: every rank replays its partner's batch through the sharded model
+            self._core = ShardedReplay(core.config, core.stats, core.topology, advice=core.advice, label=core.label)
+            self._core.attach(pl_module, **state)
+        else:
+            self._names = [n for n, p in pl_module.named_parameters() if p.requires_grad]
+            core.attach(c.gradient_tap(trainer, pl_module), self._names)
+            core.capture = StateCapture(pl_module, self._names, max_state_mb=core.config.max_state_mb, **state)
+        self._wrap_training_step(pl_module)
 
     def _wrap_training_step(self, pl_module: pl.LightningModule) -> None:
         """Capture state where the step really starts (after the module's own batch-start hooks)."""
@@ -420,28 +325,17 @@ class FaultInjector(Callback):
         self._handles = []
 
 
+@c.documented_by(MatmulChecksumConfig)
 class MatmulChecksumCheck(c.SDCCallback):
     """Verify every matrix product of each rank against a checksum, forward and backward, and
     raise ``ChecksumMismatchError`` on every rank naming the rank, host, module and phase of a
     product that came out wrong (a faulty multiply-accumulate), in the step it happened.
 
-    Args:
-        on_failure: ``"raise"`` (default) or ``"warn"``.
-        every_n_steps: check optimizer steps 0, n, 2n, ... (cost and catch rate both scale 1/n).
-        safety: factor on the worst-case rounding bound (>= 1; default 2).
-        block: outputs (forward) and inputs (backward) per checksum (default 32; 0: whole rows,
-            cheaper, but the errors they see grow with the width).
-        attention: also check ``nn.MultiheadAttention``'s in- and out-projections.
-        max_names: violations reported per rank.
-
-    Covers ``nn.Linear`` layers and ``nn.MultiheadAttention`` projections of the LightningModule
-    (``sdc_core.checks.matmul`` says what is not covered, and which errors are seen: docs/coverage.md).
-    Cost: memory-bound reads and thin products per product (docs/performance.md: a sizeable share
-    of a CPU step at width 256, falling as 1/width; ``every_n_steps`` divides it)
-    and one asynchronous 4-byte all-reduce per step; the verdict of step s is read when step s + 1
-    starts (before its forward, so before the other checks read theirs), before a checkpoint is
-    written and at the end of training. Training stays bit-identical: the check only reads. Off
-    unless added.
+    Covers ``nn.Linear`` layers and ``nn.MultiheadAttention`` projections (``sdc_core.checks.matmul``
+    says what is not covered: docs/coverage.md). Cost: memory-bound reads and thin products per
+    product (docs/performance.md; ``every_n_steps`` divides it) and one asynchronous 4-byte
+    all-reduce per step; the verdict of step s is read when step s + 1 starts, before a checkpoint
+    is written and at the end of training. Training stays bit-identical: the check only reads.
     """
 
     def __init__(
@@ -453,14 +347,8 @@ class MatmulChecksumCheck(c.SDCCallback):
         attention: bool = True,
         max_names: int = 5,
     ) -> None:
-        from sdc_core.checks.matmul import MatmulChecksum, MatmulChecksumConfig  # here: this class's hunk stays apart
-
         super().__init__()
-        config = self._settings(
-            MatmulChecksumConfig, on_failure=on_failure, every_n_steps=every_n_steps, safety=safety, block=block,
-            attention=attention, max_names=max_names,
-        )  # fmt: skip
-        self._core = MatmulChecksum(config)
+        self._core = MatmulChecksum(self._settings(MatmulChecksumConfig, locals()))
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_fit_start(trainer, pl_module)

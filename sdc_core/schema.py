@@ -32,11 +32,12 @@ def describe(f: dataclasses.Field[Any]) -> str:
     return f"{doc}. {more}" if more else f"{doc}."
 
 
-def documented(cls: T) -> T:
-    """Append an ``Args:`` section made of the settings' docs to ``cls.__doc__`` (one source)."""
+def documented(cls: T, settings: dict[str, dataclasses.Field[Any]] | None = None) -> T:
+    """Append an ``Args:`` section made of the settings' docs to ``cls.__doc__`` (one source):
+    ``cls``'s own settings, or ``settings`` (argument name -> the setting that documents it)."""
     lines = [
         textwrap.fill(f"{name}: {describe(f)}", width=96, initial_indent=" " * 8, subsequent_indent=" " * 12)
-        for name, f in settings_of(cls).items()
+        for name, f in (settings_of(cls) if settings is None else settings).items()
     ]
     cls.__doc__ = (cls.__doc__ or "").rstrip() + "\n\n    Args:\n" + "\n".join(lines) + "\n"
     return cls

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import warnings
 from pathlib import Path
 
@@ -15,12 +17,15 @@ from lightning.pytorch.strategies import FSDPStrategy
 from lightning_sdc import (
     Fault,
     FaultInjector,
+    MatmulChecksumCheck,
     NonFiniteGradientCheck,
     NonFiniteGradientError,
     RingReplayAudit,
     SDCError,
     WeightFingerprintCheck,
 )
+from sdc_core.driver.settings import SDCSettings
+from sdc_core.schema import describe, settings_of
 
 
 def trainer(tmp_path: Path, callbacks: list, steps: int = 4, **kw) -> L.Trainer:
@@ -161,3 +166,21 @@ trainer:
     assert by_type["RingReplayAudit"]._core.config.exact is True
     assert by_type["WeightFingerprintCheck"]._core.config.every_n_steps == 7
     assert by_type["WeightFingerprintCheck"]._core.config.include_optimizer_state is True
+
+
+@pytest.mark.parametrize("callback", [NonFiniteGradientCheck, RingReplayAudit, WeightFingerprintCheck,
+                                      MatmulChecksumCheck], ids=lambda c: c.__name__)  # fmt: skip
+def test_lightning_cli_help_shows_each_argument_doc_from_the_schema(
+    callback: type, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The callbacks' ``Args:`` are built from the settings schema at import: jsonargparse reads them
+    (docstring-parser) and ``--help`` shows each argument's doc, whitespace aside (argparse wraps)."""
+    with pytest.raises(SystemExit):
+        LightningCLI(Net, run=False, args=["--trainer.callbacks.help", f"lightning_sdc.{callback.__name__}"])
+    text = "".join(capsys.readouterr().out.split())
+    own = {f.name: f for f in dataclasses.fields(SDCSettings)}  # the arguments that are no config setting
+    docs = {**own, "screen": own["gradient_screen"], **settings_of(type(callback()._core.config))}
+    params = list(inspect.signature(callback.__init__).parameters)[1:]
+    for name in params:
+        assert f"--trainer.callbacks.{name}" in text, name
+        assert "".join(describe(docs[name]).split()) in text, name

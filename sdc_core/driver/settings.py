@@ -41,14 +41,15 @@ class SDCConfigError(ValueError):
     """A setting has a bad value; the message names the key and its source."""
 
 
-def _from(config: type, name: str, *, default: Any = dataclasses.MISSING, doc: str = "") -> Any:
+def _from(config: type, name: str, *, default: Any = dataclasses.MISSING, doc: str = "", more: str = "") -> Any:
     """An ``SDCSettings`` field that IS setting ``name`` of ``config``: the config's default and doc
-    (``default`` and ``doc`` for the few that differ: a cadence of 0 that turns a check off)."""
+    (``default``, ``doc`` and ``more`` for the few that differ: a cadence of 0 that turns a check off)."""
     f = settings_of(config)[name]
     return dataclasses.field(
         default=f.default if default is dataclasses.MISSING else default,
-        metadata={**f.metadata, "doc": doc or f.metadata["doc"], "config": config, "field": name},
-    )
+        metadata={**f.metadata, "doc": doc or f.metadata["doc"], "more": more or f.metadata.get("more", ""),
+                  "config": config, "field": name},
+    )  # fmt: skip
 
 
 def _own(default: Any, doc: str) -> Any:
@@ -103,6 +104,8 @@ class SDCSettings:
     update_audit_every_n_steps: int = _from(
         UpdateAudit, "every_n_steps", default=0,
         doc="FSDP2: a partner recomputes each rank's optimizer update every n steps (0: off)",
+        more="Sharded models (``ModelParallelStrategy``, ``fully_shard``) only: it costs a copy and a transfer of "
+        "the shard, its gradient and optimizer state, and one extra optimizer step.",
     )  # fmt: skip
     gradient_screen: bool = _own(
         True, "each step, compare the ranks' local-gradient peaks; a partner's replay confirms a hit before "
