@@ -161,7 +161,8 @@ class SDCHooks:
             shutdown.arm()
             topo = Topology.gather(local_rank=fw.local_rank)
             self._handles += self._cores.attach_sharded(model, optimizer, self._capture, self.settings.update_audit,
-                                                        topo)  # fmt: skip
+                                                        topo, self.settings.screen)  # fmt: skip
+            self._driver.prepare()  # with a screen, the sharded replay keeps every step's micro-batches
             # shards are compared before a save; the saved state (DTensor shards) carries no fingerprint
             self._hooked(model, optimizer, lambda *_: self.before_save())
             return self

@@ -7,8 +7,8 @@ the matrix-product checksums), then attached once a model is known:
   non-finite check (and through it the every-step screen) and the replay with each rank's LOCAL
   gradients; the replay captures state through ``StateCapture`` and records the loop's forwards;
 * a ``fully_shard`` model (``attach_sharded``): the sharded cores take the place of the DDP ones
-  (the non-finite check in the reduce-scatter, the sharded replay and fingerprint, the optional
-  update audit); the matrix-product checksums do not cover DTensor weights and are dropped;
+  (the non-finite check in the reduce-scatter, and through it the screen, the sharded replay and
+  fingerprint, the optional update audit); the matrix-product checksums do not cover DTensor weights and are dropped;
 * one process (``single_process``): the replay and the fingerprint have no replica to compare with.
 
 ``detach`` takes the tap's consumers back. None of this communicates (the topology is gathered by
@@ -108,9 +108,12 @@ class LoopChecks:
         return handles
 
     def attach_sharded(self, model: nn.Module, optimizer: Any, capture: LoopCapture,
-                       update_audit: Callable[[], Any], topo: Topology) -> list[Any]:  # fmt: skip
+                       update_audit: Callable[[], Any], topo: Topology,
+                       screen: Callable[[], ScreenConfig | None] = lambda: None) -> list[Any]:  # fmt: skip
         """A ``fully_shard`` model (FSDP2, HSDP): the non-finite check reads each rank's local
-        gradients in the reduce-scatter, the fingerprint compares shards within their replica groups
+        gradients in the reduce-scatter (and, when ``screen()`` gives its config, the screen's
+        magnitudes per run of FSDP parameter groups from the same read; not under tensor
+        parallelism), the fingerprint compares shards within their replica groups
         and re-checks unreplicated shards before each training forward, the ring replay has every
         rank replay its partner's recorded inputs through the sharded model together; when
         ``update_audit()`` gives the update audit, a partner recomputes each rank's update. Returns
@@ -128,6 +131,7 @@ class LoopChecks:
         if self.nonfinite is not None:
             self.nonfinite = ShardedNonFinite(self.nonfinite.config, self.nonfinite.stats, topo)
             self.nonfinite.attach(model)
+            self.screen = sharded_screen(self.nonfinite, self.replay, screen(), topo)
         if self.fingerprint is not None:
             fingerprint = self.fingerprint = ShardedFingerprint(self.fingerprint.config, self.fingerprint.stats, topo)
 
@@ -167,6 +171,19 @@ class LoopChecks:
         self._consumers = []
 
 
+def sharded_screen(nonfinite: ShardedNonFinite, replay: Any, config: ScreenConfig | None,
+                   topo: Topology) -> GradientScreen | None:  # fmt: skip
+    """The every-step screen of a sharded model, reading ``nonfinite``'s magnitudes (every rank
+    alike: one blocking all_reduce agrees on the width), or None: no config, no tapped FSDP
+    parameter group, or tensor parallelism (``replay.groups``; a layout the screen is not made
+    for). Decided from what every rank has alike (the model's layout)."""
+    if config is None or not nonfinite.taps or (replay is not None and replay.groups is not None):
+        return None
+    screen = GradientScreen(config, topo)
+    screen.attach(nonfinite)
+    return screen
+
+
 class _Call:
     """Handle whose ``remove`` calls ``fn``."""
 
@@ -177,4 +194,4 @@ class _Call:
         self.fn()
 
 
-__all__ = ["LOOP_ADVICE", "LoopChecks"]
+__all__ = ["LOOP_ADVICE", "LoopChecks", "sharded_screen"]

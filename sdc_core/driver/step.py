@@ -150,8 +150,8 @@ class StepDriver:
         self._delivery = Delivery(seam)
 
     def prepare(self) -> None:
-        """Once the checks are in place (every rank alike): with a screen, the DDP replay keeps every
-        step's micro-batches, so that a partner can confirm a hit in its step."""
+        """Once the checks are in place (every rank alike): with a screen, the replay (DDP or
+        sharded) keeps every step's micro-batches, so that a partner can confirm a hit in its step."""
         screening = bool(self.screens)
         for replay in self.replays:
             if isinstance(replay, RingReplay):
@@ -171,9 +171,10 @@ class StepDriver:
         return [c for c in self._checks() if isinstance(c, matmul.MatmulChecksum)] if matmul is not None else []
 
     @property
-    def _magnitudes(self) -> NonFiniteGradient | None:
-        """The gradient check whose read gives the screen its magnitudes (``want_magnitudes``)."""
-        return next((nf for nf in self.nonfinite if isinstance(nf, NonFiniteGradient) and nf.magnitude_groups), None)
+    def _magnitudes(self) -> NonFiniteGradient | ShardedNonFinite | None:
+        """The gradient check whose read gives the screen its magnitudes (``want_magnitudes``): the
+        DDP one, or the sharded one (per run of FSDP parameter groups)."""
+        return next((nf for nf in self.nonfinite if nf.magnitude_groups), None)
 
     # -- delivery -----------------------------------------------------------------------------
 
@@ -314,8 +315,9 @@ class StepDriver:
     def _screen(self, screen: Any, step: StepContext, skipped: bool) -> bool:
         """This step's screen verdict (read now: its confirmation needs the weights the step
         computed with; one host wait on a small all_gather started right after backward). A band
-        hit is escalated to a partner's recomputation (``replay.confirm.confirm_hits``) by the DDP
-        replay keeping every step's micro-batches; only a confirmed hit is a verdict, checked
+        hit is escalated to a partner's recomputation (``replay.confirm.confirm_hits``) by the replay
+        keeping every step's micro-batches (sharded: every rank re-runs its partner's, together);
+        only a confirmed hit is a verdict, checked
         against the replicas' weights first as the replay's own. Without such a replay, or on a
         step already dropped or audited anyway, hits are only counted. True: drop the step."""
         result = screen.suspects(step.index)

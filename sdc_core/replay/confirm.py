@@ -8,7 +8,10 @@ step, before the update, on the weights the step computed with:
 1. every flagged rank ``r`` sends the micro-batches it kept for the step (``RingReplay.keep_every_step``:
    references, RNG and the captured state) to its ring partner ``p`` (one ``exchange``);
 2. ``p`` recomputes them side-effect free and takes the same statistic (per group the log2 of the
-   largest gradient magnitude); every rank gathers the recomputed rows (one ``all_gather``);
+   largest gradient magnitude); every rank gathers the recomputed rows (one ``all_gather``).
+   Where a re-run runs collectives (``replay.lockstep``: the sharded replay, FSDP's all-gathers)
+   every rank sends its kept micro-batches to its partner and every rank re-runs its owner's,
+   together, after one small all_reduce agreed that every rank can (``_agree``); else none does;
 3. every rank decides alike, per flagged rank:
    * the partner reproduced ``r``'s values within ``REPRODUCED`` log2 units: the batch really
      gives such gradients (a genuine spike): cleared, counted (``screen_cleared``), no verdict;
@@ -24,7 +27,8 @@ with ``on_failure="skip_step"`` the first confirmed hit of a rank drops the step
 threshold: a nondeterministic reduction changes a peak by a relative 1e-6, ``REPRODUCED`` is a
 factor of 2, while a flag means a value at least ``min_band`` (2^5) above the ranks' median.
 Cost: nothing on a step without a flag; on a flagged step, the transfer of the suspects'
-micro-batches, one forward and backward per suspect on its partner, and two small collectives.
+micro-batches, one forward and backward per suspect on its partner, and two small collectives
+(lockstep: every rank's micro-batches travel and every rank re-runs them, three collectives).
 """
 
 from __future__ import annotations
@@ -70,10 +74,11 @@ def confirm_hits(
         return None
     me = topo.rank
     replay.stats.bump("screen_escalations")
-    sends = {partners[me]: kept} if me in hits else {}
     owner = inverse[me]
+    lockstep = bool(getattr(replay, "lockstep", False))  # a re-run is a collective (sharded): every rank re-runs
+    sends = {partners[me]: kept} if me in hits or lockstep else {}
     try:
-        received = replay.exchange_batches(sends, [owner] if owner in hits else [])
+        received = replay.exchange_batches(sends, [owner] if owner in hits or lockstep else [])
     except PayloadError:  # raised on every rank together: a peer sent what is refused; no witness, no verdict
         replay.stats.bump("screen_unconfirmed", len(hits))
         return None
@@ -81,6 +86,8 @@ def confirm_hits(
     mine = torch.full((width + 1,), float("nan"), dtype=torch.float64)  # the groups' peaks, the loss (log2)
     note = ""
     batches = received.get(owner)
+    if lockstep:
+        batches, note = _agree(replay, batches)
     if isinstance(batches, list) and batches:
         try:
             mine = _recomputed_peaks(replay, module, batches, step_fn, to_device, group_of, context, width)
@@ -135,6 +142,25 @@ def _recomputed_peaks(
     last = log2_peaks_by_group([(loss.abs(), torch.zeros(1, dtype=torch.long))], 1)
     groups = log2_peaks_by_group(pairs, width) if pairs else torch.full((width,), float("nan"), device=last.device)
     return torch.cat([groups, last.to(groups.device)]).double().cpu()
+
+
+def _agree(replay: Any, batches: Any) -> tuple[Any, str]:
+    """Lockstep re-runs (``replay.lockstep``: each re-run runs collectives, FSDP's all-gathers):
+    every rank re-runs its owner's micro-batches, or none does. One small all_reduce (every rank
+    alike) agrees on the count and on every rank being able (``replay.screen_ready``); returns
+    ``(batches, "")`` to re-run, or ``(None, why)``."""
+    ready = getattr(replay, "screen_ready", None)
+    if not isinstance(batches, list):
+        why = batches if isinstance(batches, str) else "no micro-batches received"
+    else:
+        why = ready(batches) if ready is not None else ""
+    n = len(batches) if isinstance(batches, list) and not why else 0
+    flags = torch.tensor([n, -n], dtype=torch.float64, device=collective_device())
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    most, fewest = int(flags[0]), -int(flags[1])
+    if fewest == most and most > 0:
+        return batches, ""
+    return None, why or "another rank could not re-run its partner's micro-batches"
 
 
 def _gather(row: torch.Tensor) -> torch.Tensor:

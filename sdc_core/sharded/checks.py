@@ -34,6 +34,7 @@ from torch import nn
 from sdc_core.checks.digest import combine, grouped_digests, home_device
 from sdc_core.checks.fingerprint import FingerprintConfig, fingerprinted_tensors, vote
 from sdc_core.checks.gradients import NonFiniteVerdicts
+from sdc_core.checks.reductions import log2_peaks_by_group
 from sdc_core.dist.topology import HostRead, Topology, all_gather_objects, collective_device, is_distributed
 from sdc_core.errors import FingerprintMismatchError
 from sdc_core.sharded.replicas import ReplicaGroup, plan_groups, settle_groups
@@ -102,6 +103,11 @@ class ShardedNonFinite(NonFiniteVerdicts):
     _pending: _PendingVerdict | None = None
     in_band: bool = False  # the flags also travel inside the reduce-scatter (and reduced shards are read)
     _device: torch.device | None = None  # where the 4-byte flag all-reduce runs (alike on every rank)
+    magnitude_groups: int = 0  # opt-in (``want_magnitudes``): groups of FSDP parameter groups
+    _group_of_tap: dict[int, int] = field(default_factory=dict)  # id(tap) -> its group
+    _group_names: dict[str, int] = field(default_factory=dict)  # parameter name -> its group
+    _peaks_seen: list[tuple[torch.Tensor, int]] = field(default_factory=list)  # (lo, hi) per read, its group
+    _group_index: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = field(default_factory=dict)
 
     def attach(self, module: nn.Module) -> None:
         """Tap every FSDP parameter group. When the groups' FSDP meshes span the whole world (FSDP,
@@ -124,10 +130,63 @@ class ShardedNonFinite(NonFiniteVerdicts):
         gradients in this group are not finite (chunk k of the input, at ``k * numel / group``,
         is rank k's: FSDP pads each parameter to equal chunks)."""
         lo, hi = torch.aminmax(flat)  # NaN propagates
-        self._seen.append((torch.stack([lo, hi]).double(), names))
+        mm = torch.stack([lo, hi]).double()
+        self._seen.append((mm, names))
+        if self.magnitude_groups:  # the screen's peak comes from the same read: max(|lo|, |hi|)
+            self._peaks_seen.append((mm, self._group_of_tap.get(id(tap), 0)))
         if self.in_band and tap.group_size > 1 and flat.numel() % tap.group_size == 0:
             z = (hi - hi) + (lo - lo)  # +0.0, or NaN when lo or hi is NaN or infinite
             flat.view(tap.group_size, -1)[:, 0].sub_(z)
+
+    @property
+    def tap(self) -> _GroupLabels | None:
+        """What ``GradientScreen.attach`` reads to name its groups: the FSDP parameter groups (the
+        taps, in model order) as its "parameters", each labelled by its first parameter's name."""
+        if not self.taps:
+            return None
+        return _GroupLabels(list(self.taps), {id(t): _label(t.names) for t in self.taps})
+
+    def want_magnitudes(self, groups: int) -> int:
+        """Opt in to the local-gradient magnitudes of the every-step screen (``NonFiniteGradient.
+        want_magnitudes``' contract; call after ``attach``, on every rank alike). A group is a run
+        of FSDP parameter groups: the taps in model order cut into ``k = min(groups, taps)``
+        contiguous runs (the same on every rank). Value ``j`` of ``take_magnitudes`` is the log2 of
+        the largest magnitude of any LOCAL unsharded gradient element of group ``j``, over every
+        reduce-scatter of the step (one per micro-batch where FSDP reduces each), taken from the
+        ``aminmax`` the check reads anyway (padding is zero: it changes no peak). Cost: two small
+        ops per step (one ``cat``, one ``abs``); no host synchronisation. Returns ``k`` (0 when no
+        parameter group is tapped)."""
+        if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1:
+            raise ValueError(f"groups must be an integer >= 1, got {groups!r}")
+        n = len(self.taps)
+        k = min(groups, n)
+        self.magnitude_groups = k
+        self._group_of_tap = {id(t): i * k // n for i, t in enumerate(self.taps)}
+        self._group_names = {name: i * k // n for i, t in enumerate(self.taps) for name in t.names}
+        self._peaks_seen, self._group_index = [], {}
+        return k
+
+    def magnitude_group(self, name: str) -> int | None:
+        """The group (``want_magnitudes``) of the parameter named ``name``, or None. A sharded
+        replay hands each recomputed FSDP parameter group's flat gradient under its first name."""
+        return self._group_names.get(name)
+
+    def take_magnitudes(self) -> torch.Tensor | None:
+        """The magnitudes of the reduce-scatters read since the last call, then forgotten: 1-d
+        float32 (``NonFiniteGradient.take_magnitudes``' layout: NaN for a group without a read or
+        with zero gradients only, +Inf for one holding NaN or Inf); None when nothing was read.
+        No host synchronisation (on the CPU the values are read in Python: that waits for nothing)."""
+        seen, self._peaks_seen = self._peaks_seen, []
+        if not seen or not self.magnitude_groups:
+            return None
+        values = torch.cat([mm for mm, _ in seen]).abs()
+        key = (tuple(g for _, g in seen), values.device)
+        index = self._group_index.get(key)
+        if index is None:
+            index = torch.tensor([g for _, g in seen for _ in range(2)], device=values.device)
+            if len(self._group_index) < 64:
+                self._group_index[key] = index
+        return log2_peaks_by_group([(values, index)], self.magnitude_groups)
 
     def _consume_output(self, reduce_output: torch.Tensor) -> None:
         self._outputs.append(reduce_output.view(-1)[:1].clone())  # on the post-reduce stream: no host sync
@@ -170,7 +229,7 @@ class ShardedNonFinite(NonFiniteVerdicts):
 
     def discard(self) -> int | None:
         """Drop the pending verdict without a collective (training stops on another error)."""
-        self._pending, self._seen, self._outputs = None, [], []  # its all-reduce completes in the background
+        self._pending, self._seen, self._outputs, self._peaks_seen = None, [], [], []  # its all-reduce completes
         return None
 
     def _decide(self, params: list[tuple[str, nn.Parameter]]) -> bool:
@@ -205,6 +264,21 @@ class ShardedNonFinite(NonFiniteVerdicts):
             extra["formed_in_reduction"] = {r: names[: self.config.max_names] for r, (_, names) in enumerate(gathered)
                                             if names}  # fmt: skip
         return self._failure(step, per_rank, scaler_active, t0, params, extra)
+
+
+@dataclass(frozen=True)
+class _GroupLabels:
+    """``ShardedNonFinite.tap``: the FSDP parameter groups and their labels, as the screen reads a tap."""
+
+    params: list[Any]
+    names: dict[int, str]
+
+
+def _label(names: list[str]) -> str:
+    """An FSDP parameter group's label: its first parameter's name, and how many follow."""
+    if not names:
+        return "?"
+    return names[0] if len(names) == 1 else f"{names[0]} (+{len(names) - 1})"
 
 
 # -- weight fingerprint by replica group, and at rest without replicas ------------------------------

@@ -47,6 +47,7 @@ digests cover their sum and the comparison fails (``ReplayUnavailableError``).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -129,6 +130,10 @@ class ShardedReplay(RingReplay):
     _replayed: list[tuple[Row, str]] = field(default_factory=list)
     _frozen: list[torch.Tensor] = field(default_factory=list)  # sharded parameters that do not train
     _frozen_at: dict[int, list[torch.Tensor] | None] = field(default_factory=dict)  # per own micro-batch
+    _on_replay: Callable[[torch.Tensor, list[str]], None] | None = None  # the screen's recompute: each flat
+    _calls_step: int | None = None  # the step whose own reduce-scatters ``_calls`` counts, per tap
+    _calls: list[int] = field(default_factory=list)
+    _kept_versions: list[int] | None = None  # the frozen shards' versions when the kept step began
 
     def attach(  # type: ignore[override]
         self,
@@ -147,8 +152,10 @@ class ShardedReplay(RingReplay):
         world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
         self.groups = tensor_parallel_groups(module, world)
         self.taps = fsdp_taps(module)
-        for tap in self.taps:
+        self._calls = [0] * len(self.taps)
+        for i, tap in enumerate(self.taps):
             tap.consumers.append(self._consume_shard)
+            tap.consumers.append(lambda flat, names, i=i: self._count(i))
             tap.replay_consumers.append(self._consume_replay)
         # every parameter counts as trained: sharded ones are the replayer's own shards, all-gathered
         # (replicated by definition), so only buffers and attributes travel
@@ -163,6 +170,8 @@ class ShardedReplay(RingReplay):
         the replayer's own copy taken at its micro-batch ``i`` (equal on every rank when the step
         changes them alike). Past the budget they are read live and guarded against change."""
         super().begin(device)
+        if self.keeping and len(self.kept.batches) == 1 and not self.replaying:  # a kept step's first micro-batch
+            self._kept_versions = [local(p)._version for p in self._frozen]
         if self._armed_step is None or not self._micro or self.replaying or not self._frozen:
             return
         index = len(self._micro) - 1
@@ -183,8 +192,61 @@ class ShardedReplay(RingReplay):
         self._local[str(len(self._local))] = digest_row(flat)
         self._labels.append(_label(names))
 
+    def arm(self, step: int) -> bool:
+        """As ``RingReplay.arm``; also starts counting the step's own reduce-scatters per tap."""
+        if step != self._calls_step and not self.replaying:
+            self._calls_step, self._calls = step, [0] * len(self.taps)
+        return super().arm(step)
+
+    def _count(self, i: int) -> None:
+        self._calls[i] += 1
+
     def _consume_replay(self, flat: torch.Tensor, names: list[str]) -> None:
+        if self._on_replay is not None:
+            self._on_replay(flat, names)
+            return
         self._replayed.append((digest_row(flat), _label(names)))
+
+    def screen_ready(self, batches: list[MicroBatch]) -> str:
+        """Why this rank cannot recompute ``batches`` (a kept step's micro-batches, its partner's
+        or its own) as the screen's confirmation needs, or ``""`` when it can. Host state only; the
+        caller agrees on the answer with every rank before anyone replays (``lockstep``).
+        Refused: no micro-batches; this step's own reduce-scatters did not run once per
+        micro-batch (``set_requires_gradient_sync(False)`` on accumulation micro-batches: the
+        owner's peaks are of their sum, a re-run's of each); frozen sharded parameters changed
+        in place since the step began (a re-run would read other values than the owner's)."""
+        if not batches:
+            return "no micro-batches kept"
+        if self.taps and max(self._calls, default=0) != len(batches):
+            return (f"the reduce-scatters ran {max(self._calls, default=0)} times for {len(batches)} micro-batches "
+                    "(gradient sync off on accumulation micro-batches)")  # fmt: skip
+        if self._frozen and self._kept_versions != [local(p)._version for p in self._frozen]:
+            return "frozen sharded parameters changed in place during the step"
+        return ""
+
+    def recompute(  # type: ignore[override]
+        self,
+        module: nn.Module,
+        batches: list[MicroBatch],
+        step_fn: StepFn,
+        consume: Callable[[str, torch.Tensor], None],
+        to_device: Callable[[Any], Any],
+        context: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
+    ) -> torch.Tensor:
+        """Recompute ``batches`` through the sharded model (a collective: every rank, each its own
+        batches, ``lockstep``), handing each FSDP parameter group's flat LOCAL unsharded gradient
+        (padding zero) of each micro-batch to ``consume(first parameter name, flat)`` inside its
+        suppressed reduce-scatter; no side effect. Frozen sharded parameters are read live
+        (``screen_ready`` refuses a step that changed them). Returns the summed loss (float64)."""
+
+        def each(flat: torch.Tensor, names: list[str]) -> None:
+            consume(names[0] if names else "?", flat)
+
+        self._on_replay = each
+        try:
+            return self._rerun(module, batches, step_fn, to_device, context, copies=False)
+        finally:
+            self._on_replay = None
 
     def _named(self, labels: list[str]) -> None:
         if len(labels) > len(self.names):  # the labels "where" reports (the same on every rank: SPMD)
@@ -205,6 +267,25 @@ class ShardedReplay(RingReplay):
     ) -> Digest:
         """Forward and backward of ``batches`` through the sharded model with each owner's RNG and
         state in place, the reduce-scatters suppressed; no side effect (collective: every rank)."""
+        self._replayed = []
+        loss_total = self._rerun(module, batches, step_fn, to_device, context)
+        replayed, self._replayed = self._replayed, []
+        self._named([label for _, label in replayed])
+        keys = [str(i) for i in range(len(replayed))]
+        return assemble(keys, {k: row for k, (row, _) in zip(keys, replayed, strict=True)}, loss_total)
+
+    def _rerun(
+        self,
+        module: nn.Module,
+        batches: list[MicroBatch],
+        step_fn: StepFn,
+        to_device: Callable[[Any], Any],
+        context: Callable[[], AbstractContextManager[Any]],
+        copies: bool = True,
+    ) -> torch.Tensor:
+        """The replays of ``batches`` (``_replay_digest``'s loop; the taps' replay consumers see each
+        flat gradient); ``copies``: frozen shards from the owner's micro-batch copies (an audited
+        step), else read live. Returns the summed loss, float64 on the device."""
         params = list(module.parameters())
         grads = [p.grad for p in params]
         device = next((p.device for p in params), torch.device("cpu"))
@@ -212,11 +293,11 @@ class ShardedReplay(RingReplay):
         saved_rng = all_rng(device)
         loss_total = torch.zeros((), dtype=torch.float64, device=device)
         frozen = [local(p) for p in self._frozen]
-        copies = [self._frozen_at.get(i) for i in range(len(batches))] if frozen else []
+        copies = [self._frozen_at.get(i) for i in range(len(batches))] if frozen and copies else []
         copies = copies if all(c is not None for c in copies) else []  # past the budget: read live, guarded
         versions = [t._version for t in frozen]
         saved = [t.detach().clone() for t in frozen] if copies else []
-        self._replayed, self.replaying = [], True
+        self.replaying = True
         for tap in self.taps:
             tap.replaying = True
         try:
@@ -251,10 +332,7 @@ class ShardedReplay(RingReplay):
                 f"in place, which the capture could not copy (over max_state_mb={self.config.max_state_mb:g}): "
                 "raise max_state_mb"
             )
-        replayed, self._replayed = self._replayed, []
-        self._named([label for _, label in replayed])
-        keys = [str(i) for i in range(len(replayed))]
-        return assemble(keys, {k: row for k, (row, _) in zip(keys, replayed, strict=True)}, loss_total)
+        return loss_total
 
 
 def _label(names: list[str]) -> str:

@@ -1,0 +1,119 @@
+"""The every-step screen on FSDP2 (``fully_shard``) at the hook set's defaults: run with torchrun, 3 ranks.
+
+A small MLP, each layer and the root ``fully_shard`` (three FSDP parameter groups), trains in a
+plain loop with ``SDCHooks()`` at its defaults (the replay audits one step in 100: step 0 only).
+Scenarios:
+
+* ``fault``: on rank 1 at step ``AT`` (not audited) the largest element of the gradient flowing back
+  into the second layer's output (before its ReLU) is multiplied by 2^30 (a wrong backward, transient: once): the screen
+  flags rank 1, its partner's recomputation stays in band, every rank raises
+  ``ReplayMismatchError`` naming rank 1 at step ``AT``, before its update.
+* ``clean``: the same run without a fault: no verdict, no confirmed hit.
+* ``spike``: rank 2's batch of step ``AT`` is a genuine spike (the hidden features before the head
+  scaled by 10^4 on any rank that computes that batch): flagged, reproduced by the partner,
+  cleared; training goes on to the end without a verdict.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from scenario_runner import parse, run_each
+from torch import nn
+
+from sdc_core import SDCError, SDCHooks
+from sdc_core.sharded.checks import local
+
+STEPS, AT = 16, 12
+FAULT = {"armed": False}  # the next forward's backward multiplies one gradient element by 2^30
+
+
+class Net(nn.Module):
+    """Two hidden layers and a head; ``FAULT`` (set by the loop) corrupts one backward once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l0, self.l1, self.head = nn.Linear(16, 64), nn.Linear(64, 64), nn.Linear(64, 1)
+        self.scale = 1.0  # a genuine spike: the features before the head scaled on the spiky batch (the
+        # replay's state capture carries it to the partner: the batch really gives such gradients)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        z = self.l1(torch.relu(self.l0(x)))
+        if FAULT["armed"]:  # a module-level flag, not state of the model: the partner's re-run does not see it
+            FAULT["armed"] = False  # transient: this rank's own re-run of its owner's batch computes right
+            z.register_hook(_wrong)
+        h = torch.relu(z)
+        return nn.functional.mse_loss(self.head(h * self.scale).squeeze(-1), y)
+
+
+def _wrong(g: torch.Tensor) -> torch.Tensor:
+    """The gradient with its largest element multiplied by 2^30 (one exponent bit's worth)."""
+    g = g.clone()
+    flat = g.view(-1)
+    i = int(flat.abs().argmax())
+    flat[i] = flat[i] * 2.0**30
+    return g
+
+
+def batch(rank: int, step: int, spike: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    x = torch.randn(8, 16, generator=g)
+    if spike:
+        x = x.abs() + 1.0  # the spiky batch: positive features, so the scaled ones do not vanish in the ReLU
+    return x, torch.randn(8, generator=g)
+
+
+def train(out: Path, name: str) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    net = Net()
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in (net.l0, net.l1, net.head):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(net, mesh=mesh)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hooks = SDCHooks(run_dir=out / name).attach(net, opt)
+    result: dict[str, Any] = {"steps": 0, "groups": hooks.screen.names if hooks.screen is not None else None}
+    try:
+        for step in range(STEPS):
+            spiky = name == "spike" and rank == 2 and step == AT
+            net.scale = 1e4 if spiky else 1.0
+            FAULT["armed"] = name == "fault" and rank == 1 and step == AT
+            x, y = batch(rank, step, spiky)
+            net(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+            result["steps"] = step + 1
+        hooks.finish()
+    except SDCError as err:
+        result["error"] = err.to_dict()
+    result["replay"] = hooks.replay.stats.state_dict() if hooks.replay is not None else None
+    result["screen"] = hooks.screen.stats.state_dict() if hooks.screen is not None else None
+    result["nonfinite"] = hooks.nonfinite.stats.state_dict() if hooks.nonfinite is not None else None
+    result["shards"] = [local(p).detach().double().sum().item() for p in net.parameters()]
+    hooks.detach()
+    return result
+
+
+def main() -> None:
+    args = parse("fault,clean,spike")
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    try:
+        run_each(args.only, lambda name: train(args.out, name), args.out, int(os.environ["RANK"]))
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,60 @@
+"""The every-step screen on FSDP2 at the hook set's defaults, end to end (``screen_fsdp2_scenarios``):
+one torchrun of 3 gloo ranks with real ``fully_shard``. A wrong gradient on a step the replay does
+not audit is named in its own step, on every rank, after the partner's lockstep recomputation
+through the sharded model confirmed it; a clean run raises nothing and confirms nothing; a genuine
+spike is flagged, reproduced by the partner and cleared."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, results, torchrun
+
+WORLD = 3
+pytestmark = pytest.mark.slow  # one torchrun of three FSDP2 runs: about 30 s on 2 cores
+
+
+@pytest.fixture(scope="module")
+def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("screen_fsdp2")
+    torchrun(ROOT / "tests" / "screen_fsdp2_scenarios.py", path, "fault,clean,spike", WORLD)
+    return path
+
+
+def test_the_screen_compares_runs_of_fsdp_parameter_groups(out: Path) -> None:
+    runs = results(out, "clean", WORLD)
+    expected = ["group 0 (l0.weight (+1))", "group 1 (l1.weight (+1))", "group 2 (head.weight (+1))", "loss", "level"]
+    assert all(r["groups"] == expected for r in runs)
+
+
+def test_a_wrong_gradient_on_an_unaudited_step_is_named_in_its_step_after_confirmation(out: Path) -> None:
+    runs = results(out, "fault", WORLD)
+    errors = [r["error"] for r in runs]
+    assert all(e == errors[0] for e in errors)  # the same verdict on every rank
+    error = errors[0]
+    assert error["type"] == "ReplayMismatchError" and error["step"] == 12 and error["rank"] == 1, error
+    assert error["suspects"] == [1] and error["details"]["source"] == "gradient_screen"
+    (hit,) = error["details"]["screen"]
+    assert hit["rank"] == 1 and hit["recomputed_by"] == 2 and hit["reason"] == "band"
+    assert hit["value"].startswith(("group 0", "group 1")) and hit["excess"] > 20  # the faulty backward's groups
+    assert all(r["steps"] == 12 for r in runs)  # raised before step 12's update
+    assert all(r["replay"]["extra"]["screen_confirmed"] == 1 for r in runs)
+    assert all(r["replay"]["runs"] == 1 for r in runs)  # the replay audited step 0 only: the screen found it
+    assert all(r["nonfinite"]["failures"] == 0 for r in runs)  # a finite fault: not the non-finite check's
+
+
+def test_a_clean_run_raises_nothing_and_confirms_nothing(out: Path) -> None:
+    runs = results(out, "clean", WORLD)
+    assert all("error" not in r and r["steps"] == 16 for r in runs), runs[0]
+    assert all(r["screen"]["runs"] == 16 for r in runs)  # screened on every step
+    assert all(r["replay"]["extra"].get("screen_confirmed", 0) == 0 and r["replay"]["failures"] == 0 for r in runs)
+
+
+def test_a_genuine_spike_is_flagged_reproduced_by_the_partner_and_cleared(out: Path) -> None:
+    runs = results(out, "spike", WORLD)
+    assert all("error" not in r and r["steps"] == 16 for r in runs), runs[0]
+    assert all(r["screen"]["extra"]["hits"] == 1 for r in runs)  # the spike stood out ...
+    extra = [r["replay"]["extra"] for r in runs]
+    assert all(e["screen_cleared"] == 1 and e.get("screen_confirmed", 0) == 0 for e in extra)  # ... and was cleared
+    assert all(r["replay"]["failures"] == 0 for r in runs)
