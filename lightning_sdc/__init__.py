@@ -25,17 +25,4 @@ _EXPORTS = {
 }  # fmt: skip
 __getattr__, __dir__ = lazy_exports("lightning_sdc", globals(), _EXPORTS)
 
-__all__ = [
-    "ChecksumMismatchError",
-    "Fault",
-    "FaultInjector",
-    "FingerprintMismatchError",
-    "MatmulChecksumCheck",
-    "NonFiniteGradientCheck",
-    "NonFiniteGradientError",
-    "ReplayMismatchError",
-    "ReplayUnavailableError",
-    "RingReplayAudit",
-    "SDCError",
-    "WeightFingerprintCheck",
-]
+__all__ = sorted(name for names in _EXPORTS.values() for name in names)

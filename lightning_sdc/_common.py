@@ -7,13 +7,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-import json
-import tempfile
-import uuid
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -29,7 +25,7 @@ from sdc_core.dist.uncaught import one_line_when_uncaught
 from sdc_core.driver.settings import SDCConfigError, SDCSettings, checked_keywords
 from sdc_core.driver.step import Seam, StepContext, StepDriver
 from sdc_core.errors import SDCError, as_sdc_error
-from sdc_core.ops.incidents import install_exit_code, mark_verdict
+from sdc_core.ops.incidents import install_exit_code, mark_verdict, spawn_marker, take_marker
 from sdc_core.schema import documented, settings_of
 from sdc_core.stats import CheckStats
 
@@ -84,28 +80,16 @@ def gradient_tap(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Gradient
     return tap
 
 
-def remove_gradient_tap(trainer: pl.Trainer) -> None:
-    """Take the tap's hooks off the parameters when ``fit`` ends (the module outlives the DDP
-    wrapper; another ``fit`` installs a new tap). Idempotent: every SDC callback calls it."""
-    tap = vars(trainer.strategy).pop("_sdc_gradient_tap", None)
-    if tap is not None:
-        tap.remove()
-
-
 def warn_inactive(check: str, why: str) -> None:
     warnings.warn(f"{check} is inactive: {why}", UserWarning, stacklevel=3)
 
 
 def log_stats(trainer: pl.Trainer, stats: CheckStats, force: bool = False) -> None:
-    """Make the counters monitorable and send them to every logger of the trainer.
-
-    Every call puts them in ``trainer.callback_metrics`` (as 0-d tensors, what ``EarlyStopping``
-    and ``ModelCheckpoint(monitor="sdc/...")`` read: current values at every step); every
-    ``log_every_n_steps`` (or with ``force``) they are written to the loggers directly, so a
-    failure is recorded even when the step never completes (rank 0 writes; cheap on other
-    ranks). Cost: one small CPU tensor per metric per batch. Not ``self.log``: at about a
-    millisecond per call it cost more than the checks themselves.
-    """
+    """The counters in ``trainer.callback_metrics`` at every call (0-d tensors: what ``EarlyStopping``
+    and ``ModelCheckpoint(monitor="sdc/...")`` read), and written to every logger every
+    ``log_every_n_steps`` or with ``force`` (so a failure is recorded even when its step never
+    completes). Cost: one small CPU tensor per metric per batch (``self.log`` cost about a
+    millisecond per call, more than the checks)."""
     if trainer.sanity_checking:
         return
     metrics = stats.metrics()
@@ -151,14 +135,10 @@ def lightning_internals() -> frozenset[str]:
 
 
 def rollback(trainer: pl.Trainer, pl_module: pl.LightningModule, error: Any, max_step: int) -> Any:
-    """Reload weights and optimizer state from the newest checkpoint verified clean at or before
-    ``max_step`` (chosen on rank 0, loaded on every rank: ``sdc_core.ops.rollback``); data and step
-    counters go on, so the batches since that checkpoint are skipped. Returns the error with
-    ``details["action"]`` set; raises it when no such checkpoint exists.
-
-    Files are read with ``weights_only=True``: a file dropped into the checkpoint folder cannot
-    run code. ``SDC_TRUST_PICKLE=1`` unpickles in full (checkpoints holding custom objects, e.g.
-    hyperparameters of your own classes), with a warning per file."""
+    """Reload weights and optimizer state from the newest checkpoint of the checkpoint callbacks'
+    folders verified clean at or before ``max_step`` (``sdc_core.ops.rollback.roll_back``: chosen on
+    rank 0, loaded on every rank, ``weights_only=True`` unless ``SDC_TRUST_PICKLE=1``); data and
+    step counters go on. Returns the error with ``details["action"]`` set; raises it without one."""
     from sdc_core.io.safe_files import load_torch, trust_pickle_from_env
     from sdc_core.ops.rollback import roll_back
 
@@ -216,8 +196,8 @@ class TrainerSeam(Seam):
         return rollback(self.trainer, self.trainer.lightning_module, error, max_step)
 
     def replay_functions(self, replay: Any, step: StepContext) -> tuple[Any, Any, Any]:
-        owner = next(cb for cb in self.trainer.callbacks if isinstance(cb, SDCCallback) and cb._core is replay)
-        return owner._replay_functions(self.trainer)
+        owner: Any = next(cb for cb in self.trainer.callbacks if isinstance(cb, SDCCallback) and cb._core is replay)
+        return owner._replay_functions(self.trainer)  # the RingReplayAudit that owns the replay
 
     def loss(self) -> torch.Tensor | None:
         loss, self.last_loss = self.last_loss, None
@@ -257,29 +237,6 @@ def step_context(trainer: pl.Trainer, pl_module: pl.LightningModule, index: int 
     )  # fmt: skip
 
 
-def before_update(trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-    """The verdicts due before an optimizer step's update, in causal order whatever the order of
-    ``trainer.callbacks`` (``sdc_core.driver.step.StepDriver``): the pending non-finite verdict of an
-    earlier step, the pending weight comparison, this step's matrix-product and non-finite
-    verdicts, then this step's ring replay audit. Every SDC callback's
-    ``on_before_optimizer_step`` calls it; the driver runs each step's once."""
-    driver, step = trainer_driver(trainer), step_context(trainer, pl_module)
-    driver.resolve_pending(step)
-    driver.before_update(step)
-
-
-def after_batch(trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-    """At a batch's end, once per global step (whichever SDC callback comes first): after an
-    update, the pending weight comparison, the update audit and the comparison of the new
-    weights, started (read in the next optimizer step, before its update)."""
-    driver, seam = trainer_driver(trainer), trainer_seam(trainer)
-    if seam.seen_step == trainer.global_step:  # no update since: nothing to do
-        return
-    seam.seen_step = trainer.global_step
-    driver.resolve_comparison(step_context(trainer, pl_module))
-    driver.after_update(step_context(trainer, pl_module, trainer.global_step - 1), True)
-
-
 def documented_by(config: type, **own: str) -> Callable[[type], type]:
     """Class decorator: the callback's ``Args:`` section from the settings schema, so each argument's
     doc exists once (LightningCLI's help reads it): the ``config`` setting of the argument's name,
@@ -307,15 +264,11 @@ class SDCCallback(Callback):
     def __init__(self) -> None:
         # Made where the Trainer is built and carried to ddp_spawn workers inside the callback:
         # where a worker leaves its verdict for the caller of trainer.fit (see on_exception).
-        self._spawn_marker = str(Path(tempfile.gettempdir()) / f"sdc-verdict-{uuid.uuid4().hex}.json")
+        self._spawn_marker = spawn_marker()
 
     def _checks(self) -> list[Any]:
         """The core checks this callback contributes to the driver."""
         return [self._core]
-
-    def _replay_functions(self, trainer: pl.Trainer) -> tuple[Any, Any, Any]:
-        """``(step_fn, to_device, context)`` of the replay this callback owns (``RingReplayAudit``)."""
-        raise NotImplementedError
 
     def _settings(self, config: type, arguments: dict[str, Any]) -> Any:
         """``config`` built from the ``arguments`` (the constructor's ``locals()``) named as its
@@ -357,13 +310,25 @@ class SDCCallback(Callback):
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         unroute_weights_only_saves(pl_module)
-        remove_gradient_tap(trainer)
+        tap = vars(trainer.strategy).pop("_sdc_gradient_tap", None)  # the module outlives the DDP wrapper
+        if tap is not None:  # its hooks off the parameters (the first SDC callback's teardown: idempotent)
+            tap.remove()
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
-        before_update(trainer, pl_module)  # this check's verdict among the others', in causal order
+        """The verdicts due before the update, in causal order whatever the order of the callbacks
+        (``StepDriver.resolve_pending``, ``before_update``: each step's run once, by the first)."""
+        driver, step = trainer_driver(trainer), step_context(trainer, pl_module)
+        driver.resolve_pending(step)
+        driver.before_update(step)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        after_batch(trainer, pl_module)
+        """After an update (once per global step, by the first SDC callback): the pending weight
+        comparison read, the update audit, the comparison of the new weights started; counters logged."""
+        driver, seam = trainer_driver(trainer), trainer_seam(trainer)
+        if seam.seen_step != trainer.global_step:  # an update since the last batch end
+            seam.seen_step = trainer.global_step
+            driver.resolve_comparison(step_context(trainer, pl_module))
+            driver.after_update(step_context(trainer, pl_module, trainer.global_step - 1), True)
         for check in self._checks():
             log_stats(trainer, check.stats)
 
@@ -394,24 +359,14 @@ class SDCCallback(Callback):
         launcher (``sdc run``); under ``ddp_spawn``, in the caller of ``fit``, the worker's text-only
         exception becomes the ``SDCError`` it was (``except SDCError`` works there)."""
         unroute_weights_only_saves(pl_module)
-        for check in self._checks():  # no all-reduce of the check left in flight into the exit
-            discard = getattr(check, "discard", None)
-            if discard is not None:
-                discard()
+        trainer_driver(trainer).discard()  # no all-reduce of a check left in flight into the exit
         if isinstance(exception, SDCError):
             mark_verdict(exception)
             return
-        marker = Path(self._spawn_marker)
-        if not marker.is_file():
-            return
-        try:
-            error = SDCError.from_dict(json.loads(marker.read_text())["error"])
-        except (OSError, ValueError, KeyError, TypeError):
-            return
-        finally:
-            marker.unlink(missing_ok=True)
-        as_sdc_error(exception, error)
-        install_exit_code()  # the caller's process exits with the SDC code too when it goes uncaught
+        error = take_marker(self._spawn_marker)
+        if error is not None:
+            as_sdc_error(exception, error)
+            install_exit_code()  # the caller's process exits with the SDC code too when it goes uncaught
 
     def state_dict(self) -> dict[str, Any]:
         return self._core.stats.state_dict()
@@ -424,17 +379,12 @@ _WEIGHTS_ONLY_ROUTE = "_sdc_weights_only_route"
 
 
 def route_weights_only_saves(trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-    """Give the SDC callbacks their ``on_save_checkpoint`` for weights-only checkpoints too.
-
-    For ``ModelCheckpoint(save_weights_only=True)`` and ``trainer.save_checkpoint(path,
-    weights_only=True)`` Lightning calls no callback hook, but it still calls the LightningModule's
-    ``on_save_checkpoint`` on every rank while it builds the checkpoint, before anything is
-    written. That method is wrapped on the instance (once, whatever the number of SDC callbacks;
-    the user's own override still runs, last, as for a full checkpoint): on a weights-only
-    checkpoint (no ``callbacks`` entry) it first runs every SDC callback's ``on_save_checkpoint``
-    in ``trainer.callbacks`` order, so pending verdicts are read, the replicas compared and the
-    fingerprint stored, or the verdict raised on every rank before the file exists. Removed at
-    teardown and on an exception. Costs nothing on full checkpoints (one dictionary lookup)."""
+    """Give the SDC callbacks their ``on_save_checkpoint`` for weights-only checkpoints too, for
+    which Lightning calls no callback hook (``save_weights_only=True``, ``save_checkpoint(path,
+    weights_only=True)``) but still the module's ``on_save_checkpoint`` on every rank, before
+    anything is written: that method is wrapped on the instance (once; the user's override still
+    runs, last) to run every SDC callback's first. Removed at teardown and on an exception; costs
+    one dictionary lookup on full checkpoints."""
     if getattr(vars(pl_module).get("on_save_checkpoint"), _WEIGHTS_ONLY_ROUTE, None) is not None:
         return
     original = pl_module.on_save_checkpoint
@@ -461,4 +411,3 @@ def unroute_weights_only_saves(pl_module: pl.LightningModule) -> None:
         del pl_module.on_save_checkpoint
     else:
         pl_module.on_save_checkpoint = route[0]  # type: ignore[method-assign]
-

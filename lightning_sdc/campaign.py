@@ -15,26 +15,18 @@ import os
 from datetime import timedelta
 from typing import Any
 
-from sdc_core.faults.campaign_runner import CAMPAIGN_DIR_ENV, CampaignRunner
+from sdc_core.faults.campaign_runner import CAMPAIGN_DIR_ENV, CampaignRunner, counters
 
 
 def _module() -> Any:
-    """A fresh LightningModule around the campaign's model (``CampaignModel``: the layers ``l1``,
-    ``l2``, ``l3`` the plans name, under ``model.``), trained with Adam at 3e-3 on the mean
-    squared error. Both classes are made here, on first use, to keep torch out of the import."""
+    """A fresh LightningModule around the campaign's model (``sdc_core.faults.campaign.CampaignModel``,
+    under ``model.``), trained with Adam at 3e-3 on the mean squared error. Made here, on first
+    use, to keep torch out of the import."""
     import lightning.pytorch as L
     import torch
     from torch import nn
 
-    class CampaignModel(nn.Module):
-        """The small model every campaign run trains (ships with the package)."""
-
-        def __init__(self) -> None:
-            super().__init__()
-            self.l1, self.l2, self.l3 = nn.Linear(16, 64), nn.Linear(64, 64), nn.Linear(64, 1)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.l3(torch.relu(self.l2(torch.relu(self.l1(x)))))
+    from sdc_core.faults.campaign import CampaignModel
 
     class Module(L.LightningModule):
         def __init__(self) -> None:
@@ -117,23 +109,13 @@ def _fit(steps: int, checks: bool, fault: Any = None, ckpt_path: str | None = No
 
 
 def _counters(callbacks: list[Any]) -> dict[str, float]:
-    """What the screen and the replay counted in a run (the same on every rank): the screen's hits
-    and the replay's escalations of them, cleared, unconfirmed and confirmed, and its audits."""
+    """What the screen and the replay counted in a run (``campaign_runner.counters``)."""
     from lightning_sdc import NonFiniteGradientCheck, RingReplayAudit
 
-    out: dict[str, float] = {}
-    for cb in callbacks:
-        if isinstance(cb, RingReplayAudit):
-            stats = cb._core.stats
-            out["replay_audits"] = float(stats.runs)
-            for name in ("screen_escalations", "screen_cleared", "screen_unconfirmed", "screen_confirmed"):
-                out[name] = float((stats.extra or {}).get(name, 0.0))
-        elif isinstance(cb, NonFiniteGradientCheck) and getattr(cb, "_screen", None) is not None:
-            extra = cb._screen.stats.extra or {}
-            out["screen_hits"] = float(extra.get("hits", 0.0))
-            for reason in ("band", "nonfinite", "malformed"):  # why the screen flagged (a rank, once per step)
-                out[f"screen_{reason}"] = float(extra.get(f"{reason}_suspects", 0.0))
-    return out
+    replay = next((cb._core.stats for cb in callbacks if isinstance(cb, RingReplayAudit)), None)
+    screen = next((cb._screen.stats for cb in callbacks if isinstance(cb, NonFiniteGradientCheck)
+                   and cb._screen is not None), None)  # fmt: skip
+    return counters(replay, screen)
 
 
 RUNNER = CampaignRunner(name="lightning", worker_module="lightning_sdc.campaign", fit=_fit, target_prefix="model.")

@@ -17,33 +17,21 @@ hooks.finish()
 fabric.save(path, {"model": model, "optimizer": optimizer, "sdc": hooks})  # counters and fingerprint
 ```
 
-Behaviour and settings are those of the core hook set ``sdc_core.SDCHooks`` that serves every
-route (keywords over ``ACCELERATE_SDC_*`` over the ``accelerate-sdc config`` file, as for
-Accelerate users; ``on_failure="skip_step"``, ``fingerprint_on_failure="heal"``, ...). This
-module needs Lightning only, not Accelerate. Differences:
-
-* Fabric has no notion of accumulation: every ``optimizer.step()`` is a sync step, and the loss
-  you back-propagate is what the replay must recompute. If you divide it before
-  ``fabric.backward`` (or it is not ``outputs.loss``/the scalar output), pass
-  ``loss_fn(outputs, *args, **kwargs)`` or use ``hooks.replayable(fn)``.
-* The replay casts inputs and runs the forward as ``fabric.setup``'s module does (precision
-  plugin, autocast); a ``16-mixed`` GradScaler is honoured.
-* Metrics go through ``fabric.log_dict`` (the loggers write on rank 0); incidents go to
-  ``run_dir`` (default: the first logger's ``log_dir``, else the working directory).
-* Counters are saved by ``fabric.save``/restored by ``fabric.load`` when the hook set is in the
-  state dictionary (it has ``state_dict``/``load_state_dict``). Before ``fabric.save`` writes,
-  a pending non-finite verdict is read, the replicas' weights are compared and the model and
-  optimizer state fingerprinted (stored with the counters, so ``sdc verify-checkpoint`` checks
-  the file); once ``fabric.load`` has restored every object of the state (whatever their
-  order), the loaded tensors are verified against it: ``FingerprintMismatchError`` naming them.
-
-Strategies: ``"ddp"`` (and its variants) or a single device; others raise ``ValueError``.
+The core hook set ``sdc_core.SDCHooks`` behind a Fabric seam: its settings (read as for
+Accelerate users: keywords over ``ACCELERATE_SDC_*`` over the ``accelerate-sdc config`` file) and
+behaviour; Lightning is needed, not Accelerate. Fabric does not divide the loss for accumulation
+(every ``optimizer.step()`` is a sync step): pass ``loss_fn`` or use ``hooks.replayable(fn)`` when
+you do, or when the loss is not ``outputs.loss``/the scalar output. Before ``fabric.save`` writes,
+the replicas are compared and the saved state fingerprinted; ``fabric.load`` verifies the restored
+tensors. Strategies: ``"ddp"`` (and its variants) or a single device. Details:
+docs/integrations.md (Lightning Fabric).
 """
 
 from __future__ import annotations
 
 import warnings
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -54,6 +42,7 @@ from lightning.fabric.strategies import DDPStrategy, DeepSpeedStrategy, SingleDe
 from lightning.fabric.wrappers import is_wrapped
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils.hooks import RemovableHandle
 
 from sdc_core.driver.framework import Framework, LossFn
 from sdc_core.driver.hooks import SDCHooks as _HookSet
@@ -74,12 +63,15 @@ SOURCES = Sources("ACCELERATE_SDC_", _settings_file)
 
 
 class FabricFramework(Framework):
-    """The hook set's seam for a ``Fabric`` object (public Fabric API only)."""
+    """The hook set's seam for a ``Fabric`` object (public Fabric API only). The plain loop's
+    answers hold for the rest: every ``optimizer.step()`` is a sync step, ``fabric.backward`` does
+    not divide the loss, Fabric's optimizer wrapper calls the GradScaler itself, its DDP strategy
+    registers no communication hook, and the hook set is saved in the state you pass to ``fabric.save``."""
 
     def __init__(self, fabric: Fabric, run_dir: str | None = None) -> None:
         super().__init__(run_dir)
         self.fabric = fabric
-        self._pre_save: list[Callable[..., None]] = []
+        self._pre_save: OrderedDict[int, Callable[..., None]] = OrderedDict()  # RemovableHandle holds it weakly
 
     @property
     def num_processes(self) -> int:
@@ -106,19 +98,8 @@ class FabricFramework(Framework):
         return model.module if is_wrapped(model) else model
 
     @property
-    def sync_gradients(self) -> bool:
-        return True  # a Fabric loop calls optimizer.step() only on sync micro-batches
-
-    @property
-    def loss_divisor(self) -> int:
-        return 1  # fabric.backward does not divide the loss
-
-    @property
     def scaler(self) -> Any:
         return getattr(self.fabric.strategy.precision, "scaler", None)
-
-    def step_owner(self, optimizer: Any) -> Any:
-        return optimizer  # Fabric's optimizer wrapper calls the GradScaler itself
 
     def to_device(self, batch: Any, device: Any = None) -> Any:
         return self.fabric.to_device(batch)
@@ -147,9 +128,6 @@ class FabricFramework(Framework):
             for logger in self.fabric.loggers:
                 logger.save()
 
-    def register_for_checkpointing(self, obj: Any) -> None:
-        return None  # put the hook set in the state you pass to fabric.save / fabric.load
-
     def before_checkpoint(self, fn: Callable[..., None]) -> Any:
         """Run ``fn(models, None, path)`` before ``fabric.save`` (called on every process, as
         Fabric requires) writes anything; ``models`` are the modules in the saved state."""
@@ -158,13 +136,14 @@ class FabricFramework(Framework):
 
             def save(path: Any, state: dict[str, Any], filter: Any = None) -> Any:
                 models = [v for v in state.values() if isinstance(v, nn.Module)]
-                for hook in list(self._pre_save):
+                for hook in list(self._pre_save.values()):
                     hook(models, None, path)
                 return original(path, state, filter=filter)
 
             self.fabric.save = save  # type: ignore[method-assign]
-        self._pre_save.append(fn)
-        return _Remove(self._pre_save, fn)
+        handle = RemovableHandle(self._pre_save)
+        self._pre_save[handle.id] = fn
+        return handle
 
     def after_load(self, fn: Callable[[dict[str, Any]], None]) -> None:
         """Run ``fn(state)`` after ``fabric.load(path, state)`` has restored every object of
@@ -195,20 +174,6 @@ class FabricFramework(Framework):
     def loading(self) -> bool:
         """True while ``fabric.load`` restores objects."""
         return bool(getattr(self.fabric, "_sdc_loading", 0))
-
-    def take_comm_hook(self) -> tuple[Any, Any]:
-        return None, None  # Fabric's DDPStrategy registers no communication hook
-
-
-class _Remove:
-    """Handle that takes a pre-save hook out of the list."""
-
-    def __init__(self, hooks: list[Any], fn: Any) -> None:
-        self.hooks, self.fn = hooks, fn
-
-    def remove(self) -> None:
-        if self.fn in self.hooks:
-            self.hooks.remove(self.fn)
 
 
 class _PrecisionModel:

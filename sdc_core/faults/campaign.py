@@ -116,6 +116,17 @@ def plan_matmul(per_class: int, clean: int, seed: int, steps: int) -> list[dict[
 # ----------------------------------------------------------------------------------- data and faults
 
 
+class CampaignModel(torch.nn.Module):
+    """The small model every campaign run trains, whatever the runner: the layers ``MODULES``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1, self.l2, self.l3 = torch.nn.Linear(16, 64), torch.nn.Linear(64, 64), torch.nn.Linear(64, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.l3(torch.relu(self.l2(torch.relu(self.l1(x)))))
+
+
 def base_data() -> tuple[torch.Tensor, torch.Tensor]:
     """The reference samples (2048 inputs of width 16 and their targets); every run's final loss
     is measured on the first 512."""

@@ -58,6 +58,22 @@ class CampaignRunner:
     target_prefix: str = ""
 
 
+def counters(replay_stats: Any = None, screen_stats: Any = None) -> dict[str, float]:
+    """The ``counters`` of a run record (``Fit``) from the ``CheckStats`` of its ring replay and its
+    gradient screen (None: the run had no such check)."""
+    out: dict[str, float] = {}
+    if replay_stats is not None:
+        out["replay_audits"] = float(replay_stats.runs)
+        for name in ("screen_escalations", "screen_cleared", "screen_unconfirmed", "screen_confirmed"):
+            out[name] = float((replay_stats.extra or {}).get(name, 0.0))
+    if screen_stats is not None:
+        extra = screen_stats.extra or {}
+        out["screen_hits"] = float(extra.get("hits", 0.0))
+        for reason in ("band", "nonfinite", "malformed"):  # why the screen flagged (a rank, once per step)
+            out[f"screen_{reason}"] = float(extra.get(f"{reason}_suspects", 0.0))
+    return out
+
+
 def find_runner() -> CampaignRunner:
     """The installed runner (the first by name of the entry point group ``RUNNER_GROUP``).
 

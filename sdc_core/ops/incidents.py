@@ -26,8 +26,10 @@ import json
 import os
 import re
 import sys
+import tempfile
 import threading
 import time
+import uuid
 import warnings
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -154,6 +156,25 @@ def mark_verdict(error: SDCError, also: str | Path | None = None) -> None:
             os.replace(tmp, target)
         except OSError as err:
             warnings.warn(f"SDC verdict marker not written to {target}: {err}", RuntimeWarning, stacklevel=2)
+
+
+def spawn_marker() -> str:
+    """A fresh file name for ``mark_verdict(also=...)``: made in the process that spawns the
+    workers and carried to them, where a worker leaves its verdict for that process."""
+    return str(Path(tempfile.gettempdir()) / f"sdc-verdict-{uuid.uuid4().hex}.json")
+
+
+def take_marker(path: str | Path) -> SDCError | None:
+    """The verdict ``mark_verdict`` left at ``path`` (the file is removed), or None without a readable one."""
+    marker = Path(path)
+    if not marker.is_file():
+        return None
+    try:
+        return SDCError.from_dict(json.loads(marker.read_text())["error"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    finally:
+        marker.unlink(missing_ok=True)
 
 
 def read_verdicts(folder: str | Path) -> list[dict[str, Any]]:
