@@ -113,18 +113,17 @@ def no_logging(pl_module: pl.LightningModule) -> Iterator[None]:
     def mute(*_args: Any, **_kwargs: Any) -> None:
         return None
 
-    names = ("log", "log_dict", "print")
-    before = {n: vars(pl_module)[n] for n in names if n in vars(pl_module)}
-    for n in names:
-        vars(pl_module)[n] = mute
+    own = vars(pl_module)
+    before = {n: own.get(n, mute) for n in ("log", "log_dict", "print")}  # mute: the instance had none
+    own.update(dict.fromkeys(before, mute))
     try:
         yield
     finally:
-        for n in names:
-            if n in before:
-                vars(pl_module)[n] = before[n]
+        for n, f in before.items():
+            if f is mute:
+                own.pop(n, None)
             else:
-                vars(pl_module).pop(n, None)
+                own[n] = f
 
 
 @functools.lru_cache(maxsize=1)

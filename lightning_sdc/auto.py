@@ -1,18 +1,11 @@
 """Zero-code enable for Lightning: ``SDC_CHECKS=1`` adds the SDC checks to every ``Trainer``.
 
-With the project installed (its ``lightning.pytorch.callbacks_factory`` entry point), every
-``lightning.pytorch.Trainer`` asks ``callbacks()`` for extra callbacks. When ``SDC_CHECKS`` is
-set, it returns one ``SDCAutoEnable`` callback which, at the start of ``fit``, adds the checks
-with their defaults, unless the Trainer (or ``LightningModule.configure_callbacks``) already has
-a check of that class (yours, with your arguments, is kept):
-
-* ``SDC_CHECKS=1`` (or ``true``, ``all``; any case): all three checks;
-* ``SDC_CHECKS=nonfinite_gradient,ring_replay``: the named ones;
-* unset, empty, ``0`` or ``false``: nothing. Anything else (``yes``, a typo) is an error.
-
-On a single process only ``NonFiniteGradientCheck`` is added (the other two need replicas). A
-bad value raises ``ValueError`` when the Trainer is created. The standalone ``pytorch_lightning``
-package is not supported: with ``SDC_CHECKS`` set its Trainer raises, rather than train unguarded.
+Through the ``lightning.pytorch.callbacks_factory`` entry point every Trainer asks ``callbacks()``;
+with ``SDC_CHECKS`` set (``1``/``true``/``all``, any case: all three; ``nonfinite_gradient,ring_replay``:
+the named ones; unset, empty, ``0``, ``false``: none; anything else raises ``ValueError`` when the
+Trainer is created) it gets one ``SDCAutoEnable``, which adds the checks with their defaults at the
+start of ``fit`` unless the Trainer (or ``configure_callbacks``) has one of that class already. One
+process: only ``NonFiniteGradientCheck``. The standalone ``pytorch_lightning`` Trainer raises.
 """
 
 from __future__ import annotations
