@@ -10,6 +10,7 @@ state, not settings. No torch, no imports of the package: every config module im
 from __future__ import annotations
 
 import dataclasses
+import os
 import textwrap
 from typing import Any, TypeVar
 
@@ -41,3 +42,14 @@ def documented(cls: T, settings: dict[str, dataclasses.Field[Any]] | None = None
     ]
     cls.__doc__ = (cls.__doc__ or "").rstrip() + "\n\n    Args:\n" + "\n".join(lines) + "\n"
     return cls
+
+
+def env_flag(name: str) -> bool:
+    """The environment flag ``name`` by the settings' rule for booleans: ``1``/``true`` on; unset,
+    empty, ``0``/``false`` off (any case, spaces ignored); ``ValueError`` naming it for anything else."""
+    raw = os.environ.get(name, "").strip().lower()
+    if raw in ("", "0", "false"):
+        return False
+    if raw in ("1", "true"):
+        return True
+    raise ValueError(f"{name} must be 1, true, 0 or false, got {raw!r}")

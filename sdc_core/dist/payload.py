@@ -43,6 +43,8 @@ from typing import Any
 
 import torch
 
+from sdc_core.schema import env_flag
+
 MAGIC = b"SDCPAYLOAD1\n"
 MAX_PAYLOAD_ENV = "SDC_MAX_PAYLOAD_MB"
 ALLOW_PICKLE_ENV = "SDC_ALLOW_PICKLED_BATCHES"
@@ -119,14 +121,7 @@ def max_payload_bytes(max_bytes: int | None = None) -> int:
 def pickle_allowed(allow_pickle: bool | None = None) -> bool:
     """``allow_pickle``, else ``SDC_ALLOW_PICKLED_BATCHES`` (``1``/``true``; empty, ``0``, ``false``:
     no); ``ValueError`` naming the variable for another value."""
-    if allow_pickle is not None:
-        return bool(allow_pickle)
-    raw = os.environ.get(ALLOW_PICKLE_ENV, "").strip().lower()
-    if raw in ("", "0", "false"):
-        return False
-    if raw in ("1", "true"):
-        return True
-    raise ValueError(f"{ALLOW_PICKLE_ENV} must be 1, true, 0 or false, got {raw!r}")
+    return bool(allow_pickle) if allow_pickle is not None else env_flag(ALLOW_PICKLE_ENV)
 
 
 def _qualname(cls: type) -> str:

@@ -29,6 +29,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
+from sdc_core.schema import env_flag
+
 TRUST_PICKLE_ENV = "SDC_TRUST_PICKLE"
 
 
@@ -42,12 +44,7 @@ class OutputError(ValueError):
 
 def trust_pickle_from_env() -> bool:
     """Whether ``SDC_TRUST_PICKLE`` opts in to full unpickling (``1``/``true``; empty or ``0``: no)."""
-    raw = os.environ.get(TRUST_PICKLE_ENV, "").strip().lower()
-    if raw in ("", "0", "false"):
-        return False
-    if raw in ("1", "true"):
-        return True
-    raise ValueError(f"{TRUST_PICKLE_ENV} must be 1, true, 0 or false, got {raw!r}")
+    return env_flag(TRUST_PICKLE_ENV)
 
 
 def load_torch(path: str | Path, trust_pickle: bool = False, map_location: Any = "cpu") -> Any:
