@@ -20,7 +20,7 @@ from sdc_core.faults.inject import FaultInjector as _CoreInjector
 from sdc_core.io.checkpoints import FINGERPRINT_KEY, check_loaded_checkpoint, fingerprint_checkpoint
 from sdc_core.replay.ring import ReplayConfig, RingReplay, StateCapture
 from sdc_core.sharded.checks import ShardedFingerprint, ShardedNonFinite
-from sdc_core.sharded.replay import ShardedReplay
+from sdc_core.sharded.replay import ShardedReplay, screenable
 from sdc_core.sharded.update_audit import update_audit
 
 
@@ -45,7 +45,7 @@ class NonFiniteGradientCheck(c.SDCCallback):
         super().__init__()
         self._core = NonFiniteGradient(self._settings(NonFiniteConfig, locals()))
         self._screen: GradientScreen | None = GradientScreen(ScreenConfig()) if screen else None
-        self._screening = False  # attached in this fit (DDP only)
+        self._screening = False  # attached in this fit (DDP, FSDP2)
 
     def _checks(self) -> list[Any]:
         return [self._core, *([self._screen] if self._screening else [])]
@@ -55,12 +55,16 @@ class NonFiniteGradientCheck(c.SDCCallback):
         if c.is_sharded(trainer):  # FSDP2: the tap sits in each parameter group's reduce-scatter
             self._core = ShardedNonFinite(self._core.config, self._core.stats, self._core.topology)
             self._core.attach(pl_module)
+            screened = screenable(pl_module, self._core.taps)  # FSDP2 / HSDP, not tensor parallel
         elif c.is_ddp(trainer):
             self._core.attach(c.gradient_tap(trainer, pl_module))
-            if self._screen is not None:  # every step, the local peaks compared across the ranks
-                self._screen.topology = self._core.topology
-                self._screen.attach(self._core)
-                self._screening = True
+            screened = True
+        else:
+            screened = False
+        if self._screen is not None and screened:  # every step, the local peaks compared across the ranks
+            self._screen.topology = self._core.topology
+            self._screen.attach(self._core)
+            self._screening = True
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         c.trainer_driver(trainer).prepare()  # every callback's core is in place: a replay keeps steps for the screen

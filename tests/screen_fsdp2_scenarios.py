@@ -12,6 +12,8 @@ Scenarios:
 * ``spike``: rank 2's batch of step ``AT`` is a genuine spike (the hidden features before the head
   scaled by 10^4 on any rank that computes that batch): flagged, reproduced by the partner,
   cleared; training goes on to the end without a verdict.
+* ``lightning``: the ``fault`` under Lightning's ``ModelParallelStrategy`` with the three callbacks
+  at their default arguments: the same verdict; ``lightning_clean``: no fault, no verdict.
 """
 
 from __future__ import annotations
@@ -105,12 +107,67 @@ def train(out: Path, name: str) -> dict[str, Any]:
     return result
 
 
+def lightning(out: Path, name: str) -> dict[str, Any]:
+    """``fault`` (or ``lightning_clean``: none) under Lightning's ``ModelParallelStrategy``, the
+    three callbacks at their default arguments."""
+    from datetime import timedelta
+
+    import lightning.pytorch as L
+    from lightning.pytorch.strategies import ModelParallelStrategy
+    from scenario_runner import cpu_ddp_trainer
+    from torch.distributed.fsdp import fully_shard
+    from torch.utils.data import DataLoader
+
+    from lightning_sdc import NonFiniteGradientCheck, RingReplayAudit, WeightFingerprintCheck
+
+    class Lit(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = Net()
+
+        def configure_model(self) -> None:
+            mesh = self.device_mesh["data_parallel"]
+            for layer in (self.net.l0, self.net.l1, self.net.head):
+                fully_shard(layer, mesh=mesh)
+            fully_shard(self, mesh=mesh)
+
+        def training_step(self, b: Any, batch_idx: int) -> torch.Tensor:
+            FAULT["armed"] = name == "lightning" and self.global_rank == 1 and self.trainer.global_step == AT
+            return self.net(*b)
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    loader = DataLoader(list(range(STEPS)), batch_size=1, collate_fn=lambda idx: batch(rank, idx[0], False))
+    checks = [NonFiniteGradientCheck(), RingReplayAudit(), WeightFingerprintCheck()]
+    strategy = ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1, timeout=timedelta(seconds=90))
+    trainer = cpu_ddp_trainer(devices=world, strategy=strategy, max_steps=STEPS, use_distributed_sampler=False,
+                              default_root_dir=str(out / name), callbacks=checks)  # fmt: skip
+    result: dict[str, Any] = {}
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.fit(Lit(), loader)
+    except SDCError as err:
+        result["error"] = err.to_dict()
+    result["steps"] = trainer.global_step
+    result["replay"] = checks[1]._core.stats.state_dict()
+    result["screen"] = checks[0]._screen.stats.state_dict() if checks[0]._screening else None
+    return result
+
+
 def main() -> None:
-    args = parse("fault,clean,spike")
+    args = parse("fault,clean,spike,lightning,lightning_clean")
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
+
+    def run(name: str) -> dict[str, Any]:
+        return lightning(args.out, name) if name.startswith("lightning") else train(args.out, name)
+
     try:
-        run_each(args.only, lambda name: train(args.out, name), args.out, int(os.environ["RANK"]))
+        run_each(args.only, run, args.out, int(os.environ["RANK"]))
     finally:
         dist.destroy_process_group()
 

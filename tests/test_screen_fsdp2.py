@@ -2,7 +2,8 @@
 one torchrun of 3 gloo ranks with real ``fully_shard``. A wrong gradient on a step the replay does
 not audit is named in its own step, on every rank, after the partner's lockstep recomputation
 through the sharded model confirmed it; a clean run raises nothing and confirms nothing; a genuine
-spike is flagged, reproduced by the partner and cleared."""
+spike is flagged, reproduced by the partner and cleared; under Lightning's ``ModelParallelStrategy``
+the callbacks at their defaults give the same verdict."""
 
 from __future__ import annotations
 
@@ -12,13 +13,13 @@ import pytest
 from conftest import ROOT, results, torchrun
 
 WORLD = 3
-pytestmark = pytest.mark.slow  # one torchrun of three FSDP2 runs: about 30 s on 2 cores
+pytestmark = pytest.mark.slow  # one torchrun of five FSDP2 runs: about 25 s on 2 cores
 
 
 @pytest.fixture(scope="module")
 def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("screen_fsdp2")
-    torchrun(ROOT / "tests" / "screen_fsdp2_scenarios.py", path, "fault,clean,spike", WORLD)
+    torchrun(ROOT / "tests" / "screen_fsdp2_scenarios.py", path, "fault,clean,spike,lightning,lightning_clean", WORLD)
     return path
 
 
@@ -58,3 +59,16 @@ def test_a_genuine_spike_is_flagged_reproduced_by_the_partner_and_cleared(out: P
     extra = [r["replay"]["extra"] for r in runs]
     assert all(e["screen_cleared"] == 1 and e.get("screen_confirmed", 0) == 0 for e in extra)  # ... and was cleared
     assert all(r["replay"]["failures"] == 0 for r in runs)
+
+
+def test_lightning_model_parallel_callbacks_at_their_defaults_name_the_rank_in_its_step(out: Path) -> None:
+    runs = results(out, "lightning", WORLD)
+    errors = [r["error"] for r in runs]
+    assert all(e == errors[0] for e in errors)
+    error = errors[0]
+    assert error["type"] == "ReplayMismatchError" and (error["step"], error["rank"]) == (12, 1), error
+    assert error["details"]["source"] == "gradient_screen" and error["details"]["screen"][0]["recomputed_by"] == 2
+    assert all(r["steps"] == 12 and r["replay"]["runs"] == 1 for r in runs)  # before the update; audited: step 0
+    clean = results(out, "lightning_clean", WORLD)
+    assert all("error" not in r and r["steps"] == 16 and r["screen"]["runs"] == 16 for r in clean), clean[0]
+    assert all(r["replay"]["extra"].get("screen_confirmed", 0) == 0 for r in clean)

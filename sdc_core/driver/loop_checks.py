@@ -33,7 +33,7 @@ from sdc_core.driver.replay_capture import LoopCapture
 from sdc_core.driver.settings import SDCSettings
 from sdc_core.replay.ring import RingReplay, StateCapture
 from sdc_core.sharded.checks import ShardedFingerprint, ShardedNonFinite
-from sdc_core.sharded.replay import ShardedReplay
+from sdc_core.sharded.replay import ShardedReplay, screenable
 
 _CONSUMER_LISTS = ("consumers", "writers")  # the gradient tap's consumer lists
 
@@ -131,7 +131,7 @@ class LoopChecks:
         if self.nonfinite is not None:
             self.nonfinite = ShardedNonFinite(self.nonfinite.config, self.nonfinite.stats, topo)
             self.nonfinite.attach(model)
-            self.screen = sharded_screen(self.nonfinite, self.replay, screen(), topo)
+            self.screen = sharded_screen(model, self.nonfinite, screen(), topo)
         if self.fingerprint is not None:
             fingerprint = self.fingerprint = ShardedFingerprint(self.fingerprint.config, self.fingerprint.stats, topo)
 
@@ -171,13 +171,13 @@ class LoopChecks:
         self._consumers = []
 
 
-def sharded_screen(nonfinite: ShardedNonFinite, replay: Any, config: ScreenConfig | None,
+def sharded_screen(model: nn.Module, nonfinite: ShardedNonFinite, config: ScreenConfig | None,
                    topo: Topology) -> GradientScreen | None:  # fmt: skip
     """The every-step screen of a sharded model, reading ``nonfinite``'s magnitudes (every rank
-    alike: one blocking all_reduce agrees on the width), or None: no config, no tapped FSDP
-    parameter group, or tensor parallelism (``replay.groups``; a layout the screen is not made
-    for). Decided from what every rank has alike (the model's layout)."""
-    if config is None or not nonfinite.taps or (replay is not None and replay.groups is not None):
+    alike: one blocking all_reduce agrees on the width), or None: no config, or a model the
+    screen does not cover (``screenable``: no tapped FSDP parameter group, tensor parallelism).
+    Decided from what every rank has alike (the model's layout)."""
+    if config is None or not screenable(model, nonfinite.taps):
         return None
     screen = GradientScreen(config, topo)
     screen.attach(nonfinite)

@@ -119,6 +119,20 @@ def tensor_parallel_groups(module: nn.Module, world: int) -> list[tuple[int, ...
     return [tuple(int(r) for r in row) for row in table.tolist()]
 
 
+def screenable(module: nn.Module, taps: list[Any]) -> bool:
+    """Whether the every-step screen runs on this sharded model: some FSDP parameter group is
+    tapped (``taps``) and there is no tensor parallelism (``tensor_parallel_groups``: the ranks of
+    a tensor-parallel group hold different slices of each gradient, a layout the screen's
+    cross-rank comparison is not made for). From the model's layout only: alike on every rank."""
+    if not taps:
+        return False
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    try:
+        return tensor_parallel_groups(module, world) is None
+    except ValueError:  # a layout the replay cannot read either
+        return False
+
+
 @dataclass
 class ShardedReplay(RingReplay):
     """``RingReplay`` for sharded models: the same adapter calls (``arm``, ``record``, ``begin``,
@@ -339,4 +353,4 @@ def _label(names: list[str]) -> str:
     return names[0] if len(names) == 1 else f"{names[0]} (+{len(names) - 1})"
 
 
-__all__ = ["ShardedReplay"]
+__all__ = ["ShardedReplay", "screenable"]
