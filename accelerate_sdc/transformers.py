@@ -188,7 +188,7 @@ class SDCTrainerCallback(TrainerCallback, ExportableState):
         def save_checkpoint(*args: Any, **kwargs: Any) -> Any:
             if self._attached and self.hooks is not None:
                 self.hooks.before_save()  # raises on every process before anything is written
-                stored = self.hooks._checkpoint_fingerprint
+                stored = self.hooks.checkpoint_fingerprint
                 if stored is not None and trainer.args.save_only_model:  # no optimizer.pt: the model only
                     stored["tensors"] = {k: v for k, v in stored["tensors"].items() if k.startswith("model/")}
             return original(*args, **kwargs)

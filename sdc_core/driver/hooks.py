@@ -125,7 +125,7 @@ class SDCHooks:
         self._module: nn.Module | None = None
         self._model: nn.Module | None = None  # as wrapped (the DDP model)
         self._optimizer: Any = None
-        self._checkpoint_fingerprint: dict[str, Any] | None = None  # of the state being saved
+        self.checkpoint_fingerprint: dict[str, Any] | None = None  # public: of the state before_save() saw
         self._loaded_fingerprint: dict[str, Any] | None = None
         self._handles: list[Any] = []
         self._log = CounterLog(self._fw, lambda: self.checks)
@@ -298,13 +298,13 @@ class SDCHooks:
     def before_save(self, fingerprint: bool = True) -> None:
         """Call on every process before writing a checkpoint: reads the pending non-finite
         verdict and compares the replicas' current weights (raising the ``SDCError`` on every
-        process, before anything is written). With ``fingerprint`` (DDP or one process), the
-        model and optimizer state are fingerprinted and ``state_dict()`` carries it, so that
-        ``load_state_dict`` verifies what was loaded. Works the same before
-        ``torch.distributed.checkpoint.save`` (sharded models: compared, not fingerprinted).
-        Cost: one host wait and one read of the weights (and of the saved state)."""
+        process, before anything is written). With ``fingerprint`` (DDP or one process), the model
+        and optimizer state are fingerprinted into ``checkpoint_fingerprint`` (a seam that saves
+        part of them may trim it), which ``state_dict()`` carries for ``load_state_dict`` to verify
+        what was loaded. Works the same before ``torch.distributed.checkpoint.save`` (sharded models:
+        compared, not fingerprinted). Cost: one host wait and one read of the weights (and of the saved state)."""
         self._compare_now()
-        self._checkpoint_fingerprint = take_fingerprint(self._module, self._optimizer) if fingerprint else None
+        self.checkpoint_fingerprint = take_fingerprint(self._module, self._optimizer) if fingerprint else None
 
     def _compare_now(self) -> None:
         """The pending verdicts read and the current weights compared (every process)."""
@@ -353,7 +353,7 @@ class SDCHooks:
         ``before_save()`` does, unless this hook set's model is not among the saved ``models``."""
         if self._module is not None and self.owns(models):
             return self.before_save()
-        self._checkpoint_fingerprint = None
+        self.checkpoint_fingerprint = None
         if self.nonfinite is not None:  # no checkpoint after a step whose verdict is unread
             self._driver.deliver(self.nonfinite, self.nonfinite.resolve)
 
@@ -365,7 +365,7 @@ class SDCHooks:
 
     def state_dict(self) -> dict[str, Any]:
         """The counters (and the fingerprint of the state ``before_save`` saw): plain data only."""
-        return counters(self.step, self._updates, self.checks, self._checkpoint_fingerprint)
+        return counters(self.step, self._updates, self.checks, self.checkpoint_fingerprint)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore the counters; call it after loading the model and optimizer, so the loaded
