@@ -76,3 +76,7 @@ def test_the_host_log2_peaks_equal_the_kernels_ones(dtype: torch.dtype) -> None:
         finite = host.isfinite()
         assert torch.allclose(host[finite], kernels[finite], rtol=2**-22, atol=2**-22), (trial, host, kernels)
         assert torch.equal(log2_peaks_by_group(pairs, groups).nan_to_num(nan=-1.0), host.nan_to_num(nan=-1.0))
+        listed = [(v, i.tolist()) for v, i in pairs]  # the indices as the check caches them on the host
+        assert torch.equal(_log2_peaks_on_host(listed, groups).nan_to_num(nan=-1.0), host.nan_to_num(nan=-1.0))
+        assert torch.equal(_log2_peaks_on_device(listed, groups, torch.device("cpu")).nan_to_num(nan=-1.0),
+                           kernels.nan_to_num(nan=-1.0))  # fmt: skip

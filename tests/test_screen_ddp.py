@@ -24,6 +24,9 @@ def test_a_clean_stretch_never_flags_and_faults_name_their_rank_at_their_step(tm
     faulty = results(tmp_path, "faults", WORLD)
     assert all(r["results"] == faulty[0]["results"] for r in faulty)  # every rank the same verdicts
     assert [r["step"] for r in faulty[0]["results"]] == list(range(50))
+    rows = faulty[0]["rows"]  # each judged step's gathered rows: every rank's own, in the reused buffers
+    assert all(row[0] == int(step) and row[1] == len(row) - 2 for step, table in rows.items() for row in table)
+    assert len(rows) == 50 and all(len(table) == WORLD for table in rows.values())
     assert flags(faulty[0]) == {30: [1], 45: [2]}, faulty[0]["results"]
     at30, at45 = (faulty[0]["results"][s]["details"] for s in (30, 45))
     assert at30["1"]["reason"] == "band" and at45["2"]["reason"] == "band"

@@ -262,7 +262,7 @@ class NonFiniteGradient(NonFiniteVerdicts):
     _intact: bool = True  # the local gradients were intact at the end of every probed backward
     magnitude_groups: int = 0  # opt-in (``want_magnitudes``): groups of the local magnitudes read
     _group_of: dict[int, int] = field(default_factory=dict)  # id(parameter) -> its group
-    _group_index: dict[tuple[int, ...], torch.Tensor] = field(default_factory=dict)  # cached scatter indices
+    _group_index: dict[tuple[Any, ...], torch.Tensor | list[int]] = field(default_factory=dict)  # cached indices
     _peaked: list[tuple[torch.Tensor, list[nn.Parameter]]] = field(default_factory=list)  # per-parameter peaks
     _magnitudes: torch.Tensor | None = None  # the last read backward's, until ``take_magnitudes``
     _group_names: dict[str, int] | None = None  # name -> group, made on first use (``magnitude_group``)
@@ -336,10 +336,12 @@ class NonFiniteGradient(NonFiniteVerdicts):
         home = pairs[0][0].device
         indexed = []
         for values, params in pairs:
-            key = tuple(id(p) for p in params)
+            key = (home, *map(id, params))
             index = self._group_index.get(key)
-            if index is None or index.device != home:
-                index = torch.tensor([self._group_of.get(i, 0) for i in key], device=home)
+            if index is None:  # a Python list on the host (read there as it is), else a tensor on ``home``
+                index = [self._group_of.get(i, 0) for i in key[1:]]
+                if home.type != "cpu":
+                    index = torch.tensor(index, device=home)
                 if len(self._group_index) < 64:
                     self._group_index[key] = index
             indexed.append((values, index))

@@ -52,9 +52,13 @@ def peaks(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.stack(values)
 
 
-def log2_peaks_by_group(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], groups: int) -> torch.Tensor:
+Index = torch.Tensor | Sequence[int]
+
+
+def log2_peaks_by_group(pairs: Sequence[tuple[torch.Tensor, Index]], groups: int) -> torch.Tensor:
     """Per group ``j < groups`` the log2 of the largest of the peaks given to it: ``pairs`` of 1-d
-    peaks (``peaks``) and their groups' indices (1-d, on the first peaks' device). NaN for a group
+    peaks (``peaks``) and their groups' indices (1-d, on the first peaks' device, or a list of
+    ints: what the host path reads without a torch op). NaN for a group
     without a peak or with zero peaks only, +Inf for one holding a non-finite peak. float32 on that
     device, no host synchronisation: the statistic of ``NonFiniteGradient.take_magnitudes``.
 
@@ -68,25 +72,28 @@ def log2_peaks_by_group(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], grou
     return _log2_peaks_on_device(pairs, groups, home)
 
 
-def _log2_peaks_on_device(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], groups: int,
+def _log2_peaks_on_device(pairs: Sequence[tuple[torch.Tensor, Index]], groups: int,
                           home: torch.device) -> torch.Tensor:  # fmt: skip
     """``log2_peaks_by_group`` in kernels on ``home``, without a host read."""
     out = torch.full((groups,), float("-inf"), device=home)
     for values, index in pairs:
         v = values.to(home, torch.float32)
         v = torch.where(torch.isfinite(v), v, torch.full_like(v, float("inf")))
-        out.scatter_reduce_(0, index.to(home), torch.log2(v), "amax")  # zero peaks: -inf, ignored by amax
+        where = torch.as_tensor(index, device=home)
+        out.scatter_reduce_(0, where, torch.log2(v), "amax")  # zero peaks: -inf, ignored by amax
     return torch.where(out == float("-inf"), torch.full_like(out, float("nan")), out)
 
 
-def _log2_peaks_on_host(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], groups: int) -> torch.Tensor:
+def _log2_peaks_on_host(pairs: Sequence[tuple[torch.Tensor, Index]], groups: int) -> torch.Tensor:
     """``log2_peaks_by_group`` for CPU tensors: the per-group maxima and their log2 in Python, one
     tensor made (the log2 correctly rounded to float32; the kernels' may differ by one unit in
     the last place)."""
     inf, nan = math.inf, math.nan
     best = [0.0] * groups  # 0: no positive peak yet (NaN below)
     for values, index in pairs:
-        for v, j in zip(values.to(torch.float32).tolist(), index.tolist(), strict=False):  # as scatter_reduce_
+        read = values if values.dtype == torch.float32 else values.to(torch.float32)  # no op when float32
+        where = index.tolist() if isinstance(index, torch.Tensor) else index
+        for v, j in zip(read.tolist(), where, strict=False):  # as scatter_reduce_
             if not -inf < v < inf:  # NaN or Inf: the group holds a non-finite value
                 v = inf
             if v > best[j]:

@@ -65,7 +65,8 @@ _HEADER = 2  # step, width
 _LOG2_LIMIT = 1100.0  # |log2| of any finite float64 magnitude is below this
 _MAX_PENDING = 2  # observed steps whose verdict may wait (the driver reads one step later at most)
 _MAD_TO_SIGMA = 1.4826
-_REFRESH = 8  # judged steps between two recalibrations of the band (its medians are the host cost)
+_REFRESH = 32  # judged steps between two recalibrations of the band (its two medians over the history: the
+# largest host cost of `judge`; the band is a median over `window` steps and moves slowly)
 _isfinite = math.isfinite
 
 
@@ -258,6 +259,22 @@ def _loss_log2(loss: torch.Tensor | None) -> float:
     return math.log2(v) if v > 0 else math.nan
 
 
+class _HostSlot:
+    """A reused host buffer of the screen's all_gather: this rank's row and the gathered rows,
+    filled in place through a ``ctypes`` view of the row's memory (no torch op: on a busy host
+    each small op costs tens of microseconds right after backward)."""
+
+    def __init__(self, width: int, world: int) -> None:
+        self.row = torch.empty(width, dtype=torch.float64)
+        self.out = torch.empty(world, width, dtype=torch.float64)
+        self.views = list(self.out.unbind(0))
+        self._raw = (ctypes.c_double * width).from_address(self.row.data_ptr())  # lives as long as ``row``
+
+    def fill(self, values: list[float]) -> None:
+        """Write ``values`` (exactly the row's width) into the row."""
+        self._raw[:] = values
+
+
 class GradientScreen:
     """Framework-neutral every-step screen (module docstring). The driver calls, on every rank
     alike: ``attach(nonfinite)`` once (one blocking collective: the ranks agree on the width),
@@ -285,6 +302,8 @@ class GradientScreen:
         self._filled = 0
         self._band: tuple[list[float], bool] | None = None  # ``bands()``, all calibrated; refreshed every _REFRESH
         self._last_dev: list[list[float]] | None = None
+        self._slots: list[_HostSlot] = []  # the host path's reused buffers (``_host_slot``)
+        self._slot_index = 0
 
     @property
     def world_size(self) -> int:
@@ -318,6 +337,7 @@ class GradientScreen:
         self._history = torch.full(shape, float("nan"), dtype=torch.float64)
         self._fresh = []
         self._targets = {}
+        self._slots = []
         self._cursor = self._filled = 0
         self._band = None
 
@@ -342,8 +362,9 @@ class GradientScreen:
         on_host = device.type == "cpu" and (magnitudes is None or magnitudes.device.type == "cpu")
         if on_host and (loss is None or loss.device.type == "cpu"):  # reading a value waits for nothing here
             mags_host = magnitudes.tolist() if magnitudes is not None and magnitudes.numel() == k else [math.nan] * k
-            row = torch.tensor([float(step), float(self.width), *mags_host, _loss_log2(loss)], dtype=torch.float64)
-            self._start(step, row, device)
+            slot = self._host_slot()
+            slot.fill([float(step), float(self.width), *mags_host, _loss_log2(loss)])
+            self._start(step, slot.row, device, slot)
             self.stats.add_time(time.perf_counter() - t0)
             return
         if device.type == "cpu":
@@ -359,14 +380,32 @@ class GradientScreen:
         self._start(step, row, device)
         self.stats.add_time(time.perf_counter() - t0)
 
-    def _start(self, step: int, row: torch.Tensor, device: torch.device) -> None:
-        """Start the all_gather of this rank's ``row`` for ``step`` (every rank alike; async)."""
+    def _start(self, step: int, row: torch.Tensor, device: torch.device, slot: _HostSlot | None = None) -> None:
+        """Start the all_gather of this rank's ``row`` for ``step`` (every rank alike; async), into
+        ``slot``'s buffer where given (the host path), else a new one."""
         if is_distributed():
-            out = torch.empty(self.world_size, row.numel(), dtype=torch.float64, device=device)
-            work = dist.all_gather(list(out.unbind(0)), row, async_op=True)
+            if slot is None:
+                out = torch.empty(self.world_size, row.numel(), dtype=torch.float64, device=device)
+                views = list(out.unbind(0))
+            else:
+                out, views = slot.out, slot.views
+            group = dist.group.WORLD
+            if hasattr(group, "allgather"):  # the process group's own call: dist.all_gather's Python checks cost
+                work = group.allgather([views], [row])  # as much as the launch; an async work, as async_op=True
+            else:  # pragma: no cover - a backend without the method
+                work = dist.all_gather(views, row, async_op=True)
             self._pending[step] = HostRead(out, work)
         else:
             self._pending[step] = HostRead(row.reshape(1, -1))
+
+    def _host_slot(self) -> _HostSlot:
+        """The next of the host path's ``_MAX_PENDING + 1`` reused buffers: a row and its gathered
+        rows. Reused only after its step was judged: at most ``_MAX_PENDING`` steps are pending,
+        each in another of the last ``_MAX_PENDING`` buffers."""
+        if not self._slots:
+            self._slots = [_HostSlot(self.width + _HEADER, self.world_size) for _ in range(_MAX_PENDING + 1)]
+        self._slot_index = (self._slot_index + 1) % len(self._slots)
+        return self._slots[self._slot_index]
 
     def suspects(self, step: int) -> ScreenResult:
         """The verdict on ``step`` (waits for its all_gather; judges older pending steps first).
@@ -386,6 +425,7 @@ class GradientScreen:
         """Forget every pending step without waiting for a peer (no collective)."""
         self._pending.clear()
         self._judged.clear()
+        self._slots = []  # a forgotten all_gather may still write into its buffer: never reuse one
 
     def _judge_oldest(self) -> None:
         step, read = self._pending.popitem(last=False)
