@@ -92,6 +92,7 @@ def memory_run(tmp_path: Path, configs: str, bucket_view: bool) -> dict[str, Any
     return json.loads(out.read_text())  # type: ignore[no-any-return]
 
 
+@pytest.mark.slow  # a multi-process launch (about 15 s); its claim is in docs/performance.md section 8
 def test_memory_benchmark_audited_step_adds_under_a_tenth_of_the_weights_with_ddp_defaults(tmp_path: Path) -> None:
     """DDP's default layout (``.grad`` memory of its own, ``gradient_as_bucket_view=False``): the
     audited step's own gradients wait in DDP's buckets while the partner's micro-batch is re-run,
