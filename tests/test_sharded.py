@@ -202,7 +202,8 @@ def test_accelerate_attach_on_an_fsdp2_model(accelerate_fsdp2: Path) -> None:
     clean = results(accelerate_fsdp2, "clean", 4)
     assert all(r["error"] is None and r["sharded"] for r in clean)
     assert clean[0]["cores"] == ["ShardedNonFinite", "ShardedReplay", "ShardedFingerprint"]
-    assert clean[0]["runs"] == {"sdc/nonfinite_gradient/runs": 8.0, "sdc/ring_replay/runs": 4.0,
+    assert clean[0]["runs"] == {"sdc/nonfinite_gradient/runs": 8.0, "sdc/gradient_screen/runs": 8.0,
+                                "sdc/ring_replay/runs": 4.0,
                                 "sdc/weight_fingerprint/runs": 9.0}  # fmt: skip (8 steps, finish: 1 more)
     assert clean[0]["warnings"] == []
     nan = same_error(accelerate_fsdp2, "nan", 4, "NonFiniteGradientError")
