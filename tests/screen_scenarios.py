@@ -94,7 +94,7 @@ class Run:
         judge = self.screen.judge
 
         def recorded(step: int, rows: torch.Tensor) -> Any:
-            self.rows[step] = rows.tolist()
+            self.rows[step] = rows.tolist() if isinstance(rows, torch.Tensor) else [list(r) for r in rows]
             return judge(step, rows)
 
         self.screen.judge = recorded  # type: ignore[method-assign]

@@ -221,7 +221,7 @@ def test_observe_builds_the_row_on_a_device_without_a_host_copy() -> None:
     s.observe(3, torch.zeros(K, device="meta"), torch.tensor(2.0, device="meta"))
     s.observe(4, None, None)
     for step in (3, 4):
-        row = s._pending[step].value
+        row = s._pending[step][0].value  # (its HostRead, its host buffer)
         assert row.device.type == "meta" and row.dtype == torch.float64 and row.shape == (1, 2 + K + 1)
     s.discard()
 
@@ -254,3 +254,20 @@ def test_the_host_row_carries_what_the_kernels_row_carries() -> None:
         kernels, host = loss_magnitude(loss, dev).item(), _loss_log2(loss)
         same = kernels == host or (math.isnan(kernels) and math.isnan(host))
         assert same or abs(kernels - host) <= 1e-6 * max(1.0, abs(host)), loss
+
+
+def test_rows_as_lists_judge_as_the_tensor_does() -> None:
+    """The host path hands ``judge`` the gathered rows as lists (read from its reused buffer): the
+    same verdicts, values and band history as the tensor; a row of the wrong width is refused."""
+    a, b, g = screen(3), screen(3), torch.Generator().manual_seed(4)
+    for step in range(40):
+        values = healthy(g, 3)
+        if step == 30:
+            values[1, 2] += 14.0  # a grown value: rank 1 out of any band
+        t = rows(step, values)
+        ra, rb = a.judge(step, t), b.judge(step, t.tolist())
+        assert ra == rb and ra.values == rb.values and ra.bands == rb.bands
+    assert ra.step == 39 and ra.ranks == () and a.stats.extra["hits"] == b.stats.extra["hits"] == 1
+    assert torch.equal(a.bands()[0], b.bands()[0])
+    with pytest.raises(ValueError, match="expected"):
+        b.judge(41, [row[:-1] for row in rows(41, healthy(g, 3)).tolist()])

@@ -268,11 +268,18 @@ class _HostSlot:
         self.row = torch.empty(width, dtype=torch.float64)
         self.out = torch.empty(world, width, dtype=torch.float64)
         self.views = list(self.out.unbind(0))
-        self._raw = (ctypes.c_double * width).from_address(self.row.data_ptr())  # lives as long as ``row``
+        self.width, self.world = width, world
+        self._raw = (ctypes.c_double * width).from_address(self.row.data_ptr())  # live as long as the tensors
+        self._raw_out = (ctypes.c_double * (width * world)).from_address(self.out.data_ptr())
 
     def fill(self, values: list[float]) -> None:
         """Write ``values`` (exactly the row's width) into the row."""
         self._raw[:] = values
+
+    def read(self) -> list[list[float]]:
+        """The gathered rows (call once the all_gather has landed), as ``out.tolist()`` gives them."""
+        flat, n = self._raw_out[:], self.width
+        return [flat[i * n : (i + 1) * n] for i in range(self.world)]
 
 
 class GradientScreen:
@@ -294,7 +301,7 @@ class GradientScreen:
         self.last_result: ScreenResult | None = None
         self._device: torch.device | None = None
         self._targets: dict[torch.device | None, torch.device] = {}  # ``collective_device`` per source device
-        self._pending: OrderedDict[int, HostRead] = OrderedDict()
+        self._pending: OrderedDict[int, tuple[HostRead, _HostSlot | None]] = OrderedDict()  # step -> its gather
         self._judged: dict[int, ScreenResult] = {}
         self._history: torch.Tensor | None = None  # (window, world, width) healthy positive deviations, NaN: none
         self._fresh: list[tuple[int, list[list[float]]]] = []  # (slot, rows) judged, not yet in _history
@@ -394,9 +401,9 @@ class GradientScreen:
                 work = group.allgather([views], [row])  # as much as the launch; an async work, as async_op=True
             else:  # pragma: no cover - a backend without the method
                 work = dist.all_gather(views, row, async_op=True)
-            self._pending[step] = HostRead(out, work)
+            self._pending[step] = (HostRead(out, work), slot)
         else:
-            self._pending[step] = HostRead(row.reshape(1, -1))
+            self._pending[step] = (HostRead(row.reshape(1, -1)), None)
 
     def _host_slot(self) -> _HostSlot:
         """The next of the host path's ``_MAX_PENDING + 1`` reused buffers: a row and its gathered
@@ -428,10 +435,10 @@ class GradientScreen:
         self._slots = []  # a forgotten all_gather may still write into its buffer: never reuse one
 
     def _judge_oldest(self) -> None:
-        step, read = self._pending.popitem(last=False)
-        rows = read.get()
+        step, (read, slot) = self._pending.popitem(last=False)
+        rows = read.get()  # waits for the all_gather
         t0 = time.perf_counter()
-        self._judged[step] = self.judge(step, rows)
+        self._judged[step] = self.judge(step, slot.read() if slot is not None else rows)
         self.stats.add_time(time.perf_counter() - t0)
 
     def bands(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -464,17 +471,18 @@ class GradientScreen:
         rows = torch.tensor(list(latest.values()), dtype=torch.float64)
         self._history.index_copy_(0, torch.tensor(list(latest)), rows)
 
-    def judge(self, step: int, rows: torch.Tensor) -> ScreenResult:
-        """The verdict on ``rows`` (``world x (2 + width)`` float64, every rank's row; identical on
-        every rank), and the history updated with its healthy deviations. Pure host arithmetic:
-        one ``tolist`` of the rows, then plain Python on ``world x (width + 3)`` numbers."""
-        world = rows.shape[0]
+    def judge(self, step: int, rows: torch.Tensor | list[list[float]]) -> ScreenResult:
+        """The verdict on ``rows`` (``world x (2 + width)`` float64, every rank's row, or those rows
+        as lists; identical on every rank), and the history updated with its healthy deviations.
+        Pure host arithmetic: one ``tolist`` of a tensor, then plain Python on ``world x (width + 3)``
+        numbers."""
+        table = rows.to("cpu", torch.float64).tolist() if isinstance(rows, torch.Tensor) else rows
         self.stats.runs += 1
-        if rows.shape != (world, _HEADER + self.width) or world != self.world_size:
-            raise ValueError(f"screen rows of shape {tuple(rows.shape)}, expected ({self.world_size}, "
-                             f"{_HEADER + self.width})")  # fmt: skip
+        if len(table) != self.world_size or any(len(r) != _HEADER + self.width for r in table):
+            shape = tuple(rows.shape) if isinstance(rows, torch.Tensor) else (len(table),)
+            raise ValueError(f"screen rows of shape {shape}, expected ({self.world_size}, {_HEADER + self.width})")
         width, nan, inf = self.width, math.nan, math.inf
-        values, judged, malformed, nonfinite = _read_rows(rows.to("cpu", torch.float64).tolist(), width)
+        values, judged, malformed, nonfinite = _read_rows(table, width)
         ref = reference(judged)
         if self._band is None or self.stats.runs % _REFRESH == 1:
             band_t, calibrated_t = self.bands()

@@ -383,16 +383,17 @@ class RingReplay:
         ``keep_every_step``, on every micro-batch: references and the RNG, plus the capture)."""
         (self.kept.batches if self.keeping else self._micro).append(MicroBatch(batch, batch_idx, *all_rng(device)))
         if state:
-            self.begin(device)
+            self.begin(device, rng=False)  # the RNG was just taken (NumPy's alone costs about 50 us)
 
-    def begin(self, device: torch.device | None = None) -> None:
-        """The step of the last recorded micro-batch starts now: (re)capture its RNG and state."""
+    def begin(self, device: torch.device | None = None, rng: bool = True) -> None:
+        """The step of the last recorded micro-batch starts now: (re)capture its RNG (``rng``) and state."""
         kept = self.keeping
         micro = self.kept.batches if kept else self._micro
         if (self._armed_step is None and not kept) or not micro or self.replaying:
             return
         mb = micro[-1]
-        mb.cpu_rng, mb.cuda_rng, mb.py_rng, mb.np_rng = all_rng(device)
+        if rng:
+            mb.cpu_rng, mb.cuda_rng, mb.py_rng, mb.np_rng = all_rng(device)
         if self.config.deterministic and not kept:  # the owner's forward and backward: in the replays' mode
             self._window.enter(self.strict)
         if self.capture is not None:  # one budget for all micro-batches of the step (held until the audit)

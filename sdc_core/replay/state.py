@@ -151,6 +151,24 @@ class StepState:
     nbytes: int = 0
 
 
+def _members(modules: list[tuple[str, nn.Module]], kind: str, prefix: str,
+             skip: frozenset[str] = frozenset()) -> list[tuple[str, torch.Tensor]]:  # fmt: skip
+    """``named_parameters()`` (``kind="_parameters"``) or ``named_buffers()`` (``"_buffers"``) of
+    the module whose ``named_modules()`` are ``modules``, in their order, each tensor once, without
+    another walk of the module tree; names in ``skip`` left out, ``prefix`` put before each name."""
+    seen: set[int] = set()
+    out: list[tuple[str, torch.Tensor]] = []
+    for path, sub in modules:
+        for k, t in getattr(sub, kind).items():
+            if t is None or id(t) in seen:
+                continue
+            seen.add(id(t))
+            name = f"{path}.{k}" if path else k
+            if name not in skip:
+                out.append((prefix + name, t))
+    return out
+
+
 class StateCapture:
     """Captures, reproduces and restores the state a training step reads besides its batch.
 
@@ -198,8 +216,8 @@ class StateCapture:
         budget = _Budget(start)
         tensors: dict[str, Any] = {}
         live: list[str] = []
-        named = [(f"param:{n}", p) for n, p in self.module.named_parameters() if n not in self.trainable]
-        named += [(f"buffer:{n}", b) for n, b in self.module.named_buffers() if b is not None]
+        modules = list(self.module.named_modules())  # one walk (named_parameters and named_buffers walk again)
+        named = _members(modules, "_parameters", "param:", self.trainable) + _members(modules, "_buffers", "buffer:")
         for key, t in named:
             size = t.numel() * t.element_size()
             if size > budget.bytes_left:
@@ -208,15 +226,27 @@ class StateCapture:
             budget.bytes_left -= size
             tensors[key] = t.detach().clone()
         attrs: dict[str, dict[str, Any]] = {}
-        for path, sub in self.module.named_modules():
-            for k, v in vars(sub).items():
-                if k in self.exclude or k.startswith("__") or isinstance(v, nn.Module):
+        exclude, scalars = self.exclude, _SCALARS
+        for path, sub in modules:
+            d = vars(sub)
+            keys = d.keys() - exclude  # one set operation: most of a module's attributes are its internals
+            if not keys:
+                continue
+            taken: dict[str, Any] = {}
+            for k in sorted(keys):
+                v = d[k]
+                if type(v) in scalars:  # immutable: no copy (``_copy_plain``'s first case, without the call)
+                    taken[k] = v
+                    continue
+                if k.startswith("__") or isinstance(v, nn.Module):
                     continue
                 try:
-                    attrs.setdefault(path, {})[k] = _copy_plain(v, budget)
+                    taken[k] = _copy_plain(v, budget)
                 except _Skip:
                     if isinstance(v, torch.Tensor):
                         live.append(f"{path}.{k}" if path else k)
+            if taken:
+                attrs[path] = taken
         user = self.get_state() if self.get_state is not None else None
         return StepState(tensors, attrs, user, self.get_state is not None, tuple(live), start - budget.bytes_left)
 

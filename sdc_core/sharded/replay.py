@@ -177,13 +177,13 @@ class ShardedReplay(RingReplay):
                                     load_state, self.config.max_state_mb)  # fmt: skip
         self._frozen = [p for p in module.parameters() if not p.requires_grad and local(p) is not p]
 
-    def begin(self, device: torch.device | None = None) -> None:
+    def begin(self, device: torch.device | None = None, rng: bool = True) -> None:
         """As ``RingReplay.begin``; also copies this rank's shards of the sharded parameters that do
         not train (an EMA teacher updated in place), when they fit in what is left of ``max_state_mb``:
         they cannot travel (the partner holds other shards), so a replay of micro-batch ``i`` runs on
         the replayer's own copy taken at its micro-batch ``i`` (equal on every rank when the step
         changes them alike). Past the budget they are read live and guarded against change."""
-        super().begin(device)
+        super().begin(device, rng)
         if self.keeping and len(self.kept.batches) == 1 and not self.replaying:  # a kept step's first micro-batch
             self._kept_versions = [local(p)._version for p in self._frozen]
         if self._armed_step is None or not self._micro or self.replaying or not self._frozen:
