@@ -1,13 +1,16 @@
-"""What the every-step gradient screen costs: plain DDP on CPU ranks, the checks at their defaults
-(``SDCHooks()``) with and without ``GradientScreen``, interleaved STEP BY STEP in one process group.
+"""What the every-step gradient screen costs: plain DDP on CPU ranks, the hook set at its defaults
+(``SDCHooks()``: the screen on) against the same without the screen (``gradient_screen=False``),
+interleaved STEP BY STEP in one process group.
 
 Run under ``torchrun --nproc-per-node N python -m benchmarks.screen_cost --out FILE``. The model,
 batch and optimizer are ``benchmarks.ddp_steps``' (the Lightning benchmark's MLP, AdamW); each
 configuration trains its own copy (same seed, same batches) in its own
 ``DistributedDataParallel``, one step of each in turn (A B C, C B A, ...). The screen's own work is
-timed in the same steps: the magnitude read at the end of backward (``_group_magnitudes``),
-``observe`` and ``suspects`` (read one step later, as the deferred policies do), as a share of
-rank 0's step of ``defaults``; the A/B columns carry what a timer misses (caches, threads).
+timed in the same steps, where the hook set's driver calls it: the magnitude read at the end of
+backward (``_group_magnitudes``), ``observe`` and ``suspects`` (read before the update, as the
+driver reads it), and what the replay records on every step for a possible escalation (``record``
+while it keeps a step that it does not audit), as a share of rank 0's step without the screen;
+the A/B columns carry what a timer misses (caches, threads).
 """
 
 from __future__ import annotations
@@ -25,11 +28,10 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from benchmarks.common import Model, WorkTimer, summary
-from sdc_core.checks.screen import GradientScreen
 from sdc_core.driver.hooks import SDCHooks
 
 BATCH = 128
-CONFIGS = ("none", "defaults", "defaults_screen")
+CONFIGS = ("none", "no_screen", "defaults")
 
 
 class ThreadTimer(WorkTimer):
@@ -60,39 +62,37 @@ class ThreadTimer(WorkTimer):
 
 
 class Run:
-    """One configuration: a model copy, its optimizer, its hook set and screen (or none), its timings."""
+    """One configuration: a model copy, its optimizer, its hook set (or none), its timings."""
 
     def __init__(self, config: str, width: int) -> None:
         torch.manual_seed(0)
         self.model = DistributedDataParallel(Model(width))
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
-        self.sdc = SDCHooks() if config != "none" else None
-        self.screen: GradientScreen | None = None
+        self.sdc = None if config == "none" else SDCHooks(gradient_screen=config == "defaults")
         self.work = ThreadTimer()  # the screen's own work
         if self.sdc is not None:
             self.sdc.attach(self.model, self.opt)
-        if config == "defaults_screen":
-            nonfinite = self.sdc.nonfinite  # type: ignore[union-attr]
-            self.screen = GradientScreen()
-            self.screen.attach(nonfinite)
+        self.screen = self.sdc.screen if self.sdc is not None else None
+        if self.screen is not None:  # the driver calls these by attribute: the wrappers are what it calls
+            nonfinite, replay = self.sdc.nonfinite, self.sdc.replay  # type: ignore[union-attr]
             nonfinite._group_magnitudes = self.work.wrap(nonfinite._group_magnitudes)  # type: ignore[method-assign]
-            self.observe = self.work.wrap(self.screen.observe)
-            self.suspects = self.work.wrap(self.screen.suspects)
+            self.screen.observe = self.work.wrap(self.screen.observe)  # type: ignore[method-assign]
+            self.screen.suspects = self.work.wrap(self.screen.suspects)  # type: ignore[method-assign]
+            record, kept = replay.record, self.work.wrap(replay.record)
+
+            def record_kept(*args: Any, **kwargs: Any) -> Any:  # timed only while keeping for the screen
+                return (kept if replay.keeping else record)(*args, **kwargs)
+
+            replay.record = record_kept  # type: ignore[method-assign]
         self.steps: list[dict[str, float]] = []
-        self.parts_after_skip: dict[str, float] = {}
-        self.flagged = 0
         self.i = 0
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
         t0, c0, w0 = time.perf_counter(), time.thread_time(), self.work.cpu_seconds
         loss = self.model(x, y)
         loss.backward()
-        if self.screen is not None:
-            self.observe(self.i, self.sdc.nonfinite.take_magnitudes(), loss.detach())  # type: ignore[union-attr]
         self.opt.step()
         self.opt.zero_grad()
-        if self.screen is not None and self.i > 0:
-            self.flagged += bool(self.suspects(self.i - 1))
         self.i += 1
         self.steps.append({"seconds": time.perf_counter() - t0, "work_seconds": self.work.take(),
                            "cpu_seconds": time.thread_time() - c0,
@@ -109,43 +109,43 @@ def main() -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=300))
     runs = {c: Run(c, args.width) for c in CONFIGS}
     g = torch.Generator().manual_seed(dist.get_rank())
+    screened = runs["defaults"]
     for i in range(args.skip + args.steps):
         if i == args.skip:
-            screen_run = runs["defaults_screen"]
-            screen_run.parts_after_skip = dict(screen_run.work.parts)
+            parts_after_skip = dict(screened.work.parts)
         x = torch.randn(BATCH, 64, generator=g)
         for c in CONFIGS if i % 2 == 0 else CONFIGS[::-1]:
             runs[c].step(x, x[:, :1])
-    screen = runs["defaults_screen"]
-    parts = {k: v - screen.parts_after_skip.get(k, 0.0) for k, v in screen.work.parts.items()}
-    screen.flagged += bool(screen.screen.suspects(screen.i - 1))  # type: ignore[union-attr]
+    parts = {k: v - parts_after_skip.get(k, 0.0) for k, v in screened.work.parts.items()}
+    stats = screened.screen.stats.metrics() if screened.screen is not None else {}
     for run in runs.values():
         if run.sdc is not None:
             run.sdc.finish()
     kept = {c: run.steps[args.skip :] for c, run in runs.items()}
     wall = {c: [s["seconds"] for s in steps] for c, steps in kept.items()}
     if dist.get_rank() == 0:
-        own = sum(s["work_seconds"] for s in kept["defaults_screen"])
-        own_cpu = sum(s["work_cpu_seconds"] for s in kept["defaults_screen"])
-        main_cpu = sum(s["cpu_seconds"] for s in kept["defaults"])
-        pairs = zip(wall["defaults_screen"], wall["defaults"], strict=True)
+        own = sum(s["work_seconds"] for s in kept["defaults"])
+        own_cpu = sum(s["work_cpu_seconds"] for s in kept["defaults"])
+        main_cpu = sum(s["cpu_seconds"] for s in kept["no_screen"])
+        base = sum(wall["no_screen"])
+        pairs = zip(wall["defaults"], wall["no_screen"], strict=True)
         result: dict[str, Any] = {
             "world_size": dist.get_world_size(),
             "params": sum(p.numel() for p in Model(args.width).parameters()),
             "batch": BATCH,
             "steps": args.steps,
             "step_seconds": {c: summary(w) for c, w in wall.items()},
-            "screen_own_work_share_of_defaults_step": own / sum(wall["defaults"]),
-            "screen_own_work_ms_per_step": 1000 * own / len(wall["defaults"]),
-            "screen_own_cpu_ms_per_step": 1000 * own_cpu / len(wall["defaults"]),
-            "screen_own_cpu_ms_per_step_by_call": {k: 1000 * v / len(wall["defaults"]) for k, v in parts.items()},
-            "screen_own_cpu_share_of_defaults_step_wall": own_cpu / sum(wall["defaults"]),
-            "screen_own_cpu_share_of_defaults_main_thread_cpu": own_cpu / main_cpu,
-            "screen_vs_defaults_median": statistics.median(wall["defaults_screen"])
-            / statistics.median(wall["defaults"]) - 1,
-            "screen_vs_defaults_step_pairs": statistics.median(a / b for a, b in pairs) - 1,
-            "defaults_vs_none_median": statistics.median(wall["defaults"]) / statistics.median(wall["none"]) - 1,
-            "flagged_steps": screen.flagged,
+            "screen_own_work_share_of_no_screen_step": own / base,
+            "screen_own_work_ms_per_step": 1000 * own / len(wall["no_screen"]),
+            "screen_own_cpu_ms_per_step": 1000 * own_cpu / len(wall["no_screen"]),
+            "screen_own_cpu_ms_per_step_by_call": {k: 1000 * v / len(wall["no_screen"]) for k, v in parts.items()},
+            "screen_own_cpu_share_of_no_screen_step_wall": own_cpu / base,
+            "screen_own_cpu_share_of_no_screen_main_thread_cpu": own_cpu / main_cpu,
+            "defaults_vs_no_screen_median": statistics.median(wall["defaults"])
+            / statistics.median(wall["no_screen"]) - 1,
+            "defaults_vs_no_screen_step_pairs": statistics.median(a / b for a, b in pairs) - 1,
+            "no_screen_vs_none_median": statistics.median(wall["no_screen"]) / statistics.median(wall["none"]) - 1,
+            "screen_metrics": stats,
         }  # fmt: skip
         args.out.write_text(json.dumps(result, indent=1))
         print(json.dumps(result, indent=1), flush=True)
