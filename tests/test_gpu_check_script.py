@@ -37,9 +37,16 @@ def summary(out: Path) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def dry_all(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess[str]]:
-    """The cost stages' dry run (about 30 s); the trust stage's (about 40 s more) runs with -m slow."""
+    """The memory and matmul stages' dry run (about 20 s); trust's and bench's (about 40 and 15 s
+    more) run with -m slow (``dry_trust``, ``dry_bench``)."""
     out = tmp_path_factory.mktemp("gpu_check") / "r"
-    return out, gpu_check("--dry-run", "all", str(out), SDC_GPU_SKIP="trust")
+    return out, gpu_check("--dry-run", "all", str(out), SDC_GPU_SKIP="trust,bench")
+
+
+@pytest.fixture(scope="module")
+def dry_bench(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess[str]]:
+    out = tmp_path_factory.mktemp("gpu_check_bench") / "r"
+    return out, gpu_check("--dry-run", "all", str(out), SDC_GPU_SKIP="trust,memory,matmul")
 
 
 @pytest.fixture(scope="module")
@@ -48,15 +55,15 @@ def dry_trust(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subproces
     return out, gpu_check("--dry-run", "trust", str(out))
 
 
-# the trust and bench stages' dry runs are launches of their own (about 30 s each): under -m slow (the default run
-# stays under 10 min); the default run keeps the memory and matmul dry runs, and the lone-path test runs bench's
+# the trust and bench stages' dry runs are launches of their own (about 40 and 15 s): under -m slow (the default
+# run stays under 10 min); the default run keeps the memory and matmul dry runs, and the lone-path test runs bench's
 # stage logic to its timeout
 _SLOW_DRY = ("trust", "bench")
 
 
 @pytest.mark.parametrize("stage", [pytest.param(s, marks=pytest.mark.slow) if s in _SLOW_DRY else s for s in STAGES])
 def test_dry_run_runs_each_stage_and_writes_its_log_json_and_summary_line(request, stage: str) -> None:
-    out, proc = request.getfixturevalue("dry_trust" if stage == "trust" else "dry_all")
+    out, proc = request.getfixturevalue({"trust": "dry_trust", "bench": "dry_bench"}.get(stage, "dry_all"))
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
     lines = summary(out)
     assert list(lines) == (["trust"] if stage == "trust" else STAGES)  # in the order of importance, one line each

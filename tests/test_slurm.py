@@ -161,12 +161,13 @@ def faulty_torchrun_job(slurm: Cluster, tmp_path: Path) -> dict:
     return second
 
 
+@pytest.mark.slow  # a real Slurm job (about 30 s): the default run stays under 10 minutes on 2 cores
 def test_torchrun_route_drains_the_faulty_node_requeues_and_resumes(slurm: Cluster, tmp_path: Path) -> None:
     """``faulty_torchrun_job``; its clean counterpart resumed from the same checkpoint: ``-m slow``."""
     faulty_torchrun_job(slurm, tmp_path)
 
 
-@pytest.mark.slow  # a second job (about 30 s): the default run keeps the drain, requeue and resume above
+@pytest.mark.slow  # a second job (about 30 s)
 def test_a_clean_job_resumed_from_the_same_checkpoint_ends_with_the_same_weights(slurm: Cluster,
                                                                                  tmp_path: Path) -> None:  # fmt: skip
     """After the faulty job above, n2 is put back (as after its replacement) and a clean job
