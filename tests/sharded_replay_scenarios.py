@@ -126,12 +126,17 @@ class DataDependentFault(L.Callback):
 
 
 def quiet(out: Path, name: str, model: ShardedNet) -> dict[str, Any]:
-    """``NonFiniteGradientCheck`` alone; counts the all-reduces the SDC code issues (one per step)."""
-    calls = {"sdc": 0}
+    """``NonFiniteGradientCheck`` alone (its screen on, as at the defaults); counts the all-reduces
+    the SDC code issues: the check's (one per step) and the screen's (one at attach: the ranks agree
+    on the row's width; its rows travel in an all_gather)."""
+    calls = {"sdc": 0, "screen": 0}
     original = torch.distributed.all_reduce
 
     def counting(*args: Any, **kwargs: Any) -> Any:
-        if sys._getframe(1).f_globals.get("__name__", "").startswith("sdc_core"):
+        caller = sys._getframe(1).f_globals.get("__name__", "")
+        if caller == "sdc_core.checks.screen":
+            calls["screen"] += 1
+        elif caller.startswith("sdc_core"):
             calls["sdc"] += 1
         return original(*args, **kwargs)
 
@@ -141,7 +146,8 @@ def quiet(out: Path, name: str, model: ShardedNet) -> dict[str, Any]:
         result = fit(out, name, [check], model=model)
     finally:
         torch.distributed.all_reduce = original
-    return result | {"sdc_all_reduces": calls["sdc"], "in_band": check._core.in_band}
+    return result | {"sdc_all_reduces": calls["sdc"], "screen_all_reduces": calls["screen"],
+                     "in_band": check._core.in_band}
 
 
 def fault(mode: str, **kw: Any) -> list[Any]:

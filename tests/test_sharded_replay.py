@@ -76,6 +76,7 @@ def test_nonfinite_check_under_fsdp2_issues_one_small_all_reduce_per_step(out: P
     for r in results(out, "quiet_clean", WORLD):
         assert r["error"] is None and r["global_step"] == 8 and r["in_band"] is True
         assert r["sdc_all_reduces"] == r["states"]["NonFiniteGradientCheck"]["runs"] == 8
+        assert r["screen_all_reduces"] == 1  # the screen's width, agreed once at attach
     err = same_error(out, "quiet_nan", WORLD, "NonFiniteGradientError")
     assert err["rank"] == 1 and err["step"] == 3 and err["details"]["pattern"] == "one_rank"
     assert len({r["sdc_all_reduces"] for r in results(out, "quiet_nan", WORLD)}) == 1  # every rank alike
