@@ -88,6 +88,7 @@ def test_plain_recipe_under_sdc_key(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert "under 'sdc' holds counters only: call hooks.before_save()" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # a 3-rank launch (about 10 s): the default run stays under 10 minutes on 2 cores
 def test_torchrun_demo_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """examples/torchrun_demo.py (3 DDP ranks under torchrun) saves model, optimizer and SDC state."""
     torchrun(ROOT / "examples" / "torchrun_demo.py", None, None, 3, "--fault", "none", "--steps", "3", timeout=300,
