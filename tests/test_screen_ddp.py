@@ -17,6 +17,7 @@ def flags(result: dict) -> dict[int, list[int]]:
     return {r["step"]: r["ranks"] for r in result["results"] if r["ranks"]}
 
 
+@pytest.mark.slow  # a 3-rank launch (about 10 s); the default run keeps the screen end to end in test_screen_escalation
 def test_a_clean_stretch_never_flags_and_faults_name_their_rank_at_their_step(tmp_path: Path) -> None:
     """One launch, 50 steps: steps 0-29 clean (the warm-up included) and no flag, then a fault on
     rank 1 at step 30 and one on rank 2 at step 45, each named at its step, and no other flag."""

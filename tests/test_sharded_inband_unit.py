@@ -58,6 +58,7 @@ def test_a_non_finite_value_poisons_element_0_of_every_chunk(bad: float) -> None
     assert bool(torch.isnan(reduced[:, 0]).all())
 
 
+@pytest.mark.slow  # a 3-rank FSDP2 launch (about 10 s): the default run stays under 10 minutes on 2 cores
 @pytest.mark.parametrize("scenario", ["now", "deferred"])
 def test_a_nan_formed_in_the_reduction_on_one_shard_gives_one_verdict_everywhere(
     nan_in_reduction: Path, scenario: str
