@@ -435,11 +435,14 @@ def _why_defaults(summ: dict[str, Any], runs: list[dict[str, Any]]) -> list[str]
         "exponent bits (x2 to x2^64 for one element, or a shrink) and mantissa bits, and a grown element that "
         "stays under its group's largest, stay inside it. Band hits on compute faults here: "
         f"{len(flagged)} runs, {len(band_caught)} confirmed by the partner and raised.",
-        f"- **A loss that overflows while the gradients stay finite** ({len(dropped)} runs here; the replay every "
-        f"step caught {sum(r['outcome'] == 'detected' and r['latency'] == 0 for r in dropped)} of them in their "
-        "step): the top exponent bit of one output of the last layer makes the "
-        "rank's loss infinite; the screen flags the rank as `nonfinite`, but only `band` hits are escalated to "
-        "the partner and the non-finite check reads the gradients, which are finite: the hit is counted "
-        "(`sdc/gradient_screen/nonfinite_suspects`) and nothing is raised.",
     ]
+    if dropped:  # a non-finite loss from finite gradients is escalated; what stays is a hit nobody confirmed
+        lines.append(
+            f"- **A non-finite value the screen flagged and nothing raised** ({len(dropped)} runs here; the replay "
+            f"every step caught {sum(r['outcome'] == 'detected' and r['latency'] == 0 for r in dropped)} of them "
+            "in their step): the screen named the rank `nonfinite` (`sdc/gradient_screen/nonfinite_suspects`), "
+            "but no check raised: the partner's recomputation did not confirm the hit "
+            "(`sdc/ring_replay/screen_unconfirmed`), or the non-finite check's verdict was not read before the run "
+            "ended."
+        )
     return lines
