@@ -18,15 +18,15 @@ from typing import Any
 from sdc_core.faults.campaign_runner import CAMPAIGN_DIR_ENV, CampaignRunner, counters
 
 
-def _module() -> Any:
+def _module(optimizer: str = "adam") -> Any:
     """A fresh LightningModule around the campaign's model (``sdc_core.faults.campaign.CampaignModel``,
-    under ``model.``), trained with Adam at 3e-3 on the mean squared error. Made here, on first
-    use, to keep torch out of the import."""
+    under ``model.``), trained with ``optimizer`` (``campaign.make_optimizer``: Adam at 3e-3 by
+    default) on the mean squared error. Made here, on first use, to keep torch out of the import."""
     import lightning.pytorch as L
     import torch
     from torch import nn
 
-    from sdc_core.faults.campaign import CampaignModel
+    from sdc_core.faults.campaign import CampaignModel, make_optimizer
 
     class Module(L.LightningModule):
         def __init__(self) -> None:
@@ -41,7 +41,7 @@ def _module() -> Any:
             return nn.functional.mse_loss(self(x), y)
 
         def configure_optimizers(self) -> torch.optim.Optimizer:
-            return torch.optim.Adam(self.parameters(), lr=3e-3)
+            return make_optimizer(optimizer, self.parameters())
 
     return Module()
 
@@ -74,7 +74,8 @@ def _callbacks(checks: bool, check_set: str | None, save: str | None, fault: Any
 
 
 def _fit(steps: int, checks: bool, fault: Any = None, ckpt_path: str | None = None, save: str | None = None,
-         check_set: str | None = None, data: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
+         check_set: str | None = None, data: dict[str, Any] | None = None,
+         optimizer: str = "adam") -> dict[str, Any]:  # fmt: skip
     """One training on every rank of the launch (``sdc_core.faults.campaign_runner.Fit``)."""
     import lightning.pytorch as L
     import torch
@@ -91,7 +92,7 @@ def _fit(steps: int, checks: bool, fault: Any = None, ckpt_path: str | None = No
                         max_steps=steps, callbacks=callbacks, logger=False, enable_progress_bar=False,
                         enable_model_summary=False, enable_checkpointing=False,
                         default_root_dir=os.environ.get(CAMPAIGN_DIR_ENV, "."))  # incidents land there  # fmt: skip
-    module = _module()
+    module = _module(optimizer)
     error = crash = None
     try:
         trainer.fit(module, DataLoader(TensorDataset(x, y), batch_size=BATCH), ckpt_path=ckpt_path)

@@ -9,6 +9,7 @@ sdc report DIR_OR_FILE... [--json] [--strict]
 sdc exclude-list DIR_OR_FILE... [--format slurm|lines|reason] [--strict]
 sdc node-name   the node this process runs on, as the checks record it (SLURMD_NODENAME, NODE_NAME or host)
 sdc campaign [--injections N] [--clean N] [--hard N] [--out DIR] [--workers W] [--seed S] [--study N] [--doc FILE]
+             [--steps N] [--sites S,...] [--optimizer adam|sgd]
 sdc run -- COMMAND [ARG ...]   run a launch command; exit 86 when the job ended on an SDC verdict,
     0 on success, the command's own code otherwise (see sdc_core.ops.launch)
 
@@ -318,6 +319,8 @@ def _sites(text: str) -> tuple[str, ...]:
 
 
 def campaign_parser() -> argparse.ArgumentParser:
+    from sdc_core.faults.campaign_runner import OPTIMIZERS
+
     k = parser_for("sdc campaign", "fault-injection campaign over short multi-process Lightning trainings")
     k.add_argument("--injections", type=_at_least(0), default=200)
     k.add_argument("--clean", type=_at_least(0), default=20, help="clean runs, each with another data order")
@@ -330,6 +333,9 @@ def campaign_parser() -> argparse.ArgumentParser:
     k.add_argument("--sites", type=_sites, default=None,
                    help="fault sites to inject, comma-separated (default: all of activation, gradient, "
                    "matmul_output, weights, optimizer, checkpoint)")  # fmt: skip
+    k.add_argument("--optimizer", choices=OPTIMIZERS, default="adam",
+                   help="train with Adam at 3e-3 (default) or SGD with momentum (lr 0.05, momentum 0.9; "
+                   "no optimizer-state faults, no --study, no --doc)")  # fmt: skip
     k.add_argument("--study", type=_at_least(0), default=0,
                    help="also run N checkpoint-alteration study runs per group")  # fmt: skip
     k.add_argument("--doc", type=Path, help="also write a coverage page (markdown; its CSV and, with matplotlib, "
@@ -356,7 +362,7 @@ def campaign_main(argv: list[str]) -> int:
     try:
         run_campaign(args.out, injections=args.injections, clean=args.clean, workers=args.workers, seed=args.seed,
                      steps=args.steps, study=args.study, doc=args.doc, hard=args.hard, sites=args.sites or SITES,
-                     runner=runner)  # fmt: skip
+                     runner=runner, optimizer=args.optimizer)  # fmt: skip
     except CampaignFailed as err:
         print(f"sdc campaign: error: {err}", file=sys.stderr)
         return EXIT_CHANGED

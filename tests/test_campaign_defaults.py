@@ -161,6 +161,56 @@ def test_the_campaign_part_of_the_page_is_replaced_and_the_rest_kept(tmp_path: P
     assert doc.read_text().startswith(cr.CAMPAIGN_SECTION[0]) and cr.CAMPAIGN_SECTION[1] in doc.read_text()
 
 
+def test_the_optimizer_option_reaches_every_training_and_the_runner_builds_it(tmp_path: Path, monkeypatch: Any) -> None:
+    """``sdc campaign --optimizer sgd``: the command line, the worker's launch command, every
+    training of the worker (the reference run included) and the Lightning module's optimizer."""
+    from lightning_sdc.campaign import RUNNER, _module
+    from sdc_core import cli
+    from sdc_core.faults.campaign_runner import CampaignRunner
+
+    got: dict[str, Any] = {}
+    monkeypatch.setattr(run, "run_campaign", lambda out, **kw: got.update(kw))
+    sites = ["--sites", "activation,gradient,matmul_output"]
+    assert cli.main(["campaign", "--out", str(tmp_path / "a"), *sites, "--optimizer", "sgd"]) == cli.EXIT_OK
+    assert got["optimizer"] == "sgd" and got["runner"] is RUNNER
+    assert cli.campaign_parser().parse_args([]).optimizer == "adam"  # existing results do not change
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match="optimizer-state faults"):  # SGD has no exp_avg / exp_avg_sq
+        run.run_campaign(tmp_path / "b", injections=1, clean=0, optimizer="sgd")
+
+    class Launched:  # the worker's launch (3 ranks): its command, run here on one rank below
+        returncode = 0
+
+        def __init__(self, cmd: list[str], **kw: Any) -> None:
+            got["cmd"] = cmd
+
+        def poll(self) -> int:
+            return 0
+
+    monkeypatch.setattr(run.subprocess, "Popen", Launched)
+    spec = {"id": "clean000", "site": "clean", "variant": "order", "order": 1, "bit_class": "-", "rank": -1,
+            "step": -1}  # fmt: skip
+    assert run.run_specs([spec], tmp_path, workers=1, steps=8, runner=RUNNER, optimizer="sgd") == []
+    argv = got["cmd"][got["cmd"].index(RUNNER.worker_module) + 1 :]
+    assert argv[argv.index("--optimizer") + 1] == "sgd"
+    calls: list[tuple[int, str]] = []
+
+    def fit(steps: int, checks: bool, optimizer: str = "adam", **kw: Any) -> dict[str, Any]:
+        calls.append((steps, optimizer))
+        return {"error": None, "crash": None, "weights": torch.ones(3), "loss": 0.5, "counters": {}}
+
+    monkeypatch.setenv("RANK", "0")
+    run.main(CampaignRunner(name="fake", worker_module="fake", fit=fit), argv)
+    assert calls == [(8, "sgd")] * 4  # the reference run, then the clean spec's three trainings
+    assert json.loads((tmp_path / "chunk0.jsonl").read_text())["outcome"] == "clean"
+
+    sgd = _module("sgd").configure_optimizers()
+    assert isinstance(sgd, torch.optim.SGD) and sgd.defaults["momentum"] == c.SGD_MOMENTUM
+    assert sgd.defaults["lr"] == c.SGD_LR and isinstance(_module().configure_optimizers(), torch.optim.Adam)
+    with pytest.raises(ValueError, match="optimizer must be"):
+        c.make_optimizer("lamb", torch.nn.Linear(2, 2).parameters())
+
+
 @pytest.mark.slow  # a multi-process launch (about a minute on 2 cores)
 def test_a_tiny_campaign_at_the_defaults(tmp_path: Path) -> None:
     """A top-exponent flip of one rank's weight gradient at an unaudited step is named by the

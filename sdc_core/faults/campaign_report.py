@@ -48,9 +48,9 @@ def make_folder(folder: Path, what: str) -> None:
 # ------------------------------------------------------------------------------ the campaign folder
 
 
-def report(rows: list[dict[str, Any]], out: Path, seed: int, steps: int) -> dict[str, Any]:
+def report(rows: list[dict[str, Any]], out: Path, seed: int, steps: int, optimizer: str = "adam") -> dict[str, Any]:
     """Write results.csv/json, the PNG plot; print the table; return the summary."""
-    summary = summarise(rows, seed, steps)
+    summary = summarise(rows, seed, steps, optimizer)
     table = summary["table"]
     for row in summary["study"]:
         print("study:", row)

@@ -31,7 +31,7 @@ from sdc_core.faults.campaign import (
 )
 from sdc_core.faults.campaign_matmul_report import write_matmul_doc
 from sdc_core.faults.campaign_report import make_folder, report, write_doc
-from sdc_core.faults.campaign_runner import CAMPAIGN_DIR_ENV, CampaignRunner, find_runner
+from sdc_core.faults.campaign_runner import CAMPAIGN_DIR_ENV, OPTIMIZERS, CampaignRunner, find_runner
 from sdc_core.faults.checkpoint import Corruption, corrupt_file
 from sdc_core.io.checkpoints import FINGERPRINT_KEY
 from sdc_core.io.safe_files import OutputError, atomic_write_text, load_torch
@@ -55,9 +55,10 @@ class _Launch:
     base: Path  # the checkpoint written at CKPT_STEP that checkpoint faults alter
     reference: dict[str, Any]  # the clean run
     rank: int
+    optimizer: str = "adam"  # every training of the launch (``campaign_runner.OPTIMIZERS``)
 
     def fit(self, checks: bool = False, **kwargs: Any) -> dict[str, Any]:
-        return self.runner.fit(self.steps, checks, **kwargs)
+        return self.runner.fit(self.steps, checks, optimizer=self.optimizer, **kwargs)
 
     def row(self, spec: dict[str, Any]) -> dict[str, Any]:
         site = spec["site"]
@@ -123,14 +124,15 @@ class _Launch:
         return row
 
 
-def worker(runner: CampaignRunner, specs_file: Path, out: Path, steps: int) -> None:
-    """Run specs under torchrun (3 ranks); rank 0 writes one JSON line per spec."""
+def worker(runner: CampaignRunner, specs_file: Path, out: Path, steps: int, optimizer: str = "adam") -> None:
+    """Run specs under torchrun (3 ranks), every training with ``optimizer``; rank 0 writes one
+    JSON line per spec."""
     specs = json.loads(specs_file.read_text())
-    reference = runner.fit(steps, checks=False)
+    reference = runner.fit(steps, checks=False, optimizer=optimizer)
     base = out / f"base-{specs_file.stem}.ckpt"
     if any(s["site"] in ("checkpoint", "study") for s in specs):
-        runner.fit(CKPT_STEP, checks=False, save=str(base))
-    launch = _Launch(runner, steps, out, base, reference, int(os.environ["RANK"]))
+        runner.fit(CKPT_STEP, checks=False, save=str(base), optimizer=optimizer)
+    launch = _Launch(runner, steps, out, base, reference, int(os.environ["RANK"]), optimizer)
     results = out / f"{specs_file.stem}.jsonl"
     for spec in specs:
         t0 = time.perf_counter()
@@ -154,9 +156,9 @@ def _progress(done: int, total: int, t0: float) -> None:
 
 
 def run_specs(specs: list[dict[str, Any]], out: Path, workers: int, steps: int,
-              runner: CampaignRunner | None = None) -> list[dict[str, Any]]:  # fmt: skip
+              runner: CampaignRunner | None = None, optimizer: str = "adam") -> list[dict[str, Any]]:  # fmt: skip
     """Run ``specs`` in ``workers`` torchrun launches of 3 ranks of ``runner``'s worker module
-    (the installed runner by default); every spec's result row, by id."""
+    (the installed runner by default), training with ``optimizer``; every spec's result row, by id."""
     runner = runner or find_runner()
     atomic_write_text(out / "plan.json", json.dumps(specs, indent=1))
     chunks = [specs[i::workers] for i in range(workers)]
@@ -169,7 +171,7 @@ def run_specs(specs: list[dict[str, Any]], out: Path, workers: int, steps: int,
         (out / f"chunk{i}.jsonl").unlink(missing_ok=True)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone" if workers == 1 else "--nnodes=1",
                f"--nproc-per-node={WORLD}", "-m", runner.worker_module, "--worker", str(f), "--out", str(out),
-               "--steps", str(steps)]  # fmt: skip
+               "--steps", str(steps), "--optimizer", optimizer]  # fmt: skip
         if workers > 1:
             cmd[4:4] = ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{29600 + i}", f"--rdzv-id=campaign{i}"]
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", **{CAMPAIGN_DIR_ENV: str(out)})
@@ -192,14 +194,21 @@ def run_specs(specs: list[dict[str, Any]], out: Path, workers: int, steps: int,
 
 def run_campaign(out: Path, injections: int = 200, clean: int = 20, workers: int = 1, seed: int = 0, steps: int = 12,
                  study: int = 0, doc: Path | None = None, hard: int = 0, sites: tuple[str, ...] = SITES,
-                 runner: CampaignRunner | None = None) -> dict[str, Any]:  # fmt: skip
-    """Plan, run (``workers`` trainings at once, with ``runner``: the installed one by default),
-    aggregate and report; returns the summary.
+                 runner: CampaignRunner | None = None, optimizer: str = "adam") -> dict[str, Any]:  # fmt: skip
+    """Plan, run (``workers`` trainings at once, with ``runner``: the installed one by default;
+    every training with ``optimizer``), aggregate and report; returns the summary.
 
-    Raises ``ValueError`` for a bad number, ``OutputError`` when ``out`` or ``doc`` cannot be
-    written (checked before any training), ``CampaignFailed`` when a training fails."""
+    Raises ``ValueError`` for a bad number or an optimizer the plan cannot use (another than Adam
+    has no ``exp_avg``/``exp_avg_sq`` for optimizer-state faults, and the coverage page's text
+    describes Adam), ``OutputError`` when ``out`` or ``doc`` cannot be written (checked before any
+    training), ``CampaignFailed`` when a training fails."""
     if injections < 0 or clean < 0 or workers < 1 or steps < 8 or study < 0 or hard < 0:
         raise ValueError("need injections >= 0, clean >= 0, workers >= 1, steps >= 8, study >= 0 and hard >= 0")
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
+    if optimizer != "adam" and ("optimizer" in sites or study or doc is not None):
+        raise ValueError(f"--optimizer {optimizer} takes no optimizer-state faults (--sites without optimizer), "
+                         "no --study and no --doc (the page describes Adam); its rows are in --out")  # fmt: skip
     out, doc = Path(out), None if doc is None else Path(doc)
     make_folder(out, "--out")
     if doc is not None:
@@ -207,8 +216,8 @@ def run_campaign(out: Path, injections: int = 200, clean: int = 20, workers: int
             raise OutputError(f"--doc {doc} is a folder; give a markdown file name")
         make_folder(doc.parent, "--doc's folder")
     specs = plan(injections, clean, seed, steps, study, hard, tuple(sites))
-    rows = run_specs(specs, out, workers, steps, runner)
-    summary = report(rows, out, seed=seed, steps=steps)
+    rows = run_specs(specs, out, workers, steps, runner, optimizer)
+    summary = report(rows, out, seed=seed, steps=steps, optimizer=optimizer)
     if doc is not None:
         only = "" if tuple(sites) == SITES else f" --sites {','.join(sites)}"
         write_doc(out, doc, f"sdc campaign --injections {injections} --clean {clean} --hard {hard} --study {study} "
@@ -265,5 +274,6 @@ def main(runner: CampaignRunner, argv: list[str] | None = None) -> None:
     parser.add_argument("--worker", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--optimizer", choices=OPTIMIZERS, default="adam")
     args = parser.parse_args(argv)
-    worker(runner, args.worker, args.out, args.steps)
+    worker(runner, args.worker, args.out, args.steps, args.optimizer)

@@ -15,6 +15,9 @@ CAMPAIGN_DIR_ENV = "SDC_CAMPAIGN_DIR"  # the campaign folder, set for every laun
 # The fault sites a campaign injects at (here, not in ``campaign``, so ``sdc campaign --sites`` is
 # checked without torch).
 SITES = ("activation", "gradient", "matmul_output", "weights", "optimizer", "checkpoint")
+# The optimizers a campaign trains with (``campaign.make_optimizer``; ``sdc campaign --optimizer``):
+# Adam, the default, or plain SGD with momentum, where one wrong gradient moves a weight in proportion.
+OPTIMIZERS = ("adam", "sgd")
 
 
 class Fit(Protocol):
@@ -26,7 +29,7 @@ class Fit(Protocol):
     ``"defaults+matmul"`` the callbacks at their default arguments (without or with the
     matrix-product check); neither: none. ``save``: a checkpoint written there at the end (with
     the fingerprint stored: without checks, the fingerprint's alone). ``fault``: a ``Fault`` to
-    inject, or None.
+    inject, or None. ``optimizer``: one of ``OPTIMIZERS``, built by ``campaign.make_optimizer``.
 
     Returns the run record: ``error`` (the ``SDCError.to_dict()`` of a verdict, else None),
     ``crash`` (a training that failed for another reason, one line, else None), ``weights`` (the
@@ -40,7 +43,7 @@ class Fit(Protocol):
 
     def __call__(self, steps: int, checks: bool, fault: Any = None, ckpt_path: str | None = None,
                  save: str | None = None, check_set: str | None = None,
-                 data: dict[str, Any] | None = None) -> dict[str, Any]: ...  # fmt: skip
+                 data: dict[str, Any] | None = None, optimizer: str = "adam") -> dict[str, Any]: ...  # fmt: skip
 
 
 @dataclass(frozen=True)
