@@ -26,7 +26,7 @@ from sdc_core.replay.ring import (
     grad_digest,
     replay_gradients,
 )
-from sdc_core.replay.state import all_rng  # tests build micro-batches
+from sdc_core.replay.rng import all_rng  # tests build micro-batches
 
 
 class Opaque:

@@ -25,7 +25,8 @@ from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from sdc_core.replay.guard import forbid_collectives
-from sdc_core.replay.state import MicroBatch, StateCapture, StepFn, all_rng, set_rng
+from sdc_core.replay.rng import all_rng, set_rng
+from sdc_core.replay.state import MicroBatch, StateCapture, StepFn
 
 
 def replay_gradients(

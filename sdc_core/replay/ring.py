@@ -135,6 +135,7 @@ from sdc_core.replay.determinism import DeterministicWindow, deterministic, is_d
 from sdc_core.replay.guard import CollectiveInReplay, forbid_collectives
 from sdc_core.replay.referee import attribute_step
 from sdc_core.replay.rerun import GradientsAside, replay_each_gradient, replay_gradients
+from sdc_core.replay.rng import all_rng, capture_rng
 from sdc_core.replay.state import (
     SEND_BY_DIGEST_BYTES,
     MicroBatch,
@@ -142,8 +143,6 @@ from sdc_core.replay.state import (
     StepFn,
     StepState,
     TensorRef,
-    all_rng,
-    capture_rng,
     fresh,
 )
 from sdc_core.schema import documented, setting

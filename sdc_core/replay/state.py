@@ -4,9 +4,9 @@ Contract: ``StateCapture.capture()`` snapshots, at the start of an owner's audit
 what the step reads besides its batch: buffers and parameters that do not train, tensor and plain
 Python attributes of the module and every submodule, and the user's ``sdc_replay_state()``;
 ``MicroBatch`` adds the batch and the RNG state of Python, NumPy and torch (CPU and the CUDA
-device), taken by ``all_rng`` and put back by ``set_rng``. ``StateCapture.applied`` puts a
-captured state in place for one re-run (``sdc_core.replay.rerun``) and restores the module's own
-afterwards; ``fresh`` makes a re-run's private copy of a captured value.
+device), taken by ``sdc_core.replay.rng.all_rng`` and put back by its ``set_rng``.
+``StateCapture.applied`` puts a captured state in place for one re-run (``sdc_core.replay.rerun``)
+and restores the module's own afterwards; ``fresh`` makes a re-run's private copy of a captured value.
 
 Cost: a capture clones state tensors on their device (no host sync) within ``max_state_mb`` per
 audited step (larger tensors are read live and guarded against in-place change); frozen tensors
@@ -19,7 +19,6 @@ undone, in-place changes are not), globals, iterators, files.
 from __future__ import annotations
 
 import copy
-import random
 import sys
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -371,37 +370,6 @@ class MicroBatch:
     py_rng: Any = None
     np_rng: Any = None
     state: StepState | None = None
-
-
-def capture_rng(device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The CPU RNG state and, for a CUDA ``device``, that device's RNG state."""
-    cuda = torch.cuda.get_rng_state(device) if device is not None and device.type == "cuda" else None
-    return torch.get_rng_state(), cuda
-
-
-def _np_random() -> Any:
-    np = sys.modules.get("numpy")
-    return getattr(np, "random", None) if np is not None else None
-
-
-def all_rng(device: torch.device | None) -> tuple[torch.Tensor, torch.Tensor | None, Any, Any]:
-    """The RNG state of torch (CPU and, for a CUDA ``device``, that device), Python and NumPy,
-    in ``MicroBatch``'s field order."""
-    cpu, cuda = capture_rng(device)
-    npr = _np_random()
-    return cpu, cuda, random.getstate(), npr.get_state() if npr is not None else None
-
-
-def set_rng(cpu: torch.Tensor, cuda: torch.Tensor | None, py: Any, np_state: Any, device: torch.device) -> None:
-    """Put an RNG state taken by ``all_rng`` back in place (the CUDA one on a CUDA ``device`` only)."""
-    torch.set_rng_state(cpu.clone())
-    if cuda is not None and device.type == "cuda":
-        torch.cuda.set_rng_state(cuda.clone(), device)
-    if py is not None:
-        random.setstate(py)
-    npr = _np_random()
-    if np_state is not None and npr is not None:
-        npr.set_state(np_state)
 
 
 StepFn = Callable[[Any, int], torch.Tensor]

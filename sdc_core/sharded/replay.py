@@ -59,7 +59,8 @@ from torch.nn.utils.stateless import _reparametrize_module
 
 from sdc_core.replay.compare import Digest, Row, assemble, digest_row
 from sdc_core.replay.ring import RingReplay
-from sdc_core.replay.state import MicroBatch, StateCapture, StepFn, all_rng, set_rng
+from sdc_core.replay.rng import all_rng, set_rng
+from sdc_core.replay.state import MicroBatch, StateCapture, StepFn
 from sdc_core.sharded.checks import local
 from sdc_core.sharded.tap import GradientTapComm, fsdp_taps
 
