@@ -80,7 +80,7 @@ from torch import nn
 
 from sdc_core.checks.fingerprint import WeightFingerprint
 from sdc_core.checks.gradient_tap import GradientTap
-from sdc_core.checks.reductions import any_nonfinite, local_sum, log2_peaks_by_group, peaks
+from sdc_core.checks.reductions import any_nonfinite, local_sum, log2_peaks_by_group, log2_peaks_on_host, peaks
 from sdc_core.dist.topology import HostRead, Topology, all_gather_objects, is_distributed
 from sdc_core.errors import NonFiniteGradientError
 from sdc_core.schema import documented, setting
@@ -264,7 +264,7 @@ class NonFiniteGradient(NonFiniteVerdicts):
     _group_of: dict[int, int] = field(default_factory=dict)  # id(parameter) -> its group
     _group_index: dict[tuple[Any, ...], torch.Tensor | list[int]] = field(default_factory=dict)  # cached indices
     _peaked: list[tuple[torch.Tensor, list[nn.Parameter]]] = field(default_factory=list)  # per-parameter peaks
-    _magnitudes: torch.Tensor | None = None  # the last read backward's, until ``take_magnitudes``
+    _magnitudes: torch.Tensor | list[float] | None = None  # the last read backward's, until ``take_magnitudes``
     _group_names: dict[str, int] | None = None  # name -> group, made on first use (``magnitude_group``)
 
     def attach(self, tap: GradientTap) -> None:
@@ -308,9 +308,10 @@ class NonFiniteGradient(NonFiniteVerdicts):
             self._group_names = {names.get(pid, "?"): g for pid, g in self._group_of.items()}
         return self._group_names.get(name)
 
-    def take_magnitudes(self) -> torch.Tensor | None:
+    def take_magnitudes(self) -> torch.Tensor | list[float] | None:
         """The last read backward's local magnitudes (``want_magnitudes``), then forgotten: 1-d
-        float32 on the gradients' device, no host synchronisation; NaN for a group none of whose
+        float32 on the gradients' device, no host synchronisation (CPU gradients: the same values
+        as a list of floats, no tensor made); NaN for a group none of whose
         gradients this rank saw or all of which were exactly zero, +Inf for a group holding NaN or
         Inf. None when nothing was read since the last call (no synchronised backward, or local
         values written before the end of backward). A backward whose end the tap did not see (a
@@ -328,23 +329,29 @@ class NonFiniteGradient(NonFiniteVerdicts):
             if self.magnitude_groups:
                 self._peaked.append((peaks([grad]), [p]))
 
-    def _group_magnitudes(self, local: list[tuple[torch.Tensor, list[nn.Parameter]]]) -> torch.Tensor | None:
+    def _group_magnitudes(
+        self, local: list[tuple[torch.Tensor, list[nn.Parameter]]]
+    ) -> torch.Tensor | list[float] | None:
         """Per group the log2 of the largest of ``local``'s peaks (see ``take_magnitudes``)."""
         pairs = [(v, ps) for v, ps in local if ps]
         if not pairs:
             return None
         home = pairs[0][0].device
+        on_host = home.type == "cpu"
         indexed = []
         for values, params in pairs:
             key = (home, *map(id, params))
             index = self._group_index.get(key)
             if index is None:  # a Python list on the host (read there as it is), else a tensor on ``home``
                 index = [self._group_of.get(i, 0) for i in key[1:]]
-                if home.type != "cpu":
+                if not on_host:
                     index = torch.tensor(index, device=home)
                 if len(self._group_index) < 64:
                     self._group_index[key] = index
+            on_host = on_host and values.device.type == "cpu"
             indexed.append((values, index))
+        if on_host:  # reading a value waits for nothing: a list, no tensor made
+            return log2_peaks_on_host(indexed, self.magnitude_groups)
         return log2_peaks_by_group(indexed, self.magnitude_groups)
 
     def _end_of_backward(self) -> None:

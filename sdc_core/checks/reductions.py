@@ -7,6 +7,7 @@ writes into it."""
 from __future__ import annotations
 
 import math
+import struct
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -85,9 +86,15 @@ def _log2_peaks_on_device(pairs: Sequence[tuple[torch.Tensor, Index]], groups: i
 
 
 def _log2_peaks_on_host(pairs: Sequence[tuple[torch.Tensor, Index]], groups: int) -> torch.Tensor:
-    """``log2_peaks_by_group`` for CPU tensors: the per-group maxima and their log2 in Python, one
-    tensor made (the log2 correctly rounded to float32; the kernels' may differ by one unit in
-    the last place)."""
+    """``log2_peaks_by_group`` for CPU tensors: ``log2_peaks_on_host``'s values, one tensor made."""
+    return torch.tensor(log2_peaks_on_host(pairs, groups), dtype=torch.float32)
+
+
+def log2_peaks_on_host(pairs: Sequence[tuple[torch.Tensor, Index]], groups: int) -> list[float]:
+    """``log2_peaks_by_group``'s values for CPU tensors as a list of floats: the per-group maxima
+    and their log2 in Python, no tensor made (right after backward the tensor alone costs more than
+    the rest); each log2 correctly rounded to float32 (the kernels' may differ by one unit in the
+    last place)."""
     inf, nan = math.inf, math.nan
     best = [0.0] * groups  # 0: no positive peak yet (NaN below)
     for values, index in pairs:
@@ -98,7 +105,8 @@ def _log2_peaks_on_host(pairs: Sequence[tuple[torch.Tensor, Index]], groups: int
                 v = inf
             if v > best[j]:
                 best[j] = v
-    return torch.tensor([math.log2(b) if b > 0 else nan for b in best], dtype=torch.float32)
+    logs = [math.log2(b) if b > 0 else nan for b in best]
+    return list(struct.unpack(f"{groups}f", struct.pack(f"{groups}f", *logs)))  # rounded to float32
 
 
 def any_nonfinite_multi(tensors: Sequence[torch.Tensor]) -> torch.Tensor:

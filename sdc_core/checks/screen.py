@@ -68,6 +68,7 @@ _MAD_TO_SIGMA = 1.4826
 _REFRESH = 32  # judged steps between two recalibrations of the band (its two medians over the history: the
 # largest host cost of `judge`; the band is a median over `window` steps and moves slowly)
 _isfinite = math.isfinite
+_CPU = torch.device("cpu")
 
 
 @documented
@@ -252,8 +253,11 @@ def _loss_log2(loss: torch.Tensor | None) -> float:
     log2 of |loss| rounded to float32; NaN for no loss or a zero one, +Inf for a non-finite one."""
     if loss is None:
         return math.nan
-    first = loss.item() if loss.numel() == 1 else float(loss.detach().reshape(-1)[0])
-    v = abs(ctypes.c_float(first).value)  # float32, as loss_magnitude reads it
+    if type(loss) is torch.Tensor and loss.dtype is torch.float32 and loss.numel() == 1:  # read in place (item: an op)
+        v = abs(ctypes.c_float.from_address(loss.data_ptr()).value)
+    else:
+        first = loss.item() if loss.numel() == 1 else float(loss.detach().reshape(-1)[0])
+        v = abs(ctypes.c_float(first).value)  # float32, as loss_magnitude reads it
     if not v < math.inf:  # NaN or Inf (an overflow to float32 included)
         return math.inf
     return math.log2(v) if v > 0 else math.nan
@@ -269,6 +273,7 @@ class _HostSlot:
         self.out = torch.empty(world, width, dtype=torch.float64)
         self.views = list(self.out.unbind(0))
         self.width, self.world = width, world
+        self.work: Any = None  # the all_gather writing into ``out``
         self._raw = (ctypes.c_double * width).from_address(self.row.data_ptr())  # live as long as the tensors
         self._raw_out = (ctypes.c_double * (width * world)).from_address(self.out.data_ptr())
 
@@ -301,7 +306,7 @@ class GradientScreen:
         self.last_result: ScreenResult | None = None
         self._device: torch.device | None = None
         self._targets: dict[torch.device | None, torch.device] = {}  # ``collective_device`` per source device
-        self._pending: OrderedDict[int, tuple[HostRead, _HostSlot | None]] = OrderedDict()  # step -> its gather
+        self._pending: OrderedDict[int, tuple[HostRead | None, _HostSlot | None]] = OrderedDict()  # step -> its gather
         self._judged: dict[int, ScreenResult] = {}
         self._history: torch.Tensor | None = None  # (window, world, width) healthy positive deviations, NaN: none
         self._fresh: list[tuple[int, list[list[float]]]] = []  # (slot, rows) judged, not yet in _history
@@ -348,10 +353,12 @@ class GradientScreen:
         self._cursor = self._filled = 0
         self._band = None
 
-    def observe(self, step: int, magnitudes: torch.Tensor | None, loss: torch.Tensor | None = None) -> None:
+    def observe(
+        self, step: int, magnitudes: torch.Tensor | list[float] | None, loss: torch.Tensor | None = None
+    ) -> None:
         """Start step ``step``'s all_gather of this rank's row (``magnitudes``: the ``k`` values of
-        ``take_magnitudes``, None for no opinion; ``loss``: this rank's loss of the step, or None).
-        No host synchronisation. Every rank, every step, alike."""
+        ``take_magnitudes``, a tensor or, read on the host, a list; None for no opinion; ``loss``:
+        this rank's loss of the step, or None). No host synchronisation. Every rank, every step, alike."""
         if self.width == 0:
             raise RuntimeError("GradientScreen.observe before attach")
         t0 = time.perf_counter()
@@ -359,17 +366,19 @@ class GradientScreen:
             raise ValueError(f"step {step} was already observed")
         while len(self._pending) >= _MAX_PENDING:
             self._judge_oldest()
+        listed = isinstance(magnitudes, list)  # read on the host already (CPU gradients)
         if magnitudes is not None and self._device is None:
-            self._device = magnitudes.device
-        source = magnitudes.device if magnitudes is not None else self._device
+            self._device = _CPU if listed else magnitudes.device  # type: ignore[union-attr]
+        source = _CPU if listed else magnitudes.device if magnitudes is not None else self._device  # type: ignore[union-attr]
         device = self._targets.get(source)
         if device is None:
             device = self._targets[source] = collective_device(source)
         k = self.width - 1
-        on_host = device.type == "cpu" and (magnitudes is None or magnitudes.device.type == "cpu")
+        on_host = device.type == "cpu" and (magnitudes is None or listed or magnitudes.device.type == "cpu")  # type: ignore[union-attr]
         if on_host and (loss is None or loss.device.type == "cpu"):  # reading a value waits for nothing here
-            mags_host = magnitudes.tolist() if magnitudes is not None and magnitudes.numel() == k else [math.nan] * k
+            read = magnitudes if listed else magnitudes.tolist() if magnitudes is not None else None  # type: ignore[union-attr]
             slot = self._host_slot()
+            mags_host = read if read is not None and len(read) == k else [math.nan] * k
             slot.fill([float(step), float(self.width), *mags_host, _loss_log2(loss)])
             self._start(step, slot.row, device, slot)
             self.stats.add_time(time.perf_counter() - t0)
@@ -379,6 +388,8 @@ class GradientScreen:
         else:  # no host-to-device copy (it would wait for the device's queue)
             head = torch.full((_HEADER,), float(self.width), dtype=torch.float64, device=device)
             head[0] = float(step)
+        if isinstance(magnitudes, list):
+            magnitudes = torch.tensor(magnitudes, dtype=torch.float64)
         if magnitudes is None or magnitudes.numel() != k:  # a read this rank could not make: no opinion
             mags = torch.full((k,), float("nan"), dtype=torch.float64, device=device)
         else:
@@ -401,7 +412,11 @@ class GradientScreen:
                 work = group.allgather([views], [row])  # as much as the launch; an async work, as async_op=True
             else:  # pragma: no cover - a backend without the method
                 work = dist.all_gather(views, row, async_op=True)
-            self._pending[step] = (HostRead(out, work), slot)
+            if slot is not None:  # the host path: waited for and read in place (``_judge_oldest``)
+                slot.work = work
+                self._pending[step] = (None, slot)
+            else:
+                self._pending[step] = (HostRead(out, work), None)
         else:
             self._pending[step] = (HostRead(row.reshape(1, -1)), None)
 
@@ -436,9 +451,14 @@ class GradientScreen:
 
     def _judge_oldest(self) -> None:
         step, (read, slot) = self._pending.popitem(last=False)
-        rows = read.get()  # waits for the all_gather
+        if slot is not None:
+            slot.work.wait()  # the all_gather into the slot's buffer
+            rows: torch.Tensor | list[list[float]] = slot.read()
+        else:
+            assert read is not None
+            rows = read.get()  # waits for the all_gather
         t0 = time.perf_counter()
-        self._judged[step] = self.judge(step, slot.read() if slot is not None else rows)
+        self._judged[step] = self.judge(step, rows)
         self.stats.add_time(time.perf_counter() - t0)
 
     def bands(self) -> tuple[torch.Tensor, torch.Tensor]:
