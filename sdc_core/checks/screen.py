@@ -366,17 +366,22 @@ class GradientScreen:
             raise ValueError(f"step {step} was already observed")
         while len(self._pending) >= _MAX_PENDING:
             self._judge_oldest()
-        listed = isinstance(magnitudes, list)  # read on the host already (CPU gradients)
-        if magnitudes is not None and self._device is None:
-            self._device = _CPU if listed else magnitudes.device  # type: ignore[union-attr]
-        source = _CPU if listed else magnitudes.device if magnitudes is not None else self._device  # type: ignore[union-attr]
+        if isinstance(magnitudes, list):  # read on the host already (CPU gradients)
+            listed: list[float] | None = magnitudes
+            magnitudes = None
+            made_on: torch.device | None = _CPU
+        else:
+            listed, made_on = None, magnitudes.device if magnitudes is not None else None
+        if made_on is not None and self._device is None:
+            self._device = made_on
+        source = made_on if made_on is not None else self._device
         device = self._targets.get(source)
         if device is None:
             device = self._targets[source] = collective_device(source)
         k = self.width - 1
-        on_host = device.type == "cpu" and (magnitudes is None or listed or magnitudes.device.type == "cpu")  # type: ignore[union-attr]
+        on_host = device.type == "cpu" and (made_on is None or made_on.type == "cpu")
         if on_host and (loss is None or loss.device.type == "cpu"):  # reading a value waits for nothing here
-            read = magnitudes if listed else magnitudes.tolist() if magnitudes is not None else None  # type: ignore[union-attr]
+            read = listed if listed is not None else magnitudes.tolist() if magnitudes is not None else None
             slot = self._host_slot()
             mags_host = read if read is not None and len(read) == k else [math.nan] * k
             slot.fill([float(step), float(self.width), *mags_host, _loss_log2(loss)])
@@ -388,8 +393,8 @@ class GradientScreen:
         else:  # no host-to-device copy (it would wait for the device's queue)
             head = torch.full((_HEADER,), float(self.width), dtype=torch.float64, device=device)
             head[0] = float(step)
-        if isinstance(magnitudes, list):
-            magnitudes = torch.tensor(magnitudes, dtype=torch.float64)
+        if listed is not None:
+            magnitudes = torch.tensor(listed, dtype=torch.float64)
         if magnitudes is None or magnitudes.numel() != k:  # a read this rank could not make: no opinion
             mags = torch.full((k,), float("nan"), dtype=torch.float64, device=device)
         else:
