@@ -60,6 +60,10 @@ def _copy_plain(value: Any, budget: _Budget, depth: int = 0) -> Any:
     budget.items_left -= 1
     if budget.items_left < 0:
         raise _Skip
+    kind = type(value)
+    if kind in (list, set, frozenset, deque) or (kind is tuple):  # first: a module's sizes and paddings (these
+        items = [_copy_plain(v, budget, depth + 1) for v in value]  # exact types are no Parameter, whose
+        return deque(items, value.maxlen) if kind is deque else kind(items)  # isinstance check runs Python)
     if isinstance(value, nn.Parameter | nn.Module):
         raise _Skip
     if isinstance(value, torch.Tensor):
@@ -71,10 +75,6 @@ def _copy_plain(value: Any, budget: _Budget, depth: int = 0) -> Any:
     np = sys.modules.get("numpy")
     if np is not None and isinstance(value, np.ndarray | np.generic):
         return value.copy()
-    kind = type(value)
-    if kind in (list, set, frozenset, deque) or (kind is tuple):
-        items = [_copy_plain(v, budget, depth + 1) for v in value]
-        return deque(items, value.maxlen) if kind is deque else kind(items)
     if isinstance(value, tuple) and hasattr(value, "_fields"):  # namedtuple
         return kind(*(_copy_plain(v, budget, depth + 1) for v in value))
     if isinstance(value, dict):
