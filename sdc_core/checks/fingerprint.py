@@ -9,7 +9,9 @@ with a probability of at most 2**-31, structured faults included.
 
 The digest, what it guarantees and what it costs: ``sdc_core.checks.digest``. The common case
 exchanges 16 bytes per rank in one MAX all-reduce, whatever the world size; the host reads the
-result one training batch later, when the device has long finished it. Only on a mismatch are
+result one training batch later, when the device has long finished it. With the every-step
+screen on, the same values ride the screen's all_gather of the next step instead (no collective
+of the fingerprint's own; ``courier``). Only on a mismatch are
 the per-tensor digests gathered, to name the tensors and vote.
 
 Limits: it sees faults that make replicas differ (weights, optimizer state, a bad update on one
@@ -34,6 +36,10 @@ from sdc_core.dist.topology import HostRead, Topology, all_gather_tensor, collec
 from sdc_core.errors import FingerprintMismatchError
 from sdc_core.schema import documented, setting
 from sdc_core.stats import CheckStats
+
+# what a rank whose carried values did not arrive counts as in the MAX: its digest differs from any (the
+# largest digest with the largest complement cannot match), its non-finite flag is no opinion
+_ABSENT = ((1 << 63) - 1, (1 << 63) - 1, 0)
 
 
 @documented
@@ -185,7 +191,7 @@ class _Pending:
     module: nn.Module
     optimizers: list[torch.optim.Optimizer]
     names: list[str]
-    reduced: HostRead
+    reduced: Any  # HostRead, or the screen's ``Carried``: ``get()`` the ranks' MAX
     work: object | None
     part: tuple[int, int] | None = None  # (slice, slices) of a rolling comparison; None: every tensor
 
@@ -206,6 +212,9 @@ class WeightFingerprint:
     _pending: _Pending | None = None
     _turn: int = 0  # rolling comparisons started: the next slice is _turn % slices
     _clean: list[int] = field(default_factory=list)  # per slice, the step of its last clean comparison
+    # the every-step screen (``GradientScreen.carry``) whose next all_gather carries the comparison's values
+    # instead of an all_reduce of its own (set by the driver; None: the all_reduce)
+    courier: Any = field(default=None, repr=False)
 
     @property
     def active(self) -> bool:
@@ -230,6 +239,8 @@ class WeightFingerprint:
 
         ``rider`` (a 0-d flag on the device; every rank alike, given or not): carried in the same
         all-reduce (8 bytes more), its maximum over the ranks at index 2 of the returned reader.
+        With a ``courier`` (the every-step screen) the values ride its next step's all_gather
+        instead of an all-reduce (a rank whose values do not arrive counts as differing).
         Resolves any earlier pending comparison first (it may raise).
         """
         self.resolve()
@@ -252,8 +263,12 @@ class WeightFingerprint:
         if rider is not None:
             parts.append(rider.reshape(()).to(device=fp.device, dtype=torch.int64))
         reduced = torch.stack(parts)
-        work = torch.distributed.all_reduce(reduced, op=torch.distributed.ReduceOp.MAX, async_op=True)
-        read = HostRead(reduced, work)
+        if self.courier is not None:  # in the screen's next all_gather: no collective of its own
+            work, read = None, self.courier.carry(reduced, _ABSENT[: len(parts)])
+            self.stats.bump("screen_carried")
+        else:
+            work = torch.distributed.all_reduce(reduced, op=torch.distributed.ReduceOp.MAX, async_op=True)
+            read = HostRead(reduced, work)
         self._pending = _Pending(step, per_tensor, module, list(optimizers), [n for n, _ in named], read, work, part)
         self.stats.add_time(time.perf_counter() - t0)
         return read if rider is not None else None

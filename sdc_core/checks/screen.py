@@ -62,6 +62,10 @@ if TYPE_CHECKING:
     from sdc_core.checks.gradients import NonFiniteGradient
 
 _HEADER = 2  # step, width
+_CARRIED = 3  # int64 values another check may send in a row instead of a collective of its own (``carry``)
+_TAIL = 2 * _CARRIED  # each as two exact float64 halves of 32 bits, NaN when none
+_NO_TAIL = [math.nan] * _TAIL
+_INT64_MAX = (1 << 63) - 1
 _LOG2_LIMIT = 1100.0  # |log2| of any finite float64 magnitude is below this
 _MAX_PENDING = 2  # observed steps whose verdict may wait (the driver reads one step later at most)
 _MAD_TO_SIGMA = 1.4826
@@ -287,6 +291,59 @@ class _HostSlot:
         return [flat[i * n : (i + 1) * n] for i in range(self.world)]
 
 
+class Carried:
+    """Values another check sends in the screen's rows (``GradientScreen.carry``), read as if
+    reduced by ``all_reduce(MAX)``: ``get()`` (computed once; may wait for the carrying step)."""
+
+    def __init__(self, screen: GradientScreen, values: torch.Tensor, absent: tuple[int, ...]) -> None:
+        self.screen, self.values, self.absent = screen, values, absent
+        self.step: int | None = None  # the observed step whose all_gather carries them
+        self._result: torch.Tensor | None = None
+
+    def get(self) -> torch.Tensor:
+        if self._result is None:
+            self._result = self.screen._carried_max(self)
+        return self._result
+
+    @property
+    def work(self) -> Carried:
+        """What ``is_completed`` asks (the ``work`` of a collective, as a ``HostRead`` has it)."""
+        return self
+
+    def is_completed(self) -> bool:
+        """Whether ``get()`` runs no collective and waits for no peer: the carrying step's all_gather
+        has landed (False before any step carried the values: ``get()`` would all_reduce them)."""
+        screen, step = self.screen, self.step
+        if self._result is not None:
+            return True
+        if step is None:
+            return False
+        pending = screen._pending.get(step)
+        if pending is None:
+            return bool(screen._tails.get(step))
+        read, slot = pending
+        work = slot.work if slot is not None else read.work if read is not None else None
+        return work is None or not hasattr(work, "is_completed") or bool(work.is_completed())
+
+
+def _largest(tails: list[list[float]], absent: Sequence[int]) -> list[int]:
+    """Per carried value the largest over the ranks' row tails (pairs of 32-bit halves; peers are
+    hostile: a pair that is not two whole numbers in [0, 2^32) counts as that value's ``absent``)."""
+    out = list(absent)
+    seen = [False] * len(absent)
+    for tail in tails:
+        for i, default in enumerate(absent):
+            hi, lo = (tail[2 * i], tail[2 * i + 1]) if len(tail) >= 2 * i + 2 else (math.nan, math.nan)
+            if all(_isfinite(h) and h == int(h) and 0 <= h < 2**32 for h in (hi, lo)):
+                u = (int(hi) << 32) | int(lo)
+                value = u - (1 << 64) if u > _INT64_MAX else u
+            else:
+                value = default
+            out[i] = value if not seen[i] else max(out[i], value)
+            seen[i] = True
+    return out
+
+
 class GradientScreen:
     """Framework-neutral every-step screen (module docstring). The driver calls, on every rank
     alike: ``attach(nonfinite)`` once (one blocking collective: the ranks agree on the width),
@@ -315,6 +372,8 @@ class GradientScreen:
         self._band: tuple[list[float], bool] | None = None  # ``bands()``, all calibrated; refreshed every _REFRESH
         self._last_dev: list[list[float]] | None = None
         self._slots: list[_HostSlot] = []  # the host path's reused buffers (``_host_slot``)
+        self._carried: Carried | None = None  # values waiting for the next observed step (``carry``)
+        self._tails: dict[int, list[list[float]]] = {}  # step -> the ranks' carried halves, once judged
         self._slot_index = 0
 
     @property
@@ -380,11 +439,13 @@ class GradientScreen:
             device = self._targets[source] = collective_device(source)
         k = self.width - 1
         on_host = device.type == "cpu" and (made_on is None or made_on.type == "cpu")
-        if on_host and (loss is None or loss.device.type == "cpu"):  # reading a value waits for nothing here
+        carried = self._carried.values if self._carried is not None and self._carried.step is None else None
+        on_host = on_host and (loss is None or loss.device.type == "cpu")
+        if on_host and (carried is None or carried.device.type == "cpu"):  # reading a value waits for nothing here
             read = listed if listed is not None else magnitudes.tolist() if magnitudes is not None else None
             slot = self._host_slot()
             mags_host = read if read is not None and len(read) == k else [math.nan] * k
-            slot.fill([float(step), float(self.width), *mags_host, _loss_log2(loss)])
+            slot.fill([float(step), float(self.width), *mags_host, _loss_log2(loss), *self._tail(step, None)])
             self._start(step, slot.row, device, slot)
             self.stats.add_time(time.perf_counter() - t0)
             return
@@ -399,7 +460,8 @@ class GradientScreen:
             mags = torch.full((k,), float("nan"), dtype=torch.float64, device=device)
         else:
             mags = magnitudes.reshape(-1).to(device)
-        row = torch.cat([head, mags, loss_magnitude(loss, device)]).to(torch.float64)  # float64 by promotion
+        tail = self._tail(step, device)
+        row = torch.cat([head, mags, loss_magnitude(loss, device), tail]).to(torch.float64)  # float64 by promotion
         self._start(step, row, device)
         self.stats.add_time(time.perf_counter() - t0)
 
@@ -430,7 +492,7 @@ class GradientScreen:
         rows. Reused only after its step was judged: at most ``_MAX_PENDING`` steps are pending,
         each in another of the last ``_MAX_PENDING`` buffers."""
         if not self._slots:
-            self._slots = [_HostSlot(self.width + _HEADER, self.world_size) for _ in range(_MAX_PENDING + 1)]
+            self._slots = [_HostSlot(_HEADER + self.width + _TAIL, self.world_size) for _ in range(_MAX_PENDING + 1)]
         self._slot_index = (self._slot_index + 1) % len(self._slots)
         return self._slots[self._slot_index]
 
@@ -452,19 +514,77 @@ class GradientScreen:
         """Forget every pending step without waiting for a peer (no collective)."""
         self._pending.clear()
         self._judged.clear()
+        self._tails.clear()
+        self._carried = None
         self._slots = []  # a forgotten all_gather may still write into its buffer: never reuse one
 
     def _judge_oldest(self) -> None:
         step, (read, slot) = self._pending.popitem(last=False)
         if slot is not None:
             slot.work.wait()  # the all_gather into the slot's buffer
-            rows: torch.Tensor | list[list[float]] = slot.read()
+            table = slot.read()
         else:
             assert read is not None
-            rows = read.get()  # waits for the all_gather
+            table = read.get().tolist()  # waits for the all_gather
         t0 = time.perf_counter()
-        self._judged[step] = self.judge(step, rows)
+        n = _HEADER + self.width
+        if step in self._tails:  # a carried value rode this step's rows
+            self._tails[step] = [r[n:] for r in table]
+        self._judged[step] = self.judge(step, [r[:n] for r in table] if len(table[0]) > n else table)
         self.stats.add_time(time.perf_counter() - t0)
+
+    # -- values carried for another check ------------------------------------------------------
+
+    def carry(self, values: torch.Tensor, absent: Sequence[int]) -> Carried:
+        """Send ``values`` (at most 3 int64s, e.g. a weight digest) in the next observed step's
+        all_gather instead of a collective of their own; the returned reader's ``get()`` is what an
+        ``all_reduce(MAX)`` of them over the ranks gives (a CPU int64 tensor, identical on every
+        rank), a rank whose values did not arrive counting as ``absent`` (one per value). Read
+        before any step carried them (a save, the end of training), they take that all_reduce
+        then. Every rank alike; one value set at a time (a newer one replaces one not yet sent)."""
+        flat = values.detach().reshape(-1)
+        if flat.numel() > _CARRIED or flat.numel() != len(absent) or flat.dtype != torch.int64:
+            raise ValueError(f"carry takes up to {_CARRIED} int64 values and their absent values")
+        self._carried = Carried(self, flat, tuple(absent))
+        return self._carried
+
+    def _tail(self, step: int, device: torch.device | None) -> Any:
+        """This step's carried values as exact 32-bit halves (NaN: none), as a list (``device`` None)
+        or a float64 tensor on ``device`` (no host read there); the carrier now rides ``step``."""
+        carried = self._carried
+        if carried is None or carried.step is not None:
+            return _NO_TAIL if device is None else torch.full((_TAIL,), math.nan, dtype=torch.float64, device=device)
+        carried.step, self._carried = step, None
+        self._tails[step] = []
+        n = carried.values.numel()
+        if device is None:
+            out = []
+            for v in carried.values.tolist():
+                u = v & 0xFFFFFFFFFFFFFFFF
+                out += [float(u >> 32), float(u & 0xFFFFFFFF)]
+            return out + _NO_TAIL[2 * n :]
+        v = carried.values.to(device)
+        halves = torch.stack([(v >> 32) & 0xFFFFFFFF, v & 0xFFFFFFFF], 1).reshape(-1).to(torch.float64)
+        return torch.cat([halves, torch.full((_TAIL - 2 * n,), math.nan, dtype=torch.float64, device=device)])
+
+    def _carried_max(self, carried: Carried) -> torch.Tensor:
+        """``Carried.get``: the ranks' largest of each value from the rows of the step that carried
+        them (waiting for that step's all_gather and judging it: its verdict stays for
+        ``suspects``), or from an all_reduce now when no step has carried them yet."""
+        if carried.step is None:  # not sent: its own all_reduce, now (every rank alike: none has observed since)
+            if self._carried is carried:
+                self._carried = None
+            t = carried.values.to(collective_device(carried.values.device)).clone()
+            if is_distributed():
+                dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            return t.cpu()
+        step = carried.step
+        while step in self._pending:
+            self._judge_oldest()
+        tails = self._tails.pop(step, None)
+        if not tails:
+            raise RuntimeError(f"the screen's rows of step {step}, which carried another check's values, are gone")
+        return torch.tensor(_largest(tails, carried.absent), dtype=torch.int64)
 
     def bands(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Per value its band now (log2 units, float64) and whether it is calibrated."""

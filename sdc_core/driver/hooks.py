@@ -236,6 +236,8 @@ class SDCHooks:
         fw, driver = self._fw, self._driver
         if self._module is None:  # detached: the step as it was
             return original(*args, **kwargs)
+        if fw.sync_gradients:  # the screen's all_gather first: the last update's weight comparison rides it
+            driver.observe(self._context(optimizer))
         driver.resolve_pending(self._context(optimizer))  # the earlier steps' verdicts, also on accumulation steps
         if not fw.sync_gradients:
             return original(*args, **kwargs)

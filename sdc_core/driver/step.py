@@ -146,6 +146,7 @@ class StepDriver:
         self._checks = checks
         self._decided: dict[int, tuple[int, bool]] = {}  # id(non-finite check) -> (step decided, dropped)
         self._planned: tuple[int, StepPlan] | None = None  # before_update ran for this step
+        self._observed: int | None = None  # the step whose screen all_gathers were started
         self._saved: tuple[Any, bool] | None = None  # (key, weights changed) of the last before_save
         self._delivery = Delivery(seam)
 
@@ -156,6 +157,11 @@ class StepDriver:
         for replay in self.replays:
             if isinstance(replay, RingReplay):
                 replay.keep_every_step = screening
+        screens, fps = self.screens, self.fingerprints
+        courier = screens[0] if len(screens) == 1 and len(fps) == 1 else None  # one screen, one comparison
+        for fp in fps:
+            if isinstance(fp, WeightFingerprint):  # the weight comparison rides the screen's next all_gather
+                fp.courier = courier
 
     # -- the checks, by kind ----------------------------------------------------------------------
 
@@ -255,15 +261,24 @@ class StepDriver:
         self.resolve_gradients(step, before=step.index)
         self.gradients(step, now=True)
 
+    def observe(self, step: StepContext) -> None:
+        """Start this step's screen all_gather (every rank, right after the sync backward, before
+        ``resolve_pending``: the last update's weight comparison rides it; once per step)."""
+        if self._observed == step.index:
+            return
+        self._observed = step.index
+        source = self._magnitudes
+        for screen in self.screens:
+            screen.observe(step.index, source.take_magnitudes() if source is not None else None, self.seam.loss())
+
     def before_update(self, step: StepContext) -> StepPlan:
         """This step's verdicts, before its update (every rank, after backward; once per step:
-        a second call for the same step returns the first plan). Call ``resolve_pending`` first."""
+        a second call for the same step returns the first plan). Call ``observe`` and
+        ``resolve_pending`` first."""
         if self._planned is not None and self._planned[0] == step.index:
             return self._planned[1]
         plan = StepPlan()
-        source = self._magnitudes
-        for screen in self.screens:  # first: its all_gather starts right after backward, read below
-            screen.observe(step.index, source.take_magnitudes() if source is not None else None, self.seam.loss())
+        self.observe(step)  # where the seam has not: its all_gather starts right after backward, read below
         for matmul in self.matmuls:  # the step's products: sent now, read at the next step
             self.deliver(matmul, lambda m=matmul: m.verdict(step.index))
         plan.skipped = self.gradients(step)
