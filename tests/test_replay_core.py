@@ -278,3 +278,64 @@ def test_accelerate_replay_exact_takes_the_same_values(monkeypatch: pytest.Monke
     assert resolve()[0].replay().on_unreplayable == "raise"
     with pytest.raises(SDCConfigError, match="replay_on_unreplayable"):
         resolve(replay_on_unreplayable="ignore")
+
+
+def _self_assignments(fn: object) -> tuple[set[str], set[str]]:
+    """The attributes ``fn`` assigns on ``self`` (``self.x = ...``, ``self.x += ...``, ``setattr(self, ...)``)
+    and the methods it calls on ``self``, from its source."""
+    import ast
+    import inspect
+    import textwrap
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))  # type: ignore[arg-type]
+    assigned, called = set(), set()
+    for node in ast.walk(tree):
+        targets = node.targets if isinstance(node, ast.Assign) else (
+            [node.target] if isinstance(node, ast.AugAssign | ast.AnnAssign) else [])  # fmt: skip
+        for t in targets:
+            if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self":
+                assigned.add(t.attr)
+        if not isinstance(node, ast.Call):
+            continue
+        func, first = node.func, node.args[0] if node.args else None
+        if isinstance(func, ast.Name) and func.id == "setattr" and isinstance(first, ast.Name) and first.id == "self":
+            assigned.add("<setattr>")
+        if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id == "self":
+            called.add(func.attr)
+    return assigned, called
+
+
+def test_torch_nn_forwards_rebind_no_attribute_so_the_capture_leaves_them_out() -> None:
+    """The capture leaves out the plain attributes of torch.nn's own module classes
+    (``state._configuration_only``): sound only while their forwards, and the methods those call
+    on the module, rebind no attribute. Checked on every such class of the installed torch; the
+    one exception, RNNs' lists of their own parameters (not plain values: never captured), named.
+    A custom module's attributes are still captured."""
+    import importlib
+    import pkgutil
+
+    from sdc_core.replay.state import _configuration_only
+
+    allowed = {"_flat_weights", "_flat_weight_refs"}  # RNNBase._init_flat_weights: parameters and weakrefs
+    classes = []
+    for info in pkgutil.iter_modules(nn.modules.__path__):
+        mod = importlib.import_module(f"torch.nn.modules.{info.name}")
+        classes += [c for c in vars(mod).values() if isinstance(c, type) and issubclass(c, nn.Module)
+                    and c.__module__ == mod.__name__ and c is not nn.Module]  # fmt: skip
+    assert len(classes) > 100 and all(_configuration_only(c) for c in classes)
+    for cls in classes:
+        if cls.forward is nn.Module.forward:
+            continue
+        seen, todo = set(), ["forward"]
+        while todo:
+            name = todo.pop()
+            fn = getattr(cls, name, None)
+            own = getattr(fn, "__module__", "").startswith("torch.nn.modules.")  # not nn.Module's own machinery
+            if name in seen or not callable(fn) or not own:
+                continue
+            seen.add(name)
+            assigned, called = _self_assignments(fn)
+            assert assigned <= allowed, (cls.__name__, name, assigned)
+            todo += [c for c in called if hasattr(cls, c) and callable(getattr(cls, c))]
+    assert not _configuration_only(nn.Module) and not _configuration_only(Stepper)
+    assert StateCapture(Stepper(), names(Stepper())).capture().attrs[""]["count"] == 0

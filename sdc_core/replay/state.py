@@ -39,6 +39,21 @@ _SCALARS = (type(None), bool, int, float, complex, str, bytes)
 _MAX_ITEMS = 10_000  # elements of plain Python containers captured per micro-batch
 
 
+_CONFIGURATION_ONLY: dict[type, bool] = {}
+
+
+def _configuration_only(kind: type) -> bool:
+    """Whether a module class is one of torch.nn's own (defined in ``torch.nn.modules``; not a
+    bare ``nn.Module`` nor a subclass defined elsewhere). Their forwards rebind no attribute (a
+    test checks every ``forward`` there), so their plain attributes are configuration, the same
+    when a re-run reads them live and on every replica: a capture leaves them out (a 12-layer
+    ``nn.TransformerEncoder``: 122 such modules, most of a kept step's capture)."""
+    known = _CONFIGURATION_ONLY.get(kind)
+    if known is None:
+        known = _CONFIGURATION_ONLY[kind] = kind is not nn.Module and kind.__module__.startswith("torch.nn.modules.")
+    return known
+
+
 class _Skip(Exception):
     """A value that is not plain (or over budget): the capture leaves it out."""
 
@@ -185,7 +200,10 @@ class StateCapture:
     attributes and plain Python attributes (numbers, strings, None, NumPy arrays, and lists,
     tuples, dicts, sets, deques of them). Not captured: other objects (they are still put back
     after a replay when rebound, but in-place changes to them are not undone; lists, dicts, sets
-    and deques left out reach the replay as shallow copies), globals, iterators, files.
+    and deques left out reach the replay as shallow copies), globals, iterators, files, and the
+    plain attributes of torch.nn's own module classes (``nn.Linear``, ``nn.LayerNorm``, ...: their
+    configuration, which their forwards never rebind; a re-run reads it live). Their buffers and
+    frozen parameters are captured like any other's.
     """
 
     def __init__(
@@ -227,6 +245,8 @@ class StateCapture:
         attrs: dict[str, dict[str, Any]] = {}
         exclude, scalars = self.exclude, _SCALARS
         for path, sub in modules:
+            if _configuration_only(type(sub)):  # torch.nn's own: read live by a re-run
+                continue
             d = vars(sub)
             keys = d.keys() - exclude  # one set operation: most of a module's attributes are its internals
             if not keys:
