@@ -353,6 +353,12 @@ Formula for W ranks at the default cadences: {clean_step_sent} bytes in {clean_s
 clean step; an audited step sends about {audited_step_sent} bytes for this batch and receives
 24 x W bytes from the all-gather ({audited_step_received_allgather} bytes at W = 1,024); averaged
 over the default audit cadence of 100 steps, {mean_sent_per_step_default_cadence} bytes per rank per step.
+
+These counts are of the Lightning callbacks without the every-step screen. With it (on at the
+defaults since) the clean step's one collective is the screen's asynchronous all_gather instead:
+25 float64 values per rank (16 group peaks, the loss, the header, and in its tail the weight
+comparison's digests and the gradient verdict they carry, which then make no all-reduce of their
+own), so each rank sends 200 bytes and receives 200 x W.
 """
 
 CADENCE_TEXT = """

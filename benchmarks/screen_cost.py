@@ -3,14 +3,20 @@
 interleaved STEP BY STEP in one process group.
 
 Run under ``torchrun --nproc-per-node N python -m benchmarks.screen_cost --out FILE``. The model,
-batch and optimizer are ``benchmarks.ddp_steps``' (the Lightning benchmark's MLP, AdamW); each
+batch and optimizer are ``benchmarks.ddp_steps``' (the Lightning benchmark's MLP, AdamW), or with
+``--model encoder`` a 12-layer ``nn.TransformerEncoder`` (122 modules, dropout: what keeping a
+step costs grows with the modules its state capture walks); each
 configuration trains its own copy (same seed, same batches) in its own
 ``DistributedDataParallel``, one step of each in turn (A B C, C B A, ...). The screen's own work is
 timed in the same steps, where the hook set's driver calls it: the magnitude read at the end of
 backward (``_group_magnitudes``), ``observe`` and ``suspects`` (read before the update, as the
 driver reads it), and what the replay records on every step for a possible escalation (``record``
-while it keeps a step that it does not audit), as a share of rank 0's step without the screen;
-the A/B columns carry what a timer misses (caches, threads).
+while it keeps a step that it does not audit), as a share of rank 0's step without the screen.
+The weight comparison's calls (``start``, ``resolve``, the non-finite verdict it carries) are
+timed in both configurations: with the screen their values ride its all_gather, so what turning
+the screen on costs (``screen_marginal_*``) is its own work plus what the comparison costs with it
+less what the comparison costs without it. The A/B columns carry what a timer misses (caches,
+threads).
 """
 
 from __future__ import annotations
@@ -25,12 +31,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from benchmarks.common import Model, WorkTimer, summary
 from sdc_core.driver.hooks import SDCHooks
 
 BATCH = 128
+ENCODER_BATCH = 16
 CONFIGS = ("none", "no_screen", "defaults")
 
 
@@ -61,17 +69,47 @@ class ThreadTimer(WorkTimer):
         return counted
 
 
+class Encoder(nn.Module):
+    """A 12-layer ``nn.TransformerEncoder`` (d 128, 4 heads, dropout 0.1) on ``(batch, 32, 128)``
+    inputs; returns the MSE of its mean-pooled output's first feature against ``y``."""
+
+    def __init__(self, width: int = 128, layers: int = 12) -> None:
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(width, 4, 4 * width, batch_first=True)
+        self.net = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.mse_loss(self.net(x).mean(1)[:, :1], y)
+
+
+def make_model(kind: str, width: int) -> nn.Module:
+    return Encoder() if kind == "encoder" else Model(width)
+
+
+def make_batch(kind: str, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """One rank's batch: ``(x, y)``."""
+    if kind == "encoder":
+        x = torch.randn(ENCODER_BATCH, 32, 128, generator=g)
+        return x, x[:, 0, :1]
+    x = torch.randn(BATCH, 64, generator=g)
+    return x, x[:, :1]
+
+
 class Run:
     """One configuration: a model copy, its optimizer, its hook set (or none), its timings."""
 
-    def __init__(self, config: str, width: int) -> None:
+    def __init__(self, config: str, width: int, kind: str = "mlp") -> None:
         torch.manual_seed(0)
-        self.model = DistributedDataParallel(Model(width))
+        self.model = DistributedDataParallel(make_model(kind, width))
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
         self.sdc = None if config == "none" else SDCHooks(gradient_screen=config == "defaults")
         self.work = ThreadTimer()  # the screen's own work
+        self.shared = ThreadTimer()  # the weight comparison and the verdict it carries: with the screen, in its row
         if self.sdc is not None:
             self.sdc.attach(self.model, self.opt)
+            fp, nf = self.sdc.fingerprint, self.sdc.nonfinite
+            fp.start, fp.resolve = self.shared.wrap(fp.start), self.shared.wrap(fp.resolve)  # type: ignore[method-assign]
+            nf.resolve = self.shared.wrap(nf.resolve)  # type: ignore[method-assign]
         self.screen = self.sdc.screen if self.sdc is not None else None
         if self.screen is not None:  # the driver calls these by attribute: the wrappers are what it calls
             nonfinite, replay = self.sdc.nonfinite, self.sdc.replay  # type: ignore[union-attr]
@@ -88,7 +126,7 @@ class Run:
         self.i = 0
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        t0, c0, w0 = time.perf_counter(), time.thread_time(), self.work.cpu_seconds
+        t0, c0, w0, s0 = time.perf_counter(), time.thread_time(), self.work.cpu_seconds, self.shared.cpu_seconds
         loss = self.model(x, y)
         loss.backward()
         self.opt.step()
@@ -96,7 +134,8 @@ class Run:
         self.i += 1
         self.steps.append({"seconds": time.perf_counter() - t0, "work_seconds": self.work.take(),
                            "cpu_seconds": time.thread_time() - c0,
-                           "work_cpu_seconds": self.work.cpu_seconds - w0})  # fmt: skip
+                           "work_cpu_seconds": self.work.cpu_seconds - w0,
+                           "shared_cpu_seconds": self.shared.cpu_seconds - s0})  # fmt: skip
 
 
 def main() -> None:
@@ -105,17 +144,18 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200, help="timed steps per configuration")
     parser.add_argument("--skip", type=int, default=5, help="warm-up steps per configuration, not timed")
     parser.add_argument("--width", type=int, default=2048)
+    parser.add_argument("--model", choices=("mlp", "encoder"), default="mlp")
     args = parser.parse_args()
     dist.init_process_group("gloo", timeout=timedelta(seconds=300))
-    runs = {c: Run(c, args.width) for c in CONFIGS}
+    runs = {c: Run(c, args.width, args.model) for c in CONFIGS}
     g = torch.Generator().manual_seed(dist.get_rank())
     screened = runs["defaults"]
     for i in range(args.skip + args.steps):
         if i == args.skip:
             parts_after_skip = dict(screened.work.parts)
-        x = torch.randn(BATCH, 64, generator=g)
+        x, y = make_batch(args.model, g)
         for c in CONFIGS if i % 2 == 0 else CONFIGS[::-1]:
-            runs[c].step(x, x[:, :1])
+            runs[c].step(x, y)
     parts = {k: v - parts_after_skip.get(k, 0.0) for k, v in screened.work.parts.items()}
     stats = screened.screen.stats.metrics() if screened.screen is not None else {}
     for run in runs.values():
@@ -127,12 +167,16 @@ def main() -> None:
         own = sum(s["work_seconds"] for s in kept["defaults"])
         own_cpu = sum(s["work_cpu_seconds"] for s in kept["defaults"])
         main_cpu = sum(s["cpu_seconds"] for s in kept["no_screen"])
+        shared = {c: sum(s["shared_cpu_seconds"] for s in kept[c]) for c in ("no_screen", "defaults")}
+        marginal = own_cpu + shared["defaults"] - shared["no_screen"]
         base = sum(wall["no_screen"])
         pairs = zip(wall["defaults"], wall["no_screen"], strict=True)
         result: dict[str, Any] = {
             "world_size": dist.get_world_size(),
-            "params": sum(p.numel() for p in Model(args.width).parameters()),
-            "batch": BATCH,
+            "model": args.model,
+            "modules": len(list(make_model(args.model, args.width).modules())),
+            "params": sum(p.numel() for p in make_model(args.model, args.width).parameters()),
+            "batch": ENCODER_BATCH if args.model == "encoder" else BATCH,
             "steps": args.steps,
             "step_seconds": {c: summary(w) for c, w in wall.items()},
             "screen_own_work_share_of_no_screen_step": own / base,
@@ -141,6 +185,11 @@ def main() -> None:
             "screen_own_cpu_ms_per_step_by_call": {k: 1000 * v / len(wall["no_screen"]) for k, v in parts.items()},
             "screen_own_cpu_share_of_no_screen_step_wall": own_cpu / base,
             "screen_own_cpu_share_of_no_screen_main_thread_cpu": own_cpu / main_cpu,
+            # the weight comparison's calls (start, resolve, the non-finite verdict it carries) in each configuration:
+            # with the screen its values ride the screen's all_gather instead of an all-reduce of their own
+            "comparison_cpu_ms_per_step": {c: 1000 * v / len(wall["no_screen"]) for c, v in shared.items()},
+            "screen_marginal_cpu_ms_per_step": 1000 * marginal / len(wall["no_screen"]),
+            "screen_marginal_cpu_share_of_no_screen_step_wall": marginal / base,
             "defaults_vs_no_screen_median": statistics.median(wall["defaults"])
             / statistics.median(wall["no_screen"]) - 1,
             "defaults_vs_no_screen_step_pairs": statistics.median(a / b for a, b in pairs) - 1,

@@ -326,3 +326,17 @@ def test_carried_values_from_hostile_peers_count_as_absent() -> None:
     for tail in hostile:
         assert _largest([good, tail], (99, -5)) == [99, -1]  # absent 99 beats 7; -1 beats absent -5
     assert _largest([tail for tail in hostile], (3, 4)) == [3, 4]
+
+
+def test_carried_halves_are_the_same_built_on_a_device() -> None:
+    """The row's tail built with torch ops (the path off the host, here on the CPU) holds the same
+    exact 32-bit halves as the one built in Python, negative values and the int64 extremes included."""
+    s = GradientScreen()
+    s._setup(K, ["a"] * K)
+    values = torch.tensor([-(2**63), -1, 2**40 + 5], dtype=torch.int64)
+    s.carry(values, (0, 0, 0))
+    host = s._tail(0, None)
+    s.carry(values[:2], (0, 0))
+    device = s._tail(1, torch.device("cpu")).tolist()
+    assert host[:4] == device[:4] and all(math.isnan(v) for v in device[4:])
+    assert host[:2] == [2.0**31, 0.0] and host[2:4] == [2.0**32 - 1] * 2 and host[4:] == [256.0, 5.0]

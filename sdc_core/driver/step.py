@@ -4,14 +4,16 @@ Every seam calls it: ``SDCHooks`` (the plain-PyTorch loop, and through it Accele
 the Hugging Face Trainer) from its wrapper of ``optimizer.step``, and the Lightning callbacks from
 the trainer's events. What it owns, once:
 
-* the order of the verdicts in an optimizer step (``resolve_pending`` then ``before_update``):
-  an earlier step's non-finite verdict, the pending weight comparison (of the weights after an
+* the order of the verdicts in an optimizer step (``observe``, ``resolve_pending`` then
+  ``before_update``): an earlier step's non-finite verdict, the pending weight comparison (of the weights after an
   earlier update), this step's matrix-product verdict, this step's non-finite verdict, this step's
   replay audit, then the update audit's snapshot. An earlier fault is never reported as a later
   one's symptom: weights flipped after step ``s`` make the replay of step ``s + 1`` disagree, but
   the comparison of step ``s`` is read first and names the tensors;
 * which verdict rides the fingerprint's all-reduce after the update (``carries``), and the
-  start of that comparison (``after_update``);
+  start of that comparison (``after_update``); with the every-step screen, the comparison's
+  values ride the screen's all_gather of the next step instead (``prepare`` sets the courier,
+  ``observe`` starts that all_gather before the earlier verdicts are read): one collective a step;
 * what one check's verdict means for the others: a step the gradient check dropped is not
   audited; replicas healed or rolled back before the update are not audited (their gradients
   came from other weights); a replay disagreement is first checked against the replicas'
