@@ -527,10 +527,10 @@ class GradientScreen:
             assert read is not None
             table = read.get().tolist()  # waits for the all_gather
         t0 = time.perf_counter()
-        n = _HEADER + self.width
+        n = _HEADER + self.width  # then the tail of carried values
         if step in self._tails:  # a carried value rode this step's rows
             self._tails[step] = [r[n:] for r in table]
-        self._judged[step] = self.judge(step, [r[:n] for r in table] if len(table[0]) > n else table)
+        self._judged[step] = self.judge(step, [r[:n] for r in table])
         self.stats.add_time(time.perf_counter() - t0)
 
     # -- values carried for another check ------------------------------------------------------
