@@ -4,7 +4,7 @@ interleaved STEP BY STEP in one process group.
 
 Run under ``torchrun --nproc-per-node N python -m benchmarks.screen_cost --out FILE``. The model,
 batch and optimizer are ``benchmarks.ddp_steps``' (the Lightning benchmark's MLP, AdamW), or with
-``--model encoder`` a 12-layer ``nn.TransformerEncoder`` (122 modules, dropout: what keeping a
+``--model encoder`` a 12-layer ``nn.TransformerEncoder`` (123 modules, dropout: what keeping a
 step costs grows with the modules its state capture walks); each
 configuration trains its own copy (same seed, same batches) in its own
 ``DistributedDataParallel``, one step of each in turn (A B C, C B A, ...). The screen's own work is
