@@ -326,22 +326,19 @@ class Carried:
         return work is None or not hasattr(work, "is_completed") or bool(work.is_completed())
 
 
+def _carried_value(tail: list[float], i: int, absent: int) -> int:
+    """The ``i``-th int64 of one rank's row tail (a pair of 32-bit halves; peers are hostile: a
+    pair that is not two whole numbers in [0, 2^32), or a tail too short, gives ``absent``)."""
+    pair = tail[2 * i : 2 * i + 2]
+    if len(pair) != 2 or not all(_isfinite(h) and h == int(h) and 0 <= h < 2**32 for h in pair):
+        return absent
+    u = (int(pair[0]) << 32) | int(pair[1])
+    return u - (1 << 64) if u > _INT64_MAX else u
+
+
 def _largest(tails: list[list[float]], absent: Sequence[int]) -> list[int]:
-    """Per carried value the largest over the ranks' row tails (pairs of 32-bit halves; peers are
-    hostile: a pair that is not two whole numbers in [0, 2^32) counts as that value's ``absent``)."""
-    out = list(absent)
-    seen = [False] * len(absent)
-    for tail in tails:
-        for i, default in enumerate(absent):
-            hi, lo = (tail[2 * i], tail[2 * i + 1]) if len(tail) >= 2 * i + 2 else (math.nan, math.nan)
-            if all(_isfinite(h) and h == int(h) and 0 <= h < 2**32 for h in (hi, lo)):
-                u = (int(hi) << 32) | int(lo)
-                value = u - (1 << 64) if u > _INT64_MAX else u
-            else:
-                value = default
-            out[i] = value if not seen[i] else max(out[i], value)
-            seen[i] = True
-    return out
+    """Per carried value the largest over the ranks' row tails (``_carried_value``)."""
+    return [max((_carried_value(t, i, a) for t in tails), default=a) for i, a in enumerate(absent)]
 
 
 class GradientScreen:
