@@ -339,3 +339,43 @@ def test_torch_nn_forwards_rebind_no_attribute_so_the_capture_leaves_them_out() 
             todo += [c for c in called if hasattr(cls, c) and callable(getattr(cls, c))]
     assert not _configuration_only(nn.Module) and not _configuration_only(Stepper)
     assert StateCapture(Stepper(), names(Stepper())).capture().attrs[""]["count"] == 0
+
+
+def test_the_capture_walks_again_whenever_the_module_tree_changed() -> None:
+    """A capture reuses its last walk of the module tree while no module changed its class,
+    children, parameters or buffers' names (``state._Walk``); each change below must show in the
+    next capture exactly as a first walk of the changed tree (a fresh ``StateCapture``) sees it:
+    tied weights once, frozen parameters and buffers cloned with their current values."""
+    m = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    m[0].weight.requires_grad_(False)
+    trainable = ["0.bias", "1.weight", "1.bias", "2.weight", "2.bias"]
+    cap = StateCapture(m, trainable)
+
+    def same_as_a_first_walk() -> dict[str, torch.Tensor]:
+        a, b = cap.capture(), StateCapture(m, trainable).capture()
+        assert list(a.tensors) == list(b.tensors) and a.attrs.keys() == b.attrs.keys() and a.nbytes == b.nbytes
+        assert all(torch.equal(a.tensors[k], b.tensors[k]) for k in a.tensors)
+        return a.tensors
+
+    first = same_as_a_first_walk()
+    assert list(first) == ["param:0.weight", "buffer:1.running_mean", "buffer:1.running_var",
+                           "buffer:1.num_batches_tracked"]  # fmt: skip
+    walk = cap._walk
+    assert cap.capture() and cap._walk is walk  # nothing changed: the same walk
+    m[1].running_mean = torch.full((4,), 3.0)  # a buffer rebound: read at each capture, no new walk
+    assert torch.equal(cap.capture().tensors["buffer:1.running_mean"], torch.full((4,), 3.0)) and cap._walk is walk
+    m.append(nn.Linear(4, 4))  # a new child (trainable by name)
+    assert "param:2.weight" not in same_as_a_first_walk() and cap._walk is not walk
+    m[2].register_buffer("scale", torch.ones(2))  # a new buffer on a leaf
+    assert "buffer:2.scale" in same_as_a_first_walk()
+    m[0].weight = nn.Parameter(torch.zeros(4, 4), requires_grad=False)  # a frozen parameter replaced
+    assert torch.equal(same_as_a_first_walk()["param:0.weight"], torch.zeros(4, 4))
+    m[0]._parameters["weight"] = nn.Parameter(torch.ones(4, 4))  # replaced behind Module's back: same names
+    assert torch.equal(same_as_a_first_walk()["param:0.weight"], torch.ones(4, 4))
+    m._modules["2"] = nn.BatchNorm1d(4)  # a child replaced behind Module's back: same names
+    assert "buffer:2.running_var" in same_as_a_first_walk()
+    m[2].weight = m[0].weight  # tied to a frozen parameter seen first: captured once, under its first name
+    assert "param:2.weight" not in same_as_a_first_walk()
+    m[2].__class__ = type("Custom", (nn.BatchNorm1d,), {})  # no longer torch.nn's own: attributes read
+    m[2].note = "x"
+    assert cap.capture().attrs["2"]["note"] == "x"

@@ -9,7 +9,8 @@ device), taken by ``sdc_core.replay.rng.all_rng`` and put back by its ``set_rng`
 and restores the module's own afterwards; ``fresh`` makes a re-run's private copy of a captured value.
 
 Cost: a capture clones state tensors on their device (no host sync) within ``max_state_mb`` per
-audited step (larger tensors are read live and guarded against in-place change); frozen tensors
+audited step (larger tensors are read live and guarded against in-place change), after checking
+that the module tree kept the shape of its last walk (else it walks it again); frozen tensors
 above ``SEND_BY_DIGEST_BYTES`` travel by digest (one host read per transfer).
 
 Limits: not captured are objects that are neither tensors nor plain Python values (rebinds are
@@ -165,22 +166,58 @@ class StepState:
     nbytes: int = 0
 
 
-def _members(modules: list[tuple[str, nn.Module]], kind: str, prefix: str,
-             skip: frozenset[str] = frozenset()) -> list[tuple[str, torch.Tensor]]:  # fmt: skip
-    """``named_parameters()`` (``kind="_parameters"``) or ``named_buffers()`` (``"_buffers"``) of
-    the module whose ``named_modules()`` are ``modules``, in their order, each tensor once, without
-    another walk of the module tree; names in ``skip`` left out, ``prefix`` put before each name."""
+def _frozen(modules: list[tuple[str, nn.Module]], trainable: frozenset[str]) -> list[tuple[str, torch.Tensor]]:
+    """``named_parameters()`` of the module whose ``named_modules()`` are ``modules`` (in their
+    order, each tensor once, without another walk of the module tree) less the ``trainable``
+    names, each named ``"param:<name>"``."""
     seen: set[int] = set()
     out: list[tuple[str, torch.Tensor]] = []
     for path, sub in modules:
-        for k, t in getattr(sub, kind).items():
+        for k, t in sub._parameters.items():
             if t is None or id(t) in seen:
                 continue
             seen.add(id(t))
             name = f"{path}.{k}" if path else k
-            if name not in skip:
-                out.append((prefix + name, t))
+            if name not in trainable:
+                out.append(("param:" + name, t))
     return out
+
+
+def _signature(modules: list[nn.Module]) -> list[Any]:
+    """What a capture's walk of ``modules`` depends on, flat: per module its class, its children,
+    its parameters (names, then objects by ``id``: ``_Walk.pinned`` keeps them alive) and its
+    buffers' names (their tensors are read at each capture), each run after its length."""
+    out: list[Any] = []
+    put, add = out.append, out.extend
+    for sub in modules:
+        d = sub.__dict__
+        children, params, buffers = d["_modules"], d["_parameters"], d["_buffers"]
+        put(type(sub))
+        put(len(children))
+        add(children.values())
+        put(len(params))
+        add(params)
+        add(map(id, params.values()))
+        put(len(buffers))
+        add(buffers)
+    return out
+
+
+@dataclass
+class _Walk:
+    """One walk of the module tree, reused while its ``_signature`` is unchanged: the frozen
+    parameters to clone, where each buffer lives, and the modules whose attributes are read."""
+
+    modules: list[nn.Module]
+    signature: list[Any]
+    pinned: list[Any]  # the parameters the signature names by id (an id is not reused while they live)
+    frozen: list[tuple[str, torch.Tensor]]  # ("param:<name>", tensor): fixed by the signature
+    buffers: list[tuple[str, nn.Module, str]]  # ("buffer:<name>", its module, key): the tensor read live
+    attributed: list[tuple[str, nn.Module]]  # modules not of torch.nn's own classes: attributes read live
+
+    def current(self) -> bool:
+        """Whether the tree still has this walk's shape (about half a walk's cost)."""
+        return _signature(self.modules) == self.signature
 
 
 class StateCapture:
@@ -222,9 +259,26 @@ class StateCapture:
         self.exclude = _MODULE_INTERNALS | frozenset(exclude)
         self.get_state, self.load_state = get_state, load_state
         self.max_bytes = int(max_state_mb * 2**20)
+        self._walk: _Walk | None = None
 
     def _device(self) -> torch.device:
         return next((p.device for p in self.module.parameters()), torch.device("cpu"))
+
+    def _walked(self) -> _Walk:
+        """The module tree's walk (``_Walk``): the last one while the tree kept its shape (checked
+        on every module: about half a walk's cost), else a new one."""
+        walk = self._walk
+        if walk is not None and walk.current():
+            return walk
+        named = list(self.module.named_modules())
+        subs = [sub for _, sub in named]
+        buffers = [(f"buffer:{path}.{k}" if path else f"buffer:{k}", sub, k)
+                   for path, sub in named for k in sub._buffers]  # fmt: skip
+        walk = _Walk(subs, _signature(subs), [list(sub._parameters.values()) for sub in subs],
+                     _frozen(named, self.trainable), buffers,
+                     [(path, sub) for path, sub in named if not _configuration_only(type(sub))])  # fmt: skip
+        self._walk = walk
+        return walk
 
     def capture(self, budget_bytes: int | None = None) -> StepState:
         """The current state (clones on device, no host sync) within ``budget_bytes`` of tensor
@@ -233,8 +287,14 @@ class StateCapture:
         budget = _Budget(start)
         tensors: dict[str, Any] = {}
         live: list[str] = []
-        modules = list(self.module.named_modules())  # one walk (named_parameters and named_buffers walk again)
-        named = _members(modules, "_parameters", "param:", self.trainable) + _members(modules, "_buffers", "buffer:")
+        walk = self._walked()
+        seen: set[int] = set()  # buffers, each once (``named_buffers``)
+        named = list(walk.frozen)
+        for key, sub, k in walk.buffers:
+            t = sub._buffers.get(k)
+            if t is not None and id(t) not in seen:
+                seen.add(id(t))
+                named.append((key, t))
         for key, t in named:
             size = t.numel() * t.element_size()
             if size > budget.bytes_left:
@@ -244,9 +304,7 @@ class StateCapture:
             tensors[key] = t.detach().clone()
         attrs: dict[str, dict[str, Any]] = {}
         exclude, scalars = self.exclude, _SCALARS
-        for path, sub in modules:
-            if _configuration_only(type(sub)):  # torch.nn's own: read live by a re-run
-                continue
+        for path, sub in walk.attributed:
             d = vars(sub)
             keys = d.keys() - exclude  # one set operation: most of a module's attributes are its internals
             if not keys:
