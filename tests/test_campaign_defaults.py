@@ -102,6 +102,9 @@ def _rows() -> list[dict[str, Any]]:  # fmt: skip
                   defaults_outcome="clean") for i, d in enumerate((0.02, -0.03))]  # fmt: skip
     clean.append(_row("clean", "-", id="hard-spike0", variant="spike", final_loss=9.0, outcome="clean",
                       defaults_outcome="clean", defaults_screen_hits=1.0, defaults_screen_cleared=1.0))  # fmt: skip
+    clean.append(_row("clean", "-", id="hard-spike1", variant="spike", final_loss=math.nan, nonfinite=True,
+                      outcome="divergence", defaults_outcome="divergence", defaults_by="nonfinite_gradient",
+                      defaults_suspects=[0, 1, 2]))  # SGD blown up by the spike itself; every rank non-finite
     return [
         *clean,
         # harmful (worse by more than the spread 0.05), caught by the screen in its step on its rank
@@ -127,13 +130,27 @@ def test_harmful_against_the_spread_and_the_summary_at_the_defaults(tmp_path: Pa
     d = summary["defaults"]
     assert (d["compute_harmful"], d["compute_harmful_within_1"], d["compute_harmful_within_1_right_rank"]) == (3, 2, 2)
     assert (d["rank_local_detections"], d["right_rank"]) == (3, 2)  # the weight fault named rank 2, not 1
-    assert (d["clean_runs"], d["false_alarms"], d["false_accusations"]) == (3, 0, 0)
+    assert (d["clean_runs"], d["false_alarms"], d["false_accusations"], d["divergences"]) == (4, 0, 0, 1)
     assert [m["site"] for m in d["missed_compute"]] == ["matmul_output"]
     spike = next(t for t in summary["clean_table"] if t["variant"] == "spike")
-    assert (spike["screen_flagged"], spike["screen_cleared"]) == (1, 1)
+    assert (spike["screen_flagged"], spike["screen_cleared"], spike["divergences"]) == (1, 1, 1)
     grad = next(t for t in summary["defaults_table"] if t["site"] == "gradient")
     assert grad["by"] == {"gradient_screen": 1} and grad["harmful_within_1"] == 1 and grad["right_rank"] == 1
     assert json.loads((tmp_path / "results.json").read_text())["summary"]["defaults"] == d
+
+
+def test_a_clean_run_that_diverged_by_itself_is_no_false_alarm_unless_a_device_is_blamed() -> None:
+    """A verdict on a clean run is a false alarm, and one blaming a device (a rank, or some but not
+    all ranks: the hosts an incident excludes) a false accusation; a run that blew up by itself
+    (non-finite without checks too) stopped by a verdict blaming none is a divergence."""
+    blown, fine = {"nonfinite": True}, {"nonfinite": False}
+    everyone = {"check": "nonfinite_gradient", "rank": None, "suspects": [0, 1, 2]}
+    assert c.clean_outcome(None, blown) == "clean"
+    assert c.clean_outcome(everyone, blown) == "divergence"
+    assert c.clean_outcome(everyone, fine) == "false_alarm"  # no divergence without checks: a false alarm
+    assert c.clean_outcome({**everyone, "suspects": [0, 2]}, blown) == "false_alarm"  # two hosts blamed
+    assert c.clean_outcome({**everyone, "rank": 1, "suspects": [1]}, blown) == "false_alarm"
+    assert not c.accuses(None, [0, 1, 2]) and not c.accuses(None, []) and c.accuses(None, [1]) and c.accuses(0, [])
 
 
 def test_the_campaign_part_of_the_page_is_replaced_and_the_rest_kept(tmp_path: Path, monkeypatch: Any) -> None:
@@ -153,7 +170,7 @@ def test_the_campaign_part_of_the_page_is_replaced_and_the_rest_kept(tmp_path: P
     for kept in ("## Ring replay on GPUs\n\nhand-written", cr.SECTION[0] + "\nmatmul\n", "hand-written too"):
         assert kept in first
     assert "## At the defaults" in first and "| matmul_output | sign |" in first
-    assert "false accusations in 3" in first.replace("**", "")
+    assert "0 false accusations in 4 at the defaults; 1 diverged by themselves" in first.replace("**", "")
     cr.write_doc(out, doc, "sdc campaign ...")  # rewritten in place, not appended twice
     assert doc.read_text() == first
     doc.write_text("")

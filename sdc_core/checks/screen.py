@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import operator
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -72,6 +73,7 @@ _MAD_TO_SIGMA = 1.4826
 _REFRESH = 32  # judged steps between two recalibrations of the band (its two medians over the history: the
 # largest host cost of `judge`; the band is a median over `window` steps and moves slowly)
 _isfinite = math.isfinite
+_sub = operator.sub
 _CPU = torch.device("cpu")
 
 
@@ -218,7 +220,9 @@ def _deviations(row: Sequence[float], ref: Sequence[float]) -> list[float]:
     is corrected by the smaller of the level and the loss's (last) deviation (``torch.fmin``: NaN
     only when both are): a harder batch raises its loss with its gradients, a fault in backward
     raises gradients only."""
-    raw = [a - b for a, b in zip(row, ref, strict=True)]
+    if len(row) != len(ref):
+        raise ValueError(f"{len(row)} values, {len(ref)} references")
+    raw = list(map(_sub, row, ref))
     level, loss = _median(raw), raw[-1]
     shift = loss if level != level or loss < level else level
     dev = [a - shift for a in raw]
@@ -363,7 +367,7 @@ class GradientScreen:
         self._pending: OrderedDict[int, tuple[HostRead | None, _HostSlot | None]] = OrderedDict()  # step -> its gather
         self._judged: dict[int, ScreenResult] = {}
         self._history: torch.Tensor | None = None  # (window, world, width) healthy positive deviations, NaN: none
-        self._fresh: list[tuple[int, list[list[float]]]] = []  # (slot, rows) judged, not yet in _history
+        self._fresh: list[tuple[int, list[list[float]]]] = []  # (slot, deviations of healthy ranks) not in _history
         self._cursor = 0
         self._filled = 0
         self._band: tuple[list[float], bool] | None = None  # ``bands()``, all calibrated; refreshed every _REFRESH
@@ -611,6 +615,7 @@ class GradientScreen:
         latest = dict(self._fresh)  # the last rows per slot (a window shorter than the flush)
         self._fresh = []
         rows = torch.tensor(list(latest.values()), dtype=torch.float64)
+        rows = torch.where(rows > 0, rows.clamp(max=self.config.max_band), math.nan)  # positive ones, capped
         self._history.index_copy_(0, torch.tensor(list(latest)), rows)
 
     def judge(self, step: int, rows: torch.Tensor | list[list[float]]) -> ScreenResult:
@@ -623,7 +628,7 @@ class GradientScreen:
         if len(table) != self.world_size or any(len(r) != _HEADER + self.width for r in table):
             shape = tuple(rows.shape) if isinstance(rows, torch.Tensor) else (len(table),)
             raise ValueError(f"screen rows of shape {shape}, expected ({self.world_size}, {_HEADER + self.width})")
-        width, nan, inf = self.width, math.nan, math.inf
+        width, inf = self.width, math.inf
         values, judged, malformed, nonfinite = _read_rows(table, width)
         ref = reference(judged)
         if self._band is None or self.stats.runs % _REFRESH == 1:
@@ -632,11 +637,11 @@ class GradientScreen:
         band, calibrated = self._band
         devs = [_deviations(x, ref) for x in judged]
         self._last_dev = devs
-        max_band, margin = self.config.max_band, -inf
+        margin, none = -inf, [math.nan] * (width + 1)
         details: dict[int, dict[str, Any]] = {}
         healthy: list[list[float]] = []
         for r, dev in enumerate(devs):
-            excess = [d - b for d, b in zip(dev, band, strict=True)]
+            excess = list(map(_sub, dev, band))  # as long: ``bands`` has the level's too
             if _isfinite(sum(excess)):
                 worst = max(excess)
                 at = excess.index(worst)  # the first on ties
@@ -652,10 +657,7 @@ class GradientScreen:
                 details[r] = {"reason": "nonfinite"}
             elif worst > 0:  # d > b exactly when d - b > 0 (finite floats)
                 details[r] = {"reason": "band", "value": self.names[at], "excess": dev[at], "band": band[at]}
-            if r in details:
-                healthy.append([nan] * (width + 1))
-            else:
-                healthy.append([min(d, max_band) if d > 0 else nan for d in dev])
+            healthy.append(none if r in details else dev)  # clamped to (0, max_band] in ``_flush``
         self._fresh.append((self._cursor, healthy))
         self._cursor = (self._cursor + 1) % self.config.window
         self._filled = min(self._filled + 1, self.config.window)

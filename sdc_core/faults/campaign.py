@@ -281,6 +281,24 @@ def mark_harmful(rows: list[dict[str, Any]], spread: float) -> None:
             r["harmful"] = bool(r.get("nonfinite")) or not math.isfinite(loss) or loss - r["clean_loss"] > spread
 
 
+def accuses(rank: int | None, suspects: list[int] | None) -> bool:
+    """Whether a verdict blames a device: it names a rank, or some but not all ranks as suspects
+    (what an incident excludes hosts for, ``sdc_core.ops.incidents``). A verdict on every rank
+    (the non-finite check's ``all_ranks``: ordinary divergence) blames none."""
+    return rank is not None or 0 < len(suspects or []) < WORLD
+
+
+def clean_outcome(error: dict[str, Any] | None, row: dict[str, Any]) -> str:
+    """A clean run's outcome under one check set: ``clean`` (no verdict); ``divergence`` (the
+    training blew up by itself, its run without checks ending non-finite, and the verdict blamed
+    no device: a true alarm, not SDC); else ``false_alarm``."""
+    if not error:
+        return "clean"
+    if row["nonfinite"] and not accuses(error.get("rank"), error.get("suspects")):
+        return "divergence"
+    return "false_alarm"
+
+
 def within_one_step(r: dict[str, Any]) -> bool:
     """Whether the checks at their defaults named the row's fault in its step or the next."""
     return bool(r.get("defaults_by")) and r.get("defaults_latency") is not None and 0 <= r["defaults_latency"] <= 1
@@ -346,7 +364,9 @@ def _defaults_table(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def _clean_table(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per kind of clean run: false alarms with the replay every step and at the defaults, false
-    accusations at the defaults (a verdict naming a rank), the screen's hits and what the replay did."""
+    accusations at the defaults (a verdict blaming a device: ``accuses``), runs that diverged by
+    themselves and were stopped blaming none (``clean_outcome``), the screen's hits and what the
+    replay did."""
     out = []
     for variant in ("order", "hetero", "spike"):
         rs = [r for r in rows if r["site"] == "clean" and r.get("variant", "order") == variant]
@@ -356,9 +376,8 @@ def _clean_table(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "variant": variant, "runs": len(rs),
             "false_alarms_every_step": sum(r["outcome"] == "false_alarm" for r in rs),
             "false_alarms": sum(r.get("defaults_outcome") == "false_alarm" for r in rs),
-            "false_accusations": sum(r.get("defaults_outcome") == "false_alarm"
-                                     and (r.get("defaults_rank") is not None or bool(r.get("defaults_suspects")))
-                                     for r in rs),
+            "false_accusations": sum(accuses(r.get("defaults_rank"), r.get("defaults_suspects")) for r in rs),
+            "divergences": sum(r.get("defaults_outcome") == "divergence" for r in rs),
             "screen_flagged": sum(r.get("defaults_screen_hits", 0) > 0 for r in rs),
             "screen_hits": int(sum(r.get("defaults_screen_hits", 0) for r in rs)),
             "screen_cleared": int(sum(r.get("defaults_screen_cleared", 0) for r in rs)),
@@ -387,6 +406,7 @@ def defaults_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
                                 if r["site"] in SITES),
         "clean_runs": sum(c["runs"] for c in clean), "false_alarms": sum(c["false_alarms"] for c in clean),
         "false_accusations": sum(c["false_accusations"] for c in clean),
+        "divergences": sum(c["divergences"] for c in clean),
         "missed_compute": [{k: r.get(k) for k in ("id", "site", "phase", "bit_class", "rank", "step", "target", "bit",
                                                   "final_loss", "clean_loss", "nonfinite", "defaults_by",
                                                   "defaults_latency", "defaults_screen_hits")}

@@ -356,13 +356,14 @@ def _clean_runs_table(summ: dict[str, Any]) -> list[str]:
         "rank computing that batch reproduces):",
         "",
         "| clean runs | runs | false alarms, replay every step | false alarms at the defaults | false accusations "
-        "at the defaults | runs the screen flagged | screen hits | cleared by the replay | unconfirmed |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "at the defaults | diverged by themselves, stopped blaming no device | runs the screen flagged | screen hits "
+        "| cleared by the replay | unconfirmed |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for c in summ["clean_table"]:
         lines.append(f"| {c['variant']} | {c['runs']} | {c['false_alarms_every_step']} | {c['false_alarms']} | "
-                     f"{c['false_accusations']} | {c['screen_flagged']} | {c['screen_hits']} | {c['screen_cleared']} "
-                     f"| {c['screen_unconfirmed']} |")  # fmt: skip
+                     f"{c['false_accusations']} | {c.get('divergences', 0)} | {c['screen_flagged']} | "
+                     f"{c['screen_hits']} | {c['screen_cleared']} | {c['screen_unconfirmed']} |")  # fmt: skip
     return lines
 
 
@@ -383,7 +384,9 @@ def _defaults_headline(d: dict[str, Any]) -> list[str]:
         f"- Right rank: {d['right_rank']} of {d['rank_local_detections']} rank-local detections at the defaults "
         "named the injected rank.",
         f"- Clean runs: **{d['false_alarms']} false alarms, {d['false_accusations']} false accusations in "
-        f"{d['clean_runs']}** at the defaults.",
+        f"{d['clean_runs']}** at the defaults"
+        + (f"; {d['divergences']} diverged by themselves (non-finite without checks too) and were stopped with a "
+           "verdict blaming no device." if d.get("divergences") else "."),
     ]
     if missed:
         lines += ["", "Harmful compute faults not caught within one step at the defaults, by kind: "

@@ -22,6 +22,7 @@ from sdc_core.faults.campaign import (
     CKPT_STEP,
     SITES,
     WORLD,
+    clean_outcome,
     fault_for,
     matmul_outcome,
     matmul_summary,
@@ -89,8 +90,8 @@ class _Launch:
         detect = self.fit(checks=True, data=spec)
         defaults = self.fit(check_set="defaults", data=spec)
         row = outcome(spec, effect, detect, self.reference, defaults)
-        row["outcome"] = "false_alarm" if detect["error"] else "clean"
-        row["defaults_outcome"] = "false_alarm" if defaults["error"] else "clean"
+        row["outcome"] = clean_outcome(detect["error"], row)
+        row["defaults_outcome"] = clean_outcome(defaults["error"], row)
         return row
 
     def _checkpoint(self, spec: dict[str, Any]) -> dict[str, Any]:
