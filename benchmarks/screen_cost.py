@@ -15,8 +15,10 @@ while it keeps a step that it does not audit), as a share of rank 0's step witho
 The weight comparison's calls (``start``, ``resolve``, the non-finite verdict it carries) are
 timed in both configurations: with the screen their values ride its all_gather, so what turning
 the screen on costs (``screen_marginal_*``) is its own work plus what the comparison costs with it
-less what the comparison costs without it. The A/B columns carry what a timer misses (caches,
-threads).
+less what the comparison costs without it. The weights' digests inside the comparison (about 3 ms a
+step, the same work in both) are left out of both (``digest_cpu_ms_per_step`` reports them): their
+run-to-run noise is larger than the difference measured. The A/B columns carry what a timer misses
+(caches, threads).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from benchmarks.common import Model, WorkTimer, summary
+from sdc_core.checks import fingerprint
 from sdc_core.driver.hooks import SDCHooks
 
 BATCH = 128
@@ -67,6 +70,27 @@ class ThreadTimer(WorkTimer):
                 self.parts[name] += spent
 
         return counted
+
+
+class Digests:
+    """The thread CPU time spent in the weight comparison's digests (``grouped_digests``, as the
+    fingerprint calls it), in every configuration alike: taken out of the comparison's time."""
+
+    def __init__(self) -> None:
+        self.cpu_seconds = 0.0
+        real = fingerprint.grouped_digests
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            c0 = time.thread_time()
+            try:
+                return real(*args, **kwargs)
+            finally:
+                self.cpu_seconds += time.thread_time() - c0
+
+        fingerprint.grouped_digests = timed  # type: ignore[assignment]
+
+
+DIGESTS = Digests()
 
 
 class Encoder(nn.Module):
@@ -127,6 +151,7 @@ class Run:
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
         t0, c0, w0, s0 = time.perf_counter(), time.thread_time(), self.work.cpu_seconds, self.shared.cpu_seconds
+        d0 = DIGESTS.cpu_seconds
         loss = self.model(x, y)
         loss.backward()
         self.opt.step()
@@ -135,7 +160,8 @@ class Run:
         self.steps.append({"seconds": time.perf_counter() - t0, "work_seconds": self.work.take(),
                            "cpu_seconds": time.thread_time() - c0,
                            "work_cpu_seconds": self.work.cpu_seconds - w0,
-                           "shared_cpu_seconds": self.shared.cpu_seconds - s0})  # fmt: skip
+                           "digest_cpu_seconds": (d := DIGESTS.cpu_seconds - d0),
+                           "shared_cpu_seconds": self.shared.cpu_seconds - s0 - d})  # fmt: skip
 
 
 def main() -> None:
@@ -185,9 +211,11 @@ def main() -> None:
             "screen_own_cpu_ms_per_step_by_call": {k: 1000 * v / len(wall["no_screen"]) for k, v in parts.items()},
             "screen_own_cpu_share_of_no_screen_step_wall": own_cpu / base,
             "screen_own_cpu_share_of_no_screen_main_thread_cpu": own_cpu / main_cpu,
-            # the weight comparison's calls (start, resolve, the non-finite verdict it carries) in each configuration:
-            # with the screen its values ride the screen's all_gather instead of an all-reduce of their own
+            # the weight comparison's calls (start, resolve, the non-finite verdict it carries) in each configuration,
+            # less its digests: with the screen its values ride the screen's all_gather instead of an all-reduce
             "comparison_cpu_ms_per_step": {c: 1000 * v / len(wall["no_screen"]) for c, v in shared.items()},
+            "digest_cpu_ms_per_step": {c: 1000 * sum(s["digest_cpu_seconds"] for s in kept[c]) / len(wall[c])
+                                       for c in ("no_screen", "defaults")},
             "screen_marginal_cpu_ms_per_step": 1000 * marginal / len(wall["no_screen"]),
             "screen_marginal_cpu_share_of_no_screen_step_wall": marginal / base,
             "defaults_vs_no_screen_median": statistics.median(wall["defaults"])

@@ -18,6 +18,7 @@ from sdc_core.checks.screen import (
     _LOG2_LIMIT,
     _MAD_TO_SIGMA,
     _REFRESH,
+    _REFRESH_CALIBRATED,
     GradientScreen,
     ScreenConfig,
     ScreenResult,
@@ -67,8 +68,10 @@ class TorchScreen(GradientScreen):
         raw[:, count < 2] = float("nan")
         level = torch.nanmedian(raw, 1, keepdim=True).values
         dev = torch.cat([raw - torch.fmin(level, raw[:, -1:]), level], 1)
-        if self._band is None or self.stats.runs % _REFRESH == 1:
-            self._band = self.bands()  # type: ignore[assignment]
+        calibrated_all = self._band is not None and bool(self._band[1].all())  # type: ignore[union-attr]
+        if self._band is None or self._band_age >= (_REFRESH_CALIBRATED if calibrated_all else _REFRESH):
+            self._band, self._band_age = self.bands(), 0  # type: ignore[assignment]
+        self._band_age += 1
         band, calibrated = self._band  # type: ignore[misc]
         self.last_deviations = dev
         over = dev > band

@@ -191,7 +191,7 @@ class _Pending:
     module: nn.Module
     optimizers: list[torch.optim.Optimizer]
     names: list[str]
-    reduced: Any  # HostRead, or the screen's ``Carried``: ``get()`` the ranks' MAX
+    reduced: Any  # HostRead, or the screen's ``Carried``: ``tolist()`` the ranks' MAX
     work: object | None
     part: tuple[int, int] | None = None  # (slice, slices) of a rolling comparison; None: every tensor
 
@@ -279,7 +279,7 @@ class WeightFingerprint:
         if pending is None:
             return
         t0 = time.perf_counter()
-        hi, not_lo = pending.reduced.get().tolist()[:2]  # waits for this all-reduce only, not the stream
+        hi, not_lo = pending.reduced.tolist()[:2]  # waits for this all-reduce only, not the stream
         self.stats.runs += 1
         if hi == ~not_lo:
             if pending.part is None:

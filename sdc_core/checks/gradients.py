@@ -142,7 +142,7 @@ class _StepFlags:
         """The host read of the flag: waits for the event recorded when it was made (and, when
         carried, for the all-reduce that carries it), not the stream."""
         if self.carrier is not None:
-            return bool(self.carrier.get()[self.index])
+            return bool(self.carrier.tolist()[self.index])
         return self.bad is not None and bool(self.bad.get())
 
     def readable(self) -> bool:

@@ -21,8 +21,9 @@ flagged too (the partner replay clears it).
 
 The band is calibrated from the run itself, per value and for the level: the positive
 deviations of the ranks not flagged, over the last ``window`` steps, give ``median + z * 1.4826 *
-MAD``, clamped to ``[min_band, max_band]`` and recomputed every ``_REFRESH`` steps; until a value
-has ``calibration_samples`` such deviations its band is ``initial_band``.
+MAD``, clamped to ``[min_band, max_band]`` and recomputed every ``_REFRESH`` steps while some
+value is not calibrated, every ``_REFRESH_CALIBRATED`` steps once all are; until a value has
+``calibration_samples`` such deviations its band is ``initial_band``.
 
 Peers are hostile: each row carries its step and width, which must equal the ranks' median
 (else the row is ``malformed`` and its rank a suspect); values must be NaN (no opinion), +Inf
@@ -33,7 +34,7 @@ never enter the history, and the band is capped at ``max_band``.
 Cost per step: on the device a handful of tiny kernels (the row), one all_gather of
 ``world x (k + 3)`` float64 values started right after backward, no host synchronisation in the
 step; at ``suspects`` one wait (long finished when read one step later), one ``tolist`` of the
-rows and plain-Python arithmetic on them (no torch op per value), and every ``_REFRESH`` steps
+rows and plain-Python arithmetic on them (no torch op per value), and at each recalibration
 two torch medians over the history (``window x world x (k + 2)`` values).
 
 To confirm a hit elsewhere (a partner's recomputation of the suspect's step), ``ScreenResult``
@@ -70,8 +71,9 @@ _INT64_MAX = (1 << 63) - 1
 _LOG2_LIMIT = 1100.0  # |log2| of any finite float64 magnitude is below this
 _MAX_PENDING = 2  # observed steps whose verdict may wait (the driver reads one step later at most)
 _MAD_TO_SIGMA = 1.4826
-_REFRESH = 32  # judged steps between two recalibrations of the band (its two medians over the history: the
-# largest host cost of `judge`; the band is a median over `window` steps and moves slowly)
+_REFRESH = 32  # judged steps between two recalibrations of the band while some value is not calibrated (its two
+# medians over the history, and writing the history: a fifth of `judge`'s host cost at 32)
+_REFRESH_CALIBRATED = 128  # ... and once all are: the band is a median over `window` steps and moves slowly
 _isfinite = math.isfinite
 _sub = operator.sub
 _CPU = torch.device("cpu")
@@ -302,9 +304,20 @@ class Carried:
     def __init__(self, screen: GradientScreen, values: torch.Tensor, absent: tuple[int, ...]) -> None:
         self.screen, self.values, self.absent = screen, values, absent
         self.step: int | None = None  # the observed step whose all_gather carries them
-        self._result: torch.Tensor | None = None
+        self._result: list[int] | None = None
+        self.halves: list[float] | None = None  # on the host: the row's tail (``_TAIL`` values), made here
+        if values.is_cpu:
+            self.halves = []
+            for v in values.tolist():
+                u = v & 0xFFFFFFFFFFFFFFFF
+                self.halves += [float(u >> 32), float(u & 0xFFFFFFFF)]
+            self.halves += _NO_TAIL[len(self.halves) :]
 
     def get(self) -> torch.Tensor:
+        return torch.tensor(self.tolist(), dtype=torch.int64)
+
+    def tolist(self) -> list[int]:
+        """``get()`` as a list of ints (no tensor made)."""
         if self._result is None:
             self._result = self.screen._carried_max(self)
         return self._result
@@ -370,7 +383,8 @@ class GradientScreen:
         self._fresh: list[tuple[int, list[list[float]]]] = []  # (slot, deviations of healthy ranks) not in _history
         self._cursor = 0
         self._filled = 0
-        self._band: tuple[list[float], bool] | None = None  # ``bands()``, all calibrated; refreshed every _REFRESH
+        self._band: tuple[list[float], bool] | None = None  # ``bands()``, all calibrated; refreshed (_band_due)
+        self._band_age = 0  # judged steps since ``_band`` was computed
         self._last_dev: list[list[float]] | None = None
         self._slots: list[_HostSlot] = []  # the host path's reused buffers (``_host_slot``)
         self._carried: Carried | None = None  # values waiting for the next observed step (``carry``)
@@ -426,6 +440,24 @@ class GradientScreen:
             raise ValueError(f"step {step} was already observed")
         while len(self._pending) >= _MAX_PENDING:
             self._judge_oldest()
+        k = self.width - 1
+        carried = self._carried if self._carried is not None and self._carried.step is None else None
+        if isinstance(magnitudes, torch.Tensor) and magnitudes.is_cpu:
+            magnitudes = magnitudes.tolist()
+        if (  # all on the host (CPU gradients: read there already), as the collectives take them: no wait here
+            (isinstance(magnitudes, list) or (magnitudes is None and self._device in (None, _CPU)))
+            and (loss is None or loss.is_cpu)
+            and (carried is None or carried.halves is not None)
+            and self._host_target()
+        ):
+            if self._device is None and magnitudes is not None:
+                self._device = _CPU
+            slot = self._host_slot()
+            mags_host = magnitudes if magnitudes is not None and len(magnitudes) == k else [math.nan] * k
+            slot.fill([float(step), float(self.width), *mags_host, _loss_log2(loss), *self._tail(step, None)])
+            self._start(step, slot.row, _CPU, slot)
+            self.stats.add_time(time.perf_counter() - t0)
+            return
         if isinstance(magnitudes, list):  # read on the host already (CPU gradients)
             listed: list[float] | None = magnitudes
             magnitudes = None
@@ -438,18 +470,6 @@ class GradientScreen:
         device = self._targets.get(source)
         if device is None:
             device = self._targets[source] = collective_device(source)
-        k = self.width - 1
-        on_host = device.type == "cpu" and (made_on is None or made_on.type == "cpu")
-        carried = self._carried.values if self._carried is not None and self._carried.step is None else None
-        on_host = on_host and (loss is None or loss.device.type == "cpu")
-        if on_host and (carried is None or carried.device.type == "cpu"):  # reading a value waits for nothing here
-            read = listed if listed is not None else magnitudes.tolist() if magnitudes is not None else None
-            slot = self._host_slot()
-            mags_host = read if read is not None and len(read) == k else [math.nan] * k
-            slot.fill([float(step), float(self.width), *mags_host, _loss_log2(loss), *self._tail(step, None)])
-            self._start(step, slot.row, device, slot)
-            self.stats.add_time(time.perf_counter() - t0)
-            return
         if device.type == "cpu":
             head = torch.tensor([float(step), float(self.width)], dtype=torch.float64)
         else:  # no host-to-device copy (it would wait for the device's queue)
@@ -465,6 +485,13 @@ class GradientScreen:
         row = torch.cat([head, mags, loss_magnitude(loss, device), tail]).to(torch.float64)  # float64 by promotion
         self._start(step, row, device)
         self.stats.add_time(time.perf_counter() - t0)
+
+    def _host_target(self) -> bool:
+        """Whether host-made values go to the collectives on the host (gloo, or no process group)."""
+        target = self._targets.get(None)
+        if target is None:
+            target = self._targets[None] = collective_device(None)
+        return target.type == "cpu"
 
     def _start(self, step: int, row: torch.Tensor, device: torch.device, slot: _HostSlot | None = None) -> None:
         """Start the all_gather of this rank's ``row`` for ``step`` (every rank alike; async), into
@@ -559,16 +586,13 @@ class GradientScreen:
         self._tails[step] = []
         n = carried.values.numel()
         if device is None:
-            out = []
-            for v in carried.values.tolist():
-                u = v & 0xFFFFFFFFFFFFFFFF
-                out += [float(u >> 32), float(u & 0xFFFFFFFF)]
-            return out + _NO_TAIL[2 * n :]
+            assert carried.halves is not None  # ``observe`` takes the host path only then
+            return carried.halves
         v = carried.values.to(device)
         halves = torch.stack([(v >> 32) & 0xFFFFFFFF, v & 0xFFFFFFFF], 1).reshape(-1).to(torch.float64)
         return torch.cat([halves, torch.full((_TAIL - 2 * n,), math.nan, dtype=torch.float64, device=device)])
 
-    def _carried_max(self, carried: Carried) -> torch.Tensor:
+    def _carried_max(self, carried: Carried) -> list[int]:
         """``Carried.get``: the ranks' largest of each value from the rows of the step that carried
         them (waiting for that step's all_gather and judging it: its verdict stays for
         ``suspects``), or from an all_reduce now when no step has carried them yet."""
@@ -578,14 +602,14 @@ class GradientScreen:
             t = carried.values.to(collective_device(carried.values.device)).clone()
             if is_distributed():
                 dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            return t.cpu()
+            return t.tolist()
         step = carried.step
         while step in self._pending:
             self._judge_oldest()
         tails = self._tails.pop(step, None)
         if not tails:
             raise RuntimeError(f"the screen's rows of step {step}, which carried another check's values, are gone")
-        return torch.tensor(_largest(tails, carried.absent), dtype=torch.int64)
+        return _largest(tails, carried.absent)
 
     def bands(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Per value its band now (log2 units, float64) and whether it is calibrated."""
@@ -601,6 +625,13 @@ class GradientScreen:
         mad = torch.nanmedian((h - med).abs(), 0).values
         band = (med + cfg.z * _MAD_TO_SIGMA * mad).clamp(cfg.min_band, cfg.max_band)
         return torch.where(calibrated, band, torch.full_like(band, float(cfg.initial_band))), calibrated
+
+    def _band_due(self) -> bool:
+        """Whether ``judge`` recalibrates the band now: first, then every ``_REFRESH`` judged steps
+        while some value is not calibrated, every ``_REFRESH_CALIBRATED`` once all are."""
+        if self._band is None:
+            return True
+        return self._band_age >= (_REFRESH_CALIBRATED if self._band[1] else _REFRESH)
 
     @property
     def last_deviations(self) -> torch.Tensor | None:
@@ -631,10 +662,11 @@ class GradientScreen:
         width, inf = self.width, math.inf
         values, judged, malformed, nonfinite = _read_rows(table, width)
         ref = reference(judged)
-        if self._band is None or self.stats.runs % _REFRESH == 1:
+        if self._band_due():
             band_t, calibrated_t = self.bands()
-            self._band = (band_t.tolist(), bool(calibrated_t.all()))
-        band, calibrated = self._band
+            self._band, self._band_age = (band_t.tolist(), bool(calibrated_t.all())), 0
+        self._band_age += 1
+        band, calibrated = self._band  # type: ignore[misc]
         devs = [_deviations(x, ref) for x in judged]
         self._last_dev = devs
         margin, none = -inf, [math.nan] * (width + 1)
@@ -661,7 +693,7 @@ class GradientScreen:
         self._fresh.append((self._cursor, healthy))
         self._cursor = (self._cursor + 1) % self.config.window
         self._filled = min(self._filled + 1, self.config.window)
-        if len(self._fresh) >= _REFRESH:
+        if len(self._fresh) >= _REFRESH_CALIBRATED:  # else at the next recalibration
             self._flush()
         ranks = tuple(details)
         if ranks:

@@ -101,6 +101,7 @@ class HostRead:
         self.value = value
         self.work = work
         self.event = None
+        self._list: list[Any] | None = None
         if value.device.type == "cuda":
             self.event = torch.cuda.Event()
             self.event.record(torch.cuda.current_stream(value.device))
@@ -123,6 +124,12 @@ class HostRead:
             landed.record(stream)
         landed.synchronize()  # the copy (and what it waited for) only
         return host
+
+    def tolist(self) -> list[Any]:
+        """``get()`` as a list (read once, then kept)."""
+        if self._list is None:
+            self._list = self.get().tolist()
+        return self._list
 
 
 _side_streams: dict[torch.device, Any] = {}
