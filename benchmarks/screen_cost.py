@@ -10,15 +10,16 @@ configuration trains its own copy (same seed, same batches) in its own
 ``DistributedDataParallel``, one step of each in turn (A B C, C B A, ...). The screen's own work is
 timed in the same steps, where the hook set's driver calls it: the magnitude read at the end of
 backward (``_group_magnitudes``), ``observe`` and ``suspects`` (read before the update, as the
-driver reads it), and what the replay records on every step for a possible escalation (``record``
-while it keeps a step that it does not audit), as a share of rank 0's step without the screen.
+driver reads it), as a share of rank 0's step without the screen; what the replay records while it
+keeps a step it does not audit (``record``, inside the forward hooks below) is reported apart.
 The weight comparison's calls (``start``, ``resolve``, the non-finite verdict it carries) are
-timed in both configurations: with the screen their values ride its all_gather, so what turning
-the screen on costs (``screen_marginal_*``) is its own work plus what the comparison costs with it
-less what the comparison costs without it. The weights' digests inside the comparison (about 3 ms a
-step, the same work in both) are left out of both (``digest_cpu_ms_per_step`` reports them): their
-run-to-run noise is larger than the difference measured. The A/B columns carry what a timer misses
-(caches, threads).
+timed in both configurations, and so are the hook set's forward hooks (with the screen they keep
+every step for a possible confirmation: the RNG states, the module state, what the forward runs
+under): what turning the screen on costs (``screen_marginal_*``) is its own work, plus what the
+comparison and the forward hooks cost with it, less what they cost without it. The weights'
+digests inside the comparison (about 2.4 ms a step, the same work in both) are left out of both
+(``digest_cpu_ms_per_step`` reports them): their run-to-run noise is larger than the difference
+measured. The A/B columns carry what a timer misses (caches, threads).
 """
 
 from __future__ import annotations
@@ -129,8 +130,14 @@ class Run:
         self.sdc = None if config == "none" else SDCHooks(gradient_screen=config == "defaults")
         self.work = ThreadTimer()  # the screen's own work
         self.shared = ThreadTimer()  # the weight comparison and the verdict it carries: with the screen, in its row
+        self.hooks = ThreadTimer()  # the hook set's forward hooks (with the screen: keeping every step)
+        self.keep = ThreadTimer()  # of which the replay's record of a kept step (reported apart)
         if self.sdc is not None:
             self.sdc.attach(self.model, self.opt)
+            for module in self.model.modules():  # the hooks the hook set registered: timed as the forward calls them
+                for hooks in (module._forward_pre_hooks, module._forward_hooks):
+                    for key, hook in list(hooks.items()):
+                        hooks[key] = self.hooks.wrap(hook)
             fp, nf = self.sdc.fingerprint, self.sdc.nonfinite
             fp.start, fp.resolve = self.shared.wrap(fp.start), self.shared.wrap(fp.resolve)  # type: ignore[method-assign]
             nf.resolve = self.shared.wrap(nf.resolve)  # type: ignore[method-assign]
@@ -140,7 +147,7 @@ class Run:
             nonfinite._group_magnitudes = self.work.wrap(nonfinite._group_magnitudes)  # type: ignore[method-assign]
             self.screen.observe = self.work.wrap(self.screen.observe)  # type: ignore[method-assign]
             self.screen.suspects = self.work.wrap(self.screen.suspects)  # type: ignore[method-assign]
-            record, kept = replay.record, self.work.wrap(replay.record)
+            record, kept = replay.record, self.keep.wrap(replay.record)
 
             def record_kept(*args: Any, **kwargs: Any) -> Any:  # timed only while keeping for the screen
                 return (kept if replay.keeping else record)(*args, **kwargs)
@@ -151,7 +158,7 @@ class Run:
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
         t0, c0, w0, s0 = time.perf_counter(), time.thread_time(), self.work.cpu_seconds, self.shared.cpu_seconds
-        d0 = DIGESTS.cpu_seconds
+        d0, h0, k0 = DIGESTS.cpu_seconds, self.hooks.cpu_seconds, self.keep.cpu_seconds
         loss = self.model(x, y)
         loss.backward()
         self.opt.step()
@@ -160,6 +167,8 @@ class Run:
         self.steps.append({"seconds": time.perf_counter() - t0, "work_seconds": self.work.take(),
                            "cpu_seconds": time.thread_time() - c0,
                            "work_cpu_seconds": self.work.cpu_seconds - w0,
+                           "hooks_cpu_seconds": self.hooks.cpu_seconds - h0,
+                           "keep_cpu_seconds": self.keep.cpu_seconds - k0,
                            "digest_cpu_seconds": (d := DIGESTS.cpu_seconds - d0),
                            "shared_cpu_seconds": self.shared.cpu_seconds - s0 - d})  # fmt: skip
 
@@ -194,7 +203,8 @@ def main() -> None:
         own_cpu = sum(s["work_cpu_seconds"] for s in kept["defaults"])
         main_cpu = sum(s["cpu_seconds"] for s in kept["no_screen"])
         shared = {c: sum(s["shared_cpu_seconds"] for s in kept[c]) for c in ("no_screen", "defaults")}
-        marginal = own_cpu + shared["defaults"] - shared["no_screen"]
+        hooks = {c: sum(s["hooks_cpu_seconds"] for s in kept[c]) for c in ("no_screen", "defaults")}
+        marginal = own_cpu + shared["defaults"] - shared["no_screen"] + hooks["defaults"] - hooks["no_screen"]
         base = sum(wall["no_screen"])
         pairs = zip(wall["defaults"], wall["no_screen"], strict=True)
         result: dict[str, Any] = {
@@ -214,6 +224,11 @@ def main() -> None:
             # the weight comparison's calls (start, resolve, the non-finite verdict it carries) in each configuration,
             # less its digests: with the screen its values ride the screen's all_gather instead of an all-reduce
             "comparison_cpu_ms_per_step": {c: 1000 * v / len(wall["no_screen"]) for c, v in shared.items()},
+            # the forward hooks in each configuration (with the screen: keeping every step), and the replay's
+            # record of a kept step within them
+            "forward_hooks_cpu_ms_per_step": {c: 1000 * v / len(wall["no_screen"]) for c, v in hooks.items()},
+            "keep_record_cpu_ms_per_step": 1000 * sum(s["keep_cpu_seconds"] for s in kept["defaults"])
+            / len(wall["no_screen"]),
             "digest_cpu_ms_per_step": {c: 1000 * sum(s["digest_cpu_seconds"] for s in kept[c]) / len(wall[c])
                                        for c in ("no_screen", "defaults")},
             "screen_marginal_cpu_ms_per_step": 1000 * marginal / len(wall["no_screen"]),

@@ -220,7 +220,16 @@ def _loss_of(result: Any) -> torch.Tensor:
 
 
 def _device(module: nn.Module | None) -> torch.device | None:
-    return None if module is None else next((p.device for p in module.parameters()), None)
+    """The device of ``module``'s first parameter (``parameters()``' order), or None: the module
+    tree walked depth first until one, without ``parameters()``' generators (once per forward)."""
+    todo = [] if module is None else [module]
+    while todo:
+        sub = todo.pop()
+        for p in sub._parameters.values():
+            if p is not None:
+                return p.device
+        todo += [m for m in reversed(sub._modules.values()) if m is not None]
+    return None
 
 
 def _autocast_state(device: torch.device | None) -> tuple[str, str] | None:
@@ -246,13 +255,13 @@ def _autocast(state: Any) -> AbstractContextManager[Any]:
 
 
 _SDPA = ("flash", "mem_efficient", "math", "cudnn")
+_SDPA_READS = tuple(getattr(torch._C, f"_get_{name}_sdp_enabled") for name in _SDPA)  # what torch.backends.cuda's call
 
 
 def _sdpa_state() -> tuple[bool, ...]:
     """Which scaled-dot-product-attention backends the forward may use (``sdpa_kernel`` sets these
     flags): the replay must pick the same kernel, or dropout masks and roundings differ."""
-    b = torch.backends.cuda
-    return tuple(bool(getattr(b, f"{name}_sdp_enabled")()) for name in _SDPA)
+    return tuple(bool(read()) for read in _SDPA_READS)
 
 
 @contextmanager
