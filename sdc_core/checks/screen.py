@@ -496,13 +496,13 @@ class GradientScreen:
     def _start(self, step: int, row: torch.Tensor, device: torch.device, slot: _HostSlot | None = None) -> None:
         """Start the all_gather of this rank's ``row`` for ``step`` (every rank alike; async), into
         ``slot``'s buffer where given (the host path), else a new one."""
-        if is_distributed():
+        group = dist.group.WORLD if self.world_size > 1 else None  # None: no process group (``is_distributed``)
+        if group is not None:
             if slot is None:
                 out = torch.empty(self.world_size, row.numel(), dtype=torch.float64, device=device)
                 views = list(out.unbind(0))
             else:
                 out, views = slot.out, slot.views
-            group = dist.group.WORLD
             if hasattr(group, "allgather"):  # the process group's own call: dist.all_gather's Python checks cost
                 work = group.allgather([views], [row])  # as much as the launch; an async work, as async_op=True
             else:  # pragma: no cover - a backend without the method
