@@ -336,6 +336,8 @@ class NonFiniteGradient(NonFiniteVerdicts):
         pairs = [(v, ps) for v, ps in local if ps]
         if not pairs:
             return None
+        if all(v.is_cpu for v, _ in pairs):  # a Python list on the host: no device object, no tensor
+            return log2_peaks_on_host([(v, self._host_index(ps)) for v, ps in pairs], self.magnitude_groups)
         home = pairs[0][0].device
         on_host = home.type == "cpu"
         indexed = []
@@ -353,6 +355,16 @@ class NonFiniteGradient(NonFiniteVerdicts):
         if on_host:  # reading a value waits for nothing: a list, no tensor made
             return log2_peaks_on_host(indexed, self.magnitude_groups)
         return log2_peaks_by_group(indexed, self.magnitude_groups)
+
+    def _host_index(self, params: list[nn.Parameter]) -> list[int]:
+        """The group of each of ``params`` (a list, kept for the last 64 parameter lists seen)."""
+        key = tuple(map(id, params))
+        index = self._group_index.get(key)
+        if index is None:
+            index = [self._group_of.get(i, 0) for i in key]
+            if len(self._group_index) < 64:
+                self._group_index[key] = index
+        return index
 
     def _end_of_backward(self) -> None:
         """Take the local evidence of the gradients seen in this backward (batched mode), after

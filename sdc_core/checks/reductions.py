@@ -90,6 +90,9 @@ def _log2_peaks_on_host(pairs: Sequence[tuple[torch.Tensor, Index]], groups: int
     return torch.tensor(log2_peaks_on_host(pairs, groups), dtype=torch.float32)
 
 
+_FLOAT32S: dict[int, struct.Struct] = {}  # per count, its packer as float32s
+
+
 def log2_peaks_on_host(pairs: Sequence[tuple[torch.Tensor, Index]], groups: int) -> list[float]:
     """``log2_peaks_by_group``'s values for CPU tensors as a list of floats: the per-group maxima
     and their log2 in Python, no tensor made (right after backward the tensor alone costs more than
@@ -106,7 +109,10 @@ def log2_peaks_on_host(pairs: Sequence[tuple[torch.Tensor, Index]], groups: int)
             if v > best[j]:
                 best[j] = v
     logs = [math.log2(b) if b > 0 else nan for b in best]
-    return list(struct.unpack(f"{groups}f", struct.pack(f"{groups}f", *logs)))  # rounded to float32
+    packer = _FLOAT32S.get(groups)
+    if packer is None:
+        packer = _FLOAT32S[groups] = struct.Struct(f"{groups}f")
+    return list(packer.unpack(packer.pack(*logs)))  # rounded to float32
 
 
 def any_nonfinite_multi(tensors: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -33,12 +33,14 @@ import torch
 
 _WORDS = 624  # MT19937: 624 32-bit words of state and an index (Python's and NumPy's alike)
 _RAW_BYTES = 4 * _WORDS + 4
+_CPU_GENERATOR = torch.default_generator
 
 
 def capture_rng(device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The CPU RNG state and, for a CUDA ``device``, that device's RNG state."""
-    cuda = torch.cuda.get_rng_state(device) if device is not None and device.type == "cuda" else None
-    return torch.get_rng_state(), cuda
+    if device is None or device.type != "cuda":
+        return _CPU_GENERATOR.get_state(), None  # what torch.get_rng_state returns, without its wrapper
+    return _CPU_GENERATOR.get_state(), torch.cuda.get_rng_state(device)
 
 
 def _np_random() -> Any:
