@@ -339,21 +339,17 @@ class NonFiniteGradient(NonFiniteVerdicts):
         if all(v.is_cpu for v, _ in pairs):  # a Python list on the host: no device object, no tensor
             return log2_peaks_on_host([(v, self._host_index(ps)) for v, ps in pairs], self.magnitude_groups)
         home = pairs[0][0].device
-        on_host = home.type == "cpu"
         indexed = []
         for values, params in pairs:
             key = (home, *map(id, params))
             index = self._group_index.get(key)
-            if index is None:  # a Python list on the host (read there as it is), else a tensor on ``home``
+            if index is None:  # a tensor on ``home`` (a list where ``home`` is the host)
                 index = [self._group_of.get(i, 0) for i in key[1:]]
-                if not on_host:
+                if home.type != "cpu":
                     index = torch.tensor(index, device=home)
                 if len(self._group_index) < 64:
                     self._group_index[key] = index
-            on_host = on_host and values.device.type == "cpu"
             indexed.append((values, index))
-        if on_host:  # reading a value waits for nothing: a list, no tensor made
-            return log2_peaks_on_host(indexed, self.magnitude_groups)
         return log2_peaks_by_group(indexed, self.magnitude_groups)
 
     def _host_index(self, params: list[nn.Parameter]) -> list[int]:
