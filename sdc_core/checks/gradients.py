@@ -337,27 +337,19 @@ class NonFiniteGradient(NonFiniteVerdicts):
         if not pairs:
             return None
         if all(v.is_cpu for v, _ in pairs):  # a Python list on the host: no device object, no tensor
-            return log2_peaks_on_host([(v, self._host_index(ps)) for v, ps in pairs], self.magnitude_groups)
+            return log2_peaks_on_host([(v, self._index(ps, None)) for v, ps in pairs], self.magnitude_groups)
         home = pairs[0][0].device
-        indexed = []
-        for values, params in pairs:
-            key = (home, *map(id, params))
-            index = self._group_index.get(key)
-            if index is None:  # a tensor on ``home`` (a list where ``home`` is the host)
-                index = [self._group_of.get(i, 0) for i in key[1:]]
-                if home.type != "cpu":
-                    index = torch.tensor(index, device=home)
-                if len(self._group_index) < 64:
-                    self._group_index[key] = index
-            indexed.append((values, index))
-        return log2_peaks_by_group(indexed, self.magnitude_groups)
+        return log2_peaks_by_group([(v, self._index(ps, home)) for v, ps in pairs], self.magnitude_groups)
 
-    def _host_index(self, params: list[nn.Parameter]) -> list[int]:
-        """The group of each of ``params`` (a list, kept for the last 64 parameter lists seen)."""
-        key = tuple(map(id, params))
+    def _index(self, params: list[nn.Parameter], home: torch.device | None) -> torch.Tensor | list[int]:
+        """The group of each of ``params``: a list (``home`` None or the host), else a tensor on
+        ``home``; kept for the first 64 (parameter list, home) pairs seen."""
+        key = (home, *map(id, params))
         index = self._group_index.get(key)
         if index is None:
-            index = [self._group_of.get(i, 0) for i in key]
+            index = [self._group_of.get(i, 0) for i in key[1:]]
+            if home is not None and home.type != "cpu":
+                index = torch.tensor(index, device=home)
             if len(self._group_index) < 64:
                 self._group_index[key] = index
         return index
