@@ -159,7 +159,9 @@ def main() -> None:
         "off_clean": lambda: train(False, 12),
         "off_exact": lambda: train(False, 3, exact=True),
         "det_fault": lambda: train(True, 6, [Fault("module_output", rank=1, step=3, target="proj")]),
-        "off_fault": lambda: train(False, 8, [Fault("module_output", rank=2, step=5, target="proj")]),
+        # without deterministic kernels a fault is seen only above the measured noise (at most rtol): on an H200
+        # this step's own noise is ~3e-4 and a x1.5 lane error moves the gradients ~4e-6, so the fault is x1e4
+        "off_fault": lambda: train(False, 8, [Fault("module_output", rank=2, step=5, target="proj", factor=1e4)]),
     }
     for name, fn in scenarios.items():
         t0 = time.perf_counter()
