@@ -74,6 +74,13 @@ else
   tag=""
 fi
 
+tree_id() {  # the commit, and how many files differ from it (a copied tree can carry an older .git)
+  local head changed
+  head=$(git rev-parse --short HEAD 2>/dev/null) || { echo '?'; return; }
+  changed=$(git status --porcelain --untracked-files=no 2>/dev/null | wc -l)
+  [ "$changed" = 0 ] && echo "$head" || echo "$head + $changed changed files"
+}
+
 # -- one stage: a deadline, a log, notes for its summary line --------------------------------------
 begin() {  # begin STAGE SECONDS
   name=$1 deadline=$((SECONDS + $2)) started=$SECONDS failed=0 notes=() log="$out/$1.log"
@@ -258,7 +265,7 @@ stage_matmul() {
 # -- the call --------------------------------------------------------------------------------------
 any_failed=0
 {
-  echo "gpu_check.sh $stage $out$tag, $(date -u +%FT%TZ), tree $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
+  echo "gpu_check.sh $stage $out$tag, $(date -u +%FT%TZ), tree $(tree_id)"
   "$PY" -c 'import torch; c = torch.cuda.is_available()
 print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name(0) if c else "(no CUDA device)")'
   [ "$dry" = 1 ] || nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
