@@ -18,6 +18,7 @@ import argparse
 import cProfile
 import io
 import pstats
+import socket
 import time
 from pathlib import Path
 
@@ -55,8 +56,11 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method="tcp://127.0.0.1:29533",
-                            rank=0, world_size=1)  # fmt: skip
+    with socket.socket() as s:  # a free port: one rank of its own
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     batch, seq = (8, 1024) if args.size != "tiny" else (2, 32)
     tr = Trainer(SIZES_ALL[args.size], device, batch, seq)
     lines = [f"{args.size}: {tr.params / 1e6:.1f}M parameters, batch {batch} x {seq}, {args.device}"]
