@@ -10,11 +10,18 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 from conftest import results, torchrun
 from torch import nn
 
-from sdc_core.checks.fingerprint import FingerprintConfig, WeightFingerprint, fingerprinted_tensors, rolling_slices
+from sdc_core.checks.fingerprint import (
+    FingerprintConfig,
+    WeightFingerprint,
+    fingerprinted_tensors,
+    module_parameters,
+    rolling_slices,
+)
 from sdc_core.driver.settings import SDCConfigError, resolve
 
 SCRIPT = Path(__file__).with_name("rolling_scenarios.py")
@@ -68,7 +75,7 @@ def test_every_tensor_is_compared_within_k_comparisons(one_rank: None, k: int) -
     compared: list[list[str]] = []
     for step in range(3 * k):
         check.start(step, net, [])
-        compared.append(list(check._pending.names))  # type: ignore[union-attr]
+        compared.append(check._pending.names())  # type: ignore[union-attr]
         check.resolve()
     slices = min(k, len(everything))
     for c in range(len(compared) - slices + 1):  # any k consecutive comparisons cover every tensor, once
@@ -82,6 +89,27 @@ def test_every_tensor_is_compared_within_k_comparisons(one_rank: None, k: int) -
     assert check.stats.last_verified_step == 3 * k - slices
     check.check_now(3 * k, net, [])  # on demand: every tensor at once
     assert check.stats.last_verified_step == 3 * k
+
+
+def test_module_parameters_lists_what_parameters_lists_and_names_follow_it(one_rank: None) -> None:
+    """``module_parameters`` (the comparison's walk) gives ``list(module.parameters())`` exactly:
+    pre-order, a shared module or tied weight once, a ``None`` parameter skipped; a comparison's
+    names are ``named_parameters``', and a tensor replaced since the comparison is named by index."""
+    shared = nn.Linear(3, 3)
+    net = nn.Sequential(nn.Linear(4, 3, bias=False), shared, nn.ModuleList([shared, nn.Linear(3, 2)]),
+                        nn.Sequential(nn.LayerNorm(2), nn.Identity()), nn.Linear(2, 4))  # fmt: skip
+    net[4].weight = net[0].weight  # tied (4 x 3)
+    net.extra = nn.Parameter(torch.ones(1))  # registered on the root after its children
+    assert [id(p) for p in module_parameters(net)] == [id(p) for p in net.parameters()]
+    check = WeightFingerprint(FingerprintConfig())
+    check.start(0, net, [])
+    names = check._pending.names()  # type: ignore[union-attr]
+    assert names == [n for n, _ in fingerprinted_tensors(net, [], FingerprintConfig())] and "param:extra" in names
+    check.resolve()
+    check.start(1, net, [])
+    net[1].bias = nn.Parameter(torch.zeros(3))  # replaced after the comparison started
+    assert check._pending.names() == [f"tensor {i}" for i in range(len(names))]  # type: ignore[union-attr]
+    check.resolve()
 
 
 def test_the_setting_reaches_the_check_and_is_validated() -> None:
