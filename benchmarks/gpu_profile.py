@@ -3,7 +3,8 @@
 ``python -m benchmarks.gpu_profile --size 60M --out DIR`` (one GPU, about a minute) or
 ``python -m benchmarks.gpu_profile --size tiny --device cpu --out DIR`` (seconds).
 
-For no checks and the default checks (``gpu_step.Trainer``: non-finite + fingerprint every step),
+For no checks and the default checks (``gpu_step.Trainer``: non-finite + fingerprint every step;
+with ``--matmul`` also the defaults plus the matrix-product check),
 it runs ``--steps`` pipelined steps under ``torch.profiler`` and writes ``DIR/profile.txt``: per
 configuration the host time per step with and without a device sync at the end of each block
 (a step whose host time reaches its synced time is launch-bound: any host work of a check adds to
@@ -51,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--rows", type=int, default=25)
+    parser.add_argument("--matmul", action="store_true", help="a third configuration: the defaults + the matmul check")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
@@ -65,9 +67,9 @@ def main(argv: list[str] | None = None) -> int:
     tr = Trainer(SIZES_ALL[args.size], device, batch, seq)
     lines = [f"{args.size}: {tr.params / 1e6:.1f}M parameters, batch {batch} x {seq}, {args.device}"]
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    for config in ("none", "checks"):
-        if config == "checks":
-            tr.attach()
+    for config in ("none", "checks", "matmul") if args.matmul else ("none", "checks"):
+        if config != "none":
+            tr.attach(matmul=config == "matmul")
         host_ms(tr, 3, True)  # warm-up
         synced = min(host_ms(tr, args.steps, True) for _ in range(3))
         host = min(host_ms(tr, args.steps, False) for _ in range(3))
@@ -80,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(events.table(sort_by="self_cpu_time_total", row_limit=args.rows, max_name_column_width=60))
         if device.type == "cuda":
             lines.append(events.table(sort_by="self_cuda_time_total", row_limit=args.rows, max_name_column_width=60))
-        if config == "checks":  # the checks' own Python, function by function
+        if config != "none":  # the checks' own Python, function by function
             stats = io.StringIO()
             prof_py = cProfile.Profile()
             prof_py.runcall(host_ms, tr, args.steps, True)

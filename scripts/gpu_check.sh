@@ -17,7 +17,8 @@
 #           nondeterminism/, judged the same way
 #   bench   the checks' cost on the 60M/270M/1.4B GPT-style step, with the matrix-product check as a
 #           third configuration (python -m benchmarks.gpu_step --matmul) -> bench.log, gpu_step.json; then
-#           where the 60M step's time goes (python -m benchmarks.gpu_profile) -> profile.txt
+#           where the 60M step's time goes, with and without the matrix-product check
+#           (python -m benchmarks.gpu_profile --matmul) -> profile.txt
 #   memory  peak device memory of clean and audited steps, DDP's default layout and bucket views
 #           (2 ranks on the GPU, python -m benchmarks.memory) -> memory.log, memory.json,
 #           memory-bucket-view.json
@@ -221,13 +222,13 @@ stage_bench() {
   else
     read -r -a extra <<<"${SDC_GPU_BENCH_ARGS:---matmul --rounds 8}"
   fi
-  step gpu_step 150 "$PY" -m benchmarks.gpu_step "${extra[@]}" --out "$out/gpu_step.json"
+  step gpu_step 135 "$PY" -m benchmarks.gpu_step "${extra[@]}" --out "$out/gpu_step.json"
   summarize bench "$out/gpu_step.json"
   # where the 60M step's cost goes (host time, launches, operators, sdc_core's Python): profile.txt
-  local profile=(--size 60M)
-  [ "$dry" = 0 ] || profile=(--size tiny --device cpu --steps 2)
+  local profile=(--size 60M --matmul)
+  [ "$dry" = 0 ] || profile=(--size tiny --device cpu --steps 2 --matmul)
   rm -f "$out/profile.txt"
-  step profile 60 "$PY" -m benchmarks.gpu_profile "${profile[@]}" --out "$out"
+  step profile 75 "$PY" -m benchmarks.gpu_profile "${profile[@]}" --out "$out"
   finish
 }
 

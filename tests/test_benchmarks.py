@@ -54,15 +54,18 @@ def test_gpu_step_benchmark_quick_on_cpu(tmp_path: Path) -> None:
 
 
 def test_gpu_profile_on_cpu_says_where_the_checks_time_goes(tmp_path: Path) -> None:
-    """``benchmarks.gpu_profile`` on the CPU: both configurations' step times and operator tables,
-    and the checks' own Python (``sdc_core`` functions) in ``profile.txt``."""
+    """``benchmarks.gpu_profile`` on the CPU: each configuration's step times and operator tables,
+    and the checks' own Python (``sdc_core`` functions; the matrix-product check's with ``--matmul``)
+    in ``profile.txt``."""
     cmd = [sys.executable, "-m", "benchmarks.gpu_profile", "--size", "tiny", "--device", "cpu", "--steps", "2",
-           "--out", str(tmp_path)]  # fmt: skip
+           "--matmul", "--out", str(tmp_path)]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, env=worker_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     text = (tmp_path / "profile.txt").read_text()
-    assert "== none:" in text and "== checks:" in text and text.count("Self CPU time total") == 2
+    assert "== none:" in text and "== checks:" in text and "== matmul:" in text
+    assert text.count("Self CPU time total") == 3 and text.count("Ordered by: internal time") == 2
     assert "sdc_core/checks/fingerprint.py" in text and "sdc_core/checks/gradient_tap.py" in text
+    assert "sdc_core/checks/matmul.py" in text.split("== matmul:")[1]
 
 
 def test_live_bytes_counts_new_storages_until_they_are_freed() -> None:
