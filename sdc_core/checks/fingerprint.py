@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -92,13 +92,12 @@ class FingerprintConfig:
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
 
 
-def module_parameters(module: nn.Module) -> list[nn.Parameter]:
-    """``list(module.parameters())``: the same tensors in the same order (the modules in pre-order,
-    each once; each parameter once, at its first place), read from the modules' own dictionaries
-    instead of through ``named_modules``' nested generators and their prefixed names. About half
-    their time (45 us instead of 90 for 125 parameters in 100 modules on a CPU core): paid at every
-    comparison, which names the tensors only when the replicas differ."""
-    out: list[nn.Parameter] = []
+def module_parameters(module: nn.Module) -> Iterator[nn.Parameter]:
+    """``module.parameters()``: the same tensors in the same order (the modules in pre-order, each
+    once; each parameter once, at its first place), read from the modules' own dictionaries by one
+    flat generator instead of ``named_modules``' nested generators and their prefixed names. About
+    half their time (45 us instead of 90 for 125 parameters in 100 modules on a CPU core): paid at
+    every comparison, which names the tensors only when the replicas differ."""
     seen_params: set[int] = set()
     seen_modules: set[int] = set()
     stack = [module]
@@ -110,9 +109,8 @@ def module_parameters(module: nn.Module) -> list[nn.Parameter]:
         for p in mod._parameters.values():
             if p is not None and id(p) not in seen_params:
                 seen_params.add(id(p))
-                out.append(p)
+                yield p
         stack.extend(reversed([m for m in mod._modules.values() if m is not None]))
-    return out
 
 
 def _compared(
@@ -123,7 +121,7 @@ def _compared(
     if config.include_buffers or config.include_optimizer_state:
         named = fingerprinted_tensors(module, optimizers, config)
         return [t for _, t in named], lambda: [n for n, _ in named]
-    tensors = module_parameters(module)
+    tensors = list(module_parameters(module))
 
     def names() -> list[str]:
         named = fingerprinted_tensors(module, (), config)

@@ -21,6 +21,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from sdc_core.checks.fingerprint import module_parameters
 from sdc_core.driver.framework import Framework, LossFn
 
 
@@ -221,15 +222,8 @@ def _loss_of(result: Any) -> torch.Tensor:
 
 def _device(module: nn.Module | None) -> torch.device | None:
     """The device of ``module``'s first parameter (``parameters()``' order), or None: the module
-    tree walked depth first until one, without ``parameters()``' generators (once per forward)."""
-    todo = [] if module is None else [module]
-    while todo:
-        sub = todo.pop()
-        for p in sub._parameters.values():
-            if p is not None:
-                return p.device
-        todo += [m for m in reversed(sub._modules.values()) if m is not None]
-    return None
+    tree walked depth first until one (``module_parameters``, once per forward)."""
+    return None if module is None else next((p.device for p in module_parameters(module)), None)
 
 
 def _autocast_state(device: torch.device | None) -> tuple[str, str] | None:
