@@ -33,15 +33,14 @@ SIZES_ALL = {**SIZES, "tiny": (64, 2, 4, 256)}
 LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel")
 
 
-def host_ms(tr: Trainer, steps: int, synced: bool) -> float:
-    """Milliseconds per step of ``steps`` steps, synced at the end (``synced``) or host time only."""
+def host_ms(tr: Trainer, steps: int) -> float:
+    """Milliseconds per step of ``steps`` steps without the sync at the end that ``Trainer.block``
+    makes: the host's time alone."""
     sync(tr.device)
     t0 = time.perf_counter()
     for _ in range(steps):
         tr.step()
     tr.resolve()
-    if synced:
-        sync(tr.device)
     return 1e3 * (time.perf_counter() - t0) / steps
 
 
@@ -70,11 +69,11 @@ def main(argv: list[str] | None = None) -> int:
     for config in ("none", "checks", "matmul") if args.matmul else ("none", "checks"):
         if config != "none":
             tr.attach(matmul=config == "matmul")
-        host_ms(tr, 3, True)  # warm-up
-        synced = min(host_ms(tr, args.steps, True) for _ in range(3))
-        host = min(host_ms(tr, args.steps, False) for _ in range(3))
+        tr.block(3)  # warm-up
+        synced = min(1e3 * tr.block(args.steps) for _ in range(3))
+        host = min(host_ms(tr, args.steps) for _ in range(3))
         with profile(activities=activities) as prof:
-            host_ms(tr, args.steps, True)
+            tr.block(args.steps)
         events = prof.key_averages()
         launches = sum(e.count for e in events if e.key in LAUNCHES)
         lines += [f"\n== {config}: {synced:.2f} ms per step synced, {host:.2f} ms host only (pipelined), "
@@ -85,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         if config != "none":  # the checks' own Python, function by function
             stats = io.StringIO()
             prof_py = cProfile.Profile()
-            prof_py.runcall(host_ms, tr, args.steps, True)
+            prof_py.runcall(tr.block, args.steps)
             pstats.Stats(prof_py, stream=stats).sort_stats("tottime").print_stats("sdc_core", args.rows)
             lines.append(stats.getvalue())
             tr.detach()
