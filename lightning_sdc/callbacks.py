@@ -360,7 +360,7 @@ class MatmulChecksumCheck(c.SDCCallback):
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         core, step = self._core, trainer.global_step
-        c.trainer_driver(trainer).deliver(core, lambda: core.arm(step))  # reads the last verdict
+        c.trainer_driver(trainer).delivery.deliver(core, lambda: core.arm(step))  # reads the last verdict
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._core.detach()

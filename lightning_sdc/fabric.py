@@ -252,21 +252,18 @@ class SDCHooks(_HookSet):
 
         fabric.clip_gradients = clip_gradients  # type: ignore[method-assign]
 
-    def _verify_loaded(self, stored: dict[str, Any]) -> None:
+    def _verify_loaded(self) -> None:
         """Inside ``fabric.load`` the model or optimizer may not be restored yet (objects load in
         the order of your state dictionary): the fingerprint is kept for ``_after_load``."""
         fw = self._fw
-        if isinstance(fw, FabricFramework) and fw.loading:
-            self._loaded_fingerprint = stored
-            return
-        super()._verify_loaded(stored)
+        if not (isinstance(fw, FabricFramework) and fw.loading):
+            super()._verify_loaded()
 
     def _after_load(self, state: dict[str, Any]) -> None:
         """After ``fabric.load``: the restored model and optimizer state verified against the
         fingerprint loaded with the counters (raises ``FingerprintMismatchError`` on every process:
         each loads the same file). Before ``attach`` it is verified by ``attach``."""
-        stored = self._loaded_fingerprint
-        if stored is None or self._module is None:
+        if self._loaded_fingerprint is None or self._module is None:
             return
         models = [v for v in state.values() if isinstance(v, nn.Module)]
         if not models or not self.owns(models):
@@ -274,4 +271,4 @@ class SDCHooks(_HookSet):
             warnings.warn("the SDC fingerprint loaded by fabric.load is not verified: the state loaded with it does "
                           "not hold the model this hook set is attached to", UserWarning, stacklevel=3)  # fmt: skip
             return
-        self._verify_loaded(stored)
+        self._verify_loaded()

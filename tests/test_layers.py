@@ -164,3 +164,35 @@ def test_the_checks_see_lazy_imports_and_cycles() -> None:
 @pytest.mark.parametrize("package", PACKAGES)
 def test_every_module_is_seen(package: str) -> None:
     assert any(m == package for m in modules()) and sum(top(m) == package for m in modules()) > 3
+
+
+# Issue 29's measures of size (docs/architecture.md): a file, a class and a function each fit on a few screens.
+MAX_FILE, MAX_CLASS, MAX_FUNCTION = 600, 300, 80
+
+
+def oversized(source: str, where: str) -> list[str]:
+    """What in ``source`` exceeds the limits: the file's lines, each class's and each function's
+    (from its ``class``/``def`` line to its last, decorators aside)."""
+    found = [f"{where}: {n} lines" for n in [len(source.splitlines())] if n > MAX_FILE]
+    for node in ast.walk(ast.parse(source)):
+        limit = MAX_CLASS if isinstance(node, ast.ClassDef) else MAX_FUNCTION
+        if isinstance(node, ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+            n = (node.end_lineno or node.lineno) - node.lineno + 1
+            if n > limit:
+                found.append(f"{where}:{node.lineno} {node.name}: {n} lines")
+    return found
+
+
+def test_no_file_class_or_function_is_over_its_size() -> None:
+    found = [f for m, path in modules().items() for f in oversized(path.read_text(), m)]
+    assert found == [], "split by responsibility: " + "; ".join(found)
+
+
+def test_the_size_check_sees_each_kind() -> None:
+    body = "    x = 1\n" * MAX_FUNCTION
+    assert oversized(f"def f():\n{body}", "m") == [f"m:1 f: {MAX_FUNCTION + 1} lines"]
+    assert oversized(f"def f():\n{body[10:]}", "m") == []
+    method = "    def g(self):\n" + "        x = 1\n" * 60 + "\n"
+    big = "class C:\n" + method * 5
+    assert [f.split(" C:")[0] for f in oversized(big, "m")] == ["m:1"]
+    assert oversized("x = 1\n" * (MAX_FILE + 1), "m") == [f"m: {MAX_FILE + 1} lines"]

@@ -13,13 +13,13 @@ from typing import Any
 import pytest
 import torch
 
-from sdc_core.checks.screen import (
-    _HEADER,
-    _LOG2_LIMIT,
+from sdc_core.checks.screen import GradientScreen
+from sdc_core.checks.screen_rule import (
     _MAD_TO_SIGMA,
     _REFRESH,
     _REFRESH_CALIBRATED,
-    GradientScreen,
+    HEADER,
+    LOG2_LIMIT,
     ScreenConfig,
     ScreenResult,
     in_band,
@@ -31,14 +31,18 @@ K = 4
 
 
 class TorchScreen(GradientScreen):
-    """The screen as it was before the plain-Python judge: ``bands`` and ``judge`` in torch ops."""
+    """The screen as it was before the plain-Python judge: ``bands`` and ``judge`` in torch ops,
+    writing the history of its ``band`` directly (``_cached``: its band and age, as the old screen
+    kept them)."""
 
     last_deviations: Any = None  # a plain attribute here (a property of the new screen)
+    _cached: Any = None
+    _age = 0
 
     def bands(self) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.config
-        assert self._history is not None
-        h = self._history[: self._filled].reshape(-1, self.width + 1)
+        assert self.band is not None
+        h = self.band.history[: self.band.filled].reshape(-1, self.width + 1)
         samples = (~torch.isnan(h)).sum(0)
         calibrated = samples >= cfg.calibration_samples
         if not bool(calibrated.any()):
@@ -51,12 +55,12 @@ class TorchScreen(GradientScreen):
     def judge(self, step: int, rows: torch.Tensor) -> ScreenResult:
         world = rows.shape[0]
         self.stats.runs += 1
-        if rows.shape != (world, _HEADER + self.width) or world != self.world_size:
+        if rows.shape != (world, HEADER + self.width) or world != self.world_size:
             raise ValueError("shape")
-        head, vals = rows[:, :_HEADER], rows[:, _HEADER:]
+        head, vals = rows[:, :HEADER], rows[:, HEADER:]
         expect = torch.nanmedian(head, 0).values
         malformed = ~((head[:, 0] == expect[0]) & (head[:, 1] == self.width))
-        legal = torch.isnan(vals) | (vals == float("inf")) | (torch.isfinite(vals) & (vals.abs() <= _LOG2_LIMIT))
+        legal = torch.isnan(vals) | (vals == float("inf")) | (torch.isfinite(vals) & (vals.abs() <= LOG2_LIMIT))
         malformed |= ~legal.all(1)
         nonfinite = (vals == float("inf")).any(1) & ~malformed
         x = vals.clone()
@@ -68,11 +72,11 @@ class TorchScreen(GradientScreen):
         raw[:, count < 2] = float("nan")
         level = torch.nanmedian(raw, 1, keepdim=True).values
         dev = torch.cat([raw - torch.fmin(level, raw[:, -1:]), level], 1)
-        calibrated_all = self._band is not None and bool(self._band[1].all())  # type: ignore[union-attr]
-        if self._band is None or self._band_age >= (_REFRESH_CALIBRATED if calibrated_all else _REFRESH):
-            self._band, self._band_age = self.bands(), 0  # type: ignore[assignment]
-        self._band_age += 1
-        band, calibrated = self._band  # type: ignore[misc]
+        calibrated_all = self._cached is not None and bool(self._cached[1].all())
+        if self._cached is None or self._age >= (_REFRESH_CALIBRATED if calibrated_all else _REFRESH):
+            self._cached, self._age = self.bands(), 0
+        self._age += 1
+        band, calibrated = self._cached
         self.last_deviations = dev
         over = dev > band
         flagged = over.any(1) | nonfinite | malformed
@@ -89,10 +93,11 @@ class TorchScreen(GradientScreen):
         healthy = dev.clone()
         healthy[flagged] = float("nan")
         healthy[~(healthy > 0)] = float("nan")
-        assert self._history is not None
-        self._history[self._cursor] = healthy.clamp(max=self.config.max_band)
-        self._cursor = (self._cursor + 1) % self.config.window
-        self._filled = min(self._filled + 1, self.config.window)
+        b = self.band
+        assert b is not None
+        b.history[b.cursor] = healthy.clamp(max=self.config.max_band)
+        b.cursor = (b.cursor + 1) % self.config.window
+        b.filled = min(b.filled + 1, self.config.window)
         ranks = tuple(details)
         if ranks:
             self.stats.failures += 1
@@ -140,23 +145,23 @@ def adversarial_rows(rng: random.Random, step: int, world: int, hostile: float) 
     for r in rows:
         if rng.random() < hostile:
             kind = rng.randrange(7)
-            col = _HEADER + rng.randrange(K + 1)
+            col = HEADER + rng.randrange(K + 1)
             if kind == 0:
                 r[col] = rng.choice(ODD)
             elif kind == 1:
                 r[col] += rng.choice((6.0, 11.0, 13.0, 40.0))  # a grown value
             elif kind == 2:
-                r[rng.randrange(_HEADER)] = rng.choice((math.nan, step + 1.0, 99.0, -0.0, math.inf))
+                r[rng.randrange(HEADER)] = rng.choice((math.nan, step + 1.0, 99.0, -0.0, math.inf))
             elif kind == 3:
-                r[_HEADER:] = [math.nan] * (K + 1)  # no opinion
+                r[HEADER:] = [math.nan] * (K + 1)  # no opinion
             elif kind == 4:
                 r[-1] = math.nan  # no loss
             elif kind == 5:
-                r[_HEADER:] = [rows[0][_HEADER + j] for j in range(K + 1)]  # a tie with rank 0
+                r[HEADER:] = [rows[0][HEADER + j] for j in range(K + 1)]  # a tie with rank 0
             else:
-                r[_HEADER + rng.randrange(K)] = math.inf  # non-finite gradients
+                r[HEADER + rng.randrange(K)] = math.inf  # non-finite gradients
     if rng.random() < 0.1:  # a value only one rank has
-        col = _HEADER + rng.randrange(K + 1)
+        col = HEADER + rng.randrange(K + 1)
         for r in rows[1:]:
             r[col] = math.nan
     return torch.tensor(rows, dtype=torch.float64)
@@ -177,8 +182,8 @@ def test_the_plain_python_judge_gives_the_torch_judges_verdicts(world: int, conf
         assert (a.step, a.ranks, a.details, a.calibrated) == (b.step, b.ranks, b.details, b.calibrated), (step, rows)
         assert a.margin == b.margin or (math.isnan(a.margin) and math.isnan(b.margin)), (step, a.margin, b.margin)
         assert same(new.last_deviations, old.last_deviations), step  # type: ignore[arg-type]
-        assert list(a.bands) == old._band[0].tolist()  # type: ignore[index]
-        vals = rows[:, _HEADER:].clone()  # what was judged: malformed rows blanked
+        assert list(a.bands) == old._cached[0].tolist()
+        vals = rows[:, HEADER:].clone()  # what was judged: malformed rows blanked
         for r in range(world):
             if a.details.get(r, {}).get("reason") == "malformed":
                 vals[r] = math.nan

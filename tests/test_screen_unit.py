@@ -70,20 +70,21 @@ def test_the_band_recalibrates_every_32_steps_until_calibrated_then_every_128(
     some value lacks ``calibration_samples`` healthy deviations, every 128 once all have them."""
     s, g = screen(calibration_samples=40), torch.Generator().manual_seed(3)
     at: list[tuple[int, bool]] = []  # (judged steps, every value calibrated) at each recalibration
-    bands = s.bands
+    assert s.band is not None
+    bands = s.band.bands
 
     def counted() -> tuple[torch.Tensor, torch.Tensor]:
         band, calibrated = bands()
         at.append((s.stats.runs, bool(calibrated.all())))
         return band, calibrated
 
-    monkeypatch.setattr(s, "bands", counted)
+    monkeypatch.setattr(s.band, "bands", counted)
     for step in range(700):
         s.judge(step, rows(step, healthy(g, 4)))
     gaps = [(b[0] - a[0], a[1]) for a, b in itertools.pairwise(at)]
     assert at[0] == (1, False) and gaps and all(gap == (128 if cal else 32) for gap, cal in gaps), at
     assert {cal for _, cal in gaps} == {False, True}  # both schedules ran
-    assert len(s._fresh) < 128 and s._filled == 200  # the history is written before each recalibration
+    assert len(s.band._fresh) < 128 and s.band.filled == 200  # the history is written before each recalibration
 
 
 @pytest.mark.parametrize("world", [2, 3, 4, 8])

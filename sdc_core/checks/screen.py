@@ -8,245 +8,55 @@ it and names the ranks whose values stand out. Every rank computes the verdict f
 gathered rows and the same history, so every rank returns the same suspects and keeps the same
 band: no collective depends on one rank's view.
 
-The comparison, at each step, in log2 units: each value's deviation from the ranks' (lower)
-median of that value; a rank's ``level``, the median of its deviations (a batch with harder or
-fewer samples makes EVERY gradient of that rank larger: measured up to 2^7 on healthy steps);
-each value's deviation less the rank's level (what a faulty multiply-accumulate or a flipped
-exponent bit changes: a few values, not all; on healthy steps within 2^3.4 here). A rank is a
-suspect when a level-corrected deviation, or its level, exceeds its band. Comparing ranks AT THE
-SAME STEP cancels what every rank shares (the phase of training, a learning-rate warm-up, the
-scale of the loss). One-sided: only values that GREW are flagged (a flip that makes an element
-tiny changes its gradient by at most that element); a genuine spike batch on one rank can be
-flagged too (the partner replay clears it).
-
-The band is calibrated from the run itself, per value and for the level: the positive
-deviations of the ranks not flagged, over the last ``window`` steps, give ``median + z * 1.4826 *
-MAD``, clamped to ``[min_band, max_band]`` and recomputed every ``_REFRESH`` steps while some
-value is not calibrated, every ``_REFRESH_CALIBRATED`` steps once all are; until a value has
-``calibration_samples`` such deviations its band is ``initial_band``.
-
-Peers are hostile: each row carries its step and width, which must equal the ranks' median
-(else the row is ``malformed`` and its rank a suspect); values must be NaN (no opinion), +Inf
-(the rank's gradients held NaN/Inf: a suspect, ``nonfinite``) or finite within the float range
-of log2 magnitudes. A rank can only accuse itself: the reference is a median, rows of suspects
-never enter the history, and the band is capped at ``max_band``.
+How the rows are judged (each value's deviation from the ranks' median, corrected by the rank's
+level, against a band calibrated from the run itself; hostile rows) and how a partner's
+recomputation is checked against the same rule: ``sdc_core.checks.screen_rule``. This module
+moves the rows: it builds this rank's row, gathers everyone's, and carries another check's
+values in them (``carry``).
 
 Cost per step: on the device a handful of tiny kernels (the row), one all_gather of
 ``world x (k + 3)`` float64 values started right after backward, no host synchronisation in the
 step; at ``suspects`` one wait (long finished when read one step later), one ``tolist`` of the
 rows and plain-Python arithmetic on them (no torch op per value), and at each recalibration
-two torch medians over the history (``window x world x (k + 2)`` values).
-
-To confirm a hit elsewhere (a partner's recomputation of the suspect's step), ``ScreenResult``
-carries the step's ``values`` and ``bands``; ``in_band(row, reference(result.values, rank),
-result.bands)`` applies the judge's rule to one recomputed row against the other ranks' median.
-"""
+two torch medians over the history (``window x world x (k + 2)`` values)."""
 
 from __future__ import annotations
 
 import ctypes
 import math
-import operator
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
+from sdc_core.checks.screen_rule import (
+    HEADER,
+    Band,
+    ScreenConfig,
+    ScreenResult,
+    classify,
+    deviations,
+    in_band,
+    read_rows,
+    reference,
+)
 from sdc_core.dist.topology import HostRead, Topology, collective_device, is_distributed
-from sdc_core.schema import documented, setting
 from sdc_core.stats import CheckStats
 
 if TYPE_CHECKING:
     from sdc_core.checks.gradients import NonFiniteGradient
 
-_HEADER = 2  # step, width
 _CARRIED = 3  # int64 values another check may send in a row instead of a collective of its own (``carry``)
 _TAIL = 2 * _CARRIED  # each as two exact float64 halves of 32 bits, NaN when none
 _NO_TAIL = [math.nan] * _TAIL
 _INT64_MAX = (1 << 63) - 1
-_LOG2_LIMIT = 1100.0  # |log2| of any finite float64 magnitude is below this
 _MAX_PENDING = 2  # observed steps whose verdict may wait (the driver reads one step later at most)
-_MAD_TO_SIGMA = 1.4826
-_REFRESH = 32  # judged steps between two recalibrations of the band while some value is not calibrated (its two
-# medians over the history, and writing the history: a fifth of `judge`'s host cost at 32)
-_REFRESH_CALIBRATED = 128  # ... and once all are: the band is a median over `window` steps and moves slowly
 _isfinite = math.isfinite
-_sub = operator.sub
 _CPU = torch.device("cpu")
-
-
-@documented
-@dataclass(frozen=True, kw_only=True)
-class ScreenConfig:
-    """Settings of the every-step gradient screen (keyword-only, validated on construction)."""
-
-    groups: int = setting(
-        16,
-        "groups of parameters whose local-gradient magnitudes the screen compares across ranks (>= 1)",
-        "The trainable parameters in model order, cut into this many contiguous groups (fewer when the model has "
-        "fewer tensors); each rank sends one value per group and its loss each step.",
-    )
-    min_band: float = setting(
-        5.0,
-        "smallest band, in log2 units above the ranks' median (5: a value 32x the median)",
-        "A value is out of band when it exceeds the median of the ranks by more than the band; the calibrated "
-        "band never goes below this.",
-    )
-    max_band: float = setting(
-        12.0, "largest band, in log2 units (12: 4096x the median); a faulty rank cannot widen it further"
-    )
-    initial_band: float = setting(
-        10.0, "band of a value until it is calibrated, in log2 units (between min_band and max_band)"
-    )
-    z: float = setting(
-        10.0,
-        "band width in robust standard deviations of the healthy cross-rank spread (> 0)",
-        "band = median + z * 1.4826 * MAD of the healthy positive deviations from the ranks' median, per value.",
-    )
-    window: int = setting(200, "steps of healthy spread the band is calibrated on (>= 1)")
-    calibration_samples: int = setting(
-        20, "healthy deviations a value needs before its band is calibrated (>= 1; before: initial_band)"
-    )
-
-    def __post_init__(self) -> None:
-        for name in ("groups", "window", "calibration_samples"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        for name in ("min_band", "max_band", "initial_band", "z"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-                raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
-        if not self.min_band <= self.initial_band <= self.max_band:
-            raise ValueError(
-                f"need min_band <= initial_band <= max_band, got {self.min_band}, {self.initial_band}, {self.max_band}"
-            )
-
-
-@dataclass(frozen=True)
-class ScreenResult:
-    """The screen's verdict on one step, identical on every rank.
-
-    ``ranks``: the suspects, ascending. ``details[rank]``: ``reason`` (``"band"``: a value above
-    its band; ``"nonfinite"``: the rank's gradients held NaN/Inf; ``"malformed"``: its row broke
-    the protocol), and for ``"band"`` the ``value`` (group name or ``"loss"``) furthest out, its
-    ``excess`` over the rank's level (for ``"level"``: the level itself) and its ``band``, log2 units.
-
-    ``values[rank]``: that rank's gathered row as judged, ``GradientScreen.names`` order without
-    ``"level"`` (the groups, then the loss), log2: NaN for no opinion and for every value of a
-    malformed row, +Inf where the rank's gradients held NaN/Inf. ``bands``: the band of each value
-    and, last, of the level, used for this step. Both are evidence, not verdict: left out of
-    ``==`` and ``repr``; compare a recomputed row with ``in_band(row, reference(values, rank), bands)``."""
-
-    step: int
-    ranks: tuple[int, ...] = ()
-    details: dict[int, dict[str, Any]] = field(default_factory=dict)
-    calibrated: bool = False  # every value's band was calibrated (not initial_band)
-    margin: float = -math.inf  # the largest (deviation - band) of any rank and value: > 0 when the band flags
-    values: tuple[tuple[float, ...], ...] = field(default=(), compare=False, repr=False)
-    bands: tuple[float, ...] = field(default=(), compare=False, repr=False)
-
-    def __bool__(self) -> bool:
-        return bool(self.ranks)
-
-
-def _median(values: Sequence[float]) -> float:
-    """The lower median of the values that are not NaN (``torch.nanmedian``'s), NaN when none."""
-    v = sorted(values) if _isfinite(sum(values)) else sorted(a for a in values if a == a)  # a finite sum: no NaN
-    return v[(len(v) - 1) // 2] if v else math.nan
-
-
-def reference(values: Sequence[Sequence[float]], exclude: int | None = None) -> list[float]:
-    """Per value what a rank's row is compared with: the lower median of the ranks' values
-    (``ScreenResult.values``; NaN and +Inf are no opinion). Without ``exclude`` (what ``judge``
-    uses) all ranks, NaN where fewer than two have a value; with it the ranks other than
-    ``exclude``, NaN where none has one."""
-    need = 2 if exclude is None else 1
-    others = [v for i, v in enumerate(values) if i != exclude]
-    if not others:  # nobody to compare with
-        return [math.nan] * (len(values[0]) if values else 0)
-    if len(others) >= need and all(map(_isfinite, map(sum, others))):  # no NaN nor Inf anywhere
-        m = (len(others) - 1) // 2
-        return [sorted(col)[m] for col in zip(*others, strict=True)]
-    out = []
-    for col in zip(*others, strict=True):
-        v = sorted(a for a in col if a == a and a != math.inf)
-        out.append(v[(len(v) - 1) // 2] if len(v) >= need else math.nan)
-    return out
-
-
-def _read_rows(
-    table: list[list[float]], width: int
-) -> tuple[list[tuple[float, ...]], list[list[float]], list[bool], list[bool]]:
-    """The gathered rows (``step, width, values...`` per rank; peers are hostile) as ``(values,
-    judged, malformed, nonfinite)``: per rank its values as reported (all NaN for a malformed row:
-    a step or width other than the ranks' median, or a value neither NaN, +Inf nor finite within
-    the range of log2 magnitudes; +Inf kept), as compared (+Inf is no opinion too), whether the
-    row was malformed and whether it held +Inf (the rank's gradients held NaN/Inf)."""
-    nan, inf, limit = math.nan, math.inf, _LOG2_LIMIT
-    expect = _median([r[0] for r in table])  # the step most ranks sent
-    values: list[tuple[float, ...]] = []
-    judged: list[list[float]] = []
-    malformed: list[bool] = []
-    nonfinite: list[bool] = []
-    for r in table:
-        v = r[_HEADER:]
-        if _isfinite(sum(v)):  # every value finite (a NaN or an Inf makes the sum non-finite)
-            legal = -limit <= min(v) and max(v) <= limit
-        else:
-            legal = all(a != a or a == inf or -limit <= a <= limit for a in v)
-        bad = r[0] != expect or r[1] != width or not legal
-        malformed.append(bad)
-        if bad:
-            v = [nan] * width
-            nonfinite.append(False)
-        elif inf in v:
-            nonfinite.append(True)
-            values.append(tuple(v))
-            judged.append([nan if a == inf else a for a in v])
-            continue
-        else:
-            nonfinite.append(False)
-        values.append(tuple(v))
-        judged.append(v)
-    return values, judged, malformed, nonfinite
-
-
-def _deviations(row: Sequence[float], ref: Sequence[float]) -> list[float]:
-    """``row``'s level-corrected deviations from ``ref``, then its level (log2; NaN: none). The
-    level is the median deviation (how much larger this rank's batch made everything); each value
-    is corrected by the smaller of the level and the loss's (last) deviation (``torch.fmin``: NaN
-    only when both are): a harder batch raises its loss with its gradients, a fault in backward
-    raises gradients only."""
-    if len(row) != len(ref):
-        raise ValueError(f"{len(row)} values, {len(ref)} references")
-    raw = list(map(_sub, row, ref))
-    level, loss = _median(raw), raw[-1]
-    shift = loss if level != level or loss < level else level
-    dev = [a - shift for a in raw]
-    dev.append(level)
-    return dev
-
-
-def in_band(row: Sequence[float], ref: Sequence[float], bands: Sequence[float]) -> bool:
-    """Whether one row of values stays within ``bands`` relative to ``ref``, by the rule ``judge``
-    applies to each rank: no level-corrected deviation, nor the level, above its band.
-
-    ``row``: the groups then the loss, log2 (``ScreenResult.values``' layout, e.g. a partner's
-    recomputation of a suspect's step; NaN: no opinion, the loss may be NaN). ``ref``: the
-    reference of that step, same layout (``reference(result.values, rank)``: the other ranks'
-    median). ``bands``: ``ScreenResult.bands`` (one more: the level's, last). A value that is
-    neither NaN nor finite within the range of log2 magnitudes (+Inf: non-finite gradients) is out
-    of band. Pure host arithmetic. Raises ``ValueError`` when the lengths do not match."""
-    if not len(row) == len(ref) == len(bands) - 1:
-        raise ValueError(f"in_band: {len(row)} values, {len(ref)} references, {len(bands)} bands")
-    if not all(a != a or -_LOG2_LIMIT <= a <= _LOG2_LIMIT for a in row):
-        return False
-    return not any(d > b for d, b in zip(_deviations(row, ref), bands, strict=True))
+__all__ = ["Carried", "GradientScreen", "ScreenConfig", "ScreenResult", "in_band", "loss_magnitude", "reference"]
 
 
 def loss_magnitude(loss: torch.Tensor | None, device: torch.device) -> torch.Tensor:
@@ -379,12 +189,7 @@ class GradientScreen:
         self._targets: dict[torch.device | None, torch.device] = {}  # ``collective_device`` per source device
         self._pending: OrderedDict[int, tuple[HostRead | None, _HostSlot | None]] = OrderedDict()  # step -> its gather
         self._judged: dict[int, ScreenResult] = {}
-        self._history: torch.Tensor | None = None  # (window, world, width) healthy positive deviations, NaN: none
-        self._fresh: list[tuple[int, list[list[float]]]] = []  # (slot, deviations of healthy ranks) not in _history
-        self._cursor = 0
-        self._filled = 0
-        self._band: tuple[list[float], bool] | None = None  # ``bands()``, all calibrated; refreshed (_band_due)
-        self._band_age = 0  # judged steps since ``_band`` was computed
+        self.band: Band | None = None  # the bands and their history (made by ``attach``)
         self._last_dev: list[list[float]] | None = None
         self._slots: list[_HostSlot] = []  # the host path's reused buffers (``_host_slot``)
         self._carried: Carried | None = None  # values waiting for the next observed step (``carry``)
@@ -419,13 +224,9 @@ class GradientScreen:
                 raise ValueError(f"the ranks' models give screens of different widths ({-int(t[1])} to {int(t[0])})")
         self.width = width
         self.names = [f"group {j} ({n})" for j, n in enumerate(names)] + ["loss", "level"]
-        shape = (self.config.window, self.world_size, width + 1)
-        self._history = torch.full(shape, float("nan"), dtype=torch.float64)
-        self._fresh = []
+        self.band = Band(self.config, self.world_size, width)
         self._targets = {}
         self._slots = []
-        self._cursor = self._filled = 0
-        self._band = None
 
     def observe(
         self, step: int, magnitudes: torch.Tensor | list[float] | None, loss: torch.Tensor | None = None
@@ -473,7 +274,7 @@ class GradientScreen:
         if device.type == "cpu":
             head = torch.tensor([float(step), float(self.width)], dtype=torch.float64)
         else:  # no host-to-device copy (it would wait for the device's queue)
-            head = torch.full((_HEADER,), float(self.width), dtype=torch.float64, device=device)
+            head = torch.full((HEADER,), float(self.width), dtype=torch.float64, device=device)
             head[0] = float(step)
         if listed is not None:
             magnitudes = torch.tensor(listed, dtype=torch.float64)
@@ -520,7 +321,7 @@ class GradientScreen:
         rows. Reused only after its step was judged: at most ``_MAX_PENDING`` steps are pending,
         each in another of the last ``_MAX_PENDING`` buffers."""
         if not self._slots:
-            self._slots = [_HostSlot(_HEADER + self.width + _TAIL, self.world_size) for _ in range(_MAX_PENDING + 1)]
+            self._slots = [_HostSlot(HEADER + self.width + _TAIL, self.world_size) for _ in range(_MAX_PENDING + 1)]
         self._slot_index = (self._slot_index + 1) % len(self._slots)
         return self._slots[self._slot_index]
 
@@ -555,7 +356,7 @@ class GradientScreen:
             assert read is not None
             table = read.get().tolist()  # waits for the all_gather
         t0 = time.perf_counter()
-        n = _HEADER + self.width  # then the tail of carried values
+        n = HEADER + self.width  # then the tail of carried values
         if step in self._tails:  # a carried value rode this step's rows
             self._tails[step] = [r[n:] for r in table]
         self._judged[step] = self.judge(step, [r[:n] for r in table])
@@ -613,41 +414,13 @@ class GradientScreen:
 
     def bands(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Per value its band now (log2 units, float64) and whether it is calibrated."""
-        cfg = self.config
-        self._flush()
-        assert self._history is not None
-        h = self._history[: self._filled].reshape(-1, self.width + 1)
-        samples = (~torch.isnan(h)).sum(0)
-        calibrated = samples >= cfg.calibration_samples
-        if not bool(calibrated.any()):
-            return torch.full((self.width + 1,), float(cfg.initial_band), dtype=torch.float64), calibrated
-        med = torch.nanmedian(h, 0).values
-        mad = torch.nanmedian((h - med).abs(), 0).values
-        band = (med + cfg.z * _MAD_TO_SIGMA * mad).clamp(cfg.min_band, cfg.max_band)
-        return torch.where(calibrated, band, torch.full_like(band, float(cfg.initial_band))), calibrated
-
-    def _band_due(self) -> bool:
-        """Whether ``judge`` recalibrates the band now: first, then every ``_REFRESH`` judged steps
-        while some value is not calibrated, every ``_REFRESH_CALIBRATED`` once all are."""
-        if self._band is None:
-            return True
-        return self._band_age >= (_REFRESH_CALIBRATED if self._band[1] else _REFRESH)
+        assert self.band is not None, "GradientScreen.bands before attach"
+        return self.band.bands()
 
     @property
     def last_deviations(self) -> torch.Tensor | None:
         """The last judged step's deviations (world x (width + 1), log2; the level last), or None."""
         return None if self._last_dev is None else torch.tensor(self._last_dev, dtype=torch.float64)
-
-    def _flush(self) -> None:
-        """Write the healthy deviations judged since the last flush into the history tensor."""
-        if not self._fresh:
-            return
-        assert self._history is not None
-        latest = dict(self._fresh)  # the last rows per slot (a window shorter than the flush)
-        self._fresh = []
-        rows = torch.tensor(list(latest.values()), dtype=torch.float64)
-        rows = torch.where(rows > 0, rows.clamp(max=self.config.max_band), math.nan)  # positive ones, capped
-        self._history.index_copy_(0, torch.tensor(list(latest)), rows)
 
     def judge(self, step: int, rows: torch.Tensor | list[list[float]]) -> ScreenResult:
         """The verdict on ``rows`` (``world x (2 + width)`` float64, every rank's row, or those rows
@@ -656,45 +429,16 @@ class GradientScreen:
         numbers."""
         table = rows.to("cpu", torch.float64).tolist() if isinstance(rows, torch.Tensor) else rows
         self.stats.runs += 1
-        if len(table) != self.world_size or any(len(r) != _HEADER + self.width for r in table):
+        if len(table) != self.world_size or any(len(r) != HEADER + self.width for r in table):
             shape = tuple(rows.shape) if isinstance(rows, torch.Tensor) else (len(table),)
-            raise ValueError(f"screen rows of shape {shape}, expected ({self.world_size}, {_HEADER + self.width})")
-        width, inf = self.width, math.inf
-        values, judged, malformed, nonfinite = _read_rows(table, width)
+            raise ValueError(f"screen rows of shape {shape}, expected ({self.world_size}, {HEADER + self.width})")
+        assert self.band is not None
+        values, judged, malformed, nonfinite = read_rows(table, self.width)
         ref = reference(judged)
-        if self._band_due():
-            band_t, calibrated_t = self.bands()
-            self._band, self._band_age = (band_t.tolist(), bool(calibrated_t.all())), 0
-        self._band_age += 1
-        band, calibrated = self._band  # type: ignore[misc]
-        devs = [_deviations(x, ref) for x in judged]
-        self._last_dev = devs
-        margin, none = -inf, [math.nan] * (width + 1)
-        details: dict[int, dict[str, Any]] = {}
-        healthy: list[list[float]] = []
-        for r, dev in enumerate(devs):
-            excess = list(map(_sub, dev, band))  # as long: ``bands`` has the level's too
-            if _isfinite(sum(excess)):
-                worst = max(excess)
-                at = excess.index(worst)  # the first on ties
-            else:  # NaN never wins
-                worst, at = -inf, -1
-                for j, e in enumerate(excess):
-                    if e > worst:
-                        worst, at = e, j
-            margin = max(margin, worst)
-            if malformed[r]:
-                details[r] = {"reason": "malformed"}
-            elif nonfinite[r]:
-                details[r] = {"reason": "nonfinite"}
-            elif worst > 0:  # d > b exactly when d - b > 0 (finite floats)
-                details[r] = {"reason": "band", "value": self.names[at], "excess": dev[at], "band": band[at]}
-            healthy.append(none if r in details else dev)  # clamped to (0, max_band] in ``_flush``
-        self._fresh.append((self._cursor, healthy))
-        self._cursor = (self._cursor + 1) % self.config.window
-        self._filled = min(self._filled + 1, self.config.window)
-        if len(self._fresh) >= _REFRESH_CALIBRATED:  # else at the next recalibration
-            self._flush()
+        band, calibrated = self.band.current()
+        devs = self._last_dev = [deviations(x, ref) for x in judged]
+        details, healthy, margin = classify(devs, band, malformed, nonfinite, self.names)
+        self.band.add(healthy)
         ranks = tuple(details)
         if ranks:
             self.stats.failures += 1
@@ -711,23 +455,12 @@ class GradientScreen:
 
     def state_dict(self) -> dict[str, Any]:
         """Counters and the band's history (identical on every rank: rank 0's restores all)."""
-        self._flush()
-        history = self._history.clone() if self._history is not None else None
-        return {"stats": self.stats.state_dict(), "history": history, "cursor": self._cursor, "filled": self._filled}
+        band = self.band.state_dict() if self.band is not None else {"history": None, "cursor": 0, "filled": 0}
+        return {"stats": self.stats.state_dict(), **band}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what ``state_dict`` saved; a history of another shape (another world size or
         model) is dropped, the band recalibrates. Raises ``ValueError`` on a malformed state."""
         self.stats.load_state_dict(state["stats"])
-        self._flush()
-        history = state.get("history")
-        if history is None or self._history is None or not isinstance(history, torch.Tensor):
-            return
-        if history.shape != self._history.shape or history.dtype != torch.float64:
-            return
-        finite = torch.isnan(history) | (torch.isfinite(history) & (history > 0) & (history <= self.config.max_band))
-        cursor, filled = int(state["cursor"]), int(state["filled"])
-        if not bool(finite.all()) or not 0 <= cursor < self.config.window or not 0 <= filled <= self.config.window:
-            raise ValueError("corrupted SDC 'gradient_screen' checkpoint state: history out of range")
-        self._history, self._cursor, self._filled = history.clone(), cursor, filled
-        self._band = None
+        if self.band is not None:
+            self.band.load_state_dict(state)

@@ -186,10 +186,9 @@ class SDCHooks:
         else:
             self._cores.single_process()
         self._handles += self._cores.attach_matmul(module, topo, lambda m: None if self._capture.in_replay() else (
-            self._driver.deliver(m, lambda: m.arm(self.step))))  # fmt: skip
+            self._driver.delivery.deliver(m, lambda: m.arm(self.step))))  # fmt: skip
         self._hooked(model, optimizer, self._before_save)
-        if self._loaded_fingerprint is not None:  # state loaded before attach: verify now
-            self._verify_loaded(self._loaded_fingerprint)
+        self._verify_loaded()  # state loaded before attach: verified now
         return self
 
     def _hooked(self, model: nn.Module, optimizer: Any, before_checkpoint: Callable[..., None]) -> None:
@@ -308,12 +307,12 @@ class SDCHooks:
         self._compare_now()
         self.checkpoint_fingerprint = take_fingerprint(self._module, self._optimizer) if fingerprint else None
 
-    def _compare_now(self) -> None:
-        """The pending verdicts read and the current weights compared (every process)."""
-        if self._module is not None:
+    def _compare_now(self, compare: bool = True) -> None:
+        """The pending verdicts read and, with ``compare``, the current weights compared (every process)."""
+        if self._module is not None and compare:
             self._driver.compare_now(self._context())
-        elif self.nonfinite is not None:  # not attached: only a verdict of an earlier attachment can be pending
-            self._driver.deliver(self.nonfinite, self.nonfinite.resolve)
+        elif self.nonfinite is not None:  # only a non-finite verdict is read (not attached: of an earlier attachment)
+            self._driver.delivery.deliver(self.nonfinite, self.nonfinite.resolve)
 
     def metrics(self) -> dict[str, float]:
         return self._log.metrics()
@@ -356,14 +355,14 @@ class SDCHooks:
         if self._module is not None and self.owns(models):
             return self.before_save()
         self.checkpoint_fingerprint = None
-        if self.nonfinite is not None:  # no checkpoint after a step whose verdict is unread
-            self._driver.deliver(self.nonfinite, self.nonfinite.resolve)
+        self._compare_now(compare=False)  # no checkpoint after a step whose verdict is unread
 
-    def _verify_loaded(self, stored: dict[str, Any]) -> None:
+    def _verify_loaded(self) -> None:
         """Raise ``FingerprintMismatchError`` (on every process: each loads the same files) when
-        the loaded weights or optimizer state differ from the fingerprint saved with them."""
-        self._loaded_fingerprint = None
-        verify_loaded(self._module, self._optimizer, stored, self.step)
+        the loaded weights or optimizer state differ from the fingerprint saved with them (once)."""
+        stored, self._loaded_fingerprint = self._loaded_fingerprint, None
+        if stored is not None:
+            verify_loaded(self._module, self._optimizer, stored, self.step)
 
     def state_dict(self) -> dict[str, Any]:
         """The counters (and the fingerprint of the state ``before_save`` saw): plain data only."""
@@ -372,11 +371,9 @@ class SDCHooks:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore the counters; call it after loading the model and optimizer, so the loaded
         tensors are verified against the fingerprint stored at ``before_save``."""
-        self.step, self._updates, stored = restore_counters(state, self.checks)
-        if stored is not None:
-            self._loaded_fingerprint = stored
-            if self._module is not None:
-                self._verify_loaded(stored)
+        self.step, self._updates, self._loaded_fingerprint = restore_counters(state, self.checks)
+        if self._module is not None:
+            self._verify_loaded()
 
 
 class _LoopSeam(Seam):

@@ -150,7 +150,7 @@ class StepDriver:
         self._planned: tuple[int, StepPlan] | None = None  # before_update ran for this step
         self._observed: int | None = None  # the step whose screen all_gathers were started
         self._saved: tuple[Any, bool] | None = None  # (key, weights changed) of the last before_save
-        self._delivery = Delivery(seam)
+        self.delivery = Delivery(seam)  # runs a check's call and delivers its verdict
 
     def prepare(self) -> None:
         """Once the checks are in place (every rank alike): with a screen, the replay (DDP or
@@ -186,14 +186,9 @@ class StepDriver:
 
     # -- delivery -----------------------------------------------------------------------------
 
-    def deliver(self, check: Any, run: Callable[[], Any], policy: str | None = None) -> Any:
-        """Run one check's call and deliver its verdict (``Delivery.deliver``): returned, raised, or
-        rolled back by the seam (``ROLLED_BACK``)."""
-        return self._delivery.deliver(check, run, policy)
-
     def _gradients(self, check: Any, run: Callable[[], Any], step: StepContext) -> Any:
         """A non-finite verdict; a rollback drops the coming update (its gradients are stale)."""
-        out = self.deliver(check, run)
+        out = self.delivery.deliver(check, run)
         if out is ROLLED_BACK:
             drop_step(step.module.parameters(), scaler_active=step.scaler_active)
         return out
@@ -221,7 +216,7 @@ class StepDriver:
         acted = rolled = False
         for fp in self.fingerprints:
             failures = fp.stats.failures
-            rolled = self.deliver(fp, fp.resolve, "heal") is ROLLED_BACK or rolled
+            rolled = self.delivery.deliver(fp, fp.resolve, "heal") is ROLLED_BACK or rolled
             acted = acted or fp.stats.failures != failures
         if acted:
             for replay in self.replays:
@@ -282,7 +277,7 @@ class StepDriver:
         plan = StepPlan()
         self.observe(step)  # where the seam has not: its all_gather starts right after backward, read below
         for matmul in self.matmuls:  # the step's products: sent now, read at the next step
-            self.deliver(matmul, lambda m=matmul: m.verdict(step.index))
+            self.delivery.deliver(matmul, lambda m=matmul: m.verdict(step.index))
         plan.skipped = self.gradients(step)
         plan.carrying = [nf for nf in self.nonfinite if isinstance(nf, NonFiniteGradient) and nf.rider() is not None]
         for screen in self.screens:
@@ -315,7 +310,7 @@ class StepDriver:
         decided for this step). Without an update, the carried verdict is read from the reduced
         gradients instead."""
         for audit in self.update_audits:
-            self.deliver(audit, lambda a=audit: a.audit(step.index), "raise")
+            self.delivery.deliver(audit, lambda a=audit: a.audit(step.index), "raise")
         if plan is None and self._planned is not None and self._planned[0] == step.index:
             plan = self._planned[1]
         carrying = plan.carrying if plan is not None else []
@@ -370,7 +365,7 @@ class StepDriver:
                     return True
                 raise
 
-        out = self.deliver(replay, checked, "skip_step")
+        out = self.delivery.deliver(replay, checked, "skip_step")
         return out is ROLLED_BACK or bool(out)
 
     def _explained_by_weights(self, replay: Any, step: StepContext, symptom: ReplayMismatchError) -> bool:
@@ -390,9 +385,9 @@ class StepDriver:
             return False
         now = max(step.index - 1, 0)  # the weights now: after the previous update
         replay.last_error = None  # a symptom until the weights are compared
-        acted = self.deliver(fp, lambda: healed_by_comparison(fp, now, step.module, step.optimizers), "heal")
+        acted = self.delivery.deliver(fp, lambda: healed_by_comparison(fp, now, step.module, step.optimizers), "heal")
         if acted is ROLLED_BACK:
-            acted = self._delivery.rolled_back
+            acted = self.delivery.rolled_back
         if acted is not None and set(symptom.suspects) <= set(acted.suspects):
             return True
         replay.last_error = symptom
@@ -406,17 +401,17 @@ class StepDriver:
         non-finite verdicts still pending, then the pending comparison and a fresh one. True
         when a heal or rollback changed the weights."""
         for matmul in self.matmuls:
-            self.deliver(matmul, matmul.resolve)
+            self.delivery.deliver(matmul, matmul.resolve)
         for nf in self.nonfinite:
             if isinstance(nf, NonFiniteGradient):
                 nf.uncarried()  # a verdict no all-reduce carried: read from the reduced gradients
             self._gradients(nf, nf.resolve, step)
-        changed = False
+        changed, last = False, max(step.index - 1, 0)
         for fp in self.fingerprints:
             if not fp.active:
                 continue
             failures = fp.stats.failures
-            self.deliver(fp, lambda f=fp: f.check_now(max(step.index - 1, 0), step.module, step.optimizers), "heal")
+            self.delivery.deliver(fp, lambda f=fp: f.check_now(last, step.module, step.optimizers), "heal")
             changed = changed or fp.stats.failures != failures
         return changed
 

@@ -43,7 +43,7 @@ import torch.distributed as dist
 from torch import nn
 
 from sdc_core.checks.reductions import log2_peaks_by_group, peaks
-from sdc_core.checks.screen import in_band, reference
+from sdc_core.checks.screen_rule import in_band, reference
 from sdc_core.dist.payload import PayloadError
 from sdc_core.dist.topology import Topology, collective_device, is_distributed, owners_of
 from sdc_core.errors import ReplayMismatchError

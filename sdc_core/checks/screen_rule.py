@@ -1,0 +1,341 @@
+"""The every-step screen's rule, on the host: its settings (``ScreenConfig``), its verdict
+(``ScreenResult``), the comparison of the ranks' rows (``read_rows``, ``reference``, ``deviations``,
+``classify``, ``in_band``) and the band they are compared with (``Band``). ``screen`` gathers the
+rows; this module judges them. Pure host arithmetic on ``world x (k + 3)`` numbers, but for
+``Band``'s two torch medians over its history at each recalibration.
+
+The comparison, at each step, in log2 units: each value's deviation from the ranks' (lower)
+median of that value; a rank's ``level``, the median of its deviations (a batch with harder or
+fewer samples makes EVERY gradient of that rank larger: measured up to 2^7 on healthy steps);
+each value's deviation less the rank's level (what a faulty multiply-accumulate or a flipped
+exponent bit changes: a few values, not all; on healthy steps within 2^3.4 here). A rank is a
+suspect when a level-corrected deviation, or its level, exceeds its band. Comparing ranks AT THE
+SAME STEP cancels what every rank shares (the phase of training, a learning-rate warm-up, the
+scale of the loss). One-sided: only values that GREW are flagged (a flip that makes an element
+tiny changes its gradient by at most that element); a genuine spike batch on one rank can be
+flagged too (the partner replay clears it).
+
+The band is calibrated from the run itself, per value and for the level: the positive
+deviations of the ranks not flagged, over the last ``window`` steps, give ``median + z * 1.4826 *
+MAD``, clamped to ``[min_band, max_band]`` and recomputed every ``_REFRESH`` steps while some
+value is not calibrated, every ``_REFRESH_CALIBRATED`` steps once all are; until a value has
+``calibration_samples`` such deviations its band is ``initial_band``.
+
+Peers are hostile: each row carries its step and width, which must equal the ranks' median
+(else the row is ``malformed`` and its rank a suspect); values must be NaN (no opinion), +Inf
+(the rank's gradients held NaN/Inf: a suspect, ``nonfinite``) or finite within the float range
+of log2 magnitudes. A rank can only accuse itself: the reference is a median, rows of suspects
+never enter the history, and the band is capped at ``max_band``.
+
+To confirm a hit elsewhere (a partner's recomputation of the suspect's step), ``ScreenResult``
+carries the step's ``values`` and ``bands``; ``in_band(row, reference(result.values, rank),
+result.bands)`` applies the judge's rule to one recomputed row against the other ranks' median.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from sdc_core.schema import documented, setting
+
+HEADER = 2  # a row starts with its step and width
+LOG2_LIMIT = 1100.0  # |log2| of any finite float64 magnitude is below this
+_MAD_TO_SIGMA = 1.4826
+_REFRESH = 32  # judged steps between two recalibrations of the band while some value is not calibrated (its two
+# medians over the history, and writing the history: a fifth of `judge`'s host cost at 32)
+_REFRESH_CALIBRATED = 128  # ... and once all are: the band is a median over `window` steps and moves slowly
+_isfinite = math.isfinite
+_sub = operator.sub
+
+
+@documented
+@dataclass(frozen=True, kw_only=True)
+class ScreenConfig:
+    """Settings of the every-step gradient screen (keyword-only, validated on construction)."""
+
+    groups: int = setting(
+        16,
+        "groups of parameters whose local-gradient magnitudes the screen compares across ranks (>= 1)",
+        "The trainable parameters in model order, cut into this many contiguous groups (fewer when the model has "
+        "fewer tensors); each rank sends one value per group and its loss each step.",
+    )
+    min_band: float = setting(
+        5.0,
+        "smallest band, in log2 units above the ranks' median (5: a value 32x the median)",
+        "A value is out of band when it exceeds the median of the ranks by more than the band; the calibrated "
+        "band never goes below this.",
+    )
+    max_band: float = setting(
+        12.0, "largest band, in log2 units (12: 4096x the median); a faulty rank cannot widen it further"
+    )
+    initial_band: float = setting(
+        10.0, "band of a value until it is calibrated, in log2 units (between min_band and max_band)"
+    )
+    z: float = setting(
+        10.0,
+        "band width in robust standard deviations of the healthy cross-rank spread (> 0)",
+        "band = median + z * 1.4826 * MAD of the healthy positive deviations from the ranks' median, per value.",
+    )
+    window: int = setting(200, "steps of healthy spread the band is calibrated on (>= 1)")
+    calibration_samples: int = setting(
+        20, "healthy deviations a value needs before its band is calibrated (>= 1; before: initial_band)"
+    )
+
+    def __post_init__(self) -> None:
+        for name in ("groups", "window", "calibration_samples"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        for name in ("min_band", "max_band", "initial_band", "z"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+        if not self.min_band <= self.initial_band <= self.max_band:
+            raise ValueError(
+                f"need min_band <= initial_band <= max_band, got {self.min_band}, {self.initial_band}, {self.max_band}"
+            )
+
+
+@dataclass(frozen=True)
+class ScreenResult:
+    """The screen's verdict on one step, identical on every rank.
+
+    ``ranks``: the suspects, ascending. ``details[rank]``: ``reason`` (``"band"``: a value above
+    its band; ``"nonfinite"``: the rank's gradients held NaN/Inf; ``"malformed"``: its row broke
+    the protocol), and for ``"band"`` the ``value`` (group name or ``"loss"``) furthest out, its
+    ``excess`` over the rank's level (for ``"level"``: the level itself) and its ``band``, log2 units.
+
+    ``values[rank]``: that rank's gathered row as judged, ``GradientScreen.names`` order without
+    ``"level"`` (the groups, then the loss), log2: NaN for no opinion and for every value of a
+    malformed row, +Inf where the rank's gradients held NaN/Inf. ``bands``: the band of each value
+    and, last, of the level, used for this step. Both are evidence, not verdict: left out of
+    ``==`` and ``repr``; compare a recomputed row with ``in_band(row, reference(values, rank), bands)``."""
+
+    step: int
+    ranks: tuple[int, ...] = ()
+    details: dict[int, dict[str, Any]] = field(default_factory=dict)
+    calibrated: bool = False  # every value's band was calibrated (not initial_band)
+    margin: float = -math.inf  # the largest (deviation - band) of any rank and value: > 0 when the band flags
+    values: tuple[tuple[float, ...], ...] = field(default=(), compare=False, repr=False)
+    bands: tuple[float, ...] = field(default=(), compare=False, repr=False)
+
+    def __bool__(self) -> bool:
+        return bool(self.ranks)
+
+
+
+def _median(values: Sequence[float]) -> float:
+    """The lower median of the values that are not NaN (``torch.nanmedian``'s), NaN when none."""
+    v = sorted(values) if _isfinite(sum(values)) else sorted(a for a in values if a == a)  # a finite sum: no NaN
+    return v[(len(v) - 1) // 2] if v else math.nan
+
+
+def reference(values: Sequence[Sequence[float]], exclude: int | None = None) -> list[float]:
+    """Per value what a rank's row is compared with: the lower median of the ranks' values
+    (``ScreenResult.values``; NaN and +Inf are no opinion). Without ``exclude`` (what ``judge``
+    uses) all ranks, NaN where fewer than two have a value; with it the ranks other than
+    ``exclude``, NaN where none has one."""
+    need = 2 if exclude is None else 1
+    others = [v for i, v in enumerate(values) if i != exclude]
+    if not others:  # nobody to compare with
+        return [math.nan] * (len(values[0]) if values else 0)
+    if len(others) >= need and all(map(_isfinite, map(sum, others))):  # no NaN nor Inf anywhere
+        m = (len(others) - 1) // 2
+        return [sorted(col)[m] for col in zip(*others, strict=True)]
+    out = []
+    for col in zip(*others, strict=True):
+        v = sorted(a for a in col if a == a and a != math.inf)
+        out.append(v[(len(v) - 1) // 2] if len(v) >= need else math.nan)
+    return out
+
+
+def read_rows(
+    table: list[list[float]], width: int
+) -> tuple[list[tuple[float, ...]], list[list[float]], list[bool], list[bool]]:
+    """The gathered rows (``step, width, values...`` per rank; peers are hostile) as ``(values,
+    judged, malformed, nonfinite)``: per rank its values as reported (all NaN for a malformed row:
+    a step or width other than the ranks' median, or a value neither NaN, +Inf nor finite within
+    the range of log2 magnitudes; +Inf kept), as compared (+Inf is no opinion too), whether the
+    row was malformed and whether it held +Inf (the rank's gradients held NaN/Inf)."""
+    nan, inf, limit = math.nan, math.inf, LOG2_LIMIT
+    expect = _median([r[0] for r in table])  # the step most ranks sent
+    values: list[tuple[float, ...]] = []
+    judged: list[list[float]] = []
+    malformed: list[bool] = []
+    nonfinite: list[bool] = []
+    for r in table:
+        v = r[HEADER:]
+        if _isfinite(sum(v)):  # every value finite (a NaN or an Inf makes the sum non-finite)
+            legal = -limit <= min(v) and max(v) <= limit
+        else:
+            legal = all(a != a or a == inf or -limit <= a <= limit for a in v)
+        bad = r[0] != expect or r[1] != width or not legal
+        malformed.append(bad)
+        if bad:
+            v = [nan] * width
+            nonfinite.append(False)
+        elif inf in v:
+            nonfinite.append(True)
+            values.append(tuple(v))
+            judged.append([nan if a == inf else a for a in v])
+            continue
+        else:
+            nonfinite.append(False)
+        values.append(tuple(v))
+        judged.append(v)
+    return values, judged, malformed, nonfinite
+
+
+def deviations(row: Sequence[float], ref: Sequence[float]) -> list[float]:
+    """``row``'s level-corrected deviations from ``ref``, then its level (log2; NaN: none). The
+    level is the median deviation (how much larger this rank's batch made everything); each value
+    is corrected by the smaller of the level and the loss's (last) deviation (``torch.fmin``: NaN
+    only when both are): a harder batch raises its loss with its gradients, a fault in backward
+    raises gradients only."""
+    if len(row) != len(ref):
+        raise ValueError(f"{len(row)} values, {len(ref)} references")
+    raw = list(map(_sub, row, ref))
+    level, loss = _median(raw), raw[-1]
+    shift = loss if level != level or loss < level else level
+    dev = [a - shift for a in raw]
+    dev.append(level)
+    return dev
+
+
+def in_band(row: Sequence[float], ref: Sequence[float], bands: Sequence[float]) -> bool:
+    """Whether one row of values stays within ``bands`` relative to ``ref``, by the rule ``judge``
+    applies to each rank: no level-corrected deviation, nor the level, above its band.
+
+    ``row``: the groups then the loss, log2 (``ScreenResult.values``' layout, e.g. a partner's
+    recomputation of a suspect's step; NaN: no opinion, the loss may be NaN). ``ref``: the
+    reference of that step, same layout (``reference(result.values, rank)``: the other ranks'
+    median). ``bands``: ``ScreenResult.bands`` (one more: the level's, last). A value that is
+    neither NaN nor finite within the range of log2 magnitudes (+Inf: non-finite gradients) is out
+    of band. Pure host arithmetic. Raises ``ValueError`` when the lengths do not match."""
+    if not len(row) == len(ref) == len(bands) - 1:
+        raise ValueError(f"in_band: {len(row)} values, {len(ref)} references, {len(bands)} bands")
+    if not all(a != a or -LOG2_LIMIT <= a <= LOG2_LIMIT for a in row):
+        return False
+    return not any(d > b for d, b in zip(deviations(row, ref), bands, strict=True))
+
+
+
+def classify(
+    devs: list[list[float]], band: Sequence[float], malformed: Sequence[bool], nonfinite: Sequence[bool],
+    names: Sequence[str],
+) -> tuple[dict[int, dict[str, Any]], list[list[float]], float]:  # fmt: skip
+    """The suspects of one step from each rank's ``deviations`` against ``band`` (one per value, the
+    level's last), as ``(details, healthy, margin)``: ``ScreenResult.details`` (malformed, then
+    non-finite, then the value furthest above its band, the first on ties), per rank its
+    deviations for the history (all NaN for a suspect) and the largest (deviation - band) of any
+    rank and value (-inf when none has a value)."""
+    inf = math.inf
+    margin, none = -inf, [math.nan] * len(band)
+    details: dict[int, dict[str, Any]] = {}
+    healthy: list[list[float]] = []
+    for r, dev in enumerate(devs):
+        excess = list(map(_sub, dev, band))  # as long: ``band`` has the level's too
+        if _isfinite(sum(excess)):
+            worst = max(excess)
+            at = excess.index(worst)  # the first on ties
+        else:  # NaN never wins
+            worst, at = -inf, -1
+            for j, e in enumerate(excess):
+                if e > worst:
+                    worst, at = e, j
+        margin = max(margin, worst)
+        if malformed[r]:
+            details[r] = {"reason": "malformed"}
+        elif nonfinite[r]:
+            details[r] = {"reason": "nonfinite"}
+        elif worst > 0:  # d > b exactly when d - b > 0 (finite floats)
+            details[r] = {"reason": "band", "value": names[at], "excess": dev[at], "band": band[at]}
+        healthy.append(none if r in details else dev)
+    return details, healthy, margin
+
+
+class Band:
+    """Each value's band (and the level's, last) and the history of healthy deviations it is
+    calibrated on: ``window`` steps of ``world x (width + 1)`` values, the positive ones capped at
+    ``max_band`` (NaN: none). ``current()`` is what a step is judged with, recalibrated first, then
+    every ``_REFRESH`` steps while some value is not calibrated, every ``_REFRESH_CALIBRATED`` once
+    all are; ``add`` records a judged step's healthy deviations (written into the history at the
+    next recalibration, in one copy). Identical on every rank when fed the same steps."""
+
+    def __init__(self, config: ScreenConfig, world: int, width: int) -> None:
+        self.config, self.width = config, width
+        self.history = torch.full((config.window, world, width + 1), math.nan, dtype=torch.float64)
+        self.cursor = 0  # the history's slot of the next judged step
+        self.filled = 0  # slots written at least once
+        self._fresh: list[tuple[int, list[list[float]]]] = []  # (slot, deviations of healthy ranks) not yet written
+        self._current: tuple[list[float], bool] | None = None  # ``bands()`` as lists, all calibrated
+        self._age = 0  # judged steps since ``_current`` was computed
+
+    def bands(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per value its band now (log2 units, float64) and whether it is calibrated."""
+        cfg = self.config
+        self.flush()
+        h = self.history[: self.filled].reshape(-1, self.width + 1)
+        samples = (~torch.isnan(h)).sum(0)
+        calibrated = samples >= cfg.calibration_samples
+        if not bool(calibrated.any()):
+            return torch.full((self.width + 1,), float(cfg.initial_band), dtype=torch.float64), calibrated
+        med = torch.nanmedian(h, 0).values
+        mad = torch.nanmedian((h - med).abs(), 0).values
+        band = (med + cfg.z * _MAD_TO_SIGMA * mad).clamp(cfg.min_band, cfg.max_band)
+        return torch.where(calibrated, band, torch.full_like(band, float(cfg.initial_band))), calibrated
+
+    def current(self) -> tuple[list[float], bool]:
+        """The band to judge the next step with, and whether every value is calibrated."""
+        current = self._current
+        if current is None or self._age >= (_REFRESH_CALIBRATED if current[1] else _REFRESH):
+            band, calibrated = self.bands()
+            current = self._current = (band.tolist(), bool(calibrated.all()))
+            self._age = 0
+        self._age += 1
+        return current
+
+    def add(self, healthy: list[list[float]]) -> None:
+        """Record one judged step's deviations per rank (``classify``'s ``healthy``)."""
+        self._fresh.append((self.cursor, healthy))
+        self.cursor = (self.cursor + 1) % self.config.window
+        self.filled = min(self.filled + 1, self.config.window)
+        if len(self._fresh) >= _REFRESH_CALIBRATED:  # else at the next recalibration
+            self.flush()
+
+    def flush(self) -> None:
+        """Write the healthy deviations recorded since the last flush into the history."""
+        if not self._fresh:
+            return
+        latest = dict(self._fresh)  # the last rows per slot (a window shorter than the flush)
+        self._fresh = []
+        rows = torch.tensor(list(latest.values()), dtype=torch.float64)
+        rows = torch.where(rows > 0, rows.clamp(max=self.config.max_band), math.nan)  # positive ones, capped
+        self.history.index_copy_(0, torch.tensor(list(latest)), rows)
+
+    def state_dict(self) -> dict[str, Any]:
+        self.flush()
+        return {"history": self.history.clone(), "cursor": self.cursor, "filled": self.filled}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore ``state_dict``'s history; one of another shape (another world size or model) is
+        dropped and the band recalibrates. Raises ``ValueError`` on values out of range."""
+        self.flush()
+        history = state.get("history")
+        if not isinstance(history, torch.Tensor) or history.shape != self.history.shape:
+            return
+        if history.dtype != torch.float64:
+            return
+        cfg = self.config
+        finite = torch.isnan(history) | (torch.isfinite(history) & (history > 0) & (history <= cfg.max_band))
+        cursor, filled = int(state["cursor"]), int(state["filled"])
+        if not bool(finite.all()) or not 0 <= cursor < cfg.window or not 0 <= filled <= cfg.window:
+            raise ValueError("corrupted SDC 'gradient_screen' checkpoint state: history out of range")
+        self.history, self.cursor, self.filled = history.clone(), cursor, filled
+        self._current = None
