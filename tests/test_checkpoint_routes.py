@@ -183,6 +183,33 @@ def test_fabric_save_round_trip_and_load_verifies(tmp_path: Path, capsys: pytest
     assert "covers 'model', which the file does not hold" in capsys.readouterr().out
 
 
+def test_plain_load_before_attach_verifies_the_last_state_loaded() -> None:
+    """``load_state_dict`` before ``attach``: the fingerprint loaded is checked against the model
+    attached; counters saved without one, loaded after it, leave nothing to check."""
+    from sdc_core import SDCHooks
+    from sdc_core.errors import FingerprintMismatchError
+
+    net = _net()
+    optimizer = torch.optim.AdamW(net.parameters())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # one process: the replica checks say they are inactive
+        hooks = SDCHooks().attach(net, optimizer)
+        hooks.before_save()
+        with_fingerprint, counters = hooks.state_dict(), SDCHooks().state_dict()
+        assert with_fingerprint != counters
+
+        def attach_other(*states: dict[str, Any]) -> None:
+            other = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))  # other weights than _net()'s
+            fresh = SDCHooks()
+            for state in states:
+                fresh.load_state_dict(state)
+            fresh.attach(other, torch.optim.AdamW(other.parameters()))
+
+        with pytest.raises(FingerprintMismatchError):
+            attach_other(with_fingerprint)
+        attach_other(with_fingerprint, counters)  # the last state loaded holds no fingerprint: nothing to check
+
+
 class _TrainerModel(nn.Module):
     def __init__(self) -> None:
         super().__init__()
