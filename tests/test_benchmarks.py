@@ -142,3 +142,17 @@ def test_report_keeps_the_sections_written_by_hand() -> None:
     assert merge(rendered, page) == page
     moved = merge(rendered.replace("## 2. A transformer step", "## 2. The transformer step"), page)
     assert "## 8. Memory" in moved and "### Step by step: plain DDP" in moved
+
+
+def test_digest_launch_shape_benchmark_dry_run_on_cpu(tmp_path: Path) -> None:
+    """``benchmarks.digest_blocks --dry-run``: every (BLOCK, warps) configuration of each set is
+    timed and checked against the reference digests (the torch path in place of the kernel)."""
+    out = tmp_path / "blocks.json"
+    cmd = [sys.executable, "-m", "benchmarks.digest_blocks", "--dry-run", "--reps", "2", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=worker_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    data = json.loads(out.read_text())
+    assert set(data["sets"]) == {"tiny", "tiny x3"}
+    for row in data["sets"].values():
+        assert len(row["configs"]) == 20 and row["flat_sum_gbps"] > 0
+        assert all(c["same_digests"] and c["gbps"] > 0 for c in row["configs"].values())

@@ -74,3 +74,22 @@ def test_cuda_kernel_gives_the_cpu_digests_in_one_launch():  # pragma: no cover 
     few = [torch.randn(1 << 16, device="cuda") for _ in range(10)]
     many = [torch.randn(1 << 16, device="cuda") for _ in range(200)]
     assert _launches(few) == _launches(many)
+
+
+def test_kernel_tables_give_every_class_to_exactly_one_program():
+    """The launch's tables (CPU-side, whatever ``BLOCK`` is): each tensor's classes [0, classes)
+    are split into consecutive blocks of ``BLOCK``, every class in one block, and ``ends`` names
+    each tensor's last block, which the scan's differences rely on."""
+    from sdc_core.checks.digest import class_shape
+
+    sizes = (1, 511, 512, 513, 4097, 1 << 20, (1 << 26) + 7)
+    nwords, rows, cols, units, starts, ends = _triton_digest._tables(torch.device("cpu"), sizes, class_shape)
+    block = _triton_digest.BLOCK
+    for u, n in enumerate(sizes):
+        words, r, m = class_shape(n)
+        assert (int(nwords[u]), int(rows[u]), int(cols[u])) == (words, r, m)
+        mine = (units == u).nonzero().flatten()
+        classes = m + n - r * m
+        assert starts[mine].tolist() == [block * b for b in range(len(mine))]
+        assert block * (len(mine) - 1) < classes <= block * len(mine)
+        assert int(ends[u]) == int(mine[-1])
