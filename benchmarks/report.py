@@ -198,7 +198,7 @@ make bench                        # every section, then this page (or: .venv/bin
 make bench-ddp                    # Lightning and Accelerate DDP and traffic only (--sections ddp,accelerate,traffic)
 make bench-fsdp2                  # the FSDP2 section only (4 CPU ranks)
 python -m benchmarks.report       # re-renders this page from the JSON
-bash scripts/gpu_check.sh STAGE OUT  # the GPU checks and benchmarks in stages (trust, bench, memory, matmul)
+bash scripts/gpu_check.sh STAGE OUT  # the GPU checks and benchmarks in stages (trust, bench, memory, matmul, kernels)
 bash benchmarks/gpu.sh            # this page's kernels and step sections on a CUDA device
 ```
 

@@ -2,7 +2,7 @@
 # shellcheck disable=SC2329  # the stages' functions are called as "stage_$s"
 # The GPU checks in stages that each fit a short loan of one GPU (each stage under 4 minutes).
 #
-#   bash scripts/gpu_check.sh STAGE OUT_DIR            STAGE: trust, bench, memory, matmul or all
+#   bash scripts/gpu_check.sh STAGE OUT_DIR            STAGE: trust, bench, memory, matmul, kernels or all
 #   bash scripts/gpu_check.sh --dry-run STAGE OUT_DIR  (or SDC_GPU_DRY_RUN=1): on the CPU, tiny sizes
 #   bash scripts/gpu_check.sh OUT_DIR                  a lone path: all stages (the older form)
 #   bash scripts/gpu_check.sh                          all stages into gpu-results/
@@ -26,7 +26,12 @@
 #           false-alarm stress on this GPU's kernels, then its cost at the 270M model's width
 #           (python -m benchmarks.matmul) -> matmul.log, matmul_clean.json, matmul_stress.json,
 #           matmul_cost.json
-#   all     the four in that order
+#   kernels the Triton digest's launch shapes against a flat sum, each shape's digests checked against the
+#           shipped one (python -m benchmarks.digest_blocks: judged, any differing digest fails the stage)
+#           -> digest_blocks.json; then the performance page's kernel table on the device (fingerprint,
+#           non-finite read, SHA-1 of host bytes, ... against a sum; python -m benchmarks --sections
+#           kernels) -> performance-gpu-kernels.json
+#   all     the five in that order
 #
 # Every stage tees its output into OUT_DIR/<stage>.log as it runs (appended, a header per run),
 # rewrites its JSON, and appends one line to OUT_DIR/summary.txt: "<stage> PASS|FAIL <seconds>s: ...".
@@ -35,7 +40,7 @@
 # Timeouts (seconds, each stage's total and its steps' own): SDC_GPU_TRUST_TIMEOUT (235),
 # SDC_GPU_SUITE_TIMEOUT (170), SDC_GPU_REPLAY_TIMEOUT (60),
 # SDC_GPU_INTERMITTENT_TIMEOUT (50), SDC_GPU_BENCH_TIMEOUT (200),
-# SDC_GPU_MEMORY_TIMEOUT (180), SDC_GPU_MATMUL_TIMEOUT (225). SDC_GPU_SKIP=memory,matmul leaves
+# SDC_GPU_MEMORY_TIMEOUT (180), SDC_GPU_MATMUL_TIMEOUT (225), SDC_GPU_KERNELS_TIMEOUT (200). SDC_GPU_SKIP=memory,matmul leaves
 # stages out (reported as skipped); SDC_GPU_BENCH_ARGS replaces the benchmark's arguments
 # (default "--matmul --rounds 8"). Uses $PYTHON, default python3 (the machine's torch with CUDA: no venv, no
 # install). The dry run hides CUDA, collects the suite instead of running it, runs every python entry
@@ -43,8 +48,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 
-STAGES=(trust bench memory matmul)
-ACCEPTED="trust, bench, memory, matmul, all"
+STAGES=(trust bench memory matmul kernels)
+ACCEPTED="trust, bench, memory, matmul, kernels, all"
 die() { echo "gpu_check.sh: $1 (stages: $ACCEPTED; usage: bash scripts/gpu_check.sh [--dry-run] STAGE OUT_DIR)" >&2; exit 2; }
 
 dry="${SDC_GPU_DRY_RUN:-0}"
@@ -58,7 +63,7 @@ for arg in "$@"; do
     *) args+=("$arg") ;;
   esac
 done
-is_stage() { case "$1" in trust | bench | memory | matmul | all) return 0 ;; *) return 1 ;; esac; }
+is_stage() { case "$1" in trust | bench | memory | matmul | kernels | all) return 0 ;; *) return 1 ;; esac; }
 case "${#args[@]}" in
   0) stage=all out=gpu-results ;;
   1) if is_stage "${args[0]}"; then stage="${args[0]}" out=gpu-results; else stage=all out="${args[0]}"; fi ;;
@@ -266,6 +271,35 @@ stage_matmul() {
   # its cost in a step at the 270M model's width (benchmarks.matmul's transformer; bench has the 270M step)
   step cost 90 "$PY" -m benchmarks.matmul "${cost[@]}" --out "$out/matmul_cost.json"
   summarize matmul_cost "$out/matmul_cost.json"
+  finish
+}
+
+stage_kernels() {
+  begin kernels "${SDC_GPU_KERNELS_TIMEOUT:-200}"
+  local blocks=(--budget 100) table=(--device cuda)
+  rm -f "$out/digest_blocks.json" "$out/performance-gpu-kernels.json"
+  if [ "$dry" = 1 ]; then
+    blocks=(--dry-run --reps 2) table=(--device cpu --quick)
+    note "skipped: the Triton kernel (the torch digest in its place) and the large sizes (CUDA)"
+  fi
+  # every launch shape's digests equal the shipped one's, and how fast each reads against a flat sum
+  if step digest_blocks 130 "$PY" -m benchmarks.digest_blocks "${blocks[@]}" --out "$out/digest_blocks.json"; then
+    judge "$out/digest_blocks.json" <<'EOF'
+import json, sys
+data = json.load(open(sys.argv[1]))
+shipped, bad, ratios = "{}/{}".format(*data["shipped"]), [], []
+for name, row in data["sets"].items():
+    done = {k: v for k, v in row["configs"].items() if isinstance(v, dict)}
+    bad += [f"{name} {k}" for k, v in done.items() if not v["same_digests"]]
+    if shipped in done:
+        ratios.append(done[shipped]["vs_flat_sum"])
+speed = f"shipped {shipped}: {min(ratios):.2f}-{max(ratios):.2f}x of a flat sum" if ratios else "shipped shape not timed"
+print(("digests WRONG: " + ", ".join(bad) + "; " if bad else "launch shapes give the same digests; ") + speed)
+sys.exit(1 if bad else 0)
+EOF
+  fi
+  # the performance page's kernel table on this device (its section 1 is the CPU's)
+  step kernel_table 60 "$PY" -m benchmarks --sections kernels "${table[@]}" --out "$out/performance-gpu-kernels.json"
   finish
 }
 

@@ -14,12 +14,13 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
-STAGES = ["trust", "bench", "memory", "matmul"]
+STAGES = ["trust", "bench", "memory", "matmul", "kernels"]
 JSON = {
     "trust": ["gpu_replay.json"],
     "bench": ["gpu_step.json"],
     "memory": ["memory.json", "memory-bucket-view.json"],
     "matmul": ["matmul_clean.json", "matmul_stress.json", "matmul_cost.json"],
+    "kernels": ["digest_blocks.json", "performance-gpu-kernels.json"],
 }
 
 
@@ -37,7 +38,7 @@ def summary(out: Path) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def dry_all(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess[str]]:
-    """The memory and matmul stages' dry run (about 20 s); trust's and bench's (about 40 and 15 s
+    """The memory, matmul and kernels stages' dry run (about 30 s); trust's and bench's (about 40 and 15 s
     more) run with -m slow (``dry_trust``, ``dry_bench``)."""
     out = tmp_path_factory.mktemp("gpu_check") / "r"
     return out, gpu_check("--dry-run", "all", str(out), SDC_GPU_SKIP="trust,bench")
@@ -46,7 +47,7 @@ def dry_all(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.
 @pytest.fixture(scope="module")
 def dry_bench(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess[str]]:
     out = tmp_path_factory.mktemp("gpu_check_bench") / "r"
-    return out, gpu_check("--dry-run", "all", str(out), SDC_GPU_SKIP="trust,memory,matmul")
+    return out, gpu_check("--dry-run", "all", str(out), SDC_GPU_SKIP="trust,memory,matmul,kernels")
 
 
 @pytest.fixture(scope="module")
@@ -81,6 +82,9 @@ def test_dry_run_runs_each_stage_and_writes_its_log_json_and_summary_line(reques
     if stage == "matmul":
         precisions = [r["precision"] for r in json.loads((out / "matmul_clean.json").read_text())["clean_runs"]]
         assert precisions == ["fp32", "tf32", "bf16"]
+    if stage == "kernels":  # the launch shapes' digests are judged, and the kernel table written
+        assert "launch shapes give the same digests" in line and "kernel_table exit 0" in line, line
+        assert json.loads((out / "performance-gpu-kernels.json").read_text())["kernels"]
     assert "(no CUDA device)" in (out / "machine.txt").read_text()
 
 
@@ -93,11 +97,11 @@ def test_one_stage_by_name_with_the_environment_switch(tmp_path: Path) -> None:
 def test_a_lone_path_means_all_and_a_failed_stage_fails_the_call(tmp_path: Path) -> None:
     """The older form ``gpu_check.sh OUT``; stages left out are reported; a timed-out stage is FAIL."""
     out = tmp_path / "r"
-    proc = gpu_check(str(out), "--dry-run", SDC_GPU_SKIP="trust,memory,matmul", SDC_GPU_BENCH_TIMEOUT="1")
+    proc = gpu_check(str(out), "--dry-run", SDC_GPU_SKIP="trust,memory,matmul,kernels", SDC_GPU_BENCH_TIMEOUT="1")
     assert proc.returncode == 1, proc.stderr[-3000:]
     lines = summary(out)
     assert list(lines) == STAGES
-    assert all(lines[s].startswith(f"{s} SKIPPED") for s in ("trust", "memory", "matmul")), lines
+    assert all(lines[s].startswith(f"{s} SKIPPED") for s in ("trust", "memory", "matmul", "kernels")), lines
     assert lines["bench"].startswith("bench FAIL") and "TIMEOUT" in lines["bench"], lines["bench"]
 
 
@@ -106,5 +110,5 @@ def test_a_bad_call_is_one_line_naming_the_stages(tmp_path: Path, args: list[str
     proc = gpu_check(*[str(tmp_path / "x") if a == "OUT" else a for a in args], "--dry-run", timeout=30)
     assert proc.returncode == 2 and proc.stdout == ""
     (line,) = proc.stderr.splitlines()
-    assert "stages: trust, bench, memory, matmul, all" in line, line
+    assert "stages: trust, bench, memory, matmul, kernels, all" in line, line
     assert not (tmp_path / "x").exists()
