@@ -29,6 +29,12 @@ Per size it reports:
 ``--matmul`` adds a third configuration to the interleaved blocks: the default checks plus the
 matrix-product check (``MatmulChecksum`` at its defaults, armed before each forward, its verdict
 sent after backward), reported as ``step_ms["matmul"]`` and ``step_ms["matmul_overhead"]``.
+``--host-wait`` adds another: the default checks plus what the every-step screen adds to the
+step's timeline (the screen itself needs two ranks, so two GPUs under NCCL): before the update, a
+small row gathered across the ranks (one ``all_gather``) and read on the host (``tolist()``), so
+the host waits for backward and the gather to finish before it queues the update; reported as
+``step_ms["host_wait"]`` and ``step_ms["host_wait_overhead"]``. A proxy of the screen's wait, not
+the screen's own work (``benchmarks.screen_cost`` measures that on CPU ranks).
 The JSON is rewritten after each model size, so a run cut short keeps the sizes it finished.
 """
 
@@ -127,6 +133,7 @@ class Trainer:
         self.nonfinite: NonFiniteGradient | None = None
         self.fingerprint: WeightFingerprint | None = None
         self.matmul: MatmulChecksum | None = None
+        self.host_wait = False  # the screen's read before the update (``--host-wait``)
         self._checks = (NonFiniteGradient(), WeightFingerprint(FingerprintConfig()))  # kept across blocks
         self._matmul = MatmulChecksum()
 
@@ -134,7 +141,8 @@ class Trainer:
     def params(self) -> int:
         return sum(p.numel() for p in self.model.parameters())
 
-    def attach(self, matmul: bool = False) -> None:
+    def attach(self, matmul: bool = False, host_wait: bool = False) -> None:
+        self.host_wait = host_wait
         self.tap = GradientTap.attach(self.ddp, self.names)
         self.nonfinite, self.fingerprint = self._checks
         self.nonfinite.attach(self.tap)
@@ -149,6 +157,7 @@ class Trainer:
         if self.matmul is not None:
             self.matmul.detach()
         self.tap = self.nonfinite = self.fingerprint = self.matmul = None
+        self.host_wait = False
 
     def resolve(self) -> None:
         if self.nonfinite is not None:
@@ -170,6 +179,11 @@ class Trainer:
         carry = self.nonfinite is not None and self.fingerprint is not None
         if self.nonfinite is not None:  # as the hook set does: after backward, before the update
             self.nonfinite.verdict(self.step_no, self.model.named_parameters(), carry=carry)
+        if self.host_wait:  # as the screen: a small row gathered, read on the host before the update
+            row = loss.detach().float().reshape(1).repeat(8)
+            rows = [torch.empty_like(row) for _ in range(dist.get_world_size())]
+            dist.all_gather(rows, row)
+            torch.cat(rows).tolist()
         self.opt.step()
         if self.fingerprint is not None:  # after the update, carrying the gradient verdict; read one step later
             start_carrying(self.fingerprint, self.nonfinite, self.step_no, self.model, [self.opt])
@@ -198,7 +212,7 @@ def timed(device: torch.device, fn: Any, repeats: int) -> float:
 
 
 def measure(name: str, spec: tuple[int, int, int, int], device: torch.device, batch: int, seq: int,
-            steps: int, rounds: int, matmul: bool = False) -> dict[str, Any]:  # fmt: skip
+            steps: int, rounds: int, matmul: bool = False, host_wait: bool = False) -> dict[str, Any]:  # fmt: skip
     tr = Trainer(spec, device, batch, seq)
     params = list(tr.model.parameters())
     row: dict[str, Any] = {"model": name, "params": tr.params, "tensors": len(params), "batch": [batch, seq]}
@@ -207,9 +221,9 @@ def measure(name: str, spec: tuple[int, int, int, int], device: torch.device, ba
     tr.attach()
     tr.block(2)
     tr.detach()
-    configs = ("none", "checks", "matmul") if matmul else ("none", "checks")
-    if matmul:
-        tr.attach(matmul=True)
+    configs = ("none", "checks") + ("matmul",) * matmul + ("host_wait",) * host_wait
+    for extra in configs[2:]:
+        tr.attach(matmul=extra == "matmul", host_wait=extra == "host_wait")
         tr.block(2)
         tr.detach()
     times: dict[str, list[float]] = {c: [] for c in configs}
@@ -217,7 +231,7 @@ def measure(name: str, spec: tuple[int, int, int, int], device: torch.device, ba
     for r in range(rounds):
         for config in configs if r % 2 == 0 else configs[::-1]:
             if config != "none":
-                tr.attach(matmul=config == "matmul")
+                tr.attach(matmul=config == "matmul", host_wait=config == "host_wait")
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
             times[config].append(tr.block(steps))
@@ -229,9 +243,9 @@ def measure(name: str, spec: tuple[int, int, int, int], device: torch.device, ba
     row["step_ms"] = {"none": 1e3 * none, "checks": 1e3 * checks, "overhead": checks / none - 1,
                       "samples_none": [1e3 * t for t in times["none"]],
                       "samples_checks": [1e3 * t for t in times["checks"]]}  # fmt: skip
-    if matmul:
-        row["step_ms"].update({"matmul": 1e3 * med(times["matmul"]), "matmul_overhead": med(times["matmul"]) / none - 1,
-                               "samples_matmul": [1e3 * t for t in times["matmul"]]})  # fmt: skip
+    for extra in configs[2:]:
+        row["step_ms"].update({extra: 1e3 * med(times[extra]), f"{extra}_overhead": med(times[extra]) / none - 1,
+                               f"samples_{extra}": [1e3 * t for t in times[extra]]})  # fmt: skip
     if peaks:
         row["peak_mem_gib"] = peaks
 
@@ -298,6 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=None, help="steps per timed block")
     parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds")
     parser.add_argument("--matmul", action="store_true", help="also the default checks + the matrix-product check")
+    parser.add_argument("--host-wait", action="store_true", help="also the default checks + the screen's host read")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda":
@@ -321,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.perf_counter()
     for name, spec in sizes.items():
         t0 = time.perf_counter()
-        row = measure(name, spec, device, batch, seq, steps, rounds, args.matmul)
+        row = measure(name, spec, device, batch, seq, steps, rounds, args.matmul, args.host_wait)
         row["wall_s"] = time.perf_counter() - t0
         rows.append(row)
         s, w, g = row["step_ms"], row["work_ms"], row["fingerprint_gbps"]
@@ -331,6 +346,8 @@ def main(argv: list[str] | None = None) -> int:
               f"({100 * row['work_vs_step']['fingerprint']:.1f}%) | fp {g['fingerprint']:.0f} GB/s, sum/tensor "
               f"{g['sum_per_tensor']:.0f}, flat {g['sum_flat']:.0f} | digests match CPU: {row['digest_matches_cpu']}"
               + (f" | matmul {s['matmul']:8.2f} ms ({100 * s['matmul_overhead']:+.1f}%)" if "matmul" in s else "")
+              + (f" | host wait {s['host_wait']:8.2f} ms ({100 * s['host_wait_overhead']:+.1f}%)"
+                 if "host_wait" in s else "")
               + (f" | peak GiB {row['peak_mem_gib']}" if "peak_mem_gib" in row else ""), flush=True)  # fmt: skip
         result = {  # rewritten after each size: a run cut short keeps what it finished
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",

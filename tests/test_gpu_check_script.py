@@ -78,6 +78,7 @@ def test_dry_run_runs_each_stage_and_writes_its_log_json_and_summary_line(reques
     if stage == "bench":  # the matrix-product configuration rides the step benchmark
         (row,) = json.loads((out / "gpu_step.json").read_text())["rows"]
         assert row["step_ms"]["matmul"] > 0 and "matmul" in line, line
+        assert row["step_ms"]["host_wait"] > 0 and "host wait" in line, line  # and the screen's host read
         assert "== matmul:" in (out / "profile.txt").read_text() and "profile exit 0" in line, line
     if stage == "matmul":
         precisions = [r["precision"] for r in json.loads((out / "matmul_clean.json").read_text())["clean_runs"]]
