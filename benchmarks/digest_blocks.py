@@ -3,7 +3,7 @@
 ``python -m benchmarks.digest_blocks --out FILE`` on a CUDA device with Triton. For each set of
 tensors (one 10M-element tensor, ten of them, one of 100M, and the parameter shapes of GPT-style
 decoders of about 110M and 1.27B parameters, fp32) and each (BLOCK, num_warps), it times
-``_triton_digest``'s kernel plus its scan (CUDA events, median of ``--reps``) and checks that the
+``_triton_digest.digests`` (the kernel and its scan; CUDA events, median of ``--reps``) and checks that the
 digests equal those of the shipped launch (``_triton_digest.BLOCK`` and ``.WARPS``): the
 block size only changes how the classes are split between programs, and their partial sums are
 added with wrapping integer addition, exact in any order. GB/s are bytes read per second; the
@@ -52,28 +52,11 @@ SHIPPED = (td.BLOCK, td.WARPS)  # the launch shape the fingerprint uses
 
 
 def launch(tensors: list[torch.Tensor], block: int, warps: int) -> Callable[[], torch.Tensor]:
-    """The digests of ``tensors`` with ``block`` classes per program and ``warps`` warps."""
+    """The digests of ``tensors`` as the fingerprint computes them (``_triton_digest.digests``, its
+    cached tables included), with ``block`` classes per program and ``warps`` warps."""
     device = tensors[0].device
-    sizes = tuple(t.nbytes >> 3 for t in tensors)
-    units, starts, ends = [], [], []
-    shapes = [class_shape(n) for n in sizes]
-    for u, (n, r, m) in enumerate(shapes):
-        count = max(1, -(-(m + n - r * m) // block))
-        units += [u] * count
-        starts += [block * b for b in range(count)]
-        ends.append(len(units) - 1)
-    nwords, rows, cols = (torch.tensor(c, dtype=torch.int64, device=device) for c in zip(*shapes, strict=True))
-    unit_t, start_t, end_t = (torch.tensor(x, dtype=torch.int64, device=device) for x in (units, starts, ends))
-    table = torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64, device=device)
-    partial = torch.empty(len(units), dtype=torch.int64, device=device)
-
-    def run() -> torch.Tensor:
-        td._digest_blocks[(len(units),)](table, nwords, rows, cols, unit_t, start_t, partial,
-                                         SEED_A=_SEEDS[0], SEED_B=_SEEDS[1], BLOCK=block, num_warps=warps)  # fmt: skip
-        running = partial.cumsum(0)[end_t]
-        return running - torch.cat([running.new_zeros(1), running[:-1]])
-
-    return run
+    ptrs, sizes = tuple(t.data_ptr() for t in tensors), tuple(t.nbytes >> 3 for t in tensors)
+    return lambda: td.digests(device, ptrs, sizes, class_shape, _SEEDS[:2], block=block, warps=warps)
 
 
 def timed(fn: Callable[[], Any], reps: int, device: torch.device) -> float:

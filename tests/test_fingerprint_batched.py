@@ -77,14 +77,18 @@ def test_cuda_kernel_gives_the_cpu_digests_in_one_launch():  # pragma: no cover 
 
 
 def test_kernel_tables_give_every_class_to_exactly_one_program():
-    """The launch's tables (CPU-side, whatever ``BLOCK`` is): each tensor's classes [0, classes)
-    are split into consecutive blocks of ``BLOCK``, every class in one block, and ``ends`` names
+    """The launch's tables (CPU-side, for the shipped ``BLOCK`` and others): each tensor's classes
+    [0, classes) are split into consecutive blocks of ``block``, every class in one block, and ``ends`` names
     each tensor's last block, which the scan's differences rely on."""
+    sizes = (1, 511, 512, 513, 4097, 1 << 20, (1 << 26) + 7)
+    for block in (_triton_digest.BLOCK, 128, 2048):
+        _check_tables(sizes, block)
+
+
+def _check_tables(sizes: tuple[int, ...], block: int) -> None:
     from sdc_core.checks.digest import class_shape
 
-    sizes = (1, 511, 512, 513, 4097, 1 << 20, (1 << 26) + 7)
-    nwords, rows, cols, units, starts, ends = _triton_digest._tables(torch.device("cpu"), sizes, class_shape)
-    block = _triton_digest.BLOCK
+    nwords, rows, cols, units, starts, ends = _triton_digest._tables(torch.device("cpu"), sizes, class_shape, block)
     for u, n in enumerate(sizes):
         words, r, m = class_shape(n)
         assert (int(nwords[u]), int(rows[u]), int(cols[u])) == (words, r, m)

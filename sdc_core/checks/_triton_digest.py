@@ -79,11 +79,12 @@ if triton is not None:  # pragma: no cover - needs a GPU
         tl.store(out + pid, tl.sum(term, axis=0))
 
 
-def _tables(device: torch.device, sizes: tuple[int, ...], shape: Callable[[int], tuple[int, int, int]]
-            ) -> tuple[torch.Tensor, ...]:  # fmt: skip
-    """Per-unit (words, rows, cols) and per-block (unit, first class) tables, and each unit's last
-    block, on ``device`` (cached per list of word counts: built and copied once)."""
-    key = (device, sizes)
+def _tables(device: torch.device, sizes: tuple[int, ...], shape: Callable[[int], tuple[int, int, int]],
+            block: int = BLOCK) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    """Per-unit (words, rows, cols) and per-block (unit, first class) tables, ``block`` classes a
+    block, and each unit's last block, on ``device`` (cached per list of word counts: built and
+    copied once)."""
+    key = (device, sizes, block)
     if key not in _cache:
         shapes = [shape(n) for n in sizes]
         if len(_cache) >= 8:
@@ -91,9 +92,9 @@ def _tables(device: torch.device, sizes: tuple[int, ...], shape: Callable[[int],
         units, starts, ends = [], [], []
         for u, (n, r, m) in enumerate(shapes):
             classes = m + n - r * m
-            count = max(1, -(-classes // BLOCK))
+            count = max(1, -(-classes // block))
             units += [u] * count
-            starts += [BLOCK * b for b in range(count)]
+            starts += [block * b for b in range(count)]
             ends.append(len(units) - 1)
         cols = [torch.tensor(c, dtype=torch.int64) for c in zip(*shapes, strict=True)]
         _cache[key] = tuple(t.to(device) for t in (*cols, torch.tensor(units), torch.tensor(starts),
@@ -113,16 +114,18 @@ def _pointers(device: torch.device, ptrs: tuple[int, ...]) -> torch.Tensor:
 
 
 def digests(device: torch.device, ptrs: tuple[int, ...], sizes: tuple[int, ...],
-            shape: Callable[[int], tuple[int, int, int]], seeds: tuple[int, int]) -> torch.Tensor:  # fmt: skip
+            shape: Callable[[int], tuple[int, int, int]], seeds: tuple[int, int],
+            block: int = BLOCK, warps: int = WARPS) -> torch.Tensor:  # fmt: skip
     """The digest of each run of ``sizes[i]`` int64 words at address ``ptrs[i]`` (8-byte aligned
     memory of CUDA ``device``; ``shape(n)`` = (words, rows, cols) of the fingerprint module's
     class layout) as one int64 vector on that device. The caller keeps the memory alive. No host
-    synchronisation in the steady state."""
-    nwords, rows, cols, units, starts, ends = _tables(device, sizes, shape)
+    synchronisation in the steady state. ``block`` and ``warps`` (the launch shape) change the
+    speed only, never the values (``benchmarks/digest_blocks.py`` compares them)."""
+    nwords, rows, cols, units, starts, ends = _tables(device, sizes, shape, block)
     table = _pointers(device, ptrs)
     partial = torch.empty(units.numel(), dtype=torch.int64, device=device)
     with torch.cuda.device(device):
         _digest_blocks[(units.numel(),)](table, nwords, rows, cols, units, starts, partial,
-                                          SEED_A=seeds[0], SEED_B=seeds[1], BLOCK=BLOCK, num_warps=WARPS)  # fmt: skip
+                                          SEED_A=seeds[0], SEED_B=seeds[1], BLOCK=block, num_warps=warps)  # fmt: skip
     running = partial.cumsum(0)[ends]  # wrapping integer scan: exact in any order
     return running - torch.cat([running.new_zeros(1), running[:-1]])
