@@ -24,6 +24,15 @@ from accelerate_sdc import SDCError, SDCHooks
 from sdc_core import Fault, FaultInjector
 
 
+def listing(folder: Path) -> list[str]:
+    """The names in ``folder``, or none: after a refused save every rank removes the empty folder
+    save_state made, so it may vanish between a look and a read on another rank."""
+    try:
+        return sorted(p.name for p in folder.iterdir())
+    except FileNotFoundError:
+        return []
+
+
 def train(acc: Accelerator, out: Path, name: str, save_at: int | None = None, steps: int = 6) -> dict[str, Any]:
     """A loop that clips gradients with ``accelerator.clip_grad_norm_`` before every update; rank 1
     gets a NaN in one element of ``stem.weight``'s local gradient at step 2."""
@@ -53,12 +62,11 @@ def train(acc: Accelerator, out: Path, name: str, save_at: int | None = None, st
         sdc.finish()
     except SDCError as err:
         error, raised_at = err.to_dict(), sdc.step
-    folder = out / f"{name}_state"
     return {
         "error": error,
         "raised_at": raised_at,
         "saved": saved,
-        "state_files": sorted(p.name for p in folder.iterdir()) if folder.exists() else [],
+        "state_files": listing(out / f"{name}_state"),
         "state": sdc.state_dict(),
     }
 
