@@ -9,10 +9,11 @@ Hugging Face Trainer: ``accelerate_sdc.transformers.SDCTrainerCallback`` (needs 
 ``transformers`` extra; importing this package does not).
 """
 
-from sdc_core._lazy import lazy_exports, require
+from sdc_core._lazy import lazy_exports
 
-require("accelerate", "accelerate", "accelerate_sdc")  # found, not imported: `accelerate-sdc --help` stays quick
-# Imported on first use, so ``accelerate-sdc --help`` imports neither torch nor Accelerate.
+# Imported on first use, so ``accelerate-sdc --help`` imports neither torch nor Accelerate and
+# answers without Accelerate installed; ``SDCHooks`` (``accelerate_sdc.hooks``) raises the one-line
+# ``ImportError`` naming the extra when Accelerate is missing.
 _EXPORTS = {
     "accelerate_sdc.config": ("SDCConfigError", "SDCSettings"),
     "accelerate_sdc.hooks": ("SDCHooks",),

@@ -75,6 +75,11 @@ def _check_owned(path: Path) -> None:
 
     if path.is_dir():
         raise config.SDCConfigError(f"--config_file {path} is a folder; give a file name")
+    if path.expanduser().resolve() in _accelerate_config_files():
+        raise config.SDCConfigError(
+            f"{path} is accelerate's own config file, which `accelerate launch` reads and which must not hold SDC "
+            f"settings; left unchanged. Leave out --config_file (the settings go to {config.default_file()})"
+        )
     if not path.exists():
         return
     try:
@@ -90,6 +95,13 @@ def _check_owned(path: Path) -> None:
         f"{path} is not an SDC settings file ({what}); left unchanged. Write the SDC settings to another "
         "--config_file, or add them by hand to an `sdc:` section of an accelerate config (for accelerate-sdc launch)"
     )
+
+
+def _accelerate_config_files() -> set[Path]:
+    """The files accelerate itself reads as its config (``accelerate config``'s defaults)."""
+    from accelerate.commands.config.config_args import default_json_config_file, default_yaml_config_file
+
+    return {Path(f).expanduser().resolve() for f in (default_yaml_config_file, default_json_config_file)}
 
 
 def _validated(values: dict[str, object], source: str) -> dict[str, object]:
@@ -154,9 +166,24 @@ def _launch(rest: list[str]) -> int:
             os.unlink(tmp_path)
 
 
+def _needs_accelerate(command: str) -> str | None:
+    """The one-line advice when Accelerate is not installed (the commands need it; ``--help`` does not)."""
+    from sdc_core._lazy import require
+
+    try:
+        require("accelerate", "accelerate", "accelerate-sdc " + command)
+    except ImportError as err:
+        return str(err)
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["launch"]:
+        advice = _needs_accelerate("launch")
+        if advice is not None:
+            print(f"accelerate-sdc launch: error: {advice}", file=sys.stderr)
+            return 2
         try:
             return _launch(argv[1:])
         except ValueError as err:  # SDCConfigError, or a bad SDC_EXIT_CODE
@@ -179,6 +206,10 @@ def main(argv: list[str] | None = None) -> int:
         bad = unknown[0].split("=")[0]
         print(f"accelerate-sdc {args.command}: error: unknown option {bad!r}{suggest(bad, flags)} "
               f"(see accelerate-sdc {args.command} --help)", file=sys.stderr)  # fmt: skip
+        return 2
+    advice = _needs_accelerate("config")
+    if advice is not None:
+        print(f"accelerate-sdc config: error: {advice}", file=sys.stderr)
         return 2
     from sdc_core.cli import run_guarded
 

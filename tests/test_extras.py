@@ -56,7 +56,7 @@ def probe(blocked: str, *modules: str) -> dict[str, object]:
 
 @pytest.mark.parametrize(("blocked", "modules", "extra"), [
     ("lightning", ("lightning_sdc", "lightning_sdc.fabric", "lightning_sdc.callbacks"), "lightning"),
-    ("accelerate", ("accelerate_sdc", "accelerate_sdc.hooks", "accelerate_sdc.transformers"), "accelerate"),
+    ("accelerate", ("accelerate_sdc.hooks", "accelerate_sdc.transformers"), "accelerate"),
     ("transformers", ("accelerate_sdc.transformers",), "transformers"),
 ])  # fmt: skip
 def test_an_adapter_without_its_framework_names_the_extra(blocked: str, modules: tuple[str, ...], extra: str) -> None:
@@ -83,3 +83,26 @@ def test_sdc_campaign_without_lightning_says_which_extra() -> None:
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip() == ("sdc campaign: error: lightning_sdc needs lightning, which is not installed: "
                                    "pip install 'sdc-checks[lightning]'")  # fmt: skip
+
+
+def _blocked_cli(blocked: str, *args: str) -> subprocess.CompletedProcess:
+    code = BLOCKER + "from accelerate_sdc.cli import main\nsys.exit(main(sys.argv[2:]))\n"
+    return subprocess.run([sys.executable, "-c", code, blocked, *args], env=worker_env(), capture_output=True,
+                          text=True, timeout=120, cwd=ROOT)  # fmt: skip
+
+
+def test_accelerate_sdc_answers_help_without_accelerate_and_names_the_extra_for_its_commands() -> None:
+    helped = _blocked_cli("accelerate", "--help")
+    assert helped.returncode == 0 and "Traceback" not in helped.stderr, helped.stderr
+    assert helped.stdout.startswith("usage: accelerate-sdc")
+    for command in ("config", "launch"):
+        proc = _blocked_cli("accelerate", command, "--default")
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr
+        assert proc.stderr.strip() == (f"accelerate-sdc {command}: error: accelerate-sdc {command} needs accelerate, "
+                                       "which is not installed: pip install 'sdc-checks[accelerate]'")  # fmt: skip
+    code = BLOCKER + "from accelerate_sdc import SDCHooks\n"  # the package imports; its hook set names the extra
+    proc = subprocess.run([sys.executable, "-c", code, "accelerate"], env=worker_env(), capture_output=True, text=True,
+                          timeout=120, cwd=ROOT)  # fmt: skip
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "ImportError: accelerate_sdc needs accelerate, which is not installed: pip install 'sdc-checks[accelerate]'")
