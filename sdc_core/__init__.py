@@ -31,6 +31,7 @@ _EXPORTS = {
     "sdc_core.driver.settings": ("SDCConfigError", "SDCSettings"),
     "sdc_core.stats": ("CheckStats",),
     "sdc_core.dist.topology": ("Topology", "ring_partners"),
+    "sdc_core.ops.incident_records": ("Incident", "load_incidents"),
 }  # fmt: skip
 __getattr__, __dir__ = lazy_exports("sdc_core", globals(), _EXPORTS)
 
@@ -44,6 +45,7 @@ __all__ = [
     "FingerprintMismatchError",
     "Framework",
     "GradientTap",
+    "Incident",
     "NonFiniteConfig",
     "NonFiniteGradient",
     "NonFiniteGradientError",
@@ -60,6 +62,7 @@ __all__ = [
     "Topology",
     "WeightFingerprint",
     "flip_bit",
+    "load_incidents",
     "ring_partners",
     "shutdown",
     "tensor_digest",

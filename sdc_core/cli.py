@@ -249,10 +249,10 @@ def _incident_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _load(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[str]]:
-    from sdc_core.ops.incidents import load_incidents
+    from sdc_core.ops.incidents import read_incident_dicts
 
     skipped: list[str] = []
-    incidents = load_incidents(args.dirs, skipped=skipped)
+    incidents = read_incident_dicts(args.dirs, skipped=skipped)
     for line in skipped:
         print(f"sdc {args.command}: warning: skipped {one_line(line)}", file=sys.stderr)
     return incidents, skipped

@@ -306,14 +306,14 @@ def test_report_skips_bad_files_names_them_and_reports_the_rest(tmp_path: Path, 
 
 def test_incidents_in_the_same_millisecond_are_two_files(tmp_path: Path, monkeypatch: Any) -> None:
     from sdc_core.dist.topology import Topology
-    from sdc_core.ops.incidents import load_incidents, write_incident
+    from sdc_core.ops.incidents import read_incident_dicts, write_incident
 
     topo = Topology.gather()
     monkeypatch.setattr("sdc_core.ops.incidents.time.time", lambda: 1_700_000_000.0)
     err = FingerprintMismatchError(step=3, rank=0, suspects=(0,), hosts={0: "h"})
     paths = {write_incident(tmp_path, err, topo, {"every_n_steps": 1}, "raise") for _ in range(3)}
     assert len(paths) == 3
-    assert len(load_incidents([tmp_path])) == 3
+    assert len(read_incident_dicts([tmp_path])) == 3
     assert not [p for p in (tmp_path / "sdc" / "incidents").iterdir() if p.name.startswith(".")]
 
 

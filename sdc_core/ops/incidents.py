@@ -6,7 +6,8 @@
   device has one) and library versions, gathered once at start-up.
   Each is written atomically under a name of its own: two incidents in the same millisecond are
   two files.
-* ``load_incidents`` reads them back, skipping (and naming) files that are not incidents;
+* ``read_incident_dicts`` reads them back as checked dicts, skipping (and naming) files that are
+  not incidents (``sdc_core.load_incidents`` gives the same as typed records);
   ``summarise`` and ``exclude_hosts`` are ``sdc report`` and ``sdc exclude-list``.
 * ``install_exit_code`` makes an uncaught ``SDCError`` end the process with a distinct exit code
   (default 86, ``SDC_EXIT_CODE`` to change, 0 to keep Python's own 1) after the ``atexit``
@@ -45,6 +46,7 @@ if TYPE_CHECKING:  # topology imports torch: `sdc report` and `sdc exclude-list`
 
 EXIT_CODE_ENV = "SDC_EXIT_CODE"
 DEFAULT_EXIT_CODE = 86
+SCHEMA_VERSION = 1  # of the incident JSON; files written before the field read as version 0
 VERDICT_DIR_ENV = "SDC_VERDICT_DIR"
 
 
@@ -222,6 +224,7 @@ def write_incident(run_dir: str | Path, error: SDCError, topology: Topology, con
     for f in facts.values():
         f["versions"] = dict(f["versions"])
     incident = {
+        "schema_version": SCHEMA_VERSION,
         "time": now,
         "time_iso": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now)),
         "policy": policy,
@@ -251,7 +254,7 @@ def _exclude(error: SDCError, topology: Topology) -> list[str]:
     return []
 
 
-def load_incidents(paths: Iterable[str | Path], skipped: list[str] | None = None) -> list[dict[str, Any]]:
+def read_incident_dicts(paths: Iterable[str | Path], skipped: list[str] | None = None) -> list[dict[str, Any]]:
     """Every incident under the given run directories (``<dir>/**/sdc/incidents/*.json`` and
     ``<dir>/*.json``) or incident files, in a checked shape.
 
