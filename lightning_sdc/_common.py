@@ -350,9 +350,11 @@ class SDCCallback(Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """The last pending verdicts read and the final weights compared before ``fit`` returns,
         whatever the cadence (once, whichever SDC callback comes first)."""
-        trainer_driver(trainer).before_save(step_context(trainer, pl_module), key=("end", trainer.global_step))
+        driver = trainer_driver(trainer)
+        driver.before_save(step_context(trainer, pl_module), key=("end", trainer.global_step))
         for check in self._checks():
             log_stats(trainer, check.stats, force=True)
+        driver.summarise(trainer.global_step)  # rank 0: one line, what was checked and found (once)
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         """Every path out: no collective of the check left in flight; the verdict marked for the

@@ -281,6 +281,8 @@ class SDCHooks:
         unnoticed. Raises the ``SDCError`` on every process."""
         try:
             self._compare_now()
+            if self._module is not None:
+                self._driver.summarise(self.step)  # rank 0: one line, what was checked and found
         finally:
             self.log(force=True)
             if self._fw.num_processes > 1:  # the script may now free the model and the process group

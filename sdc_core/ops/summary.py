@@ -1,0 +1,83 @@
+"""The run's closing line: what the SDC checks checked, and whether they found anything.
+
+At the end of training (``SDCHooks.finish``, Lightning's ``on_train_end``, the Hugging Face
+Trainer's end through ``finish``) rank 0 logs one line through Python ``logging`` (logger
+``sdc_checks``, level INFO), for example::
+
+    sdc-checks: 1000 steps checked by nonfinite_gradient (1000), weight_fingerprint (1000),
+    ring_replay (10 audits); no SDC found
+
+(one line in the log)
+
+or, when a verdict was recorded and training went on (``policy`` ``"warn"``, ``"skip_step"``,
+``"heal"``): ``...; 2 SDC verdicts (weight_fingerprint 2): sdc report <run dir>``.
+
+``SDC_RUN_SUMMARY=0`` in the environment turns it off; so does a level above INFO on the
+``sdc_checks`` logger. Where no logging is configured (the root logger has no handler) the logger
+writes to stderr, as Lightning's own loggers do. Cost: once per run, no collective.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from collections.abc import Iterable
+from typing import Any
+
+from sdc_core.schema import env_flag
+
+LOGGER_NAME = "sdc_checks"
+SUMMARY_ENV = "SDC_RUN_SUMMARY"
+
+
+def _logger() -> logging.Logger:
+    logger = logging.getLogger(LOGGER_NAME)
+    if not logging.getLogger().handlers and not logger.handlers:  # nothing configured: show it on stderr
+        logger.addHandler(logging.StreamHandler())
+        logger.propagate = False
+        if logger.level == logging.NOTSET:
+            logger.setLevel(logging.INFO)
+    return logger
+
+
+def run_summary(steps: int, checks: Iterable[Any], run_dir: str | None = None) -> str:
+    """The closing line for ``steps`` optimizer steps and ``checks`` (each with ``stats``: a
+    ``CheckStats``): each check with the times it ran, then "no SDC found" or the verdicts."""
+    parts, verdicts = [], {}
+    for check in checks:
+        stats = check.stats
+        unit = " audits" if stats.check == "ring_replay" else ""
+        parts.append(f"{stats.check} ({stats.runs}{unit})")
+        if stats.failures:
+            verdicts[stats.check] = stats.failures
+    line = f"sdc-checks: {steps} steps checked by {', '.join(parts) or 'no check'}"
+    if not verdicts:
+        return line + "; no SDC found"
+    total = sum(verdicts.values())
+    where = f": sdc report {run_dir}" if run_dir else ""
+    listed = ", ".join(f"{name} {n}" for name, n in sorted(verdicts.items()))
+    return f"{line}; {total} SDC verdict{'s' if total != 1 else ''} ({listed}){where}"
+
+
+def _wanted() -> bool:
+    if not os.environ.get(SUMMARY_ENV, "").strip():
+        return True
+    try:
+        return env_flag(SUMMARY_ENV)
+    except ValueError as err:  # at the end of a run: said, not raised
+        warnings.warn(f"{err}; the run summary is logged", UserWarning, stacklevel=3)
+        return True
+
+
+def log_run_summary(steps: int, checks: Iterable[Any], is_main: bool, run_dir: str | None = None) -> str | None:
+    """Log ``run_summary`` on the main process (unless ``SDC_RUN_SUMMARY=0``); returns the line
+    logged, or None."""
+    if not is_main or not _wanted():
+        return None
+    line = run_summary(steps, checks, run_dir)
+    _logger().info(line)
+    return line
+
+
+__all__ = ["LOGGER_NAME", "SUMMARY_ENV", "log_run_summary", "run_summary"]
