@@ -11,14 +11,21 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from lightning_sdc import _common as c
-from sdc_core.checks.fingerprint import FingerprintConfig, WeightFingerprint
-from sdc_core.checks.gradients import NonFiniteConfig, NonFiniteGradient
-from sdc_core.checks.matmul import MatmulChecksum, MatmulChecksumConfig
+from sdc_core.checks.fingerprint import FingerprintConfig, FingerprintFailurePolicy, WeightFingerprint
+from sdc_core.checks.gradients import NonFiniteConfig, NonFiniteFailurePolicy, NonFiniteGradient
+from sdc_core.checks.matmul import MatmulChecksum, MatmulChecksumConfig, MatmulFailurePolicy
 from sdc_core.checks.screen import GradientScreen, ScreenConfig
 from sdc_core.faults.inject import Fault
 from sdc_core.faults.inject import FaultInjector as _CoreInjector
 from sdc_core.io.checkpoints import FINGERPRINT_KEY, check_loaded_checkpoint, fingerprint_checkpoint
-from sdc_core.replay.ring import ReplayConfig, RingReplay, StateCapture
+from sdc_core.replay.ring import (
+    ReplayConfig,
+    ReplayExact,
+    ReplayFailurePolicy,
+    RingReplay,
+    StateCapture,
+    UnreplayablePolicy,
+)
 from sdc_core.sharded.checks import ShardedFingerprint, ShardedNonFinite
 from sdc_core.sharded.replay import ShardedReplay, screenable
 from sdc_core.sharded.update_audit import update_audit
@@ -40,7 +47,11 @@ class NonFiniteGradientCheck(c.SDCCallback):
     """
 
     def __init__(
-        self, on_failure: str = "raise", overflow_patience: int = 3, max_names: int = 5, screen: bool = True
+        self,
+        on_failure: NonFiniteFailurePolicy = "raise",
+        overflow_patience: int = 3,
+        max_names: int = 5,
+        screen: bool = True,
     ) -> None:
         super().__init__()
         self._core = NonFiniteGradient(self._settings(NonFiniteConfig, locals()))
@@ -121,7 +132,7 @@ class WeightFingerprintCheck(c.SDCCallback):
         every_n_steps: int = 1,
         include_buffers: bool = False,
         include_optimizer_state: bool = False,
-        on_failure: str = "raise",
+        on_failure: FingerprintFailurePolicy = "raise",
         max_heals: int = 3,
         update_audit_every_n_steps: int = 0,
         rolling: int = 1,
@@ -194,11 +205,11 @@ class RingReplayAudit(c.SDCCallback):
     def __init__(
         self,
         every_n_steps: int = 100,
-        exact: bool | str = "auto",
+        exact: ReplayExact = "auto",
         rtol: float = 1e-3,
         atol: float = 1e-6,
-        on_failure: str = "raise",
-        on_unreplayable: str = "raise",
+        on_failure: ReplayFailurePolicy = "raise",
+        on_unreplayable: UnreplayablePolicy = "raise",
         max_state_mb: float = 256.0,
         deterministic: bool = True,
     ) -> None:
@@ -344,7 +355,7 @@ class MatmulChecksumCheck(c.SDCCallback):
 
     def __init__(
         self,
-        on_failure: str = "raise",
+        on_failure: MatmulFailurePolicy = "raise",
         every_n_steps: int = 1,
         safety: float = 2.0,
         block: int = 32,

@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -40,6 +40,8 @@ from sdc_core.stats import CheckStats
 # what a rank whose carried values did not arrive counts as in the MAX: its digest differs from any (the
 # largest digest with the largest complement cannot match), its non-finite flag is no opinion
 _ABSENT = ((1 << 63) - 1, (1 << 63) - 1, 0)
+
+FingerprintFailurePolicy = Literal["raise", "heal", "rollback"]  # FingerprintConfig.on_failure
 
 
 @documented
@@ -59,7 +61,7 @@ class FingerprintConfig:
     include_optimizer_state: bool = setting(
         False, "fingerprint the optimizer state too", "The optimizer state tensors (Adam moments, ...)."
     )
-    on_failure: str = setting(
+    on_failure: FingerprintFailurePolicy = setting(
         "raise",
         "what a fingerprint mismatch does: raise, or heal from the majority",
         "``heal``: with a strict majority the differing replicas take the parameters, buffers and optimizer "

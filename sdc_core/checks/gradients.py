@@ -73,7 +73,7 @@ import time
 import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -89,13 +89,15 @@ from sdc_core.stats import CheckStats
 _ON_FAILURE = ("raise", "skip_step", "warn", "rollback")
 _DEFERRED = ("raise", "warn")  # policies whose verdict may be read one step later
 
+NonFiniteFailurePolicy = Literal["raise", "skip_step", "warn", "rollback"]  # NonFiniteConfig.on_failure
+
 
 @documented
 @dataclass(frozen=True, kw_only=True)
 class NonFiniteConfig:
     """Settings of the non-finite gradient check (keyword-only, validated on construction)."""
 
-    on_failure: str = setting(
+    on_failure: NonFiniteFailurePolicy = setting(
         "raise",
         "what the gradient check does on a non-finite gradient: raise, skip_step or warn",
         "``skip_step``: every rank drops the optimizer step, the weights stay clean; ``rollback``: the core "

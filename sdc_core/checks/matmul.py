@@ -52,7 +52,7 @@ import math
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -79,13 +79,15 @@ PHASES = ("forward", "backward", "backward")
 _ON_FAILURE = ("raise", "warn")
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
+MatmulFailurePolicy = Literal["raise", "warn"]  # MatmulChecksumConfig.on_failure
+
 
 @documented
 @dataclass(frozen=True, kw_only=True)
 class MatmulChecksumConfig:
     """Settings of the matrix-product checksum check (keyword-only, validated on construction)."""
 
-    on_failure: str = setting(
+    on_failure: MatmulFailurePolicy = setting(
         "raise",
         "what a wrong matrix product does: raise, or warn and go on",
         "``raise``: every rank raises ``ChecksumMismatchError``; ``warn``: every rank warns and training goes on.",

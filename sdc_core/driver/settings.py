@@ -27,12 +27,12 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from sdc_core.checks.fingerprint import FingerprintConfig
-from sdc_core.checks.gradients import NonFiniteConfig
+from sdc_core.checks.fingerprint import FingerprintConfig, FingerprintFailurePolicy
+from sdc_core.checks.gradients import NonFiniteConfig, NonFiniteFailurePolicy
 from sdc_core.checks.matmul import MatmulChecksumConfig
 from sdc_core.checks.screen import ScreenConfig
 from sdc_core.dist.uncaught import one_line_when_uncaught
-from sdc_core.replay.ring import ReplayConfig
+from sdc_core.replay.ring import ReplayConfig, ReplayExact, ReplayFailurePolicy, UnreplayablePolicy
 from sdc_core.schema import settings_of
 from sdc_core.sharded.update_audit import UpdateAudit, update_audit
 
@@ -79,17 +79,17 @@ class SDCSettings:
     """
 
     nonfinite_gradient: bool = _own(True, "check local gradients for NaN/Inf before the all-reduce")
-    on_failure: str = _from(NonFiniteConfig, "on_failure")
+    on_failure: NonFiniteFailurePolicy = _from(NonFiniteConfig, "on_failure")
     overflow_patience: int = _from(NonFiniteConfig, "overflow_patience")
     max_names: int = _from(NonFiniteConfig, "max_names")
     replay_every_n_steps: int = _from(
         ReplayConfig, "every_n_steps", doc="ring replay audit cadence in optimizer steps (0: off)"
     )
-    replay_exact: bool | str = _from(ReplayConfig, "exact")
+    replay_exact: ReplayExact = _from(ReplayConfig, "exact")
     replay_rtol: float = _from(ReplayConfig, "rtol")
     replay_atol: float = _from(ReplayConfig, "atol")
-    replay_on_failure: str = _from(ReplayConfig, "on_failure")
-    replay_on_unreplayable: str = _from(ReplayConfig, "on_unreplayable")
+    replay_on_failure: ReplayFailurePolicy = _from(ReplayConfig, "on_failure")
+    replay_on_unreplayable: UnreplayablePolicy = _from(ReplayConfig, "on_unreplayable")
     replay_max_state_mb: float = _from(ReplayConfig, "max_state_mb")
     replay_deterministic: bool = _from(ReplayConfig, "deterministic")
     replay_allow_pickled_batches: bool = _from(ReplayConfig, "allow_pickled_batches", default=False)  # False: None
@@ -98,7 +98,7 @@ class SDCSettings:
     )
     include_buffers: bool = _from(FingerprintConfig, "include_buffers")
     include_optimizer_state: bool = _from(FingerprintConfig, "include_optimizer_state")
-    fingerprint_on_failure: str = _from(FingerprintConfig, "on_failure")
+    fingerprint_on_failure: FingerprintFailurePolicy = _from(FingerprintConfig, "on_failure")
     max_heals: int = _from(FingerprintConfig, "max_heals")
     fingerprint_rolling: int = _from(FingerprintConfig, "rolling")
     update_audit_every_n_steps: int = _from(

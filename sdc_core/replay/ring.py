@@ -88,7 +88,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -160,6 +160,10 @@ __all__ = [
 
 EXACT_MODES = (True, False, "auto")
 
+ReplayExact = bool | Literal["auto"]  # ReplayConfig.exact
+ReplayFailurePolicy = Literal["raise", "skip_step", "rollback"]  # ReplayConfig.on_failure
+UnreplayablePolicy = Literal["raise", "warn"]  # ReplayConfig.on_unreplayable
+
 
 @documented
 @dataclass(frozen=True, kw_only=True)
@@ -167,7 +171,7 @@ class ReplayConfig:
     """Settings of the ring replay audit (keyword-only, validated on construction)."""
 
     every_n_steps: int = setting(100, "ring replay audit cadence in optimizer steps", "Steps 0, n, 2n, ... (>= 1).")
-    exact: bool | str = setting(
+    exact: ReplayExact = setting(
         "auto",
         "replay comparison: auto (bit equality where the step replays bit for bit), true or false",
         "``auto``: bit equality where the first audit shows the step replays bit for bit, else a tolerance from "
@@ -180,14 +184,14 @@ class ReplayConfig:
         "choose (> 0, < 1).",
     )
     atol: float = setting(1e-6, "absolute floor of the replay comparison", "The floor of the denominators (>= 0).")
-    on_failure: str = setting(
+    on_failure: ReplayFailurePolicy = setting(
         "raise",
         "what a replay mismatch does: raise, or skip_step when the fault proves transient",
         "With ``skip_step``, when the faulty rank is named and its fault proves transient (re-running the disagreeing "
         "computation gives a different result), every rank drops the step instead; a persistent fault still "
         "raises.",
     )
-    on_unreplayable: str = setting(
+    on_unreplayable: UnreplayablePolicy = setting(
         "raise",
         "a step the replay cannot reproduce: raise, or warn once and turn the audit off",
         "With ``raise``, a step that cannot be replayed faithfully raises ``ReplayUnavailableError``.",
