@@ -67,6 +67,13 @@ class AccelerateFramework(Framework):
     def is_main(self) -> bool:
         return self.accelerator.is_main_process
 
+    def unsupported(self, model: nn.Module) -> str | None:
+        if str(getattr(self.accelerator, "distributed_type", "")).upper().endswith("DEEPSPEED"):
+            return ("DeepSpeed (distributed_type=DEEPSPEED), in any number of processes: its engine runs the "
+                    "gradient reduction and the optimizer step itself, where the checks cannot see them; use "
+                    "DDP or FSDP2 (fully_shard) with the SDC checks")  # fmt: skip
+        return None
+
     def describe(self, model: nn.Module) -> str:
         if self.unwrap(model) is model:
             return (f"a plain {type(model).__name__} (not the DDP model `accelerator.prepare` returns: attach the "

@@ -67,6 +67,11 @@ class Framework:
         """The ``DistributedDataParallel`` object of the model, or None."""
         return model if isinstance(model, DistributedDataParallel) else None
 
+    def unsupported(self, model: nn.Module) -> str | None:
+        """Why this set-up cannot be checked whatever the number of processes (for the error
+        ``attach`` raises), or None: e.g. an engine that steps the optimizer itself."""
+        return None
+
     def describe(self, model: nn.Module) -> str:
         """Why ``model`` is not a DDP model (for the error ``attach`` raises)."""
         return (f"a {type(model).__name__} in a run of {self.num_processes} processes: wrap the model in "

@@ -152,6 +152,10 @@ class SDCHooks:
         if self._module is not None:
             raise RuntimeError("SDCHooks.attach was already called")
         fw = self._fw
+        reason = fw.unsupported(model)
+        if reason is not None:
+            raise ValueError(f"SDCHooks supports DDP (DistributedDataParallel), FSDP2 (fully_shard) or a single "
+                             f"process; got {reason}")  # fmt: skip
         if scaler is not None:
             fw.use_scaler(scaler)
         self.loss_fn = loss_fn or self.loss_fn
