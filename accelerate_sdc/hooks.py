@@ -67,6 +67,22 @@ class AccelerateFramework(Framework):
     def is_main(self) -> bool:
         return self.accelerator.is_main_process
 
+    def incident_targets(self) -> list[tuple[str, Any]]:
+        """``accelerator.trackers`` as ``log_incident`` targets: TensorBoard, MLflow (its active
+        run, through the ``mlflow`` module), W&B; the others get the counters only."""
+        targets: list[tuple[str, Any]] = []
+        for tracker in getattr(self.accelerator, "trackers", []):
+            name = type(tracker).__name__
+            if name == "TensorBoardTracker":
+                targets.append(("tensorboard", tracker.writer))
+            elif name == "MLflowTracker":
+                import mlflow
+
+                targets.append(("mlflow", (mlflow, None)))
+            elif name == "WandBTracker":
+                targets.append(("wandb", tracker.run))
+        return targets
+
     def unsupported(self, model: nn.Module) -> str | None:
         if str(getattr(self.accelerator, "distributed_type", "")).upper().endswith("DEEPSPEED"):
             return ("DeepSpeed (distributed_type=DEEPSPEED), in any number of processes: its engine runs the "

@@ -26,6 +26,7 @@ from sdc_core.driver.settings import SDCConfigError, SDCSettings, checked_keywor
 from sdc_core.driver.step import Seam, StepContext, StepDriver
 from sdc_core.errors import SDCError, as_sdc_error
 from sdc_core.ops.incidents import install_exit_code, mark_verdict, spawn_marker, take_marker
+from sdc_core.ops.trackers import log_incident
 from sdc_core.schema import documented, settings_of
 from sdc_core.stats import CheckStats
 
@@ -186,6 +187,20 @@ class TrainerSeam(Seam):
             log_stats(self.trainer, check.stats, force=True)
         except Exception as err:
             warnings.warn(f"SDC counters not logged: {type(err).__name__}: {err}", RuntimeWarning, stacklevel=2)
+
+    def report_incident(self, error: SDCError, path: Any) -> None:
+        """The verdict to the Trainer's loggers as what it is: TensorBoard text, an MLflow tag and
+        artifact, a W&B alert (``ops.trackers``); other loggers get the counters only."""
+        targets: list[tuple[str, Any]] = []
+        for logger in self.trainer.loggers:
+            name = type(logger).__name__
+            if name == "TensorBoardLogger":
+                targets.append(("tensorboard", logger.experiment))
+            elif name == "MLFlowLogger":
+                targets.append(("mlflow", (logger.experiment, logger.run_id)))
+            elif name == "WandbLogger":
+                targets.append(("wandb", logger.experiment))
+        log_incident(targets, error, path, self.trainer.global_step)
 
     def mark(self, error: SDCError) -> None:
         spawned = isinstance(self.trainer.strategy.launcher, _MultiProcessingLauncher)

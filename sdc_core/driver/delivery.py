@@ -73,10 +73,13 @@ class Delivery:
 
     def _record(self, check: Any, policy: str) -> None:
         """The incident of ``check``'s last verdict (main process; a failed write only warns)."""
-        if check.last_error is None:
+        error = check.last_error
+        if error is None:
             return
-        record_verdict(check, self.seam.run_dir, self.seam.is_main, policy)
+        path = record_verdict(check, self.seam.run_dir, self.seam.is_main, policy)
         self.seam.report(check, policy)
+        if self.seam.is_main:
+            self.seam.report_incident(error, path)
 
 
 def _policy(check: Any) -> str:

@@ -67,6 +67,11 @@ class Framework:
         """The ``DistributedDataParallel`` object of the model, or None."""
         return model if isinstance(model, DistributedDataParallel) else None
 
+    def incident_targets(self) -> list[tuple[str, Any]]:
+        """The trackers a verdict is sent to as what it is (``ops.trackers.log_incident``'s
+        targets); the plain loop has none of its own (its ``log`` gets the counters)."""
+        return []
+
     def unsupported(self, model: nn.Module) -> str | None:
         """Why this set-up cannot be checked whatever the number of processes (for the error
         ``attach`` raises), or None: e.g. an engine that steps the optimizer itself."""

@@ -67,6 +67,7 @@ from sdc_core.driver.settings import PLAIN, Sources, resolve
 from sdc_core.driver.step import Seam, StepContext, StepDriver
 from sdc_core.errors import SDCError
 from sdc_core.ops.incidents import install_exit_code
+from sdc_core.ops.trackers import log_incident
 from sdc_core.sharded.checks import is_sharded
 
 
@@ -402,6 +403,9 @@ class _LoopSeam(Seam):
     @property
     def is_main(self) -> bool:
         return self._fw.is_main
+
+    def report_incident(self, error: SDCError, path: Any) -> None:
+        log_incident(self._fw.incident_targets(), error, path, error.step)
 
     @property
     def world_size(self) -> int:

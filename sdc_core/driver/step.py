@@ -105,6 +105,10 @@ class Seam:
         """A verdict of ``check`` was recorded with ``policy``: e.g. its counters to the trackers.
         Must not raise and run no collective."""
 
+    def report_incident(self, error: SDCError, path: Any) -> None:
+        """On the main process, the verdict ``error`` (its incident file ``path``, or None) to the
+        trackers as what it is (``ops.trackers.log_incident``). Must not raise and run no collective."""
+
     def mark(self, error: SDCError) -> None:
         """A verdict is raised: leave the marker for the launcher (``mark_verdict``)."""
         mark_verdict(error)

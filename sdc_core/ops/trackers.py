@@ -1,0 +1,51 @@
+"""An SDC verdict in a tracker as what it is, beside the ``sdc/<check>/failures`` counter's jump:
+TensorBoard text, an MLflow tag and the incident file as an artifact, a W&B alert and summary entry.
+
+The adapters map their framework's tracker objects to ``log_incident``'s targets (Lightning's
+loggers, Accelerate's trackers). Runs on the main process only (where trackers live), never raises
+and runs no collective: a tracker that fails only warns, so the verdict still reaches every rank.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from sdc_core.errors import SDCError
+
+TAG = "sdc.incident"  # the MLflow tag; TensorBoard's text tag and the W&B summary key are "sdc/incident"
+_MLFLOW_TAG_LIMIT = 5000  # characters MLflow keeps in a tag value
+
+
+def incident_text(error: SDCError, path: str | Path | None) -> str:
+    """The verdict's one line, then where its incident file is."""
+    return f"{error} (incident: {path})" if path else str(error)
+
+
+def log_incident(targets: Iterable[tuple[str, Any]], error: SDCError, path: str | Path | None, step: int) -> None:
+    """Send the verdict to each ``(kind, target)``: ``("tensorboard", SummaryWriter)``,
+    ``("mlflow", (client, run_id))`` with an ``MlflowClient`` (or ``(mlflow, None)``: the module and
+    its active run), ``("wandb", run)``. Unknown kinds are passed over."""
+    text = incident_text(error, path)
+    for kind, target in targets:
+        try:
+            if kind == "tensorboard":
+                target.add_text("sdc/incident", text, step)
+                target.flush()
+            elif kind == "mlflow":
+                client, run_id = target
+                args = (run_id,) if run_id is not None else ()
+                client.set_tag(*args, TAG, text[:_MLFLOW_TAG_LIMIT])
+                if path:
+                    client.log_artifact(*args, str(path), artifact_path="sdc_incidents")
+            elif kind == "wandb":
+                target.summary["sdc/incident"] = text
+                target.alert(title=f"SDC verdict: {error.check} at step {error.step}", text=text)
+        except Exception as err:  # the tracker must never cost the verdict
+            warnings.warn(f"SDC incident not logged to {kind}: {type(err).__name__}: {err}", RuntimeWarning,
+                          stacklevel=2)  # fmt: skip
+
+
+__all__ = ["TAG", "incident_text", "log_incident"]
