@@ -8,7 +8,7 @@ ratio, and the spread of those ratios is the spread of the estimate. The check's
 timed inside the same steps (its forward hooks and backward node hooks, wrapped), which does not
 drift with the machine. Widths 256 (the model of ``benchmarks/step.py``) and up show how the share
 falls with the model width; fp32 and bf16 autocast. ``--out`` writes JSON; the tables print as
-markdown (what docs/performance.md shows).
+markdown (the section of benchmarks/results/performance-history.md).
 """
 
 from __future__ import annotations
@@ -316,7 +316,7 @@ def breakdown_markdown(rows: list[dict[str, Any]]) -> str:
 
 
 def markdown(results: list[dict[str, Any]]) -> str:
-    """The docs/performance.md section for these results."""
+    """The section of benchmarks/results/performance-history.md for these results."""
     lines = [
         "| code | width | precision | parameters | step ms (none) | configuration | step time vs none (median of "
         "rounds) | per-round range | the check's own code, share of its step |",
@@ -338,7 +338,7 @@ SECTION = ("<!-- matmul-benchmark -->", "<!-- /matmul-benchmark -->")
 
 
 def section(runs: list[dict[str, Any]], parts: list[dict[str, Any]]) -> str:
-    """docs/performance.md's section from benchmark JSON files (``runs``: each file's content, in
+    """benchmarks/results/performance-history.md's section from benchmark JSON files (``runs``: each file's content, in
     order, a file's ``meta.code`` labelling its rows, default "this version"; ``parts``: a
     breakdown); every number computed."""
     results = [{**r, "code": run["meta"].get("code", "this version")} for run in runs for r in run["results"]]
@@ -361,9 +361,9 @@ def section(runs: list[dict[str, Any]], parts: list[dict[str, Any]]) -> str:
         "## 7. Matrix-product checksums (`MatmulChecksumCheck`, opt-in)",
         "",
         "Commands: `python -m benchmarks.matmul --widths 256,512 --precisions fp32 --rounds 6 --threads 1 "
-        "--clock cpu --out FILE`; then `python -m benchmarks.matmul --doc docs/performance.md --from FILE,... "
-        "[--parts BREAKDOWN]` renders this section (`--from docs/performance-matmul.json`: the runs and the "
-        "breakdown used here, bundled). "
+        "--clock cpu --out FILE`; then `python -m benchmarks.matmul --doc benchmarks/results/performance-history.md "
+        "--from FILE,... [--parts BREAKDOWN]` renders this section (`--from "
+        "benchmarks/results/performance-matmul.json`: the runs and the breakdown used here, bundled). "
         f"Device {meta['device']}, torch {meta['torch']}, {meta['threads']} thread(s); times are {clock_text}.",
         "",
         "### Where the cost goes, per product",

@@ -1,4 +1,5 @@
-"""Render docs/performance.md from the benchmark JSON: ``python -m benchmarks.report [JSON] [MD]``
+"""Render the CPU tables of benchmarks/results/performance-history.md (the measured runs behind the
+reference page docs/performance.md) from the benchmark JSON: ``python -m benchmarks.report [JSON] [MD]``
 (sections of the page that the JSON does not make, written by hand, are kept: ``merge``).
 
 The numbers in the page are never typed by hand; the prose around them is below.
@@ -186,7 +187,7 @@ TEMPLATE_HEAD = """# Performance
 What the checks cost when nothing is wrong, measured against what users would use instead. Every
 figure is a ratio measured in one process (or one process group), with the candidates run in
 alternating rounds; the median of the repetitions is shown with the spread. This page is
-generated from `docs/performance.json` by `python -m benchmarks.report`.
+generated from `benchmarks/results/performance.json` by `python -m benchmarks.report`.
 
 Machine: {machine}. A shared 2-core machine without a GPU: absolute numbers are low and noisy;
 the ratios are what carry over.
@@ -427,8 +428,8 @@ def merge(rendered: str, previous: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    src = Path(argv[0]) if argv else ROOT / "docs" / "performance.json"
-    dst = Path(argv[1]) if len(argv) > 1 else ROOT / "docs" / "performance.md"
+    src = Path(argv[0]) if argv else ROOT / "benchmarks" / "results" / "performance.json"
+    dst = Path(argv[1]) if len(argv) > 1 else ROOT / "benchmarks" / "results" / "performance-history.md"
     page = render(json.loads(src.read_text()))
     if dst.exists():  # the sections written by hand stay
         page = merge(page, dst.read_text())

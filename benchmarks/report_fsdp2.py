@@ -1,6 +1,6 @@
 # ruff: noqa: E501  (the page text is a Markdown template; its table rows are long)
-"""The FSDP2 section of docs/performance.md, rendered from ``docs/performance-fsdp2.json``
-(``torchrun --nproc-per-node 4 -m benchmarks.fsdp2_lightning --out docs/performance-fsdp2.json``)."""
+"""The FSDP2 section of benchmarks/results/performance-history.md, rendered from ``benchmarks/results/performance-fsdp2.json``
+(``torchrun --nproc-per-node 4 -m benchmarks.fsdp2_lightning --out benchmarks/results/performance-fsdp2.json``)."""
 
 from __future__ import annotations
 
@@ -9,13 +9,13 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCE = ROOT / "docs" / "performance-fsdp2.json"
+SOURCE = ROOT / "benchmarks" / "results" / "performance-fsdp2.json"
 
 TEXT = """## 5. FSDP2
 
 ### Measured: Lightning `ModelParallelStrategy`, pure FSDP on 4 CPU ranks ({params:,} parameters)
 
-`torchrun --nproc-per-node 4 -m benchmarks.fsdp2_lightning --out docs/performance-fsdp2.json`:
+`torchrun --nproc-per-node 4 -m benchmarks.fsdp2_lightning --out benchmarks/results/performance-fsdp2.json`:
 each `Linear` and the root `fully_shard`-ed over gloo, AdamW, batch 128 per rank, {steps} steps per
 configuration (first 5 dropped), configurations alternating in one process group, {rounds} rounds. Four
 ranks share two cores here: every collective also waits for a descheduled peer, so read a

@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="smallest sizes only")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--sections", default="kernels,step,ddp,accelerate,traffic")
-    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "performance.json")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "performance.json")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     sections = args.sections.split(",")

@@ -108,7 +108,7 @@ def memory_run(tmp_path: Path, configs: str, bucket_view: bool) -> dict[str, Any
     return json.loads(out.read_text())  # type: ignore[no-any-return]
 
 
-@pytest.mark.slow  # a multi-process launch (about 15 s); its claim is in docs/performance.md section 8
+@pytest.mark.slow  # a multi-process launch (about 15 s); its claim is in docs/performance.md (memory)
 def test_memory_benchmark_audited_step_adds_under_a_tenth_of_the_weights_with_ddp_defaults(tmp_path: Path) -> None:
     """DDP's default layout (``.grad`` memory of its own, ``gradient_as_bucket_view=False``): the
     audited step's own gradients wait in DDP's buckets while the partner's micro-batch is re-run,
@@ -132,13 +132,14 @@ def test_memory_benchmark_audited_step_adds_under_a_tenth_of_the_weights_in_both
 
 
 def test_report_keeps_the_sections_written_by_hand() -> None:
-    """Re-rendering docs/performance.md from its JSON (what ``make bench`` ends with) leaves the page
+    """Re-rendering benchmarks/results/performance-history.md from its JSON (what ``make bench`` ends
+    with) leaves the page
     as it is: the generated sections come out the same and the ones written by hand (GPU results,
     the step-by-step DDP run, the matrix-product and memory sections) stay where they stood."""
     from benchmarks.report import merge, render
 
-    page = (ROOT / "docs" / "performance.md").read_text()
-    rendered = render(json.loads((ROOT / "docs" / "performance.json").read_text()))
+    page = (ROOT / "benchmarks" / "results" / "performance-history.md").read_text()
+    rendered = render(json.loads((ROOT / "benchmarks" / "results" / "performance.json").read_text()))
     assert "## 8. Memory" not in rendered and "## 8. Memory" in page  # a section the render does not make
     assert merge(rendered, page) == page
     moved = merge(rendered.replace("## 2. A transformer step", "## 2. The transformer step"), page)

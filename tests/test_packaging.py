@@ -60,3 +60,11 @@ def test_the_sdist_leaves_the_test_suite_out_and_ships_the_license(built: tuple[
 def test_the_license_is_the_apache_text() -> None:
     text = (ROOT / "LICENSE").read_text()
     assert text.lstrip().startswith("Apache License") and "END OF TERMS AND CONDITIONS" in text
+
+
+def test_the_readme_has_no_relative_link_an_index_page_would_break() -> None:
+    """A package index shows the README without the repository around it: pages are named by path."""
+    import re
+
+    links = re.findall(r"\[[^\]]+\]\(([^)\s]+)\)", (ROOT / "README.md").read_text())
+    assert [t for t in links if not re.match(r"[a-z]+://", t)] == []
