@@ -26,6 +26,7 @@ from sdc_core.driver.settings import SDCConfigError, SDCSettings, checked_keywor
 from sdc_core.driver.step import Seam, StepContext, StepDriver
 from sdc_core.errors import SDCError, as_sdc_error
 from sdc_core.ops.incidents import install_exit_code, mark_verdict, spawn_marker, take_marker
+from sdc_core.ops.summary import log_run_summary
 from sdc_core.ops.trackers import log_incident
 from sdc_core.schema import documented, settings_of
 from sdc_core.stats import CheckStats
@@ -221,14 +222,18 @@ class TrainerSeam(Seam):
 _DRIVER = "_sdc_driver"
 
 
+def trainer_checks(trainer: pl.Trainer) -> list[Any]:
+    """The core checks of every SDC callback of this Trainer, in the callbacks' order."""
+    return [check for cb in trainer.callbacks if isinstance(cb, SDCCallback) for check in cb._checks()]
+
+
 def trainer_driver(trainer: pl.Trainer) -> StepDriver:
     """The one core driver of this Trainer's SDC callbacks (made at the first callback's ``setup``)."""
     driver = vars(trainer).get(_DRIVER)
     if driver is None:
         callbacks = [cb for cb in trainer.callbacks if isinstance(cb, SDCCallback)]
         seam = TrainerSeam(trainer, callbacks[0]._spawn_marker if callbacks else "")
-        driver = StepDriver(seam, lambda: [check for cb in trainer.callbacks if isinstance(cb, SDCCallback)
-                                           for check in cb._checks()])  # fmt: skip
+        driver = StepDriver(seam, lambda: trainer_checks(trainer))
         vars(trainer)[_DRIVER] = driver
     return driver
 
@@ -369,7 +374,7 @@ class SDCCallback(Callback):
         driver.before_save(step_context(trainer, pl_module), key=("end", trainer.global_step))
         for check in self._checks():
             log_stats(trainer, check.stats, force=True)
-        driver.summarise(trainer.global_step)  # rank 0: one line, what was checked and found (once)
+        log_run_summary(trainer.global_step, trainer_checks(trainer), driver.seam)  # rank 0: one line, once per Trainer
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         """Every path out: no collective of the check left in flight; the verdict marked for the

@@ -77,6 +77,13 @@ class Framework:
         ``attach`` raises), or None: e.g. an engine that steps the optimizer itself."""
         return None
 
+    def refuse_unsupported(self, model: nn.Module) -> None:
+        """Raise ``ValueError`` in one line naming what is supported when ``unsupported`` says why."""
+        reason = self.unsupported(model)
+        if reason is not None:
+            raise ValueError(f"SDCHooks supports DDP (DistributedDataParallel), FSDP2 (fully_shard) or a single "
+                             f"process; got {reason}")  # fmt: skip
+
     def describe(self, model: nn.Module) -> str:
         """Why ``model`` is not a DDP model (for the error ``attach`` raises)."""
         return (f"a {type(model).__name__} in a run of {self.num_processes} processes: wrap the model in "

@@ -67,6 +67,7 @@ from sdc_core.driver.settings import PLAIN, Sources, resolve
 from sdc_core.driver.step import Seam, StepContext, StepDriver
 from sdc_core.errors import SDCError
 from sdc_core.ops.incidents import install_exit_code
+from sdc_core.ops.summary import log_run_summary
 from sdc_core.ops.trackers import log_incident
 from sdc_core.sharded.checks import is_sharded
 
@@ -153,10 +154,7 @@ class SDCHooks:
         if self._module is not None:
             raise RuntimeError("SDCHooks.attach was already called")
         fw = self._fw
-        reason = fw.unsupported(model)
-        if reason is not None:
-            raise ValueError(f"SDCHooks supports DDP (DistributedDataParallel), FSDP2 (fully_shard) or a single "
-                             f"process; got {reason}")  # fmt: skip
+        fw.refuse_unsupported(model)
         if scaler is not None:
             fw.use_scaler(scaler)
         self.loss_fn = loss_fn or self.loss_fn
@@ -280,14 +278,12 @@ class SDCHooks:
         """Read the last pending verdicts, compare the final weights and log (every process,
         after the loop).
 
-        The non-finite verdict still pending is read first; then the pending fingerprint
-        comparison is resolved and the current weights compared at once, whatever the cadence
-        (one extra read and one host wait): training does not end with replicas that differ
-        unnoticed. Raises the ``SDCError`` on every process."""
+        The pending verdicts are read, then the current weights compared whatever the cadence (one
+        extra read and one host wait); rank 0 logs the run's closing line. Raises the ``SDCError``
+        on every process."""
         try:
             self._compare_now()
-            if self._module is not None:
-                self._driver.summarise(self.step)  # rank 0: one line, what was checked and found
+            log_run_summary(self.step, self.checks, self._driver.seam)  # rank 0: what was checked and found
         finally:
             self.log(force=True)
             if self._fw.num_processes > 1:  # the script may now free the model and the process group

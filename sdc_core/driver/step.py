@@ -44,7 +44,6 @@ from sdc_core.checks.screen import GradientScreen
 from sdc_core.driver.delivery import ROLLED_BACK, Delivery
 from sdc_core.errors import ReplayMismatchError, SDCError
 from sdc_core.ops.incidents import mark_verdict
-from sdc_core.ops.summary import log_run_summary
 from sdc_core.replay.confirm import confirm_hits, skips
 from sdc_core.replay.ring import RingReplay
 from sdc_core.sharded.checks import ShardedFingerprint, ShardedNonFinite, is_sharded
@@ -156,7 +155,6 @@ class StepDriver:
         self._observed: int | None = None  # the step whose screen all_gathers were started
         self._saved: tuple[Any, bool] | None = None  # (key, weights changed) of the last before_save
         self.delivery = Delivery(seam)  # runs a check's call and delivers its verdict
-        self._summarised = False  # the run's closing line was logged (``summarise``)
 
     def prepare(self) -> None:
         """Once the checks are in place (every rank alike): with a screen, the replay (DDP or
@@ -430,17 +428,6 @@ class StepDriver:
         changed = self.compare_now(step)
         self._saved = (key, changed) if key is not None else None
         return changed
-
-    def summarise(self, steps: int) -> str | None:
-        """The run's closing line (``ops.summary``), logged once on the main process at the end of
-        training, after the final comparison (every rank calls it; no collective but the seam's
-        run folder, asked on every rank alike when a verdict was recorded). Returns the line."""
-        if self._summarised:
-            return None
-        self._summarised = True
-        checks = [c for c in self._checks() if getattr(c, "stats", None) is not None]
-        run_dir = self.seam.run_dir if any(c.stats.failures for c in checks) else None
-        return log_run_summary(steps, checks, self.seam.is_main, run_dir)
 
     def discard(self) -> None:
         """An exception leaves the loop: drop what is in flight without any collective (the other

@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import warnings
+import weakref
 from collections.abc import Iterable
 from typing import Any
 
@@ -29,6 +30,7 @@ from sdc_core.schema import env_flag
 
 LOGGER_NAME = "sdc_checks"
 SUMMARY_ENV = "SDC_RUN_SUMMARY"
+_SUMMARISED: weakref.WeakSet[Any] = weakref.WeakSet()  # the seams whose run was summarised (once each)
 
 
 def _logger() -> logging.Logger:
@@ -70,10 +72,17 @@ def _wanted() -> bool:
         return True
 
 
-def log_run_summary(steps: int, checks: Iterable[Any], is_main: bool, run_dir: str | None = None) -> str | None:
-    """Log ``run_summary`` on the main process (unless ``SDC_RUN_SUMMARY=0``); returns the line
-    logged, or None."""
-    if not is_main or not _wanted():
+def log_run_summary(steps: int, checks: Iterable[Any], seam: Any) -> str | None:
+    """Log ``run_summary`` once per ``seam`` (a driver's ``Seam``: ``is_main``, ``run_dir``) on
+    the main process, unless ``SDC_RUN_SUMMARY=0``; every rank calls it (the run folder, which a
+    seam may resolve collectively, is asked on every rank alike, and only when a verdict was
+    recorded). Returns the line logged, or None."""
+    if seam in _SUMMARISED:
+        return None
+    _SUMMARISED.add(seam)
+    checks = [c for c in checks if getattr(c, "stats", None) is not None]
+    run_dir = seam.run_dir if any(c.stats.failures for c in checks) else None
+    if not seam.is_main or not _wanted():
         return None
     line = run_summary(steps, checks, run_dir)
     _logger().info(line)
