@@ -158,3 +158,21 @@ def test_digest_launch_shape_benchmark_dry_run_on_cpu(tmp_path: Path) -> None:
     for row in data["sets"].values():
         assert len(row["configs"]) == 20 and row["flat_sum_gbps"] > 0
         assert all(c["same_digests"] and c["gbps"] > 0 for c in row["configs"].values())
+
+
+@pytest.mark.slow  # two 2-rank launches (about 30 s)
+def test_calls_per_step_do_not_grow_with_the_parameter_tensors(tmp_path: Path) -> None:
+    """``benchmarks.calls``: the hook set's ``sdc_core`` Python calls per step (cProfile, 2 gloo
+    ranks, defaults) are a count, the same in two runs, and at 10 times the parameter tensors at
+    most 1.25x (counts, not times: no clock in the assertion)."""
+    out = tmp_path / "calls.json"
+    cmd = [sys.executable, "-m", "benchmarks.calls", "--out", str(out), "--tensors", "8", "80", "--steps", "3"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=worker_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    small, large = result["calls_per_step"]
+    assert result["tensors"] == [8, 80] and small > 50
+    assert large / small == result["ratio"] <= 1.25 and large <= 400
+    from benchmarks.calls import count
+
+    assert count(8, 3)["calls_per_step"] == small  # deterministic

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -80,3 +82,66 @@ def test_the_host_log2_peaks_equal_the_kernels_ones(dtype: torch.dtype) -> None:
         assert torch.equal(_log2_peaks_on_host(listed, groups).nan_to_num(nan=-1.0), host.nan_to_num(nan=-1.0))
         assert torch.equal(_log2_peaks_on_device(listed, groups, torch.device("cpu")).nan_to_num(nan=-1.0),
                            kernels.nan_to_num(nan=-1.0))  # fmt: skip
+
+
+def test_batched_reads_need_no_hook_per_parameter_and_still_flag_and_peak_exactly(tmp_path: Path) -> None:
+    """A one-rank DDP: the tap's per-parameter hooks run on the first two backwards (the probes),
+    are removed once the read is batched (no hook left on any parameter), come back while another
+    consumer needs them and go again after; the batched read from ``tap.present()`` gives the same
+    peaks and magnitudes as the gradients themselves, and names a NaN'd parameter."""
+    import torch.distributed as dist
+    from torch import nn
+
+    from sdc_core.checks.gradient_tap import GradientTap
+    from sdc_core.checks.reductions import peaks
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        net = nn.Sequential(*[nn.Linear(8, 8) for _ in range(5)])
+        ddp = nn.parallel.DistributedDataParallel(net)
+        names = {id(p): n for n, p in net.named_parameters()}
+        tap = GradientTap.attach(ddp, names)
+        check = NonFiniteGradient()
+        check.attach(tap)
+        check.want_magnitudes(3)
+        need = {"now": False}
+        seen: list[str] = []
+        consumer = lambda p, g: seen.append(names[id(p)])  # noqa: E731
+        tap.consumers.append(consumer)
+        tap.wanted_when[consumer] = lambda: need["now"]
+
+        def hooks() -> int:
+            return sum(len(p._post_accumulate_grad_hooks or {}) for p in net.parameters())
+
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
+        counts = []
+        for step in range(6):
+            need["now"] = step == 3
+            seen.clear()
+            ddp(x).pow(2).mean().backward()
+            counts.append((hooks(), len(seen)))
+            magnitudes = check.take_magnitudes()
+            local = check._local
+            check.verdict(step, net.named_parameters())
+            check.resolve()
+            if step >= 2:  # batched: one read per dtype, the exact peaks of the local gradients
+                assert check.batched and len(local) == 1
+                values, params = local[0]
+                assert torch.equal(values, peaks([p.grad for p in params])) and len(params) == 10
+                expected = [max(float(peaks([p.grad]).max()) for p in net.parameters()
+                                if check._group_of[id(p)] == j) for j in range(3)]  # fmt: skip
+                assert magnitudes == pytest.approx([float(torch.tensor(e).log2()) for e in expected])
+            net.zero_grad()
+        assert counts == [(10, 10), (10, 10), (0, 0), (10, 10), (0, 0), (0, 0)]
+        net[2].weight.register_hook(lambda g: g.index_fill(0, torch.tensor([1]), float("nan")))
+        ddp(x).pow(2).mean().backward()
+        assert not tap.reading_each
+        check.verdict(6, net.named_parameters())
+        from sdc_core.errors import NonFiniteGradientError
+
+        with pytest.raises(NonFiniteGradientError, match=r"2\.weight"):
+            check.resolve()
+        tap.remove()
+        assert hooks() == 0
+    finally:
+        dist.destroy_process_group()

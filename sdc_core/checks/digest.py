@@ -374,7 +374,7 @@ def _host_digests(
     and tensor, three attribute reads in Python.
     Memory: a transient copy of the batched tensors (at most ``_CHUNK_WORDS`` words at a time);
     cached weights and, for mixed batches, 16 bytes per class and 4 per word."""
-    meta = tuple((t.device, t.dtype, t.shape) for t in (tensors[i] for i in indices))
+    meta = tuple([(t.device, t.dtype, t.shape) for t in [tensors[i] for i in indices]])  # lists: no call per tensor
     plan = _host_plans.get(meta)
     if plan is None:
         if len(_host_plans) >= 64:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Literal
@@ -94,27 +94,6 @@ class FingerprintConfig:
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
 
 
-def module_parameters(module: nn.Module) -> Iterator[nn.Parameter]:
-    """``module.parameters()``: the same tensors in the same order (the modules in pre-order, each
-    once; each parameter once, at its first place), read from the modules' own dictionaries by one
-    flat generator instead of ``named_modules``' nested generators and their prefixed names. About
-    half their time (45 us instead of 90 for 125 parameters in 100 modules on a CPU core): paid at
-    every comparison, which names the tensors only when the replicas differ."""
-    seen_params: set[int] = set()
-    seen_modules: set[int] = set()
-    stack = [module]
-    while stack:
-        mod = stack.pop()
-        if id(mod) in seen_modules:
-            continue
-        seen_modules.add(id(mod))
-        for p in mod._parameters.values():
-            if p is not None and id(p) not in seen_params:
-                seen_params.add(id(p))
-                yield p
-        stack.extend(reversed([m for m in mod._modules.values() if m is not None]))
-
-
 def _compared(
     module: nn.Module, optimizers: Iterable[torch.optim.Optimizer], config: FingerprintConfig
 ) -> tuple[list[torch.Tensor], Callable[[], list[str]]]:
@@ -123,7 +102,7 @@ def _compared(
     if config.include_buffers or config.include_optimizer_state:
         named = fingerprinted_tensors(module, optimizers, config)
         return [t for _, t in named], lambda: [n for n, _ in named]
-    tensors = list(module_parameters(module))
+    tensors = list(module.parameters())
 
     def names() -> list[str]:
         named = fingerprinted_tensors(module, (), config)
@@ -422,6 +401,5 @@ __all__ = [
     "WeightFingerprint",
     "fingerprinted_tensors",
     "healed_by_comparison",
-    "module_parameters",
     "vote",
 ]

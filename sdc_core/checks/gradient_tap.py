@@ -40,7 +40,12 @@ class GradientTap:
     buckets and no Python callback on the communication threads. A user's communication hook
     (``inner_hook``, taken from the framework's setting) is registered on the model as it is.
     ``GradientTap.attach(ddp_model, ...)`` returns the model's tap or installs a new one.
-    Cost when no consumer is due: one Python call per parameter per sync backward.
+    The per-parameter hooks are installed only while some consumer needs them
+    (``wanted_when``: the non-finite check on its first two backwards and wherever it reads per
+    parameter, the replay on audited steps, any consumer that does not say); otherwise the
+    finishers read the gradients themselves (``present``) and a step costs a constant number of
+    Python calls, whatever the number of parameters. Installing or removing them is one pass
+    over the parameters, paid only when the need changes.
     """
 
     def __init__(self, ddp_model: nn.parallel.DistributedDataParallel, names: dict[int, str]) -> None:
@@ -52,11 +57,15 @@ class GradientTap:
         self.consumers: list[GradConsumer] = []
         self.writers: list[GradConsumer] = []
         self.finishers: list[Callable[[], None]] = []  # run at the end of each read backward
+        # consumer or writer -> whether it needs the per-parameter reads of the coming backward
+        # (asked after each synchronised forward); one not listed needs them always
+        self.wanted_when: dict[GradConsumer, Callable[[], bool]] = {}
+        self.reading_each = True  # the per-parameter hooks are installed (for the coming backward)
         self._armed = False
         self._queued = False
-        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
-        self._handles.append(ddp_model.register_forward_pre_hook(self._on_forward))
-        self._handles.append(ddp_model.register_forward_hook(self._on_output))
+        self._each: list[Any] = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
+        self._handles = [ddp_model.register_forward_pre_hook(self._on_forward),
+                         ddp_model.register_forward_hook(self._on_output)]  # fmt: skip
 
     @classmethod
     def attach(
@@ -82,9 +91,9 @@ class GradientTap:
 
     def remove(self) -> None:
         """Remove the hooks from the parameters and the model (a removed tap reads nothing)."""
-        for handle in self._handles:
+        for handle in [*self._handles, *self._each]:
             handle.remove()
-        self._handles = []
+        self._handles, self._each, self.reading_each = [], [], False
         if getattr(self.ddp, "_sdc_gradient_tap", None) is self:
             del self.ddp._sdc_gradient_tap
 
@@ -94,7 +103,7 @@ class GradientTap:
         parameter), or None without gradients. After a synchronised backward these are the
         REDUCED gradients, identical on every rank (DDP leaves a parameter no rank used without
         gradient on every rank alike)."""
-        grads = [p.grad for p in self.params if dense(p.grad)]
+        grads = [g for _, g in self.present()]
         return any_nonfinite_multi(grads) if grads else None
 
     def _on_forward(self, module: nn.Module, args: Any) -> None:
@@ -107,10 +116,40 @@ class GradientTap:
         """Disarm at the end of the backward through this output (a later backward outside DDP
         reads nothing): the output's gradient hook runs in that backward's own graph task, also
         when parameter gradients come from nested ones (reentrant activation checkpointing)."""
-        if self._armed:
-            for leaf in tree_leaves(output):
-                if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
-                    leaf.register_hook(self._on_output_grad)
+        if not self._armed:
+            return
+        hooked = False
+        for leaf in tree_leaves(output):
+            if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+                leaf.register_hook(self._on_output_grad)
+                hooked = True
+        # without a hooked output no finisher would run: the consumers then read per parameter
+        self._read_each(not hooked or self._wanted())
+
+    def _wanted(self) -> bool:
+        """Whether a consumer or writer needs the coming backward's per-parameter reads."""
+        for consumer in [*self.consumers, *self.writers]:
+            when = self.wanted_when.get(consumer)
+            if when is None or when():
+                return True
+        return False
+
+    def _read_each(self, wanted: bool) -> None:
+        """Install or remove the per-parameter hooks (a pass over the parameters, only when that changes)."""
+        if wanted and not self.reading_each and self._handles:
+            self._each = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
+        elif not wanted and self.reading_each:
+            for handle in self._each:
+                handle.remove()
+            self._each = []
+        self.reading_each = wanted and bool(self._handles)
+
+    def present(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        """Each parameter with a gradient the tap reads (``dense``) and that gradient, in the tap's
+        order: what a finisher reads when the per-parameter hooks were off (one pass, no call per
+        parameter)."""
+        return [(p, g) for p in self.params
+                if (g := p.grad) is not None and g.layout == torch.strided and g.numel() > 0]  # fmt: skip
 
     def _on_output_grad(self, grad: torch.Tensor) -> None:
         if not self._queued:

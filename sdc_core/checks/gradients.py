@@ -31,8 +31,10 @@ ranks is the verdict, identical on every rank (``verdict(..., carry=True)``, ``r
 the reduction from finite local gradients everywhere then reaches the weights unseen in that step
 (every rank's next gradients are non-finite: an ``all_ranks`` verdict one step later).
 
-Cost of a clean DDP step: per parameter a Python call (the tap's hook) and no kernel; at the end
-of backward one read of the local gradients, at the verdict one read of the reduced ones (none
+Cost of a clean DDP step: a constant number of Python calls, whatever the number of parameters
+(the tap's per-parameter hooks are off once the read is batched; on the first two backwards and
+the replay's audited steps a Python call per parameter); at the end of backward one read of the
+local gradients, at the verdict one read of the reduced ones (none
 when carried), each a few multi-tensor kernels per dtype (``peaks``: ``_foreach_norm``),
 whatever the number of parameters (on the CPU ``aminmax`` for larger tensors instead of torch's
 slow inf-norm loop); no collective of its own.
@@ -276,9 +278,11 @@ class NonFiniteGradient(NonFiniteVerdicts):
         reduced values back only in its own end-of-backward callback, which runs after the
         tap's; not so with ``gradient_as_bucket_view`` or a reducer finalised inside a nested
         backward), all at once at the end of backward (``peaks``, a few multi-tensor
-        kernels per dtype). Nothing is written into the gradients."""
+        kernels per dtype, from ``tap.present()``: the tap's per-parameter hooks then stay off
+        unless another consumer needs them). Nothing is written into the gradients."""
         self.tap = tap
         tap.consumers.append(self._read)
+        tap.wanted_when[self._read] = lambda: not self.batched  # batched: no per-parameter hook needed
         tap.finishers.append(self._end_of_backward)
 
     def want_magnitudes(self, groups: int) -> int:
@@ -361,9 +365,11 @@ class NonFiniteGradient(NonFiniteVerdicts):
         checking that none was written since its hook read it (else fall back for good)."""
         seen, self._seen = self._seen, []
         peaked, self._peaked = self._peaked, []
-        if not seen:
+        if not seen:  # batched, the tap's per-parameter hooks off: read what the parameters hold now
+            if self.batched and self.tap is not None and not self.tap.reading_each:
+                self._read_batched(self.tap.present())
             return
-        intact = all(g._version == v for _, g, v in seen)
+        intact = [g._version for _, g, _ in seen] == [v for _, _, v in seen]  # lists: no call per gradient
         if not self.batched:
             if self.magnitude_groups:
                 self._magnitudes = self._group_magnitudes(peaked)
@@ -378,8 +384,15 @@ class NonFiniteGradient(NonFiniteVerdicts):
             self.batched = False
             self._local.append((torch.full((1,), float("nan")), []))
             return
+        self._read_batched([(p, g) for p, g, _ in seen])
+
+    def _read_batched(self, present: list[tuple[nn.Parameter, torch.Tensor]]) -> None:
+        """The local evidence of ``present`` (parameter, local gradient) in one multi-tensor pass
+        per dtype and device (``peaks``), and the magnitudes when wanted."""
+        if not present:
+            return
         groups: dict[tuple[torch.dtype, torch.device], tuple[list[torch.Tensor], list[nn.Parameter]]] = {}
-        for p, g, _ in seen:
+        for p, g in present:
             grads, params = groups.setdefault((g.dtype, g.device), ([], []))
             grads.append(g)
             params.append(p)

@@ -21,7 +21,6 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from sdc_core.checks.fingerprint import module_parameters
 from sdc_core.driver.framework import Framework, LossFn
 
 
@@ -222,8 +221,9 @@ def _loss_of(result: Any) -> torch.Tensor:
 
 def _device(module: nn.Module | None) -> torch.device | None:
     """The device of ``module``'s first parameter (``parameters()``' order), or None: the module
-    tree walked depth first until one (``module_parameters``, once per forward)."""
-    return None if module is None else next((p.device for p in module_parameters(module)), None)
+    tree walked until the first one (once per forward)."""
+    first = None if module is None else next(module.parameters(), None)
+    return None if first is None else first.device
 
 
 def _autocast_state(device: torch.device | None) -> tuple[str, str] | None:

@@ -317,6 +317,7 @@ class RingReplay:
         self._tap = tap
         self.names = list(names)
         tap.consumers.append(self._consume)
+        tap.wanted_when[self._consume] = lambda: self._armed_step is not None and not self.replaying  # audited
         tap.finishers.append(self._end_of_backward)
 
     def arm(self, step: int) -> bool:
