@@ -232,7 +232,6 @@ def step_context(trainer: pl.Trainer, pl_module: pl.LightningModule, index: int 
     return StepContext(
         step, step, pl_module, list(trainer.optimizers),
         scaler_active=getattr(trainer.precision_plugin, "scaler", None) is not None,
-        carry=pl_module.automatic_optimization and len(trainer.optimizers) == 1,
     )  # fmt: skip
 
 

@@ -83,13 +83,6 @@ class NonFiniteGradientCheck(c.SDCCallback):
         if screen is not None and self._screen is not None:
             self._screen.stats.load_state_dict(screen)
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        """A verdict left for the fingerprint's all-reduce that none carried (no comparison
-        started): read from the reduced gradients, still those of its step, before the next
-        closure zeroes them (a verdict still uncarried at its resolve raises instead of passing unread)."""
-        if isinstance(self._core, NonFiniteGradient):
-            self._core.uncarried()
-
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
         driver = c.trainer_driver(trainer)
         driver.resolve_gradients(c.step_context(trainer, pl_module))  # the previous step's, one step later

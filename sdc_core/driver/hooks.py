@@ -235,7 +235,7 @@ class SDCHooks:
         fw, driver = self._fw, self._driver
         if self._module is None:  # detached: the step as it was
             return original(*args, **kwargs)
-        if fw.sync_gradients:  # the screen's all_gather first: the last update's weight comparison rides it
+        if fw.sync_gradients:  # the screen's all_gather first, started right after backward
             driver.observe(self._context(optimizer))
         driver.resolve_pending(self._context(optimizer))  # the earlier steps' verdicts, also on accumulation steps
         if not fw.sync_gradients:
@@ -243,17 +243,13 @@ class SDCHooks:
         plan = driver.before_update(self._context(optimizer))
         self._log.write_due()  # this step's verdicts are in: the pending point is complete
         fw.begin_step()
-        try:
-            out = original(*args, **kwargs)
-        except BaseException:
-            driver.update_failed(plan)
-            raise
+        out = original(*args, **kwargs)
         step = self.step
         self.step += 1
         updated = not plan.skipped and not fw.step_was_skipped(optimizer)
         if updated:
             self._updates += 1
-        driver.after_update(self._context(optimizer, step, self._updates - 1), updated, plan)
+        driver.after_update(self._context(optimizer, step, self._updates - 1), updated)
         if self.step % self.settings.log_every_n_steps == 0:
             self.log()
         return out

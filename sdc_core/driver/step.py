@@ -10,10 +10,9 @@ the trainer's events. What it owns, once:
   replay audit, then the update audit's snapshot. An earlier fault is never reported as a later
   one's symptom: weights flipped after step ``s`` make the replay of step ``s + 1`` disagree, but
   the comparison of step ``s`` is read first and names the tensors;
-* which verdict rides the fingerprint's all-reduce after the update (``carries``), and the
-  start of that comparison (``after_update``); with the every-step screen, the comparison's
-  values ride the screen's all_gather of the next step instead (``prepare`` sets the courier,
-  ``observe`` starts that all_gather before the earlier verdicts are read): one collective a step;
+* the start of the weight comparison after the update (``after_update``), in its own small
+  asynchronous all-reduce read one step later; each verdict has its own collective (or none: the
+  non-finite verdict reads the reduced gradients), nothing rides another check's payload;
 * what one check's verdict means for the others: a step the gradient check dropped is not
   audited; replicas healed or rolled back before the update are not audited (their gradients
   came from other weights); a replay disagreement is first checked against the replicas'
@@ -33,13 +32,13 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
 
 from sdc_core.checks.fingerprint import WeightFingerprint, healed_by_comparison
-from sdc_core.checks.gradients import NonFiniteGradient, carries, drop_step, start_carrying
+from sdc_core.checks.gradients import NonFiniteGradient, drop_step
 from sdc_core.checks.screen import GradientScreen
 from sdc_core.driver.delivery import ROLLED_BACK, Delivery
 from sdc_core.errors import ReplayMismatchError, SDCError
@@ -62,8 +61,6 @@ class StepContext:
         module: the unwrapped (or ``fully_shard``) model.
         optimizers: the torch optimizers of the step (inner ones, not a framework's wrappers).
         scaler_active: an fp16 GradScaler scales this step.
-        carry: the gradient verdict may ride the fingerprint's all-reduce (one optimizer per
-            step, automatic optimisation: the comparison after this update is this step's).
     """
 
     index: int
@@ -71,16 +68,13 @@ class StepContext:
     module: nn.Module
     optimizers: list[Any]
     scaler_active: bool = False
-    carry: bool = True
 
 
 @dataclass
 class StepPlan:
-    """What ``before_update`` decided: the update is skipped on every rank, and the gradient
-    verdicts whose flag rides the fingerprint's all-reduce after it."""
+    """What ``before_update`` decided: the update is skipped on every rank."""
 
     skipped: bool = False
-    carrying: list[NonFiniteGradient] = field(default_factory=list)
 
 
 class Seam:
@@ -159,11 +153,6 @@ class StepDriver:
         for replay in self.replays:
             if isinstance(replay, RingReplay):
                 replay.keep_every_step = screening
-        screens, fps = self.screens, self.fingerprints
-        courier = screens[0] if len(screens) == 1 and len(fps) == 1 else None  # one screen, one comparison
-        for fp in fps:
-            if isinstance(fp, WeightFingerprint):  # the weight comparison rides the screen's next all_gather
-                fp.courier = courier
 
     # -- the checks, by kind ----------------------------------------------------------------------
 
@@ -229,9 +218,8 @@ class StepDriver:
     def gradients(self, step: StepContext, now: bool = False) -> bool:
         """Hand this step's gradients to the non-finite checks (once per step): the verdict is read
         now when the policy needs it before the update, when ``now`` (a caller about to act on
-        the gradients) or when a replay audits this step, else one step later (riding the
-        fingerprint's all-reduce where ``carries`` allows). True when the update is dropped."""
-        fps = self.fingerprints
+        the gradients) or when a replay audits this step, else one step later. True when the
+        update is dropped."""
         audited = now or any(r.armed for r in self.replays)
         dropped = False
         for nf in self.nonfinite:
@@ -239,12 +227,10 @@ class StepDriver:
             if decided is not None and decided[0] == step.index:
                 dropped = dropped or decided[1]
                 continue
-            carry = step.carry and len(fps) == 1 and carries(nf, fps[0], step.update, now=audited,
-                                                             scaler_active=step.scaler_active)  # fmt: skip
 
-            def verdict(nf: Any = nf, carry: bool = carry) -> bool:
+            def verdict(nf: Any = nf) -> bool:
                 return bool(nf.verdict(step.index, step.module.named_parameters(), scaler_active=step.scaler_active,
-                                       now=audited, carry=carry))  # fmt: skip
+                                       now=audited))  # fmt: skip
 
             out = self._gradients(nf, verdict, step)
             drop = out is True or out is ROLLED_BACK
@@ -259,8 +245,8 @@ class StepDriver:
         self.gradients(step, now=True)
 
     def observe(self, step: StepContext) -> None:
-        """Start this step's screen all_gather (every rank, right after the sync backward, before
-        ``resolve_pending``: the last update's weight comparison rides it; once per step)."""
+        """Start this step's screen all_gather (every rank, right after the sync backward; once per
+        step)."""
         if self._observed == step.index:
             return
         self._observed = step.index
@@ -279,7 +265,6 @@ class StepDriver:
         for matmul in self.matmuls:  # the step's products: sent now, read at the next step
             self.delivery.deliver(matmul, lambda m=matmul: m.verdict(step.index))
         plan.skipped = self.gradients(step)
-        plan.carrying = [nf for nf in self.nonfinite if isinstance(nf, NonFiniteGradient) and nf.rider() is not None]
         for screen in self.screens:
             if self._screen(screen, step, plan.skipped):
                 drop_step(step.module.parameters(), scaler_active=step.scaler_active)
@@ -298,31 +283,17 @@ class StepDriver:
         self._planned = (step.index, plan)
         return plan
 
-    def update_failed(self, plan: StepPlan) -> None:
-        """The optimizer step raised: the carried verdicts are read from the reduced gradients."""
-        for nf in plan.carrying:
-            nf.uncarried()
-
-    def after_update(self, step: StepContext, updated: bool, plan: StepPlan | None = None) -> None:
+    def after_update(self, step: StepContext, updated: bool) -> None:
         """After the update of ``step`` (``step.update``: its index): the update audit's verdict,
-        then the comparison of the replicas' new weights, started (read at the next step),
-        carrying the gradient verdict left for it (``plan``: default, what ``before_update``
-        decided for this step). Without an update, the carried verdict is read from the reduced
-        gradients instead."""
+        then, when the weights were updated, the comparison of the replicas' new weights, started
+        (read at the next step)."""
         for audit in self.update_audits:
             self.delivery.deliver(audit, lambda a=audit: a.audit(step.index), "raise")
-        if plan is None and self._planned is not None and self._planned[0] == step.index:
-            plan = self._planned[1]
-        carrying = plan.carrying if plan is not None else []
         if not updated:
-            for nf in carrying:
-                nf.uncarried()
             return
-        fps = self.fingerprints
-        for fp in fps:
+        for fp in self.fingerprints:
             if fp.active and fp.due(step.update):
-                start_carrying(fp, carrying[0] if carrying and len(fps) == 1 else None, step.index, step.module,
-                               step.optimizers)  # fmt: skip
+                fp.start(step.index, step.module, step.optimizers)
 
     def _screen(self, screen: Any, step: StepContext, skipped: bool) -> bool:
         """This step's screen verdict (read now: its confirmation needs the weights the step
@@ -403,8 +374,6 @@ class StepDriver:
         for matmul in self.matmuls:
             self.delivery.deliver(matmul, matmul.resolve)
         for nf in self.nonfinite:
-            if isinstance(nf, NonFiniteGradient):
-                nf.uncarried()  # a verdict no all-reduce carried: read from the reduced gradients
             self._gradients(nf, nf.resolve, step)
         changed, last = False, max(step.index - 1, 0)
         for fp in self.fingerprints:

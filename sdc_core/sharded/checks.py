@@ -196,11 +196,9 @@ class ShardedNonFinite(NonFiniteVerdicts):
         return self._pending.step if self._pending is not None else None
 
     def verdict(self, step: int, params: Iterable[tuple[str, nn.Parameter]], scaler_active: bool = False,
-                now: bool = False, carry: bool = False) -> bool:  # fmt: skip
+                now: bool = False) -> bool:  # fmt: skip
         """Take step ``step``'s local flags and start the all-reduce; decide now or leave the
-        verdict for ``resolve()`` (see the class docstring). Resolves a pending verdict first.
-        ``carry`` (``NonFiniteGradient.verdict``'s) has no effect: the flag rides in the
-        reduce-scatter already."""
+        verdict for ``resolve()`` (see the class docstring). Resolves a pending verdict first."""
         self.resolve()
         t0 = time.perf_counter()
         seen, self._seen = self._seen, []
