@@ -349,7 +349,8 @@ class SDCCallback(Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """The last pending verdicts read and the final weights compared before ``fit`` returns,
         whatever the cadence (once, whichever SDC callback comes first)."""
-        trainer_driver(trainer).before_save(step_context(trainer, pl_module), key=("end", trainer.global_step))
+        trainer_driver(trainer).before_save(step_context(trainer, pl_module), key=("end", trainer.global_step),
+                                            at_end=True)  # fmt: skip
         for check in self._checks():
             log_stats(trainer, check.stats, force=True)
 

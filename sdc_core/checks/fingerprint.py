@@ -25,11 +25,12 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
+from sdc_core.checks.contract import Role
 from sdc_core.checks.digest import combine, grouped_digests, home_device
 from sdc_core.dist.topology import HostRead, Topology, all_gather_tensor, collective_device, is_distributed
 from sdc_core.errors import FingerprintMismatchError
@@ -238,6 +239,8 @@ class WeightFingerprint:
     With ``config.rolling = k > 1`` each ``start`` digests the next of k slices of the tensors
     (``rolling_slices``), in turn; ``stats.last_verified_step`` is then the latest step at which
     every slice is known to agree (the oldest of the slices' last clean comparisons)."""
+
+    role: ClassVar[Role] = Role.FINGERPRINT
 
     config: FingerprintConfig = field(default_factory=FingerprintConfig)
     stats: CheckStats = field(default_factory=lambda: CheckStats("weight_fingerprint"))

@@ -64,11 +64,12 @@ import time
 import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
+from sdc_core.checks.contract import Role
 from sdc_core.checks.gradient_tap import GradientTap
 from sdc_core.checks.reductions import any_nonfinite, local_sum, log2_peaks_by_group, log2_peaks_on_host, peaks
 from sdc_core.dist.topology import HostRead, Topology, all_gather_objects, is_distributed
@@ -136,6 +137,8 @@ class NonFiniteVerdicts:
     """What the DDP and the sharded non-finite checks share: their settings and counters, the fp16
     overflow streak, and turning every rank's offending parameter names into one verdict (pattern,
     reason, ranks, hosts) acted on under ``on_failure``."""
+
+    role: ClassVar[Role] = Role.NONFINITE
 
     config: NonFiniteConfig = field(default_factory=NonFiniteConfig)
     stats: CheckStats = field(default_factory=lambda: CheckStats("nonfinite_gradient"))

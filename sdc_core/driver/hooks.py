@@ -140,6 +140,11 @@ class SDCHooks:
     update_audit = _core("update_audit")
     checks = _core("checks")  # the cores in use (without the update audit)
 
+    def add_check(self, check: Any) -> SDCHooks:
+        """Register your ``sdc_core.checks.contract.StepCheck`` (every rank alike, before ``attach``)."""
+        self._cores.add(check)
+        return self
+
     @property
     def module(self) -> nn.Module | None:
         """The unwrapped model the hook set is attached to (None before ``attach``)."""
@@ -276,7 +281,7 @@ class SDCHooks:
         (one extra read and one host wait): training does not end with replicas that differ
         unnoticed. Raises the ``SDCError`` on every process."""
         try:
-            self._compare_now()
+            self._compare_now(at_end=True)
         finally:
             self.log(force=True)
             if self._fw.num_processes > 1:  # the script may now free the model and the process group
@@ -303,10 +308,10 @@ class SDCHooks:
         self._compare_now()
         self.checkpoint_fingerprint = take_fingerprint(self._module, self._optimizer) if fingerprint else None
 
-    def _compare_now(self, compare: bool = True) -> None:
+    def _compare_now(self, compare: bool = True, at_end: bool = False) -> None:
         """The pending verdicts read and, with ``compare``, the current weights compared (every process)."""
         if self._module is not None and compare:
-            self._driver.compare_now(self._context())
+            self._driver.compare_now(self._context(), at_end)
         elif self.nonfinite is not None:  # only a non-finite verdict is read (not attached: of an earlier attachment)
             self._driver.delivery.deliver(self.nonfinite, self.nonfinite.resolve)
 
