@@ -31,7 +31,7 @@ from sdc_core.driver.hooks import SDCHooks
 
 BATCH = 128
 # the defaults with the verdict read from the reduced gradients; the defaults without the every-step screen
-SETTINGS = DDP_SETTINGS | {"defaults_reduced_read": {}, "defaults_no_screen": {"gradient_screen": False}}
+SETTINGS = DDP_SETTINGS | {"defaults_no_screen": {"gradient_screen": False}}
 
 
 class Run:
@@ -46,10 +46,6 @@ class Run:
         self.sdc = SDCHooks(**settings) if settings is not None else None
         if self.sdc is not None:
             self.sdc.attach(self.model, self.opt)
-            if config == "defaults_reduced_read":  # as before the carried verdict: no rider, the second read
-                nonfinite = self.sdc.nonfinite
-                verdict = nonfinite.verdict
-                nonfinite.verdict = lambda *a, carry=False, **k: verdict(*a, **k)  # type: ignore[method-assign]
             inner = self.work.wrap(self.sdc._step)
             self.sdc._step = lambda optimizer, original, *a, **k: inner(optimizer, self.work.exclude(original), *a, **k)  # type: ignore[method-assign]
             self.work.wrap_taps([getattr(self.model, "_sdc_gradient_tap", None)])

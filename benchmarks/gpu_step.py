@@ -7,7 +7,7 @@ Setup: GPT-style decoder models of three sizes (about 60M, 270M and 1.4B paramet
 weights, bf16 autocast, fused AdamW, batch 8 x 1024 tokens) wrapped in a ONE-rank
 ``DistributedDataParallel`` (NCCL on CUDA, gloo on CPU), so the checks run their DDP paths: the
 gradient tap's hooks in backward, the local gradients' read at the end of backward, the weight
-fingerprint's digest and its all-reduce, which carries the non-finite verdict (24 bytes). The
+fingerprint's digest and its all-reduce (16 bytes). The
 core objects (``GradientTap``, ``NonFiniteGradient``, ``WeightFingerprint``) are driven as the hook
 set drives them: verdict after backward, fingerprint after the update, both read one step later.
 
@@ -18,8 +18,8 @@ Per size it reports:
   the block, blocks of the two configurations interleaved over ``rounds`` rounds (medians);
 * ``work_ms``: each check's work alone, device-synchronised before and after (serialized: what it
   adds when nothing overlaps it), on the gradients and weights of a real step: ``nonfinite`` =
-  the per-parameter hook work + the end-of-backward read of the local gradients + the flag the
-  fingerprint's all-reduce carries (the verdict reads no reduced gradients) + its host read;
+  the per-parameter hook work + the end-of-backward read of the local gradients + the read of
+  the reduced gradients' flag + its host read;
   ``fingerprint`` = digest, combine, all-reduce and read;
 * ``peak_mem_gib``: peak device memory over a block of steps without and with the checks;
 * ``fingerprint_gbps``: the fingerprint over the parameters against one ``sum`` per tensor and
@@ -57,7 +57,7 @@ from torch import nn
 from sdc_core.checks.digest import combine, grouped_digests, tensor_digests
 from sdc_core.checks.fingerprint import FingerprintConfig, WeightFingerprint
 from sdc_core.checks.gradient_tap import GradientTap
-from sdc_core.checks.gradients import NonFiniteGradient, start_carrying
+from sdc_core.checks.gradients import NonFiniteGradient
 from sdc_core.checks.matmul import MatmulChecksum
 
 SIZES = {  # name: (d_model, layers, heads, vocab)
@@ -176,17 +176,16 @@ class Trainer:
         loss.backward()
         if self.matmul is not None:
             self.matmul.verdict(self.step_no)
-        carry = self.nonfinite is not None and self.fingerprint is not None
         if self.nonfinite is not None:  # as the hook set does: after backward, before the update
-            self.nonfinite.verdict(self.step_no, self.model.named_parameters(), carry=carry)
+            self.nonfinite.verdict(self.step_no, self.model.named_parameters())
         if self.host_wait:  # as the screen: a small row gathered, read on the host before the update
             row = loss.detach().float().reshape(1).repeat(8)
             rows = [torch.empty_like(row) for _ in range(dist.get_world_size())]
             dist.all_gather(rows, row)
             torch.cat(rows).tolist()
         self.opt.step()
-        if self.fingerprint is not None:  # after the update, carrying the gradient verdict; read one step later
-            start_carrying(self.fingerprint, self.nonfinite, self.step_no, self.model, [self.opt])
+        if self.fingerprint is not None:  # after the update, in its own all-reduce; read one step later
+            self.fingerprint.start(self.step_no, self.model, [self.opt])
         self.step_no += 1
 
     def block(self, steps: int) -> float:
@@ -263,10 +262,8 @@ def measure(name: str, spec: tuple[int, int, int, int], device: torch.device, ba
                 consume(p, g)
         for finish in tap.finishers:  # and at the end of backward
             finish()
-        nf.verdict(tr.step_no, tr.model.named_parameters(), carry=True)  # the flag the fingerprint carries
-        flag = nf.rider()
-        nf._pending = None
-        assert flag is not None and not bool(flag)  # its host read (the carried all-reduce is the fingerprint's)
+        nf.verdict(tr.step_no, tr.model.named_parameters())  # the reduced gradients' flag, left pending
+        nf.resolve()  # its host read
 
     def fingerprint_work() -> None:
         fp.start(tr.step_no, tr.model, [tr.opt])

@@ -252,7 +252,6 @@ def step_context(trainer: pl.Trainer, pl_module: pl.LightningModule, index: int 
     return StepContext(
         step, step, pl_module, list(trainer.optimizers),
         scaler_active=getattr(trainer.precision_plugin, "scaler", None) is not None,
-        carry=pl_module.automatic_optimization and len(trainer.optimizers) == 1,
     )  # fmt: skip
 
 
@@ -371,7 +370,7 @@ class SDCCallback(Callback):
         """The last pending verdicts read and the final weights compared before ``fit`` returns,
         whatever the cadence (once, whichever SDC callback comes first)."""
         driver = trainer_driver(trainer)
-        driver.before_save(step_context(trainer, pl_module), key=("end", trainer.global_step))
+        driver.before_save(step_context(trainer, pl_module), key=("end", trainer.global_step), at_end=True)
         for check in self._checks():
             log_stats(trainer, check.stats, force=True)
         log_run_summary(trainer.global_step, trainer_checks(trainer), driver.seam)  # rank 0: one line, once per Trainer

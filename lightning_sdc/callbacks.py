@@ -10,7 +10,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from lightning_sdc import _common as c
+from lightning_sdc import _common as common
 from sdc_core.checks.fingerprint import FingerprintConfig, FingerprintFailurePolicy, WeightFingerprint
 from sdc_core.checks.gradients import NonFiniteConfig, NonFiniteFailurePolicy, NonFiniteGradient
 from sdc_core.checks.matmul import MatmulChecksum, MatmulChecksumConfig, MatmulFailurePolicy
@@ -31,8 +31,8 @@ from sdc_core.sharded.replay import ShardedReplay, screenable
 from sdc_core.sharded.update_audit import update_audit
 
 
-@c.documented_by(NonFiniteConfig, screen="gradient_screen")
-class NonFiniteGradientCheck(c.SDCCallback):
+@common.documented_by(NonFiniteConfig, screen="gradient_screen")
+class NonFiniteGradientCheck(common.SDCCallback):
     """Flag every rank whose LOCAL gradients hold NaN/Inf, before the all-reduce spreads them.
 
     Under DDP: a read of the local gradients at the end of backward (a few multi-tensor kernels per
@@ -63,12 +63,12 @@ class NonFiniteGradientCheck(c.SDCCallback):
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_fit_start(trainer, pl_module)
-        if c.is_sharded(trainer):  # FSDP2: the tap sits in each parameter group's reduce-scatter
+        if common.is_sharded(trainer):  # FSDP2: the tap sits in each parameter group's reduce-scatter
             self._core = ShardedNonFinite(self._core.config, self._core.stats, self._core.topology)
             self._core.attach(pl_module)
             screened = screenable(pl_module, self._core.taps)  # FSDP2 / HSDP, not tensor parallel
-        elif c.is_ddp(trainer):
-            self._core.attach(c.gradient_tap(trainer, pl_module))
+        elif common.is_ddp(trainer):
+            self._core.attach(common.gradient_tap(trainer, pl_module))
             screened = True
         else:
             screened = False
@@ -78,7 +78,7 @@ class NonFiniteGradientCheck(c.SDCCallback):
             self._screening = True
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        c.trainer_driver(trainer).prepare()  # every callback's core is in place: a replay keeps steps for the screen
+        common.trainer_driver(trainer).prepare()  # every core in place: a replay keeps steps for the screen
 
     def state_dict(self) -> dict[str, Any]:
         """The check's counters, and the screen's under ``"screen"``."""
@@ -94,24 +94,17 @@ class NonFiniteGradientCheck(c.SDCCallback):
         if screen is not None and self._screen is not None:
             self._screen.stats.load_state_dict(screen)
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        """A verdict left for the fingerprint's all-reduce that none carried (no comparison
-        started): read from the reduced gradients, still those of its step, before the next
-        closure zeroes them (a verdict still uncarried at its resolve raises instead of passing unread)."""
-        if isinstance(self._core, NonFiniteGradient):
-            self._core.uncarried()
-
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
-        driver = c.trainer_driver(trainer)
-        driver.resolve_gradients(c.step_context(trainer, pl_module))  # the previous step's, one step later
+        driver = common.trainer_driver(trainer)
+        driver.resolve_gradients(common.step_context(trainer, pl_module))  # the previous step's, one step later
         if self._screening:
-            seam = c.trainer_seam(trainer)
+            seam = common.trainer_seam(trainer)
             # as back-propagated (normalised, scaled) and summed over the step's micro-batches: what a replay returns
             seam.last_loss = loss.detach() if seam.last_loss is None else seam.last_loss + loss.detach()
 
 
-@c.documented_by(FingerprintConfig, update_audit_every_n_steps="update_audit_every_n_steps")
-class WeightFingerprintCheck(c.SDCCallback):
+@common.documented_by(FingerprintConfig, update_audit_every_n_steps="update_audit_every_n_steps")
+class WeightFingerprintCheck(common.SDCCallback):
     """Compare exact fingerprints of the replicas' weights after every ``every_n_steps`` steps.
 
     The comparison of step ``s`` is read in the next optimizer step, after its backward and before
@@ -146,14 +139,14 @@ class WeightFingerprintCheck(c.SDCCallback):
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_fit_start(trainer, pl_module)
-        if c.is_sharded(trainer):  # shards compared in their replica groups, unreplicated ones at rest
+        if common.is_sharded(trainer):  # shards compared in their replica groups, unreplicated ones at rest
             self._core = ShardedFingerprint(self._core.config, self._core.stats, self._core.topology)
             if self._update_audit is not None:
                 self._update_audit.topology = self._core.topology
                 self._update_audit.attach(trainer.optimizers[0], pl_module)
-        elif not c.is_ddp(trainer):
-            c.warn_inactive(type(self).__name__, "a single process has no replica to compare with")
-        if not c.is_sharded(trainer):
+        elif not common.is_ddp(trainer):
+            common.warn_inactive(type(self).__name__, "a single process has no replica to compare with")
+        if not common.is_sharded(trainer):
             self._update_audit = None
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
@@ -165,15 +158,15 @@ class WeightFingerprintCheck(c.SDCCallback):
         written, then its fingerprint stored. A mismatch raises before anything is written; a heal
         or rollback refreshes the checkpoint's tensors. Distributed checkpoints of sharded models
         hold DTensor shards: compared, not fingerprinted."""
-        if self._before_save(trainer, pl_module, checkpoint) and c.is_ddp(trainer):  # save the new state
+        if self._before_save(trainer, pl_module, checkpoint) and common.is_ddp(trainer):  # save the new state
             checkpoint["state_dict"] = trainer.strategy.lightning_module_state_dict()
             if "optimizer_states" in checkpoint:
                 checkpoint["optimizer_states"] = [trainer.strategy.optimizer_state(o) for o in trainer.optimizers]
-        if not c.is_sharded(trainer):
+        if not common.is_sharded(trainer):
             checkpoint[FINGERPRINT_KEY] = fingerprint_checkpoint(checkpoint)
 
     def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
-        if c.is_sharded(trainer):
+        if common.is_sharded(trainer):
             return
         check_loaded_checkpoint(checkpoint, int(checkpoint.get("global_step", trainer.global_step)))
 
@@ -184,8 +177,8 @@ LIGHTNING_ADVICE = (
 )  # the replay's advice for unreplayable steps, in Lightning's terms
 
 
-@c.documented_by(ReplayConfig)
-class RingReplayAudit(c.SDCCallback):
+@common.documented_by(ReplayConfig)
+class RingReplayAudit(common.SDCCallback):
     """Every ``every_n_steps`` steps, a partner rank replays each rank's micro-batches.
 
     The replay runs ``pl_module.sdc_replay_step(batch, batch_idx)`` when defined (it returns the
@@ -234,18 +227,18 @@ class RingReplayAudit(c.SDCCallback):
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_fit_start(trainer, pl_module)
-        if not (c.is_sharded(trainer) or c.is_ddp(trainer)):
-            c.warn_inactive(type(self).__name__, "a single process has no partner to replay its batches")
+        if not (common.is_sharded(trainer) or common.is_ddp(trainer)):
+            common.warn_inactive(type(self).__name__, "a single process has no partner to replay its batches")
             return
-        state = {"exclude": c.lightning_internals(), "get_state": getattr(pl_module, "sdc_replay_state", None),
+        state = {"exclude": common.lightning_internals(), "get_state": getattr(pl_module, "sdc_replay_state", None),
                  "load_state": getattr(pl_module, "sdc_load_replay_state", None)}  # fmt: skip
         core = self._core
-        if c.is_sharded(trainer):  # FSDP2: every rank replays its partner's batch through the sharded model
+        if common.is_sharded(trainer):  # FSDP2: every rank replays its partner's batch through the sharded model
             self._core = ShardedReplay(core.config, core.stats, core.topology, advice=core.advice, label=core.label)
             self._core.attach(pl_module, **state)
         else:
             self._names = [n for n, p in pl_module.named_parameters() if p.requires_grad]
-            core.attach(c.gradient_tap(trainer, pl_module), self._names)
+            core.attach(common.gradient_tap(trainer, pl_module), self._names)
             core.capture = StateCapture(pl_module, self._names, max_state_mb=core.config.max_state_mb, **state)
         self._wrap_training_step(pl_module)
 
@@ -300,7 +293,7 @@ class RingReplayAudit(c.SDCCallback):
         scaler = getattr(trainer.precision_plugin, "scaler", None)
 
         def step_fn(batch: Any, batch_idx: int) -> torch.Tensor:
-            with c.no_logging(pl_module):
+            with common.no_logging(pl_module):
                 out = replay_fn(batch, batch_idx)
             loss = out["loss"] if isinstance(out, dict) else out
             loss = loss / trainer.accumulate_grad_batches
@@ -340,8 +333,8 @@ class FaultInjector(Callback):
         self._handles = []
 
 
-@c.documented_by(MatmulChecksumConfig)
-class MatmulChecksumCheck(c.SDCCallback):
+@common.documented_by(MatmulChecksumConfig)
+class MatmulChecksumCheck(common.SDCCallback):
     """Verify every matrix product of each rank against a checksum, forward and backward, and
     raise ``ChecksumMismatchError`` on every rank naming the rank, host, module and phase of a
     product that came out wrong (a faulty multiply-accumulate), in the step it happened.
@@ -371,7 +364,7 @@ class MatmulChecksumCheck(c.SDCCallback):
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         core, step = self._core, trainer.global_step
-        c.trainer_driver(trainer).delivery.deliver(core, lambda: core.arm(step))  # reads the last verdict
+        common.trainer_driver(trainer).delivery.deliver(core, lambda: core.arm(step))  # reads the last verdict
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._core.detach()

@@ -49,13 +49,17 @@ def main() -> None:
         time.sleep(1.0)
         return
     gc.disable()  # nothing collected (no GIL released) before teardown
-    dist.all_reduce(t, async_op=True).get_future().then(lambda f: f.value()[0] * 2)
+    future = dist.all_reduce(t, async_op=True).get_future()
+    future.then(lambda f: f.value()[0] * 2)
     sys.setswitchinterval(1000.0)  # keep the GIL: the gloo worker must wait for it
     deadline = time.monotonic() + 60
-    while shutdown.foreign_thread_states() == 0 and time.monotonic() < deadline:
+    while not future.done() and time.monotonic() < deadline:
+        pass
+    held = time.monotonic() + 0.5  # the worker that completed it now waits for the GIL to run the callback
+    while time.monotonic() < held:
         pass
     # not flushed: writing would release the GIL now (stdout is flushed in teardown, which then does)
-    print(f"waiting at exit: {shutdown.foreign_thread_states()}")
+    print(f"waiting at exit: {int(future.done())}")
     _ReleasesTheGilInTeardown()
 
 

@@ -180,8 +180,8 @@ def faults(model: str, kind: str) -> list[Fault]:
     if kind == "nan":  # with a GradScaler one overflow is the scaler's business: three in a row are not
         steps = (2, 3, 4) if model == "fp16" else (2,)
         return [Fault("nonfinite_gradient", rank=1, step=s, target=grad) for s in steps]
-    if kind in ("nan_carried", "nan_early_carried"):  # no replay: every verdict rides the fingerprint's all-reduce
-        return [Fault("nonfinite_gradient", rank=1, step=3 if kind == "nan_carried" else 1, target=grad)]
+    if kind in ("nan_deferred", "nan_early_deferred"):  # no replay: every verdict read one step later
+        return [Fault("nonfinite_gradient", rank=1, step=3 if kind == "nan_deferred" else 1, target=grad)]
     if kind == "activation":
         return [Fault("module_output", rank=2, step=2, target=module, factor=1.5, index=3)]
     if kind == "flip":
@@ -233,7 +233,7 @@ def train(name: str, out: Path, device: torch.device) -> dict[str, Any]:
             settings |= {"replay_every_n_steps": 0, "fingerprint_every_n_steps": 0, "update_audit_every_n_steps": 2}
         if kind.startswith("matmul"):
             settings |= {"matmul_checksum": True}
-        if kind.endswith("_carried"):
+        if kind.endswith("_deferred"):
             settings |= {"replay_every_n_steps": 0}
         if kind == "flip_audited_nofp":  # no fingerprint check: a one-off comparison names the weight fault
             settings |= {"fingerprint_every_n_steps": 0}

@@ -17,7 +17,7 @@ def test_step_interleaved_ddp_benchmark_tiny(tmp_path: Path) -> None:
     torchrun("benchmarks.ddp_steps", out, None, 2, "--steps", "4", "--skip", "1", "--block", "2", "--width", "32",
              timeout=300, env=worker_env() | {"OMP_NUM_THREADS": "1"}, cwd=ROOT, module=True)  # fmt: skip
     result = json.loads(out.read_text())
-    configs = {"none", "nonfinite", "fingerprint", "defaults", "defaults_reduced_read", "defaults_no_screen"}
+    configs = {"none", "nonfinite", "fingerprint", "defaults", "defaults_no_screen"}
     assert result["world_size"] == 2 and set(result["step_seconds"]) == configs
     assert all(row["n"] == 4 and row["median"] > 0 for row in result["step_seconds"].values())
     assert result["overhead"]["none"] == 0 and len(result["overhead_by_block"]["defaults"]) == 2

@@ -72,10 +72,6 @@ def test_clean_run_logs_sdc_metrics(out: Path) -> None:
         assert last_value(rows, f"sdc/{check}/time_ms_total") > 0
     assert last_value(rows, "sdc/ring_replay/max_diff") == 0.0  # CPU fp32 replay is bit-exact
     assert last_value(rows, "sdc/weight_fingerprint/last_verified_step") == 7
-    # steps the replay does not audit: the gradient verdict rode the fingerprint's all-reduce
-    assert last_value(rows, "sdc/nonfinite_gradient/carried_verdicts") > 0
-    # with the screen on (the default) the comparisons rode its all_gather: no all-reduce of their own
-    assert last_value(rows, "sdc/weight_fingerprint/screen_carried") > 0
 
 
 def test_audit_and_tap_leave_training_bit_identical(out: Path) -> None:

@@ -39,9 +39,8 @@ PUBLIC = {
     "replay_on_failure": "raise", "replay_on_unreplayable": "raise", "replay_max_state_mb": 256.0,
     "replay_deterministic": True, "replay_allow_pickled_batches": False, "fingerprint_every_n_steps": 1,
     "include_buffers": False, "include_optimizer_state": False, "fingerprint_on_failure": "raise", "max_heals": 3,
-    "fingerprint_rolling": 1, "update_audit_every_n_steps": 0, "gradient_screen": True, "screen_groups": 16,
-    "screen_min_band": 5.0, "screen_max_band": 12.0, "screen_initial_band": 10.0, "screen_z": 10.0,
-    "screen_window": 200, "screen_calibration_samples": 20, "matmul_checksum": False, "log_every_n_steps": 50,
+    "fingerprint_rolling": 1, "update_audit_every_n_steps": 0, "gradient_screen": True,
+    "matmul_checksum": False, "log_every_n_steps": 50,
 }  # fmt: skip
 # callback -> (its config, config settings it does not take, arguments of its own and the setting they equal)
 CALLBACKS: dict[type, tuple[type, set[str], dict[str, str]]] = {

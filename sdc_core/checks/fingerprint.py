@@ -9,10 +9,9 @@ with a probability of at most 2**-31, structured faults included.
 
 The digest, what it guarantees and what it costs: ``sdc_core.checks.digest``. The common case
 exchanges 16 bytes per rank in one MAX all-reduce, whatever the world size; the host reads the
-result one training batch later, when the device has long finished it. With the every-step
-screen on, the same values ride the screen's all_gather of the next step instead (no collective
-of the fingerprint's own; ``courier``). Only on a mismatch are
-the per-tensor digests gathered, to name the tensors and vote.
+result one training batch later, when the device has long finished it. The all-reduce carries
+nothing but the comparison. Only on a mismatch are the per-tensor digests gathered, to name the
+tensors and vote.
 
 Limits: it sees faults that make replicas differ (weights, optimizer state, a bad update on one
 rank). A fault in one rank's gradient is spread to every replica by the all-reduce and leaves the
@@ -26,20 +25,17 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 from torch import nn
 
+from sdc_core.checks.contract import Role
 from sdc_core.checks.digest import combine, grouped_digests, home_device
 from sdc_core.dist.topology import HostRead, Topology, all_gather_tensor, collective_device, is_distributed
 from sdc_core.errors import FingerprintMismatchError
 from sdc_core.schema import documented, setting
 from sdc_core.stats import CheckStats
-
-# what a rank whose carried values did not arrive counts as in the MAX: its digest differs from any (the
-# largest digest with the largest complement cannot match), its non-finite flag is no opinion
-_ABSENT = ((1 << 63) - 1, (1 << 63) - 1, 0)
 
 FingerprintFailurePolicy = Literal["raise", "heal", "rollback"]  # FingerprintConfig.on_failure
 
@@ -212,7 +208,7 @@ class _Pending:
     module: nn.Module
     optimizers: list[torch.optim.Optimizer]
     names: Callable[[], list[str]]  # the compared tensors' names (read on a mismatch only)
-    reduced: Any  # HostRead, or the screen's ``Carried``: ``tolist()`` the ranks' MAX
+    reduced: HostRead  # the ranks' MAX of (digest, ~digest)
     work: object | None
     part: tuple[int, int] | None = None  # (slice, slices) of a rolling comparison; None: every tensor
 
@@ -225,6 +221,8 @@ class WeightFingerprint:
     (``rolling_slices``), in turn; ``stats.last_verified_step`` is then the latest step at which
     every slice is known to agree (the oldest of the slices' last clean comparisons)."""
 
+    role: ClassVar[Role] = Role.FINGERPRINT
+
     config: FingerprintConfig = field(default_factory=FingerprintConfig)
     stats: CheckStats = field(default_factory=lambda: CheckStats("weight_fingerprint"))
     topology: Topology | None = None
@@ -233,9 +231,6 @@ class WeightFingerprint:
     _pending: _Pending | None = None
     _turn: int = 0  # rolling comparisons started: the next slice is _turn % slices
     _clean: list[int] = field(default_factory=list)  # per slice, the step of its last clean comparison
-    # the every-step screen (``GradientScreen.carry``) whose next all_gather carries the comparison's values
-    # instead of an all_reduce of its own (set by the driver; None: the all_reduce)
-    courier: Any = field(default=None, repr=False)
 
     @property
     def active(self) -> bool:
@@ -252,17 +247,13 @@ class WeightFingerprint:
         module: nn.Module,
         optimizers: Iterable[torch.optim.Optimizer],
         every_tensor: bool = False,
-        rider: torch.Tensor | None = None,
-    ) -> HostRead | None:
+    ) -> None:
         """Digest the replica after optimizer step ``step`` and start the O(1) comparison: of the
         next rolling slice (``config.rolling`` > 1), or of every tensor (``every_tensor``, or
         ``rolling`` = 1). Every rank must make the same calls (the slice is the call count's).
 
-        ``rider`` (a 0-d flag on the device; every rank alike, given or not): carried in the same
-        all-reduce (8 bytes more), its maximum over the ranks at index 2 of the returned reader.
-        With a ``courier`` (the every-step screen) the values ride its next step's all_gather
-        instead of an all-reduce (a rank whose values do not arrive counts as differing).
-        Resolves any earlier pending comparison first (it may raise).
+        One asynchronous MAX all-reduce of 16 bytes, read by ``resolve``. Resolves any earlier
+        pending comparison first (it may raise).
         """
         self.resolve()
         t0 = time.perf_counter()
@@ -286,19 +277,10 @@ class WeightFingerprint:
         device = collective_device(home_device(tensors))  # the tensors' own device when the backend serves it
         digests, per_tensor = grouped_digests(tensors, device=device)
         fp = combine(digests)
-        parts = [fp, torch.bitwise_not(fp)]
-        if rider is not None:
-            parts.append(rider.reshape(()).to(device=fp.device, dtype=torch.int64))
-        reduced = torch.stack(parts)
-        if self.courier is not None:  # in the screen's next all_gather: no collective of its own
-            work, read = None, self.courier.carry(reduced, _ABSENT[: len(parts)])
-            self.stats.bump("screen_carried")
-        else:
-            work = torch.distributed.all_reduce(reduced, op=torch.distributed.ReduceOp.MAX, async_op=True)
-            read = HostRead(reduced, work)
-        self._pending = _Pending(step, per_tensor, module, list(optimizers), names, read, work, part)
+        reduced = torch.stack([fp, torch.bitwise_not(fp)])
+        work = torch.distributed.all_reduce(reduced, op=torch.distributed.ReduceOp.MAX, async_op=True)
+        self._pending = _Pending(step, per_tensor, module, list(optimizers), names, HostRead(reduced, work), work, part)
         self.stats.add_time(time.perf_counter() - t0)
-        return read if rider is not None else None
 
     def resolve(self) -> None:
         """Read the pending comparison (every rank, same place); raise on a mismatch."""
@@ -306,7 +288,7 @@ class WeightFingerprint:
         if pending is None:
             return
         t0 = time.perf_counter()
-        hi, not_lo = pending.reduced.tolist()[:2]  # waits for this all-reduce only, not the stream
+        hi, not_lo = pending.reduced.tolist()  # waits for this all-reduce only, not the stream
         self.stats.runs += 1
         if hi == ~not_lo:
             if pending.part is None:

@@ -22,20 +22,11 @@ local sums, so gradient clipping or anything else that touches ``.grad`` after t
 cannot change them. Under gradient accumulation the hook runs on the sync micro-batch, whose
 ``.grad`` is the sum of the micro-batches' gradients, so a NaN in any micro-batch is seen.
 
-Carried verdict (the hook set, whenever the weight fingerprint compares the replicas after the
-update and the verdict is read one step later): the reduced gradients are not read at all. Each
-rank's flag (its local gradients held NaN or Inf, exact; or, for a rank without exact local
-evidence, the reduced gradients did) rides the fingerprint's all-reduce, whose maximum over the
-ranks is the verdict, identical on every rank (``verdict(..., carry=True)``, ``rider``,
-``carried_by``). One read of the gradients per step instead of two; a NaN or Inf formed inside
-the reduction from finite local gradients everywhere then reaches the weights unseen in that step
-(every rank's next gradients are non-finite: an ``all_ranks`` verdict one step later).
-
 Cost of a clean DDP step: a constant number of Python calls, whatever the number of parameters
 (the tap's per-parameter hooks are off once the read is batched; on the first two backwards and
 the replay's audited steps a Python call per parameter); at the end of backward one read of the
-local gradients, at the verdict one read of the reduced ones (none
-when carried), each a few multi-tensor kernels per dtype (``peaks``: ``_foreach_norm``),
+local gradients, at the verdict one read of the reduced ones, each a few multi-tensor kernels per
+dtype (``peaks``: ``_foreach_norm``),
 whatever the number of parameters (on the CPU ``aminmax`` for larger tensors instead of torch's
 slow inf-norm loop); no collective of its own.
 That batched local read relies on DDP keeping the local values in ``.grad`` until
@@ -75,12 +66,12 @@ import time
 import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 from torch import nn
 
-from sdc_core.checks.fingerprint import WeightFingerprint
+from sdc_core.checks.contract import Role
 from sdc_core.checks.gradient_tap import GradientTap
 from sdc_core.checks.reductions import any_nonfinite, local_sum, log2_peaks_by_group, log2_peaks_on_host, peaks
 from sdc_core.dist.topology import HostRead, Topology, all_gather_objects, is_distributed
@@ -134,25 +125,15 @@ class _StepFlags:
     local: list[tuple[torch.Tensor, list[nn.Parameter]]]  # (local sums or peaks, their parameters)
     scaler_active: bool = False
     bad: HostRead | None = None  # ``reduced`` on its way to the host
-    rider: torch.Tensor | None = None  # this rank's flag for another check's all-reduce to carry (``carry``)
-    carrier: HostRead | None = None  # that all-reduce's result, once it carries the flag ...
-    index: int = 0  # ... at this position
 
     def __post_init__(self) -> None:
         if self.reduced is not None and self.bad is None:
             self.bad = HostRead(self.reduced)
 
     def nonfinite(self) -> bool:
-        """The host read of the flag: waits for the event recorded when it was made (and, when
-        carried, for the all-reduce that carries it), not the stream."""
-        if self.carrier is not None:
-            return bool(self.carrier.tolist()[self.index])
+        """The host read of the flag: waits for the event recorded when it was made, not the
+        stream, and never for a peer (the flag is this rank's own read of reduced gradients)."""
         return self.bad is not None and bool(self.bad.get())
-
-    def readable(self) -> bool:
-        """Whether ``nonfinite`` can be read without waiting for a peer (a carried flag's all-reduce done)."""
-        work = self.carrier.work if self.carrier is not None else None
-        return work is None or not hasattr(work, "is_completed") or bool(work.is_completed())
 
 
 @dataclass
@@ -160,6 +141,8 @@ class NonFiniteVerdicts:
     """What the DDP and the sharded non-finite checks share: their settings and counters, the fp16
     overflow streak, and turning every rank's offending parameter names into one verdict (pattern,
     reason, ranks, hosts) acted on under ``on_failure``."""
+
+    role: ClassVar[Role] = Role.NONFINITE
 
     config: NonFiniteConfig = field(default_factory=NonFiniteConfig)
     stats: CheckStats = field(default_factory=lambda: CheckStats("nonfinite_gradient"))
@@ -412,7 +395,6 @@ class NonFiniteGradient(NonFiniteVerdicts):
         params: Iterable[tuple[str, nn.Parameter]],
         scaler_active: bool = False,
         now: bool = False,
-        carry: bool = False,
     ) -> bool:
         """Take step ``step``'s evidence; decide now or leave the verdict for ``resolve()``.
 
@@ -422,15 +404,6 @@ class NonFiniteGradient(NonFiniteVerdicts):
         update. ``params`` are the model's named parameters (read only without DDP). Returns
         True when the optimizer step must be skipped (``"skip_step"``); raises
         ``NonFiniteGradientError`` with ``"raise"`` (and ``"rollback"``, which the adapter acts on).
-
-        ``carry`` (every rank alike; only where the decision is left pending): the reduced
-        gradients are not read; the adapter hands ``rider()`` to an all-reduce it starts anyway
-        after the update (the weight fingerprint's) and passes its result to ``carried_by``, or
-        calls ``uncarried()`` if it starts none. The verdict is then: some rank's local gradients
-        held NaN or Inf (exact), or the reduced gradients did, read by a rank without exact local
-        evidence. Saves one read of the gradients per step; a NaN or Inf formed inside the
-        reduction from finite local gradients on every rank is not seen in that step (it reaches
-        the weights, and every rank's next gradients: an ``all_ranks`` verdict one step later).
         """
         self.resolve()
         t0 = time.perf_counter()
@@ -441,47 +414,10 @@ class NonFiniteGradient(NonFiniteVerdicts):
         if self.tap is None or not (local or is_distributed()):  # no DDP backward (one process): .grad
             return self._single_process(step, list(params), scaler_active, t0)
         if self.config.on_failure in _DEFERRED and not scaler_active and not now:
-            if carry:  # no read of the reduced gradients: the flag rides another check's all-reduce
-                self._pending = _StepFlags(step, None, local, scaler_active, rider=self._rider(local))
-            else:
-                self._pending = _StepFlags(step, self.tap.reduced_nonfinite(), local, scaler_active)
+            self._pending = _StepFlags(step, self.tap.reduced_nonfinite(), local, scaler_active)
             self.stats.add_time(time.perf_counter() - t0)
             return False
         return self._decide(_StepFlags(step, self.tap.reduced_nonfinite(), local, scaler_active), t0, list(params))
-
-    def _rider(self, local: list[tuple[torch.Tensor, list[nn.Parameter]]]) -> torch.Tensor:
-        """This rank's flag for a carried verdict (0-d bool on the device, no host read): its local
-        gradients held NaN or Inf, read exactly (``peaks``) at the end of backward; where this
-        rank has no such exact evidence (the per-parameter sums, which can overflow, or local
-        values that could not be read), whether the REDUCED gradients hold NaN or Inf, which
-        every rank would see alike."""
-        exact = self.batched and bool(local) and all(params for _, params in local)
-        if not exact:
-            reduced = self.tap.reduced_nonfinite() if self.tap is not None else None
-            return reduced if reduced is not None else torch.zeros((), dtype=torch.bool)
-        flags = [~torch.isfinite(values).all() for values, _ in local]
-        return flags[0] if len(flags) == 1 else torch.stack([f.to(flags[0].device) for f in flags]).any()
-
-    def rider(self) -> torch.Tensor | None:
-        """The pending verdict's flag waiting for a carrier (``verdict(..., carry=True)``), or None."""
-        flags = self._pending
-        return flags.rider if flags is not None and flags.carrier is None else None
-
-    def carried_by(self, carrier: HostRead, index: int) -> None:
-        """The all-reduce (MAX over the ranks) whose result ``carrier`` reads carries the pending
-        flag at ``index``: the verdict reads it there, identical on every rank."""
-        if self._pending is not None and self._pending.rider is not None:
-            self._pending.carrier, self._pending.index, self._pending.rider = carrier, index, None
-            self.stats.bump("carried_verdicts")
-
-    def uncarried(self) -> None:
-        """No all-reduce took the pending flag (the update was skipped, say): read the reduced
-        gradients now instead (call before they change: before ``zero_grad``)."""
-        flags = self._pending
-        if flags is not None and flags.rider is not None and flags.carrier is None:
-            flags.rider = None
-            reduced = self.tap.reduced_nonfinite() if self.tap is not None else None
-            flags.reduced, flags.bad = reduced, HostRead(reduced) if reduced is not None else None
 
     def resolve(self) -> None:
         """Read the pending verdict, if any (every rank, same place); raise or warn naming its step."""
@@ -496,7 +432,7 @@ class NonFiniteGradient(NonFiniteVerdicts):
         that step, or None."""
         flags, self._pending = self._pending, None
         self._local, self._seen, self._peaked, self._magnitudes = [], [], [], None
-        if flags is None or not flags.readable() or not flags.nonfinite():  # never waits for a peer
+        if flags is None or not flags.nonfinite():  # never waits for a peer
             return None
         warnings.warn(
             f"SDC check 'nonfinite_gradient': the gradients of step {flags.step} were non-finite after the "
@@ -508,8 +444,6 @@ class NonFiniteGradient(NonFiniteVerdicts):
 
     def _decide(self, flags: _StepFlags, t0: float, params: list[tuple[str, nn.Parameter]] | None = None) -> bool:
         """The verdict of ``flags.step`` from the reduced gradients (identical on every rank)."""
-        if flags.rider is not None:  # the adapter neither handed the flag to an all-reduce nor called uncarried()
-            raise RuntimeError(f"the non-finite verdict of step {flags.step} was to be carried but never was")
         self.stats.runs += 1
         if not flags.nonfinite():  # the host read
             return self._clean(flags.step, t0)
@@ -548,40 +482,6 @@ class NonFiniteGradient(NonFiniteVerdicts):
             names += [lookup.get(id(p), "?") for p, ok in zip(params, finite, strict=True) if not ok]
         names = list(dict.fromkeys(names))
         return names[: self.config.max_names] if names else None
-
-
-def carries(nonfinite: Any, fingerprint: Any, update: int, now: bool = False, scaler_active: bool = False) -> bool:
-    """Whether this step's non-finite verdict can ride the weight fingerprint's all-reduce after
-    update ``update`` (0-based; ``verdict(..., carry=...)``): the DDP checks, the comparison due
-    after this update, the verdict left pending (``"raise"``/``"warn"``, not ``now``, no
-    GradScaler). Depends only on what every rank has alike."""
-    return (
-        type(nonfinite) is NonFiniteGradient
-        and nonfinite.tap is not None
-        and nonfinite.config.on_failure in _DEFERRED
-        and type(fingerprint) is WeightFingerprint
-        and fingerprint.active
-        and fingerprint.due(update)
-        and not now
-        and not scaler_active
-    )
-
-
-def start_carrying(
-    fingerprint: Any, nonfinite: Any, step: int, module: nn.Module, optimizers: Iterable[torch.optim.Optimizer]
-) -> None:
-    """``fingerprint.start`` after update ``step``, carrying ``nonfinite``'s pending flag when it has
-    one (``rider``); if the start fails the flag is read from the reduced gradients instead."""
-    rider = nonfinite.rider() if isinstance(nonfinite, NonFiniteGradient) else None
-    if rider is None:
-        fingerprint.start(step, module, optimizers)
-        return
-    try:
-        carrier = fingerprint.start(step, module, optimizers, rider=rider)
-    except BaseException:
-        nonfinite.uncarried()
-        raise
-    nonfinite.carried_by(carrier, 2)
 
 
 def drop_step(params: Iterable[torch.Tensor], scaler_active: bool = False) -> None:

@@ -52,12 +52,13 @@ import math
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from sdc_core.checks.contract import Role
 from sdc_core.checks.matmul_bound import (
     NOTHING,
     LinearBound,
@@ -150,6 +151,8 @@ class MatmulChecksum:
     ``verdict`` reads the previous step's result and may raise ``ChecksumMismatchError`` naming
     that step. Checks run only between ``arm`` and ``verdict`` of a checked step.
     """
+
+    role: ClassVar[Role] = Role.MATMUL
 
     config: MatmulChecksumConfig = field(default_factory=MatmulChecksumConfig)
     stats: CheckStats = field(default_factory=lambda: CheckStats("matmul_checksum"))

@@ -27,11 +27,12 @@ import math
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.distributed as dist
 
+from sdc_core.checks.contract import Role
 from sdc_core.checks.screen_rule import (
     HEADER,
     Band,
@@ -177,6 +178,8 @@ class GradientScreen:
     (at most ``_MAX_PENDING`` steps may wait; older ones are judged first, in order).
     ``discard()`` forgets pending steps without any collective (training stops on another error).
     """
+
+    role: ClassVar[Role] = Role.SCREEN
 
     def __init__(self, config: ScreenConfig | None = None, topology: Topology | None = None) -> None:
         self.config = config or ScreenConfig()

@@ -20,87 +20,34 @@ If instead the main thread holds the GIL in C++ while it waits for that worker (
 reference to a ``ProcessGroupGloo`` joins its workers; DDP's reducer drops it with the GIL held),
 the process hangs. The callbacks cannot be avoided (a Python hook whose future has no Python value
 is refused by DDP), so the remedy is to let the workers finish with Python first:
-``settle_threads()`` releases the GIL until no thread outside Python's own is inside or waiting for
-a Python section. A C++ thread holds a Python thread state exactly while it is inside or waits to
-enter such a section (pybind11 creates it on entry and deletes it on exit), so the count of thread
-states that belong to no ``threading`` thread is the measure.
+``settle_threads()`` releases the GIL for a settle period, long enough for a worker already
+waiting for it to take it, run or release its callback and leave. The threads of C++ libraries
+are invisible to ``threading``, so the wait is a fixed period, not a count of waiting threads.
 
 ``arm()`` (the adapters call it when a check is attached to a distributed model) turns on the
 exit handler registered when this module is first imported: registered early, it runs after the
 ``atexit`` handlers registered later (trackers, Lightning's process-group teardown, the Accelerate
-hook set's), just before interpreter teardown. Cost: one settle period (0.1 s) at exit, and a
-few microseconds per poll; nothing during training.
+hook set's), just before interpreter teardown. Cost: one settle period (0.2 s) at exit and on
+a distributed run's way out of the loop; nothing during training.
 """
 
 from __future__ import annotations
 
 import atexit
-import ctypes
-import threading
 import time
 
-SETTLE_S = 0.1  # the thread-state count must stay unchanged this long
-TIMEOUT_S = 5.0  # never delay an exit longer than this (threads that keep entering Python)
+SETTLE_S = 0.2  # the GIL is released this long at exit
 
 _armed = False
 
 
-def _python_api() -> ctypes.PyDLL | None:
-    """CPython's C API through ctypes, with the three thread-state calls typed (None elsewhere)."""
-    try:
-        api = ctypes.pythonapi
-        api.PyInterpreterState_Get.restype = ctypes.c_void_p
-        api.PyInterpreterState_Get.argtypes = []
-        api.PyInterpreterState_ThreadHead.restype = ctypes.c_void_p
-        api.PyInterpreterState_ThreadHead.argtypes = [ctypes.c_void_p]
-        api.PyThreadState_Next.restype = ctypes.c_void_p
-        api.PyThreadState_Next.argtypes = [ctypes.c_void_p]
-    except (AttributeError, OSError):
-        return None
-    return api
-
-
-_API = _python_api()
-
-
-def foreign_thread_states() -> int | None:
-    """How many threads the ``threading`` module does not know (C++ threads: gloo workers,
-    autograd, data loaders' native threads) are inside or waiting for a section that holds the
-    GIL, read from the interpreter's list of thread states; None where it cannot be read (not
-    CPython). Call with the GIL held (any Python code does)."""
-    if _API is None:
-        return None
-    states, state = 0, _API.PyInterpreterState_ThreadHead(_API.PyInterpreterState_Get())
-    while state:
-        states += 1
-        state = _API.PyThreadState_Next(state)
-    known = sum(1 for t in threading.enumerate() if not isinstance(t, threading._DummyThread))  # type: ignore[attr-defined]
-    return max(states - known, 0)
-
-
-def settle_threads(settle_s: float = SETTLE_S, timeout_s: float = TIMEOUT_S, poll_s: float = 0.001) -> bool:
-    """Release the GIL until no foreign thread is inside or waiting for a Python section, i.e.
-    until the count of ``foreign_thread_states()`` has stayed the same for ``settle_s`` (zero, or
-    threads that keep a thread state for good), at most ``timeout_s``. Returns True when it
-    settled. Each poll sleeps ``poll_s`` without the GIL, so a waiting thread takes it at once;
-    without the C API it only sleeps ``settle_s``. Never raises; no collective."""
-    try:
-        if foreign_thread_states() is None:
-            time.sleep(settle_s)
-            return True
-        start = last_change = time.monotonic()
-        count = foreign_thread_states()
-        while True:
-            time.sleep(poll_s)
-            now, seen = time.monotonic(), foreign_thread_states()
-            if seen != count:
-                count, last_change = seen, now
-            elif now - last_change >= settle_s:
-                return True
-            if now - start >= timeout_s:
-                return False
-    except Exception:  # an exit path must not fail
-        return False
+def settle_threads(settle_s: float = SETTLE_S) -> None:
+    """Release the GIL for ``settle_s`` seconds (in short sleeps, so any thread waiting for the
+    GIL takes it at once): a gloo worker finishing a Python callback does so before the caller
+    goes on to free the process group or end the interpreter. Never raises; no collective."""
+    deadline = time.monotonic() + settle_s
+    while (left := deadline - time.monotonic()) > 0:
+        time.sleep(min(left, 0.01))
 
 
 def arm() -> None:
@@ -116,4 +63,4 @@ def _at_exit() -> None:
 
 atexit.register(_at_exit)
 
-__all__ = ["arm", "foreign_thread_states", "settle_threads"]
+__all__ = ["arm", "settle_threads"]

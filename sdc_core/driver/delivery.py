@@ -14,10 +14,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from sdc_core.checks.fingerprint import WeightFingerprint
+from sdc_core.checks.contract import Role, role_of
 from sdc_core.errors import SDCError
 from sdc_core.ops.incidents import record_verdict
-from sdc_core.sharded.checks import ShardedFingerprint
 
 
 class RolledBack:
@@ -90,7 +89,7 @@ def _policy(check: Any) -> str:
 def _rollback_bound(check: Any, error: SDCError) -> int:
     """The newest step a rollback may return to: for a weight fault, the step after the last
     comparison that found the replicas equal; for a compute fault, the faulty step."""
-    if isinstance(check, WeightFingerprint | ShardedFingerprint):
+    if role_of(check) is Role.FINGERPRINT:
         return check.stats.last_verified_step + 1
     return error.step
 

@@ -142,6 +142,11 @@ class SDCHooks:
     update_audit = _core("update_audit")
     checks = _core("checks")  # the cores in use (without the update audit)
 
+    def add_check(self, check: Any) -> SDCHooks:
+        """Register your ``sdc_core.checks.contract.StepCheck`` (every rank alike, before ``attach``)."""
+        self._cores.add(check)
+        return self
+
     @property
     def module(self) -> nn.Module | None:
         """The unwrapped model the hook set is attached to (None before ``attach``)."""
@@ -238,7 +243,7 @@ class SDCHooks:
         fw, driver = self._fw, self._driver
         if self._module is None:  # detached: the step as it was
             return original(*args, **kwargs)
-        if fw.sync_gradients:  # the screen's all_gather first: the last update's weight comparison rides it
+        if fw.sync_gradients:  # the screen's all_gather first, started right after backward
             driver.observe(self._context(optimizer))
         driver.resolve_pending(self._context(optimizer))  # the earlier steps' verdicts, also on accumulation steps
         if not fw.sync_gradients:
@@ -246,17 +251,13 @@ class SDCHooks:
         plan = driver.before_update(self._context(optimizer))
         self._log.write_due()  # this step's verdicts are in: the pending point is complete
         fw.begin_step()
-        try:
-            out = original(*args, **kwargs)
-        except BaseException:
-            driver.update_failed(plan)
-            raise
+        out = original(*args, **kwargs)
         step = self.step
         self.step += 1
         updated = not plan.skipped and not fw.step_was_skipped(optimizer)
         if updated:
             self._updates += 1
-        driver.after_update(self._context(optimizer, step, self._updates - 1), updated, plan)
+        driver.after_update(self._context(optimizer, step, self._updates - 1), updated)
         if self.step % self.settings.log_every_n_steps == 0:
             self.log()
         return out
@@ -282,7 +283,7 @@ class SDCHooks:
         extra read and one host wait); rank 0 logs the run's closing line. Raises the ``SDCError``
         on every process."""
         try:
-            self._compare_now()
+            self._compare_now(at_end=True)
             log_run_summary(self.step, self.checks, self._driver.seam)  # rank 0: what was checked and found
         finally:
             self.log(force=True)
@@ -310,10 +311,10 @@ class SDCHooks:
         self._compare_now()
         self.checkpoint_fingerprint = take_fingerprint(self._module, self._optimizer) if fingerprint else None
 
-    def _compare_now(self, compare: bool = True) -> None:
+    def _compare_now(self, compare: bool = True, at_end: bool = False) -> None:
         """The pending verdicts read and, with ``compare``, the current weights compared (every process)."""
         if self._module is not None and compare:
-            self._driver.compare_now(self._context())
+            self._driver.compare_now(self._context(), at_end)
         elif self.nonfinite is not None:  # only a non-finite verdict is read (not attached: of an earlier attachment)
             self._driver.delivery.deliver(self.nonfinite, self.nonfinite.resolve)
 

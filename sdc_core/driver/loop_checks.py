@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from sdc_core.checks.contract import Check
 from sdc_core.checks.fingerprint import WeightFingerprint
 from sdc_core.checks.gradient_tap import GradientTap
 from sdc_core.checks.gradients import NonFiniteGradient
@@ -62,11 +63,20 @@ class LoopChecks:
         else:
             self.matmul = None
         self._consumers: list[tuple[list[Any], Any]] = []  # (tap list, consumer) pairs to remove on detach
+        self.step_checks: list[Any] = []  # checks registered with ``add`` (``StepCheck``: run through the phases)
+
+    def add(self, check: Any) -> None:
+        """Register a check the driver runs through the phases (``sdc_core.checks.contract.StepCheck``)."""
+        if not isinstance(check, Check):
+            raise TypeError(f"a check needs a role, stats and discard() (sdc_core.checks.contract.StepCheck), "
+                            f"got {type(check).__name__}")  # fmt: skip
+        self.step_checks.append(check)
 
     @property
     def checks(self) -> list[Any]:
         """The cores in use (the update audit aside), whose counters the hook set logs and saves."""
-        return [c for c in (self.nonfinite, self.replay, self.fingerprint, self.matmul, self.screen) if c is not None]
+        cores = (self.nonfinite, self.replay, self.fingerprint, self.matmul, self.screen)
+        return [c for c in cores if c is not None] + self.step_checks
 
     def all(self) -> list[Any]:
         """Every core the driver orders, the update audit included."""

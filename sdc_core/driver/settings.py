@@ -61,6 +61,7 @@ def _own(default: Any, doc: str) -> Any:
 # fails when a config gains a setting that is neither here nor a field of SDCSettings
 NOT_OFFERED: dict[type, tuple[str, ...]] = {
     MatmulChecksumConfig: tuple(settings_of(MatmulChecksumConfig)),  # the switch matmul_checksum only
+    ScreenConfig: tuple(settings_of(ScreenConfig)),  # the switch gradient_screen only: the band calibrates itself
 }
 
 
@@ -74,8 +75,9 @@ class SDCSettings:
     the gradient check off. ``update_audit_every_n_steps`` (default 0, off) applies to FSDP2 models
     only (``WeightFingerprintCheck``'s argument of the same name); a DDP run ignores it.
     ``replay_allow_pickled_batches=True`` lets this rank unpickle a partner's micro-batch that is not
-    made of tensors, numbers and strings (trust every rank); False leaves it to
-    ``SDC_ALLOW_PICKLED_BATCHES`` (off unless set).
+    made of tensors, numbers and strings (trust every rank). False refuses it unless the launcher
+    sets ``SDC_ALLOW_PICKLED_BATCHES=1`` on every rank: kept so, since the receiver decides and an
+    operator may allow it for one job without touching the training script.
     """
 
     nonfinite_gradient: bool = _own(True, "check local gradients for NaN/Inf before the all-reduce")
@@ -111,13 +113,6 @@ class SDCSettings:
         True, "each step, compare the ranks' local-gradient peaks; a partner's replay confirms a hit before "
         "a rank is named",
     )  # fmt: skip
-    screen_groups: int = _from(ScreenConfig, "groups")
-    screen_min_band: float = _from(ScreenConfig, "min_band")
-    screen_max_band: float = _from(ScreenConfig, "max_band")
-    screen_initial_band: float = _from(ScreenConfig, "initial_band")
-    screen_z: float = _from(ScreenConfig, "z")
-    screen_window: int = _from(ScreenConfig, "window")
-    screen_calibration_samples: int = _from(ScreenConfig, "calibration_samples")
     matmul_checksum: bool = _own(False, "verify every nn.Linear product's row sums in forward and backward (opt-in)")
     log_every_n_steps: int = _own(50, "how often the counters go to the trackers")
 
@@ -146,7 +141,7 @@ class SDCSettings:
         """The every-step screen's config, or None when it (or the gradient check it reads from) is off."""
         if not (self.gradient_screen and self.nonfinite_gradient):
             return None
-        return ScreenConfig(**self._kwargs(ScreenConfig))
+        return ScreenConfig()  # its band's tuning is not offered (NOT_OFFERED)
 
     def matmul(self) -> MatmulChecksumConfig | None:
         """The matrix-product checksum check's config, or None when off."""

@@ -10,10 +10,9 @@ the trainer's events. What it owns, once:
   replay audit, then the update audit's snapshot. An earlier fault is never reported as a later
   one's symptom: weights flipped after step ``s`` make the replay of step ``s + 1`` disagree, but
   the comparison of step ``s`` is read first and names the tensors;
-* which verdict rides the fingerprint's all-reduce after the update (``carries``), and the
-  start of that comparison (``after_update``); with the every-step screen, the comparison's
-  values ride the screen's all_gather of the next step instead (``prepare`` sets the courier,
-  ``observe`` starts that all_gather before the earlier verdicts are read): one collective a step;
+* the start of the weight comparison after the update (``after_update``), in its own small
+  asynchronous all-reduce read one step later; each verdict has its own collective (or none: the
+  non-finite verdict reads the reduced gradients), nothing rides another check's payload;
 * what one check's verdict means for the others: a step the gradient check dropped is not
   audited; replicas healed or rolled back before the update are not audited (their gradients
   came from other weights); a replay disagreement is first checked against the replicas'
@@ -31,24 +30,20 @@ Cost: a few Python calls per step beyond the checks' own.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
 
+from sdc_core.checks.contract import Role, role_of
 from sdc_core.checks.fingerprint import WeightFingerprint, healed_by_comparison
-from sdc_core.checks.gradients import NonFiniteGradient, carries, drop_step, start_carrying
-from sdc_core.checks.screen import GradientScreen
+from sdc_core.checks.gradients import drop_step
 from sdc_core.driver.delivery import ROLLED_BACK, Delivery
 from sdc_core.errors import ReplayMismatchError, SDCError
 from sdc_core.ops.incidents import mark_verdict
 from sdc_core.replay.confirm import confirm_hits, skips
-from sdc_core.replay.ring import RingReplay
-from sdc_core.sharded.checks import ShardedFingerprint, ShardedNonFinite, is_sharded
-from sdc_core.sharded.replay import ShardedReplay
-from sdc_core.sharded.update_audit import UpdateAudit
+from sdc_core.sharded.checks import is_sharded
 
 
 @dataclass
@@ -62,8 +57,6 @@ class StepContext:
         module: the unwrapped (or ``fully_shard``) model.
         optimizers: the torch optimizers of the step (inner ones, not a framework's wrappers).
         scaler_active: an fp16 GradScaler scales this step.
-        carry: the gradient verdict may ride the fingerprint's all-reduce (one optimizer per
-            step, automatic optimisation: the comparison after this update is this step's).
     """
 
     index: int
@@ -71,16 +64,13 @@ class StepContext:
     module: nn.Module
     optimizers: list[Any]
     scaler_active: bool = False
-    carry: bool = True
 
 
 @dataclass
 class StepPlan:
-    """What ``before_update`` decided: the update is skipped on every rank, and the gradient
-    verdicts whose flag rides the fingerprint's all-reduce after it."""
+    """What ``before_update`` decided: the update is skipped on every rank."""
 
     skipped: bool = False
-    carrying: list[NonFiniteGradient] = field(default_factory=list)
 
 
 class Seam:
@@ -132,19 +122,25 @@ class Seam:
         return None
 
 
-def _of_kind(*kinds: type) -> Any:
-    """A property of ``StepDriver``: the checks now in use that are of one of ``kinds``, in order."""
-    return property(lambda self: [c for c in self._checks() if isinstance(c, kinds)])
+def _with_role(role: Role) -> Any:
+    """A property of ``StepDriver``: the checks now in use that declare ``role``, in order."""
+    return property(lambda self: [c for c in self._checks() if role_of(c) is role])
 
 
 class StepDriver:
     """The verdicts of the SDC checks in the order of cause and effect, for any seam.
 
+    The phases (``sdc_core.checks.contract.Phase``) map to the methods: ``AFTER_BACKWARD`` to
+    ``observe`` then ``resolve_pending``, ``BEFORE_UPDATE`` to ``before_update``, ``AFTER_UPDATE``
+    to ``after_update``, ``BEFORE_SAVE`` to ``before_save`` and ``AT_END`` to ``at_end``. The checks
+    are found by the ``Role`` they declare; a ``StepCheck`` is called in each phase after the
+    built-in checks of that phase.
+
     Args:
         seam: the framework's answers (``Seam``).
         checks: returns the checks now in use (the non-finite, fingerprint, replay, matmul and
-            update-audit cores, DDP or sharded); asked at every call, so a seam may swap a check
-            for its sharded variant or drop it.
+            update-audit cores, DDP or sharded, and any ``StepCheck``); asked at every call, so a
+            seam may swap a check for its sharded variant or drop it.
     """
 
     def __init__(self, seam: Seam, checks: Callable[[], Iterable[Any]]) -> None:
@@ -161,29 +157,20 @@ class StepDriver:
         sharded) keeps every step's micro-batches, so that a partner can confirm a hit in its step."""
         screening = bool(self.screens)
         for replay in self.replays:
-            if isinstance(replay, RingReplay):
-                replay.keep_every_step = screening
-        screens, fps = self.screens, self.fingerprints
-        courier = screens[0] if len(screens) == 1 and len(fps) == 1 else None  # one screen, one comparison
-        for fp in fps:
-            if isinstance(fp, WeightFingerprint):  # the weight comparison rides the screen's next all_gather
-                fp.courier = courier
+            replay.keep_every_step = screening
 
     # -- the checks, by kind ----------------------------------------------------------------------
 
-    nonfinite = _of_kind(NonFiniteGradient, ShardedNonFinite)
-    fingerprints = _of_kind(WeightFingerprint, ShardedFingerprint)
-    replays = _of_kind(RingReplay, ShardedReplay)
-    update_audits = _of_kind(UpdateAudit)
-    screens = _of_kind(GradientScreen)
+    nonfinite = _with_role(Role.NONFINITE)
+    fingerprints = _with_role(Role.FINGERPRINT)
+    replays = _with_role(Role.REPLAY)
+    update_audits = _with_role(Role.UPDATE_AUDIT)
+    screens = _with_role(Role.SCREEN)
+    matmuls = _with_role(Role.MATMUL)
+    step_checks = _with_role(Role.STEP_CHECK)
 
     @property
-    def matmuls(self) -> list[Any]:
-        matmul = sys.modules.get("sdc_core.checks.matmul")  # not loaded: no such check exists (an opt-in, heavy import)
-        return [c for c in self._checks() if isinstance(c, matmul.MatmulChecksum)] if matmul is not None else []
-
-    @property
-    def _magnitudes(self) -> NonFiniteGradient | ShardedNonFinite | None:
+    def _magnitudes(self) -> Any:
         """The gradient check whose read gives the screen its magnitudes (``want_magnitudes``): the
         DDP one, or the sharded one (per run of FSDP parameter groups)."""
         return next((nf for nf in self.nonfinite if nf.magnitude_groups), None)
@@ -233,9 +220,8 @@ class StepDriver:
     def gradients(self, step: StepContext, now: bool = False) -> bool:
         """Hand this step's gradients to the non-finite checks (once per step): the verdict is read
         now when the policy needs it before the update, when ``now`` (a caller about to act on
-        the gradients) or when a replay audits this step, else one step later (riding the
-        fingerprint's all-reduce where ``carries`` allows). True when the update is dropped."""
-        fps = self.fingerprints
+        the gradients) or when a replay audits this step, else one step later. True when the
+        update is dropped."""
         audited = now or any(r.armed for r in self.replays)
         dropped = False
         for nf in self.nonfinite:
@@ -243,12 +229,10 @@ class StepDriver:
             if decided is not None and decided[0] == step.index:
                 dropped = dropped or decided[1]
                 continue
-            carry = step.carry and len(fps) == 1 and carries(nf, fps[0], step.update, now=audited,
-                                                             scaler_active=step.scaler_active)  # fmt: skip
 
-            def verdict(nf: Any = nf, carry: bool = carry) -> bool:
+            def verdict(nf: Any = nf) -> bool:
                 return bool(nf.verdict(step.index, step.module.named_parameters(), scaler_active=step.scaler_active,
-                                       now=audited, carry=carry))  # fmt: skip
+                                       now=audited))  # fmt: skip
 
             out = self._gradients(nf, verdict, step)
             drop = out is True or out is ROLLED_BACK
@@ -263,14 +247,16 @@ class StepDriver:
         self.gradients(step, now=True)
 
     def observe(self, step: StepContext) -> None:
-        """Start this step's screen all_gather (every rank, right after the sync backward, before
-        ``resolve_pending``: the last update's weight comparison rides it; once per step)."""
+        """Start this step's screen all_gather (every rank, right after the sync backward; once per
+        step)."""
         if self._observed == step.index:
             return
         self._observed = step.index
         source = self._magnitudes
         for screen in self.screens:
             screen.observe(step.index, source.take_magnitudes() if source is not None else None, self.seam.loss())
+        for check in self.step_checks:
+            self.delivery.deliver(check, lambda c=check: c.after_backward(step), check.policy)
 
     def before_update(self, step: StepContext) -> StepPlan:
         """This step's verdicts, before its update (every rank, after backward; once per step:
@@ -283,7 +269,6 @@ class StepDriver:
         for matmul in self.matmuls:  # the step's products: sent now, read at the next step
             self.delivery.deliver(matmul, lambda m=matmul: m.verdict(step.index))
         plan.skipped = self.gradients(step)
-        plan.carrying = [nf for nf in self.nonfinite if isinstance(nf, NonFiniteGradient) and nf.rider() is not None]
         for screen in self.screens:
             if self._screen(screen, step, plan.skipped):
                 drop_step(step.module.parameters(), scaler_active=step.scaler_active)
@@ -297,36 +282,28 @@ class StepDriver:
                 # a transient fault (or rolled back, or explained by the weights): every rank drops this step
                 drop_step(step.module.parameters(), scaler_active=step.scaler_active)
                 plan.skipped = True
+        for check in self.step_checks:
+            out = self.delivery.deliver(check, lambda c=check: c.before_update(step), check.policy)
+            if out is True or out is ROLLED_BACK:
+                drop_step(step.module.parameters(), scaler_active=step.scaler_active)
+                plan.skipped = True
         for audit in self.update_audits:  # last: the update's inputs as the optimizer will see them
             audit.before_update(step.index, step.optimizers[0])
         self._planned = (step.index, plan)
         return plan
 
-    def update_failed(self, plan: StepPlan) -> None:
-        """The optimizer step raised: the carried verdicts are read from the reduced gradients."""
-        for nf in plan.carrying:
-            nf.uncarried()
-
-    def after_update(self, step: StepContext, updated: bool, plan: StepPlan | None = None) -> None:
+    def after_update(self, step: StepContext, updated: bool) -> None:
         """After the update of ``step`` (``step.update``: its index): the update audit's verdict,
-        then the comparison of the replicas' new weights, started (read at the next step),
-        carrying the gradient verdict left for it (``plan``: default, what ``before_update``
-        decided for this step). Without an update, the carried verdict is read from the reduced
-        gradients instead."""
+        then, when the weights were updated, the comparison of the replicas' new weights, started
+        (read at the next step)."""
         for audit in self.update_audits:
             self.delivery.deliver(audit, lambda a=audit: a.audit(step.index), "raise")
-        if plan is None and self._planned is not None and self._planned[0] == step.index:
-            plan = self._planned[1]
-        carrying = plan.carrying if plan is not None else []
-        if not updated:
-            for nf in carrying:
-                nf.uncarried()
-            return
-        fps = self.fingerprints
-        for fp in fps:
-            if fp.active and fp.due(step.update):
-                start_carrying(fp, carrying[0] if carrying and len(fps) == 1 else None, step.index, step.module,
-                               step.optimizers)  # fmt: skip
+        if updated:
+            for fp in self.fingerprints:
+                if fp.active and fp.due(step.update):
+                    fp.start(step.index, step.module, step.optimizers)
+        for check in self.step_checks:
+            self.delivery.deliver(check, lambda c=check: c.after_update(step, updated), check.policy)
 
     def _screen(self, screen: Any, step: StepContext, skipped: bool) -> bool:
         """This step's screen verdict (read now: its confirmation needs the weights the step
@@ -337,12 +314,12 @@ class StepDriver:
         against the replicas' weights first as the replay's own. Without such a replay, or on a
         step already dropped or audited anyway, hits are only counted. True: drop the step."""
         result = screen.suspects(step.index)
-        keepers = [r for r in self.replays if isinstance(r, RingReplay) and r.keep_every_step and r.active]
-        if not result or skipped or not keepers or keepers[0].armed:
-            for replay in keepers:
-                replay.take_kept(step.index)
+        recording = [r for r in self.replays if r.keep_every_step and r.active]  # this step's batches kept
+        if not result or skipped or not recording or recording[0].armed:
+            for replay in recording:
+                replay.take_kept_batches(step.index)  # forgotten: no confirmation needs them
             return False
-        replay, source = keepers[0], self._magnitudes
+        replay, source = recording[0], self._magnitudes
 
         def confirm() -> bool:
             group_of = source.magnitude_group if source is not None else (lambda name: None)
@@ -399,16 +376,15 @@ class StepDriver:
 
     # -- checkpoints and the end --------------------------------------------------------------
 
-    def compare_now(self, step: StepContext) -> bool:
+    def compare_now(self, step: StepContext, at_end: bool = False) -> bool:
         """Read the pending verdicts and compare the replicas' current weights at once, whatever
         the cadence (every rank; one host wait and one read of the weights): the matmul and
-        non-finite verdicts still pending, then the pending comparison and a fresh one. True
-        when a heal or rollback changed the weights."""
+        non-finite verdicts still pending, then the pending comparison and a fresh one, then each
+        ``StepCheck``'s ``before_save`` (``at_end``: its ``at_end``). True when a heal or
+        rollback changed the weights."""
         for matmul in self.matmuls:
             self.delivery.deliver(matmul, matmul.resolve)
         for nf in self.nonfinite:
-            if isinstance(nf, NonFiniteGradient):
-                nf.uncarried()  # a verdict no all-reduce carried: read from the reduced gradients
             self._gradients(nf, nf.resolve, step)
         changed, last = False, max(step.index - 1, 0)
         for fp in self.fingerprints:
@@ -417,15 +393,18 @@ class StepDriver:
             failures = fp.stats.failures
             self.delivery.deliver(fp, lambda f=fp: f.check_now(last, step.module, step.optimizers), "heal")
             changed = changed or fp.stats.failures != failures
+        for check in self.step_checks:
+            phase = check.at_end if at_end else check.before_save
+            self.delivery.deliver(check, lambda p=phase: p(step), check.policy)
         return changed
 
-    def before_save(self, step: StepContext, key: Any = None) -> bool:
+    def before_save(self, step: StepContext, key: Any = None, at_end: bool = False) -> bool:
         """``compare_now`` before a checkpoint is written (every rank, before any file exists),
         once per ``key`` (a seam whose checks each see the save passes the same key: the first
         call compares, the others get its answer). True when a heal or rollback changed the weights."""
         if key is not None and self._saved is not None and self._saved[0] == key:
             return self._saved[1]
-        changed = self.compare_now(step)
+        changed = self.compare_now(step, at_end)
         self._saved = (key, changed) if key is not None else None
         return changed
 

@@ -9,7 +9,7 @@ step, before the update, on the weights the step computed with:
    references, RNG and the captured state) to its ring partner ``p`` (one ``exchange``);
 2. ``p`` recomputes them side-effect free and takes the same statistic (per group the log2 of the
    largest gradient magnitude); every rank gathers the recomputed rows (one ``all_gather``).
-   Where a re-run runs collectives (``replay.lockstep``: the sharded replay, FSDP's all-gathers)
+   Where a re-run runs collectives (``replay.collective_reruns``: the sharded replay, FSDP's all-gathers)
    every rank sends its kept micro-batches to its partner and every rank re-runs its owner's,
    together, after one small all_reduce agreed that every rank can (``_agree``); else none does;
 3. every rank decides alike, per flagged rank:
@@ -28,7 +28,7 @@ threshold: a nondeterministic reduction changes a peak by a relative 1e-6, ``REP
 factor of 2, while a flag means a value at least ``min_band`` (2^5) above the ranks' median.
 Cost: nothing on a step without a flag; on a flagged step, the transfer of the suspects'
 micro-batches, one forward and backward per suspect on its partner, and two small collectives
-(lockstep: every rank's micro-batches travel and every rank re-runs them, three collectives).
+(collective re-runs: every rank's micro-batches travel and every rank re-runs them, three collectives).
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def confirm_hits(
     rank alike, in the step, before its update): the verdict naming the confirmed ranks, or
     None (``skips`` applies the policy)."""
     step = result.step
-    kept = replay.take_kept(step)
+    kept = replay.take_kept_batches(step)
     topo: Topology = replay.topology or Topology.gather()
     partners = replay_partners(topo, replay.groups)
     inverse = owners_of(partners)
@@ -75,10 +75,10 @@ def confirm_hits(
     me = topo.rank
     replay.stats.bump("screen_escalations")
     owner = inverse[me]
-    lockstep = bool(getattr(replay, "lockstep", False))  # a re-run is a collective (sharded): every rank re-runs
-    sends = {partners[me]: kept} if me in hits or lockstep else {}
+    collective = bool(getattr(replay, "collective_reruns", False))  # sharded: every rank re-runs
+    sends = {partners[me]: kept} if me in hits or collective else {}
     try:
-        received = replay.exchange_batches(sends, [owner] if owner in hits or lockstep else [])
+        received = replay.exchange_batches(sends, [owner] if owner in hits or collective else [])
     except PayloadError:  # raised on every rank together: a peer sent what is refused; no witness, no verdict
         replay.stats.bump("screen_unconfirmed", len(hits))
         return None
@@ -86,7 +86,7 @@ def confirm_hits(
     mine = torch.full((width + 1,), float("nan"), dtype=torch.float64)  # the groups' peaks, the loss (log2)
     note = ""
     batches = received.get(owner)
-    if lockstep:
+    if collective:
         batches, note = _agree(replay, batches)
     if isinstance(batches, list) and batches:
         try:
@@ -145,7 +145,7 @@ def _recomputed_peaks(
 
 
 def _agree(replay: Any, batches: Any) -> tuple[Any, str]:
-    """Lockstep re-runs (``replay.lockstep``: each re-run runs collectives, FSDP's all-gathers):
+    """Collective re-runs (``replay.collective_reruns``: each re-run runs collectives, FSDP's all-gathers):
     every rank re-runs its owner's micro-batches, or none does. One small all_reduce (every rank
     alike) agrees on the count and on every rank being able (``replay.screen_ready``); returns
     ``(batches, "")`` to re-run, or ``(None, why)``."""

@@ -88,11 +88,12 @@ import warnings
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 from torch import nn
 
+from sdc_core.checks.contract import Role
 from sdc_core.checks.gradient_tap import GradientTap
 from sdc_core.dist.payload import PayloadError
 from sdc_core.dist.payload_checks import check_replay_payload
@@ -283,6 +284,8 @@ class RingReplay:
     calibration starts over in that mode (``Calibration``; the module docstring tells the rest).
     """
 
+    role: ClassVar[Role] = Role.REPLAY
+
     config: ReplayConfig = field(default_factory=ReplayConfig)
     stats: CheckStats = field(default_factory=lambda: CheckStats("ring_replay"))
     topology: Topology | None = None
@@ -292,7 +295,7 @@ class RingReplay:
     label: str = "The ring replay audit"  # how failure texts name the audit (adapters: their class name)
     disabled: bool = False
     replaying: bool = False
-    lockstep: bool = False  # replays run collectives (sharded models): every rank replays in every round
+    collective_reruns: bool = False  # a re-run runs collectives (sharded models): every rank replays in every round
     groups: list[tuple[int, ...]] | None = None  # ranks computing one batch together (tensor parallel), or None
     _armed_step: int | None = None
     _micro: list[MicroBatch] = field(default_factory=list)
@@ -361,7 +364,7 @@ class RingReplay:
         """True while a step that is not audited is recorded for a possible escalation."""
         return self._armed_step is None and self.kept.step is not None
 
-    def take_kept(self, step: int) -> list[MicroBatch]:
+    def take_kept_batches(self, step: int) -> list[MicroBatch]:
         """The micro-batches kept for ``step`` (its state as captured), then forgotten; empty when
         none were kept for that step."""
         return self.kept.take(step)
@@ -553,7 +556,7 @@ class RingReplay:
             return self._replay_digest(module, batches, step_fn, to_device, context)
 
         run = StepAudit(step, topo, self.config, self.stats, self.calibration, lambda: self.names, self.groups,
-                        self.lockstep, self.advice, micro, own, failure=failure, recompute=recompute,
+                        self.collective_reruns, self.advice, micro, own, failure=failure, recompute=recompute,
                         exchange=self._exchange, unreplayable=self._unreplayable, t0=t0)  # fmt: skip
         try:
             result = run.run()

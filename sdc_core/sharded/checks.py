@@ -25,12 +25,13 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from sdc_core.checks.contract import Role
 from sdc_core.checks.digest import combine, grouped_digests, home_device
 from sdc_core.checks.fingerprint import FingerprintConfig, fingerprinted_tensors, vote
 from sdc_core.checks.gradients import NonFiniteVerdicts
@@ -196,11 +197,9 @@ class ShardedNonFinite(NonFiniteVerdicts):
         return self._pending.step if self._pending is not None else None
 
     def verdict(self, step: int, params: Iterable[tuple[str, nn.Parameter]], scaler_active: bool = False,
-                now: bool = False, carry: bool = False) -> bool:  # fmt: skip
+                now: bool = False) -> bool:  # fmt: skip
         """Take step ``step``'s local flags and start the all-reduce; decide now or leave the
-        verdict for ``resolve()`` (see the class docstring). Resolves a pending verdict first.
-        ``carry`` (``NonFiniteGradient.verdict``'s) has no effect: the flag rides in the
-        reduce-scatter already."""
+        verdict for ``resolve()`` (see the class docstring). Resolves a pending verdict first."""
         self.resolve()
         t0 = time.perf_counter()
         seen, self._seen = self._seen, []
@@ -325,6 +324,8 @@ class ShardedFingerprint:
     in the replica group plus 8 bytes per rank in the world; no host synchronisation in the step.
     Extra memory: a copy of the small tensors (under ``SMALL_TENSOR`` elements) only.
     """
+
+    role: ClassVar[Role] = Role.FINGERPRINT
 
     config: FingerprintConfig = field(default_factory=FingerprintConfig)
     stats: CheckStats = field(default_factory=lambda: CheckStats("weight_fingerprint"))

@@ -18,7 +18,7 @@ own device, or where every pair disagrees, raises ``ReplayUnavailableError`` on 
 an SDC verdict), ``exact="auto"`` calibration, the attribution (a rank that disagrees as owner
 and as replayer; a single disagreeing pair settled by a referee rank replaying the disputed
 batch), the transient/persistent classification and ``on_failure="skip_step"``. Because a replay
-runs collectives, every rank replays in every round (``lockstep``): ranks without a pair to
+runs collectives, every rank replays in every round (``collective_reruns``): ranks without a pair to
 referee, and the ranks beside the suspect's re-run, re-run their own micro-batches alongside.
 
 Tensor parallelism (mesh dimensions FSDP does not use, read from the parameters' device mesh):
@@ -140,7 +140,7 @@ class ShardedReplay(RingReplay):
     ``record_loss``, ``audit``), with ``attach(module, ...)`` tapping the FSDP reduce-scatters."""
 
     taps: list[GradientTapComm] = field(default_factory=list)
-    lockstep: bool = True
+    collective_reruns: bool = True
     _labels: list[str] = field(default_factory=list)
     _replayed: list[tuple[Row, str]] = field(default_factory=list)
     _frozen: list[torch.Tensor] = field(default_factory=list)  # sharded parameters that do not train
@@ -225,7 +225,7 @@ class ShardedReplay(RingReplay):
     def screen_ready(self, batches: list[MicroBatch]) -> str:
         """Why this rank cannot recompute ``batches`` (a kept step's micro-batches, its partner's
         or its own) as the screen's confirmation needs, or ``""`` when it can. Host state only; the
-        caller agrees on the answer with every rank before anyone replays (``lockstep``).
+        caller agrees on the answer with every rank before anyone replays (``collective_reruns``).
         Refused: no micro-batches; this step's own reduce-scatters did not run once per
         micro-batch (``set_requires_gradient_sync(False)`` on accumulation micro-batches: the
         owner's peaks are of their sum, a re-run's of each); frozen sharded parameters changed
@@ -249,7 +249,7 @@ class ShardedReplay(RingReplay):
         context: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
     ) -> torch.Tensor:
         """Recompute ``batches`` through the sharded model (a collective: every rank, each its own
-        batches, ``lockstep``), handing each FSDP parameter group's flat LOCAL unsharded gradient
+        batches, ``collective_reruns``), handing each FSDP parameter group's flat LOCAL unsharded gradient
         (padding zero) of each micro-batch to ``consume(first parameter name, flat)`` inside its
         suppressed reduce-scatter; no side effect. Frozen sharded parameters are read live
         (``screen_ready`` refuses a step that changed them). Returns the summed loss (float64)."""

@@ -27,11 +27,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
+from sdc_core.checks.contract import Role
 from sdc_core.checks.digest import tensor_digest
 from sdc_core.dist.payload_checks import check_update_payload
 from sdc_core.dist.topology import (
@@ -93,6 +94,8 @@ class UpdateAudit:
     Adapters call ``attach(optimizer, module)`` once, ``before_update(step, optimizer)`` after
     backward and right before the update (gradients final, parameters and state pre-step), and
     ``audit(step)`` after the update, on every rank."""
+
+    role: ClassVar[Role] = Role.UPDATE_AUDIT
 
     every_n_steps: int = setting(1, "FSDP2: a partner recomputes each rank's optimizer update every n steps (>= 1)")
     stats: CheckStats = field(default_factory=lambda: CheckStats("update_audit"))

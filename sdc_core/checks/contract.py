@@ -1,0 +1,117 @@
+"""The check contract: the phases of an optimizer step, and what the step driver asks of a check.
+
+Every check takes part in one training step in the same order, written once in
+``sdc_core.driver.step.StepDriver`` (``STEP_PHASES``, then ``BEFORE_SAVE`` before a checkpoint is
+written and ``AT_END`` after the loop); each seam (the hook set, the Lightning callbacks)
+translates its framework's events into these phases and nothing more:
+
+* ``AFTER_BACKWARD``: the step's gradients are reduced; collectives whose results are read later
+  in the step start here (the screen's all_gather), and the verdicts of earlier steps are read
+  (an earlier step's fault is never reported as a later one's symptom);
+* ``BEFORE_UPDATE``: this step's verdicts that must precede the update (a dropped step, a replay);
+* ``AFTER_UPDATE``: what compares the update's result (the weight fingerprint), started now and
+  read at the next step's ``AFTER_BACKWARD``;
+* ``BEFORE_SAVE`` and ``AT_END``: every pending verdict read, the replicas' weights compared now.
+
+A check declares its ``role`` (``Role``): the built-in roles are the checks whose verdicts the
+driver relates to each other (a replay disagreement checked against the weights first, a screen
+hit confirmed by the replay, a dropped step not audited). Any other check is a ``StepCheck``:
+the driver calls its phase methods in the order above and delivers what they raise like any
+verdict (the incident, the policy, the exit code). Adding one is one class and one registration
+(``SDCHooks.add_check``, or a Lightning callback's ``_checks``), with no change to the driver.
+
+Every rank calls the same phase methods in the same order; a check runs the same collectives
+on every rank, on its error paths too. Cost: a method call per check and phase.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Any, ClassVar, Protocol, runtime_checkable
+
+from sdc_core.stats import CheckStats
+
+
+class Phase(Enum):
+    """Where in an optimizer step a check may act (module docstring: what each one is for)."""
+
+    AFTER_BACKWARD = "after_backward"
+    BEFORE_UPDATE = "before_update"
+    AFTER_UPDATE = "after_update"
+    BEFORE_SAVE = "before_save"
+    AT_END = "at_end"
+
+
+STEP_PHASES = (Phase.AFTER_BACKWARD, Phase.BEFORE_UPDATE, Phase.AFTER_UPDATE)  # one step's, in this order
+
+
+class Role(Enum):
+    """What a check is to the driver: a built-in role whose verdicts the driver relates to the
+    others', or ``STEP_CHECK`` (run through the phases on its own)."""
+
+    NONFINITE = "nonfinite"  # local gradients checked for NaN/Inf (DDP or sharded)
+    SCREEN = "screen"  # the every-step comparison of the ranks' gradient magnitudes
+    REPLAY = "replay"  # a partner recomputes a rank's micro-batch (DDP or sharded)
+    FINGERPRINT = "fingerprint"  # the replicas' weights compared after the update (DDP or sharded)
+    UPDATE_AUDIT = "update_audit"  # a partner recomputes a shard's optimizer update (FSDP2)
+    MATMUL = "matmul"  # every nn.Linear product's row sums verified in forward and backward
+    STEP_CHECK = "step_check"  # any other check: a ``StepCheck``
+
+
+@runtime_checkable
+class Check(Protocol):
+    """What every check has: its role, its settings (a frozen config dataclass, or None), its
+    counters (logged to the trackers and saved in checkpoints), and a way to drop what it has in
+    flight without a collective when training stops on an error (the other ranks may be gone)."""
+
+    role: ClassVar[Role]
+    stats: CheckStats
+
+    def discard(self) -> Any: ...
+
+
+class StepCheck:
+    """Base class of a check the driver runs through the phases (``Role.STEP_CHECK``).
+
+    Each method gets the step (``sdc_core.driver.step.StepContext``: index, update index, module,
+    optimizers) and may raise an ``SDCError``: the driver delivers it as the check's verdict under
+    ``policy``. A verdict that needs a collective should start it in one phase and read it in a
+    later one (a pending verdict), so no phase waits on the device. The defaults do nothing.
+    """
+
+    role: ClassVar[Role] = Role.STEP_CHECK
+    policy: ClassVar[str] = "raise"  # how a verdict is recorded in its incident
+
+    def __init__(self, name: str, config: Any = None, topology: Any = None) -> None:
+        self.stats = CheckStats(name)  # its counters: ``sdc/<name>/...`` in the trackers
+        self.config = config  # its settings (written into an incident), or None
+        self.topology = topology  # the ranks' hosts (``Topology``), for an incident; None: gathered then
+        self.last_error: Any = None  # the last verdict (an ``SDCError``), set by the delivery
+
+    def after_backward(self, step: Any) -> None:
+        """The step's gradients are reduced: read earlier steps' pending verdicts, start this step's."""
+
+    def before_update(self, step: Any) -> bool:
+        """This step's verdict before its update; True drops the update on every rank."""
+        return False
+
+    def after_update(self, step: Any, updated: bool) -> None:
+        """After the update (``updated``: the weights changed): start a comparison read later."""
+
+    def before_save(self, step: Any) -> None:
+        """Before a checkpoint is written: read every pending verdict now."""
+
+    def at_end(self, step: Any) -> None:
+        """After the loop: read every pending verdict now (defaults to ``before_save``)."""
+        self.before_save(step)
+
+    def discard(self) -> None:
+        """Training stops on an error: drop what is in flight, with no collective."""
+
+
+def role_of(check: Any) -> Role:
+    """The role ``check`` declares (``Role.STEP_CHECK`` for one that declares none)."""
+    return getattr(check, "role", Role.STEP_CHECK)
+
+
+__all__ = ["STEP_PHASES", "Check", "Phase", "Role", "StepCheck", "role_of"]
