@@ -276,12 +276,9 @@ class SDCHooks:
                 warnings.warn(f"SDC counters not logged: {log_err!r}", RuntimeWarning, stacklevel=3)
 
     def finish(self) -> None:
-        """Read the last pending verdicts, compare the final weights and log (every process,
-        after the loop).
-
-        The pending verdicts are read, then the current weights compared whatever the cadence (one
-        extra read and one host wait); rank 0 logs the run's closing line. Raises the ``SDCError``
-        on every process."""
+        """After the loop, on every process: the pending verdicts read, then the current weights
+        compared whatever the cadence (one extra read and one host wait); rank 0 logs the run's
+        closing line. Raises the ``SDCError`` on every process."""
         try:
             self._compare_now(at_end=True)
             log_run_summary(self.step, self.checks, self._driver.seam)  # rank 0: what was checked and found
