@@ -310,10 +310,11 @@ def all_gather_tensor(value: torch.Tensor) -> torch.Tensor:
 
 def _agree(failures: list[str], what: str) -> None:
     """Raise ``PayloadError`` on every rank when any rank lists a failure (a collective: every rank
-    calls it at the same point). Costs one 4-byte all-gather; the texts (512 bytes a rank) travel
-    only when some rank failed."""
-    flags = all_gather_tensor(torch.tensor([len(failures)], dtype=torch.int32, device=collective_device()))
-    if not any(flags.flatten().tolist()):
+    calls it at the same point). Costs one 4-byte all-reduce, whatever the world size; the texts
+    (512 bytes a rank) are gathered only when some rank failed."""
+    flag = torch.tensor([len(failures)], dtype=torch.int32, device=collective_device())
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if not int(flag.item()):
         return
     mine = "; ".join(failures).encode("utf-8", "replace")[:_TEXT_BYTES]
     text = torch.zeros(_TEXT_BYTES, dtype=torch.uint8)
@@ -401,6 +402,11 @@ def _fit(data: torch.Tensor, size: int) -> torch.Tensor:
     return out
 
 
+def _pair_key(src: int, dst: int) -> int:
+    """A pseudo-random 40-bit key of the transfer ``src -> dst`` (sums of up to 2^23 keys fit an int64)."""
+    return ((src * 2_654_435_761 + dst * 40_503 + 1) * 0x9E3779B97F4A7C15 % (1 << 64)) >> 24
+
+
 def exchange(
     sends: dict[int, Any],
     recv_from: list[int],
@@ -418,43 +424,43 @@ def exchange(
     rank cannot send (it would need pickling, or is larger than ``max_bytes``) arrives as
     ``{TRANSFER_ERROR: why}``.
 
-    Guarantees: the plan and every size are agreed first (one all-gather of ``2W + 1`` integers
-    a rank) and checked on every rank against the smallest ``max_bytes`` of all ranks (default
-    ``SDC_MAX_PAYLOAD_MB`` or 4 GiB); receive buffers are allocated and that is agreed (4 bytes
-    a rank); after the transfer each receiver decodes and runs ``validate`` (raising on a shape
-    its caller cannot use), and that is agreed (4 bytes a rank). Any failure (an inconsistent
-    plan, a size over the limit, a buffer that cannot be held, a malformed payload, a pickled
-    object this rank does not accept, a failed ``validate``) raises ``PayloadError`` on every
-    rank, naming the ranks, never on one while the others wait. Cost: one copy of each payload
-    into a buffer and one out; three small collectives beside the transfers."""
-    world, me = dist.get_world_size(), dist.get_rank()
-    device = collective_device()
-    allow, limit = pickle_allowed(allow_pickle), max_payload_bytes(max_bytes)
+    Guarantees: the plans are checked against each other first (one all-reduce of four integers:
+    the counts of sends and receives and sums of a key of each pair agree only when every send
+    has its receive), the smallest ``max_bytes`` of all ranks is agreed (one all-reduce; default
+    ``SDC_MAX_PAYLOAD_MB`` or 4 GiB), each sender announces its size to its receiver (8 bytes,
+    point to point) and each receiver checks it; receive buffers are allocated and that is agreed;
+    after the transfer each receiver decodes and runs ``validate`` (raising on a shape its caller
+    cannot use), and that is agreed. Any failure (plans that do not match, a size over the limit,
+    a buffer that cannot be held, a malformed payload, a pickled object this rank does not
+    accept, a failed ``validate``) raises ``PayloadError`` on every rank, naming the ranks, never
+    on one while the others wait. Cost per rank, whatever the world size: one copy of each
+    payload into a buffer and one out, an 8-byte size per partner, and five all-reduces of at
+    most 32 bytes beside the transfers (the failure texts are gathered only on a failure)."""
+    me, device = dist.get_rank(), collective_device()
+    allow = pickle_allowed(allow_pickle)
+    agreed = torch.tensor([max_payload_bytes(max_bytes)], dtype=torch.int64, device=device)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MIN)  # the smallest limit of all ranks
+    limit = int(agreed.item())
+    plan = torch.tensor([len(sends), len(recv_from), sum(_pair_key(me, d) for d in sends),
+                         sum(_pair_key(s, me) for s in recv_from)], dtype=torch.int64, device=device)  # fmt: skip
+    dist.all_reduce(plan)  # every send matched by a receive, and no other: the sums agree
+    sent, expected, sent_keys, expected_keys = plan.tolist()
+    if sent != expected or sent_keys != expected_keys:
+        raise PayloadError(f"payload exchange failed: the ranks' plans do not match ({sent} sends, {expected} "
+                           "receives expected, or other pairs)")  # fmt: skip
     payloads = {dst: _outgoing(obj, allow, limit) for dst, obj in sends.items()}
-    row = [-1] * world + [0] * world + [limit]
-    for dst, data in payloads.items():
-        row[dst] = data.numel()
-    for src in recv_from:
-        row[world + src] = 1
-    table = all_gather_tensor(torch.tensor(row, dtype=torch.int64, device=device)).tolist()
-    agreed = min(r[2 * world] for r in table)
-    problems = []
-    for s in range(world):
-        for d in range(world):
-            size, expected = table[s][d], bool(table[d][world + s])
-            if size < -1 or size > agreed or size == 0:
-                problems.append(f"rank {s} announced {size} bytes for rank {d} (the limit is {agreed} bytes, "
-                                f"{MAX_PAYLOAD_ENV})")  # fmt: skip
-            elif (size >= 0) != expected:
-                problems.append(f"rank {s} {'sends to' if size >= 0 else 'sends nothing to'} rank {d}, which "
-                                f"{'does not expect it' if size >= 0 else 'expects a payload'}")  # fmt: skip
-    if problems:
-        raise PayloadError("payload exchange failed: " + "; ".join(problems[:8]))
+    announced = {dst: torch.tensor([data.numel()], dtype=torch.int64, device=device) for dst, data in payloads.items()}
+    sizes = {src: torch.zeros(1, dtype=torch.int64, device=device) for src in recv_from}
+    for work in [dist.isend(t, d) for d, t in announced.items()] + [dist.irecv(t, s) for s, t in sizes.items()]:
+        work.wait()
+    problems = [f"rank {s} announced {int(t.item())} bytes for rank {me} (the limit is {limit} bytes, "
+                f"{MAX_PAYLOAD_ENV})" for s, t in sizes.items() if not 0 < int(t.item()) <= limit]  # fmt: skip
+    _agree(problems, "payload exchange")
     failure = []
-    try:  # exactly the agreed sizes go on the wire, whatever this rank's row said (gloo aborts a receiver
+    try:  # exactly the announced sizes go on the wire, whatever the payload's length (gloo aborts a receiver
         # that gets more bytes than it expects); a payload that disagrees with its size fails to decode
-        outgoing = {d: _fit(data, table[me][d]).to(device) for d, data in payloads.items()}
-        incoming = {s: torch.empty(table[s][me], dtype=torch.uint8, device=device) for s in recv_from}
+        outgoing = {d: _fit(data, int(announced[d].item())).to(device) for d, data in payloads.items()}
+        incoming = {s: torch.empty(int(t.item()), dtype=torch.uint8, device=device) for s, t in sizes.items()}
     except Exception as err:  # out of memory: decided together below
         failure = [f"rank {me} cannot hold the payloads: {type(err).__name__}: {err}"]
     _agree(failure, "payload exchange")
