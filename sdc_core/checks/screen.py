@@ -307,10 +307,7 @@ class GradientScreen:
                 views = list(out.unbind(0))
             else:
                 out, views = slot.out, slot.views
-            if hasattr(group, "allgather"):  # the process group's own call: dist.all_gather's Python checks cost
-                work = group.allgather([views], [row])  # as much as the launch; an async work, as async_op=True
-            else:  # pragma: no cover - a backend without the method
-                work = dist.all_gather(views, row, async_op=True)
+            work = dist.all_gather(views, row, async_op=True)
             if slot is not None:  # the host path: waited for and read in place (``_judge_oldest``)
                 slot.work = work
                 self._pending[step] = (None, slot)

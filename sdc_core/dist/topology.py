@@ -407,6 +407,20 @@ def _pair_key(src: int, dst: int) -> int:
     return ((src * 2_654_435_761 + dst * 40_503 + 1) * 0x9E3779B97F4A7C15 % (1 << 64)) >> 24
 
 
+def check_plans(sends_to: list[int], recv_from: list[int]) -> None:
+    """Raise ``PayloadError`` on every rank unless every rank's sends are matched by receives and no
+    receive is left without its send (one all-reduce of four integers, whatever the world size: the
+    counts, and sums of a key of each pair ``src -> dst``, agree only then)."""
+    me = dist.get_rank()
+    plan = torch.tensor([len(sends_to), len(recv_from), sum(_pair_key(me, d) for d in sends_to),
+                         sum(_pair_key(s, me) for s in recv_from)], dtype=torch.int64, device=collective_device())
+    dist.all_reduce(plan)
+    sent, expected, sent_keys, expected_keys = plan.tolist()
+    if sent != expected or sent_keys != expected_keys:
+        raise PayloadError(f"payload exchange failed: the ranks' plans do not match ({sent} sends, {expected} "
+                           "receives expected, or other pairs)")  # fmt: skip
+
+
 def exchange(
     sends: dict[int, Any],
     recv_from: list[int],
@@ -441,13 +455,7 @@ def exchange(
     agreed = torch.tensor([max_payload_bytes(max_bytes)], dtype=torch.int64, device=device)
     dist.all_reduce(agreed, op=dist.ReduceOp.MIN)  # the smallest limit of all ranks
     limit = int(agreed.item())
-    plan = torch.tensor([len(sends), len(recv_from), sum(_pair_key(me, d) for d in sends),
-                         sum(_pair_key(s, me) for s in recv_from)], dtype=torch.int64, device=device)  # fmt: skip
-    dist.all_reduce(plan)  # every send matched by a receive, and no other: the sums agree
-    sent, expected, sent_keys, expected_keys = plan.tolist()
-    if sent != expected or sent_keys != expected_keys:
-        raise PayloadError(f"payload exchange failed: the ranks' plans do not match ({sent} sends, {expected} "
-                           "receives expected, or other pairs)")  # fmt: skip
+    check_plans(list(sends), recv_from)
     payloads = {dst: _outgoing(obj, allow, limit) for dst, obj in sends.items()}
     announced = {dst: torch.tensor([data.numel()], dtype=torch.int64, device=device) for dst, data in payloads.items()}
     sizes = {src: torch.zeros(1, dtype=torch.int64, device=device) for src in recv_from}
