@@ -336,7 +336,7 @@ class SDCCallback(Callback):
         """The verdicts due before the update, in causal order whatever the order of the callbacks
         (``StepDriver.resolve_pending``, ``before_update``: each step's run once, by the first)."""
         driver, step = trainer_driver(trainer), step_context(trainer, pl_module)
-        driver.observe(step)  # the screen's all_gather first: the last update's weight comparison rides it
+        driver.observe(step)  # the screen's all_gather first, started right after backward
         driver.resolve_pending(step)
         driver.before_update(step)
 

@@ -37,7 +37,7 @@ class NonFiniteGradientCheck(common.SDCCallback):
 
     Under DDP: a read of the local gradients at the end of backward (a few multi-tensor kernels per
     dtype) and no collective of its own (NaN/Inf survive the all-reduce, so every rank reads the
-    verdict from the reduced gradients, or it rides a ``WeightFingerprintCheck``'s all-reduce); the
+    verdict from the reduced gradients); the
     ``screen`` compares the ranks' gradient peaks from the same read every step. ``"raise"`` and
     ``"warn"`` are read one step later (the error names that step, whose update has happened; also
     before a checkpoint and at the end of training), the other

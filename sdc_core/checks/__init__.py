@@ -1,4 +1,5 @@
-"""The checks of one step: tensor digests (``digest``) and the weight fingerprint (``fingerprint``),
+"""The checks of one step: the check contract (``contract``: the phases, a check's role,
+``StepCheck``), tensor digests (``digest``) and the weight fingerprint (``fingerprint``),
 the local-gradient tap (``gradient_tap``), read-only gradient reductions (``reductions``), the
 non-finite gradient check (``gradients``), the matrix-product checksum (``matmul``: its rounding
 bound in ``matmul_bound``, the hooked products in ``matmul_sites``), the every-step gradient

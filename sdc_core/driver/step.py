@@ -4,12 +4,14 @@ Every seam calls it: ``SDCHooks`` (the plain-PyTorch loop, and through it Accele
 the Hugging Face Trainer) from its wrapper of ``optimizer.step``, and the Lightning callbacks from
 the trainer's events. What it owns, once:
 
-* the order of the verdicts in an optimizer step (``observe``, ``resolve_pending`` then
-  ``before_update``): an earlier step's non-finite verdict, the pending weight comparison (of the weights after an
-  earlier update), this step's matrix-product verdict, this step's non-finite verdict, this step's
-  replay audit, then the update audit's snapshot. An earlier fault is never reported as a later
-  one's symptom: weights flipped after step ``s`` make the replay of step ``s + 1`` disagree, but
-  the comparison of step ``s`` is read first and names the tensors;
+* the phases of an optimizer step (``sdc_core.checks.contract.Phase``: ``observe`` and
+  ``resolve_pending`` after backward, ``before_update``, ``after_update``, ``before_save``) and
+  the order of the verdicts in them: an earlier step's non-finite verdict, the pending weight
+  comparison (of the weights after an earlier update), this step's matrix-product verdict, this
+  step's non-finite verdict, this step's replay audit, a ``StepCheck``'s, then the update
+  audit's snapshot. An earlier fault is never reported as a later one's symptom: weights flipped
+  after step ``s`` make the replay of step ``s + 1`` disagree, but the comparison of step ``s``
+  is read first and names the tensors;
 * the start of the weight comparison after the update (``after_update``), in its own small
   asynchronous all-reduce read one step later; each verdict has its own collective (or none: the
   non-finite verdict reads the reduced gradients), nothing rides another check's payload;
