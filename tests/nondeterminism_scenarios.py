@@ -19,7 +19,9 @@ A scenario is ``<kernel>:<setting>[:<fault>][@<runs>]``:
   ``every`` (the replay on every step);
 * faults (one run, replay every step): ``flip`` (an exponent bit (x4) of rank 1's ``head.weight`` after
   step 2), ``activation`` (rank 2's ``head`` output, one element times 3, from step 2 on),
-  ``backward`` (rank 0's ``head`` weight gradient, one element times 3, once at step 2).
+  ``backward`` (rank 0's ``head`` weight gradient, one element times 3, once at step 2); and over
+  12 steps: ``transient`` (rank 1's ``body`` output, one element x (1 + 1e-3), once at step 3: below
+  ``rtol``) and ``ratchet`` (that, then the same on rank 2 in every forward from step 8).
 
 Each rank writes ``DIR/<scenario>.rank<r>.json``: per run the error (``to_dict()``, or the type
 and message of a ``ReplayUnavailableError``) and the replay's counters.
@@ -124,6 +126,13 @@ FAULTS = {
     "backward": Fault("matmul_output", rank=0, step=2, target="head", phase="weight_grad", index=2, factor=3.0,
                       mode="once"),
 }  # fmt: skip
+SMALL = {"target": "body", "index": 1, "factor": 1.0 + 1e-3}  # one activation element x (1 + 1e-3): under rtol
+SERIES = {  # issue 52: a transient sub-rtol fault must buy no tolerance that hides a later fault of its size
+    "transient": [Fault("module_output", rank=1, step=3, mode="once", **SMALL)],
+    "ratchet": [Fault("module_output", rank=1, step=3, mode="once", **SMALL),
+                Fault("module_output", rank=2, step=8, **SMALL)],
+}  # fmt: skip
+SERIES_STEPS = 12
 
 
 def one_run(kernel: str, setting: str, run: int, fault: str | None, out: Path) -> dict[str, Any]:
@@ -139,13 +148,14 @@ def one_run(kernel: str, setting: str, run: int, fault: str | None, out: Path) -
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         hooks.attach(model, optimizer)
-    injector = FaultInjector([FAULTS[fault]] if fault else [])
+    faults = SERIES.get(fault or "", [FAULTS[fault]] if fault in FAULTS else [])
+    injector = FaultInjector(faults)
     injector.install(net, rank)
     error: dict[str, Any] | None = None
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            for step in range(STEPS):
+            for step in range(SERIES_STEPS if fault in SERIES else STEPS):
                 injector.set_step(step)
                 loss = model(*batch(run, step, rank))
                 loss.backward()

@@ -69,7 +69,8 @@ def quick(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("nondeterminism")
     faults = [f"{k}:every:{f}" for k in ("some", "every") for f in FAULTS]
     more = [f"{s}@4" for s in ("batches:every", "incapable:defaults", "every:every")]
-    launch(out, ["some:every", *more, *faults], 12, 500)  # one launch: one start-up of the ranks
+    series = ["exact:every:transient", "exact:every:ratchet"]  # issue 52: one look widens no tolerance
+    launch(out, ["some:every", *more, *faults, *series], 12, 600)  # one launch: one start-up of the ranks
     return out
 
 
@@ -93,6 +94,24 @@ def test_faults_far_above_the_noise_are_named(quick: Path, kernel: str, fault: s
     err = assert_named(quick, kernel, fault)
     if fault != "flip":  # compute faults: the replay names them at their step
         assert err["check"] == "ring_replay" and err["step"] == 2, err["message"]
+
+
+def test_a_transient_sub_rtol_fault_is_recorded_and_widens_no_tolerance(quick: Path) -> None:
+    (run,) = runs(quick, "exact:every:transient")
+    assert all(r["error"] is None for r in run), [r["error"] for r in run]  # one look accuses no one
+    extra = run[0]["replay"]["extra"]
+    assert all(r["replay"]["extra"] == extra for r in run)  # every rank recorded the same
+    assert extra["unexplained_differences"] == 1 and extra["last_unexplained_rank"] == 1, extra
+    assert extra["last_unexplained_step"] == 3 and 0 < extra["last_unexplained_diff"] < 1e-3, extra
+    assert extra.get("tolerance", 0.0) == 0.0, extra  # the CPU model is bit-exact: still compared bit for bit
+
+
+def test_a_transient_fault_does_not_hide_a_later_fault_of_its_size(quick: Path) -> None:
+    (run,) = runs(quick, "exact:every:ratchet")
+    errors = [r["error"] for r in run]
+    assert all(e is not None and e == errors[0] for e in errors), errors  # the same verdict on every rank
+    err = errors[0]
+    assert err["check"] == "ring_replay" and err["suspects"] == [2] and err["step"] == 8, err["message"]
 
 
 @pytest.mark.slow  # about 4 minutes: 30 clean runs of every kernel at the defaults and with the replay every step

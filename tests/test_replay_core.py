@@ -379,3 +379,21 @@ def test_the_capture_walks_again_whenever_the_module_tree_changed() -> None:
     m[2].__class__ = type("Custom", (nn.BatchNorm1d,), {})  # no longer torch.nn's own: attributes read
     m[2].note = "x"
     assert cap.capture().attrs["2"]["note"] == "x"
+
+
+def test_noise_widens_the_tolerance_only_when_seen_on_two_ranks_at_two_audits() -> None:
+    """Issue 52: one unexplained difference (a transient fault, or one rank again and again) buys no tolerance."""
+    r = RingReplay(ReplayConfig(exact="auto", rtol=1e-3))
+    cal, config, stats = r.calibration, r.config, r.stats
+    cal.calibrate([0.0, 0.0, 0.0], config, stats)  # the calibration rounds: bit for bit
+    cal.noise_seen(3, {1: 2e-6}, config, stats)
+    assert r.tolerance == 0.0  # one look
+    cal.noise_seen(4, {1: 3e-6}, config, stats)
+    cal.noise_seen(9, {1: 5e-6}, config, stats)
+    assert r.tolerance == 0.0  # the same rank at every audit: still no evidence of noise
+    cal.noise_seen(9, {2: 1e-6}, config, stats)
+    assert r.tolerance == pytest.approx(1e-4)  # two ranks at two audits: the smaller level they share, x 100
+    cal.noise_seen(12, {0: 1.0, 2: 1.0}, config, stats)
+    assert r.tolerance == pytest.approx(5e-4)  # two ranks at one audit: the level seen at a second one counts
+    cal.noise_seen(13, {1: 1.0}, config, stats)
+    assert r.tolerance == 1e-3  # never above rtol

@@ -44,14 +44,22 @@ def explain(
     return culprits, disputed
 
 
-def pick_referee(owner: int, replayer: int, world: int, node_of: Sequence[int], busy: set[int]) -> int | None:
+def pick_referee(
+    owner: int, replayer: int, world: int, node_of: Sequence[int], busy: set[int], load: dict[int, int] | None = None
+) -> int | None:
     """A third rank for a disputed pair: outside the pair, preferably not involved in any
-    disagreement and on a node of its own. None when ``world < 3``."""
+    disagreement, on a node of its own and with the fewest pairs to judge already (``load``,
+    updated: many disputed pairs side by side are judged in parallel, not one after another by
+    one referee). None when ``world < 3``."""
     candidates = [(replayer + k) % world for k in range(1, world)]
     candidates = [r for r in candidates if r not in (owner, replayer)]
     if not candidates:
         return None
-    return min(candidates, key=lambda r: (r in busy, node_of[r] in (node_of[owner], node_of[replayer])))
+    load = {} if load is None else load
+    picked = min(candidates, key=lambda r: (r in busy, node_of[r] in (node_of[owner], node_of[replayer]),
+                                             load.get(r, 0)))  # fmt: skip
+    load[picked] = load.get(picked, 0) + 1
+    return picked
 
 
 def settle(
@@ -132,9 +140,9 @@ def evidence(
         (agreeing if with_replayer else disagreeing).append((q, t))
     return disagreeing, agreeing
 
-MAX_EXPLAINED = 4  # explanations needing more faulty ranks than this are not enumerated (all involved suspect)
-_MAX_INVOLVED = 24  # ranks in disagreements beyond which covers are not enumerated
-_MAX_GROUPS = 16  # groups of agreeing ranks beyond which the persistent explanation is not enumerated
+MAX_EXPLAINED = 4  # explanations of one part needing more faulty ranks than this are not enumerated (all suspect)
+_MAX_INVOLVED = 24  # ranks in one part's disagreements beyond which its covers are not enumerated
+_MAX_GROUPS = 16  # groups of agreeing ranks in one part beyond which its persistent explanation is not enumerated
 
 
 def attribute(
@@ -153,35 +161,103 @@ def attribute(
       ranks that disagree are not both healthy; an explanation is a set of fewer than half the
       ranks.
 
+    Both readings are weighed per connected part of the disagreements (``_parts``: ranks linked
+    by disagreeing pairs; under the persistent reading, groups of agreeing ranks linked by them,
+    a group of half the ranks or more being healthy), whose smallest explanations combine into
+    the whole's: the cost follows the faults seen, not the world, and many faulty ranks far
+    apart (16 among 16,384) each stay a part of their own. ``explanations``: each part's.
+
     A rank is named alone only when it is the one smallest explanation of both readings;
     otherwise every rank of any smallest explanation is a suspect. With two ranks both are.
     Guarantee (``tests/test_attribution_sim.py`` checks it over every placement of 1 to 3
-    faulty ranks in worlds of 4 to 64): while the faulty ranks are fewer than the healthy ones,
-    no healthy rank is named alone and every faulty rank that disagreed with a healthy one, or
-    agreed with a faulty one, is a suspect. A majority sharing one fault looks exactly like the
-    healthy minority being faulty: no protocol can tell them apart.
+    faulty ranks in worlds of 4 to 64, and 16 among 16,384): while the faulty ranks are fewer
+    than the healthy ones, no healthy rank is named alone and every faulty rank that disagreed
+    with a healthy one, or agreed with a faulty one, is a suspect. A majority sharing one fault
+    looks exactly like the healthy minority being faulty: no protocol can tell them apart.
 
-    Cost: pure Python on world-sized lists; the enumeration is bounded (``MAX_EXPLAINED``).
+    Cost: pure Python, linear in the world for the grouping, then bounded per part
+    (``MAX_EXPLAINED``, ``_MAX_INVOLVED``, ``_MAX_GROUPS``).
     """
     bad = sorted({(min(a, b), max(a, b)) for a, b in disagreeing if a != b})
-    involved = sorted({r for pair in bad for r in pair})
     if not bad:
         return None, (), []
-    explanations = _covers(bad, involved)
-    persistent = _persistent(world, bad, [(a, b) for a, b in agreeing if a != b])
-    suspects = set().union(*explanations) if explanations else set(involved)
-    suspects |= set().union(*persistent) if persistent else set()
+    group = _Groups(world, [(a, b) for a, b in agreeing if a != b])
+    suspects: set[int] = set()
+    every: set[tuple[int, ...]] = set()
+    covers = [_covers(part) for part in _parts(bad, lambda r: r)]
+    persistent = [_persistent(world, part, group) for part in _parts(bad, group.persistent_node)]
+    consistent = all(persistent)  # a part no persistent fault explains rules the reading out
+    for part, found in zip(_parts(bad, lambda r: r), covers, strict=True):
+        suspects |= set().union(*found) if found else {r for pair in part for r in pair}
+        every |= {tuple(sorted(h)) for h in found}
+    if consistent:
+        for found in persistent:
+            suspects |= set().union(*found)
+            every |= {tuple(sorted(h)) for h in found}
     rank = None
-    if world > 2 and explanations and len(explanations) == 1 and len(explanations[0]) == 1:
-        (alone,) = explanations[0]
-        if all(h == {alone} for h in persistent):
+    if world > 2 and len(covers) == 1 and len(covers[0]) == 1 and len(covers[0][0]) == 1:
+        (alone,) = covers[0][0]
+        if not consistent or all(h == {alone} for found in persistent for h in found):
             rank = alone
-    every = sorted({tuple(sorted(h)) for h in (explanations or []) + persistent})
-    return rank, tuple(sorted(suspects)), [list(h) for h in every]
+    return rank, tuple(sorted(suspects)), [list(h) for h in sorted(every)]
 
 
-def _covers(bad: Sequence[tuple[int, int]], involved: Sequence[int]) -> list[set[int]]:
+class _Groups:
+    """Ranks joined by agreeing comparisons (union-find), and which groups hold half the world."""
+
+    def __init__(self, world: int, good: Sequence[tuple[int, int]]) -> None:
+        self.parent = list(range(world))
+        for a, b in good:
+            self.parent[self.find(a)] = self.find(b)
+        self.members: dict[int, list[int]] = {}
+        for r in range(world):
+            self.members.setdefault(self.find(r), []).append(r)
+        self.world = world
+
+    def find(self, x: int) -> int:
+        while self.parent[x] != x:
+            self.parent[x] = self.parent[self.parent[x]]
+            x = self.parent[x]
+        return x
+
+    def large(self, g: int) -> bool:
+        """Half the ranks or more: never part of a persistent explanation."""
+        return 2 * len(self.members[g]) >= self.world
+
+    def persistent_node(self, r: int) -> int | None:
+        """The node ``r`` stands for in the persistent reading's parts (None: a large group's,
+        which links no parts)."""
+        g = self.find(r)
+        return None if self.large(g) else g
+
+
+def _parts(bad: Sequence[tuple[int, int]], node: Any) -> list[list[tuple[int, int]]]:
+    """``bad`` split into connected parts, pairs linked when their ends share a ``node(rank)``
+    (None links nothing), in a deterministic order (by their smallest pair)."""
+    parent: dict[Any, Any] = {}
+
+    def find(x: Any) -> Any:
+        parent.setdefault(x, x)
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    keys = []
+    for i, (a, b) in enumerate(bad):
+        ends = [n for n in (node(a), node(b)) if n is not None] or [("pair", i)]
+        for e in ends[1:]:
+            parent[find(e)] = find(ends[0])
+        keys.append(ends[0])
+    parts: dict[Any, list[tuple[int, int]]] = {}
+    for pair, k in zip(bad, keys, strict=True):
+        parts.setdefault(find(k), []).append(pair)
+    return sorted(parts.values())
+
+
+def _covers(bad: Sequence[tuple[int, int]]) -> list[set[int]]:
     """The smallest sets of ranks touching every pair of ``bad`` (empty: too many to enumerate)."""
+    involved = sorted({r for pair in bad for r in pair})
     if len(involved) > _MAX_INVOLVED:
         return []
     for size in range(1, min(MAX_EXPLAINED, len(involved)) + 1):
@@ -191,24 +267,13 @@ def _covers(bad: Sequence[tuple[int, int]], involved: Sequence[int]) -> list[set
     return []
 
 
-def _persistent(world: int, bad: Sequence[tuple[int, int]], good: Sequence[tuple[int, int]]) -> list[set[int]]:
-    """The smallest explanations under persistent faults (fewer than half the ranks; empty: none)."""
-    parent = list(range(world))
-
-    def find(x: int) -> int:
-        while parent[x] != x:
-            parent[x] = parent[parent[x]]
-            x = parent[x]
-        return x
-
-    for a, b in good:
-        parent[find(a)] = find(b)
-    groups: dict[int, list[int]] = {}
-    for r in range(world):
-        groups.setdefault(find(r), []).append(r)
+def _persistent(world: int, bad: Sequence[tuple[int, int]], groups: _Groups) -> list[set[int]]:
+    """The smallest explanations of one part under persistent faults (fewer than half the ranks;
+    empty: none, or too many groups to enumerate)."""
+    find = groups.find
     forced = {find(a) for a, b in bad if find(a) == find(b)}  # disagrees with a rank it also agrees with
     edges = {(find(a), find(b)) for a, b in bad if find(a) != find(b)}
-    touched = sorted(forced | {g for e in edges for g in e})  # only these can be needed in a smallest one
+    touched = sorted(forced | {g for e in edges for g in e if not groups.large(g)})
     if len(touched) > _MAX_GROUPS:
         return []
     best: int | None = None
@@ -218,15 +283,27 @@ def _persistent(world: int, bad: Sequence[tuple[int, int]], good: Sequence[tuple
             pick = set(chosen)
             if not forced <= pick or not all(a in pick or b in pick for a, b in edges):
                 continue
-            ranks = sum(len(groups[g]) for g in pick)
+            ranks = sum(len(groups.members[g]) for g in pick)
             if 2 * ranks >= world or (best is not None and ranks > best):
                 continue
-            h = {r for g in pick for r in groups[g]}
+            h = {r for g in pick for r in groups.members[g]}
             if best is None or ranks < best:
                 best, found = ranks, [h]
             else:
                 found.append(h)
     return found
+
+
+def unchecked(
+    suspects: Iterable[int], disagreeing: Iterable[tuple[int, int]], agreeing: Iterable[tuple[int, int]]
+) -> list[int]:
+    """Ranks outside ``suspects`` whose every comparison at this audit was with a suspect: no
+    rank outside the suspects checked them, so a fault of theirs could not be seen. Every other
+    rank's results matched (or were judged against) a rank outside the suspects."""
+    sus = set(suspects)
+    pairs = [*disagreeing, *agreeing]
+    checked = {r for a, b in pairs if a not in sus and b not in sus for r in (a, b)}
+    return sorted({r for pair in pairs for r in pair} - sus - checked)
 
 
 def single_fault(
@@ -317,16 +394,18 @@ def referee_jobs(
     node_of = [f.node_rank for f in topo.ranks]
     busy = {r for pair in mismatching for r in pair}
     if not groups:
-        referees = {pair: pick_referee(*pair, world, node_of, busy) for pair in disputed}
+        load: dict[int, int] = {}
+        referees = {pair: pick_referee(*pair, world, node_of, busy, load) for pair in disputed}
         return referees, [(o, q, t) for (o, q), t in referees.items() if t is not None]
     group_of = group_index(groups, world)
     group_node = [node_of[g[0]] for g in groups]
     busy_groups = {group_of[r] for r in busy}
     by_pair: dict[tuple[int, int], int | None] = {}
+    group_load: dict[int, int] = {}
     for o, q in disputed:
         a, b = group_of[o], group_of[q]
         if (a, b) not in by_pair:
-            by_pair[(a, b)] = pick_referee(a, b, len(groups), group_node, busy_groups)
+            by_pair[(a, b)] = pick_referee(a, b, len(groups), group_node, busy_groups, group_load)
     referees = {}
     for o, q in disputed:
         c = by_pair[(group_of[o], group_of[q])]

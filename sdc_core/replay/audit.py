@@ -6,7 +6,9 @@ calibrating audit each rank also re-runs its own (and, to probe strict determini
 under ``warn_only=False``); one all-gather of seven float64 per rank makes the table every rank
 judges alike. Before any rank is named, both sides of every disagreeing pair re-run what they
 computed (one more all-gather): a difference within ``AUTO_MARGIN`` times the noise those re-runs
-show (at most ``rtol``) is noise. A step two or more ranks cannot reproduce on their own device,
+show (at most ``rtol``) accuses no one at that audit; it is recorded as an unexplained difference
+on the rank whose re-run differed, and widens the tolerance only once such noise has been seen on
+two ranks at two audits (``Calibration.noise_seen``). A step two or more ranks cannot reproduce on their own device,
 or where every pair of two replicas disagrees at the first audit, is not replayable. Pairs that
 still disagree are left to the referee round (``sdc_core.replay.referee``).
 
@@ -227,7 +229,7 @@ class StepAudit:
 
     def _confirm(self, calibrating: bool) -> bool | tuple[list[int], list[int]]:
         """Both sides of every disagreeing pair re-run what they computed (the owner its own
-        micro-batches, the replayer its replay; one gather): noise they show moves the tolerance.
+        micro-batches, the replayer its replay; one gather): noise they show explains this audit only.
         Returns the audit's result when some rank failed, else ``(unreproducible, shaky)``."""
         self.stats.bump("confirmations")
         self_failure = ""
@@ -247,17 +249,28 @@ class StepAudit:
             self.table[q][3:6] = [1.0, s_exact, s_diff]
         noise = self.noise = [max(_noise(r[0], r[1]), _noise(r[3], r[4])) for r in stable]
         self.stats.extra = {**(self.stats.extra or {}), "max_noise": max(noise)}
-        self.calibration.calibrate(noise, self.config, self.stats)
         before = set(self.mismatching)
         self.mismatching, unreproducible = self.judge()
         explained = sorted(before - set(self.mismatching))
-        if explained:  # the pair's own re-runs differ as much: noise, and the tolerance moves to cover it
+        if explained:  # the pair's own re-runs differ as much: no accusation, and no tolerance widened by one look
             self.stats.bump("disagreements_explained_by_noise")
-            self.calibration.calibrate([max(noise[r] for pair in explained for r in pair)], self.config, self.stats)
+            self._unexplained(explained, noise)
         shaky: list[int] = []
         if self.config.exact is True:  # bit equality demanded: a noisy pair is no proof
             shaky = sorted({r for pair in self.mismatching for r in pair if noise[r] > 0})
         return unreproducible, shaky
+
+    def _unexplained(self, explained: list[Pair], noise: list[float]) -> None:
+        """Disagreements this audit's re-runs explained: each rank whose re-run differed from its
+        first result is recorded (``unexplained_differences``; the last rank, step and size) and
+        its noise is one sighting: the tolerance rises only on noise seen on two ranks at two
+        audits (``Calibration.noise_seen``), so a transient fault buys no tolerance."""
+        levels = {r: noise[r] for pair in explained for r in pair if noise[r] > 0}
+        for rank, level in sorted(levels.items()):
+            self.stats.bump("unexplained_differences")
+            self.stats.extra = {**(self.stats.extra or {}), "last_unexplained_rank": float(rank),
+                                "last_unexplained_step": float(self.step), "last_unexplained_diff": level}  # fmt: skip
+        self.calibration.noise_seen(self.step, levels, self.config, self.stats)
 
     def _trust(self, first: bool, unreproducible: list[int], shaky: list[int]) -> bool | None:
         """What the comparisons allow: not replayable, verified, or pairs left to the referees."""

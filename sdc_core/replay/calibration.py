@@ -2,25 +2,27 @@
 
 Contract: ``Calibration`` holds, across the audits of one process, what decides how the next
 comparison is judged: the tolerance ``exact="auto"`` measured (``calibrate``, never lowered,
-never above ``rtol``), the same-device rounds taken in the current mode (``CALIBRATION_ROUNDS``
-without strict determinism, else one), whether replay pairs have ever agreed, the audits whose
-every pair agreed bit for bit, and whether the step is known to run under strict determinism
-(the probe of the first audit, applied by ``settle_probe`` when that audit ends; a proof starts
-the calibration over). Every update is computed from all-gathered values, so every rank holds
-the same.
+never above ``rtol``; after the calibration rounds it rises only on repeated evidence,
+``noise_seen``: one unexplained difference never widens it), the same-device rounds taken in
+the current mode (``CALIBRATION_ROUNDS`` without strict determinism, else one), whether replay
+pairs have ever agreed, the audits whose every pair agreed bit for bit, and whether the step is
+known to run under strict determinism (the probe of the first audit, applied by
+``settle_probe`` when that audit ends; a proof starts the calibration over). Every update is
+computed from all-gathered values, so every rank holds the same.
 
-Cost: host arithmetic on a few numbers per audit.
+Cost: host arithmetic on a few numbers per audit (at most ``NOISE_SIGHTINGS_KEPT`` sightings).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from sdc_core.replay.compare import Tolerances, calibrate
 from sdc_core.stats import CheckStats
 
+NOISE_SIGHTINGS_KEPT = 256  # the largest noise sightings kept (``noise_seen``); older, smaller ones drop out
 CALIBRATION_ROUNDS = 3  # exact="auto" without strict determinism: same-device rounds before the tolerance settles
 
 
@@ -43,6 +45,7 @@ class Calibration:
     exact_audits: int = 0  # audits in the current mode whose every pair agreed bit for bit
     proven_strict: bool | None = None  # None: not probed yet; True: the step runs under warn_only=False
     probed: bool | None = None  # the probe's result, applied when its audit ends
+    sightings: list[tuple[float, int, int]] = field(default_factory=list)  # (noise, audit step, rank)
 
     @staticmethod
     def lenient(config: AuditSettings) -> bool:
@@ -81,6 +84,22 @@ class Calibration:
             return
         self.measured = calibrate(self.measured, self_diffs, float(config.rtol))
         stats.extra = {**(stats.extra or {}), "tolerance": self.measured}
+
+    def noise_seen(self, step: int, levels: dict[int, float], config: AuditSettings, stats: CheckStats) -> None:
+        """Ranks whose own re-runs showed ``levels`` of noise at the audit of ``step`` (which
+        explained a disagreement at that audit only). The tolerance rises to the largest level
+        seen on at least two ranks at two or more audits: a single difference (a transient fault,
+        or a faulty rank differing from itself again and again) never widens it for good."""
+        found = self.sightings + [(float(v), int(step), int(r)) for r, v in sorted(levels.items()) if v > 0]
+        self.sightings = sorted(found, reverse=True)[:NOISE_SIGHTINGS_KEPT]
+        ranks: set[int] = set()
+        steps: set[int] = set()
+        for level, at, rank in self.sightings:  # largest first: the first level with enough evidence
+            ranks.add(rank)
+            steps.add(at)
+            if len(ranks) >= 2 and len(steps) >= 2:
+                self.calibrate([level], config, stats)
+                return
 
     def round_taken(self, self_diffs: Sequence[float], config: AuditSettings, stats: CheckStats) -> None:
         """A same-device calibration round of the current mode was taken, with these differences."""

@@ -36,6 +36,7 @@ from sdc_core.replay.attribution import (
     referee_sends,
     ruling_note,
     settle,
+    unchecked,
 )
 from sdc_core.replay.audit import Pair, StepAudit, any_rank, attempt
 from sdc_core.replay.compare import disagree
@@ -61,13 +62,16 @@ def attribute_step(run: StepAudit) -> bool:
     if run.every_pair is not None and not any(a or b for a, b in refereed.values()):
         run.done()
         return run.unreplayable(run.step, every_pair_message(run.step, topo, run.every_pair, run.advice))
+    compared = evidence(run.inverse, run.mismatching, referees, refereed)
     if run.groups:
         rank, suspects, notes = settle(run.rings, culprits, disputed, refereed)
     else:  # the fewest faulty ranks that explain every comparison (``attribute``)
-        rank, suspects, explanations = attribute(world, *evidence(run.inverse, run.mismatching, referees, refereed))
+        rank, suspects, explanations = attribute(world, *compared)
         notes = {f"{o}->{q}": ruling_note(refereed.get((o, q))) for o, q in disputed}
         if rank is None and world > 2:
             notes |= {"attribution": SEVERAL, "explanations": explanations}
+    # which comparisons could not see a rank: those compared only with suspects (issue 52)
+    notes["unchecked"] = unchecked(suspects, *compared)
     classification = _classify(run, rank) if rank is not None else None
     run.stats.failures += 1
     run.done()
@@ -154,6 +158,7 @@ def _verdict(
     table, inverse, partners, world, topo = run.table, run.inverse, run.partners, run.world, run.topo
     tol, config, calibration = run.tolerance, run.config, run.calibration
     group_of = group_index(run.groups, world)
+    not_checked = notes.pop("unchecked", [])  # ranks compared only with suspects: a fault there was not visible
     bad = [q for q in range(world) if disagree(bool(table[q][0]), table[q][1], run.tol_for(inverse[q], q))]
     worst = max((table[q][1] for q in bad), default=0.0)
     details = {
@@ -174,6 +179,9 @@ def _verdict(
         "world_size": world,
         "classification": classification,
         **({"several_ranks": True} if "attribution" in notes else {}),
+        "not_checked": not_checked,
+        "checked": "every rank outside the suspects and not_checked matched, or was judged against, a rank "
+                   "outside the suspects: a fault there changed nothing this audit compared",
         **({"tensor_parallel_groups": [list(g) for g in run.groups]} if run.groups else {}),
     }  # fmt: skip
     reproduced = all(r[3] and not disagree(bool(r[4]), r[5], tol) for r in table)

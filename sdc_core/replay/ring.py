@@ -10,7 +10,8 @@ rank then learns which (owner, replayer) pairs disagree and reaches the same att
 * no rank is named before a disagreement is confirmed: both sides of every disagreeing pair
   re-run what they computed (the owner its own micro-batches, the replayer its replay), and a
   difference within ``AUTO_MARGIN`` times what those re-runs show (at most ``rtol``) is noise:
-  no verdict, and the tolerance moves to cover it;
+  no verdict, recorded as an unexplained difference; the tolerance rises only on such noise
+  seen on two ranks at two audits;
 * every pair that still disagrees gets a referee (a third rank, on yet another node where
   possible) replaying the disputed batch; ``attribute`` then weighs every comparison and names
   a rank alone only when it is the one smallest explanation of what was seen, else lists every
