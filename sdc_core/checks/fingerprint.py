@@ -175,6 +175,37 @@ def copy_replica(module: nn.Module, optimizers: Iterable[torch.optim.Optimizer],
                             torch.distributed.broadcast(state[key], src=src)
 
 
+NAMED_REPLICAS = 8  # replicas whose differing tensors a mismatch names (their per-tensor digests are fetched)
+
+
+def vote_rows(per_tensor: torch.Tensor, names: Callable[[], list[str]]
+              ) -> tuple[list[tuple[int, ...]], dict[int, list[str]], int]:  # fmt: skip
+    """The rows to vote on after a mismatch, and the differing tensors of the replicas named (a
+    collective: every rank calls it with its per-tensor digests, ``T`` of them on every rank).
+
+    O(T) per rank, not O(W x T): the ranks first gather one combined digest each (8 bytes a rank,
+    the rows returned: two replicas with the same tensors have the same row; different ones differ
+    except with probability about 2**-63), and only then are the per-tensor digests of the reference
+    (the majority's first rank, else rank 0) and of the first ``NAMED_REPLICAS`` ranks that differ
+    from it broadcast (8 T bytes each), to name their first 10 differing tensors. Returns
+    ``(rows, {rank: tensor names}, T)``; every rank returns the same."""
+    rows = [tuple(r) for r in all_gather_tensor(combine(per_tensor).reshape(1)).tolist()]
+    _, _, reference = vote(rows)
+    ref = reference if reference is not None else 0
+    named = [r for r in range(len(rows)) if rows[r] != rows[ref]][:NAMED_REPLICAS]
+    fetched: dict[int, list[int]] = {}
+    me = torch.distributed.get_rank() if is_distributed() else 0
+    for r in [ref, *named]:
+        buf = per_tensor.clone() if r == me else torch.empty_like(per_tensor)
+        if is_distributed():
+            torch.distributed.broadcast(buf, src=r)
+        fetched[r] = buf.tolist()
+    every = names()
+    differing = {r: [every[i] for i, (a, b) in enumerate(zip(fetched[r], fetched[ref], strict=True)) if a != b][:10]
+                 for r in named}  # fmt: skip
+    return rows, differing, per_tensor.numel()
+
+
 def replica_groups(rows: list[tuple[int, ...]]) -> dict[tuple[int, ...], list[int]]:
     """The ranks of each distinct digest row, in rank order, by first appearance."""
     groups: dict[tuple[int, ...], list[int]] = {}
@@ -196,7 +227,8 @@ def vote(rows: list[tuple[int, ...]]) -> tuple[int | None, tuple[int, ...], int 
     if len(groups) == 1:
         return None, (), biggest[0]
     if 2 * len(biggest) > len(rows):
-        suspects = tuple(r for r in range(len(rows)) if r not in biggest)
+        majority = set(biggest)
+        suspects = tuple(r for r in range(len(rows)) if r not in majority)
         return (suspects[0] if len(suspects) == 1 else None), suspects, biggest[0]
     return None, tuple(range(len(rows))), None
 
@@ -299,16 +331,8 @@ class WeightFingerprint:
                 self.stats.last_verified_step = max(self.stats.last_verified_step, min(self._clean))
             self.stats.add_time(time.perf_counter() - t0)
             return
-        rows_t = all_gather_tensor(pending.per_tensor())
-        rows = [tuple(r) for r in rows_t.tolist()]
+        rows, differing, tensors = vote_rows(pending.per_tensor(), pending.names)
         rank, suspects, reference = vote(rows)
-        ref_row = rows[reference] if reference is not None else rows[0]
-        names = pending.names()
-        differing = {
-            r: [names[i] for i, (a, b) in enumerate(zip(rows[r], ref_row, strict=True)) if a != b][:10]
-            for r in range(len(rows))
-            if rows[r] != ref_row
-        }
         self.stats.failures += 1
         self.stats.add_time(time.perf_counter() - t0)
         topo = self.topology or Topology.gather()
@@ -321,7 +345,7 @@ class WeightFingerprint:
             "world_size": len(rows),
         }
         if pending.part is not None:  # the tensors of one rolling slice were compared
-            details["rolling_slice"] = {"slice": pending.part[0], "slices": pending.part[1], "tensors": len(rows[0])}
+            details["rolling_slice"] = {"slice": pending.part[0], "slices": pending.part[1], "tensors": tensors}
         if rank is not None:
             tensors = ", ".join(differing.get(rank, [])[:3])
             reason = f"its weights differ from the majority of {len(rows)} replicas in {tensors}"
