@@ -116,9 +116,9 @@ def test_a_verdict_carried_by_the_fingerprint_all_reduce_names_the_rank(ddp: Pat
         assert all(r["step"] == step + 1 for r in results(ddp, scenario, 3))  # read at the next optimizer step
     clean = results(ddp, "mlp:clean", 3)[0]["state"]["checks"]["nonfinite_gradient"]  # replay every 2nd step
     assert clean["extra"]["carried_verdicts"] >= 2 and clean["failures"] == 0, clean
-    # the comparisons (and the verdicts they carry) rode the screen's all_gather of the next step
+    # the comparisons run in their own all-reduce (nothing rides the screen's all_gather)
     fp = results(ddp, "mlp:clean", 3)[0]["state"]["checks"]["weight_fingerprint"]
-    assert fp["extra"]["screen_carried"] >= 3 and fp["failures"] == 0, fp
+    assert fp["extra"].get("screen_carried", 0) == 0 and fp["failures"] == 0, fp
 
 
 def test_a_weight_flip_before_an_audited_step_is_reported_as_a_weight_fault(ddp: Path) -> None:

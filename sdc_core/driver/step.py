@@ -11,9 +11,7 @@ the trainer's events. What it owns, once:
   one's symptom: weights flipped after step ``s`` make the replay of step ``s + 1`` disagree, but
   the comparison of step ``s`` is read first and names the tensors;
 * which verdict rides the fingerprint's all-reduce after the update (``carries``), and the
-  start of that comparison (``after_update``); with the every-step screen, the comparison's
-  values ride the screen's all_gather of the next step instead (``prepare`` sets the courier,
-  ``observe`` starts that all_gather before the earlier verdicts are read): one collective a step;
+  start of that comparison (``after_update``), in its own all-reduce;
 * what one check's verdict means for the others: a step the gradient check dropped is not
   audited; replicas healed or rolled back before the update are not audited (their gradients
   came from other weights); a replay disagreement is first checked against the replicas'
@@ -159,11 +157,6 @@ class StepDriver:
         for replay in self.replays:
             if isinstance(replay, RingReplay):
                 replay.keep_every_step = screening
-        screens, fps = self.screens, self.fingerprints
-        courier = screens[0] if len(screens) == 1 and len(fps) == 1 else None  # one screen, one comparison
-        for fp in fps:
-            if isinstance(fp, WeightFingerprint):  # the weight comparison rides the screen's next all_gather
-                fp.courier = courier
 
     # -- the checks, by kind ----------------------------------------------------------------------
 
