@@ -318,3 +318,21 @@ def test_rows_as_lists_judge_as_the_tensor_does() -> None:
         b.judge(41, [row[:-1] for row in rows(41, healthy(g, 3)).tolist()])
 
 
+
+
+def test_the_band_history_is_bounded_whatever_the_world() -> None:
+    """The band's history keeps at most 16 ranks' healthy deviations a step, taken in rotation, so
+    its memory does not grow with the world; a hit among 64 ranks is still named and the band
+    calibrates on every rank's deviations over the steps (each rank sampled in turn)."""
+    small, large, g = screen(4), screen(64), torch.Generator().manual_seed(7)
+    assert small.band is not None and large.band is not None
+    assert small.band.history.shape[1] == 4 and large.band.history.shape[1] == 16
+    hits = []
+    for step in range(60):
+        values = healthy(g, 64)
+        if step == 50:
+            values[37, 1] += 14.0
+        hits += list(large.judge(step, rows(step, values)).ranks)
+    assert hits == [37]
+    assert large.band.history.numel() * 8 == 200 * 16 * (K + 2) * 8  # bytes: independent of the world
+    assert bool(large.bands()[1].all())  # calibrated from the sampled rows
