@@ -336,3 +336,25 @@ def test_the_band_history_is_bounded_whatever_the_world() -> None:
     assert hits == [37]
     assert large.band.history.numel() * 8 == 200 * 16 * (K + 2) * 8  # bytes: independent of the world
     assert bool(large.bands()[1].all())  # calibrated from the sampled rows
+
+
+def test_the_band_is_restored_from_a_checkpoint_loaded_before_attach() -> None:
+    """A resume loads the checks' state before the screen is attached (Lightning restores callbacks
+    first): the band's history waits and is taken at attach, so the resumed screen judges with the
+    calibrated band at once; the hook set's counters carry it too."""
+    from sdc_core.driver.hook_state import counters, restore_counters
+
+    s, g = screen(3), torch.Generator().manual_seed(5)
+    for step in range(40):
+        s.judge(step, rows(step, healthy(g, 3)))
+    saved = s.state_dict()
+    assert bool(s.bands()[1].all())
+    facts = tuple(RankFacts(rank=r, host="h", node_rank=0, local_rank=r) for r in range(3))
+    resumed = GradientScreen(ScreenConfig(), Topology(ranks=facts, rank=0))
+    resumed.load_state_dict(saved)  # before attach
+    assert resumed.state_dict()["filled"] == saved["filled"]
+    resumed._setup(K, [f"p{j}" for j in range(K)])
+    assert torch.equal(resumed.bands()[0], s.bands()[0]) and bool(resumed.bands()[1].all())
+    other = screen(3)
+    restore_counters(counters(40, 40, [s], None), [other])
+    assert torch.equal(other.bands()[0], s.bands()[0])

@@ -94,6 +94,7 @@ class GradientScreen:
         self._pending: OrderedDict[int, HostRead] = OrderedDict()  # step -> its all_gather
         self._judged: dict[int, ScreenResult] = {}
         self.band: Band | None = None  # the bands and their history (made by ``attach``)
+        self._restored: dict[str, Any] | None = None  # a band's state loaded before ``attach`` (a resume)
         self._last_dev: list[list[float]] | None = None
 
     @property
@@ -125,6 +126,9 @@ class GradientScreen:
         self.width = width
         self.names = [f"group {j} ({n})" for j, n in enumerate(names)] + ["loss", "level"]
         self.band = Band(self.config, self.world_size, width)
+        if self._restored is not None:  # loaded from a checkpoint before the screen was attached
+            restored, self._restored = self._restored, None
+            self.band.load_state_dict(restored)
         self._targets = {}
 
     def observe(
@@ -267,12 +271,17 @@ class GradientScreen:
 
     def state_dict(self) -> dict[str, Any]:
         """Counters and the band's history (identical on every rank: rank 0's restores all)."""
-        band = self.band.state_dict() if self.band is not None else {"history": None, "cursor": 0, "filled": 0}
-        return {"stats": self.stats.state_dict(), **band}
+        if self.band is None:  # before attach: what a checkpoint restored, if anything, is kept as it came
+            band = self._restored or {"history": None, "cursor": 0, "filled": 0}
+            return {"stats": self.stats.state_dict(), **{k: band[k] for k in ("history", "cursor", "filled")}}
+        return {"stats": self.stats.state_dict(), **self.band.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what ``state_dict`` saved; a history of another shape (another world size or
-        model) is dropped, the band recalibrates. Raises ``ValueError`` on a malformed state."""
+        """Restore what ``state_dict`` saved (before or after ``attach``: restored before, the band
+        takes it at ``attach``); a history of another shape (another world size or model) is
+        dropped, the band recalibrates. Raises ``ValueError`` on a malformed state."""
         self.stats.load_state_dict(state["stats"])
         if self.band is not None:
             self.band.load_state_dict(state)
+        elif isinstance(state.get("history"), torch.Tensor):
+            self._restored = {k: state.get(k) for k in ("history", "cursor", "filled")}
