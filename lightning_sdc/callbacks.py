@@ -81,10 +81,10 @@ class NonFiniteGradientCheck(common.SDCCallback):
         common.trainer_driver(trainer).prepare()  # every core in place: a replay keeps steps for the screen
 
     def state_dict(self) -> dict[str, Any]:
-        """The check's counters, and the screen's under ``"screen"``."""
+        """The check's counters, and the screen's (its counters and band) under ``"screen"``."""
         state = super().state_dict()
         if self._screen is not None:
-            state["screen"] = self._screen.stats.state_dict()
+            state["screen"] = self._screen.state_dict()
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -92,7 +92,10 @@ class NonFiniteGradientCheck(common.SDCCallback):
         screen = state.pop("screen", None)
         super().load_state_dict(state)
         if screen is not None and self._screen is not None:
-            self._screen.stats.load_state_dict(screen)
+            if "stats" in screen:  # counters and band
+                self._screen.load_state_dict(screen)
+            else:  # a checkpoint of an earlier version: counters only
+                self._screen.stats.load_state_dict(screen)
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
         driver = common.trainer_driver(trainer)

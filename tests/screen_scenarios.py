@@ -126,7 +126,7 @@ class Run:
 
 def _result(res: Any) -> dict[str, Any]:
     return {"step": res.step, "ranks": list(res.ranks), "details": {str(r): d for r, d in res.details.items()},
-            "calibrated": res.calibrated}  # fmt: skip
+            "calibrated": res.calibrated, "margin": res.margin}  # fmt: skip
 
 
 def train(steps: int, seed: int, faults: list[Fault]) -> dict[str, Any]:
@@ -160,6 +160,15 @@ def faults(out: Any) -> dict[str, Any]:
         Fault(kind="matmul_output", rank=1, step=30, target="enc.linear1", index=7, bit=30, phase="weight_grad",
               mode="once"),
         Fault(kind="gradient_bit_flip", rank=2, step=45, target="enc.linear2.weight", index=11, bit=30),
+    ])  # fmt: skip
+
+
+def early(out: Any) -> dict[str, Any]:
+    """12 steps (inside the warm-up, before the band has calibrated): one finite x 1e4 error in the
+    weight gradient of ``enc.linear1`` on rank 1 at step 7."""
+    return train(12, seed=1, faults=[
+        Fault(kind="matmul_output", rank=1, step=7, target="enc.linear1", index=7, factor=1e4, phase="weight_grad",
+              mode="once"),
     ])  # fmt: skip
 
 
@@ -243,7 +252,7 @@ def main() -> None:
     args = parse("faults", extra)
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
-    scenarios = {"clean": clean, "faults": faults,
+    scenarios = {"clean": clean, "faults": faults, "early": early,
                  "rates": lambda out: rates(out, args.steps, args.every, args.seed),
                  "long": lambda out: train(args.steps, args.seed, [])}  # fmt: skip
     try:

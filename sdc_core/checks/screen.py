@@ -11,22 +11,20 @@ band: no collective depends on one rank's view.
 How the rows are judged (each value's deviation from the ranks' median, corrected by the rank's
 level, against a band calibrated from the run itself; hostile rows) and how a partner's
 recomputation is checked against the same rule: ``sdc_core.checks.screen_rule``. This module
-moves the rows: it builds this rank's row, gathers everyone's, and carries another check's
-values in them (``carry``).
+moves the rows: it builds this rank's row (plain torch ops and Python reads) and gathers
+everyone's; it carries no other check's values (each check runs its own collective).
 
 Cost per step: on the device a handful of tiny kernels (the row), one all_gather of
-``world x (k + 3)`` float64 values started right after backward, no host synchronisation in the
-step; at ``suspects`` one wait (long finished when read one step later), one ``tolist`` of the
+``world x (k + 2)`` float64 values (into a fresh buffer) started right after backward, no host
+synchronisation in the step; at ``suspects`` one wait (long finished when read one step later), one ``tolist`` of the
 rows and plain-Python arithmetic on them (no torch op per value), and at each recalibration
 two torch medians over the history (``window x world x (k + 2)`` values)."""
 
 from __future__ import annotations
 
-import ctypes
 import math
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -50,14 +48,9 @@ from sdc_core.stats import CheckStats
 if TYPE_CHECKING:
     from sdc_core.checks.gradients import NonFiniteGradient
 
-_CARRIED = 3  # int64 values another check may send in a row instead of a collective of its own (``carry``)
-_TAIL = 2 * _CARRIED  # each as two exact float64 halves of 32 bits, NaN when none
-_NO_TAIL = [math.nan] * _TAIL
-_INT64_MAX = (1 << 63) - 1
 _MAX_PENDING = 2  # observed steps whose verdict may wait (the driver reads one step later at most)
-_isfinite = math.isfinite
 _CPU = torch.device("cpu")
-__all__ = ["Carried", "GradientScreen", "ScreenConfig", "ScreenResult", "in_band", "loss_magnitude", "reference"]
+__all__ = ["GradientScreen", "ScreenConfig", "ScreenResult", "in_band", "loss_magnitude", "reference"]
 
 
 def loss_magnitude(loss: torch.Tensor | None, device: torch.device) -> torch.Tensor:
@@ -74,99 +67,10 @@ def _loss_log2(loss: torch.Tensor | None) -> float:
     log2 of |loss| rounded to float32; NaN for no loss or a zero one, +Inf for a non-finite one."""
     if loss is None:
         return math.nan
-    if type(loss) is torch.Tensor and loss.dtype is torch.float32 and loss.numel() == 1:  # read in place (item: an op)
-        v = abs(ctypes.c_float.from_address(loss.data_ptr()).value)
-    else:
-        first = loss.item() if loss.numel() == 1 else float(loss.detach().reshape(-1)[0])
-        v = abs(ctypes.c_float(first).value)  # float32, as loss_magnitude reads it
+    v = abs(loss.detach().reshape(-1)[0].to(torch.float32).item())  # float32, as loss_magnitude reads it
     if not v < math.inf:  # NaN or Inf (an overflow to float32 included)
         return math.inf
     return math.log2(v) if v > 0 else math.nan
-
-
-class _HostSlot:
-    """A reused host buffer of the screen's all_gather: this rank's row and the gathered rows,
-    filled in place through a ``ctypes`` view of the row's memory (no torch op: on a busy host
-    each small op costs tens of microseconds right after backward)."""
-
-    def __init__(self, width: int, world: int) -> None:
-        self.row = torch.empty(width, dtype=torch.float64)
-        self.out = torch.empty(world, width, dtype=torch.float64)
-        self.views = list(self.out.unbind(0))
-        self.width, self.world = width, world
-        self.work: Any = None  # the all_gather writing into ``out``
-        self._raw = (ctypes.c_double * width).from_address(self.row.data_ptr())  # live as long as the tensors
-        self._raw_out = (ctypes.c_double * (width * world)).from_address(self.out.data_ptr())
-
-    def fill(self, values: list[float]) -> None:
-        """Write ``values`` (exactly the row's width) into the row."""
-        self._raw[:] = values
-
-    def read(self) -> list[list[float]]:
-        """The gathered rows (call once the all_gather has landed), as ``out.tolist()`` gives them."""
-        flat, n = self._raw_out[:], self.width
-        return [flat[i * n : (i + 1) * n] for i in range(self.world)]
-
-
-class Carried:
-    """Values another check sends in the screen's rows (``GradientScreen.carry``), read as if
-    reduced by ``all_reduce(MAX)``: ``get()`` (computed once; may wait for the carrying step)."""
-
-    def __init__(self, screen: GradientScreen, values: torch.Tensor, absent: tuple[int, ...]) -> None:
-        self.screen, self.values, self.absent = screen, values, absent
-        self.step: int | None = None  # the observed step whose all_gather carries them
-        self._result: list[int] | None = None
-        self.halves: list[float] | None = None  # on the host: the row's tail (``_TAIL`` values), made here
-        if values.is_cpu:
-            self.halves = []
-            for v in values.tolist():
-                u = v & 0xFFFFFFFFFFFFFFFF
-                self.halves += [float(u >> 32), float(u & 0xFFFFFFFF)]
-            self.halves += _NO_TAIL[len(self.halves) :]
-
-    def get(self) -> torch.Tensor:
-        return torch.tensor(self.tolist(), dtype=torch.int64)
-
-    def tolist(self) -> list[int]:
-        """``get()`` as a list of ints (no tensor made)."""
-        if self._result is None:
-            self._result = self.screen._carried_max(self)
-        return self._result
-
-    @property
-    def work(self) -> Carried:
-        """What ``is_completed`` asks (the ``work`` of a collective, as a ``HostRead`` has it)."""
-        return self
-
-    def is_completed(self) -> bool:
-        """Whether ``get()`` runs no collective and waits for no peer: the carrying step's all_gather
-        has landed (False before any step carried the values: ``get()`` would all_reduce them)."""
-        screen, step = self.screen, self.step
-        if self._result is not None:
-            return True
-        if step is None:
-            return False
-        pending = screen._pending.get(step)
-        if pending is None:
-            return bool(screen._tails.get(step))
-        read, slot = pending
-        work = slot.work if slot is not None else read.work if read is not None else None
-        return work is None or not hasattr(work, "is_completed") or bool(work.is_completed())
-
-
-def _carried_value(tail: list[float], i: int, absent: int) -> int:
-    """The ``i``-th int64 of one rank's row tail (a pair of 32-bit halves; peers are hostile: a
-    pair that is not two whole numbers in [0, 2^32), or a tail too short, gives ``absent``)."""
-    pair = tail[2 * i : 2 * i + 2]
-    if len(pair) != 2 or not all(_isfinite(h) and h == int(h) and 0 <= h < 2**32 for h in pair):
-        return absent
-    u = (int(pair[0]) << 32) | int(pair[1])
-    return u - (1 << 64) if u > _INT64_MAX else u
-
-
-def _largest(tails: list[list[float]], absent: Sequence[int]) -> list[int]:
-    """Per carried value the largest over the ranks' row tails (``_carried_value``)."""
-    return [max((_carried_value(t, i, a) for t in tails), default=a) for i, a in enumerate(absent)]
 
 
 class GradientScreen:
@@ -190,14 +94,11 @@ class GradientScreen:
         self.last_result: ScreenResult | None = None
         self._device: torch.device | None = None
         self._targets: dict[torch.device | None, torch.device] = {}  # ``collective_device`` per source device
-        self._pending: OrderedDict[int, tuple[HostRead | None, _HostSlot | None]] = OrderedDict()  # step -> its gather
+        self._pending: OrderedDict[int, HostRead] = OrderedDict()  # step -> its all_gather
         self._judged: dict[int, ScreenResult] = {}
         self.band: Band | None = None  # the bands and their history (made by ``attach``)
+        self._restored: dict[str, Any] | None = None  # a band's state loaded before ``attach`` (a resume)
         self._last_dev: list[list[float]] | None = None
-        self._slots: list[_HostSlot] = []  # the host path's reused buffers (``_host_slot``)
-        self._carried: Carried | None = None  # values waiting for the next observed step (``carry``)
-        self._tails: dict[int, list[list[float]]] = {}  # step -> the ranks' carried halves, once judged
-        self._slot_index = 0
 
     @property
     def world_size(self) -> int:
@@ -228,8 +129,10 @@ class GradientScreen:
         self.width = width
         self.names = [f"group {j} ({n})" for j, n in enumerate(names)] + ["loss", "level"]
         self.band = Band(self.config, self.world_size, width)
+        if self._restored is not None:  # loaded from a checkpoint before the screen was attached
+            restored, self._restored = self._restored, None
+            self.band.load_state_dict(restored)
         self._targets = {}
-        self._slots = []
 
     def observe(
         self, step: int, magnitudes: torch.Tensor | list[float] | None, loss: torch.Tensor | None = None
@@ -245,21 +148,18 @@ class GradientScreen:
         while len(self._pending) >= _MAX_PENDING:
             self._judge_oldest()
         k = self.width - 1
-        carried = self._carried if self._carried is not None and self._carried.step is None else None
         if isinstance(magnitudes, torch.Tensor) and magnitudes.is_cpu:
             magnitudes = magnitudes.tolist()
         if (  # all on the host (CPU gradients: read there already), as the collectives take them: no wait here
             (isinstance(magnitudes, list) or (magnitudes is None and self._device in (None, _CPU)))
             and (loss is None or loss.is_cpu)
-            and (carried is None or carried.halves is not None)
             and self._host_target()
         ):
             if self._device is None and magnitudes is not None:
                 self._device = _CPU
-            slot = self._host_slot()
             mags_host = magnitudes if magnitudes is not None and len(magnitudes) == k else [math.nan] * k
-            slot.fill([float(step), float(self.width), *mags_host, _loss_log2(loss), *self._tail(step, None)])
-            self._start(step, slot.row, _CPU, slot)
+            row = torch.tensor([float(step), float(self.width), *mags_host, _loss_log2(loss)], dtype=torch.float64)
+            self._start(step, row, _CPU)
             self.stats.add_time(time.perf_counter() - t0)
             return
         if isinstance(magnitudes, list):  # read on the host already (CPU gradients)
@@ -285,8 +185,7 @@ class GradientScreen:
             mags = torch.full((k,), float("nan"), dtype=torch.float64, device=device)
         else:
             mags = magnitudes.reshape(-1).to(device)
-        tail = self._tail(step, device)
-        row = torch.cat([head, mags, loss_magnitude(loss, device), tail]).to(torch.float64)  # float64 by promotion
+        row = torch.cat([head, mags, loss_magnitude(loss, device)]).to(torch.float64)  # float64 by promotion
         self._start(step, row, device)
         self.stats.add_time(time.perf_counter() - t0)
 
@@ -297,33 +196,14 @@ class GradientScreen:
             target = self._targets[None] = collective_device(None)
         return target.type == "cpu"
 
-    def _start(self, step: int, row: torch.Tensor, device: torch.device, slot: _HostSlot | None = None) -> None:
-        """Start the all_gather of this rank's ``row`` for ``step`` (every rank alike; async), into
-        ``slot``'s buffer where given (the host path), else a new one."""
-        group = dist.group.WORLD if self.world_size > 1 else None  # None: no process group (``is_distributed``)
-        if group is not None:
-            if slot is None:
-                out = torch.empty(self.world_size, row.numel(), dtype=torch.float64, device=device)
-                views = list(out.unbind(0))
-            else:
-                out, views = slot.out, slot.views
-            work = dist.all_gather(views, row, async_op=True)
-            if slot is not None:  # the host path: waited for and read in place (``_judge_oldest``)
-                slot.work = work
-                self._pending[step] = (None, slot)
-            else:
-                self._pending[step] = (HostRead(out, work), None)
+    def _start(self, step: int, row: torch.Tensor, device: torch.device) -> None:
+        """Start the all_gather of this rank's ``row`` for ``step`` (every rank alike; async)."""
+        if self.world_size > 1:
+            out = torch.empty(self.world_size, row.numel(), dtype=torch.float64, device=device)
+            work = dist.all_gather(list(out.unbind(0)), row, async_op=True)
+            self._pending[step] = HostRead(out, work)
         else:
-            self._pending[step] = (HostRead(row.reshape(1, -1)), None)
-
-    def _host_slot(self) -> _HostSlot:
-        """The next of the host path's ``_MAX_PENDING + 1`` reused buffers: a row and its gathered
-        rows. Reused only after its step was judged: at most ``_MAX_PENDING`` steps are pending,
-        each in another of the last ``_MAX_PENDING`` buffers."""
-        if not self._slots:
-            self._slots = [_HostSlot(HEADER + self.width + _TAIL, self.world_size) for _ in range(_MAX_PENDING + 1)]
-        self._slot_index = (self._slot_index + 1) % len(self._slots)
-        return self._slots[self._slot_index]
+            self._pending[step] = HostRead(row.reshape(1, -1))
 
     def suspects(self, step: int) -> ScreenResult:
         """The verdict on ``step`` (waits for its all_gather; judges older pending steps first).
@@ -343,74 +223,13 @@ class GradientScreen:
         """Forget every pending step without waiting for a peer (no collective)."""
         self._pending.clear()
         self._judged.clear()
-        self._tails.clear()
-        self._carried = None
-        self._slots = []  # a forgotten all_gather may still write into its buffer: never reuse one
 
     def _judge_oldest(self) -> None:
-        step, (read, slot) = self._pending.popitem(last=False)
-        if slot is not None:
-            slot.work.wait()  # the all_gather into the slot's buffer
-            table = slot.read()
-        else:
-            assert read is not None
-            table = read.get().tolist()  # waits for the all_gather
+        step, read = self._pending.popitem(last=False)
+        table = read.get().tolist()  # waits for the all_gather
         t0 = time.perf_counter()
-        n = HEADER + self.width  # then the tail of carried values
-        if step in self._tails:  # a carried value rode this step's rows
-            self._tails[step] = [r[n:] for r in table]
-        self._judged[step] = self.judge(step, [r[:n] for r in table])
+        self._judged[step] = self.judge(step, table)
         self.stats.add_time(time.perf_counter() - t0)
-
-    # -- values carried for another check ------------------------------------------------------
-
-    def carry(self, values: torch.Tensor, absent: Sequence[int]) -> Carried:
-        """Send ``values`` (at most 3 int64s, e.g. a weight digest) in the next observed step's
-        all_gather instead of a collective of their own; the returned reader's ``get()`` is what an
-        ``all_reduce(MAX)`` of them over the ranks gives (a CPU int64 tensor, identical on every
-        rank), a rank whose values did not arrive counting as ``absent`` (one per value). Read
-        before any step carried them (a save, the end of training), they take that all_reduce
-        then. Every rank alike; one value set at a time (a newer one replaces one not yet sent)."""
-        flat = values.detach().reshape(-1)
-        if flat.numel() > _CARRIED or flat.numel() != len(absent) or flat.dtype != torch.int64:
-            raise ValueError(f"carry takes up to {_CARRIED} int64 values and their absent values")
-        self._carried = Carried(self, flat, tuple(absent))
-        return self._carried
-
-    def _tail(self, step: int, device: torch.device | None) -> Any:
-        """This step's carried values as exact 32-bit halves (NaN: none), as a list (``device`` None)
-        or a float64 tensor on ``device`` (no host read there); the carrier now rides ``step``."""
-        carried = self._carried
-        if carried is None or carried.step is not None:
-            return _NO_TAIL if device is None else torch.full((_TAIL,), math.nan, dtype=torch.float64, device=device)
-        carried.step, self._carried = step, None
-        self._tails[step] = []
-        n = carried.values.numel()
-        if device is None:
-            assert carried.halves is not None  # ``observe`` takes the host path only then
-            return carried.halves
-        v = carried.values.to(device)
-        halves = torch.stack([(v >> 32) & 0xFFFFFFFF, v & 0xFFFFFFFF], 1).reshape(-1).to(torch.float64)
-        return torch.cat([halves, torch.full((_TAIL - 2 * n,), math.nan, dtype=torch.float64, device=device)])
-
-    def _carried_max(self, carried: Carried) -> list[int]:
-        """``Carried.get``: the ranks' largest of each value from the rows of the step that carried
-        them (waiting for that step's all_gather and judging it: its verdict stays for
-        ``suspects``), or from an all_reduce now when no step has carried them yet."""
-        if carried.step is None:  # not sent: its own all_reduce, now (every rank alike: none has observed since)
-            if self._carried is carried:
-                self._carried = None
-            t = carried.values.to(collective_device(carried.values.device)).clone()
-            if is_distributed():
-                dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            return t.tolist()
-        step = carried.step
-        while step in self._pending:
-            self._judge_oldest()
-        tails = self._tails.pop(step, None)
-        if not tails:
-            raise RuntimeError(f"the screen's rows of step {step}, which carried another check's values, are gone")
-        return _largest(tails, carried.absent)
 
     def bands(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Per value its band now (log2 units, float64) and whether it is calibrated."""
@@ -455,12 +274,17 @@ class GradientScreen:
 
     def state_dict(self) -> dict[str, Any]:
         """Counters and the band's history (identical on every rank: rank 0's restores all)."""
-        band = self.band.state_dict() if self.band is not None else {"history": None, "cursor": 0, "filled": 0}
-        return {"stats": self.stats.state_dict(), **band}
+        if self.band is None:  # before attach: what a checkpoint restored, if anything, is kept as it came
+            band = self._restored or {"history": None, "cursor": 0, "filled": 0}
+            return {"stats": self.stats.state_dict(), **{k: band[k] for k in ("history", "cursor", "filled")}}
+        return {"stats": self.stats.state_dict(), **self.band.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what ``state_dict`` saved; a history of another shape (another world size or
-        model) is dropped, the band recalibrates. Raises ``ValueError`` on a malformed state."""
+        """Restore what ``state_dict`` saved (before or after ``attach``: restored before, the band
+        takes it at ``attach``); a history of another shape (another world size or model) is
+        dropped, the band recalibrates. Raises ``ValueError`` on a malformed state."""
         self.stats.load_state_dict(state["stats"])
         if self.band is not None:
             self.band.load_state_dict(state)
+        elif isinstance(state.get("history"), torch.Tensor):
+            self._restored = {k: state.get(k) for k in ("history", "cursor", "filled")}

@@ -50,6 +50,8 @@ _MAD_TO_SIGMA = 1.4826
 _REFRESH = 32  # judged steps between two recalibrations of the band while some value is not calibrated (its two
 # medians over the history, and writing the history: a fifth of `judge`'s host cost at 32)
 _REFRESH_CALIBRATED = 128  # ... and once all are: the band is a median over `window` steps and moves slowly
+_SAMPLED_RANKS = 16  # ranks' healthy deviations the band's history keeps per step: its memory and the cost of
+# its medians do not grow with the world (the ranks taken rotate from step to step, identically on every rank)
 _isfinite = math.isfinite
 _sub = operator.sub
 
@@ -262,15 +264,18 @@ def classify(
 
 class Band:
     """Each value's band (and the level's, last) and the history of healthy deviations it is
-    calibrated on: ``window`` steps of ``world x (width + 1)`` values, the positive ones capped at
-    ``max_band`` (NaN: none). ``current()`` is what a step is judged with, recalibrated first, then
+    calibrated on: ``window`` steps of ``min(world, 16) x (width + 1)`` values (at most 16 ranks a
+    step, taken in rotation: bounded whatever the world), the positive ones capped at ``max_band``
+    (NaN: none). ``current()`` is what a step is judged with, recalibrated first, then
     every ``_REFRESH`` steps while some value is not calibrated, every ``_REFRESH_CALIBRATED`` once
     all are; ``add`` records a judged step's healthy deviations (written into the history at the
     next recalibration, in one copy). Identical on every rank when fed the same steps."""
 
     def __init__(self, config: ScreenConfig, world: int, width: int) -> None:
         self.config, self.width = config, width
-        self.history = torch.full((config.window, world, width + 1), math.nan, dtype=torch.float64)
+        self.sampled = min(world, _SAMPLED_RANKS)  # rows of the history per step
+        self.history = torch.full((config.window, self.sampled, width + 1), math.nan, dtype=torch.float64)
+        self._rotation = 0  # the first rank sampled at the next step (``add``)
         self.cursor = 0  # the history's slot of the next judged step
         self.filled = 0  # slots written at least once
         self._fresh: list[tuple[int, list[list[float]]]] = []  # (slot, deviations of healthy ranks) not yet written
@@ -302,7 +307,13 @@ class Band:
         return current
 
     def add(self, healthy: list[list[float]]) -> None:
-        """Record one judged step's deviations per rank (``classify``'s ``healthy``)."""
+        """Record one judged step's deviations per rank (``classify``'s ``healthy``): those of
+        ``sampled`` ranks, taken in rotation when the world has more."""
+        n = len(healthy)
+        if n > self.sampled:
+            start = self._rotation
+            healthy = [healthy[(start + i) % n] for i in range(self.sampled)]
+            self._rotation = (start + self.sampled) % n
         self._fresh.append((self.cursor, healthy))
         self.cursor = (self.cursor + 1) % self.config.window
         self.filled = min(self.filled + 1, self.config.window)

@@ -13,6 +13,7 @@ from typing import Any
 
 from torch import nn
 
+from sdc_core.checks.screen import GradientScreen
 from sdc_core.driver.framework import inner_optimizer
 from sdc_core.io.checkpoints import FINGERPRINT_KEY, check_loaded_checkpoint, fingerprint_checkpoint
 from sdc_core.sharded.checks import is_sharded
@@ -25,6 +26,7 @@ def counters(step: int, updates: int, checks: list[Any], fingerprint: dict[str, 
         "step": step,
         "updates": updates,
         "checks": {c.stats.check: c.stats.state_dict() for c in checks},
+        "screen_bands": {c.stats.check: c.state_dict() for c in checks if isinstance(c, GradientScreen)},
     }
     if fingerprint is not None:
         state[FINGERPRINT_KEY] = fingerprint
@@ -42,6 +44,9 @@ def restore_counters(state: dict[str, Any], checks: list[Any]) -> tuple[int, int
     for check in checks:
         if check.stats.check in saved:
             check.stats.load_state_dict(saved[check.stats.check])
+        band = state.get("screen_bands", {}).get(check.stats.check)  # absent in earlier checkpoints
+        if isinstance(check, GradientScreen) and isinstance(band, dict):
+            check.load_state_dict(band)
     return step, updates, state.get(FINGERPRINT_KEY)
 
 
