@@ -29,7 +29,7 @@ except ImportError:  # pragma: no cover
     tl = None
 
 # The launch shape: BLOCK classes per program, WARPS warps, so each thread loads two words per row.
-# Measured on an H200 (benchmarks/digest_blocks.py, docs/performance.md "the digest's launch
+# Measured on an H200 (benchmarks/digest_blocks.py, benchmarks/results/performance-history.md "the digest's launch
 # shape"): 0.93-1.06x of a flat sum on 40 MB to 4.8 GB, against 0.56-0.65x at 1024 and 4 warps.
 # The digests do not depend on it (partial sums are added exactly, in any order).
 BLOCK = 512

@@ -346,7 +346,7 @@ def grouped_digests(
 
 
 # The host path (``_host_digests``). Thresholds measured on a 2-core AMD EPYC (AVX2, no 64-bit
-# vector multiply), one thread, CPU time (``benchmarks/kernels.py``, docs/performance.md):
+# vector multiply), one thread, CPU time (``benchmarks/kernels.py``, benchmarks/results/performance-history.md):
 _BATCH_WORDS = 1 << 15  # words: smaller tensors are batched; larger ones cost bandwidth, not overhead
 _MIXED_WORDS = 1 << 13  # words: only smaller tensors join a mixed-size batch (its scatter costs ~3 ns a word)
 _CHUNK_WORDS = 1 << 21  # words per batch (16 MiB): bounds the transient copy and the cached layouts
