@@ -275,8 +275,9 @@ class GradientScreen:
     def state_dict(self) -> dict[str, Any]:
         """Counters and the band's history (identical on every rank: rank 0's restores all)."""
         if self.band is None:  # before attach: what a checkpoint restored, if anything, is kept as it came
-            band = self._restored or {"history": None, "cursor": 0, "filled": 0}
-            return {"stats": self.stats.state_dict(), **{k: band[k] for k in ("history", "cursor", "filled")}}
+            band = self._restored or {"history": None, "shape": None, "cursor": 0, "filled": 0}
+            kept = {k: band.get(k) for k in ("history", "shape", "cursor", "filled")}
+            return {"stats": self.stats.state_dict(), **kept}
         return {"stats": self.stats.state_dict(), **self.band.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -286,5 +287,5 @@ class GradientScreen:
         self.stats.load_state_dict(state["stats"])
         if self.band is not None:
             self.band.load_state_dict(state)
-        elif isinstance(state.get("history"), torch.Tensor):
-            self._restored = {k: state.get(k) for k in ("history", "cursor", "filled")}
+        elif state.get("history") is not None:
+            self._restored = {k: state.get(k) for k in ("history", "shape", "cursor", "filled")}

@@ -262,6 +262,21 @@ def classify(
     return details, healthy, margin
 
 
+def history_tensor(state: dict[str, Any]) -> torch.Tensor | None:
+    """``Band.state_dict``'s history as a float64 tensor (NaN: no value), or None when the state
+    holds none of a readable shape; a tensor (an earlier checkpoint's form) is taken as it is."""
+    history, shape = state.get("history"), state.get("shape")
+    if isinstance(history, torch.Tensor):
+        return history
+    if not isinstance(history, list) or not isinstance(shape, list) or len(shape) != 3:
+        return None
+    if not all(isinstance(n, int) and n > 0 for n in shape) or math.prod(shape) != len(history):
+        return None
+    if not all(v is None or (isinstance(v, int | float) and not isinstance(v, bool)) for v in history):
+        raise ValueError("corrupted SDC 'gradient_screen' checkpoint state: its history holds other than numbers")
+    return torch.tensor([math.nan if v is None else float(v) for v in history], dtype=torch.float64).reshape(shape)
+
+
 class Band:
     """Each value's band (and the level's, last) and the history of healthy deviations it is
     calibrated on: ``window`` steps of ``min(world, 16) x (width + 1)`` values (at most 16 ranks a
@@ -331,15 +346,18 @@ class Band:
         self.history.index_copy_(0, torch.tensor(list(latest)), rows)
 
     def state_dict(self) -> dict[str, Any]:
+        """The history as plain JSON values (a flat list, ``None`` for no value, and its shape), so
+        that every route's checkpoint can hold it: ``torch.save`` files and Accelerate's JSON alike."""
         self.flush()
-        return {"history": self.history.clone(), "cursor": self.cursor, "filled": self.filled}
+        flat = [None if v != v else v for v in self.history.flatten().tolist()]  # NaN: None
+        return {"history": flat, "shape": list(self.history.shape), "cursor": self.cursor, "filled": self.filled}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore ``state_dict``'s history; one of another shape (another world size or model) is
         dropped and the band recalibrates. Raises ``ValueError`` on values out of range."""
         self.flush()
-        history = state.get("history")
-        if not isinstance(history, torch.Tensor) or history.shape != self.history.shape:
+        history = history_tensor(state)
+        if history is None or history.shape != self.history.shape:
             return
         if history.dtype != torch.float64:
             return
