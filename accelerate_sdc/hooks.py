@@ -67,7 +67,7 @@ class AccelerateFramework(Framework):
     def is_main(self) -> bool:
         return self.accelerator.is_main_process
 
-    def incident_targets(self) -> list[tuple[str, Any]]:
+    def tracker_targets(self) -> list[tuple[str, Any]]:
         """``accelerator.trackers`` as ``log_incident`` targets: TensorBoard, MLflow (its active
         run, through the ``mlflow`` module), W&B; the others get the counters only."""
         targets: list[tuple[str, Any]] = []

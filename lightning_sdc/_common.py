@@ -27,7 +27,6 @@ from sdc_core.driver.step import Seam, StepContext, StepDriver
 from sdc_core.errors import SDCError, as_sdc_error
 from sdc_core.ops.incidents import install_exit_code, mark_verdict, spawn_marker, take_marker
 from sdc_core.ops.summary import log_run_summary
-from sdc_core.ops.trackers import log_incident
 from sdc_core.schema import documented, settings_of
 from sdc_core.stats import CheckStats
 
@@ -189,9 +188,8 @@ class TrainerSeam(Seam):
         except Exception as err:
             warnings.warn(f"SDC counters not logged: {type(err).__name__}: {err}", RuntimeWarning, stacklevel=2)
 
-    def report_incident(self, error: SDCError, path: Any) -> None:
-        """The verdict to the Trainer's loggers as what it is: TensorBoard text, an MLflow tag and
-        artifact, a W&B alert (``ops.trackers``); other loggers get the counters only."""
+    def tracker_targets(self) -> list[tuple[str, Any]]:
+        """The Trainer's loggers that take text: TensorBoard, MLflow, W&B (the others get counters)."""
         targets: list[tuple[str, Any]] = []
         for logger in self.trainer.loggers:
             name = type(logger).__name__
@@ -201,7 +199,7 @@ class TrainerSeam(Seam):
                 targets.append(("mlflow", (logger.experiment, logger.run_id)))
             elif name == "WandbLogger":
                 targets.append(("wandb", logger.experiment))
-        log_incident(targets, error, path, self.trainer.global_step)
+        return targets
 
     def mark(self, error: SDCError) -> None:
         spawned = isinstance(self.trainer.strategy.launcher, _MultiProcessingLauncher)

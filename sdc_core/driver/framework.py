@@ -67,8 +67,8 @@ class Framework:
         """The ``DistributedDataParallel`` object of the model, or None."""
         return model if isinstance(model, DistributedDataParallel) else None
 
-    def incident_targets(self) -> list[tuple[str, Any]]:
-        """The trackers a verdict is sent to as what it is (``ops.trackers.log_incident``'s
+    def tracker_targets(self) -> list[tuple[str, Any]]:
+        """The trackers a verdict and the run's closing line are sent to as text (``ops.trackers``
         targets); the plain loop has none of its own (its ``log`` gets the counters)."""
         return []
 

@@ -68,7 +68,6 @@ from sdc_core.driver.step import Seam, StepContext, StepDriver
 from sdc_core.errors import SDCError
 from sdc_core.ops.incidents import install_exit_code
 from sdc_core.ops.summary import log_run_summary
-from sdc_core.ops.trackers import log_incident
 from sdc_core.sharded.checks import is_sharded
 
 
@@ -398,8 +397,8 @@ class _LoopSeam(Seam):
     def is_main(self) -> bool:
         return self._fw.is_main
 
-    def report_incident(self, error: SDCError, path: Any) -> None:
-        log_incident(self._fw.incident_targets(), error, path, error.step)
+    def tracker_targets(self) -> list[tuple[str, Any]]:
+        return self._fw.tracker_targets()
 
     @property
     def world_size(self) -> int:

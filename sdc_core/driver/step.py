@@ -44,6 +44,7 @@ from sdc_core.checks.gradients import drop_step
 from sdc_core.driver.delivery import ROLLED_BACK, Delivery
 from sdc_core.errors import ReplayMismatchError, SDCError
 from sdc_core.ops.incidents import mark_verdict
+from sdc_core.ops.trackers import log_incident
 from sdc_core.replay.confirm import confirm_hits, skips
 from sdc_core.sharded.checks import is_sharded
 
@@ -96,9 +97,15 @@ class Seam:
         """A verdict of ``check`` was recorded with ``policy``: e.g. its counters to the trackers.
         Must not raise and run no collective."""
 
+    def tracker_targets(self) -> list[tuple[str, Any]]:
+        """The trackers that get a verdict and the run's closing line as text (``ops.trackers``
+        targets: ``(kind, object)``); none by default. Main process only; no collective."""
+        return []
+
     def report_incident(self, error: SDCError, path: Any) -> None:
         """On the main process, the verdict ``error`` (its incident file ``path``, or None) to the
-        trackers as what it is (``ops.trackers.log_incident``). Must not raise and run no collective."""
+        trackers as what it is. Must not raise and run no collective."""
+        log_incident(self.tracker_targets(), error, path, error.step)
 
     def mark(self, error: SDCError) -> None:
         """A verdict is raised: leave the marker for the launcher (``mark_verdict``)."""

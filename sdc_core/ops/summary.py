@@ -2,7 +2,8 @@
 
 At the end of training (``SDCHooks.finish``, Lightning's ``on_train_end``, the Hugging Face
 Trainer's end through ``finish``) rank 0 logs one line through Python ``logging`` (logger
-``sdc_checks``, level INFO), for example::
+``sdc_checks``, level INFO), and to the trackers that take text (``ops.trackers.log_summary``),
+for example::
 
     sdc-checks: 1000 steps checked by nonfinite_gradient (1000), weight_fingerprint (1000),
     ring_replay (10 audits); no SDC found
@@ -26,6 +27,7 @@ import weakref
 from collections.abc import Iterable
 from typing import Any
 
+from sdc_core.ops.trackers import log_summary
 from sdc_core.schema import env_flag
 
 LOGGER_NAME = "sdc_checks"
@@ -86,6 +88,7 @@ def log_run_summary(steps: int, checks: Iterable[Any], seam: Any) -> str | None:
         return None
     line = run_summary(steps, checks, run_dir)
     _logger().info(line)
+    log_summary(seam.tracker_targets(), line, steps)
     return line
 
 

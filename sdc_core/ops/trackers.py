@@ -1,5 +1,6 @@
 """An SDC verdict in a tracker as what it is, beside the ``sdc/<check>/failures`` counter's jump:
-TensorBoard text, an MLflow tag and the incident file as an artifact, a W&B alert and summary entry.
+TensorBoard text, an MLflow tag and the incident file as an artifact, a W&B alert and summary entry;
+and the run's closing line the same way (``log_summary``).
 
 The adapters map their framework's tracker objects to ``log_incident``'s targets (Lightning's
 loggers, Accelerate's trackers). Runs on the main process only (where trackers live), never raises
@@ -48,4 +49,22 @@ def log_incident(targets: Iterable[tuple[str, Any]], error: SDCError, path: str 
                           stacklevel=2)  # fmt: skip
 
 
-__all__ = ["TAG", "incident_text", "log_incident"]
+def log_summary(targets: Iterable[tuple[str, Any]], line: str, step: int) -> None:
+    """The run's closing line (``ops.summary``) to each target of ``log_incident``: TensorBoard text
+    ``sdc/summary``, the MLflow tag ``sdc.summary``, the W&B summary entry ``sdc/summary``."""
+    for kind, target in targets:
+        try:
+            if kind == "tensorboard":
+                target.add_text("sdc/summary", line, step)
+                target.flush()
+            elif kind == "mlflow":
+                client, run_id = target
+                client.set_tag(*((run_id,) if run_id is not None else ()), "sdc.summary", line[:_MLFLOW_TAG_LIMIT])
+            elif kind == "wandb":
+                target.summary["sdc/summary"] = line
+        except Exception as err:  # a tracker never fails the run
+            warnings.warn(f"SDC summary not logged to {kind}: {type(err).__name__}: {err}", RuntimeWarning,
+                          stacklevel=2)  # fmt: skip
+
+
+__all__ = ["TAG", "incident_text", "log_incident", "log_summary"]
