@@ -461,14 +461,15 @@ def exchange(
     sizes = {src: torch.zeros(1, dtype=torch.int64, device=device) for src in recv_from}
     for work in [dist.isend(t, d) for d, t in announced.items()] + [dist.irecv(t, s) for s, t in sizes.items()]:
         work.wait()
-    problems = [f"rank {s} announced {int(t.item())} bytes for rank {me} (the limit is {limit} bytes, "
-                f"{MAX_PAYLOAD_ENV})" for s, t in sizes.items() if not 0 < int(t.item()) <= limit]  # fmt: skip
+    got = {s: int(t.item()) for s, t in sizes.items()}  # what each sender announced, read once
+    problems = [f"rank {s} announced {n} bytes for rank {me} (the limit is {limit} bytes, {MAX_PAYLOAD_ENV})"
+                for s, n in got.items() if not 0 < n <= limit]  # fmt: skip
     _agree(problems, "payload exchange")
     failure = []
     try:  # exactly the announced sizes go on the wire, whatever the payload's length (gloo aborts a receiver
         # that gets more bytes than it expects); a payload that disagrees with its size fails to decode
         outgoing = {d: _fit(data, int(announced[d].item())).to(device) for d, data in payloads.items()}
-        incoming = {s: torch.empty(int(t.item()), dtype=torch.uint8, device=device) for s, t in sizes.items()}
+        incoming = {s: torch.empty(n, dtype=torch.uint8, device=device) for s, n in got.items()}
     except Exception as err:  # out of memory: decided together below
         failure = [f"rank {me} cannot hold the payloads: {type(err).__name__}: {err}"]
     _agree(failure, "payload exchange")
