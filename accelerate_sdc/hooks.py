@@ -84,7 +84,7 @@ class AccelerateFramework(Framework):
         return targets
 
     def unsupported(self, model: nn.Module) -> str | None:
-        if str(getattr(self.accelerator, "distributed_type", "")).upper().endswith("DEEPSPEED"):
+        if getattr(self.accelerator, "distributed_type", None) == "DEEPSPEED":  # DistributedType is a str enum
             return ("DeepSpeed (distributed_type=DEEPSPEED), in any number of processes: its engine runs the "
                     "gradient reduction and the optimizer step itself, where the checks cannot see them; use "
                     "DDP or FSDP2 (fully_shard) with the SDC checks")  # fmt: skip
