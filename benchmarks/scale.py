@@ -17,11 +17,11 @@ all-reduce is still made and counted; a world whose plans agree is assumed).
 The real hook set (``sdc_core.SDCHooks`` at its defaults, the replay every ``--audit-every``
 steps) drives a small MLP under DDP. Each configuration runs alone; per configuration the JSON
 gives host milliseconds per clean step (median of the steady steps, the shim's own time taken
-out), the calls and bytes per rank on a clean step and on an audited step, and the peak Python
-memory allocated under ``sdc_core`` (``tracemalloc``). Times of the wire that the fake backend
-cannot show come from an alpha-beta model (``--alpha-us`` per hop, ``--gbps`` per rank): a ring
-all-gather of m bytes a rank costs (W - 1)(alpha + m / beta), a tree all-reduce 2 log2(W) alpha,
-a point-to-point message alpha + m / beta.
+out), the calls and bytes per rank on a clean step and on an audited step, and the Python memory
+allocated under ``sdc_core`` during the steps and still held after them (``tracemalloc``). Times
+of the wire that the fake backend cannot show come from an alpha-beta model (``--alpha-us`` per
+hop, ``--gbps`` per rank): a ring all-gather of m bytes a rank costs (W - 1)(alpha + m / beta),
+a tree all-reduce 2 log2(W) alpha, a point-to-point message alpha + m / beta.
 
 The ``"total"`` object is the defaults' row: ``host_ms_per_step``, ``bytes_per_rank_per_step``,
 ``memory_bytes``, ``audited_step_bytes_per_rank`` and ``collectives_per_step``.
@@ -201,12 +201,12 @@ def run_config(name: str, world: int, steps: int, audit_every: int, shim: Shim) 
             settings["replay_every_n_steps"] = audit_every
         gather = topology.Topology.gather
         topology.Topology.gather = classmethod(lambda cls, **kw: synthetic_topology(world))  # type: ignore[method-assign]
-        topology.check_plans = _plans_agree
         try:
             hooks = SDCHooks(**settings)
             hooks.attach(model, optimizer)
         finally:
             topology.Topology.gather = gather  # type: ignore[method-assign]
+    check_plans, topology.check_plans = topology.check_plans, _plans_agree  # for the steps' exchanges
     tracemalloc.start()
     base = tracemalloc.take_snapshot()
     rows = []
@@ -223,6 +223,7 @@ def run_config(name: str, world: int, steps: int, audit_every: int, shim: Shim) 
                      "sent": shim.sent, "received": shim.received, "wire_ms": 1000 * shim.model_s})  # fmt: skip
     snap = tracemalloc.take_snapshot()
     tracemalloc.stop()
+    topology.check_plans = check_plans
     held = sum(s.size_diff for s in snap.compare_to(base, "filename")
                if s.size_diff > 0 and "sdc_core" in str(s.traceback))  # fmt: skip
     if hooks is not None:
