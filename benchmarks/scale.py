@@ -130,11 +130,15 @@ class Shim:
                 return out
 
             setattr(dist, name, wrapper)
+            if name in ("isend", "irecv"):  # ``P2POp`` and ``batch_isend_irecv`` look these up in their own module
+                setattr(dist.distributed_c10d, name, wrapper)
         try:
             yield self
         finally:
             for name, real in self._originals.items():
                 setattr(dist, name, real)
+                if name in ("isend", "irecv"):
+                    setattr(dist.distributed_c10d, name, real)
 
 
 def synthetic_topology(world: int) -> Any:

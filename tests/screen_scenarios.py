@@ -27,6 +27,7 @@ from scenario_runner import parse, run_each
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from sdc_core.checks import screen as screen_module
 from sdc_core.checks.gradient_tap import GradientTap
 from sdc_core.checks.gradients import NonFiniteConfig, NonFiniteGradient
 from sdc_core.checks.screen import GradientScreen, ScreenConfig
@@ -98,6 +99,14 @@ class Run:
             return judge(step, rows)
 
         self.screen.judge = recorded  # type: ignore[method-assign]
+        self.gathered: list[int] = []  # steps whose rows were all gathered (neighbourhoods: only when one stood out)
+        verdict = self.screen._verdict
+
+        def gathered(step: int, table: list[list[float]], *args: Any, **kwargs: Any) -> Any:
+            self.gathered.append(step)
+            return verdict(step, table, *args, **kwargs)
+
+        self.screen._verdict = gathered  # type: ignore[method-assign]
 
     def backward(self, step: int, observe: bool = True) -> torch.Tensor:
         """Forward and backward of ``step`` (under the injector, if any); ``observe``: hand the
@@ -147,7 +156,8 @@ def train(steps: int, seed: int, faults: list[Fault]) -> dict[str, Any]:
     bands, calibrated = run.screen.bands()
     return {"results": results, "losses": run.losses, "bands": bands.tolist(), "calibrated": calibrated.tolist(),
             "names": run.screen.names, "stats": run.screen.stats.metrics(), "seconds": time.perf_counter() - t0,
-            "fired": run.injector.fired if run.injector else [], "rows": run.rows}  # fmt: skip
+            "fired": run.injector.fired if run.injector else [], "rows": run.rows, "gathered": run.gathered,
+            "neighbourhoods": run.screen.neighbourhoods}  # fmt: skip
 
 
 def clean(out: Any) -> dict[str, Any]:
@@ -248,8 +258,12 @@ def main() -> None:
         p.add_argument("--steps", type=int, default=400)
         p.add_argument("--every", type=int, default=3)
         p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--neighbours", type=int, default=0,
+                       help="compare rows in neighbourhoods of this many ranks (a larger world's way), not all")
 
     args = parse("faults", extra)
+    if args.neighbours:
+        screen_module.ALL_ROWS_UP_TO, screen_module.NEIGHBOURS = 1, args.neighbours
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     scenarios = {"clean": clean, "faults": faults, "early": early,

@@ -1,7 +1,8 @@
 """The simulation of one rank in a world of W (``benchmarks.scale``): what a rank sends and receives
-per step, counted exactly, at W = 8 and W = 4,096. An audited step's traffic per rank and the
-clean step's count of collectives must not grow with the world (the audited step's exchange once
-gathered a plan of W x (2W + 1) integers on every rank)."""
+per step, counted exactly, at W = 8, 64 and 4,096. A clean step's collectives and bytes per rank
+must not grow with the world once the screen compares neighbourhoods (above 16 ranks; it once
+gathered every rank's row on every rank), nor an audited step's beyond the targets of the scale
+issue (its exchange once gathered a plan of W x (2W + 1) integers on every rank)."""
 
 from __future__ import annotations
 
@@ -22,9 +23,17 @@ def _simulate(tmp_path: Path, world: int) -> dict:
     return json.loads(out.read_text())
 
 
-def test_an_audited_step_and_the_weight_comparison_cost_a_rank_the_same_at_any_world_size(tmp_path: Path) -> None:
-    small, large = _simulate(tmp_path, 8), _simulate(tmp_path, 4096)
-    assert small["total"]["collectives_per_step"] == large["total"]["collectives_per_step"] > 0
+def test_a_clean_step_costs_a_rank_the_same_at_any_world_size_and_an_audited_one_stays_within_target(
+    tmp_path: Path,
+) -> None:
+    small, mid, large = (_simulate(tmp_path, w) for w in (8, 64, 4096))
+    clean = [w["total"] for w in (small, mid, large)]
+    assert clean[1]["calls_per_step"] == clean[2]["calls_per_step"]  # neighbourhoods: the same collectives
+    assert clean[1]["bytes_per_rank_per_step"] == clean[2]["bytes_per_rank_per_step"] > 0  # and bytes
+    assert clean[2]["calls_per_step"].get("all_gather", 0) == 0, clean[2]["calls_per_step"]  # no world gather
+    assert small["total"]["calls_per_step"].get("all_gather") == 1  # a small world gathers every row
+    assert clean[2]["bytes_per_rank_per_step"] - clean[0]["bytes_per_rank_per_step"] <= 64 << 10
+    assert clean[2]["memory_bytes"] - clean[0]["memory_bytes"] <= 64 << 20
     audited = large["total"]["audited_step_bytes_per_rank"] - small["total"]["audited_step_bytes_per_rank"]
     assert small["total"]["audited_step_bytes_per_rank"] > 0 and audited <= 1 << 20, audited
     fp_small, fp_large = small["configs"]["fingerprint"], large["configs"]["fingerprint"]

@@ -36,6 +36,24 @@ def test_a_clean_stretch_never_flags_and_faults_name_their_rank_at_their_step(tm
     assert all(r["losses"][-1] < r["losses"][0] for r in faulty)  # it trains
 
 
+def test_in_neighbourhoods_a_fault_is_named_at_its_step_and_every_row_gathered_only_then(tmp_path: Path) -> None:
+    """A larger world's way, on 4 gloo ranks (neighbourhoods of 2 instead of 8, forced): each rank
+    judges its own row with its two ring predecessors', one all_reduce says whether any window stood
+    out, and only then are every rank's rows gathered and judged. The same 50 steps as above: the
+    faults on rank 1 at step 30 and rank 2 at step 45 are named at their steps, on every rank alike,
+    and the full gather ran on those two steps only."""
+    world = 4
+    torchrun(SCRIPT, tmp_path, "faults", world, "--neighbours", "2", timeout=300)
+    out = results(tmp_path, "faults", world)
+    assert all(r["neighbourhoods"] for r in out)
+    assert all(r["results"] == out[0]["results"] for r in out)  # every rank the same verdicts
+    assert [r["step"] for r in out[0]["results"]] == list(range(50))
+    assert flags(out[0]) == {30: [1], 45: [2]}, out[0]["results"]
+    assert all(r["gathered"] == [30, 45] for r in out), [r["gathered"] for r in out]
+    assert out[0]["stats"]["sdc/gradient_screen/neighbourhood_flags"] == 2.0
+    assert all(r["losses"][-1] < r["losses"][0] for r in out)  # it trains
+
+
 @pytest.mark.slow
 def test_a_clean_run_never_flags(tmp_path: Path) -> None:
     """60 clean steps, every rank the same verdicts, no flag."""

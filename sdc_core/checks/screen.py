@@ -3,22 +3,38 @@
 Contract: on every step each rank contributes a small vector, the log2 of the largest LOCAL
 gradient magnitude in each of ``k`` groups of parameters (``NonFiniteGradient.want_magnitudes``:
 read from the peaks the non-finite check reads anyway at the end of backward) and the log2 of
-its loss; ``observe`` starts ONE asynchronous ``all_gather`` of those rows, ``suspects`` waits for
-it and names the ranks whose values stand out. Every rank computes the verdict from the same
-gathered rows and the same history, so every rank returns the same suspects and keeps the same
-band: no collective depends on one rank's view.
+its loss; ``observe`` starts the exchange of those rows, ``suspects`` waits for it and names the
+ranks whose values stand out. Every rank computes the verdict from the same rows and the same
+history, so every rank returns the same suspects and keeps the same band: no collective depends
+on one rank's view.
+
+Two ways to move the rows, by world size, with one verdict:
+
+- **Up to ``ALL_ROWS_UP_TO`` (16) ranks**: one asynchronous ``all_gather`` of every rank's row,
+  started right after backward; every rank judges all rows.
+- **Larger worlds: neighbourhoods, flat in the world.** Each rank sends its row to the
+  ``NEIGHBOURS`` (8) ranks after it on the replay's ring (which crosses nodes) and receives the
+  rows of the 8 before it (one batch of point-to-point messages, started right after backward);
+  it judges that window of 9 rows by the same rule. One all_reduce (SUM) then carries the number
+  of ranks whose window stood out and a sample of 16 ranks' rows (a rotating set, identical on
+  every rank: the band's calibration). Only when some window stood out do the ranks gather every
+  row and judge them all, as a small world does, so the verdict (and the suspects it names) is
+  identical on every rank. Every row is seen by 9 windows: a faulty rank's own judgement is never
+  the only one.
 
 How the rows are judged (each value's deviation from the ranks' median, corrected by the rank's
 level, against a band calibrated from the run itself; hostile rows) and how a partner's
 recomputation is checked against the same rule: ``sdc_core.checks.screen_rule``. This module
-moves the rows: it builds this rank's row (plain torch ops and Python reads) and gathers
-everyone's; it carries no other check's values (each check runs its own collective).
+moves the rows: it builds this rank's row (plain torch ops and Python reads) and exchanges it; it
+carries no other check's values (each check runs its own collective).
 
-Cost per step: on the device a handful of tiny kernels (the row), one all_gather of
-``world x (k + 2)`` float64 values (into a fresh buffer) started right after backward, no host
-synchronisation in the step; at ``suspects`` one wait (long finished when read one step later), one ``tolist`` of the
-rows and plain-Python arithmetic on them (no torch op per value), and at each recalibration
-two torch medians over the history (``window x world x (k + 2)`` values)."""
+Cost per step, per rank: on the device a handful of tiny kernels (the row); no host
+synchronisation until ``suspects``, which waits once for the rows (long arrived when read one step
+later). Up to 16 ranks: one all_gather of ``world x (k + 3)`` float64 values and plain-Python
+arithmetic on them. Larger worlds: 8 sends and 8 receives of one row, Python on 9 rows, and one
+all_reduce of ``1 + 16 x (k + 3)`` values (a second wait), whatever the world; on a step some
+window flags, one all_gather of every row and Python on all of them. At each recalibration two
+torch medians over the band's bounded history."""
 
 from __future__ import annotations
 
@@ -36,21 +52,56 @@ from sdc_core.checks.screen_rule import (
     Band,
     ScreenConfig,
     ScreenResult,
-    classify,
-    deviations,
     in_band,
-    read_rows,
+    judge_rows,
     reference,
 )
-from sdc_core.dist.topology import HostRead, Topology, collective_device, is_distributed
+from sdc_core.dist.topology import HostRead, Topology, collective_device, is_distributed, owners_of
 from sdc_core.stats import CheckStats
 
 if TYPE_CHECKING:
     from sdc_core.checks.gradients import NonFiniteGradient
 
 _MAX_PENDING = 2  # observed steps whose verdict may wait (the driver reads one step later at most)
+ALL_ROWS_UP_TO = 16  # worlds up to this size gather every row every step; larger ones compare neighbourhoods
+NEIGHBOURS = 8  # in a larger world, the ranks before this one on the ring whose rows it judges with its own
 _CPU = torch.device("cpu")
 __all__ = ["GradientScreen", "ScreenConfig", "ScreenResult", "in_band", "loss_magnitude", "reference"]
+
+
+class _AllOf:
+    """Several asynchronous works waited for as one (``HostRead`` takes one)."""
+
+    def __init__(self, works: list[Any]) -> None:
+        self.works = works
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
+
+
+class _Neighbourhood:
+    """A step of a larger world in flight: this rank's row (gathered from every rank only when a
+    window stands out) and its window (the neighbours' rows, then its own) being received."""
+
+    def __init__(self, row: torch.Tensor, window: HostRead) -> None:
+        self.row, self.window = row, window
+
+
+def ring_neighbours(topology: Topology | None) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """In a world of more than ``ALL_ROWS_UP_TO`` ranks: the ``NEIGHBOURS`` ranks after this one on
+    the replay's ring (which crosses nodes; they receive its row) and those before it (it receives
+    theirs); else none (every row is gathered)."""
+    if topology is None or topology.world_size <= ALL_ROWS_UP_TO:
+        return (), ()
+    after = topology.partners()
+    before = owners_of(after)
+    sends, receives, up, down = [], [], topology.rank, topology.rank
+    for _ in range(min(NEIGHBOURS, topology.world_size - 1)):
+        up, down = after[up], before[down]
+        sends.append(up)
+        receives.append(down)
+    return tuple(sends), tuple(receives)
 
 
 def loss_magnitude(loss: torch.Tensor | None, device: torch.device) -> torch.Tensor:
@@ -94,7 +145,9 @@ class GradientScreen:
         self.last_result: ScreenResult | None = None
         self._device: torch.device | None = None
         self._targets: dict[torch.device | None, torch.device] = {}  # ``collective_device`` per source device
-        self._pending: OrderedDict[int, HostRead] = OrderedDict()  # step -> its all_gather
+        self._pending: OrderedDict[int, HostRead | _Neighbourhood] = OrderedDict()  # step -> its rows in flight
+        self._sends_to: tuple[int, ...] = ()  # a larger world: the ranks this one sends its row to (after it)
+        self._receives_from: tuple[int, ...] = ()  # ... and those whose rows it judges with its own (before it)
         self._judged: dict[int, ScreenResult] = {}
         self.band: Band | None = None  # the bands and their history (made by ``attach``)
         self._restored: dict[str, Any] | None = None  # a band's state loaded before ``attach`` (a resume)
@@ -129,15 +182,21 @@ class GradientScreen:
         self.width = width
         self.names = [f"group {j} ({n})" for j, n in enumerate(names)] + ["loss", "level"]
         self.band = Band(self.config, self.world_size, width)
+        self._sends_to, self._receives_from = ring_neighbours(self.topology)
         if self._restored is not None:  # loaded from a checkpoint before the screen was attached
             restored, self._restored = self._restored, None
             self.band.load_state_dict(restored)
         self._targets = {}
 
+    @property
+    def neighbourhoods(self) -> bool:
+        """Whether rows are compared in neighbourhoods (a world above ``ALL_ROWS_UP_TO``)."""
+        return bool(self._receives_from)
+
     def observe(
         self, step: int, magnitudes: torch.Tensor | list[float] | None, loss: torch.Tensor | None = None
     ) -> None:
-        """Start step ``step``'s all_gather of this rank's row (``magnitudes``: the ``k`` values of
+        """Start step ``step``'s exchange of this rank's row (``magnitudes``: the ``k`` values of
         ``take_magnitudes``, a tensor or, read on the host, a list; None for no opinion; ``loss``:
         this rank's loss of the step, or None). No host synchronisation. Every rank, every step, alike."""
         if self.width == 0:
@@ -197,16 +256,28 @@ class GradientScreen:
         return target.type == "cpu"
 
     def _start(self, step: int, row: torch.Tensor, device: torch.device) -> None:
-        """Start the all_gather of this rank's ``row`` for ``step`` (every rank alike; async)."""
-        if self.world_size > 1:
-            out = torch.empty(self.world_size, row.numel(), dtype=torch.float64, device=device)
-            work = dist.all_gather(list(out.unbind(0)), row, async_op=True)
-            self._pending[step] = HostRead(out, work)
-        else:
+        """Start the exchange of this rank's ``row`` for ``step`` (every rank alike; async): every
+        row gathered, or, in a larger world, the row sent to the neighbours after this rank and
+        theirs received from those before it."""
+        if self.world_size == 1:
             self._pending[step] = HostRead(row.reshape(1, -1))
+        elif not self._receives_from:
+            self._pending[step] = self._gather(row, device)
+        else:
+            window = torch.empty(len(self._receives_from) + 1, row.numel(), dtype=torch.float64, device=device)
+            window[-1].copy_(row)
+            ops = [dist.P2POp(dist.isend, row, peer) for peer in self._sends_to]
+            ops += [dist.P2POp(dist.irecv, window[i], peer) for i, peer in enumerate(self._receives_from)]
+            self._pending[step] = _Neighbourhood(row, HostRead(window, _AllOf(dist.batch_isend_irecv(ops))))
+
+    def _gather(self, row: torch.Tensor, device: torch.device) -> HostRead:
+        """Start the all_gather of every rank's ``row`` (async)."""
+        out = torch.empty(self.world_size, row.numel(), dtype=torch.float64, device=device)
+        work = dist.all_gather(list(out.unbind(0)), row, async_op=True)
+        return HostRead(out, work)
 
     def suspects(self, step: int) -> ScreenResult:
-        """The verdict on ``step`` (waits for its all_gather; judges older pending steps first).
+        """The verdict on ``step`` (waits for its rows; judges older pending steps first).
         Raises ``LookupError`` for a step never observed or already returned."""
         while step in self._pending and step not in self._judged:
             self._judge_oldest()
@@ -226,10 +297,49 @@ class GradientScreen:
 
     def _judge_oldest(self) -> None:
         step, read = self._pending.popitem(last=False)
+        if isinstance(read, _Neighbourhood):
+            self._judged[step] = self._judge_neighbourhood(step, read)
+            return
         table = read.get().tolist()  # waits for the all_gather
         t0 = time.perf_counter()
         self._judged[step] = self.judge(step, table)
         self.stats.add_time(time.perf_counter() - t0)
+
+    def _judge_neighbourhood(self, step: int, read: _Neighbourhood) -> ScreenResult:
+        """A larger world's verdict on ``step`` (module docstring): this rank's window judged, then
+        the step's one all_reduce (the windows that stood out, the band's sample), then, only when
+        some window stood out, every row gathered and judged. Identical on every rank."""
+        window = read.window.tolist()  # waits for the neighbours' rows
+        t0 = time.perf_counter()
+        assert self.band is not None
+        self.stats.runs += 1
+        band, calibrated = self.band.current()
+        flagged = bool(judge_rows(window, band, self.names)[0])
+        n, sampled = HEADER + self.width, self.band.sampled
+        summed = torch.zeros(1 + sampled * n, dtype=torch.float64, device=read.row.device)
+        slot = (self.topology.rank - step * sampled) % self.world_size if self.topology is not None else 0
+        if slot < sampled:  # this rank's row is in this step's sample
+            summed[1 + slot * n : 1 + (slot + 1) * n] = read.row
+        if flagged:
+            summed[0] = 1.0
+        self.stats.add_time(time.perf_counter() - t0)
+        dist.all_reduce(summed)  # SUM: only the sampled ranks write their slots
+        totals = HostRead(summed).tolist()
+        t0 = time.perf_counter()
+        sample = [totals[1 + j * n : 1 + (j + 1) * n] for j in range(sampled)]
+        if not totals[0] <= 0:  # some window stood out (NaN from a hostile peer too): judge every row
+            self.stats.bump("neighbourhood_flags")
+            self.stats.add_time(time.perf_counter() - t0)
+            table = self._gather(read.row, read.row.device).tolist()
+            t0 = time.perf_counter()
+            result = self._verdict(step, table, band, calibrated)
+        else:
+            self.stats.last_verified_step = step
+            result = ScreenResult(step=step, calibrated=calibrated, bands=tuple(band))
+            self.last_result = result
+        self.band.add(judge_rows(sample, band, self.names)[1])
+        self.stats.add_time(time.perf_counter() - t0)
+        return result
 
     def bands(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Per value its band now (log2 units, float64) and whether it is calibrated."""
@@ -247,17 +357,23 @@ class GradientScreen:
         Pure host arithmetic: one ``tolist`` of a tensor, then plain Python on ``world x (width + 3)``
         numbers."""
         table = rows.to("cpu", torch.float64).tolist() if isinstance(rows, torch.Tensor) else rows
-        self.stats.runs += 1
         if len(table) != self.world_size or any(len(r) != HEADER + self.width for r in table):
             shape = tuple(rows.shape) if isinstance(rows, torch.Tensor) else (len(table),)
             raise ValueError(f"screen rows of shape {shape}, expected ({self.world_size}, {HEADER + self.width})")
         assert self.band is not None
-        values, judged, malformed, nonfinite = read_rows(table, self.width)
-        ref = reference(judged)
+        self.stats.runs += 1
         band, calibrated = self.band.current()
-        devs = self._last_dev = [deviations(x, ref) for x in judged]
-        details, healthy, margin = classify(devs, band, malformed, nonfinite, self.names)
-        self.band.add(healthy)
+        return self._verdict(step, table, band, calibrated, learn=True)
+
+    def _verdict(self, step: int, table: list[list[float]], band: list[float], calibrated: bool,
+                 learn: bool = False) -> ScreenResult:  # fmt: skip
+        """Every rank's rows judged against ``band`` (and, when ``learn``, their healthy
+        deviations added to the band's history); the counters updated."""
+        details, healthy, margin, values, devs = judge_rows(table, band, self.names)
+        self._last_dev = devs
+        if learn:
+            assert self.band is not None
+            self.band.add(healthy)
         ranks = tuple(details)
         if ranks:
             self.stats.failures += 1

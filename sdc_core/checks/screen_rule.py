@@ -262,6 +262,20 @@ def classify(
     return details, healthy, margin
 
 
+def judge_rows(
+    table: list[list[float]], band: Sequence[float], names: Sequence[str]
+) -> tuple[dict[int, dict[str, Any]], list[list[float]], float, list[tuple[float, ...]], list[list[float]]]:
+    """The rule on some ranks' rows (``step, width, values...`` each; hostile): ``classify``'s
+    ``(details, healthy, margin)``, then each rank's values as reported (``read_rows``) and its
+    deviations from the rows' median. ``names``: the values' names, the level's last."""
+    width = len(names) - 1
+    values, judged, malformed, nonfinite = read_rows(table, width)
+    ref = reference(judged)
+    devs = [deviations(x, ref) for x in judged]
+    details, healthy, margin = classify(devs, band, malformed, nonfinite, names)
+    return details, healthy, margin, values, devs
+
+
 def history_tensor(state: dict[str, Any]) -> torch.Tensor | None:
     """``Band.state_dict``'s history as a float64 tensor (NaN: no value), or None when the state
     holds none of a readable shape; a tensor (an earlier checkpoint's form) is taken as it is."""
