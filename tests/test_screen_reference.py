@@ -25,6 +25,7 @@ from sdc_core.checks.screen_rule import (
     history_tensor,
     in_band,
     reference,
+    tail_bands,
 )
 from sdc_core.dist.topology import RankFacts, Topology
 
@@ -50,7 +51,8 @@ class TorchScreen(GradientScreen):
             return torch.full((self.width + 1,), float(cfg.initial_band), dtype=torch.float64), calibrated
         med = torch.nanmedian(h, 0).values
         mad = torch.nanmedian((h - med).abs(), 0).values
-        band = (med + cfg.z * _MAD_TO_SIGMA * mad).clamp(cfg.min_band, cfg.max_band)
+        band = torch.fmax(med + cfg.z * _MAD_TO_SIGMA * mad, tail_bands(h, self.world_size))  # the world's tail
+        band = band.clamp(cfg.min_band, cfg.max_band)
         return torch.where(calibrated, band, torch.full_like(band, float(cfg.initial_band))), calibrated
 
     def judge(self, step: int, rows: torch.Tensor) -> ScreenResult:

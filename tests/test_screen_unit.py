@@ -13,6 +13,7 @@ from torch import nn
 
 from sdc_core.checks.gradients import NonFiniteGradient
 from sdc_core.checks.screen import GradientScreen, ScreenConfig, ScreenResult, loss_magnitude
+from sdc_core.checks.screen_rule import STEPS_PER_DAY, tail_bands
 from sdc_core.dist.topology import RankFacts, Topology
 
 K = 4  # groups; rows carry K + 1 values (the loss last)
@@ -363,3 +364,23 @@ def test_the_band_is_restored_from_a_checkpoint_loaded_before_attach() -> None:
     other = screen(3)
     restore_counters(counters(40, 40, [s], None), [other])
     assert torch.equal(other.bands()[0], s.bands()[0])
+
+
+def test_the_tail_band_keeps_the_worlds_hits_under_one_a_day_and_grows_with_the_world() -> None:
+    """On healthy deviations with an exponential tail in log2 units (half the rank-steps positive,
+    mean 0.4), the tail band lands where that distribution's exceedance is one hit a day across
+    the world at one step a second, per value: near the exact quantile at 8 and at 16,384 ranks
+    (a history of 16,000 rank-steps: 800 excesses estimate the slope to 3.5%, times an
+    extrapolation of ln(1e7) to ln(1e10): 0.2-0.3 log2 units of noise per value), and higher in the larger world; too few deviations give no tail band."""
+    g = torch.Generator().manual_seed(5)
+    steps, ranks, values, scale = 1000, 16, 4, 0.4
+    exp = torch.empty(steps, ranks, values, dtype=torch.float64).exponential_(1 / scale, generator=g)
+    positive = torch.rand(steps, ranks, values, generator=g, dtype=torch.float64) < 0.5
+    history = torch.where(positive, exp, math.nan)
+    for world in (8, 16384):
+        budget = 1 / (STEPS_PER_DAY * world * values)
+        exact = scale * math.log(0.5 / budget)  # P(d > x) = 0.5 exp(-x / scale)
+        band = tail_bands(history, world)
+        assert ((band - exact).abs() < 1.0).all() and abs(float(band.mean()) - exact) < 0.5, (world, band, exact)
+    assert (tail_bands(history, 16384) > tail_bands(history, 8) + 2.5).all()  # scale x ln(2048) = 3.05 higher
+    assert tail_bands(history[:2, :4], 8).isnan().all()  # 16 rank-steps: no tail to fit

@@ -17,7 +17,9 @@ flagged too (the partner replay clears it).
 
 The band is calibrated from the run itself, per value and for the level: the positive
 deviations of the ranks not flagged, over the last ``window`` steps, give ``median + z * 1.4826 *
-MAD``, clamped to ``[min_band, max_band]`` and recomputed every ``_REFRESH`` steps while some
+MAD`` (the bulk), or, when higher, the quantile of an exponential tail fitted to them that keeps
+the world's hits under one a day at one step a second (``tail_bands``: sized to the world),
+clamped to ``[min_band, max_band]`` and recomputed every ``_REFRESH`` steps while some
 value is not calibrated, every ``_REFRESH_CALIBRATED`` steps once all are; until a value has
 ``calibration_samples`` such deviations its band is ``initial_band``.
 
@@ -52,6 +54,9 @@ _REFRESH = 32  # judged steps between two recalibrations of the band while some 
 _REFRESH_CALIBRATED = 128  # ... and once all are: the band is a median over `window` steps and moves slowly
 _SAMPLED_RANKS = 16  # ranks' healthy deviations the band's history keeps per step: its memory and the cost of
 # its medians do not grow with the world (the ranks taken rotate from step to step, identically on every rank)
+_TAIL_SHARE = 0.1  # the largest tenth of a value's healthy positive deviations gives its tail's slope
+_TAIL_MIN = 10  # deviations above that threshold a tail fit needs (fewer: the band is the MAD rule's alone)
+STEPS_PER_DAY = 86_400  # the false-alarm budget's pace: one step a second
 _isfinite = math.isfinite
 _sub = operator.sub
 
@@ -276,6 +281,30 @@ def judge_rows(
     return details, healthy, margin, values, devs
 
 
+def tail_bands(history: torch.Tensor, world: int) -> torch.Tensor:
+    """Per value (``history``'s last dimension: ``steps x ranks x values``, NaN where a rank-step
+    gave no healthy positive deviation) the deviation whose exceedance keeps the world's screen
+    hits under one a day at one step a second: ``u + scale * ln(p_u / p)``, where ``u`` is the
+    value's ``1 - _TAIL_SHARE`` quantile of positive deviations, ``scale`` the mean excess above it
+    (an exponential tail in log2 units: a power law in magnitude), ``p_u`` the share of rank-steps
+    above ``u`` and ``p = 1 / (STEPS_PER_DAY x world x values)`` the budget per value and rank-step.
+    NaN where fewer than ``_TAIL_MIN`` deviations lie above ``u``. Two sorts per value."""
+    flat = history.reshape(-1, history.shape[-1])
+    rank_steps = flat.shape[0]
+    budget = 1.0 / (STEPS_PER_DAY * max(world, 1) * flat.shape[1])
+    out = torch.full((flat.shape[1],), math.nan, dtype=torch.float64)
+    for j in range(flat.shape[1]):
+        col = flat[:, j]
+        positive = col[~torch.isnan(col)].sort().values
+        above = int(len(positive) * _TAIL_SHARE)
+        if above < _TAIL_MIN:
+            continue
+        u = positive[-above - 1]
+        scale = float((positive[-above:] - u).mean())
+        out[j] = float(u) + scale * math.log(above / rank_steps / budget)
+    return out
+
+
 def history_tensor(state: dict[str, Any]) -> torch.Tensor | None:
     """``Band.state_dict``'s history as a float64 tensor (NaN: no value), or None when the state
     holds none of a readable shape; a tensor (an earlier checkpoint's form) is taken as it is."""
@@ -301,7 +330,7 @@ class Band:
     next recalibration, in one copy). Identical on every rank when fed the same steps."""
 
     def __init__(self, config: ScreenConfig, world: int, width: int) -> None:
-        self.config, self.width = config, width
+        self.config, self.width, self.world = config, width, world
         self.sampled = min(world, _SAMPLED_RANKS)  # rows of the history per step
         self.history = torch.full((config.window, self.sampled, width + 1), math.nan, dtype=torch.float64)
         self._rotation = 0  # the first rank sampled at the next step (``add``)
@@ -322,7 +351,8 @@ class Band:
             return torch.full((self.width + 1,), float(cfg.initial_band), dtype=torch.float64), calibrated
         med = torch.nanmedian(h, 0).values
         mad = torch.nanmedian((h - med).abs(), 0).values
-        band = (med + cfg.z * _MAD_TO_SIGMA * mad).clamp(cfg.min_band, cfg.max_band)
+        band = torch.fmax(med + cfg.z * _MAD_TO_SIGMA * mad, tail_bands(h, self.world))  # fmax: NaN loses
+        band = band.clamp(cfg.min_band, cfg.max_band)
         return torch.where(calibrated, band, torch.full_like(band, float(cfg.initial_band))), calibrated
 
     def current(self) -> tuple[list[float], bool]:
