@@ -56,10 +56,11 @@ def dry_trust(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subproces
     return out, gpu_check("--dry-run", "trust", str(out))
 
 
-# every stage's dry run is a set of launches (trust about 40 s, memory and matmul 35 s together, bench 15 s):
-# under -m slow, so the default run stays under 10 minutes on 2 cores; the default run keeps the script's own logic
-# (a stage by name, a lone path, a stage run to its timeout, bad calls). Run them before a device session.
-_SLOW_DRY = ("trust", "bench", "memory", "matmul")
+# every stage's dry run is a set of launches (trust about 40 s, memory and matmul 35 s together, bench 15 s,
+# kernels 20-40 s): under -m slow, so the default run stays under 10 minutes on 2 cores; the default run keeps the
+# script's own logic (a stage by name, a lone path, a stage run to its timeout, bad calls). Run them before a
+# device session.
+_SLOW_DRY = ("trust", "bench", "memory", "matmul", "kernels")
 
 
 @pytest.mark.parametrize("stage", [pytest.param(s, marks=pytest.mark.slow) if s in _SLOW_DRY else s for s in STAGES])
