@@ -176,3 +176,25 @@ def test_calls_per_step_do_not_grow_with_the_parameter_tensors(tmp_path: Path) -
     from benchmarks.calls import count
 
     assert count(8, 3)["calls_per_step"] == small  # deterministic
+
+
+def test_screen_budget_checks_the_tail_fit_on_held_out_steps_and_predicts_one_hit_a_day_at_the_tail_band() -> None:
+    """``benchmarks.screen_budget`` on healthy deviations with an exponential tail: the exceedances
+    the fit predicts on held-out steps match those counted (within 30%), and where the bulk band
+    and the cap do not bind, the prediction at each world's band is one hit a day."""
+    import torch
+
+    from benchmarks.screen_budget import budget
+
+    g = torch.Generator().manual_seed(4)
+
+    def steps(n: int) -> torch.Tensor:
+        exp = torch.empty(n, 16, 5, dtype=torch.float64).exponential_(1 / 0.4, generator=g) + 0.5
+        return torch.where(torch.rand(n, 16, 5, generator=g, dtype=torch.float64) < 0.5, exp, math.nan)
+
+    report = budget(steps(400), steps(2000))  # a long held-out stretch: its counts are not the noise here
+    for row in report["held_out_check"]:
+        assert row["predicted_per_rank_step"] == pytest.approx(row["counted_per_rank_step"], rel=0.3), row
+    for world, w in report["worlds"].items():
+        assert w["at_max_band"] == 0 and all(b > 5.0 for b in w["band"]), (world, w["band"])
+        assert w["predicted_hits_per_day"] == pytest.approx(1.0, rel=1e-6), world

@@ -13,7 +13,7 @@ from torch import nn
 
 from sdc_core.checks.gradients import NonFiniteGradient
 from sdc_core.checks.screen import GradientScreen, ScreenConfig, ScreenResult, loss_magnitude
-from sdc_core.checks.screen_rule import STEPS_PER_DAY, tail_bands
+from sdc_core.checks.screen_rule import STEPS_PER_DAY, predicted_hits_per_day, tail_bands
 from sdc_core.dist.topology import RankFacts, Topology
 
 K = 4  # groups; rows carry K + 1 values (the loss last)
@@ -384,3 +384,22 @@ def test_the_tail_band_keeps_the_worlds_hits_under_one_a_day_and_grows_with_the_
         assert ((band - exact).abs() < 1.0).all() and abs(float(band.mean()) - exact) < 0.5, (world, band, exact)
     assert (tail_bands(history, 16384) > tail_bands(history, 8) + 2.5).all()  # scale x ln(2048) = 3.05 higher
     assert tail_bands(history[:2, :4], 8).isnan().all()  # 16 rank-steps: no tail to fit
+
+
+def test_the_screen_reports_the_hits_a_day_its_band_predicts_across_the_world() -> None:
+    """At the tail band every value's predicted exceedance is its budget: one hit a day across the
+    world in all; a lower band predicts more. A screen calibrated on healthy Gaussian rows reports
+    its prediction (``sdc/gradient_screen/predicted_hits_per_day``): far under one a day, since
+    its band is floored at 2^5 and a Gaussian spread of 0.7 log2 units has a thin tail."""
+    g = torch.Generator().manual_seed(2)
+    exp = torch.empty(1000, 16, 4, dtype=torch.float64).exponential_(1 / 0.4, generator=g)
+    history = torch.where(torch.rand(1000, 16, 4, generator=g, dtype=torch.float64) < 0.5, exp, math.nan)
+    for world in (8, 16384):
+        band = tail_bands(history, world)
+        assert predicted_hits_per_day(history, band, world) == pytest.approx(1.0, rel=1e-6)
+        assert predicted_hits_per_day(history, band - 1.0, world) > 5.0  # a band 1 log2 unit lower: e^(1/0.4) more
+    s = screen(16)
+    for step in range(300):
+        s.judge(step, rows(step, healthy(g, 16)))
+    predicted = s.stats.metrics()["sdc/gradient_screen/predicted_hits_per_day"]
+    assert 0.0 <= predicted < 1.0, predicted

@@ -88,6 +88,13 @@ class _Neighbourhood:
         self.row, self.window = row, window
 
 
+def _record_prediction(stats: CheckStats, band: Band) -> None:
+    """The band's predicted screen hits a day across the world, into the counters
+    (``sdc/gradient_screen/predicted_hits_per_day``), once a tail has been fitted."""
+    if band.predicted_hits_per_day == band.predicted_hits_per_day:  # not NaN
+        stats.extra = {**(stats.extra or {}), "predicted_hits_per_day": band.predicted_hits_per_day}
+
+
 def ring_neighbours(topology: Topology | None) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """In a world of more than ``ALL_ROWS_UP_TO`` ranks: the ``NEIGHBOURS`` ranks after this one on
     the replay's ring (which crosses nodes; they receive its row) and those before it (it receives
@@ -314,6 +321,7 @@ class GradientScreen:
         assert self.band is not None
         self.stats.runs += 1
         band, calibrated = self.band.current()
+        _record_prediction(self.stats, self.band)
         flagged = bool(judge_rows(window, band, self.names)[0])
         n, sampled = HEADER + self.width, self.band.sampled
         summed = torch.zeros(1 + sampled * n, dtype=torch.float64, device=read.row.device)
@@ -363,6 +371,7 @@ class GradientScreen:
         assert self.band is not None
         self.stats.runs += 1
         band, calibrated = self.band.current()
+        _record_prediction(self.stats, self.band)
         return self._verdict(step, table, band, calibrated, learn=True)
 
     def _verdict(self, step: int, table: list[list[float]], band: list[float], calibrated: bool,

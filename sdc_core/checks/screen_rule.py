@@ -281,28 +281,43 @@ def judge_rows(
     return details, healthy, margin, values, devs
 
 
-def tail_bands(history: torch.Tensor, world: int) -> torch.Tensor:
+def tail_fit(history: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per value (``history``'s last dimension: ``steps x ranks x values``, NaN where a rank-step
-    gave no healthy positive deviation) the deviation whose exceedance keeps the world's screen
-    hits under one a day at one step a second: ``u + scale * ln(p_u / p)``, where ``u`` is the
-    value's ``1 - _TAIL_SHARE`` quantile of positive deviations, ``scale`` the mean excess above it
-    (an exponential tail in log2 units: a power law in magnitude), ``p_u`` the share of rank-steps
-    above ``u`` and ``p = 1 / (STEPS_PER_DAY x world x values)`` the budget per value and rank-step.
-    NaN where fewer than ``_TAIL_MIN`` deviations lie above ``u``. Two sorts per value."""
+    gave no healthy positive deviation) an exponential tail in log2 units (a power law in
+    magnitude): ``(u, scale, p_u)``, the value's ``1 - _TAIL_SHARE`` quantile of positive
+    deviations, the mean excess above it, and the share of rank-steps above it, so that
+    ``P(deviation > b) = p_u * exp(-(b - u) / scale)`` for ``b >= u``. NaN where fewer than
+    ``_TAIL_MIN`` deviations lie above ``u``. One sort per value."""
     flat = history.reshape(-1, history.shape[-1])
-    rank_steps = flat.shape[0]
-    budget = 1.0 / (STEPS_PER_DAY * max(world, 1) * flat.shape[1])
-    out = torch.full((flat.shape[1],), math.nan, dtype=torch.float64)
+    fit = torch.full((3, flat.shape[1]), math.nan, dtype=torch.float64)
     for j in range(flat.shape[1]):
         col = flat[:, j]
         positive = col[~torch.isnan(col)].sort().values
         above = int(len(positive) * _TAIL_SHARE)
-        if above < _TAIL_MIN:
-            continue
-        u = positive[-above - 1]
-        scale = float((positive[-above:] - u).mean())
-        out[j] = float(u) + scale * math.log(above / rank_steps / budget)
-    return out
+        if above >= _TAIL_MIN:
+            u = positive[-above - 1]
+            fit[:, j] = torch.stack([u, (positive[-above:] - u).mean(), torch.tensor(above / flat.shape[0])])
+    return fit[0], fit[1], fit[2]
+
+
+def tail_bands(history: torch.Tensor, world: int) -> torch.Tensor:
+    """Per value the deviation whose exceedance keeps the world's screen hits under one a day at
+    one step a second (``tail_fit``'s tail at ``p = 1 / (STEPS_PER_DAY x world x values)`` per
+    value and rank-step); NaN where no tail was fitted."""
+    u, scale, p_u = tail_fit(history)
+    budget = 1.0 / (STEPS_PER_DAY * max(world, 1) * history.shape[-1])
+    return u + scale * torch.log(p_u / budget)
+
+
+def predicted_hits_per_day(history: torch.Tensor, band: torch.Tensor, world: int) -> float:
+    """The screen hits a day that ``tail_fit``'s tails predict across a world of ``world`` ranks at
+    one step a second with ``band`` (values without a fitted tail count none: NaN when none has)."""
+    u, scale, p_u = tail_fit(history)
+    rate = p_u * torch.exp(-(torch.fmax(band, u) - u) / scale)
+    fitted = ~torch.isnan(rate)
+    if not bool(fitted.any()):
+        return math.nan
+    return float(rate[fitted].sum()) * STEPS_PER_DAY * world
 
 
 def history_tensor(state: dict[str, Any]) -> torch.Tensor | None:
@@ -339,6 +354,7 @@ class Band:
         self._fresh: list[tuple[int, list[list[float]]]] = []  # (slot, deviations of healthy ranks) not yet written
         self._current: tuple[list[float], bool] | None = None  # ``bands()`` as lists, all calibrated
         self._age = 0  # judged steps since ``_current`` was computed
+        self.predicted_hits_per_day = math.nan  # at the last recalibration (``predicted_hits_per_day``)
 
     def bands(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Per value its band now (log2 units, float64) and whether it is calibrated."""
@@ -353,6 +369,8 @@ class Band:
         mad = torch.nanmedian((h - med).abs(), 0).values
         band = torch.fmax(med + cfg.z * _MAD_TO_SIGMA * mad, tail_bands(h, self.world))  # fmax: NaN loses
         band = band.clamp(cfg.min_band, cfg.max_band)
+        judged = torch.where(calibrated, band, cfg.initial_band)
+        self.predicted_hits_per_day = predicted_hits_per_day(h, judged, self.world)
         return torch.where(calibrated, band, torch.full_like(band, float(cfg.initial_band))), calibrated
 
     def current(self) -> tuple[list[float], bool]:
