@@ -29,6 +29,28 @@ def test_the_line_names_each_check_and_the_verdicts() -> None:
     assert found.endswith("; 2 SDC verdicts (weight_fingerprint 2): sdc report runs/x")
 
 
+def test_screen_hits_and_unexplained_differences_are_counted_beside_their_check_and_are_no_verdict() -> None:
+    """A screen hit waits for a partner's confirmation (a confirmed one is the replay's verdict), and
+    an unexplained difference accused nobody: the line says "no SDC found" and counts them."""
+    import torch
+
+    from sdc_core.checks.screen import GradientScreen, ScreenConfig
+    from sdc_core.dist.topology import RankFacts, Topology
+
+    facts = tuple(RankFacts(rank=r, host="h", node_rank=0, local_rank=r) for r in range(4))
+    screen = GradientScreen(ScreenConfig(), Topology(ranks=facts, rank=0))
+    screen._setup(2, ["a", "b"])
+    rows = torch.tensor([[0.0, 3.0, -8.0, -8.0, 1.0]] * 4, dtype=torch.float64)
+    rows[2, 2] = 40.0  # rank 2's first group 2^48 above the others
+    assert screen.judge(0, rows).ranks == (2,) and screen.stats.failures == 1
+    replay = _Check("ring_replay", 10)
+    replay.stats.bump("unexplained_differences")
+    replay.stats.extra.update({"last_unexplained_rank": 1.0, "last_unexplained_step": 30.0})  # type: ignore[union-attr]
+    line = run_summary(100, [_Check("nonfinite_gradient", 100), screen, replay])
+    assert line == ("sdc-checks: 100 steps checked by nonfinite_gradient (100), gradient_screen (1; 1 hit), "
+                    "ring_replay (10 audits; 1 unexplained difference, rank 1 at step 30); no SDC found"), line
+
+
 @pytest.mark.parametrize("quiet", [False, True])
 def test_a_clean_plain_loop_ends_with_one_summary_line(tmp_path: Path, quiet: bool) -> None:
     env = worker_env()

@@ -11,7 +11,11 @@ for example::
 (one line in the log)
 
 or, when a verdict was recorded and training went on (``policy`` ``"warn"``, ``"skip_step"``,
-``"heal"``): ``...; 2 SDC verdicts (weight_fingerprint 2): sdc report <run dir>``.
+``"heal"``): ``...; 2 SDC verdicts (weight_fingerprint 2): sdc report <run dir>``. The every-step
+screen's hits are not verdicts (a partner's recomputation confirms them first: a confirmed one is
+the replay's verdict): they are counted beside the screen, ``gradient_screen (1000; 2 hits)``, as
+are the replay's unexplained differences (a re-run that differed from its first result once, no
+verdict): ``ring_replay (10 audits; 1 unexplained difference, rank 1 at step 30)``.
 
 ``SDC_RUN_SUMMARY=0`` in the environment turns it off; so does a level above INFO on the
 ``sdc_checks`` logger. Where no logging is configured (the root logger has no handler) the logger
@@ -27,6 +31,7 @@ import weakref
 from collections.abc import Iterable
 from typing import Any
 
+from sdc_core.checks.contract import Role
 from sdc_core.ops.trackers import log_summary
 from sdc_core.schema import env_flag
 
@@ -52,8 +57,8 @@ def run_summary(steps: int, checks: Iterable[Any], run_dir: str | None = None) -
     for check in checks:
         stats = check.stats
         unit = " audits" if stats.check == "ring_replay" else ""
-        parts.append(f"{stats.check} ({stats.runs}{unit})")
-        if stats.failures:
+        parts.append(f"{stats.check} ({stats.runs}{unit}{_observed(check)})")
+        if stats.failures and getattr(check, "role", None) is not Role.SCREEN:
             verdicts[stats.check] = stats.failures
     line = f"sdc-checks: {steps} steps checked by {', '.join(parts) or 'no check'}"
     if not verdicts:
@@ -62,6 +67,18 @@ def run_summary(steps: int, checks: Iterable[Any], run_dir: str | None = None) -
     where = f": sdc report {run_dir}" if run_dir else ""
     listed = ", ".join(f"{name} {n}" for name, n in sorted(verdicts.items()))
     return f"{line}; {total} SDC verdict{'s' if total != 1 else ''} ({listed}){where}"
+
+
+def _observed(check: Any) -> str:
+    """What a check saw that is no verdict: the screen's hits, the replay's unexplained differences."""
+    stats, extra = check.stats, check.stats.extra or {}
+    if getattr(check, "role", None) is Role.SCREEN and stats.failures:
+        return f"; {stats.failures} hit{'s' if stats.failures != 1 else ''}"
+    n = int(extra.get("unexplained_differences", 0))
+    if not n:
+        return ""
+    last = f", rank {int(extra['last_unexplained_rank'])} at step {int(extra['last_unexplained_step'])}"
+    return f"; {n} unexplained difference{'s' if n != 1 else ''}{last if 'last_unexplained_rank' in extra else ''}"
 
 
 def _wanted() -> bool:
