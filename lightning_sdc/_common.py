@@ -19,13 +19,12 @@ from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, ModelPa
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
 
 from sdc_core.checks.gradient_tap import GradientTap
-from sdc_core.dist import shutdown
 from sdc_core.dist.topology import Topology
-from sdc_core.dist.uncaught import one_line_when_uncaught
 from sdc_core.driver.settings import SDCConfigError, SDCSettings, checked_keywords
 from sdc_core.driver.step import Seam, StepContext, StepDriver
 from sdc_core.errors import SDCError, as_sdc_error
-from sdc_core.ops.incidents import install_exit_code, mark_verdict, spawn_marker, take_marker
+from sdc_core.ops import process_exit
+from sdc_core.ops.process_exit import install_exit_code, mark_verdict, one_line_when_uncaught, spawn_marker, take_marker
 from sdc_core.ops.summary import log_run_summary
 from sdc_core.schema import documented, settings_of
 from sdc_core.stats import CheckStats
@@ -322,7 +321,7 @@ class SDCCallback(Callback):
         seam.seen_step = trainer.global_step
         route_weights_only_saves(trainer, pl_module)
         if trainer.world_size > 1:  # the communication threads finish with Python before it shuts down
-            shutdown.arm()
+            process_exit.arm()
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         unroute_weights_only_saves(pl_module)

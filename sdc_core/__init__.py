@@ -13,7 +13,7 @@ seams over the same driver.
 """
 
 from sdc_core._lazy import lazy_exports
-from sdc_core.dist import shutdown  # first: its exit handler runs after those registered later
+from sdc_core.ops import process_exit  # noqa: F401  # first: its exit handler runs after those registered later
 
 # Imported on first use (PEP 562), so ``import sdc_core`` (and ``sdc --help``) does not import torch.
 _EXPORTS = {

@@ -6,7 +6,7 @@ Rank 0 chains a Python callback on an asynchronous gloo all-reduce (what every P
 communication hook does) and holds the GIL until the gloo worker that completed it is waiting for
 the GIL, then ends the script. ``control``: the worker meets interpreter teardown and the process
 aborts ("terminate called without an active exception", SIGABRT) in most runs (in the others the
-GIL was handed over before teardown began). ``armed``: ``sdc_core.dist.shutdown.arm()`` lets the worker
+GIL was handed over before teardown began). ``armed``: ``sdc_core.dist.process_exit.arm()`` lets the worker
 finish first and the process exits 0.
 """
 
@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sdc_core.dist import shutdown
+from sdc_core.ops import process_exit
 
 
 class _ReleasesTheGilInTeardown:
@@ -41,7 +41,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     if sys.argv[1] == "armed":
-        shutdown.arm()
+        process_exit.arm()
     t = torch.ones(4)
     if rank == 1:
         time.sleep(0.2)

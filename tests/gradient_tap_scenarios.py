@@ -17,8 +17,8 @@ from torch.utils.checkpoint import checkpoint
 
 from sdc_core.checks.gradient_tap import GradientTap
 from sdc_core.checks.gradients import NonFiniteConfig, NonFiniteGradient
-from sdc_core.dist import shutdown
 from sdc_core.errors import NonFiniteGradientError
+from sdc_core.ops import process_exit
 
 STEPS = 4
 
@@ -160,7 +160,7 @@ SCENARIOS = {
 
 if __name__ == "__main__":
     dist.init_process_group("gloo")
-    shutdown.arm()  # a Python comm hook (nan_comm_hook) needs what the adapters arm at exit
+    process_exit.arm()  # a Python comm hook (nan_comm_hook) needs what the adapters arm at exit
     try:
         main_for(SCENARIOS)
     finally:

@@ -18,8 +18,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
 
-from sdc_core.dist import shutdown
 from sdc_core.errors import SDCError
+from sdc_core.ops import process_exit
 from sdc_core.sharded.checks import ShardedNonFinite
 
 POISONED_RANK, POISONED_STEP = 1, 1
@@ -68,7 +68,7 @@ def run(now: bool) -> dict[str, Any]:
 
 if __name__ == "__main__":
     dist.init_process_group("gloo", timeout=timedelta(seconds=float(os.environ.get("PG_TIMEOUT", "60"))))
-    shutdown.arm()  # as every adapter does on attach: no gloo thread may still need Python at exit (an abort)
+    process_exit.arm()  # as every adapter does on attach: no gloo thread may still need Python at exit (an abort)
     try:
         main_for({"now": lambda out: run(True), "deferred": lambda out: run(False)})
     finally:

@@ -3,7 +3,7 @@
 The mechanism, reproduced deterministically with two plain processes (tests/exit_scenarios.py):
 a gloo worker that must take the GIL (to run or release a Python future callback, as after every
 bucket of a Python DDP communication hook) when interpreter teardown has begun is ended by
-CPython with ``pthread_exit``, which aborts the process in C++. ``sdc_core.dist.shutdown.arm()``
+CPython with ``pthread_exit``, which aborts the process in C++. ``sdc_core.dist.process_exit.arm()``
 makes the exit wait until no such thread is left."""
 
 from __future__ import annotations
@@ -70,12 +70,12 @@ def test_settle_releases_the_gil_for_its_period() -> None:
     import threading
     import time
 
-    from sdc_core.dist import shutdown
+    from sdc_core.ops import process_exit
     ran: list[float] = []
     worker = threading.Thread(target=lambda: ran.append(time.monotonic()))
     t0 = time.monotonic()
     worker.start()
-    shutdown.settle_threads(settle_s=0.2)
+    process_exit.settle_threads(settle_s=0.2)
     t1 = time.monotonic()
     worker.join(timeout=5)
     assert ran and ran[0] < t1  # the other thread ran inside the settle period

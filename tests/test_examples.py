@@ -51,7 +51,7 @@ def test_lightning_demo_names_the_faulty_rank(tmp_path: Path) -> None:
 
 
 # Issue 11 item 7: this demo's processes used to abort at exit now and then (gloo worker meeting
-# interpreter teardown); sdc_core.dist.shutdown fixed it, so a plain exit with status 0 is asserted.
+# interpreter teardown); sdc_core.ops.process_exit fixed it, so a plain exit with status 0 is asserted.
 @pytest.mark.slow  # a multi-process launch: the default run stays under 10 minutes
 def test_accelerate_demo_names_the_faulty_rank(tmp_path: Path) -> None:
     env = worker_env() | {"ACCELERATE_USE_CPU": "1", "ACCELERATE_SDC_CONFIG_FILE": os.devnull}

@@ -9,7 +9,7 @@ import pytest
 from conftest import worker_env
 
 SCRIPT = """
-from sdc_core.ops.incidents import install_exit_code
+from sdc_core.ops.process_exit import install_exit_code
 from sdc_core import FingerprintMismatchError
 install_exit_code()
 if {sdc}:
@@ -105,7 +105,7 @@ def test_node_name_is_the_schedulers_name_for_the_node(monkeypatch, capsys, tmp_
     from sdc_core.cli import main as sdc
     from sdc_core.dist.topology import Topology, node_name
     from sdc_core.errors import FingerprintMismatchError
-    from sdc_core.ops.incidents import mark_verdict
+    from sdc_core.ops.process_exit import mark_verdict
 
     for name in ("SLURMD_NODENAME", "NODE_NAME"):
         monkeypatch.delenv(name, raising=False)

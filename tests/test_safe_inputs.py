@@ -319,7 +319,7 @@ def test_incidents_in_the_same_millisecond_are_two_files(tmp_path: Path, monkeyp
 
 @pytest.mark.parametrize(("value", "code"), [("", 86), ("  ", 86), ("7", 7), ("0", 0)])
 def test_empty_exit_code_setting_is_unset(monkeypatch: Any, value: str, code: int) -> None:
-    from sdc_core.ops.incidents import exit_code
+    from sdc_core.ops.process_exit import exit_code
 
     monkeypatch.setenv("SDC_EXIT_CODE", value)
     assert exit_code() == code

@@ -371,7 +371,8 @@ def test_the_tail_band_keeps_the_worlds_hits_under_one_a_day_and_grows_with_the_
     mean 0.4), the tail band lands where that distribution's exceedance is one hit a day across
     the world at one step a second, per value: near the exact quantile at 8 and at 16,384 ranks
     (a history of 16,000 rank-steps: 800 excesses estimate the slope to 3.5%, times an
-    extrapolation of ln(1e7) to ln(1e10): 0.2-0.3 log2 units of noise per value), and higher in the larger world; too few deviations give no tail band."""
+    extrapolation of ln(1e7) to ln(1e10): 0.2-0.3 log2 units of noise per value), and higher in
+    the larger world; too few deviations give no tail band."""
     g = torch.Generator().manual_seed(5)
     steps, ranks, values, scale = 1000, 16, 4, 0.4
     exp = torch.empty(steps, ranks, values, dtype=torch.float64).exponential_(1 / scale, generator=g)

@@ -1,6 +1,6 @@
 """A verdict that leaves a launched script closes the trackers' runs: the launcher stops the whole
 worker group once one rank exits, so the ranks other than 0 (the trackers' owner) leave only after
-rank 0's ``atexit`` handlers ran (``sdc_core.dist.exit_order``)."""
+rank 0's ``atexit`` handlers ran (``sdc_core.ops.process_exit``)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ SLOW_TRACKER = """
 import atexit, pathlib, sys, time
 import torch.distributed as dist
 from sdc_core import FingerprintMismatchError
-from sdc_core.ops.incidents import install_exit_code, mark_verdict
+from sdc_core.ops.process_exit import install_exit_code, mark_verdict
 install_exit_code()
 dist.init_process_group("gloo")
 rank = dist.get_rank()

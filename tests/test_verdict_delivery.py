@@ -137,7 +137,7 @@ def test_lightning_ddp_subprocess_launcher_exits_86(tmp_path: Path) -> None:
 
 RAISE = (
     "import atexit, pathlib, sys\n"
-    "from sdc_core.ops.incidents import install_exit_code\n"
+    "from sdc_core.ops.process_exit import install_exit_code\n"
     "from sdc_core import FingerprintMismatchError\n"
     "install_exit_code()\n"
     "atexit.register(lambda: pathlib.Path(sys.argv[1]).write_text('FINISHED'))  # as MLflow ends its run\n"

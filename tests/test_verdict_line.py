@@ -39,7 +39,7 @@ hooks.finish()
 """
 
 RAISE = (
-    "from sdc_core.ops.incidents import install_exit_code\n"
+    "from sdc_core.ops.process_exit import install_exit_code\n"
     "from sdc_core import FingerprintMismatchError\n"
     "install_exit_code()\n"
     "raise FingerprintMismatchError(step=3, rank=1, suspects=(1,), hosts={1: 'node-b'}, details={'world_size': 3})\n"

@@ -56,7 +56,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from sdc_core.dist import shutdown
 from sdc_core.dist.topology import Topology
 from sdc_core.driver.counter_log import CounterLog
 from sdc_core.driver.framework import Framework, LossFn, MetricsFn, inner_optimizer, wrap_step
@@ -66,7 +65,8 @@ from sdc_core.driver.replay_capture import LoopCapture
 from sdc_core.driver.settings import PLAIN, Sources, resolve
 from sdc_core.driver.step import Seam, StepContext, StepDriver
 from sdc_core.errors import SDCError
-from sdc_core.ops.incidents import install_exit_code
+from sdc_core.ops import process_exit
+from sdc_core.ops.process_exit import install_exit_code
 from sdc_core.ops.summary import log_run_summary
 from sdc_core.sharded.checks import is_sharded
 
@@ -165,7 +165,7 @@ class SDCHooks:
         distributed = fw.num_processes > 1
         if distributed and is_sharded(model):  # fully_shard in place (FSDP2, HSDP): the sharded cores, the update audit
             self._module = model
-            shutdown.arm()
+            process_exit.arm()
             topo = Topology.gather(local_rank=fw.local_rank)
             self._handles += self._cores.attach_sharded(model, optimizer, self._capture, self.settings.update_audit,
                                                         topo, self.settings.screen)  # fmt: skip
@@ -182,7 +182,7 @@ class SDCHooks:
         module = fw.unwrap(model)
         self._module = module
         if distributed:  # the communication threads finish with Python before it shuts down
-            shutdown.arm()
+            process_exit.arm()
         topo = Topology.gather(local_rank=fw.local_rank)
         for check in self.checks:
             check.topology = topo
@@ -267,7 +267,7 @@ class SDCHooks:
         if self.fingerprint is not None:
             self.fingerprint.discard()
         if self._fw.num_processes > 1:  # the script may now free the model and the process group
-            shutdown.settle_threads()
+            process_exit.settle_threads()
         if isinstance(err, SDCError):
             try:  # at the tracker step of now: the updates done (a verdict about step s after its update: s + 1)
                 self.log(force=True)
@@ -284,7 +284,7 @@ class SDCHooks:
         finally:
             self.log(force=True)
             if self._fw.num_processes > 1:  # the script may now free the model and the process group
-                shutdown.settle_threads()
+                process_exit.settle_threads()
 
     def check_gradients_now(self) -> None:
         """Read this step's non-finite verdict now, before anything that raises on NaN gradients
@@ -419,7 +419,7 @@ def _at_exit(hooks: weakref.ref[SDCHooks]) -> None:
     del alive
     # Gloo threads finish releasing a Python comm hook's callbacks first: the
     # collection below may destroy the DDP model, whose reducer drops the process group
-    # with the GIL held and joins those threads (see sdc_core.dist.shutdown).
-    shutdown.settle_threads()
+    # with the GIL held and joins those threads (see sdc_core.ops.process_exit).
+    process_exit.settle_threads()
     # The hooks and the DDP model form reference cycles: collected here, while Python is whole.
     gc.collect()

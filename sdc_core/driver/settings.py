@@ -31,7 +31,7 @@ from sdc_core.checks.fingerprint import FingerprintConfig, FingerprintFailurePol
 from sdc_core.checks.gradients import NonFiniteConfig, NonFiniteFailurePolicy
 from sdc_core.checks.matmul import MatmulChecksumConfig
 from sdc_core.checks.screen import ScreenConfig
-from sdc_core.dist.uncaught import one_line_when_uncaught
+from sdc_core.ops.process_exit import one_line_when_uncaught
 from sdc_core.replay.ring import ReplayConfig, ReplayExact, ReplayFailurePolicy, UnreplayablePolicy
 from sdc_core.schema import settings_of
 from sdc_core.sharded.update_audit import UpdateAudit, update_audit

@@ -43,7 +43,7 @@ from sdc_core.checks.fingerprint import WeightFingerprint, healed_by_comparison
 from sdc_core.checks.gradients import drop_step
 from sdc_core.driver.delivery import ROLLED_BACK, Delivery
 from sdc_core.errors import ReplayMismatchError, SDCError
-from sdc_core.ops.incidents import mark_verdict
+from sdc_core.ops.process_exit import mark_verdict
 from sdc_core.ops.trackers import log_incident
 from sdc_core.replay.confirm import confirm_hits, skips
 from sdc_core.sharded.checks import is_sharded

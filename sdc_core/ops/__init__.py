@@ -1,2 +1,2 @@
-"""After the verdict: incident records, their report and exit code (``incidents``), the ``sdc run``
-launcher (``launch``). On ``dist`` and ``io``."""
+"""After the verdict: incident records and their report (``incidents``), how a process ends on one
+(``process_exit``), the ``sdc run`` launcher (``launch``). On ``dist`` and ``io``."""

@@ -1,4 +1,5 @@
-"""After detection: incident reports, hosts to exclude, and a process exit code for SDC verdicts.
+"""After detection: incident reports and the hosts to exclude (how the process then ends:
+``sdc_core.ops.process_exit``).
 
 * ``write_incident`` (rank 0, on every verdict: raised, skipped or warned) writes one JSON file to
   ``<run dir>/sdc/incidents/``: the exception's fields, the check's configuration, the step and
@@ -9,209 +10,26 @@
 * ``read_incident_dicts`` reads them back as checked dicts, skipping (and naming) files that are
   not incidents (``sdc_core.load_incidents`` gives the same as typed records);
   ``summarise`` and ``exclude_hosts`` are ``sdc report`` and ``sdc exclude-list``.
-* ``install_exit_code`` makes an uncaught ``SDCError`` end the process with a distinct exit code
-  (default 86, ``SDC_EXIT_CODE`` to change, 0 to keep Python's own 1) after the ``atexit``
-  handlers ran (trackers close their runs). Launchers (torchrun, ``accelerate launch``) turn any
-  failed worker into their own exit code 1, so ``mark_verdict`` also leaves a marker in
-  ``$SDC_VERDICT_DIR`` for ``sdc run`` / ``accelerate-sdc launch`` (``sdc_core.ops.launch``), which
-  exit 86 for the job.
 """
 
 from __future__ import annotations
 
-import atexit
-import contextlib
 import dataclasses
-import io
 import json
-import os
 import re
-import sys
-import tempfile
-import threading
 import time
-import uuid
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from sdc_core.dist import exit_order
-from sdc_core.dist.uncaught import print_line
-from sdc_core.errors import TRACEBACK_ENV, SDCError, verdict_line
+from sdc_core.errors import SDCError
 from sdc_core.io.safe_files import UnreadableError, create_unique
 
 if TYPE_CHECKING:  # topology imports torch: `sdc report` and `sdc exclude-list` read incidents without it
     from sdc_core.dist.topology import Topology
 
-EXIT_CODE_ENV = "SDC_EXIT_CODE"
-DEFAULT_EXIT_CODE = 86
 SCHEMA_VERSION = 1  # of the incident JSON; files written before the field read as version 0
-VERDICT_DIR_ENV = "SDC_VERDICT_DIR"
-
-
-def exit_code(environ: Mapping[str, str] | None = None) -> int:
-    """The exit code for SDC verdicts: ``SDC_EXIT_CODE`` (0-255; 0 turns it off) or 86 (also
-    when the variable is set but empty, as ``VAR=`` in a job script leaves it); read from
-    ``environ`` (default: this process's environment)."""
-    raw = (os.environ if environ is None else environ).get(EXIT_CODE_ENV, "").strip() or str(DEFAULT_EXIT_CODE)
-    if not raw.isdigit() or not 0 <= int(raw) <= 255:
-        raise ValueError(f"{EXIT_CODE_ENV} must be an integer in 0..255, got {raw!r}")
-    return int(raw)
-
-
-def install_exit_code() -> None:
-    """Make an uncaught ``SDCError`` exit the process with ``exit_code()`` (idempotent).
-
-    The verdict prints one line per process (``errors.verdict_line``: the message and where the
-    incident is; ``SDC_TRACEBACK=1``: the previous ``sys.excepthook``'s traceback); then it is marked
-    for the launcher (``mark_verdict``), non-daemon threads are joined and the ``atexit`` handlers
-    run, as at any normal exit (an MLflow run is ended, not left RUNNING), and the process ends with
-    the code (``SDC_EXIT_CODE=0``: Python's own 1). In a job of several processes, the ranks other
-    than 0 leave only once rank 0's ``atexit`` handlers ran (``sdc_core.dist.exit_order``, at most
-    15 s): the launcher stops the whole group when the first rank exits, and rank 0 owns the
-    trackers. Other exceptions are left alone. In a worker group that torchrun restarted after an
-    SDC verdict (inside ``sdc run``), the first call ends the process at once with the code.
-    """
-    if getattr(sys.excepthook, "_sdc", False):
-        return
-    code = exit_code()
-    refuse_restart_after_verdict(code)
-    previous = sys.excepthook
-
-    def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
-        if isinstance(value, SDCError) and os.environ.get(TRACEBACK_ENV, "").strip() in ("", "0"):
-            print_line(verdict_line(value))  # one line, not a traceback
-        else:
-            previous(kind, value, tb)
-        if isinstance(value, SDCError):
-            _release_stderr()
-            mark_verdict(value)
-            exit_cleanly(code or 1)
-
-    hook._sdc = True  # type: ignore[attr-defined]
-    sys.excepthook = hook
-
-
-def _release_stderr() -> None:
-    """Put the real stderr back, with what was written to the buffer in its place. When
-    ``init_process_group`` ran after ``install_exit_code``, torch's excepthook calls ours with
-    ``sys.stderr`` swapped for a buffer that it prints (prefixed with the rank) only once ours
-    returns, which ours never does: the verdict's traceback, and whatever the ``atexit``
-    handlers print, would be lost."""
-    captured, real = sys.stderr, sys.__stderr__
-    if isinstance(captured, io.StringIO) and real is not None:
-        sys.stderr = real
-        with contextlib.suppress(Exception):
-            rank = os.environ.get("RANK")
-            text = captured.getvalue()
-            real.write("".join(f"[rank{rank}]: {line}" if rank else line for line in text.splitlines(True)))
-
-
-def exit_cleanly(code: int) -> None:
-    """End the process with ``code`` after what a normal interpreter exit runs first: joining
-    non-daemon threads and the ``atexit`` handlers (trackers close their runs), then flushing
-    stdout and stderr. Interpreter teardown itself is skipped: with gloo and a Python DDP
-    communication hook (torch's compression hooks, PowerSGD, your own), a gloo worker thread can abort the process there
-    ("terminate called without an active exception") after all work is done. A training script
-    may end with ``exit_cleanly(main())`` instead of ``sys.exit(main())``."""
-    with contextlib.suppress(Exception):  # never let the exit path fail
-        threading._shutdown()  # type: ignore[attr-defined]  # what Py_FinalizeEx calls first
-    atexit._run_exitfuncs()
-    exit_order.leave()  # after a verdict: rank 0 (the trackers' owner) leaves first
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
-    os._exit(code)
-
-
-def mark_verdict(error: SDCError, also: str | Path | None = None) -> None:
-    """Leave a marker of a raised verdict for whoever started the job (best effort, never raises).
-
-    Writes ``<$SDC_VERDICT_DIR>/<host>-<pid>-<ns>.json`` when ``SDC_VERDICT_DIR`` is set (``sdc run``
-    and ``accelerate-sdc launch`` set it), and ``also`` when given (the ``ddp_spawn`` parent reads
-    it). Once per error object; a few hundred bytes, atomic (written aside, then renamed).
-    """
-    if getattr(error, "_sdc_marked", False):
-        return
-    error._sdc_marked = True  # type: ignore[attr-defined]
-    from sdc_core.dist.topology import node_name
-
-    exit_order.capture()  # the process group may be gone by the time the verdict ends the process
-    record = {
-        "host": node_name(),
-        "pid": os.getpid(),
-        "rank": os.environ.get("RANK"),
-        "restart": _restart_count(),
-        "run_id": os.environ.get("TORCHELASTIC_RUN_ID"),
-        "error": error.to_dict(),
-        "incident": getattr(error, "incident", None) or getattr(error, "incident_dir", None),
-    }
-    targets = [Path(also)] if also is not None else []
-    folder = os.environ.get(VERDICT_DIR_ENV)
-    if folder and Path(folder).is_dir():  # absent on the other nodes of a job started on one node
-        targets.append(Path(folder) / f"{node_name()}-{os.getpid()}-{time.time_ns()}.json")
-    for target in targets:
-        try:
-            tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(record))
-            os.replace(tmp, target)
-        except OSError as err:
-            warnings.warn(f"SDC verdict marker not written to {target}: {err}", RuntimeWarning, stacklevel=2)
-
-
-def spawn_marker() -> str:
-    """A fresh file name for ``mark_verdict(also=...)``: made in the process that spawns the
-    workers and carried to them, where a worker leaves its verdict for that process."""
-    return str(Path(tempfile.gettempdir()) / f"sdc-verdict-{uuid.uuid4().hex}.json")
-
-
-def take_marker(path: str | Path) -> SDCError | None:
-    """The verdict ``mark_verdict`` left at ``path`` (the file is removed), or None without a readable one."""
-    marker = Path(path)
-    if not marker.is_file():
-        return None
-    try:
-        return SDCError.from_dict(json.loads(marker.read_text())["error"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    finally:
-        marker.unlink(missing_ok=True)
-
-
-def read_verdicts(folder: str | Path) -> list[dict[str, Any]]:
-    """The markers ``mark_verdict`` left in ``folder`` (unreadable ones are skipped)."""
-    found = []
-    for f in sorted(Path(folder).glob("*.json")):
-        try:
-            data = json.loads(f.read_text())
-        except (OSError, ValueError):
-            continue
-        if isinstance(data, dict) and isinstance(data.get("error"), dict):
-            found.append(data)
-    return found
-
-
-def _restart_count() -> int:
-    raw = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return int(raw) if raw.strip().isdigit() else 0
-
-
-def refuse_restart_after_verdict(code: int | None = None) -> None:
-    """End this process with the SDC exit code if torchrun restarted its worker group after an SDC
-    verdict of an earlier attempt of the same run (seen through ``$SDC_VERDICT_DIR``, so only
-    inside ``sdc run``): training again on the host a check just named would repeat the fault.
-    ``--max-restarts`` then still covers crashes, and ``sdc run`` exits with the SDC code."""
-    folder, restart = os.environ.get(VERDICT_DIR_ENV), _restart_count()
-    if not folder or restart == 0 or not Path(folder).is_dir():
-        return
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
-    for marker in read_verdicts(folder):
-        if marker.get("run_id") == run_id and isinstance(marker.get("restart"), int) and marker["restart"] < restart:
-            message = marker["error"].get("message", "an SDC verdict")
-            print(f"sdc: not restarting after an SDC verdict of attempt {marker['restart']}: {message}",
-                  file=sys.stderr, flush=True)  # fmt: skip
-            raise SystemExit(code if code is not None else (exit_code() or 1))
 
 
 def write_incident(run_dir: str | Path, error: SDCError, topology: Topology, config: Any, policy: str) -> Path:
@@ -461,8 +279,3 @@ def _local_topology(error: SDCError) -> Topology:
     world = world if isinstance(world, int) else max([*error.suspects, error.rank or 0]) + 1
     facts = [RankFacts(r, error.hosts.get(r, "?"), node_rank=-1, local_rank=-1, device="?") for r in range(world)]
     return Topology(ranks=tuple(facts), rank=0)
-
-
-# A torchrun worker group restarted after an SDC verdict (inside `sdc run`) stops here, when the
-# adapters are imported: before it joins a process group or trains on the host just named.
-refuse_restart_after_verdict()

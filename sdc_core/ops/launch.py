@@ -4,7 +4,7 @@ torchrun, ``accelerate launch`` and most launchers turn any failed worker into t
 1, whatever the worker's code, and a worker cannot change that. ``sdc run`` starts the command
 with ``SDC_VERDICT_DIR`` naming a fresh private folder; every process that raises an SDC verdict
 (uncaught, or through the Lightning / Accelerate adapters) leaves a small marker there
-(``sdc_core.ops.incidents.mark_verdict``). When the command ends:
+(``sdc_core.ops.process_exit.mark_verdict``). When the command ends:
 
 * exit 0 stays 0 (the job finished, or handled the verdict itself);
 * a failure with a marker exits ``SDC_EXIT_CODE`` (default 86; 0 keeps the command's code);
@@ -15,7 +15,7 @@ SIGTERM, SIGHUP, SIGUSR1, SIGUSR2 (and SIGINT/SIGQUIT when they did not come fro
 terminal, which sends them to the command itself) are forwarded to the command. Under
 ``torchrun --max-restarts N`` a worker group restarted after an SDC verdict ends at once with
 the SDC code instead of training again on the host just named (see
-``incidents.refuse_restart_after_verdict``). Multi-node: run ``sdc run`` on every node.
+``process_exit.refuse_restart_after_verdict``). Multi-node: run ``sdc run`` on every node.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ _FROM_TERMINAL = ("SIGINT", "SIGQUIT")
 
 def job_exit_code(returncode: int, verdicts: Sequence[dict[str, Any]], sdc_code: int | None = None) -> int:
     """The exit code for the job: see the module docstring."""
-    from sdc_core.ops.incidents import exit_code
+    from sdc_core.ops.process_exit import exit_code
 
     code = exit_code() if sdc_code is None else sdc_code
     if returncode == 0:
@@ -80,7 +80,11 @@ def run_command(cmd: Sequence[str], env: dict[str, str] | None = None) -> int:
     What ``sdc run`` and ``accelerate-sdc launch`` do. Raises ``FileNotFoundError`` /
     ``PermissionError`` when the command cannot be started.
     """
-    from sdc_core.ops.incidents import VERDICT_DIR_ENV, exit_code, read_verdicts  # here: `sdc run --help` stays quick
+    from sdc_core.ops.process_exit import (  # here: `sdc run --help` stays quick
+        VERDICT_DIR_ENV,
+        exit_code,
+        read_verdicts,
+    )
 
     env = dict(os.environ if env is None else env)
     sdc_code = exit_code(env)  # the command's setting; a bad one is named before anything starts
