@@ -1,7 +1,9 @@
 """``Framework``: what the hook set asks of a training loop, answered here for a plain PyTorch loop.
 
-The hook set (``sdc_core.driver.hooks.SDCHooks``) asks every framework-specific question through
-these members: the number of processes and this process's place, the DDP model and how to unwrap
+A ``Framework`` is the hook set's ``Seam`` (what the step driver asks: the run folder, the main
+process, the world size, the trackers, how a replay recomputes a micro-batch, the step's loss);
+the hook set (``sdc_core.driver.hooks.SDCHooks``) asks every other framework-specific question
+through these members: the number of processes and this process's place, the DDP model and how to unwrap
 it, whether this micro-batch steps (gradient accumulation) and what the loss is divided by, the
 GradScaler and the steps it skipped, moving a batch to the model's device, the replay's model and
 context, logging, the run folder, checkpoint registration and the comm-hook hand-over. The
@@ -22,15 +24,17 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from sdc_core.driver.step import Seam, StepContext
+
 LossFn = Callable[..., torch.Tensor]
 MetricsFn = Callable[[dict[str, float], int], None]
 
 
-class Framework:
+class Framework(Seam):
     """The seam between the hook set and a training loop: here, a plain PyTorch loop.
 
-    Every framework-specific question ``SDCHooks`` asks goes through one of these members;
-    the Accelerate, Fabric and Trainer seams subclass it. None of them communicates.
+    Every framework-specific question ``SDCHooks`` and its step driver ask goes through one of
+    these members; the Accelerate, Fabric and Trainer seams subclass it. None of them communicates.
 
     Args:
         run_dir: where incidents go (``<run_dir>/sdc/incidents``); default: the working directory.
@@ -50,6 +54,7 @@ class Framework:
         self._divisor = accumulation_steps
         self._scaler: Any = None
         self._updated = False  # set by a step post-hook on the inner optimizer
+        self.capture: Any = None  # the hook set's ``LoopCapture`` (a weak proxy), set when the hook set is made
 
     @property
     def num_processes(self) -> int:
@@ -147,6 +152,17 @@ class Framework:
     @property
     def run_dir(self) -> str:
         return self._run_dir or "."
+
+    @property
+    def world_size(self) -> int:
+        return self.num_processes
+
+    def replay_functions(self, replay: Any, step: StepContext) -> tuple[Any, Any, Any]:
+        """A replay recomputes a recorded micro-batch through ``replayable`` or the model's forward."""
+        return self.capture.replay_step, self.capture.to_device, nullcontext
+
+    def loss(self) -> torch.Tensor | None:
+        return self.capture.take_loss() if self.capture is not None else None
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         if self._log is not None:

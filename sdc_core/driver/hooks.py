@@ -50,7 +50,6 @@ import os
 import warnings
 import weakref
 from collections.abc import Callable
-from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -63,7 +62,7 @@ from sdc_core.driver.hook_state import counters, restore_counters, take_fingerpr
 from sdc_core.driver.loop_checks import LoopChecks
 from sdc_core.driver.replay_capture import LoopCapture
 from sdc_core.driver.settings import PLAIN, Sources, resolve
-from sdc_core.driver.step import Seam, StepContext, StepDriver
+from sdc_core.driver.step import StepContext, StepDriver
 from sdc_core.errors import SDCError
 from sdc_core.ops import process_exit
 from sdc_core.ops.process_exit import install_exit_code
@@ -130,7 +129,9 @@ class SDCHooks:
         self._loaded_fingerprint: dict[str, Any] | None = None
         self._handles: list[Any] = []
         self._log = CounterLog(self._fw, lambda: self.checks)
-        self._driver = StepDriver(_LoopSeam(self._fw, self._capture), self._cores.all)
+        # a weak proxy: the capture holds the hook set, which holds the framework (no cycle through it)
+        self._fw.capture = weakref.proxy(self._capture)
+        self._driver = StepDriver(self._fw, self._cores.all)
         self._fw.register_for_checkpointing(self)
 
     nonfinite = _core("nonfinite")
@@ -374,41 +375,6 @@ class SDCHooks:
         self.step, self._updates, self._loaded_fingerprint = restore_counters(state, self.checks)
         if self._module is not None:
             self._verify_loaded()
-
-
-class _LoopSeam(Seam):
-    """The driver's seam of a hook set: its framework's run folder and rank; a replay runs the
-    recorded micro-batch through ``replayable`` or the model's forward (``LoopCapture``)."""
-
-    def __init__(self, fw: Framework, capture: LoopCapture) -> None:
-        self._fw = fw
-        # the hook set owns the capture and the driver, which owns this seam; the capture holds the
-        # hook set: a weak proxy here keeps the seam out of that cycle (as the seam was before the split)
-        self._capture = weakref.proxy(capture)
-        self._run_dir: str | None = None
-
-    @property
-    def run_dir(self) -> str:
-        if self._run_dir is None:  # resolved once: a framework's answer may be a collective
-            self._run_dir = self._fw.run_dir
-        return self._run_dir
-
-    @property
-    def is_main(self) -> bool:
-        return self._fw.is_main
-
-    def tracker_targets(self) -> list[tuple[str, Any]]:
-        return self._fw.tracker_targets()
-
-    @property
-    def world_size(self) -> int:
-        return self._fw.num_processes
-
-    def replay_functions(self, replay: Any, step: StepContext) -> tuple[Any, Any, Any]:
-        return self._capture.replay_step, self._capture.to_device, nullcontext
-
-    def loss(self) -> torch.Tensor | None:
-        return self._capture.take_loss()
 
 
 def _at_exit(hooks: weakref.ref[SDCHooks]) -> None:
