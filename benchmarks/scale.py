@@ -156,7 +156,12 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "screen": {"fingerprint_every_n_steps": 0, "replay_every_n_steps": 0},
     "fingerprint": {"gradient_screen": False, "nonfinite_gradient": False, "replay_every_n_steps": 0},
     "defaults": {},
+    # HSDP (FSDP2 over a (W / 8 replicas) x (8 shards) mesh): FSDP's own collectives are in both rows
+    "hsdp_none": {},
+    "hsdp_fingerprint": {"gradient_screen": False, "nonfinite_gradient": False, "replay_every_n_steps": 0},
+    "hsdp_defaults": {},
 }
+_MESHES: dict[int, Any] = {}  # one HSDP mesh per world size (its groups are made once)
 
 
 def _replica_average(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -189,19 +194,38 @@ class _Net(nn.Module):
         return nn.functional.cross_entropy(self.body(x), y)
 
 
+def _model(name: str, world: int) -> nn.Module:
+    """DDP over every rank, or (``hsdp_*``) FSDP2 over a (W / 8) x 8 mesh: replicas of 8 shards."""
+    if not name.startswith("hsdp"):
+        model = DistributedDataParallel(_Net())
+        model.register_comm_hook(None, _replica_average)  # the checks' tap wraps it where it hooks in
+        return model
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    if world % NODE_SIZE:
+        raise SystemExit(f"HSDP needs a world of whole nodes of {NODE_SIZE}, got {world}")
+    if world not in _MESHES:
+        _MESHES[world] = init_device_mesh("cpu", (world // NODE_SIZE, NODE_SIZE), mesh_dim_names=("replicate", "shard"))
+    net = _Net()
+    for layer in net.body:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=_MESHES[world])
+    return fully_shard(net, mesh=_MESHES[world])
+
+
 def run_config(name: str, world: int, steps: int, audit_every: int, shim: Shim) -> dict[str, Any]:
     """``steps`` clean steps and one audited step of configuration ``name``; per-rank counts."""
     from sdc_core import SDCHooks
     from sdc_core.dist import topology
 
-    model = DistributedDataParallel(_Net())
-    model.register_comm_hook(None, _replica_average)  # the checks' tap wraps it where it hooks in
+    model = _model(name, world)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     hooks = None
     x, y = torch.randn(16, 32), torch.randint(0, 8, (16,))
-    if name != "none":
+    if name not in ("none", "hsdp_none"):
         settings = dict(CONFIGS[name])
-        if name == "defaults":
+        if name in ("defaults", "hsdp_defaults"):
             settings["replay_every_n_steps"] = audit_every
         gather = topology.Topology.gather
         topology.Topology.gather = classmethod(lambda cls, **kw: synthetic_topology(world))  # type: ignore[method-assign]
@@ -222,7 +246,7 @@ def run_config(name: str, world: int, steps: int, audit_every: int, shim: Shim) 
         optimizer.step()
         optimizer.zero_grad()
         host_s = time.perf_counter() - t0 - shim.own_s
-        audited = name == "defaults" and step % audit_every == 0
+        audited = name in ("defaults", "hsdp_defaults") and step % audit_every == 0
         rows.append({"step": step, "audited": audited, "host_ms": 1000 * host_s, "calls": dict(shim.calls),
                      "sent": shim.sent, "received": shim.received, "wire_ms": 1000 * shim.model_s})  # fmt: skip
     snap = tracemalloc.take_snapshot()
@@ -259,7 +283,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--audit-every", type=int, default=5, help="the replay's cadence in the defaults' run")
     parser.add_argument("--alpha-us", type=float, default=20.0, help="latency per hop of the wire model (us)")
     parser.add_argument("--gbps", type=float, default=50.0, help="bandwidth per rank of the wire model (GB/s)")
-    parser.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated configurations")
+    parser.add_argument("--configs", default=None, help="comma-separated configurations (default: all; the "
+                        "HSDP ones only up to 16,384 ranks, where one process holds 5 GB of their groups)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     if args.world < 2:
@@ -271,9 +296,13 @@ def main(argv: list[str] | None = None) -> int:
     shim.alpha, shim.beta = args.alpha_us * 1e-6, args.gbps * 1e9
     results: dict[str, Any] = {}
     try:
+        configs = args.configs.split(",") if args.configs else [
+            c for c in CONFIGS if args.world <= 16384 or not c.startswith("hsdp")]
         with shim.installed():
             run_config("none", args.world, 4, args.audit_every, shim)  # warm-up: first calls, allocator
-            for name in args.configs.split(","):
+            if any(c.startswith("hsdp") for c in configs):  # ... and the mesh's groups, made lazily
+                run_config("hsdp_none", args.world, 2, args.audit_every, shim)
+            for name in configs:
                 results[name] = run_config(name, args.world, args.steps, args.audit_every, shim)
     finally:
         dist.destroy_process_group()
