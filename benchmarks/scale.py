@@ -301,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         with shim.installed():
             run_config("none", args.world, 4, args.audit_every, shim)  # warm-up: first calls, allocator
             if any(c.startswith("hsdp") for c in configs):  # ... and the mesh's groups, made lazily
-                run_config("hsdp_none", args.world, 2, args.audit_every, shim)
+                run_config("hsdp_none", args.world, 4, args.audit_every, shim)
             for name in configs:
                 results[name] = run_config(name, args.world, args.steps, args.audit_every, shim)
     finally:
