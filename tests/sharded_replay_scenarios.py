@@ -127,17 +127,20 @@ class DataDependentFault(L.Callback):
 
 def quiet(out: Path, name: str, model: ShardedNet) -> dict[str, Any]:
     """``NonFiniteGradientCheck`` alone (its screen on, as at the defaults); counts the all-reduces
-    the SDC code issues: the check's (one per step) and the screen's (one at attach: the ranks agree
-    on the row's width; its rows travel in an all_gather)."""
-    calls = {"sdc": 0, "screen": 0}
+    the SDC code issues: the check's (one per step), the screen's (one at attach: the ranks agree
+    on the row's width; its rows travel in an all_gather) and any other (the start-up gather of
+    the ranks' facts agrees on its outcome with one)."""
+    calls = {"sdc": 0, "screen": 0, "other": 0}
     original = torch.distributed.all_reduce
 
     def counting(*args: Any, **kwargs: Any) -> Any:
         caller = sys._getframe(1).f_globals.get("__name__", "")
         if caller == "sdc_core.checks.screen":
             calls["screen"] += 1
-        elif caller.startswith("sdc_core"):
+        elif caller == "sdc_core.sharded.checks":
             calls["sdc"] += 1
+        elif caller.startswith("sdc_core"):
+            calls["other"] += 1
         return original(*args, **kwargs)
 
     check = NonFiniteGradientCheck()
@@ -147,6 +150,7 @@ def quiet(out: Path, name: str, model: ShardedNet) -> dict[str, Any]:
     finally:
         torch.distributed.all_reduce = original
     return result | {"sdc_all_reduces": calls["sdc"], "screen_all_reduces": calls["screen"],
+                     "other_all_reduces": calls["other"],
                      "in_band": check._core.in_band}
 
 

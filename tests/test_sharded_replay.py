@@ -77,6 +77,7 @@ def test_nonfinite_check_under_fsdp2_issues_one_small_all_reduce_per_step(out: P
         assert r["error"] is None and r["global_step"] == 8 and r["in_band"] is True
         assert r["sdc_all_reduces"] == r["states"]["NonFiniteGradientCheck"]["runs"] == 8
         assert r["screen_all_reduces"] == 1  # the screen's width, agreed once at attach
+        assert r["other_all_reduces"] == 1  # the start-up gather of the ranks' facts agrees on its outcome
     err = same_error(out, "quiet_nan", WORLD, "NonFiniteGradientError")
     assert err["rank"] == 1 and err["step"] == 3 and err["details"]["pattern"] == "one_rank"
     assert len({r["sdc_all_reduces"] for r in results(out, "quiet_nan", WORLD)}) == 1  # every rank alike

@@ -11,6 +11,7 @@ each a process group (a collective), so ``ShardedFingerprint`` compares each gro
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -18,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from sdc_core.dist.topology import all_gather_objects
+from sdc_core.dist.topology import all_gather_objects, collective_device
 
 try:  # torch >= 2.4
     from torch.distributed.tensor import DTensor
@@ -115,6 +116,35 @@ def plan_groups(named: Sequence[tuple[str, torch.Tensor]], world_size: int) -> l
     return [groups[k] for k in sorted(groups, key=lambda k: (k[0], repr(k[1])))]
 
 
+def _digest(value: Any) -> int:
+    """A 56-bit digest of ``repr(value)`` (fits an int64 and its negation)."""
+    return int.from_bytes(hashlib.blake2b(repr(value).encode(), digest_size=7).digest(), "big")
+
+
+def _agree_by_digest(groups: list[ReplicaGroup], world_size: int) -> bool:
+    """Whether every rank holds the same kinds of replica groups, each over the whole world or one
+    replicate mesh dimension, and every member of each group reports the same ranks and tensor
+    names: one all-reduce over the world of the plan's shape (the same on every rank, so the
+    groups' own all-reduces that follow pair up), one within each group, and one over the world
+    of the answer, so every rank returns the same. Bytes per rank do not grow with the world."""
+    replicated = [g for g in groups if len(g.ranks) > 1]
+    simple = all(len(g.ranks) == world_size or (g.witnesses.dims is not None and len(g.witnesses.dims) == 1)
+                 for g in replicated)  # fmt: skip
+    device = collective_device(None)
+    shape = _digest([(g.witnesses.kind, g.names) for g in replicated]) if simple else -1
+
+    def same(value: int, group: Any = None) -> bool:
+        t = torch.tensor([value, -value], dtype=torch.int64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        return int(t[0]) == -int(t[1]) == value
+
+    if not same(shape) or shape < 0:
+        return False
+    agreed = all([same(_digest((g.ranks, g.names)), g.witnesses.mesh.get_group(g.witnesses.dims[0]))
+                  for g in replicated if len(g.ranks) < world_size])  # fmt: skip  # a list: every group's, no short cut
+    return same(int(agreed))  # False on every rank when some group disagreed
+
+
 def settle_groups(groups: list[ReplicaGroup], world_size: int) -> list[ReplicaGroup]:
     """Confirm each replica group with its members and give it a process group (a collective:
     call on every rank at the same point).
@@ -123,7 +153,17 @@ def settle_groups(groups: list[ReplicaGroup], world_size: int) -> list[ReplicaGr
     names; the tensors of any other group join this rank's unreplicated group. A single replicate
     mesh dimension reuses the mesh's process group; the whole world uses the default group;
     other rank sets get ``new_group``, created over the union of every rank's sets in one order.
+    Where every group is over the world or one mesh dimension and all agree (DDP-style, FSDP,
+    HSDP), a few small all-reduces confirm it (``_agree_by_digest``); otherwise every rank's
+    groups are gathered (bytes per rank growing with the world and the groups' sizes).
     """
+    if world_size > 1 and _agree_by_digest(groups, world_size):
+        for g in groups:
+            w = g.witnesses
+            if len(g.ranks) > 1:
+                g.group = None if len(g.ranks) == world_size else w.mesh.get_group(w.dims[0])
+        solo = [g for g in groups if len(g.ranks) == 1]
+        return solo + [g for g in groups if len(g.ranks) > 1]
     mine = {g.ranks: g.names for g in groups if len(g.ranks) > 1}
     gathered = all_gather_objects(mine) if world_size > 1 else [mine]
     rank = dist.get_rank() if world_size > 1 else 0
