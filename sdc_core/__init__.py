@@ -13,7 +13,7 @@ seams over the same driver.
 """
 
 from sdc_core._lazy import lazy_exports
-from sdc_core.ops import process_exit  # noqa: F401  # first: its exit handler runs after those registered later
+from sdc_core.ops import process_exit  # first: its exit handler runs after those registered later
 
 # Imported on first use (PEP 562), so ``import sdc_core`` (and ``sdc --help``) does not import torch.
 _EXPORTS = {
@@ -63,8 +63,8 @@ __all__ = [
     "WeightFingerprint",
     "flip_bit",
     "load_incidents",
+    "process_exit",
     "ring_partners",
-    "shutdown",
     "tensor_digest",
     "tensor_digests",
     "vote",

@@ -194,7 +194,9 @@ def test_the_plain_python_judge_gives_the_torch_judges_verdicts(world: int, conf
         if step % 37 == 0:
             assert same(new.bands()[0], old.bands()[0]) and torch.equal(new.bands()[1], old.bands()[1])
             assert same(history_tensor(new.state_dict()), history_tensor(old.state_dict()))
-    assert new.stats.state_dict() == old.stats.state_dict()
+    new_stats = new.stats.state_dict()
+    new_stats["extra"].pop("predicted_hits_per_day", None)  # a gauge the reference does not keep
+    assert new_stats == old.stats.state_dict()
     assert old.stats.runs - old.stats.failures > 0  # clean verdicts were seen, and every kind of suspect
     assert reasons == ({"malformed", "nonfinite", "band"} if world > 1 else {"malformed", "nonfinite"}), reasons
 
