@@ -88,13 +88,6 @@ class _Neighbourhood:
         self.row, self.window = row, window
 
 
-def _record_prediction(stats: CheckStats, band: Band) -> None:
-    """The band's predicted screen hits a day across the world, into the counters
-    (``sdc/gradient_screen/predicted_hits_per_day``), once a tail has been fitted."""
-    if band.predicted_hits_per_day == band.predicted_hits_per_day:  # not NaN
-        stats.extra = {**(stats.extra or {}), "predicted_hits_per_day": band.predicted_hits_per_day}
-
-
 def ring_neighbours(topology: Topology | None) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """In a world of more than ``ALL_ROWS_UP_TO`` ranks: the ``NEIGHBOURS`` ranks after this one on
     the replay's ring (which crosses nodes; they receive its row) and those before it (it receives
@@ -318,10 +311,7 @@ class GradientScreen:
         some window stood out, every row gathered and judged. Identical on every rank."""
         window = read.window.tolist()  # waits for the neighbours' rows
         t0 = time.perf_counter()
-        assert self.band is not None
-        self.stats.runs += 1
-        band, calibrated = self.band.current()
-        _record_prediction(self.stats, self.band)
+        band, calibrated = self._next_band()
         flagged = bool(judge_rows(window, band, self.names)[0])
         n, sampled = HEADER + self.width, self.band.sampled
         summed = torch.zeros(1 + sampled * n, dtype=torch.float64, device=read.row.device)
@@ -368,11 +358,22 @@ class GradientScreen:
         if len(table) != self.world_size or any(len(r) != HEADER + self.width for r in table):
             shape = tuple(rows.shape) if isinstance(rows, torch.Tensor) else (len(table),)
             raise ValueError(f"screen rows of shape {shape}, expected ({self.world_size}, {HEADER + self.width})")
+        band, calibrated = self._next_band()
+        return self._verdict(step, table, band, calibrated, learn=True)
+
+    def _next_band(self) -> tuple[list[float], bool]:
+        """The band to judge the next step with (``Band.current``), one run counted, and the
+        band's predicted hits a day into the counters (``sdc/gradient_screen/predicted_hits_per_day``)
+        once a tail has been fitted."""
         assert self.band is not None
         self.stats.runs += 1
         band, calibrated = self.band.current()
-        _record_prediction(self.stats, self.band)
-        return self._verdict(step, table, band, calibrated, learn=True)
+        predicted = self.band.predicted_hits_per_day
+        if predicted == predicted:  # not NaN
+            if self.stats.extra is None:
+                self.stats.extra = {}
+            self.stats.extra["predicted_hits_per_day"] = predicted
+        return band, calibrated
 
     def _verdict(self, step: int, table: list[list[float]], band: list[float], calibrated: bool,
                  learn: bool = False) -> ScreenResult:  # fmt: skip

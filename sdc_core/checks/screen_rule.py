@@ -300,19 +300,21 @@ def tail_fit(history: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
     return fit[0], fit[1], fit[2]
 
 
-def tail_bands(history: torch.Tensor, world: int) -> torch.Tensor:
+def tail_bands(history: torch.Tensor, world: int, fit: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
     """Per value the deviation whose exceedance keeps the world's screen hits under one a day at
     one step a second (``tail_fit``'s tail at ``p = 1 / (STEPS_PER_DAY x world x values)`` per
-    value and rank-step); NaN where no tail was fitted."""
-    u, scale, p_u = tail_fit(history)
+    value and rank-step); NaN where no tail was fitted. ``fit``: ``tail_fit(history)``, when made."""
+    u, scale, p_u = fit if fit is not None else tail_fit(history)
     budget = 1.0 / (STEPS_PER_DAY * max(world, 1) * history.shape[-1])
     return u + scale * torch.log(p_u / budget)
 
 
-def predicted_hits_per_day(history: torch.Tensor, band: torch.Tensor, world: int) -> float:
+def predicted_hits_per_day(history: torch.Tensor, band: torch.Tensor, world: int,
+                           fit: tuple[torch.Tensor, ...] | None = None) -> float:  # fmt: skip
     """The screen hits a day that ``tail_fit``'s tails predict across a world of ``world`` ranks at
-    one step a second with ``band`` (values without a fitted tail count none: NaN when none has)."""
-    u, scale, p_u = tail_fit(history)
+    one step a second with ``band`` (values without a fitted tail count none: NaN when none has).
+    ``fit``: ``tail_fit(history)``, when made."""
+    u, scale, p_u = fit if fit is not None else tail_fit(history)
     rate = p_u * torch.exp(-(torch.fmax(band, u) - u) / scale)
     fitted = ~torch.isnan(rate)
     if not bool(fitted.any()):
@@ -367,11 +369,12 @@ class Band:
             return torch.full((self.width + 1,), float(cfg.initial_band), dtype=torch.float64), calibrated
         med = torch.nanmedian(h, 0).values
         mad = torch.nanmedian((h - med).abs(), 0).values
-        band = torch.fmax(med + cfg.z * _MAD_TO_SIGMA * mad, tail_bands(h, self.world))  # fmax: NaN loses
+        fit = tail_fit(h)  # one fit: the band and its prediction
+        band = torch.fmax(med + cfg.z * _MAD_TO_SIGMA * mad, tail_bands(h, self.world, fit))  # fmax: NaN loses
         band = band.clamp(cfg.min_band, cfg.max_band)
-        judged = torch.where(calibrated, band, cfg.initial_band)
-        self.predicted_hits_per_day = predicted_hits_per_day(h, judged, self.world)
-        return torch.where(calibrated, band, torch.full_like(band, float(cfg.initial_band))), calibrated
+        judged = torch.where(calibrated, band, torch.full_like(band, float(cfg.initial_band)))
+        self.predicted_hits_per_day = predicted_hits_per_day(h, judged, self.world, fit)
+        return judged, calibrated
 
     def current(self) -> tuple[list[float], bool]:
         """The band to judge the next step with, and whether every value is calibrated."""
