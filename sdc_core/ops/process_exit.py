@@ -75,6 +75,7 @@ SETTLE_S = 0.2  # the GIL is released this long at exit
 _captured: tuple[Any, int] | None = None  # (the default group's store, this process's global rank)
 _armed = False
 
+
 def print_line(text: str) -> None:
     """Print ``text`` on stderr, with ``[rank<r>]: `` in front under a launcher, unless torch's own
     excepthook (``init_process_group`` installs it around ours; it swaps stderr for a buffer) adds it."""
@@ -119,8 +120,8 @@ def install_exit_code() -> None:
     for the launcher (``mark_verdict``), non-daemon threads are joined and the ``atexit`` handlers
     run, as at any normal exit (an MLflow run is ended, not left RUNNING), and the process ends with
     the code (``SDC_EXIT_CODE=0``: Python's own 1). In a job of several processes, the ranks other
-    than 0 leave only once rank 0's ``atexit`` handlers ran (``sdc_core.ops.process_exit``, at most
-    15 s): the launcher stops the whole group when the first rank exits, and rank 0 owns the
+    than 0 leave only once rank 0's ``atexit`` handlers ran (``leave``, at most ``WAIT_S``
+    seconds): the launcher stops the whole group when the first rank exits, and rank 0 owns the
     trackers. Other exceptions are left alone. In a worker group that torchrun restarted after an
     SDC verdict (inside ``sdc run``), the first call ends the process at once with the code.
     """
