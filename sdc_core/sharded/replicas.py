@@ -142,7 +142,8 @@ def _agree_by_digest(groups: list[ReplicaGroup], world_size: int) -> bool:
         return False
     agreed = all([same(_digest((g.ranks, g.names)), g.witnesses.mesh.get_group(g.witnesses.dims[0]))
                   for g in replicated if len(g.ranks) < world_size])  # fmt: skip  # a list: every group's, no short cut
-    return same(int(agreed))  # False on every rank when some group disagreed
+    unanimous = same(int(agreed))  # every rank alike, also when every rank's groups disagreed
+    return unanimous and agreed  # False on every rank when some group disagreed
 
 
 def settle_groups(groups: list[ReplicaGroup], world_size: int) -> list[ReplicaGroup]:
