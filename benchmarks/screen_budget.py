@@ -25,8 +25,8 @@ from typing import Any
 import torch
 
 from sdc_core.checks.screen_rule import (
-    _MAD_TO_SIGMA,
     ScreenConfig,
+    bulk_bands,
     deviations,
     predicted_hits_per_day,
     read_rows,
@@ -64,9 +64,7 @@ def budget(history: torch.Tensor, held_out: torch.Tensor) -> dict[str, Any]:
         predicted = float(torch.nansum(p_u * torch.exp(-(torch.fmax(torch.tensor(t), u) - u) / scale)))
         counted = float((flat > t).sum()) / flat.shape[0]  # NaN compares False
         check.append({"threshold": t, "predicted_per_rank_step": predicted, "counted_per_rank_step": counted})
-    h = history.reshape(-1, history.shape[-1])
-    med = torch.nanmedian(h, 0).values
-    bulk = med + cfg.z * _MAD_TO_SIGMA * torch.nanmedian((h - med).abs(), 0).values
+    bulk = bulk_bands(history, cfg)
     worlds = {}
     for world in WORLDS:
         tail = tail_bands(history, world)

@@ -281,6 +281,15 @@ def judge_rows(
     return details, healthy, margin, values, devs
 
 
+def bulk_bands(history: torch.Tensor, config: ScreenConfig) -> torch.Tensor:
+    """Per value the bulk rule's band, ``median + z x 1.4826 x MAD`` of the history's healthy
+    positive deviations (``steps x ranks x values`` or ``rank-steps x values``; NaN: none),
+    before any clamp; NaN where a value has none. Two torch medians."""
+    h = history.reshape(-1, history.shape[-1])
+    med = torch.nanmedian(h, 0).values
+    return med + config.z * _MAD_TO_SIGMA * torch.nanmedian((h - med).abs(), 0).values
+
+
 def tail_fit(history: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per value (``history``'s last dimension: ``steps x ranks x values``, NaN where a rank-step
     gave no healthy positive deviation) an exponential tail in log2 units (a power law in
@@ -367,10 +376,8 @@ class Band:
         calibrated = samples >= cfg.calibration_samples
         if not bool(calibrated.any()):
             return torch.full((self.width + 1,), float(cfg.initial_band), dtype=torch.float64), calibrated
-        med = torch.nanmedian(h, 0).values
-        mad = torch.nanmedian((h - med).abs(), 0).values
         fit = tail_fit(h)  # one fit: the band and its prediction
-        band = torch.fmax(med + cfg.z * _MAD_TO_SIGMA * mad, tail_bands(h, self.world, fit))  # fmax: NaN loses
+        band = torch.fmax(bulk_bands(h, cfg), tail_bands(h, self.world, fit))  # fmax: NaN loses
         band = band.clamp(cfg.min_band, cfg.max_band)
         judged = torch.where(calibrated, band, torch.full_like(band, float(cfg.initial_band)))
         self.predicted_hits_per_day = predicted_hits_per_day(h, judged, self.world, fit)
