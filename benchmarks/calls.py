@@ -8,7 +8,8 @@ A count is deterministic (the same code path every step; no clock in it) and mac
 so it stands in for the host time that bounds a GPU step of a model up to a few hundred million
 parameters. The target: host work that does not grow with the model's tensors, i.e. the count at
 200 tensors at most 1.25x the count at 20, and at most 400. Each rank warms up (the first
-backwards decide the gradient read's mode; the first fingerprint builds its tables) and then
+backwards decide the gradient read's mode; the first fingerprint builds its tables; the screen's
+first 32 steps recalibrate its band at each step) and then
 profiles ``--steps`` steps; rank 0's count per step is reported, with the functions that make most
 calls (what to look at when the ratio grows).
 """
@@ -34,7 +35,7 @@ from torch import nn
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = str(ROOT / "sdc_core") + os.sep
 WORLD = 2
-WARMUP = 4
+WARMUP = 40  # past the screen's first 32 steps, which recalibrate its band at every step (start-up work)
 WIDTH = 16
 
 

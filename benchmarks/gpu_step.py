@@ -33,8 +33,12 @@ sent after backward), reported as ``step_ms["matmul"]`` and ``step_ms["matmul_ov
 step's timeline (the screen itself needs two ranks, so two GPUs under NCCL): before the update, a
 small row gathered across the ranks (one ``all_gather``) and read on the host (``tolist()``), so
 the host waits for backward and the gather to finish before it queues the update; reported as
-``step_ms["host_wait"]`` and ``step_ms["host_wait_overhead"]``. A proxy of the screen's wait, not
-the screen's own work (``benchmarks.screen_cost`` measures that on CPU ranks).
+``step_ms["host_wait"]`` and ``step_ms["host_wait_overhead"]``: what the same-step read costs
+(``ScreenConfig(read="same_step")``: CPU process groups, ``skip_step``). ``--screen-next`` adds the
+read at the defaults on NCCL: each step's row gathered asynchronously after backward and the
+previous step's rows read before the update (``read="next_step"``), as ``step_ms["screen_next"]``.
+Both read through ``HostRead``, as the screen does. Proxies of the screen's reads, not the screen's
+own work (``benchmarks.screen_cost`` measures that on CPU ranks).
 The JSON is rewritten after each model size, so a run cut short keeps the sizes it finished.
 """
 
@@ -59,6 +63,7 @@ from sdc_core.checks.fingerprint import FingerprintConfig, WeightFingerprint
 from sdc_core.checks.gradient_tap import GradientTap
 from sdc_core.checks.gradients import NonFiniteGradient
 from sdc_core.checks.matmul import MatmulChecksum
+from sdc_core.dist.topology import HostRead
 
 SIZES = {  # name: (d_model, layers, heads, vocab)
     "60M": (576, 10, 9, 32000),
@@ -134,6 +139,8 @@ class Trainer:
         self.fingerprint: WeightFingerprint | None = None
         self.matmul: MatmulChecksum | None = None
         self.host_wait = False  # the screen's read before the update (``--host-wait``)
+        self.screen_next = False  # the screen's read of the previous step's rows (``--screen-next``)
+        self._rows: HostRead | None = None  # the previous step's gathered rows, not read yet
         self._checks = (NonFiniteGradient(), WeightFingerprint(FingerprintConfig()))  # kept across blocks
         self._matmul = MatmulChecksum()
 
@@ -141,8 +148,8 @@ class Trainer:
     def params(self) -> int:
         return sum(p.numel() for p in self.model.parameters())
 
-    def attach(self, matmul: bool = False, host_wait: bool = False) -> None:
-        self.host_wait = host_wait
+    def attach(self, matmul: bool = False, host_wait: bool = False, screen_next: bool = False) -> None:
+        self.host_wait, self.screen_next = host_wait, screen_next
         self.tap = GradientTap.attach(self.ddp, self.names)
         self.nonfinite, self.fingerprint = self._checks
         self.nonfinite.attach(self.tap)
@@ -157,7 +164,7 @@ class Trainer:
         if self.matmul is not None:
             self.matmul.detach()
         self.tap = self.nonfinite = self.fingerprint = self.matmul = None
-        self.host_wait = False
+        self.host_wait = self.screen_next = False
 
     def resolve(self) -> None:
         if self.nonfinite is not None:
@@ -166,6 +173,9 @@ class Trainer:
             self.fingerprint.resolve()
         if self.matmul is not None:
             self.matmul.resolve()
+        if self._rows is not None:
+            self._rows.tolist()
+            self._rows = None
 
     def step(self) -> None:
         self.opt.zero_grad(set_to_none=True)
@@ -178,11 +188,16 @@ class Trainer:
             self.matmul.verdict(self.step_no)
         if self.nonfinite is not None:  # as the hook set does: after backward, before the update
             self.nonfinite.verdict(self.step_no, self.model.named_parameters())
-        if self.host_wait:  # as the screen: a small row gathered, read on the host before the update
-            row = loss.detach().float().reshape(1).repeat(8)
-            rows = [torch.empty_like(row) for _ in range(dist.get_world_size())]
-            dist.all_gather(rows, row)
-            torch.cat(rows).tolist()
+        if self.host_wait or self.screen_next:  # as the screen: a small row per rank, gathered asynchronously
+            row = loss.detach().double().reshape(1).repeat(19)
+            out = torch.empty(dist.get_world_size(), row.numel(), dtype=row.dtype, device=row.device)
+            rows = HostRead(out, dist.all_gather(list(out.unbind(0)), row, async_op=True))
+            if self.host_wait:  # read now: the host waits for backward and the gather
+                rows.tolist()
+            else:  # the previous step's rows, landed during this step's backward
+                if self._rows is not None:
+                    self._rows.tolist()
+                self._rows = rows
         self.opt.step()
         if self.fingerprint is not None:  # after the update, in its own all-reduce; read one step later
             self.fingerprint.start(self.step_no, self.model, [self.opt])
@@ -211,7 +226,8 @@ def timed(device: torch.device, fn: Any, repeats: int) -> float:
 
 
 def measure(name: str, spec: tuple[int, int, int, int], device: torch.device, batch: int, seq: int,
-            steps: int, rounds: int, matmul: bool = False, host_wait: bool = False) -> dict[str, Any]:  # fmt: skip
+            steps: int, rounds: int, matmul: bool = False, host_wait: bool = False,
+            screen_next: bool = False) -> dict[str, Any]:  # fmt: skip
     tr = Trainer(spec, device, batch, seq)
     params = list(tr.model.parameters())
     row: dict[str, Any] = {"model": name, "params": tr.params, "tensors": len(params), "batch": [batch, seq]}
@@ -220,9 +236,12 @@ def measure(name: str, spec: tuple[int, int, int, int], device: torch.device, ba
     tr.attach()
     tr.block(2)
     tr.detach()
-    configs = ("none", "checks") + ("matmul",) * matmul + ("host_wait",) * host_wait
+    configs = ("none", "checks") + ("matmul",) * matmul + ("host_wait",) * host_wait + ("screen_next",) * screen_next
+    def attach(config: str) -> None:
+        tr.attach(matmul=config == "matmul", host_wait=config == "host_wait", screen_next=config == "screen_next")
+
     for extra in configs[2:]:
-        tr.attach(matmul=extra == "matmul", host_wait=extra == "host_wait")
+        attach(extra)
         tr.block(2)
         tr.detach()
     times: dict[str, list[float]] = {c: [] for c in configs}
@@ -230,7 +249,7 @@ def measure(name: str, spec: tuple[int, int, int, int], device: torch.device, ba
     for r in range(rounds):
         for config in configs if r % 2 == 0 else configs[::-1]:
             if config != "none":
-                tr.attach(matmul=config == "matmul", host_wait=config == "host_wait")
+                attach(config)
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
             times[config].append(tr.block(steps))
@@ -310,6 +329,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds")
     parser.add_argument("--matmul", action="store_true", help="also the default checks + the matrix-product check")
     parser.add_argument("--host-wait", action="store_true", help="also the default checks + the screen's host read")
+    parser.add_argument("--screen-next", action="store_true",
+                        help="also the default checks + the screen's read one step later (its default on NCCL)")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda":
@@ -333,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.perf_counter()
     for name, spec in sizes.items():
         t0 = time.perf_counter()
-        row = measure(name, spec, device, batch, seq, steps, rounds, args.matmul, args.host_wait)
+        row = measure(name, spec, device, batch, seq, steps, rounds, args.matmul, args.host_wait, args.screen_next)
         row["wall_s"] = time.perf_counter() - t0
         rows.append(row)
         s, w, g = row["step_ms"], row["work_ms"], row["fingerprint_gbps"]
@@ -345,6 +366,8 @@ def main(argv: list[str] | None = None) -> int:
               + (f" | matmul {s['matmul']:8.2f} ms ({100 * s['matmul_overhead']:+.1f}%)" if "matmul" in s else "")
               + (f" | host wait {s['host_wait']:8.2f} ms ({100 * s['host_wait_overhead']:+.1f}%)"
                  if "host_wait" in s else "")
+              + (f" | screen next step {s['screen_next']:8.2f} ms ({100 * s['screen_next_overhead']:+.1f}%)"
+                 if "screen_next" in s else "")
               + (f" | peak GiB {row['peak_mem_gib']}" if "peak_mem_gib" in row else ""), flush=True)  # fmt: skip
         result = {  # rewritten after each size: a run cut short keeps what it finished
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",

@@ -17,7 +17,7 @@
 #           nondeterminism/, judged the same way
 #   bench   the checks' cost on the 60M/270M/1.4B GPT-style step, with the matrix-product check as a
 #           third configuration and the every-step screen's host read before the update as a fourth
-#           (python -m benchmarks.gpu_step --matmul --host-wait) -> bench.log, gpu_step.json; then
+#           (python -m benchmarks.gpu_step --matmul --host-wait --screen-next) -> bench.log, gpu_step.json; then
 #           where the 60M step's time goes, with and without the matrix-product check
 #           (python -m benchmarks.gpu_profile --matmul) -> profile.txt
 #   memory  peak device memory of clean and audited steps, DDP's default layout and bucket views
@@ -43,7 +43,7 @@
 # SDC_GPU_INTERMITTENT_TIMEOUT (50), SDC_GPU_BENCH_TIMEOUT (200),
 # SDC_GPU_MEMORY_TIMEOUT (180), SDC_GPU_MATMUL_TIMEOUT (225), SDC_GPU_KERNELS_TIMEOUT (200). SDC_GPU_SKIP=memory,matmul leaves
 # stages out (reported as skipped); SDC_GPU_BENCH_ARGS replaces the benchmark's arguments
-# (default "--matmul --host-wait --rounds 6"). Uses $PYTHON, default python3 (the machine's torch with CUDA: no venv, no
+# (default "--matmul --host-wait --screen-next --rounds 6"). Uses $PYTHON, default python3 (the machine's torch with CUDA: no venv, no
 # install). The dry run hides CUDA, collects the suite instead of running it, runs every python entry
 # point on the CPU with tiny sizes and says in the summary what it skipped.
 set -uo pipefail
@@ -135,6 +135,7 @@ if kind == "bench":
         s = r["step_ms"]
         mm = f", matmul {100 * s['matmul_overhead']:+.1f}%" if "matmul_overhead" in s else ""
         mm += f", host wait {100 * s['host_wait_overhead']:+.1f}%" if "host_wait_overhead" in s else ""
+        mm += f", screen next step {100 * s['screen_next_overhead']:+.1f}%" if "screen_next_overhead" in s else ""
         parts.append(f"{r['model']} {100 * s['overhead']:+.1f}%{mm} (fp/flat sum {r['fingerprint_vs_sum']['flat']:.2f}x)")
     print("step cost: " + ", ".join(parts))
 elif kind == "memory":
@@ -224,10 +225,10 @@ stage_bench() {
   rm -f "$out/gpu_step.json"
   local extra
   if [ "$dry" = 1 ]; then
-    read -r -a extra <<<"--matmul --host-wait --quick --device cpu --sizes tiny --steps 1 --rounds 1"
+    read -r -a extra <<<"--matmul --host-wait --screen-next --quick --device cpu --sizes tiny --steps 1 --rounds 1"
     note "skipped: the 60M/270M/1.4B sizes (CUDA; tiny on the CPU)"
   else
-    read -r -a extra <<<"${SDC_GPU_BENCH_ARGS:---matmul --host-wait --rounds 6}"
+    read -r -a extra <<<"${SDC_GPU_BENCH_ARGS:---matmul --host-wait --screen-next --rounds 6}"
   fi
   step gpu_step 135 "$PY" -m benchmarks.gpu_step "${extra[@]}" --out "$out/gpu_step.json"
   summarize bench "$out/gpu_step.json"

@@ -43,13 +43,14 @@ def test_gpu_step_benchmark_quick_on_cpu(tmp_path: Path) -> None:
     """The GPU benchmark's CPU mode: one tiny model through the checks' DDP paths (one gloo rank)."""
     out = tmp_path / "gpu.json"
     cmd = [sys.executable, "-m", "benchmarks.gpu_step", "--quick", "--device", "cpu", "--sizes", "tiny",
-           "--steps", "1", "--rounds", "2", "--host-wait", "--out", str(out)]  # fmt: skip
+           "--steps", "1", "--rounds", "2", "--host-wait", "--screen-next", "--out", str(out)]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, env=worker_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (row,) = json.loads(out.read_text())["rows"]
     assert row["model"] == "tiny" and row["tensors"] > 10 and row["digest_matches_cpu"] is True
     assert row["step_ms"]["none"] > 0 and row["step_ms"]["checks"] > 0
     assert row["step_ms"]["host_wait"] > 0 and len(row["step_ms"]["samples_host_wait"]) == 2  # the screen's read
+    assert row["step_ms"]["screen_next"] > 0 and len(row["step_ms"]["samples_screen_next"]) == 2  # one step later
     assert set(row["work_ms"]) == {"nonfinite", "fingerprint"} and all(v > 0 for v in row["work_ms"].values())
     assert all(v > 0 for v in row["fingerprint_gbps"].values())
 

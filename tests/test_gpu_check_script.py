@@ -80,6 +80,7 @@ def test_dry_run_runs_each_stage_and_writes_its_log_json_and_summary_line(reques
         (row,) = json.loads((out / "gpu_step.json").read_text())["rows"]
         assert row["step_ms"]["matmul"] > 0 and "matmul" in line, line
         assert row["step_ms"]["host_wait"] > 0 and "host wait" in line, line  # and the screen's host read
+        assert row["step_ms"]["screen_next"] > 0 and "screen next step" in line, line  # and its read one step later
         assert "== matmul:" in (out / "profile.txt").read_text() and "profile exit 0" in line, line
     if stage == "matmul":
         precisions = [r["precision"] for r in json.loads((out / "matmul_clean.json").read_text())["clean_runs"]]

@@ -71,12 +71,13 @@ class ScreenVerdicts:
         heal or rollback of the replicas before it)."""
         drop = False
         for screen in self.driver.screens:
+            recording = self._recording()
+            seen = _Observed(skipped, any(r.armed for r in recording))
             if not self.reads_next_step(screen):
-                drop = self._judge(screen, screen.suspects(step.index), step, _Observed(skipped, self._audited()),
-                                   same_step=True) or drop  # fmt: skip
+                drop = self._judge(screen.suspects(step.index), step, seen, recording, same_step=True) or drop
                 continue
             drop = self.resolve(step, screen, before=step.index) or drop
-            self._waiting.setdefault(id(screen), {})[step.index] = _Observed(skipped, self._audited())
+            self._waiting.setdefault(id(screen), {})[step.index] = seen
         return drop
 
     def resolve(self, step: Any, screen: Any = None, before: int | None = None) -> bool:
@@ -88,21 +89,23 @@ class ScreenVerdicts:
             waiting = self._waiting.get(id(s), {})
             for index in sorted(waiting):
                 if before is None or index < before:
-                    drop = self._judge(s, s.suspects(index), step, waiting.pop(index), same_step=False) or drop
+                    drop = self._judge(s.suspects(index), step, waiting.pop(index), self._recording(),
+                                       same_step=False) or drop  # fmt: skip
         return drop
 
     def discard(self) -> None:
         """Forget the verdicts waiting (an exception left the loop; the screens forget their rows)."""
         self._waiting.clear()
 
-    def _audited(self) -> bool:
-        return any(r.armed for r in self.driver.replays if r.keep_every_step and r.active)
+    def _recording(self) -> list[Any]:
+        """The replays keeping every step's micro-batches for a confirmation."""
+        return [r for r in self.driver.replays if r.keep_every_step and r.active]
 
-    def _judge(self, screen: Any, result: Any, step: Any, seen: _Observed, same_step: bool) -> bool:
+    def _judge(self, result: Any, step: Any, seen: _Observed, recording: list[Any], same_step: bool) -> bool:
         """Deliver one screen verdict (``result``, on step ``result.step``): hits are escalated to a
-        partner's recomputation on the weights as they are now; True to drop the coming update."""
+        partner's recomputation on the weights as they are now (``recording``: the replays keeping
+        the micro-batches); True to drop the coming update."""
         driver = self.driver
-        recording = [r for r in driver.replays if r.keep_every_step and r.active]
         if not result or seen.skipped or seen.audited or not recording:
             for replay in recording:
                 replay.take_kept_batches(result.step)  # forgotten: no confirmation needs them
