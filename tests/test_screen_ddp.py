@@ -54,6 +54,20 @@ def test_in_neighbourhoods_a_fault_is_named_at_its_step_and_every_row_gathered_o
     assert all(r["losses"][-1] < r["losses"][0] for r in out)  # it trains
 
 
+@pytest.mark.slow  # a 3-rank launch; the default run has the early band's unit test
+def test_a_fault_in_the_first_steps_is_named_at_its_step(tmp_path: Path) -> None:
+    """12 steps, a finite x 1e5 error in one element of a weight gradient on rank 1 at step 7, long
+    before any value has calibrated its own band: the groups' pooled early band (under the initial
+    2^10, which would have missed it) names rank 1 at step 7, every rank alike, and nothing else."""
+    torchrun(SCRIPT, tmp_path, "early", WORLD, timeout=300)
+    out = results(tmp_path, "early", WORLD)
+    assert all(r["results"] == out[0]["results"] for r in out)
+    assert flags(out[0]) == {7: [1]}, out[0]["results"]
+    hit = out[0]["results"][7]
+    assert not hit["calibrated"] and "enc.linear1.weight" in hit["details"]["1"]["value"]
+    assert 5.0 <= hit["details"]["1"]["band"] < hit["details"]["1"]["excess"] < 10.0, hit  # the initial band: missed
+
+
 @pytest.mark.slow
 def test_a_clean_run_never_flags(tmp_path: Path) -> None:
     """60 clean steps, every rank the same verdicts, no flag."""

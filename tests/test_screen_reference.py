@@ -22,6 +22,7 @@ from sdc_core.checks.screen_rule import (
     LOG2_LIMIT,
     ScreenConfig,
     ScreenResult,
+    early_band,
     history_tensor,
     in_band,
     reference,
@@ -47,13 +48,16 @@ class TorchScreen(GradientScreen):
         h = self.band.history[: self.band.filled].reshape(-1, self.width + 1)
         samples = (~torch.isnan(h)).sum(0)
         calibrated = samples >= cfg.calibration_samples
+        waiting = torch.full((self.width + 1,), float(cfg.initial_band), dtype=torch.float64)
+        if not bool(calibrated.all()) and not math.isnan(early := early_band(h, cfg, self.world_size)):
+            waiting[: self.width - 1] = early  # the groups' pooled early band (the rule's own function)
         if not bool(calibrated.any()):
-            return torch.full((self.width + 1,), float(cfg.initial_band), dtype=torch.float64), calibrated
+            return waiting, calibrated
         med = torch.nanmedian(h, 0).values
         mad = torch.nanmedian((h - med).abs(), 0).values
         band = torch.fmax(med + cfg.z * _MAD_TO_SIGMA * mad, tail_bands(h, self.world_size))  # the world's tail
         band = band.clamp(cfg.min_band, cfg.max_band)
-        return torch.where(calibrated, band, torch.full_like(band, float(cfg.initial_band))), calibrated
+        return torch.where(calibrated, band, waiting), calibrated
 
     def judge(self, step: int, rows: torch.Tensor) -> ScreenResult:
         world = rows.shape[0]
@@ -76,7 +80,8 @@ class TorchScreen(GradientScreen):
         level = torch.nanmedian(raw, 1, keepdim=True).values
         dev = torch.cat([raw - torch.fmin(level, raw[:, -1:]), level], 1)
         calibrated_all = self._cached is not None and bool(self._cached[1].all())
-        if self._cached is None or self._age >= (_REFRESH_CALIBRATED if calibrated_all else _REFRESH):
+        every = 1 if self.band.filled < _REFRESH else _REFRESH_CALIBRATED if calibrated_all else _REFRESH
+        if self._cached is None or self._age >= every:
             self._cached, self._age = self.bands(), 0
         self._age += 1
         band, calibrated = self._cached

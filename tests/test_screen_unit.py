@@ -65,12 +65,13 @@ def test_healthy_steps_never_flag_and_the_band_calibrates() -> None:
     assert s.stats.runs == 2000 and s.stats.failures == 0 and s.stats.last_verified_step == 1999
 
 
-def test_the_band_recalibrates_every_32_steps_until_calibrated_then_every_128(
+def test_the_band_recalibrates_every_step_at_first_then_every_32_until_calibrated_then_every_128(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The band's two medians over the history run at the first judged step, then every 32 while
-    some value lacks ``calibration_samples`` healthy deviations, every 128 once all have them."""
-    s, g = screen(calibration_samples=40), torch.Generator().manual_seed(3)
+    """The band's two medians over the history run at each of the first 32 judged steps (each
+    early step judged with all the steps before it), then every 32 while some value lacks
+    ``calibration_samples`` healthy deviations, every 128 once all have them."""
+    s, g = screen(calibration_samples=80), torch.Generator().manual_seed(3)
     at: list[tuple[int, bool]] = []  # (judged steps, every value calibrated) at each recalibration
     assert s.band is not None
     bands = s.band.bands
@@ -83,8 +84,9 @@ def test_the_band_recalibrates_every_32_steps_until_calibrated_then_every_128(
     monkeypatch.setattr(s.band, "bands", counted)
     for step in range(700):
         s.judge(step, rows(step, healthy(g, 4)))
-    gaps = [(b[0] - a[0], a[1]) for a, b in itertools.pairwise(at)]
-    assert at[0] == (1, False) and gaps and all(gap == (128 if cal else 32) for gap, cal in gaps), at
+    assert [n for n, _ in at[:32]] == list(range(1, 33)), at[:33]  # every step while the history has < 32
+    gaps = [(b[0] - a[0], a[1]) for a, b in itertools.pairwise(at[31:])]
+    assert gaps and all(gap == (128 if cal else 32) for gap, cal in gaps), at
     assert {cal for _, cal in gaps} == {False, True}  # both schedules ran
     assert len(s.band._fresh) < 128 and s.band.filled == 200  # the history is written before each recalibration
 
@@ -126,6 +128,29 @@ def test_before_calibration_the_initial_band_holds() -> None:
     assert not s.judge(0, rows(0, v))
     v[3, 0] += 2.0  # 2048x
     assert s.judge(1, rows(1, v)).ranks == (3,)
+
+
+def test_in_the_first_steps_the_groups_pooled_band_judges_before_each_value_calibrates() -> None:
+    """Before any value has its own ``calibration_samples`` deviations, the groups' healthy
+    deviations pooled give them a band under the initial 2^10 within a few steps (8 ranks, 4
+    groups: about 100 pooled deviations; 60 of its own calibrate a value here, about 15 steps), at
+    least ``min_band``; the loss and the level keep the initial band. A group grown 2^8 on one rank
+    is then named, which the initial band would miss."""
+    s, g = screen(8, calibration_samples=60), torch.Generator().manual_seed(11)
+    step = 0
+    while bool((s.bands()[0][:K] == 10.0).all()):
+        assert not s.judge(step, rows(step, healthy(g, 8)))
+        step += 1
+    band, calibrated = s.bands()
+    assert step <= 10 and not bool(calibrated.any()), step
+    assert bool((band[:K] >= 5.0).all()) and bool((band[:K] < 10.0).all()) and bool((band[K:] == 10.0).all())
+    v = healthy(g, 8)
+    v[5, 1] += 8.0
+    hit = s.judge(step, rows(step, v))
+    assert hit.ranks == (5,) and hit.details[5]["value"] == "group 1 (p1)" and hit.details[5]["band"] < 8.0
+    v = healthy(g, 8)
+    v[5, K] += 8.0  # the loss: the initial band until it has calibrated
+    assert not s.judge(step + 1, rows(step + 1, v))
 
 
 def test_a_faulty_rank_cannot_widen_the_band() -> None:

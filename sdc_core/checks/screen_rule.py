@@ -19,9 +19,11 @@ The band is calibrated from the run itself, per value and for the level: the pos
 deviations of the ranks not flagged, over the last ``window`` steps, give ``median + z * 1.4826 *
 MAD`` (the bulk), or, when higher, the quantile of an exponential tail fitted to them that keeps
 the world's hits under one a day at one step a second (``tail_bands``: sized to the world),
-clamped to ``[min_band, max_band]`` and recomputed every ``_REFRESH`` steps while some
-value is not calibrated, every ``_REFRESH_CALIBRATED`` steps once all are; until a value has
-``calibration_samples`` such deviations its band is ``initial_band``.
+clamped to ``[min_band, max_band]`` and recomputed at every step of the first ``_REFRESH``, then
+every ``_REFRESH`` steps while some value is not calibrated, every ``_REFRESH_CALIBRATED`` steps
+once all are. Until a group's value has ``calibration_samples`` such deviations its band is the
+groups' pooled ``early_band`` (the screen judges from the first steps), and ``initial_band`` until
+the pool can be fitted; the loss and the level wait at ``initial_band``.
 
 Peers are hostile: each row carries its step and width, which must equal the ranks' median
 (else the row is ``malformed`` and its rank a suspect); values must be NaN (no opinion), +Inf
@@ -56,6 +58,7 @@ _SAMPLED_RANKS = 16  # ranks' healthy deviations the band's history keeps per st
 # its medians do not grow with the world (the ranks taken rotate from step to step, identically on every rank)
 _TAIL_SHARE = 0.1  # the largest tenth of a value's healthy positive deviations gives its tail's slope
 _TAIL_MIN = 10  # deviations above that threshold a tail fit needs (fewer: the band is the MAD rule's alone)
+_EARLY_MARGIN = 1.0  # log2: the early band's allowance for a group more spread than the groups pooled (2x)
 STEPS_PER_DAY = 86_400  # the false-alarm budget's pace: one step a second
 _isfinite = math.isfinite
 _sub = operator.sub
@@ -309,13 +312,34 @@ def tail_fit(history: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
     return fit[0], fit[1], fit[2]
 
 
-def tail_bands(history: torch.Tensor, world: int, fit: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
+def tail_bands(history: torch.Tensor, world: int, fit: tuple[torch.Tensor, ...] | None = None,
+               values: int | None = None) -> torch.Tensor:  # fmt: skip
     """Per value the deviation whose exceedance keeps the world's screen hits under one a day at
     one step a second (``tail_fit``'s tail at ``p = 1 / (STEPS_PER_DAY x world x values)`` per
-    value and rank-step); NaN where no tail was fitted. ``fit``: ``tail_fit(history)``, when made."""
+    value and rank-step; ``values``: the values judged each step, by default ``history``'s last
+    dimension); NaN where no tail was fitted. ``fit``: ``tail_fit(history)``, when made."""
     u, scale, p_u = fit if fit is not None else tail_fit(history)
-    budget = 1.0 / (STEPS_PER_DAY * max(world, 1) * history.shape[-1])
+    budget = 1.0 / (STEPS_PER_DAY * max(world, 1) * (values or history.shape[-1]))
     return u + scale * torch.log(p_u / budget)
+
+
+def early_band(history: torch.Tensor, config: ScreenConfig, world: int) -> float:
+    """The band of a group's value before it has ``calibration_samples`` healthy deviations of its
+    own: what a healthy step shows across the model, the healthy deviations of every group pooled
+    (``history``: ``rank-steps x values``, the groups first, then the loss and the level, which
+    are not pooled: they move with the batch, not with one layer), by the bulk rule or, when
+    higher, the tail that keeps the world's hits under one a day, plus ``_EARLY_MARGIN``, clamped to
+    ``[min_band, initial_band]``. NaN (keep ``initial_band``) until the pool has a tail fit: about
+    100 positive deviations, 5-7 steps with 3 ranks and the first step from about 16. The pool
+    fills ``groups`` times faster than one value, so the screen judges from the first steps and
+    tightens per value as each calibrates. One sort and two medians over the pool."""
+    pool = history[:, :-2].reshape(-1, 1)
+    fit = tail_fit(pool)
+    if math.isnan(float(fit[0][0])):
+        return math.nan
+    groups = history.shape[-1] - 2
+    band = max(float(bulk_bands(pool, config)[0]), float(tail_bands(pool, world, fit, values=groups)[0]))
+    return min(max(band + _EARLY_MARGIN, config.min_band), config.initial_band)
 
 
 def predicted_hits_per_day(history: torch.Tensor, band: torch.Tensor, world: int,
@@ -374,19 +398,27 @@ class Band:
         h = self.history[: self.filled].reshape(-1, self.width + 1)
         samples = (~torch.isnan(h)).sum(0)
         calibrated = samples >= cfg.calibration_samples
+        waiting = torch.full((self.width + 1,), float(cfg.initial_band), dtype=torch.float64)
+        if not bool(calibrated.all()) and self.width > 1:  # groups not calibrated yet: the pooled early band
+            early = early_band(h, cfg, self.world)
+            if not math.isnan(early):
+                waiting[: self.width - 1] = early
         if not bool(calibrated.any()):
-            return torch.full((self.width + 1,), float(cfg.initial_band), dtype=torch.float64), calibrated
+            return waiting, calibrated
         fit = tail_fit(h)  # one fit: the band and its prediction
         band = torch.fmax(bulk_bands(h, cfg), tail_bands(h, self.world, fit))  # fmax: NaN loses
         band = band.clamp(cfg.min_band, cfg.max_band)
-        judged = torch.where(calibrated, band, torch.full_like(band, float(cfg.initial_band)))
+        judged = torch.where(calibrated, band, waiting)
         self.predicted_hits_per_day = predicted_hits_per_day(h, judged, self.world, fit)
         return judged, calibrated
 
     def current(self) -> tuple[list[float], bool]:
         """The band to judge the next step with, and whether every value is calibrated."""
         current = self._current
-        if current is None or self._age >= (_REFRESH_CALIBRATED if current[1] else _REFRESH):
+        every = _REFRESH_CALIBRATED if current is not None and current[1] else _REFRESH
+        if self.filled < _REFRESH:  # the first steps: each judged with the band of all the steps before it
+            every = 1
+        if current is None or self._age >= every:
             band, calibrated = self.bands()
             current = self._current = (band.tolist(), bool(calibrated.all()))
             self._age = 0
