@@ -18,10 +18,15 @@ defaults (the replay audits one step in 100: steps 0 and 100 only). Scenarios:
   it blows the loss up, by the non-finite check when its gradients overflow).
 * ``lightning``: the ``fault`` in a ``Trainer(strategy="ddp")`` fit with the three callbacks at
   their default arguments: the same verdict, from the callbacks' one driver.
+* ``fault_next``, ``spike_next``, ``last_next``, ``lightning_next``: the screen's verdict read one
+  step later (``ScreenConfig(read="next_step")``, what ``auto`` picks on a CUDA device): the fault
+  of step 30 named during step 31 (step 30's update made), the spike cleared, a fault at the last
+  step named by the end of training, and under Lightning.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 from typing import Any
@@ -51,7 +56,13 @@ class Spiky(Classifier):
         return torch.nn.functional.cross_entropy(self.head(pooled * self.scale), labels)
 
 
-def train(out: Path, name: str, faults: list[Fault], spike: bool = False, **settings: Any) -> dict[str, Any]:
+def next_step(screen: Any) -> None:
+    """Read ``screen``'s verdicts one step later (``auto``'s choice on a CUDA device), on this CPU."""
+    screen.config = dataclasses.replace(screen.config, read="next_step")
+
+
+def train(out: Path, name: str, faults: list[Fault], spike: bool = False, read_next: bool = False,
+          **settings: Any) -> dict[str, Any]:  # fmt: skip
     torch.manual_seed(0)
     rank = dist.get_rank()
     net = Spiky()
@@ -59,6 +70,8 @@ def train(out: Path, name: str, faults: list[Fault], spike: bool = False, **sett
     opt = torch.optim.AdamW(ddp.parameters(), lr=3e-3)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / WARMUP))
     hooks = SDCHooks(run_dir=out / name, **settings).attach(ddp, opt)
+    if read_next:
+        next_step(hooks.screen)
     injector = FaultInjector(faults)
     injector.install(net, rank)
     result: dict[str, Any] = {"steps": 0}
@@ -84,7 +97,7 @@ def train(out: Path, name: str, faults: list[Fault], spike: bool = False, **sett
     return result
 
 
-def lightning(out: Path) -> dict[str, Any]:
+def lightning(out: Path, name: str = "lightning", read_next: bool = False) -> dict[str, Any]:
     """The fault under Lightning, the SDC callbacks at their defaults."""
     import lightning.pytorch as L
     from scenario_runner import cpu_ddp_trainer
@@ -110,8 +123,10 @@ def lightning(out: Path) -> dict[str, Any]:
     rank = dist.get_rank()
     loader = DataLoader(list(range(STEPS)), batch_size=1, collate_fn=lambda idx: batch(0, rank, idx[0]))
     checks = [NonFiniteGradientCheck(), RingReplayAudit(), WeightFingerprintCheck()]
+    if read_next:
+        next_step(checks[0]._screen)
     faults = [Fault(kind="gradient_bit_flip", rank=1, step=AT, target="model.enc.linear2.weight", index=11, bit=30)]
-    trainer = cpu_ddp_trainer(max_steps=STEPS, use_distributed_sampler=False, default_root_dir=str(out / "lightning"),
+    trainer = cpu_ddp_trainer(max_steps=STEPS, use_distributed_sampler=False, default_root_dir=str(out / name),
                               callbacks=[*checks, InjectorCallback(faults)])  # fmt: skip
     result: dict[str, Any] = {}
     try:
@@ -124,12 +139,12 @@ def lightning(out: Path) -> dict[str, Any]:
     return result
 
 
-def fault() -> list[Fault]:
-    return [Fault(kind="gradient_bit_flip", rank=1, step=AT, target="enc.linear2.weight", index=11, bit=30)]
+def fault(step: int = AT) -> list[Fault]:
+    return [Fault(kind="gradient_bit_flip", rank=1, step=step, target="enc.linear2.weight", index=11, bit=30)]
 
 
 def main() -> None:
-    args = parse("fault,spike,skip,lightning,logit")
+    args = parse("fault,spike,skip,lightning,logit,fault_next,last_next")
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     scenarios = {
@@ -137,6 +152,10 @@ def main() -> None:
         "spike": lambda: train(args.out, "spike", [], spike=True),
         "skip": lambda: train(args.out, "skip", fault(), replay_on_failure="skip_step"),
         "lightning": lambda: lightning(args.out),
+        "fault_next": lambda: train(args.out, "fault_next", fault(), read_next=True),
+        "spike_next": lambda: train(args.out, "spike_next", [], spike=True, read_next=True),
+        "last_next": lambda: train(args.out, "last_next", fault(STEPS - 1), read_next=True),
+        "lightning_next": lambda: lightning(args.out, "lightning_next", read_next=True),
         "logit": lambda: train(args.out, "logit", [Fault(kind="module_output", rank=1, step=AT, target="head",
                                                          index=3, bit=30)]),
     }

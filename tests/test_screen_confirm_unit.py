@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import math
 
-from sdc_core.checks.screen import ScreenResult
+import pytest
+import torch
+
+from sdc_core.checks.screen import ScreenConfig, ScreenResult
 from sdc_core.replay.confirm import _escalated, _judge
 
 NAN, INF = math.nan, math.inf
@@ -43,3 +46,49 @@ def test_a_non_finite_loss_from_finite_gradients_is_escalated_and_judged() -> No
     assert _judge(flagged, 1, [0.1, 1.0, -1.0]) == "confirmed"
     assert not _escalated(result((INF, 1.0, -1.0), reason="nonfinite"), 1)  # the non-finite check's verdict
     assert not _escalated(result((0.0, 1.0, -1.0), reason="malformed"), 1)
+
+
+def test_kept_steps_hold_the_step_being_recorded_and_the_one_before() -> None:
+    """A verdict read one step later confirms the step before the one being recorded: both are
+    kept; an audited step keeps none of its own but leaves the one before it; older ones go."""
+    from sdc_core.replay.ring import KeptSteps
+
+    kept = KeptSteps()
+    kept.start(4)
+    kept.batches.append("step 4")  # type: ignore[arg-type]
+    kept.start(5)
+    kept.batches.append("step 5")  # type: ignore[arg-type]
+    assert kept.take(4) == ["step 4"] and kept.take(4) == []
+    kept.start(None)  # step 6 is audited
+    assert kept.take(5) == ["step 5"]
+    kept.start(7)
+    kept.batches.append("step 7")  # type: ignore[arg-type]
+    kept.start(8)
+    kept.start(9)
+    assert kept.take(7) == [] and kept.take(8) == []  # two steps back: forgotten, and 8 kept nothing
+    kept.clear()
+    assert kept.take(9) == []
+
+
+def test_the_verdict_is_read_one_step_later_on_a_cuda_device_unless_a_replay_skips_steps(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``ScreenConfig(read="auto")``: the next step on a CUDA device (no host wait for backward),
+    the same step on a CPU, and the same step wherever a replay's ``skip_step`` must drop the
+    faulty step's own update; ``same_step`` and ``next_step`` are taken as they are."""
+    from types import SimpleNamespace
+
+    from sdc_core.driver import screen_step
+    from sdc_core.replay.ring import ReplayConfig
+
+    def reads_next(read: str, on_failure: str, device: str) -> bool:  # device: where the collectives run (NCCL)
+        monkeypatch.setattr(screen_step, "collective_device", lambda: torch.device(device))
+        replay = SimpleNamespace(config=ReplayConfig(on_failure=on_failure))
+        screen = SimpleNamespace(config=ScreenConfig(read=read))
+        return screen_step.ScreenVerdicts(SimpleNamespace(replays=[replay])).reads_next_step(screen)
+
+    assert reads_next("auto", "raise", "cuda") and not reads_next("auto", "raise", "cpu")
+    assert not reads_next("auto", "skip_step", "cuda")
+    assert reads_next("next_step", "raise", "cpu") and not reads_next("same_step", "raise", "cuda")
+    with pytest.raises(ValueError, match="read must be"):
+        ScreenConfig(read="later")

@@ -18,7 +18,8 @@ WORLD = 3
 @pytest.fixture(scope="module")
 def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("screen_escalation")
-    torchrun(ROOT / "tests" / "screen_escalation_scenarios.py", path, "fault,spike,skip,lightning,logit", WORLD)
+    scenarios = "fault,spike,skip,lightning,logit,fault_next,last_next"
+    torchrun(ROOT / "tests" / "screen_escalation_scenarios.py", path, scenarios, WORLD)
     return path
 
 
@@ -85,3 +86,39 @@ def test_a_wrong_logit_is_named_at_the_first_step_it_does_harm(out: Path) -> Non
     else:  # read one step later ("raise"): that step's update happened, the next did not
         assert error["type"] == "NonFiniteGradientError", error
         assert all(r["steps"] == error["step"] + 1 for r in runs)
+
+
+def test_read_one_step_later_the_fault_is_named_in_the_next_step_after_its_update(out: Path) -> None:
+    """``ScreenConfig(read="next_step")`` (``auto`` on a CUDA device: the host never waits for
+    backward): the fault of step 30 is confirmed by the partner on the weights after step 30's
+    update and named during step 31, before its update, on every rank alike."""
+    runs = results(out, "fault_next", WORLD)
+    error = runs[0]["error"]
+    assert all(r["error"] == error for r in runs)
+    assert error["type"] == "ReplayMismatchError" and (error["step"], error["rank"]) == (30, 1), error
+    assert error["details"]["source"] == "gradient_screen" and "one step later" in error["details"]["read"]
+    assert "on the weights after its update" in error["reason"], error["reason"]
+    assert all(r["steps"] == 31 for r in runs)  # step 30's update made, step 31's not
+    assert all(r["replay"]["extra"]["screen_confirmed"] == 1 for r in runs)
+
+
+def test_read_one_step_later_a_fault_at_the_last_step_is_named_by_the_end_of_training(out: Path) -> None:
+    runs = results(out, "last_next", WORLD)
+    error = runs[0]["error"]
+    assert all(r["error"] == error for r in runs)
+    assert error["type"] == "ReplayMismatchError" and (error["step"], error["rank"]) == (43, 1), error
+    assert all(r["steps"] == 44 for r in runs)  # every step trained; the end of training read the verdict
+
+
+@pytest.mark.slow  # a second 3-rank launch
+def test_read_one_step_later_a_spike_is_cleared_and_lightning_names_the_fault(tmp_path: Path) -> None:
+    torchrun(ROOT / "tests" / "screen_escalation_scenarios.py", tmp_path, "spike_next,lightning_next", WORLD)
+    runs = results(tmp_path, "spike_next", WORLD)
+    assert all("error" not in r and r["steps"] == 44 for r in runs), runs[0]
+    assert all(r["screen"]["extra"]["hits"] == 1 and r["replay"]["extra"]["screen_cleared"] == 1 for r in runs)
+    assert incidents(tmp_path / "spike_next") == []
+    runs = results(tmp_path, "lightning_next", WORLD)
+    error = runs[0]["error"]
+    assert all(r["error"] == error for r in runs)
+    assert error["type"] == "ReplayMismatchError" and (error["step"], error["rank"]) == (30, 1), error
+    assert all(r["steps"] == 31 for r in runs)

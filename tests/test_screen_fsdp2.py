@@ -19,7 +19,8 @@ pytestmark = pytest.mark.slow  # one torchrun of five FSDP2 runs: about 25 s on 
 @pytest.fixture(scope="module")
 def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("screen_fsdp2")
-    torchrun(ROOT / "tests" / "screen_fsdp2_scenarios.py", path, "fault,clean,spike,lightning,lightning_clean", WORLD)
+    scenarios = "fault,clean,spike,lightning,lightning_clean,fault_next"
+    torchrun(ROOT / "tests" / "screen_fsdp2_scenarios.py", path, scenarios, WORLD)
     return path
 
 
@@ -43,6 +44,16 @@ def test_a_wrong_gradient_on_an_unaudited_step_is_named_in_its_step_after_confir
     assert all(r["replay"]["extra"]["screen_confirmed"] == 1 for r in runs)
     assert all(r["replay"]["runs"] == 1 for r in runs)  # the replay audited step 0 only: the screen found it
     assert all(r["nonfinite"]["failures"] == 0 for r in runs)  # a finite fault: not the non-finite check's
+
+
+def test_read_one_step_later_the_collective_confirmation_names_the_rank_in_the_next_step(out: Path) -> None:
+    """``ScreenConfig(read="next_step")``: every rank re-runs its partner's kept micro-batches of
+    step 12 through the sharded model during step 13, on the weights after step 12's update."""
+    runs = results(out, "fault_next", WORLD)
+    error = runs[0]["error"]
+    assert all(r["error"] == error for r in runs)
+    assert error["type"] == "ReplayMismatchError" and (error["step"], error["rank"]) == (12, 1), error
+    assert all(r["steps"] == 13 and r["replay"]["extra"]["screen_confirmed"] == 1 for r in runs)
 
 
 def test_a_clean_run_raises_nothing_and_confirms_nothing(out: Path) -> None:

@@ -96,6 +96,13 @@ class ScreenConfig:
     calibration_samples: int = setting(
         20, "healthy deviations a value needs before its band is calibrated (>= 1; before: initial_band)"
     )
+    read: str = setting(
+        "auto",
+        "when a step's verdict is read: before its update (same_step) or the next one's (next_step), or auto",
+        "``auto``: ``next_step`` on a CUDA device unless a replay's policy is ``skip_step``, else ``same_step`` "
+        "(``sdc_core.driver.screen_step``). ``next_step`` keeps the host from waiting for backward; a confirmed "
+        "hit then stops the run one step later, its update made.",
+    )
 
     def __post_init__(self) -> None:
         for name in ("groups", "window", "calibration_samples"):
@@ -106,6 +113,8 @@ class ScreenConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
                 raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+        if self.read not in ("auto", "same_step", "next_step"):
+            raise ValueError(f"read must be 'auto', 'same_step' or 'next_step', got {self.read!r}")
         if not self.min_band <= self.initial_band <= self.max_band:
             raise ValueError(
                 f"need min_band <= initial_band <= max_band, got {self.min_band}, {self.initial_band}, {self.max_band}"

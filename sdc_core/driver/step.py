@@ -42,10 +42,10 @@ from sdc_core.checks.contract import Role, role_of
 from sdc_core.checks.fingerprint import WeightFingerprint, healed_by_comparison
 from sdc_core.checks.gradients import drop_step
 from sdc_core.driver.delivery import ROLLED_BACK, Delivery
+from sdc_core.driver.screen_step import ScreenVerdicts
 from sdc_core.errors import ReplayMismatchError, SDCError
 from sdc_core.ops.process_exit import mark_verdict
 from sdc_core.ops.trackers import log_incident
-from sdc_core.replay.confirm import confirm_hits, skips
 from sdc_core.sharded.checks import is_sharded
 
 
@@ -160,6 +160,7 @@ class StepDriver:
         self._observed: int | None = None  # the step whose screen all_gathers were started
         self._saved: tuple[Any, bool] | None = None  # (key, weights changed) of the last before_save
         self.delivery = Delivery(seam)  # runs a check's call and delivers its verdict
+        self.screen_verdicts = ScreenVerdicts(self)  # when each screen's verdict is read, and its confirmation
 
     def prepare(self) -> None:
         """Once the checks are in place (every rank alike): with a screen, the replay (DDP or
@@ -278,10 +279,9 @@ class StepDriver:
         for matmul in self.matmuls:  # the step's products: sent now, read at the next step
             self.delivery.deliver(matmul, lambda m=matmul: m.verdict(step.index))
         plan.skipped = self.gradients(step)
-        for screen in self.screens:
-            if self._screen(screen, step, plan.skipped):
-                drop_step(step.module.parameters(), scaler_active=step.scaler_active)
-                plan.skipped = True
+        if self.screen_verdicts.before_update(step, plan.skipped):  # this step's, or the previous step's
+            drop_step(step.module.parameters(), scaler_active=step.scaler_active)
+            plan.skipped = True
         for replay in self.replays:
             if not replay.armed:
                 continue
@@ -313,31 +313,6 @@ class StepDriver:
                     fp.start(step.index, step.module, step.optimizers)
         for check in self.step_checks:
             self.delivery.deliver(check, lambda c=check: c.after_update(step, updated), check.policy)
-
-    def _screen(self, screen: Any, step: StepContext, skipped: bool) -> bool:
-        """This step's screen verdict (read now: its confirmation needs the weights the step
-        computed with; one host wait on a small all_gather started right after backward). A band
-        hit is escalated to a partner's recomputation (``replay.confirm.confirm_hits``) by the replay
-        keeping every step's micro-batches (sharded: every rank re-runs its partner's, together);
-        only a confirmed hit is a verdict, checked
-        against the replicas' weights first as the replay's own. Without such a replay, or on a
-        step already dropped or audited anyway, hits are only counted. True: drop the step."""
-        result = screen.suspects(step.index)
-        recording = [r for r in self.replays if r.keep_every_step and r.active]  # this step's batches kept
-        if not result or skipped or not recording or recording[0].armed:
-            for replay in recording:
-                replay.take_kept_batches(step.index)  # forgotten: no confirmation needs them
-            return False
-        replay, source = recording[0], self._magnitudes
-
-        def confirm() -> bool:
-            group_of = source.magnitude_group if source is not None else (lambda name: None)
-            error = confirm_hits(replay, result, step.module, group_of, *self.seam.replay_functions(replay, step))
-            if error is not None:
-                raise error
-            return False
-
-        return self._replay_verdict(replay, step, confirm, skips=lambda error: skips(replay, error))
 
     def _replay_verdict(self, replay: Any, step: StepContext, run: Callable[[], Any],
                         skips: Callable[[ReplayMismatchError], bool] | None = None) -> bool:  # fmt: skip
@@ -395,7 +370,7 @@ class StepDriver:
             self.delivery.deliver(matmul, matmul.resolve)
         for nf in self.nonfinite:
             self._gradients(nf, nf.resolve, step)
-        changed, last = False, max(step.index - 1, 0)
+        changed, last = self.screen_verdicts.resolve(step), max(step.index - 1, 0)  # verdicts read one step later
         for fp in self.fingerprints:
             if not fp.active:
                 continue
@@ -420,6 +395,7 @@ class StepDriver:
     def discard(self) -> None:
         """An exception leaves the loop: drop what is in flight without any collective (the other
         ranks may not be here)."""
+        self.screen_verdicts.discard()
         for check in self._checks():
             discard = getattr(check, "discard", None)
             if discard is not None:

@@ -60,10 +60,12 @@ def confirm_hits(
     step_fn: Callable[[Any, int], torch.Tensor],
     to_device: Callable[[Any], Any],
     context: Callable[[], AbstractContextManager[Any]],
+    after_update: bool = False,
 ) -> ReplayMismatchError | None:
     """Confirm the band hits of ``result`` (a ``ScreenResult``) by partner recomputation (every
-    rank alike, in the step, before its update): the verdict naming the confirmed ranks, or
-    None (``skips`` applies the policy)."""
+    rank alike, before the step's update, or with ``after_update`` on the weights after it: a
+    verdict read one step later): the verdict naming the confirmed ranks, or None (``skips``
+    applies the policy)."""
     step = result.step
     kept = replay.take_kept_batches(step)
     topo: Topology = replay.topology or Topology.gather()
@@ -105,18 +107,20 @@ def confirm_hits(
     if not confirmed:
         return None
     replay.stats.bump("screen_confirmed", len(confirmed))
-    return _error(result, confirmed, partners, topo, note)
+    return _error(result, confirmed, partners, topo, note, "the weights after its update" if after_update else
+                  "the same weights")  # fmt: skip
 
 
-def skips(replay: Any, error: ReplayMismatchError) -> bool:
+def skips(replay: Any, error: ReplayMismatchError, can_skip: bool = True) -> bool:
     """Apply the replay's policy to a confirmed screen hit (every rank alike): True when every rank
-    drops the step (``skip_step`` and each named rank's first confirmed hit); the error is then
-    the replay's ``last_error`` (recorded as skipped). False: raise it."""
+    drops the step (``skip_step``, ``can_skip`` (the hit's own update is still to come) and each
+    named rank's first confirmed hit); the error is then the replay's ``last_error`` (recorded as
+    skipped). False: raise it."""
     replay.stats.failures += 1
     strikes = replay.screen_strikes
     for r in error.suspects:
         strikes[r] = strikes.get(r, 0) + 1
-    skip = replay.config.on_failure == "skip_step" and all(strikes[r] == 1 for r in error.suspects)
+    skip = can_skip and replay.config.on_failure == "skip_step" and all(strikes[r] == 1 for r in error.suspects)
     replay.last_error = error
     if skip:
         replay.stats.bump("skipped_steps")
@@ -195,23 +199,25 @@ def _judge(result: Any, rank: int, recomputed: Sequence[float]) -> str:
     return "confirmed" if in_band(list(recomputed), reference(result.values, rank), result.bands) else "unconfirmed"
 
 
-def _error(result: Any, ranks: list[int], partners: Sequence[int], topo: Topology, note: str) -> ReplayMismatchError:
-    """The verdict of confirmed screen hits (every rank builds the same)."""
+def _error(result: Any, ranks: list[int], partners: Sequence[int], topo: Topology, note: str,
+           weights: str) -> ReplayMismatchError:  # fmt: skip
+    """The verdict of confirmed screen hits (every rank builds the same; ``weights``: which ones the
+    partner recomputed on, in words)."""
     hits = [{"rank": r, "recomputed_by": partners[r], **result.details[r]} for r in ranks]
     first = hits[0]
     who = f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
     if first.get("reason") == "nonfinite":
         reason = (
             f"the every-step gradient screen saw {who}'s loss non-finite at step {result.step} while its local "
-            f"gradients were finite; rank {first['recomputed_by']} recomputed the same micro-batches on the same "
-            f"weights and got a finite loss and gradients within the band: {who} computed that step wrongly"
+            f"gradients were finite; rank {first['recomputed_by']} recomputed the same micro-batches on {weights} "
+            f"and got a finite loss and gradients within the band: {who} computed that step wrongly"
         )
     else:
         reason = (
             f"the every-step gradient screen saw {who}'s {first.get('value')} out of band at step {result.step} "
             f"(2^{first.get('excess', 0.0):.1f} above the ranks' median, band "
             f"2^{first.get('band', 0.0):.1f}); rank {first['recomputed_by']} recomputed the same micro-batches on "
-            f"the same weights and stayed within the band: {who} computed that step wrongly"
+            f"{weights} and stayed within the band: {who} computed that step wrongly"
         )
     details: dict[str, Any] = {"source": "gradient_screen", "screen": hits,
                                "classification": "transient or persistent not told (one replay per escalation)"}

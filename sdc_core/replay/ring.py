@@ -243,25 +243,35 @@ class ReplayConfig:
 
 @dataclass
 class KeptSteps:
-    """The micro-batches of one step that is not audited (references, RNG and captured state),
-    kept while the screen escalates (``RingReplay.keep_every_step``), for a partner to recompute."""
+    """The micro-batches of the steps that are not audited (references, RNG and captured state),
+    kept while the screen escalates (``RingReplay.keep_every_step``), for a partner to recompute:
+    the step being recorded and the one before it (a screen verdict read one step later confirms
+    that one). Memory: at most two steps' references and captures."""
 
     step: int | None = None
     batches: list[MicroBatch] = field(default_factory=list)
+    previous: tuple[int, list[MicroBatch]] | None = None  # the step before ``step``, not taken yet
 
-    def start(self, step: int) -> None:
-        """Keep ``step``'s micro-batches (those kept so far, when it is the step being kept)."""
+    def start(self, step: int | None) -> None:
+        """Keep ``step``'s micro-batches (those kept so far, when it is the step being kept); the
+        step kept until now becomes the previous one (None: keep none now, e.g. an audited step)."""
         if self.step != step:
+            if self.step is not None:
+                self.previous = (self.step, self.batches)
             self.step, self.batches = step, []
 
     def clear(self) -> None:
-        self.step, self.batches = None, []
+        self.step, self.batches, self.previous = None, [], None
 
     def take(self, step: int) -> list[MicroBatch]:
         """The micro-batches kept for ``step``, then forgotten; empty when none were kept for it."""
-        kept, step_kept = self.batches, self.step
-        self.clear()
-        return kept if step_kept == step else []
+        if step == self.step:
+            kept, self.step, self.batches = self.batches, None, []
+            return kept
+        if self.previous is not None and self.previous[0] == step:
+            kept, self.previous = self.previous[1], None
+            return kept
+        return []
 
 
 @dataclass
@@ -336,7 +346,7 @@ class RingReplay:
                 return True
             self.kept.clear()
             return False
-        self.kept.clear()
+        self.kept.start(None)  # an audited step is not kept; the one kept before it may still be confirmed
         if self._armed_step != step:
             self._armed_step, self._micro, self._loss, self._local = step, [], None, {}
             self._aside.clear()
