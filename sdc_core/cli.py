@@ -9,7 +9,7 @@ sdc report DIR_OR_FILE... [--json] [--strict]
 sdc exclude-list DIR_OR_FILE... [--format slurm|lines|reason] [--strict]
 sdc node-name   the node this process runs on, as the checks record it (SLURMD_NODENAME, NODE_NAME or host)
 sdc campaign [--injections N] [--clean N] [--hard N] [--out DIR] [--workers W] [--seed S] [--study N] [--doc FILE]
-             [--steps N] [--sites S,...] [--optimizer adam|sgd]
+             [--steps N] [--sites S,...] [--optimizer adam|sgd] [--sizes N]
 sdc run -- COMMAND [ARG ...]   run a launch command; exit 86 when the job ended on an SDC verdict,
     0 on success, the command's own code otherwise (see sdc_core.ops.launch)
 
@@ -322,14 +322,16 @@ def campaign_parser() -> argparse.ArgumentParser:
     from sdc_core.faults.campaign_runner import OPTIMIZERS
 
     k = parser_for("sdc campaign", "fault-injection campaign over short multi-process Lightning trainings")
-    k.add_argument("--injections", type=_at_least(0), default=200)
-    k.add_argument("--clean", type=_at_least(0), default=20, help="clean runs, each with another data order")
+    k.add_argument("--injections", type=_at_least(0), default=None, help="bit-flip injections (default 200)")
+    k.add_argument("--clean", type=_at_least(0), default=None,
+                   help="clean runs, each with another data order (default 20)")  # fmt: skip
     k.add_argument("--hard", type=_at_least(0), default=0,
                    help="also N clean runs of heterogeneous batches and N with a genuine loss spike")  # fmt: skip
     k.add_argument("--out", type=Path, default=Path("sdc-campaign"), help="campaign folder (created)")
     k.add_argument("--workers", type=_at_least(1), default=1, help="trainings at once (each uses 3 processes)")
     k.add_argument("--seed", type=int, default=0)
-    k.add_argument("--steps", type=_at_least(8), default=12)
+    k.add_argument("--steps", type=_at_least(8), default=None, help="optimizer steps per training (default 12; "
+                   "40 with --sizes)")  # fmt: skip
     k.add_argument("--sites", type=_sites, default=None,
                    help="fault sites to inject, comma-separated (default: all of activation, gradient, "
                    "matmul_output, weights, optimizer, checkpoint)")  # fmt: skip
@@ -340,7 +342,30 @@ def campaign_parser() -> argparse.ArgumentParser:
                    help="also run N checkpoint-alteration study runs per group")  # fmt: skip
     k.add_argument("--doc", type=Path, help="also write a coverage page (markdown; its CSV and, with matplotlib, "
                    "its plot beside it)")  # fmt: skip
+    k.add_argument("--sizes", type=_at_least(1), default=None, metavar="N",
+                   help="instead of bit flips, errors of known size: N injections per compute site, relative error "
+                   "e = 1e-4 .. 1e4 (one per decade) and step range (2-19, 20+), each multiplying one element by "
+                   "1 + e, trained without checks and at the defaults (2 x 54 x N trainings; needs --steps >= 22; "
+                   "rows in --out/results.csv)")  # fmt: skip
     return k
+
+
+_NOT_WITH_SIZES = ("injections", "clean", "hard", "study", "doc")  # what --sizes plans otherwise, or does not write
+
+
+def _sizes_campaign(args: argparse.Namespace, runner: Any) -> None:
+    """``sdc campaign --sizes N`` (``run_sizes_campaign``); ``ValueError`` (one line) for an option it
+    does not take."""
+    from sdc_core.faults.campaign import COMPUTE_SITES
+    from sdc_core.faults.campaign_run import run_sizes_campaign
+
+    given = [f"--{name}" for name in _NOT_WITH_SIZES if getattr(args, name) not in (None, 0)]
+    if given:
+        raise ValueError(f"--sizes plans its own injections and has no clean runs, study or page: "
+                         f"drop {', '.join(given)}")  # fmt: skip
+    steps = 40 if args.steps is None else args.steps
+    run_sizes_campaign(args.out, args.sizes, workers=args.workers, seed=args.seed, steps=steps,
+                       sites=args.sites or COMPUTE_SITES, runner=runner, optimizer=args.optimizer)  # fmt: skip
 
 
 def campaign_main(argv: list[str]) -> int:
@@ -360,8 +385,13 @@ def campaign_main(argv: list[str]) -> int:
     from sdc_core.faults.campaign_run import CampaignFailed, run_campaign
 
     try:
-        run_campaign(args.out, injections=args.injections, clean=args.clean, workers=args.workers, seed=args.seed,
-                     steps=args.steps, study=args.study, doc=args.doc, hard=args.hard, sites=args.sites or SITES,
+        if args.sizes is not None:
+            _sizes_campaign(args, runner)
+            return EXIT_OK
+        injections = 200 if args.injections is None else args.injections
+        clean, steps = 20 if args.clean is None else args.clean, 12 if args.steps is None else args.steps
+        run_campaign(args.out, injections=injections, clean=clean, workers=args.workers, seed=args.seed,
+                     steps=steps, study=args.study, doc=args.doc, hard=args.hard, sites=args.sites or SITES,
                      runner=runner, optimizer=args.optimizer)  # fmt: skip
     except CampaignFailed as err:
         print(f"sdc campaign: error: {err}", file=sys.stderr)

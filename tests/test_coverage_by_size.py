@@ -11,6 +11,7 @@ def test_the_coverage_page_shows_the_table_the_rows_give() -> None:
     rows = [
         str(ROOT / "docs" / "coverage.csv"),
         *map(str, sorted((ROOT / "benchmarks" / "results").glob("coverage-compute-*.csv"))),
+        *map(str, sorted((ROOT / "benchmarks" / "results").glob("coverage-sizes-*.csv"))),  # sdc campaign --sizes
     ]
     lines = table(rows)
     assert len(lines) > 3 and any("top exponent bit" in line for line in lines)

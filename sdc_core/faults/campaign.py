@@ -20,6 +20,11 @@ in one element of a product's output inside a layer (forward output, input gradi
 gradient) of one rank, at a step the replay does not audit at its default cadence, each trained
 three times: without checks, with the default checks, and with the defaults plus the matmul check.
 
+The campaign of errors of known size (``plan_sizes``, ``sdc campaign --sizes N``): at each compute
+site, for each relative error e in ``SIZES`` (1e-4 .. 1e4) and each step range (2-19, 20 and later),
+``N`` injections that multiply one element by (1 + e) in one step of one rank (a finite error whose
+size is known exactly, unlike a bit flip's), each trained twice: without checks and at the defaults.
+
 This module plans, builds the data and the faults, classifies runs and summarises them; the
 trainings are a framework's (``campaign_runner``), the launches ``campaign_run``, the files and
 pages ``campaign_report``. Nothing here knows a framework.
@@ -50,6 +55,10 @@ HETERO_LOG2_RANGE = 2.0  # heterogeneous batches: each rank's batch of each step
 SPIKE_FACTOR = 1e3  # a genuine spike: one batch's targets scaled by this (its gradient about 2^10 larger)
 ADAM_LR = 3e-3
 SGD_LR, SGD_MOMENTUM = 0.05, 0.9  # trains the model about as far as Adam at 3e-3 does, stably, in 12 to 40 steps
+SIZES = (1e-4, 1e-3, 1e-2, 1e-1, 1.0, 1e1, 1e2, 1e3, 1e4)  # the relative errors of ``plan_sizes``: one per decade
+LATE_STEP = 20  # ``plan_sizes`` injects in steps 2 .. 19 ("0-19") or LATE_STEP .. steps - 2 ("20+")
+STEP_RANGES = ("0-19", "20+")
+SIZES_MIN_STEPS = LATE_STEP + 2  # a late fault needs a step of its own and the next one to be named in
 
 
 # -------------------------------------------------------------------------------------------- plans
@@ -115,6 +124,37 @@ def plan_matmul(per_class: int, clean: int, seed: int, steps: int) -> list[dict[
     return specs
 
 
+def plan_sizes(per_cell: int, seed: int, steps: int, sites: tuple[str, ...] = COMPUTE_SITES) -> list[dict[str, Any]]:
+    """Seeded finite faults of known size: for each site of ``sites`` (some of ``COMPUTE_SITES``),
+    relative error e of ``SIZES`` and step range of ``STEP_RANGES``, ``per_cell`` injections that
+    multiply one element by ``1 + e`` (``rel_error``, ``factor``) at a drawn rank, step of the range,
+    tensor and element (matmul phases in turn). The same arguments give the same plan. Raises
+    ``ValueError`` for ``per_cell < 1``, ``steps < SIZES_MIN_STEPS`` or another site."""
+    if per_cell < 1 or steps < SIZES_MIN_STEPS:
+        raise ValueError(f"--sizes needs at least 1 run per cell and --steps >= {SIZES_MIN_STEPS} (a fault at step "
+                         f"{LATE_STEP} or later, and the next step), got {per_cell} and {steps}")  # fmt: skip
+    if not sites or any(site not in COMPUTE_SITES for site in sites):
+        raise ValueError(f"--sizes injects at some of {','.join(COMPUTE_SITES)}, got --sites {','.join(sites)}")
+    rng = random.Random(seed)
+    specs = []
+    for site in sites:
+        for size in SIZES:
+            for when, (first, stop) in zip(STEP_RANGES, ((2, LATE_STEP), (LATE_STEP, steps - 1)), strict=True):
+                for i in range(per_cell):
+                    spec = {"id": f"size-{site}-{size:.0e}-{when}-{i:03d}", "site": site, "bit_class": "scale",
+                            "rel_error": size, "factor": 1.0 + size, "step_range": when, "rank": rng.randrange(WORLD),
+                            "step": rng.randrange(first, stop), "index": rng.randrange(10_000)}  # fmt: skip
+                    if site == "activation":
+                        spec["target"] = rng.choice(MODULES)
+                    elif site == "matmul_output":
+                        spec["phase"] = MATMUL_PHASES[i % len(MATMUL_PHASES)]
+                        spec["target"] = rng.choice(MATMUL_TARGETS[spec["phase"]])
+                    else:
+                        spec["target"] = rng.choice(PARAMS)
+                    specs.append(spec)
+    return specs
+
+
 # ----------------------------------------------------------------------------------- data and faults
 
 
@@ -176,14 +216,19 @@ def training_data(spec: dict[str, Any] | None = None) -> tuple[torch.Tensor, tor
 
 def fault_for(spec: dict[str, Any], prefix: str = "") -> Fault:
     """The ``Fault`` of an injection spec (every site but ``checkpoint`` and ``study``), its
-    target under ``prefix`` (where the runner keeps the campaign's model)."""
+    target under ``prefix`` (where the runner keeps the campaign's model). A spec of ``plan_sizes``
+    (``factor``, no ``bit``) scales its element by ``factor`` instead of flipping a bit."""
     site, target = spec["site"], prefix + spec["target"]
+    bit, factor = spec.get("bit"), float(spec.get("factor", 1.5))
     if site in ("matmul", "matmul_output"):
         return Fault("matmul_output", rank=spec["rank"], step=spec["step"], target=target, index=spec["index"],
-                     bit=spec["bit"], mode="once", phase=spec["phase"])  # fmt: skip
+                     bit=bit, factor=factor, mode="once", phase=spec["phase"])  # fmt: skip
     if site == "activation":
         return Fault("module_output", rank=spec["rank"], step=spec["step"], target=target, index=spec["index"],
-                     bit=spec["bit"], mode="once")  # fmt: skip
+                     bit=bit, factor=factor, mode="once")  # fmt: skip
+    if site == "gradient" and bit is None:
+        return Fault("gradient_scale", rank=spec["rank"], step=spec["step"], target=target, index=spec["index"],
+                     factor=factor)  # fmt: skip
     kind = {"gradient": "gradient_bit_flip", "weights": "weight_bit_flip", "optimizer": "optimizer_state"}[site]
     return Fault(kind, rank=spec["rank"], step=spec["step"], target=target, index=spec["index"], bit=spec["bit"],
                  state_key="exp_avg_sq" if spec["bit_class"] == "mantissa" else "exp_avg")  # fmt: skip
@@ -242,6 +287,22 @@ def outcome(spec: dict[str, Any], effect: dict, detect: dict, reference: dict,
     row["nonfinite"] = not finite or not math.isfinite(effect["loss"]) or bool(effect.get("crash"))
     if defaults is not None:
         row.update(_verdict("defaults", defaults, spec))
+    return row
+
+
+def sizes_outcome(spec: dict[str, Any], effect: dict, defaults: dict, reference: dict) -> dict[str, Any]:
+    """One injection of ``plan_sizes``: did the run without checks (``effect``) change the result
+    against the clean ``reference``, and what the checks at their defaults said (``defaults_*``,
+    as in ``outcome``'s rows, so the same readers take both)."""
+    finite, rel = _weights_apart(effect, reference)
+    keys = ("id", "site", "phase", "bit_class", "rel_error", "factor", "step_range", "rank", "step", "target", "bit",
+            "index")  # fmt: skip
+    row = {**{k: spec.get(k) for k in keys},
+           "changed": rel > 1e-6 or bool(effect.get("crash")), "weight_rel_diff": rel, "final_loss": effect["loss"],
+           "clean_loss": reference["loss"], "diverged": _diverged(effect, reference) or bool(effect.get("crash")),
+           "nonfinite": not finite or not math.isfinite(effect["loss"]) or bool(effect.get("crash")),
+           "crash": effect.get("crash") or ""}  # fmt: skip
+    row.update(_verdict("defaults", defaults, spec))
     return row
 
 
@@ -449,6 +510,34 @@ def summarise(rows: list[dict[str, Any]], seed: int, steps: int, optimizer: str 
         "table": table, "study": study(rows), "loss_spread": spread, "defaults_table": _defaults_table(rows),
         "clean_table": _clean_table(rows), "defaults": defaults_summary(rows),
     }  # fmt: skip
+
+
+def named_within_one_step(r: dict[str, Any]) -> bool:
+    """Whether the checks at their defaults named the row's own rank in its fault's step or the next."""
+    return within_one_step(r) and r.get("defaults_rank") == r["rank"]
+
+
+def sizes_summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per site, relative error and step range of ``plan_sizes`` rows: injections, finite ones
+    (neither the run without checks nor the non-finite check saw a NaN or Inf) and of those the ones
+    the defaults named within one step with the right rank, the injections that changed the result,
+    that the defaults detected at all, and that the screen flagged."""
+    table = []
+    for site in COMPUTE_SITES:
+        for size in SIZES:
+            for when in STEP_RANGES:
+                rs = [r for r in rows if r["site"] == site and r.get("rel_error") == size and r["step_range"] == when]
+                if not rs:
+                    continue
+                finite = [r for r in rs if not r["nonfinite"] and r["defaults_by"] != "nonfinite_gradient"]
+                table.append({
+                    "site": site, "rel_error": size, "steps": when, "injections": len(rs), "finite": len(finite),
+                    "changed": sum(r["changed"] for r in rs),
+                    "finite_named_within_1": sum(named_within_one_step(r) for r in finite),
+                    "detected": sum(bool(r["defaults_by"]) for r in rs),
+                    "screen_flagged": sum(r.get("defaults_screen_hits", 0) > 0 for r in rs),
+                })  # fmt: skip
+    return table
 
 
 def matmul_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:

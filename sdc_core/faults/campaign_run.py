@@ -1,7 +1,8 @@
 """Running a campaign: its specs in ``torch.distributed.run`` launches of ``WORLD`` ranks (the
 runner's worker module, ``campaign_runner``), each spec trained as often as its site needs and
-classified into one result row; ``run_campaign`` (``sdc campaign``) and ``run_matmul_campaign``
-plan, run and report. ``main`` is the command line of a runner's worker module."""
+classified into one result row; ``run_campaign`` (``sdc campaign``), ``run_sizes_campaign``
+(``sdc campaign --sizes``) and ``run_matmul_campaign`` plan, run and report. ``main`` is the
+command line of a runner's worker module."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import torch.distributed as dist
 
 from sdc_core.faults.campaign import (
     CKPT_STEP,
+    COMPUTE_SITES,
     SITES,
     WORLD,
     clean_outcome,
@@ -29,9 +31,12 @@ from sdc_core.faults.campaign import (
     outcome,
     plan,
     plan_matmul,
+    plan_sizes,
+    sizes_outcome,
+    sizes_summary,
 )
 from sdc_core.faults.campaign_matmul_report import write_matmul_doc
-from sdc_core.faults.campaign_report import make_folder, report, write_doc
+from sdc_core.faults.campaign_report import make_folder, report, report_sizes, write_doc
 from sdc_core.faults.campaign_runner import CAMPAIGN_DIR_ENV, OPTIMIZERS, CampaignRunner, find_runner
 from sdc_core.faults.checkpoint import Corruption, corrupt_file
 from sdc_core.io.checkpoints import FINGERPRINT_KEY
@@ -78,6 +83,10 @@ class _Launch:
             return matmul_outcome(spec, effect, defaults, with_matmul, self.reference)
         if site in ("checkpoint", "study"):
             return self._checkpoint(spec)
+        if "rel_error" in spec:  # an error of known size: without checks (the effect), at the defaults
+            fault = fault_for(spec, self.runner.target_prefix)
+            effect, defaults = self.fit(fault=fault), self.fit(fault=fault, check_set="defaults")
+            return sizes_outcome(spec, effect, defaults, self.reference)
         # without checks (the effect), all three every step (what they can see), at their defaults
         fault = fault_for(spec, self.runner.target_prefix)
         effect, detect = self.fit(fault=fault), self.fit(checks=True, fault=fault)
@@ -224,6 +233,30 @@ def run_campaign(out: Path, injections: int = 200, clean: int = 20, workers: int
         write_doc(out, doc, f"sdc campaign --injections {injections} --clean {clean} --hard {hard} --study {study} "
                             f"--seed {seed} --steps {steps}{only} --out {out} --doc {doc}")  # fmt: skip
     return summary
+
+
+def run_sizes_campaign(out: Path, per_cell: int, workers: int = 1, seed: int = 0, steps: int = 40,
+                       sites: tuple[str, ...] = COMPUTE_SITES, runner: CampaignRunner | None = None,
+                       optimizer: str = "adam") -> list[dict[str, Any]]:  # fmt: skip
+    """The campaign of errors of known size (``campaign.plan_sizes``): ``per_cell`` injections per
+    site, relative error and step range, each trained twice (without checks, at the defaults): about
+    ``2 x 54 x per_cell`` trainings of ``steps`` steps on all three sites. Writes ``results.csv`` and
+    ``results.json`` in ``out``; returns the summary table (``campaign.sizes_summary``).
+
+    Raises ``ValueError`` for a bad number, site or optimizer (before anything is written),
+    ``OutputError`` when ``out`` cannot be written, ``CampaignFailed`` when a training fails."""
+    if workers < 1:
+        raise ValueError(f"need workers >= 1, got {workers}")
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
+    specs = plan_sizes(per_cell, seed, steps, tuple(sites))
+    out = Path(out)
+    make_folder(out, "--out")
+    rows = run_specs(specs, out, workers, steps, runner, optimizer)
+    table = sizes_summary(rows)
+    report_sizes(rows, out, {"seed": seed, "steps": steps, "optimizer": optimizer, "world_size": WORLD,
+                             "per_cell": per_cell, "table": table})  # fmt: skip
+    return table
 
 
 def run_matmul_campaign(out: Path, per_class: int = 3, clean: int = 3, workers: int = 1, seed: int = 0,

@@ -11,6 +11,8 @@ unless a fault is installed.
   gradient gets a NaN (or Inf) before the all-reduce.
 * ``Fault(kind="gradient_bit_flip", ...)``: at step ``step``, bit ``bit`` of one element of a
   named parameter's local gradient flips before the all-reduce.
+* ``Fault(kind="gradient_scale", factor=f, ...)``: at step ``step``, one element of a named
+  parameter's local gradient is multiplied by ``f`` before the all-reduce (an error of known size).
 * ``Fault(kind="weight_bit_flip" | "optimizer_state", ...)``: right after optimizer step
   ``step``, flip a bit of a named parameter, or of its optimizer state tensor ``state_key``.
 * ``Fault(kind="matmul_output", phase=..., ...)``: at step ``step``, one element of a named
@@ -31,7 +33,7 @@ from torch import nn
 
 _INT_VIEW = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 KINDS = ("module_output", "nonfinite_gradient", "gradient_bit_flip", "weight_bit_flip", "optimizer_state")
-KINDS += ("matmul_output",)
+KINDS += ("matmul_output", "gradient_scale")
 MATMUL_PHASES = ("forward", "input_grad", "weight_grad")
 
 
@@ -117,7 +119,7 @@ class FaultInjector:
                 if not isinstance(module_, nn.Linear):
                     raise ValueError(f"{fault.target!r} is not an nn.Linear; known: {sorted(modules)[:10]}")
                 self._handles.append(_MatmulFault(self, i, fault, module_))
-            elif fault.kind in ("nonfinite_gradient", "gradient_bit_flip"):
+            elif fault.kind in ("nonfinite_gradient", "gradient_bit_flip", "gradient_scale"):
                 if fault.target not in params:
                     raise ValueError(f"no parameter named {fault.target!r}; known: {sorted(params)[:10]}")
                 self._handles.append(params[fault.target].register_hook(self._grad_hook(fault)))
@@ -176,7 +178,8 @@ class FaultInjector:
                 new = old * fault.factor
             delta = torch.zeros_like(flat)
             delta[j] = new - old
-            self.fired.append({"kind": fault.kind, "step": self.step, "target": fault.target})
+            self.fired.append({"kind": fault.kind, "step": self.step, "target": fault.target, "old": float(old),
+                               "new": float(new)})  # fmt: skip
             return output + delta.view_as(output)
 
         return hook
@@ -187,11 +190,15 @@ class FaultInjector:
                 return None
             grad = grad.clone().contiguous()
             j = fault.index % grad.numel()
+            old = float(grad.view(-1)[j])
             if fault.kind == "gradient_bit_flip":
                 flip_bit(grad, j, int(fault.bit))  # type: ignore[arg-type]
+            elif fault.kind == "gradient_scale":
+                grad.view(-1)[j] *= fault.factor
             else:
                 grad.view(-1)[j] = fault.value
-            self.fired.append({"kind": fault.kind, "step": self.step, "target": fault.target})
+            self.fired.append({"kind": fault.kind, "step": self.step, "target": fault.target, "old": old,
+                               "new": float(grad.view(-1)[j])})  # fmt: skip
             return grad
 
         return hook
