@@ -450,8 +450,9 @@ def _why_defaults(summ: dict[str, Any], runs: list[dict[str, Any]]) -> list[str]
         "defaults): the screen compares the largest magnitude of each group of gradients; a flipped sign leaves "
         "every magnitude as it was. Only the replay sees them, on the steps it audits (one in 100).",
         f"- **Growth below the band**: the screen flags a value that grew more than the band over the ranks' median "
-        f"of the same step; until a value has {screen.calibration_samples} healthy deviations (longer than these "
-        f"runs) the band is 2^{screen.initial_band:g}, later calibrated, at least 2^{screen.min_band:g}. Lower "
+        f"of the same step; until a value has {screen.calibration_samples} healthy deviations the band is "
+        f"2^{screen.initial_band:g} (the groups' values: a band from all groups pooled, once that pool has "
+        f"about 100), later calibrated, at least 2^{screen.min_band:g}. Lower "
         "exponent bits (x2 to x2^64 for one element, or a shrink) and mantissa bits, and a grown element that "
         "stays under its group's largest, stay inside it. Band hits on compute faults here: "
         f"{len(flagged)} runs, {len(band_caught)} confirmed by the partner and raised.",
