@@ -166,7 +166,7 @@ def test_fp16_lone_rank_overflowing_repeatedly_is_flagged(out: Path) -> None:
     assert err["details"]["pattern"] == "one_rank_repeatedly"
 
 
-def test_counters_survive_checkpoint_and_resume(out: Path) -> None:
+def test_counters_and_the_screen_band_survive_checkpoint_and_resume(out: Path) -> None:
     saved = results(out, "save", WORLD)[0]["states"]
     resumed = results(out, "resume", WORLD)
     for r in resumed:
@@ -178,6 +178,12 @@ def test_counters_survive_checkpoint_and_resume(out: Path) -> None:
     # the fingerprint: 4 steps plus the comparison of the final weights when fit ends
     assert states["WeightFingerprintCheck"]["runs"] == saved["WeightFingerprintCheck"]["runs"] + 4 + 1
     assert states["RingReplayAudit"]["last_verified_step"] == 6
+    # the screen's band: the 4 steps of history saved are still there after the resume, 4 more beside them
+    band_saved, band = saved["NonFiniteGradientCheck"]["screen"], states["NonFiniteGradientCheck"]["screen"]
+    assert (band_saved["filled"], band["filled"]) == (4, 8) and band["shape"] == band_saved["shape"]
+    per_step = len(band["history"]) // band["shape"][0]
+    assert band["history"][: 4 * per_step] == band_saved["history"][: 4 * per_step]
+    assert any(v is not None for v in band["history"][4 * per_step : 8 * per_step])  # the resumed steps' own
 
 
 def test_sdc_replay_step_is_used_when_defined(out: Path) -> None:
