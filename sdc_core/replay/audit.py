@@ -14,7 +14,7 @@ still disagree are left to the referee round (``sdc_core.replay.referee``).
 
 Collectives: every rank enters the same collectives in the same order on every path; a replay
 that fails is caught (``attempt``) and the failure decided after the next gather, never by one
-rank leaving early. With ``lockstep`` (replays run collectives) every rank replays in every round.
+rank leaving early. With ``collective_reruns`` (replays run collectives) every rank replays in every round.
 
 Cost: see ``sdc_core.replay.ring``.
 """
@@ -56,7 +56,7 @@ class StepAudit:
     """One audited step on this rank, with what it learns on the way (``table``, ``noise``).
 
     ``recompute`` re-runs micro-batches on this rank (no side effect; collective with
-    ``lockstep``); ``exchange`` sends replay payloads (every rank alike); ``unreplayable`` ends
+    ``collective_reruns``); ``exchange`` sends replay payloads (every rank alike); ``unreplayable`` ends
     the audit on every rank alike (raise or warn); ``names()`` gives the parameter labels at each
     comparison (a sharded replay learns them as it replays). ``error`` is the verdict, once one is
     reached (``sdc_core.replay.referee``)."""
@@ -68,7 +68,7 @@ class StepAudit:
     calibration: Calibration
     names: Callable[[], Sequence[str]]
     groups: list[tuple[int, ...]] | None
-    lockstep: bool
+    collective_reruns: bool  # a replay runs collectives (sharded models): every rank replays in every round
     advice: str
     micro: list[MicroBatch]
     own: Digest
@@ -78,7 +78,7 @@ class StepAudit:
     unreplayable: Callable[[int, str], bool]
     t0: float = field(default_factory=time.perf_counter)
     received: dict[str, Any] = field(default_factory=dict)  # the owner's payload
-    batches: list[MicroBatch] = field(default_factory=list)  # its micro-batches, prepared (lockstep)
+    batches: list[MicroBatch] = field(default_factory=list)  # its micro-batches, prepared (collective_reruns)
     mine: Digest | None = None  # this rank's replay of its owner's micro-batches
     mine_self: Comparison = _SAME  # this rank's re-run of its own micro-batches against its own result
     table: list[list[float]] = field(default_factory=list)  # per replayer: its row of ``_replay_round``
@@ -128,7 +128,7 @@ class StepAudit:
 
     def replay_owner(self) -> Digest:
         """This rank's replay of its owner's micro-batches (again)."""
-        return self.replay(self.batches) if self.lockstep else self.replay_payload(self.received)
+        return self.replay(self.batches) if self.collective_reruns else self.replay_payload(self.received)
 
     def compare(self, a: Digest, b: Digest) -> Comparison:
         return compare_raw(a, b, self.names(), self.atol)
@@ -198,7 +198,7 @@ class StepAudit:
         payload, why = send_payload(self.micro, self.own)
         failure = failure or why
         self.received = self.exchange({self.partners[me]: payload}, [self.inverse[me]])[self.inverse[me]]
-        if self.lockstep:  # replays are collective: every rank must be able to start one, or none does
+        if self.collective_reruns:  # replays are collective: every rank must be able to start one, or none does
             try:
                 self.batches, prep_failure = self.prepare(self.received), ""
             except Exception as err:
