@@ -326,7 +326,7 @@ class StepDriver:
         recording = [r for r in self.replays if r.keep_every_step and r.active]  # this step's batches kept
         if not result or skipped or not recording or recording[0].armed:
             for replay in recording:
-                replay.take_kept_batches(step.index)  # forgotten: no confirmation needs them
+                replay.kept.take(step.index)  # forgotten: no confirmation needs them
             return False
         replay, source = recording[0], self._magnitudes
 

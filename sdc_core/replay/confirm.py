@@ -65,7 +65,7 @@ def confirm_hits(
     rank alike, in the step, before its update): the verdict naming the confirmed ranks, or
     None (``skips`` applies the policy)."""
     step = result.step
-    kept = replay.take_kept_batches(step)
+    kept = replay.kept.take(step)
     topo: Topology = replay.topology or Topology.gather()
     partners = replay_partners(topo, replay.groups)
     inverse = owners_of(partners)
