@@ -2,44 +2,23 @@
 
 A plain ``torchrun`` loop uses it as it is (torch and torch.distributed only)::
 
-    hooks = SDCHooks(replay_every_n_steps=100, run_dir="runs/x", log=print_metrics)
-    hooks.attach(model, optimizer)   # a DistributedDataParallel or fully_shard model (or a plain one)
-    for batch in loader:
-        loss = model(**batch).loss   # or hooks.replayable(fn) for a loss computed outside the model
-        loss.backward()
-        optimizer.step()             # the checks run around the real update
-        optimizer.zero_grad()
-    hooks.finish()
+hooks = SDCHooks(replay_every_n_steps=100, run_dir="runs/x", log=print_metrics) hooks.attach(model,
+optimizer) # a DistributedDataParallel or fully_shard model (or a plain one) for batch in loader:
+loss = model(**batch).loss # or hooks.replayable(fn) for a loss computed outside the model
+loss.backward() optimizer.step() # the checks run around the real update optimizer.zero_grad()
+hooks.finish()
 
-The Accelerate, Fabric and Hugging Face Trainer seams are thin subclasses that answer the
-framework questions through ``Framework`` (the number of processes, unwrapping, sync steps, the
-GradScaler, logging, the run folder, checkpoint registration, the comm-hook hand-over);
-``sdc_core.driver.framework.Framework`` itself is the plain-PyTorch answer. The hook set's
-collaborators: ``LoopChecks`` (the check cores and how they meet the model), ``LoopCapture`` (what
-the replay records of the loop's forwards), ``CounterLog`` (the tracker points), ``hook_state``
-(its checkpoint state), and the core ``StepDriver``. What the driver does, whatever the seam:
-
-* the shared gradient tap (a hook per parameter, ahead of DDP's reducer) feeds the non-finite
-  check and the replay audit with each rank's LOCAL gradients;
-* ``replayable(fn)`` wraps the user's loss computation: on audited steps it records its arguments,
-  RNG, module state and the autocast state it ran under, and the loss the user back-propagates;
-  without it, a forward pre-/post-hook on the unwrapped model records the model's inputs (and the
-  autocast state of the forward), RNG and module state, and the loss (``outputs.loss``, a scalar
-  output, or ``loss_fn``);
-* the optimizer's ``step`` (the GradScaler's, when one is given to ``attach``) is wrapped on the
-  instance: the non-finite check takes the step's evidence and the replay audit runs before the
-  update, the fingerprint after each real update (not on steps a GradScaler skipped); the
-  non-finite verdict is read at the next step (``"raise"``/``"warn"``), before the update
-  (``"skip_step"``, GradScaler, audited steps), in ``before_save()`` and in ``finish()``;
-* ``before_save()`` reads the pending verdicts and compares the replicas' current weights before
-  a checkpoint is written, and (DDP) fingerprints the model and optimizer state that
-  ``state_dict()`` then carries; ``load_state_dict`` verifies the loaded tensors against it;
-* an FSDP2 (``fully_shard``) model gets the sharded cores: the non-finite check in the
-  reduce-scatter, the sharded fingerprint, the sharded replay and the optional update audit.
+The Accelerate, Fabric and Hugging Face Trainer seams are thin subclasses that answer the framework
+questions through ``Framework``. Collaborators: ``LoopChecks`` (the check cores and how they meet
+the model), ``LoopCapture`` (what the replay records of the loop's forwards), ``CounterLog`` (the
+tracker points), ``hook_state`` (its checkpoint state) and the core ``StepDriver``. The optimizer's
+``step`` is wrapped on the instance: the non-finite check and the replay audit run before the
+update, the fingerprint after each real one; an FSDP2 (``fully_shard``) model gets the sharded
+cores.
 
 A failure raises the ``SDCError`` on every rank in the same step, writes an incident under
 ``<run_dir>/sdc/incidents`` (rank 0) and sets the process exit code (``sdc_core.ops.incidents``).
-Cost: as ``sdc_core`` documents per check; the driver itself adds a few Python calls per step.
+Cost: as each check documents; the driver adds a few Python calls per step.
 """
 
 from __future__ import annotations
@@ -217,17 +196,13 @@ class SDCHooks:
     def replayable(self, fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
         """Wrap the function that computes the loss you back-propagate, so the replay computes it too.
 
-        ``fn(model, *args, **kwargs)`` must return the loss (or a ``(loss, outputs)`` pair)
-        exactly as you back-propagate it (labels, extra terms and any scaling included; the hook
-        set applies the framework's division by the accumulation steps and the GradScaler
-        itself). The wrapper has the same signature; on audited steps it records ``(args,
-        kwargs)``, the RNG, module state and autocast state, and the loss, and the replay calls
-        ``fn(unwrapped_model, *args, **kwargs)``. Everything ``fn`` reads must come through its
-        arguments or the model. While a wrapper is in use the forward hooks record nothing.
+        ``fn(model, *args, **kwargs)`` returns the loss (or ``(loss, outputs)``) exactly as you back-propagate it
+        (the hook set applies the accumulation division and the GradScaler itself). On audited steps the wrapper
+        records ``(args, kwargs)``, the RNG, module and autocast state and the loss; the replay calls
+        ``fn(unwrapped_model, *args, **kwargs)``, so everything ``fn`` reads must come through its arguments or the
+        model. While a wrapper is in use the forward hooks record nothing.
 
-        Example: ``compute_loss = hooks.replayable(lambda model, x, y: F.cross_entropy(model(x), y))``
-        then ``compute_loss(model, x, y).backward()``.
-        """
+        Example: ``compute_loss = hooks.replayable(lambda model, x, y: F.cross_entropy(model(x), y))``."""
         return self._capture.replayable(fn)
 
     # -- the step ------------------------------------------------------------------------------
@@ -298,13 +273,11 @@ class SDCHooks:
         self._driver.gradients_now(self._context())
 
     def before_save(self, fingerprint: bool = True) -> None:
-        """Call on every process before writing a checkpoint: reads the pending non-finite
-        verdict and compares the replicas' current weights (raising the ``SDCError`` on every
-        process, before anything is written). With ``fingerprint`` (DDP or one process), the model
-        and optimizer state are fingerprinted into ``checkpoint_fingerprint`` (a seam that saves
-        part of them may trim it), which ``state_dict()`` carries for ``load_state_dict`` to verify
-        what was loaded. Works the same before ``torch.distributed.checkpoint.save`` (sharded models:
-        compared, not fingerprinted). Cost: one host wait and one read of the weights (and of the saved state)."""
+        """Call on every process before writing a checkpoint: reads the pending non-finite verdict and compares the
+        replicas' current weights (raising the ``SDCError`` on every process before anything is written). With
+        ``fingerprint`` (DDP or one process) the model and optimizer state are fingerprinted into
+        ``checkpoint_fingerprint``, which ``state_dict()`` carries for ``load_state_dict`` to verify. Sharded models:
+        compared, not fingerprinted. Cost: one host wait and one read of the weights (and of the saved state)."""
         self._compare_now()
         self.checkpoint_fingerprint = take_fingerprint(self._module, self._optimizer) if fingerprint else None
 
@@ -319,12 +292,10 @@ class SDCHooks:
         return self._log.metrics()
 
     def log(self, force: bool = False) -> None:
-        """Send the counters to the framework's trackers (or the ``log`` callable), one point per step
-        and metric (``CounterLog``): ``force=False`` (every ``log_every_n_steps``) writes it once the
-        next step's verdicts are in (or at ``finish`` or a failure), ``force=True`` now, and flushes.
-        The tracker step is the number of optimizer updates done (Lightning's ``global_step``): the
-        point of a verdict about step ``s`` (0-based, as ``SDCError.step`` and ``Fault(step=)``)
-        read after that step's update is ``s + 1``, one read before it ``s``."""
+        """Send the counters to the framework's trackers (or ``log``), one point per step and metric (``CounterLog``):
+        ``force=False`` writes it once the next step's verdicts are in, ``force=True`` now, and flushes. The tracker
+        step is the number of optimizer updates done: a verdict about step ``s`` read after its update is logged at
+        ``s + 1``, one read before it at ``s``."""
         if force:
             self._log.now(self.step)
         else:

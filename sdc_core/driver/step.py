@@ -1,33 +1,17 @@
 """``StepDriver``: the one loop driver of the SDC checks, whatever the training loop.
 
-Every seam calls it: ``SDCHooks`` (the plain-PyTorch loop, and through it Accelerate, Fabric and
-the Hugging Face Trainer) from its wrapper of ``optimizer.step``, and the Lightning callbacks from
-the trainer's events. What it owns, once:
+Every seam calls it: ``SDCHooks`` from its wrapper of ``optimizer.step`` (and through it Accelerate,
+Fabric and the Hugging Face Trainer), the Lightning callbacks from the trainer's events. It owns,
+once: the phases of an optimizer step and the order of the verdicts in them (an earlier step's fault
+is always read before a later step can show it as a symptom), the start of the weight comparison
+after the update, what one check's verdict means for the others (a dropped or healed step is not
+audited; a replay disagreement is first checked against the replicas' weights), the delivery of a
+verdict (``delivery.Delivery``) and the comparisons before a checkpoint and at the end.
+docs/architecture.md ("One step's journey") walks through a step.
 
-* the phases of an optimizer step (``sdc_core.checks.contract.Phase``: ``observe`` and
-  ``resolve_pending`` after backward, ``before_update``, ``after_update``, ``before_save``) and
-  the order of the verdicts in them: an earlier step's non-finite verdict, the pending weight
-  comparison (of the weights after an earlier update), this step's matrix-product verdict, this
-  step's non-finite verdict, this step's replay audit, a ``StepCheck``'s, then the update
-  audit's snapshot. An earlier fault is never reported as a later one's symptom: weights flipped
-  after step ``s`` make the replay of step ``s + 1`` disagree, but the comparison of step ``s``
-  is read first and names the tensors;
-* the start of the weight comparison after the update (``after_update``), in its own small
-  asynchronous all-reduce read one step later; each verdict has its own collective (or none: the
-  non-finite verdict reads the reduced gradients), nothing rides another check's payload;
-* what one check's verdict means for the others: a step the gradient check dropped is not
-  audited; replicas healed or rolled back before the update are not audited (their gradients
-  came from other weights); a replay disagreement is first checked against the replicas'
-  weights (``_explained_by_weights``), and the weight fault is what is raised;
-* delivery (``deliver``, done by ``delivery.Delivery``): the incident with the policy actually
-  applied, the seam's report (counters to the trackers), the marker for the launcher, the seam's
-  rollback;
-* the comparisons before a checkpoint is written and at the end of training.
-
-The seam (``Seam``) answers what only the framework knows: where incidents go, how to log, how to
-roll back, how a replay recomputes a micro-batch. Every rank calls the same methods in the same
-order; each runs the same collectives on every rank, on its error paths too.
-Cost: a few Python calls per step beyond the checks' own.
+The seam (``Seam``) answers what only the framework knows. Every rank calls the same methods in the
+same order; each runs the same collectives on every rank, on its error paths too; each verdict has
+its own collective (or none). Cost: a few Python calls per step beyond the checks' own.
 """
 
 from __future__ import annotations
@@ -315,13 +299,11 @@ class StepDriver:
             self.delivery.deliver(check, lambda c=check: c.after_update(step, updated), check.policy)
 
     def _screen(self, screen: Any, step: StepContext, skipped: bool) -> bool:
-        """This step's screen verdict (read now: its confirmation needs the weights the step
-        computed with; one host wait on a small all_gather started right after backward). A band
-        hit is escalated to a partner's recomputation (``replay.confirm.confirm_hits``) by the replay
-        keeping every step's micro-batches (sharded: every rank re-runs its partner's, together);
-        only a confirmed hit is a verdict, checked
-        against the replicas' weights first as the replay's own. Without such a replay, or on a
-        step already dropped or audited anyway, hits are only counted. True: drop the step."""
+        """This step's screen verdict (read now: its confirmation needs the weights the step computed with; one host
+        wait on the small all_gather started after backward). A band hit is escalated to a partner's recomputation
+        (``replay.confirm.confirm_hits``) of the kept micro-batches; only a confirmed hit is a verdict, checked
+        against the replicas' weights first. Without such a replay, or on a step already dropped or audited, hits are
+        only counted. True: drop the step."""
         result = screen.suspects(step.index)
         recording = [r for r in self.replays if r.keep_every_step and r.active]  # this step's batches kept
         if not result or skipped or not recording or recording[0].armed:
@@ -359,13 +341,11 @@ class StepDriver:
         return out is ROLLED_BACK or bool(out)
 
     def _explained_by_weights(self, replay: Any, step: StepContext, symptom: ReplayMismatchError) -> bool:
-        """Compare the replicas' current weights (every rank together, every tensor): a replica whose
-        weights changed since the last comparison computes differently, so the weight fault is raised
-        (and recorded: ``FingerprintMismatchError`` naming the tensors, not a compute fault) when they
-        differ and are not healed; True when they were healed or rolled back and that covers every
-        rank the replay named (the step is dropped, no compute fault raised or recorded). Without a
-        fingerprint check a one-off comparison of every parameter does it (DDP; sharded models:
-        none). Cost: one extra comparison, on a failing step only."""
+        """Compare the replicas' current weights (every rank, every tensor): a replica whose weights changed computes
+        differently, so the weight fault (``FingerprintMismatchError`` naming the tensors) is raised when they differ
+        and are not healed; True when a heal or rollback covers every rank the replay named (the step is dropped).
+        Without a fingerprint check a one-off comparison of every parameter does it (DDP only). Cost: one extra
+        comparison, on a failing step only."""
         fps = [fp for fp in self.fingerprints if fp.active]
         if fps:
             fp = fps[0]
