@@ -37,11 +37,9 @@ are not judged. The weight-gradient bound is the same for every row of ``dW`` (`
 random shapes, magnitudes from 1e-12 to 1e12, all-positive and constant data (rounding errors all
 of one sign), every precision and layout.
 
-What a verdict sees: a wrong element whose error exceeds the bound of its block (the
-``*_threshold`` methods; ``visible_error_sizes`` for a layer of a given width; docs/coverage.md).
-The bound grows with the block and with ``K^1.5``: with blocks of 32 a wrong element of a few
-percent of its row's largest is caught at width 256 in fp32, of about that largest at 4096; bf16
-and fp16 outputs add their own rounding (about a third of the row's largest at width 256). Whole
+What a verdict sees: a wrong element whose error exceeds the bound of its block (``visible_error_sizes``;
+docs/coverage.md). The bound grows with the block and with ``K^1.5``: with blocks of 32 a wrong element of a few
+percent of its row's largest is caught at width 256 in fp32, of about that largest at 4096.
 """
 
 from __future__ import annotations

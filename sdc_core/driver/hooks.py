@@ -2,11 +2,14 @@
 
 A plain ``torchrun`` loop uses it as it is (torch and torch.distributed only)::
 
-hooks = SDCHooks(replay_every_n_steps=100, run_dir="runs/x", log=print_metrics) hooks.attach(model,
-optimizer) # a DistributedDataParallel or fully_shard model (or a plain one) for batch in loader:
-loss = model(**batch).loss # or hooks.replayable(fn) for a loss computed outside the model
-loss.backward() optimizer.step() # the checks run around the real update optimizer.zero_grad()
-hooks.finish()
+    hooks = SDCHooks(replay_every_n_steps=100, run_dir="runs/x", log=print_metrics)
+    hooks.attach(model, optimizer)   # a DistributedDataParallel or fully_shard model (or a plain one)
+    for batch in loader:
+        loss = model(**batch).loss   # or hooks.replayable(fn) for a loss computed outside the model
+        loss.backward()
+        optimizer.step()             # the checks run around the real update
+        optimizer.zero_grad()
+    hooks.finish()
 
 The Accelerate, Fabric and Hugging Face Trainer seams are thin subclasses that answer the framework
 questions through ``Framework``. Collaborators: ``LoopChecks`` (the check cores and how they meet
