@@ -35,7 +35,7 @@ from torch import nn
 from sdc_core.checks.reductions import log2_peaks_by_group, peaks
 from sdc_core.checks.screen_rule import in_band, reference
 from sdc_core.dist.payload import PayloadError
-from sdc_core.dist.topology import Topology, collective_device, is_distributed, owners_of
+from sdc_core.dist.topology import Topology, all_gather_tensor, collective_device, is_distributed, owners_of
 from sdc_core.errors import ReplayMismatchError
 from sdc_core.replay.attribution import describe, replay_partners
 
@@ -85,7 +85,7 @@ def confirm_hits(
             note = describe(err)
     elif isinstance(batches, str):
         note = batches
-    rows = _gather(mine)
+    rows = all_gather_tensor(mine.to(collective_device())).cpu()  # world x width, float64
     confirmed, cleared = [], []
     for r in hits:
         verdict = _judge(result, r, rows[partners[r]].tolist())
@@ -151,15 +151,6 @@ def _agree(replay: Any, batches: Any) -> tuple[Any, str]:
     if fewest == most and most > 0:
         return batches, ""
     return None, why or "another rank could not re-run its partner's micro-batches"
-
-
-def _gather(row: torch.Tensor) -> torch.Tensor:
-    """Every rank's recomputed row (``world x width``, float64, on the host)."""
-    device = collective_device()
-    mine = row.to(device)
-    out = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(out, mine)
-    return torch.stack(out).cpu()
 
 
 def _escalated(result: Any, rank: int) -> bool:
