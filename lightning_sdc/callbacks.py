@@ -18,14 +18,8 @@ from sdc_core.checks.screen import GradientScreen, ScreenConfig
 from sdc_core.faults.inject import Fault
 from sdc_core.faults.inject import FaultInjector as _CoreInjector
 from sdc_core.io.checkpoints import FINGERPRINT_KEY, check_loaded_checkpoint, fingerprint_checkpoint
-from sdc_core.replay.ring import (
-    ReplayConfig,
-    ReplayExact,
-    ReplayFailurePolicy,
-    RingReplay,
-    StateCapture,
-    UnreplayablePolicy,
-)
+from sdc_core.replay.ring import ReplayConfig, ReplayExact, ReplayFailurePolicy, RingReplay, UnreplayablePolicy
+from sdc_core.replay.state import StateCapture
 from sdc_core.sharded.checks import ShardedFingerprint, ShardedNonFinite
 from sdc_core.sharded.replay import ShardedReplay, screenable
 from sdc_core.sharded.update_audit import update_audit

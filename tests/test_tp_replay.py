@@ -91,7 +91,8 @@ def test_group_ring_partners_keep_the_tensor_parallel_coordinate() -> None:
 
 def test_referee_jobs_give_a_whole_third_group_every_coordinate_of_the_disputed_group_pair() -> None:
     from sdc_core.dist.topology import RankFacts, Topology
-    from sdc_core.replay.ring import RingReplay, referee_jobs
+    from sdc_core.replay.attribution import referee_jobs
+    from sdc_core.replay.ring import RingReplay
 
     topo = Topology(tuple(RankFacts(r, "h", 0, r) for r in range(6)), 0)
     core = RingReplay(groups=[(0, 1), (2, 3), (4, 5)])

@@ -32,7 +32,8 @@ from sdc_core.checks.screen import GradientScreen, ScreenConfig
 from sdc_core.dist.topology import Topology
 from sdc_core.driver.replay_capture import LoopCapture
 from sdc_core.driver.settings import SDCSettings
-from sdc_core.replay.ring import RingReplay, StateCapture
+from sdc_core.replay.ring import RingReplay
+from sdc_core.replay.state import StateCapture
 from sdc_core.sharded.checks import ShardedFingerprint, ShardedNonFinite
 from sdc_core.sharded.replay import ShardedReplay, screenable
 

@@ -29,8 +29,8 @@ the point-to-point batch and state transfer, a clone of the state (at most ``max
 all-gather of six float64 per rank. A disagreement adds one re-run per rank, one referee replay per
 pair and one re-run by the named rank. docs/replay-contract.md has the user's side of the contract.
 
-This module keeps ``ReplayConfig`` and ``RingReplay`` and re-exports the public names of its
-submodules (docs/architecture.md lists them).
+This module keeps ``ReplayConfig`` and ``RingReplay``; the other names live in the submodules
+docs/architecture.md lists.
 """
 
 from __future__ import annotations
@@ -52,65 +52,17 @@ from sdc_core.dist.payload import PayloadError
 from sdc_core.dist.payload_checks import check_replay_payload
 from sdc_core.dist.topology import Topology, exchange, is_distributed
 from sdc_core.errors import ReplayMismatchError, ReplayUnavailableError
-from sdc_core.replay.attribution import (
-    DEFAULT_ADVICE,
-    describe,
-    every_pair_message,
-    explain,
-    failed_message,
-    for_transfer,
-    group_index,
-    mismatch_reason,
-    pick_referee,
-    received_batches,
-    referee_jobs,
-    referee_sends,
-    replay_partners,
-    send_payload,
-    settle,
-    unreproducible_message,
-)
+from sdc_core.replay.attribution import DEFAULT_ADVICE, describe, received_batches, send_payload
 from sdc_core.replay.audit import StepAudit
-from sdc_core.replay.calibration import CALIBRATION_ROUNDS, Calibration
-from sdc_core.replay.compare import (
-    AUTO_MARGIN,
-    Digest,
-    Row,
-    assemble,
-    calibrate,
-    compare,
-    compare_raw,
-    digest_row,
-    disagree,
-    grad_digest,
-    lower_median,
-)
-from sdc_core.replay.determinism import DeterministicWindow, deterministic, is_determinism_error
-from sdc_core.replay.guard import CollectiveInReplay, forbid_collectives
+from sdc_core.replay.calibration import Calibration
+from sdc_core.replay.compare import Digest, Row, assemble, digest_row
+from sdc_core.replay.determinism import DeterministicWindow
 from sdc_core.replay.referee import attribute_step
-from sdc_core.replay.rerun import GradientsAside, replay_each_gradient, replay_gradients
-from sdc_core.replay.rng import all_rng, capture_rng
-from sdc_core.replay.state import (
-    SEND_BY_DIGEST_BYTES,
-    MicroBatch,
-    StateCapture,
-    StepFn,
-    StepState,
-    TensorRef,
-    fresh,
-)
+from sdc_core.replay.rerun import GradientsAside, replay_each_gradient
+from sdc_core.replay.rng import all_rng
+from sdc_core.replay.state import MicroBatch, StateCapture, StepFn, fresh
 from sdc_core.schema import documented, setting
 from sdc_core.stats import CheckStats
-
-__all__ = [
-    "AUTO_MARGIN", "CALIBRATION_ROUNDS", "DEFAULT_ADVICE", "EXACT_MODES", "SEND_BY_DIGEST_BYTES",
-    "CollectiveInReplay", "DeterministicWindow", "Digest", "MicroBatch", "ReplayConfig", "RingReplay", "Row",
-    "StateCapture", "StepFn", "StepState", "TensorRef", "assemble", "calibrate", "capture_rng", "compare",
-    "compare_raw", "deterministic", "describe", "digest_row", "disagree", "every_pair_message", "explain",
-    "is_determinism_error", "failed_message", "for_transfer", "forbid_collectives", "grad_digest", "group_index",
-    "lower_median", "mismatch_reason", "pick_referee", "referee_jobs", "referee_sends", "replay_each_gradient",
-    "replay_gradients", "replay_partners", "settle", "unreproducible_message",
-]  # fmt: skip
 
 EXACT_MODES = (True, False, "auto")
 

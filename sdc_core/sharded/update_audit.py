@@ -45,7 +45,7 @@ from sdc_core.dist.topology import (
     owners_of,
 )
 from sdc_core.errors import FingerprintMismatchError, ReplayUnavailableError
-from sdc_core.replay.ring import explain, pick_referee, settle
+from sdc_core.replay.attribution import explain, pick_referee, settle
 from sdc_core.schema import setting
 from sdc_core.sharded.checks import local
 from sdc_core.stats import CheckStats
