@@ -38,7 +38,6 @@ import torch
 from torch import nn
 
 from sdc_core.dist.topology import Topology
-from sdc_core.driver.counter_log import CounterLog
 from sdc_core.driver.framework import Framework, LossFn, MetricsFn, inner_optimizer, wrap_step
 from sdc_core.driver.hook_state import counters, restore_counters, take_fingerprint, verify_loaded
 from sdc_core.driver.loop_checks import LoopChecks
@@ -50,6 +49,50 @@ from sdc_core.ops import process_exit
 from sdc_core.ops.process_exit import install_exit_code
 from sdc_core.ops.summary import log_run_summary
 from sdc_core.sharded.checks import is_sharded
+
+
+class CounterLog:
+    """The tracker points of ``checks()``' counters, one per step and metric, written through ``fw.log``.
+
+    A point is never written twice for one step with different values: a periodic point is only noted (``due``) and
+    written once the next step's verdicts are in (``write_due``), or by a forced write (``now``: at the end, or when a
+    verdict leaves the loop), which also flushes the trackers. No communication."""
+
+    def __init__(self, fw: Framework, checks: Callable[[], list[Any]]) -> None:
+        self._fw = fw
+        self._checks = checks
+        self._due: int | None = None  # step of the periodic point not written yet
+        self._written: int | None = None  # the last step written
+
+    def metrics(self) -> dict[str, float]:
+        """Every check's counters, by metric name."""
+        out: dict[str, float] = {}
+        for check in self._checks():
+            out.update(check.stats.metrics())
+        return out
+
+    def due(self, step: int) -> None:
+        """A periodic point at ``step``: written by ``write_due`` or ``now``, whichever comes first."""
+        self._due = step
+
+    def write_due(self) -> None:
+        """Write the pending periodic point (its step's verdicts are in), unless its step was written."""
+        if self._due is not None:
+            step, self._due = self._due, None
+            if self._written != step:
+                self._write(step)
+
+    def now(self, step: int) -> None:
+        """Write the point of ``step`` now (unless written already) and flush the trackers."""
+        self._due = None
+        if self._written != step:
+            self._write(step)
+        self._fw.flush()
+
+    def _write(self, step: int) -> None:
+        self._fw.log(self.metrics(), step)
+        self._written = step
+
 
 
 def _core(name: str) -> Any:
