@@ -1,22 +1,17 @@
 """One audited step of the ring replay: the exchange, the replays, the comparison and the trust rounds.
 
-Contract: every rank builds a ``StepAudit`` for the step and runs it together (``run``). Rank
-``r`` sends its micro-batches to ``partners[r]`` and replays those of ``inverse[r]``; at a
-calibrating audit each rank also re-runs its own (and, to probe strict determinism, once more
-under ``warn_only=False``); one all-gather of seven float64 per rank makes the table every rank
-judges alike. Before any rank is named, both sides of every disagreeing pair re-run what they
-computed (one more all-gather): a difference within ``AUTO_MARGIN`` times the noise those re-runs
-show (at most ``rtol``) accuses no one at that audit; it is recorded as an unexplained difference
-on the rank whose re-run differed, and widens the tolerance only once such noise has been seen on
-two ranks at two audits (``Calibration.noise_seen``). A step two or more ranks cannot reproduce on their own device,
-or where every pair of two replicas disagrees at the first audit, is not replayable. Pairs that
-still disagree are left to the referee round (``sdc_core.replay.referee``).
+Contract: every rank builds a ``StepAudit`` for the step and runs it together (``run``). Rank ``r``
+sends its micro-batches to ``partners[r]`` and replays those of ``inverse[r]`` (at a calibrating
+audit it also re-runs its own, and once more under strict determinism to probe it); one all-gather
+of seven float64 per rank makes the table every rank judges alike. Before any rank is named, both
+sides of every disagreeing pair re-run what they computed (one more all-gather): a difference within
+the noise those re-runs show accuses no one (``_unexplained``). A step two or more ranks cannot
+reproduce on their own device, or whose every pair of two replicas disagrees at the first audit, is
+not replayable; pairs that still disagree go to the referee round (``sdc_core.replay.referee``).
 
-Collectives: every rank enters the same collectives in the same order on every path; a replay
-that fails is caught (``attempt``) and the failure decided after the next gather, never by one
-rank leaving early. With ``collective_reruns`` (replays run collectives) every rank replays in every round.
-
-Cost: see ``sdc_core.replay.ring``.
+Collectives: every rank enters the same collectives in the same order on every path; a failed replay
+is caught (``attempt``) and decided after the next gather. With ``collective_reruns`` every rank
+replays in every round. Cost: see ``sdc_core.replay.ring``.
 """
 
 from __future__ import annotations
