@@ -14,7 +14,7 @@ A plain ``torchrun`` loop uses it as it is (torch and torch.distributed only)::
 The Accelerate, Fabric and Hugging Face Trainer seams are thin subclasses that answer the framework
 questions through ``Framework``. Collaborators: ``LoopChecks`` (the check cores and how they meet
 the model), ``LoopCapture`` (what the replay records of the loop's forwards), ``CounterLog`` (the
-tracker points), ``hook_state`` (its checkpoint state) and the core ``StepDriver``. The optimizer's
+tracker points), ``counters`` (its checkpoint state) and the core ``StepDriver``. The optimizer's
 ``step`` is wrapped on the instance: the non-finite check and the replay audit run before the
 update, the fingerprint after each real one; an FSDP2 (``fully_shard``) model gets the sharded
 cores.
@@ -37,14 +37,15 @@ from typing import Any
 import torch
 from torch import nn
 
+from sdc_core.checks.screen import GradientScreen
 from sdc_core.dist.topology import Topology
 from sdc_core.driver.framework import Framework, LossFn, MetricsFn, inner_optimizer, wrap_step
-from sdc_core.driver.hook_state import counters, restore_counters, take_fingerprint, verify_loaded
 from sdc_core.driver.loop_checks import LoopChecks
 from sdc_core.driver.replay_capture import LoopCapture
 from sdc_core.driver.settings import PLAIN, Sources, resolve
 from sdc_core.driver.step import StepContext, StepDriver
 from sdc_core.errors import SDCError
+from sdc_core.io.checkpoints import FINGERPRINT_KEY, check_loaded_checkpoint, fingerprint_checkpoint
 from sdc_core.ops import process_exit
 from sdc_core.ops.process_exit import install_exit_code
 from sdc_core.ops.summary import log_run_summary
@@ -92,6 +93,62 @@ class CounterLog:
     def _write(self, step: int) -> None:
         self._fw.log(self.metrics(), step)
         self._written = step
+
+
+
+# -- the hook set's checkpoint state: its counters as plain data (no pickle) and the fingerprint of the saved
+# model and optimizer state, taken before a save and checked after a load
+
+
+def counters(step: int, updates: int, checks: list[Any], fingerprint: dict[str, Any] | None) -> dict[str, Any]:
+    """The hook set's state: its step and update counts, each check's counters and, when one was
+    taken, the fingerprint of the saved model and optimizer state."""
+    state: dict[str, Any] = {
+        "step": step,
+        "updates": updates,
+        "checks": {c.stats.check: c.stats.state_dict() for c in checks},
+        "screen_bands": {c.stats.check: c.state_dict() for c in checks if isinstance(c, GradientScreen)},
+    }
+    if fingerprint is not None:
+        state[FINGERPRINT_KEY] = fingerprint
+    return state
+
+
+def restore_counters(state: dict[str, Any], checks: list[Any]) -> tuple[int, int, Any]:
+    """Each of ``checks`` gets its counters back from ``state`` (``counters``' form); returns the
+    step and update counts and the fingerprint saved with them (or None). ``ValueError`` for a
+    state that is not of that form."""
+    try:
+        step, updates, saved = int(state["step"]), int(state["updates"]), dict(state["checks"])
+    except (KeyError, TypeError, ValueError) as err:
+        raise ValueError(f"corrupted SDCHooks state: {err!r} in {state!r}") from err
+    for check in checks:
+        if check.stats.check in saved:
+            check.stats.load_state_dict(saved[check.stats.check])
+        band = state.get("screen_bands", {}).get(check.stats.check)  # absent in earlier checkpoints
+        if isinstance(check, GradientScreen) and isinstance(band, dict):
+            check.load_state_dict(band)
+    return step, updates, state.get(FINGERPRINT_KEY)
+
+
+def saved_tensors(module: nn.Module, optimizer: Any) -> dict[str, Any]:
+    """The state a checkpoint of the hook set's model holds: the unwrapped model's and the torch optimizer's."""
+    return {"model": module.state_dict(), "optimizer": inner_optimizer(optimizer).state_dict()}
+
+
+def take_fingerprint(module: nn.Module | None, optimizer: Any) -> dict[str, Any] | None:
+    """The fingerprint of the state a checkpoint of ``module`` holds (DDP or one process); None
+    before ``attach`` and for a ``fully_shard`` model (its DTensor shards are compared, not fingerprinted)."""
+    if module is None or is_sharded(module):
+        return None
+    return fingerprint_checkpoint(saved_tensors(module, optimizer))
+
+
+def verify_loaded(module: nn.Module | None, optimizer: Any, stored: dict[str, Any], step: int) -> None:
+    """Raise ``FingerprintMismatchError`` when the loaded state of ``module`` and ``optimizer``
+    differs from ``stored``, the fingerprint saved with it (every process loads the same files)."""
+    assert module is not None
+    check_loaded_checkpoint({**saved_tensors(module, optimizer), FINGERPRINT_KEY: stored}, step)
 
 
 

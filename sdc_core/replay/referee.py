@@ -70,7 +70,7 @@ def attribute_step(run: StepAudit) -> bool:
         notes = {f"{o}->{q}": ruling_note(refereed.get((o, q))) for o, q in disputed}
         if rank is None and world > 2:
             notes |= {"attribution": SEVERAL, "explanations": explanations}
-    # which comparisons could not see a rank: those compared only with suspects (issue 52)
+    # which comparisons could not see a rank: those compared only with suspects
     notes["unchecked"] = unchecked(suspects, *compared)
     classification = _classify(run, rank) if rank is not None else None
     run.stats.failures += 1
