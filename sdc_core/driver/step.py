@@ -6,7 +6,7 @@ once: the phases of an optimizer step and the order of the verdicts in them (an 
 is always read before a later step can show it as a symptom), the start of the weight comparison
 after the update, what one check's verdict means for the others (a dropped or healed step is not
 audited; a replay disagreement is first checked against the replicas' weights), the delivery of a
-verdict (``delivery.Delivery``) and the comparisons before a checkpoint and at the end.
+verdict (``Delivery``) and the comparisons before a checkpoint and at the end.
 docs/architecture.md ("One step's journey") walks through a step.
 
 The seam (``Seam``) answers what only the framework knows. Every rank calls the same methods in the
@@ -25,12 +25,91 @@ from torch import nn
 from sdc_core.checks.contract import Role, role_of
 from sdc_core.checks.fingerprint import WeightFingerprint, healed_by_comparison
 from sdc_core.checks.gradients import drop_step
-from sdc_core.driver.delivery import ROLLED_BACK, Delivery
 from sdc_core.errors import ReplayMismatchError, SDCError
+from sdc_core.ops.incidents import record_verdict
 from sdc_core.ops.process_exit import mark_verdict
 from sdc_core.ops.trackers import log_incident
 from sdc_core.replay.confirm import confirm_hits, skips
 from sdc_core.sharded.checks import is_sharded
+
+
+class RolledBack:
+    """What ``deliver`` returns when the seam rolled back instead of raising."""
+
+    def __repr__(self) -> str:
+        return "ROLLED_BACK"
+
+
+ROLLED_BACK = RolledBack()
+
+
+class Delivery:
+    """What happens to one check's verdict, whatever the seam: returned (skipped, warned, healed: its incident
+    recorded with the policy applied), raised (recorded as ``"raise"``, marked for the launcher, re-raised; recorded
+    once even through an outer delivery) or, with ``on_failure="rollback"``, handed to the seam's rollback (recorded
+    as ``"rollback"``, ``ROLLED_BACK`` returned; ``rolled_back``: that verdict, with what was done). Each recorded
+    verdict also goes to the seam's report. No communication beyond the seam's rollback (every rank together)."""
+
+    def __init__(self, seam: Any) -> None:
+        self.seam = seam
+        self._recorded: BaseException | None = None  # the last verdict whose incident was written
+        self.rolled_back: SDCError | None = None
+
+    def deliver(self, check: Any, run: Callable[[], Any], policy: str | None = None) -> Any:
+        """Run one check's call and deliver its verdict: returned (recorded with ``policy``, default
+        the check's ``on_failure``), raised, or rolled back by the seam (returns ``ROLLED_BACK``)."""
+        policy = policy or _policy(check)
+        try:
+            out = run()
+        except SDCError as err:
+            if err is self._recorded:  # raised through an outer call: recorded once
+                self.seam.mark(err)
+                raise
+            if check.last_error is None:
+                check.last_error = err
+            if _policy(check) == "rollback":
+                try:
+                    check.last_error = self.seam.rollback(err, _rollback_bound(check, err))
+                except SDCError as failed:
+                    check.last_error = failed
+                    self._raise(check, failed)
+                check.stats.bump("rollbacks")
+                self.rolled_back = check.last_error
+                self._record(check, "rollback")
+                return ROLLED_BACK
+            self._raise(check, err)
+        self._record(check, policy)
+        return out
+
+    def _raise(self, check: Any, err: SDCError) -> None:
+        self._recorded = err
+        self._record(check, "raise")
+        self.seam.mark(err)
+        raise err
+
+    def _record(self, check: Any, policy: str) -> None:
+        """The incident of ``check``'s last verdict (main process; a failed write only warns)."""
+        error = check.last_error
+        if error is None:
+            return
+        path = record_verdict(check, self.seam.run_dir, self.seam.is_main, policy)
+        self.seam.report(check, policy)
+        if self.seam.is_main:
+            self.seam.report_incident(error, path)
+
+
+def _policy(check: Any) -> str:
+    config = getattr(check, "config", None)
+    return getattr(config, "on_failure", "raise") if config is not None else "raise"
+
+
+def _rollback_bound(check: Any, error: SDCError) -> int:
+    """The newest step a rollback may return to: for a weight fault, the step after the last
+    comparison that found the replicas equal; for a compute fault, the faulty step."""
+    if role_of(check) is Role.FINGERPRINT:
+        return check.stats.last_verified_step + 1
+    return error.step
+
 
 
 @dataclass
@@ -406,4 +485,4 @@ class StepDriver:
                 discard()
 
 
-__all__ = ["Seam", "StepContext", "StepDriver", "StepPlan"]
+__all__ = ["ROLLED_BACK", "Delivery", "RolledBack", "Seam", "StepContext", "StepDriver", "StepPlan"]
