@@ -189,22 +189,16 @@ def _weight_grad_constants(device: torch.device, bx: int, n: int, rnd: Rounding,
 
 @dataclass
 class LinearBound:
-    """What the three checks of one ``F.linear`` need of its weight and bias as the product used them
-    (cast to ``dtype``), its sizes and its rounding model: computed once per step (about twenty
-    small kernels and a few reads of the weight, no host synchronisation) and reused by every
-    call of that step.
+    """What the three checks of one ``F.linear`` need of its weight and bias as the product used them (cast to
+    ``dtype``), its sizes and its rounding model: computed once per step (about twenty small kernels, a few reads of
+    the weight, no host synchronisation) and reused by every call of that step.
 
-    Checksums cover blocks: the forward one ``bf`` consecutive outputs of a row (``nf`` blocks:
-    ``Y_i,b 1 = X_i c_b + sum(b_b)``, with ``c_b`` the column sums of the block's weight rows),
-    the backward ones ``bx`` consecutive inputs (``nx`` blocks: ``dX_i,b 1 = dY_i (W_:,b 1)`` and
-    ``dW_j,b 1 = dY_:,j . (X_:,b 1)``). A block's rounding bound grows with the block, so smaller
-    blocks see smaller errors, for the price of a thinner extra product (``X [k x nf]``).
-
-    Forward bound of row i, block b: ``f_slope_b ||x_i|| + f_icpt_b`` (plus the narrow-output
-    term), judged where ``||x_i|| < f_xmax_b``; input-gradient bound: ``d_slope_b ||dy_i|| +
-    d_icpt``, judged where ``||dy_i|| < d_ymax_b``; the weight-gradient bound depends on the rows
-    and is built per call.
-    """
+    Checksums cover blocks: the forward one ``bf`` consecutive outputs of a row (``nf`` blocks, ``c_b`` the column
+    sums of the block's weight rows), the backward ones ``bx`` consecutive inputs (``nx`` blocks); smaller blocks see
+    smaller errors for the price of a larger extra product (``X [k x nf]``). Forward bound of row i, block b:
+    ``f_slope_b ||x_i|| + f_icpt_b`` (plus the narrow-output term), judged where ``||x_i|| < f_xmax_b``; input
+    gradient: ``d_slope_b ||dy_i|| + d_icpt``, judged where ``||dy_i|| < d_ymax_b``; the weight-gradient bound is
+    built per call."""
 
     k: int
     m: int

@@ -202,18 +202,14 @@ def _with_role(role: Role) -> Any:
 class StepDriver:
     """The verdicts of the SDC checks in the order of cause and effect, for any seam.
 
-    The phases (``sdc_core.checks.contract.Phase``) map to the methods: ``AFTER_BACKWARD`` to
-    ``observe`` then ``resolve_pending``, ``BEFORE_UPDATE`` to ``before_update``, ``AFTER_UPDATE``
-    to ``after_update``, ``BEFORE_SAVE`` to ``before_save`` and ``AT_END`` to ``at_end``. The checks
-    are found by the ``Role`` they declare; a ``StepCheck`` is called in each phase after the
-    built-in checks of that phase.
+    The phases (``sdc_core.checks.contract.Phase``) map to ``observe`` then ``resolve_pending``, ``before_update``,
+    ``after_update``, ``before_save`` and ``at_end``. The checks are found by the ``Role`` they declare; a
+    ``StepCheck`` is called in each phase after the built-in checks of that phase.
 
     Args:
         seam: the framework's answers (``Seam``).
-        checks: returns the checks now in use (the non-finite, fingerprint, replay, matmul and
-            update-audit cores, DDP or sharded, and any ``StepCheck``); asked at every call, so a
-            seam may swap a check for its sharded variant or drop it.
-    """
+        checks: returns the checks now in use, asked at every call (a seam may swap a check for its sharded variant or
+            drop it)."""
 
     def __init__(self, seam: Seam, checks: Callable[[], Iterable[Any]]) -> None:
         self.seam = seam
