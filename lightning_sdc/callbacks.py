@@ -85,11 +85,8 @@ class NonFiniteGradientCheck(common.SDCCallback):
         state = dict(state_dict)
         screen = state.pop("screen", None)
         super().load_state_dict(state)
-        if screen is not None and self._screen is not None:
-            if "stats" in screen:  # counters and band
-                self._screen.load_state_dict(screen)
-            else:  # a checkpoint of an earlier version: counters only
-                self._screen.stats.load_state_dict(screen)
+        if screen is not None and self._screen is not None:  # counters and band
+            self._screen.load_state_dict(screen)
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
         driver = common.trainer_driver(trainer)
