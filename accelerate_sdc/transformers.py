@@ -10,23 +10,18 @@ trainer.train()  # under torchrun or accelerate launch; an SDCError names the fa
 The Trainer is built on Accelerate, so the callback drives the Accelerate hook set (``SDCHooks``)
 through a Trainer seam and adds only what the Trainer does differently:
 
-* the replay unit is the Trainer's own ``compute_loss`` (a subclass override included), post-
-  processed as ``training_step`` does before ``accelerator.backward`` (division by the number of
-  accumulated micro-batches unless the loss is already normalised by ``num_items_in_batch``),
-  so loss scaling across devices (``average_tokens_across_devices``), gradient accumulation and
-  a custom ``compute_loss_func`` replay faithfully; it runs under the Trainer's
-  ``compute_loss_context_manager`` (autocast);
-* the hook set is attached in ``on_train_begin`` to ``trainer.model_wrapped`` (the DDP model) and
-  the prepared optimizer, so gradient clipping, gradient checkpointing (``use_reentrant=False``,
-  the Trainer's default) and the scheduler stay the Trainer's;
-* metrics go through ``trainer.log`` to every ``report_to`` tracker, every ``logging_steps``
-  unless ``log_every_n_steps`` is set; incidents go to ``<output_dir>/sdc/incidents``; the
-  counters and a fingerprint of the saved model and optimizer state travel in the Trainer's
-  checkpoints (``trainer_state.json``): ``sdc verify-checkpoint`` checks a checkpoint folder, and
-  ``train(resume_from_checkpoint=...)`` verifies the loaded tensors before training goes on.
+* the replay unit is the Trainer's own ``compute_loss`` (an override included), post-processed as ``training_step``
+  does before ``accelerator.backward`` and run under ``compute_loss_context_manager``, so loss scaling across
+  devices, accumulation and a custom ``compute_loss_func`` replay faithfully;
+* the hook set is attached in ``on_train_begin`` to ``trainer.model_wrapped`` and the prepared optimizer, so clipping,
+  gradient checkpointing and the scheduler stay the Trainer's;
+* metrics go through ``trainer.log`` every ``logging_steps`` (unless ``log_every_n_steps`` is set), incidents to
+  ``<output_dir>/sdc/incidents``; the counters and a fingerprint of the saved state travel in the Trainer's
+  checkpoints (``trainer_state.json``), verified by ``sdc verify-checkpoint`` and on
+  ``train(resume_from_checkpoint=...)``.
 
-Settings as for ``SDCHooks``: keywords, ``ACCELERATE_SDC_*`` variables, ``accelerate-sdc config``.
-Importing ``accelerate_sdc`` does not import this module; this module needs ``transformers``.
+Settings as for ``SDCHooks``. Importing ``accelerate_sdc`` does not import this module, which needs
+``transformers``.
 """
 
 from __future__ import annotations

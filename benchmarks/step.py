@@ -21,7 +21,11 @@ from torch import nn
 from benchmarks.common import summary, sync
 from sdc_core.checks.digest import combine, grouped_digests
 from sdc_core.checks.gradients import NonFiniteGradient
-from sdc_core.replay.ring import MicroBatch, ReplayConfig, capture_rng, grad_digest, replay_gradients
+from sdc_core.replay.compare import grad_digest
+from sdc_core.replay.rerun import replay_gradients
+from sdc_core.replay.ring import ReplayConfig
+from sdc_core.replay.rng import capture_rng
+from sdc_core.replay.state import MicroBatch
 
 
 class TinyTransformer(nn.Module):

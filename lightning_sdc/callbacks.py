@@ -18,14 +18,8 @@ from sdc_core.checks.screen import GradientScreen, ScreenConfig
 from sdc_core.faults.inject import Fault
 from sdc_core.faults.inject import FaultInjector as _CoreInjector
 from sdc_core.io.checkpoints import FINGERPRINT_KEY, check_loaded_checkpoint, fingerprint_checkpoint
-from sdc_core.replay.ring import (
-    ReplayConfig,
-    ReplayExact,
-    ReplayFailurePolicy,
-    RingReplay,
-    StateCapture,
-    UnreplayablePolicy,
-)
+from sdc_core.replay.ring import ReplayConfig, ReplayExact, ReplayFailurePolicy, RingReplay, UnreplayablePolicy
+from sdc_core.replay.state import StateCapture
 from sdc_core.sharded.checks import ShardedFingerprint, ShardedNonFinite
 from sdc_core.sharded.replay import ShardedReplay, screenable
 from sdc_core.sharded.update_audit import update_audit
@@ -91,11 +85,8 @@ class NonFiniteGradientCheck(common.SDCCallback):
         state = dict(state_dict)
         screen = state.pop("screen", None)
         super().load_state_dict(state)
-        if screen is not None and self._screen is not None:
-            if "stats" in screen:  # counters and band
-                self._screen.load_state_dict(screen)
-            else:  # a checkpoint of an earlier version: counters only
-                self._screen.stats.load_state_dict(screen)
+        if screen is not None and self._screen is not None:  # counters and band
+            self._screen.load_state_dict(screen)
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
         driver = common.trainer_driver(trainer)

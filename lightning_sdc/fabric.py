@@ -17,14 +17,12 @@ hooks.finish()
 fabric.save(path, {"model": model, "optimizer": optimizer, "sdc": hooks})  # counters and fingerprint
 ```
 
-The core hook set ``sdc_core.SDCHooks`` behind a Fabric seam: its settings (read as for
-Accelerate users: keywords over ``ACCELERATE_SDC_*`` over the ``accelerate-sdc config`` file) and
-behaviour; Lightning is needed, not Accelerate. Fabric does not divide the loss for accumulation
-(every ``optimizer.step()`` is a sync step): pass ``loss_fn`` or use ``hooks.replayable(fn)`` when
-you do, or when the loss is not ``outputs.loss``/the scalar output. Before ``fabric.save`` writes,
-the replicas are compared and the saved state fingerprinted; ``fabric.load`` verifies the restored
-tensors. Strategies: ``"ddp"`` (and its variants) or a single device. Details:
-docs/integrations.md (Lightning Fabric).
+Settings are read as for Accelerate users (keywords over ``ACCELERATE_SDC_*`` over the ``accelerate-
+sdc config`` file); Lightning is needed, not Accelerate. Fabric does not divide the loss for
+accumulation: pass ``loss_fn`` or use ``hooks.replayable(fn)`` when you do, or when the loss is not
+``outputs.loss``. ``fabric.save`` compares the replicas and fingerprints the saved state first;
+``fabric.load`` verifies the restored tensors. Strategies: ``"ddp"`` (and its variants) or a single
+device. Details: docs/integrations.md (Lightning Fabric).
 """
 
 from __future__ import annotations

@@ -27,11 +27,12 @@ _EXPORTS = {
     "sdc_core.driver.framework": ("Framework",),
     "sdc_core.driver.hooks": ("SDCHooks",),
     "sdc_core.dist.payload": ("PayloadError",),
-    "sdc_core.replay.ring": ("ReplayConfig", "RingReplay", "StateCapture"),
+    "sdc_core.replay.ring": ("ReplayConfig", "RingReplay"),
+    "sdc_core.replay.state": ("StateCapture",),
     "sdc_core.driver.settings": ("SDCConfigError", "SDCSettings"),
     "sdc_core.stats": ("CheckStats",),
     "sdc_core.dist.topology": ("Topology", "ring_partners"),
-    "sdc_core.ops.incident_records": ("Incident", "load_incidents"),
+    "sdc_core.ops.incidents": ("Incident", "load_incidents"),
 }  # fmt: skip
 __getattr__, __dir__ = lazy_exports("sdc_core", globals(), _EXPORTS)
 

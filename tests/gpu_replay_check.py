@@ -28,7 +28,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from sdc_core.checks.gradient_tap import GradientTap
 from sdc_core.errors import ReplayMismatchError, ReplayUnavailableError
 from sdc_core.faults.inject import Fault, FaultInjector
-from sdc_core.replay.ring import ReplayConfig, RingReplay, StateCapture, assemble, deterministic, digest_row
+from sdc_core.replay.compare import assemble, digest_row
+from sdc_core.replay.determinism import deterministic
+from sdc_core.replay.ring import ReplayConfig, RingReplay
+from sdc_core.replay.state import StateCapture
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a smoke test of the script only, tiny sizes
 VOCAB, D, B, T = (4096, 256, 8, 256) if DEVICE == "cuda" else (64, 16, 2, 8)

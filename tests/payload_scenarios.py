@@ -23,7 +23,8 @@ import sdc_core.dist.topology as topology
 import sdc_core.sharded.update_audit as sharded_update
 from sdc_core.dist.payload_checks import check_replay_payload
 from sdc_core.dist.topology import Topology, all_gather_objects, exchange
-from sdc_core.replay.ring import Digest, MicroBatch
+from sdc_core.replay.compare import Digest
+from sdc_core.replay.state import MicroBatch
 
 HOSTILE = 1  # the rank that misbehaves in each scenario
 WORLD = 3

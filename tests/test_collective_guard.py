@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from sdc_core.replay import guard as guard_module
-from sdc_core.replay.ring import CollectiveInReplay, forbid_collectives
+from sdc_core.replay.guard import CollectiveInReplay, forbid_collectives
 
 NAMES = [(ns, name) for ns in guard_module._NAMESPACES for name in guard_module._COLLECTIVES]
 

@@ -18,7 +18,9 @@ from sdc_core.checks.gradients import NonFiniteConfig
 from sdc_core.dist.topology import ring_partners
 from sdc_core.errors import FingerprintMismatchError, NonFiniteGradientError, ReplayMismatchError, SDCError
 from sdc_core.faults.inject import Fault, flip_bit
-from sdc_core.replay.ring import ReplayConfig, compare, explain, grad_digest, pick_referee, settle
+from sdc_core.replay.attribution import explain, pick_referee, settle
+from sdc_core.replay.compare import compare, grad_digest
+from sdc_core.replay.ring import ReplayConfig
 from sdc_core.stats import CheckStats
 
 FLOAT_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]

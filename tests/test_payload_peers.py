@@ -22,7 +22,8 @@ from conftest import results, torchrun, worker_env
 from sdc_core.dist.payload import NotEncodable, PayloadError, decode, encode, max_payload_bytes, pickle_allowed
 from sdc_core.dist.payload_checks import check_replay_payload, check_update_payload
 from sdc_core.dist.topology import TRANSFER_ERROR, RankFacts
-from sdc_core.replay.ring import Digest, MicroBatch, StepState, TensorRef
+from sdc_core.replay.compare import Digest
+from sdc_core.replay.state import MicroBatch, StepState, TensorRef
 
 SCRIPT = Path(__file__).with_name("payload_scenarios.py")
 WORLD = 3
@@ -131,9 +132,9 @@ def forged(tree: Any, blobs: list[Any] | None = None, data: bytes = b"") -> torc
     ({"t": "ntuple", "cls": "os:system", "v": []}, None, b"", "does not exist|not a named tuple"),
     ({"t": "ntuple", "cls": "never_imported_module:X", "v": []}, None, b"", "not imported"),
     ({"t": "dataclass", "cls": "collections:Counter", "f": {}}, None, b"", "not one of sdc_core's"),
-    ({"t": "dataclass", "cls": "sdc_core.replay.ring:TensorRef", "f": {"digest": "x", "nbytes": 1}}, None, b"",
+    ({"t": "dataclass", "cls": "sdc_core.replay.state:TensorRef", "f": {"digest": "x", "nbytes": 1}}, None, b"",
      "not <class 'int'>"),
-    ({"t": "dataclass", "cls": "sdc_core.replay.ring:TensorRef", "f": {"digest": 1}}, None, b"", "has fields"),
+    ({"t": "dataclass", "cls": "sdc_core.replay.state:TensorRef", "f": {"digest": 1}}, None, b"", "has fields"),
     ({"t": "mapping", "cls": "builtins:dict", "k": [], "v": []}, None, b"", "not one that travels"),
     ({"t": "tensor", "i": 0}, [["tensor", "object", [1], 0, 8]], b"\0" * 8, "dtype"),
     ({"t": "tensor", "i": 0}, [["tensor", "float32", [1 << 40], 0, 4]], b"\0" * 4, "needs"),

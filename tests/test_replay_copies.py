@@ -16,17 +16,11 @@ import pytest
 import torch
 from torch import nn
 
-from sdc_core.replay.ring import (
-    MicroBatch,
-    RingReplay,
-    StateCapture,
-    StepState,
-    assemble,
-    digest_row,
-    grad_digest,
-    replay_gradients,
-)
+from sdc_core.replay.compare import assemble, digest_row, grad_digest
+from sdc_core.replay.rerun import replay_gradients
+from sdc_core.replay.ring import RingReplay
 from sdc_core.replay.rng import all_rng  # tests build micro-batches
+from sdc_core.replay.state import MicroBatch, StateCapture, StepState
 
 
 @pytest.fixture
@@ -118,7 +112,7 @@ def micro(n: int) -> list[MicroBatch]:
 def test_each_gradient_is_digested_and_freed_as_it_is_produced(n: int) -> None:
     import weakref
 
-    from sdc_core.replay.ring import replay_each_gradient
+    from sdc_core.replay.rerun import replay_each_gradient
 
     torch.manual_seed(0)
     m = Deep()

@@ -11,22 +11,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from sdc_core.replay.ring import (
-    CollectiveInReplay,
-    MicroBatch,
-    ReplayConfig,
-    RingReplay,
-    StateCapture,
-    TensorRef,
-    assemble,
-    compare_raw,
-    digest_row,
-    disagree,
-    forbid_collectives,
-    grad_digest,
-    replay_gradients,
-)
+from sdc_core.replay.compare import assemble, compare_raw, digest_row, disagree, grad_digest
+from sdc_core.replay.guard import CollectiveInReplay, forbid_collectives
+from sdc_core.replay.rerun import replay_gradients
+from sdc_core.replay.ring import ReplayConfig, RingReplay
 from sdc_core.replay.rng import all_rng  # tests build micro-batches
+from sdc_core.replay.state import MicroBatch, StateCapture, TensorRef
 
 
 class Opaque:

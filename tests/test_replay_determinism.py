@@ -16,7 +16,8 @@ import pytest
 import torch
 from conftest import results, torchrun
 
-from sdc_core.replay.ring import DeterministicWindow, ReplayConfig, RingReplay, deterministic, is_determinism_error
+from sdc_core.replay.determinism import DeterministicWindow, deterministic, is_determinism_error
+from sdc_core.replay.ring import ReplayConfig, RingReplay
 
 WORLD = 3
 SCRIPT = Path(__file__).with_name("determinism_scenarios.py")

@@ -374,7 +374,7 @@ def test_the_band_is_restored_from_a_checkpoint_loaded_before_attach() -> None:
     """A resume loads the checks' state before the screen is attached (Lightning restores callbacks
     first): the band's history waits and is taken at attach, so the resumed screen judges with the
     calibrated band at once; the hook set's counters carry it too."""
-    from sdc_core.driver.hook_state import counters, restore_counters
+    from sdc_core.driver.hooks import counters, restore_counters
 
     s, g = screen(3), torch.Generator().manual_seed(5)
     for step in range(40):

@@ -91,15 +91,16 @@ def test_group_ring_partners_keep_the_tensor_parallel_coordinate() -> None:
 
 def test_referee_jobs_give_a_whole_third_group_every_coordinate_of_the_disputed_group_pair() -> None:
     from sdc_core.dist.topology import RankFacts, Topology
+    from sdc_core.replay.attribution import referee_jobs
     from sdc_core.replay.ring import RingReplay
 
     topo = Topology(tuple(RankFacts(r, "h", 0, r) for r in range(6)), 0)
     core = RingReplay(groups=[(0, 1), (2, 3), (4, 5)])
-    referees, jobs = core._referee_jobs([(1, 3)], [(1, 3)], topo)
+    referees, jobs = referee_jobs([(1, 3)], [(1, 3)], topo, core.groups)
     assert referees == {(1, 3): 5}
     assert jobs == [(0, 2, 4), (1, 3, 5)]  # rank 4 replays rank 0's batch beside rank 5: their collectives pair up
     plain = RingReplay()
-    assert plain._referee_jobs([(1, 2)], [(1, 2)], topo) == ({(1, 2): 3}, [(1, 2, 3)])
+    assert referee_jobs([(1, 2)], [(1, 2)], topo, plain.groups) == ({(1, 2): 3}, [(1, 2, 3)])
 
 
 class _Mesh:

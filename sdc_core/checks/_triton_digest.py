@@ -9,7 +9,7 @@ partial sums of each tensor are then added up with one scan (integer addition: e
 order). Launches per call: the kernel, and four small ones to add the partial sums up, whatever
 the number of tensors. Reads every byte once: memory-bound like a plain ``sum``.
 
-Only imported where Triton and CUDA are available; ``available()`` says so.
+``triton`` is None where Triton is missing or ``SDC_TRITON=0``: the caller takes the torch path.
 """
 
 from __future__ import annotations
@@ -36,11 +36,6 @@ BLOCK = 512
 WARPS = 8
 _cache: dict[tuple, tuple[torch.Tensor, ...]] = {}
 _ptr_cache: dict[tuple, torch.Tensor] = {}
-
-
-def available(t: torch.Tensor) -> bool:
-    """Whether ``t`` can go through the kernel: a CUDA tensor, with Triton installed."""
-    return triton is not None and t.device.type == "cuda"
 
 
 if triton is not None:  # pragma: no cover - needs a GPU

@@ -1,26 +1,20 @@
 """The check contract: the phases of an optimizer step, and what the step driver asks of a check.
 
-Every check takes part in one training step in the same order, written once in
-``sdc_core.driver.step.StepDriver`` (``STEP_PHASES``, then ``BEFORE_SAVE`` before a checkpoint is
-written and ``AT_END`` after the loop); each seam (the hook set, the Lightning callbacks)
-translates its framework's events into these phases and nothing more:
+``sdc_core.driver.step.StepDriver`` runs every check through the same phases (``STEP_PHASES``, then
+``BEFORE_SAVE`` before a checkpoint and ``AT_END`` after the loop); each seam only translates its
+framework's events into them:
 
-* ``AFTER_BACKWARD``: the step's gradients are reduced; collectives whose results are read later
-  in the step start here (the screen's all_gather), and the verdicts of earlier steps are read
-  (an earlier step's fault is never reported as a later one's symptom);
+* ``AFTER_BACKWARD``: collectives read later in the step start (the screen's all_gather) and earlier steps' verdicts
+  are read, so an earlier fault is never reported as a later one's symptom;
 * ``BEFORE_UPDATE``: this step's verdicts that must precede the update (a dropped step, a replay);
-* ``AFTER_UPDATE``: what compares the update's result (the weight fingerprint), started now and
-  read at the next step's ``AFTER_BACKWARD``;
+* ``AFTER_UPDATE``: the comparison of the update's result (the fingerprint) starts, read at the next
+  ``AFTER_BACKWARD``;
 * ``BEFORE_SAVE`` and ``AT_END``: every pending verdict read, the replicas' weights compared now.
 
-A check declares its ``role`` (``Role``): the built-in roles are the checks whose verdicts the
-driver relates to each other (a replay disagreement checked against the weights first, a screen
-hit confirmed by the replay, a dropped step not audited). Any other check is a ``StepCheck``:
-the driver calls its phase methods in the order above and delivers what they raise like any
-verdict (the incident, the policy, the exit code). Adding one is one class and one registration
-(``SDCHooks.add_check``, or a Lightning callback's ``_checks``), with no change to the driver.
-
-Every rank calls the same phase methods in the same order; a check runs the same collectives
+A check declares its ``role`` (``Role``); the built-in roles are those whose verdicts the driver
+relates to each other. Any other check is a ``StepCheck``: one class and one registration
+(``SDCHooks.add_check``, or a Lightning callback's ``_checks``), its verdicts delivered like any
+other. Every rank calls the same phase methods in the same order; a check runs the same collectives
 on every rank, on its error paths too. Cost: a method call per check and phase.
 """
 

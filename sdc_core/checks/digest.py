@@ -37,20 +37,13 @@ Two flips at uniformly random places share a class with probability < r/n <= 2**
 for tensors of 8192 words or more: 2**-16 from 8 MiB on); a fault covering more than m words
 touches most classes, and each must cancel on its own.
 
-What the old digest (version 1, the plain wrap-around sum of the words) missed, and this one
-sees: two opposite flips of one bit (``[1, 2, 3, 4]`` and ``[1.5, 2, 2, 4]`` as fp32: bit 22
-up in one word, down in another); an even number of flips of bit 63 (the sign of every second
-fp32, carried out of the word); a bad lane flipping one bit in many words either way.
+A plain wrap-around sum (version 1, ``tensor_digest_v1``, kept to verify old checkpoints) misses
+two opposite flips of one bit, an even number of sign flips and a bad lane; this digest sees them.
 
-Cost: one read of every compared tensor per check (one (r, m) sum, at about the speed of a
-plain ``sum`` on a 2-core CPU: CPU kernels that sum 32-bit words into 64 bits, or weight them,
-run at 1-15 GB/s against 30 for a plain sum, so a same-width (r, m) sum is the fastest exact
-option), then O(n/r) work on the class sums (about 6/16 of the words' traffic); in all 0.63-0.69x
-of a plain ``sum`` on large tensors on that CPU; 1,000 tensors of 100 to 10k elements take
-0.6-3.3x the time of one ``sum`` per tensor (batched: ``_host_digests``; docs/performance.md);
-on CUDA one Triton launch per device (``_triton_digest``);
-weights cached per device (16 bytes per class of the largest tensor, rounded up to a power of
-two: 128 MiB at most).
+Cost: one read of every compared tensor per check (one (r, m) sum, 0.63-0.69x of a plain ``sum`` on
+large tensors on a 2-core CPU; many small tensors are batched, ``_host_digests``; docs/performance.md),
+then O(n/r) work on the class sums; on CUDA one Triton launch per device (``_triton_digest``);
+weights cached per device (16 bytes per class of the largest tensor, at most 128 MiB).
 """
 
 from __future__ import annotations
@@ -249,12 +242,8 @@ def _scan_digests(sums: torch.Tensor, wa: torch.Tensor, wb: torch.Tensor, ends: 
 
 
 def mix_units(parts: Sequence[list[torch.Tensor]], device: torch.device) -> torch.Tensor:
-    """``tensor_digest`` of each unit from its class sums (``class_parts``), as one int64 vector
-    on ``device``.
-
-    Large units are weighted one by one; the small ones on each device together, in one
-    concatenation and one scan (a handful of kernels instead of a handful per unit: with many
-    small tensors per-kernel overhead, not bandwidth, is what costs)."""
+    """``tensor_digest`` of each unit from its class sums (``class_parts``), as one int64 vector on ``device``: large
+    units weighted one by one, the small ones on each device in one concatenation and one scan."""
     batches: dict[torch.device, list[int]] = {}
     singles: list[int] = []
     sizes = [sum(p.numel() for p in unit) for unit in parts]
@@ -315,17 +304,11 @@ def _kernel_digests(tensors: Sequence[torch.Tensor]) -> tuple[list[int], torch.T
 def grouped_digests(
     tensors: Sequence[torch.Tensor], device: torch.device | None = None
 ) -> tuple[torch.Tensor, Callable[[], torch.Tensor]]:
-    """The per-tensor digests (``tensor_digest`` of each tensor, in order, as one int64 vector on
-    ``device``, default ``home_device(tensors)``), computed with few kernel launches, and a
-    function returning them again (kept for callers that name tensors on a mismatch).
+    """The per-tensor digests (``tensor_digest`` of each, in order, one int64 vector on ``device``, default
+    ``home_device(tensors)``) with few kernel launches, and a function returning them again.
 
-    On CUDA (with Triton) every contiguous tensor goes through one multi-tensor kernel launch per
-    device (``_triton_digest``: every byte read once; the launches do not grow with the number
-    of tensors). Elsewhere (the CPU, and non-contiguous or odd-sized tensors) ``_host_digests``
-    batches the tensors under ``_BATCH_WORDS`` words and reduces larger ones one by one. The
-    values do not depend on the path, so every device type gives the same digests and the same
-    fingerprint.
-    """
+    On CUDA with Triton: one multi-tensor launch per device (``_triton_digest``); elsewhere ``_host_digests``. The
+    values do not depend on the path."""
     if not tensors:
         empty = torch.zeros(0, dtype=torch.int64, device=device)
         return empty, lambda: empty
@@ -358,22 +341,14 @@ _host_layouts: dict[tuple[torch.device, tuple[int, ...]], tuple[torch.Tensor, ..
 def _host_digests(
     tensors: Sequence[torch.Tensor], indices: Sequence[int], device: torch.device
 ) -> tuple[list[int], list[torch.Tensor]]:
-    """``tensor_digest`` of ``tensors[i]`` for ``i`` in ``indices`` with torch ops: the indices in
-    the order digested and the digest vectors (on ``device``).
+    """``tensor_digest`` of ``tensors[i]`` for ``i`` in ``indices`` with torch ops: the indices in the order digested
+    and the digest vectors (on ``device``).
 
-    Tensors under ``_BATCH_WORDS`` words (bool excepted) are copied per device, dtype and size
-    in words into one buffer (one C++ call; zeros pad each to whole words, non-contiguous ones
-    are made contiguous) and digested together: a (k, r, m) sum and two matrix-vector products
-    (no temporary per word, no view op per tensor). Sizes with too few tensors to pay for a batch
-    of their own (``_own_batch``) share a mixed batch per device and dtype: class sums by one
-    cached scatter (``index_add_``), one weighting pass and one scan. Larger tensors are reduced
-    one by one (``class_parts``: there, bandwidth rules) and weighted together (``mix_units``).
-    Every class sum is weighted (two 64-bit multiplies), so tensors of one to three rows (under
-    2,048 words) cost more arithmetic per byte than larger ones, whose rows are summed first.
-    The plan (which tensor goes where) is cached per list of (device, dtype, shape): per call
-    and tensor, three attribute reads in Python.
-    Memory: a transient copy of the batched tensors (at most ``_CHUNK_WORDS`` words at a time);
-    cached weights and, for mixed batches, 16 bytes per class and 4 per word."""
+    Tensors under ``_BATCH_WORDS`` words are copied per device, dtype and size into one buffer and digested together
+    (a (k, r, m) sum and two matrix-vector products); sizes too rare for a batch of their own (``_own_batch``) share
+    a mixed batch (one cached ``index_add_``); larger tensors are reduced one by one (``class_parts``) and weighted
+    together (``mix_units``). The plan is cached per list of (device, dtype, shape). Memory: a transient copy of the
+    batched tensors (at most ``_CHUNK_WORDS`` words at a time) and cached weights."""
     meta = tuple([(t.device, t.dtype, t.shape) for t in [tensors[i] for i in indices]])  # lists: no call per tensor
     plan = _host_plans.get(meta)
     if plan is None:

@@ -2,20 +2,15 @@
 
 Contract: every ``every_n_steps`` optimizer steps each replica digests its parameters (and,
 optionally, buffers and optimizer state) on its own device and the replicas compare the digests
-(with ``rolling=k``, a fixed 1/k of those tensors in turn: each within k comparisons).
-Any single bit flip in any element of any compared tensor changes the fingerprint, whatever the
-floating-point format (fp32, bf16, fp16, fp64, integer buffers); any other difference is missed
-with a probability of at most 2**-31, structured faults included.
-
-The digest, what it guarantees and what it costs: ``sdc_core.checks.digest``. The common case
-exchanges 16 bytes per rank in one MAX all-reduce, whatever the world size; the host reads the
-result one training batch later, when the device has long finished it. The all-reduce carries
-nothing but the comparison. Only on a mismatch are the per-tensor digests gathered, to name the
-tensors and vote.
+(with ``rolling=k``, a fixed 1/k of the tensors in turn: each within k comparisons). Any single bit
+flip in any compared tensor changes the fingerprint, whatever the format; any other difference is
+missed with a probability of at most 2**-31 (``sdc_core.checks.digest`` says why and what it costs).
+The common case exchanges 16 bytes per rank in one MAX all-reduce, read one training batch later;
+only on a mismatch are the per-tensor digests gathered, to name the tensors and vote.
 
 Limits: it sees faults that make replicas differ (weights, optimizer state, a bad update on one
-rank). A fault in one rank's gradient is spread to every replica by the all-reduce and leaves the
-replicas identical: the ring replay audit is the check for that.
+rank); a fault in one rank's gradient is spread to every replica by the all-reduce: the ring replay
+audit is the check for that.
 """
 
 from __future__ import annotations
@@ -137,15 +132,10 @@ _slices_cache: dict[tuple[int, tuple[int, ...]], list[list[int]]] = {}
 
 
 def rolling_slices(sizes: Sequence[int], k: int) -> list[list[int]]:
-    """A partition of tensor indices ``0 .. len(sizes) - 1`` into ``k`` slices (some empty when
-    there are fewer tensors), each listed in index order; ``sizes``: the tensors' bytes.
-
-    Taken in index order, each tensor joins the slice with the fewest bytes so far (the lowest
-    slice on a tie): the slices' bytes differ by at most the largest tensor, and a plain
-    ``i % k`` would put every weight matrix of a model with an even number of tensors per
-    layer into one slice. It depends only on the sizes, which replicas share, so every rank
-    digests the same tensors; tensors appended at the end (optimizer state, created by the
-    first step) leave the earlier ones where they were. Cached per (k, sizes)."""
+    """A partition of tensor indices ``0 .. len(sizes) - 1`` (``sizes``: the tensors' bytes) into ``k`` slices, each in
+    index order: each tensor joins the slice with the fewest bytes so far (the lowest on a tie), so the slices' bytes
+    differ by at most the largest tensor. It depends only on the sizes, which replicas share, and tensors appended at
+    the end (optimizer state) leave the earlier ones where they were. Cached per (k, sizes)."""
     key = (k, tuple(sizes))
     if key not in _slices_cache:
         if len(_slices_cache) >= 16:
@@ -180,15 +170,13 @@ NAMED_REPLICAS = 8  # replicas whose differing tensors a mismatch names (their p
 
 def vote_rows(per_tensor: torch.Tensor, names: Callable[[], list[str]]
               ) -> tuple[list[tuple[int, ...]], dict[int, list[str]], int]:  # fmt: skip
-    """The rows to vote on after a mismatch, and the differing tensors of the replicas named (a
-    collective: every rank calls it with its per-tensor digests, ``T`` of them on every rank).
+    """The rows to vote on after a mismatch, and the differing tensors of the replicas named (a collective: every rank
+    calls it with its ``T`` per-tensor digests). Returns ``(rows, {rank: tensor names}, T)``, the same on every rank.
 
-    O(T) per rank, not O(W x T): the ranks first gather one combined digest each (8 bytes a rank,
-    the rows returned: two replicas with the same tensors have the same row; different ones differ
-    except with probability about 2**-63), and only then are the per-tensor digests of the reference
-    (the majority's first rank, else rank 0) and of the first ``NAMED_REPLICAS`` ranks that differ
-    from it broadcast (8 T bytes each), to name their first 10 differing tensors. Returns
-    ``(rows, {rank: tensor names}, T)``; every rank returns the same."""
+    O(T) per rank, not O(W x T): each rank's row is one combined digest (8 bytes a rank; different tensors give
+    different rows except with probability about 2**-63); only the per-tensor digests of the reference and of the
+    first ``NAMED_REPLICAS`` ranks that differ from it are broadcast (8 T bytes each), to name their first 10
+    differing tensors."""
     rows = [tuple(r) for r in all_gather_tensor(combine(per_tensor).reshape(1)).tolist()]
     _, _, reference = vote(rows)
     ref = reference if reference is not None else 0
@@ -280,13 +268,9 @@ class WeightFingerprint:
         optimizers: Iterable[torch.optim.Optimizer],
         every_tensor: bool = False,
     ) -> None:
-        """Digest the replica after optimizer step ``step`` and start the O(1) comparison: of the
-        next rolling slice (``config.rolling`` > 1), or of every tensor (``every_tensor``, or
-        ``rolling`` = 1). Every rank must make the same calls (the slice is the call count's).
-
-        One asynchronous MAX all-reduce of 16 bytes, read by ``resolve``. Resolves any earlier
-        pending comparison first (it may raise).
-        """
+        """Digest the replica after optimizer step ``step`` and start the comparison (one asynchronous 16-byte MAX all-
+        reduce, read by ``resolve``) of the next rolling slice, or of every tensor (``every_tensor``, or ``rolling``
+        = 1). Every rank must make the same calls. Resolves any earlier pending comparison first (it may raise)."""
         self.resolve()
         t0 = time.perf_counter()
         tensors, all_names = _compared(module, optimizers, self.config)

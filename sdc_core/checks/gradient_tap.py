@@ -17,36 +17,22 @@ GradConsumer = Callable[[nn.Parameter, torch.Tensor], None]
 
 
 class GradientTap:
-    """Lets the checks read each parameter's LOCAL gradient of a DDP model before DDP's
-    reducer copies it into its all-reduce bucket.
+    """Lets the checks read each parameter's LOCAL gradient of a DDP model before DDP's reducer copies it into its all-
+    reduce bucket.
 
-    A post-accumulate-grad hook per trainable parameter (torch runs it inside the parameter's
-    gradient accumulation, before the reducer's own hook on that accumulation: checked in
-    tests). On the backward of a forward DDP ran with gradient synchronisation (not under
-    ``no_sync``: under gradient accumulation, the sync micro-batch, whose ``.grad`` holds the sum
-    of the micro-batches), ``consumers`` read ``(parameter, local gradient)``, then ``writers``
-    may change the gradient in place (none of the checks does); ``finishers`` run at the end of
-    that backward, before DDP's own end-of-backward callback. They run on the autograd
-    thread and must not synchronise with the host nor raise. The tap is armed by DDP's forward
-    and disarmed at the end of the backward through that forward's output (a callback queued from
-    the output's gradient hook), so gradients computed in nested backward passes (reentrant
-    activation checkpointing) are read too, and a backward outside DDP afterwards is not. On CUDA
-    the hook runs with the accumulation's stream current, the stream DDP's own hook on the same
-    accumulation then copies the gradient on, so what a consumer enqueues reads the gradient
-    before that copy in stream order.
+    A post-accumulate-grad hook per trainable parameter runs before the reducer's own hook (checked in tests), on the
+    stream DDP then copies on. On a backward DDP runs with gradient synchronisation (the sync micro-batch under
+    accumulation), ``consumers`` read ``(parameter, local gradient)``, then ``writers`` may change it in place;
+    ``finishers`` run at the end of that backward, before DDP's own end-of-backward callback. All run on the autograd
+    thread and must neither synchronise with the host nor raise. The tap is armed by DDP's forward and disarmed at
+    the end of the backward through its output, so nested backward passes (reentrant checkpointing) are read and a
+    later backward outside DDP is not.
 
-    The tap registers no communication hook: DDP's reduction stays its own C++ all-reduce (it
-    fuses the ``1 / world_size`` scaling into its copy), so the tap adds no pass over the
-    buckets and no Python callback on the communication threads. A user's communication hook
-    (``inner_hook``, taken from the framework's setting) is registered on the model as it is.
-    ``GradientTap.attach(ddp_model, ...)`` returns the model's tap or installs a new one.
-    The per-parameter hooks are installed only while some consumer needs them
-    (``wanted_when``: the non-finite check on its first two backwards and wherever it reads per
-    parameter, the replay on audited steps, any consumer that does not say); otherwise the
-    finishers read the gradients themselves (``present``) and a step costs a constant number of
-    Python calls, whatever the number of parameters. Installing or removing them is one pass
-    over the parameters, paid only when the need changes.
-    """
+    The tap registers no communication hook (DDP's C++ all-reduce stays as it is); a user's hook (``inner_hook``) is
+    registered on the model unchanged. ``GradientTap.attach(ddp_model, ...)`` returns the model's tap or installs
+    one. The per-parameter hooks are installed only while some consumer needs them (``wanted_when``); otherwise
+    finishers read the gradients themselves (``present``) and a step costs a constant number of Python calls,
+    whatever the number of parameters."""
 
     def __init__(self, ddp_model: nn.parallel.DistributedDataParallel, names: dict[int, str]) -> None:
         self.ddp = ddp_model

@@ -1,63 +1,37 @@
 """Local-gradient tap and the non-finite gradient check.
 
-Contract: each rank's LOCAL gradients (before the all-reduce mixes them) are checked for NaN and
-Inf on the step's sync micro-batch; when some rank's were non-finite, every rank learns which
-ranks and which parameters, and all ranks act alike (raise, skip the optimizer step, or warn) on
-the same verdict.
+Contract: each rank's LOCAL gradients (before the all-reduce mixes them) are checked for NaN and Inf
+on the step's sync micro-batch; when some rank's were non-finite, every rank learns which ranks and
+which parameters, and all ranks act alike (raise, skip the optimizer step, or warn) on the same
+verdict.
 
-How (DDP): the ``GradientTap`` hooks each trainable parameter's gradient accumulation, which
-torch runs before DDP's reducer copies the gradient into its all-reduce bucket. On the step's
-sync backward the check reads each LOCAL gradient once: its sum ``s`` (NaN and Inf survive a
-sum, and ``Inf - Inf`` is NaN, so ``s`` is non-finite when the gradient holds NaN or Inf; also
-when the sum of finite values overflows the float range), kept on the device for the names.
-The verdict needs no flag of its own: NaN and Inf survive the all-reduce (NaN + x is NaN, Inf +
-finite is Inf, Inf - Inf is NaN), so the REDUCED gradients, identical on every rank, hold a
-non-finite value exactly when some rank's local gradient did (or the reduction itself
-overflowed). After backward every rank reads its reduced gradients with one multi-tensor
-largest-magnitude pass per dtype (``any_nonfinite_multi``), with no extra communication, and
-nothing is written into the gradients: training numerics are bit-identical with the check on
-and off. Only then (the rare path) does every rank gather the local flags to name the ranks and
-parameters (one rank: the SDC signature; all ranks: ordinary divergence). Names come from the
-local sums, so gradient clipping or anything else that touches ``.grad`` after the all-reduce
-cannot change them. Under gradient accumulation the hook runs on the sync micro-batch, whose
-``.grad`` is the sum of the micro-batches' gradients, so a NaN in any micro-batch is seen.
-
-Cost of a clean DDP step: a constant number of Python calls, whatever the number of parameters
-(the tap's per-parameter hooks are off once the read is batched; on the first two backwards and
-the replay's audited steps a Python call per parameter); at the end of backward one read of the
-local gradients, at the verdict one read of the reduced ones, each a few multi-tensor kernels per
-dtype (``peaks``: ``_foreach_norm``),
-whatever the number of parameters (on the CPU ``aminmax`` for larger tensors instead of torch's
-slow inf-norm loop); no collective of its own.
-That batched local read relies on DDP keeping the local values in ``.grad`` until
-its own end-of-backward callback (it copies them into its buckets and writes the reduced values
-back only then); the first two synchronised backwards check it (no write to any gradient before the
-end of backward: version counters) and, where it does not hold (``gradient_as_bucket_view``, a
-reducer finalised inside a nested backward), the check reads each gradient in its hook instead
-(its sum: one reduction kernel per parameter; a later failed check flags the rank with unknown
-names, never a silent pass). Batching per bucket inside the backward would need a communication
-hook: an extra pass over every bucket (DDP's own C++ path fuses the ``1 / world_size`` scaling
-into its copy) and a Python callback on the communication threads. When the verdict is read depends on ``on_failure``:
-
-* ``"raise"``, ``"warn"``: no host synchronisation in the step. The verdict of step ``s`` is
-  read one step later (``resolve()``: the adapters call it before the next backward, or next
-  optimizer step, before a checkpoint is written and at the end of training), when the device
-  has long finished it; it names step ``s``. The update of step ``s`` has then already happened
-  (with non-finite gradients); training stops (raise) before the next one.
-* ``"skip_step"``, ``"rollback"``, an fp16 GradScaler, and steps the replay audit audits: one
-  host read of the device flag before the update (the decision must precede it; a GradScaler
-  reads its own flag there anyway). Still no collective.
-* Single process (no DDP): ``.grad`` is checked before the optimizer step, one host read.
-
-A NaN or Inf in the reduced gradients with finite local gradients everywhere (an overflow
-inside the reduction, e.g. fp16 compression) is not a verdict: it is counted as
+How (DDP): the ``GradientTap`` reads each LOCAL gradient before DDP's reducer copies it into its
+bucket (its sum, kept on the device for the names; under accumulation the sync micro-batch's
+``.grad`` is the sum of all of them). NaN and Inf survive the all-reduce, so the REDUCED gradients,
+identical on every rank, are non-finite exactly when some rank's local gradient was (or the
+reduction overflowed): every rank reads them with one multi-tensor largest-magnitude pass per dtype
+(``any_nonfinite_multi``), with no communication, and nothing is written into the gradients. Only
+then (the rare path) do the ranks gather their local flags to name ranks and parameters (one rank:
+the SDC signature; all ranks: ordinary divergence). A non-finite reduction of finite local gradients
+(fp16 compression) is no verdict; it is counted as
 ``sdc/nonfinite_gradient/nonfinite_after_reduce``.
 
-Limits: a fault that leaves gradients finite is invisible here (the ring replay audit sees it).
-A user's communication hook that replaces non-finite values (``nan_to_num``) hides them from the
-decision. Single process: names are read from ``.grad`` at the
-verdict, so a clipping done before it (Accelerate's ``clip_grad_norm_``) names every parameter it
-contaminated.
+Cost of a clean DDP step: a constant number of Python calls, one batched read of the local gradients
+at the end of backward (``peaks``; DDP keeps the local values in ``.grad`` until its own end-of-
+backward callback, which the first two backwards verify; where it does not hold,
+``gradient_as_bucket_view``, each gradient is read in its hook) and one of the reduced ones at the
+verdict; no collective of its own. When the verdict is read depends on ``on_failure``:
+
+* ``"raise"``, ``"warn"``: no host synchronisation in the step; the verdict of step ``s`` is read
+  one step later (``resolve()``: before the next backward or optimizer step, before a checkpoint, at
+  the end), names step ``s``, and training stops before the next update.
+* ``"skip_step"``, ``"rollback"``, an fp16 GradScaler, steps the replay audits: one host read before
+  the update.
+* Single process (no DDP): ``.grad`` is checked before the optimizer step, one host read.
+
+Limits: a fault that leaves gradients finite is invisible here (the ring replay audit sees it); a
+user's communication hook that replaces non-finite values hides them; single process, a clipping
+before the verdict names every parameter it contaminated.
 """
 
 from __future__ import annotations
@@ -255,29 +229,21 @@ class NonFiniteGradient(NonFiniteVerdicts):
     _group_names: dict[str, int] | None = None  # name -> group, made on first use (``magnitude_group``)
 
     def attach(self, tap: GradientTap) -> None:
-        """Read each parameter's local gradient: per parameter (its sum, one reduction kernel) on
-        the first two synchronised backwards; from then on, where those showed the local
-        gradients intact at its end (DDP's reducer copies them into its buckets and writes the
-        reduced values back only in its own end-of-backward callback, which runs after the
-        tap's; not so with ``gradient_as_bucket_view`` or a reducer finalised inside a nested
-        backward), all at once at the end of backward (``peaks``, a few multi-tensor
-        kernels per dtype, from ``tap.present()``: the tap's per-parameter hooks then stay off
-        unless another consumer needs them). Nothing is written into the gradients."""
+        """Read each parameter's local gradient: in its hook on the first two synchronised backwards, then, where those
+        showed DDP leaves the local gradients intact until the end of backward, all at once there (``peaks``, a few
+        multi-tensor kernels per dtype; the tap's per-parameter hooks stay off unless another consumer needs them).
+        Nothing is written into the gradients."""
         self.tap = tap
         tap.consumers.append(self._read)
         tap.wanted_when[self._read] = lambda: not self.batched  # batched: no per-parameter hook needed
         tap.finishers.append(self._end_of_backward)
 
     def want_magnitudes(self, groups: int) -> int:
-        """Opt in to the local-gradient magnitudes (for ``sdc_core.checks.screen``; call after ``attach``,
-        on every rank alike): from the next read backward on, each one also leaves a vector of
-        ``k = min(groups, trainable parameters)`` values (``take_magnitudes``), value ``j`` the
-        log2 of the largest magnitude of any LOCAL gradient element in group ``j`` (the tap's
-        parameters in model order cut into ``k`` contiguous groups of near-equal count; the same
-        on every rank). Returns ``k``. Cost in batched mode: the per-tensor peaks the check reads
-        anyway plus a handful of small kernels per dtype; in per-parameter mode (the first two
-        backwards, ``gradient_as_bucket_view``) one extra reduction per parameter. Nothing changes
-        when never called."""
+        """Opt in to the local-gradient magnitudes for ``sdc_core.checks.screen`` (after ``attach``, on every rank
+        alike): each read backward also leaves ``k = min(groups, trainable parameters)`` values
+        (``take_magnitudes``), value ``j`` the log2 of the largest LOCAL gradient magnitude in group ``j`` (the
+        parameters in model order cut into ``k`` contiguous near-equal groups). Returns ``k``. Cost: a handful of
+        small kernels per dtype (per-parameter mode: one reduction per parameter)."""
         if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1:
             raise ValueError(f"groups must be an integer >= 1, got {groups!r}")
         if self.tap is None:
@@ -298,14 +264,10 @@ class NonFiniteGradient(NonFiniteVerdicts):
         return self._group_names.get(name)
 
     def take_magnitudes(self) -> torch.Tensor | list[float] | None:
-        """The last read backward's local magnitudes (``want_magnitudes``), then forgotten: 1-d
-        float32 on the gradients' device, no host synchronisation (CPU gradients: the same values
-        as a list of floats, no tensor made); NaN for a group none of whose
-        gradients this rank saw or all of which were exactly zero, +Inf for a group holding NaN or
-        Inf. None when nothing was read since the last call (no synchronised backward, or local
-        values written before the end of backward). A backward whose end the tap did not see (a
-        model output that holds no tensor the tap can hook, e.g. a custom result object) is
-        taken here, as ``verdict`` does."""
+        """The last read backward's local magnitudes (``want_magnitudes``), then forgotten: 1-d float32 on the
+        gradients' device, no host synchronisation (CPU: a list of floats). NaN for a group this rank saw nothing of
+        or all zero, +Inf for one holding NaN or Inf; None when nothing was read since the last call. A backward
+        whose end the tap did not see is taken here, as ``verdict`` does."""
         if self._seen and self.magnitude_groups:
             self._end_of_backward()
         out, self._magnitudes = self._magnitudes, None
@@ -398,13 +360,11 @@ class NonFiniteGradient(NonFiniteVerdicts):
     ) -> bool:
         """Take step ``step``'s evidence; decide now or leave the verdict for ``resolve()``.
 
-        Resolves the previous step's pending verdict first (it may raise, naming that step).
-        Under DDP with ``on_failure`` ``"raise"`` or ``"warn"``, no GradScaler and ``now`` False
-        the decision is left pending (no host read); otherwise it is taken here, before the
-        update. ``params`` are the model's named parameters (read only without DDP). Returns
-        True when the optimizer step must be skipped (``"skip_step"``); raises
-        ``NonFiniteGradientError`` with ``"raise"`` (and ``"rollback"``, which the adapter acts on).
-        """
+        The previous step's pending verdict is resolved first (it may raise, naming that step). Under DDP with
+        ``"raise"`` or ``"warn"``, no GradScaler and ``now`` False the decision is left pending (no host read);
+        otherwise it is taken here, before the update. ``params``: the model's named parameters (read only without
+        DDP). Returns True when the optimizer step must be skipped; raises ``NonFiniteGradientError`` with
+        ``"raise"`` and ``"rollback"``."""
         self.resolve()
         t0 = time.perf_counter()
         if self._seen and self.batched:  # a backward whose end the tap did not see
@@ -485,11 +445,8 @@ class NonFiniteGradient(NonFiniteVerdicts):
 
 
 def drop_step(params: Iterable[torch.Tensor], scaler_active: bool = False) -> None:
-    """Make the coming optimizer step a no-op on this rank (call on every rank alike).
-
-    Without a GradScaler the gradients are dropped (``grad = None``: torch optimizers skip such
-    parameters). A GradScaler needs gradients to decide, so one element is set to Inf instead and
-    the scaler skips the step itself (and lowers its scale, as after any overflow)."""
+    """Make the coming optimizer step a no-op on this rank (call on every rank alike): gradients set to None, or, with a
+    GradScaler, one element set to Inf so the scaler skips the step itself."""
     params = [p for p in params if p.grad is not None]
     if scaler_active and params:
         params[0].grad.view(-1)[0] = float("inf")

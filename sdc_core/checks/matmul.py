@@ -1,48 +1,30 @@
 """Checksum-verified matrix products: a wrong multiply is caught on the rank and in the step where it
 happens (algorithm-based fault tolerance).
 
-Why: a compute fault whose result is finite (a wrong multiply-accumulate in one rank's forward or
-backward) changes that rank's local gradient; the all-reduce then spreads it into every replica
-equally, so the fingerprint sees nothing and only the replay (one step in ``every_n_steps``) can.
-This check verifies every product of every checked step on the rank that computed it.
+Why: a finite compute fault in one rank's forward or backward changes its local gradient; the all-
+reduce spreads it into every replica equally, so the fingerprint sees nothing and only the replay
+(one step in ``every_n_steps``) can. This check verifies every product of every checked step on the
+rank that computed it. The identities and their rounding bound: ``sdc_core.checks.matmul_bound``;
+where the products are hooked: ``sdc_core.checks.matmul_sites``.
 
-The identities checked and their rounding bound: ``sdc_core.checks.matmul_bound``; where the
-products are hooked: ``sdc_core.checks.matmul_sites``.
+Covered: every ``nn.Linear`` whose ``forward`` is ``nn.Linear.forward`` (forward and backward: dY,
+dX and dW as the product produced them), and with ``attention=True`` the in- and out-projections of
+``nn.MultiheadAttention``. Not covered: the attention products themselves (SDPA), ``nn.Linear``
+subclasses with their own ``forward``, other matrix products (``matmul``, ``bmm``, ``Conv1D``,
+convolutions, embeddings), DTensor weights, the bias gradient, modules run through
+``torch.compile``. ``coverage()`` lists what a model has of each.
 
-Covered: every ``nn.Linear`` whose ``forward`` is ``nn.Linear.forward`` (checked from a forward
-hook that runs first, so a later hook that edits the output is not mistaken for a fault; the
-backward from a hook on the product's own autograd node, which receives dY, dX and dW as the
-product produced them), and with ``attention=True`` the in- and out-projections of
-``nn.MultiheadAttention`` (``F.multi_head_attention_forward`` calls ``F.linear`` with the module's
-weights, not ``nn.Linear`` modules: while attached, ``torch.nn.functional.linear`` is a wrapper
-that hands the calls made while such a module runs (a context variable) to the check; it is
-restored at ``detach``). Attention blocks built from ``nn.Linear`` (Hugging Face, timm) are
-covered as linears. Not covered: the attention products themselves (``Q K^T``, ``softmax V``:
-SDPA), ``nn.Linear`` subclasses with their own ``forward`` (LoRA-style layers: their inner
-``nn.Linear`` are covered), other matrix products (``torch.matmul``/``bmm``/``addmm`` calls,
-Hugging Face ``Conv1D``, convolutions, embeddings), DTensor (tensor-parallel) weights, the bias
-gradient, modules run through ``torch.compile`` (the hooks stand aside while it traces).
-``coverage()`` lists what a model has of each.
+Verdict: no host synchronisation and no synchronous collective in the step. ``verdict(step)`` (after
+backward, before the update) starts one asynchronous 4-byte MAX all-reduce of the step's worst
+normalised residual; the next ``arm`` (or ``resolve()``) reads it, identical on every rank, and only
+then (the rare path) do the ranks gather who saw what: every rank raises the same
+``ChecksumMismatchError`` naming step, rank, host, module and phase. ``verdict(step, now=True)``
+reads it before the update (one host wait).
 
-Verdict: no host synchronisation and no extra synchronous collective in the step. Each product
-appends its worst normalised residual (a 0-d device tensor) to the step's list. ``verdict(step)``
-(after backward, before the update) stacks them and issues one asynchronous 4-byte MAX
-all-reduce of the step's worst value; ``arm(step + 1)`` (or ``verdict``, or ``resolve()``: before
-a checkpoint, at the end of training) reads it when the next step starts, identical on every
-rank, before any other check reads its own verdict; only then (the rare path) do the ranks
-gather who saw what, and every rank raises the same ``ChecksumMismatchError`` naming step ``s``,
-the rank, its host, the module and the phase. ``verdict(step, now=True)`` reads it before the
-update instead (one host wait).
-
-Cost (benchmarks/matmul.py, docs/performance.md): per product, reads of the output and the
-input in the forward (a block sum, the thin product, block norms and block sums), of dY (a row
-norm and two thin products), dX and dW in the backward, about thirty-five small kernels and two
-Python calls; per weight and step three reads of the weight and about twenty small kernels. The
-reads are memory-bound work next to a compute-bound product: their share falls as ``1/width``
-(at width 256 on a CPU one read of an output costs 1-2% of the product that wrote it). The thin
-products of blocks are ``1/block`` of the product's multiply-adds at every width: blocks of 32
-cannot cost under about 3% of the products; whole rows (``block=0``) have none. Bit-identical
-training: the check only reads.
+Cost (docs/performance.md): per product about thirty-five small kernels reading the output, input,
+dY, dX and dW, and per weight and step three reads of the weight; the reads' share falls as
+``1/width`` and the thin block products cost ``1/block`` of the product's multiply-adds (blocks of
+32: about 3%; whole rows, ``block=0``: none). The check only reads: training is bit-identical.
 """
 
 from __future__ import annotations

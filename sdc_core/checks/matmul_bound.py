@@ -37,11 +37,9 @@ are not judged. The weight-gradient bound is the same for every row of ``dW`` (`
 random shapes, magnitudes from 1e-12 to 1e12, all-positive and constant data (rounding errors all
 of one sign), every precision and layout.
 
-What a verdict sees: a wrong element whose error exceeds the bound of its block (the
-``*_threshold`` methods; ``visible_error_sizes`` for a layer of a given width; docs/coverage.md).
-The bound grows with the block and with ``K^1.5``: with blocks of 32 a wrong element of a few
-percent of its row's largest is caught at width 256 in fp32, of about that largest at 4096; bf16
-and fp16 outputs add their own rounding (about a third of the row's largest at width 256). Whole
+What a verdict sees: a wrong element whose error exceeds the bound of its block (``visible_error_sizes``;
+docs/coverage.md). The bound grows with the block and with ``K^1.5``: with blocks of 32 a wrong element of a few
+percent of its row's largest is caught at width 256 in fp32, of about that largest at 4096.
 """
 
 from __future__ import annotations
@@ -191,22 +189,16 @@ def _weight_grad_constants(device: torch.device, bx: int, n: int, rnd: Rounding,
 
 @dataclass
 class LinearBound:
-    """What the three checks of one ``F.linear`` need of its weight and bias as the product used them
-    (cast to ``dtype``), its sizes and its rounding model: computed once per step (about twenty
-    small kernels and a few reads of the weight, no host synchronisation) and reused by every
-    call of that step.
+    """What the three checks of one ``F.linear`` need of its weight and bias as the product used them (cast to
+    ``dtype``), its sizes and its rounding model: computed once per step (about twenty small kernels, a few reads of
+    the weight, no host synchronisation) and reused by every call of that step.
 
-    Checksums cover blocks: the forward one ``bf`` consecutive outputs of a row (``nf`` blocks:
-    ``Y_i,b 1 = X_i c_b + sum(b_b)``, with ``c_b`` the column sums of the block's weight rows),
-    the backward ones ``bx`` consecutive inputs (``nx`` blocks: ``dX_i,b 1 = dY_i (W_:,b 1)`` and
-    ``dW_j,b 1 = dY_:,j . (X_:,b 1)``). A block's rounding bound grows with the block, so smaller
-    blocks see smaller errors, for the price of a thinner extra product (``X [k x nf]``).
-
-    Forward bound of row i, block b: ``f_slope_b ||x_i|| + f_icpt_b`` (plus the narrow-output
-    term), judged where ``||x_i|| < f_xmax_b``; input-gradient bound: ``d_slope_b ||dy_i|| +
-    d_icpt``, judged where ``||dy_i|| < d_ymax_b``; the weight-gradient bound depends on the rows
-    and is built per call.
-    """
+    Checksums cover blocks: the forward one ``bf`` consecutive outputs of a row (``nf`` blocks, ``c_b`` the column
+    sums of the block's weight rows), the backward ones ``bx`` consecutive inputs (``nx`` blocks); smaller blocks see
+    smaller errors for the price of a larger extra product (``X [k x nf]``). Forward bound of row i, block b:
+    ``f_slope_b ||x_i|| + f_icpt_b`` (plus the narrow-output term), judged where ``||x_i|| < f_xmax_b``; input
+    gradient: ``d_slope_b ||dy_i|| + d_icpt``, judged where ``||dy_i|| < d_ymax_b``; the weight-gradient bound is
+    built per call."""
 
     k: int
     m: int

@@ -30,15 +30,12 @@ _AMINMAX_FROM = 1 << 11  # elements: on the CPU, tensors this large or larger ar
 
 
 def peaks(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Per tensor (all of one dtype and device) its largest magnitude: non-finite exactly when the
-    tensor holds NaN or Inf (1-d, on their device; no host synchronisation, no host read; finite
-    values never overflow); read-only.
+    """Per tensor (all of one dtype and device) its largest magnitude, 1-d on their device: non-finite exactly when the
+    tensor holds NaN or Inf (finite values never overflow); no host synchronisation, read-only.
 
-    Off the CPU: ``_foreach_norm(ord=inf)``, a few multi-tensor kernels however many tensors. On
-    the CPU torch's inf-norm is a scalar loop, 3-15x slower than a sum on tensors of a few thousand
-    elements or more: those give their largest magnitude from ``aminmax`` (vectorised, 1.1-1.8x a
-    sum; one op each, a few microseconds against the tens or hundreds it takes to read such a
-    tensor), and the smaller ones from one multi-tensor inf-norm (as fast as a sum there)."""
+    Off the CPU: ``_foreach_norm(ord=inf)``, a few multi-tensor kernels. On the CPU torch's inf-norm is a scalar
+    loop, so tensors of a few thousand elements or more use ``aminmax`` (1.1-1.8x a sum) and the smaller ones one
+    multi-tensor inf-norm."""
     if tensors[0].device.type != "cpu":
         return torch.stack(torch._foreach_norm(tensors, float("inf")))
     small = [t for t in tensors if t.numel() < _AMINMAX_FROM]
@@ -57,16 +54,11 @@ Index = torch.Tensor | Sequence[int]
 
 
 def log2_peaks_by_group(pairs: Sequence[tuple[torch.Tensor, Index]], groups: int) -> torch.Tensor:
-    """Per group ``j < groups`` the log2 of the largest of the peaks given to it: ``pairs`` of 1-d
-    peaks (``peaks``) and their groups' indices (1-d, on the first peaks' device, or a list of
-    ints: what the host path reads without a torch op). NaN for a group
-    without a peak or with zero peaks only, +Inf for one holding a non-finite peak. float32 on that
-    device, no host synchronisation: the statistic of ``NonFiniteGradient.take_magnitudes``.
-
-    Off the CPU a few kernels per pair. On the CPU, where reading a value waits for nothing, the
-    peaks are read and their maxima and log2 taken in Python (log2 is monotonic: the log2 of the
-    largest peak is the largest log2): one tensor made instead of seven ops per pair, the
-    screen's largest host cost there."""
+    """Per group ``j < groups`` the log2 of the largest of the peaks given to it (``pairs`` of 1-d ``peaks`` and their
+    groups' indices, a tensor or a list of ints): NaN for a group without a nonzero peak, +Inf for one holding a non-
+    finite peak; float32 on the peaks' device, no host synchronisation (the statistic of
+    ``NonFiniteGradient.take_magnitudes``). On the CPU the values are taken in Python (``log2_peaks_on_host``): one
+    tensor made instead of seven ops per pair."""
     home = pairs[0][0].device
     if home.type == "cpu" and all(v.device.type == "cpu" for v, _ in pairs):
         return _log2_peaks_on_host(pairs, groups)

@@ -79,16 +79,9 @@ _DTYPES: dict[str, torch.dtype] = {
     if isinstance(getattr(torch, name, None), torch.dtype)
 }
 _NUMPY_DTYPE = re.compile(r"[<>|=]?(b1|[iu][1248]|f[248]|c(8|16))")
-_FACTORIES: dict[str, Any] = {
-    "list": list,
-    "dict": dict,
-    "set": set,
-    "int": int,
-    "float": float,
-    "str": str,
-    "tuple": tuple,
-    "bytes": bytes,
-}
+_FACTORIES: dict[str, Any] = {t.__name__: t for t in (list, dict, set, int, float, str, tuple, bytes)}
+_CONTAINERS: dict[str, Any] = {t.__name__: t for t in (list, tuple, set, frozenset)}  # rebuilt from their items
+_DICTS: dict[str, Any] = {"dict": dict, "odict": collections.OrderedDict}  # rebuilt from their (key, value) pairs
 # Mapping classes rebuilt as ``cls(dict)``: their constructor takes the data and nothing else.
 _MAPPINGS = {"transformers.tokenization_utils_base:BatchEncoding", "transformers.feature_extraction_utils:BatchFeature"}
 
@@ -370,7 +363,12 @@ class _Decoder:
             return node
         if not isinstance(node, dict) or not isinstance(node.get("t"), str):
             raise PayloadError(f"a node of the payload is {type(node).__name__}, not a tagged value")
-        method = _TAGS.get(node["t"])
+        tag = node["t"]
+        if tag in _CONTAINERS:
+            return _CONTAINERS[tag](self._items(node, depth))
+        if tag in _DICTS:
+            return _DICTS[tag](self._pairs(node, depth))
+        method = _TAGS.get(tag)
         if method is None:
             raise PayloadError(f"a node of the payload has the unknown tag {node['t']!r}")
         return method(self, node, depth)
@@ -380,18 +378,6 @@ class _Decoder:
         if not isinstance(items, list):
             raise PayloadError(f"a {node['t']} holds {type(items).__name__}, not a list")
         return [self.decode(v, depth + 1) for v in items]
-
-    def _list(self, node: dict[str, Any], depth: int) -> list[Any]:
-        return self._items(node, depth)
-
-    def _tuple(self, node: dict[str, Any], depth: int) -> tuple[Any, ...]:
-        return tuple(self._items(node, depth))
-
-    def _set(self, node: dict[str, Any], depth: int) -> set[Any]:
-        return set(self._items(node, depth))
-
-    def _frozenset(self, node: dict[str, Any], depth: int) -> frozenset[Any]:
-        return frozenset(self._items(node, depth))
 
     def _deque(self, node: dict[str, Any], depth: int) -> collections.deque[Any]:
         maxlen = node.get("maxlen")
@@ -432,12 +418,6 @@ class _Decoder:
             raise PayloadError(f"a mapping has {len(keys)} keys and {len(values)} values")
         return list(zip(keys, values, strict=True))
 
-    def _dict(self, node: dict[str, Any], depth: int) -> dict[Any, Any]:
-        return dict(self._pairs(node, depth))
-
-    def _odict(self, node: dict[str, Any], depth: int) -> collections.OrderedDict[Any, Any]:
-        return collections.OrderedDict(self._pairs(node, depth))
-
     def _ddict(self, node: dict[str, Any], depth: int) -> collections.defaultdict[Any, Any]:
         factory = node.get("factory")
         if factory is not None and factory not in _FACTORIES:
@@ -468,7 +448,7 @@ class _Decoder:
             t.requires_grad_(True)
         return t
 
-    def _numpy(self, node: dict[str, Any]) -> Any:
+    def _ndarray(self, node: dict[str, Any], depth: int) -> Any:
         np = sys.modules.get("numpy")
         if np is None:
             raise PayloadError("the payload holds a NumPy value and NumPy is not imported on this rank")
@@ -479,11 +459,8 @@ class _Decoder:
         shape = self.shape(entry[2], dtype.itemsize, raw.numel(), "a NumPy value")
         return np.frombuffer(_bytes_of(raw), dtype=dtype).reshape(shape).copy()
 
-    def _ndarray(self, node: dict[str, Any], depth: int) -> Any:
-        return self._numpy(node)
-
     def _npscalar(self, node: dict[str, Any], depth: int) -> Any:
-        arr = self._numpy(node)
+        arr = self._ndarray(node, depth)
         if arr.shape != ():
             raise PayloadError(f"a NumPy scalar has shape {arr.shape}")
         return arr[()]
@@ -545,9 +522,8 @@ class _Decoder:
 
 _TAGS = {  # the tag of a node -> the method that rebuilds it
     tag: getattr(_Decoder, f"_{tag}")
-    for tag in ("list", "tuple", "set", "frozenset", "deque", "size", "dtype", "device", "complex", "bytes",
-                "bytearray", "dict", "odict", "ddict", "mapping", "tensor", "ndarray", "npscalar", "pickle", "ntuple",
-                "enum", "dataclass")
+    for tag in ("deque", "size", "dtype", "device", "complex", "bytes", "bytearray", "ddict", "mapping", "tensor",
+                "ndarray", "npscalar", "pickle", "ntuple", "enum", "dataclass")
 }  # fmt: skip
 
 

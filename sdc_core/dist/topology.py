@@ -64,17 +64,11 @@ def _current(kind: str) -> torch.device:
 
 
 def collective_device(device: torch.device | str | None = None, config: str | None = None) -> torch.device:
-    """Where tensors made on ``device`` go to the default group's collectives.
-
-    ``device`` itself when a backend of the group serves its type (NCCL for ``cuda``; gloo, UCC
-    and MPI also carry ``cuda`` tensors, through the host on their own threads, waiting on the
-    producing stream themselves), so device-made values never cross to the host on the checks'
-    side. Otherwise the host when the group serves ``cpu``, else the device type the group serves
-    (``"nccl"`` with CPU tensors: the current CUDA device). ``device=None`` asks for values made
-    on the host (pickled payloads, host counters): the host when the group serves it, else the
-    group's device. Without a process group: ``device``, or the host. ``config`` overrides the
-    group's backend string (``device_backends``).
-    """
+    """Where tensors made on ``device`` go to the default group's collectives: ``device`` itself when a backend of the
+    group serves its type (device-made values never cross to the host on the checks' side), else the host when the
+    group serves ``cpu``, else the device type the group serves. ``device=None`` (values made on the host): the host
+    when the group serves it, else the group's device. Without a process group: ``device``, or the host. ``config``
+    overrides the group's backend string (``device_backends``)."""
     backends = device_backends(config)
     if device is not None:
         device = torch.device(device)
@@ -88,14 +82,10 @@ def collective_device(device: torch.device | str | None = None, config: str | No
 class HostRead:
     """A device tensor's value, to be read on the host later without draining the device's queue.
 
-    Create it right where the value is produced (after starting any asynchronous collective
-    ``work`` on it): on CUDA it records an event on the producing stream. ``get()`` then makes a
-    side stream wait for that event (and for ``work``), copies the value into pinned host memory
-    there and waits for that copy only: work queued after the value (the next step's forward and
-    backward) is not waited for. Never a ``non_blocking`` copy read before it landed. On the host
-    (CPU tensors) ``get()`` waits for ``work`` and returns the value; other device types take a
-    blocking copy. Cost: one event, one tiny copy, and one wait when read.
-    """
+    Create it where the value is produced (after starting any asynchronous ``work`` on it): on CUDA it records an
+    event; ``get()`` copies the value into pinned host memory on a side stream that waits for that event (and
+    ``work``), and waits for that copy only. On the host ``get()`` waits for ``work``; other device types take a
+    blocking copy. Cost: one event, one tiny copy, one wait when read."""
 
     def __init__(self, value: torch.Tensor, work: Any = None) -> None:
         self.value = value
@@ -248,14 +238,9 @@ class Topology:
 
 
 def ring_partners(node_of_rank: list[int]) -> tuple[int, ...]:
-    """Replay permutation for ranks placed on the given nodes (see ``Topology.partners``).
-
-    The ranks are interleaved across nodes (first rank of each node, then the second of each,
-    ...) and each replays the batch of the one before it in that cycle. One cycle through all
-    ranks means no two ranks replay each other (which would make a faulty rank and its partner
-    indistinguishable); with equal node sizes every partner sits on another node. On one node
-    the partner of ``r`` is ``r + 1``.
-    """
+    """Replay permutation for ranks placed on the given nodes (see ``Topology.partners``): ranks interleaved across
+    nodes, each replaying the one before it in that single cycle, so no two ranks replay each other and with equal
+    node sizes every partner is on another node. On one node the partner of ``r`` is ``r + 1``."""
     world = len(node_of_rank)
     seen: dict[int, int] = {}
     local_index = []
@@ -270,14 +255,10 @@ def ring_partners(node_of_rank: list[int]) -> tuple[int, ...]:
 
 
 def group_ring_partners(groups: list[tuple[int, ...]], node_of_rank: list[int]) -> tuple[int, ...]:
-    """Replay permutation when ranks compute each batch together in ``groups`` (tensor-parallel
-    groups, one per data-parallel index, each listed in tensor-parallel coordinate order).
-
-    The ring runs over the groups (``ring_partners`` on the node of each group's first rank): the
-    group after ``g`` replays ``g``'s batches, its rank with coordinate ``t`` replaying what rank
-    ``t`` of ``g`` computed, so the members of a group replay one batch together and their
-    collectives pair up. With ``D`` groups the permutation is ``T`` cycles of length ``D``.
-    Raises ``ValueError`` unless the groups are of one size and cover every rank exactly once."""
+    """Replay permutation when ranks compute each batch together in ``groups`` (tensor-parallel groups in coordinate
+    order): the ring runs over the groups, the rank with coordinate ``t`` of the group after ``g`` replaying what
+    rank ``t`` of ``g`` computed, so a group's collectives pair up. Raises ``ValueError`` unless the groups are of
+    one size and cover every rank exactly once."""
     world = len(node_of_rank)
     sizes = {len(g) for g in groups}
     if len(sizes) != 1 or sorted(r for g in groups for r in g) != list(range(world)):
@@ -329,15 +310,12 @@ _TEXT_BYTES = 512
 
 
 def all_gather_objects(obj: Any, *, max_bytes: int | None = None) -> list[Any]:
-    """Every rank's ``obj``, in rank order, never unpickled: ``obj`` travels in the form of
-    ``sdc_core.dist.payload`` (plain values, containers, tensors, named tuples, sdc_core dataclasses).
+    """Every rank's ``obj``, in rank order, never unpickled (the form of ``sdc_core.dist.payload``).
 
-    Sizes are agreed first (one all-gather of 24 bytes a rank), checked on every rank against the
-    smallest ``max_bytes`` of all ranks (default ``SDC_MAX_PAYLOAD_MB`` or 4 GiB), and the receive
-    buffers' allocation is agreed too (4 bytes a rank), so a bad size or a buffer that cannot be
-    held raises ``PayloadError`` on every rank, never on one while the others wait. Every rank
-    decodes the same bytes, so an object that cannot be read (or one its rank could not encode)
-    raises ``PayloadError`` naming that rank on every rank. Rare paths only: three collectives."""
+    Sizes are agreed first and checked against the smallest ``max_bytes`` of all ranks (default
+    ``SDC_MAX_PAYLOAD_MB`` or 4 GiB), and the buffers' allocation is agreed, so a bad size, an unholdable buffer or
+    an unreadable object raises ``PayloadError`` naming the rank on every rank, never on one while the others wait.
+    Rare paths only: three collectives."""
     if not is_distributed():
         return [obj]
     world, me = dist.get_world_size(), dist.get_rank()
@@ -431,25 +409,15 @@ def exchange(
 ) -> dict[int, Any]:
     """Point-to-point exchange: ``sends[dst] = obj``; returns ``{src: obj}`` for each source.
 
-    Every rank calls it at the same point with a plan consistent with the others' (a send to
-    ``d`` on rank ``s`` matches ``s`` in ``recv_from`` on rank ``d``). Objects travel in the form
-    of ``sdc_core.dist.payload`` and arrive on the CPU; nothing a peer sends is unpickled unless THIS
-    rank's ``allow_pickle`` (default ``SDC_ALLOW_PICKLED_BATCHES``, off) says so. An object this
-    rank cannot send (it would need pickling, or is larger than ``max_bytes``) arrives as
+    Every rank calls it at the same point with plans consistent with the others'. Objects travel in the form of
+    ``sdc_core.dist.payload`` and arrive on the CPU; nothing is unpickled unless THIS rank's ``allow_pickle``
+    (default ``SDC_ALLOW_PICKLED_BATCHES``, off) says so. An object this rank cannot send arrives as
     ``{TRANSFER_ERROR: why}``.
 
-    Guarantees: the plans are checked against each other first (one all-reduce of four integers:
-    the counts of sends and receives and sums of a key of each pair agree only when every send
-    has its receive), the smallest ``max_bytes`` of all ranks is agreed (one all-reduce; default
-    ``SDC_MAX_PAYLOAD_MB`` or 4 GiB), each sender announces its size to its receiver (8 bytes,
-    point to point) and each receiver checks it; receive buffers are allocated and that is agreed;
-    after the transfer each receiver decodes and runs ``validate`` (raising on a shape its caller
-    cannot use), and that is agreed. Any failure (plans that do not match, a size over the limit,
-    a buffer that cannot be held, a malformed payload, a pickled object this rank does not
-    accept, a failed ``validate``) raises ``PayloadError`` on every rank, naming the ranks, never
-    on one while the others wait. Cost per rank, whatever the world size: one copy of each
-    payload into a buffer and one out, an 8-byte size per partner, and five all-reduces of at
-    most 32 bytes beside the transfers (the failure texts are gathered only on a failure)."""
+    Guarantees: the plans, the smallest ``max_bytes`` (default ``SDC_MAX_PAYLOAD_MB`` or 4 GiB), each announced size,
+    the buffers' allocation and each receiver's decoding and ``validate`` are agreed, so any failure raises
+    ``PayloadError`` on every rank, naming the ranks. Cost per rank, whatever the world size: one copy of each
+    payload in and one out, an 8-byte size per partner and five all-reduces of at most 32 bytes."""
     me, device = dist.get_rank(), collective_device()
     allow = pickle_allowed(allow_pickle)
     agreed = torch.tensor([max_payload_bytes(max_bytes)], dtype=torch.int64, device=device)

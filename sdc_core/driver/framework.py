@@ -1,14 +1,11 @@
 """``Framework``: what the hook set asks of a training loop, answered here for a plain PyTorch loop.
 
-A ``Framework`` is the hook set's ``Seam`` (what the step driver asks: the run folder, the main
-process, the world size, the trackers, how a replay recomputes a micro-batch, the step's loss);
-the hook set (``sdc_core.driver.hooks.SDCHooks``) asks every other framework-specific question
-through these members: the number of processes and this process's place, the DDP model and how to unwrap
-it, whether this micro-batch steps (gradient accumulation) and what the loss is divided by, the
-GradScaler and the steps it skipped, moving a batch to the model's device, the replay's model and
-context, logging, the run folder, checkpoint registration and the comm-hook hand-over. The
-Accelerate, Fabric and Trainer seams subclass ``Framework``; none of its members communicates.
-Also here: the callables a loop hands the hook set (``LossFn``, ``MetricsFn``).
+A ``Framework`` is the hook set's ``Seam`` (the run folder, the main process, the world size, the
+trackers, how a replay recomputes a micro-batch, the step's loss) and answers every other framework-
+specific question of ``sdc_core.driver.hooks.SDCHooks``: processes, the DDP model and unwrapping,
+sync steps and the loss divisor, the GradScaler, devices, the replay's model and context, logging,
+checkpoint registration and the comm-hook hand-over. Also here: the callables a loop hands the hook
+set (``LossFn``, ``MetricsFn``).
 """
 
 from __future__ import annotations
@@ -31,17 +28,14 @@ MetricsFn = Callable[[dict[str, float], int], None]
 
 
 class Framework(Seam):
-    """The seam between the hook set and a training loop: here, a plain PyTorch loop.
-
-    Every framework-specific question ``SDCHooks`` and its step driver ask goes through one of
-    these members; the Accelerate, Fabric and Trainer seams subclass it. None of them communicates.
+    """The seam between the hook set and a training loop: here, a plain PyTorch loop; the Accelerate, Fabric and Trainer
+    seams subclass it. None of its members communicates.
 
     Args:
         run_dir: where incidents go (``<run_dir>/sdc/incidents``); default: the working directory.
         log: ``log(metrics, step)`` receives the counters (every rank calls it; write on rank 0).
         accumulation_steps: what you divide the loss by before ``backward`` (the replay
-            recomputes that loss); 1 when you do not.
-    """
+            recomputes that loss); 1 when you do not."""
 
     def __init__(self, run_dir: str | os.PathLike[str] | None = None, log: MetricsFn | None = None,
                  accumulation_steps: int = 1) -> None:  # fmt: skip

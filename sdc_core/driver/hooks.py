@@ -11,35 +11,17 @@ A plain ``torchrun`` loop uses it as it is (torch and torch.distributed only)::
         optimizer.zero_grad()
     hooks.finish()
 
-The Accelerate, Fabric and Hugging Face Trainer seams are thin subclasses that answer the
-framework questions through ``Framework`` (the number of processes, unwrapping, sync steps, the
-GradScaler, logging, the run folder, checkpoint registration, the comm-hook hand-over);
-``sdc_core.driver.framework.Framework`` itself is the plain-PyTorch answer. The hook set's
-collaborators: ``LoopChecks`` (the check cores and how they meet the model), ``LoopCapture`` (what
-the replay records of the loop's forwards), ``CounterLog`` (the tracker points), ``hook_state``
-(its checkpoint state), and the core ``StepDriver``. What the driver does, whatever the seam:
-
-* the shared gradient tap (a hook per parameter, ahead of DDP's reducer) feeds the non-finite
-  check and the replay audit with each rank's LOCAL gradients;
-* ``replayable(fn)`` wraps the user's loss computation: on audited steps it records its arguments,
-  RNG, module state and the autocast state it ran under, and the loss the user back-propagates;
-  without it, a forward pre-/post-hook on the unwrapped model records the model's inputs (and the
-  autocast state of the forward), RNG and module state, and the loss (``outputs.loss``, a scalar
-  output, or ``loss_fn``);
-* the optimizer's ``step`` (the GradScaler's, when one is given to ``attach``) is wrapped on the
-  instance: the non-finite check takes the step's evidence and the replay audit runs before the
-  update, the fingerprint after each real update (not on steps a GradScaler skipped); the
-  non-finite verdict is read at the next step (``"raise"``/``"warn"``), before the update
-  (``"skip_step"``, GradScaler, audited steps), in ``before_save()`` and in ``finish()``;
-* ``before_save()`` reads the pending verdicts and compares the replicas' current weights before
-  a checkpoint is written, and (DDP) fingerprints the model and optimizer state that
-  ``state_dict()`` then carries; ``load_state_dict`` verifies the loaded tensors against it;
-* an FSDP2 (``fully_shard``) model gets the sharded cores: the non-finite check in the
-  reduce-scatter, the sharded fingerprint, the sharded replay and the optional update audit.
+The Accelerate, Fabric and Hugging Face Trainer seams are thin subclasses that answer the framework
+questions through ``Framework``. Collaborators: ``LoopChecks`` (the check cores and how they meet
+the model), ``LoopCapture`` (what the replay records of the loop's forwards), ``CounterLog`` (the
+tracker points), ``counters`` (its checkpoint state) and the core ``StepDriver``. The optimizer's
+``step`` is wrapped on the instance: the non-finite check and the replay audit run before the
+update, the fingerprint after each real one; an FSDP2 (``fully_shard``) model gets the sharded
+cores.
 
 A failure raises the ``SDCError`` on every rank in the same step, writes an incident under
 ``<run_dir>/sdc/incidents`` (rank 0) and sets the process exit code (``sdc_core.ops.incidents``).
-Cost: as ``sdc_core`` documents per check; the driver itself adds a few Python calls per step.
+Cost: as each check documents; the driver adds a few Python calls per step.
 """
 
 from __future__ import annotations
@@ -55,19 +37,119 @@ from typing import Any
 import torch
 from torch import nn
 
+from sdc_core.checks.screen import GradientScreen
 from sdc_core.dist.topology import Topology
-from sdc_core.driver.counter_log import CounterLog
 from sdc_core.driver.framework import Framework, LossFn, MetricsFn, inner_optimizer, wrap_step
-from sdc_core.driver.hook_state import counters, restore_counters, take_fingerprint, verify_loaded
 from sdc_core.driver.loop_checks import LoopChecks
 from sdc_core.driver.replay_capture import LoopCapture
 from sdc_core.driver.settings import PLAIN, Sources, resolve
 from sdc_core.driver.step import StepContext, StepDriver
 from sdc_core.errors import SDCError
+from sdc_core.io.checkpoints import FINGERPRINT_KEY, check_loaded_checkpoint, fingerprint_checkpoint
 from sdc_core.ops import process_exit
 from sdc_core.ops.process_exit import install_exit_code
 from sdc_core.ops.summary import log_run_summary
 from sdc_core.sharded.checks import is_sharded
+
+
+class CounterLog:
+    """The tracker points of ``checks()``' counters, one per step and metric, written through ``fw.log``.
+
+    A point is never written twice for one step with different values: a periodic point is only noted (``due``) and
+    written once the next step's verdicts are in (``write_due``), or by a forced write (``now``: at the end, or when a
+    verdict leaves the loop), which also flushes the trackers. No communication."""
+
+    def __init__(self, fw: Framework, checks: Callable[[], list[Any]]) -> None:
+        self._fw = fw
+        self._checks = checks
+        self._due: int | None = None  # step of the periodic point not written yet
+        self._written: int | None = None  # the last step written
+
+    def metrics(self) -> dict[str, float]:
+        """Every check's counters, by metric name."""
+        out: dict[str, float] = {}
+        for check in self._checks():
+            out.update(check.stats.metrics())
+        return out
+
+    def due(self, step: int) -> None:
+        """A periodic point at ``step``: written by ``write_due`` or ``now``, whichever comes first."""
+        self._due = step
+
+    def write_due(self) -> None:
+        """Write the pending periodic point (its step's verdicts are in), unless its step was written."""
+        if self._due is not None:
+            step, self._due = self._due, None
+            if self._written != step:
+                self._write(step)
+
+    def now(self, step: int) -> None:
+        """Write the point of ``step`` now (unless written already) and flush the trackers."""
+        self._due = None
+        if self._written != step:
+            self._write(step)
+        self._fw.flush()
+
+    def _write(self, step: int) -> None:
+        self._fw.log(self.metrics(), step)
+        self._written = step
+
+
+
+# -- the hook set's checkpoint state: its counters as plain data (no pickle) and the fingerprint of the saved
+# model and optimizer state, taken before a save and checked after a load
+
+
+def counters(step: int, updates: int, checks: list[Any], fingerprint: dict[str, Any] | None) -> dict[str, Any]:
+    """The hook set's state: its step and update counts, each check's counters and, when one was
+    taken, the fingerprint of the saved model and optimizer state."""
+    state: dict[str, Any] = {
+        "step": step,
+        "updates": updates,
+        "checks": {c.stats.check: c.stats.state_dict() for c in checks},
+        "screen_bands": {c.stats.check: c.state_dict() for c in checks if isinstance(c, GradientScreen)},
+    }
+    if fingerprint is not None:
+        state[FINGERPRINT_KEY] = fingerprint
+    return state
+
+
+def restore_counters(state: dict[str, Any], checks: list[Any]) -> tuple[int, int, Any]:
+    """Each of ``checks`` gets its counters back from ``state`` (``counters``' form); returns the
+    step and update counts and the fingerprint saved with them (or None). ``ValueError`` for a
+    state that is not of that form."""
+    try:
+        step, updates, saved = int(state["step"]), int(state["updates"]), dict(state["checks"])
+    except (KeyError, TypeError, ValueError) as err:
+        raise ValueError(f"corrupted SDCHooks state: {err!r} in {state!r}") from err
+    for check in checks:
+        if check.stats.check in saved:
+            check.stats.load_state_dict(saved[check.stats.check])
+        band = state.get("screen_bands", {}).get(check.stats.check)  # absent in earlier checkpoints
+        if isinstance(check, GradientScreen) and isinstance(band, dict):
+            check.load_state_dict(band)
+    return step, updates, state.get(FINGERPRINT_KEY)
+
+
+def saved_tensors(module: nn.Module, optimizer: Any) -> dict[str, Any]:
+    """The state a checkpoint of the hook set's model holds: the unwrapped model's and the torch optimizer's."""
+    return {"model": module.state_dict(), "optimizer": inner_optimizer(optimizer).state_dict()}
+
+
+def take_fingerprint(module: nn.Module | None, optimizer: Any) -> dict[str, Any] | None:
+    """The fingerprint of the state a checkpoint of ``module`` holds (DDP or one process); None
+    before ``attach`` and for a ``fully_shard`` model (its DTensor shards are compared, not fingerprinted)."""
+    if module is None or is_sharded(module):
+        return None
+    return fingerprint_checkpoint(saved_tensors(module, optimizer))
+
+
+def verify_loaded(module: nn.Module | None, optimizer: Any, stored: dict[str, Any], step: int) -> None:
+    """Raise ``FingerprintMismatchError`` when the loaded state of ``module`` and ``optimizer``
+    differs from ``stored``, the fingerprint saved with it (every process loads the same files)."""
+    assert module is not None
+    check_loaded_checkpoint({**saved_tensors(module, optimizer), FINGERPRINT_KEY: stored}, step)
+
 
 
 def _core(name: str) -> Any:
@@ -217,17 +299,13 @@ class SDCHooks:
     def replayable(self, fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
         """Wrap the function that computes the loss you back-propagate, so the replay computes it too.
 
-        ``fn(model, *args, **kwargs)`` must return the loss (or a ``(loss, outputs)`` pair)
-        exactly as you back-propagate it (labels, extra terms and any scaling included; the hook
-        set applies the framework's division by the accumulation steps and the GradScaler
-        itself). The wrapper has the same signature; on audited steps it records ``(args,
-        kwargs)``, the RNG, module state and autocast state, and the loss, and the replay calls
-        ``fn(unwrapped_model, *args, **kwargs)``. Everything ``fn`` reads must come through its
-        arguments or the model. While a wrapper is in use the forward hooks record nothing.
+        ``fn(model, *args, **kwargs)`` returns the loss (or ``(loss, outputs)``) exactly as you back-propagate it
+        (the hook set applies the accumulation division and the GradScaler itself). On audited steps the wrapper
+        records ``(args, kwargs)``, the RNG, module and autocast state and the loss; the replay calls
+        ``fn(unwrapped_model, *args, **kwargs)``, so everything ``fn`` reads must come through its arguments or the
+        model. While a wrapper is in use the forward hooks record nothing.
 
-        Example: ``compute_loss = hooks.replayable(lambda model, x, y: F.cross_entropy(model(x), y))``
-        then ``compute_loss(model, x, y).backward()``.
-        """
+        Example: ``compute_loss = hooks.replayable(lambda model, x, y: F.cross_entropy(model(x), y))``."""
         return self._capture.replayable(fn)
 
     # -- the step ------------------------------------------------------------------------------
@@ -298,13 +376,11 @@ class SDCHooks:
         self._driver.gradients_now(self._context())
 
     def before_save(self, fingerprint: bool = True) -> None:
-        """Call on every process before writing a checkpoint: reads the pending non-finite
-        verdict and compares the replicas' current weights (raising the ``SDCError`` on every
-        process, before anything is written). With ``fingerprint`` (DDP or one process), the model
-        and optimizer state are fingerprinted into ``checkpoint_fingerprint`` (a seam that saves
-        part of them may trim it), which ``state_dict()`` carries for ``load_state_dict`` to verify
-        what was loaded. Works the same before ``torch.distributed.checkpoint.save`` (sharded models:
-        compared, not fingerprinted). Cost: one host wait and one read of the weights (and of the saved state)."""
+        """Call on every process before writing a checkpoint: reads the pending non-finite verdict and compares the
+        replicas' current weights (raising the ``SDCError`` on every process before anything is written). With
+        ``fingerprint`` (DDP or one process) the model and optimizer state are fingerprinted into
+        ``checkpoint_fingerprint``, which ``state_dict()`` carries for ``load_state_dict`` to verify. Sharded models:
+        compared, not fingerprinted. Cost: one host wait and one read of the weights (and of the saved state)."""
         self._compare_now()
         self.checkpoint_fingerprint = take_fingerprint(self._module, self._optimizer) if fingerprint else None
 
@@ -319,12 +395,10 @@ class SDCHooks:
         return self._log.metrics()
 
     def log(self, force: bool = False) -> None:
-        """Send the counters to the framework's trackers (or the ``log`` callable), one point per step
-        and metric (``CounterLog``): ``force=False`` (every ``log_every_n_steps``) writes it once the
-        next step's verdicts are in (or at ``finish`` or a failure), ``force=True`` now, and flushes.
-        The tracker step is the number of optimizer updates done (Lightning's ``global_step``): the
-        point of a verdict about step ``s`` (0-based, as ``SDCError.step`` and ``Fault(step=)``)
-        read after that step's update is ``s + 1``, one read before it ``s``."""
+        """Send the counters to the framework's trackers (or ``log``), one point per step and metric (``CounterLog``):
+        ``force=False`` writes it once the next step's verdicts are in, ``force=True`` now, and flushes. The tracker
+        step is the number of optimizer updates done: a verdict about step ``s`` read after its update is logged at
+        ``s + 1``, one read before it at ``s``."""
         if force:
             self._log.now(self.step)
         else:

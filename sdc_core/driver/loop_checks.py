@@ -1,18 +1,11 @@
 """``LoopChecks``: the check cores of a hook set and how they meet its model.
 
-Built from the settings (the non-finite gradient check, the ring replay, the weight fingerprint,
-the matrix-product checksums), then attached once a model is known:
-
-* a DDP model (``attach_tap``): the shared gradient tap, ahead of DDP's reducer, feeds the
-  non-finite check (and through it the every-step screen) and the replay with each rank's LOCAL
-  gradients; the replay captures state through ``StateCapture`` and records the loop's forwards;
-* a ``fully_shard`` model (``attach_sharded``): the sharded cores take the place of the DDP ones
-  (the non-finite check in the reduce-scatter, and through it the screen, the sharded replay and
-  fingerprint, the optional update audit); the matrix-product checksums do not cover DTensor weights and are dropped;
-* one process (``single_process``): the replay and the fingerprint have no replica to compare with.
-
-``detach`` takes the tap's consumers back. None of this communicates (the topology is gathered by
-the caller, on every rank alike).
+Built from the settings, then attached once a model is known: a DDP model (``attach_tap``: the
+shared gradient tap feeds the non-finite check, the screen and the replay), a ``fully_shard`` model
+(``attach_sharded``: the sharded cores; the matrix-product checksums do not cover DTensor weights
+and are dropped), or one process (``single_process``: no replica to compare with). ``detach`` takes
+the tap's consumers back. None of this communicates (the caller gathers the topology, on every rank
+alike).
 """
 
 from __future__ import annotations
@@ -32,7 +25,8 @@ from sdc_core.checks.screen import GradientScreen, ScreenConfig
 from sdc_core.dist.topology import Topology
 from sdc_core.driver.replay_capture import LoopCapture
 from sdc_core.driver.settings import SDCSettings
-from sdc_core.replay.ring import RingReplay, StateCapture
+from sdc_core.replay.ring import RingReplay
+from sdc_core.replay.state import StateCapture
 from sdc_core.sharded.checks import ShardedFingerprint, ShardedNonFinite
 from sdc_core.sharded.replay import ShardedReplay, screenable
 
@@ -120,14 +114,11 @@ class LoopChecks:
     def attach_sharded(self, model: nn.Module, optimizer: Any, capture: LoopCapture,
                        update_audit: Callable[[], Any], topo: Topology,
                        screen: Callable[[], ScreenConfig | None] = lambda: None) -> list[Any]:  # fmt: skip
-        """A ``fully_shard`` model (FSDP2, HSDP): the non-finite check reads each rank's local
-        gradients in the reduce-scatter (and, when ``screen()`` gives its config, the screen's
-        magnitudes per run of FSDP parameter groups from the same read; not under tensor
-        parallelism), the fingerprint compares shards within their replica groups
-        and re-checks unreplicated shards before each training forward, the ring replay has every
-        rank replay its partner's recorded inputs through the sharded model together; when
-        ``update_audit()`` gives the update audit, a partner recomputes each rank's update. Returns
-        the forward hooks' handles."""
+        """A ``fully_shard`` model (FSDP2, HSDP): the non-finite check (and, when ``screen()`` gives its config and
+        there is no tensor parallelism, the screen) reads each rank's local gradients in the reduce-scatter, the
+        fingerprint compares shards in their replica groups and re-checks unreplicated ones before each forward, the
+        replay recomputes partners' inputs through the sharded model together, and ``update_audit()``'s audit
+        recomputes each rank's update. Returns the forward hooks' handles."""
         handles = []
         if self.matmul is not None:  # DTensor weights are not covered (sdc_core.checks.matmul)
             warnings.warn("SDC matmul_checksum is inactive on a fully_shard model", UserWarning, stacklevel=3)

@@ -108,7 +108,7 @@ class ScreenVerdicts:
         driver = self.driver
         if not result or seen.skipped or seen.audited or not recording:
             for replay in recording:
-                replay.take_kept_batches(result.step)  # forgotten: no confirmation needs them
+                replay.kept.take(result.step)  # forgotten: no confirmation needs them
             return False
         replay, source = recording[0], driver._magnitudes
 

@@ -1,33 +1,17 @@
 """``StepDriver``: the one loop driver of the SDC checks, whatever the training loop.
 
-Every seam calls it: ``SDCHooks`` (the plain-PyTorch loop, and through it Accelerate, Fabric and
-the Hugging Face Trainer) from its wrapper of ``optimizer.step``, and the Lightning callbacks from
-the trainer's events. What it owns, once:
+Every seam calls it: ``SDCHooks`` from its wrapper of ``optimizer.step`` (and through it Accelerate,
+Fabric and the Hugging Face Trainer), the Lightning callbacks from the trainer's events. It owns,
+once: the phases of an optimizer step and the order of the verdicts in them (an earlier step's fault
+is always read before a later step can show it as a symptom), the start of the weight comparison
+after the update, what one check's verdict means for the others (a dropped or healed step is not
+audited; a replay disagreement is first checked against the replicas' weights), the delivery of a
+verdict (``Delivery``) and the comparisons before a checkpoint and at the end.
+docs/architecture.md ("One step's journey") walks through a step.
 
-* the phases of an optimizer step (``sdc_core.checks.contract.Phase``: ``observe`` and
-  ``resolve_pending`` after backward, ``before_update``, ``after_update``, ``before_save``) and
-  the order of the verdicts in them: an earlier step's non-finite verdict, the pending weight
-  comparison (of the weights after an earlier update), this step's matrix-product verdict, this
-  step's non-finite verdict, this step's replay audit, a ``StepCheck``'s, then the update
-  audit's snapshot. An earlier fault is never reported as a later one's symptom: weights flipped
-  after step ``s`` make the replay of step ``s + 1`` disagree, but the comparison of step ``s``
-  is read first and names the tensors;
-* the start of the weight comparison after the update (``after_update``), in its own small
-  asynchronous all-reduce read one step later; each verdict has its own collective (or none: the
-  non-finite verdict reads the reduced gradients), nothing rides another check's payload;
-* what one check's verdict means for the others: a step the gradient check dropped is not
-  audited; replicas healed or rolled back before the update are not audited (their gradients
-  came from other weights); a replay disagreement is first checked against the replicas'
-  weights (``_explained_by_weights``), and the weight fault is what is raised;
-* delivery (``deliver``, done by ``delivery.Delivery``): the incident with the policy actually
-  applied, the seam's report (counters to the trackers), the marker for the launcher, the seam's
-  rollback;
-* the comparisons before a checkpoint is written and at the end of training.
-
-The seam (``Seam``) answers what only the framework knows: where incidents go, how to log, how to
-roll back, how a replay recomputes a micro-batch. Every rank calls the same methods in the same
-order; each runs the same collectives on every rank, on its error paths too.
-Cost: a few Python calls per step beyond the checks' own.
+The seam (``Seam``) answers what only the framework knows. Every rank calls the same methods in the
+same order; each runs the same collectives on every rank, on its error paths too; each verdict has
+its own collective (or none). Cost: a few Python calls per step beyond the checks' own.
 """
 
 from __future__ import annotations
@@ -41,12 +25,91 @@ from torch import nn
 from sdc_core.checks.contract import Role, role_of
 from sdc_core.checks.fingerprint import WeightFingerprint, healed_by_comparison
 from sdc_core.checks.gradients import drop_step
-from sdc_core.driver.delivery import ROLLED_BACK, Delivery
 from sdc_core.driver.screen_step import ScreenVerdicts
 from sdc_core.errors import ReplayMismatchError, SDCError
+from sdc_core.ops.incidents import record_verdict
 from sdc_core.ops.process_exit import mark_verdict
 from sdc_core.ops.trackers import log_incident
 from sdc_core.sharded.checks import is_sharded
+
+
+class RolledBack:
+    """What ``deliver`` returns when the seam rolled back instead of raising."""
+
+    def __repr__(self) -> str:
+        return "ROLLED_BACK"
+
+
+ROLLED_BACK = RolledBack()
+
+
+class Delivery:
+    """What happens to one check's verdict, whatever the seam: returned (skipped, warned, healed: its incident
+    recorded with the policy applied), raised (recorded as ``"raise"``, marked for the launcher, re-raised; recorded
+    once even through an outer delivery) or, with ``on_failure="rollback"``, handed to the seam's rollback (recorded
+    as ``"rollback"``, ``ROLLED_BACK`` returned; ``rolled_back``: that verdict, with what was done). Each recorded
+    verdict also goes to the seam's report. No communication beyond the seam's rollback (every rank together)."""
+
+    def __init__(self, seam: Any) -> None:
+        self.seam = seam
+        self._recorded: BaseException | None = None  # the last verdict whose incident was written
+        self.rolled_back: SDCError | None = None
+
+    def deliver(self, check: Any, run: Callable[[], Any], policy: str | None = None) -> Any:
+        """Run one check's call and deliver its verdict: returned (recorded with ``policy``, default
+        the check's ``on_failure``), raised, or rolled back by the seam (returns ``ROLLED_BACK``)."""
+        policy = policy or _policy(check)
+        try:
+            out = run()
+        except SDCError as err:
+            if err is self._recorded:  # raised through an outer call: recorded once
+                self.seam.mark(err)
+                raise
+            if check.last_error is None:
+                check.last_error = err
+            if _policy(check) == "rollback":
+                try:
+                    check.last_error = self.seam.rollback(err, _rollback_bound(check, err))
+                except SDCError as failed:
+                    check.last_error = failed
+                    self._raise(check, failed)
+                check.stats.bump("rollbacks")
+                self.rolled_back = check.last_error
+                self._record(check, "rollback")
+                return ROLLED_BACK
+            self._raise(check, err)
+        self._record(check, policy)
+        return out
+
+    def _raise(self, check: Any, err: SDCError) -> None:
+        self._recorded = err
+        self._record(check, "raise")
+        self.seam.mark(err)
+        raise err
+
+    def _record(self, check: Any, policy: str) -> None:
+        """The incident of ``check``'s last verdict (main process; a failed write only warns)."""
+        error = check.last_error
+        if error is None:
+            return
+        path = record_verdict(check, self.seam.run_dir, self.seam.is_main, policy)
+        self.seam.report(check, policy)
+        if self.seam.is_main:
+            self.seam.report_incident(error, path)
+
+
+def _policy(check: Any) -> str:
+    config = getattr(check, "config", None)
+    return getattr(config, "on_failure", "raise") if config is not None else "raise"
+
+
+def _rollback_bound(check: Any, error: SDCError) -> int:
+    """The newest step a rollback may return to: for a weight fault, the step after the last
+    comparison that found the replicas equal; for a compute fault, the faulty step."""
+    if role_of(check) is Role.FINGERPRINT:
+        return check.stats.last_verified_step + 1
+    return error.step
+
 
 
 @dataclass
@@ -139,18 +202,14 @@ def _with_role(role: Role) -> Any:
 class StepDriver:
     """The verdicts of the SDC checks in the order of cause and effect, for any seam.
 
-    The phases (``sdc_core.checks.contract.Phase``) map to the methods: ``AFTER_BACKWARD`` to
-    ``observe`` then ``resolve_pending``, ``BEFORE_UPDATE`` to ``before_update``, ``AFTER_UPDATE``
-    to ``after_update``, ``BEFORE_SAVE`` to ``before_save`` and ``AT_END`` to ``at_end``. The checks
-    are found by the ``Role`` they declare; a ``StepCheck`` is called in each phase after the
-    built-in checks of that phase.
+    The phases (``sdc_core.checks.contract.Phase``) map to ``observe`` then ``resolve_pending``, ``before_update``,
+    ``after_update``, ``before_save`` and ``at_end``. The checks are found by the ``Role`` they declare; a
+    ``StepCheck`` is called in each phase after the built-in checks of that phase.
 
     Args:
         seam: the framework's answers (``Seam``).
-        checks: returns the checks now in use (the non-finite, fingerprint, replay, matmul and
-            update-audit cores, DDP or sharded, and any ``StepCheck``); asked at every call, so a
-            seam may swap a check for its sharded variant or drop it.
-    """
+        checks: returns the checks now in use, asked at every call (a seam may swap a check for its sharded variant or
+            drop it)."""
 
     def __init__(self, seam: Seam, checks: Callable[[], Iterable[Any]]) -> None:
         self.seam = seam
@@ -334,13 +393,11 @@ class StepDriver:
         return out is ROLLED_BACK or bool(out)
 
     def _explained_by_weights(self, replay: Any, step: StepContext, symptom: ReplayMismatchError) -> bool:
-        """Compare the replicas' current weights (every rank together, every tensor): a replica whose
-        weights changed since the last comparison computes differently, so the weight fault is raised
-        (and recorded: ``FingerprintMismatchError`` naming the tensors, not a compute fault) when they
-        differ and are not healed; True when they were healed or rolled back and that covers every
-        rank the replay named (the step is dropped, no compute fault raised or recorded). Without a
-        fingerprint check a one-off comparison of every parameter does it (DDP; sharded models:
-        none). Cost: one extra comparison, on a failing step only."""
+        """Compare the replicas' current weights (every rank, every tensor): a replica whose weights changed computes
+        differently, so the weight fault (``FingerprintMismatchError`` naming the tensors) is raised when they differ
+        and are not healed; True when a heal or rollback covers every rank the replay named (the step is dropped).
+        Without a fingerprint check a one-off comparison of every parameter does it (DDP only). Cost: one extra
+        comparison, on a failing step only."""
         fps = [fp for fp in self.fingerprints if fp.active]
         if fps:
             fp = fps[0]
@@ -402,4 +459,4 @@ class StepDriver:
                 discard()
 
 
-__all__ = ["Seam", "StepContext", "StepDriver", "StepPlan"]
+__all__ = ["ROLLED_BACK", "Delivery", "RolledBack", "Seam", "StepContext", "StepDriver", "StepPlan"]

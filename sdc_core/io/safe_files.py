@@ -1,21 +1,14 @@
 """Reading files that may be hostile and writing files that must not be half written (torch only).
 
-* ``load_torch`` reads a ``torch.save`` file with ``weights_only=True``: tensors, containers and
-  plain values only, so a file cannot run code while it is read. ``trust_pickle=True`` (the CLI's
-  ``--trust-pickle``, rollback's ``SDC_TRUST_PICKLE=1``) unpickles in full, with a warning naming
-  the file each time: only for files you wrote yourself.
-* ``atomic_write`` writes a file beside its destination and renames it into place: a reader sees
-  the old file or the new one, never half of one, and a hard link to another file (an input) is
-  replaced, never written through. Only a regular file (or nothing) is ever replaced: a symbolic
-  link is followed to the file it names (the link stays), and a device, FIFO, socket or folder
-  is refused with ``OutputError`` before anything is written (``check_output``). Refused rather
-  than written through because every output here is read back (a checkpoint resumed or verified,
-  a flip log or incident parsed by ``sdc report``, a config read by a launcher): a FIFO or device
-  cannot be written atomically, and ``-o /dev/null`` would still leave its flip log in ``/dev``.
-  Permissions are those of an ordinary write: a new file gets ``0o666`` less the umask, a
-  replaced file keeps its mode (``output_mode``), never the ``0o600`` of a temporary file.
-* ``UnreadableError`` (an input cannot be read) and ``OutputError`` (an output cannot be written)
-  name the file and say what to do; both are ``ValueError`` so callers that catch it still work.
+* ``load_torch`` reads a ``torch.save`` file with ``weights_only=True``, so a file cannot run code while it is read;
+  ``trust_pickle=True`` (``--trust-pickle``, ``SDC_TRUST_PICKLE=1``) unpickles in full, warning with the file's name
+  each time.
+* ``atomic_write`` writes beside the destination and renames into place: a reader sees the old file or the new one,
+  and a hard link to an input is replaced, never written through. Only a regular file (or nothing) is replaced (a
+  symbolic link is followed); a device, FIFO, socket or folder is refused with ``OutputError`` before anything is
+  written (``check_output``), since every output here is read back. A new file gets ``0o666`` less the umask, a
+  replaced one keeps its mode (``output_mode``).
+* ``UnreadableError`` and ``OutputError`` name the file and say what to do; both are ``ValueError``.
 """
 
 from __future__ import annotations

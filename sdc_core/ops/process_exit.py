@@ -2,47 +2,30 @@
 marker, the order in which ranks leave, and a clean interpreter exit under torch.distributed.
 
 * **The verdict's exit** (``install_exit_code``): an uncaught ``SDCError`` prints one line per
-  process (``errors.verdict_line``: the message and where the incident is; ``SDC_TRACEBACK=1``: the
-  traceback), leaves a marker for the launcher (``mark_verdict``), runs what a normal exit runs
-  (non-daemon threads joined, the ``atexit`` handlers: trackers close their runs) and ends the
-  process with a distinct code (default 86, ``SDC_EXIT_CODE`` to change, 0 to keep Python's own
-  1). Launchers (torchrun, ``accelerate launch``) turn any failed worker into their own exit code
-  1, so ``sdc run`` / ``accelerate-sdc launch`` (``sdc_core.ops.launch``) read the markers in
-  ``$SDC_VERDICT_DIR`` and exit 86 for the job; a worker group torchrun restarts after a verdict
-  ends at once (``refuse_restart_after_verdict``).
-* **Exit order** (``capture``, ``leave``): torchrun and ``accelerate launch`` stop the whole
-  worker group (SIGTERM, then SIGKILL) as soon as one worker exits with a failure. Rank 0 owns the
-  trackers (MLflow, W&B, TensorBoard) and has more to do on the way out, so on a verdict the other
-  ranks wait for it at exit, through the process group's own key-value store (torchrun's agent
-  store or the ``MASTER_ADDR`` store, so across nodes too), at most ``WAIT_S`` seconds. Without
-  it an MLflow run stayed RUNNING.
-* **A clean interpreter exit** (``arm``, ``settle_threads``): a DDP communication hook written in
-  Python (torch's own ``allreduce_hook``, the compression hooks, PowerSGD; the checks register
-  none, but keep the user's) returns a future made by ``Future.then(python_callback)``. Gloo runs
-  that callback on a worker thread, which takes the GIL again to release it after DDP was told
-  the bucket is reduced. When that thread is descheduled long enough (2 cores, 3 ranks), the main
-  thread can start interpreter teardown first; CPython then ends the thread asking for the GIL
-  with ``pthread_exit``, whose forced unwind through the C++ destructor calls ``std::terminate``
-  ("terminate called without an active exception", SIGABRT; backtrace, torch 2.13, Python 3.11:
-  ``take_gil -> PyThread_exit_thread -> pthread_exit -> _Unwind_ForcedUnwind -> std::terminate
-  <- PythonFunctionGuard disposal <- Future::markCompleted <- ProcessGroupGloo::runLoop``). Its
-  twin is a hang, when the main thread holds the GIL in C++ while it joins that worker. The
-  remedy: release the GIL for a settle period (0.2 s) before teardown, long enough for a worker
-  waiting for it to run or release its callback and leave. The threads of C++ libraries are
-  invisible to ``threading``, so the wait is a fixed period. ``arm()`` (the adapters call it
-  when a check is attached to a distributed model) turns on the exit handler registered when
-  this module is first imported (``import sdc_core`` imports it first): registered early, it
-  runs after the ``atexit`` handlers registered later (trackers, Lightning's process-group
-  teardown, the Accelerate hook set's), just before interpreter teardown.
-* **One line for an uncaught configuration error** (``one_line_when_uncaught``): every rank
-  raises it alike, and eight tracebacks hide the one line that matters.
+  process (``errors.verdict_line``; ``SDC_TRACEBACK=1``: the traceback), leaves a marker for the
+  launcher (``mark_verdict``), runs what a normal exit runs (threads joined, ``atexit`` handlers)
+  and exits with a distinct code (86, ``SDC_EXIT_CODE``). Launchers turn any failed worker into exit
+  code 1, so ``sdc run`` / ``accelerate-sdc launch`` (``sdc_core.ops.launch``) read the markers in
+  ``$SDC_VERDICT_DIR`` and exit 86; a worker group torchrun restarts after a verdict ends at once
+  (``refuse_restart_after_verdict``).
+* **Exit order** (``capture``, ``leave``): launchers stop the whole worker group as soon as one
+  worker fails, and rank 0 owns the trackers, so on a verdict the other ranks wait for rank 0 at
+  exit through the process group's key-value store (across nodes too), at most ``WAIT_S`` seconds.
+* **A clean interpreter exit** (``arm``, ``settle_threads``): with a Python DDP communication hook
+  (the user's: torch's ``allreduce_hook``, compression, PowerSGD) gloo runs a Python callback on a
+  worker thread that takes the GIL again after the bucket is reduced; if the main thread starts
+  interpreter teardown first, CPython ends that thread with ``pthread_exit`` and the process aborts
+  ("terminate called without an active exception") or hangs. The remedy: release the GIL for a
+  settle period (0.2 s) before teardown. ``arm()`` (called when a check is attached to a distributed
+  model) turns on the exit handler registered when ``sdc_core`` is first imported, so it runs after
+  the ``atexit`` handlers registered later (trackers, Lightning's and Accelerate's teardown).
+* **One line for an uncaught configuration error** (``one_line_when_uncaught``): every rank raises
+  it alike, and eight tracebacks hide the one line that matters.
 
-Two calls reach below public APIs, for want of public ones: ``atexit._run_exitfuncs`` (the only
-way to run the ``atexit`` handlers before choosing the exit code: an ``excepthook`` cannot set it,
-and ``os._exit`` after them skips the teardown that aborts with gloo's Python hooks) and torch's
-``_get_default_store`` (the store the process group was built on; a new connection would need
-the launcher's rendezvous details). Cost: nothing during training; at a verdict's exit one store
-round trip per rank and one settle period.
+Two calls reach below public APIs, for want of public ones: ``atexit._run_exitfuncs`` (the only way
+to run the ``atexit`` handlers before choosing the exit code) and torch's ``_get_default_store``
+(the store the process group was built on). Cost: nothing during training; at a verdict's exit one
+store round trip per rank and one settle period.
 """
 
 from __future__ import annotations
@@ -115,16 +98,12 @@ def exit_code(environ: Mapping[str, str] | None = None) -> int:
 def install_exit_code() -> None:
     """Make an uncaught ``SDCError`` exit the process with ``exit_code()`` (idempotent).
 
-    The verdict prints one line per process (``errors.verdict_line``: the message and where the
-    incident is; ``SDC_TRACEBACK=1``: the previous ``sys.excepthook``'s traceback); then it is marked
-    for the launcher (``mark_verdict``), non-daemon threads are joined and the ``atexit`` handlers
-    run, as at any normal exit (an MLflow run is ended, not left RUNNING), and the process ends with
-    the code (``SDC_EXIT_CODE=0``: Python's own 1). In a job of several processes, the ranks other
-    than 0 leave only once rank 0's ``atexit`` handlers ran (``leave``, at most ``WAIT_S``
-    seconds): the launcher stops the whole group when the first rank exits, and rank 0 owns the
-    trackers. Other exceptions are left alone. In a worker group that torchrun restarted after an
-    SDC verdict (inside ``sdc run``), the first call ends the process at once with the code.
-    """
+    The verdict prints one line per process (``SDC_TRACEBACK=1``: the traceback), is marked for the launcher
+    (``mark_verdict``), non-daemon threads are joined and the ``atexit`` handlers run (trackers close their runs),
+    then the process ends with the code (``SDC_EXIT_CODE=0``: Python's own 1). Ranks other than 0 leave only once
+    rank 0's handlers ran (``leave``, at most ``WAIT_S`` seconds). Other exceptions are left alone. In a worker group
+    torchrun restarted after an SDC verdict (inside ``sdc run``) the first call ends the process at once with the
+    code."""
     if getattr(sys.excepthook, "_sdc", False):
         return
     code = exit_code()
@@ -161,12 +140,9 @@ def _release_stderr() -> None:
 
 
 def exit_cleanly(code: int) -> None:
-    """End the process with ``code`` after what a normal interpreter exit runs first: joining
-    non-daemon threads and the ``atexit`` handlers (trackers close their runs), then flushing
-    stdout and stderr. Interpreter teardown itself is skipped: with gloo and a Python DDP
-    communication hook (torch's compression hooks, PowerSGD, your own), a gloo worker thread can abort the process there
-    ("terminate called without an active exception") after all work is done. A training script
-    may end with ``exit_cleanly(main())`` instead of ``sys.exit(main())``."""
+    """End the process with ``code`` after what a normal interpreter exit runs first (non-daemon threads joined, the
+    ``atexit`` handlers, stdout and stderr flushed), skipping interpreter teardown, where a gloo worker running a
+    Python communication hook can abort the process. A script may end with ``exit_cleanly(main())``."""
     with contextlib.suppress(Exception):  # never let the exit path fail
         _join_threads()  # what a normal exit does first
     atexit._run_exitfuncs()  # the trackers close their runs (module docstring: no public way)

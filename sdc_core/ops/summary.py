@@ -1,25 +1,17 @@
 """The run's closing line: what the SDC checks checked, and whether they found anything.
 
-At the end of training (``SDCHooks.finish``, Lightning's ``on_train_end``, the Hugging Face
-Trainer's end through ``finish``) rank 0 logs one line through Python ``logging`` (logger
-``sdc_checks``, level INFO), and to the trackers that take text (``ops.trackers.log_summary``),
-for example::
+At the end of training rank 0 logs one line through Python ``logging`` (logger ``sdc_checks``, INFO;
+to stderr where no logging is configured) and to the trackers that take text
+(``ops.trackers.log_summary``), for example::
 
     sdc-checks: 1000 steps checked by nonfinite_gradient (1000), weight_fingerprint (1000),
-    ring_replay (10 audits); no SDC found
+    ring_replay (10 audits); no SDC found  (one line in the log)
 
-(one line in the log)
-
-or, when a verdict was recorded and training went on (``policy`` ``"warn"``, ``"skip_step"``,
-``"heal"``): ``...; 2 SDC verdicts (weight_fingerprint 2): sdc report <run dir>``. The every-step
-screen's hits are not verdicts (a partner's recomputation confirms them first: a confirmed one is
-the replay's verdict): they are counted beside the screen, ``gradient_screen (1000; 2 hits)``, as
-are the replay's unexplained differences (a re-run that differed from its first result once, no
-verdict): ``ring_replay (10 audits; 1 unexplained difference, rank 1 at step 30)``.
-
-``SDC_RUN_SUMMARY=0`` in the environment turns it off; so does a level above INFO on the
-``sdc_checks`` logger. Where no logging is configured (the root logger has no handler) the logger
-writes to stderr, as Lightning's own loggers do. Cost: once per run, no collective.
+or, when training went on after a verdict: ``...; 2 SDC verdicts (weight_fingerprint 2): sdc report
+<run dir>``. The screen's hits and the replay's unexplained differences are not verdicts: they are
+counted beside their check, ``gradient_screen (1000; 2 hits)``, ``ring_replay (10 audits; 1
+unexplained difference, rank 1 at step 30)``. ``SDC_RUN_SUMMARY=0`` (or a level above INFO on the
+logger) turns it off. Cost: once per run, no collective.
 """
 
 from __future__ import annotations

@@ -1,21 +1,13 @@
 """What the ranks of a ring replay exchange, and how disagreeing pairs are attributed.
 
-Contract: rank ``r``'s micro-batches go to ``replay_partners(...)[r]`` (a rank on another node
-when there are several; per tensor-parallel coordinate over data-parallel groups with
-``groups``). Given the ``(owner, replayer)`` pairs that disagree, ``referee_jobs`` gives each
-disagreeing pair a third rank (a whole third group under tensor parallelism, on another node
-where possible) that replays the disputed batch; ``evidence`` and ``attribute`` turn every
-comparison into ``(rank, suspects, explanations)``: one rank only when it is the one smallest
-explanation. Under tensor parallelism ``explain`` (ranks that disagree both as owner and as
-replayer) and ``settle`` (the referees' rulings on the other pairs) decide. ``mismatch_reason``
-and the ``*_message`` functions word the verdicts every rank raises.
+Contract: rank ``r``'s micro-batches go to ``replay_partners(...)[r]``. ``referee_jobs`` gives each
+disputed ``(owner, replayer)`` pair a third rank (a whole third group under tensor parallelism);
+``evidence`` and ``attribute`` turn every comparison into ``(rank, suspects, explanations)``: one
+rank only when it is the one smallest explanation; under tensor parallelism ``explain`` and
+``settle`` decide. ``mismatch_reason`` and the ``*_message`` functions word the verdicts every rank
+raises. With two replicas no third opinion exists: both are suspects and ``rank`` is None.
 
-Cost: pure functions on small Python lists (world-size sized); no communication here (the ring
-replay calls ``sdc_core.dist.topology.exchange`` with what ``send_payload`` and ``referee_sends``
-return, and reads a partner's micro-batches with ``received_batches``).
-
-Limits: with two replicas (or two data-parallel groups) no third opinion exists: both are
-suspects and ``rank`` is None.
+Cost: pure functions on world-size lists; no communication here.
 """
 
 from __future__ import annotations
@@ -71,17 +63,12 @@ def settle(
     mismatching: Sequence[tuple[int, int]] | None = None,
     referees: dict[tuple[int, int], int | None] | None = None,
 ) -> tuple[int | None, tuple[int, ...], dict[str, Any]]:
-    """Final attribution: ``(rank, suspects, notes)``.
+    """Final attribution under tensor parallelism: ``(rank, suspects, notes)``.
 
-    ``referee_says[(owner, replayer)] = (agrees_with_owner, agrees_with_replayer)``.
-
-    With ``mismatching`` (every disagreeing pair) and ``referees`` (who judged each disputed
-    pair), a rank is named only when it alone explains every observation (``single_fault``): a
-    referee that is itself faulty (two ranks with the same persistent fault agree with each
-    other) can otherwise make a healthy rank the only suspect. When no single rank explains
-    them and some pair needed a referee, the suspects are every rank of a disagreeing pair and
-    ``notes["attribution"]`` says that several ranks disagree.
-    """
+    ``referee_says[(owner, replayer)] = (agrees_with_owner, agrees_with_replayer)``. A rank is named only when it
+    alone explains every observation (``single_fault``): a faulty referee sharing a fault could otherwise make a
+    healthy rank the only suspect. Else, when some pair needed a referee, every rank of a disagreeing pair is a
+    suspect and ``notes["attribution"]`` says several ranks disagree."""
     suspects = set(culprits)
     notes: dict[str, Any] = {}
     for o, q in disputed:
@@ -150,34 +137,21 @@ def attribute(
 ) -> tuple[int | None, tuple[int, ...], list[list[int]]]:
     """Who is faulty, from every comparison of one audit: ``(rank, suspects, explanations)``.
 
-    ``disagreeing`` / ``agreeing``: pairs of ranks whose computations of one batch differ /
-    match (a replay pair, or a referee against either side of one). Two readings of the
-    evidence are weighed, each by its smallest explanations (the fewest faulty ranks that
-    account for the faults seen):
+    ``disagreeing`` / ``agreeing``: pairs of ranks whose computations of one batch differ / match. Two readings are
+    weighed, each by its smallest explanations (the fewest faulty ranks that account for what was seen):
 
-    * any fault (one that spares some computations, e.g. transient): a set of ranks touching
-      every disagreement;
-    * persistent faults: ranks that agree are both healthy or both faulty (sharing one fault),
-      ranks that disagree are not both healthy; an explanation is a set of fewer than half the
-      ranks.
+    * any fault (one that spares some computations): a set of ranks touching every disagreement;
+    * persistent faults: agreeing ranks are both healthy or share one fault, disagreeing ranks are not both healthy;
+      an explanation is fewer than half the ranks.
 
-    Both readings are weighed per connected part of the disagreements (``_parts``: ranks linked
-    by disagreeing pairs; under the persistent reading, groups of agreeing ranks linked by them,
-    a group of half the ranks or more being healthy), whose smallest explanations combine into
-    the whole's: the cost follows the faults seen, not the world, and many faulty ranks far
-    apart (16 among 16,384) each stay a part of their own. ``explanations``: each part's.
-
-    A rank is named alone only when it is the one smallest explanation of both readings;
+    Each connected part of the disagreements (``_parts``) is explained on its own, so the cost follows the faults
+    seen, not the world. A rank is named alone only when it is the one smallest explanation of both readings;
     otherwise every rank of any smallest explanation is a suspect. With two ranks both are.
-    Guarantee (``tests/test_attribution_sim.py`` checks it over every placement of 1 to 3
-    faulty ranks in worlds of 4 to 64, and 16 among 16,384): while the faulty ranks are fewer
-    than the healthy ones, no healthy rank is named alone and every faulty rank that disagreed
-    with a healthy one, or agreed with a faulty one, is a suspect. A majority sharing one fault
-    looks exactly like the healthy minority being faulty: no protocol can tell them apart.
 
-    Cost: pure Python, linear in the world for the grouping, then bounded per part
-    (``MAX_EXPLAINED``, ``_MAX_INVOLVED``, ``_MAX_GROUPS``).
-    """
+    Guarantee (``tests/test_attribution_sim.py``): while the faulty ranks are fewer than the healthy ones, no healthy
+    rank is named alone and every faulty rank that disagreed with a healthy one, or agreed with a faulty one, is a
+    suspect. A majority sharing one fault looks exactly like the healthy minority being faulty. Cost: linear in the
+    world for the grouping, then bounded per part (``MAX_EXPLAINED``, ``_MAX_INVOLVED``, ``_MAX_GROUPS``)."""
     bad = sorted({(min(a, b), max(a, b)) for a, b in disagreeing if a != b})
     if not bad:
         return None, (), []
@@ -384,12 +358,9 @@ def referee_jobs(
     topo: Topology,
     groups: Sequence[tuple[int, ...]] | None = None,
 ) -> tuple[dict[tuple[int, int], int | None], list[tuple[int, int, int]]]:
-    """The referee of each disputed pair, and every ``(owner, replayer, referee)`` replay job.
-
-    Without ``groups`` one job per disputed pair. With tensor-parallel ``groups`` the referee
-    is a whole third group: a disputed pair of groups ``(A, B)`` gets group ``C``, each of
-    whose ranks ``(C, t)`` replays what ``(A, t)`` computed (its collectives need its peers to
-    replay the same batch), whichever coordinates disagreed."""
+    """The referee of each disputed pair, and every ``(owner, replayer, referee)`` replay job: one per disputed pair, or
+    with tensor-parallel ``groups`` a whole third group ``C`` for a disputed group pair ``(A, B)``, rank ``(C, t)``
+    replaying what ``(A, t)`` computed (its collectives need its peers)."""
     world = topo.world_size
     node_of = [f.node_rank for f in topo.ranks]
     busy = {r for pair in mismatching for r in pair}

@@ -1,22 +1,17 @@
 """One audited step of the ring replay: the exchange, the replays, the comparison and the trust rounds.
 
-Contract: every rank builds a ``StepAudit`` for the step and runs it together (``run``). Rank
-``r`` sends its micro-batches to ``partners[r]`` and replays those of ``inverse[r]``; at a
-calibrating audit each rank also re-runs its own (and, to probe strict determinism, once more
-under ``warn_only=False``); one all-gather of seven float64 per rank makes the table every rank
-judges alike. Before any rank is named, both sides of every disagreeing pair re-run what they
-computed (one more all-gather): a difference within ``AUTO_MARGIN`` times the noise those re-runs
-show (at most ``rtol``) accuses no one at that audit; it is recorded as an unexplained difference
-on the rank whose re-run differed, and widens the tolerance only once such noise has been seen on
-two ranks at two audits (``Calibration.noise_seen``). A step two or more ranks cannot reproduce on their own device,
-or where every pair of two replicas disagrees at the first audit, is not replayable. Pairs that
-still disagree are left to the referee round (``sdc_core.replay.referee``).
+Contract: every rank builds a ``StepAudit`` for the step and runs it together (``run``). Rank ``r``
+sends its micro-batches to ``partners[r]`` and replays those of ``inverse[r]`` (at a calibrating
+audit it also re-runs its own, and once more under strict determinism to probe it); one all-gather
+of seven float64 per rank makes the table every rank judges alike. Before any rank is named, both
+sides of every disagreeing pair re-run what they computed (one more all-gather): a difference within
+the noise those re-runs show accuses no one (``_unexplained``). A step two or more ranks cannot
+reproduce on their own device, or whose every pair of two replicas disagrees at the first audit, is
+not replayable; pairs that still disagree go to the referee round (``sdc_core.replay.referee``).
 
-Collectives: every rank enters the same collectives in the same order on every path; a replay
-that fails is caught (``attempt``) and the failure decided after the next gather, never by one
-rank leaving early. With ``lockstep`` (replays run collectives) every rank replays in every round.
-
-Cost: see ``sdc_core.replay.ring``.
+Collectives: every rank enters the same collectives in the same order on every path; a failed replay
+is caught (``attempt``) and decided after the next gather. With ``collective_reruns`` every rank
+replays in every round. Cost: see ``sdc_core.replay.ring``.
 """
 
 from __future__ import annotations
@@ -56,7 +51,7 @@ class StepAudit:
     """One audited step on this rank, with what it learns on the way (``table``, ``noise``).
 
     ``recompute`` re-runs micro-batches on this rank (no side effect; collective with
-    ``lockstep``); ``exchange`` sends replay payloads (every rank alike); ``unreplayable`` ends
+    ``collective_reruns``); ``exchange`` sends replay payloads (every rank alike); ``unreplayable`` ends
     the audit on every rank alike (raise or warn); ``names()`` gives the parameter labels at each
     comparison (a sharded replay learns them as it replays). ``error`` is the verdict, once one is
     reached (``sdc_core.replay.referee``)."""
@@ -68,7 +63,7 @@ class StepAudit:
     calibration: Calibration
     names: Callable[[], Sequence[str]]
     groups: list[tuple[int, ...]] | None
-    lockstep: bool
+    collective_reruns: bool  # a replay runs collectives (sharded models): every rank replays in every round
     advice: str
     micro: list[MicroBatch]
     own: Digest
@@ -78,7 +73,7 @@ class StepAudit:
     unreplayable: Callable[[int, str], bool]
     t0: float = field(default_factory=time.perf_counter)
     received: dict[str, Any] = field(default_factory=dict)  # the owner's payload
-    batches: list[MicroBatch] = field(default_factory=list)  # its micro-batches, prepared (lockstep)
+    batches: list[MicroBatch] = field(default_factory=list)  # its micro-batches, prepared (collective_reruns)
     mine: Digest | None = None  # this rank's replay of its owner's micro-batches
     mine_self: Comparison = _SAME  # this rank's re-run of its own micro-batches against its own result
     table: list[list[float]] = field(default_factory=list)  # per replayer: its row of ``_replay_round``
@@ -128,7 +123,7 @@ class StepAudit:
 
     def replay_owner(self) -> Digest:
         """This rank's replay of its owner's micro-batches (again)."""
-        return self.replay(self.batches) if self.lockstep else self.replay_payload(self.received)
+        return self.replay(self.batches) if self.collective_reruns else self.replay_payload(self.received)
 
     def compare(self, a: Digest, b: Digest) -> Comparison:
         return compare_raw(a, b, self.names(), self.atol)
@@ -198,7 +193,7 @@ class StepAudit:
         payload, why = send_payload(self.micro, self.own)
         failure = failure or why
         self.received = self.exchange({self.partners[me]: payload}, [self.inverse[me]])[self.inverse[me]]
-        if self.lockstep:  # replays are collective: every rank must be able to start one, or none does
+        if self.collective_reruns:  # replays are collective: every rank must be able to start one, or none does
             try:
                 self.batches, prep_failure = self.prepare(self.received), ""
             except Exception as err:

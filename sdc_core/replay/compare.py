@@ -1,21 +1,17 @@
 """Digests of a step's loss and gradients, and their comparison under a tolerance.
 
 Contract: a ``Digest`` holds, per trainable parameter (in ``names`` order), the gradient's sum and
-L2 norm (reduced in float32, returned as float64), an exact fingerprint (-0.0 read as +0.0) and
-its element count, and the loss. Two digests of the same work compare (``compare_raw``) as
-bit-identical when loss and every fingerprint are equal; otherwise the difference is per
-parameter the larger of the relative norm and sum differences (the sum relative to
-``sqrt(numel) * norm``), and the loss difference, with ``atol`` the floor of the denominators.
-``disagree`` turns a comparison into a verdict (tolerance 0: any bit). ``calibrate`` is the
-``exact="auto"`` tolerance rule: the lower median of the ranks' same-device differences, times
-``AUTO_MARGIN``, capped by ``rtol`` and never lowered (one faulty rank cannot move it).
+L2 norm (reduced in float32, returned as float64), an exact fingerprint (-0.0 read as +0.0) and its
+element count, and the loss. Two digests compare (``compare_raw``) as bit-identical when loss and
+every fingerprint are equal; otherwise the difference is per parameter the larger of the relative
+norm and sum differences (the sum relative to ``sqrt(numel) * norm``), and the loss difference, with
+``atol`` the floor of the denominators. ``disagree`` turns a comparison into a verdict (tolerance 0:
+any bit); ``calibrate`` is the ``exact="auto"`` tolerance rule (the lower median of the ranks' same-
+device differences times ``AUTO_MARGIN``, capped by ``rtol``, never lowered).
 
-Cost: per parameter, a sum, a norm and a fingerprint on the gradient's device (no sync); the
-rows are packed on the device and read with one device-to-host copy per digest, whatever the
-number of parameters. The comparison itself is on P float64 values on the host.
-
-Limits: a digest is not a hash of the values: two different gradients with equal sum and norm
-differ only by fingerprint, which bit equality sees and a tolerance does not.
+Cost: per parameter a sum, a norm and a fingerprint on the gradient's device, read with one device-
+to-host copy per digest; the comparison is on P float64 values on the host. Limits: gradients with
+equal sum and norm differ only by fingerprint, which bit equality sees and a tolerance does not.
 """
 
 from __future__ import annotations
@@ -82,11 +78,9 @@ Row = tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]
 def assemble(names: Sequence[str], rows: dict[str, Row], loss: torch.Tensor | float) -> Digest:
     """A ``Digest`` in ``names`` order; a parameter without a row (no gradient) counts as zeros.
 
-    Cost: the rows are packed on one device (an accelerator's when any row is there) into one
-    float64 vector (fingerprints bit-cast) and read with ONE blocking device-to-host copy,
-    whatever the number of parameters. A row on another device is moved with a blocking copy
-    (never ``non_blocking=True``: a host copy made that way reads stale bytes until the stream
-    has run, which once gave a false verdict on a GPU)."""
+    Cost: the rows are packed into one float64 vector on one device (an accelerator's when any row is there) and read
+    with ONE blocking device-to-host copy, whatever the number of parameters (never ``non_blocking=True``, which can
+    read stale bytes)."""
     loss_t = loss if isinstance(loss, torch.Tensor) else torch.tensor(float(loss), dtype=torch.float64)
     present = [r for r in rows.values() if r is not None]
     device = next((r[0].device for r in present if r[0].device.type != "cpu"), None)

@@ -1,34 +1,24 @@
 """Confirming a screen hit: a partner recomputes the suspect's micro-batches before anyone is named.
 
 The every-step screen (``sdc_core.checks.screen``) flags a rank whose local-gradient peaks left the
-band the healthy ranks show. A flag alone accuses nobody: a batch may really have a huge gradient
-(a genuine spike), and the band is a statistical judgement. ``confirm_hits`` runs in the same
-step, before the update, on the weights the step computed with:
+healthy ranks' band; a flag alone accuses nobody (a batch may really have a huge gradient).
+``confirm_hits`` runs in the same step, before the update, on the weights the step computed with:
 
-1. every flagged rank ``r`` sends the micro-batches it kept for the step (``RingReplay.keep_every_step``:
-   references, RNG and the captured state) to its ring partner ``p`` (one ``exchange``);
-2. ``p`` recomputes them side-effect free and takes the same statistic (per group the log2 of the
-   largest gradient magnitude); every rank gathers the recomputed rows (one ``all_gather``).
-   Where a re-run runs collectives (``replay.collective_reruns``: the sharded replay, FSDP's all-gathers)
-   every rank sends its kept micro-batches to its partner and every rank re-runs its owner's,
-   together, after one small all_reduce agreed that every rank can (``_agree``); else none does;
-3. every rank decides alike, per flagged rank:
-   * the partner reproduced ``r``'s values within ``REPRODUCED`` log2 units: the batch really
-     gives such gradients (a genuine spike): cleared, counted (``screen_cleared``), no verdict;
-   * the partner's values differ AND stay within the band of the other ranks: ``r`` computed its
-     step wrongly: confirmed (``ReplayMismatchError`` naming ``r``, ``details["source"] ==
-     "gradient_screen"``);
-   * anything else (nothing kept, a recomputation that failed, a partner whose own values leave
-     the band): unconfirmed, counted (``screen_unconfirmed``), no verdict.
+1. every flagged rank ``r`` sends the micro-batches it kept for the step (``RingReplay.keep_every_step``) to its ring
+   partner ``p`` (one ``exchange``); with ``replay.collective_reruns`` (sharded) every rank sends and every rank
+   re-runs, together, after one small all_reduce agreed that every rank can (``_agree``), else none does;
+2. ``p`` recomputes them side-effect free and takes the same statistic; every rank gathers the rows (one
+   ``all_gather``);
+3. every rank decides alike, per flagged rank: reproduced within ``REPRODUCED`` log2 units: a genuine spike, cleared
+   (``screen_cleared``); the partner's values differ AND stay within the band: ``r`` computed wrongly, confirmed
+   (``ReplayMismatchError`` naming ``r``, ``details["source"] == "gradient_screen"``); anything else: unconfirmed
+   (``screen_unconfirmed``), no verdict.
 
-Whether ``r``'s fault was transient or persistent is not told (an escalation costs one replay);
-with ``on_failure="skip_step"`` the first confirmed hit of a rank drops the step on every rank
-(the wrong update never happens) and a second one raises. Kernel noise is far below the
-threshold: a nondeterministic reduction changes a peak by a relative 1e-6, ``REPRODUCED`` is a
-factor of 2, while a flag means a value at least ``min_band`` (2^5) above the ranks' median.
-Cost: nothing on a step without a flag; on a flagged step, the transfer of the suspects'
-micro-batches, one forward and backward per suspect on its partner, and two small collectives
-(collective re-runs: every rank's micro-batches travel and every rank re-runs them, three collectives).
+With ``on_failure="skip_step"`` a rank's first confirmed hit drops the step on every rank and a
+second one raises. Kernel noise (a relative 1e-6) is far below ``REPRODUCED`` (a factor of 2) and a
+flag (at least ``min_band``, 2^5). Cost: nothing on a step without a flag; on a flagged step, the
+suspects' micro-batches transferred, one forward and backward per suspect on its partner and two
+small collectives (collective re-runs: every rank's, three collectives).
 """
 
 from __future__ import annotations
@@ -45,7 +35,7 @@ from torch import nn
 from sdc_core.checks.reductions import log2_peaks_by_group, peaks
 from sdc_core.checks.screen_rule import in_band, reference
 from sdc_core.dist.payload import PayloadError
-from sdc_core.dist.topology import Topology, collective_device, is_distributed, owners_of
+from sdc_core.dist.topology import Topology, all_gather_tensor, collective_device, is_distributed, owners_of
 from sdc_core.errors import ReplayMismatchError
 from sdc_core.replay.attribution import describe, replay_partners
 
@@ -67,7 +57,7 @@ def confirm_hits(
     verdict read one step later): the verdict naming the confirmed ranks, or None (``skips``
     applies the policy)."""
     step = result.step
-    kept = replay.take_kept_batches(step)
+    kept = replay.kept.take(step)
     topo: Topology = replay.topology or Topology.gather()
     partners = replay_partners(topo, replay.groups)
     inverse = owners_of(partners)
@@ -97,7 +87,7 @@ def confirm_hits(
             note = describe(err)
     elif isinstance(batches, str):
         note = batches
-    rows = _gather(mine)
+    rows = all_gather_tensor(mine.to(collective_device())).cpu()  # world x width, float64
     confirmed, cleared = [], []
     for r in hits:
         verdict = _judge(result, r, rows[partners[r]].tolist())
@@ -165,15 +155,6 @@ def _agree(replay: Any, batches: Any) -> tuple[Any, str]:
     if fewest == most and most > 0:
         return batches, ""
     return None, why or "another rank could not re-run its partner's micro-batches"
-
-
-def _gather(row: torch.Tensor) -> torch.Tensor:
-    """Every rank's recomputed row (``world x width``, float64, on the host)."""
-    device = collective_device()
-    mine = row.to(device)
-    out = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(out, mine)
-    return torch.stack(out).cpu()
 
 
 def _escalated(result: Any, rank: int) -> bool:

@@ -35,19 +35,11 @@ if "CUBLAS_WORKSPACE_CONFIG" not in os.environ and not torch.cuda.is_initialized
 class DeterministicWindow:
     """Switches torch to deterministic kernels and back, and puts the caller's settings back.
 
-    ``enter(strict)``: ``torch.use_deterministic_algorithms(True, warn_only=not strict)`` (set
-    through ``torch._C`` so that ``torch._inductor.config`` is neither imported, seconds, nor
-    changed, which could recompile compiled graphs), cuDNN deterministic without benchmarking,
-    and no filling of uninitialised memory (it changes no correct result and costs a write of
-    every new tensor). ``strict=False`` never raises in a kernel without a deterministic
-    implementation (it warns and runs it): the owner's micro-batch runs in the user's loop and
-    must not fail there; flash and memory-efficient attention backward stay nondeterministic
-    then (torch makes them deterministic only with ``warn_only=False``). ``exit()`` restores
-    what ``enter`` found; both are idempotent. Cost: setting five flags (microseconds).
-
-    Limits: custom CUDA or Triton kernels outside torch's switch (atomics in an extension) are
-    not covered; compiled graphs keep the kernels they were compiled with.
-    """
+    ``enter(strict)``: ``torch.use_deterministic_algorithms(True, warn_only=not strict)`` (through ``torch._C``, so
+    ``torch._inductor.config`` is neither imported nor changed), cuDNN deterministic without benchmarking, and no
+    filling of uninitialised memory. ``strict=False`` never raises in a kernel without a deterministic implementation
+    (the owner's micro-batch runs in the user's loop and must not fail there), and leaves flash and memory-efficient
+    attention backward nondeterministic. ``exit()`` restores what ``enter`` found; both are idempotent."""
 
     _saved: tuple[bool, bool, bool, bool, bool] | None = None
 

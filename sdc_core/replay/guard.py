@@ -177,19 +177,11 @@ def _live_anywhere() -> list[_Guard]:
 
 
 def forbid_collectives() -> AbstractContextManager[None]:
-    """Inside, the ``torch.distributed`` collectives (as looked up at call time by Lightning,
-    torchmetrics, ``torch.distributed.nn``) raise ``CollectiveInReplay`` on THIS thread instead of
-    communicating. A replay runs on one rank only, so a collective in it would leave ranks in
-    different collectives. Other threads' collectives, and those of a Python signal handler that
-    interrupts the replay (Lightning's SIGTERM handler broadcasts), go through: they are not part
-    of the replayed step, and refusing them on one rank would make the ranks diverge.
-
-    Exception- and signal-safe: the wrappers are installed before the guard turns on (one
-    attribute store) and refuse only while a live guard of the calling thread exists, so an entry
-    or exit cut short by an exception or a signal handler never leaves collectives refused (a
-    guard whose exit was cut short dies with its last reference, the exception's traceback).
-    The originals are put back when the last guard of any thread ends. Not covered: functions
-    imported by name before the replay, functional collectives
-    (``torch.distributed._functional_collectives``). Cost: a wrapped collective outside a guard
-    pays one thread-local look-up."""
+    """Inside, the ``torch.distributed`` collectives (as looked up at call time by Lightning, torchmetrics,
+    ``torch.distributed.nn``) raise ``CollectiveInReplay`` on THIS thread instead of communicating (the module
+    docstring has the contract, cost and limits). Other threads' collectives and those of a signal handler that
+    interrupts the replay (Lightning's SIGTERM handler broadcasts) go through: refusing them on one rank would make
+    the ranks diverge. The wrappers are installed before the guard turns on and refuse only while a live guard of the
+    calling thread exists (a guard whose exit was cut short dies with its last reference); the originals are put back
+    when the last guard of any thread ends."""
     return _Guard()

@@ -11,7 +11,7 @@ replicas) and no referee agrees with either side of any pair, the step is not re
 
 Collectives: one gather of the "where" texts, one exchange of the disputed batches (when there
 are referees), one gather of the rulings and, with a rank named, one of its re-run's outcome;
-every rank enters each, in this order, on every path. With ``lockstep`` every rank replays in
+every rank enters each, in this order, on every path. With ``collective_reruns`` every rank replays in
 every referee round and beside the named rank's re-run.
 
 Cost: one referee replay per disagreeing pair and one re-run by a named rank.
@@ -70,7 +70,7 @@ def attribute_step(run: StepAudit) -> bool:
         notes = {f"{o}->{q}": ruling_note(refereed.get((o, q))) for o, q in disputed}
         if rank is None and world > 2:
             notes |= {"attribution": SEVERAL, "explanations": explanations}
-    # which comparisons could not see a rank: those compared only with suspects (issue 52)
+    # which comparisons could not see a rank: those compared only with suspects
     notes["unchecked"] = unchecked(suspects, *compared)
     classification = _classify(run, rank) if rank is not None else None
     run.stats.failures += 1
@@ -90,7 +90,7 @@ def _referee_round(
     my_failure = ""
     jobs = [(o, q) for o, q, t in assignments if t == me]
     rounds = len(jobs)
-    if run.lockstep:  # replays are collective: every rank replays in every referee round
+    if run.collective_reruns:  # replays are collective: every rank replays in every referee round
         for o, q in jobs:
             try:
                 run.prepare(got[o])
@@ -101,7 +101,7 @@ def _referee_round(
         assigned = [t for _, _, t in assignments]
         rounds = max(assigned.count(r) for r in range(world))
     for i in range(rounds):
-        if i >= len(jobs):  # lockstep: no pair for this rank in this round; its replay joins the others'
+        if i >= len(jobs):  # collective re-runs: no pair for this rank in this round; its replay joins the others'
             attempt(lambda: run.replay(run.micro))
             continue
         o, q = jobs[i]
@@ -142,9 +142,9 @@ def _classify(run: StepAudit, rank: int) -> str | None:
             gap = max((table[q][1] for q in range(run.world) if rank in (run.inverse[q], q)), default=0.0)
             persistent = before is not None and not run.differs(before, again, me, scale=gap)
             mine_again = "persistent" if persistent else "transient"
-    elif run.lockstep and group_of[me] == group_of[rank]:  # its tensor-parallel peers re-run the same
+    elif run.collective_reruns and group_of[me] == group_of[rank]:  # its tensor-parallel peers re-run the same
         attempt(again_)
-    elif run.lockstep:  # the suspect's re-run is collective: the others replay alongside
+    elif run.collective_reruns:  # the suspect's re-run is collective: the others replay alongside
         attempt(lambda: run.replay(run.micro))
     return all_gather_objects(mine_again)[rank]
 

@@ -63,13 +63,10 @@ def replay_each_gradient(
     context: Callable[[], AbstractContextManager[Any]] = nullcontext,
     capture: StateCapture | None = None,
 ) -> torch.Tensor:
-    """``replay_gradients`` that hands each parameter's final gradient (summed over the
-    micro-batches) to ``consume(name, grad)`` as soon as the last micro-batch's backward has
-    produced it, and frees it there: for one micro-batch, no second full set of gradients ever
-    exists (the peak is the backward's own); with several, the sum of the earlier micro-batches
-    is held until the last one. ``consume`` runs on the autograd thread: no host sync, no raise.
-    Gradients accumulate as in ``.grad`` (the owner's layout and order of summation). Returns
-    the summed loss as a float64 device tensor."""
+    """``replay_gradients`` that hands each parameter's final gradient (summed over the micro-batches, in ``.grad``'s
+    layout and order) to ``consume(name, grad)`` as soon as it is produced and frees it: with one micro-batch no
+    second full set of gradients exists. ``consume`` runs on the autograd thread: no host sync, no raise. Returns the
+    summed loss as a float64 device tensor."""
     capture = capture or StateCapture(module, names, max_state_mb=0)
     params = dict(module.named_parameters())
     aliases = {n: params[n].detach().requires_grad_() for n in names}
@@ -140,25 +137,18 @@ class _BucketCopies(TorchDispatchMode):
 
 
 class GradientsAside:
-    """Keeps an audited step's own gradients out of the way of its re-runs where DDP holds a copy
-    of them anyway: with ``gradient_as_bucket_view=False`` (DDP's default) ``.grad`` is memory of
-    its own, which DDP fills from its reduced buckets at the end of backward; the buckets are
-    DDP's scratch space until the next synchronised backward writes every bucket view again.
+    """Keeps an audited step's own gradients out of the way of its re-runs where DDP holds a copy of them anyway: with
+    ``gradient_as_bucket_view=False`` (DDP's default) DDP fills ``.grad`` from its reduced buckets at the end of
+    backward, and the buckets are scratch space until the next synchronised backward.
 
-    ``watch(ddp, params)`` (the end of an audited step's synchronised backward, before DDP's own
-    end-of-backward callback): records which bucket view DDP copies into each parameter's
-    ``.grad`` (a dispatch mode over the callbacks that follow, left in the next one).
-    ``aside()`` (around the audit): each recorded gradient that owns its storage whole is copied
-    into its bucket view (the values ``.grad`` holds now, after clipping or unscaling) and its
-    storage released; on exit, on every path, the storage is allocated again and the values are
-    copied back: same tensor objects, same bits. Where that cannot be shown safe nothing moves
-    (today's layout: the gradients stay where they are): DDP with bucket views (nothing to
-    gain), a communication hook (its result may be state the hook keeps), mixed precision,
-    a reducer finalised outside that backward, gradients that are views or share storage.
+    ``watch(ddp, params)`` (end of an audited backward, before DDP's own callback) records which bucket view DDP
+    copies into each ``.grad``. ``aside()`` (around the audit) copies each such gradient into its bucket view and
+    releases its storage; on exit, on every path, the storage is allocated again and the values copied back: same
+    tensors, same bits. Where that cannot be shown safe nothing moves (bucket views, a communication hook, mixed
+    precision, a reducer finalised elsewhere, gradients that are views or share storage).
 
-    Cost, on audited steps only: a Python call per operator of DDP's end-of-backward callback and
-    two copies of the moved gradients; no host sync, no collective; nothing on other steps.
-    """
+    Cost, on audited steps only: a Python call per operator of DDP's end-of-backward callback and two copies of the
+    moved gradients; no host sync, no collective."""
 
     def __init__(self) -> None:
         self._mode: _BucketCopies | None = None

@@ -1,84 +1,36 @@
 """Ring replay audit: replicas recompute each other's micro-batches and compare.
 
-Contract: on every ``every_n_steps``-th optimizer step, rank ``r`` sends the micro-batches of
-that step (inputs, the state the step reads besides its batch, its loss and a digest of its
-LOCAL gradients, taken in each parameter's gradient hook before DDP's all-reduce) to its partner
-``partners[r]``: a rank on another node when there are several, else the next rank. The partner
-recomputes loss and gradients with the same weights and the owner's state and compares. Every
-rank then learns which (owner, replayer) pairs disagree and reaches the same attribution:
+Contract: on every ``every_n_steps``-th optimizer step rank ``r`` sends that step's micro-batches
+(inputs, the state the step reads besides its batch, its loss and a digest of its LOCAL gradients,
+taken before DDP's all-reduce) to ``partners[r]`` (on another node where there is one), which
+recomputes them with the same weights and compares. Every rank reaches the same attribution:
 
-* no rank is named before a disagreement is confirmed: both sides of every disagreeing pair
-  re-run what they computed (the owner its own micro-batches, the replayer its replay), and a
-  difference within ``AUTO_MARGIN`` times what those re-runs show (at most ``rtol``) is noise:
-  no verdict, recorded as an unexplained difference; the tolerance rises only on such noise
-  seen on two ranks at two audits;
-* every pair that still disagrees gets a referee (a third rank, on yet another node where
-  possible) replaying the disputed batch; ``attribute`` then weighs every comparison and names
-  a rank alone only when it is the one smallest explanation of what was seen, else lists every
-  rank that could be faulty (several faulty ranks: never a healthy rank named alone while the
-  faulty ones are fewer than the healthy ones);
-* with two ranks no third opinion exists: ``rank`` is None and both are suspects. With three
-  replicas two ranks sharing one fault look exactly like the third one being faulty: that
-  verdict names it and says so.
+* no rank is named before a disagreement is confirmed: both sides of each disagreeing pair re-run
+  what they computed, and a difference within ``AUTO_MARGIN`` times what the re-runs show (at most
+  ``rtol``) is recorded as noise, not a verdict;
+* a pair that still disagrees gets a referee (a third rank) replaying the disputed batch; a rank is
+  named alone only when it is the one smallest explanation, else every rank that could be faulty
+  is listed; with two ranks both are suspects.
 
-Faithful replay: at the start of each audited micro-batch the owner captures what its step reads
-besides the batch (``StateCapture``): Python ``random``, NumPy and torch CPU/CUDA RNG state,
-buffers and parameters that do not train, tensor and plain Python attributes of the module and
-its submodules, and the user's ``sdc_replay_state()``. The replayer runs the unwrapped module on
-detached aliases of its trainable parameters with that state swapped in, and afterwards puts its
-own state back (every submodule's attributes, RNG, user state): the replay has no side effect,
-``.grad``, optimizer, DDP, metrics objects and loggers are untouched, and a run with the audit on
-trains bit-identically to one with it off. Collectives the replayed step calls are refused
-(``CollectiveInReplay``) before they reach the transport, so no rank is ever left in a
-collective the others do not enter; other threads' collectives and a signal handler's pass.
+Faithful replay (``StateCapture``): RNG state, buffers, frozen parameters, module attributes and
+the user's ``sdc_replay_state()`` are captured and swapped in; the replay has no side effect (a run
+with the audit on trains bit-identically to one with it off) and its collectives are refused
+(``CollectiveInReplay``). A step two or more ranks cannot reproduce on their own device, or whose
+every pair disagrees with no referee agreeing with either side, raises ``ReplayUnavailableError``
+(or, with ``on_unreplayable="warn"``, warns once and turns the audit off).
 
-Trust before accusation: at the first audit of a process, and at every audit with a
-disagreement, each rank also re-runs its OWN micro-batches on its own device. A step that two or
-more ranks cannot reproduce on their own device (nondeterminism, state the capture cannot see),
-or a step where every replay pair disagrees while each rank reproduces itself and no referee
-agrees with either side of any pair (the step depends on the rank, or ranks run different
-software; with two replicas, at the first audit, without referees), is not replayable: ``ReplayUnavailableError`` on
-every rank (not an ``SDCError``), or with ``on_unreplayable="warn"`` one warning and the audit
-off. A failure inside any replay (an exception, a refused collective) ends the same way.
+Comparison: ``exact="auto"`` calibrates from same-device re-runs (bit equality where they are
+bit-identical, else ``min(rtol, 100 * noise floor)``); ``rtol`` caps what any evidence can do.
+Differences are measured per parameter on loss, gradient norm and gradient sum.
 
-Deterministic kernels (``deterministic=True``, default): the owner's audited micro-batches and
-every replay run under ``torch.use_deterministic_algorithms(True)`` (``warn_only=True`` until a
-probe replay at the first audit proves the step runs without it, ``strict`` after that), the
-user's settings restored after each; see ``RingReplay``.
+Cost, on audited steps only: deterministic kernels for the owner's micro-batches (+9 to 11% on an
+H200), one extra forward and backward of the partner's micro-batches (three at the first audit),
+the point-to-point batch and state transfer, a clone of the state (at most ``max_state_mb``) and one
+all-gather of six float64 per rank. A disagreement adds one re-run per rank, one referee replay per
+pair and one re-run by the named rank. docs/replay-contract.md has the user's side of the contract.
 
-Comparison: ``exact="auto"`` (default) calibrates from same-device re-runs: when each rank's
-re-run of its own micro-batches is bit-identical (the lower median over ranks), comparisons are
-exact; otherwise the tolerance is ``min(rtol, 100 * noise floor)``, the noise floor being the
-lower median of the ranks' same-device differences. In ``strict`` mode one round sets it; else
-three audits do. Exactness stays a hypothesis in every mode: a kernel may be nondeterministic on
-some calls only, so a later disagreement is confirmed as above, and noise it reveals raises the
-tolerance (``exact_audits`` counts the audits whose every pair agreed bit for bit). ``rtol``
-caps what any evidence can do: a difference above it is never noise.
-``exact=True`` demands bit equality; ``exact=False`` uses ``rtol`` as is. Differences are
-measured per parameter on loss, gradient norm and gradient sum (the latter relative to
-``sqrt(numel) * norm``), with ``atol`` the floor of the denominators.
-
-Cost of a disagreement (clean audits pay none of it): one more run of its own micro-batches on
-every rank, one more replay on every replayer, then one referee replay per disagreeing pair and
-one re-run by a named rank.
-
-Cost: on audited steps, deterministic kernels for the owner's micro-batches (+9 to 11% on an
-H200, docs/coverage.md) and one extra forward and backward of the partner's micro-batches (three
-at the first audit: the self re-run and the strict probe; two at the next and, without strict
-determinism, the first three audits), its gradients digested as they are produced (no second
-full set of gradients is held; with DDP's default layout the step's own ``.grad`` waits in DDP's
-buckets meanwhile, ``GradientsAside``), the batch and state transfer (point to point, never
-gathered), a per-parameter digest of the local gradients read with one device-to-host copy, a
-clone of the state per audited step (at most ``max_state_mb``, 256 MiB; larger tensors are read live and
-guarded against in-place change) and one all-gather of six float64 per rank. Other steps pay
-nothing. The referee and self re-run rounds run only when a pair disagrees.
-
-Modules: ``state`` (what a step reads besides its batch), ``rerun`` (the side-effect free re-run),
-``guard`` (collectives refused in a replay), ``determinism`` (deterministic kernels), ``compare``
-(digests, comparison), ``calibration`` (what the audits learnt: tolerance, mode), ``audit`` (one
-audited step up to the referee round), ``referee`` (the referee round and the verdict),
-``attribution`` (what the ranks send, attribution, verdict texts); this module keeps
-``ReplayConfig`` and ``RingReplay`` and re-exports their public names.
+This module keeps ``ReplayConfig`` and ``RingReplay``; the other names live in the submodules
+docs/architecture.md lists.
 """
 
 from __future__ import annotations
@@ -100,65 +52,17 @@ from sdc_core.dist.payload import PayloadError
 from sdc_core.dist.payload_checks import check_replay_payload
 from sdc_core.dist.topology import Topology, exchange, is_distributed
 from sdc_core.errors import ReplayMismatchError, ReplayUnavailableError
-from sdc_core.replay.attribution import (
-    DEFAULT_ADVICE,
-    describe,
-    every_pair_message,
-    explain,
-    failed_message,
-    for_transfer,
-    group_index,
-    mismatch_reason,
-    pick_referee,
-    received_batches,
-    referee_jobs,
-    referee_sends,
-    replay_partners,
-    send_payload,
-    settle,
-    unreproducible_message,
-)
+from sdc_core.replay.attribution import DEFAULT_ADVICE, describe, received_batches, send_payload
 from sdc_core.replay.audit import StepAudit
-from sdc_core.replay.calibration import CALIBRATION_ROUNDS, Calibration
-from sdc_core.replay.compare import (
-    AUTO_MARGIN,
-    Digest,
-    Row,
-    assemble,
-    calibrate,
-    compare,
-    compare_raw,
-    digest_row,
-    disagree,
-    grad_digest,
-    lower_median,
-)
-from sdc_core.replay.determinism import DeterministicWindow, deterministic, is_determinism_error
-from sdc_core.replay.guard import CollectiveInReplay, forbid_collectives
+from sdc_core.replay.calibration import Calibration
+from sdc_core.replay.compare import Digest, Row, assemble, digest_row
+from sdc_core.replay.determinism import DeterministicWindow
 from sdc_core.replay.referee import attribute_step
-from sdc_core.replay.rerun import GradientsAside, replay_each_gradient, replay_gradients
-from sdc_core.replay.rng import all_rng, capture_rng
-from sdc_core.replay.state import (
-    SEND_BY_DIGEST_BYTES,
-    MicroBatch,
-    StateCapture,
-    StepFn,
-    StepState,
-    TensorRef,
-    fresh,
-)
+from sdc_core.replay.rerun import GradientsAside, replay_each_gradient
+from sdc_core.replay.rng import all_rng
+from sdc_core.replay.state import MicroBatch, StateCapture, StepFn, fresh
 from sdc_core.schema import documented, setting
 from sdc_core.stats import CheckStats
-
-__all__ = [
-    "AUTO_MARGIN", "CALIBRATION_ROUNDS", "DEFAULT_ADVICE", "EXACT_MODES", "SEND_BY_DIGEST_BYTES",
-    "CollectiveInReplay", "DeterministicWindow", "Digest", "MicroBatch", "ReplayConfig", "RingReplay", "Row",
-    "StateCapture", "StepFn", "StepState", "TensorRef", "assemble", "calibrate", "capture_rng", "compare",
-    "compare_raw", "deterministic", "describe", "digest_row", "disagree", "every_pair_message", "explain",
-    "is_determinism_error", "failed_message", "for_transfer", "forbid_collectives", "grad_digest", "group_index",
-    "lower_median", "mismatch_reason", "pick_referee", "referee_jobs", "referee_sends", "replay_each_gradient",
-    "replay_gradients", "replay_partners", "settle", "unreproducible_message",
-]  # fmt: skip
 
 EXACT_MODES = (True, False, "auto")
 
@@ -284,15 +188,10 @@ class RingReplay:
     ``capture`` (a ``StateCapture``), ``advice`` (the adapter's hint for unreplayable steps, in
     its users' terms) and ``label`` (the audit's name in failure texts) are set by the adapter.
 
-    Deterministic kernels (``config.deterministic``): ``begin()`` (called by ``record``) switches
-    torch to deterministic algorithms for the owner's audited micro-batch, forward and backward,
-    until ``audit()`` starts (or ``disarm()``, or ``arm()`` of a step that is not audited), and
-    every replay runs in the same mode; the caller's settings are restored after each. Until the
-    first audit has shown that the step runs under ``warn_only=False`` (a probe replay, one more
-    forward and backward at that audit), the mode is ``warn_only=True`` so that the user's step
-    never fails on a kernel without a deterministic implementation; after it, ``warn_only=False``
-    (which also makes flash and memory-efficient attention backward deterministic) and the
-    calibration starts over in that mode (``Calibration``; the module docstring tells the rest).
+    Deterministic kernels (``config.deterministic``): the owner's audited micro-batches, from
+    ``begin()`` to ``audit()``, and every replay run under deterministic algorithms
+    (``warn_only=True`` until a probe replay at the first audit proves ``warn_only=False`` works),
+    the caller's settings restored after each (``Calibration``).
     """
 
     role: ClassVar[Role] = Role.REPLAY
@@ -361,11 +260,6 @@ class RingReplay:
         self._aside.clear()
 
     @property
-    def strict(self) -> bool:
-        """Whether replays run under strict determinism now (``Calibration.strict``)."""
-        return self.calibration.strict(self.config)
-
-    @property
     def mode(self) -> str:
         """``"strict"``, ``"warn_only"`` or ``"off"`` (``Calibration.mode``)."""
         return self.calibration.mode(self.config)
@@ -374,11 +268,6 @@ class RingReplay:
     def keeping(self) -> bool:
         """True while a step that is not audited is recorded for a possible escalation."""
         return self._armed_step is None and self.kept.step is not None
-
-    def take_kept_batches(self, step: int) -> list[MicroBatch]:
-        """The micro-batches kept for ``step`` (its state as captured), then forgotten; empty when
-        none were kept for that step."""
-        return self.kept.take(step)
 
     @property
     def armed(self) -> bool:
@@ -413,7 +302,7 @@ class RingReplay:
         if rng:
             mb.cpu_rng, mb.cuda_rng, mb.py_rng, mb.np_rng = all_rng(device)
         if self.config.deterministic and not kept:  # the owner's forward and backward: in the replays' mode
-            self._window.enter(self.strict)
+            self._window.enter(self.calibration.strict(self.config))
         if self.capture is not None:  # one budget for all micro-batches of the step (held until the audit)
             used = sum(m.state.nbytes for m in micro[:-1] if m.state is not None)
             try:  # a failure here is reported by the audit, on every rank alike
@@ -506,12 +395,6 @@ class RingReplay:
             warnings.warn(f"{message} The ring replay audit is now off.", UserWarning, stacklevel=4)
             return False
         raise ReplayUnavailableError(message)
-
-    def _referee_jobs(
-        self, disputed: Sequence[tuple[int, int]], mismatching: Sequence[tuple[int, int]], topo: Topology
-    ) -> tuple[dict[tuple[int, int], int | None], list[tuple[int, int, int]]]:
-        """``referee_jobs`` over this audit's ``groups``."""
-        return referee_jobs(disputed, mismatching, topo, self.groups)
 
     def audit(
         self,

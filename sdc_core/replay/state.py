@@ -226,22 +226,17 @@ class StateCapture:
     Args:
         module: the unwrapped module the step runs.
         trainable: names of the parameters that train (replayed on aliases, never captured).
-        exclude: attribute names of framework internals to leave out on every submodule (the
-            ``nn.Module`` internals always are).
-        get_state / load_state: the explicit hook for state the generic capture cannot see
-            (``sdc_replay_state()`` / ``sdc_load_replay_state(state)``): ``get_state`` returns a
-            snapshot (copies), ``load_state`` puts one in place.
+        exclude: attribute names of framework internals to leave out on every submodule (the ``nn.Module`` internals
+            always are).
+        get_state / load_state: the explicit hook for state the generic capture cannot see (``sdc_replay_state()`` /
+            ``sdc_load_replay_state(state)``): ``get_state`` returns a snapshot (copies), ``load_state`` puts one in
+            place.
         max_state_mb: default budget of cloned tensors per ``capture``.
 
-    Captured: buffers and parameters that do not train, and for every submodule its tensor
-    attributes and plain Python attributes (numbers, strings, None, NumPy arrays, and lists,
-    tuples, dicts, sets, deques of them). Not captured: other objects (they are still put back
-    after a replay when rebound, but in-place changes to them are not undone; lists, dicts, sets
-    and deques left out reach the replay as shallow copies), globals, iterators, files, and the
-    plain attributes of torch.nn's own module classes (``nn.Linear``, ``nn.LayerNorm``, ...: their
-    configuration, which their forwards never rebind; a re-run reads it live). Their buffers and
-    frozen parameters are captured like any other's.
-    """
+    Captured: buffers and frozen parameters, and every submodule's tensor and plain Python attributes (numbers,
+    strings, None, NumPy arrays, and containers of them). Not captured: other objects (rebinds are undone after a
+    replay, in-place changes are not; left-out containers reach the replay as shallow copies), globals, iterators,
+    files, and the plain attributes of torch.nn's own module classes (configuration their forwards never rebind)."""
 
     def __init__(
         self,

@@ -78,25 +78,16 @@ class _PendingVerdict:
 
 @dataclass
 class ShardedNonFinite(NonFiniteVerdicts):
-    """Non-finite local gradients under FSDP2 / HSDP: the same contract and adapter calls as
-    ``NonFiniteGradient`` (``attach``, ``verdict``, ``resolve``, ``pending_step``, ``discard``).
+    """Non-finite local gradients under FSDP2 / HSDP: the same contract and adapter calls as ``NonFiniteGradient``
+    (``attach``, ``verdict``, ``resolve``, ``pending_step``, ``discard``).
 
-    ``attach(module)`` taps every FSDP parameter group. Cost: one ``aminmax`` read of the local
-    unsharded gradients per parameter group (on every micro-batch whose reduce-scatter runs) and
-    one 4-byte all-reduce per step (asynchronous, read when the verdict is read). In band (FSDP
-    meshes spanning the world) each rank's flag also rides in its reduce-scatter input (element 0
-    of every rank's chunk minus +0.0, or minus NaN when its local gradients are not finite, a
-    strided write of ``group size`` elements; bit-identical training while finite) and every rank
-    reads element 0 of its own reduced shards (one scalar copy per group on the post-reduce
-    stream, through the parameter group's all-reduce hook, the user's wrapped), after the HSDP
-    all-reduce; what a rank saw there joins its flag in the all-reduce. A reduced shard is one
-    rank's alone (a NaN formed inside the reduction lands on one rank), so the decision to gather
-    names is taken from the all-reduced count, which every rank holds: never one rank alone.
-    With ``on_failure`` ``"raise"`` or ``"warn"``, no GradScaler and ``now`` False the verdict is
-    read one step later (no host wait in the step); otherwise before the update. Only a flagged
-    step gathers names. A flagged step's reduced gradients also carry NaN at element 0 of every
-    shard of the flagged groups (under ``"warn"`` the update applies them, as it would the NaN).
-    """
+    Cost: one ``aminmax`` of the local unsharded gradients per FSDP parameter group (on every micro-batch whose
+    reduce-scatter runs) and one 4-byte all-reduce per step, read with the verdict. In band (FSDP meshes spanning the
+    world) each rank's flag also rides in its reduce-scatter input (element 0 of its chunk minus +0.0, or minus NaN:
+    bit-identical training while finite) and each rank reads element 0 of its reduced shards; since a reduced shard
+    is one rank's alone, the decision to gather names comes from the all-reduced count, never one rank alone. With
+    ``"raise"`` or ``"warn"``, no GradScaler and ``now`` False the verdict is read one step later; otherwise before
+    the update. A flagged step's reduced gradients carry NaN at element 0 of every shard of the flagged groups."""
 
     taps: list[GradientTapComm] = field(default_factory=list)
     _seen: list[tuple[torch.Tensor, list[str]]] = field(default_factory=list)
@@ -148,15 +139,11 @@ class ShardedNonFinite(NonFiniteVerdicts):
         return _GroupLabels(list(self.taps), {id(t): _label(t.names) for t in self.taps})
 
     def want_magnitudes(self, groups: int) -> int:
-        """Opt in to the local-gradient magnitudes of the every-step screen (``NonFiniteGradient.
-        want_magnitudes``' contract; call after ``attach``, on every rank alike). A group is a run
-        of FSDP parameter groups: the taps in model order cut into ``k = min(groups, taps)``
-        contiguous runs (the same on every rank). Value ``j`` of ``take_magnitudes`` is the log2 of
-        the largest magnitude of any LOCAL unsharded gradient element of group ``j``, over every
-        reduce-scatter of the step (one per micro-batch where FSDP reduces each), taken from the
-        ``aminmax`` the check reads anyway (padding is zero: it changes no peak). Cost: two small
-        ops per step (one ``cat``, one ``abs``); no host synchronisation. Returns ``k`` (0 when no
-        parameter group is tapped)."""
+        """Opt in to the screen's local-gradient magnitudes (``NonFiniteGradient. want_magnitudes``' contract; after
+        ``attach``, on every rank alike). A group is a run of FSDP parameter groups (the taps in model order cut into
+        ``k = min(groups, taps)`` contiguous runs); value ``j`` is the log2 of the largest LOCAL unsharded gradient
+        magnitude of group ``j`` over the step's reduce-scatters, taken from the ``aminmax`` the check reads anyway.
+        Cost: two small ops per step, no host synchronisation. Returns ``k`` (0 when nothing is tapped)."""
         if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1:
             raise ValueError(f"groups must be an integer >= 1, got {groups!r}")
         n = len(self.taps)
@@ -300,30 +287,19 @@ class _Pending:
 
 @dataclass
 class ShardedFingerprint:
-    """``WeightFingerprint`` for sharded models; adapters call ``start`` after an update,
-    ``before_use`` before the next forward, ``resolve`` before the next update (or one batch
-    later) and ``finish`` at the end.
+    """``WeightFingerprint`` for sharded models; adapters call ``start`` after an update, ``before_use`` before the next
+    forward, ``resolve`` before the next update (or one batch later) and ``finish`` at the end.
 
-    Replicated tensors (HSDP, TP-replicated, plain): each replica group all-reduces 16 bytes per
-    rank in its own process group; on a mismatch per-tensor digests are gathered and the group
-    votes (three or more replicas name the minority rank). Unreplicated shards (pure FSDP): the
-    digest taken after update ``s`` is recomputed by ``before_use`` and compared on the device
-    (no host wait); a change means a bit changed at rest on that rank. Both outcomes of update
-    ``s`` then travel in one 8-byte MAX all-reduce over the world, started by ``before_use`` (at
-    once by ``start`` when no shard lacks a replica) and read by the next ``resolve``.
+    Replicated tensors (HSDP, TP-replicated, plain): each replica group all-reduces 16 bytes per rank in its own
+    process group; on a mismatch the group votes on per-tensor digests (three or more replicas name the minority).
+    Unreplicated shards (pure FSDP): the digest taken after update ``s`` is recomputed by ``before_use`` and compared
+    on the device; a change is a bit changed at rest on that rank. Both outcomes travel in one 8-byte MAX all-reduce
+    over the world, read by the next ``resolve``, so a flipped shard is reported (step ``s``, rank named) before it
+    enters another update. Only windows after compared updates are watched; a change during forward, backward or the
+    update has no witness here (the update audit recomputes updates).
 
-    Latency: the comparison of update ``s`` (replicas, and the window at rest from its digest to
-    the next forward) is read by the next ``resolve``: the adapters call it before the update of
-    step ``s + 1`` (Lightning's ``on_before_optimizer_step``, the plain loop's ``optimizer.step``),
-    so a flipped shard is reported, with step ``s`` and the rank named, before it enters another
-    update. Only windows after compared updates (every ``every_n_steps``) are watched; a bit that
-    changes in an unreplicated shard at any other time (during the forward and backward, inside
-    the update) has no witness here (the update audit recomputes updates).
-
-    Cost per check: one read of the local shards (two for unreplicated ones), 16 bytes per rank
-    in the replica group plus 8 bytes per rank in the world; no host synchronisation in the step.
-    Extra memory: a copy of the small tensors (under ``SMALL_TENSOR`` elements) only.
-    """
+    Cost per check: one read of the local shards (two for unreplicated ones), 16 bytes per rank in the replica group
+    plus 8 in the world; no host synchronisation in the step; a copy of the tensors under ``SMALL_TENSOR`` elements."""
 
     role: ClassVar[Role] = Role.FINGERPRINT
 

@@ -1,48 +1,32 @@
 """Ring replay audit on sharded models (FSDP2, HSDP, + tensor parallel): every rank replays its
 partner's micro-batches.
 
-Contract: on every ``every_n_steps``-th optimizer step, after backward and before the update,
-every rank receives its ring partner's micro-batches (inputs, the state the step reads besides
-its batch, loss and digests of its LOCAL unsharded gradients, taken in the reduce-scatter tap) and
-all ranks replay together: one extra forward and backward through the sharded model per
-micro-batch, each rank on its partner's batch. The all-gathers are those of training; the
-replay's reduce-scatter is suppressed by the tap (it digests its input, writes zeros, reduces
-nothing). The replay reads the owner's state as the DDP replay does (``StateCapture``: RNG of
-Python, NumPy and torch, buffers, tensor and plain Python attributes of every submodule,
-``sdc_replay_state()``; FSDP-sharded parameters are the replayer's own shards, all-gathered) and
-puts everything back afterwards (``.grad``, buffers, attributes, RNG), so training is
-bit-identical with the audit on and off.
+Contract: on every ``every_n_steps``-th optimizer step, after backward and before the update, every
+rank receives its ring partner's micro-batches (inputs, state, loss and digests of its LOCAL
+unsharded gradients, taken in the reduce-scatter tap) and all ranks replay together: one extra
+forward and backward through the sharded model per micro-batch. The all-gathers are training's; the
+replay's reduce-scatter is suppressed by the tap (it digests its input and reduces nothing). State
+is captured and restored as in the DDP replay (``StateCapture``; FSDP-sharded parameters are the
+replayer's own shards), so training is bit-identical with the audit on and off. Everything else
+(trust rounds, calibration, attribution, ``skip_step``) is ``RingReplay``'s; since a replay runs
+collectives, every rank replays in every round (``collective_reruns``).
 
-Everything else is ``RingReplay``'s: the trust rounds (a step the ranks cannot reproduce on their
-own device, or where every pair disagrees, raises ``ReplayUnavailableError`` on every rank, never
-an SDC verdict), ``exact="auto"`` calibration, the attribution (a rank that disagrees as owner
-and as replayer; a single disagreeing pair settled by a referee rank replaying the disputed
-batch), the transient/persistent classification and ``on_failure="skip_step"``. Because a replay
-runs collectives, every rank replays in every round (``collective_reruns``): ranks without a pair to
-referee, and the ranks beside the suspect's re-run, re-run their own micro-batches alongside.
+Tensor parallelism (mesh dimensions FSDP does not use): the ring runs over the data-parallel groups,
+rank ``t`` of group ``g + 1`` replaying what rank ``t`` of ``g`` computed, so attribution stays per
+rank. A referee is a whole third group, so ``D >= 3`` data-parallel groups are needed to name one
+rank; a fault that enters a tensor-parallel collective makes the whole group compute wrong: the
+group is named.
 
-Tensor parallelism (mesh dimensions FSDP does not use, read from the parameters' device mesh):
-the ranks of a tensor-parallel group compute each batch together, so the ring runs over the
-data-parallel groups. Group ``g + 1`` replays group ``g``'s micro-batches together, its rank with
-tensor-parallel coordinate ``t`` taking the batch, RNG, state and digests of rank ``t`` of ``g``;
-digests are compared between ranks of the same coordinate, so the attribution is per rank as
-without TP. A referee is a whole third group (each of its ranks replays the disputed group's
-batch at its own coordinate: its collectives need its peers to replay alongside), so ``D >= 3``
-data-parallel groups are needed to name one rank; with ``D = 2`` both ranks of a disagreeing
-coordinate are suspects. A fault that enters a tensor-parallel collective (a wrong partial sum
-before a row-parallel all-reduce) makes every peer of the group compute wrong: the group is named.
+Cost on an audited step: one forward and backward per micro-batch (twice at the first audit), the
+batch and state transfer, a digest per FSDP parameter group, the state capture's clones, two small
+all-gathers. Other steps pay nothing; a disagreement adds up to three rounds of replays on every
+rank.
 
-Cost on an audited step: one forward and backward per micro-batch (the all-gathers included, the
-reduce-scatter not; twice at the first audit: the same-device re-run), the batch and state
-transfer, a digest per FSDP parameter group, the state capture's clones, two small all-gathers.
-Other steps pay nothing. A disagreement adds up to three rounds of replays on every rank.
-
-Limits: every rank must replay: an exception raised inside one rank's replay after its first
-collective leaves the others in FSDP's all-gather until the process-group timeout (failures
-found before the replays start, such as a batch that cannot be sent, are decided together). The
-owner's reduce-scatter must run on every micro-batch, as Lightning's ``ModelParallelStrategy``
-does; with ``set_requires_gradient_sync(False)`` on accumulation micro-batches the owner's
-digests cover their sum and the comparison fails (``ReplayUnavailableError``).
+Limits: an exception inside one rank's replay after its first collective leaves the others in FSDP's
+all-gather until the process-group timeout (failures found before the replays start are decided
+together). The owner's reduce-scatter must run on every micro-batch; with
+``set_requires_gradient_sync(False)`` on accumulation micro-batches the comparison fails
+(``ReplayUnavailableError``).
 """
 
 from __future__ import annotations
@@ -157,13 +141,10 @@ class ShardedReplay(RingReplay):
         get_state: Callable[[], Any] | None = None,
         load_state: Callable[[Any], None] | None = None,
     ) -> None:
-        """Tap the FSDP reduce-scatters and capture ``module``'s state (``StateCapture``: ``exclude``
-        names framework attributes, ``get_state``/``load_state`` the user's explicit hook).
-
-        Under tensor parallelism (mesh dimensions FSDP does not use) the ring runs over the
-        data-parallel groups (``groups``): a tensor-parallel group replays another group's batches
-        together, rank ``t`` what rank ``t`` of the owner group computed, so their collectives pair
-        up. ``ValueError`` for a layout that cannot be read (see ``tensor_parallel_groups``)."""
+        """Tap the FSDP reduce-scatters and capture ``module``'s state (``StateCapture``: ``exclude`` names framework
+        attributes, ``get_state``/``load_state`` the user's explicit hook); under tensor parallelism the ring runs
+        over the data-parallel groups (``groups``). ``ValueError`` for a layout that cannot be read
+        (``tensor_parallel_groups``)."""
         world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
         self.groups = tensor_parallel_groups(module, world)
         self.taps = fsdp_taps(module)
@@ -223,13 +204,10 @@ class ShardedReplay(RingReplay):
         self._replayed.append((digest_row(flat), _label(names)))
 
     def screen_ready(self, batches: list[MicroBatch]) -> str:
-        """Why this rank cannot recompute ``batches`` (a kept step's micro-batches, its partner's
-        or its own) as the screen's confirmation needs, or ``""`` when it can. Host state only; the
-        caller agrees on the answer with every rank before anyone replays (``collective_reruns``).
-        Refused: no micro-batches; this step's own reduce-scatters did not run once per
-        micro-batch (``set_requires_gradient_sync(False)`` on accumulation micro-batches: the
-        owner's peaks are of their sum, a re-run's of each); frozen sharded parameters changed
-        in place since the step began (a re-run would read other values than the owner's)."""
+        """Why this rank cannot recompute ``batches`` (a kept step's micro-batches) as the screen's confirmation needs,
+        or ``""`` when it can: no micro-batches; the step's reduce-scatters did not run once per micro-batch; frozen
+        sharded parameters changed in place since the step began. Host state only; the caller agrees on the answer
+        with every rank before anyone replays."""
         if not batches:
             return "no micro-batches kept"
         if self.taps and max(self._calls, default=0) != len(batches):

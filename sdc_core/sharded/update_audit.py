@@ -1,26 +1,22 @@
 """Update audit for shards without replicas (pure FSDP): a partner recomputes a rank's update.
 
-Contract: on every ``every_n_steps``-th optimizer step each rank snapshots, just before the
-update, its local shards of the parameters, their (reduced) gradients and the optimizer state,
-and digests the shards just after. The snapshot travels to the rank's ring partner (on another
-node where there are several), which builds a replica of the shard on demand, runs the same
-optimizer class with the same hyper-parameters on it, and compares the digest of its result with
-the owner's, bit for bit. Attribution as in the ring replay: a rank whose update disagrees with
-its partner's recomputation and whose recomputation of another rank disagrees too is the faulty
-one (a persistent fault); a single disagreeing pair names both as suspects.
+Contract: on every ``every_n_steps``-th optimizer step each rank snapshots, just before the update,
+its local shards, their reduced gradients and the optimizer state, and digests the shards just
+after. The snapshot travels to the rank's ring partner, which runs the same optimizer class with the
+same hyper-parameters on a replica of the shard and compares the digest of its result with the
+owner's, bit for bit. Attribution as in the ring replay: a rank that disagrees both as owner and as
+recomputer is named; a single disagreeing pair names both as suspects. Every received payload is
+checked (``check_update_payload``): a malformed one raises ``PayloadError`` on every rank alike.
 
-Cost on an audited step (S: the bytes of a rank's shard of the parameters, k: optimizer state
-tensors per parameter, 2 for Adam): a copy of (2 + k) * S bytes, (2 + k) * S bytes sent and
-received point to point, one extra optimizer step on a shard, two digests. Other steps pay one
-Python check in the optimizer hooks.
+Cost on an audited step (S: the bytes of a rank's parameter shard, k: optimizer state tensors per
+parameter, 2 for Adam): a copy of (2 + k) * S bytes, as many sent and received point to point, one
+extra optimizer step on a shard, two digests. Other steps pay one Python check in the optimizer
+hooks.
 
-Every payload a rank receives is checked (``check_update_payload``) before it is used: a
-malformed one raises ``PayloadError`` on every rank alike, as for every other peer payload.
-
-Limits: exact equality assumes the partner's device computes the optimizer's elementwise kernels
-like the owner's (same device type and torch build); optimizers with a closure or cross-parameter
-state (e.g. LBFGS) are not recomputed faithfully. Under HSDP the fingerprint's replica comparison
-already sees a wrong update; this audit is for tensors without replicas.
+Limits: exact equality assumes the partner computes the optimizer's elementwise kernels like the
+owner (same device type and torch build); optimizers with a closure or cross-parameter state (LBFGS)
+are not recomputed faithfully. Under HSDP the fingerprint's replica comparison already sees a wrong
+update.
 """
 
 from __future__ import annotations
@@ -45,7 +41,7 @@ from sdc_core.dist.topology import (
     owners_of,
 )
 from sdc_core.errors import FingerprintMismatchError, ReplayUnavailableError
-from sdc_core.replay.ring import explain, pick_referee, settle
+from sdc_core.replay.attribution import explain, pick_referee, settle
 from sdc_core.schema import setting
 from sdc_core.sharded.checks import local
 from sdc_core.stats import CheckStats
