@@ -33,8 +33,10 @@ pages ``campaign_report``. Nothing here knows a framework.
 from __future__ import annotations
 
 import collections
+import itertools
 import math
 import random
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -64,22 +66,29 @@ SIZES_MIN_STEPS = LATE_STEP + 2  # a late fault needs a step of its own and the 
 # -------------------------------------------------------------------------------------------- plans
 
 
+def _target(site: str, turn: int, rng: random.Random) -> dict[str, Any]:
+    """What an in-memory fault at ``site`` hits: a layer's output (``activation``), one element of a
+    product inside a Linear (``matmul_output``: its phase the ``turn``-th, its layer drawn), else a
+    parameter (its gradient, its weights or its optimizer state)."""
+    if site == "activation":
+        return {"target": rng.choice(MODULES)}
+    if site == "matmul_output":
+        phase = MATMUL_PHASES[turn % len(MATMUL_PHASES)]
+        return {"phase": phase, "target": rng.choice(MATMUL_TARGETS[phase])}
+    return {"target": rng.choice(PARAMS)}
+
+
 def _injection(i: int, sites: tuple[str, ...], steps: int, rng: random.Random) -> dict[str, Any]:
     """The ``i``-th injection of a plan over ``sites``: its site and bit class in turn, the rest drawn."""
     site, bit_class = sites[i % len(sites)], BIT_CLASSES[(i // len(sites)) % len(BIT_CLASSES)]
     spec = {"id": f"inj{i:04d}", "site": site, "bit_class": bit_class, "rank": rng.randrange(WORLD),
             "step": rng.randrange(2, steps - 3), "index": rng.randrange(10_000),
             "bit": rng.choice(bits_of_class(torch.float32, bit_class)), "seed": rng.randrange(2**31)}  # fmt: skip
-    if site == "activation":
-        spec["target"] = rng.choice(MODULES)
-    elif site == "matmul_output":  # one element of a product inside a Linear: its output, or a gradient it returns
-        spec["phase"] = MATMUL_PHASES[(i // len(sites)) % len(MATMUL_PHASES)]  # every phase x bit class in 12
-        spec["target"] = rng.choice(MATMUL_TARGETS[spec["phase"]])
-    elif site == "checkpoint":  # both targets for every bit class
-        spec["target"] = "weights" if i // (len(sites) * len(BIT_CLASSES)) % 2 == 0 else "optimizer"
-        spec["step"], spec["rank"] = CKPT_STEP, -1  # on disk: every rank loads the same bits
-    else:
-        spec["target"] = rng.choice(PARAMS)
+    if site != "checkpoint":
+        return spec | _target(site, i // len(sites), rng)  # every matmul phase x bit class in 12
+    # on disk, every rank loads the same bits; both targets for every bit class
+    spec["target"] = "weights" if i // (len(sites) * len(BIT_CLASSES)) % 2 == 0 else "optimizer"
+    spec["step"], spec["rank"] = CKPT_STEP, -1
     return spec
 
 
@@ -144,14 +153,7 @@ def plan_sizes(per_cell: int, seed: int, steps: int, sites: tuple[str, ...] = CO
                     spec = {"id": f"size-{site}-{size:.0e}-{when}-{i:03d}", "site": site, "bit_class": "scale",
                             "rel_error": size, "factor": 1.0 + size, "step_range": when, "rank": rng.randrange(WORLD),
                             "step": rng.randrange(first, stop), "index": rng.randrange(10_000)}  # fmt: skip
-                    if site == "activation":
-                        spec["target"] = rng.choice(MODULES)
-                    elif site == "matmul_output":
-                        spec["phase"] = MATMUL_PHASES[i % len(MATMUL_PHASES)]
-                        spec["target"] = rng.choice(MATMUL_TARGETS[spec["phase"]])
-                    else:
-                        spec["target"] = rng.choice(PARAMS)
-                    specs.append(spec)
+                    specs.append(spec | _target(site, i, rng))
     return specs
 
 
@@ -237,16 +239,23 @@ def fault_for(spec: dict[str, Any], prefix: str = "") -> Fault:
 # ------------------------------------------------------------------------------------- classification
 
 
-def _weights_apart(effect: dict[str, Any], reference: dict[str, Any]) -> tuple[bool, float]:
-    """Whether a run's final weights are finite, and their distance from the reference run's
-    (relative, infinite when they are not finite)."""
+def _effect(spec: dict[str, Any], effect: dict, reference: dict, keys: tuple[str, ...]) -> dict[str, Any]:
+    """A row's fields from the run without checks (``effect``): ``keys`` of its spec, whether it changed
+    the final weights (relative to the clean ``reference``, more than 1e-6; a crash counts), whether it
+    diverged (crashed, or a final loss non-finite or twice the clean run's) or ended non-finite."""
     w, ref = effect["weights"], reference["weights"]
     finite = bool(torch.isfinite(w).all())
-    return finite, float((w - ref).norm() / ref.norm()) if finite else math.inf
+    rel = float((w - ref).norm() / ref.norm()) if finite else math.inf
+    crash, loss = bool(effect.get("crash")), effect["loss"]
+    return {**{k: spec.get(k) for k in keys}, "changed": rel > 1e-6 or crash, "weight_rel_diff": rel,
+            "final_loss": loss, "clean_loss": reference["loss"],
+            "diverged": not math.isfinite(loss) or loss > 2 * reference["loss"] or crash,
+            "nonfinite": not finite or not math.isfinite(loss) or crash, "crash": effect.get("crash") or ""}
 
 
-def _diverged(effect: dict[str, Any], reference: dict[str, Any]) -> bool:
-    return (not math.isfinite(effect["loss"])) or effect["loss"] > 2 * reference["loss"]
+def _latency(err: dict[str, Any] | None, spec: dict[str, Any]) -> int | None:
+    """Steps from the spec's fault to the step the error named (None: no error, or no fault step)."""
+    return err["step"] - spec["step"] if err and spec.get("step", -1) >= 0 else None
 
 
 def _verdict(prefix: str, run: dict, spec: dict[str, Any]) -> dict[str, Any]:
@@ -259,7 +268,7 @@ def _verdict(prefix: str, run: dict, spec: dict[str, Any]) -> dict[str, Any]:
         f"{prefix}_by": ("gradient_screen" if source == "gradient_screen" else err["check"]) if err else "",
         f"{prefix}_rank": err["rank"] if err else None,
         f"{prefix}_suspects": list(err.get("suspects") or []) if err else [],
-        f"{prefix}_latency": (err["step"] - spec["step"]) if err and spec.get("step", -1) >= 0 else None,
+        f"{prefix}_latency": _latency(err, spec),
         f"{prefix}_crash": run.get("crash") or "",
         **{f"{prefix}_{k}": v for k, v in run.get("counters", {}).items()},
     }  # fmt: skip
@@ -270,21 +279,14 @@ def outcome(spec: dict[str, Any], effect: dict, detect: dict, reference: dict,
     """One injection's row: did the run without checks (``effect``) change the result against the
     clean ``reference``, what the checks every step said (``detect``), and, when given, what the
     checks at their defaults said (``defaults_*``)."""
-    finite, rel = _weights_apart(effect, reference)
-    changed = rel > 1e-6
+    row = _effect(spec, effect, reference, ("id", "site", "phase", "variant", "bit_class", "rank", "step", "target",
+                                            "bit", "index"))  # fmt: skip
     err = detect["error"]
-    keys = ("id", "site", "phase", "variant", "bit_class", "rank", "step", "target", "bit", "index")
-    row = {**{k: spec.get(k) for k in keys},
-           "changed": changed, "weight_rel_diff": rel, "final_loss": effect["loss"], "clean_loss": reference["loss"],
-           "diverged": _diverged(effect, reference),
-           "detected_by": err["check"] if err else "", "named_rank": err["rank"] if err else None,
-           "attributed": bool(err) and err["rank"] == spec.get("rank"),
-           "latency": (err["step"] - spec["step"]) if err and spec.get("step", -1) >= 0 else None}  # fmt: skip
-    row["outcome"] = "detected" if err else "crashed" if detect.get("crash") else "silent" if changed else "masked"
-    row["crash"] = detect.get("crash") or effect.get("crash") or ""
-    row["changed"] = changed or bool(effect.get("crash"))
-    row["diverged"] = row["diverged"] or bool(effect.get("crash"))
-    row["nonfinite"] = not finite or not math.isfinite(effect["loss"]) or bool(effect.get("crash"))
+    changed = row["weight_rel_diff"] > 1e-6  # a crash without checks alone is no silent change
+    row.update(detected_by=err["check"] if err else "", named_rank=err["rank"] if err else None,
+               attributed=bool(err) and err["rank"] == spec.get("rank"), latency=_latency(err, spec),
+               outcome="detected" if err else "crashed" if detect.get("crash") else "silent" if changed else "masked",
+               crash=detect.get("crash") or row["crash"])  # fmt: skip
     if defaults is not None:
         row.update(_verdict("defaults", defaults, spec))
     return row
@@ -294,32 +296,21 @@ def sizes_outcome(spec: dict[str, Any], effect: dict, defaults: dict, reference:
     """One injection of ``plan_sizes``: did the run without checks (``effect``) change the result
     against the clean ``reference``, and what the checks at their defaults said (``defaults_*``,
     as in ``outcome``'s rows, so the same readers take both)."""
-    finite, rel = _weights_apart(effect, reference)
     keys = ("id", "site", "phase", "bit_class", "rel_error", "factor", "step_range", "rank", "step", "target", "bit",
             "index")  # fmt: skip
-    row = {**{k: spec.get(k) for k in keys},
-           "changed": rel > 1e-6 or bool(effect.get("crash")), "weight_rel_diff": rel, "final_loss": effect["loss"],
-           "clean_loss": reference["loss"], "diverged": _diverged(effect, reference) or bool(effect.get("crash")),
-           "nonfinite": not finite or not math.isfinite(effect["loss"]) or bool(effect.get("crash")),
-           "crash": effect.get("crash") or ""}  # fmt: skip
-    row.update(_verdict("defaults", defaults, spec))
-    return row
+    return _effect(spec, effect, reference, keys) | _verdict("defaults", defaults, spec)
 
 
 def matmul_outcome(spec: dict[str, Any], effect: dict, defaults: dict, matmul: dict,
                    reference: dict) -> dict[str, Any]:  # fmt: skip
     """One matmul injection: did it change the result, and what each check set said (which check,
     which rank, how many steps after the fault the error named)."""
-    _, rel = _weights_apart(effect, reference)
-    row = {k: spec.get(k) for k in ("id", "site", "phase", "bit_class", "rank", "step", "target", "bit", "index")}
-    row.update(changed=rel > 1e-6 or bool(effect.get("crash")), weight_rel_diff=rel,
-               diverged=_diverged(effect, reference) or bool(effect.get("crash")))  # fmt: skip
+    row = _effect(spec, effect, reference, ("id", "site", "phase", "bit_class", "rank", "step", "target", "bit",
+                                            "index"))  # fmt: skip
     for name, run in (("defaults", defaults), ("matmul", matmul)):
         err = run["error"]
-        row[f"{name}_by"] = err["check"] if err else ""
-        row[f"{name}_rank"] = err["rank"] if err else None
-        row[f"{name}_latency"] = err["step"] - spec["step"] if err else None
-        row[f"{name}_crash"] = run.get("crash") or ""
+        row.update({f"{name}_by": err["check"] if err else "", f"{name}_rank": err["rank"] if err else None,
+                    f"{name}_latency": _latency(err, spec), f"{name}_crash": run.get("crash") or ""})
     return row
 
 
@@ -368,19 +359,26 @@ def within_one_step(r: dict[str, Any]) -> bool:
 # ------------------------------------------------------------------------------------------ summaries
 
 
+def _cells(rows: list[dict[str, Any]], **axes: tuple[Any, ...]) -> Iterator[tuple[tuple[Any, ...], list[dict]]]:
+    """The rows of each cell of a table, cells in the order of ``axes`` (a row field and its values
+    each), empty cells left out: ``((value, ...), rows)``."""
+    for values in itertools.product(*axes.values()):
+        rs = [r for r in rows if all(r.get(k) == v for k, v in zip(axes, values, strict=True))]
+        if rs:
+            yield values, rs
+
+
+def _median(values: list[Any]) -> Any:
+    """The upper median of ``values``, or None when there are none."""
+    return sorted(values)[len(values) // 2] if values else None
+
+
 def _table(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per site and bit class, with the checks every step: injections, what changed, the outcomes,
     what raised, the rank named, the median latency, divergence."""
-    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
-    for r in rows:
-        if r["site"] in SITES:
-            groups.setdefault((r["site"], r["bit_class"]), []).append(r)
     table = []
-    for (site, bit_class), rs in sorted(
-        groups.items(), key=lambda kv: (SITES.index(kv[0][0]), BIT_CLASSES.index(kv[0][1]))
-    ):
+    for (site, bit_class), rs in _cells(rows, site=SITES, bit_class=BIT_CLASSES):
         det = [r for r in rs if r["outcome"] == "detected"]
-        lat = sorted(r["latency"] for r in det if r["latency"] is not None)
         table.append({
             "site": site, "bit_class": bit_class, "injections": len(rs), "changed": sum(r["changed"] for r in rs),
             "detected": len(det), "masked": sum(r["outcome"] == "masked" for r in rs),
@@ -391,7 +389,7 @@ def _table(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "by_replay": sum(r["detected_by"] == "ring_replay" for r in rs),
             "by_fingerprint": sum(r["detected_by"] == "weight_fingerprint" for r in rs),
             "attributed": sum(r["attributed"] for r in det),
-            "median_latency": lat[len(lat) // 2] if lat else None,
+            "median_latency": _median([r["latency"] for r in det if r["latency"] is not None]),
             "diverged": sum(r["diverged"] for r in rs),
         })  # fmt: skip
     return table
@@ -402,24 +400,20 @@ def _defaults_table(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     (all, and of the harmful ones: any, within one step), the rank named, what raised, and the
     screen hits the replay cleared."""
     table = []
-    for site in SITES:
-        for bit_class in BIT_CLASSES:
-            rs = [r for r in rows if r["site"] == site and r["bit_class"] == bit_class]
-            if not rs:
-                continue
-            det = [r for r in rs if r.get("defaults_by")]
-            harm = [r for r in rs if r.get("harmful")]
-            local = site != "checkpoint"  # a checkpoint has no rank: every replica loads the same file
-            table.append({
-                "site": site, "bit_class": bit_class, "injections": len(rs), "harmful": len(harm),
-                "detected": len(det), "harmful_detected": sum(bool(r.get("defaults_by")) for r in harm),
-                "harmful_within_1": sum(within_one_step(r) for r in harm),
-                "harmful_silent": sum(not r.get("defaults_by") for r in harm),
-                "right_rank": sum(r["defaults_rank"] == r["rank"] for r in det) if local else None,
-                "screen_flagged": sum(r.get("defaults_screen_hits", 0) > 0 for r in rs),
-                "screen_cleared": int(sum(r.get("defaults_screen_cleared", 0) for r in rs)),
-                "by": dict(sorted(collections.Counter(r["defaults_by"] for r in det).items())),
-            })  # fmt: skip
+    for (site, bit_class), rs in _cells(rows, site=SITES, bit_class=BIT_CLASSES):
+        det = [r for r in rs if r.get("defaults_by")]
+        harm = [r for r in rs if r.get("harmful")]
+        local = site != "checkpoint"  # a checkpoint has no rank: every replica loads the same file
+        table.append({
+            "site": site, "bit_class": bit_class, "injections": len(rs), "harmful": len(harm),
+            "detected": len(det), "harmful_detected": sum(bool(r.get("defaults_by")) for r in harm),
+            "harmful_within_1": sum(within_one_step(r) for r in harm),
+            "harmful_silent": sum(not r.get("defaults_by") for r in harm),
+            "right_rank": sum(r["defaults_rank"] == r["rank"] for r in det) if local else None,
+            "screen_flagged": sum(r.get("defaults_screen_hits", 0) > 0 for r in rs),
+            "screen_cleared": int(sum(r.get("defaults_screen_cleared", 0) for r in rs)),
+            "by": dict(sorted(collections.Counter(r["defaults_by"] for r in det).items())),
+        })  # fmt: skip
     return table
 
 
@@ -479,20 +473,17 @@ def study(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Checkpoint alteration (1% of the entries flipped, then resume): model weights against
     optimizer state, per bit class."""
     out = []
-    for target in ("weights", "optimizer"):
-        for bit_class in BIT_CLASSES:
-            rs = [r for r in rows if r["site"] == "study" and r["target"] == target and r["bit_class"] == bit_class]
-            if not rs:
-                continue
-            finite = [r["final_loss"] / r["clean_loss"] for r in rs if math.isfinite(r["final_loss"])]
-            out.append({
-                "target": target, "bit_class": bit_class, "runs": len(rs), "changed": sum(r["changed"] for r in rs),
-                "diverged": sum(r["diverged"] for r in rs),
-                "crashed_on_resume": sum(bool(r.get("effect_crash")) for r in rs),
-                "median_loss_ratio": sorted(finite)[len(finite) // 2] if finite else None,
-                "caught_on_load": sum(r["outcome"] == "detected" for r in rs),
-                "caught_at_runtime_without_fingerprint": sum(bool(r.get("runtime_detected_by")) for r in rs),
-            })  # fmt: skip
+    for (_, target, bit_class), rs in _cells(rows, site=("study",), target=("weights", "optimizer"),
+                                             bit_class=BIT_CLASSES):  # fmt: skip
+        out.append({
+            "target": target, "bit_class": bit_class, "runs": len(rs), "changed": sum(r["changed"] for r in rs),
+            "diverged": sum(r["diverged"] for r in rs),
+            "crashed_on_resume": sum(bool(r.get("effect_crash")) for r in rs),
+            "median_loss_ratio": _median([r["final_loss"] / r["clean_loss"] for r in rs
+                                          if math.isfinite(r["final_loss"])]),
+            "caught_on_load": sum(r["outcome"] == "detected" for r in rs),
+            "caught_at_runtime_without_fingerprint": sum(bool(r.get("runtime_detected_by")) for r in rs),
+        })  # fmt: skip
     return out
 
 
@@ -523,20 +514,15 @@ def sizes_summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     the defaults named within one step with the right rank, the injections that changed the result,
     that the defaults detected at all, and that the screen flagged."""
     table = []
-    for site in COMPUTE_SITES:
-        for size in SIZES:
-            for when in STEP_RANGES:
-                rs = [r for r in rows if r["site"] == site and r.get("rel_error") == size and r["step_range"] == when]
-                if not rs:
-                    continue
-                finite = [r for r in rs if not r["nonfinite"] and r["defaults_by"] != "nonfinite_gradient"]
-                table.append({
-                    "site": site, "rel_error": size, "steps": when, "injections": len(rs), "finite": len(finite),
-                    "changed": sum(r["changed"] for r in rs),
-                    "finite_named_within_1": sum(named_within_one_step(r) for r in finite),
-                    "detected": sum(bool(r["defaults_by"]) for r in rs),
-                    "screen_flagged": sum(r.get("defaults_screen_hits", 0) > 0 for r in rs),
-                })  # fmt: skip
+    for (site, size, when), rs in _cells(rows, site=COMPUTE_SITES, rel_error=SIZES, step_range=STEP_RANGES):
+        finite = [r for r in rs if not r["nonfinite"] and r["defaults_by"] != "nonfinite_gradient"]
+        table.append({
+            "site": site, "rel_error": size, "steps": when, "injections": len(rs), "finite": len(finite),
+            "changed": sum(r["changed"] for r in rs),
+            "finite_named_within_1": sum(named_within_one_step(r) for r in finite),
+            "detected": sum(bool(r["defaults_by"]) for r in rs),
+            "screen_flagged": sum(r.get("defaults_screen_hits", 0) > 0 for r in rs),
+        })  # fmt: skip
     return table
 
 
@@ -544,20 +530,16 @@ def matmul_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Per phase and bit class: injections, changed, and for each check set how many were caught
     naming the fault's own step, by which check, with the injected rank."""
     table = []
-    for phase in MATMUL_PHASES:
-        for bit_class in BIT_CLASSES:
-            rs = [r for r in rows if r["site"] == "matmul" and r["phase"] == phase and r["bit_class"] == bit_class]
-            if not rs:
-                continue
-            entry: dict[str, Any] = {"phase": phase, "bit_class": bit_class, "injections": len(rs),
-                                     "changed": sum(r["changed"] for r in rs)}  # fmt: skip
-            for name in ("defaults", "matmul"):
-                caught = [r for r in rs if r[f"{name}_by"]]
-                entry[f"{name}_caught"] = len(caught)
-                entry[f"{name}_same_step"] = sum(r[f"{name}_latency"] == 0 for r in caught)
-                entry[f"{name}_right_rank"] = sum(r[f"{name}_rank"] == r["rank"] for r in caught)
-                entry[f"{name}_silent"] = sum(r["changed"] and not r[f"{name}_by"] for r in rs)
-                entry[f"{name}_by"] = dict(sorted(collections.Counter(r[f"{name}_by"] for r in caught).items()))
-            table.append(entry)
+    for (_, phase, bit_class), rs in _cells(rows, site=("matmul",), phase=MATMUL_PHASES, bit_class=BIT_CLASSES):
+        entry: dict[str, Any] = {"phase": phase, "bit_class": bit_class, "injections": len(rs),
+                                 "changed": sum(r["changed"] for r in rs)}  # fmt: skip
+        for name in ("defaults", "matmul"):
+            caught = [r for r in rs if r[f"{name}_by"]]
+            entry[f"{name}_caught"] = len(caught)
+            entry[f"{name}_same_step"] = sum(r[f"{name}_latency"] == 0 for r in caught)
+            entry[f"{name}_right_rank"] = sum(r[f"{name}_rank"] == r["rank"] for r in caught)
+            entry[f"{name}_silent"] = sum(r["changed"] and not r[f"{name}_by"] for r in rs)
+            entry[f"{name}_by"] = dict(sorted(collections.Counter(r[f"{name}_by"] for r in caught).items()))
+        table.append(entry)
     clean = [r for r in rows if r["site"] == "matmul_clean"]
     return {"table": table, "clean_runs": len(clean), "false_alarms": sum(r["outcome"] == "false_alarm" for r in clean)}
