@@ -51,38 +51,28 @@ def make_folder(folder: Path, what: str) -> None:
 def report(rows: list[dict[str, Any]], out: Path, seed: int, steps: int, optimizer: str = "adam") -> dict[str, Any]:
     """Write results.csv/json, the PNG plot; print the table; return the summary."""
     summary = summarise(rows, seed, steps, optimizer)
-    table = summary["table"]
     for row in summary["study"]:
         print("study:", row)
-    write_results(rows, summary, out)
-    head = ["site", "bit_class", "injections", "changed", "detected", "masked", "silent", "crashed", "by_nonfinite",
-            "by_replay", "by_fingerprint", "attributed", "median_latency", "diverged"]  # fmt: skip
-    print(" ".join(f"{h:>14}" for h in head))
-    for t in table:
-        print(" ".join(f"{t[h]!s:>14}" for h in head))
+    write_results(rows, summary, out, ["site", "bit_class", "injections", "changed", "detected", "masked", "silent",
+                                       "crashed", "by_nonfinite", "by_replay", "by_fingerprint", "attributed",
+                                       "median_latency", "diverged"])  # fmt: skip
     print(f"clean runs: {summary['clean_runs']}, false alarms: {summary['false_alarms']}")
     print("at the defaults:", json.dumps({k: v for k, v in summary["defaults"].items() if k != "missed_compute"}))
-    plot(table, out / "detection.png")
+    plot(summary["table"], out / "detection.png")
     return summary
 
 
-def write_results(rows: list[dict[str, Any]], summary: dict[str, Any], out: Path) -> None:
+def write_results(rows: list[dict[str, Any]], summary: dict[str, Any], out: Path, head: list[str]) -> None:
     """``results.csv`` (one row per run, the union of the rows' fields as columns, sorted) and
-    ``results.json`` (the summary and the rows) in ``out``, each atomically."""
+    ``results.json`` (the summary and the rows) in ``out``, each atomically; then print the columns
+    ``head`` of ``summary["table"]``, one line per entry. The campaign of errors of known size
+    (``sdc campaign --sizes``) writes its results with this alone."""
     text = io.StringIO()
     w = csv.DictWriter(text, fieldnames=sorted({k for r in rows for k in r}))
     w.writeheader()
     w.writerows(rows)
     atomic_write_text(out / "results.csv", text.getvalue())
     atomic_write_text(out / "results.json", json.dumps({"summary": summary, "runs": rows}, indent=1))
-
-
-def report_sizes(rows: list[dict[str, Any]], out: Path, summary: dict[str, Any]) -> None:
-    """The campaign of errors of known size: write its results (``write_results``) and print one
-    line per site, relative error and step range (``campaign.sizes_summary``)."""
-    write_results(rows, summary, out)
-    head = ["site", "rel_error", "steps", "injections", "finite", "finite_named_within_1", "changed", "detected",
-            "screen_flagged"]  # fmt: skip
     print(" ".join(f"{h:>14}" for h in head))
     for t in summary["table"]:
         print(" ".join(f"{t[h]!s:>14}" for h in head))

@@ -36,7 +36,7 @@ from sdc_core.faults.campaign import (
     sizes_summary,
 )
 from sdc_core.faults.campaign_matmul_report import write_matmul_doc
-from sdc_core.faults.campaign_report import make_folder, report, report_sizes, write_doc
+from sdc_core.faults.campaign_report import make_folder, report, write_doc, write_results
 from sdc_core.faults.campaign_runner import CAMPAIGN_DIR_ENV, OPTIMIZERS, CampaignRunner, find_runner
 from sdc_core.faults.checkpoint import Corruption, corrupt_file
 from sdc_core.io.checkpoints import FINGERPRINT_KEY
@@ -75,23 +75,18 @@ class _Launch:
             row = outcome(spec, self.reference, detect, self.reference)
             row["outcome"] = "false_alarm" if detect["error"] else "clean"
             return row
+        if site in ("checkpoint", "study"):
+            return self._checkpoint(spec)
+        fault = fault_for(spec, self.runner.target_prefix)
+        effect = self.fit(fault=fault)  # without checks: did it change the result?
         if site == "matmul":
-            fault = fault_for(spec, self.runner.target_prefix)
-            effect = self.fit(fault=fault)
             defaults = self.fit(fault=fault, check_set="defaults")
             with_matmul = self.fit(fault=fault, check_set="defaults+matmul")
             return matmul_outcome(spec, effect, defaults, with_matmul, self.reference)
-        if site in ("checkpoint", "study"):
-            return self._checkpoint(spec)
-        if "rel_error" in spec:  # an error of known size: without checks (the effect), at the defaults
-            fault = fault_for(spec, self.runner.target_prefix)
-            effect, defaults = self.fit(fault=fault), self.fit(fault=fault, check_set="defaults")
-            return sizes_outcome(spec, effect, defaults, self.reference)
-        # without checks (the effect), all three every step (what they can see), at their defaults
-        fault = fault_for(spec, self.runner.target_prefix)
-        effect, detect = self.fit(fault=fault), self.fit(checks=True, fault=fault)
-        defaults = self.fit(fault=fault, check_set="defaults")
-        return outcome(spec, effect, detect, self.reference, defaults)
+        if "rel_error" in spec:  # an error of known size: at the defaults only
+            return sizes_outcome(spec, effect, self.fit(fault=fault, check_set="defaults"), self.reference)
+        detect = self.fit(checks=True, fault=fault)  # all three every step: what they can see
+        return outcome(spec, effect, detect, self.reference, self.fit(fault=fault, check_set="defaults"))
 
     def _clean(self, spec: dict[str, Any]) -> dict[str, Any]:
         """Another data order or a hard batch: without checks, every step, at the defaults."""
@@ -254,8 +249,10 @@ def run_sizes_campaign(out: Path, per_cell: int, workers: int = 1, seed: int = 0
     make_folder(out, "--out")
     rows = run_specs(specs, out, workers, steps, runner, optimizer)
     table = sizes_summary(rows)
-    report_sizes(rows, out, {"seed": seed, "steps": steps, "optimizer": optimizer, "world_size": WORLD,
-                             "per_cell": per_cell, "table": table})  # fmt: skip
+    write_results(rows, {"seed": seed, "steps": steps, "optimizer": optimizer, "world_size": WORLD,
+                         "per_cell": per_cell, "table": table},
+                  out, ["site", "rel_error", "steps", "injections", "finite", "finite_named_within_1", "changed",
+                        "detected", "screen_flagged"])  # fmt: skip
     return table
 
 

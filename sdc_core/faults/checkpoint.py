@@ -121,10 +121,9 @@ def corrupt(ckpt: Checkpoint, spec: Corruption) -> list[dict[str, Any]]:
         index = pos - (int(bounds[ti - 1]) if ti else 0)
         options = list(spec.bits) if spec.bits is not None else bits_of_class(t.dtype, spec.bit_class)  # type: ignore[arg-type]
         bit = options[int(torch.randint(len(options), (1,), generator=gen))]
-        target = t if t.is_contiguous() else None
-        if target is None:
+        if not t.is_contiguous():
             raise ValueError(f"tensor {name} is not contiguous")
-        old, new = flip_bit(target, index, bit)
+        old, new = flip_bit(t, index, bit)
         log.append({"tensor": name, "index": index, "bit": bit, "old": old, "new": new, "dtype": str(t.dtype)})
     return log
 

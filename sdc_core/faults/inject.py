@@ -158,24 +158,22 @@ class FaultInjector:
                 old, new = flip_bit(t, fault.index % t.numel(), int(fault.bit))  # type: ignore[arg-type]
             self.fired.append({"kind": fault.kind, "step": step, "target": fault.target, "old": old, "new": new})
 
+    def _due(self, i: int, fault: Fault) -> bool:
+        """Whether fault ``i`` of a module fires at this call: from its step on (``once``: at its step
+        only); ``intermittent`` and ``once`` at the first call of the step only."""
+        if self.step < fault.step or (fault.mode == "once" and self.step != fault.step):
+            return False
+        self._calls[i] = self._calls.get(i, 0) + 1
+        return fault.mode == "persistent" or self._calls[i] == 1
+
     def _output_hook(self, i: int, fault: Fault) -> Any:
         def hook(_module: nn.Module, _inputs: Any, output: Any) -> Any:
-            if self.step < fault.step or not isinstance(output, torch.Tensor):
-                return None
-            if fault.mode == "once" and self.step != fault.step:
-                return None
-            self._calls[i] = self._calls.get(i, 0) + 1
-            if fault.mode in ("intermittent", "once") and self._calls[i] > 1:
+            if not isinstance(output, torch.Tensor) or not self._due(i, fault):
                 return None
             flat = output.detach().reshape(-1)
             j = fault.index % flat.numel()
             old = flat[j].clone()
-            if fault.bit is not None:
-                new = old.clone().reshape(1)
-                flip_bit(new, 0, fault.bit)
-                new = new[0]
-            else:
-                new = old * fault.factor
+            new = _wrong(old, fault)
             delta = torch.zeros_like(flat)
             delta[j] = new - old
             self.fired.append({"kind": fault.kind, "step": self.step, "target": fault.target, "old": float(old),
@@ -204,6 +202,16 @@ class FaultInjector:
         return hook
 
 
+def _wrong(old: torch.Tensor, fault: Fault) -> torch.Tensor:
+    """The value of one element ``old`` once ``fault`` hit it: its bit ``bit`` flipped, or times ``factor``."""
+    new = old.clone().reshape(1)
+    if fault.bit is not None:
+        flip_bit(new, 0, fault.bit)
+    else:
+        new.mul_(fault.factor)
+    return new[0]
+
+
 class _MatmulFault:
     """A wrong element inside one ``nn.Linear``'s product: the layer's ``forward`` is wrapped on the
     instance, so the wrong value is what the product returned (forward hooks, the matmul checksum
@@ -211,12 +219,13 @@ class _MatmulFault:
     registered before anyone else's. ``remove()`` restores the layer."""
 
     def __init__(self, injector: FaultInjector, i: int, fault: Fault, module: nn.Module) -> None:
-        self.injector, self.i, self.fault, self.module = injector, i, fault, module
+        self.injector, self.fault, self.module = injector, fault, module
         original = module.forward
 
         def forward(*args: Any, **kwargs: Any) -> Any:
             y = original(*args, **kwargs)
-            if isinstance(y, torch.Tensor) and self._due():
+            grads = fault.phase == "forward" or torch.is_grad_enabled()  # a backward fault needs one
+            if isinstance(y, torch.Tensor) and grads and injector._due(i, fault):
                 self._corrupt(y)
             return y
 
@@ -227,26 +236,12 @@ class _MatmulFault:
         if vars(self.module).get("forward") is self._forward:
             del self.module.forward
 
-    def _due(self) -> bool:
-        inj, fault = self.injector, self.fault
-        if inj.step < fault.step or (fault.mode == "once" and inj.step != fault.step):
-            return False
-        if fault.phase != "forward" and not torch.is_grad_enabled():
-            return False
-        inj._calls[self.i] = inj._calls.get(self.i, 0) + 1
-        return not (fault.mode in ("intermittent", "once") and inj._calls[self.i] > 1)
-
-    def _wrong(self, t: torch.Tensor) -> tuple[float, float]:
+    def _hit(self, t: torch.Tensor) -> tuple[float, float]:
         """Make one element of ``t`` (flat ``index`` modulo its size, any layout) wrong, in place."""
         j = self.fault.index % t.numel()
         at = tuple(int(v) for v in torch.unravel_index(torch.tensor(j), t.shape))
-        old = t[at].reshape(1).clone()
-        new = old.clone()
-        if self.fault.bit is not None:
-            flip_bit(new, 0, self.fault.bit)
-        else:
-            new.mul_(self.fault.factor)
-        t[at] = new[0]
+        old = t[at].clone()
+        t[at] = new = _wrong(old, self.fault)
         return float(old), float(new)
 
     def _corrupt(self, y: torch.Tensor) -> None:
@@ -254,7 +249,7 @@ class _MatmulFault:
         record = {"kind": fault.kind, "phase": fault.phase, "step": inj.step, "target": fault.target}
         if fault.phase == "forward":
             with torch.no_grad():
-                old, new = self._wrong(y.detach())
+                old, new = self._hit(y.detach())
             inj.fired.append({**record, "old": old, "new": new})
             return
         from sdc_core.checks.matmul_sites import product_node
@@ -270,7 +265,7 @@ class _MatmulFault:
             if grads[at] is None:
                 return None
             grads[at] = grads[at].clone()
-            old, new = self._wrong(grads[at])
+            old, new = self._hit(grads[at])
             inj.fired.append({**record, "old": old, "new": new})
             return tuple(grads)
 
