@@ -227,18 +227,13 @@ def coerce(key: str, value: Any, source: str) -> Any:
     kind = _TYPES[key]
     text = value.strip().lower() if isinstance(value, str) else None
     try:
-        if key == "replay_exact":  # True, False or "auto"
-            if isinstance(value, bool) or text == "auto":
+        if kind is bool or key == "replay_exact":  # replay_exact: True, False or "auto"
+            if isinstance(value, bool) or (key == "replay_exact" and text == "auto"):
                 return value if isinstance(value, bool) else "auto"
             if (isinstance(value, int) and value in (0, 1)) or text in ("0", "1", "true", "false"):
                 return text in ("1", "true") if text is not None else bool(value)
-            raise ValueError("expected true, false or auto (or 1 or 0)")
-        if kind is bool:
-            if isinstance(value, bool):
-                return value
-            if (isinstance(value, int) and value in (0, 1)) or text in ("0", "1", "true", "false"):
-                return text in ("1", "true") if text is not None else bool(value)
-            raise ValueError("expected true or false (or 1 or 0)")
+            words = "true, false or auto" if key == "replay_exact" else "true or false"
+            raise ValueError(f"expected {words} (or 1 or 0)")
         if kind is int:
             if isinstance(value, int) and not isinstance(value, bool):
                 return value
@@ -386,32 +381,27 @@ def _resolve(sources: Sources, **kwargs: Any) -> tuple[SDCSettings, dict[str, st
         (checked.fingerprint, settings_for(FingerprintConfig)),
         (checked.update_audit, settings_for(UpdateAudit)),
     )
+
+    def bad(key: str, why: object) -> SDCConfigError:
+        return SDCConfigError(f"bad value for SDC setting {key!r} ({origin.get(key, 'default')}): {why}")
+
     for key, allowed in POLICIES.items():
         value = getattr(settings, key)
         if value == "rollback":
-            raise SDCConfigError(
-                f"bad value for SDC setting {key!r} ({origin.get(key, 'default')}): 'rollback' is a policy of the "
-                "Lightning callbacks (it reloads ModelCheckpoint files), not of the hook set; use one of "
-                f"{_either(allowed)}, catch the SDCError and load a checkpoint yourself (Accelerate: load_state)"
-            )
+            raise bad(key, "'rollback' is a policy of the Lightning callbacks (it reloads ModelCheckpoint files), not "
+                      f"of the hook set; use one of {_either(allowed)}, catch the SDCError and load a checkpoint "
+                      "yourself (Accelerate: load_state)")  # fmt: skip
         if value not in allowed:
-            raise SDCConfigError(
-                f"bad value for SDC setting {key!r} ({origin.get(key, 'default')}): must be {_either(allowed)}, "
-                f"got {value!r}"
-            )
+            raise bad(key, f"must be {_either(allowed)}, got {value!r}")
     for key in ("replay_every_n_steps", "fingerprint_every_n_steps"):
         if getattr(settings, key) < 0:
-            raise SDCConfigError(
-                f"bad value for SDC setting {key!r} ({origin.get(key, 'default')}): must be a whole number >= 0 "
-                f"(0 turns the check off), got {getattr(settings, key)!r}"
-            )
+            raise bad(key, f"must be a whole number >= 0 (0 turns the check off), got {getattr(settings, key)!r}")
     for build, keys in sections:
         try:
             build()
         except ValueError as err:
             key = next((k for arg, k in keys.items() if str(err).startswith(arg)), next(iter(keys.values())))
-            raise SDCConfigError(f"bad value for SDC setting {key!r} ({origin.get(key, 'default')}): {err}") from None
+            raise bad(key, err) from None
     if settings.log_every_n_steps < 1:
-        key = "log_every_n_steps"
-        raise SDCConfigError(f"bad value for SDC setting {key!r} ({origin.get(key, 'default')}): must be >= 1")
+        raise bad("log_every_n_steps", "must be >= 1")
     return settings, origin
