@@ -88,11 +88,6 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def parser_for(prog: str, description: str | None = None) -> argparse.ArgumentParser:
-    """An argument parser with this CLI's rules (for commands that parse their own arguments)."""
-    return _Parser(prog=prog, description=description)
-
-
 def one_line(err: BaseException | str) -> str:
     return " ".join(str(err).split())
 
@@ -321,7 +316,7 @@ def _sites(text: str) -> tuple[str, ...]:
 def campaign_parser() -> argparse.ArgumentParser:
     from sdc_core.faults.campaign_runner import OPTIMIZERS
 
-    k = parser_for("sdc campaign", "fault-injection campaign over short multi-process Lightning trainings")
+    k = _Parser("sdc campaign", description="fault-injection campaign over short multi-process Lightning trainings")
     k.add_argument("--injections", type=_at_least(0), default=None, help="bit-flip injections (default 200)")
     k.add_argument("--clean", type=_at_least(0), default=None,
                    help="clean runs, each with another data order (default 20)")  # fmt: skip

@@ -70,14 +70,11 @@ class SDCSettings:
     """All settings of the hook set (names mirror the Lightning callbacks' arguments).
 
     Each field that belongs to a check is that check's config field (``_from``: same default and
-    doc, read by ``accelerate-sdc config``); ``field_doc`` gives any field's doc. ``replay_every_n_steps``
-    and ``fingerprint_every_n_steps`` of 0 turn that check off; ``nonfinite_gradient=False`` turns
-    the gradient check off. ``update_audit_every_n_steps`` (default 0, off) applies to FSDP2 models
-    only (``WeightFingerprintCheck``'s argument of the same name); a DDP run ignores it.
-    ``replay_allow_pickled_batches=True`` lets this rank unpickle a partner's micro-batch that is not
-    made of tensors, numbers and strings (trust every rank). False refuses it unless the launcher
-    sets ``SDC_ALLOW_PICKLED_BATCHES=1`` on every rank: kept so, since the receiver decides and an
-    operator may allow it for one job without touching the training script.
+    doc, read by ``accelerate-sdc config``); ``field_doc`` gives any field's doc. A cadence of 0, or
+    ``nonfinite_gradient=False``, turns that check off; ``update_audit_every_n_steps`` applies to
+    FSDP2 models only. ``replay_allow_pickled_batches=False`` refuses a partner's micro-batch that
+    needs unpickling unless the launcher sets ``SDC_ALLOW_PICKLED_BATCHES=1`` on every rank (the
+    receiver decides, so an operator may allow it for one job without touching the script).
     """
 
     nonfinite_gradient: bool = _own(True, "check local gradients for NaN/Inf before the all-reduce")

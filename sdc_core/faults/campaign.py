@@ -1,29 +1,16 @@
 """Fault-injection campaigns: how much each check catches, and how often it cries wolf.
 
-``sdc campaign`` plans seeded injections over five fault sites (forward activation, local
-gradient, weights after a step, optimizer state, saved checkpoint) and four bit classes (sign,
-top exponent bit, other exponent bits, mantissa), plus clean runs. Each injection runs twice as a
-short DDP training on 3 CPU ranks: once without checks, to see whether the fault changed the
-result at all, and once with all three checks, to see which check caught it, whether the faulty
-rank was named, and how many steps later. Outcome per injection:
-
-* detected: a check raised (attributed: it named the injected rank);
-* masked: not detected, and the final weights equal the clean run's within ``1e-6`` relative;
-* silent: not detected, and the final weights differ: the harm the checks missed.
-
-Checkpoint injections flip bits in a checkpoint written mid-run, then resume on every rank. They
-also run a third time with the checkpoint's stored fingerprint removed, to show what the run-time
-checks alone catch (every replica loads the same bits, so only non-finite values are visible).
-
-The compute-fault campaign of the matrix-product checksum check (``plan_matmul``): a bit flipped
-in one element of a product's output inside a layer (forward output, input gradient or weight
-gradient) of one rank, at a step the replay does not audit at its default cadence, each trained
-three times: without checks, with the default checks, and with the defaults plus the matmul check.
-
-The campaign of errors of known size (``plan_sizes``, ``sdc campaign --sizes N``): at each compute
-site, for each relative error e in ``SIZES`` (1e-4 .. 1e4) and each step range (2-19, 20 and later),
-``N`` injections that multiply one element by (1 + e) in one step of one rank (a finite error whose
-size is known exactly, unlike a bit flip's), each trained twice: without checks and at the defaults.
+``sdc campaign`` (``plan``) injects seeded bit flips at the fault sites ``SITES`` (compute:
+``COMPUTE_SITES``; weights after a step, optimizer state, a saved checkpoint) in each bit class,
+plus clean runs. Each injection is a short DDP training on ``WORLD`` CPU ranks, run without checks
+(did the fault change the result?), with all three checks every step (which caught it, was the
+faulty rank named, how many steps later) and at their defaults. Outcome per injection: detected (a
+check raised; attributed: it named the injected rank), masked (not detected, and the final weights
+equal the clean run's within ``1e-6`` relative) or silent (not detected, and they differ: the harm
+the checks missed). Checkpoint injections alter a checkpoint written mid-run and resume on every
+rank, once more without its stored fingerprint to show what the run-time checks alone catch.
+``plan_matmul`` plans the matrix-product checksum check's campaign, ``plan_sizes`` (``sdc campaign
+--sizes N``) errors of known size (one element times ``1 + e``) instead of bit flips.
 
 This module plans, builds the data and the faults, classifies runs and summarises them; the
 trainings are a framework's (``campaign_runner``), the launches ``campaign_run``, the files and
