@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from sdc_core.checks.matmul_bound import visible_error_sizes
-from sdc_core.faults.campaign_report import SECTION, with_section
+from sdc_core.faults.campaign_report import SECTION, md_table, with_section
 from sdc_core.io.safe_files import atomic_write_text
 
 
@@ -45,15 +45,12 @@ def matmul_markdown(summary: dict[str, Any], rows: list[dict[str, Any]], command
         "",
         f"```bash\n{command}\n```",
         "",
-        "| " + " | ".join(head) + " |",
-        "|" + "---|" * len(head),
+        *md_table(head, ([t["phase"], t["bit_class"], t["injections"], t["changed"], t["defaults_caught"],
+                          t["defaults_same_step"], t["defaults_silent"], t["matmul_caught"], t["matmul_same_step"],
+                          t["matmul_right_rank"], t["matmul_silent"],
+                          ", ".join(f"{k} {v}" for k, v in t["matmul_by"].items()) or "-"]
+                         for t in summary["table"])),
     ]
-    for t in summary["table"]:
-        by = ", ".join(f"{k} {v}" for k, v in t["matmul_by"].items()) or "-"
-        lines.append(f"| {t['phase']} | {t['bit_class']} | {t['injections']} | {t['changed']} | "
-                     f"{t['defaults_caught']} | {t['defaults_same_step']} | {t['defaults_silent']} | "
-                     f"{t['matmul_caught']} | {t['matmul_same_step']} | {t['matmul_right_rank']} | "
-                     f"{t['matmul_silent']} | {by} |")  # fmt: skip
     injected = [r for r in rows if r["site"] == "matmul"]
     changed = [r for r in injected if r["changed"]]
     tot = {name: sum(bool(r[f"{name}_by"]) and r[f"{name}_latency"] == 0 and r[f"{name}_rank"] == r["rank"]
@@ -96,13 +93,11 @@ def _long_runs_table(data: dict[str, Any] | None) -> list[str]:
         f"{runs[0]['width']} trained on {data['device']} with the check on every step, each verdict read before the "
         "update): alarms, and the largest residual seen relative to its bound (1 would alarm).",
         "",
-        "| precision | steps | alarms | largest ratio: output | input gradient | weight gradient |",
-        "|---|---|---|---|---|---|",
+        *md_table(["precision", "steps", "alarms", "largest ratio: output", "input gradient", "weight gradient"],
+                  ([r["precision"], r["steps"], r["alarms"],
+                    *(f"{r['largest_ratio'][k]:.2g}" for k in ("output", "input_gradient", "weight_gradient"))]
+                   for r in runs)),
     ]
-    for r in runs:
-        peak = r["largest_ratio"]
-        lines.append(f"| {r['precision']} | {r['steps']} | {r['alarms']} | {peak['output']:.2g} | "
-                     f"{peak['input_gradient']:.2g} | {peak['weight_gradient']:.2g} |")  # fmt: skip
     return lines
 
 

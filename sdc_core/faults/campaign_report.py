@@ -11,6 +11,7 @@ import io
 import json
 import math
 import warnings
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,12 @@ SECTION = ("<!-- matmul-campaign -->", "<!-- /matmul-campaign -->")
 CAMPAIGN_SECTION = ("<!-- campaign -->", "<!-- /campaign -->")  # what ``sdc campaign --doc`` writes
 _GENERATED = ("# Detection coverage, measured", "## Summary", "## At the defaults", "## What goes undetected",
               "## Checkpoint alteration")  # the headings of a page written before the campaign's markers  # fmt: skip
+
+
+def md_table(head: list[str], rows: Iterable[Iterable[Any]]) -> list[str]:
+    """A markdown table: its header ``head``, then a line per row of cells (None shown as ``-``)."""
+    return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head),
+            *("| " + " | ".join("-" if v is None else str(v) for v in row) + " |" for row in rows)]  # fmt: skip
 
 
 def make_folder(folder: Path, what: str) -> None:
@@ -195,10 +202,8 @@ def _coverage_table(summ: dict[str, Any], command: str, plot_path: str | None) -
         f"{summ['injections']} injections, {summ['clean_runs']} clean runs, **{summ['false_alarms']} false alarms**.",
         "",
         *([f"![detection rate by fault site and bit class]({plot_path})", ""] if plot_path else []),
-        "| " + " | ".join(head) + " |",
-        "|" + "---|" * len(head),
     ]
-    return lines + ["| " + " | ".join("-" if t[h] is None else str(t[h]) for h in head) + " |" for t in table]
+    return lines + md_table(head, ([t[h] for h in head] for t in table))
 
 
 def _every_step_summary(summ: dict[str, Any], runs: list[dict[str, Any]]) -> list[str]:
@@ -271,15 +276,12 @@ def _study_markdown(summ: dict[str, Any]) -> list[str]:
         f"checkpoint written at step {CKPT_STEP}, resume on every rank, train to the end and compare the final "
         "loss with the clean run.",
         "",
-        "| target | bit class | runs | changed | diverged | crashed on resume | median final loss / clean | "
-        "caught on load | caught at run time without the stored fingerprint |",
-        "|---|---|---|---|---|---|---|---|---|",
+        *md_table(["target", "bit class", "runs", "changed", "diverged", "crashed on resume",
+                   "median final loss / clean", "caught on load", "caught at run time without the stored fingerprint"],
+                  ([s["target"], s["bit_class"], s["runs"], s["changed"], s["diverged"], s["crashed_on_resume"],
+                    None if s["median_loss_ratio"] is None else f"{s['median_loss_ratio']:.3g}", s["caught_on_load"],
+                    s["caught_at_runtime_without_fingerprint"]] for s in summ["study"])),
     ]
-    for s in summ["study"]:
-        ratio = "-" if s["median_loss_ratio"] is None else f"{s['median_loss_ratio']:.3g}"
-        lines.append(f"| {s['target']} | {s['bit_class']} | {s['runs']} | {s['changed']} | {s['diverged']} | "
-                     f"{s['crashed_on_resume']} | {ratio} | "
-                     f"{s['caught_on_load']} | {s['caught_at_runtime_without_fingerprint']} |")  # fmt: skip
     by_target = {t: [s for s in summ["study"] if s["target"] == t] for t in ("weights", "optimizer")}
     div = {t: sum(s["diverged"] for s in v) for t, v in by_target.items()}
     runs_t = {t: sum(s["runs"] for s in v) for t, v in by_target.items()}
@@ -333,13 +335,9 @@ def _defaults_table(summ: dict[str, Any]) -> list[str]:
         f"final losses of {spread['runs']} clean runs with other data orders (the reference order included: "
         f"{spread['min']:.4g} to {spread['max']:.4g}, spread {spread['spread']:.3g}).",
         "",
-        "| " + " | ".join(head) + " |",
-        "|" + "---|" * len(head),
+        *md_table(head, ([", ".join(f"{k} {v}" for k, v in t[h].items()) or "-" if h == "by" else t[h] for h in head]
+                         for t in summ["defaults_table"])),
     ]
-    for t in summ["defaults_table"]:
-        cells = [", ".join(f"{k} {v}" for k, v in t[h].items()) or "-" if h == "by" else
-                 "-" if t[h] is None else str(t[h]) for h in head]  # fmt: skip
-        lines.append("| " + " | ".join(cells) + " |")
     return [
         *lines,
         "",
@@ -362,15 +360,13 @@ def _clean_runs_table(summ: dict[str, Any]) -> list[str]:
         f"`spike` = one rank's batch of one step with its targets x{SPIKE_FACTOR:g}, a genuine loss spike that any "
         "rank computing that batch reproduces):",
         "",
-        "| clean runs | runs | false alarms, replay every step | false alarms at the defaults | false accusations "
-        "at the defaults | diverged by themselves, stopped blaming no device | runs the screen flagged | screen hits "
-        "| cleared by the replay | unconfirmed |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        *md_table(["clean runs", "runs", "false alarms, replay every step", "false alarms at the defaults",
+                   "false accusations at the defaults", "diverged by themselves, stopped blaming no device",
+                   "runs the screen flagged", "screen hits", "cleared by the replay", "unconfirmed"],
+                  ([c["variant"], c["runs"], c["false_alarms_every_step"], c["false_alarms"], c["false_accusations"],
+                    c.get("divergences", 0), c["screen_flagged"], c["screen_hits"], c["screen_cleared"],
+                    c["screen_unconfirmed"]] for c in summ["clean_table"])),
     ]
-    for c in summ["clean_table"]:
-        lines.append(f"| {c['variant']} | {c['runs']} | {c['false_alarms_every_step']} | {c['false_alarms']} | "
-                     f"{c['false_accusations']} | {c.get('divergences', 0)} | {c['screen_flagged']} | "
-                     f"{c['screen_hits']} | {c['screen_cleared']} | {c['screen_unconfirmed']} |")  # fmt: skip
     return lines
 
 
@@ -396,16 +392,16 @@ def _defaults_headline(d: dict[str, Any]) -> list[str]:
            "verdict blaming no device." if d.get("divergences") else "."),
     ]
     if missed:
-        lines += ["", "Harmful compute faults not caught within one step at the defaults, by kind: "
-                  + ", ".join(f"{k} {n}" for k, n in sorted(kinds.items())) + ". Each:", "",
-                  "| id | site | phase | bit class | bit | target | rank | step | final loss / clean | screen hits | "
-                  "caught by, latency |", "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+        each = []
         for m in missed:
             ratio = m["final_loss"] / m["clean_loss"] if math.isfinite(m["final_loss"]) else math.inf
-            caught = f"{m['defaults_by']}, {m['defaults_latency']}" if m["defaults_by"] else "-"
-            lines.append(f"| {m['id']} | {m['site']} | {m.get('phase') or '-'} | {m['bit_class']} | {m['bit']} | "
-                         f"{m['target']} | {m['rank']} | {m['step']} | {ratio:.3g} | "
-                         f"{int(m.get('defaults_screen_hits') or 0)} | {caught} |")  # fmt: skip
+            each.append([m["id"], m["site"], m.get("phase") or "-", m["bit_class"], m["bit"], m["target"], m["rank"],
+                         m["step"], f"{ratio:.3g}", int(m.get("defaults_screen_hits") or 0),
+                         f"{m['defaults_by']}, {m['defaults_latency']}" if m["defaults_by"] else "-"])  # fmt: skip
+        lines += ["", "Harmful compute faults not caught within one step at the defaults, by kind: "
+                  + ", ".join(f"{k} {n}" for k, n in sorted(kinds.items())) + ". Each:", "",
+                  *md_table(["id", "site", "phase", "bit class", "bit", "target", "rank", "step", "final loss / clean",
+                             "screen hits", "caught by, latency"], each)]  # fmt: skip
     return lines
 
 
