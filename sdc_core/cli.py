@@ -345,24 +345,6 @@ def campaign_parser() -> argparse.ArgumentParser:
     return k
 
 
-_NOT_WITH_SIZES = ("injections", "clean", "hard", "study", "doc")  # what --sizes plans otherwise, or does not write
-
-
-def _sizes_campaign(args: argparse.Namespace, runner: Any) -> None:
-    """``sdc campaign --sizes N`` (``run_sizes_campaign``); ``ValueError`` (one line) for an option it
-    does not take."""
-    from sdc_core.faults.campaign import COMPUTE_SITES
-    from sdc_core.faults.campaign_run import run_sizes_campaign
-
-    given = [f"--{name}" for name in _NOT_WITH_SIZES if getattr(args, name) not in (None, 0)]
-    if given:
-        raise ValueError(f"--sizes plans its own injections and has no clean runs, study or page: "
-                         f"drop {', '.join(given)}")  # fmt: skip
-    steps = 40 if args.steps is None else args.steps
-    run_sizes_campaign(args.out, args.sizes, workers=args.workers, seed=args.seed, steps=steps,
-                       sites=args.sites or COMPUTE_SITES, runner=runner, optimizer=args.optimizer)  # fmt: skip
-
-
 def campaign_main(argv: list[str]) -> int:
     """``sdc campaign``: find the installed runner first (entry point group
     ``sdc_checks.campaign_runners``), so that without one even ``--help`` says what to install;
@@ -377,11 +359,19 @@ def campaign_main(argv: list[str]) -> int:
         args = campaign_parser().parse_args(argv)
     except SystemExit as exit_:
         return int(exit_.code or 0)
-    from sdc_core.faults.campaign_run import CampaignFailed, run_campaign
+    from sdc_core.faults.campaign import COMPUTE_SITES
+    from sdc_core.faults.campaign_run import CampaignFailed, run_campaign, run_sizes_campaign
 
     try:
-        if args.sizes is not None:
-            _sizes_campaign(args, runner)
+        if args.sizes is not None:  # errors of known size: it plans its own injections and writes no page
+            given = [f"--{name}" for name in ("injections", "clean", "hard", "study", "doc")
+                     if getattr(args, name) not in (None, 0)]  # fmt: skip
+            if given:
+                raise ValueError(f"--sizes plans its own injections and has no clean runs, study or page: "
+                                 f"drop {', '.join(given)}")  # fmt: skip
+            run_sizes_campaign(args.out, args.sizes, workers=args.workers, seed=args.seed,
+                               steps=40 if args.steps is None else args.steps, sites=args.sites or COMPUTE_SITES,
+                               runner=runner, optimizer=args.optimizer)  # fmt: skip
             return EXIT_OK
         injections = 200 if args.injections is None else args.injections
         clean, steps = 20 if args.clean is None else args.clean, 12 if args.steps is None else args.steps

@@ -311,15 +311,6 @@ def loss_spread(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "min": min(losses, default=math.nan), "max": max(losses, default=math.nan)}  # fmt: skip
 
 
-def mark_harmful(rows: list[dict[str, Any]], spread: float) -> None:
-    """``harmful`` on every injected row: the run without checks diverged (crashed, or non-finite
-    weights or loss) or its final loss is worse than the clean run's by more than ``spread``."""
-    for r in rows:
-        if r["site"] in SITES:
-            loss = r["final_loss"]
-            r["harmful"] = bool(r.get("nonfinite")) or not math.isfinite(loss) or loss - r["clean_loss"] > spread
-
-
 def accuses(rank: int | None, suspects: list[int] | None) -> bool:
     """Whether a verdict blames a device: it names a rank, or some but not all ranks as suspects
     (what an incident excludes hosts for, ``sdc_core.ops.incidents``). A verdict on every rank
@@ -475,10 +466,15 @@ def study(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def summarise(rows: list[dict[str, Any]], seed: int, steps: int, optimizer: str = "adam") -> dict[str, Any]:
-    """The campaign's summary (what results.json holds beside the rows); marks ``harmful`` on
-    the injected rows first (against the spread of the clean runs' final losses)."""
+    """The campaign's summary (what results.json holds beside the rows). Marks ``harmful`` on every
+    injected row first: the run without checks diverged (crashed, or non-finite weights or loss) or
+    its final loss is worse than the clean run's by more than the spread of the clean runs'."""
     spread = loss_spread(rows)
-    mark_harmful(rows, spread["spread"])
+    for r in rows:
+        if r["site"] in SITES:
+            loss = r["final_loss"]
+            worse = loss - r["clean_loss"] > spread["spread"]
+            r["harmful"] = bool(r.get("nonfinite")) or not math.isfinite(loss) or worse
     table = _table(rows)
     clean = [r for r in rows if r["site"] == "clean"]
     return {

@@ -173,9 +173,10 @@ def with_campaign(text: str, part: str) -> str:
 def markdown(results: dict[str, Any], command: str, plot_path: str | None) -> str:
     """docs/coverage.md from a campaign's results.json (numbers computed, never typed)."""
     summ, runs = results["summary"], results["runs"]
+    defaults = [*_defaults_table(summ), *_clean_runs_table(summ), *_defaults_headline(summ["defaults"]), "",
+                *_why_defaults(summ, runs), ""] if "defaults" in summ else []  # a results.json before the defaults
     return "\n".join([CAMPAIGN_SECTION[0], *_coverage_table(summ, command, plot_path), *_every_step_summary(summ, runs),
-                      *defaults_markdown(summ, runs), *_undetected(runs), *_study_markdown(summ),
-                      CAMPAIGN_SECTION[1]])  # fmt: skip
+                      *defaults, *_undetected(runs), *_study_markdown(summ), CAMPAIGN_SECTION[1]])  # fmt: skip
 
 
 def _coverage_table(summ: dict[str, Any], command: str, plot_path: str | None) -> list[str]:
@@ -304,14 +305,6 @@ def _study_markdown(summ: dict[str, Any]) -> list[str]:
 
 def _pct(part: int, whole: int) -> str:
     return f"{part}/{whole} ({100 * part / whole:.0f}%)" if whole else f"{part}/{whole}"
-
-
-def defaults_markdown(summ: dict[str, Any], runs: list[dict[str, Any]]) -> list[str]:
-    """The coverage page's section on the callbacks at their default arguments (numbers computed)."""
-    if "defaults" not in summ:  # a results.json from before the defaults column
-        return []
-    return [*_defaults_table(summ), *_clean_runs_table(summ), *_defaults_headline(summ["defaults"]), "",
-            *_why_defaults(summ, runs), ""]  # fmt: skip
 
 
 def _defaults_table(summ: dict[str, Any]) -> list[str]:

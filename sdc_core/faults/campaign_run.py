@@ -151,15 +151,6 @@ def worker(runner: CampaignRunner, specs_file: Path, out: Path, steps: int, opti
 # ---------------------------------------------------------------------------------------------- driver
 
 
-def _progress(done: int, total: int, t0: float) -> None:
-    width = 30
-    filled = int(width * done / max(total, 1))
-    elapsed = time.perf_counter() - t0
-    eta = f"~{elapsed / done * (total - done) / 60:.1f} min left" if done else f"{elapsed:.0f} s, starting"
-    sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} runs, {eta} ")
-    sys.stderr.flush()
-
-
 def run_specs(specs: list[dict[str, Any]], out: Path, workers: int, steps: int,
               runner: CampaignRunner | None = None, optimizer: str = "adam") -> list[dict[str, Any]]:  # fmt: skip
     """Run ``specs`` in ``workers`` torchrun launches of 3 ranks of ``runner``'s worker module
@@ -183,10 +174,13 @@ def run_specs(specs: list[dict[str, Any]], out: Path, workers: int, steps: int,
         log = (out / f"chunk{i}.log").open("w")
         procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
     t0 = time.perf_counter()
-    while any(p.poll() is None for p in procs):
+    while any(p.poll() is None for p in procs):  # a progress bar: runs done, and the time left
         done = sum(len((out / f"chunk{i}.jsonl").read_text().splitlines()) if (out / f"chunk{i}.jsonl").exists() else 0
                    for i in range(len(chunks)))  # fmt: skip
-        _progress(done, len(specs), t0)
+        filled, elapsed = 30 * done // max(len(specs), 1), time.perf_counter() - t0
+        eta = f"~{elapsed / done * (len(specs) - done) / 60:.1f} min left" if done else f"{elapsed:.0f} s, starting"
+        sys.stderr.write(f"\r[{'#' * filled}{'.' * (30 - filled)}] {done}/{len(specs)} runs, {eta} ")
+        sys.stderr.flush()
         time.sleep(1)
     sys.stderr.write("\n")
     if any(p.returncode for p in procs):

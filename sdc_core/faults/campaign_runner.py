@@ -10,7 +10,6 @@ from importlib.metadata import entry_points
 from typing import Any, Protocol
 
 RUNNER_GROUP = "sdc_checks.campaign_runners"
-RUNNER_EXTRA = "pip install 'sdc-checks[lightning]'"  # the extra that brings a runner
 CAMPAIGN_DIR_ENV = "SDC_CAMPAIGN_DIR"  # the campaign folder, set for every launch: a run's incidents land there
 # The fault sites a campaign injects at (here, not in ``campaign``, so ``sdc campaign --sites`` is
 # checked without torch).
@@ -84,5 +83,6 @@ def find_runner() -> CampaignRunner:
     the adapter's own one line when its framework is missing."""
     found = sorted(entry_points(group=RUNNER_GROUP), key=lambda ep: ep.name)
     if not found:
-        raise ImportError(f"sdc campaign needs a framework to train with, and none is installed: {RUNNER_EXTRA}")
+        raise ImportError("sdc campaign needs a framework to train with, and none is installed: "
+                          "pip install 'sdc-checks[lightning]'")
     return found[0].load()
