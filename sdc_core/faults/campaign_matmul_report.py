@@ -111,22 +111,17 @@ def visible_sizes_table(widths: tuple[int, ...] = (64, 256, 1024, 4096)) -> list
         "`Linear(width, width)` at its default initialisation fed unit-variance rows and output gradients, "
         "median over rows; `rows` = `block=0`:",
         "",
-        "| width | precision | output (blocks of 32) | input gradient | weight gradient | output (rows) | "
-        "input gradient (rows) | weight gradient (rows) |",
-        "|---|---|---|---|---|---|---|---|",
     ]
+    rows = []
     for width in widths:
         for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
             b = visible_error_sizes(width, dtype, rows=256)
             r = visible_error_sizes(width, dtype, rows=256, block=0)
-
-            def cell(v: float) -> str:
-                return f"{v:.3g}x" if math.isfinite(v) else "none guaranteed"
-
-            lines.append(f"| {width} | {name} | {cell(b['output_vs_max'])} | {cell(b['input_gradient_vs_max'])} | "
-                         f"{cell(b['weight_gradient_vs_max'])} | {cell(r['output_vs_max'])} | "
-                         f"{cell(r['input_gradient_vs_max'])} | {cell(r['weight_gradient_vs_max'])} |")  # fmt: skip
+            cells = [s[f"{k}_vs_max"] for s in (b, r) for k in ("output", "input_gradient", "weight_gradient")]
+            rows.append([width, name, *(f"{v:.3g}x" if math.isfinite(v) else "none guaranteed" for v in cells)])
     lines += [
+        *md_table(["width", "precision", "output (blocks of 32)", "input gradient", "weight gradient", "output (rows)",
+                   "input gradient (rows)", "weight gradient (rows)"], rows),
         "",
         "The bound is a worst case (rounding errors all of one sign), so it grows with the reduction length K as "
         "K^1.5 relative to a typical element and, per checksum, with the block: smaller blocks see smaller errors "

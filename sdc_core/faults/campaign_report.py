@@ -10,6 +10,7 @@ import csv
 import io
 import json
 import math
+import re
 import warnings
 from collections.abc import Iterable
 from pathlib import Path
@@ -159,12 +160,8 @@ def with_campaign(text: str, part: str) -> str:
         return text[:start] + part + text[end + len(CAMPAIGN_SECTION[1]) :]
     if not text.startswith(_GENERATED[0]):
         return part + "\n" + ("\n" + text if text.strip() else "")
-    cut, at = len(text), 0
-    while (at := text.find("\n#", at + 1)) >= 0:
-        line = text[at + 1 : text.find("\n", at + 1) if text.find("\n", at + 1) >= 0 else len(text)]
-        if not line.startswith(_GENERATED):
-            cut = at + 1
-            break
+    heading = next((m for m in re.finditer(r"^#.*", text, re.MULTILINE) if not m[0].startswith(_GENERATED)), None)
+    cut = heading.start() if heading else len(text)
     if 0 <= text.find(SECTION[0]) < cut:
         cut = text.find(SECTION[0])
     return part + "\n\n" + text[cut:]

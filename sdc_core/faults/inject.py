@@ -119,12 +119,10 @@ class FaultInjector:
                 if not isinstance(module_, nn.Linear):
                     raise ValueError(f"{fault.target!r} is not an nn.Linear; known: {sorted(modules)[:10]}")
                 self._handles.append(_MatmulFault(self, i, fault, module_))
-            elif fault.kind in ("nonfinite_gradient", "gradient_bit_flip", "gradient_scale"):
-                if fault.target not in params:
-                    raise ValueError(f"no parameter named {fault.target!r}; known: {sorted(params)[:10]}")
-                self._handles.append(params[fault.target].register_hook(self._grad_hook(fault)))
             elif fault.target not in params:
                 raise ValueError(f"no parameter named {fault.target!r}; known: {sorted(params)[:10]}")
+            elif fault.kind in ("nonfinite_gradient", "gradient_bit_flip", "gradient_scale"):
+                self._handles.append(params[fault.target].register_hook(self._grad_hook(fault)))
 
     def remove(self) -> None:
         for h in self._handles:
@@ -141,11 +139,8 @@ class FaultInjector:
         """Apply weight and optimizer-state faults due right after optimizer step ``step``."""
         params = dict(module.named_parameters())
         for fault in self.faults:
-            if (
-                fault.rank != self.rank
-                or fault.step != step
-                or fault.kind not in ("weight_bit_flip", "optimizer_state")
-            ):
+            due = (fault.rank, fault.step) == (self.rank, step)
+            if not due or fault.kind not in ("weight_bit_flip", "optimizer_state"):
                 continue
             p = params[fault.target]
             if fault.kind == "weight_bit_flip":
