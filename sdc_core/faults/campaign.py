@@ -351,10 +351,12 @@ def _median(values: list[Any]) -> Any:
     return sorted(values)[len(values) // 2] if values else None
 
 
-def _table(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per site and bit class, with the checks every step: injections, what changed, the outcomes,
-    what raised, the rank named, the median latency, divergence."""
-    table = []
+def _site_tables(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Per site and bit class, two tables. With the checks every step: injections, what changed, the
+    outcomes, what raised, the rank named, the median latency, divergence. At the callbacks' default
+    arguments: harmful injections, detections (all, and of the harmful ones: any, within one step),
+    the rank named, what raised, and the screen hits the replay cleared."""
+    table, defaults = [], []
     for (site, bit_class), rs in _cells(rows, site=SITES, bit_class=BIT_CLASSES):
         det = [r for r in rs if r["outcome"] == "detected"]
         table.append({
@@ -370,19 +372,10 @@ def _table(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "median_latency": _median([r["latency"] for r in det if r["latency"] is not None]),
             "diverged": sum(r["diverged"] for r in rs),
         })  # fmt: skip
-    return table
-
-
-def _defaults_table(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per site and bit class, at the callbacks' default arguments: harmful injections, detections
-    (all, and of the harmful ones: any, within one step), the rank named, what raised, and the
-    screen hits the replay cleared."""
-    table = []
-    for (site, bit_class), rs in _cells(rows, site=SITES, bit_class=BIT_CLASSES):
         det = [r for r in rs if r.get("defaults_by")]
         harm = [r for r in rs if r.get("harmful")]
         local = site != "checkpoint"  # a checkpoint has no rank: every replica loads the same file
-        table.append({
+        defaults.append({
             "site": site, "bit_class": bit_class, "injections": len(rs), "harmful": len(harm),
             "detected": len(det), "harmful_detected": sum(bool(r.get("defaults_by")) for r in harm),
             "harmful_within_1": sum(within_one_step(r) for r in harm),
@@ -392,7 +385,7 @@ def _defaults_table(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "screen_cleared": int(sum(r.get("defaults_screen_cleared", 0) for r in rs)),
             "by": dict(sorted(collections.Counter(r["defaults_by"] for r in det).items())),
         })  # fmt: skip
-    return table
+    return table, defaults
 
 
 def _clean_table(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -475,13 +468,13 @@ def summarise(rows: list[dict[str, Any]], seed: int, steps: int, optimizer: str 
             loss = r["final_loss"]
             worse = loss - r["clean_loss"] > spread["spread"]
             r["harmful"] = bool(r.get("nonfinite")) or not math.isfinite(loss) or worse
-    table = _table(rows)
+    table, defaults_table = _site_tables(rows)
     clean = [r for r in rows if r["site"] == "clean"]
     return {
         "seed": seed, "steps": steps, "optimizer": optimizer, "world_size": WORLD,
         "injections": sum(t["injections"] for t in table),
         "clean_runs": len(clean), "false_alarms": sum(r["outcome"] == "false_alarm" for r in clean),
-        "table": table, "study": study(rows), "loss_spread": spread, "defaults_table": _defaults_table(rows),
+        "table": table, "study": study(rows), "loss_spread": spread, "defaults_table": defaults_table,
         "clean_table": _clean_table(rows), "defaults": defaults_summary(rows),
     }  # fmt: skip
 

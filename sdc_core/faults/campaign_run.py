@@ -251,11 +251,10 @@ def run_sizes_campaign(out: Path, per_cell: int, workers: int = 1, seed: int = 0
 
 
 def run_matmul_campaign(out: Path, per_class: int = 3, clean: int = 3, workers: int = 1, seed: int = 0,
-                        steps: int = 12, doc: Path | None = None,
-                        runner: CampaignRunner | None = None) -> dict[str, Any]:  # fmt: skip
+                        steps: int = 12, runner: CampaignRunner | None = None) -> dict[str, Any]:  # fmt: skip
     """The compute-fault campaign of the matmul checksum check: plan, run, summarise (``out`` gets
-    ``matmul-results.json``); with ``doc``, its section of the coverage page is written (the rest of
-    the page is left as it is). Returns the summary."""
+    ``matmul-results.json``; ``write_matmul_doc`` writes the coverage page's section from it).
+    Returns the summary."""
     if per_class < 1 or clean < 0 or workers < 1 or steps < 8:
         raise ValueError("need per_class >= 1, clean >= 0, workers >= 1 and steps >= 8")
     runner = runner or find_runner()
@@ -263,14 +262,12 @@ def run_matmul_campaign(out: Path, per_class: int = 3, clean: int = 3, workers: 
     make_folder(out, "--out")
     rows = run_specs(plan_matmul(per_class, clean, seed, steps), out, workers, steps, runner)
     command = (f"python -m {runner.worker_module} matmul --per-class {per_class} --clean {clean} --seed {seed} "
-               f"--steps {steps} --out {out}" + (f" --doc {doc}" if doc is not None else ""))  # fmt: skip
+               f"--steps {steps} --out {out}")
     summary = {"seed": seed, "steps": steps, "world_size": WORLD, "command": command, **matmul_summary(rows)}
     atomic_write_text(out / "matmul-results.json", json.dumps({"summary": summary, "runs": rows}, indent=1))
     for t in summary["table"]:
         print(json.dumps(t))
     print(f"clean runs: {summary['clean_runs']}, false alarms: {summary['false_alarms']}")
-    if doc is not None:
-        write_matmul_doc(out, Path(doc))
     return summary
 
 
