@@ -207,20 +207,17 @@ def fault_for(spec: dict[str, Any], prefix: str = "") -> Fault:
     """The ``Fault`` of an injection spec (every site but ``checkpoint`` and ``study``), its
     target under ``prefix`` (where the runner keeps the campaign's model). A spec of ``plan_sizes``
     (``factor``, no ``bit``) scales its element by ``factor`` instead of flipping a bit."""
-    site, target = spec["site"], prefix + spec["target"]
-    bit, factor = spec.get("bit"), float(spec.get("factor", 1.5))
+    site, bit = spec["site"], spec.get("bit")
+    where = {"rank": spec["rank"], "step": spec["step"], "target": prefix + spec["target"], "index": spec["index"],
+             "bit": bit, "factor": float(spec.get("factor", 1.5))}  # fmt: skip
     if site in ("matmul", "matmul_output"):
-        return Fault("matmul_output", rank=spec["rank"], step=spec["step"], target=target, index=spec["index"],
-                     bit=bit, factor=factor, mode="once", phase=spec["phase"])  # fmt: skip
+        return Fault("matmul_output", mode="once", phase=spec["phase"], **where)
     if site == "activation":
-        return Fault("module_output", rank=spec["rank"], step=spec["step"], target=target, index=spec["index"],
-                     bit=bit, factor=factor, mode="once")  # fmt: skip
+        return Fault("module_output", mode="once", **where)
     if site == "gradient" and bit is None:
-        return Fault("gradient_scale", rank=spec["rank"], step=spec["step"], target=target, index=spec["index"],
-                     factor=factor)  # fmt: skip
+        return Fault("gradient_scale", **where)
     kind = {"gradient": "gradient_bit_flip", "weights": "weight_bit_flip", "optimizer": "optimizer_state"}[site]
-    return Fault(kind, rank=spec["rank"], step=spec["step"], target=target, index=spec["index"], bit=spec["bit"],
-                 state_key="exp_avg_sq" if spec["bit_class"] == "mantissa" else "exp_avg")  # fmt: skip
+    return Fault(kind, state_key="exp_avg_sq" if spec["bit_class"] == "mantissa" else "exp_avg", **where)
 
 
 # ------------------------------------------------------------------------------------- classification
