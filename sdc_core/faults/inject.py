@@ -53,9 +53,7 @@ def flip_bit(t: torch.Tensor, index: int, bit: int) -> tuple[float, float]:
             raise ValueError("flip_bit needs a contiguous tensor")
         old = float(flat[index])
         words = flat.view(_INT_VIEW[t.element_size()])
-        mask = -(2**63) if bit == 63 else (1 << bit)
-        if width < 64 and bit == width - 1:
-            mask = -(1 << bit)  # the sign bit of a narrower signed word
+        mask = -(1 << bit) if bit == width - 1 else 1 << bit  # a signed word's top bit is its sign
         words[index] ^= mask
         return old, float(flat[index])
 
