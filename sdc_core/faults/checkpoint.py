@@ -106,14 +106,13 @@ def corrupt(ckpt: Checkpoint, spec: Corruption) -> list[dict[str, Any]]:
               if (spec.target == "all" or group == spec.target) and (rx is None or rx.search(name))]  # fmt: skip
     if not chosen:
         raise ValueError(f"no floating tensor matches target={spec.target!r} pattern={spec.pattern!r} in {ckpt.path}")
-    sizes = torch.tensor([t.numel() for _, t in chosen], dtype=torch.float64)
-    total = int(sizes.sum())
+    bounds = torch.cumsum(torch.tensor([t.numel() for _, t in chosen], dtype=torch.int64), 0)
+    total = int(bounds[-1])
     if total == 0:
         raise ValueError(f"the tensors matching target={spec.target!r} pattern={spec.pattern!r} are empty")
     n = spec.count if spec.count is not None else max(1, round(spec.fraction * total))  # type: ignore[operator]
     gen = torch.Generator().manual_seed(spec.seed)
     flat = distinct_positions(total, min(n, total), gen)
-    bounds = torch.cumsum(sizes.long(), 0)
     log = []
     for pos in flat.tolist():
         ti = int(torch.searchsorted(bounds, torch.tensor(pos), right=True))
