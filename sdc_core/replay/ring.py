@@ -26,7 +26,7 @@ Differences are measured per parameter on loss, gradient norm and gradient sum.
 Cost, on audited steps only: deterministic kernels for the owner's micro-batches (+9 to 11% on an
 H200), one extra forward and backward of the partner's micro-batches (three at the first audit),
 the point-to-point batch and state transfer, a clone of the state (at most ``max_state_mb``) and one
-all-gather of six float64 per rank. A disagreement adds one re-run per rank, one referee replay per
+all-gather of seven float64 per rank. A disagreement adds one re-run per rank, one referee replay per
 pair and one re-run by the named rank. docs/replay-contract.md has the user's side of the contract.
 
 This module keeps ``ReplayConfig`` and ``RingReplay``; the other names live in the submodules
