@@ -51,6 +51,12 @@ class TorchScreen(GradientScreen):
         waiting = torch.full((self.width + 1,), float(cfg.initial_band), dtype=torch.float64)
         if not bool(calibrated.all()) and not math.isnan(early := early_band(h, cfg, self.world_size)):
             waiting[: self.width - 1] = early  # the groups' pooled early band (the rule's own function)
+        few = samples[-2:] >= max(1, cfg.calibration_samples // 2)
+        if not bool(calibrated.all()) and bool(few.any()):  # the loss and the level: own bulk rule, half the samples
+            hh = h[:, -2:]
+            med_ = torch.nanmedian(hh, 0).values
+            own = (med_ + cfg.z * _MAD_TO_SIGMA * torch.nanmedian((hh - med_).abs(), 0).values + 1.0)
+            waiting[-2:] = torch.where(few, own.clamp(cfg.min_band, cfg.initial_band), waiting[-2:])
         if not bool(calibrated.any()):
             return waiting, calibrated
         med = torch.nanmedian(h, 0).values

@@ -149,8 +149,26 @@ def test_in_the_first_steps_the_groups_pooled_band_judges_before_each_value_cali
     hit = s.judge(step, rows(step, v))
     assert hit.ranks == (5,) and hit.details[5]["value"] == "group 1 (p1)" and hit.details[5]["band"] < 8.0
     v = healthy(g, 8)
-    v[5, K] += 8.0  # the loss: the initial band until it has calibrated
+    v[5, K] += 8.0  # the loss: the initial band until it has half its own calibration samples
     assert not s.judge(step + 1, rows(step + 1, v))
+
+
+def test_in_the_first_steps_the_level_has_a_band_from_half_its_samples() -> None:
+    """The level (a rank's batch raising everything, or a fault in the forward doing the same) has
+    nothing to pool with: once it has half its ``calibration_samples`` healthy deviations (3 ranks:
+    about 10 steps here), its own bulk rule plus the margin, at least ``min_band``, replaces the
+    initial 2^10, before it has calibrated; a rank whose every value grew 2^8 is then named."""
+    s, g = screen(3), torch.Generator().manual_seed(12)
+    step = 0
+    while float(s.bands()[0][-1]) == 10.0:
+        assert not s.judge(step, rows(step, healthy(g, 3)))
+        step += 1
+    band, calibrated = s.bands()
+    assert step <= 25 and not bool(calibrated[-1]) and 5.0 <= float(band[-1]) < 8.0, (step, band)
+    v = healthy(g, 3)
+    v[2] += 8.0  # every gradient and the loss of rank 2
+    hit = s.judge(step, rows(step, v))
+    assert hit.ranks == (2,) and hit.details[2]["value"] == "level", hit.details
 
 
 def test_a_faulty_rank_cannot_widen_the_band() -> None:

@@ -23,7 +23,8 @@ clamped to ``[min_band, max_band]`` and recomputed at every step of the first ``
 every ``_REFRESH`` steps while some value is not calibrated, every ``_REFRESH_CALIBRATED`` steps
 once all are. Until a group's value has ``calibration_samples`` such deviations its band is the
 groups' pooled ``early_band`` (the screen judges from the first steps), and ``initial_band`` until
-the pool can be fitted; the loss and the level wait at ``initial_band``.
+the pool can be fitted; the loss and the level, from half their ``calibration_samples``, their own
+bulk rule plus ``_EARLY_MARGIN`` (``initial_band`` before).
 
 Peers are hostile: each row carries its step and width, which must equal the ranks' median
 (else the row is ``malformed`` and its rank a suspect); values must be NaN (no opinion), +Inf
@@ -408,10 +409,16 @@ class Band:
         samples = (~torch.isnan(h)).sum(0)
         calibrated = samples >= cfg.calibration_samples
         waiting = torch.full((self.width + 1,), float(cfg.initial_band), dtype=torch.float64)
-        if not bool(calibrated.all()) and self.width > 1:  # groups not calibrated yet: the pooled early band
-            early = early_band(h, cfg, self.world)
-            if not math.isnan(early):
-                waiting[: self.width - 1] = early
+        if not bool(calibrated.all()):
+            if self.width > 1:  # the groups: their pooled early band
+                early = early_band(h, cfg, self.world)
+                if not math.isnan(early):
+                    waiting[: self.width - 1] = early
+            # the loss and the level, nothing to pool with: their own bulk rule from half the samples, plus the margin
+            few = samples[-2:] >= max(1, cfg.calibration_samples // 2)
+            if bool(few.any()):
+                own = (bulk_bands(h[:, -2:], cfg) + _EARLY_MARGIN).clamp(cfg.min_band, cfg.initial_band)
+                waiting[-2:] = torch.where(few, own, waiting[-2:])
         if not bool(calibrated.any()):
             return waiting, calibrated
         fit = tail_fit(h)  # one fit: the band and its prediction
