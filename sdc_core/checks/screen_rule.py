@@ -409,6 +409,7 @@ class Band:
         samples = (~torch.isnan(h)).sum(0)
         calibrated = samples >= cfg.calibration_samples
         waiting = torch.full((self.width + 1,), float(cfg.initial_band), dtype=torch.float64)
+        bulk = bulk_bands(h, cfg) if bool(samples.any()) else None  # per value, for the early and calibrated bands
         if not bool(calibrated.all()):
             if self.width > 1:  # the groups: their pooled early band
                 early = early_band(h, cfg, self.world)
@@ -416,13 +417,14 @@ class Band:
                     waiting[: self.width - 1] = early
             # the loss and the level, nothing to pool with: their own bulk rule from half the samples, plus the margin
             few = samples[-2:] >= max(1, cfg.calibration_samples // 2)
-            if bool(few.any()):
-                own = (bulk_bands(h[:, -2:], cfg) + _EARLY_MARGIN).clamp(cfg.min_band, cfg.initial_band)
+            if bulk is not None and bool(few.any()):
+                own = (bulk[-2:] + _EARLY_MARGIN).clamp(cfg.min_band, cfg.initial_band)
                 waiting[-2:] = torch.where(few, own, waiting[-2:])
         if not bool(calibrated.any()):
             return waiting, calibrated
+        assert bulk is not None  # some value calibrated: it has samples
         fit = tail_fit(h)  # one fit: the band and its prediction
-        band = torch.fmax(bulk_bands(h, cfg), tail_bands(h, self.world, fit))  # fmax: NaN loses
+        band = torch.fmax(bulk, tail_bands(h, self.world, fit))  # fmax: NaN loses
         band = band.clamp(cfg.min_band, cfg.max_band)
         judged = torch.where(calibrated, band, waiting)
         self.predicted_hits_per_day = predicted_hits_per_day(h, judged, self.world, fit)

@@ -111,7 +111,6 @@ def _rollback_bound(check: Any, error: SDCError) -> int:
     return error.step
 
 
-
 @dataclass
 class StepContext:
     """What the seam knows of one optimizer step.
