@@ -49,9 +49,13 @@ def _cli(tmp_path: Path, callbacks: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize(("callback", "key", "value", "choices"), [
     ("RingReplayAudit", "exact", "maybe", "Literal['auto']"),
-    ("RingReplayAudit", "on_failure", "heal", "Literal['raise', 'skip_step', 'rollback']"),
-    ("WeightFingerprintCheck", "on_failure", "skip_step", "Literal['raise', 'heal', 'rollback']"),
-    ("NonFiniteGradientCheck", "on_failure", "ignore", "Literal['raise', 'skip_step', 'warn', 'rollback']"),
+    # the same refusal for the other checks' choices: one LightningCLI process each (slow)
+    pytest.param("RingReplayAudit", "on_failure", "heal", "Literal['raise', 'skip_step', 'rollback']",
+                 marks=pytest.mark.slow),
+    pytest.param("WeightFingerprintCheck", "on_failure", "skip_step", "Literal['raise', 'heal', 'rollback']",
+                 marks=pytest.mark.slow),
+    pytest.param("NonFiniteGradientCheck", "on_failure", "ignore", "Literal['raise', 'skip_step', 'warn', 'rollback']",
+                 marks=pytest.mark.slow),
 ])  # fmt: skip
 def test_a_value_outside_the_choices_is_refused_by_the_cli(tmp_path: Path, callback: str, key: str, value: str,
                                                            choices: str) -> None:  # fmt: skip

@@ -51,7 +51,7 @@ def test_screen_hits_and_unexplained_differences_are_counted_beside_their_check_
                     "ring_replay (10 audits; 1 unexplained difference, rank 1 at step 30); no SDC found"), line
 
 
-@pytest.mark.parametrize("quiet", [False, True])
+@pytest.mark.parametrize("quiet", [False, pytest.param(True, marks=pytest.mark.slow)])  # each is a torchrun launch
 def test_a_clean_plain_loop_ends_with_one_summary_line(tmp_path: Path, quiet: bool) -> None:
     env = worker_env()
     if quiet:
@@ -68,6 +68,7 @@ def test_a_clean_plain_loop_ends_with_one_summary_line(tmp_path: Path, quiet: bo
     assert "nonfinite_gradient" in checks and "weight_fingerprint" in checks and "audits" in checks
 
 
+@pytest.mark.slow  # a 3-rank Lightning launch: the default run stays under 10 minutes (the plain loop's line stays)
 def test_a_clean_lightning_fit_ends_with_one_summary_line(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, str(ROOT / "examples" / "lightning_ddp_demo.py"), "--fault", "none"],
                           env=worker_env(), cwd=tmp_path, capture_output=True, text=True, timeout=300)  # fmt: skip
