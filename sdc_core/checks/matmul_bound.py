@@ -174,7 +174,6 @@ def _weight_grad_constants(device: torch.device, bx: int, n: int, rnd: Rounding,
     return tuple(torch.tensor(values, dtype=rnd.acc_dtype, device=device).unbind())
 
 
-@dataclass
 class LinearBound:
     """What the three checks of one ``F.linear`` need of its weight and bias (cast to ``dtype``): made
     once per step (about twenty small kernels, no host synchronisation), reused by every call.
@@ -184,38 +183,14 @@ class LinearBound:
     the narrow-output term), judged where ``||x_i|| < f_xmax_b``; input gradient likewise with
     ``d_slope``, ``d_icpt``, ``d_ymax``; the weight-gradient bound is built per call."""
 
-    k: int
-    m: int
-    nf: int  # forward blocks (of the m outputs)
-    bf: int
-    nx: int  # backward blocks (of the k inputs)
-    bx: int
-    rnd: Rounding
-    safety: float
-    consts: tuple[torch.Tensor, ...]
-    cf: torch.Tensor  # nf x k: column sums of each block of weight rows
-    dx: torch.Tensor  # nx x m: row sums of each block of weight columns (thin products are fastest with few rows)
-    bias_sum: torch.Tensor  # nf
-    t_slope: torch.Tensor  # T_ib = t_slope_b ||x_i|| + t_icpt_b >= sum_{j in b} (sum_l |x_il w_jl| + |b_j|)
-    t_icpt: torch.Tensor
-    f_slope: torch.Tensor
-    f_icpt: torch.Tensor
-    f_xmax: torch.Tensor
-    dt_slope: torch.Tensor  # T'_ib = dt_slope_b ||dy_i|| + dt_icpt_b >= sum_{l in b} sum_j |dy_ij w_jl|
-    dt_icpt: torch.Tensor
-    d_slope: torch.Tensor
-    d_icpt: torch.Tensor
-    d_ymax: torch.Tensor
-
-    @classmethod
-    def of(cls, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, rnd: Rounding,
-           safety: float = 2.0, block: int = 0) -> LinearBound:  # fmt: skip
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, rnd: Rounding,
+                 safety: float = 2.0, block: int = 0) -> None:  # fmt: skip
         """The bound of one weight (and bias) used in ``dtype``; ``block``: entries per checksum (0: rows)."""
-        m, k = weight.shape
-        nf, bf = blocks(m, block)
-        nx, bx = blocks(k, block)
-        acc = rnd.acc_dtype
-        k_ = _constants(weight.device, k, m, bf, bx, rnd, float(safety))
+        self.m, self.k = m, k = weight.shape
+        self.nf, self.bf = nf, bf = blocks(m, block)  # forward blocks (of the m outputs)
+        self.nx, self.bx = nx, bx = blocks(k, block)  # backward blocks (of the k inputs)
+        self.rnd, self.safety, acc = rnd, float(safety), rnd.acc_dtype
+        self.consts = k_ = _constants(weight.device, k, m, bf, bx, rnd, float(safety))
         # detached operands: nothing here is recorded by autograd (no grad-mode switch needed)
         wt = weight.detach()
         wt = wt if wt.dtype == dtype else wt.to(dtype)
@@ -225,6 +200,7 @@ class LinearBound:
             bt = bias.detach()
             bt = (bt if bt.dtype == dtype else bt.to(dtype)).reshape(nf, bf)
             bias_sum, bias_abs = bt.sum(-1, dtype=acc), torch.linalg.vector_norm(bt, 1, dim=-1, dtype=acc)
+        self.bias_sum = bias_sum  # nf
         cols = wt.reshape(m, nx, bx)
         # one read of the weight for both Frobenius norms: the 2-norm of each row's backward block
         # (m x nx), then over the rows of a backward block (nx) and over the forward block's rows (nf):
@@ -232,35 +208,26 @@ class LinearBound:
         q = torch.linalg.vector_norm(cols, dim=-1, dtype=acc)
         fro_x = torch.linalg.vector_norm(q, dim=0)
         fro_f = torch.linalg.vector_norm(q.reshape(nf, bf * nx), dim=-1)
-        t_slope = fro_f * k_[0]
-        t_icpt = torch.addcmul(bias_abs * k_[1], t_slope, k_[10])  # + the underflow allowance of ||x_i||
-        f_slope = fro_f * k_[2]
-        dt_slope, d_slope = fro_x * k_[5], fro_x * k_[6]
-        dt_icpt = dt_slope * k_[12]
-        return cls(
-            k=k,
-            m=m,
-            nf=nf,
-            bf=bf,
-            nx=nx,
-            bx=bx,
-            rnd=rnd,
-            safety=float(safety),
-            consts=k_,
-            cf=wt.reshape(nf, bf, k).sum(1, dtype=acc),
-            dx=cols.sum(-1, dtype=acc).t(),  # a transposed view: the thin product reads it as it is
-            bias_sum=bias_sum,
-            t_slope=t_slope,
-            t_icpt=t_icpt,
-            f_slope=f_slope,
-            f_icpt=torch.addcmul(torch.addcmul(k_[4], bias_abs, k_[3]), f_slope, k_[10]),
-            f_xmax=(k_[8] - t_icpt) / t_slope,  # inf for a zero block, NaN (nothing judged) for a NaN one
-            dt_slope=dt_slope,
-            dt_icpt=dt_icpt,
-            d_slope=d_slope,
-            d_icpt=torch.addcmul(k_[7], d_slope, k_[12]),
-            d_ymax=(k_[8] - dt_icpt) / dt_slope,
-        )
+        # T_ib = t_slope_b ||x_i|| + t_icpt_b >= sum_{j in b} (sum_l |x_il w_jl| + |b_j|)
+        self.t_slope = fro_f * k_[0]
+        self.t_icpt = torch.addcmul(bias_abs * k_[1], self.t_slope, k_[10])  # + the underflow allowance of ||x_i||
+        self.f_slope = fro_f * k_[2]
+        # T'_ib = dt_slope_b ||dy_i|| + dt_icpt_b >= sum_{l in b} sum_j |dy_ij w_jl|
+        self.dt_slope, self.d_slope = fro_x * k_[5], fro_x * k_[6]
+        self.dt_icpt = self.dt_slope * k_[12]
+        self.cf = wt.reshape(nf, bf, k).sum(1, dtype=acc)  # nf x k: column sums of each block of weight rows
+        # nx x m: row sums of each block of weight columns, a transposed view (the thin product reads it as it is)
+        self.dx = cols.sum(-1, dtype=acc).t()
+        self.f_icpt = torch.addcmul(torch.addcmul(k_[4], bias_abs, k_[3]), self.f_slope, k_[10])
+        self.f_xmax = (k_[8] - self.t_icpt) / self.t_slope  # inf for a zero block, NaN (nothing judged) for a NaN one
+        self.d_icpt = torch.addcmul(k_[7], self.d_slope, k_[12])
+        self.d_ymax = (k_[8] - self.dt_icpt) / self.dt_slope
+
+    @classmethod
+    def of(cls, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, rnd: Rounding,
+           safety: float = 2.0, block: int = 0) -> LinearBound:  # fmt: skip
+        """``LinearBound(...)``: the bound of one weight (and bias) used in ``dtype``."""
+        return cls(weight, bias, dtype, rnd, safety, block)
 
     def x_blocks(self, x2: torch.Tensor) -> torch.Tensor:
         """``x2`` (n x k) as n x nx x bx (the backward blocks)."""
