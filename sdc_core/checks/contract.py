@@ -1,17 +1,13 @@
 """The check contract: the phases of an optimizer step, and what the step driver asks of a check.
 
-``sdc_core.driver.step.StepDriver`` runs every check through the same phases; each seam only
-translates its framework's events into them:
-
-* ``AFTER_BACKWARD``: collectives read later in the step start and earlier steps' verdicts are
-  read, so an earlier fault is never reported as a later one's symptom;
-* ``BEFORE_UPDATE``: this step's verdicts that must precede the update;
-* ``AFTER_UPDATE``: the comparison of the update's result starts, read at the next ``AFTER_BACKWARD``;
-* ``BEFORE_SAVE`` and ``AT_END``: every pending verdict read, the replicas' weights compared now.
-
-Any check without a built-in ``Role`` is a ``StepCheck`` (``SDCHooks.add_check``, or a Lightning
-callback's ``_checks``). Every rank calls the same phase methods in the same order; a check runs
-the same collectives on every rank, on its error paths too. Cost: a method call per check and phase.
+``sdc_core.driver.step.StepDriver`` runs every check through the same phases (each seam translates
+its framework's events): ``AFTER_BACKWARD`` starts collectives read later and reads earlier steps'
+verdicts (an earlier fault is never reported as a later one's symptom); ``BEFORE_UPDATE`` reads
+verdicts that must precede the update; ``AFTER_UPDATE`` starts the comparison of the update's
+result; ``BEFORE_SAVE`` and ``AT_END`` read every pending verdict and compare the weights now. A
+check without a built-in ``Role`` is a ``StepCheck`` (``SDCHooks.add_check``). Every rank calls the
+same phases in the same order; a check runs the same collectives on every rank, on its error paths
+too. Cost: a method call per check and phase.
 """
 
 from __future__ import annotations
@@ -30,9 +26,6 @@ class Phase(Enum):
     AFTER_UPDATE = "after_update"
     BEFORE_SAVE = "before_save"
     AT_END = "at_end"
-
-
-STEP_PHASES = (Phase.AFTER_BACKWARD, Phase.BEFORE_UPDATE, Phase.AFTER_UPDATE)  # one step's, in this order
 
 
 class Role(Enum):
@@ -59,10 +52,8 @@ class Check(Protocol):
 
 
 class StepCheck:
-    """Base class of a check the driver runs through the phases. Each method gets the step
-    (``sdc_core.driver.step.StepContext``) and may raise an ``SDCError``, delivered as the check's
-    verdict under ``policy``. A collective started in one phase should be read in a later one. The
-    defaults do nothing."""
+    """Base class of a check the driver runs through the phases (defaults do nothing). Each method gets
+    the ``StepContext`` and may raise an ``SDCError``, delivered as the check's verdict under ``policy``."""
 
     role: ClassVar[Role] = Role.STEP_CHECK
     policy: ClassVar[str] = "raise"  # how a verdict is recorded in its incident
@@ -99,4 +90,4 @@ def role_of(check: Any) -> Role:
     return getattr(check, "role", Role.STEP_CHECK)
 
 
-__all__ = ["STEP_PHASES", "Check", "Phase", "Role", "StepCheck", "role_of"]
+__all__ = ["Check", "Phase", "Role", "StepCheck", "role_of"]

@@ -289,9 +289,8 @@ def _kernel_digests(tensors: Sequence[torch.Tensor]) -> tuple[list[int], torch.T
 def grouped_digests(
     tensors: Sequence[torch.Tensor], device: torch.device | None = None
 ) -> tuple[torch.Tensor, Callable[[], torch.Tensor]]:
-    """``tensor_digest`` of each tensor as one int64 vector on ``device`` (default
-    ``home_device(tensors)``), with few launches (Triton on CUDA, else ``_host_digests``; the values
-    do not depend on the path), and a function returning them again."""
+    """``tensor_digest`` of each tensor as one int64 vector on ``device`` (default ``home_device``),
+    with few launches (the values do not depend on the path), and a function returning them again."""
     if not tensors:
         empty = torch.zeros(0, dtype=torch.int64, device=device)
         return empty, lambda: empty
@@ -323,10 +322,8 @@ _host_layouts: dict[tuple[torch.device, tuple[int, ...]], tuple[torch.Tensor, ..
 def _host_digests(
     tensors: Sequence[torch.Tensor], indices: Sequence[int], device: torch.device
 ) -> tuple[list[int], list[torch.Tensor]]:
-    """``tensor_digest`` of ``tensors[i]`` for ``i`` in ``indices`` with torch ops: the indices in the order digested
-    and the digest vectors (on ``device``). Tensors under ``_BATCH_WORDS`` words are copied per device, dtype and
-    size into one buffer (sizes too rare for their own, ``_own_batch``, into a mixed one) and digested together;
-    larger ones one by one (``mix_units``). Memory: a copy of at most ``_CHUNK_WORDS`` words at a time."""
+    """``tensor_digest`` of ``tensors[i]`` for ``i`` in ``indices``: the indices in the order digested and the digest
+    vectors (on ``device``). Small tensors are copied into batches (at most ``_CHUNK_WORDS`` words at a time)."""
     meta = tuple([(t.device, t.dtype, t.shape) for t in [tensors[i] for i in indices]])  # lists: no call per tensor
     batches, singles, padded, order = _memo(_host_plans, meta, lambda: _host_plan(meta))
     pieces = []

@@ -1,16 +1,11 @@
 """Exact weight fingerprints and the replica vote.
 
-Contract: every ``every_n_steps`` optimizer steps each replica digests its parameters (and,
-optionally, buffers and optimizer state) on its own device and the replicas compare the digests
-(with ``rolling=k``, a fixed 1/k of the tensors in turn: each within k comparisons). Any single bit
-flip in any compared tensor changes the fingerprint, whatever the format; any other difference is
-missed with a probability of at most 2**-31 (``sdc_core.checks.digest`` says why and what it costs).
-The common case exchanges 16 bytes per rank in one MAX all-reduce, read one training batch later;
-only on a mismatch are the per-tensor digests gathered, to name the tensors and vote.
-
-Limits: it sees faults that make replicas differ (weights, optimizer state, a bad update on one
-rank); a fault in one rank's gradient is spread to every replica by the all-reduce: the ring replay
-audit is the check for that.
+Every ``every_n_steps`` steps each replica digests its parameters (optionally buffers and optimizer
+state; with ``rolling=k`` a fixed 1/k of them in turn) on its own device and the replicas compare:
+any single bit flip changes the fingerprint, any other difference is missed with probability at
+most 2**-31 (``digest``). The common case is one 16-byte MAX all-reduce per rank, read a batch
+later; only on a mismatch are per-tensor digests gathered to name tensors and vote. It sees faults
+that make replicas differ, not a faulty gradient the all-reduce spreads (the ring replay's job).
 """
 
 from __future__ import annotations
@@ -74,10 +69,10 @@ class FingerprintConfig:
     def __post_init__(self) -> None:
         if self.on_failure not in ("raise", "heal", "rollback"):
             raise ValueError(f"on_failure must be 'raise', 'heal' or 'rollback', got {self.on_failure!r}")
-        if isinstance(self.max_heals, bool) or not isinstance(self.max_heals, int) or self.max_heals < 1:
-            raise ValueError(f"max_heals must be an integer >= 1, got {self.max_heals!r}")
-        if isinstance(self.every_n_steps, bool) or not isinstance(self.every_n_steps, int) or self.every_n_steps < 1:
-            raise ValueError(f"every_n_steps must be an integer >= 1, got {self.every_n_steps!r}")
+        for name in ("max_heals", "every_n_steps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         if isinstance(self.rolling, bool) or not isinstance(self.rolling, int) or self.rolling < 1:
             raise ValueError(f"rolling must be an integer >= 1 (1: every tensor each time), got {self.rolling!r}")
         for name in ("include_buffers", "include_optimizer_state"):
@@ -132,10 +127,8 @@ _slices_cache: dict[tuple[int, tuple[int, ...]], list[list[int]]] = {}
 
 
 def rolling_slices(sizes: Sequence[int], k: int) -> list[list[int]]:
-    """The tensor indices split into ``k`` slices in index order, each tensor joining the slice with
-    the fewest bytes so far (``sizes``; the lowest on a tie): the slices differ by at most the
-    largest tensor, depend only on the sizes, and tensors appended at the end leave the earlier
-    ones in place. Cached."""
+    """The tensor indices in ``k`` slices, each joining the slice with the fewest bytes so far (the
+    lowest on a tie): the same on every replica, and appended tensors move no earlier one. Cached."""
     def make() -> list[list[int]]:
         slices: list[list[int]] = [[] for _ in range(k)]
         load = [0] * k

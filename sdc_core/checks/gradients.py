@@ -1,26 +1,19 @@
-"""Local-gradient tap and the non-finite gradient check.
+"""The non-finite gradient check: each rank's LOCAL gradients (before the all-reduce) are checked
+for NaN and Inf on the step's sync micro-batch; when some rank's were non-finite, every rank names
+the same ranks and parameters and acts alike (raise, skip the step, or warn).
 
-Contract: each rank's LOCAL gradients (before the all-reduce mixes them) are checked for NaN and Inf
-on the step's sync micro-batch; when some rank's were non-finite, every rank learns which ranks and
-parameters, and all ranks act alike (raise, skip the optimizer step, or warn) on the same verdict.
+DDP: the ``GradientTap`` keeps each local gradient's sum or peak on the device. NaN and Inf survive
+the all-reduce, so the REDUCED gradients (identical on every rank) are non-finite exactly when some
+local one was or the reduction overflowed: every rank reads them with no communication, and only
+then gathers local flags to name ranks and parameters (finite local gradients:
+``nonfinite_after_reduce``, no verdict). Cost of a clean step: a constant number of Python calls,
+one batched read of the local and one of the reduced gradients, no collective. ``"raise"`` and
+``"warn"`` read step ``s``'s verdict one step later (``resolve()``); ``"skip_step"``,
+``"rollback"``, a GradScaler, replay-audited steps and a single process read it before the update.
 
-How (DDP): the ``GradientTap`` reads each local gradient before DDP's reducer copies it (its sum or
-peak, kept on the device for the names). NaN and Inf survive the all-reduce, so the REDUCED gradients,
-identical on every rank, are non-finite exactly when some rank's local gradient was (or the
-reduction overflowed): every rank reads them (``any_nonfinite_multi``) with no communication. Only
-then (the rare path) do the ranks gather their local flags to name ranks and parameters. A
-non-finite reduction of finite local gradients is no verdict (``nonfinite_after_reduce``).
-
-Cost of a clean DDP step: a constant number of Python calls, one batched read of the local
-gradients at the end of backward (per gradient in its hook where DDP does not leave them intact,
-``gradient_as_bucket_view``) and one of the reduced ones; no collective of its own. With ``"raise"``
-and ``"warn"`` the verdict of step ``s`` is read one step later (``resolve()``), naming step ``s``;
-``"skip_step"``, ``"rollback"``, an fp16 GradScaler and replay-audited steps read it before the
-update (one host read); so does a single process (``.grad``).
-
-Limits: a fault that leaves gradients finite is invisible here (the replay sees it); a user's
-communication hook that replaces non-finite values hides them; single process, a clipping before
-the verdict names every parameter it contaminated.
+Limits: finite faults are invisible here (the replay's job); a communication hook that replaces
+non-finite values hides them; single process, a clipping before the verdict names every parameter
+it contaminated.
 """
 
 from __future__ import annotations
@@ -131,6 +124,7 @@ class NonFiniteVerdicts:
         acted on under the policy."""
         offenders = tuple(r for r, names in enumerate(per_rank) if names is not None)
         world = len(per_rank)
+        sole = offenders[0] if len(offenders) == 1 and world > 1 else None  # one process: no witness
         if world == 1:
             pattern = "single_process"
         elif not offenders:  # every rank's local gradients were finite: the NaN/Inf formed in the reduction
@@ -150,10 +144,7 @@ class NonFiniteVerdicts:
             **(extra or {}),
         }
         if scaler_active:
-            sole = offenders[0] if len(offenders) == 1 and world > 1 else None
-            self._streak = (
-                self._streak + 1 if sole is not None and sole == self._sole_rank else (1 if sole is not None else 0)
-            )
+            self._streak = 0 if sole is None else self._streak + 1 if sole == self._sole_rank else 1
             self._sole_rank = sole
             self.stats.bump("scaler_overflows")
             if self._streak < self.config.overflow_patience:
@@ -162,7 +153,6 @@ class NonFiniteVerdicts:
             details["pattern"] = "one_rank_repeatedly"
             details["consecutive_steps"] = self._streak
         self.stats.failures += 1
-        rank = offenders[0] if len(offenders) == 1 and world > 1 else None  # one process: no witness
         first = per_rank[offenders[0]][:3] if offenders and per_rank[offenders[0]] else []
         reason = {
             "one_rank": "only this rank produced NaN/Inf local gradients (the SDC signature)",
@@ -176,7 +166,7 @@ class NonFiniteVerdicts:
         }[details["pattern"]]
         reason += f" in {', '.join(first)}" if first else ""
         error = NonFiniteGradientError(
-            step=step, rank=rank, suspects=offenders, hosts=topo.hosts(offenders), details=details, reason=reason
+            step=step, rank=sole, suspects=offenders, hosts=topo.hosts(offenders), details=details, reason=reason
         )
         self.stats.add_time(time.perf_counter() - t0)
         self.last_error = error
@@ -334,10 +324,9 @@ class NonFiniteGradient(NonFiniteVerdicts):
         scaler_active: bool = False,
         now: bool = False,
     ) -> bool:
-        """Take step ``step``'s evidence, after resolving the previous step's; under DDP with ``"raise"``
-        or ``"warn"``, no GradScaler and not ``now`` the decision waits for ``resolve()``. Returns True
-        when the optimizer step must be skipped; raises ``NonFiniteGradientError`` (``"raise"``,
-        ``"rollback"``)."""
+        """Take step ``step``'s evidence (after resolving the previous step's); under DDP with ``"raise"``
+        or ``"warn"``, no GradScaler and not ``now`` the decision waits for ``resolve()``. True: skip
+        the optimizer step; raises ``NonFiniteGradientError`` under ``"raise"`` and ``"rollback"``."""
         self.resolve()
         t0 = time.perf_counter()
         if self._seen and self.batched:  # a backward whose end the tap did not see

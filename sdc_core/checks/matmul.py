@@ -1,23 +1,16 @@
 """Checksum-verified matrix products: a wrong multiply is caught on the rank and in the step where it
-happens (algorithm-based fault tolerance). A finite fault in one rank's forward or backward is
-spread into every replica by the all-reduce, so the fingerprint cannot see it and the replay only on
-its steps; this check verifies every product of every checked step (the bound:
-``matmul_bound``; the hooks: ``matmul_sites``).
+happens (algorithm-based fault tolerance; the bound: ``matmul_bound``, the hooks: ``matmul_sites``).
+The all-reduce spreads a finite compute fault into every replica, where the fingerprint cannot see it.
 
-Covered: every ``nn.Linear`` whose ``forward`` is ``nn.Linear.forward`` (forward, dX and dW), and
-with ``attention=True`` the projections of ``nn.MultiheadAttention``. Not covered: SDPA, ``nn.Linear``
-subclasses with their own ``forward``, other products (``matmul``, ``bmm``, ``Conv1D``,
-convolutions, embeddings), DTensor weights, the bias gradient, ``torch.compile``d modules
-(``coverage()`` lists a model's).
+Covered: each ``nn.Linear`` using ``nn.Linear.forward`` (forward, dX, dW) and, with ``attention``,
+``nn.MultiheadAttention``'s projections; not SDPA, other products (``matmul``, ``bmm``, ``Conv1D``,
+convolutions, embeddings), DTensor weights, the bias gradient, ``torch.compile`` (``coverage()``).
 
-Verdict: ``verdict(step)`` starts one asynchronous 4-byte MAX all-reduce of the step's worst
-normalised residual, read at the next ``arm`` (or ``resolve()``); only then (the rare path) do the
-ranks gather who saw what, and every rank raises the same ``ChecksumMismatchError``.
-``verdict(step, now=True)`` reads it before the update (one host wait).
-
-Cost (docs/performance.md): per product about thirty-five small kernels, per weight and step three
-reads of the weight; the thin block products cost ``1/block`` of the product's multiply-adds (about
-3% at 32). The check only reads: training is bit-identical.
+``verdict(step)`` starts one asynchronous 4-byte MAX all-reduce of the step's worst normalised
+residual, read at the next ``arm`` or ``resolve()`` (``now=True``: before the update); only on a
+failure do the ranks gather who saw what, and every rank raises the same ``ChecksumMismatchError``.
+Cost (docs/performance.md): per product about thirty-five small kernels, thin block products of
+``1/block`` of its multiply-adds (3% at 32). The check only reads: training is bit-identical.
 """
 
 from __future__ import annotations

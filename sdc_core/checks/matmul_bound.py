@@ -1,33 +1,26 @@
-"""The rounding bound of one matrix product's checksums: what ``sdc_core.checks.matmul`` judges a
-product by (algorithm-based fault tolerance).
+"""The rounding bound of one matrix product's checksums, what ``matmul`` judges a product by.
 
-For ``Y = X W^T + b`` (``X``: n x k, ``W``: m x k, ``dY``: n x m), over blocks B of ``block``
-consecutive outputs (forward) or inputs (backward) (``block=0``: whole rows), in the accumulation
-dtype from the operands as the product used them (autocast casts; the check's own arithmetic runs
-with autocast off):
+For ``Y = X W^T + b`` (``X``: n x k, ``W``: m x k), over blocks B of ``block`` consecutive
+outputs (forward) or inputs (backward) (``block=0``: whole rows), in the accumulation dtype from
+the operands as the product used them (the check itself runs with autocast off):
 
 * forward: ``sum_{j in B} Y_ij = X_i . c_B + sum_{j in B} b_j`` with ``c_B = sum_{j in B} W_j``;
 * input gradient ``dX = dY W``: ``sum_{l in B} dX_il = dY_i . w_B`` with ``w_B = W_:,B 1``;
 * weight gradient ``dW = dY^T X``: ``sum_{l in B} dW_jl = dY_:,j . s_B`` with ``s_B = X_:,B 1``.
 
-A residual beyond the bound means the product was computed wrongly on this rank. The bound is a
-worst-case (deterministic) rounding-error bound: with ``u`` the accumulation's unit roundoff, a
-product of reduction length ``K`` checked over blocks of ``L`` entries has, per block,
+A residual beyond the bound means the product was computed wrongly. A deterministic worst-case
+bound for reduction length ``K``, blocks of ``L``, unit roundoff ``u``:
 
     |residual| <= safety * [ (2 u_in + (2K + 3L + 8) u + S u_out) * T + u_out * N + underflow ]
 
-``T`` bounds the block's sum of absolute products (``||x_i||_2 sqrt(L) ||W_B||_F + ||b_B||_1``);
-``u_in`` the rounding of fp32 operands to TF32 (2^-11) or bf16 (2^-8) where the backend allows it;
-``u_out`` the rounding to a narrower output (bf16 2^-8, fp16 2^-11; twice in the forward); ``N``
-the block's absolute sum of the narrow output (capped by ``T``, so a huge wrong element cannot hide
-behind the bound it inflates); ``S`` the split-K partial sums reduced in the output precision
-(``REDUCED_PRECISION_SPLITS``); the underflow term a multiple of the smallest normal number.
-``safety`` (default 2) covers what the model leaves out. Blocks whose magnitudes could overflow the
-output dtype legitimately (``T`` over a quarter of its maximum) are not judged. Property tests
-(tests/test_matmul_unit.py) hold the bound from 1e-12 to 1e12, in every precision and layout.
-
-What a verdict sees (``visible_error_sizes``; docs/coverage.md): with blocks of 32 a wrong element
-of a few percent of its row's largest at width 256 in fp32, of about that largest at 4096.
+``T`` bounds the block's sum of absolute products (``||x_i||_2 sqrt(L) ||W_B||_F + ||b_B||_1``),
+``u_in`` the TF32 (2^-11) or bf16 (2^-8) rounding of fp32 operands where allowed, ``u_out`` the
+rounding to a narrower output (twice in the forward), ``N`` the block's absolute output sum (capped
+by ``T``: a huge wrong element cannot hide behind the bound it inflates), ``S`` split-K partial sums
+reduced in the output precision (``REDUCED_PRECISION_SPLITS``). Blocks that could overflow the
+output legitimately (``T`` over a quarter of its maximum) are not judged. What a verdict sees
+(``visible_error_sizes``, docs/coverage.md): with blocks of 32, a wrong element of a few percent of
+its row's largest at width 256 in fp32, about that largest at 4096.
 """
 
 from __future__ import annotations
@@ -267,10 +260,9 @@ class LinearBound:
     def forward_ratio(
         self, x2: torch.Tensor, y2: torch.Tensor, need_blocks: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Forward check of ``y2 = x2 W^T + b`` (2-D, ``x2`` in the accumulation dtype): ``(ratio,
-        x_norms, x_block_norms, x_block_sums)``, per row and block (n x nf) the residual over its
-        bound (> 1: wrong; NaN: a non-finite result; 0: not judged), the operand's row 2-norms, its
-        2-norms per backward block and, with ``need_blocks``, its sums per backward block."""
+        """Forward check of ``y2 = x2 W^T + b``: per row and block (n x nf) the residual over its bound
+        (> 1: wrong; NaN: non-finite; 0: not judged), and ``x2``'s row norms, norms per backward block
+        and (``need_blocks``) sums per backward block."""
         n = x2.shape[0]
         y3 = y2.reshape(n, self.nf, self.bf)
         # X c_b for every block as one thin product with few rows (fast everywhere; n x nf is slow on CPUs)
@@ -413,11 +405,9 @@ def check_linear(
 
 def visible_error_sizes(width: int, dtype: torch.dtype = torch.float32, rows: int = 1024, seed: int = 0,
                         safety: float = 2.0, block: int = 32) -> dict[str, float]:  # fmt: skip
-    """The error of one element always caught, relative to the product's magnitude, for a default
-    ``nn.Linear(width, width)`` fed unit-variance rows and output gradients on the CPU in ``dtype``:
-    per product the median over rows of the threshold over the row's largest element (``*_vs_max``)
-    and its root-mean-square (``*_vs_rms``; the weight gradient: the whole gradient's). What
-    docs/coverage.md quotes."""
+    """The error of one element always caught, relative to the row's largest element (``*_vs_max``) and
+    root-mean-square (``*_vs_rms``), median over rows, for a default ``nn.Linear(width, width)`` fed
+    unit-variance data on the CPU in ``dtype`` (what docs/coverage.md quotes)."""
     gen = torch.Generator().manual_seed(seed)
     layer = nn.Linear(width, width)
     with torch.no_grad():

@@ -45,10 +45,8 @@ Index = torch.Tensor | Sequence[int]
 
 
 def log2_peaks_by_group(pairs: Sequence[tuple[torch.Tensor, Index]], groups: int) -> torch.Tensor:
-    """Per group ``j < groups`` the log2 of the largest peak given to it (``pairs`` of 1-d ``peaks``
-    and their groups' indices): NaN for a group without a nonzero peak, +Inf for one with a
-    non-finite peak; float32 on the peaks' device, no host synchronisation (on the CPU computed in
-    Python, ``log2_peaks_on_host``)."""
+    """Per group the log2 of the largest peak given to it (``pairs`` of ``peaks`` and group indices):
+    NaN for none nonzero, +Inf for a non-finite one; float32 on the peaks' device, no host sync."""
     home = pairs[0][0].device
     if home.type == "cpu" and all(v.device.type == "cpu" for v, _ in pairs):
         return _log2_peaks_on_host(pairs, groups)

@@ -1,27 +1,21 @@
-"""The every-step screen's rule, on the host: its settings (``ScreenConfig``), its verdict
-(``ScreenResult``), the comparison of the ranks' rows and the band they are compared with
-(``Band``). ``screen`` gathers the rows; this module judges them.
+"""The every-step screen's rule, on the host: its settings, its verdict, the comparison of the ranks'
+rows and the band they are compared with (``Band``); ``screen`` gathers the rows.
 
-At each step, in log2 units: each value's deviation from the ranks' (lower) median; a rank's
-``level``, the median of its deviations (a harder batch makes EVERY gradient of a rank larger);
-each deviation less the level (what a faulty multiply-accumulate or a flipped exponent bit changes:
-a few values, not all). A rank is a suspect when a corrected deviation, or its level, exceeds its
-band. Comparing ranks at the same step cancels what they share (phase of training, warm-up, loss
-scale). One-sided: only values that GREW are flagged; a genuine spike batch is cleared by the
-partner replay.
+In log2 units: each value's deviation from the ranks' (lower) median; a rank's ``level``, the
+median of its deviations (a harder batch raises EVERY gradient of a rank); each deviation less the
+level (a faulty multiply-accumulate or exponent flip changes a few values, not all). A rank is a
+suspect when a corrected deviation, or its level, exceeds its band; only values that GREW count.
 
-The band, per value and for the level, is calibrated from the healthy ranks' positive deviations
-over the last ``window`` steps: ``median + z * 1.4826 * MAD`` or, when higher, the quantile of a
-fitted exponential tail that keeps the world's hits under one a day at one step a second
-(``tail_bands``), clamped to ``[min_band, max_band]``. Until a value has ``calibration_samples``
-deviations, the groups use the pooled ``early_band`` (``initial_band`` before), the loss and the
-level their own bulk rule plus ``_EARLY_MARGIN`` from half their samples.
+The band, per value and for the level: ``median + z * 1.4826 * MAD`` of the healthy ranks' positive
+deviations over the last ``window`` steps or, when higher, a fitted exponential tail's quantile
+that keeps the world's hits under one a day at one step a second, clamped to ``[min_band,
+max_band]``. Until calibrated (``calibration_samples``) the groups use the pooled ``early_band``
+(``initial_band`` before), the loss and level their own bulk rule plus ``_EARLY_MARGIN``.
 
 Peers are hostile: a row's step and width must equal the ranks' median (else ``malformed``);
-values must be NaN (no opinion), +Inf (``nonfinite``: NaN/Inf gradients) or finite within the
-range of log2 magnitudes. A rank can only accuse itself: the reference is a median, suspects'
-rows never enter the history, the band is capped at ``max_band``. A partner's recomputation is
-judged by ``in_band(row, reference(result.values, rank), result.bands)``.
+values must be NaN (no opinion), +Inf (``nonfinite``) or finite within the range of log2
+magnitudes. A rank can only accuse itself: the reference is a median, suspects' rows never enter
+the history, the band is capped at ``max_band``.
 """
 
 from __future__ import annotations
@@ -39,11 +33,9 @@ from sdc_core.schema import documented, setting
 HEADER = 2  # a row starts with its step and width
 LOG2_LIMIT = 1100.0  # |log2| of any finite float64 magnitude is below this
 _MAD_TO_SIGMA = 1.4826
-_REFRESH = 32  # judged steps between two recalibrations of the band while some value is not calibrated (its two
-# medians over the history, and writing the history: a fifth of `judge`'s host cost at 32)
+_REFRESH = 32  # judged steps between two recalibrations of the band while some value is not calibrated
 _REFRESH_CALIBRATED = 128  # ... and once all are: the band is a median over `window` steps and moves slowly
-_SAMPLED_RANKS = 16  # ranks' healthy deviations the band's history keeps per step: its memory and the cost of
-# its medians do not grow with the world (the ranks taken rotate from step to step, identically on every rank)
+_SAMPLED_RANKS = 16  # ranks whose deviations the history keeps per step (rotating, identically on every rank)
 _TAIL_SHARE = 0.1  # the largest tenth of a value's healthy positive deviations gives its tail's slope
 _TAIL_MIN = 10  # deviations above that threshold a tail fit needs (fewer: the band is the MAD rule's alone)
 _EARLY_MARGIN = 1.0  # log2: the early band's allowance for a group more spread than the groups pooled (2x)
@@ -201,10 +193,9 @@ def deviations(row: Sequence[float], ref: Sequence[float]) -> list[float]:
 
 
 def in_band(row: Sequence[float], ref: Sequence[float], bands: Sequence[float]) -> bool:
-    """Whether one row (``ScreenResult.values``' layout, e.g. a partner's recomputation) stays
-    within ``bands`` (``ScreenResult.bands``) relative to ``ref`` (``reference(result.values,
-    rank)``) by ``judge``'s rule. A value neither NaN nor finite within the range of log2
-    magnitudes is out of band. Raises ``ValueError`` when the lengths do not match."""
+    """Whether one row (e.g. a partner's recomputation) stays within ``ScreenResult.bands`` relative to
+    ``reference(result.values, rank)`` by ``judge``'s rule; a value neither NaN nor a finite log2
+    magnitude is out. ``ValueError`` when the lengths do not match."""
     if not len(row) == len(ref) == len(bands) - 1:
         raise ValueError(f"in_band: {len(row)} values, {len(ref)} references, {len(bands)} bands")
     if not all(a != a or -LOG2_LIMIT <= a <= LOG2_LIMIT for a in row):
@@ -295,10 +286,9 @@ def tail_bands(history: torch.Tensor, world: int, fit: tuple[torch.Tensor, ...] 
 
 
 def early_band(history: torch.Tensor, config: ScreenConfig, world: int) -> float:
-    """A group's band before it is calibrated: the bulk rule or, when higher, the tail band of every
-    group's deviations pooled (not the loss and level, the last two of ``history``), plus
-    ``_EARLY_MARGIN``, clamped to ``[min_band, initial_band]``. NaN (keep ``initial_band``) until
-    the pool has a tail fit (about 100 deviations: 5-7 steps with 3 ranks)."""
+    """A group's band before it is calibrated: the bulk or tail band (the higher) of every group's
+    deviations pooled (not the loss and level, last in ``history``) plus ``_EARLY_MARGIN``, clamped to
+    ``[min_band, initial_band]``; NaN until the pool has a tail fit (5-7 steps with 3 ranks)."""
     pool = history[:, :-2].reshape(-1, 1)
     fit = tail_fit(pool)
     if math.isnan(float(fit[0][0])):
