@@ -1,41 +1,34 @@
-"""Exact, linear integer digests of a tensor's bytes, computed on the tensor's own device without a
-host synchronisation: what the weight fingerprint compares.
+"""Exact, linear integer digests of a tensor's bytes, computed on its own device without a host
+synchronisation: what the weight fingerprint compares.
 
-The digest (version 2). The bytes, zero-padded to a multiple of 8, are n signed 64-bit words
-x_0 .. x_{n-1}. With r = min(16, n // 512) rows (at least 1; more past 2**26 words, so that at
-most 2**22 classes arise) and m = n // r columns, made odd when r > 1, class j < m sums (wrapping
-mod 2**64) the r words x_j, x_{j+m}, ..., x_{j+(r-1)m} (one reduction over a (r, m) view), and
-each of the fewer than 2r words past r*m is a class of its own. With c_j the class sums and
-h_j = c_j >> 32 (arithmetic shift: an exact integer in [-2**31, 2**31)),
+The digest (version 2). The bytes, zero-padded to a multiple of 8, are n signed 64-bit words. With
+r = min(16, n // 512) rows (at least 1; more past 2**26 words: at most 2**22 classes) and m = n // r
+columns, odd when r > 1, class j < m is the r words x_j, x_{j+m}, ..., x_{j+(r-1)m}, and each of
+the fewer than 2r words past r*m is a class of its own. With c_j the class sums (wrapping mod
+2**64) and h_j = c_j >> 32 (arithmetic shift), d = sum_j (A_j * c_j + B_j * h_j) mod 2**64, with
+A_j, B_j odd splitmix64 weights of fixed seeds (identical on every rank, device and run). The
+fingerprint combines the d_t the same way with two more weight streams, plus the tensor count times
+an odd constant. Integer arithmetic only: independent of the reduction order, CPU and CUDA agree.
 
-    d = sum_j (A_j * c_j + B_j * h_j)      (mod 2**64)
-
-with A_j, B_j odd 64-bit splitmix64 weights (fixed seeds: identical on every rank, device and run).
-It is linear: all-zero bytes digest to 0. The fingerprint combines the per-tensor d_t the same way
-with two further weight streams, plus the tensor count times an odd constant. All integer
-arithmetic mod 2**64: independent of the reduction order (CPU and CUDA agree bit for bit).
-
-Why it holds (a fault does not know the weights: treat them as uniform random odd numbers
-independent of it). (1) If a class sum changes, c'_j - c_j = D = 2**v * u != 0 (u odd): if its
-low 32 bits changed (v <= 31), A_j * D is uniform over 2**(63-v) values and cancels the rest with
-probability <= 2**(v-63) <= 2**-32; if only its high 32 bits changed, h_j changed by a nonzero
-integer of magnitude < 2**32 and B_j does the same. One level up the same holds: a miss has
-probability <= 2**-31. (2) A class sum stays unchanged only if two or more of its words changed
-and the changes cancel mod 2**64. A class's words lie a multiple of m apart, m odd, m >= 511
-words (4 KiB) and m >= n/16 - 1. So every difference confined to fewer than m consecutive words,
-every difference in a tensor under 1024 words (one row), and every pattern with a power-of-two
-period of at least 16 words (a bad lane or column: its hits are a multiple of m * 2**k apart, more
-than a class spans) falls under (1): missed with probability <= 2**-31, whatever the flips and
-carries. Two flips at uniformly random places share a class with probability < r/n <= 2**-9
-(2**-16 from 8 MiB on); a fault over more than m words touches most classes, each must cancel.
+Why it holds (a fault does not know the weights: treat them as uniform random odd numbers). (1) If
+a class sum changes by D = 2**v * u != 0 (u odd): if its low 32 bits changed (v <= 31), A_j * D is
+uniform over 2**(63-v) values and cancels the rest with probability <= 2**-32; if only its high
+half changed, h_j changed by a nonzero integer below 2**32 in magnitude and B_j does the same. One
+level up likewise: a miss has probability <= 2**-31. (2) A class sum stays unchanged only if two or
+more of its words changed and cancel mod 2**64. A class's words lie a multiple of m apart, m odd,
+m >= 511 words (4 KiB) and m >= n/16 - 1. So every difference within fewer than m consecutive
+words, every difference in a tensor under 1024 words, and every pattern with a power-of-two period
+of at least 16 words (a bad lane or column: its hits lie a multiple of m * 2**k apart, more than a
+class spans) falls under (1): missed with probability <= 2**-31, whatever the flips and carries.
+Two flips at random places share a class with probability < r/n <= 2**-9 (2**-16 from 8 MiB on);
+a fault over more than m words touches most classes, each of which must cancel on its own.
 
 Version 1 (``tensor_digest_v1``, a wrap-around sum kept to verify old checkpoints) misses two
-opposite flips of one bit, an even number of sign flips and a bad lane; this digest sees them.
+opposite flips of one bit, an even number of sign flips and a bad lane.
 
-Cost: one read of every compared tensor per check (0.63-0.69x of a plain ``sum`` on large tensors
-on a 2-core CPU; small tensors batched, ``_host_digests``; docs/performance.md), then O(n/r) work;
-on CUDA one Triton launch per device (``_triton_digest``); weights cached per device (16 bytes per
-class of the largest tensor, at most 128 MiB).
+Cost: one read of every compared tensor (0.63-0.69x of a plain ``sum`` on a 2-core CPU; small
+tensors batched; docs/performance.md), then O(n/r) work; on CUDA one Triton launch per device;
+weights cached per device (16 bytes per class of the largest tensor, at most 128 MiB).
 """
 
 from __future__ import annotations
@@ -216,8 +209,7 @@ def _layout(device: torch.device, sizes: tuple[int, ...]) -> tuple[torch.Tensor,
 
 
 def _unit_weights(device: torch.device, classes: Sequence[int]) -> list[torch.Tensor]:
-    """For units of ``classes`` classes laid end to end: the weights A and B of each class (each
-    unit's from index 0) and the index of each unit's last class."""
+    """Per class of units laid end to end its weights A and B, and each unit's last class index."""
     top = max(classes)
     wa, wb = _weights(0, top, device), _weights(1, top, device)
     ends = torch.tensor(classes, dtype=torch.int64).cumsum(0).sub_(1).to(device)
@@ -225,8 +217,7 @@ def _unit_weights(device: torch.device, classes: Sequence[int]) -> list[torch.Te
 
 
 def _scan_digests(sums: torch.Tensor, wa: torch.Tensor, wb: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
-    """The digests of units whose class sums lie end to end in ``sums`` (int64; ``_unit_weights``):
-    one exact wrapping scan of the weighted classes, differenced at the units' last classes."""
+    """The digests of units whose class sums lie end to end in ``sums``: one exact wrapping scan."""
     weighted = (sums >> 32).mul_(wb).addcmul_(sums, wa)
     running = weighted.cumsum_(0)[ends]  # exact, wrapping: a deterministic scan
     return torch.diff(running, prepend=running.new_zeros(1))
@@ -431,8 +422,7 @@ def _same_size_digests(flat: torch.Tensor, k: int, w: int) -> torch.Tensor:
 
 
 def _wmv(m: torch.Tensor, w: torch.Tensor, fused: bool | None = None) -> torch.Tensor:
-    """``m @ w`` mod 2**64 for int64 ``m`` (k, n) and ``w`` (n,): ``mv`` on the CPU, else (no integer
-    ``mv``) a product and a row sum."""
+    """``m @ w`` mod 2**64 for int64 ``m`` (k, n) and ``w`` (n,) (CUDA has no integer ``mv``)."""
     return torch.mv(m, w) if (m.is_cpu if fused is None else fused) else (m * w).sum(1)
 
 
@@ -444,8 +434,7 @@ def _mixed_digests(values: torch.Tensor, sizes: tuple[int, ...]) -> torch.Tensor
 
 
 def _host_layout(device: torch.device, sizes: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
-    """``_unit_weights`` for tensors of ``sizes`` words laid end to end and, when some tensor has
-    several rows, each word's class (int32; cached)."""
+    """``_unit_weights`` for tensors of ``sizes`` words and, with several rows, each word's class (cached)."""
     key = (device, sizes)
     if key not in _host_layouts:
         if len(_host_layouts) >= 64:
@@ -469,8 +458,7 @@ def _host_layout(device: torch.device, sizes: tuple[int, ...]) -> tuple[torch.Te
 
 
 def combine(digests: torch.Tensor) -> torch.Tensor:
-    """One int64 fingerprint from a vector of tensor digests (weighted, plus the count: a missing
-    tensor is never silent)."""
+    """One int64 fingerprint of tensor digests (plus their count: a missing tensor is never silent)."""
     return _mix(digests, 2) + _signed(digests.numel() * _COUNT_WEIGHT)
 
 

@@ -129,6 +129,7 @@ _slices_cache: dict[tuple[int, tuple[int, ...]], list[list[int]]] = {}
 def rolling_slices(sizes: Sequence[int], k: int) -> list[list[int]]:
     """The tensor indices in ``k`` slices, each joining the slice with the fewest bytes so far (the
     lowest on a tie): the same on every replica, and appended tensors move no earlier one. Cached."""
+
     def make() -> list[list[int]]:
         slices: list[list[int]] = [[] for _ in range(k)]
         load = [0] * k

@@ -73,8 +73,7 @@ class NonFiniteConfig:
 
 @dataclass
 class _StepFlags:
-    """What one step left on the device: whether the reduced gradients hold NaN or Inf, and the
-    local evidence (for the names)."""
+    """One step's device flag (reduced gradients hold NaN/Inf) and local evidence (for the names)."""
 
     step: int
     reduced: torch.Tensor | None  # 0-d bool on the device: some reduced gradient holds NaN or Inf
@@ -120,8 +119,7 @@ class NonFiniteVerdicts:
         params: list[tuple[str, nn.Parameter]] | None,
         extra: dict[str, Any] | None = None,
     ) -> bool:
-        """The verdict from every rank's offending names (``None``: finite; identical on every rank),
-        acted on under the policy."""
+        """The verdict from every rank's offending names (``None``: finite), acted on under the policy."""
         offenders = tuple(r for r, names in enumerate(per_rank) if names is not None)
         world = len(per_rank)
         sole = offenders[0] if len(offenders) == 1 and world > 1 else None  # one process: no witness

@@ -95,9 +95,6 @@ class MatmulChecksumConfig:
             raise ValueError(f"attention must be True or False, got {self.attention!r}")
 
 
-# -------------------------------------------------------------------------------- the check
-
-
 @dataclass
 class _Pending:
     step: int
@@ -142,8 +139,6 @@ class MatmulChecksum:
         """The linear-like modules left out, with the reason."""
         return self._products.uncovered
 
-    # -- set-up
-
     def attach(self, model: nn.Module) -> list[str]:
         """Hook every covered product of ``model``; returns the checked sites (see ``uncovered``)."""
         self.detach()
@@ -156,11 +151,8 @@ class MatmulChecksum:
         self._armed, self._records, self._bounds = False, [], {}
 
     def coverage(self) -> dict[str, Any]:
-        """Checked sites (attention projections as ``<mha>.in_proj``, ``.in_proj[q]`` etc.) and the
-        linear-like modules left out, with the reason."""
+        """Checked sites (``<mha>.in_proj``, ``.in_proj[q]`` etc.) and modules left out, with the reason."""
         return self._products.coverage()
-
-    # -- per step
 
     def arm(self, step: int) -> bool:
         """Start checking step ``step`` if it is due (before each of its forwards, every rank alike).
@@ -266,8 +258,6 @@ class MatmulChecksum:
         if self.config.on_failure == "raise":
             raise error
         warnings.warn(str(error), RuntimeWarning, stacklevel=3)
-
-    # -- the hot path
 
     def _on_linear(self, site: int, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         if self._armed and args and isinstance(output, torch.Tensor) and not torch.compiler.is_compiling():
@@ -407,4 +397,3 @@ def _by_site(sites: list[str], records: list[tuple[int, int, torch.Tensor]], nam
         if old is None or value != value or (old == old and value > old):  # NaN wins
             out[key] = value
     return out
-

@@ -226,8 +226,6 @@ class LinearBound:
         """``x2`` (n x k) as n x nx x bx (the backward blocks)."""
         return x2.reshape(x2.shape[0], self.nx, self.bx)
 
-    # -- forward
-
     def forward_bound(self, x_norms: torch.Tensor, y3: torch.Tensor | None) -> torch.Tensor:
         """Per row and block (n x nf), the bound on the forward residual (``y3=None``: whatever the
         output holds). A narrow output may round twice (before and after the bias)."""
@@ -283,8 +281,6 @@ class LinearBound:
         threshold = _threshold(self.forward_bound(x_norms, y3), self.safety, 2 * self.rnd.out * g * math.sqrt(self.bf))
         return torch.where(torch.lt(x_norms.unsqueeze(-1), self.f_xmax), threshold, math.inf)
 
-    # -- input gradient
-
     def input_grad_bound(self, dy_norms: torch.Tensor, dx3: torch.Tensor | None) -> torch.Tensor:
         """As ``forward_bound``, for the input gradient (n x nx; ``dx3``: its backward blocks)."""
         cap = (self.dt_icpt, self.dt_slope, self.consts[13], self.consts[5])
@@ -307,8 +303,6 @@ class LinearBound:
         g = _slack(self.rnd, max(self.k, self.m))
         threshold = _threshold(self.input_grad_bound(dy_norms, dx3), self.safety, self.rnd.out * g * math.sqrt(self.bx))
         return torch.where(torch.lt(dy_norms.unsqueeze(-1), self.d_ymax), threshold, math.inf)
-
-    # -- weight gradient
 
     def weight_grad_bound(
         self, x_block_norms: torch.Tensor, dy_norms: torch.Tensor, dw3: torch.Tensor | None
@@ -444,4 +438,3 @@ def visible_error_sizes(width: int, dtype: torch.dtype = torch.float32, rows: in
 def worst_ratio(ratio: torch.Tensor) -> torch.Tensor:
     """The largest ratio (NaN when any is NaN; 0 for no rows): one reduction, no host read."""
     return ratio.amax() if ratio.numel() else ratio.new_zeros(())
-

@@ -14,8 +14,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# -------------------------------------------------------------------------------- the product's autograd node
-
 _PASS_THROUGH = frozenset({
     "ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0", "AliasBackward0",
     "SqueezeBackward0", "SqueezeBackward1", "SqueezeBackward2", "SqueezeBackward3", "SqueezeBackward4",
@@ -42,8 +40,6 @@ def product_node(y: torch.Tensor) -> tuple[Any, int] | None:
             return None
     return None
 
-
-# -------------------------------------------------------------------------------- F.linear inside attention
 
 _LINEAR = F.linear
 _SCOPE: contextvars.ContextVar[Callable[..., None] | None] = contextvars.ContextVar("sdc_matmul_scope", default=None)

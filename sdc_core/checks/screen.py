@@ -319,8 +319,7 @@ class GradientScreen:
         return self._verdict(step, table, band, calibrated, learn=True)
 
     def _next_band(self) -> tuple[list[float], bool]:
-        """``Band.current``, one run counted, and the band's predicted hits a day into the counters
-        once a tail has been fitted."""
+        """``Band.current``, one run counted and the band's predicted hits a day recorded."""
         assert self.band is not None
         self.stats.runs += 1
         band, calibrated = self.band.current()

@@ -125,7 +125,6 @@ class ScreenResult:
         return bool(self.ranks)
 
 
-
 def _median(values: Sequence[float]) -> float:
     """The lower median of the values that are not NaN (``torch.nanmedian``'s), NaN when none."""
     v = sorted(values) if _isfinite(sum(values)) else sorted(a for a in values if a == a)  # a finite sum: no NaN
@@ -201,7 +200,6 @@ def in_band(row: Sequence[float], ref: Sequence[float], bands: Sequence[float]) 
     if not all(a != a or -LOG2_LIMIT <= a <= LOG2_LIMIT for a in row):
         return False
     return not any(d > b for d, b in zip(deviations(row, ref), bands, strict=True))
-
 
 
 def classify(
@@ -410,8 +408,7 @@ class Band:
         self.history.index_copy_(0, torch.tensor(list(latest)), rows)
 
     def state_dict(self) -> dict[str, Any]:
-        """The history as plain JSON values (a flat list, ``None`` for no value, and its shape): every
-        route's checkpoint can hold it."""
+        """The history as plain JSON values (a flat list, ``None`` for no value, and its shape)."""
         self.flush()
         flat = [None if v != v else v for v in self.history.flatten().tolist()]  # NaN: None
         return {"history": flat, "shape": list(self.history.shape), "cursor": self.cursor, "filled": self.filled}
