@@ -103,11 +103,7 @@ class GradientTap:
 
     def _wanted(self) -> bool:
         """Whether a consumer or writer needs the coming backward's per-parameter reads."""
-        for consumer in [*self.consumers, *self.writers]:
-            when = self.wanted_when.get(consumer)
-            if when is None or when():
-                return True
-        return False
+        return any((when := self.wanted_when.get(c)) is None or when() for c in [*self.consumers, *self.writers])
 
     def _read_each(self, wanted: bool) -> None:
         """Install or remove the per-parameter hooks (a pass over the parameters, only when that changes)."""

@@ -354,8 +354,7 @@ class GradientScreen:
     def state_dict(self) -> dict[str, Any]:
         """Counters and the band's history (identical on every rank: rank 0's restores all)."""
         if self.band is None:  # before attach: what a checkpoint restored, if anything, is kept as it came
-            band = self._restored or {"history": None, "shape": None, "cursor": 0, "filled": 0}
-            kept = {k: band.get(k) for k in ("history", "shape", "cursor", "filled")}
+            kept = self._restored or {"history": None, "shape": None, "cursor": 0, "filled": 0}
             return {"stats": self.stats.state_dict(), **kept}
         return {"stats": self.stats.state_dict(), **self.band.state_dict()}
 
