@@ -1,15 +1,10 @@
 """The version-2 tensor digest of many CUDA tensors in ONE kernel launch (Triton).
 
-Same value as ``digest.tensor_digest`` for every tensor, bit for bit (the class sums and
-their splitmix64 weighting of the ``fingerprint`` module docstring, all in wrapping 64-bit
-integer arithmetic; the weights are computed in registers, not read from memory). Each program
-takes ``BLOCK`` classes of one tensor (the tensors' addresses come from a table), sums each
-class's words (at most 16 rows, coalesced loads), weights them and writes one partial sum; the
-partial sums of each tensor are then added up with one scan (integer addition: exact in any
-order). Launches per call: the kernel, and four small ones to add the partial sums up, whatever
-the number of tensors. Reads every byte once: memory-bound like a plain ``sum``.
-
-``triton`` is None where Triton is missing or ``SDC_TRITON=0``: the caller takes the torch path.
+Same value as ``digest.tensor_digest`` for every tensor, bit for bit (wrapping 64-bit integer
+arithmetic; the weights are computed in registers). Each program sums ``BLOCK`` classes of one
+tensor, weights them and writes one partial sum; one exact integer scan adds each tensor's up.
+Launches per call: the kernel and four small ones, whatever the number of tensors; every byte read
+once. ``triton`` is None where Triton is missing or ``SDC_TRITON=0`` (the caller takes the torch path).
 """
 
 from __future__ import annotations
@@ -28,10 +23,8 @@ except ImportError:  # pragma: no cover
     triton = None
     tl = None
 
-# The launch shape: BLOCK classes per program, WARPS warps, so each thread loads two words per row.
-# Measured on an H200 (benchmarks/digest_blocks.py, benchmarks/results/performance-history.md "the digest's launch
-# shape"): 0.93-1.06x of a flat sum on 40 MB to 4.8 GB, against 0.56-0.65x at 1024 and 4 warps.
-# The digests do not depend on it (partial sums are added exactly, in any order).
+# The launch shape (each thread loads two words per row), measured on an H200 (benchmarks/digest_blocks.py):
+# 0.93-1.06x of a flat sum on 40 MB to 4.8 GB. The digests do not depend on it.
 BLOCK = 512
 WARPS = 8
 _cache: dict[tuple, tuple[torch.Tensor, ...]] = {}
@@ -76,9 +69,8 @@ if triton is not None:  # pragma: no cover - needs a GPU
 
 def _tables(device: torch.device, sizes: tuple[int, ...], shape: Callable[[int], tuple[int, int, int]],
             block: int = BLOCK) -> tuple[torch.Tensor, ...]:  # fmt: skip
-    """Per-unit (words, rows, cols) and per-block (unit, first class) tables, ``block`` classes a
-    block, and each unit's last block, on ``device`` (cached per list of word counts: built and
-    copied once)."""
+    """Per-unit (words, rows, cols), per-block (unit, first class) and each unit's last block, on
+    ``device`` (cached per list of word counts)."""
     key = (device, sizes, block)
     if key not in _cache:
         shapes = [shape(n) for n in sizes]
@@ -98,8 +90,7 @@ def _tables(device: torch.device, sizes: tuple[int, ...], shape: Callable[[int],
 
 
 def _pointers(device: torch.device, ptrs: tuple[int, ...]) -> torch.Tensor:
-    """The words' addresses as an int64 table on ``device`` (cached: parameters and optimizer
-    state keep their storage from step to step, so the steady state copies nothing)."""
+    """The words' addresses as an int64 table on ``device`` (cached: the steady state copies nothing)."""
     key = (device, ptrs)
     if key not in _ptr_cache:
         if len(_ptr_cache) >= 8:
@@ -112,10 +103,8 @@ def digests(device: torch.device, ptrs: tuple[int, ...], sizes: tuple[int, ...],
             shape: Callable[[int], tuple[int, int, int]], seeds: tuple[int, int],
             block: int = BLOCK, warps: int = WARPS) -> torch.Tensor:  # fmt: skip
     """The digest of each run of ``sizes[i]`` int64 words at address ``ptrs[i]`` (8-byte aligned
-    memory of CUDA ``device``; ``shape(n)`` = (words, rows, cols) of the fingerprint module's
-    class layout) as one int64 vector on that device. The caller keeps the memory alive. No host
-    synchronisation in the steady state. ``block`` and ``warps`` (the launch shape) change the
-    speed only, never the values (``benchmarks/digest_blocks.py`` compares them)."""
+    memory of CUDA ``device``, kept alive by the caller; ``shape``: ``digest.class_shape``) as one
+    int64 vector on that device. ``block`` and ``warps`` change the speed only, never the values."""
     nwords, rows, cols, units, starts, ends = _tables(device, sizes, shape, block)
     table = _pointers(device, ptrs)
     partial = torch.empty(units.numel(), dtype=torch.int64, device=device)

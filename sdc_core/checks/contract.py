@@ -1,21 +1,13 @@
 """The check contract: the phases of an optimizer step, and what the step driver asks of a check.
 
-``sdc_core.driver.step.StepDriver`` runs every check through the same phases (``STEP_PHASES``, then
-``BEFORE_SAVE`` before a checkpoint and ``AT_END`` after the loop); each seam only translates its
-framework's events into them:
-
-* ``AFTER_BACKWARD``: collectives read later in the step start (the screen's all_gather) and earlier steps' verdicts
-  are read, so an earlier fault is never reported as a later one's symptom;
-* ``BEFORE_UPDATE``: this step's verdicts that must precede the update (a dropped step, a replay);
-* ``AFTER_UPDATE``: the comparison of the update's result (the fingerprint) starts, read at the next
-  ``AFTER_BACKWARD``;
-* ``BEFORE_SAVE`` and ``AT_END``: every pending verdict read, the replicas' weights compared now.
-
-A check declares its ``role`` (``Role``); the built-in roles are those whose verdicts the driver
-relates to each other. Any other check is a ``StepCheck``: one class and one registration
-(``SDCHooks.add_check``, or a Lightning callback's ``_checks``), its verdicts delivered like any
-other. Every rank calls the same phase methods in the same order; a check runs the same collectives
-on every rank, on its error paths too. Cost: a method call per check and phase.
+``sdc_core.driver.step.StepDriver`` runs every check through the same phases (each seam translates
+its framework's events): ``AFTER_BACKWARD`` starts collectives read later and reads earlier steps'
+verdicts (an earlier fault is never reported as a later one's symptom); ``BEFORE_UPDATE`` reads
+verdicts that must precede the update; ``AFTER_UPDATE`` starts the comparison of the update's
+result; ``BEFORE_SAVE`` and ``AT_END`` read every pending verdict and compare the weights now. A
+check without a built-in ``Role`` is a ``StepCheck`` (``SDCHooks.add_check``). Every rank calls the
+same phases in the same order; a check runs the same collectives on every rank, on its error paths
+too. Cost: a method call per check and phase.
 """
 
 from __future__ import annotations
@@ -27,7 +19,7 @@ from sdc_core.stats import CheckStats
 
 
 class Phase(Enum):
-    """Where in an optimizer step a check may act (module docstring: what each one is for)."""
+    """Where in an optimizer step a check may act (module docstring)."""
 
     AFTER_BACKWARD = "after_backward"
     BEFORE_UPDATE = "before_update"
@@ -36,12 +28,8 @@ class Phase(Enum):
     AT_END = "at_end"
 
 
-STEP_PHASES = (Phase.AFTER_BACKWARD, Phase.BEFORE_UPDATE, Phase.AFTER_UPDATE)  # one step's, in this order
-
-
 class Role(Enum):
-    """What a check is to the driver: a built-in role whose verdicts the driver relates to the
-    others', or ``STEP_CHECK`` (run through the phases on its own)."""
+    """A built-in role whose verdicts the driver relates to the others', or ``STEP_CHECK``."""
 
     NONFINITE = "nonfinite"  # local gradients checked for NaN/Inf (DDP or sharded)
     SCREEN = "screen"  # the every-step comparison of the ranks' gradient magnitudes
@@ -54,9 +42,8 @@ class Role(Enum):
 
 @runtime_checkable
 class Check(Protocol):
-    """What every check has: its role, its settings (a frozen config dataclass, or None), its
-    counters (logged to the trackers and saved in checkpoints), and a way to drop what it has in
-    flight without a collective when training stops on an error (the other ranks may be gone)."""
+    """What every check has: its role, its counters, and ``discard``: drop what is in flight without
+    a collective when training stops on an error (the other ranks may be gone)."""
 
     role: ClassVar[Role]
     stats: CheckStats
@@ -65,13 +52,8 @@ class Check(Protocol):
 
 
 class StepCheck:
-    """Base class of a check the driver runs through the phases (``Role.STEP_CHECK``).
-
-    Each method gets the step (``sdc_core.driver.step.StepContext``: index, update index, module,
-    optimizers) and may raise an ``SDCError``: the driver delivers it as the check's verdict under
-    ``policy``. A verdict that needs a collective should start it in one phase and read it in a
-    later one (a pending verdict), so no phase waits on the device. The defaults do nothing.
-    """
+    """Base class of a check the driver runs through the phases (defaults do nothing). Each method gets
+    the ``StepContext`` and may raise an ``SDCError``, delivered as the check's verdict under ``policy``."""
 
     role: ClassVar[Role] = Role.STEP_CHECK
     policy: ClassVar[str] = "raise"  # how a verdict is recorded in its incident
@@ -108,4 +90,4 @@ def role_of(check: Any) -> Role:
     return getattr(check, "role", Role.STEP_CHECK)
 
 
-__all__ = ["STEP_PHASES", "Check", "Phase", "Role", "StepCheck", "role_of"]
+__all__ = ["Check", "Phase", "Role", "StepCheck", "role_of"]

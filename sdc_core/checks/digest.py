@@ -1,48 +1,33 @@
-"""The tensor digests the weight fingerprint compares: exact, linear integer digests of a tensor's
-bytes, computed on the tensor's own device without a host synchronisation.
+"""Exact, linear integer digests of a tensor's bytes, computed on its own device without a host
+synchronisation: what the weight fingerprint compares.
 
-The digest (version 2). A tensor's bytes, zero-padded to a multiple of 8, are read as n signed
-64-bit words x_0 .. x_{n-1}. With r = min(16, n // 512) rows (at least 1, and more for tensors
-over 2**26 words, so that no more than 2**22 classes arise) and m = n // r columns, made odd
-when r > 1, the words are summed per class, wrapping mod 2**64: class j < m holds the r words
-x_j, x_{j+m}, ..., x_{j+(r-1)m} (one memory-speed reduction over a (r, m) view), and each of the
-fewer than 2r words past r*m is a class of its own. With c_j the class sums and h_j = c_j >> 32
-(arithmetic shift: the high half, an exact integer in [-2**31, 2**31)), the digest is
+The digest (version 2). The bytes, zero-padded to a multiple of 8, are n signed 64-bit words. With
+r = min(16, n // 512) rows (at least 1; more past 2**26 words: at most 2**22 classes) and m = n // r
+columns, odd when r > 1, class j < m is the r words x_j, x_{j+m}, ..., x_{j+(r-1)m}, and each of
+the fewer than 2r words past r*m is a class of its own. With c_j the class sums (wrapping mod
+2**64) and h_j = c_j >> 32 (arithmetic shift), d = sum_j (A_j * c_j + B_j * h_j) mod 2**64, with
+A_j, B_j odd splitmix64 weights of fixed seeds (identical on every rank, device and run). The
+fingerprint combines the d_t the same way with two more weight streams, plus the tensor count times
+an odd constant. Integer arithmetic only: independent of the reduction order, CPU and CUDA agree.
 
-    d = sum_j (A_j * c_j + B_j * h_j)      (mod 2**64)
+Why it holds (a fault does not know the weights: treat them as uniform random odd numbers). (1) If
+a class sum changes by D = 2**v * u != 0 (u odd): if its low 32 bits changed (v <= 31), A_j * D is
+uniform over 2**(63-v) values and cancels the rest with probability <= 2**-32; if only its high
+half changed, h_j changed by a nonzero integer below 2**32 in magnitude and B_j does the same. One
+level up likewise: a miss has probability <= 2**-31. (2) A class sum stays unchanged only if two or
+more of its words changed and cancel mod 2**64. A class's words lie a multiple of m apart, m odd,
+m >= 511 words (4 KiB) and m >= n/16 - 1. So every difference within fewer than m consecutive
+words, every difference in a tensor under 1024 words, and every pattern with a power-of-two period
+of at least 16 words (a bad lane or column: its hits lie a multiple of m * 2**k apart, more than a
+class spans) falls under (1): missed with probability <= 2**-31, whatever the flips and carries.
+Two flips at random places share a class with probability < r/n <= 2**-9 (2**-16 from 8 MiB on);
+a fault over more than m words touches most classes, each of which must cancel on its own.
 
-with A_j, B_j odd 64-bit weights from splitmix64 (fixed seeds: identical on every rank, device
-and run, no power-of-two period). It is linear: all-zero bytes digest to 0. The fingerprint
-combines the per-tensor digests d_t the same way, with two further weight streams, plus the
-tensor count times an odd constant. All of it is integer arithmetic mod 2**64, so the result
-does not depend on the order a device reduces in (CPU and CUDA agree bit for bit), and nothing
-waits for the host.
+Version 1 (``tensor_digest_v1``, a wrap-around sum kept to verify old checkpoints) misses two
+opposite flips of one bit, an even number of sign flips and a bad lane.
 
-Why it holds (the weights are fixed, but a fault does not know them: treat them as uniform random
-odd numbers independent of the fault). Let replica Y differ from X. (1) If some class sum changes,
-c'_j - c_j = D != 0 (mod 2**64), fix every weight but the ones of class j. If the low 32 bits of
-c_j changed, D = 2**v * u with u odd and v <= 31, and A_j * D (mod 2**64) is uniform over 2**(63-v)
-values, so it hits the one value that cancels the rest with probability <= 2**(v-63) <= 2**-32.
-If only the high 32 bits changed, h_j changed by a nonzero integer of magnitude < 2**32 (v <= 31)
-and B_j does the same job. So d_t changes except with probability <= 2**-32, and the same argument
-one level up gives 2**-32 for the combination: a miss has probability <= 2**-31. (2) A class sum
-stays unchanged only if two or more of its words changed and the changes cancel mod 2**64. The
-words of a class lie exactly a multiple of m apart, m >= 511 words (4 KiB) and m >= n/16 - 1,
-and m is odd. So: every difference confined to fewer than m consecutive words, every difference
-in a tensor under 1024 words (one row: every word its own class), and every pattern with a
-power-of-two period of at least 16 words (a bad lane or column in hardware: its hits are a
-multiple of lcm(m, 2**k) = m * 2**k apart, more than the (r-1)*m a class spans) falls under (1):
-missed with probability <= 2**-31, whatever the directions of the flips, whatever the carries.
-Two flips at uniformly random places share a class with probability < r/n <= 2**-9 (16/n
-for tensors of 8192 words or more: 2**-16 from 8 MiB on); a fault covering more than m words
-touches most classes, and each must cancel on its own.
-
-A plain wrap-around sum (version 1, ``tensor_digest_v1``, kept to verify old checkpoints) misses
-two opposite flips of one bit, an even number of sign flips and a bad lane; this digest sees them.
-
-Cost: one read of every compared tensor per check (one (r, m) sum, 0.63-0.69x of a plain ``sum`` on
-large tensors on a 2-core CPU; many small tensors are batched, ``_host_digests``; docs/performance.md),
-then O(n/r) work on the class sums; on CUDA one Triton launch per device (``_triton_digest``);
+Cost: one read of every compared tensor (0.63-0.69x of a plain ``sum`` on a 2-core CPU; small
+tensors batched; docs/performance.md), then O(n/r) work; on CUDA one Triton launch per device;
 weights cached per device (16 bytes per class of the largest tensor, at most 128 MiB).
 """
 
@@ -50,6 +35,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import torch
 
@@ -66,14 +52,23 @@ _weight_cache: dict[tuple[torch.device, int], torch.Tensor] = {}
 _triton = _triton_digest if _triton_digest.triton is not None else None
 
 
+def _memo(cache: dict, key: object, make: Callable[[], object], limit: int = 64) -> Any:
+    """``cache[key]``, made by ``make`` when missing (the cache is emptied once it holds ``limit``)."""
+    if key not in cache:
+        if len(cache) >= limit:
+            cache.clear()
+        cache[key] = make()
+    return cache[key]
+
+
 def _signed(v: int) -> int:
     v &= _MASK64
     return v - (1 << 64) if v >> 63 else v
 
 
 def splitmix64(seed: int, count: int) -> torch.Tensor:
-    """``count`` odd 64-bit weights (int64, CPU): splitmix64 of ``seed + (i + 1) * golden`` for
-    i < count, low bit set. Integer arithmetic only: identical on every machine and torch version."""
+    """``count`` odd 64-bit weights (int64, CPU): splitmix64 of ``seed + (i + 1) * golden``, low bit
+    set. Integer arithmetic only: identical on every machine and torch version."""
 
     def shr(z: torch.Tensor, s: int) -> torch.Tensor:  # logical shift right of an int64
         return (z >> s) & ((1 << (64 - s)) - 1)
@@ -128,8 +123,7 @@ def class_shape(n: int) -> tuple[int, int, int]:
 
 
 def class_parts(words: torch.Tensor) -> list[torch.Tensor]:
-    """The class sums c_j of the module docstring, in order, as one or two pieces: the (r, m) sums
-    (wrapping int64, one reduction) and the words past r*m (left apart: no copy per tensor)."""
+    """The class sums c_j in order, as the (r, m) sums and the words past r*m (not copied)."""
     n, rows, cols = class_shape(words.numel())
     if rows == 1:
         return [words]
@@ -144,20 +138,20 @@ def class_sums(words: torch.Tensor) -> torch.Tensor:
 
 
 def tensor_digest(t: torch.Tensor) -> torch.Tensor:
-    """The version-2 digest of ``t``'s bytes (module docstring), a 0-d int64 tensor on ``t``'s
-    device, computed without a host synchronisation. Depends only on the bytes, not the layout."""
+    """The version-2 digest of ``t``'s bytes (0-d int64 on ``t``'s device, no host synchronisation).
+    Depends only on the bytes, not the layout."""
     with torch.no_grad():
         return _digest(t)
 
 
 def _digest(t: torch.Tensor) -> torch.Tensor:
-    """``tensor_digest`` without the ``no_grad`` guard (the caller holds it): the hot loop."""
+    """``tensor_digest`` without the ``no_grad`` guard (the caller holds it)."""
     return _mix(class_sums(words(t)), 0)
 
 
 def tensor_digest_v1(t: torch.Tensor) -> torch.Tensor:
     """The version-1 digest (wrap-around sum of 64/32/16/8-bit words), kept to verify checkpoints
-    written with it. Blind to some structured faults: never use it for new fingerprints."""
+    written with it; never for new fingerprints."""
     with torch.no_grad():
         try:
             return t.view(-1).view(torch.int64).sum()
@@ -189,21 +183,18 @@ def tensor_digests(tensors: Sequence[torch.Tensor], device: torch.device | None 
 
 
 def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``t`` on ``device``. Blocking: a device-to-host copy made with ``non_blocking=True`` and read
-    at once (a ``stack``, a gloo collective) reads stale bytes. The checks keep digests on their
-    tensors' device (``collective_device(device)``), so a copy to the host is the exception."""
+    """``t`` on ``device``. Blocking: a ``non_blocking`` device-to-host copy read at once (a
+    ``stack``, a gloo collective) reads stale bytes."""
     return t if t.device == device else t.to(device)
 
 
 def home_device(tensors: Iterable[torch.Tensor]) -> torch.device:
-    """Where the digests of ``tensors`` are combined: the first non-CPU device among them (copies
-    from the host to it are safe to read at once), else the host."""
+    """Where the digests of ``tensors`` are combined: the first non-CPU device among them, else the host."""
     return next((t.device for t in tensors if not t.is_cpu), torch.device("cpu"))
 
 
 def flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """One contiguous 1-d copy of ``tensors`` (same dtype), made by a single C++ call: with many
-    small tensors the per-tensor Python overhead, not bandwidth, is what costs."""
+    """One contiguous 1-d copy of ``tensors`` (same dtype), made by a single C++ call."""
     with torch.no_grad():
         return torch._utils._flatten_dense_tensors(list(tensors)).detach()
 
@@ -213,20 +204,12 @@ _layout_cache: dict[tuple[torch.device, tuple[int, ...]], tuple[torch.Tensor, to
 
 
 def _layout(device: torch.device, sizes: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Concatenated weights A, B (each unit's from index 0) and each unit's last index, for
-    ``sizes`` (cached)."""
-    key = (device, sizes)
-    if key not in _layout_cache:
-        if len(_layout_cache) >= 64:
-            _layout_cache.clear()
-        wa, wb, ends = _unit_weights(device, sizes)
-        _layout_cache[key] = (wa, wb, ends)
-    return _layout_cache[key]
+    """``_unit_weights`` for units of ``sizes`` classes (cached)."""
+    return _memo(_layout_cache, (device, sizes), lambda: tuple(_unit_weights(device, sizes)))
 
 
 def _unit_weights(device: torch.device, classes: Sequence[int]) -> list[torch.Tensor]:
-    """For units of ``classes`` classes laid end to end: the weights A and B of each class (each
-    unit's from index 0) and the index of each unit's last class."""
+    """Per class of units laid end to end its weights A and B, and each unit's last class index."""
     top = max(classes)
     wa, wb = _weights(0, top, device), _weights(1, top, device)
     ends = torch.tensor(classes, dtype=torch.int64).cumsum(0).sub_(1).to(device)
@@ -234,16 +217,15 @@ def _unit_weights(device: torch.device, classes: Sequence[int]) -> list[torch.Te
 
 
 def _scan_digests(sums: torch.Tensor, wa: torch.Tensor, wb: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
-    """The digests of units whose class sums lie end to end in ``sums`` (int64; ``_unit_weights``):
-    every class weighted, one exact wrapping scan, its differences at the units' last classes."""
+    """The digests of units whose class sums lie end to end in ``sums``: one exact wrapping scan."""
     weighted = (sums >> 32).mul_(wb).addcmul_(sums, wa)
     running = weighted.cumsum_(0)[ends]  # exact, wrapping: a deterministic scan
     return torch.diff(running, prepend=running.new_zeros(1))
 
 
 def mix_units(parts: Sequence[list[torch.Tensor]], device: torch.device) -> torch.Tensor:
-    """``tensor_digest`` of each unit from its class sums (``class_parts``), as one int64 vector on ``device``: large
-    units weighted one by one, the small ones on each device in one concatenation and one scan."""
+    """``tensor_digest`` of each unit from its ``class_parts``, one int64 vector on ``device``: large
+    units weighted one by one, the small ones per device in one scan."""
     batches: dict[torch.device, list[int]] = {}
     singles: list[int] = []
     sizes = [sum(p.numel() for p in unit) for unit in parts]
@@ -267,18 +249,12 @@ _perm_cache: dict[tuple[torch.device, tuple[int, ...]], torch.Tensor] = {}
 
 def _inverse(order: tuple[int, ...], device: torch.device) -> torch.Tensor:
     """Indices that put values listed in ``order`` back in unit order (cached per device)."""
-    key = (device, order)
-    if key not in _perm_cache:
-        if len(_perm_cache) >= 64:
-            _perm_cache.clear()
-        _perm_cache[key] = torch.tensor(order, dtype=torch.int64).argsort().to(device)
-    return _perm_cache[key]
+    return _memo(_perm_cache, (device, order), lambda: torch.tensor(order, dtype=torch.int64).argsort().to(device))
 
 
 def _kernel_digests(tensors: Sequence[torch.Tensor]) -> tuple[list[int], torch.Tensor | None]:
-    """Indices of the tensors digested by the multi-tensor CUDA kernel (one launch per device:
-    contiguous, 8-byte aligned CUDA tensors of whole words) and their digests in that order
-    (None when none qualifies). Per tensor only a few attribute reads on the host: no view ops."""
+    """Indices of the tensors the multi-tensor CUDA kernel digests (contiguous, 8-byte aligned CUDA
+    tensors of whole words; one launch per device) and their digests in that order (None: none)."""
     if _triton is None:
         return [], None
     by_device: dict[torch.device, tuple[list[int], list[int], list[int]]] = {}
@@ -304,11 +280,8 @@ def _kernel_digests(tensors: Sequence[torch.Tensor]) -> tuple[list[int], torch.T
 def grouped_digests(
     tensors: Sequence[torch.Tensor], device: torch.device | None = None
 ) -> tuple[torch.Tensor, Callable[[], torch.Tensor]]:
-    """The per-tensor digests (``tensor_digest`` of each, in order, one int64 vector on ``device``, default
-    ``home_device(tensors)``) with few kernel launches, and a function returning them again.
-
-    On CUDA with Triton: one multi-tensor launch per device (``_triton_digest``); elsewhere ``_host_digests``. The
-    values do not depend on the path."""
+    """``tensor_digest`` of each tensor as one int64 vector on ``device`` (default ``home_device``),
+    with few launches (the values do not depend on the path), and a function returning them again."""
     if not tensors:
         empty = torch.zeros(0, dtype=torch.int64, device=device)
         return empty, lambda: empty
@@ -328,8 +301,7 @@ def grouped_digests(
     return digests, lambda: digests
 
 
-# The host path (``_host_digests``). Thresholds measured on a 2-core AMD EPYC (AVX2, no 64-bit
-# vector multiply), one thread, CPU time (``benchmarks/kernels.py``, benchmarks/results/performance-history.md):
+# The host path's thresholds, measured on a 2-core AMD EPYC, one thread (``benchmarks/kernels.py``):
 _BATCH_WORDS = 1 << 15  # words: smaller tensors are batched; larger ones cost bandwidth, not overhead
 _MIXED_WORDS = 1 << 13  # words: only smaller tensors join a mixed-size batch (its scatter costs ~3 ns a word)
 _CHUNK_WORDS = 1 << 21  # words per batch (16 MiB): bounds the transient copy and the cached layouts
@@ -341,21 +313,10 @@ _host_layouts: dict[tuple[torch.device, tuple[int, ...]], tuple[torch.Tensor, ..
 def _host_digests(
     tensors: Sequence[torch.Tensor], indices: Sequence[int], device: torch.device
 ) -> tuple[list[int], list[torch.Tensor]]:
-    """``tensor_digest`` of ``tensors[i]`` for ``i`` in ``indices`` with torch ops: the indices in the order digested
-    and the digest vectors (on ``device``).
-
-    Tensors under ``_BATCH_WORDS`` words are copied per device, dtype and size into one buffer and digested together
-    (a (k, r, m) sum and two matrix-vector products); sizes too rare for a batch of their own (``_own_batch``) share
-    a mixed batch (one cached ``index_add_``); larger tensors are reduced one by one (``class_parts``) and weighted
-    together (``mix_units``). The plan is cached per list of (device, dtype, shape). Memory: a transient copy of the
-    batched tensors (at most ``_CHUNK_WORDS`` words at a time) and cached weights."""
+    """``tensor_digest`` of ``tensors[i]`` for ``i`` in ``indices``: the indices in the order digested and the digest
+    vectors (on ``device``). Small tensors are copied into batches (at most ``_CHUNK_WORDS`` words at a time)."""
     meta = tuple([(t.device, t.dtype, t.shape) for t in [tensors[i] for i in indices]])  # lists: no call per tensor
-    plan = _host_plans.get(meta)
-    if plan is None:
-        if len(_host_plans) >= 64:
-            _host_plans.clear()
-        plan = _host_plans[meta] = _host_plan(meta)
-    batches, singles, padded, order = plan
+    batches, singles, padded, order = _memo(_host_plans, meta, lambda: _host_plan(meta))
     pieces = []
     for same, positions, arg, cat in batches:
         parts = _padded([tensors[indices[p]] for p in positions], [p in padded for p in positions] if padded else None)
@@ -377,9 +338,8 @@ _host_plans: dict[tuple, tuple] = {}
 
 
 def _host_plan(meta: tuple[tuple[torch.device, torch.dtype, torch.Size], ...]) -> tuple:
-    """``_host_digests``' plan for tensors of ``meta`` (device, dtype, shape) by position: the
-    batches (same size?, positions, words or the tuple of sizes, whether ``cat`` joins them:
-    all at least 1-d with the same trailing dimensions), the positions digested one by one,
+    """``_host_digests``' plan for tensors of ``meta`` (device, dtype, shape): the batches (same size?,
+    positions, words or sizes, whether ``cat`` can join them), the positions digested one by one,
     those padded to whole words, and the order of the digests produced."""
     sized: dict[tuple[torch.device, torch.dtype, int], list[int]] = {}
     singles: list[int] = []
@@ -425,8 +385,7 @@ _pads: dict[tuple[torch.device, torch.dtype, int], torch.Tensor] = {}
 
 
 def _padded(parts: list[torch.Tensor], pad: list[bool] | None) -> list[torch.Tensor]:
-    """``parts``, each with ``pad`` set followed by the zeros that pad its bytes to whole words
-    (cached), ready for ``flatten``."""
+    """``parts``, each with ``pad`` set followed by the (cached) zeros that pad it to whole words."""
     if pad is None or not any(pad):
         return parts
     out: list[torch.Tensor] = []
@@ -463,23 +422,19 @@ def _same_size_digests(flat: torch.Tensor, k: int, w: int) -> torch.Tensor:
 
 
 def _wmv(m: torch.Tensor, w: torch.Tensor, fused: bool | None = None) -> torch.Tensor:
-    """``m @ w`` mod 2**64 for int64 ``m`` (k, n) and ``w`` (n,): one ``mv`` on the CPU (no
-    temporary), a product and a row sum where ``mv`` has no integer kernel (CUDA)."""
+    """``m @ w`` mod 2**64 for int64 ``m`` (k, n) and ``w`` (n,) (CUDA has no integer ``mv``)."""
     return torch.mv(m, w) if (m.is_cpu if fused is None else fused) else (m * w).sum(1)
 
 
 def _mixed_digests(values: torch.Tensor, sizes: tuple[int, ...]) -> torch.Tensor:
-    """Digests of tensors of ``sizes`` words laid end to end in ``values`` (int64), in one batch: a
-    cached class index gathers the class sums, each tensor weighted with its own weights."""
+    """Digests of tensors of ``sizes`` words laid end to end in ``values`` (int64), in one batch."""
     wa, wb, ends, *index = _host_layout(values.device, sizes)
     sums = values if not index else values.new_zeros(wa.numel()).index_add_(0, index[0], values)
     return _scan_digests(sums, wa, wb, ends)
 
 
 def _host_layout(device: torch.device, sizes: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
-    """For tensors of ``sizes`` words laid end to end: the weights A, B of each class (each
-    tensor's from index 0), the index of each tensor's last class and, when some tensor has
-    several rows, each word's class (int32; cached, at most 64 layouts)."""
+    """``_unit_weights`` for tensors of ``sizes`` words and, with several rows, each word's class (cached)."""
     key = (device, sizes)
     if key not in _host_layouts:
         if len(_host_layouts) >= 64:
@@ -503,8 +458,7 @@ def _host_layout(device: torch.device, sizes: tuple[int, ...]) -> tuple[torch.Te
 
 
 def combine(digests: torch.Tensor) -> torch.Tensor:
-    """One int64 fingerprint from a vector of tensor digests (weighted as the module docstring
-    says, plus the count, so a missing tensor is never silent)."""
+    """One int64 fingerprint of tensor digests (plus their count: a missing tensor is never silent)."""
     return _mix(digests, 2) + _signed(digests.numel() * _COUNT_WEIGHT)
 
 

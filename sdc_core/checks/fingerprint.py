@@ -1,16 +1,11 @@
 """Exact weight fingerprints and the replica vote.
 
-Contract: every ``every_n_steps`` optimizer steps each replica digests its parameters (and,
-optionally, buffers and optimizer state) on its own device and the replicas compare the digests
-(with ``rolling=k``, a fixed 1/k of the tensors in turn: each within k comparisons). Any single bit
-flip in any compared tensor changes the fingerprint, whatever the format; any other difference is
-missed with a probability of at most 2**-31 (``sdc_core.checks.digest`` says why and what it costs).
-The common case exchanges 16 bytes per rank in one MAX all-reduce, read one training batch later;
-only on a mismatch are the per-tensor digests gathered, to name the tensors and vote.
-
-Limits: it sees faults that make replicas differ (weights, optimizer state, a bad update on one
-rank); a fault in one rank's gradient is spread to every replica by the all-reduce: the ring replay
-audit is the check for that.
+Every ``every_n_steps`` steps each replica digests its parameters (optionally buffers and optimizer
+state; with ``rolling=k`` a fixed 1/k of them in turn) on its own device and the replicas compare:
+any single bit flip changes the fingerprint, any other difference is missed with probability at
+most 2**-31 (``digest``). The common case is one 16-byte MAX all-reduce per rank, read a batch
+later; only on a mismatch are per-tensor digests gathered to name tensors and vote. It sees faults
+that make replicas differ, not a faulty gradient the all-reduce spreads (the ring replay's job).
 """
 
 from __future__ import annotations
@@ -26,7 +21,7 @@ import torch
 from torch import nn
 
 from sdc_core.checks.contract import Role
-from sdc_core.checks.digest import combine, grouped_digests, home_device
+from sdc_core.checks.digest import _memo, combine, grouped_digests, home_device
 from sdc_core.dist.topology import HostRead, Topology, all_gather_tensor, collective_device, is_distributed
 from sdc_core.errors import FingerprintMismatchError
 from sdc_core.schema import documented, setting
@@ -74,10 +69,10 @@ class FingerprintConfig:
     def __post_init__(self) -> None:
         if self.on_failure not in ("raise", "heal", "rollback"):
             raise ValueError(f"on_failure must be 'raise', 'heal' or 'rollback', got {self.on_failure!r}")
-        if isinstance(self.max_heals, bool) or not isinstance(self.max_heals, int) or self.max_heals < 1:
-            raise ValueError(f"max_heals must be an integer >= 1, got {self.max_heals!r}")
-        if isinstance(self.every_n_steps, bool) or not isinstance(self.every_n_steps, int) or self.every_n_steps < 1:
-            raise ValueError(f"every_n_steps must be an integer >= 1, got {self.every_n_steps!r}")
+        for name in ("max_heals", "every_n_steps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         if isinstance(self.rolling, bool) or not isinstance(self.rolling, int) or self.rolling < 1:
             raise ValueError(f"rolling must be an integer >= 1 (1: every tensor each time), got {self.rolling!r}")
         for name in ("include_buffers", "include_optimizer_state"):
@@ -88,8 +83,8 @@ class FingerprintConfig:
 def _compared(
     module: nn.Module, optimizers: Iterable[torch.optim.Optimizer], config: FingerprintConfig
 ) -> tuple[list[torch.Tensor], Callable[[], list[str]]]:
-    """The tensors ``fingerprinted_tensors`` names, in its order, and a function naming them (called
-    on a mismatch, a step later: a tensor no longer in its place is named by its index)."""
+    """The tensors ``fingerprinted_tensors`` names, in its order, and a function naming them (on a
+    mismatch, a step later: a tensor no longer in its place is named by its index)."""
     if config.include_buffers or config.include_optimizer_state:
         named = fingerprinted_tensors(module, optimizers, config)
         return [t for _, t in named], lambda: [n for n, _ in named]
@@ -132,27 +127,24 @@ _slices_cache: dict[tuple[int, tuple[int, ...]], list[list[int]]] = {}
 
 
 def rolling_slices(sizes: Sequence[int], k: int) -> list[list[int]]:
-    """A partition of tensor indices ``0 .. len(sizes) - 1`` (``sizes``: the tensors' bytes) into ``k`` slices, each in
-    index order: each tensor joins the slice with the fewest bytes so far (the lowest on a tie), so the slices' bytes
-    differ by at most the largest tensor. It depends only on the sizes, which replicas share, and tensors appended at
-    the end (optimizer state) leave the earlier ones where they were. Cached per (k, sizes)."""
-    key = (k, tuple(sizes))
-    if key not in _slices_cache:
-        if len(_slices_cache) >= 16:
-            _slices_cache.clear()
+    """The tensor indices in ``k`` slices, each joining the slice with the fewest bytes so far (the
+    lowest on a tie): the same on every replica, and appended tensors move no earlier one. Cached."""
+
+    def make() -> list[list[int]]:
         slices: list[list[int]] = [[] for _ in range(k)]
         load = [0] * k
         for i, n in enumerate(sizes):
             j = min(range(k), key=lambda s: (load[s], s))
             slices[j].append(i)
             load[j] += n
-        _slices_cache[key] = slices
-    return _slices_cache[key]
+        return slices
+
+    return _memo(_slices_cache, (k, tuple(sizes)), make, limit=16)
 
 
 def copy_replica(module: nn.Module, optimizers: Iterable[torch.optim.Optimizer], src: int) -> None:
-    """Make every replica equal to rank ``src``: broadcast parameters, buffers and optimizer state
-    tensors in place (a collective: every rank calls it, with the same ``src``)."""
+    """Make every replica equal to rank ``src`` by broadcast of parameters, buffers and optimizer
+    state (a collective: every rank calls it, with the same ``src``)."""
     with torch.no_grad():
         for t in [*module.parameters(), *module.buffers()]:
             torch.distributed.broadcast(t.data, src=src)
@@ -170,13 +162,10 @@ NAMED_REPLICAS = 8  # replicas whose differing tensors a mismatch names (their p
 
 def vote_rows(per_tensor: torch.Tensor, names: Callable[[], list[str]]
               ) -> tuple[list[tuple[int, ...]], dict[int, list[str]], int]:  # fmt: skip
-    """The rows to vote on after a mismatch, and the differing tensors of the replicas named (a collective: every rank
-    calls it with its ``T`` per-tensor digests). Returns ``(rows, {rank: tensor names}, T)``, the same on every rank.
-
-    O(T) per rank, not O(W x T): each rank's row is one combined digest (8 bytes a rank; different tensors give
-    different rows except with probability about 2**-63); only the per-tensor digests of the reference and of the
-    first ``NAMED_REPLICAS`` ranks that differ from it are broadcast (8 T bytes each), to name their first 10
-    differing tensors."""
+    """After a mismatch (a collective: every rank, with its ``T`` per-tensor digests): ``(rows, {rank:
+    tensor names}, T)``, the same on every rank. Each row is one combined digest (8 bytes a rank);
+    only the per-tensor digests of the reference and of the first ``NAMED_REPLICAS`` differing ranks
+    are broadcast (8 T bytes each), to name their first 10 differing tensors."""
     rows = [tuple(r) for r in all_gather_tensor(combine(per_tensor).reshape(1)).tolist()]
     _, _, reference = vote(rows)
     ref = reference if reference is not None else 0
@@ -203,13 +192,9 @@ def replica_groups(rows: list[tuple[int, ...]]) -> dict[tuple[int, ...], list[in
 
 
 def vote(rows: list[tuple[int, ...]]) -> tuple[int | None, tuple[int, ...], int | None]:
-    """Vote on per-rank digest rows.
-
-    Returns ``(rank, suspects, reference)``: with a strict majority, the suspects are the ranks
-    outside it, ``rank`` is the only one of them if there is exactly one, and ``reference`` is a
-    majority rank. Without a strict majority (two replicas, or a tie) ``rank`` and ``reference``
-    are None and every rank is a suspect.
-    """
+    """Vote on per-rank digest rows: ``(rank, suspects, reference)``. With a strict majority the
+    suspects are the ranks outside it, ``rank`` the only one of them if there is exactly one,
+    ``reference`` a majority rank; without (two replicas, a tie) every rank is a suspect."""
     groups = replica_groups(rows)
     biggest = max(groups.values(), key=len)
     if len(groups) == 1:
@@ -235,11 +220,9 @@ class _Pending:
 
 @dataclass
 class WeightFingerprint:
-    """Framework-neutral weight fingerprint check; adapters call ``start`` and ``resolve``.
-
-    With ``config.rolling = k > 1`` each ``start`` digests the next of k slices of the tensors
-    (``rolling_slices``), in turn; ``stats.last_verified_step`` is then the latest step at which
-    every slice is known to agree (the oldest of the slices' last clean comparisons)."""
+    """Framework-neutral weight fingerprint check; adapters call ``start`` and ``resolve``. With
+    ``rolling = k > 1`` each ``start`` digests the next of k slices; ``stats.last_verified_step`` is
+    then the oldest of the slices' last clean comparisons."""
 
     role: ClassVar[Role] = Role.FINGERPRINT
 
@@ -257,8 +240,7 @@ class WeightFingerprint:
         return is_distributed()
 
     def due(self, step: int) -> bool:
-        """Whether the replicas are compared after optimizer step ``step`` (0-based): after every
-        ``every_n_steps``-th update, i.e. steps n-1, 2n-1, ..."""
+        """Whether the replicas are compared after step ``step`` (0-based): steps n-1, 2n-1, ..."""
         return (step + 1) % self.config.every_n_steps == 0
 
     def start(
@@ -268,9 +250,8 @@ class WeightFingerprint:
         optimizers: Iterable[torch.optim.Optimizer],
         every_tensor: bool = False,
     ) -> None:
-        """Digest the replica after optimizer step ``step`` and start the comparison (one asynchronous 16-byte MAX all-
-        reduce, read by ``resolve``) of the next rolling slice, or of every tensor (``every_tensor``, or ``rolling``
-        = 1). Every rank must make the same calls. Resolves any earlier pending comparison first (it may raise)."""
+        """Resolve any earlier comparison (may raise), digest the next rolling slice (or every tensor)
+        and start its comparison: one asynchronous 16-byte MAX all-reduce. Every rank alike."""
         self.resolve()
         t0 = time.perf_counter()
         tensors, all_names = _compared(module, optimizers, self.config)
@@ -360,9 +341,8 @@ class WeightFingerprint:
         copy_replica(pending.module, pending.optimizers, src=reference)
 
     def discard(self, timeout_s: float = 30.0) -> None:
-        """Finish the pending comparison's all-reduce without reading it, on a path out (an error,
-        the end of the process): no collective is left in flight. Waits at most ``timeout_s``;
-        never raises."""
+        """Finish the pending all-reduce without reading it, on a path out (no collective left in
+        flight). Waits at most ``timeout_s``; never raises."""
         pending, self._pending = self._pending, None
         if pending is not None and pending.work is not None:
             with contextlib.suppress(Exception):
@@ -376,11 +356,9 @@ class WeightFingerprint:
 
 def healed_by_comparison(check: Any, step: int, module: nn.Module, optimizers: Iterable[torch.optim.Optimizer]
                          ) -> FingerprintMismatchError | None:  # fmt: skip
-    """Compare every tensor of the replicas now (``check.check_now``, a ``WeightFingerprint`` or
-    ``ShardedFingerprint``; every rank together). Raises the weight fault when the replicas differ
-    and are not healed; returns the healed fault when ``on_failure="heal"`` repaired them, None
-    when they agree (decided by this comparison's failure count, never a stale ``last_error``).
-    Used after a replay disagreement: a replica whose weights changed computes differently."""
+    """Compare every tensor of the replicas now (``check.check_now``; every rank together), after a
+    replay disagreement. Raises when they differ unhealed; returns the healed fault, or None when
+    they agree (by this comparison's failure count, never a stale ``last_error``)."""
     failures = check.stats.failures
     check.check_now(step, module, optimizers)
     return check.last_error if check.stats.failures != failures else None

@@ -1,6 +1,5 @@
 """The local-gradient tap: each parameter's LOCAL gradient of a DDP model, read before DDP's
-reducer copies it into its all-reduce bucket (what ``NonFiniteGradient``, the replay's
-recording and the screen read)."""
+reducer copies it into its all-reduce bucket."""
 
 from __future__ import annotations
 
@@ -17,22 +16,16 @@ GradConsumer = Callable[[nn.Parameter, torch.Tensor], None]
 
 
 class GradientTap:
-    """Lets the checks read each parameter's LOCAL gradient of a DDP model before DDP's reducer copies it into its all-
-    reduce bucket.
+    """Lets the checks read each parameter's LOCAL gradient of a DDP model before DDP's reducer copies it.
 
-    A post-accumulate-grad hook per trainable parameter runs before the reducer's own hook (checked in tests), on the
-    stream DDP then copies on. On a backward DDP runs with gradient synchronisation (the sync micro-batch under
-    accumulation), ``consumers`` read ``(parameter, local gradient)``, then ``writers`` may change it in place;
-    ``finishers`` run at the end of that backward, before DDP's own end-of-backward callback. All run on the autograd
-    thread and must neither synchronise with the host nor raise. The tap is armed by DDP's forward and disarmed at
-    the end of the backward through its output, so nested backward passes (reentrant checkpointing) are read and a
-    later backward outside DDP is not.
-
-    The tap registers no communication hook (DDP's C++ all-reduce stays as it is); a user's hook (``inner_hook``) is
-    registered on the model unchanged. ``GradientTap.attach(ddp_model, ...)`` returns the model's tap or installs
-    one. The per-parameter hooks are installed only while some consumer needs them (``wanted_when``); otherwise
-    finishers read the gradients themselves (``present``) and a step costs a constant number of Python calls,
-    whatever the number of parameters."""
+    A post-accumulate-grad hook per trainable parameter runs before the reducer's own (checked in tests). On a
+    synchronised backward ``consumers`` read ``(parameter, local gradient)``, then ``writers`` may change it in
+    place; ``finishers`` run at the end of that backward, before DDP's own callback. All run on the autograd thread
+    and must neither synchronise with the host nor raise. Armed by DDP's forward, disarmed at the end of the
+    backward through its output: nested backwards (reentrant checkpointing) are read, a later one outside DDP is
+    not. No communication hook of its own (a user's, ``inner_hook``, is registered unchanged). The per-parameter
+    hooks are installed only while some consumer needs them (``wanted_when``); otherwise finishers read
+    ``present()`` and a step costs a constant number of Python calls."""
 
     def __init__(self, ddp_model: nn.parallel.DistributedDataParallel, names: dict[int, str]) -> None:
         self.ddp = ddp_model
@@ -61,8 +54,7 @@ class GradientTap:
         inner_hook: Callable[..., Any] | None = None,
         inner_state: Any = None,
     ) -> GradientTap:
-        """Return the tap of ``ddp_model``, installing it (once) if there is none yet, and register
-        ``inner_hook`` (the user's communication hook, if any) on the model."""
+        """The tap of ``ddp_model`` (installed once), with ``inner_hook`` registered on the model."""
         tap = getattr(ddp_model, "_sdc_gradient_tap", None)
         if tap is None:
             tap = cls(ddp_model, names)
@@ -85,10 +77,8 @@ class GradientTap:
 
     def reduced_nonfinite(self) -> torch.Tensor | None:
         """Whether any parameter's gradient holds NaN or Inf (0-d bool on the device, no host
-        synchronisation; ``any_nonfinite_multi``: a few multi-tensor kernels per dtype, not per
-        parameter), or None without gradients. After a synchronised backward these are the
-        REDUCED gradients, identical on every rank (DDP leaves a parameter no rank used without
-        gradient on every rank alike)."""
+        synchronisation), or None without gradients. After a synchronised backward these are the
+        REDUCED gradients, identical on every rank."""
         grads = [g for _, g in self.present()]
         return any_nonfinite_multi(grads) if grads else None
 
@@ -99,9 +89,8 @@ class GradientTap:
         self._queued = False
 
     def _on_output(self, module: nn.Module, args: Any, output: Any) -> None:
-        """Disarm at the end of the backward through this output (a later backward outside DDP
-        reads nothing): the output's gradient hook runs in that backward's own graph task, also
-        when parameter gradients come from nested ones (reentrant activation checkpointing)."""
+        """Disarm at the end of the backward through this output (the output's gradient hook runs in
+        that backward's own graph task, also with nested ones)."""
         if not self._armed:
             return
         hooked = False
@@ -114,11 +103,7 @@ class GradientTap:
 
     def _wanted(self) -> bool:
         """Whether a consumer or writer needs the coming backward's per-parameter reads."""
-        for consumer in [*self.consumers, *self.writers]:
-            when = self.wanted_when.get(consumer)
-            if when is None or when():
-                return True
-        return False
+        return any((when := self.wanted_when.get(c)) is None or when() for c in [*self.consumers, *self.writers])
 
     def _read_each(self, wanted: bool) -> None:
         """Install or remove the per-parameter hooks (a pass over the parameters, only when that changes)."""
@@ -131,9 +116,7 @@ class GradientTap:
         self.reading_each = wanted and bool(self._handles)
 
     def present(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
-        """Each parameter with a gradient the tap reads (``dense``) and that gradient, in the tap's
-        order: what a finisher reads when the per-parameter hooks were off (one pass, no call per
-        parameter)."""
+        """Each parameter with a gradient the tap reads (``dense``) and that gradient, in the tap's order."""
         return [(p, g) for p in self.params
                 if (g := p.grad) is not None and g.layout == torch.strided and g.numel() > 0]  # fmt: skip
 

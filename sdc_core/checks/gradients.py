@@ -1,37 +1,19 @@
-"""Local-gradient tap and the non-finite gradient check.
+"""The non-finite gradient check: each rank's LOCAL gradients (before the all-reduce) are checked
+for NaN and Inf on the step's sync micro-batch; when some rank's were non-finite, every rank names
+the same ranks and parameters and acts alike (raise, skip the step, or warn).
 
-Contract: each rank's LOCAL gradients (before the all-reduce mixes them) are checked for NaN and Inf
-on the step's sync micro-batch; when some rank's were non-finite, every rank learns which ranks and
-which parameters, and all ranks act alike (raise, skip the optimizer step, or warn) on the same
-verdict.
+DDP: the ``GradientTap`` keeps each local gradient's sum or peak on the device. NaN and Inf survive
+the all-reduce, so the REDUCED gradients (identical on every rank) are non-finite exactly when some
+local one was or the reduction overflowed: every rank reads them with no communication, and only
+then gathers local flags to name ranks and parameters (finite local gradients:
+``nonfinite_after_reduce``, no verdict). Cost of a clean step: a constant number of Python calls,
+one batched read of the local and one of the reduced gradients, no collective. ``"raise"`` and
+``"warn"`` read step ``s``'s verdict one step later (``resolve()``); ``"skip_step"``,
+``"rollback"``, a GradScaler, replay-audited steps and a single process read it before the update.
 
-How (DDP): the ``GradientTap`` reads each LOCAL gradient before DDP's reducer copies it into its
-bucket (its sum, kept on the device for the names; under accumulation the sync micro-batch's
-``.grad`` is the sum of all of them). NaN and Inf survive the all-reduce, so the REDUCED gradients,
-identical on every rank, are non-finite exactly when some rank's local gradient was (or the
-reduction overflowed): every rank reads them with one multi-tensor largest-magnitude pass per dtype
-(``any_nonfinite_multi``), with no communication, and nothing is written into the gradients. Only
-then (the rare path) do the ranks gather their local flags to name ranks and parameters (one rank:
-the SDC signature; all ranks: ordinary divergence). A non-finite reduction of finite local gradients
-(fp16 compression) is no verdict; it is counted as
-``sdc/nonfinite_gradient/nonfinite_after_reduce``.
-
-Cost of a clean DDP step: a constant number of Python calls, one batched read of the local gradients
-at the end of backward (``peaks``; DDP keeps the local values in ``.grad`` until its own end-of-
-backward callback, which the first two backwards verify; where it does not hold,
-``gradient_as_bucket_view``, each gradient is read in its hook) and one of the reduced ones at the
-verdict; no collective of its own. When the verdict is read depends on ``on_failure``:
-
-* ``"raise"``, ``"warn"``: no host synchronisation in the step; the verdict of step ``s`` is read
-  one step later (``resolve()``: before the next backward or optimizer step, before a checkpoint, at
-  the end), names step ``s``, and training stops before the next update.
-* ``"skip_step"``, ``"rollback"``, an fp16 GradScaler, steps the replay audits: one host read before
-  the update.
-* Single process (no DDP): ``.grad`` is checked before the optimizer step, one host read.
-
-Limits: a fault that leaves gradients finite is invisible here (the ring replay audit sees it); a
-user's communication hook that replaces non-finite values hides them; single process, a clipping
-before the verdict names every parameter it contaminated.
+Limits: finite faults are invisible here (the replay's job); a communication hook that replaces
+non-finite values hides them; single process, a clipping before the verdict names every parameter
+it contaminated.
 """
 
 from __future__ import annotations
@@ -91,8 +73,7 @@ class NonFiniteConfig:
 
 @dataclass
 class _StepFlags:
-    """What one step left on the device: whether the reduced gradients (identical on every rank)
-    hold NaN or Inf, and each parameter's local gradient sum (for the names)."""
+    """One step's device flag (reduced gradients hold NaN/Inf) and local evidence (for the names)."""
 
     step: int
     reduced: torch.Tensor | None  # 0-d bool on the device: some reduced gradient holds NaN or Inf
@@ -105,16 +86,14 @@ class _StepFlags:
             self.bad = HostRead(self.reduced)
 
     def nonfinite(self) -> bool:
-        """The host read of the flag: waits for the event recorded when it was made, not the
-        stream, and never for a peer (the flag is this rank's own read of reduced gradients)."""
+        """The host read of the flag: waits for its event, not the stream, and never for a peer."""
         return self.bad is not None and bool(self.bad.get())
 
 
 @dataclass
 class NonFiniteVerdicts:
-    """What the DDP and the sharded non-finite checks share: their settings and counters, the fp16
-    overflow streak, and turning every rank's offending parameter names into one verdict (pattern,
-    reason, ranks, hosts) acted on under ``on_failure``."""
+    """What the DDP and the sharded non-finite checks share: settings, counters, the fp16 overflow
+    streak, and every rank's offending names turned into one verdict acted on under ``on_failure``."""
 
     role: ClassVar[Role] = Role.NONFINITE
 
@@ -140,10 +119,10 @@ class NonFiniteVerdicts:
         params: list[tuple[str, nn.Parameter]] | None,
         extra: dict[str, Any] | None = None,
     ) -> bool:
-        """Build the verdict from every rank's offending names (``None``: finite; identical on every
-        rank), with ``extra`` details, and act on it under the policy."""
+        """The verdict from every rank's offending names (``None``: finite), acted on under the policy."""
         offenders = tuple(r for r, names in enumerate(per_rank) if names is not None)
         world = len(per_rank)
+        sole = offenders[0] if len(offenders) == 1 and world > 1 else None  # one process: no witness
         if world == 1:
             pattern = "single_process"
         elif not offenders:  # every rank's local gradients were finite: the NaN/Inf formed in the reduction
@@ -163,10 +142,7 @@ class NonFiniteVerdicts:
             **(extra or {}),
         }
         if scaler_active:
-            sole = offenders[0] if len(offenders) == 1 and world > 1 else None
-            self._streak = (
-                self._streak + 1 if sole is not None and sole == self._sole_rank else (1 if sole is not None else 0)
-            )
+            self._streak = 0 if sole is None else self._streak + 1 if sole == self._sole_rank else 1
             self._sole_rank = sole
             self.stats.bump("scaler_overflows")
             if self._streak < self.config.overflow_patience:
@@ -175,7 +151,6 @@ class NonFiniteVerdicts:
             details["pattern"] = "one_rank_repeatedly"
             details["consecutive_steps"] = self._streak
         self.stats.failures += 1
-        rank = offenders[0] if len(offenders) == 1 and world > 1 else None  # one process: no witness
         first = per_rank[offenders[0]][:3] if offenders and per_rank[offenders[0]] else []
         reason = {
             "one_rank": "only this rank produced NaN/Inf local gradients (the SDC signature)",
@@ -189,7 +164,7 @@ class NonFiniteVerdicts:
         }[details["pattern"]]
         reason += f" in {', '.join(first)}" if first else ""
         error = NonFiniteGradientError(
-            step=step, rank=rank, suspects=offenders, hosts=topo.hosts(offenders), details=details, reason=reason
+            step=step, rank=sole, suspects=offenders, hosts=topo.hosts(offenders), details=details, reason=reason
         )
         self.stats.add_time(time.perf_counter() - t0)
         self.last_error = error
@@ -206,13 +181,9 @@ class NonFiniteVerdicts:
 
 @dataclass
 class NonFiniteGradient(NonFiniteVerdicts):
-    """Framework-neutral non-finite gradient check.
-
-    Adapters call ``attach`` (DDP) once, then ``verdict(step, params, ...)`` once per optimizer
-    step, after backward and before the update, and ``resolve()`` where a verdict read one step
-    later must be known: before the next backward (or at the next ``verdict``), before a
-    checkpoint is written and at the end of training. Every call on every rank alike.
-    """
+    """Framework-neutral non-finite gradient check. On every rank alike: ``attach`` (DDP) once, then
+    ``verdict(step, params, ...)`` per step before the update, and ``resolve()`` where a verdict
+    read one step later must be known (before the next backward, a checkpoint, the end)."""
 
     tap: GradientTap | None = None
     _local: list[tuple[torch.Tensor, list[nn.Parameter]]] = field(default_factory=list)
@@ -229,21 +200,17 @@ class NonFiniteGradient(NonFiniteVerdicts):
     _group_names: dict[str, int] | None = None  # name -> group, made on first use (``magnitude_group``)
 
     def attach(self, tap: GradientTap) -> None:
-        """Read each parameter's local gradient: in its hook on the first two synchronised backwards, then, where those
-        showed DDP leaves the local gradients intact until the end of backward, all at once there (``peaks``, a few
-        multi-tensor kernels per dtype; the tap's per-parameter hooks stay off unless another consumer needs them).
-        Nothing is written into the gradients."""
+        """Read each local gradient in its hook on the first two synchronised backwards, then, where DDP
+        left them intact until the end of backward, all at once there (``peaks``). Read-only."""
         self.tap = tap
         tap.consumers.append(self._read)
         tap.wanted_when[self._read] = lambda: not self.batched  # batched: no per-parameter hook needed
         tap.finishers.append(self._end_of_backward)
 
     def want_magnitudes(self, groups: int) -> int:
-        """Opt in to the local-gradient magnitudes for ``sdc_core.checks.screen`` (after ``attach``, on every rank
-        alike): each read backward also leaves ``k = min(groups, trainable parameters)`` values
-        (``take_magnitudes``), value ``j`` the log2 of the largest LOCAL gradient magnitude in group ``j`` (the
-        parameters in model order cut into ``k`` contiguous near-equal groups). Returns ``k``. Cost: a handful of
-        small kernels per dtype (per-parameter mode: one reduction per parameter)."""
+        """Opt in (after ``attach``, every rank alike) to ``k = min(groups, trainable parameters)``
+        values per read backward (``take_magnitudes``): the log2 of the largest LOCAL gradient
+        magnitude in each of ``k`` contiguous groups of the parameters in model order. Returns ``k``."""
         if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1:
             raise ValueError(f"groups must be an integer >= 1, got {groups!r}")
         if self.tap is None:
@@ -264,10 +231,9 @@ class NonFiniteGradient(NonFiniteVerdicts):
         return self._group_names.get(name)
 
     def take_magnitudes(self) -> torch.Tensor | list[float] | None:
-        """The last read backward's local magnitudes (``want_magnitudes``), then forgotten: 1-d float32 on the
-        gradients' device, no host synchronisation (CPU: a list of floats). NaN for a group this rank saw nothing of
-        or all zero, +Inf for one holding NaN or Inf; None when nothing was read since the last call. A backward
-        whose end the tap did not see is taken here, as ``verdict`` does."""
+        """The last read backward's magnitudes, then forgotten: 1-d float32 on the gradients' device
+        (CPU: a list), NaN for a group with nothing or all zero, +Inf for one holding NaN or Inf;
+        None when nothing was read since the last call."""
         if self._seen and self.magnitude_groups:
             self._end_of_backward()
         out, self._magnitudes = self._magnitudes, None
@@ -293,8 +259,7 @@ class NonFiniteGradient(NonFiniteVerdicts):
         return log2_peaks_by_group([(v, self._index(ps, home)) for v, ps in pairs], self.magnitude_groups)
 
     def _index(self, params: list[nn.Parameter], home: torch.device | None) -> torch.Tensor | list[int]:
-        """The group of each of ``params``: a list (``home`` None or the host), else a tensor on
-        ``home``; kept for the first 64 (parameter list, home) pairs seen."""
+        """The group of each of ``params``: a list, or a tensor on a non-CPU ``home`` (first 64 cached)."""
         key = (home, *map(id, params))
         index = self._group_index.get(key)
         if index is None:
@@ -306,8 +271,8 @@ class NonFiniteGradient(NonFiniteVerdicts):
         return index
 
     def _end_of_backward(self) -> None:
-        """Take the local evidence of the gradients seen in this backward (batched mode), after
-        checking that none was written since its hook read it (else fall back for good)."""
+        """Take this backward's local evidence (batched mode), after checking that no gradient was
+        written since its hook read it (else fall back for good)."""
         seen, self._seen = self._seen, []
         peaked, self._peaked = self._peaked, []
         if not seen:  # batched, the tap's per-parameter hooks off: read what the parameters hold now
@@ -332,8 +297,7 @@ class NonFiniteGradient(NonFiniteVerdicts):
         self._read_batched([(p, g) for p, g, _ in seen])
 
     def _read_batched(self, present: list[tuple[nn.Parameter, torch.Tensor]]) -> None:
-        """The local evidence of ``present`` (parameter, local gradient) in one multi-tensor pass
-        per dtype and device (``peaks``), and the magnitudes when wanted."""
+        """The local evidence of ``present`` in one ``peaks`` pass per dtype and device."""
         if not present:
             return
         groups: dict[tuple[torch.dtype, torch.device], tuple[list[torch.Tensor], list[nn.Parameter]]] = {}
@@ -358,13 +322,9 @@ class NonFiniteGradient(NonFiniteVerdicts):
         scaler_active: bool = False,
         now: bool = False,
     ) -> bool:
-        """Take step ``step``'s evidence; decide now or leave the verdict for ``resolve()``.
-
-        The previous step's pending verdict is resolved first (it may raise, naming that step). Under DDP with
-        ``"raise"`` or ``"warn"``, no GradScaler and ``now`` False the decision is left pending (no host read);
-        otherwise it is taken here, before the update. ``params``: the model's named parameters (read only without
-        DDP). Returns True when the optimizer step must be skipped; raises ``NonFiniteGradientError`` with
-        ``"raise"`` and ``"rollback"``."""
+        """Take step ``step``'s evidence (after resolving the previous step's); under DDP with ``"raise"``
+        or ``"warn"``, no GradScaler and not ``now`` the decision waits for ``resolve()``. True: skip
+        the optimizer step; raises ``NonFiniteGradientError`` under ``"raise"`` and ``"rollback"``."""
         self.resolve()
         t0 = time.perf_counter()
         if self._seen and self.batched:  # a backward whose end the tap did not see
@@ -386,10 +346,8 @@ class NonFiniteGradient(NonFiniteVerdicts):
             self._decide(flags, time.perf_counter())
 
     def discard(self) -> int | None:
-        """Drop the pending verdict without any collective (training is stopping on another
-        error, possibly on this rank only). Warns, naming the step, when the reduced gradients
-        of that step were non-finite (a host read of a flag the device has computed). Returns
-        that step, or None."""
+        """Drop the pending verdict without a collective; warns when that step's reduced gradients
+        were non-finite. Returns that step, or None."""
         flags, self._pending = self._pending, None
         self._local, self._seen, self._peaked, self._magnitudes = [], [], [], None
         if flags is None or not flags.nonfinite():  # never waits for a peer
@@ -427,9 +385,8 @@ class NonFiniteGradient(NonFiniteVerdicts):
         return self._failure(step, [bad[:limit]], scaler_active, t0, params=params)
 
     def _local_names(self, local: list[tuple[torch.Tensor, list[nn.Parameter]]]) -> list[str] | None:
-        """This rank's parameters whose LOCAL gradient was non-finite (rare path: host reads, each
-        a blocking copy), or None when all were finite. Local values that could not be read (a
-        gradient written before the end of backward) count as non-finite, named ``"?"``."""
+        """This rank's parameters whose LOCAL gradient was non-finite (rare path: host reads), or None.
+        Unreadable local values count as non-finite, named ``"?"``."""
         if not local:
             return None
         lookup = self.tap.names if self.tap is not None else {}
@@ -445,8 +402,8 @@ class NonFiniteGradient(NonFiniteVerdicts):
 
 
 def drop_step(params: Iterable[torch.Tensor], scaler_active: bool = False) -> None:
-    """Make the coming optimizer step a no-op on this rank (call on every rank alike): gradients set to None, or, with a
-    GradScaler, one element set to Inf so the scaler skips the step itself."""
+    """Make the coming optimizer step a no-op (every rank alike): gradients set to None, or, with a
+    GradScaler, one element set to Inf so the scaler skips it."""
     params = [p for p in params if p.grad is not None]
     if scaler_active and params:
         params[0].grad.view(-1)[0] = float("inf")

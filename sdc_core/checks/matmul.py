@@ -1,30 +1,16 @@
 """Checksum-verified matrix products: a wrong multiply is caught on the rank and in the step where it
-happens (algorithm-based fault tolerance).
+happens (algorithm-based fault tolerance; the bound: ``matmul_bound``, the hooks: ``matmul_sites``).
+The all-reduce spreads a finite compute fault into every replica, where the fingerprint cannot see it.
 
-Why: a finite compute fault in one rank's forward or backward changes its local gradient; the all-
-reduce spreads it into every replica equally, so the fingerprint sees nothing and only the replay
-(one step in ``every_n_steps``) can. This check verifies every product of every checked step on the
-rank that computed it. The identities and their rounding bound: ``sdc_core.checks.matmul_bound``;
-where the products are hooked: ``sdc_core.checks.matmul_sites``.
+Covered: each ``nn.Linear`` using ``nn.Linear.forward`` (forward, dX, dW) and, with ``attention``,
+``nn.MultiheadAttention``'s projections; not SDPA, other products (``matmul``, ``bmm``, ``Conv1D``,
+convolutions, embeddings), DTensor weights, the bias gradient, ``torch.compile`` (``coverage()``).
 
-Covered: every ``nn.Linear`` whose ``forward`` is ``nn.Linear.forward`` (forward and backward: dY,
-dX and dW as the product produced them), and with ``attention=True`` the in- and out-projections of
-``nn.MultiheadAttention``. Not covered: the attention products themselves (SDPA), ``nn.Linear``
-subclasses with their own ``forward``, other matrix products (``matmul``, ``bmm``, ``Conv1D``,
-convolutions, embeddings), DTensor weights, the bias gradient, modules run through
-``torch.compile``. ``coverage()`` lists what a model has of each.
-
-Verdict: no host synchronisation and no synchronous collective in the step. ``verdict(step)`` (after
-backward, before the update) starts one asynchronous 4-byte MAX all-reduce of the step's worst
-normalised residual; the next ``arm`` (or ``resolve()``) reads it, identical on every rank, and only
-then (the rare path) do the ranks gather who saw what: every rank raises the same
-``ChecksumMismatchError`` naming step, rank, host, module and phase. ``verdict(step, now=True)``
-reads it before the update (one host wait).
-
-Cost (docs/performance.md): per product about thirty-five small kernels reading the output, input,
-dY, dX and dW, and per weight and step three reads of the weight; the reads' share falls as
-``1/width`` and the thin block products cost ``1/block`` of the product's multiply-adds (blocks of
-32: about 3%; whole rows, ``block=0``: none). The check only reads: training is bit-identical.
+``verdict(step)`` starts one asynchronous 4-byte MAX all-reduce of the step's worst normalised
+residual, read at the next ``arm`` or ``resolve()`` (``now=True``: before the update); only on a
+failure do the ranks gather who saw what, and every rank raises the same ``ChecksumMismatchError``.
+Cost (docs/performance.md): per product about thirty-five small kernels, thin block products of
+``1/block`` of its multiply-adds (3% at 32). The check only reads: training is bit-identical.
 """
 
 from __future__ import annotations
@@ -109,30 +95,21 @@ class MatmulChecksumConfig:
             raise ValueError(f"attention must be True or False, got {self.attention!r}")
 
 
-# -------------------------------------------------------------------------------- the check
-
-
 @dataclass
 class _Pending:
     step: int
     payload: torch.Tensor  # the step's worst ratio, all-reduced (MAX) in place
     work: Any
     records: list[tuple[int, int, torch.Tensor]]  # this rank's (site, product, worst ratio) (for the names)
-    read: HostRead | None = None  # the all-reduced value, read on the host without draining the queue
+    read: HostRead  # the all-reduced value, read on the host without draining the queue
 
 
 @dataclass
 class MatmulChecksum:
-    """Framework-neutral matrix-product checksum check; any loop driver can run it.
-
-    Calls, on every rank alike: ``attach(model)`` once (hooks the model's products), per optimizer
-    step ``arm(step)`` before the step's first forward (idempotent: call it before every
-    micro-batch) and ``verdict(step)`` after the step's last backward and before the update;
-    ``resolve()`` where a pending verdict must be known (before a checkpoint is written, at the
-    end of training); ``discard()`` on an error path (no collective); ``detach()`` at the end.
-    ``verdict`` reads the previous step's result and may raise ``ChecksumMismatchError`` naming
-    that step. Checks run only between ``arm`` and ``verdict`` of a checked step.
-    """
+    """Framework-neutral matrix-product checksum check. On every rank alike: ``attach(model)`` once,
+    per step ``arm(step)`` before each forward (idempotent) and ``verdict(step)`` before the update;
+    ``resolve()`` where a pending verdict must be known; ``discard()`` on an error path (no
+    collective); ``detach()`` at the end. Products are checked between ``arm`` and ``verdict``."""
 
     role: ClassVar[Role] = Role.MATMUL
 
@@ -162,11 +139,8 @@ class MatmulChecksum:
         """The linear-like modules left out, with the reason."""
         return self._products.uncovered
 
-    # -- set-up
-
     def attach(self, model: nn.Module) -> list[str]:
-        """Hook every covered product of ``model`` (names relative to it); returns the checked
-        sites. What is not covered, and why, is in ``uncovered``."""
+        """Hook every covered product of ``model``; returns the checked sites (see ``uncovered``)."""
         self.detach()
         self._home = next((p.device for p in model.parameters()), None)
         return self._products.attach(model, self.config.attention)
@@ -177,17 +151,12 @@ class MatmulChecksum:
         self._armed, self._records, self._bounds = False, [], {}
 
     def coverage(self) -> dict[str, Any]:
-        """Checked sites (module names; attention projections as ``<mha>.in_proj``, ``.in_proj[q]``
-        (cross-attention) etc.) and the linear-like modules left out, with the reason."""
+        """Checked sites (``<mha>.in_proj``, ``.in_proj[q]`` etc.) and modules left out, with the reason."""
         return self._products.coverage()
 
-    # -- per step
-
     def arm(self, step: int) -> bool:
-        """Start checking optimizer step ``step`` if it is due (call before each of its forwards,
-        every rank alike). The first call of a step reads the previous step's verdict (may raise,
-        naming that step; on CUDA it waits for that step's backward, long enqueued, if the device
-        is not past it yet). A step armed earlier and never given its verdict gets it here."""
+        """Start checking step ``step`` if it is due (before each of its forwards, every rank alike).
+        The first call of a step reads the previous step's verdict (may raise, naming that step)."""
         if self._armed_step == step:
             return self._armed
         if self._armed and self._armed_step is not None:
@@ -198,10 +167,6 @@ class MatmulChecksum:
         self._records, self._bounds, self._rounding = [], {}, {}
         return self._armed
 
-    @property
-    def armed(self) -> bool:
-        return self._armed
-
     def _is_armed(self) -> bool:
         return self._armed
 
@@ -210,14 +175,12 @@ class MatmulChecksum:
         return None if self._pending is None else self._pending.step
 
     def worst(self) -> dict[tuple[str, str], float]:
-        """This rank's worst ratio so far in the armed step, per (site, product) (a host read: for
-        tests and diagnostics, not the hot path)."""
+        """This rank's worst ratio so far in the armed step, per (site, product) (a host read)."""
         return _by_site(self.sites, self._records)
 
     def verdict(self, step: int, now: bool = False) -> None:
-        """Close step ``step``: read the previous step's result (may raise, naming that step), then
-        send this step's worst residual on its way (one asynchronous 4-byte MAX all-reduce, no
-        host wait). With ``now``, read it before returning (a host wait)."""
+        """Close step ``step``: read the previous step's result (may raise), then start this step's
+        all-reduce (no host wait; ``now``: read it before returning)."""
         self.resolve()
         if not self._armed or self._armed_step != step:
             return
@@ -233,9 +196,7 @@ class MatmulChecksum:
         payload = (torch.stack(peaks).amax() if peaks else torch.zeros((), device=device)).reshape(1).float()
         payload = torch.nan_to_num(payload, nan=math.inf)
         work = dist.all_reduce(payload, op=dist.ReduceOp.MAX, async_op=True) if is_distributed() else None
-        pending = _Pending(step, payload, work, records)
-        pending.read = HostRead(payload, work)  # on CUDA: an event now, a side-stream copy when read
-        self._pending = pending
+        self._pending = _Pending(step, payload, work, records, HostRead(payload, work))
         self.stats.add_time(time.perf_counter() - t0)
         if now:
             self.resolve()
@@ -246,7 +207,6 @@ class MatmulChecksum:
         if pending is None:
             return
         t0 = time.perf_counter()
-        assert pending.read is not None
         value = float(pending.read.get()[0])  # waits for this value (and its all-reduce) only
         self.stats.runs += 1
         if value <= 1.0:
@@ -258,9 +218,8 @@ class MatmulChecksum:
         self._failure(pending.step, per_rank, t0)
 
     def discard(self) -> int | None:
-        """Drop the pending verdict without any collective (training stops on another error, maybe
-        on this rank only); warns when this rank's own products failed that step. Returns the
-        step, or None."""
+        """Drop the pending verdict without a collective; warns when this rank's own products failed
+        that step. Returns the step, or None."""
         pending, self._pending = self._pending, None
         self._armed, self._records = False, []
         if pending is None:
@@ -300,26 +259,17 @@ class MatmulChecksum:
             raise error
         warnings.warn(str(error), RuntimeWarning, stacklevel=3)
 
-    # -- the hot path
-
     def _on_linear(self, site: int, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         if self._armed and args and isinstance(output, torch.Tensor) and not torch.compiler.is_compiling():
             self._check(site, args[0], module.weight, module.bias, output)
 
     def _failed_check(self, err: Exception) -> None:
-        """A check that could not run (never the product's fault): counted and warned once, never
-        raised, so one rank's surprise cannot leave the others waiting in a collective."""
+        """A check that could not run: counted and warned once, never raised (a raise on one rank
+        would leave the others waiting in a collective)."""
         self.stats.bump("check_errors")
         if self.stats.extra and self.stats.extra.get("check_errors") == 1:
             warnings.warn(f"SDC check 'matmul_checksum' skipped a product: {type(err).__name__}: {err}",
                           RuntimeWarning, stacklevel=3)  # fmt: skip
-
-    def _check(self, site: int, x: Any, weight: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor) -> None:
-        """Forward check of one product, and the hook on its node for the backward checks."""
-        try:
-            self._check_forward(site, x, weight, bias, y)
-        except Exception as err:
-            self._failed_check(err)
 
     def _bound(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, device: str) -> LinearBound:
         rnd = self._rounding.get((dtype, device))
@@ -332,27 +282,29 @@ class MatmulChecksum:
             lb = self._bounds[key] = LinearBound.of(weight, bias, dtype, rnd, self.config.safety, self.config.block)
         return lb
 
-    def _check_forward(
-        self, site: int, x: Any, weight: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor
-    ) -> None:
-        if not isinstance(x, torch.Tensor) or y.dtype not in _FLOATS or weight.dim() != 2:
-            return
-        m, k = weight.shape
-        if y.numel() == 0 or y.shape[-1] != m or x.shape[-1] != k:
-            return
-        node = product_node(y) if torch.is_grad_enabled() else None
-        # every operand is detached (the bound detaches the weight): nothing is recorded, no grad-mode switch
-        with plain_arithmetic(y.device.type):
-            lb = self._bound(weight, bias, y.dtype, y.device.type)
-            x2 = operand(x.detach(), y.dtype, lb.rnd.acc_dtype, k)
-            needs_dw = node is not None and weight.requires_grad
-            ratio, _, x_block_norms, x_block_sums = lb.forward_ratio(x2, y.detach().reshape(-1, m), needs_dw)
-            self._records.append((site, FORWARD, worst_ratio(ratio)))
-        if node is not None:
-            graph, dx_at = node
-            graph.register_hook(functools.partial(self._on_backward, site, dx_at, lb, x_block_sums, x_block_norms))
-        elif torch.is_grad_enabled() and y.requires_grad:
-            self.stats.bump("backward_not_located")
+    def _check(self, site: int, x: Any, weight: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor) -> None:
+        """Forward check of one product, and the hook on its node for the backward checks."""
+        try:
+            if not isinstance(x, torch.Tensor) or y.dtype not in _FLOATS or weight.dim() != 2:
+                return
+            m, k = weight.shape
+            if y.numel() == 0 or y.shape[-1] != m or x.shape[-1] != k:
+                return
+            node = product_node(y) if torch.is_grad_enabled() else None
+            # every operand is detached (the bound detaches the weight): nothing is recorded, no grad-mode switch
+            with plain_arithmetic(y.device.type):
+                lb = self._bound(weight, bias, y.dtype, y.device.type)
+                x2 = operand(x.detach(), y.dtype, lb.rnd.acc_dtype, k)
+                needs_dw = node is not None and weight.requires_grad
+                ratio, _, x_block_norms, x_block_sums = lb.forward_ratio(x2, y.detach().reshape(-1, m), needs_dw)
+                self._records.append((site, FORWARD, worst_ratio(ratio)))
+            if node is not None:
+                graph, dx_at = node
+                graph.register_hook(functools.partial(self._on_backward, site, dx_at, lb, x_block_sums, x_block_norms))
+            elif torch.is_grad_enabled() and y.requires_grad:
+                self.stats.bump("backward_not_located")
+        except Exception as err:
+            self._failed_check(err)
 
     def _on_backward(
         self,
@@ -401,9 +353,8 @@ class MatmulChecksum:
 
 
 def mismatch_error(step: int, per_rank: list[list[dict[str, Any]]], topo: Topology) -> ChecksumMismatchError:
-    """The verdict on step ``step`` from every rank's failed products (``per_rank``, identical on
-    every rank, at least one rank's non-empty): the first failing rank's worst product names the
-    fault; ``rank`` only when a single rank failed."""
+    """The verdict on ``step`` from every rank's failed products (identical on every rank): the first
+    failing rank's worst product names the fault; ``rank`` only when a single rank failed."""
     offenders = tuple(r for r, found in enumerate(per_rank) if found)
     first = per_rank[offenders[0]][0]
     rank = offenders[0] if len(offenders) == 1 else None
@@ -446,4 +397,3 @@ def _by_site(sites: list[str], records: list[tuple[int, int, torch.Tensor]], nam
         if old is None or value != value or (old == old and value > old):  # NaN wins
             out[key] = value
     return out
-

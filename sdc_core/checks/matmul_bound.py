@@ -1,45 +1,26 @@
-"""The rounding bound of one matrix product's checksums: what ``sdc_core.checks.matmul`` judges a
-product by (algorithm-based fault tolerance).
+"""The rounding bound of one matrix product's checksums, what ``matmul`` judges a product by.
 
-The identities, for ``Y = X W^T + b`` (``X``: n x k, ``W``: m x k, ``dY``: n x m), over blocks of
-``block`` consecutive outputs (forward) or inputs (backward) (``block=0``: whole rows), computed
-in the accumulation dtype from the operands exactly as the product used them (autocast: the
-bf16/fp16 casts; the check's own arithmetic runs with autocast off):
+For ``Y = X W^T + b`` (``X``: n x k, ``W``: m x k), over blocks B of ``block`` consecutive
+outputs (forward) or inputs (backward) (``block=0``: whole rows), in the accumulation dtype from
+the operands as the product used them (the check itself runs with autocast off):
 
-* forward, row i, output block B: ``sum_{j in B} Y_ij = X_i . c_B + sum_{j in B} b_j`` with
-  ``c_B = sum_{j in B} W_j`` (one thin product ``X [c_B ...]`` for all blocks);
-* input gradient ``dX = dY W``, row i, input block B: ``sum_{l in B} dX_il = dY_i . w_B`` with
-  ``w_B = W_:,B 1``;
-* weight gradient ``dW = dY^T X``, row j, input block B: ``sum_{l in B} dW_jl = dY_:,j . s_B``
-  with ``s_B = X_:,B 1`` (kept from the forward: n x k/block numbers per product).
+* forward: ``sum_{j in B} Y_ij = X_i . c_B + sum_{j in B} b_j`` with ``c_B = sum_{j in B} W_j``;
+* input gradient ``dX = dY W``: ``sum_{l in B} dX_il = dY_i . w_B`` with ``w_B = W_:,B 1``;
+* weight gradient ``dW = dY^T X``: ``sum_{l in B} dW_jl = dY_:,j . s_B`` with ``s_B = X_:,B 1``.
 
-A residual beyond the rounding bound means the product was computed wrongly on this rank. The
-bound is a worst-case (deterministic) rounding-error bound, never a statistical one: with ``u``
-the unit roundoff of the accumulation (fp32: 2^-24), a product of reduction length ``K`` checked
-over blocks of ``L`` entries has, per block,
+A residual beyond the bound means the product was computed wrongly. A deterministic worst-case
+bound for reduction length ``K``, blocks of ``L``, unit roundoff ``u``:
 
     |residual| <= safety * [ (2 u_in + (2K + 3L + 8) u + S u_out) * T + u_out * N + underflow ]
 
-where ``T`` bounds the block's sum of absolute products ``sum |x||w|`` (Cauchy-Schwarz on row
-norms and the block's Frobenius norm: ``||x_i||_2 sqrt(L) ||W_B||_F + ||b_B||_1``), ``u_in`` the
-rounding of fp32 operands to TF32 (2^-11) or bf16 (2^-8) where the backend allows it for fp32
-matmuls (the product's own for fp32 products, and the check's fp32 thin products for every
-dtype), ``u_out`` the rounding of the result to a narrower output (bf16 2^-8, fp16 2^-11; 0 for
-fp32; twice in the forward, which may round before adding the bias), ``N`` the block's absolute
-sum of the narrow output (at most ``sqrt(L)`` times its 2-norm, capped by ``T`` so a huge wrong
-element cannot hide behind the bound it inflates), ``S`` the partial sums of a split-K reduction
-done in the output precision (CUDA bf16/fp16 with reduced-precision reduction allowed:
-``REDUCED_PRECISION_SPLITS``), and the underflow term a multiple of the smallest normal number.
-``safety`` (default 2) covers what the model leaves out. Blocks whose magnitudes could overflow
-the output dtype legitimately (``T`` over a quarter of its maximum, e.g. fp16 under a GradScaler)
-are not judged. The weight-gradient bound is the same for every row of ``dW`` (``sqrt(L) sum_i
-||x_i,B||_2 ||dY_i||_2``). Property tests (tests/test_matmul_unit.py) hold the bound against
-random shapes, magnitudes from 1e-12 to 1e12, all-positive and constant data (rounding errors all
-of one sign), every precision and layout.
-
-What a verdict sees: a wrong element whose error exceeds the bound of its block (``visible_error_sizes``;
-docs/coverage.md). The bound grows with the block and with ``K^1.5``: with blocks of 32 a wrong element of a few
-percent of its row's largest is caught at width 256 in fp32, of about that largest at 4096.
+``T`` bounds the block's sum of absolute products (``||x_i||_2 sqrt(L) ||W_B||_F + ||b_B||_1``),
+``u_in`` the TF32 (2^-11) or bf16 (2^-8) rounding of fp32 operands where allowed, ``u_out`` the
+rounding to a narrower output (twice in the forward), ``N`` the block's absolute output sum (capped
+by ``T``: a huge wrong element cannot hide behind the bound it inflates), ``S`` split-K partial sums
+reduced in the output precision (``REDUCED_PRECISION_SPLITS``). Blocks that could overflow the
+output legitimately (``T`` over a quarter of its maximum) are not judged. What a verdict sees
+(``visible_error_sizes``, docs/coverage.md): with blocks of 32, a wrong element of a few percent of
+its row's largest at width 256 in fp32, about that largest at 4096.
 """
 
 from __future__ import annotations
@@ -76,7 +57,7 @@ def _unit(dtype: torch.dtype) -> float:
 
 
 def _fp32_input_rounding(device_type: str) -> float:
-    """Rounding of fp32 operands inside an fp32 matmul on this backend: TF32 or bf16 where allowed."""
+    """Rounding of fp32 operands inside an fp32 matmul on this backend (TF32 or bf16 where allowed)."""
     precision = torch.get_float32_matmul_precision()
     unit = {"high": 2.0**-11, "medium": 2.0**-8}.get(precision, 0.0)
     try:
@@ -93,7 +74,7 @@ def _fp32_input_rounding(device_type: str) -> float:
 
 def rounding(dtype: torch.dtype, device_type: str) -> Rounding:
     """The rounding model of an ``F.linear`` computing in ``dtype`` on ``device_type`` under the
-    current backend settings (TF32, reduced-precision reductions): read on every call."""
+    current backend settings (read on every call)."""
     acc_dtype = torch.float64 if dtype == torch.float64 else torch.float32
     acc = _unit(acc_dtype)
     out = 0.0 if dtype == acc_dtype else _unit(dtype)
@@ -142,9 +123,8 @@ def blocks(total: int, target: int) -> tuple[int, int]:
 def _constants(device: torch.device, k: int, m: int, bf: int, bx: int, rnd: Rounding,
                safety: float) -> tuple[torch.Tensor, ...]:  # fmt: skip
     """The host-side factors of one product's bounds as 0-d device tensors, made once per shape,
-    block sizes (``bf`` outputs per forward checksum, ``bx`` inputs per backward one), rounding
-    model and device (so the per-step work is tensor-tensor kernels only: a Python float in an op
-    costs a host-to-tensor conversion each time). See ``LinearBound`` for their use."""
+    block sizes (``bf`` forward, ``bx`` backward), rounding model and device (a Python float in an
+    op costs a conversion each time)."""
     g = _slack(rnd, max(k, m))
     inp = 2 * rnd.inp * (1 + rnd.inp) + rnd.split
     # forward: the product (k + 1 terms), the block sum of Y (bf), c_b (bf), X c_b (k), the bias block sum (bf),
@@ -187,52 +167,23 @@ def _weight_grad_constants(device: torch.device, bx: int, n: int, rnd: Rounding,
     return tuple(torch.tensor(values, dtype=rnd.acc_dtype, device=device).unbind())
 
 
-@dataclass
 class LinearBound:
-    """What the three checks of one ``F.linear`` need of its weight and bias as the product used them (cast to
-    ``dtype``), its sizes and its rounding model: computed once per step (about twenty small kernels, a few reads of
-    the weight, no host synchronisation) and reused by every call of that step.
+    """What the three checks of one ``F.linear`` need of its weight and bias (cast to ``dtype``): made
+    once per step (about twenty small kernels, no host synchronisation), reused by every call.
 
-    Checksums cover blocks: the forward one ``bf`` consecutive outputs of a row (``nf`` blocks, ``c_b`` the column
-    sums of the block's weight rows), the backward ones ``bx`` consecutive inputs (``nx`` blocks); smaller blocks see
-    smaller errors for the price of a larger extra product (``X [k x nf]``). Forward bound of row i, block b:
-    ``f_slope_b ||x_i|| + f_icpt_b`` (plus the narrow-output term), judged where ``||x_i|| < f_xmax_b``; input
-    gradient: ``d_slope_b ||dy_i|| + d_icpt``, judged where ``||dy_i|| < d_ymax_b``; the weight-gradient bound is
-    built per call."""
+    Forward checksums cover ``bf`` consecutive outputs (``nf`` blocks), backward ones ``bx``
+    inputs (``nx`` blocks). Forward bound of row i, block b: ``f_slope_b ||x_i|| + f_icpt_b`` (plus
+    the narrow-output term), judged where ``||x_i|| < f_xmax_b``; input gradient likewise with
+    ``d_slope``, ``d_icpt``, ``d_ymax``; the weight-gradient bound is built per call."""
 
-    k: int
-    m: int
-    nf: int  # forward blocks (of the m outputs)
-    bf: int
-    nx: int  # backward blocks (of the k inputs)
-    bx: int
-    rnd: Rounding
-    safety: float
-    consts: tuple[torch.Tensor, ...]
-    cf: torch.Tensor  # nf x k: column sums of each block of weight rows
-    dx: torch.Tensor  # nx x m: row sums of each block of weight columns (thin products are fastest with few rows)
-    bias_sum: torch.Tensor  # nf
-    t_slope: torch.Tensor  # T_ib = t_slope_b ||x_i|| + t_icpt_b >= sum_{j in b} (sum_l |x_il w_jl| + |b_j|)
-    t_icpt: torch.Tensor
-    f_slope: torch.Tensor
-    f_icpt: torch.Tensor
-    f_xmax: torch.Tensor
-    dt_slope: torch.Tensor  # T'_ib = dt_slope_b ||dy_i|| + dt_icpt_b >= sum_{l in b} sum_j |dy_ij w_jl|
-    dt_icpt: torch.Tensor
-    d_slope: torch.Tensor
-    d_icpt: torch.Tensor
-    d_ymax: torch.Tensor
-
-    @classmethod
-    def of(cls, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, rnd: Rounding,
-           safety: float = 2.0, block: int = 0) -> LinearBound:  # fmt: skip
-        """The bound of one weight (and bias) used in ``dtype``; ``block``: the target number of
-        outputs (forward) and inputs (backward) per checksum, 0 for whole rows."""
-        m, k = weight.shape
-        nf, bf = blocks(m, block)
-        nx, bx = blocks(k, block)
-        acc = rnd.acc_dtype
-        k_ = _constants(weight.device, k, m, bf, bx, rnd, float(safety))
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, rnd: Rounding,
+                 safety: float = 2.0, block: int = 0) -> None:  # fmt: skip
+        """The bound of one weight (and bias) used in ``dtype``; ``block``: entries per checksum (0: rows)."""
+        self.m, self.k = m, k = weight.shape
+        self.nf, self.bf = nf, bf = blocks(m, block)  # forward blocks (of the m outputs)
+        self.nx, self.bx = nx, bx = blocks(k, block)  # backward blocks (of the k inputs)
+        self.rnd, self.safety, acc = rnd, float(safety), rnd.acc_dtype
+        self.consts = k_ = _constants(weight.device, k, m, bf, bx, rnd, float(safety))
         # detached operands: nothing here is recorded by autograd (no grad-mode switch needed)
         wt = weight.detach()
         wt = wt if wt.dtype == dtype else wt.to(dtype)
@@ -242,6 +193,7 @@ class LinearBound:
             bt = bias.detach()
             bt = (bt if bt.dtype == dtype else bt.to(dtype)).reshape(nf, bf)
             bias_sum, bias_abs = bt.sum(-1, dtype=acc), torch.linalg.vector_norm(bt, 1, dim=-1, dtype=acc)
+        self.bias_sum = bias_sum  # nf
         cols = wt.reshape(m, nx, bx)
         # one read of the weight for both Frobenius norms: the 2-norm of each row's backward block
         # (m x nx), then over the rows of a backward block (nx) and over the forward block's rows (nf):
@@ -249,46 +201,34 @@ class LinearBound:
         q = torch.linalg.vector_norm(cols, dim=-1, dtype=acc)
         fro_x = torch.linalg.vector_norm(q, dim=0)
         fro_f = torch.linalg.vector_norm(q.reshape(nf, bf * nx), dim=-1)
-        t_slope = fro_f * k_[0]
-        t_icpt = torch.addcmul(bias_abs * k_[1], t_slope, k_[10])  # + the underflow allowance of ||x_i||
-        f_slope = fro_f * k_[2]
-        dt_slope, d_slope = fro_x * k_[5], fro_x * k_[6]
-        dt_icpt = dt_slope * k_[12]
-        return cls(
-            k=k,
-            m=m,
-            nf=nf,
-            bf=bf,
-            nx=nx,
-            bx=bx,
-            rnd=rnd,
-            safety=float(safety),
-            consts=k_,
-            cf=wt.reshape(nf, bf, k).sum(1, dtype=acc),
-            dx=cols.sum(-1, dtype=acc).t(),  # a transposed view: the thin product reads it as it is
-            bias_sum=bias_sum,
-            t_slope=t_slope,
-            t_icpt=t_icpt,
-            f_slope=f_slope,
-            f_icpt=torch.addcmul(torch.addcmul(k_[4], bias_abs, k_[3]), f_slope, k_[10]),
-            f_xmax=(k_[8] - t_icpt) / t_slope,  # inf for a zero block, NaN (nothing judged) for a NaN one
-            dt_slope=dt_slope,
-            dt_icpt=dt_icpt,
-            d_slope=d_slope,
-            d_icpt=torch.addcmul(k_[7], d_slope, k_[12]),
-            d_ymax=(k_[8] - dt_icpt) / dt_slope,
-        )
+        # T_ib = t_slope_b ||x_i|| + t_icpt_b >= sum_{j in b} (sum_l |x_il w_jl| + |b_j|)
+        self.t_slope = fro_f * k_[0]
+        self.t_icpt = torch.addcmul(bias_abs * k_[1], self.t_slope, k_[10])  # + the underflow allowance of ||x_i||
+        self.f_slope = fro_f * k_[2]
+        # T'_ib = dt_slope_b ||dy_i|| + dt_icpt_b >= sum_{l in b} sum_j |dy_ij w_jl|
+        self.dt_slope, self.d_slope = fro_x * k_[5], fro_x * k_[6]
+        self.dt_icpt = self.dt_slope * k_[12]
+        self.cf = wt.reshape(nf, bf, k).sum(1, dtype=acc)  # nf x k: column sums of each block of weight rows
+        # nx x m: row sums of each block of weight columns, a transposed view (the thin product reads it as it is)
+        self.dx = cols.sum(-1, dtype=acc).t()
+        self.f_icpt = torch.addcmul(torch.addcmul(k_[4], bias_abs, k_[3]), self.f_slope, k_[10])
+        self.f_xmax = (k_[8] - self.t_icpt) / self.t_slope  # inf for a zero block, NaN (nothing judged) for a NaN one
+        self.d_icpt = torch.addcmul(k_[7], self.d_slope, k_[12])
+        self.d_ymax = (k_[8] - self.dt_icpt) / self.dt_slope
+
+    @classmethod
+    def of(cls, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, rnd: Rounding,
+           safety: float = 2.0, block: int = 0) -> LinearBound:  # fmt: skip
+        """``LinearBound(...)``: the bound of one weight (and bias) used in ``dtype``."""
+        return cls(weight, bias, dtype, rnd, safety, block)
 
     def x_blocks(self, x2: torch.Tensor) -> torch.Tensor:
         """``x2`` (n x k) as n x nx x bx (the backward blocks)."""
         return x2.reshape(x2.shape[0], self.nx, self.bx)
 
-    # -- forward
-
     def forward_bound(self, x_norms: torch.Tensor, y3: torch.Tensor | None) -> torch.Tensor:
-        """Per row and block (n x nf), the bound on the forward residual; ``y3=None`` gives the
-        largest the bound can become whatever the output holds (what a wrong element is measured
-        against). A narrow output may round twice (before and after the bias)."""
+        """Per row and block (n x nf), the bound on the forward residual (``y3=None``: whatever the
+        output holds). A narrow output may round twice (before and after the bias)."""
         cap = (self.t_icpt, self.t_slope, self.consts[11], self.consts[0])
         return self._row_bound(x_norms, self.f_icpt, self.f_slope, cap, y3, 2)
 
@@ -301,11 +241,9 @@ class LinearBound:
         out3: torch.Tensor | None,
         roundings: int,
     ) -> torch.Tensor:
-        """Per row and block, ``icpt + ||row|| slope`` (``norms``: the operand's row 2-norms) and, for
-        a narrow output, ``roundings`` times its rounding (``safety * u_out``) of the block's sum of
-        absolute products ``T = t_icpt + ||row|| t_slope``, capped where the output's blocks
-        ``out3`` are given by what they hold: ``sum_j |out_j| <= root (||out_b|| + allowance)``
-        (``cap``: ``(t_icpt, t_slope, allowance, root)``)."""
+        """Per row and block ``icpt + ||row|| slope`` plus, for a narrow output, ``roundings * safety *
+        u_out`` times ``T = t_icpt + ||row|| t_slope``, capped by ``root (||out_b|| + allowance)``
+        where ``out3`` is given (``cap``: ``(t_icpt, t_slope, allowance, root)``)."""
         col = norms.unsqueeze(-1)
         bound = torch.addcmul(icpt, col, slope)
         if self.rnd.out:
@@ -320,12 +258,9 @@ class LinearBound:
     def forward_ratio(
         self, x2: torch.Tensor, y2: torch.Tensor, need_blocks: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Forward check of ``y2 = x2 W^T + b`` (2-D; ``x2`` the operand in the accumulation dtype).
-
-        Returns ``(ratio, x_norms, x_block_norms, x_block_sums)``: per row and block (n x nf) the
-        residual over its bound (> 1: wrong; NaN: a non-finite result of finite operands; 0 where
-        not judged), the operand's row 2-norms, its 2-norms per backward block (n x nx) and, with
-        ``need_blocks``, its sums per backward block (for the weight-gradient check)."""
+        """Forward check of ``y2 = x2 W^T + b``: per row and block (n x nf) the residual over its bound
+        (> 1: wrong; NaN: non-finite; 0: not judged), and ``x2``'s row norms, norms per backward block
+        and (``need_blocks``) sums per backward block."""
         n = x2.shape[0]
         y3 = y2.reshape(n, self.nf, self.bf)
         # X c_b for every block as one thin product with few rows (fast everywhere; n x nf is slow on CPUs)
@@ -339,14 +274,12 @@ class LinearBound:
         return ratio, x_norms, x_block_norms, (xb.sum(-1) if need_blocks else None)
 
     def forward_threshold(self, x_norms: torch.Tensor, y2: torch.Tensor | None = None) -> torch.Tensor:
-        """Per row and block (n x nf), an error of one element of the output ``y2`` (as computed
-        correctly) at least this large is always caught; without ``y2``, for any output."""
+        """Per row and block (n x nf), the error of one element of the output ``y2`` always caught
+        (without ``y2``: for any output)."""
         y3 = None if y2 is None else y2.reshape(y2.shape[0], self.nf, self.bf)
         g = _slack(self.rnd, max(self.k, self.m))
         threshold = _threshold(self.forward_bound(x_norms, y3), self.safety, 2 * self.rnd.out * g * math.sqrt(self.bf))
         return torch.where(torch.lt(x_norms.unsqueeze(-1), self.f_xmax), threshold, math.inf)
-
-    # -- input gradient
 
     def input_grad_bound(self, dy_norms: torch.Tensor, dx3: torch.Tensor | None) -> torch.Tensor:
         """As ``forward_bound``, for the input gradient (n x nx; ``dx3``: its backward blocks)."""
@@ -356,8 +289,7 @@ class LinearBound:
     def input_grad_ratio(
         self, dy2: torch.Tensor, dx2: torch.Tensor, dy_norms: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """Check of ``dx2 = dy2 W`` (``dy2`` in the accumulation dtype, ``dx2`` as produced): per
-        row and backward block (n x nx), the residual over its bound (as ``forward_ratio``)."""
+        """Check of ``dx2 = dy2 W``: per row and backward block (n x nx), as ``forward_ratio``."""
         dx3 = dx2.reshape(dx2.shape[0], self.nx, self.bx)
         residual = torch.addmm(dx3.sum(-1, dtype=self.rnd.acc_dtype).t(), self.dx, dy2.t(), alpha=-1).t().abs_()
         if dy_norms is None:
@@ -372,14 +304,11 @@ class LinearBound:
         threshold = _threshold(self.input_grad_bound(dy_norms, dx3), self.safety, self.rnd.out * g * math.sqrt(self.bx))
         return torch.where(torch.lt(dy_norms.unsqueeze(-1), self.d_ymax), threshold, math.inf)
 
-    # -- weight gradient
-
     def weight_grad_bound(
         self, x_block_norms: torch.Tensor, dy_norms: torch.Tensor, dw3: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(bound, judged)``: the bound on each row of ``dW`` and backward block (m x nx, the same
-        for every row unless the output is narrow) and whether each block is judged (its sum of
-        absolute products far enough from the output's overflow)."""
+        """``(bound, judged)`` per row of ``dW`` and backward block (m x nx; the same for every row
+        unless the output is narrow), judged where far enough from the output's overflow."""
         slope, const, g_sqrt_b, dot_max = _weight_grad_constants(
             dy_norms.device, self.bx, dy_norms.shape[0], self.rnd, self.safety
         )
@@ -404,9 +333,8 @@ class LinearBound:
         x_block_norms: torch.Tensor,
         dy_norms: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Check of ``dW = dY^T X`` given as ``dwt`` (k x m: the gradient of ``W^T`` as the product
-        produced it) from ``dy2`` (accumulation dtype) and the forward operand's block sums and
-        block 2-norms: per row of ``dW`` and backward block (m x nx), the residual over the bound."""
+        """Check of ``dW = dY^T X`` given as ``dwt`` (k x m, as the product produced it) from the
+        forward operand's block sums and norms: per row of ``dW`` and backward block (m x nx)."""
         dw3 = dwt.t().reshape(self.m, self.nx, self.bx)
         sums = dw3.sum(-1, dtype=self.rnd.acc_dtype).t()  # nx x m
         residual = torch.addmm(sums, x_block_sums.t(), dy2, alpha=-1).t().abs_()  # BLAS reads the transposed view
@@ -418,8 +346,7 @@ class LinearBound:
     def weight_grad_threshold(
         self, x_block_norms: torch.Tensor, dy_norms: torch.Tensor, dwt: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """As ``forward_threshold``, for one element of the weight gradient (given as ``dwt``):
-        per row of ``dW`` and backward block (m x nx)."""
+        """As ``forward_threshold``, per row of ``dW`` (given as ``dwt``) and backward block."""
         dw3 = None if dwt is None else dwt.t().reshape(self.m, self.nx, self.bx)
         bound, judged = self.weight_grad_bound(x_block_norms, dy_norms, dw3)
         g = _slack(self.rnd, max(dy_norms.shape[0], self.bx))
@@ -431,8 +358,7 @@ NOTHING = contextlib.nullcontext()  # reusable: no state
 
 
 def plain_arithmetic(device_type: str) -> contextlib.AbstractContextManager[Any]:
-    """Autocast off where it is on (the check's arithmetic runs in its own dtypes: a check computed
-    in bf16 would be no check); nothing otherwise."""
+    """Autocast off where it is on (a check computed in bf16 would be no check)."""
     if torch.is_autocast_enabled(device_type):
         return torch.autocast(device_type, enabled=False)
     return NOTHING
@@ -440,16 +366,14 @@ def plain_arithmetic(device_type: str) -> contextlib.AbstractContextManager[Any]
 
 def _threshold(bound: torch.Tensor, safety: float, growth: float) -> torch.Tensor:
     """The error of one element always caught where the clean bound is ``bound``: the residual is
-    at least the error less the true rounding (``bound / safety``), and the wrong element can
-    raise the bound by ``safety * growth`` times itself (the narrow-output term). For tests and
-    the documented sizes, not the hot path."""
+    at least the error less ``bound / safety``, and the wrong element can raise the bound by
+    ``safety * growth`` times itself (the narrow-output term)."""
     shrink = 1 - safety * growth
     return bound * (1 + 1 / safety) / shrink if shrink > 0 else torch.full_like(bound, math.inf)
 
 
 def operand(x: torch.Tensor, dtype: torch.dtype, acc: torch.dtype, width: int) -> torch.Tensor:
-    """``x`` as the 2-D operand a product computing in ``dtype`` used (autocast casts it), in the
-    accumulation dtype ``acc`` (a copy only when a cast is needed or ``x`` cannot be viewed 2-D)."""
+    """``x`` as the 2-D operand a product computing in ``dtype`` used, in the accumulation dtype ``acc``."""
     x2 = x.reshape(-1, width)
     if x2.dtype != dtype:
         x2 = x2.to(dtype)
@@ -464,8 +388,7 @@ def check_linear(
     safety: float = 2.0,
     block: int = 32,
 ) -> torch.Tensor:
-    """Worst forward ratio of one ``y = F.linear(x, weight, bias)`` (a 0-d tensor; > 1: wrong).
-    For tests and one-off checks; the training check reuses the weight's bound for a step."""
+    """Worst forward ratio of one ``y = F.linear(x, weight, bias)`` (0-d; > 1: wrong), for one-off checks."""
     dtype = y.dtype
     rnd = rounding(dtype, y.device.type)
     with torch.no_grad(), plain_arithmetic(y.device.type):
@@ -476,13 +399,9 @@ def check_linear(
 
 def visible_error_sizes(width: int, dtype: torch.dtype = torch.float32, rows: int = 1024, seed: int = 0,
                         safety: float = 2.0, block: int = 32) -> dict[str, float]:  # fmt: skip
-    """The error of one element that is always caught, relative to the product's own magnitude, for
-    a ``nn.Linear(width, width)`` at its default initialisation fed unit-variance rows (as after a
-    LayerNorm) and unit-variance output gradients on the CPU, computing in ``dtype``: per product,
-    the median over rows (and blocks) of the stated threshold over the row's largest absolute
-    element (``*_vs_max``) and over its root-mean-square (``*_vs_rms``); for the weight gradient,
-    over the whole gradient's. What docs/coverage.md quotes; the unit tests check that errors
-    this large are caught."""
+    """The error of one element always caught, relative to the row's largest element (``*_vs_max``) and
+    root-mean-square (``*_vs_rms``), median over rows, for a default ``nn.Linear(width, width)`` fed
+    unit-variance data on the CPU in ``dtype`` (what docs/coverage.md quotes)."""
     gen = torch.Generator().manual_seed(seed)
     layer = nn.Linear(width, width)
     with torch.no_grad():
@@ -519,4 +438,3 @@ def visible_error_sizes(width: int, dtype: torch.dtype = torch.float32, rows: in
 def worst_ratio(ratio: torch.Tensor) -> torch.Tensor:
     """The largest ratio (NaN when any is NaN; 0 for no rows): one reduction, no host read."""
     return ratio.amax() if ratio.numel() else ratio.new_zeros(())
-

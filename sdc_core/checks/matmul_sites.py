@@ -1,7 +1,6 @@
-"""Where a model's matrix products are checked: the forward hooks on its ``nn.Linear`` modules, the
-``F.linear`` calls of its ``nn.MultiheadAttention`` modules (a scoped wrapper of
-``torch.nn.functional.linear``), and the autograd node of each product, whose hook sees its
-backward (``sdc_core.checks.matmul`` says what is covered and what is not)."""
+"""Where a model's matrix products are checked: forward hooks on its ``nn.Linear`` modules, the
+``F.linear`` calls of its ``nn.MultiheadAttention`` modules (a scoped wrapper of ``F.linear``), and
+the autograd node of each product, whose hook sees its backward."""
 
 from __future__ import annotations
 
@@ -14,8 +13,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-# -------------------------------------------------------------------------------- the product's autograd node
 
 _PASS_THROUGH = frozenset({
     "ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0", "AliasBackward0",
@@ -37,20 +34,12 @@ def product_node(y: torch.Tensor) -> tuple[Any, int] | None:
         if name in _PASS_THROUGH:
             node = node.next_functions[0][0]
         elif name == "AddBackward0":  # a bias added after the product (non-contiguous input)
-            node = next(
-                (
-                    f
-                    for f, _ in node.next_functions
-                    if f is not None and type(f).__name__ in _PASS_THROUGH | _PRODUCTS.keys()
-                ),
-                None,
-            )
+            wanted = _PASS_THROUGH | _PRODUCTS.keys()
+            node = next((f for f, _ in node.next_functions if f is not None and type(f).__name__ in wanted), None)
         else:
             return None
     return None
 
-
-# -------------------------------------------------------------------------------- F.linear inside attention
 
 _LINEAR = F.linear
 _SCOPE: contextvars.ContextVar[Callable[..., None] | None] = contextvars.ContextVar("sdc_matmul_scope", default=None)
@@ -58,8 +47,8 @@ _patch_users = 0
 
 
 def _scoped_linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` that also hands its call to the checked attention module running on this
-    thread (``_SCOPE``); anywhere else it is ``F.linear`` plus one context-variable read."""
+    """``F.linear`` that also hands its call to the checked attention module running on this thread
+    (``_SCOPE``); elsewhere ``F.linear`` plus one context-variable read."""
     out = _LINEAR(input, weight, bias)
     if not torch.compiler.is_compiling():
         scope = _SCOPE.get()
@@ -87,8 +76,7 @@ _ATTENTION_PARTS = {(0, 1): "in_proj[q]", (1, 1): "in_proj[k]", (2, 1): "in_proj
 
 
 def _attention_site(mha: nn.MultiheadAttention, weight: torch.Tensor) -> str | None:
-    """Which projection of ``mha`` a weight passed to ``F.linear`` is (a parameter or a row slice of
-    the packed in-projection), or None."""
+    """Which projection of ``mha`` a weight passed to ``F.linear`` is, or None."""
     if weight is mha.out_proj.weight:
         return "out_proj"
     for name in ("q_proj_weight", "k_proj_weight", "v_proj_weight"):
@@ -120,14 +108,10 @@ LinearCheck = Callable[[int, Any, torch.Tensor, torch.Tensor | None, torch.Tenso
 
 @dataclass
 class ProductSites:
-    """The checked products of one model, by site (a module name; attention projections as
-    ``<mha>.in_proj``, ``.in_proj[q]`` etc.), and the hooks that hand them to the check.
-
+    """The checked products of one model, by site, and the hooks that hand them to the check:
     ``on_linear(site, module, args, output)`` is each covered ``nn.Linear``'s forward hook (run
-    first); inside a covered ``nn.MultiheadAttention`` each ``F.linear`` call of one of its
-    projections goes to ``on_product(site, x, weight, bias, y)``, while ``armed()`` (read once
-    per attention forward) says the check wants products. ``attach`` hooks a model, ``detach``
-    removes every hook, wrapper and the ``F.linear`` patch (idempotent) and forgets the sites."""
+    first); a covered attention module's projections go to ``on_product(site, x, weight, bias,
+    y)`` while ``armed()`` (read once per attention forward)."""
 
     on_linear: Callable[[int, nn.Module, tuple[Any, ...], Any], None]
     on_product: LinearCheck
@@ -140,8 +124,7 @@ class ProductSites:
     _patched: bool = False
 
     def attach(self, model: nn.Module, attention: bool) -> list[str]:
-        """Hook every covered product of ``model`` (``attention``: the attention projections too);
-        returns the checked sites. What is not covered, and why, is in ``uncovered``."""
+        """Hook every covered product of ``model``; returns the checked sites (see ``uncovered``)."""
         skip: set[str] = set()
         for name, module in model.named_modules():
             if name in skip:

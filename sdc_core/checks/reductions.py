@@ -1,8 +1,5 @@
 """Read-only reductions of gradients on their device, without a host synchronisation: sums,
-largest magnitudes (peaks) and their log2 per group, NaN/Inf flags.
-
-What the non-finite check, the screen and the replay's confirmation read of a gradient; none
-writes into it."""
+largest magnitudes (peaks) and their log2 per group, NaN/Inf flags."""
 
 from __future__ import annotations
 
@@ -14,15 +11,12 @@ import torch
 
 from sdc_core.checks.digest import flatten
 
-SMALL_TENSOR = 1 << 12  # elements: ``group_small`` (``any_nonfinite``, the host path) groups smaller tensors
+SMALL_TENSOR = 1 << 12  # elements: ``any_nonfinite`` (the host path) flattens smaller tensors together
 
 
 def local_sum(grad: torch.Tensor) -> torch.Tensor:
-    """The sum of one gradient (0-d tensor on its device, no host synchronisation): one pass over
-    its bytes, the cheapest reduction there is. Non-finite exactly when the gradient holds NaN or
-    Inf (NaN and Inf survive a sum; ``Inf + -Inf`` is NaN) or when summing its finite values
-    overflows the float range (values near the float maximum). fp16 is summed in float32 (an fp16
-    sum would overflow at 65504)."""
+    """The sum of one gradient (0-d, on its device; fp16 summed in float32), the cheapest reduction:
+    non-finite exactly when the gradient holds NaN or Inf or its finite values overflow the sum."""
     return grad.sum(dtype=torch.float32 if grad.dtype == torch.float16 else None)
 
 
@@ -30,12 +24,9 @@ _AMINMAX_FROM = 1 << 11  # elements: on the CPU, tensors this large or larger ar
 
 
 def peaks(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Per tensor (all of one dtype and device) its largest magnitude, 1-d on their device: non-finite exactly when the
-    tensor holds NaN or Inf (finite values never overflow); no host synchronisation, read-only.
-
-    Off the CPU: ``_foreach_norm(ord=inf)``, a few multi-tensor kernels. On the CPU torch's inf-norm is a scalar
-    loop, so tensors of a few thousand elements or more use ``aminmax`` (1.1-1.8x a sum) and the smaller ones one
-    multi-tensor inf-norm."""
+    """Per tensor (all of one dtype and device) its largest magnitude, 1-d on their device: non-finite
+    exactly when the tensor holds NaN or Inf. Off the CPU a few multi-tensor kernels; on the CPU
+    (whose inf-norm is a scalar loop) ``aminmax`` for tensors from ``_AMINMAX_FROM`` elements."""
     if tensors[0].device.type != "cpu":
         return torch.stack(torch._foreach_norm(tensors, float("inf")))
     small = [t for t in tensors if t.numel() < _AMINMAX_FROM]
@@ -54,11 +45,8 @@ Index = torch.Tensor | Sequence[int]
 
 
 def log2_peaks_by_group(pairs: Sequence[tuple[torch.Tensor, Index]], groups: int) -> torch.Tensor:
-    """Per group ``j < groups`` the log2 of the largest of the peaks given to it (``pairs`` of 1-d ``peaks`` and their
-    groups' indices, a tensor or a list of ints): NaN for a group without a nonzero peak, +Inf for one holding a non-
-    finite peak; float32 on the peaks' device, no host synchronisation (the statistic of
-    ``NonFiniteGradient.take_magnitudes``). On the CPU the values are taken in Python (``log2_peaks_on_host``): one
-    tensor made instead of seven ops per pair."""
+    """Per group the log2 of the largest peak given to it (``pairs`` of ``peaks`` and group indices):
+    NaN for none nonzero, +Inf for a non-finite one; float32 on the peaks' device, no host sync."""
     home = pairs[0][0].device
     if home.type == "cpu" and all(v.device.type == "cpu" for v, _ in pairs):
         return _log2_peaks_on_host(pairs, groups)
@@ -86,10 +74,8 @@ _FLOAT32S: dict[int, struct.Struct] = {}  # per count, its packer as float32s
 
 
 def log2_peaks_on_host(pairs: Sequence[tuple[torch.Tensor, Index]], groups: int) -> list[float]:
-    """``log2_peaks_by_group``'s values for CPU tensors as a list of floats: the per-group maxima
-    and their log2 in Python, no tensor made (right after backward the tensor alone costs more than
-    the rest); each log2 correctly rounded to float32 (the kernels' may differ by one unit in the
-    last place)."""
+    """``log2_peaks_by_group``'s values for CPU tensors as a list of floats made in Python (no
+    tensor), each correctly rounded to float32 (the kernels' may differ by one unit in the last place)."""
     inf, nan = math.inf, math.nan
     best = [0.0] * groups  # 0: no positive peak yet (NaN below)
     for values, index in pairs:
@@ -108,10 +94,8 @@ def log2_peaks_on_host(pairs: Sequence[tuple[torch.Tensor, Index]], groups: int)
 
 
 def any_nonfinite_multi(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """One flag (0-d bool tensor on the first tensor's device, no host synchronisation): does any
-    tensor hold NaN or Inf? Exact (``peaks``: no overflow of finite values), read-only, and per
-    dtype and device one multi-tensor call (a few kernels on CUDA, however many tensors; on the
-    CPU 1.2-1.9x the cost of a sum) plus a handful of kernels to combine."""
+    """One flag (0-d bool on the first tensor's device, no host synchronisation): does any tensor
+    hold NaN or Inf? Exact; one ``peaks`` call per dtype and device, plus a few kernels to combine."""
     groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
     for t in tensors:
         groups.setdefault((t.dtype, t.device), []).append(t)
@@ -122,42 +106,21 @@ def any_nonfinite_multi(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     return ~finite[0]
 
 
-def _minmax(t: torch.Tensor) -> torch.Tensor:
-    """(min, max) of ``t`` as float64 (exact for every float format, so tensors of different
-    dtypes stack), NaN/Inf preserved. One reduction kernel, no host synchronisation."""
-    lo, hi = torch.aminmax(t)
-    return torch.stack([lo, hi]).double()
-
-
-def _nonfinite(minmax: torch.Tensor) -> torch.Tensor:
-    """Per-row flag from stacked (min, max) pairs: True where either is NaN or Inf."""
-    return ~torch.isfinite(minmax).all(dim=-1)
-
-
 def nonfinite_flags(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
-    """Per-tensor flags, True where a tensor holds NaN or Inf (exact; no host synchronisation)."""
-    return _nonfinite(torch.stack([_minmax(t) for t in tensors]))
+    """Per-tensor flags, True where a tensor holds NaN or Inf (exact; no host synchronisation): one
+    ``aminmax`` each, taken as float64 (exact for every float format, so dtypes stack)."""
+    return ~torch.isfinite(torch.stack([torch.stack(torch.aminmax(t)).double() for t in tensors])).all(dim=-1)
 
 
 def any_nonfinite(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """One flag (0-d bool tensor, no host synchronisation): does any tensor hold NaN or Inf?
-
-    Tensors under ``SMALL_TENSOR`` elements are concatenated per dtype first (one copy kernel
-    instead of one reduction each: with many small tensors per-kernel overhead dominates).
-    """
-    large, groups = group_small(tensors)
-    units = [tensors[i] for i in large] + [flatten([tensors[i] for i in g]) for g in groups.values()]
-    return nonfinite_flags(units).any()
-
-
-def group_small(tensors: Sequence[torch.Tensor]) -> tuple[list[int], dict[tuple[torch.dtype, torch.device], list[int]]]:
-    """Indices of the tensors to reduce one by one, and of the small ones (under
-    ``SMALL_TENSOR`` elements) grouped per dtype and device, to reduce as one flattened copy."""
-    large: list[int] = []
-    groups: dict[tuple[torch.dtype, torch.device], list[int]] = {}
-    for i, t in enumerate(tensors):
+    """One flag (0-d bool tensor, no host synchronisation): does any tensor hold NaN or Inf? Tensors
+    under ``SMALL_TENSOR`` elements are flattened per dtype and device first (one copy kernel
+    instead of one reduction each)."""
+    large: list[torch.Tensor] = []
+    small: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for t in tensors:
         if t.numel() >= SMALL_TENSOR or t.dtype == torch.bool:
-            large.append(i)
+            large.append(t)
         else:
-            groups.setdefault((t.dtype, t.device), []).append(i)
-    return large, groups
+            small.setdefault((t.dtype, t.device), []).append(t)
+    return nonfinite_flags(large + [flatten(ts) for ts in small.values()]).any()

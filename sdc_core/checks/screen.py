@@ -1,46 +1,24 @@
 """Every-step screen: each rank's local-gradient magnitudes compared across the ranks.
 
-Contract: on every step each rank contributes a small vector, the log2 of the largest LOCAL
-gradient magnitude in each of ``k`` groups of parameters (``NonFiniteGradient.want_magnitudes``:
-read from the peaks the non-finite check reads anyway at the end of backward) and the log2 of
-its loss; ``observe`` starts the exchange of those rows, ``suspects`` waits for it and names the
-ranks whose values stand out. Every rank computes the verdict from the same rows and the same
-history, so every rank returns the same suspects and keeps the same band: no collective depends
-on one rank's view.
+Each step each rank sends a row: the log2 of the largest LOCAL gradient magnitude in each of ``k``
+groups of parameters and of its loss. ``observe`` starts the exchange, ``suspects`` names the ranks
+that stand out (the rule: ``screen_rule``); every rank judges the same rows with the same history,
+so every rank returns the same suspects. Up to ``ALL_ROWS_UP_TO`` (16) ranks: one asynchronous
+``all_gather`` of every row. Larger worlds: each rank sends its row to the ``NEIGHBOURS`` (8) ranks
+after it on the replay's ring and judges the 9-row window it receives; one all_reduce (SUM) carries
+how many windows stood out and a rotating sample of 16 rows (the band's calibration); only then
+are all rows gathered and judged, so the verdict is identical on every rank.
 
-Two ways to move the rows, by world size, with one verdict:
-
-- **Up to ``ALL_ROWS_UP_TO`` (16) ranks**: one asynchronous ``all_gather`` of every rank's row,
-  started right after backward; every rank judges all rows.
-- **Larger worlds: neighbourhoods, flat in the world.** Each rank sends its row to the
-  ``NEIGHBOURS`` (8) ranks after it on the replay's ring (which crosses nodes) and receives the
-  rows of the 8 before it (one batch of point-to-point messages, started right after backward);
-  it judges that window of 9 rows by the same rule. One all_reduce (SUM) then carries the number
-  of ranks whose window stood out and a sample of 16 ranks' rows (a rotating set, identical on
-  every rank: the band's calibration). Only when some window stood out do the ranks gather every
-  row and judge them all, as a small world does, so the verdict (and the suspects it names) is
-  identical on every rank. Every row is seen by 9 windows: a faulty rank's own judgement is never
-  the only one.
-
-How the rows are judged (each value's deviation from the ranks' median, corrected by the rank's
-level, against a band calibrated from the run itself; hostile rows) and how a partner's
-recomputation is checked against the same rule: ``sdc_core.checks.screen_rule``. This module
-moves the rows: it builds this rank's row (plain torch ops and Python reads) and exchanges it; it
-carries no other check's values (each check runs its own collective).
-
-Cost per step, per rank: on the device a handful of tiny kernels (the row); no host
-synchronisation until ``suspects``, which waits once for the rows (long arrived when read one step
-later). Up to 16 ranks: one all_gather of ``world x (k + 3)`` float64 values and plain-Python
-arithmetic on them. Larger worlds: 8 sends and 8 receives of one row, Python on 9 rows, and one
-all_reduce of ``1 + 16 x (k + 3)`` values (a second wait), whatever the world; on a step some
-window flags, one all_gather of every row and Python on all of them. At each recalibration two
-torch medians over the band's bounded history."""
+Cost per step: a handful of tiny kernels, no host synchronisation until ``suspects``; Python on
+``world x (k + 3)`` numbers, or in larger worlds 8 sends, 8 receives and one all_reduce of
+``1 + 16 x (k + 3)`` values, whatever the world."""
 
 from __future__ import annotations
 
 import math
 import time
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -70,7 +48,7 @@ __all__ = ["GradientScreen", "ScreenConfig", "ScreenResult", "in_band", "loss_ma
 
 
 class _AllOf:
-    """Several asynchronous works waited for as one (``HostRead`` takes one)."""
+    """Several asynchronous works waited for as one."""
 
     def __init__(self, works: list[Any]) -> None:
         self.works = works
@@ -80,18 +58,17 @@ class _AllOf:
             work.wait()
 
 
+@dataclass
 class _Neighbourhood:
-    """A step of a larger world in flight: this rank's row (gathered from every rank only when a
-    window stands out) and its window (the neighbours' rows, then its own) being received."""
+    """A larger world's step in flight: this rank's row and its window (neighbours' rows, then its own)."""
 
-    def __init__(self, row: torch.Tensor, window: HostRead) -> None:
-        self.row, self.window = row, window
+    row: torch.Tensor
+    window: HostRead
 
 
 def ring_neighbours(topology: Topology | None) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """In a world of more than ``ALL_ROWS_UP_TO`` ranks: the ``NEIGHBOURS`` ranks after this one on
-    the replay's ring (which crosses nodes; they receive its row) and those before it (it receives
-    theirs); else none (every row is gathered)."""
+    """In a world above ``ALL_ROWS_UP_TO``: the ``NEIGHBOURS`` ranks after this one on the replay's
+    ring (they receive its row) and those before it (it receives theirs); else none."""
     if topology is None or topology.world_size <= ALL_ROWS_UP_TO:
         return (), ()
     after = topology.partners()
@@ -105,8 +82,8 @@ def ring_neighbours(topology: Topology | None) -> tuple[tuple[int, ...], tuple[i
 
 
 def loss_magnitude(loss: torch.Tensor | None, device: torch.device) -> torch.Tensor:
-    """log2 of |loss| as a 1-element float32 tensor on ``device`` (no host synchronisation): NaN
-    for no loss or a zero loss (no opinion), +Inf for a non-finite one."""
+    """log2 of |loss|, 1-element float32 on ``device``, no host synchronisation: NaN for no loss or a
+    zero loss, +Inf for a non-finite one."""
     if loss is None:
         return torch.full((1,), float("nan"), device=device)
     v = loss.detach().reshape(-1)[:1].to(device, torch.float32).abs().log2()  # NaN, +Inf, -Inf (zero)
@@ -114,8 +91,7 @@ def loss_magnitude(loss: torch.Tensor | None, device: torch.device) -> torch.Ten
 
 
 def _loss_log2(loss: torch.Tensor | None) -> float:
-    """``loss_magnitude``'s value for a loss on the host, as a Python float (no op but the read):
-    log2 of |loss| rounded to float32; NaN for no loss or a zero one, +Inf for a non-finite one."""
+    """``loss_magnitude``'s value for a loss on the host, as a Python float (no op but the read)."""
     if loss is None:
         return math.nan
     v = abs(loss.detach().reshape(-1)[0].to(torch.float32).item())  # float32, as loss_magnitude reads it
@@ -125,14 +101,10 @@ def _loss_log2(loss: torch.Tensor | None) -> float:
 
 
 class GradientScreen:
-    """Framework-neutral every-step screen (module docstring). The driver calls, on every rank
-    alike: ``attach(nonfinite)`` once (one blocking collective: the ranks agree on the width),
-    then per optimizer step ``observe(step, nonfinite.take_magnitudes(), loss)`` right after the
-    sync backward (before anything else queues a collective of its own for that step) and
-    ``suspects(step)`` before the update when the decision must precede it, else one step later
-    (at most ``_MAX_PENDING`` steps may wait; older ones are judged first, in order).
-    ``discard()`` forgets pending steps without any collective (training stops on another error).
-    """
+    """Framework-neutral every-step screen. On every rank alike: ``attach(nonfinite)`` once (one
+    blocking collective), then per step ``observe(step, nonfinite.take_magnitudes(), loss)`` right
+    after the sync backward and ``suspects(step)`` before the update or one step later (at most
+    ``_MAX_PENDING`` steps wait; older ones are judged first). ``discard()``: no collective."""
 
     role: ClassVar[Role] = Role.SCREEN
 
@@ -142,7 +114,6 @@ class GradientScreen:
         self.stats = CheckStats("gradient_screen")
         self.width = 0  # values per row: groups + the loss (0 before attach)
         self.names: list[str] = []  # the values' names: a group's first parameter, or "loss"
-        self.last_result: ScreenResult | None = None
         self._device: torch.device | None = None
         self._targets: dict[torch.device | None, torch.device] = {}  # ``collective_device`` per source device
         self._pending: OrderedDict[int, HostRead | _Neighbourhood] = OrderedDict()  # step -> its rows in flight
@@ -158,9 +129,8 @@ class GradientScreen:
         return self.topology.world_size if self.topology is not None else 1
 
     def attach(self, nonfinite: NonFiniteGradient) -> int:
-        """Opt ``nonfinite`` in to its magnitude read (``want_magnitudes``) and agree on the row's
-        width across the ranks (one blocking all_reduce; raises ``ValueError`` on every rank when
-        the ranks' models give different widths). Returns the width."""
+        """Opt ``nonfinite`` in to its magnitudes and agree on the row's width (one blocking
+        all_reduce; ``ValueError`` on every rank when the widths differ). Returns the width."""
         if self.topology is None:
             self.topology = Topology.gather()
         k = nonfinite.want_magnitudes(self.config.groups)
@@ -196,9 +166,8 @@ class GradientScreen:
     def observe(
         self, step: int, magnitudes: torch.Tensor | list[float] | None, loss: torch.Tensor | None = None
     ) -> None:
-        """Start step ``step``'s exchange of this rank's row (``magnitudes``: the ``k`` values of
-        ``take_magnitudes``, a tensor or, read on the host, a list; None for no opinion; ``loss``:
-        this rank's loss of the step, or None). No host synchronisation. Every rank, every step, alike."""
+        """Start step ``step``'s exchange of this rank's row (``magnitudes``: ``take_magnitudes``'
+        values, None for no opinion). No host synchronisation. Every rank, every step, alike."""
         if self.width == 0:
             raise RuntimeError("GradientScreen.observe before attach")
         t0 = time.perf_counter()
@@ -222,11 +191,8 @@ class GradientScreen:
             self.stats.add_time(time.perf_counter() - t0)
             return
         if isinstance(magnitudes, list):  # read on the host already (CPU gradients)
-            listed: list[float] | None = magnitudes
-            magnitudes = None
-            made_on: torch.device | None = _CPU
-        else:
-            listed, made_on = None, magnitudes.device if magnitudes is not None else None
+            magnitudes = torch.tensor(magnitudes, dtype=torch.float64)
+        made_on = magnitudes.device if magnitudes is not None else None
         if made_on is not None and self._device is None:
             self._device = made_on
         source = made_on if made_on is not None else self._device
@@ -238,8 +204,6 @@ class GradientScreen:
         else:  # no host-to-device copy (it would wait for the device's queue)
             head = torch.full((HEADER,), float(self.width), dtype=torch.float64, device=device)
             head[0] = float(step)
-        if listed is not None:
-            magnitudes = torch.tensor(listed, dtype=torch.float64)
         if magnitudes is None or magnitudes.numel() != k:  # a read this rank could not make: no opinion
             mags = torch.full((k,), float("nan"), dtype=torch.float64, device=device)
         else:
@@ -256,9 +220,7 @@ class GradientScreen:
         return target.type == "cpu"
 
     def _start(self, step: int, row: torch.Tensor, device: torch.device) -> None:
-        """Start the exchange of this rank's ``row`` for ``step`` (every rank alike; async): every
-        row gathered, or, in a larger world, the row sent to the neighbours after this rank and
-        theirs received from those before it."""
+        """Start the exchange of this rank's ``row`` for ``step`` (every rank alike; async)."""
         if self.world_size == 1:
             self._pending[step] = HostRead(row.reshape(1, -1))
         elif not self._receives_from:
@@ -277,8 +239,8 @@ class GradientScreen:
         return HostRead(out, work)
 
     def suspects(self, step: int) -> ScreenResult:
-        """The verdict on ``step`` (waits for its rows; judges older pending steps first).
-        Raises ``LookupError`` for a step never observed or already returned."""
+        """The verdict on ``step`` (judges older pending steps first). ``LookupError`` for a step
+        never observed or already returned."""
         while step in self._pending and step not in self._judged:
             self._judge_oldest()
         if step not in self._judged:
@@ -306,9 +268,7 @@ class GradientScreen:
         self.stats.add_time(time.perf_counter() - t0)
 
     def _judge_neighbourhood(self, step: int, read: _Neighbourhood) -> ScreenResult:
-        """A larger world's verdict on ``step`` (module docstring): this rank's window judged, then
-        the step's one all_reduce (the windows that stood out, the band's sample), then, only when
-        some window stood out, every row gathered and judged. Identical on every rank."""
+        """A larger world's verdict on ``step`` (module docstring). Identical on every rank."""
         window = read.window.tolist()  # waits for the neighbours' rows
         t0 = time.perf_counter()
         band, calibrated = self._next_band()
@@ -334,7 +294,6 @@ class GradientScreen:
         else:
             self.stats.last_verified_step = step
             result = ScreenResult(step=step, calibrated=calibrated, bands=tuple(band))
-            self.last_result = result
         self.band.add(judge_rows(sample, band, self.names)[1])
         self.stats.add_time(time.perf_counter() - t0)
         return result
@@ -350,10 +309,8 @@ class GradientScreen:
         return None if self._last_dev is None else torch.tensor(self._last_dev, dtype=torch.float64)
 
     def judge(self, step: int, rows: torch.Tensor | list[list[float]]) -> ScreenResult:
-        """The verdict on ``rows`` (``world x (2 + width)`` float64, every rank's row, or those rows
-        as lists; identical on every rank), and the history updated with its healthy deviations.
-        Pure host arithmetic: one ``tolist`` of a tensor, then plain Python on ``world x (width + 3)``
-        numbers."""
+        """The verdict on every rank's rows (``world x (2 + width)``, a tensor or lists), the history
+        updated with its healthy deviations. Pure host arithmetic."""
         table = rows.to("cpu", torch.float64).tolist() if isinstance(rows, torch.Tensor) else rows
         if len(table) != self.world_size or any(len(r) != HEADER + self.width for r in table):
             shape = tuple(rows.shape) if isinstance(rows, torch.Tensor) else (len(table),)
@@ -362,9 +319,7 @@ class GradientScreen:
         return self._verdict(step, table, band, calibrated, learn=True)
 
     def _next_band(self) -> tuple[list[float], bool]:
-        """The band to judge the next step with (``Band.current``), one run counted, and the
-        band's predicted hits a day into the counters (``sdc/gradient_screen/predicted_hits_per_day``)
-        once a tail has been fitted."""
+        """``Band.current``, one run counted and the band's predicted hits a day recorded."""
         assert self.band is not None
         self.stats.runs += 1
         band, calibrated = self.band.current()
@@ -377,8 +332,7 @@ class GradientScreen:
 
     def _verdict(self, step: int, table: list[list[float]], band: list[float], calibrated: bool,
                  learn: bool = False) -> ScreenResult:  # fmt: skip
-        """Every rank's rows judged against ``band`` (and, when ``learn``, their healthy
-        deviations added to the band's history); the counters updated."""
+        """Every rank's rows judged against ``band`` (``learn``: into the history); counters updated."""
         details, healthy, margin, values, devs = judge_rows(table, band, self.names)
         self._last_dev = devs
         if learn:
@@ -395,21 +349,18 @@ class GradientScreen:
             self.stats.last_verified_step = step
         result = ScreenResult(step=step, ranks=ranks, details=details, calibrated=calibrated, margin=margin,
                               values=tuple(values), bands=tuple(band))  # fmt: skip
-        self.last_result = result
         return result
 
     def state_dict(self) -> dict[str, Any]:
         """Counters and the band's history (identical on every rank: rank 0's restores all)."""
         if self.band is None:  # before attach: what a checkpoint restored, if anything, is kept as it came
-            band = self._restored or {"history": None, "shape": None, "cursor": 0, "filled": 0}
-            kept = {k: band.get(k) for k in ("history", "shape", "cursor", "filled")}
+            kept = self._restored or {"history": None, "shape": None, "cursor": 0, "filled": 0}
             return {"stats": self.stats.state_dict(), **kept}
         return {"stats": self.stats.state_dict(), **self.band.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what ``state_dict`` saved (before or after ``attach``: restored before, the band
-        takes it at ``attach``); a history of another shape (another world size or model) is
-        dropped, the band recalibrates. Raises ``ValueError`` on a malformed state."""
+        """Restore what ``state_dict`` saved, before or after ``attach`` (a history of another shape
+        is dropped). Raises ``ValueError`` on a malformed state."""
         self.stats.load_state_dict(state["stats"])
         if self.band is not None:
             self.band.load_state_dict(state)

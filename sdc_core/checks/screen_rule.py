@@ -1,40 +1,21 @@
-"""The every-step screen's rule, on the host: its settings (``ScreenConfig``), its verdict
-(``ScreenResult``), the comparison of the ranks' rows (``read_rows``, ``reference``, ``deviations``,
-``classify``, ``in_band``) and the band they are compared with (``Band``). ``screen`` gathers the
-rows; this module judges them. Pure host arithmetic on ``world x (k + 3)`` numbers, but for
-``Band``'s two torch medians over its history at each recalibration.
+"""The every-step screen's rule, on the host: its settings, its verdict, the comparison of the ranks'
+rows and the band they are compared with (``Band``); ``screen`` gathers the rows.
 
-The comparison, at each step, in log2 units: each value's deviation from the ranks' (lower)
-median of that value; a rank's ``level``, the median of its deviations (a batch with harder or
-fewer samples makes EVERY gradient of that rank larger: measured up to 2^7 on healthy steps);
-each value's deviation less the rank's level (what a faulty multiply-accumulate or a flipped
-exponent bit changes: a few values, not all; on healthy steps within 2^3.4 here). A rank is a
-suspect when a level-corrected deviation, or its level, exceeds its band. Comparing ranks AT THE
-SAME STEP cancels what every rank shares (the phase of training, a learning-rate warm-up, the
-scale of the loss). One-sided: only values that GREW are flagged (a flip that makes an element
-tiny changes its gradient by at most that element); a genuine spike batch on one rank can be
-flagged too (the partner replay clears it).
+In log2 units: each value's deviation from the ranks' (lower) median; a rank's ``level``, the
+median of its deviations (a harder batch raises EVERY gradient of a rank); each deviation less the
+level (a faulty multiply-accumulate or exponent flip changes a few values, not all). A rank is a
+suspect when a corrected deviation, or its level, exceeds its band; only values that GREW count.
 
-The band is calibrated from the run itself, per value and for the level: the positive
-deviations of the ranks not flagged, over the last ``window`` steps, give ``median + z * 1.4826 *
-MAD`` (the bulk), or, when higher, the quantile of an exponential tail fitted to them that keeps
-the world's hits under one a day at one step a second (``tail_bands``: sized to the world),
-clamped to ``[min_band, max_band]`` and recomputed at every step of the first ``_REFRESH``, then
-every ``_REFRESH`` steps while some value is not calibrated, every ``_REFRESH_CALIBRATED`` steps
-once all are. Until a group's value has ``calibration_samples`` such deviations its band is the
-groups' pooled ``early_band`` (the screen judges from the first steps), and ``initial_band`` until
-the pool can be fitted; the loss and the level, from half their ``calibration_samples``, their own
-bulk rule plus ``_EARLY_MARGIN`` (``initial_band`` before).
+The band, per value and for the level: ``median + z * 1.4826 * MAD`` of the healthy ranks' positive
+deviations over the last ``window`` steps or, when higher, a fitted exponential tail's quantile
+that keeps the world's hits under one a day at one step a second, clamped to ``[min_band,
+max_band]``. Until calibrated (``calibration_samples``) the groups use the pooled ``early_band``
+(``initial_band`` before), the loss and level their own bulk rule plus ``_EARLY_MARGIN``.
 
-Peers are hostile: each row carries its step and width, which must equal the ranks' median
-(else the row is ``malformed`` and its rank a suspect); values must be NaN (no opinion), +Inf
-(the rank's gradients held NaN/Inf: a suspect, ``nonfinite``) or finite within the float range
-of log2 magnitudes. A rank can only accuse itself: the reference is a median, rows of suspects
-never enter the history, and the band is capped at ``max_band``.
-
-To confirm a hit elsewhere (a partner's recomputation of the suspect's step), ``ScreenResult``
-carries the step's ``values`` and ``bands``; ``in_band(row, reference(result.values, rank),
-result.bands)`` applies the judge's rule to one recomputed row against the other ranks' median.
+Peers are hostile: a row's step and width must equal the ranks' median (else ``malformed``);
+values must be NaN (no opinion), +Inf (``nonfinite``) or finite within the range of log2
+magnitudes. A rank can only accuse itself: the reference is a median, suspects' rows never enter
+the history, the band is capped at ``max_band``.
 """
 
 from __future__ import annotations
@@ -52,11 +33,9 @@ from sdc_core.schema import documented, setting
 HEADER = 2  # a row starts with its step and width
 LOG2_LIMIT = 1100.0  # |log2| of any finite float64 magnitude is below this
 _MAD_TO_SIGMA = 1.4826
-_REFRESH = 32  # judged steps between two recalibrations of the band while some value is not calibrated (its two
-# medians over the history, and writing the history: a fifth of `judge`'s host cost at 32)
+_REFRESH = 32  # judged steps between two recalibrations of the band while some value is not calibrated
 _REFRESH_CALIBRATED = 128  # ... and once all are: the band is a median over `window` steps and moves slowly
-_SAMPLED_RANKS = 16  # ranks' healthy deviations the band's history keeps per step: its memory and the cost of
-# its medians do not grow with the world (the ranks taken rotate from step to step, identically on every rank)
+_SAMPLED_RANKS = 16  # ranks whose deviations the history keeps per step (rotating, identically on every rank)
 _TAIL_SHARE = 0.1  # the largest tenth of a value's healthy positive deviations gives its tail's slope
 _TAIL_MIN = 10  # deviations above that threshold a tail fit needs (fewer: the band is the MAD rule's alone)
 _EARLY_MARGIN = 1.0  # log2: the early band's allowance for a group more spread than the groups pooled (2x)
@@ -126,16 +105,13 @@ class ScreenConfig:
 class ScreenResult:
     """The screen's verdict on one step, identical on every rank.
 
-    ``ranks``: the suspects, ascending. ``details[rank]``: ``reason`` (``"band"``: a value above
-    its band; ``"nonfinite"``: the rank's gradients held NaN/Inf; ``"malformed"``: its row broke
-    the protocol), and for ``"band"`` the ``value`` (group name or ``"loss"``) furthest out, its
-    ``excess`` over the rank's level (for ``"level"``: the level itself) and its ``band``, log2 units.
+    ``ranks``: the suspects, ascending. ``details[rank]``: ``reason`` (``"band"``, ``"nonfinite"``
+    or ``"malformed"``) and for ``"band"`` the ``value`` furthest out (group name, ``"loss"`` or
+    ``"level"``), its ``excess`` over the rank's level and its ``band`` (log2).
 
-    ``values[rank]``: that rank's gathered row as judged, ``GradientScreen.names`` order without
-    ``"level"`` (the groups, then the loss), log2: NaN for no opinion and for every value of a
-    malformed row, +Inf where the rank's gradients held NaN/Inf. ``bands``: the band of each value
-    and, last, of the level, used for this step. Both are evidence, not verdict: left out of
-    ``==`` and ``repr``; compare a recomputed row with ``in_band(row, reference(values, rank), bands)``."""
+    Evidence, left out of ``==`` and ``repr``: ``values[rank]``, the rank's row as judged (the
+    groups, then the loss; NaN: no opinion or malformed; +Inf: NaN/Inf gradients), and ``bands``,
+    each value's band then the level's."""
 
     step: int
     ranks: tuple[int, ...] = ()
@@ -149,7 +125,6 @@ class ScreenResult:
         return bool(self.ranks)
 
 
-
 def _median(values: Sequence[float]) -> float:
     """The lower median of the values that are not NaN (``torch.nanmedian``'s), NaN when none."""
     v = sorted(values) if _isfinite(sum(values)) else sorted(a for a in values if a == a)  # a finite sum: no NaN
@@ -157,10 +132,8 @@ def _median(values: Sequence[float]) -> float:
 
 
 def reference(values: Sequence[Sequence[float]], exclude: int | None = None) -> list[float]:
-    """Per value what a rank's row is compared with: the lower median of the ranks' values
-    (``ScreenResult.values``; NaN and +Inf are no opinion). Without ``exclude`` (what ``judge``
-    uses) all ranks, NaN where fewer than two have a value; with it the ranks other than
-    ``exclude``, NaN where none has one."""
+    """Per value the lower median of the ranks' values (NaN and +Inf: no opinion): of all ranks,
+    NaN where fewer than two have one; with ``exclude``, of the others, NaN where none has one."""
     need = 2 if exclude is None else 1
     others = [v for i, v in enumerate(values) if i != exclude]
     if not others:  # nobody to compare with
@@ -178,11 +151,9 @@ def reference(values: Sequence[Sequence[float]], exclude: int | None = None) -> 
 def read_rows(
     table: list[list[float]], width: int
 ) -> tuple[list[tuple[float, ...]], list[list[float]], list[bool], list[bool]]:
-    """The gathered rows (``step, width, values...`` per rank; peers are hostile) as ``(values,
-    judged, malformed, nonfinite)``: per rank its values as reported (all NaN for a malformed row:
-    a step or width other than the ranks' median, or a value neither NaN, +Inf nor finite within
-    the range of log2 magnitudes; +Inf kept), as compared (+Inf is no opinion too), whether the
-    row was malformed and whether it held +Inf (the rank's gradients held NaN/Inf)."""
+    """The gathered rows (``step, width, values...``; hostile) as per-rank lists ``(values, judged,
+    malformed, nonfinite)``: the values as reported (all NaN when malformed), as compared (+Inf is
+    no opinion too), whether the row was malformed and whether it held +Inf."""
     nan, inf, limit = math.nan, math.inf, LOG2_LIMIT
     expect = _median([r[0] for r in table])  # the step most ranks sent
     values: list[tuple[float, ...]] = []
@@ -196,28 +167,20 @@ def read_rows(
         else:
             legal = all(a != a or a == inf or -limit <= a <= limit for a in v)
         bad = r[0] != expect or r[1] != width or not legal
-        malformed.append(bad)
         if bad:
             v = [nan] * width
-            nonfinite.append(False)
-        elif inf in v:
-            nonfinite.append(True)
-            values.append(tuple(v))
-            judged.append([nan if a == inf else a for a in v])
-            continue
-        else:
-            nonfinite.append(False)
+        hot = not bad and inf in v
+        malformed.append(bad)
+        nonfinite.append(hot)
         values.append(tuple(v))
-        judged.append(v)
+        judged.append([nan if a == inf else a for a in v] if hot else v)
     return values, judged, malformed, nonfinite
 
 
 def deviations(row: Sequence[float], ref: Sequence[float]) -> list[float]:
-    """``row``'s level-corrected deviations from ``ref``, then its level (log2; NaN: none). The
-    level is the median deviation (how much larger this rank's batch made everything); each value
-    is corrected by the smaller of the level and the loss's (last) deviation (``torch.fmin``: NaN
-    only when both are): a harder batch raises its loss with its gradients, a fault in backward
-    raises gradients only."""
+    """``row``'s deviations from ``ref`` less the smaller of its level (median deviation) and its
+    loss's (last) deviation (NaN only when both are: a harder batch raises its loss with its
+    gradients, a fault in backward gradients only), then the level (log2; NaN: none)."""
     if len(row) != len(ref):
         raise ValueError(f"{len(row)} values, {len(ref)} references")
     raw = list(map(_sub, row, ref))
@@ -229,15 +192,9 @@ def deviations(row: Sequence[float], ref: Sequence[float]) -> list[float]:
 
 
 def in_band(row: Sequence[float], ref: Sequence[float], bands: Sequence[float]) -> bool:
-    """Whether one row of values stays within ``bands`` relative to ``ref``, by the rule ``judge``
-    applies to each rank: no level-corrected deviation, nor the level, above its band.
-
-    ``row``: the groups then the loss, log2 (``ScreenResult.values``' layout, e.g. a partner's
-    recomputation of a suspect's step; NaN: no opinion, the loss may be NaN). ``ref``: the
-    reference of that step, same layout (``reference(result.values, rank)``: the other ranks'
-    median). ``bands``: ``ScreenResult.bands`` (one more: the level's, last). A value that is
-    neither NaN nor finite within the range of log2 magnitudes (+Inf: non-finite gradients) is out
-    of band. Pure host arithmetic. Raises ``ValueError`` when the lengths do not match."""
+    """Whether one row (e.g. a partner's recomputation) stays within ``ScreenResult.bands`` relative to
+    ``reference(result.values, rank)`` by ``judge``'s rule; a value neither NaN nor a finite log2
+    magnitude is out. ``ValueError`` when the lengths do not match."""
     if not len(row) == len(ref) == len(bands) - 1:
         raise ValueError(f"in_band: {len(row)} values, {len(ref)} references, {len(bands)} bands")
     if not all(a != a or -LOG2_LIMIT <= a <= LOG2_LIMIT for a in row):
@@ -245,16 +202,14 @@ def in_band(row: Sequence[float], ref: Sequence[float], bands: Sequence[float]) 
     return not any(d > b for d, b in zip(deviations(row, ref), bands, strict=True))
 
 
-
 def classify(
     devs: list[list[float]], band: Sequence[float], malformed: Sequence[bool], nonfinite: Sequence[bool],
     names: Sequence[str],
 ) -> tuple[dict[int, dict[str, Any]], list[list[float]], float]:  # fmt: skip
-    """The suspects of one step from each rank's ``deviations`` against ``band`` (one per value, the
-    level's last), as ``(details, healthy, margin)``: ``ScreenResult.details`` (malformed, then
-    non-finite, then the value furthest above its band, the first on ties), per rank its
-    deviations for the history (all NaN for a suspect) and the largest (deviation - band) of any
-    rank and value (-inf when none has a value)."""
+    """The suspects of one step from each rank's ``deviations`` against ``band`` as ``(details,
+    healthy, margin)``: ``ScreenResult.details`` (malformed, then non-finite, then the value
+    furthest above its band, the first on ties), per rank its deviations for the history (all NaN
+    for a suspect) and the largest (deviation - band) (-inf when none has a value)."""
     inf = math.inf
     margin, none = -inf, [math.nan] * len(band)
     details: dict[int, dict[str, Any]] = {}
@@ -283,9 +238,8 @@ def classify(
 def judge_rows(
     table: list[list[float]], band: Sequence[float], names: Sequence[str]
 ) -> tuple[dict[int, dict[str, Any]], list[list[float]], float, list[tuple[float, ...]], list[list[float]]]:
-    """The rule on some ranks' rows (``step, width, values...`` each; hostile): ``classify``'s
-    ``(details, healthy, margin)``, then each rank's values as reported (``read_rows``) and its
-    deviations from the rows' median. ``names``: the values' names, the level's last."""
+    """``classify``'s ``(details, healthy, margin)`` on some ranks' rows, then each rank's values as
+    reported (``read_rows``) and its deviations. ``names``: the values', the level's last."""
     width = len(names) - 1
     values, judged, malformed, nonfinite = read_rows(table, width)
     ref = reference(judged)
@@ -295,21 +249,18 @@ def judge_rows(
 
 
 def bulk_bands(history: torch.Tensor, config: ScreenConfig) -> torch.Tensor:
-    """Per value the bulk rule's band, ``median + z x 1.4826 x MAD`` of the history's healthy
-    positive deviations (``steps x ranks x values`` or ``rank-steps x values``; NaN: none),
-    before any clamp; NaN where a value has none. Two torch medians."""
+    """Per value (the history's last dimension; NaN: none) ``median + z x 1.4826 x MAD`` of the
+    history's deviations, unclamped; NaN where a value has none. Two torch medians."""
     h = history.reshape(-1, history.shape[-1])
     med = torch.nanmedian(h, 0).values
     return med + config.z * _MAD_TO_SIGMA * torch.nanmedian((h - med).abs(), 0).values
 
 
 def tail_fit(history: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per value (``history``'s last dimension: ``steps x ranks x values``, NaN where a rank-step
-    gave no healthy positive deviation) an exponential tail in log2 units (a power law in
-    magnitude): ``(u, scale, p_u)``, the value's ``1 - _TAIL_SHARE`` quantile of positive
-    deviations, the mean excess above it, and the share of rank-steps above it, so that
-    ``P(deviation > b) = p_u * exp(-(b - u) / scale)`` for ``b >= u``. NaN where fewer than
-    ``_TAIL_MIN`` deviations lie above ``u``. One sort per value."""
+    """Per value an exponential tail in log2 units, ``(u, scale, p_u)``: the ``1 - _TAIL_SHARE``
+    quantile of its deviations, the mean excess above it and the share of rank-steps above it, so
+    ``P(deviation > b) = p_u * exp(-(b - u) / scale)`` for ``b >= u``; NaN where fewer than
+    ``_TAIL_MIN`` lie above ``u``. One sort per value."""
     flat = history.reshape(-1, history.shape[-1])
     fit = torch.full((3, flat.shape[1]), math.nan, dtype=torch.float64)
     for j in range(flat.shape[1]):
@@ -324,25 +275,18 @@ def tail_fit(history: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
 
 def tail_bands(history: torch.Tensor, world: int, fit: tuple[torch.Tensor, ...] | None = None,
                values: int | None = None) -> torch.Tensor:  # fmt: skip
-    """Per value the deviation whose exceedance keeps the world's screen hits under one a day at
-    one step a second (``tail_fit``'s tail at ``p = 1 / (STEPS_PER_DAY x world x values)`` per
-    value and rank-step; ``values``: the values judged each step, by default ``history``'s last
-    dimension); NaN where no tail was fitted. ``fit``: ``tail_fit(history)``, when made."""
+    """Per value the deviation that keeps the world's hits under one a day at one step a second
+    (``tail_fit``'s tail at ``p = 1 / (STEPS_PER_DAY x world x values)``; ``values`` defaults to
+    ``history``'s last dimension); NaN where no tail was fitted."""
     u, scale, p_u = fit if fit is not None else tail_fit(history)
     budget = 1.0 / (STEPS_PER_DAY * max(world, 1) * (values or history.shape[-1]))
     return u + scale * torch.log(p_u / budget)
 
 
 def early_band(history: torch.Tensor, config: ScreenConfig, world: int) -> float:
-    """The band of a group's value before it has ``calibration_samples`` healthy deviations of its
-    own: what a healthy step shows across the model, the healthy deviations of every group pooled
-    (``history``: ``rank-steps x values``, the groups first, then the loss and the level, which
-    are not pooled: they move with the batch, not with one layer), by the bulk rule or, when
-    higher, the tail that keeps the world's hits under one a day, plus ``_EARLY_MARGIN``, clamped to
-    ``[min_band, initial_band]``. NaN (keep ``initial_band``) until the pool has a tail fit: about
-    100 positive deviations, 5-7 steps with 3 ranks and the first step from about 16. The pool
-    fills ``groups`` times faster than one value, so the screen judges from the first steps and
-    tightens per value as each calibrates. One sort and two medians over the pool."""
+    """A group's band before it is calibrated: the bulk or tail band (the higher) of every group's
+    deviations pooled (not the loss and level, last in ``history``) plus ``_EARLY_MARGIN``, clamped to
+    ``[min_band, initial_band]``; NaN until the pool has a tail fit (5-7 steps with 3 ranks)."""
     pool = history[:, :-2].reshape(-1, 1)
     fit = tail_fit(pool)
     if math.isnan(float(fit[0][0])):
@@ -354,9 +298,8 @@ def early_band(history: torch.Tensor, config: ScreenConfig, world: int) -> float
 
 def predicted_hits_per_day(history: torch.Tensor, band: torch.Tensor, world: int,
                            fit: tuple[torch.Tensor, ...] | None = None) -> float:  # fmt: skip
-    """The screen hits a day that ``tail_fit``'s tails predict across a world of ``world`` ranks at
-    one step a second with ``band`` (values without a fitted tail count none: NaN when none has).
-    ``fit``: ``tail_fit(history)``, when made."""
+    """The hits a day ``tail_fit``'s tails predict for ``world`` ranks at one step a second with
+    ``band`` (values without a tail count none; NaN when none has)."""
     u, scale, p_u = fit if fit is not None else tail_fit(history)
     rate = p_u * torch.exp(-(torch.fmax(band, u) - u) / scale)
     fitted = ~torch.isnan(rate)
@@ -366,8 +309,8 @@ def predicted_hits_per_day(history: torch.Tensor, band: torch.Tensor, world: int
 
 
 def history_tensor(state: dict[str, Any]) -> torch.Tensor | None:
-    """``Band.state_dict``'s history as a float64 tensor (NaN: no value), or None when the state
-    holds none of a readable shape; a tensor (an earlier checkpoint's form) is taken as it is."""
+    """``Band.state_dict``'s history as a float64 tensor (NaN: no value; a tensor is taken as it
+    is), or None when the state holds none of a readable shape."""
     history, shape = state.get("history"), state.get("shape")
     if isinstance(history, torch.Tensor):
         return history
@@ -381,13 +324,11 @@ def history_tensor(state: dict[str, Any]) -> torch.Tensor | None:
 
 
 class Band:
-    """Each value's band (and the level's, last) and the history of healthy deviations it is
-    calibrated on: ``window`` steps of ``min(world, 16) x (width + 1)`` values (at most 16 ranks a
-    step, taken in rotation: bounded whatever the world), the positive ones capped at ``max_band``
-    (NaN: none). ``current()`` is what a step is judged with, recalibrated first, then
-    every ``_REFRESH`` steps while some value is not calibrated, every ``_REFRESH_CALIBRATED`` once
-    all are; ``add`` records a judged step's healthy deviations (written into the history at the
-    next recalibration, in one copy). Identical on every rank when fed the same steps."""
+    """Each value's band (the level's last) and its history: ``window`` steps of ``min(world, 16) x
+    (width + 1)`` healthy deviations (16 ranks a step in rotation), the positive ones capped at
+    ``max_band`` (NaN: none). ``current()`` recalibrates at every step of the first ``_REFRESH``,
+    then every ``_REFRESH`` steps (``_REFRESH_CALIBRATED`` once all are calibrated). Identical on
+    every rank when fed the same steps."""
 
     def __init__(self, config: ScreenConfig, world: int, width: int) -> None:
         self.config, self.width, self.world = config, width, world
@@ -444,8 +385,7 @@ class Band:
         return current
 
     def add(self, healthy: list[list[float]]) -> None:
-        """Record one judged step's deviations per rank (``classify``'s ``healthy``): those of
-        ``sampled`` ranks, taken in rotation when the world has more."""
+        """Record one judged step's ``healthy`` deviations (``sampled`` ranks, in rotation)."""
         n = len(healthy)
         if n > self.sampled:
             start = self._rotation
@@ -468,20 +408,17 @@ class Band:
         self.history.index_copy_(0, torch.tensor(list(latest)), rows)
 
     def state_dict(self) -> dict[str, Any]:
-        """The history as plain JSON values (a flat list, ``None`` for no value, and its shape), so
-        that every route's checkpoint can hold it: ``torch.save`` files and Accelerate's JSON alike."""
+        """The history as plain JSON values (a flat list, ``None`` for no value, and its shape)."""
         self.flush()
         flat = [None if v != v else v for v in self.history.flatten().tolist()]  # NaN: None
         return {"history": flat, "shape": list(self.history.shape), "cursor": self.cursor, "filled": self.filled}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore ``state_dict``'s history; one of another shape (another world size or model) is
-        dropped and the band recalibrates. Raises ``ValueError`` on values out of range."""
+        """Restore ``state_dict``'s history (one of another shape is dropped). Raises ``ValueError``
+        on values out of range."""
         self.flush()
         history = history_tensor(state)
-        if history is None or history.shape != self.history.shape:
-            return
-        if history.dtype != torch.float64:
+        if history is None or history.shape != self.history.shape or history.dtype != torch.float64:
             return
         cfg = self.config
         finite = torch.isnan(history) | (torch.isfinite(history) & (history > 0) & (history <= cfg.max_band))
