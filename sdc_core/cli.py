@@ -54,11 +54,9 @@ DEBUG_ENV = "SDC_DEBUG"
 
 @dataclass(frozen=True)
 class Command:
-    """One ``sdc`` subcommand.
-
-    Either ``add_arguments(parser)`` and ``run(args) -> exit code`` (parsed here), or ``delegate``,
-    ``"module:function"`` taking the remaining argv and returning an exit code, imported only
-    when the command runs (so ``sdc --help`` never imports a framework)."""
+    """One ``sdc`` subcommand: ``add_arguments(parser)`` and ``run(args) -> exit code``, or
+    ``delegate``, ``"module:function"`` taking the remaining argv and returning an exit code,
+    imported only when the command runs (so ``sdc --help`` never imports a framework)."""
 
     name: str
     help: str
@@ -346,19 +344,15 @@ def campaign_parser() -> argparse.ArgumentParser:
 
 
 def campaign_main(argv: list[str]) -> int:
-    """``sdc campaign``: find the installed runner first (entry point group
-    ``sdc_checks.campaign_runners``), so that without one even ``--help`` says what to install;
-    then parse and run. Returns the exit code (errors are raised for ``run_guarded`` to print)."""
+    """``sdc campaign``: find the installed runner first, so that without one even ``--help`` says
+    what to install; then parse and run. Returns the exit code; errors are raised for ``main``."""
     from sdc_core.faults.campaign_runner import RUNNER_GROUP, SITES, find_runner
 
     try:
         runner = find_runner()
     except ImportError as err:
         raise _needs("campaign", RUNNER_GROUP, err) from None
-    try:
-        args = campaign_parser().parse_args(argv)
-    except SystemExit as exit_:
-        return int(exit_.code or 0)
+    args = campaign_parser().parse_args(argv)  # its usage errors and --help exit as ``main`` expects
     from sdc_core.faults.campaign import COMPUTE_SITES
     from sdc_core.faults.campaign_run import CampaignFailed, run_campaign, run_sizes_campaign
 

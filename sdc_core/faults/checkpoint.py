@@ -1,10 +1,6 @@
-"""Checkpoint alteration: the fault-injection technique of the SBAC-PAD 2022 study of DDP and
-Horovod training: flip bits in a saved checkpoint, resume, and watch what happens.
-
-``corrupt_file`` reads any checkpoint ``sdc_core.io.checkpoints.Checkpoint`` reads, flips chosen bits
-in chosen tensors with a seeded generator, and logs every flip (tensor, index, bit, old and new
-value) so a run can be replayed. It never writes over its input unless asked to, and writes every
-output atomically. Used by ``sdc corrupt-checkpoint`` and the campaign; the checks never import it.
+"""Checkpoint alteration (as in the SBAC-PAD 2022 study of DDP and Horovod training): flip seeded
+bits in a saved checkpoint's tensors and log every flip, for ``sdc corrupt-checkpoint`` and the
+campaign. The input is never written unless asked; outputs are written atomically.
 """
 
 from __future__ import annotations
@@ -81,10 +77,8 @@ class Corruption:
 def distinct_positions(total: int, n: int, gen: torch.Generator) -> torch.Tensor:
     """``n`` distinct positions in ``range(total)``, sorted, every ``n``-subset equally likely.
 
-    Memory is O(n), not O(total): iid uniform draws are pooled until ``n`` distinct values are
-    seen (given its size, the set of distinct draws is a uniform subset), then ``n`` of them are
-    kept at random. When ``n`` is at least half of ``total`` a permutation of ``range(total)``
-    costs no more than the answer and is used instead."""
+    Memory O(n), not O(total): uniform draws pooled until ``n`` are distinct (a uniform subset),
+    then ``n`` of them kept at random; for ``n >= total / 2`` a permutation, which costs no more."""
     if not 0 <= n <= total:
         raise ValueError(f"cannot pick {n} distinct positions out of {total}")
     if 2 * n >= total:
