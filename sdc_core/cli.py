@@ -78,9 +78,7 @@ class _Parser(argparse.ArgumentParser):
     """No abbreviated options; a usage error is one line naming the command and what to do."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        kwargs.setdefault("allow_abbrev", False)
-        kwargs.setdefault("formatter_class", argparse.RawDescriptionHelpFormatter)
-        super().__init__(*args, **kwargs)
+        super().__init__(*args, allow_abbrev=False, formatter_class=argparse.RawDescriptionHelpFormatter, **kwargs)
 
     def error(self, message: str) -> Any:
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
@@ -143,7 +141,6 @@ def _at_least(low: int) -> type:
             raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
         return value
 
-    parse.__name__ = f"integer >= {low}"
     return parse  # type: ignore[return-value]
 
 

@@ -33,6 +33,9 @@ SECTION = ("<!-- matmul-campaign -->", "<!-- /matmul-campaign -->")
 CAMPAIGN_SECTION = ("<!-- campaign -->", "<!-- /campaign -->")  # what ``sdc campaign --doc`` writes
 _GENERATED = ("# Detection coverage, measured", "## Summary", "## At the defaults", "## What goes undetected",
               "## Checkpoint alteration")  # the headings of a page written before the campaign's markers  # fmt: skip
+_TABLE_COLUMNS = ["site", "bit_class", "injections", "changed", "harmful", "detected", "masked", "silent",
+                  "crashed", "by_nonfinite", "by_replay", "by_fingerprint", "attributed", "median_latency",
+                  "diverged"]  # fmt: skip
 
 
 def md_table(head: list[str], rows: Iterable[Iterable[Any]]) -> list[str]:
@@ -59,9 +62,7 @@ def report(rows: list[dict[str, Any]], out: Path, seed: int, steps: int, optimiz
     summary = summarise(rows, seed, steps, optimizer)
     for row in summary["study"]:
         print("study:", row)
-    write_results(rows, summary, out, ["site", "bit_class", "injections", "changed", "detected", "masked", "silent",
-                                       "crashed", "by_nonfinite", "by_replay", "by_fingerprint", "attributed",
-                                       "median_latency", "diverged"])  # fmt: skip
+    write_results(rows, summary, out, [h for h in _TABLE_COLUMNS if h != "harmful"])
     print(f"clean runs: {summary['clean_runs']}, false alarms: {summary['false_alarms']}")
     print("at the defaults:", json.dumps({k: v for k, v in summary["defaults"].items() if k != "missed_compute"}))
     plot(summary["table"], out / "detection.png")
@@ -169,9 +170,7 @@ def markdown(results: dict[str, Any], command: str, plot_path: str | None) -> st
 def _coverage_table(summ: dict[str, Any], command: str, plot_path: str | None) -> list[str]:
     """The page's title, what was measured and how, the plot and the table per site and bit class."""
     table = summ["table"]
-    head = ["site", "bit_class", "injections", "changed", "harmful", "detected", "masked", "silent", "crashed",
-            "by_nonfinite", "by_replay", "by_fingerprint", "attributed", "median_latency", "diverged"]  # fmt: skip
-    head = [h for h in head if all(h in t for t in table)]
+    head = [h for h in _TABLE_COLUMNS if all(h in t for t in table)]
     lines = [
         "# Detection coverage, measured",
         "",

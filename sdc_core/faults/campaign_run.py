@@ -114,14 +114,14 @@ class _Launch:
         at_defaults = spec["site"] == "checkpoint"  # the study measures the checkpoint, not the checks
         defaults = self.fit(check_set="defaults", ckpt_path=str(bad)) if at_defaults else None
         row = outcome(spec, effect, detect, self.reference, defaults)
-        row["runtime_detected_by"] = runtime["error"]["check"] if runtime["error"] else ""
-        row["runtime_crash"] = runtime["crash"] or ""
-        row["effect_crash"] = effect["crash"] or ""
-        flips = json.loads(Path(f"{bad}.flips.json").read_text())["flips"] if self.rank == 0 else []
-        row["tensor"] = flips[0]["tensor"] if flips else ""
+        log = Path(f"{bad}.flips.json")
+        flips = json.loads(log.read_text())["flips"] if self.rank == 0 else []
+        row.update(runtime_detected_by=runtime["error"]["check"] if runtime["error"] else "",
+                   runtime_crash=runtime["crash"] or "", effect_crash=effect["crash"] or "",
+                   tensor=flips[0]["tensor"] if flips else "")  # fmt: skip
         dist.barrier()
         if self.rank == 0:
-            for f in (bad, bare, Path(f"{bad}.flips.json")):
+            for f in (bad, bare, log):
                 f.unlink(missing_ok=True)
         return row
 
@@ -269,10 +269,8 @@ def main(runner: CampaignRunner, argv: list[str] | None = None) -> None:
         parser = argparse.ArgumentParser(prog=f"python -m {runner.worker_module} matmul")
         parser.add_argument("--out", type=Path, default=Path("sdc-campaign-matmul"))
         parser.add_argument("--per-class", type=int, default=3, help="injections per phase and bit class")
-        parser.add_argument("--clean", type=int, default=3)
-        parser.add_argument("--workers", type=int, default=1)
-        parser.add_argument("--seed", type=int, default=0)
-        parser.add_argument("--steps", type=int, default=12)
+        for flag, default in (("--clean", 3), ("--workers", 1), ("--seed", 0), ("--steps", 12)):
+            parser.add_argument(flag, type=int, default=default)
         parser.add_argument("--doc", type=Path, help="write the campaign's section of this coverage page")
         parser.add_argument("--clean-runs", type=Path, help="with --doc: the long clean runs' JSON to show too")
         parser.add_argument("--doc-only", action="store_true", help="only re-render the section from --out")
