@@ -26,10 +26,8 @@ MATMUL_PHASES = ("forward", "input_grad", "weight_grad")
 
 
 def flip_bit(t: torch.Tensor, index: int, bit: int) -> tuple[float, float]:
-    """Flip bit ``bit`` (0 = least significant) of flat element ``index`` of ``t`` in place.
-
-    Returns ``(old, new)`` values. Works for every floating dtype (and integer tensors).
-    """
+    """Flip bit ``bit`` (0 = least significant) of flat element ``index`` of ``t`` (any float or
+    integer dtype, contiguous) in place; returns ``(old, new)``."""
     width = t.element_size() * 8
     if not 0 <= bit < width:
         raise ValueError(f"bit must be in [0, {width}) for {t.dtype}, got {bit}")
