@@ -54,11 +54,9 @@ DEBUG_ENV = "SDC_DEBUG"
 
 @dataclass(frozen=True)
 class Command:
-    """One ``sdc`` subcommand.
-
-    Either ``add_arguments(parser)`` and ``run(args) -> exit code`` (parsed here), or ``delegate``,
-    ``"module:function"`` taking the remaining argv and returning an exit code, imported only
-    when the command runs (so ``sdc --help`` never imports a framework)."""
+    """One ``sdc`` subcommand: ``add_arguments(parser)`` and ``run(args) -> exit code``, or
+    ``delegate``, ``"module:function"`` taking the remaining argv and returning an exit code,
+    imported only when the command runs (so ``sdc --help`` never imports a framework)."""
 
     name: str
     help: str
@@ -80,9 +78,7 @@ class _Parser(argparse.ArgumentParser):
     """No abbreviated options; a usage error is one line naming the command and what to do."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        kwargs.setdefault("allow_abbrev", False)
-        kwargs.setdefault("formatter_class", argparse.RawDescriptionHelpFormatter)
-        super().__init__(*args, **kwargs)
+        super().__init__(*args, allow_abbrev=False, formatter_class=argparse.RawDescriptionHelpFormatter, **kwargs)
 
     def error(self, message: str) -> Any:
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
@@ -145,7 +141,6 @@ def _at_least(low: int) -> type:
             raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
         return value
 
-    parse.__name__ = f"integer >= {low}"
     return parse  # type: ignore[return-value]
 
 
@@ -346,19 +341,15 @@ def campaign_parser() -> argparse.ArgumentParser:
 
 
 def campaign_main(argv: list[str]) -> int:
-    """``sdc campaign``: find the installed runner first (entry point group
-    ``sdc_checks.campaign_runners``), so that without one even ``--help`` says what to install;
-    then parse and run. Returns the exit code (errors are raised for ``run_guarded`` to print)."""
+    """``sdc campaign``: find the installed runner first, so that without one even ``--help`` says
+    what to install; then parse and run. Returns the exit code; errors are raised for ``main``."""
     from sdc_core.faults.campaign_runner import RUNNER_GROUP, SITES, find_runner
 
     try:
         runner = find_runner()
     except ImportError as err:
         raise _needs("campaign", RUNNER_GROUP, err) from None
-    try:
-        args = campaign_parser().parse_args(argv)
-    except SystemExit as exit_:
-        return int(exit_.code or 0)
+    args = campaign_parser().parse_args(argv)  # its usage errors and --help exit as ``main`` expects
     from sdc_core.faults.campaign import COMPUTE_SITES
     from sdc_core.faults.campaign_run import CampaignFailed, run_campaign, run_sizes_campaign
 

@@ -1,20 +1,10 @@
 """Fault-injection campaigns: how much each check catches, and how often it cries wolf.
 
-``sdc campaign`` (``plan``) injects seeded bit flips at the fault sites ``SITES`` (compute:
-``COMPUTE_SITES``; weights after a step, optimizer state, a saved checkpoint) in each bit class,
-plus clean runs. Each injection is a short DDP training on ``WORLD`` CPU ranks, run without checks
-(did the fault change the result?), with all three checks every step (which caught it, was the
-faulty rank named, how many steps later) and at their defaults. Outcome per injection: detected (a
-check raised; attributed: it named the injected rank), masked (not detected, and the final weights
-equal the clean run's within ``1e-6`` relative) or silent (not detected, and they differ: the harm
-the checks missed). Checkpoint injections alter a checkpoint written mid-run and resume on every
-rank, once more without its stored fingerprint to show what the run-time checks alone catch.
-``plan_matmul`` plans the matrix-product checksum check's campaign, ``plan_sizes`` (``sdc campaign
---sizes N``) errors of known size (one element times ``1 + e``) instead of bit flips.
-
-This module plans, builds the data and the faults, classifies runs and summarises them; the
-trainings are a framework's (``campaign_runner``), the launches ``campaign_run``, the files and
-pages ``campaign_report``. Nothing here knows a framework.
+Plans (seeded bit flips per site and bit class plus clean runs: ``plan``; faults inside matrix
+products: ``plan_matmul``; errors of known size: ``plan_sizes``), the model, data and faults of
+every run, the classification of runs and the summaries. Outcome per injection: detected
+(attributed: it named the injected rank), masked (not detected, final weights within 1e-6
+relative of the clean run's) or silent (not detected, and they differ). Knows no framework.
 """
 
 from __future__ import annotations
@@ -48,15 +38,16 @@ SIZES = (1e-4, 1e-3, 1e-2, 1e-1, 1.0, 1e1, 1e2, 1e3, 1e4)  # the relative errors
 LATE_STEP = 20  # ``plan_sizes`` injects in steps 2 .. 19 ("0-19") or LATE_STEP .. steps - 2 ("20+")
 STEP_RANGES = ("0-19", "20+")
 SIZES_MIN_STEPS = LATE_STEP + 2  # a late fault needs a step of its own and the next one to be named in
+_NO_FAULT = {"bit_class": "-", "rank": -1, "step": -1}  # the fault fields of a clean run's spec
+_BY = {"nonfinite": "nonfinite_gradient", "replay": "ring_replay", "fingerprint": "weight_fingerprint"}
 
 
 # -------------------------------------------------------------------------------------------- plans
 
 
 def _target(site: str, turn: int, rng: random.Random) -> dict[str, Any]:
-    """What an in-memory fault at ``site`` hits: a layer's output (``activation``), one element of a
-    product inside a Linear (``matmul_output``: its phase the ``turn``-th, its layer drawn), else a
-    parameter (its gradient, its weights or its optimizer state)."""
+    """What an in-memory fault at ``site`` hits: a layer, a product's phase (the ``turn``-th) and
+    layer, or a parameter."""
     if site == "activation":
         return {"target": rng.choice(MODULES)}
     if site == "matmul_output":
@@ -81,51 +72,45 @@ def _injection(i: int, sites: tuple[str, ...], steps: int, rng: random.Random) -
 
 def plan(injections: int, clean: int, seed: int, steps: int, study: int = 0, hard: int = 0,
          sites: tuple[str, ...] = SITES) -> list[dict[str, Any]]:  # fmt: skip
-    """Seeded specs: sites and bit classes in turn, rank, step, tensor, element and bit at random;
-    ``clean`` clean runs, each with another data order (the spread of their final losses is what
-    ``harmful`` is measured against); ``hard`` clean runs of each hard kind (heterogeneous batches,
-    a genuine loss spike) for false alarms. ``sites``: the fault sites to take in turn (all)."""
+    """Seeded specs: ``sites`` and bit classes in turn, rank, step, tensor, element and bit at random;
+    ``clean`` clean runs with other data orders; ``hard`` clean runs of each hard kind (heterogeneous
+    batches, a genuine loss spike); ``study`` checkpoint-alteration runs per target and bit class."""
     if not sites or any(site not in SITES for site in sites):
         raise ValueError(f"sites must be some of {SITES}, got {sites!r}")
     rng = random.Random(seed)
     specs = [_injection(i, sites, steps, rng) for i in range(injections)]
-    specs += [{"id": f"clean{i:03d}", "site": "clean", "variant": "order", "order": i + 1, "bit_class": "-",
-               "rank": -1, "step": -1} for i in range(clean)]  # fmt: skip
+    specs += [{"id": f"clean{i:03d}", "site": "clean", "variant": "order", "order": i + 1, **_NO_FAULT}
+              for i in range(clean)]  # fmt: skip
     for i in range(study):  # checkpoint alteration as in the SBAC-PAD 2022 study: 1% of the entries
         for target in ("weights", "optimizer"):
             for bit_class in BIT_CLASSES:
                 specs.append({"id": f"study-{target}-{bit_class}-{i}", "site": "study", "target": target,
                               "bit_class": bit_class, "rank": -1, "step": CKPT_STEP, "fraction": STUDY_FRACTION,
                               "seed": rng.randrange(2**31)})  # fmt: skip
-    for i in range(hard):  # clean runs that a screen may flag: heterogeneous batches, a genuine spike
-        specs.append({"id": f"hard-hetero{i:03d}", "site": "clean", "variant": "hetero", "bit_class": "-", "rank": -1,
-                      "step": -1, "seed": rng.randrange(2**31)})  # fmt: skip
-        specs.append({"id": f"hard-spike{i:03d}", "site": "clean", "variant": "spike", "bit_class": "-", "rank": -1,
-                      "step": -1, "spike_rank": i % WORLD, "spike_step": 1 + i % (steps - 2)})  # fmt: skip
+    for i in range(hard):  # clean runs that a screen may flag
+        specs.append({"id": f"hard-hetero{i:03d}", "site": "clean", "variant": "hetero", **_NO_FAULT,
+                      "seed": rng.randrange(2**31)})  # fmt: skip
+        specs.append({"id": f"hard-spike{i:03d}", "site": "clean", "variant": "spike", **_NO_FAULT,
+                      "spike_rank": i % WORLD, "spike_step": 1 + i % (steps - 2)})  # fmt: skip
     return specs
 
 
 def plan_matmul(per_class: int, clean: int, seed: int, steps: int) -> list[dict[str, Any]]:
-    """Seeded compute faults inside matrix products: ``per_class`` per phase and bit class, at a
-    random rank, layer, element and bit of the class, at steps 1 .. steps - 2 (the replay audits
-    step 0 only at its default cadence); plus ``clean`` clean runs with the matmul check."""
+    """Seeded faults inside matrix products: ``per_class`` per phase and bit class at steps 1 ..
+    steps - 2 (the replay at its default cadence audits step 0 only), plus ``clean`` clean runs."""
     rng = random.Random(seed)
     specs = [{"id": f"mm-{phase}-{bit_class}-{i}", "site": "matmul", "phase": phase, "bit_class": bit_class,
               "rank": rng.randrange(WORLD), "step": rng.randrange(1, steps - 1),
               "target": rng.choice(MATMUL_TARGETS[phase]), "index": rng.randrange(10_000),
               "bit": rng.choice(bits_of_class(torch.float32, bit_class))}
              for phase in MATMUL_PHASES for bit_class in BIT_CLASSES for i in range(per_class)]  # fmt: skip
-    specs += [{"id": f"mm-clean{i:03d}", "site": "matmul_clean", "bit_class": "-", "rank": -1, "step": -1}
-              for i in range(clean)]  # fmt: skip
-    return specs
+    return specs + [{"id": f"mm-clean{i:03d}", "site": "matmul_clean", **_NO_FAULT} for i in range(clean)]
 
 
 def plan_sizes(per_cell: int, seed: int, steps: int, sites: tuple[str, ...] = COMPUTE_SITES) -> list[dict[str, Any]]:
-    """Seeded finite faults of known size: for each site of ``sites`` (some of ``COMPUTE_SITES``),
-    relative error e of ``SIZES`` and step range of ``STEP_RANGES``, ``per_cell`` injections that
-    multiply one element by ``1 + e`` (``rel_error``, ``factor``) at a drawn rank, step of the range,
-    tensor and element (matmul phases in turn). The same arguments give the same plan. Raises
-    ``ValueError`` for ``per_cell < 1``, ``steps < SIZES_MIN_STEPS`` or another site."""
+    """Seeded faults of known size: per site of ``sites``, relative error e of ``SIZES`` and step
+    range, ``per_cell`` injections multiplying one element by ``1 + e``. Raises ``ValueError`` for
+    ``per_cell < 1``, ``steps < SIZES_MIN_STEPS`` or a site not in ``COMPUTE_SITES``."""
     if per_cell < 1 or steps < SIZES_MIN_STEPS:
         raise ValueError(f"--sizes needs at least 1 run per cell and --steps >= {SIZES_MIN_STEPS} (a fault at step "
                          f"{LATE_STEP} or later, and the next step), got {per_cell} and {steps}")  # fmt: skip
@@ -159,9 +144,8 @@ class CampaignModel(torch.nn.Module):
 
 
 def make_optimizer(name: str, params: Any) -> torch.optim.Optimizer:
-    """The optimizer a campaign run trains with (``campaign_runner.OPTIMIZERS``): Adam at
-    ``ADAM_LR`` (each element's update bounded to about the learning rate, whatever one gradient
-    says), or SGD with momentum (one wrong gradient moves its weights in proportion)."""
+    """The optimizer of a campaign run: Adam (an element's update bounded to about the learning
+    rate, whatever one gradient says) or SGD with momentum (one wrong gradient moves in proportion)."""
     if name == "adam":
         return torch.optim.Adam(params, lr=ADAM_LR)
     if name == "sgd":
@@ -170,8 +154,7 @@ def make_optimizer(name: str, params: Any) -> torch.optim.Optimizer:
 
 
 def base_data() -> tuple[torch.Tensor, torch.Tensor]:
-    """The reference samples (2048 inputs of width 16 and their targets); every run's final loss
-    is measured on the first 512."""
+    """The reference samples (2048 inputs of width 16, targets); final losses use the first 512."""
     g = torch.Generator().manual_seed(1)
     x = torch.randn(2048, 16, generator=g)
     return x, (x[:, :4].sum(1, keepdim=True)).sin()
@@ -179,12 +162,9 @@ def base_data() -> tuple[torch.Tensor, torch.Tensor]:
 
 def training_data(spec: dict[str, Any] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The data a run trains on: ``base_data()``, or for a clean spec another order (``order``),
-    heterogeneous batches (``hetero``: every rank's batch of every step, inputs and targets, scaled
-    by its own factor, so the ranks' gradients differ by up to 2^8 at a step) or a genuine spike
-    (``spike``: the targets of one batch, rank ``spike_rank`` at ``spike_step``, scaled by
-    ``SPIKE_FACTOR``: a huge gradient on any rank that computes that batch). A DistributedSampler
-    without shuffling (what the runner trains with) gives rank r the samples r, r + 3, ...: sample
-    i is in rank ``i % WORLD``'s batch of step ``i // WORLD // BATCH``."""
+    every rank's batch of every step scaled by its own factor (``hetero``) or one batch's targets
+    times ``SPIKE_FACTOR`` (``spike``). The runner's unshuffled DistributedSampler puts sample i
+    in rank ``i % WORLD``'s batch of step ``i // WORLD // BATCH``."""
     x, y = base_data()
     spec = spec or {}
     variant = spec.get("variant", "")
@@ -204,9 +184,8 @@ def training_data(spec: dict[str, Any] | None = None) -> tuple[torch.Tensor, tor
 
 
 def fault_for(spec: dict[str, Any], prefix: str = "") -> Fault:
-    """The ``Fault`` of an injection spec (every site but ``checkpoint`` and ``study``), its
-    target under ``prefix`` (where the runner keeps the campaign's model). A spec of ``plan_sizes``
-    (``factor``, no ``bit``) scales its element by ``factor`` instead of flipping a bit."""
+    """The ``Fault`` of an in-memory injection spec, its target under ``prefix``; a spec without
+    ``bit`` (``plan_sizes``) scales its element by ``factor``."""
     site, bit = spec["site"], spec.get("bit")
     where = {"rank": spec["rank"], "step": spec["step"], "target": prefix + spec["target"], "index": spec["index"],
              "bit": bit, "factor": float(spec.get("factor", 1.5))}  # fmt: skip
@@ -225,8 +204,8 @@ def fault_for(spec: dict[str, Any], prefix: str = "") -> Fault:
 
 def _effect(spec: dict[str, Any], effect: dict, reference: dict, keys: tuple[str, ...]) -> dict[str, Any]:
     """A row's fields from the run without checks (``effect``): ``keys`` of its spec, whether it changed
-    the final weights (relative to the clean ``reference``, more than 1e-6; a crash counts), whether it
-    diverged (crashed, or a final loss non-finite or twice the clean run's) or ended non-finite."""
+    the final weights (more than 1e-6 relative to ``reference``, or crashed), diverged (crashed, or a
+    final loss non-finite or twice the clean run's) or ended non-finite."""
     w, ref = effect["weights"], reference["weights"]
     finite = bool(torch.isfinite(w).all())
     rel = float((w - ref).norm() / ref.norm()) if finite else math.inf
@@ -243,9 +222,8 @@ def _latency(err: dict[str, Any] | None, spec: dict[str, Any]) -> int | None:
 
 
 def _verdict(prefix: str, run: dict, spec: dict[str, Any]) -> dict[str, Any]:
-    """One check set's verdict on a run, as row fields ``<prefix>_*``: which check raised (``by``;
-    ``gradient_screen`` for a replay verdict the screen escalated), the rank and suspects named, the
-    steps from the fault to the error, a crash, and the screen's and replay's counters."""
+    """One check set's verdict on a run as row fields ``<prefix>_*`` (``by``: ``gradient_screen`` for
+    a replay verdict the screen escalated), and the run's counters."""
     err = run["error"]
     source = (err.get("details") or {}).get("source", "") if err else ""
     return {
@@ -260,9 +238,8 @@ def _verdict(prefix: str, run: dict, spec: dict[str, Any]) -> dict[str, Any]:
 
 def outcome(spec: dict[str, Any], effect: dict, detect: dict, reference: dict,
             defaults: dict | None = None) -> dict[str, Any]:  # fmt: skip
-    """One injection's row: did the run without checks (``effect``) change the result against the
-    clean ``reference``, what the checks every step said (``detect``), and, when given, what the
-    checks at their defaults said (``defaults_*``)."""
+    """One run's row: the effect, what the checks every step said (``detect``) and, when given,
+    what the checks at their defaults said (``defaults_*``)."""
     row = _effect(spec, effect, reference, ("id", "site", "phase", "variant", "bit_class", "rank", "step", "target",
                                             "bit", "index"))  # fmt: skip
     err = detect["error"]
@@ -277,9 +254,7 @@ def outcome(spec: dict[str, Any], effect: dict, detect: dict, reference: dict,
 
 
 def sizes_outcome(spec: dict[str, Any], effect: dict, defaults: dict, reference: dict) -> dict[str, Any]:
-    """One injection of ``plan_sizes``: did the run without checks (``effect``) change the result
-    against the clean ``reference``, and what the checks at their defaults said (``defaults_*``,
-    as in ``outcome``'s rows, so the same readers take both)."""
+    """One injection of ``plan_sizes``: its effect and the defaults' verdict (as in ``outcome``)."""
     keys = ("id", "site", "phase", "bit_class", "rel_error", "factor", "step_range", "rank", "step", "target", "bit",
             "index")  # fmt: skip
     return _effect(spec, effect, reference, keys) | _verdict("defaults", defaults, spec)
@@ -287,8 +262,7 @@ def sizes_outcome(spec: dict[str, Any], effect: dict, defaults: dict, reference:
 
 def matmul_outcome(spec: dict[str, Any], effect: dict, defaults: dict, matmul: dict,
                    reference: dict) -> dict[str, Any]:  # fmt: skip
-    """One matmul injection: did it change the result, and what each check set said (which check,
-    which rank, how many steps after the fault the error named)."""
+    """One matmul injection: its effect and each check set's verdict."""
     row = _effect(spec, effect, reference, ("id", "site", "phase", "bit_class", "rank", "step", "target", "bit",
                                             "index"))  # fmt: skip
     for name, run in (("defaults", defaults), ("matmul", matmul)):
@@ -299,8 +273,8 @@ def matmul_outcome(spec: dict[str, Any], effect: dict, defaults: dict, matmul: d
 
 
 def loss_spread(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """The final losses of the clean runs with other data orders and the reference order: their
-    spread (largest less smallest) is how much a final loss moves without any fault."""
+    """The spread of the final losses of the reference and the clean runs with other data orders:
+    how much a final loss moves without any fault."""
     ref = next((r["clean_loss"] for r in rows if "clean_loss" in r), math.nan)
     orders = [r["final_loss"] for r in rows if r["site"] == "clean" and r.get("variant", "order") == "order"]
     losses = [v for v in (ref, *orders) if math.isfinite(v)]
@@ -310,15 +284,13 @@ def loss_spread(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 def accuses(rank: int | None, suspects: list[int] | None) -> bool:
     """Whether a verdict blames a device: it names a rank, or some but not all ranks as suspects
-    (what an incident excludes hosts for, ``sdc_core.ops.incidents``). A verdict on every rank
-    (the non-finite check's ``all_ranks``: ordinary divergence) blames none."""
+    (a verdict on every rank, ordinary divergence, blames none)."""
     return rank is not None or 0 < len(suspects or []) < WORLD
 
 
 def clean_outcome(error: dict[str, Any] | None, row: dict[str, Any]) -> str:
-    """A clean run's outcome under one check set: ``clean`` (no verdict); ``divergence`` (the
-    training blew up by itself, its run without checks ending non-finite, and the verdict blamed
-    no device: a true alarm, not SDC); else ``false_alarm``."""
+    """A clean run's outcome under one check set: ``clean`` (no verdict), ``divergence`` (non-finite
+    without checks too, and the verdict blamed no device) or ``false_alarm``."""
     if not error:
         return "clean"
     if row["nonfinite"] and not accuses(error.get("rank"), error.get("suspects")):
@@ -335,8 +307,7 @@ def within_one_step(r: dict[str, Any]) -> bool:
 
 
 def _cells(rows: list[dict[str, Any]], **axes: tuple[Any, ...]) -> Iterator[tuple[tuple[Any, ...], list[dict]]]:
-    """The rows of each cell of a table, cells in the order of ``axes`` (a row field and its values
-    each), empty cells left out: ``((value, ...), rows)``."""
+    """``((value, ...), rows)`` per non-empty cell of the row fields ``axes`` and their values."""
     for values in itertools.product(*axes.values()):
         rs = [r for r in rows if all(r.get(k) == v for k, v in zip(axes, values, strict=True))]
         if rs:
@@ -349,22 +320,15 @@ def _median(values: list[Any]) -> Any:
 
 
 def _site_tables(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Per site and bit class, two tables. With the checks every step: injections, what changed, the
-    outcomes, what raised, the rank named, the median latency, divergence. At the callbacks' default
-    arguments: harmful injections, detections (all, and of the harmful ones: any, within one step),
-    the rank named, what raised, and the screen hits the replay cleared."""
+    """Per site and bit class, two tables: with the checks every step, and at their defaults."""
     table, defaults = [], []
     for (site, bit_class), rs in _cells(rows, site=SITES, bit_class=BIT_CLASSES):
         det = [r for r in rs if r["outcome"] == "detected"]
         table.append({
             "site": site, "bit_class": bit_class, "injections": len(rs), "changed": sum(r["changed"] for r in rs),
-            "detected": len(det), "masked": sum(r["outcome"] == "masked" for r in rs),
-            "silent": sum(r["outcome"] == "silent" for r in rs),
-            "crashed": sum(r["outcome"] == "crashed" for r in rs),
+            "detected": len(det), **{k: sum(r["outcome"] == k for r in rs) for k in ("masked", "silent", "crashed")},
             "harmful": sum(bool(r.get("harmful")) for r in rs),
-            "by_nonfinite": sum(r["detected_by"] == "nonfinite_gradient" for r in rs),
-            "by_replay": sum(r["detected_by"] == "ring_replay" for r in rs),
-            "by_fingerprint": sum(r["detected_by"] == "weight_fingerprint" for r in rs),
+            **{f"by_{k}": sum(r["detected_by"] == check for r in rs) for k, check in _BY.items()},
             "attributed": sum(r["attributed"] for r in det),
             "median_latency": _median([r["latency"] for r in det if r["latency"] is not None]),
             "diverged": sum(r["diverged"] for r in rs),
@@ -386,10 +350,7 @@ def _site_tables(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list
 
 
 def _clean_table(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per kind of clean run: false alarms with the replay every step and at the defaults, false
-    accusations at the defaults (a verdict blaming a device: ``accuses``), runs that diverged by
-    themselves and were stopped blaming none (``clean_outcome``), the screen's hits and what the
-    replay did."""
+    """Per kind of clean run: false alarms and accusations, divergences, the screen's hits."""
     out = []
     for variant in ("order", "hetero", "spike"):
         rs = [r for r in rows if r["site"] == "clean" and r.get("variant", "order") == variant]
@@ -410,8 +371,7 @@ def _clean_table(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def defaults_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """The headline numbers at the defaults: harmful transient compute faults detected within one
-    step with the right rank, every rank-local detection's rank, and false alarms in clean runs."""
+    """The headline numbers at the defaults."""
     comp = [r for r in rows if r["site"] in COMPUTE_SITES]
     harm = [r for r in comp if r.get("harmful")]
     within = [r for r in harm if within_one_step(r)]
@@ -438,8 +398,7 @@ def defaults_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def study(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Checkpoint alteration (1% of the entries flipped, then resume): model weights against
-    optimizer state, per bit class."""
+    """Checkpoint alteration per target and bit class."""
     out = []
     for (_, target, bit_class), rs in _cells(rows, site=("study",), target=("weights", "optimizer"),
                                              bit_class=BIT_CLASSES):  # fmt: skip
@@ -456,9 +415,8 @@ def study(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def summarise(rows: list[dict[str, Any]], seed: int, steps: int, optimizer: str = "adam") -> dict[str, Any]:
-    """The campaign's summary (what results.json holds beside the rows). Marks ``harmful`` on every
-    injected row first: the run without checks diverged (crashed, or non-finite weights or loss) or
-    its final loss is worse than the clean run's by more than the spread of the clean runs'."""
+    """The campaign's summary. Marks ``harmful`` on every injected row first: non-finite without
+    checks, or a final loss worse than the clean run's by more than the clean runs' spread."""
     spread = loss_spread(rows)
     for r in rows:
         if r["site"] in SITES:
@@ -482,10 +440,8 @@ def named_within_one_step(r: dict[str, Any]) -> bool:
 
 
 def sizes_summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per site, relative error and step range of ``plan_sizes`` rows: injections, finite ones
-    (neither the run without checks nor the non-finite check saw a NaN or Inf) and of those the ones
-    the defaults named within one step with the right rank, the injections that changed the result,
-    that the defaults detected at all, and that the screen flagged."""
+    """Per site, relative error and step range of ``plan_sizes`` rows; ``finite``: neither the run
+    without checks nor the non-finite check saw a NaN or Inf."""
     table = []
     for (site, size, when), rs in _cells(rows, site=COMPUTE_SITES, rel_error=SIZES, step_range=STEP_RANGES):
         finite = [r for r in rs if not r["nonfinite"] and r["defaults_by"] != "nonfinite_gradient"]
@@ -500,8 +456,7 @@ def sizes_summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def matmul_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per phase and bit class: injections, changed, and for each check set how many were caught
-    naming the fault's own step, by which check, with the injected rank."""
+    """Per phase and bit class, for each check set: caught, in the fault's step, with its rank."""
     table = []
     for (_, phase, bit_class), rs in _cells(rows, site=("matmul",), phase=MATMUL_PHASES, bit_class=BIT_CLASSES):
         entry: dict[str, Any] = {"phase": phase, "bit_class": bit_class, "injections": len(rs),

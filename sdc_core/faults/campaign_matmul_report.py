@@ -1,6 +1,5 @@
-"""The matmul campaign's section of the coverage page (between the markers ``SECTION``; the
-rest of the page stays as it is): the campaign's table, the fault sizes the check always
-catches, and the long clean runs of ``python -m benchmarks.matmul``. Numbers are computed."""
+"""The matmul campaign's section of the coverage page (between the markers ``SECTION``): its
+table, the fault sizes the check always catches, the long clean runs. Numbers are computed."""
 
 from __future__ import annotations
 
@@ -17,9 +16,8 @@ from sdc_core.io.safe_files import atomic_write_text
 
 
 def write_matmul_doc(out: Path, doc: Path, clean_runs: Path | None = None) -> None:
-    """Write (or replace) the matmul campaign's section of the coverage page ``doc`` from the
-    campaign folder ``out`` (and, if given, the JSON of ``python -m benchmarks.matmul
-    --clean-steps N --out FILE``); the rest of the page stays as it is. Atomic."""
+    """Write (or replace) the matmul section of ``doc`` from the campaign folder ``out`` and the
+    long clean runs' JSON ``clean_runs`` (``python -m benchmarks.matmul``), atomically."""
     results = json.loads((Path(out) / "matmul-results.json").read_text())
     long_runs = json.loads(Path(clean_runs).read_text()) if clean_runs is not None else None
     text = matmul_markdown(results["summary"], results["runs"], results["summary"].get("command", ""), long_runs)
@@ -28,11 +26,15 @@ def write_matmul_doc(out: Path, doc: Path, clean_runs: Path | None = None) -> No
 
 def matmul_markdown(summary: dict[str, Any], rows: list[dict[str, Any]], command: str,
                     long_runs: dict[str, Any] | None = None) -> str:  # fmt: skip
-    """The coverage page's section on compute faults inside matrix products (numbers computed)."""
+    """The coverage page's section on compute faults inside matrix products."""
     head = ["phase", "bit_class", "injections", "changed", "defaults: caught", "defaults: same step",
             "defaults: silent", "with matmul: caught", "with matmul: same step", "with matmul: right rank",
             "with matmul: silent", "with matmul: by"]  # fmt: skip
-    lines = [
+    changed = [r for r in rows if r["site"] == "matmul" and r["changed"]]
+    tot = {name: sum(bool(r[f"{name}_by"]) and r[f"{name}_latency"] == 0 and r[f"{name}_rank"] == r["rank"]
+                     for r in changed) for name in ("defaults", "matmul")}  # fmt: skip
+    missed = [r for r in changed if not r["matmul_by"]]
+    return "\n".join([
         SECTION[0],
         "## Compute faults inside matrix products (`MatmulChecksumCheck`)",
         "",
@@ -50,13 +52,6 @@ def matmul_markdown(summary: dict[str, Any], rows: list[dict[str, Any]], command
                           t["matmul_right_rank"], t["matmul_silent"],
                           ", ".join(f"{k} {v}" for k, v in t["matmul_by"].items()) or "-"]
                          for t in summary["table"])),
-    ]
-    injected = [r for r in rows if r["site"] == "matmul"]
-    changed = [r for r in injected if r["changed"]]
-    tot = {name: sum(bool(r[f"{name}_by"]) and r[f"{name}_latency"] == 0 and r[f"{name}_rank"] == r["rank"]
-                     for r in changed) for name in ("defaults", "matmul")}  # fmt: skip
-    missed = [r for r in changed if not r["matmul_by"]]
-    lines += [
         "",
         "Columns: `changed` = the fault moved the final weights (more than 1e-6 relative) or crashed the run; "
         "`caught` = a check raised; `same step` = the error named the step of the fault (it is raised before the "
@@ -79,15 +74,14 @@ def matmul_markdown(summary: dict[str, Any], rows: list[dict[str, Any]], command
         *visible_sizes_table(),
         *_long_runs_table(long_runs),
         SECTION[1],
-    ]
-    return "\n".join(lines)
+    ])
 
 
 def _long_runs_table(data: dict[str, Any] | None) -> list[str]:
     if not data:
         return []
     runs = data["clean_runs"]
-    lines = [
+    return [
         "",
         f"Long clean runs (`python -m benchmarks.matmul --clean-steps {runs[0]['steps']}`: a transformer of width "
         f"{runs[0]['width']} trained on {data['device']} with the check on every step, each verdict read before the "
@@ -98,20 +92,11 @@ def _long_runs_table(data: dict[str, Any] | None) -> list[str]:
                     *(f"{r['largest_ratio'][k]:.2g}" for k in ("output", "input_gradient", "weight_gradient"))]
                    for r in runs)),
     ]
-    return lines
 
 
 def visible_sizes_table(widths: tuple[int, ...] = (64, 256, 1024, 4096)) -> list[str]:
-    """Markdown: the error of one element always caught, relative to the row's largest element
-    (the weight gradient: to the gradient's largest), per width and precision, with the default
-    blocks of 32 and with whole rows (``sdc_core.checks.matmul_bound.visible_error_sizes``; computed here)."""
-    lines = [
-        "Fault sizes always caught (the stated threshold: a wrong element at least this far from the right value "
-        "raises), relative to the largest element of its row (weight gradient: of the whole gradient), for a "
-        "`Linear(width, width)` at its default initialisation fed unit-variance rows and output gradients, "
-        "median over rows; `rows` = `block=0`:",
-        "",
-    ]
+    """Markdown: the error of one element always caught per width and precision, with the default
+    blocks of 32 and with whole rows (computed here: slow at the larger widths)."""
     rows = []
     for width in widths:
         for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
@@ -119,7 +104,12 @@ def visible_sizes_table(widths: tuple[int, ...] = (64, 256, 1024, 4096)) -> list
             r = visible_error_sizes(width, dtype, rows=256, block=0)
             cells = [s[f"{k}_vs_max"] for s in (b, r) for k in ("output", "input_gradient", "weight_gradient")]
             rows.append([width, name, *(f"{v:.3g}x" if math.isfinite(v) else "none guaranteed" for v in cells)])
-    lines += [
+    return [
+        "Fault sizes always caught (the stated threshold: a wrong element at least this far from the right value "
+        "raises), relative to the largest element of its row (weight gradient: of the whole gradient), for a "
+        "`Linear(width, width)` at its default initialisation fed unit-variance rows and output gradients, "
+        "median over rows; `rows` = `block=0`:",
+        "",
         *md_table(["width", "precision", "output (blocks of 32)", "input gradient", "weight gradient", "output (rows)",
                    "input gradient (rows)", "weight gradient (rows)"], rows),
         "",
@@ -129,5 +119,4 @@ def visible_sizes_table(widths: tuple[int, ...] = (64, 256, 1024, 4096)) -> list
         "dominates. Errors below these sizes may still be caught (the clean residuals sit far below the bound: "
         "the campaign's clean runs and the long clean runs below), but only these are guaranteed.",
     ]
-    return lines
 

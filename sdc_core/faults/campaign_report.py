@@ -1,7 +1,6 @@
 """A campaign's outputs: ``results.csv``, ``results.json`` and the plot in the campaign folder
-(``report``), and its part of the coverage page (``write_doc``: between the markers
-``CAMPAIGN_SECTION``, every other section of the page kept). Numbers are computed, never typed.
-The matmul campaign's section is ``campaign_matmul_report``."""
+(``report``), and its part of the coverage page (``write_doc``; the rest of the page kept).
+Numbers are computed, never typed."""
 
 from __future__ import annotations
 
@@ -34,6 +33,9 @@ SECTION = ("<!-- matmul-campaign -->", "<!-- /matmul-campaign -->")
 CAMPAIGN_SECTION = ("<!-- campaign -->", "<!-- /campaign -->")  # what ``sdc campaign --doc`` writes
 _GENERATED = ("# Detection coverage, measured", "## Summary", "## At the defaults", "## What goes undetected",
               "## Checkpoint alteration")  # the headings of a page written before the campaign's markers  # fmt: skip
+_TABLE_COLUMNS = ["site", "bit_class", "injections", "changed", "harmful", "detected", "masked", "silent",
+                  "crashed", "by_nonfinite", "by_replay", "by_fingerprint", "attributed", "median_latency",
+                  "diverged"]  # fmt: skip
 
 
 def md_table(head: list[str], rows: Iterable[Iterable[Any]]) -> list[str]:
@@ -43,8 +45,7 @@ def md_table(head: list[str], rows: Iterable[Iterable[Any]]) -> list[str]:
 
 
 def make_folder(folder: Path, what: str) -> None:
-    """Create ``folder`` (and its parents); ``OutputError`` naming ``what`` when it is a file or
-    cannot be created."""
+    """Create ``folder`` and its parents; ``OutputError`` naming ``what`` when that fails."""
     if folder.exists() and not folder.is_dir():
         raise OutputError(f"{what} {folder} is a file, not a folder; give a folder")
     try:
@@ -61,9 +62,7 @@ def report(rows: list[dict[str, Any]], out: Path, seed: int, steps: int, optimiz
     summary = summarise(rows, seed, steps, optimizer)
     for row in summary["study"]:
         print("study:", row)
-    write_results(rows, summary, out, ["site", "bit_class", "injections", "changed", "detected", "masked", "silent",
-                                       "crashed", "by_nonfinite", "by_replay", "by_fingerprint", "attributed",
-                                       "median_latency", "diverged"])  # fmt: skip
+    write_results(rows, summary, out, [h for h in _TABLE_COLUMNS if h != "harmful"])
     print(f"clean runs: {summary['clean_runs']}, false alarms: {summary['false_alarms']}")
     print("at the defaults:", json.dumps({k: v for k, v in summary["defaults"].items() if k != "missed_compute"}))
     plot(summary["table"], out / "detection.png")
@@ -71,10 +70,8 @@ def report(rows: list[dict[str, Any]], out: Path, seed: int, steps: int, optimiz
 
 
 def write_results(rows: list[dict[str, Any]], summary: dict[str, Any], out: Path, head: list[str]) -> None:
-    """``results.csv`` (one row per run, the union of the rows' fields as columns, sorted) and
-    ``results.json`` (the summary and the rows) in ``out``, each atomically; then print the columns
-    ``head`` of ``summary["table"]``, one line per entry. The campaign of errors of known size
-    (``sdc campaign --sizes``) writes its results with this alone."""
+    """``results.csv`` (a row per run, the rows' fields sorted as columns) and ``results.json``
+    (summary and rows) in ``out``, atomically; then print the columns ``head`` of the summary's table."""
     text = io.StringIO()
     w = csv.DictWriter(text, fieldnames=sorted({k for r in rows for k in r}))
     w.writeheader()
@@ -87,9 +84,7 @@ def write_results(rows: list[dict[str, Any]], summary: dict[str, Any], out: Path
 
 
 def plot(table: list[dict[str, Any]], path: Path) -> bool:
-    """Grouped bars: detection rate by bit class, one group per fault site. Without matplotlib
-    (an optional dependency: ``pip install sdc-checks[plot]``) warns and draws nothing; returns
-    whether it drew."""
+    """Detection rate by site and bit class; without matplotlib warns instead. Returns whether it drew."""
     try:
         import matplotlib
     except ImportError:
@@ -122,8 +117,7 @@ def plot(table: list[dict[str, Any]], path: Path) -> bool:
 
 
 def write_doc(out: Path, doc: Path, command: str) -> None:
-    """Write the coverage page (and its CSV and, when plotted, its plot beside it) from a
-    campaign folder; every file atomically."""
+    """Write the coverage page, its CSV and plot beside it from a campaign folder, atomically."""
     make_folder(doc.parent, "--doc's folder")
     png = doc.with_suffix(".png")
     plotted = (out / "detection.png").is_file()
@@ -142,19 +136,16 @@ def section(text: str) -> str:
 
 def with_section(text: str, part: str) -> str:
     """``text`` with its matmul section replaced by ``part`` (appended when it has none)."""
-    old = section(text)
     if not part:
         return text
-    if old:
-        return text.replace(old, part)
-    return text.rstrip("\n") + "\n\n" + part + "\n"
+    old = section(text)
+    return text.replace(old, part) if old else text.rstrip("\n") + "\n\n" + part + "\n"
 
 
 def with_campaign(text: str, part: str) -> str:
     """The coverage page ``text`` with the campaign's part replaced by ``part``: between its
-    markers; on a page from before the markers, from the top to the first section the campaign
-    does not write (``_GENERATED``); on an empty page ``part`` alone. Every other section (the
-    matmul campaign's, the hand-written ones) stays where it is."""
+    markers, else (a page from before them) from the top to the first section it does not write.
+    Every other section stays where it is."""
     start, end = text.find(CAMPAIGN_SECTION[0]), text.find(CAMPAIGN_SECTION[1])
     if 0 <= start < end:
         return text[:start] + part + text[end + len(CAMPAIGN_SECTION[1]) :]
@@ -179,9 +170,7 @@ def markdown(results: dict[str, Any], command: str, plot_path: str | None) -> st
 def _coverage_table(summ: dict[str, Any], command: str, plot_path: str | None) -> list[str]:
     """The page's title, what was measured and how, the plot and the table per site and bit class."""
     table = summ["table"]
-    head = ["site", "bit_class", "injections", "changed", "harmful", "detected", "masked", "silent", "crashed",
-            "by_nonfinite", "by_replay", "by_fingerprint", "attributed", "median_latency", "diverged"]  # fmt: skip
-    head = [h for h in head if all(h in t for t in table)]
+    head = [h for h in _TABLE_COLUMNS if all(h in t for t in table)]
     lines = [
         "# Detection coverage, measured",
         "",
@@ -205,8 +194,7 @@ def _coverage_table(summ: dict[str, Any], command: str, plot_path: str | None) -
 
 
 def _every_step_summary(summ: dict[str, Any], runs: list[dict[str, Any]]) -> list[str]:
-    """What the table's columns mean, and its summary: with the checks every step, what changed
-    was detected, the rank named, false alarms."""
+    """What the table's columns mean, and its summary."""
     injected = [r for r in runs if r["site"] in SITES]
     silent = [r for r in injected if r["outcome"] == "silent"]
     changed = [r for r in injected if r["changed"]]
@@ -266,7 +254,10 @@ def _undetected(runs: list[dict[str, Any]]) -> list[str]:
 
 def _study_markdown(summ: dict[str, Any]) -> list[str]:
     """The checkpoint-alteration study: model weights against optimizer state, per bit class."""
-    lines = [
+    div = {t: sum(s["diverged"] for s in summ["study"] if s["target"] == t) for t in ("weights", "optimizer")}
+    runs_t = {t: sum(s["runs"] for s in summ["study"] if s["target"] == t) for t in ("weights", "optimizer")}
+    verdict = "agree with" if div["weights"] > div["optimizer"] else "do not clearly reproduce"
+    return [
         "## Checkpoint alteration: model weights against optimizer state",
         "",
         f"As in the SBAC-PAD 2022 checkpoint-alteration study of DDP and Horovod training: flip bits in "
@@ -279,13 +270,6 @@ def _study_markdown(summ: dict[str, Any]) -> list[str]:
                   ([s["target"], s["bit_class"], s["runs"], s["changed"], s["diverged"], s["crashed_on_resume"],
                     None if s["median_loss_ratio"] is None else f"{s['median_loss_ratio']:.3g}", s["caught_on_load"],
                     s["caught_at_runtime_without_fingerprint"]] for s in summ["study"])),
-    ]
-    by_target = {t: [s for s in summ["study"] if s["target"] == t] for t in ("weights", "optimizer")}
-    div = {t: sum(s["diverged"] for s in v) for t, v in by_target.items()}
-    runs_t = {t: sum(s["runs"] for s in v) for t, v in by_target.items()}
-    verdict = "agree with" if div["weights"] > div["optimizer"] else "do not clearly reproduce"
-    return [
-        *lines,
         "",
         f"Diverged runs: weights {div['weights']}/{runs_t['weights']}, optimizer state "
         f"{div['optimizer']}/{runs_t['optimizer']}. Our data {verdict} the paper's finding that the model weights "
@@ -305,11 +289,11 @@ def _pct(part: int, whole: int) -> str:
 
 
 def _defaults_table(summ: dict[str, Any]) -> list[str]:
-    """What the third training measures, ``harmful``, and the table per site and bit class."""
+    """What the third training measures, ``harmful``, and its table per site and bit class."""
     spread = summ["loss_spread"]
     head = ["site", "bit_class", "injections", "harmful", "detected", "harmful_detected", "harmful_within_1",
             "harmful_silent", "right_rank", "screen_flagged", "screen_cleared", "by"]  # fmt: skip
-    lines = [
+    return [
         "## At the defaults: caught in the step it happens?",
         "",
         "The same injections, trained a third time with the callbacks at their default arguments: "
@@ -327,9 +311,6 @@ def _defaults_table(summ: dict[str, Any]) -> list[str]:
         "",
         *md_table(head, ([", ".join(f"{k} {v}" for k, v in t[h].items()) or "-" if h == "by" else t[h] for h in head]
                          for t in summ["defaults_table"])),
-    ]
-    return [
-        *lines,
         "",
         "Columns: `detected` = a check raised at the defaults (any injection, harmful or not); `harmful_detected`, "
         "`harmful_within_1` = of the harmful ones, detected at all, and with the error naming the fault's step or "
@@ -343,7 +324,7 @@ def _defaults_table(summ: dict[str, Any]) -> list[str]:
 
 def _clean_runs_table(summ: dict[str, Any]) -> list[str]:
     """False alarms and the screen's hits per kind of clean run, at the defaults."""
-    lines = [
+    return [
         "",
         "Clean runs at the defaults (false alarms; `order` = another data order, `hetero` = every rank's batch of "
         f"every step scaled by its own factor 2^U(-{HETERO_LOG2_RANGE:g}, {HETERO_LOG2_RANGE:g}), inputs and targets, "
@@ -357,7 +338,6 @@ def _clean_runs_table(summ: dict[str, Any]) -> list[str]:
                     c.get("divergences", 0), c["screen_flagged"], c["screen_hits"], c["screen_cleared"],
                     c["screen_unconfirmed"]] for c in summ["clean_table"])),
     ]
-    return lines
 
 
 def _defaults_headline(d: dict[str, Any]) -> list[str]:

@@ -1,8 +1,6 @@
-"""Running a campaign: its specs in ``torch.distributed.run`` launches of ``WORLD`` ranks (the
-runner's worker module, ``campaign_runner``), each spec trained as often as its site needs and
-classified into one result row; ``run_campaign`` (``sdc campaign``), ``run_sizes_campaign``
-(``sdc campaign --sizes``) and ``run_matmul_campaign`` plan, run and report. ``main`` is the
-command line of a runner's worker module."""
+"""Running a campaign: its specs in ``torch.distributed.run`` launches of ``WORLD`` ranks of the
+runner's worker module (``main``), each spec trained as often as its site needs and classified
+into one row; ``run_campaign``, ``run_sizes_campaign`` and ``run_matmul_campaign`` plan, run, report."""
 
 from __future__ import annotations
 
@@ -52,8 +50,8 @@ class CampaignFailed(RuntimeError):
 
 @dataclass(frozen=True)
 class _Launch:
-    """One launch's trainings, on every rank of it: each spec's row from the runs its site needs
-    (the same trainings, in the same order, on every rank; rank 0 alone writes files)."""
+    """One launch's trainings: each spec's row from the runs its site needs (the same trainings in
+    the same order on every rank; rank 0 alone writes files)."""
 
     runner: CampaignRunner
     steps: int
@@ -89,7 +87,6 @@ class _Launch:
         return outcome(spec, effect, detect, self.reference, self.fit(fault=fault, check_set="defaults"))
 
     def _clean(self, spec: dict[str, Any]) -> dict[str, Any]:
-        """Another data order or a hard batch: without checks, every step, at the defaults."""
         effect = self.fit(data=spec)
         detect = self.fit(checks=True, data=spec)
         defaults = self.fit(check_set="defaults", data=spec)
@@ -99,9 +96,9 @@ class _Launch:
         return row
 
     def _checkpoint(self, spec: dict[str, Any]) -> dict[str, Any]:
-        """Bits flipped in the base checkpoint (rank 0 writes it, with and without its stored
-        fingerprint), then every rank resumes from it: without checks, every step, every step
-        without the fingerprint, and (``checkpoint`` alone) at the defaults."""
+        """Bits flipped in the base checkpoint (by rank 0, with and without its stored fingerprint),
+        then every rank resumes from it: without checks, every step (also without the fingerprint),
+        and (``checkpoint`` alone) at the defaults."""
         bad, bare = self.out / f"{spec['id']}.ckpt", self.out / f"{spec['id']}-bare.ckpt"
         if self.rank == 0:
             amount = {"fraction": spec["fraction"], "count": None} if "fraction" in spec else {"count": 1}
@@ -117,21 +114,20 @@ class _Launch:
         at_defaults = spec["site"] == "checkpoint"  # the study measures the checkpoint, not the checks
         defaults = self.fit(check_set="defaults", ckpt_path=str(bad)) if at_defaults else None
         row = outcome(spec, effect, detect, self.reference, defaults)
-        row["runtime_detected_by"] = runtime["error"]["check"] if runtime["error"] else ""
-        row["runtime_crash"] = runtime["crash"] or ""
-        row["effect_crash"] = effect["crash"] or ""
-        flips = json.loads(Path(f"{bad}.flips.json").read_text())["flips"] if self.rank == 0 else []
-        row["tensor"] = flips[0]["tensor"] if flips else ""
+        log = Path(f"{bad}.flips.json")
+        flips = json.loads(log.read_text())["flips"] if self.rank == 0 else []
+        row.update(runtime_detected_by=runtime["error"]["check"] if runtime["error"] else "",
+                   runtime_crash=runtime["crash"] or "", effect_crash=effect["crash"] or "",
+                   tensor=flips[0]["tensor"] if flips else "")  # fmt: skip
         dist.barrier()
         if self.rank == 0:
-            for f in (bad, bare, Path(f"{bad}.flips.json")):
+            for f in (bad, bare, log):
                 f.unlink(missing_ok=True)
         return row
 
 
 def worker(runner: CampaignRunner, specs_file: Path, out: Path, steps: int, optimizer: str = "adam") -> None:
-    """Run specs under torchrun (3 ranks), every training with ``optimizer``; rank 0 writes one
-    JSON line per spec."""
+    """Run a launch's specs on this rank; rank 0 writes one JSON line per spec."""
     specs = json.loads(specs_file.read_text())
     reference = runner.fit(steps, checks=False, optimizer=optimizer)
     base = out / f"base-{specs_file.stem}.ckpt"
@@ -153,8 +149,8 @@ def worker(runner: CampaignRunner, specs_file: Path, out: Path, steps: int, opti
 
 def run_specs(specs: list[dict[str, Any]], out: Path, workers: int, steps: int,
               runner: CampaignRunner | None = None, optimizer: str = "adam") -> list[dict[str, Any]]:  # fmt: skip
-    """Run ``specs`` in ``workers`` torchrun launches of 3 ranks of ``runner``'s worker module
-    (the installed runner by default), training with ``optimizer``; every spec's result row, by id."""
+    """Run ``specs`` in ``workers`` launches of ``runner`` (the installed one by default); every
+    spec's row, by id."""
     runner = runner or find_runner()
     atomic_write_text(out / "plan.json", json.dumps(specs, indent=1))
     chunks = [specs[i::workers] for i in range(workers)]
@@ -194,13 +190,11 @@ def run_specs(specs: list[dict[str, Any]], out: Path, workers: int, steps: int,
 def run_campaign(out: Path, injections: int = 200, clean: int = 20, workers: int = 1, seed: int = 0, steps: int = 12,
                  study: int = 0, doc: Path | None = None, hard: int = 0, sites: tuple[str, ...] = SITES,
                  runner: CampaignRunner | None = None, optimizer: str = "adam") -> dict[str, Any]:  # fmt: skip
-    """Plan, run (``workers`` trainings at once, with ``runner``: the installed one by default;
-    every training with ``optimizer``), aggregate and report; returns the summary.
+    """``sdc campaign``: plan, run, aggregate and report; returns the summary.
 
-    Raises ``ValueError`` for a bad number or an optimizer the plan cannot use (another than Adam
-    has no ``exp_avg``/``exp_avg_sq`` for optimizer-state faults, and the coverage page's text
-    describes Adam), ``OutputError`` when ``out`` or ``doc`` cannot be written (checked before any
-    training), ``CampaignFailed`` when a training fails."""
+    Raises ``ValueError`` for a bad number or an optimizer the plan cannot use (only Adam has the
+    optimizer state faults alter; the page describes Adam), ``OutputError`` when ``out`` or ``doc``
+    cannot be written (before any training), ``CampaignFailed`` when a training fails."""
     if injections < 0 or clean < 0 or workers < 1 or steps < 8 or study < 0 or hard < 0:
         raise ValueError("need injections >= 0, clean >= 0, workers >= 1, steps >= 8, study >= 0 and hard >= 0")
     if optimizer not in OPTIMIZERS:
@@ -227,10 +221,8 @@ def run_campaign(out: Path, injections: int = 200, clean: int = 20, workers: int
 def run_sizes_campaign(out: Path, per_cell: int, workers: int = 1, seed: int = 0, steps: int = 40,
                        sites: tuple[str, ...] = COMPUTE_SITES, runner: CampaignRunner | None = None,
                        optimizer: str = "adam") -> list[dict[str, Any]]:  # fmt: skip
-    """The campaign of errors of known size (``campaign.plan_sizes``): ``per_cell`` injections per
-    site, relative error and step range, each trained twice (without checks, at the defaults): about
-    ``2 x 54 x per_cell`` trainings of ``steps`` steps on all three sites. Writes ``results.csv`` and
-    ``results.json`` in ``out``; returns the summary table (``campaign.sizes_summary``).
+    """``sdc campaign --sizes``: ``campaign.plan_sizes``, each injection trained without checks and
+    at the defaults (``2 x 54 x per_cell`` trainings on all three sites); returns the summary table.
 
     Raises ``ValueError`` for a bad number, site or optimizer (before anything is written),
     ``OutputError`` when ``out`` cannot be written, ``CampaignFailed`` when a training fails."""
@@ -252,9 +244,7 @@ def run_sizes_campaign(out: Path, per_cell: int, workers: int = 1, seed: int = 0
 
 def run_matmul_campaign(out: Path, per_class: int = 3, clean: int = 3, workers: int = 1, seed: int = 0,
                         steps: int = 12, runner: CampaignRunner | None = None) -> dict[str, Any]:  # fmt: skip
-    """The compute-fault campaign of the matmul checksum check: plan, run, summarise (``out`` gets
-    ``matmul-results.json``; ``write_matmul_doc`` writes the coverage page's section from it).
-    Returns the summary."""
+    """The matmul checksum check's campaign: plan, run, summarise into ``out/matmul-results.json``."""
     if per_class < 1 or clean < 0 or workers < 1 or steps < 8:
         raise ValueError("need per_class >= 1, clean >= 0, workers >= 1 and steps >= 8")
     runner = runner or find_runner()
@@ -272,17 +262,15 @@ def run_matmul_campaign(out: Path, per_class: int = 3, clean: int = 3, workers: 
 
 
 def main(runner: CampaignRunner, argv: list[str] | None = None) -> None:
-    """``python -m <runner.worker_module>``: ``--worker SPECS --out DIR --steps N`` runs one
-    launch's specs (on each of its ranks); ``matmul [...]`` runs the matmul campaign (its driver)."""
+    """``python -m <runner.worker_module>``: ``--worker SPECS ...`` runs one launch's specs on a
+    rank; ``matmul [...]`` runs the matmul campaign."""
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["matmul"]:
         parser = argparse.ArgumentParser(prog=f"python -m {runner.worker_module} matmul")
         parser.add_argument("--out", type=Path, default=Path("sdc-campaign-matmul"))
         parser.add_argument("--per-class", type=int, default=3, help="injections per phase and bit class")
-        parser.add_argument("--clean", type=int, default=3)
-        parser.add_argument("--workers", type=int, default=1)
-        parser.add_argument("--seed", type=int, default=0)
-        parser.add_argument("--steps", type=int, default=12)
+        for flag, default in (("--clean", 3), ("--workers", 1), ("--seed", 0), ("--steps", 12)):
+            parser.add_argument(flag, type=int, default=default)
         parser.add_argument("--doc", type=Path, help="write the campaign's section of this coverage page")
         parser.add_argument("--clean-runs", type=Path, help="with --doc: the long clean runs' JSON to show too")
         parser.add_argument("--doc-only", action="store_true", help="only re-render the section from --out")

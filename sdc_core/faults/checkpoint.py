@@ -1,10 +1,6 @@
-"""Checkpoint alteration: the fault-injection technique of the SBAC-PAD 2022 study of DDP and
-Horovod training: flip bits in a saved checkpoint, resume, and watch what happens.
-
-``corrupt_file`` reads any checkpoint ``sdc_core.io.checkpoints.Checkpoint`` reads, flips chosen bits
-in chosen tensors with a seeded generator, and logs every flip (tensor, index, bit, old and new
-value) so a run can be replayed. It never writes over its input unless asked to, and writes every
-output atomically. Used by ``sdc corrupt-checkpoint`` and the campaign; the checks never import it.
+"""Checkpoint alteration (as in the SBAC-PAD 2022 study of DDP and Horovod training): flip seeded
+bits in a saved checkpoint's tensors and log every flip, for ``sdc corrupt-checkpoint`` and the
+campaign. The input is never written unless asked; outputs are written atomically.
 """
 
 from __future__ import annotations
@@ -81,10 +77,8 @@ class Corruption:
 def distinct_positions(total: int, n: int, gen: torch.Generator) -> torch.Tensor:
     """``n`` distinct positions in ``range(total)``, sorted, every ``n``-subset equally likely.
 
-    Memory is O(n), not O(total): iid uniform draws are pooled until ``n`` distinct values are
-    seen (given its size, the set of distinct draws is a uniform subset), then ``n`` of them are
-    kept at random. When ``n`` is at least half of ``total`` a permutation of ``range(total)``
-    costs no more than the answer and is used instead."""
+    Memory O(n), not O(total): uniform draws pooled until ``n`` are distinct (a uniform subset),
+    then ``n`` of them kept at random; for ``n >= total / 2`` a permutation, which costs no more."""
     if not 0 <= n <= total:
         raise ValueError(f"cannot pick {n} distinct positions out of {total}")
     if 2 * n >= total:
@@ -129,13 +123,11 @@ def corrupt(ckpt: Checkpoint, spec: Corruption) -> list[dict[str, Any]]:
 
 def corrupt_file(src: str | Path, out: str | Path | None, spec: Corruption, in_place: bool = False,
                  trust_pickle: bool = False) -> dict[str, Any]:  # fmt: skip
-    """Load ``src``, flip as ``spec`` says, write ``out`` (or ``src`` with ``in_place``), and
-    return the log (also written beside the output as ``<out>.flips.json``).
-
-    Both files are written atomically; the input is never written unless ``in_place``, not even
-    through another name for it (a hard link). Raises ``ValueError`` for a bad request,
-    ``UnreadableError`` for an input that cannot be read, ``OutputError`` for an output that
-    cannot be written."""
+    """Load ``src``, flip as ``spec`` says, write ``out`` (or ``src`` with ``in_place``) and the log
+    beside it (``<out>.flips.json``), both atomically; return the log. The input is never written
+    unless ``in_place``, not even through another name for it (a hard link). Raises ``ValueError``
+    for a bad request, ``UnreadableError`` for an unreadable input, ``OutputError`` for an output
+    that cannot be written."""
     src = Path(src)
     if in_place and out is not None and Path(out) != src:
         raise ValueError("give an output path or in_place=True (--in-place), not both")

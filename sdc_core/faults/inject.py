@@ -1,25 +1,13 @@
-"""Fault injection: simulate a faulty rank without touching the checks' code.
+"""Fault injection: simulate a faulty rank without touching the checks' code (tests, demos, fire
+drills). Each fault fires on one global rank only; nothing here runs unless a fault is installed.
 
-For tests, demos and fire drills. Each fault fires on one global rank only; nothing here runs
-unless a fault is installed.
-
-* ``flip_bit(t, index, bit)``: flip bit ``bit`` of flat element ``index`` of any float tensor.
-* ``Fault(kind="module_output", ...)``: from step ``step`` on, perturb one element of a named
-  module's output (a faulty multiply-accumulate lane), ``persistent`` (every forward, replays
-  included) or ``intermittent`` (only the first forward of each step).
-* ``Fault(kind="nonfinite_gradient", ...)``: at step ``step``, a named parameter's local
-  gradient gets a NaN (or Inf) before the all-reduce.
-* ``Fault(kind="gradient_bit_flip", ...)``: at step ``step``, bit ``bit`` of one element of a
-  named parameter's local gradient flips before the all-reduce.
-* ``Fault(kind="gradient_scale", factor=f, ...)``: at step ``step``, one element of a named
-  parameter's local gradient is multiplied by ``f`` before the all-reduce (an error of known size).
-* ``Fault(kind="weight_bit_flip" | "optimizer_state", ...)``: right after optimizer step
-  ``step``, flip a bit of a named parameter, or of its optimizer state tensor ``state_key``.
-* ``Fault(kind="matmul_output", phase=..., ...)``: at step ``step``, one element of a named
-  ``nn.Linear``'s matrix product comes out wrong inside the layer (a faulty multiply-accumulate):
-  its output (``phase="forward"``), or in the backward the input gradient (``"input_grad"``) or
-  the weight gradient (``"weight_grad"``) as the product's autograd node returns them, before
-  anything downstream reads them. Modes as for ``module_output``.
+``Fault`` kinds: ``module_output`` (one element of a named module's output, from ``step`` on);
+``matmul_output`` (one element of a named ``nn.Linear``'s product, inside the layer: its output,
+or the input or weight gradient its autograd node returns, per ``phase``); ``nonfinite_gradient``,
+``gradient_bit_flip``, ``gradient_scale`` (one element of a parameter's local gradient at ``step``,
+before the all-reduce); ``weight_bit_flip``, ``optimizer_state`` (right after optimizer step
+``step``). Modes of the first two: ``persistent`` (every forward, replays included),
+``intermittent`` (the first forward of each step), ``once`` (the first forward of ``step``).
 """
 
 from __future__ import annotations
@@ -38,10 +26,8 @@ MATMUL_PHASES = ("forward", "input_grad", "weight_grad")
 
 
 def flip_bit(t: torch.Tensor, index: int, bit: int) -> tuple[float, float]:
-    """Flip bit ``bit`` (0 = least significant) of flat element ``index`` of ``t`` in place.
-
-    Returns ``(old, new)`` values. Works for every floating dtype (and integer tensors).
-    """
+    """Flip bit ``bit`` (0 = least significant) of flat element ``index`` of ``t`` (any float or
+    integer dtype, contiguous) in place; returns ``(old, new)``."""
     width = t.element_size() * 8
     if not 0 <= bit < width:
         raise ValueError(f"bit must be in [0, {width}) for {t.dtype}, got {bit}")
@@ -141,19 +127,17 @@ class FaultInjector:
             if not due or fault.kind not in ("weight_bit_flip", "optimizer_state"):
                 continue
             p = params[fault.target]
-            if fault.kind == "weight_bit_flip":
-                old, new = flip_bit(p.data, fault.index % p.numel(), int(fault.bit))  # type: ignore[arg-type]
-            else:
+            t = p.data
+            if fault.kind == "optimizer_state":
                 state = next((opt.state[p] for opt in optimizers if p in opt.state), None)
                 if state is None or fault.state_key not in state:
                     raise ValueError(f"no optimizer state {fault.state_key!r} for parameter {fault.target!r}")
                 t = state[fault.state_key]
-                old, new = flip_bit(t, fault.index % t.numel(), int(fault.bit))  # type: ignore[arg-type]
+            old, new = flip_bit(t, fault.index % t.numel(), int(fault.bit))  # type: ignore[arg-type]
             self.fired.append({"kind": fault.kind, "step": step, "target": fault.target, "old": old, "new": new})
 
     def _due(self, i: int, fault: Fault) -> bool:
-        """Whether fault ``i`` of a module fires at this call: from its step on (``once``: at its step
-        only); ``intermittent`` and ``once`` at the first call of the step only."""
+        """Whether fault ``i`` of a module fires at this call (its mode's rule)."""
         if self.step < fault.step or (fault.mode == "once" and self.step != fault.step):
             return False
         self._calls[i] = self._calls.get(i, 0) + 1
@@ -206,10 +190,9 @@ def _wrong(old: torch.Tensor, fault: Fault) -> torch.Tensor:
 
 
 class _MatmulFault:
-    """A wrong element inside one ``nn.Linear``'s product: the layer's ``forward`` is wrapped on the
-    instance, so the wrong value is what the product returned (forward hooks, the matmul checksum
-    check's included, see it), and backward faults ride a post-hook on the product's autograd node
-    registered before anyone else's. ``remove()`` restores the layer."""
+    """A wrong element inside one ``nn.Linear``'s product: ``forward`` is wrapped on the instance, so
+    forward hooks (the matmul check's included) see the wrong value; backward faults ride a hook on
+    the product's autograd node registered before anyone else's. ``remove()`` restores the layer."""
 
     def __init__(self, injector: FaultInjector, i: int, fault: Fault, module: nn.Module) -> None:
         self.injector, self.fault, self.module = injector, fault, module
