@@ -1,20 +1,14 @@
 """What a training step reads besides its batch: its capture, transfer and restoration.
 
 Contract: ``StateCapture.capture()`` snapshots, at the start of an owner's audited micro-batch,
-what the step reads besides its batch: buffers and parameters that do not train, tensor and plain
-Python attributes of the module and every submodule, and the user's ``sdc_replay_state()``;
-``MicroBatch`` adds the batch and the RNG state of Python, NumPy and torch (CPU and the CUDA
-device), taken by ``sdc_core.replay.rng.all_rng`` and put back by its ``set_rng``.
-``StateCapture.applied`` puts a captured state in place for one re-run (``sdc_core.replay.rerun``)
-and restores the module's own afterwards; ``fresh`` makes a re-run's private copy of a captured value.
+buffers and parameters that do not train, tensor and plain Python attributes of every submodule,
+and the user's ``sdc_replay_state()``; ``MicroBatch`` adds the batch and the RNG state.
+``StateCapture.applied`` puts a captured state in place for one re-run and restores the module's
+own afterwards.
 
-Cost: a capture clones state tensors on their device (no host sync) within ``max_state_mb`` per
-audited step (larger tensors are read live and guarded against in-place change), after checking
-that the module tree kept the shape of its last walk (else it walks it again); frozen tensors
-above ``SEND_BY_DIGEST_BYTES`` travel by digest (one host read per transfer).
-
-Limits: not captured are objects that are neither tensors nor plain Python values (rebinds are
-undone, in-place changes are not), globals, iterators, files.
+Cost: clones on the state's device (no host sync) within ``max_state_mb`` per audited step (larger
+tensors are read live and guarded against in-place change); frozen tensors above
+``SEND_BY_DIGEST_BYTES`` travel by digest (one host read per transfer).
 """
 
 from __future__ import annotations
@@ -24,7 +18,7 @@ import sys
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -44,11 +38,8 @@ _CONFIGURATION_ONLY: dict[type, bool] = {}
 
 
 def _configuration_only(kind: type) -> bool:
-    """Whether a module class is one of torch.nn's own (defined in ``torch.nn.modules``; not a
-    bare ``nn.Module`` nor a subclass defined elsewhere). Their forwards rebind no attribute (a
-    test checks every ``forward`` there), so their plain attributes are configuration, the same
-    when a re-run reads them live and on every replica: a capture leaves them out (a 12-layer
-    ``nn.TransformerEncoder``: 122 such modules, most of a kept step's capture)."""
+    """Whether a module class is one of torch.nn's own (in ``torch.nn.modules``, not bare ``nn.Module``):
+    their forwards rebind no attribute (a test checks), so a capture leaves their plain attributes out."""
     known = _CONFIGURATION_ONLY.get(kind)
     if known is None:
         known = _CONFIGURATION_ONLY[kind] = kind is not nn.Module and kind.__module__.startswith("torch.nn.modules.")
@@ -63,12 +54,10 @@ class _Skip(Exception):
 class _Budget:
     bytes_left: int
     items_left: int = _MAX_ITEMS
-    over: list[str] = field(default_factory=list)
 
 
 def _copy_plain(value: Any, budget: _Budget, depth: int = 0) -> Any:
-    """A copy of a plain value (tensors cloned on their device, containers rebuilt); ``_Skip``
-    for anything else (objects, functions, modules) or past the budget."""
+    """A copy of a plain value (tensors cloned on their device); ``_Skip`` for anything else or past the budget."""
     if isinstance(value, _SCALARS):
         return value
     if depth > 6:
@@ -77,9 +66,9 @@ def _copy_plain(value: Any, budget: _Budget, depth: int = 0) -> Any:
     if budget.items_left < 0:
         raise _Skip
     kind = type(value)
-    if kind in (list, set, frozenset, deque) or (kind is tuple):  # first: a module's sizes and paddings (these
-        items = [_copy_plain(v, budget, depth + 1) for v in value]  # exact types are no Parameter, whose
-        return deque(items, value.maxlen) if kind is deque else kind(items)  # isinstance check runs Python)
+    if kind in (list, set, frozenset, deque, tuple):  # first: a module's sizes and paddings (cheaper than
+        items = [_copy_plain(v, budget, depth + 1) for v in value]  # the isinstance check on Parameter)
+        return deque(items, value.maxlen) if kind is deque else kind(items)
     if isinstance(value, nn.Parameter | nn.Module):
         raise _Skip
     if isinstance(value, torch.Tensor):
@@ -150,26 +139,18 @@ class TensorRef:
 
 @dataclass
 class StepState:
-    """The state one micro-batch's step read besides its batch, as its owner had it at the start.
+    """The state one micro-batch's step read besides its batch, as its owner had it at the start."""
 
-    ``tensors``: ``"param:<name>"`` (not trained) and ``"buffer:<name>"`` clones (or, in
-    transit, ``TensorRef``); ``attrs``: per module path, copies of its tensor and plain Python
-    attributes; ``user``: what ``sdc_replay_state()`` returned; ``live``: tensors over the
-    budget, read live by the replay.
-    """
-
-    tensors: dict[str, Any]
-    attrs: dict[str, dict[str, Any]]
-    user: Any = None
+    tensors: dict[str, Any]  # "param:<name>" (not trained), "buffer:<name>": clones (in transit, or TensorRef)
+    attrs: dict[str, dict[str, Any]]  # per module path: copies of its tensor and plain Python attributes
+    user: Any = None  # what sdc_replay_state() returned
     has_user: bool = False
-    live: tuple[str, ...] = ()
+    live: tuple[str, ...] = ()  # tensors over the budget, read live by the replay
     nbytes: int = 0
 
 
 def _frozen(modules: list[tuple[str, nn.Module]], trainable: frozenset[str]) -> list[tuple[str, torch.Tensor]]:
-    """``named_parameters()`` of the module whose ``named_modules()`` are ``modules`` (in their
-    order, each tensor once, without another walk of the module tree) less the ``trainable``
-    names, each named ``"param:<name>"``."""
+    """``named_parameters()`` less ``trainable``, as ``"param:<name>"``, from ``named_modules()`` (no new walk)."""
     seen: set[int] = set()
     out: list[tuple[str, torch.Tensor]] = []
     for path, sub in modules:
@@ -184,9 +165,8 @@ def _frozen(modules: list[tuple[str, nn.Module]], trainable: frozenset[str]) -> 
 
 
 def _signature(modules: list[nn.Module]) -> list[Any]:
-    """What a capture's walk of ``modules`` depends on, flat: per module its class, its children,
-    its parameters (names, then objects by ``id``: ``_Walk.pinned`` keeps them alive) and its
-    buffers' names (their tensors are read at each capture), each run after its length."""
+    """What a walk of ``modules`` depends on, flat: per module its class, children, parameters (names, then
+    ids: ``_Walk.pinned`` keeps them alive) and buffer names, each run after its length."""
     out: list[Any] = []
     put, add = out.append, out.extend
     for sub in modules:
@@ -205,8 +185,7 @@ def _signature(modules: list[nn.Module]) -> list[Any]:
 
 @dataclass
 class _Walk:
-    """One walk of the module tree, reused while its ``_signature`` is unchanged: the frozen
-    parameters to clone, where each buffer lives, and the modules whose attributes are read."""
+    """One walk of the module tree, reused while its ``_signature`` is unchanged."""
 
     modules: list[nn.Module]
     signature: list[Any]
@@ -223,20 +202,10 @@ class _Walk:
 class StateCapture:
     """Captures, reproduces and restores the state a training step reads besides its batch.
 
-    Args:
-        module: the unwrapped module the step runs.
-        trainable: names of the parameters that train (replayed on aliases, never captured).
-        exclude: attribute names of framework internals to leave out on every submodule (the ``nn.Module`` internals
-            always are).
-        get_state / load_state: the explicit hook for state the generic capture cannot see (``sdc_replay_state()`` /
-            ``sdc_load_replay_state(state)``): ``get_state`` returns a snapshot (copies), ``load_state`` puts one in
-            place.
-        max_state_mb: default budget of cloned tensors per ``capture``.
-
-    Captured: buffers and frozen parameters, and every submodule's tensor and plain Python attributes (numbers,
-    strings, None, NumPy arrays, and containers of them). Not captured: other objects (rebinds are undone after a
-    replay, in-place changes are not; left-out containers reach the replay as shallow copies), globals, iterators,
-    files, and the plain attributes of torch.nn's own module classes (configuration their forwards never rebind)."""
+    ``trainable``: parameters replayed on aliases, never captured; ``exclude``: framework attributes left out
+    on every submodule; ``get_state``/``load_state``: the user's hook for state the capture cannot see.
+    Not captured: objects that are neither tensors nor plain values (rebinds are undone after a replay,
+    in-place changes are not), globals, iterators, files."""
 
     def __init__(
         self,
@@ -260,8 +229,7 @@ class StateCapture:
         return next((p.device for p in self.module.parameters()), torch.device("cpu"))
 
     def _walked(self) -> _Walk:
-        """The module tree's walk (``_Walk``): the last one while the tree kept its shape (checked
-        on every module: about half a walk's cost), else a new one."""
+        """The last walk while the tree kept its shape (about half a walk's cost to check), else a new one."""
         walk = self._walk
         if walk is not None and walk.current():
             return walk
@@ -276,8 +244,7 @@ class StateCapture:
         return walk
 
     def capture(self, budget_bytes: int | None = None) -> StepState:
-        """The current state (clones on device, no host sync) within ``budget_bytes`` of tensor
-        clones (default ``max_state_mb``); tensors past it are listed in ``live``."""
+        """The current state (clones, no host sync) within ``budget_bytes``; tensors past it go in ``live``."""
         start = self.max_bytes if budget_bytes is None else max(budget_bytes, 0)
         budget = _Budget(start)
         tensors: dict[str, Any] = {}
@@ -324,8 +291,7 @@ class StateCapture:
 
     @staticmethod
     def for_transfer(state: StepState | None) -> StepState | None:
-        """``state`` with frozen parameters and buffers above 1 MiB replaced by ``TensorRef``
-        (replica-synchronised in data parallelism: the receiver has them); one host read."""
+        """``state`` with tensors above 1 MiB replaced by ``TensorRef`` (the receiver has them); one host read."""
         if state is None:
             return None
         big = [k for k, t in state.tensors.items() if t.numel() * t.element_size() > SEND_BY_DIGEST_BYTES]
@@ -359,11 +325,9 @@ class StateCapture:
 
     @contextmanager
     def applied(self, state: StepState | None) -> Iterator[dict[str, torch.Tensor]]:
-        """Put ``state`` in place for one replay; yields the parameter/buffer tensors to swap in.
-
-        Afterwards every submodule's attribute dictionary is restored (rebinds undone, attributes
-        the replay added removed), the user's state reloaded, and tensors read live are checked
-        for in-place change (``RuntimeError`` naming them: that change cannot be undone)."""
+        """Put ``state`` in place for one replay; yields the parameter/buffer tensors to swap in. Afterwards
+        every attribute dictionary and the user's state are restored; tensors read live that changed in place
+        raise ``RuntimeError``."""
         module, device = self.module, self._device()
         subs = dict(module.named_modules())
         saved = {path: dict(vars(sub)) for path, sub in subs.items()}
