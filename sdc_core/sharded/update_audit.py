@@ -2,21 +2,16 @@
 
 Contract: on every ``every_n_steps``-th optimizer step each rank snapshots, just before the update,
 its local shards, their reduced gradients and the optimizer state, and digests the shards just
-after. The snapshot travels to the rank's ring partner, which runs the same optimizer class with the
-same hyper-parameters on a replica of the shard and compares the digest of its result with the
-owner's, bit for bit. Attribution as in the ring replay: a rank that disagrees both as owner and as
-recomputer is named; a single disagreeing pair names both as suspects. Every received payload is
-checked (``check_update_payload``): a malformed one raises ``PayloadError`` on every rank alike.
+after. The snapshot travels to the rank's ring partner, which runs the same optimizer class on a
+replica and compares the digests bit for bit; attribution as in the ring replay. Every received
+payload is checked (``check_update_payload``): a malformed one raises ``PayloadError`` on every
+rank alike.
 
-Cost on an audited step (S: the bytes of a rank's parameter shard, k: optimizer state tensors per
-parameter, 2 for Adam): a copy of (2 + k) * S bytes, as many sent and received point to point, one
-extra optimizer step on a shard, two digests. Other steps pay one Python check in the optimizer
-hooks.
-
-Limits: exact equality assumes the partner computes the optimizer's elementwise kernels like the
-owner (same device type and torch build); optimizers with a closure or cross-parameter state (LBFGS)
-are not recomputed faithfully. Under HSDP the fingerprint's replica comparison already sees a wrong
-update.
+Cost on an audited step (S: a rank's shard bytes, k: optimizer state tensors per parameter): a
+copy of (2 + k) * S bytes, as many sent and received point to point, one extra optimizer step on a
+shard, two digests. Limits: exact equality assumes the partner computes like the owner (same
+device type and torch build); optimizers with a closure or cross-parameter state (LBFGS) are not
+recomputed faithfully.
 """
 
 from __future__ import annotations
@@ -85,11 +80,8 @@ def recompute(kind: type[torch.optim.Optimizer], groups: list[dict[str, Any]]) -
 
 @dataclass(kw_only=True)
 class UpdateAudit:
-    """Partner recomputation of each rank's optimizer update on its shard (see the module docstring).
-
-    Adapters call ``attach(optimizer, module)`` once, ``before_update(step, optimizer)`` after
-    backward and right before the update (gradients final, parameters and state pre-step), and
-    ``audit(step)`` after the update, on every rank."""
+    """Partner recomputation of each rank's optimizer update on its shard. Adapters call ``attach`` once,
+    ``before_update`` right before the update and ``audit(step)`` after it, on every rank."""
 
     role: ClassVar[Role] = Role.UPDATE_AUDIT
 
@@ -131,8 +123,7 @@ class UpdateAudit:
         self._handles = [inner.register_step_post_hook(after)]
 
     def before_update(self, step: int, optimizer: torch.optim.Optimizer) -> None:
-        """Snapshot the shards if ``step`` is audited (a step an optimizer skips is audited as a
-        no-op: the owner's digests are then taken at ``audit``)."""
+        """Snapshot the shards if ``step`` is audited (a step the optimizer skips is audited as a no-op)."""
         self._armed = step if is_distributed() and step % self.every_n_steps == 0 else None
         self._snap = self._after = None
         if self._armed is not None:
@@ -205,8 +196,7 @@ class UpdateAudit:
 
     def _referee(self, disputed: list[tuple[int, int]], payload: dict[str, Any], recomputed: list[Any],
                  topo: Topology) -> dict[tuple[int, int], tuple[bool, bool]]:  # fmt: skip
-        """A third rank recomputes each disputed owner's update from the owner's snapshot:
-        ``{(owner, replayer): (agrees with the owner, agrees with the replayer)}``."""
+        """A third rank recomputes each disputed owner's update: ``{pair: (agrees with owner, with replayer)}``."""
         world, me = topo.world_size, topo.rank
         node_of = [f.node_rank for f in topo.ranks]
         busy = {r for pair in disputed for r in pair}
@@ -229,8 +219,7 @@ class UpdateAudit:
 
 
 def update_audit(every_n_steps: int) -> UpdateAudit | None:
-    """The update audit at the setting ``update_audit_every_n_steps``: None for 0 (off);
-    ``ValueError`` naming the setting for anything but an integer >= 0."""
+    """The update audit at ``update_audit_every_n_steps``: None for 0 (off); else ``ValueError`` if invalid."""
     if isinstance(every_n_steps, int) and not isinstance(every_n_steps, bool) and every_n_steps == 0:
         return None
     return UpdateAudit(every_n_steps=every_n_steps)
