@@ -1,13 +1,9 @@
 """One audited step of the ring replay: the exchange, the replays, the comparison and the trust rounds.
 
-Contract: every rank runs the step's ``StepAudit`` together. Rank ``r`` sends its micro-batches to
-``partners[r]`` and replays those of ``inverse[r]``; one all-gather of seven float64 per rank makes
-the table every rank judges alike. Before any rank is named, both sides of every disagreeing pair
-re-run what they computed (one more all-gather): a difference within that noise accuses no one.
-Pairs that still disagree go to the referee round (``sdc_core.replay.referee``).
-
-Collectives: every rank enters the same ones in the same order on every path; a failed replay is
-caught (``attempt``) and decided after the next gather.
+Every rank runs the step's ``StepAudit`` together, entering the same collectives in the same order
+on every path (a failed replay is caught and decided after the next gather). Before any rank is
+named, both sides of every disagreeing pair re-run what they computed: a difference within that
+noise accuses no one.
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
-"""Digests of a step's loss and gradients, and their comparison under a tolerance.
-
-Contract: a ``Digest`` holds, per trainable parameter (in ``names`` order), the gradient's sum and
-L2 norm, an exact fingerprint (-0.0 read as +0.0) and its element count, and the loss. Two digests
-compare as bit-identical when loss and every fingerprint are equal; otherwise the difference is
-per parameter the larger of the relative norm and sum differences (the sum relative to
-``sqrt(numel) * norm``), and the loss difference, with ``atol`` the floor of the denominators.
-
-Cost: per parameter a sum, a norm and a fingerprint on the gradient's device, read with one
-device-to-host copy per digest. Limits: gradients with equal sum and norm differ only by
-fingerprint, which bit equality sees and a tolerance does not.
+"""Digests of a step's loss and gradients (per parameter: sum, L2 norm, exact fingerprint, count),
+and their comparison: bit-identical when loss and every fingerprint are equal, else the largest
+relative norm, sum or loss difference. Cost: per parameter three reductions on the gradient's
+device, read with one device-to-host copy per digest. Limits: gradients with equal sum and norm
+differ only by fingerprint, which bit equality sees and a tolerance does not.
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
-"""Confirming a screen hit: a partner recomputes the suspect's micro-batches before anyone is named.
-
-``confirm_hits`` runs in the same step, before the update: every flagged rank sends the
-micro-batches it kept to its ring partner (with ``collective_reruns`` every rank sends and
-re-runs, after one all_reduce agreed that every rank can); the partner recomputes them and takes
-the same statistic; after one all_gather every rank decides alike, per flagged rank: reproduced
-within ``REPRODUCED``: cleared; differing AND within the band: confirmed (``ReplayMismatchError``,
-``details["source"] == "gradient_screen"``); anything else: unconfirmed, no verdict.
+"""Confirming a screen hit: a partner recomputes the suspect's kept micro-batches, in the same step,
+before anyone is named. Per flagged rank: reproduced within ``REPRODUCED``: cleared; differing and
+within the band: confirmed (``ReplayMismatchError``); anything else: unconfirmed, no verdict.
 
 Cost: nothing on a step without a flag; on a flagged step, the transfer, one forward and backward
 per suspect on its partner and two small collectives (collective re-runs: three).

@@ -35,10 +35,6 @@ class DeterministicWindow:
 
     _saved: tuple[bool, bool, bool, bool, bool] | None = None
 
-    @property
-    def on(self) -> bool:
-        return self._saved is not None
-
     def enter(self, strict: bool) -> None:
         if self._saved is None:
             import torch.utils.deterministic as det

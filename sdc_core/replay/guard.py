@@ -154,7 +154,7 @@ def _install(guard: _Guard) -> None:
 def _uninstall() -> None:
     """Put the originals back once no thread has a live guard."""
     with _LOCK:
-        if any(_live_anywhere()):
+        if any(g.active for g in list(_ALL)):
             return
         for (ns, name), fn in list(_ORIGINALS.items()):
             mod = sys.modules.get(ns)
@@ -163,10 +163,6 @@ def _uninstall() -> None:
 
 
 _ALL: weakref.WeakSet[_Guard] = weakref.WeakSet()
-
-
-def _live_anywhere() -> list[_Guard]:
-    return [g for g in list(_ALL) if g.active]
 
 
 def forbid_collectives() -> AbstractContextManager[None]:

@@ -1,10 +1,5 @@
 """The rare path of a ring replay audit: referees for the pairs that still disagree, and the verdict.
 
-Contract: every disputed pair gets a referee that replays the disputed batch; the rulings are
-weighed (``attribute``, or ``settle`` under tensor parallelism); a rank named alone re-runs what
-disagreed to classify the fault (persistent or transient). The verdict is ``ReplayMismatchError``
-on every rank, or, with ``skip_step`` and a transient fault, the step dropped on every rank.
-
 Collectives: one gather of the "where" texts, one exchange of the disputed batches (when there are
 referees), one gather of the rulings and, with a rank named, one of its re-run's outcome; every
 rank enters each, in this order, on every path. Cost: one referee replay per disagreeing pair and

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from functools import partial
 from typing import Any
 
 import torch
@@ -59,15 +60,12 @@ def replay_each_gradient(
     total_loss = torch.zeros((), dtype=torch.float64, device=device)
     last = [False]
 
-    def hook(name: str) -> Callable[[torch.Tensor], None]:
-        def on_grad(alias: torch.Tensor) -> None:
-            if last[0] and alias.grad is not None:
-                consume(name, alias.grad)
-                alias.grad = None
+    def hand_on(name: str, alias: torch.Tensor, now: bool = False) -> None:
+        if (now or last[0]) and alias.grad is not None:
+            consume(name, alias.grad)
+            alias.grad = None
 
-        return on_grad
-
-    handles = [a.register_post_accumulate_grad_hook(hook(n)) for n, a in aliases.items()]
+    handles = [a.register_post_accumulate_grad_hook(partial(hand_on, n)) for n, a in aliases.items()]
     batches = list(micro_batches)
     try:
         for i, mb in enumerate(batches):
@@ -84,9 +82,7 @@ def replay_each_gradient(
                     loss.backward(inputs=list(aliases.values()))
             total_loss = total_loss + loss.detach().to(total_loss.device, torch.float64)
         for n, a in aliases.items():  # used by earlier micro-batches only
-            if a.grad is not None:
-                consume(n, a.grad)
-                a.grad = None
+            hand_on(n, a, now=True)
     finally:
         for h in handles:
             h.remove()

@@ -1,19 +1,12 @@
 """Ring replay audit: replicas recompute each other's micro-batches and compare.
 
-Contract: on every ``every_n_steps``-th optimizer step rank ``r`` sends that step's micro-batches
-(inputs, captured state, loss and a digest of its LOCAL gradients, taken before DDP's all-reduce)
-to ``partners[r]``, which recomputes them with the same weights and compares. Every rank reaches
-the same verdict; no rank is named before both sides of a disagreeing pair re-ran their work and
-the difference exceeds their noise, and a rank is named alone only when it is the one smallest
-explanation (else every possible culprit is a suspect; with two ranks both are). The replay has
-no side effect and refuses collectives; a step it cannot reproduce faithfully raises
-``ReplayUnavailableError`` (or warns once and turns the audit off).
-
+Contract: on every ``every_n_steps``-th step rank ``r`` sends its micro-batches (inputs, captured
+state, loss and a digest of its LOCAL gradients) to ``partners[r]``, which recomputes them
+side-effect free and compares; every rank reaches the same verdict (``StepAudit``, ``referee``).
 Cost, on audited steps only: deterministic kernels for the owner's micro-batches (+9 to 11% on an
-H200), one extra forward and backward of the partner's micro-batches (three at the first audit),
-the batch and state transfer, a state clone (at most ``max_state_mb``) and one all-gather of seven
-float64 per rank; a disagreement adds re-runs and referee replays. docs/replay-contract.md has the
-user's side of the contract.
+H200), one extra forward and backward (three at the first audit), the transfer, a state clone (at
+most ``max_state_mb``) and one all-gather of seven float64 per rank. docs/replay-contract.md has
+the user's side of the contract.
 """
 
 from __future__ import annotations
@@ -24,6 +17,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, ClassVar, Literal
 
 import torch
@@ -229,8 +223,7 @@ class RingReplay:
         return True
 
     def disarm(self) -> None:
-        """Drop the micro-batches recorded for the armed step: it is not audited (every rank alike),
-        e.g. because another check already dropped that optimizer step."""
+        """Drop the armed step's micro-batches: it is not audited (every rank alike)."""
         self._armed_step, self._micro, self._loss, self._local = None, [], None, {}
         self._window.exit()
         self._aside.clear()
@@ -380,42 +373,27 @@ class RingReplay:
         if self._armed_step != step:
             return False
         if to_device is None:
-            home = next((p.device for p in module.parameters()), None)
-
-            def to_device(batch: Any) -> Any:
-                return fresh(batch, home)
-
+            to_device = partial(fresh, device=next((p.device for p in module.parameters()), None))
         try:  # the step's own gradients out of the way of the re-runs where DDP keeps a copy
             with self._aside.aside() as aside:
                 if aside:
                     self.stats.extra = {**(self.stats.extra or {}), "gradients_set_aside_bytes": float(aside)}
-                return self._audit(step, module, step_fn, to_device, context)
+                t0 = time.perf_counter()
+                topo = self.topology or Topology.gather()
+                own = self._own_digest()
+                micro, self._micro, self._armed_step = self._micro, [], None
+                failure, self._capture_error = self._capture_error, ""
+                run = StepAudit(step, topo, self.config, self.stats, self.calibration, lambda: self.names,
+                                self.groups, self.collective_reruns, self.advice, micro, own, failure=failure,
+                                recompute=lambda b: self._replay_digest(module, b, step_fn, to_device, context),
+                                exchange=self._exchange, unreplayable=self._unreplayable, t0=t0)  # fmt: skip
+                try:  # the StepAudit, then the referee round if pairs still disagree
+                    result = run.run()
+                    return attribute_step(run) if result is None else result
+                finally:
+                    if run.error is not None:
+                        self.last_error = run.error
         except PayloadError as err:  # raised on every rank together by the exchange: a peer sent what is refused
             return self._unreplayable(step, f"could not exchange its data at step {step}: {err}.")
         finally:
             self.calibration.settle_probe(self.config, self.stats)  # the mode of the next audited step
-
-    def _audit(
-        self,
-        step: int,
-        module: nn.Module,
-        step_fn: StepFn,
-        to_device: Callable[[Any], Any],
-        context: Callable[[], AbstractContextManager[Any]],
-    ) -> bool:
-        """One ``StepAudit``, then the referee round if pairs still disagree; its verdict becomes ``last_error``."""
-        t0 = time.perf_counter()
-        topo = self.topology or Topology.gather()
-        own = self._own_digest()
-        micro, self._micro, self._armed_step = self._micro, [], None
-        failure, self._capture_error = self._capture_error, ""
-        run = StepAudit(step, topo, self.config, self.stats, self.calibration, lambda: self.names, self.groups,
-                        self.collective_reruns, self.advice, micro, own, failure=failure,
-                        recompute=lambda b: self._replay_digest(module, b, step_fn, to_device, context),
-                        exchange=self._exchange, unreplayable=self._unreplayable, t0=t0)  # fmt: skip
-        try:
-            result = run.run()
-            return attribute_step(run) if result is None else result
-        finally:
-            if run.error is not None:
-                self.last_error = run.error

@@ -1,10 +1,5 @@
-"""What a training step reads besides its batch: its capture, transfer and restoration.
-
-Contract: ``StateCapture.capture()`` snapshots, at the start of an owner's audited micro-batch,
-buffers and parameters that do not train, tensor and plain Python attributes of every submodule,
-and the user's ``sdc_replay_state()``; ``MicroBatch`` adds the batch and the RNG state.
-``StateCapture.applied`` puts a captured state in place for one re-run and restores the module's
-own afterwards.
+"""What a training step reads besides its batch (frozen tensors, buffers, module attributes, the
+user's ``sdc_replay_state()``): its capture, transfer and restoration for one re-run.
 
 Cost: clones on the state's device (no host sync) within ``max_state_mb`` per audited step (larger
 tensors are read live and guarded against in-place change); frozen tensors above
@@ -381,19 +376,17 @@ class StateCapture:
     def _live_versions(self, state: StepState | None) -> dict[str, tuple[torch.Tensor, int]]:
         if state is None or not state.live:
             return {}
-        found: dict[str, torch.Tensor] = {}
-        named = dict(self.module.named_parameters())
-        buffers = dict(self.module.named_buffers())
+        module = self.module
+        tensors = {f"param:{n}": p for n, p in module.named_parameters()}
+        tensors |= {f"buffer:{n}": b for n, b in module.named_buffers()}
+        subs = dict(module.named_modules())
+        found: dict[str, tuple[torch.Tensor, int]] = {}
         for key in state.live:
-            kind, _, name = key.partition(":")
-            t = named.get(name) if kind == "param" else buffers.get(name) if kind == "buffer" else None
-            if t is None:
-                path, _, attr = key.rpartition(".")
-                sub = dict(self.module.named_modules()).get(path)
-                t = vars(sub).get(attr) if sub is not None else None
+            path, _, attr = key.rpartition(".")
+            t = tensors[key] if key in tensors else vars(subs[path]).get(attr) if path in subs else None
             if isinstance(t, torch.Tensor):
-                found[key] = t
-        return {k: (t, t._version) for k, t in found.items()}
+                found[key] = (t, t._version)
+        return found
 
 
 @dataclass

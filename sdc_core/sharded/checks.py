@@ -57,7 +57,6 @@ def is_sharded(module: nn.Module) -> bool:
 class _PendingVerdict:
     step: int
     count: HostRead  # nonzero: some rank's local gradients were not finite (in band or all-reduced)
-    work: Any
     seen: list[tuple[torch.Tensor, list[str]]]
     flags: torch.Tensor | None
     scaler_active: bool
@@ -173,7 +172,7 @@ class ShardedNonFinite(NonFiniteVerdicts):
             # to a collective: the count is agreed by all ranks (the all-reduce below)
             count += torch.isnan(torch.cat(outputs).float()).any().to(device=count.device, dtype=torch.int32)
         work = dist.all_reduce(count, async_op=True) if is_distributed() else None
-        self._pending = _PendingVerdict(step, HostRead(count, work), work, seen, flags, scaler_active)
+        self._pending = _PendingVerdict(step, HostRead(count, work), seen, flags, scaler_active)
         self.stats.add_time(time.perf_counter() - t0)
         if self.config.on_failure in ("raise", "warn") and not scaler_active and not now:
             return False
@@ -190,36 +189,29 @@ class ShardedNonFinite(NonFiniteVerdicts):
         return None
 
     def _decide(self, params: list[tuple[str, nn.Parameter]]) -> bool:
+        """Read the pending verdict; on a flag, name ranks and parameters: a rank's flagged groups, narrowed to
+        those non-finite on some shard."""
         pending, self._pending = self._pending, None
         assert pending is not None
         t0 = time.perf_counter()
         self.stats.runs += 1
         if int(pending.count.get().item()) == 0:  # waits for this flag (and its all-reduce) only
             return self._clean(pending.step, t0)
-        return self._rare(pending.step, params, pending.seen, pending.flags, pending.scaler_active, t0)
-
-    def _rare(self, step: int, params: list[tuple[str, nn.Parameter]], seen: list, flags: torch.Tensor | None,
-              scaler_active: bool, t0: float) -> bool:  # fmt: skip
-        """Name ranks and parameters: a rank's flagged groups, narrowed to those non-finite on some shard."""
         flagged: list[str] | None = None
+        flags = pending.flags
         if flags is not None and bool(flags.any()):
-            flagged = [n for f, (_, names) in zip(flags.tolist(), seen, strict=True) if f for n in names]
+            flagged = [n for f, (_, names) in zip(flags.tolist(), pending.seen, strict=True) if f for n in names]
         with torch.no_grad():
             reduced_bad = [n for n, p in params if p.grad is not None and not bool(torch.isfinite(local(p.grad)).all())]
         gathered = all_gather_objects((flagged, reduced_bad)) if is_distributed() else [(flagged, reduced_bad)]
         bad_anywhere = {n for _, names in gathered for n in names}
-        per_rank: list[list[str] | None] = []
-        for names, _ in gathered:
-            if names is None:
-                per_rank.append(None)
-                continue
-            unique = list(dict.fromkeys(names))
-            per_rank.append(([n for n in unique if n in bad_anywhere] or unique)[: self.config.max_names])
+        unique = [None if names is None else list(dict.fromkeys(names)) for names, _ in gathered]
+        per_rank = [u and ([n for n in u if n in bad_anywhere] or u)[: self.config.max_names] for u in unique]
         extra: dict[str, Any] = {"sharded": True}
         if all(names is None for names, _ in gathered):  # no rank's local gradients: it formed in the reduction
             extra["formed_in_reduction"] = {r: names[: self.config.max_names] for r, (_, names) in enumerate(gathered)
                                             if names}  # fmt: skip
-        return self._failure(step, per_rank, scaler_active, t0, params, extra)
+        return self._failure(pending.step, per_rank, pending.scaler_active, t0, params, extra)
 
 
 @dataclass(frozen=True)
@@ -248,8 +240,6 @@ class _Pending:
     reduced: list[torch.Tensor]  # per replicated group: (max fp, max ~fp) after the all-reduce
     mismatch: torch.Tensor  # a replica mismatch here (0-d int64, on the device)
     baseline: Any  # (fp, per-tensor digests, group) of the unreplicated shards after the update, or None
-    module: nn.Module
-    optimizers: list[torch.optim.Optimizer]
     flags: HostRead | None = None  # [replica mismatch here, at-rest change here], MAX over the world
     work: Any = None
     at_rest: Any = None  # (digests after the update, digests before the next forward, group) or None
@@ -316,7 +306,7 @@ class ShardedFingerprint:
         mismatch = torch.zeros((), dtype=torch.int64, device=device)
         for pair in reduced:
             mismatch = mismatch | (pair[0] != torch.bitwise_not(pair[1])).to(torch.int64)
-        self._pending = _Pending(step, replicated, per_tensor, reduced, mismatch, baseline, module, optimizers)
+        self._pending = _Pending(step, replicated, per_tensor, reduced, mismatch, baseline)
         self.stats.add_time(time.perf_counter() - t0)
         if baseline is None:  # nothing at rest to watch: the comparison travels now
             self.before_use()

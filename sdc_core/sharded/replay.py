@@ -1,19 +1,13 @@
-"""Ring replay audit on sharded models (FSDP2, HSDP, + tensor parallel): every rank replays its
-partner's micro-batches.
+"""Ring replay audit on sharded models (FSDP2, HSDP, + tensor parallel): as ``RingReplay``, with the
+owner's digests taken of its LOCAL unsharded gradients in the reduce-scatter tap, and all ranks
+replaying together in every round (the replay's reduce-scatter is suppressed by the tap). Under
+tensor parallelism the ring runs over the data-parallel groups; a referee is a whole third group.
 
-Contract: as ``RingReplay``, with the owner's digests taken of its LOCAL unsharded gradients in
-the reduce-scatter tap; all ranks replay together (the all-gathers are training's, the replay's
-reduce-scatter is suppressed by the tap), so every rank replays in every round
-(``collective_reruns``). Under tensor parallelism the ring runs over the data-parallel groups,
-rank ``t`` of group ``g + 1`` replaying what rank ``t`` of ``g`` computed; a referee is a whole
-third group, and a fault that enters a tensor-parallel collective names the whole group.
-
-Cost on an audited step: one forward and backward per micro-batch (twice at the first audit),
-the transfer, a digest per FSDP parameter group, the state clones, two small all-gathers.
-
-Limits: an exception inside one rank's replay after its first collective leaves the others in
-FSDP's all-gather until the process-group timeout. The owner's reduce-scatter must run on every
-micro-batch (with ``set_requires_gradient_sync(False)`` the comparison fails).
+Cost on an audited step: one forward and backward per micro-batch (twice at the first audit), the
+transfer, a digest per FSDP parameter group, the state clones, two small all-gathers. Limits: an
+exception inside one rank's replay after its first collective leaves the others in FSDP's
+all-gather until the process-group timeout; the owner's reduce-scatter must run on every
+micro-batch.
 """
 
 from __future__ import annotations

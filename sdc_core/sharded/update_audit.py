@@ -1,17 +1,11 @@
-"""Update audit for shards without replicas (pure FSDP): a partner recomputes a rank's update.
-
-Contract: on every ``every_n_steps``-th optimizer step each rank snapshots, just before the update,
-its local shards, their reduced gradients and the optimizer state, and digests the shards just
-after. The snapshot travels to the rank's ring partner, which runs the same optimizer class on a
-replica and compares the digests bit for bit; attribution as in the ring replay. Every received
-payload is checked (``check_update_payload``): a malformed one raises ``PayloadError`` on every
-rank alike.
+"""Update audit for shards without replicas (pure FSDP): a partner recomputes a rank's update from
+its snapshot (shards, reduced gradients, optimizer state) and compares the digests bit for bit;
+attribution as in the ring replay. Every received payload is checked (``check_update_payload``).
 
 Cost on an audited step (S: a rank's shard bytes, k: optimizer state tensors per parameter): a
-copy of (2 + k) * S bytes, as many sent and received point to point, one extra optimizer step on a
-shard, two digests. Limits: exact equality assumes the partner computes like the owner (same
-device type and torch build); optimizers with a closure or cross-parameter state (LBFGS) are not
-recomputed faithfully.
+copy of (2 + k) * S bytes, as many sent and received, one extra optimizer step on a shard, two
+digests. Limits: the partner must compute like the owner (same device type and torch build);
+optimizers with a closure or cross-parameter state (LBFGS) are not recomputed faithfully.
 """
 
 from __future__ import annotations
