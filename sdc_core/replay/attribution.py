@@ -321,11 +321,8 @@ def group_index(groups: Sequence[tuple[int, ...]] | None, world: int) -> list[in
     """The data-parallel group index of every rank (each rank its own without ``groups``)."""
     if not groups:
         return list(range(world))
-    index = [0] * world
-    for g, members in enumerate(groups):
-        for r in members:
-            index[r] = g
-    return index
+    index = {r: g for g, members in enumerate(groups) for r in members}
+    return [index.get(r, 0) for r in range(world)]
 
 
 def referee_jobs(

@@ -12,7 +12,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -36,6 +36,7 @@ from sdc_core.stats import CheckStats
 Pair = tuple[int, int]  # (owner, replayer)
 Comparison = tuple[bool, float, str]  # (bit-identical, largest relative difference, where)
 _SAME: Comparison = (True, 0.0, "")
+T = TypeVar("T")
 
 
 @dataclass
@@ -178,11 +179,8 @@ class StepAudit:
         failure = failure or why
         self.received = self.exchange({self.partners[me]: payload}, [self.inverse[me]])[self.inverse[me]]
         if self.collective_reruns:  # replays are collective: every rank must be able to start one, or none does
-            try:
-                self.batches, prep_failure = self.prepare(self.received), ""
-            except Exception as err:
-                prep_failure = describe(err)
-            failure = failure or prep_failure
+            batches, prep_failure = attempt(lambda: self.prepare(self.received))
+            self.batches, failure = batches or [], failure or prep_failure
             if any_rank(bool(failure)):
                 return self.failed(all_gather_objects(failure))
             self.mine, replay_failure = attempt(lambda: self.replay(self.batches))
@@ -278,7 +276,7 @@ class StepAudit:
         return None
 
 
-def attempt(fn: Callable[[], Digest]) -> tuple[Digest | None, str]:
+def attempt(fn: Callable[[], T]) -> tuple[T | None, str]:
     """``(fn(), "")``, or ``(None, what it raised)``: failures are decided together, after the next gather."""
     try:
         return fn(), ""

@@ -26,12 +26,9 @@ if "CUBLAS_WORKSPACE_CONFIG" not in os.environ and not torch.cuda.is_initialized
 
 @dataclass
 class DeterministicWindow:
-    """Switches torch to deterministic kernels and back, and puts the caller's settings back.
-
-    ``enter(strict)``: deterministic algorithms with ``warn_only=not strict`` (through ``torch._C``, so
-    ``torch._inductor.config`` is neither imported nor changed), cuDNN deterministic without benchmarking, no
-    filling of uninitialised memory; ``strict=False`` never raises in the user's loop. ``exit()`` restores what
-    ``enter`` found; both are idempotent."""
+    """``enter(strict)``: deterministic algorithms with ``warn_only=not strict`` (through ``torch._C``: the inductor
+    config is left alone), cuDNN deterministic without benchmarking, no filling of uninitialised memory.
+    ``exit()`` restores what ``enter`` found; both are idempotent."""
 
     _saved: tuple[bool, bool, bool, bool, bool] | None = None
 

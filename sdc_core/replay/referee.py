@@ -15,7 +15,6 @@ from sdc_core.errors import ReplayMismatchError
 from sdc_core.replay.attribution import (
     SEVERAL,
     attribute,
-    describe,
     every_pair_message,
     evidence,
     explain,
@@ -78,10 +77,8 @@ def _referee_round(
     rounds = len(jobs)
     if run.collective_reruns:  # replays are collective: every rank replays in every referee round
         for o, q in jobs:
-            try:
-                run.prepare(got[o])
-            except Exception as err:
-                my_failure = my_failure or f"refereeing {o}->{q}: {describe(err)}"
+            err = attempt(lambda o=o: run.prepare(got[o]))[1]
+            my_failure = my_failure or (f"refereeing {o}->{q}: {err}" if err else "")
         if any_rank(bool(my_failure)):
             return run.failed(all_gather_objects(my_failure))
         assigned = [t for _, _, t in assignments]

@@ -114,12 +114,9 @@ class _BucketCopies(TorchDispatchMode):
 
 class GradientsAside:
     """Keeps an audited step's own gradients out of the way of its re-runs where DDP holds a copy anyway (its
-    buckets, scratch space until the next backward, with DDP's default ``gradient_as_bucket_view=False``).
-
-    ``watch`` records which bucket view DDP copies into each ``.grad``; ``aside()`` releases each such gradient's
-    storage and, on exit on every path, restores it bit for bit. Where that cannot be shown safe nothing moves.
-    Cost, on audited steps only: a Python call per operator of DDP's end-of-backward callback and two copies of
-    the moved gradients; no host sync, no collective."""
+    buckets, with DDP's default ``gradient_as_bucket_view=False``); restored bit for bit on every path, and
+    nothing moves where that cannot be shown safe. Cost, on audited steps only: a Python call per operator of
+    DDP's end-of-backward callback and two copies of the moved gradients; no host sync, no collective."""
 
     def __init__(self) -> None:
         self._mode: _BucketCopies | None = None

@@ -154,15 +154,11 @@ class KeptSteps:
 
 @dataclass
 class RingReplay:
-    """Framework-neutral ring replay audit.
-
-    Adapter calls, per optimizer step: ``arm(step)``, ``record(...)`` per micro-batch (``begin()``
-    where the step itself starts, when later), ``record_loss(...)``, then ``audit(...)`` after
-    backward and before the update, on every rank. The adapter sets ``capture``, ``advice`` and
-    ``label``. With ``config.deterministic`` the owner's audited micro-batches (``begin()`` to
-    ``audit()``) and every replay run under deterministic algorithms (``warn_only=True`` until the
-    first audit's probe proves strict mode works), the caller's settings restored after each.
-    """
+    """Framework-neutral ring replay audit. Adapter calls, per optimizer step: ``arm(step)``, ``record(...)``
+    per micro-batch (``begin()`` where the step itself starts, when later), ``record_loss(...)``, then
+    ``audit(...)`` after backward and before the update, on every rank. With ``config.deterministic`` the
+    owner's audited micro-batches and every replay run under deterministic algorithms (strict once the first
+    audit's probe proves it works), the caller's settings restored after each."""
 
     role: ClassVar[Role] = Role.REPLAY
 

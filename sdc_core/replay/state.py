@@ -195,12 +195,9 @@ class _Walk:
 
 
 class StateCapture:
-    """Captures, reproduces and restores the state a training step reads besides its batch.
-
-    ``trainable``: parameters replayed on aliases, never captured; ``exclude``: framework attributes left out
-    on every submodule; ``get_state``/``load_state``: the user's hook for state the capture cannot see.
-    Not captured: objects that are neither tensors nor plain values (rebinds are undone after a replay,
-    in-place changes are not), globals, iterators, files."""
+    """Captures, reproduces and restores the state a training step reads besides its batch (``trainable``
+    parameters are replayed on aliases, never captured). Not captured: objects that are neither tensors nor
+    plain values (rebinds are undone after a replay, in-place changes are not), globals, iterators, files."""
 
     def __init__(
         self,
@@ -219,9 +216,6 @@ class StateCapture:
         self.get_state, self.load_state = get_state, load_state
         self.max_bytes = int(max_state_mb * 2**20)
         self._walk: _Walk | None = None
-
-    def _device(self) -> torch.device:
-        return next((p.device for p in self.module.parameters()), torch.device("cpu"))
 
     def _walked(self) -> _Walk:
         """The last walk while the tree kept its shape (about half a walk's cost to check), else a new one."""
@@ -323,7 +317,8 @@ class StateCapture:
         """Put ``state`` in place for one replay; yields the parameter/buffer tensors to swap in. Afterwards
         every attribute dictionary and the user's state are restored; tensors read live that changed in place
         raise ``RuntimeError``."""
-        module, device = self.module, self._device()
+        module = self.module
+        device = next((p.device for p in module.parameters()), torch.device("cpu"))
         subs = dict(module.named_modules())
         saved = {path: dict(vars(sub)) for path, sub in subs.items()}
         own_user, loaded_user = None, False

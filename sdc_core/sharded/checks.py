@@ -25,17 +25,9 @@ from sdc_core.checks.gradients import NonFiniteVerdicts
 from sdc_core.checks.reductions import log2_peaks_by_group
 from sdc_core.dist.topology import HostRead, Topology, all_gather_objects, collective_device, is_distributed
 from sdc_core.errors import FingerprintMismatchError
-from sdc_core.sharded.replicas import ReplicaGroup, plan_groups, settle_groups
+from sdc_core.sharded.replicas import DTensor, ReplicaGroup, plan_groups, settle_groups
 from sdc_core.sharded.tap import GradientTapComm, fsdp_taps
 from sdc_core.stats import CheckStats
-
-try:  # torch >= 2.4
-    from torch.distributed.tensor import DTensor
-except ImportError:  # pragma: no cover - old torch: nothing here is sharded
-    DTensor = None  # type: ignore[assignment,misc]
-
-
-# -- what this rank holds ----------------------------------------------------------------------------
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -50,9 +42,6 @@ def is_sharded(module: nn.Module) -> bool:
     return DTensor is not None and any(isinstance(p, DTensor) for p in module.parameters())
 
 
-# -- non-finite local gradients under FSDP2 -------------------------------------------------------
-
-
 @dataclass
 class _PendingVerdict:
     step: int
@@ -65,13 +54,10 @@ class _PendingVerdict:
 @dataclass
 class ShardedNonFinite(NonFiniteVerdicts):
     """Non-finite local gradients under FSDP2 / HSDP, read inside the reduce-scatter before it mixes them: the
-    same contract and adapter calls as ``NonFiniteGradient``.
-
-    Cost: one ``aminmax`` per FSDP parameter group and micro-batch, one 4-byte all-reduce per step. In band (FSDP
-    meshes spanning the world) each rank's flag also rides in its reduce-scatter input (element 0 of its chunk
-    minus +0.0, or minus NaN: bit-identical training while finite), so a flagged step's reduced gradients carry
-    NaN at element 0 of every shard of the flagged groups. With ``"raise"`` or ``"warn"``, no GradScaler and
-    ``now`` False the verdict is read one step later; otherwise before the update."""
+    same contract and adapter calls as ``NonFiniteGradient``. Cost: one ``aminmax`` per FSDP parameter group and
+    micro-batch, one 4-byte all-reduce per step. In band (FSDP meshes spanning the world) the flag also rides in
+    the reduce-scatter input (bit-identical while finite): a flagged step's reduced gradients carry NaN at
+    element 0 of every shard of the flagged groups."""
 
     taps: list[GradientTapComm] = field(default_factory=list)
     _seen: list[tuple[torch.Tensor, list[str]]] = field(default_factory=list)
@@ -229,9 +215,6 @@ def group_label(names: list[str]) -> str:
     return names[0] if len(names) == 1 else f"{names[0]} (+{len(names) - 1})"
 
 
-# -- weight fingerprint by replica group, and at rest without replicas ------------------------------
-
-
 @dataclass
 class _Pending:
     step: int
@@ -248,14 +231,10 @@ class _Pending:
 @dataclass
 class ShardedFingerprint:
     """``WeightFingerprint`` for sharded models; adapters call ``start`` after an update, ``before_use`` before the next
-    forward, ``resolve`` before the next update (or one batch later) and ``finish`` at the end.
-
-    Replicated tensors: each replica group compares in its own process group and votes on a mismatch. Unreplicated
-    shards (pure FSDP): the digest after update ``s`` is recomputed by ``before_use``; a change is a bit changed at
-    rest on that rank. Both outcomes travel in one 8-byte MAX all-reduce over the world.
-
-    Cost per check: one read of the local shards (two for unreplicated ones), 16 bytes per rank in the replica group
-    plus 8 in the world; no host synchronisation in the step."""
+    forward, ``resolve`` before the next update (or one batch later) and ``finish`` at the end. Replica groups
+    compare in their own process group; unreplicated shards are re-digested by ``before_use`` (a change is a bit
+    changed at rest). Cost per check: one read of the local shards (two for unreplicated ones), 16 bytes per rank
+    in the replica group plus 8 in the world; no host synchronisation in the step."""
 
     role: ClassVar[Role] = Role.FINGERPRINT
 

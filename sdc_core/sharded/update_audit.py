@@ -135,8 +135,7 @@ class UpdateAudit:
         inverse = owners_of(partners)
         payload = {"groups": snap, "after": after} if snap is not None and after is not None else {"skipped": True}
         received = exchange({partners[me]: payload}, [inverse[me]], validate=check_update_payload)[inverse[me]]
-        failure = ""
-        mismatch, names, mine = False, [], None
+        failure, names, mine = "", [], None
         try:
             if TRANSFER_ERROR in received:
                 raise RuntimeError(received[TRANSFER_ERROR])
@@ -145,10 +144,9 @@ class UpdateAudit:
                 mine = recompute(self._kind, received["groups"])
                 owner_names = [i["name"] for g in received["groups"] for i in g["items"]]
                 names = [n for n, a, b in zip(owner_names, mine, received["after"], strict=True) if a != b]
-                mismatch = bool(names)
         except Exception as err:  # decided together below
             failure = f"{type(err).__name__}: {err}"
-        row = torch.tensor([float(mismatch), float(bool(failure))], dtype=torch.float64)
+        row = torch.tensor([float(bool(names)), float(bool(failure))], dtype=torch.float64)
         table = all_gather_tensor(row).tolist()
         self.stats.runs += 1
         if any(f for _, f in table):
@@ -187,7 +185,6 @@ class UpdateAudit:
                                                    details=details, reason=reason)  # fmt: skip
         raise self.last_error
 
-
     def _referee(self, disputed: list[tuple[int, int]], payload: dict[str, Any], recomputed: list[Any],
                  topo: Topology) -> dict[tuple[int, int], tuple[bool, bool]]:  # fmt: skip
         """A third rank recomputes each disputed owner's update: ``{pair: (agrees with owner, with replayer)}``."""
@@ -204,12 +201,8 @@ class UpdateAudit:
                 assert self._kind is not None
                 mine = recompute(self._kind, got[o]["groups"])
                 verdicts[o] = (mine == got[o]["after"], mine == recomputed[q])
-        rulings: dict[tuple[int, int], tuple[bool, bool]] = {}
-        for theirs in all_gather_objects(verdicts):
-            for o, verdict in theirs.items():
-                pair = next(p for p in disputed if p[0] == o)
-                rulings[pair] = verdict
-        return rulings
+        return {next(p for p in disputed if p[0] == o): verdict  # the pair each referee judged
+                for theirs in all_gather_objects(verdicts) for o, verdict in theirs.items()}  # fmt: skip
 
 
 def update_audit(every_n_steps: int) -> UpdateAudit | None:
