@@ -23,9 +23,7 @@ def explain(
     """``(culprits, disputed)``: ranks that disagree both as owner and as replayer (three or more ranks),
     and the disagreeing ``(owner, replayer)`` pairs no culprit explains, which need a referee."""
     pairs = set(mismatching)
-    owners_bad = {o for o, _ in pairs}
-    replayers_bad = {q for _, q in pairs}
-    culprits = owners_bad & replayers_bad if world > 2 else set()
+    culprits = {o for o, _ in pairs} & {q for _, q in pairs} if world > 2 else set()
     disputed = sorted((o, q) for o, q in pairs if o not in culprits and q not in culprits)
     return culprits, disputed
 
@@ -35,8 +33,7 @@ def pick_referee(
 ) -> int | None:
     """A third rank for a disputed pair, preferably not in any disagreement, on another node and with the
     fewest pairs to judge already (``load``, updated); None when ``world < 3``."""
-    candidates = [(replayer + k) % world for k in range(1, world)]
-    candidates = [r for r in candidates if r not in (owner, replayer)]
+    candidates = [r for k in range(1, world) if (r := (replayer + k) % world) not in (owner, replayer)]
     if not candidates:
         return None
     load = {} if load is None else load
@@ -426,14 +423,10 @@ def unreproducible_message(
 
 def every_pair_message(step: int, topo: Topology, first: bool, advice: str) -> str:
     """The ``ReplayUnavailableError`` text when every replay pair disagrees."""
-    software = {(f.device, f.versions) for f in topo.ranks}
-    differ = (
-        " The ranks do run different devices or software: "
-        + "; ".join(f"rank {f.rank}: {f.device} {dict(f.versions)}" for f in topo.ranks)
-        + "."
-        if len(software) > 1
-        else ""
-    )
+    differ = ""
+    if len({(f.device, f.versions) for f in topo.ranks}) > 1:
+        listed = "; ".join(f"rank {f.rank}: {f.device} {dict(f.versions)}" for f in topo.ranks)
+        differ = f" The ranks do run different devices or software: {listed}."
     when = "at its first audit" if first else ""
     return (
         f"cannot trust its replay at step {step}: every replay pair disagrees {when} while "

@@ -12,6 +12,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import timedelta
+from types import SimpleNamespace
 from typing import Any, ClassVar
 
 import torch
@@ -96,11 +97,11 @@ class ShardedNonFinite(NonFiniteVerdicts):
             flat.view(tap.group_size, -1)[:, 0].sub_(z)
 
     @property
-    def tap(self) -> _GroupLabels | None:
+    def tap(self) -> SimpleNamespace | None:
         """What ``GradientScreen.attach`` reads to name its groups: the FSDP parameter groups, labelled."""
         if not self.taps:
             return None
-        return _GroupLabels(list(self.taps), {id(t): group_label(t.names) for t in self.taps})
+        return SimpleNamespace(params=list(self.taps), names={id(t): group_label(t.names) for t in self.taps})
 
     def want_magnitudes(self, groups: int) -> int:
         """Opt in to the screen's local-gradient magnitudes (``NonFiniteGradient.want_magnitudes``' contract): the
@@ -198,14 +199,6 @@ class ShardedNonFinite(NonFiniteVerdicts):
             extra["formed_in_reduction"] = {r: names[: self.config.max_names] for r, (_, names) in enumerate(gathered)
                                             if names}  # fmt: skip
         return self._failure(pending.step, per_rank, pending.scaler_active, t0, params, extra)
-
-
-@dataclass(frozen=True)
-class _GroupLabels:
-    """``ShardedNonFinite.tap``: the FSDP parameter groups and their labels, as the screen reads a tap."""
-
-    params: list[Any]
-    names: dict[int, str]
 
 
 def group_label(names: list[str]) -> str:

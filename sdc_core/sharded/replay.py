@@ -13,6 +13,7 @@ micro-batch.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -74,10 +75,7 @@ def tensor_parallel_groups(module: nn.Module, world: int) -> list[tuple[int, ...
             f"one of the {world} ranks once (its ranks: {ranks.flatten().tolist()})"
         )
     rest = [i for i in range(ranks.ndim) if i not in dims]
-    size = 1
-    for i in dims:
-        size *= ranks.shape[i]
-    table = ranks.permute(*rest, *dims).reshape(-1, size)
+    table = ranks.permute(*rest, *dims).reshape(-1, math.prod(ranks.shape[i] for i in dims))
     return [tuple(int(r) for r in row) for row in table.tolist()]
 
 
