@@ -159,7 +159,7 @@ class StepAudit:
         if early is not None:
             return early
         if calibrating:
-            self.calibration.round_taken(_self_diffs(self.table), self.config, self.stats)
+            self.calibration.round_taken([_noise(r[4], r[5]) for r in self.table], self.config, self.stats)
         self.stats.runs += 1
         self.mismatching, unreproducible = self.judge()
         shaky: list[int] = []  # exact comparisons: ranks of disagreeing pairs that disagree with themselves
@@ -292,8 +292,3 @@ def any_rank(flag: bool) -> bool:
 def _noise(exact: float, diff: float) -> float:
     """A same-device difference: 0 when bit-identical, else at least a tiny positive value."""
     return 0.0 if exact else (diff if diff > 0 else 1e-12)
-
-
-def _self_diffs(table: Sequence[Sequence[float]]) -> list[float]:
-    """Each rank's same-device difference from its audit table row."""
-    return [_noise(r[4], r[5]) for r in table]

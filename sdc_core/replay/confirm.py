@@ -23,6 +23,7 @@ from sdc_core.dist.payload import PayloadError
 from sdc_core.dist.topology import Topology, all_gather_tensor, collective_device, is_distributed, owners_of
 from sdc_core.errors import ReplayMismatchError
 from sdc_core.replay.attribution import describe, replay_partners
+from sdc_core.replay.state import Rerun
 
 REPRODUCED = 1.0  # log2 units: a recomputed peak within a factor 2 of the owner's reproduces it
 
@@ -65,7 +66,7 @@ def confirm_hits(
         batches, note = _agree(replay, batches)
     if isinstance(batches, list) and batches:
         try:
-            mine = _recomputed_peaks(replay, module, batches, step_fn, to_device, group_of, context, width)
+            mine = _recomputed_peaks(replay, Rerun(module, step_fn, to_device, context), batches, group_of, width)
         except Exception as err:  # every rank still meets at the gather below
             note = describe(err)
     elif isinstance(batches, str):
@@ -99,11 +100,8 @@ def skips(replay: Any, error: ReplayMismatchError, can_skip: bool = True) -> boo
     return skip
 
 
-def _recomputed_peaks(
-    replay: Any, module: nn.Module, batches: list[Any], step_fn: Callable[[Any, int], torch.Tensor],
-    to_device: Callable[[Any], Any], group_of: Callable[[str], int | None],
-    context: Callable[[], AbstractContextManager[Any]], width: int,
-) -> torch.Tensor:  # fmt: skip
+def _recomputed_peaks(replay: Any, rerun: Rerun, batches: list[Any], group_of: Callable[[str], int | None],
+                      width: int) -> torch.Tensor:  # fmt: skip
     """Per group the log2 peak of the recomputed gradients (NaN: none), then the loss's: one host read."""
     pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
 
@@ -112,7 +110,7 @@ def _recomputed_peaks(
         if g is not None and 0 <= g < width:
             pairs.append((peaks([grad.detach()]), torch.tensor([g], device=grad.device)))
 
-    loss = replay.recompute(module, batches, step_fn, consume, to_device, context).detach().reshape(1)
+    loss = replay.recompute(rerun, batches, consume).detach().reshape(1)
     last = log2_peaks_by_group([(loss.abs(), torch.zeros(1, dtype=torch.long))], 1)
     groups = log2_peaks_by_group(pairs, width) if pairs else torch.full((width,), float("nan"), device=last.device)
     return torch.cat([groups, last.to(groups.device)]).double().cpu()

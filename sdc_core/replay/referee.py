@@ -99,10 +99,7 @@ def _referee_round(
     gathered = all_gather_objects((my_rulings, my_failure))
     if any(f for _, f in gathered):
         return run.failed([f for _, f in gathered])
-    rulings: Rulings = {}
-    for part, _ in gathered:
-        rulings.update(part)
-    return rulings
+    return {pair: ruling for part, _ in gathered for pair, ruling in part.items()}
 
 
 def _classify(run: StepAudit, rank: int) -> str | None:

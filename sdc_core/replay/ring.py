@@ -37,7 +37,7 @@ from sdc_core.replay.determinism import DeterministicWindow
 from sdc_core.replay.referee import attribute_step
 from sdc_core.replay.rerun import GradientsAside, replay_each_gradient
 from sdc_core.replay.rng import all_rng
-from sdc_core.replay.state import MicroBatch, StateCapture, StepFn, fresh
+from sdc_core.replay.state import MicroBatch, Rerun, StateCapture, StepFn, fresh
 from sdc_core.schema import documented, setting
 from sdc_core.stats import CheckStats
 
@@ -286,27 +286,19 @@ class RingReplay:
             self._aside.watch(self._tap.ddp, self._tap.params)
 
     def _consume(self, p: nn.Parameter, grad: torch.Tensor) -> None:
-        if self._armed_step is None or self._tap is None:
-            return
-        self._local[self._tap.names.get(id(p), "?")] = digest_row(grad)
+        if self._armed_step is not None and self._tap is not None:
+            self._local[self._tap.names.get(id(p), "?")] = digest_row(grad)
 
     def _own_digest(self) -> Digest:
         return assemble(self.names, self._local, self._loss if self._loss is not None else 0.0)
 
-    def recompute(
-        self,
-        module: nn.Module,
-        batches: list[MicroBatch],
-        step_fn: StepFn,
-        consume: Callable[[str, torch.Tensor], None],
-        to_device: Callable[[Any], Any],
-        context: Callable[[], AbstractContextManager[Any]] = nullcontext,
-    ) -> torch.Tensor:
+    def recompute(self, rerun: Rerun, batches: list[MicroBatch], consume: Callable[[str, torch.Tensor], None]
+                  ) -> torch.Tensor:  # fmt: skip
         """Recompute ``batches`` side-effect free, handing each gradient to ``consume``; returns the summed loss."""
         self.replaying = True
         try:
-            return replay_each_gradient(module, self.names, batches, step_fn, consume, to_device, context,
-                                        self.capture)  # fmt: skip
+            return replay_each_gradient(rerun.module, self.names, batches, rerun.step_fn, consume, rerun.to_device,
+                                        rerun.context, self.capture)  # fmt: skip
         finally:
             self.replaying = False
 
@@ -324,18 +316,10 @@ class RingReplay:
                 out[src] = describe(err)
         return out
 
-    def _replay_digest(
-        self,
-        module: nn.Module,
-        batches: list[MicroBatch],
-        step_fn: StepFn,
-        to_device: Callable[[Any], Any],
-        context: Callable[[], AbstractContextManager[Any]],
-    ) -> Digest:
+    def _replay_digest(self, rerun: Rerun, batches: list[MicroBatch]) -> Digest:
         """Recompute ``batches`` side-effect free and digest each gradient as it is produced."""
         rows: dict[str, Row] = {}
-        loss = self.recompute(module, batches, step_fn, lambda n, g: rows.__setitem__(n, digest_row(g)), to_device,
-                              context)  # fmt: skip
+        loss = self.recompute(rerun, batches, lambda n, g: rows.__setitem__(n, digest_row(g)))
         return assemble(self.names, rows, loss)
 
     def _exchange(self, sends: dict[int, Any], recv_from: list[int]) -> dict[int, Any]:
@@ -370,6 +354,7 @@ class RingReplay:
             return False
         if to_device is None:
             to_device = partial(fresh, device=next((p.device for p in module.parameters()), None))
+        rerun = Rerun(module, step_fn, to_device, context)
         try:  # the step's own gradients out of the way of the re-runs where DDP keeps a copy
             with self._aside.aside() as aside:
                 if aside:
@@ -381,7 +366,7 @@ class RingReplay:
                 failure, self._capture_error = self._capture_error, ""
                 run = StepAudit(step, topo, self.config, self.stats, self.calibration, lambda: self.names,
                                 self.groups, self.collective_reruns, self.advice, micro, own, failure=failure,
-                                recompute=lambda b: self._replay_digest(module, b, step_fn, to_device, context),
+                                recompute=lambda b: self._replay_digest(rerun, b),
                                 exchange=self._exchange, unreplayable=self._unreplayable, t0=t0)  # fmt: skip
                 try:  # the StepAudit, then the referee round if pairs still disagree
                     result = run.run()

@@ -12,7 +12,7 @@ import copy
 import sys
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -398,3 +398,13 @@ class MicroBatch:
 
 
 StepFn = Callable[[Any, int], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Rerun:
+    """How a re-run runs the step: ``step_fn(to_device(batch), batch_idx)`` on ``module``, forward in ``context()``."""
+
+    module: nn.Module
+    step_fn: StepFn
+    to_device: Callable[[Any], Any]
+    context: Callable[[], AbstractContextManager[Any]] = nullcontext

@@ -12,10 +12,8 @@ micro-batch.
 
 from __future__ import annotations
 
-import contextlib
 import math
 from collections.abc import Callable, Iterable
-from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,7 +24,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 from sdc_core.replay.compare import Digest, Row, assemble, digest_row
 from sdc_core.replay.ring import RingReplay
 from sdc_core.replay.rng import all_rng, set_rng
-from sdc_core.replay.state import MicroBatch, StateCapture, StepFn
+from sdc_core.replay.state import MicroBatch, Rerun, StateCapture
 from sdc_core.sharded.checks import group_label, local
 from sdc_core.sharded.tap import GradientTapComm, fsdp_taps
 
@@ -183,21 +181,14 @@ class ShardedReplay(RingReplay):
             return "frozen sharded parameters changed in place during the step"
         return ""
 
-    def recompute(  # type: ignore[override]
-        self,
-        module: nn.Module,
-        batches: list[MicroBatch],
-        step_fn: StepFn,
-        consume: Callable[[str, torch.Tensor], None],
-        to_device: Callable[[Any], Any],
-        context: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
-    ) -> torch.Tensor:
+    def recompute(self, rerun: Rerun, batches: list[MicroBatch], consume: Callable[[str, torch.Tensor], None]
+                  ) -> torch.Tensor:  # fmt: skip
         """Recompute ``batches`` through the sharded model (a collective: every rank), handing each FSDP parameter
         group's flat LOCAL gradient of each micro-batch to ``consume(first parameter name, flat)``; no side
         effect. Frozen sharded parameters are read live. Returns the summed loss (float64)."""
         self._on_replay = lambda flat, names: consume(names[0] if names else "?", flat)
         try:
-            return self._rerun(module, batches, step_fn, to_device, context, copies=False)
+            return self._rerun(rerun, batches, copies=False)
         finally:
             self._on_replay = None
 
@@ -210,33 +201,19 @@ class ShardedReplay(RingReplay):
         keys = [str(i) for i in range(len(self._local))]
         return assemble(keys, self._local, self._loss if self._loss is not None else 0.0)
 
-    def _replay_digest(
-        self,
-        module: nn.Module,
-        batches: list[MicroBatch],
-        step_fn: StepFn,
-        to_device: Callable[[Any], Any],
-        context: Callable[[], AbstractContextManager[Any]],
-    ) -> Digest:
+    def _replay_digest(self, rerun: Rerun, batches: list[MicroBatch]) -> Digest:
         """Replay ``batches`` through the sharded model and digest each group's gradient (collective: every rank)."""
         self._replayed = []
-        loss_total = self._rerun(module, batches, step_fn, to_device, context)
+        loss_total = self._rerun(rerun, batches)
         replayed, self._replayed = self._replayed, []
         self._named([label for _, label in replayed])
         keys = [str(i) for i in range(len(replayed))]
         return assemble(keys, {k: row for k, (row, _) in zip(keys, replayed, strict=True)}, loss_total)
 
-    def _rerun(
-        self,
-        module: nn.Module,
-        batches: list[MicroBatch],
-        step_fn: StepFn,
-        to_device: Callable[[Any], Any],
-        context: Callable[[], AbstractContextManager[Any]],
-        copies: bool = True,
-    ) -> torch.Tensor:
+    def _rerun(self, rerun: Rerun, batches: list[MicroBatch], copies: bool = True) -> torch.Tensor:
         """The replays of ``batches``; ``copies``: frozen shards from this rank's micro-batch copies (else read
         live). Returns the summed loss, float64 on the device."""
+        module = rerun.module
         params = list(module.parameters())
         grads = [p.grad for p in params]
         device = next((p.device for p in params), torch.device("cpu"))
@@ -259,10 +236,10 @@ class ShardedReplay(RingReplay):
                     for t, copy in zip(frozen, copies[i] if copies else [], strict=True):
                         t.copy_(copy)
                 set_rng(mb.cpu_rng, mb.cuda_rng, mb.py_rng, mb.np_rng, device)
-                batch = to_device(mb.batch)
+                batch = rerun.to_device(mb.batch)
                 with capture.applied(mb.state) as tensors, _reparametrize_module(module, tensors, tie_weights=True):
-                    with context():
-                        loss = step_fn(batch, mb.batch_idx)
+                    with rerun.context():
+                        loss = rerun.step_fn(batch, mb.batch_idx)
                     loss.backward()
                 loss_total = loss_total + loss.detach().to(device, torch.float64)
         finally:
