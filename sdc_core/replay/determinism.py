@@ -57,11 +57,9 @@ class DeterministicWindow:
 @contextmanager
 def deterministic(enabled: bool = True, strict: bool = False) -> Iterator[None]:
     """Inside: deterministic kernels (nothing when ``enabled`` is False); the caller's settings back after."""
-    if not enabled:
-        yield
-        return
     window = DeterministicWindow()
-    window.enter(strict)
+    if enabled:
+        window.enter(strict)
     try:
         yield
     finally:
