@@ -1,10 +1,6 @@
-"""What the ranks of a ring replay exchange, and how disagreeing pairs are attributed.
-
-Contract: rank ``r``'s micro-batches go to ``replay_partners(...)[r]``; ``referee_jobs`` gives each
-disputed pair a third rank (a whole third group under tensor parallelism); ``evidence`` and
-``attribute`` (under tensor parallelism ``explain`` and ``settle``) name a rank only when it is the
-one smallest explanation; the ``*_message`` functions word the verdicts. Cost: pure functions on
-world-size lists; no communication here.
+"""What the ranks of a ring replay exchange, and who is faulty: a rank is named only when it is the
+one smallest explanation of every comparison; the ``*_message`` functions word the verdicts. Cost:
+pure functions on world-size lists; no communication here.
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
-"""What the ring replay's audits have learnt of a step: the tolerance and the determinism mode.
-
-Contract: ``Calibration`` holds, across the audits of one process, the tolerance ``exact="auto"``
-measured (never lowered, never above ``rtol``; after the calibration rounds it rises only on
-repeated evidence, ``noise_seen``), the rounds taken in the current mode, and whether the step
-runs under strict determinism (the first audit's probe). Every update is computed from
-all-gathered values, so every rank holds the same. Cost: host arithmetic on a few numbers.
+"""What the ring replay's audits have learnt: the tolerance ``exact="auto"`` measured (never lowered,
+never above ``rtol``) and whether the step runs under strict determinism. Every update is computed
+from all-gathered values, so every rank holds the same. Cost: host arithmetic on a few numbers.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ from sdc_core.dist.payload_checks import check_replay_payload
 from sdc_core.dist.topology import Topology, exchange, is_distributed
 from sdc_core.errors import ReplayMismatchError, ReplayUnavailableError
 from sdc_core.replay.attribution import DEFAULT_ADVICE, describe, received_batches, send_payload
-from sdc_core.replay.audit import StepAudit
+from sdc_core.replay.audit import StepAudit, attempt
 from sdc_core.replay.calibration import Calibration
 from sdc_core.replay.compare import Digest, Row, assemble, digest_row
 from sdc_core.replay.determinism import DeterministicWindow
@@ -308,13 +308,8 @@ class RingReplay:
         empty = assemble(self.names, {}, 0.0)
         received = self._exchange({dst: send_payload(micro, empty)[0] for dst, micro in sends.items()}, recv_from)
         own = [mb.state for micro in sends.values() for mb in micro]
-        out: dict[int, Any] = {}
-        for src, payload in received.items():
-            try:  # a text instead of a list: every rank still goes on to the next collective
-                out[src] = received_batches(payload, own)
-            except Exception as err:
-                out[src] = describe(err)
-        return out
+        out = {src: attempt(lambda p=payload: received_batches(p, own)) for src, payload in received.items()}
+        return {src: err or batches for src, (batches, err) in out.items()}  # a text: every rank still goes on
 
     def _replay_digest(self, rerun: Rerun, batches: list[MicroBatch]) -> Digest:
         """Recompute ``batches`` side-effect free and digest each gradient as it is produced."""
