@@ -79,7 +79,6 @@ class StepAudit:
     lenient: bool = field(init=False)
     atol: float = field(init=False)
     rtol: float = field(init=False)
-    own_states: list[Any] = field(init=False)
 
     def __post_init__(self) -> None:
         self.world, self.me = self.topo.world_size, self.topo.rank
@@ -88,7 +87,6 @@ class StepAudit:
         self.rings = len(self.groups) if self.groups else self.world
         self.lenient = self.calibration.lenient(self.config)
         self.atol, self.rtol = float(self.config.atol), float(self.config.rtol)
-        self.own_states = [mb.state for mb in self.micro]
 
     @property
     def tolerance(self) -> float:
@@ -106,7 +104,7 @@ class StepAudit:
             return self.recompute(batches)
 
     def prepare(self, payload: dict[str, Any]) -> list[MicroBatch]:
-        return received_batches(payload, self.own_states)
+        return received_batches(payload, [mb.state for mb in self.micro])
 
     def replay_payload(self, payload: dict[str, Any]) -> Digest:
         return self.replay(self.prepare(payload))
@@ -171,9 +169,8 @@ class StepAudit:
         return self._trust(first, unreproducible, shaky)
 
     def _replay_round(self, calibrating: bool, probe: bool) -> bool | None:
-        """The exchange, the replays and the gather of ``table``, a row per rank: the replay's (exact,
-        difference), failed, self re-run taken, its (exact, difference), strict probe passed. Returns the
-        audit's result when some rank failed, else None."""
+        """The exchange, the replays and the gather of ``table`` (per rank: the replay's exact and difference,
+        failed, self re-run taken, its exact and difference, probe passed); the result if some rank failed."""
         me, failure = self.me, self.failure
         payload, why = send_payload(self.micro, self.own)
         failure = failure or why

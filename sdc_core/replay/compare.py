@@ -43,9 +43,8 @@ class Digest:
 
 
 def digest_row(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """``(sum, norm, exact fingerprint, numel)`` of one gradient, on its device (no sync). Sum and norm are
-    reduced in float32 (no float64 copy) and returned as float64; the fingerprint reads -0.0 as +0.0
-    (kernels differ in the sign of an exact zero)."""
+    """``(sum, norm, exact fingerprint, numel)`` of one gradient, on its device (no sync): sum and norm reduced
+    in float32 and returned as float64; the fingerprint reads -0.0 as +0.0 (kernels differ in a zero's sign)."""
     g = g.detach()
     fingerprint = tensor_digest(g + 0.0)
     g = g if g.dtype in (torch.float32, torch.float64) else g.float()

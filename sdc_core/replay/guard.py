@@ -166,7 +166,6 @@ _ALL: weakref.WeakSet[_Guard] = weakref.WeakSet()
 
 
 def forbid_collectives() -> AbstractContextManager[None]:
-    """Inside, the ``torch.distributed`` collectives raise ``CollectiveInReplay`` on THIS thread (the module
-    docstring has the contract); other threads' and signal handlers' (Lightning's SIGTERM handler broadcasts)
-    go through: refusing them on one rank would make the ranks diverge."""
+    """Inside, the collectives raise ``CollectiveInReplay`` on THIS thread; other threads' and signal handlers'
+    (Lightning's SIGTERM handler broadcasts) go through: refusing them on one rank would make the ranks diverge."""
     return _Guard()

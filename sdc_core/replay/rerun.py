@@ -31,9 +31,9 @@ def replay_gradients(
     context: Callable[[], AbstractContextManager[Any]] = nullcontext,
     capture: StateCapture | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Recompute the summed loss (float64 on the device) and every gradient of ``micro_batches`` without any
-    side effect. ``step_fn(batch, batch_idx)`` returns the loss exactly as the owner back-propagated it;
-    ``context()`` is entered around each forward only, never the backward."""
+    """Recompute the summed loss (float64 on the device) and every gradient of ``micro_batches`` without any side
+    effect. ``step_fn(batch, batch_idx)`` returns the loss exactly as the owner back-propagated it; ``context()``
+    is entered around each forward only, never the backward."""
     total: dict[str, torch.Tensor] = {}
     loss = replay_each_gradient(module, names, micro_batches, step_fn, total.__setitem__, to_device, context, capture)
     return loss, total
@@ -49,9 +49,8 @@ def replay_each_gradient(
     context: Callable[[], AbstractContextManager[Any]] = nullcontext,
     capture: StateCapture | None = None,
 ) -> torch.Tensor:
-    """``replay_gradients`` that hands each final gradient to ``consume(name, grad)`` as soon as it is produced and
-    frees it (with one micro-batch no second full set exists). ``consume`` runs on the autograd thread: no host
-    sync, no raise."""
+    """``replay_gradients`` that hands each final gradient to ``consume(name, grad)`` as it is produced, then frees
+    it; ``consume`` runs on the autograd thread: no host sync, no raise."""
     capture = capture or StateCapture(module, names, max_state_mb=0)
     params = dict(module.named_parameters())
     aliases = {n: params[n].detach().requires_grad_() for n in names}

@@ -104,9 +104,8 @@ class ShardedNonFinite(NonFiniteVerdicts):
         return SimpleNamespace(params=list(self.taps), names={id(t): group_label(t.names) for t in self.taps})
 
     def want_magnitudes(self, groups: int) -> int:
-        """Opt in to the screen's local-gradient magnitudes (``NonFiniteGradient.want_magnitudes``' contract): the
-        taps in model order cut into ``k = min(groups, taps)`` contiguous groups, from the ``aminmax`` read anyway.
-        Cost: two small ops per step, no host synchronisation. Returns ``k``."""
+        """Opt in to the screen's magnitudes (``NonFiniteGradient.want_magnitudes``' contract): the taps cut into
+        ``k = min(groups, taps)`` contiguous groups; two small ops per step, no host sync. Returns ``k``."""
         if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1:
             raise ValueError(f"groups must be an integer >= 1, got {groups!r}")
         n = len(self.taps)

@@ -54,9 +54,8 @@ def _other_parallel_meshes(module: nn.Module) -> list[tuple[Any, tuple[str, ...]
 
 
 def tensor_parallel_groups(module: nn.Module, world: int) -> list[tuple[int, ...]] | None:
-    """The ranks that compute each batch together, one group per data-parallel index, in tensor-parallel
-    coordinate order (the root mesh's dimensions FSDP does not use); None without tensor parallelism.
-    ``ValueError`` for several such meshes or a mesh not holding every rank exactly once."""
+    """The ranks computing each batch together, per data-parallel index, in tensor-parallel order; None without
+    tensor parallelism; ``ValueError`` for several such meshes or one not holding every rank exactly once."""
     meshes = _other_parallel_meshes(module)
     if not meshes:
         return None
@@ -128,9 +127,8 @@ class ShardedReplay(RingReplay):
         self._frozen = [p for p in module.parameters() if not p.requires_grad and local(p) is not p]
 
     def begin(self, device: torch.device | None = None, rng: bool = True) -> None:
-        """As ``RingReplay.begin``; also copies this rank's shards of frozen sharded parameters within
-        ``max_state_mb`` (they cannot travel: a replay of micro-batch ``i`` runs on the replayer's own copy
-        taken at its micro-batch ``i``). Past the budget they are read live and guarded against change."""
+        """As ``RingReplay.begin``; also copies this rank's shards of frozen sharded parameters (they cannot
+        travel) within ``max_state_mb``; past it they are read live and guarded against change."""
         super().begin(device, rng)
         if self.keeping and len(self.kept.batches) == 1 and not self.replaying:  # a kept step's first micro-batch
             self._kept_versions = [local(p)._version for p in self._frozen]
@@ -183,9 +181,8 @@ class ShardedReplay(RingReplay):
 
     def recompute(self, rerun: Rerun, batches: list[MicroBatch], consume: Callable[[str, torch.Tensor], None]
                   ) -> torch.Tensor:  # fmt: skip
-        """Recompute ``batches`` through the sharded model (a collective: every rank), handing each FSDP parameter
-        group's flat LOCAL gradient of each micro-batch to ``consume(first parameter name, flat)``; no side
-        effect. Frozen sharded parameters are read live. Returns the summed loss (float64)."""
+        """Recompute ``batches`` (a collective: every rank), handing each FSDP parameter group's flat LOCAL gradient
+        of each micro-batch to ``consume(first parameter name, flat)``; frozen sharded parameters are read live."""
         self._on_replay = lambda flat, names: consume(names[0] if names else "?", flat)
         try:
             return self._rerun(rerun, batches, copies=False)

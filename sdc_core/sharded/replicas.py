@@ -49,9 +49,8 @@ class Witnesses:
 
 
 def witnesses(t: torch.Tensor, world_size: int) -> Witnesses:
-    """The replicas of ``t`` by the witness rule. A DTensor on a sub-mesh is read on its root mesh, the other
-    dimensions counting as ``Replicate``; ``settle_groups`` keeps such a group only if every member reports it.
-    """
+    """The replicas of ``t``; a DTensor on a sub-mesh is read on its root mesh, other dimensions ``Replicate``
+    (``settle_groups`` keeps such a group only if every member reports it)."""
     if DTensor is None or not isinstance(t, DTensor):
         return Witnesses(tuple(range(world_size)))
     mesh, placements = t.device_mesh, list(t.placements)
@@ -131,10 +130,8 @@ def _agree_by_digest(groups: list[ReplicaGroup], world_size: int) -> bool:
 
 
 def settle_groups(groups: list[ReplicaGroup], world_size: int) -> list[ReplicaGroup]:
-    """Confirm each replica group with its members and give it a process group (a collective: every rank at
-    the same point). A group is kept only when every member reports the same ranks and names; others join this
-    rank's unreplicated group. Other rank sets than the world or one mesh dimension get ``new_group``.
-    """
+    """Confirm each replica group with its members (kept only when every member reports the same ranks and
+    names; else its tensors count as unreplicated) and give it a process group. A collective: every rank."""
     if world_size > 1 and _agree_by_digest(groups, world_size):
         for g in groups:
             w = g.witnesses
