@@ -1,13 +1,6 @@
-"""What the ranks of a ring replay exchange, and how disagreeing pairs are attributed.
-
-Contract: rank ``r``'s micro-batches go to ``replay_partners(...)[r]``. ``referee_jobs`` gives each
-disputed ``(owner, replayer)`` pair a third rank (a whole third group under tensor parallelism);
-``evidence`` and ``attribute`` turn every comparison into ``(rank, suspects, explanations)``: one
-rank only when it is the one smallest explanation; under tensor parallelism ``explain`` and
-``settle`` decide. ``mismatch_reason`` and the ``*_message`` functions word the verdicts every rank
-raises. With two replicas no third opinion exists: both are suspects and ``rank`` is None.
-
-Cost: pure functions on world-size lists; no communication here.
+"""What the ranks of a ring replay exchange, and who is faulty: a rank is named only when it is the
+one smallest explanation of every comparison; the ``*_message`` functions word the verdicts. Cost:
+pure functions on world-size lists; no communication here.
 """
 
 from __future__ import annotations
@@ -23,15 +16,10 @@ from sdc_core.replay.state import MicroBatch, StateCapture
 def explain(
     world: int, partners: Sequence[int], mismatching: Iterable[tuple[int, int]]
 ) -> tuple[set[int], list[tuple[int, int]]]:
-    """First attribution pass over disagreeing ``(owner, replayer)`` pairs.
-
-    Returns ``(culprits, disputed)``: ranks that disagree both as owner and as replayer, and the
-    pairs no culprit explains, which need a referee.
-    """
+    """``(culprits, disputed)``: ranks that disagree both as owner and as replayer (three or more ranks),
+    and the disagreeing ``(owner, replayer)`` pairs no culprit explains, which need a referee."""
     pairs = set(mismatching)
-    owners_bad = {o for o, _ in pairs}
-    replayers_bad = {q for _, q in pairs}
-    culprits = owners_bad & replayers_bad if world > 2 else set()
+    culprits = {o for o, _ in pairs} & {q for _, q in pairs} if world > 2 else set()
     disputed = sorted((o, q) for o, q in pairs if o not in culprits and q not in culprits)
     return culprits, disputed
 
@@ -39,12 +27,9 @@ def explain(
 def pick_referee(
     owner: int, replayer: int, world: int, node_of: Sequence[int], busy: set[int], load: dict[int, int] | None = None
 ) -> int | None:
-    """A third rank for a disputed pair: outside the pair, preferably not involved in any
-    disagreement, on a node of its own and with the fewest pairs to judge already (``load``,
-    updated: many disputed pairs side by side are judged in parallel, not one after another by
-    one referee). None when ``world < 3``."""
-    candidates = [(replayer + k) % world for k in range(1, world)]
-    candidates = [r for r in candidates if r not in (owner, replayer)]
+    """A third rank for a disputed pair, preferably not in any disagreement, on another node and with the
+    fewest pairs to judge already (``load``, updated); None when ``world < 3``."""
+    candidates = [r for k in range(1, world) if (r := (replayer + k) % world) not in (owner, replayer)]
     if not candidates:
         return None
     load = {} if load is None else load
@@ -66,9 +51,8 @@ def settle(
     """Final attribution under tensor parallelism: ``(rank, suspects, notes)``.
 
     ``referee_says[(owner, replayer)] = (agrees_with_owner, agrees_with_replayer)``. A rank is named only when it
-    alone explains every observation (``single_fault``): a faulty referee sharing a fault could otherwise make a
-    healthy rank the only suspect. Else, when some pair needed a referee, every rank of a disagreeing pair is a
-    suspect and ``notes["attribution"]`` says several ranks disagree."""
+    alone explains every observation (``single_fault``: a faulty referee could otherwise make a healthy rank the
+    only suspect); else every rank of a disagreeing pair is a suspect."""
     suspects = set(culprits)
     notes: dict[str, Any] = {}
     for o, q in disputed:
@@ -113,9 +97,8 @@ def evidence(
     referees: dict[tuple[int, int], int | None],
     rulings: dict[tuple[int, int], tuple[bool, bool]],
 ) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-    """Every comparison of an audit as ``(disagreeing, agreeing)`` pairs of ranks, for
-    ``attribute``: each replay pair ``(inverse[q], q)``, and each referee against either side of
-    the pair it judged."""
+    """Every comparison of an audit as ``(disagreeing, agreeing)`` pairs of ranks: each replay pair, and each
+    referee against either side of the pair it judged."""
     mism = set(mismatching)
     disagreeing = [(o, q) for q, o in enumerate(inverse) if (o, q) in mism]
     agreeing = [(o, q) for q, o in enumerate(inverse) if (o, q) not in mism]
@@ -137,21 +120,14 @@ def attribute(
 ) -> tuple[int | None, tuple[int, ...], list[list[int]]]:
     """Who is faulty, from every comparison of one audit: ``(rank, suspects, explanations)``.
 
-    ``disagreeing`` / ``agreeing``: pairs of ranks whose computations of one batch differ / match. Two readings are
-    weighed, each by its smallest explanations (the fewest faulty ranks that account for what was seen):
+    Two readings are weighed by their smallest explanations, per connected part of the disagreements: any fault
+    (a set of ranks touching every disagreement) and persistent faults (agreeing ranks are both healthy or share
+    one fault; fewer than half the ranks). A rank is named alone only when it is the one smallest explanation of
+    both; otherwise every rank of any smallest explanation is a suspect (with two ranks, both).
 
-    * any fault (one that spares some computations): a set of ranks touching every disagreement;
-    * persistent faults: agreeing ranks are both healthy or share one fault, disagreeing ranks are not both healthy;
-      an explanation is fewer than half the ranks.
-
-    Each connected part of the disagreements (``_parts``) is explained on its own, so the cost follows the faults
-    seen, not the world. A rank is named alone only when it is the one smallest explanation of both readings;
-    otherwise every rank of any smallest explanation is a suspect. With two ranks both are.
-
-    Guarantee (``tests/test_attribution_sim.py``): while the faulty ranks are fewer than the healthy ones, no healthy
-    rank is named alone and every faulty rank that disagreed with a healthy one, or agreed with a faulty one, is a
-    suspect. A majority sharing one fault looks exactly like the healthy minority being faulty. Cost: linear in the
-    world for the grouping, then bounded per part (``MAX_EXPLAINED``, ``_MAX_INVOLVED``, ``_MAX_GROUPS``)."""
+    Guarantee (``tests/test_attribution_sim.py``): while the faulty ranks are fewer than the healthy ones, no
+    healthy rank is named alone and every faulty rank that disagreed with a healthy one, or agreed with a faulty
+    one, is a suspect. Cost: linear in the world, then bounded per part (``MAX_EXPLAINED``, ``_MAX_*``)."""
     bad = sorted({(min(a, b), max(a, b)) for a, b in disagreeing if a != b})
     if not bad:
         return None, (), []
@@ -199,15 +175,13 @@ class _Groups:
         return 2 * len(self.members[g]) >= self.world
 
     def persistent_node(self, r: int) -> int | None:
-        """The node ``r`` stands for in the persistent reading's parts (None: a large group's,
-        which links no parts)."""
+        """The node ``r`` stands for in the persistent reading's parts (None: a large group links none)."""
         g = self.find(r)
         return None if self.large(g) else g
 
 
 def _parts(bad: Sequence[tuple[int, int]], node: Any) -> list[list[tuple[int, int]]]:
-    """``bad`` split into connected parts, pairs linked when their ends share a ``node(rank)``
-    (None links nothing), in a deterministic order (by their smallest pair)."""
+    """``bad`` split into connected parts, linked by a shared ``node(rank)`` (None links nothing), sorted."""
     parent: dict[Any, Any] = {}
 
     def find(x: Any) -> Any:
@@ -242,8 +216,7 @@ def _covers(bad: Sequence[tuple[int, int]]) -> list[set[int]]:
 
 
 def _persistent(world: int, bad: Sequence[tuple[int, int]], groups: _Groups) -> list[set[int]]:
-    """The smallest explanations of one part under persistent faults (fewer than half the ranks;
-    empty: none, or too many groups to enumerate)."""
+    """The smallest explanations of one part under persistent faults (empty: none, or too many groups)."""
     find = groups.find
     forced = {find(a) for a, b in bad if find(a) == find(b)}  # disagrees with a rank it also agrees with
     edges = {(find(a), find(b)) for a, b in bad if find(a) != find(b)}
@@ -271,9 +244,7 @@ def _persistent(world: int, bad: Sequence[tuple[int, int]], groups: _Groups) -> 
 def unchecked(
     suspects: Iterable[int], disagreeing: Iterable[tuple[int, int]], agreeing: Iterable[tuple[int, int]]
 ) -> list[int]:
-    """Ranks outside ``suspects`` whose every comparison at this audit was with a suspect: no
-    rank outside the suspects checked them, so a fault of theirs could not be seen. Every other
-    rank's results matched (or were judged against) a rank outside the suspects."""
+    """Ranks outside ``suspects`` compared only with suspects at this audit: a fault of theirs was not seen."""
     sus = set(suspects)
     pairs = [*disagreeing, *agreeing]
     checked = {r for a, b in pairs if a not in sus and b not in sus for r in (a, b)}
@@ -286,9 +257,8 @@ def single_fault(
     referee_says: dict[tuple[int, int], tuple[bool, bool]],
     referees: dict[tuple[int, int], int | None],
 ) -> bool:
-    """Whether ``rank`` alone being faulty explains the evidence: it is part of every
-    disagreeing pair, and every other referee agreed with the other side of its pair, not with
-    ``rank`` (a fault may spare some computations, so agreeing pairs prove nothing)."""
+    """Whether ``rank`` alone being faulty explains the evidence: it is in every disagreeing pair, and every
+    other referee agreed with the other side of its pair, not with ``rank``."""
     if any(rank not in pair for pair in mismatching):
         return False
     for (o, q), (with_owner, with_replayer) in referee_says.items():
@@ -334,8 +304,7 @@ def _cause(failures: Sequence[str], advice: str) -> str:
 
 
 def replay_partners(topo: Topology, groups: Sequence[tuple[int, ...]] | None) -> tuple[int, ...]:
-    """``partners[r]``: the rank replaying rank ``r``'s batch (per tensor-parallel coordinate
-    over the data-parallel ``groups`` when set)."""
+    """``partners[r]``: the rank replaying rank ``r``'s batch (over the data-parallel ``groups`` when set)."""
     if not groups:
         return topo.partners()
     return group_ring_partners(list(groups), [f.node_rank for f in topo.ranks])
@@ -345,11 +314,8 @@ def group_index(groups: Sequence[tuple[int, ...]] | None, world: int) -> list[in
     """The data-parallel group index of every rank (each rank its own without ``groups``)."""
     if not groups:
         return list(range(world))
-    index = [0] * world
-    for g, members in enumerate(groups):
-        for r in members:
-            index[r] = g
-    return index
+    index = {r: g for g, members in enumerate(groups) for r in members}
+    return [index.get(r, 0) for r in range(world)]
 
 
 def referee_jobs(
@@ -358,9 +324,8 @@ def referee_jobs(
     topo: Topology,
     groups: Sequence[tuple[int, ...]] | None = None,
 ) -> tuple[dict[tuple[int, int], int | None], list[tuple[int, int, int]]]:
-    """The referee of each disputed pair, and every ``(owner, replayer, referee)`` replay job: one per disputed pair, or
-    with tensor-parallel ``groups`` a whole third group ``C`` for a disputed group pair ``(A, B)``, rank ``(C, t)``
-    replaying what ``(A, t)`` computed (its collectives need its peers)."""
+    """The referee of each disputed pair, and every ``(owner, replayer, referee)`` replay job (with tensor-parallel
+    ``groups``, a whole third group, rank ``(C, t)`` replaying what ``(A, t)`` computed)."""
     world = topo.world_size
     node_of = [f.node_rank for f in topo.ranks]
     busy = {r for pair in mismatching for r in pair}
@@ -392,8 +357,7 @@ def for_transfer(micro: Sequence[MicroBatch]) -> list[MicroBatch]:
 
 
 def send_payload(micro: list[MicroBatch], digest: Any) -> tuple[dict[str, Any], str]:
-    """What an owner sends its replayer, and why it failed to build it ("" when it did not): on a
-    failure the partner still gets a message (``TRANSFER_ERROR``), so no rank is left waiting."""
+    """What an owner sends, and why building it failed (""); on a failure the partner still gets a message."""
     try:
         return {"micro": for_transfer(micro), "digest": digest}, ""
     except Exception as err:
@@ -403,8 +367,7 @@ def send_payload(micro: list[MicroBatch], digest: Any) -> tuple[dict[str, Any], 
 
 
 def received_batches(payload: dict[str, Any], own_states: list[Any]) -> list[MicroBatch]:
-    """The micro-batches of a received payload, their states resolved (``StateCapture.resolve``
-    against this rank's own); raises ``RuntimeError`` with the owner's text when it could not send."""
+    """A received payload's micro-batches, states resolved; ``RuntimeError`` when the owner could not send."""
     if TRANSFER_ERROR in payload:
         raise RuntimeError(payload[TRANSFER_ERROR])
     return [MicroBatch(**{**vars(mb), "state": StateCapture.resolve(mb.state, own_states)}) for mb in payload["micro"]]
@@ -413,17 +376,13 @@ def received_batches(payload: dict[str, Any], own_states: list[Any]) -> list[Mic
 def referee_sends(
     assignments: Sequence[tuple[int, int, int]], me: int, micro: Sequence[MicroBatch], own: Any, mine: Any
 ) -> tuple[dict[int, Any], list[int]]:
-    """``(sends, recv_from)`` of rank ``me`` for the referee round: an owner sends its
-    micro-batches and digest, a replayer its replay's digest, to the pair's referee; a referee
-    receives from both sides of each pair it judges."""
+    """``(sends, recv_from)`` of rank ``me`` for the referee round: both sides of a pair send to its referee."""
     sends: dict[int, Any] = {}
     recv_from: list[int] = []
     for o, q, t in assignments:
         if me == o:
             sends.setdefault(t, {}).update(micro=for_transfer(micro), digest=own)
         if me == q:
-            # the replayer's result travels to the referee too (a different destination
-            # from the owner's: referee t is neither o nor q)
             sends.setdefault(t, {}).update(replay=mine)
         if me == t:
             recv_from += [r for r in (o, q) if r not in recv_from]
@@ -431,8 +390,7 @@ def referee_sends(
 
 
 def failed_message(step: int, failures: Sequence[str], inverse: Sequence[int], advice: str) -> str:
-    """The ``ReplayUnavailableError`` text for replays that raised (``failures[r]``: rank ``r``'s),
-    to follow the audit's name (``RingReplay.label``)."""
+    """The ``ReplayUnavailableError`` text for replays that raised (after ``RingReplay.label``)."""
     listed = "; ".join(f"rank {r} replaying rank {inverse[r]}: {f}" for r, f in enumerate(failures) if f)
     return (
         f"could not replay at step {step}: {listed}. Likely cause and fix: "
@@ -443,8 +401,7 @@ def failed_message(step: int, failures: Sequence[str], inverse: Sequence[int], a
 def unreproducible_message(
     step: int, ranks: Sequence[int], worst: float, wheres: Sequence[str], tolerance: float, exact: Any, advice: str
 ) -> str:
-    """The ``ReplayUnavailableError`` text for ranks that could not reproduce their own result, to
-    follow the audit's name (``RingReplay.label``)."""
+    """The ``ReplayUnavailableError`` text for ranks that could not reproduce their own result."""
     how = (
         "compares bit for bit (exact=True): use exact='auto' to allow measured noise, or make the step "
         "deterministic (torch.use_deterministic_algorithms(True))"
@@ -461,16 +418,11 @@ def unreproducible_message(
 
 
 def every_pair_message(step: int, topo: Topology, first: bool, advice: str) -> str:
-    """The ``ReplayUnavailableError`` text when every replay pair disagrees, to follow the audit's
-    name (``RingReplay.label``)."""
-    software = {(f.device, f.versions) for f in topo.ranks}
-    differ = (
-        " The ranks do run different devices or software: "
-        + "; ".join(f"rank {f.rank}: {f.device} {dict(f.versions)}" for f in topo.ranks)
-        + "."
-        if len(software) > 1
-        else ""
-    )
+    """The ``ReplayUnavailableError`` text when every replay pair disagrees."""
+    differ = ""
+    if len({(f.device, f.versions) for f in topo.ranks}) > 1:
+        listed = "; ".join(f"rank {f.rank}: {f.device} {dict(f.versions)}" for f in topo.ranks)
+        differ = f" The ranks do run different devices or software: {listed}."
     when = "at its first audit" if first else ""
     return (
         f"cannot trust its replay at step {step}: every replay pair disagrees {when} while "

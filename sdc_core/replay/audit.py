@@ -1,17 +1,9 @@
 """One audited step of the ring replay: the exchange, the replays, the comparison and the trust rounds.
 
-Contract: every rank builds a ``StepAudit`` for the step and runs it together (``run``). Rank ``r``
-sends its micro-batches to ``partners[r]`` and replays those of ``inverse[r]`` (at a calibrating
-audit it also re-runs its own, and once more under strict determinism to probe it); one all-gather
-of seven float64 per rank makes the table every rank judges alike. Before any rank is named, both
-sides of every disagreeing pair re-run what they computed (one more all-gather): a difference within
-the noise those re-runs show accuses no one (``_unexplained``). A step two or more ranks cannot
-reproduce on their own device, or whose every pair of two replicas disagrees at the first audit, is
-not replayable; pairs that still disagree go to the referee round (``sdc_core.replay.referee``).
-
-Collectives: every rank enters the same collectives in the same order on every path; a failed replay
-is caught (``attempt``) and decided after the next gather. With ``collective_reruns`` every rank
-replays in every round. Cost: see ``sdc_core.replay.ring``.
+Every rank runs the step's ``StepAudit`` together, entering the same collectives in the same order
+on every path (a failed replay is caught and decided after the next gather). Before any rank is
+named, both sides of every disagreeing pair re-run what they computed: a difference within that
+noise accuses no one.
 """
 
 from __future__ import annotations
@@ -20,7 +12,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -44,17 +36,15 @@ from sdc_core.stats import CheckStats
 Pair = tuple[int, int]  # (owner, replayer)
 Comparison = tuple[bool, float, str]  # (bit-identical, largest relative difference, where)
 _SAME: Comparison = (True, 0.0, "")
+T = TypeVar("T")
 
 
 @dataclass
 class StepAudit:
-    """One audited step on this rank, with what it learns on the way (``table``, ``noise``).
+    """One audited step on this rank, with what it learns on the way (``table``, ``noise``, ``error``).
 
-    ``recompute`` re-runs micro-batches on this rank (no side effect; collective with
-    ``collective_reruns``); ``exchange`` sends replay payloads (every rank alike); ``unreplayable`` ends
-    the audit on every rank alike (raise or warn); ``names()`` gives the parameter labels at each
-    comparison (a sharded replay learns them as it replays). ``error`` is the verdict, once one is
-    reached (``sdc_core.replay.referee``)."""
+    ``recompute`` re-runs micro-batches side-effect free; ``exchange`` and ``unreplayable`` act on every
+    rank alike; ``names()`` gives the parameter labels at each comparison."""
 
     step: int
     topo: Topology
@@ -89,7 +79,6 @@ class StepAudit:
     lenient: bool = field(init=False)
     atol: float = field(init=False)
     rtol: float = field(init=False)
-    own_states: list[Any] = field(init=False)
 
     def __post_init__(self) -> None:
         self.world, self.me = self.topo.world_size, self.topo.rank
@@ -98,7 +87,6 @@ class StepAudit:
         self.rings = len(self.groups) if self.groups else self.world
         self.lenient = self.calibration.lenient(self.config)
         self.atol, self.rtol = float(self.config.atol), float(self.config.rtol)
-        self.own_states = [mb.state for mb in self.micro]
 
     @property
     def tolerance(self) -> float:
@@ -110,13 +98,13 @@ class StepAudit:
         return self.rtol if self.lenient else self.tolerance
 
     def replay(self, batches: list[MicroBatch], strict: bool | None = None) -> Digest:
-        """Re-run ``batches`` on this rank in the replays' determinism mode, digested."""
+        """Re-run ``batches`` in the replays' determinism mode, digested."""
         on = self.calibration.strict(self.config) if strict is None else strict
         with deterministic(self.config.deterministic, on):
             return self.recompute(batches)
 
     def prepare(self, payload: dict[str, Any]) -> list[MicroBatch]:
-        return received_batches(payload, self.own_states)
+        return received_batches(payload, [mb.state for mb in self.micro])
 
     def replay_payload(self, payload: dict[str, Any]) -> Digest:
         return self.replay(self.prepare(payload))
@@ -134,8 +122,7 @@ class StepAudit:
         return (self.compare(self.own, again) if again is not None else _SAME), err
 
     def tol_for(self, *ranks: int) -> float:
-        """The tolerance of a comparison between ``ranks``: in lenient mode, at least the noise
-        their own re-runs showed (times ``AUTO_MARGIN``, at most ``rtol``)."""
+        """The tolerance between ``ranks``: lenient, at least ``AUTO_MARGIN`` times their noise (at most ``rtol``)."""
         tol = self.tolerance
         if not self.lenient or self.noise is None:
             return tol
@@ -148,15 +135,13 @@ class StepAudit:
         return pairs, [q for q, r in enumerate(t) if r[3] and disagree(bool(r[4]), r[5], self.self_bound)]
 
     def differs(self, a: Digest, b: Digest, *ranks: int, scale: float = 0.0) -> bool:
-        """Whether ``a`` and ``b`` disagree; ``scale``: the size of the disagreement being judged,
-        a 1/``AUTO_MARGIN`` of which (at most ``rtol``) is noise for ``exact="auto"``, so that a
-        referee's noisy replay still sides with the result it is near to."""
+        """Whether ``a`` and ``b`` disagree; lenient, 1/``AUTO_MARGIN`` of ``scale`` (the disagreement judged,
+        at most ``rtol``) is noise, so a referee's noisy replay sides with the result it is near to."""
         exact, diff, _ = self.compare(a, b)
         floor = min(self.rtol, scale / AUTO_MARGIN) if self.lenient and math.isfinite(scale) else 0.0
         return disagree(exact, diff, max(self.tol_for(*ranks), floor))
 
     def done(self) -> None:
-        """The audit's time, into the stats."""
         self.stats.add_time(time.perf_counter() - self.t0)
 
     def failed(self, failures: Sequence[str]) -> bool:
@@ -165,15 +150,14 @@ class StepAudit:
         return self.unreplayable(self.step, failed_message(self.step, failures, self.inverse, self.advice))
 
     def run(self) -> bool | None:
-        """The audit up to the referee round (every rank alike): its result (True: skip the step;
-        raises when it is not replayable), or None when pairs still disagree after confirmation:
-        ``sdc_core.replay.referee.attribute_step`` decides then (``mismatching``, ``every_pair``)."""
+        """The audit up to the referee round (every rank alike): its result, or None when pairs still
+        disagree after confirmation (``attribute_step`` decides then)."""
         first, calibrating, probe = self.calibration.plan(self.config)
         early = self._replay_round(calibrating, probe)
         if early is not None:
             return early
         if calibrating:
-            self.calibration.round_taken(_self_diffs(self.table), self.config, self.stats)
+            self.calibration.round_taken([_noise(r[4], r[5]) for r in self.table], self.config, self.stats)
         self.stats.runs += 1
         self.mismatching, unreproducible = self.judge()
         shaky: list[int] = []  # exact comparisons: ranks of disagreeing pairs that disagree with themselves
@@ -185,20 +169,15 @@ class StepAudit:
         return self._trust(first, unreproducible, shaky)
 
     def _replay_round(self, calibrating: bool, probe: bool) -> bool | None:
-        """The exchange, the replay of the owner's micro-batches (when calibrating, the re-run of this
-        rank's own; with ``probe`` one more under strict determinism) and the gather of ``table``, a
-        row per rank: the replay's (exact, difference), failed, self re-run taken, its (exact,
-        difference), strict probe passed. Returns the audit's result when some rank failed, else None."""
+        """The exchange, the replays and the gather of ``table`` (per rank: the replay's exact and difference,
+        failed, self re-run taken, its exact and difference, probe passed); the result if some rank failed."""
         me, failure = self.me, self.failure
         payload, why = send_payload(self.micro, self.own)
         failure = failure or why
         self.received = self.exchange({self.partners[me]: payload}, [self.inverse[me]])[self.inverse[me]]
         if self.collective_reruns:  # replays are collective: every rank must be able to start one, or none does
-            try:
-                self.batches, prep_failure = self.prepare(self.received), ""
-            except Exception as err:
-                prep_failure = describe(err)
-            failure = failure or prep_failure
+            batches, prep_failure = attempt(lambda: self.prepare(self.received))
+            self.batches, failure = batches or [], failure or prep_failure
             if any_rank(bool(failure)):
                 return self.failed(all_gather_objects(failure))
             self.mine, replay_failure = attempt(lambda: self.replay(self.batches))
@@ -223,9 +202,8 @@ class StepAudit:
         return None
 
     def _confirm(self, calibrating: bool) -> bool | tuple[list[int], list[int]]:
-        """Both sides of every disagreeing pair re-run what they computed (the owner its own
-        micro-batches, the replayer its replay; one gather): noise they show explains this audit only.
-        Returns the audit's result when some rank failed, else ``(unreproducible, shaky)``."""
+        """Both sides of every disagreeing pair re-run what they computed (one gather). Returns the audit's
+        result when some rank failed, else ``(unreproducible, shaky)``."""
         self.stats.bump("confirmations")
         self_failure = ""
         if not calibrating:
@@ -256,10 +234,8 @@ class StepAudit:
         return unreproducible, shaky
 
     def _unexplained(self, explained: list[Pair], noise: list[float]) -> None:
-        """Disagreements this audit's re-runs explained: each rank whose re-run differed from its
-        first result is recorded (``unexplained_differences``; the last rank, step and size) and
-        its noise is one sighting: the tolerance rises only on noise seen on two ranks at two
-        audits (``Calibration.noise_seen``), so a transient fault buys no tolerance."""
+        """Record each rank whose re-run differed (``unexplained_differences``); its noise is one sighting
+        (``Calibration.noise_seen``), so a transient fault buys no tolerance."""
         levels = {r: noise[r] for pair in explained for r in pair if noise[r] > 0}
         for rank, level in sorted(levels.items()):
             self.stats.bump("unexplained_differences")
@@ -280,10 +256,8 @@ class StepAudit:
             worst_self = max(max(table[q][5], noise[q] if noise else 0.0) for q in refused)
             return self.unreplayable(self.step, unreproducible_message(
                 self.step, refused, worst_self, wheres, self.self_bound, self.config.exact, self.advice))  # fmt: skip
-        # every pair disagreeing at the first audit of two replicas means the replay does not compute
-        # what the owners did; once pairs have agreed (a strict-mode re-calibration starts its rounds
-        # anew), it is a fault. With three or more, referees tell: a step that depends on the rank
-        # agrees with no one on any batch, devices that disagree (two faulty ranks in turn) agree with some
+        # every pair disagreeing at the first audit of two replicas: the replay does not compute what the
+        # owners did (once pairs have agreed, it is a fault); with three or more, referees tell
         every_pair = bool(mismatching) and len(mismatching) == self.world
         if every_pair and self.rings < 3 and first and not self.calibration.agreed:
             self.done()
@@ -299,9 +273,8 @@ class StepAudit:
         return None
 
 
-def attempt(fn: Callable[[], Digest]) -> tuple[Digest | None, str]:
-    """``(fn(), "")``, or ``(None, what it raised)``: replay failures are decided together, so no
-    rank is ever left in a collective the others do not enter."""
+def attempt(fn: Callable[[], T]) -> tuple[T | None, str]:
+    """``(fn(), "")``, or ``(None, what it raised)``: failures are decided together, after the next gather."""
     try:
         return fn(), ""
     except Exception as err:
@@ -314,11 +287,5 @@ def any_rank(flag: bool) -> bool:
 
 
 def _noise(exact: float, diff: float) -> float:
-    """A same-device difference as a number: 0 when bit-identical, else at least a tiny positive
-    value (a difference the digest's sums cannot see still does not count as exact)."""
+    """A same-device difference: 0 when bit-identical, else at least a tiny positive value."""
     return 0.0 if exact else (diff if diff > 0 else 1e-12)
-
-
-def _self_diffs(table: Sequence[Sequence[float]]) -> list[float]:
-    """Each rank's same-device difference from its audit table row."""
-    return [_noise(r[4], r[5]) for r in table]

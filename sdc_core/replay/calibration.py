@@ -1,16 +1,6 @@
-"""What the ring replay's audits have learnt of a step: the tolerance and the determinism mode.
-
-Contract: ``Calibration`` holds, across the audits of one process, what decides how the next
-comparison is judged: the tolerance ``exact="auto"`` measured (``calibrate``, never lowered,
-never above ``rtol``; after the calibration rounds it rises only on repeated evidence,
-``noise_seen``: one unexplained difference never widens it), the same-device rounds taken in
-the current mode (``CALIBRATION_ROUNDS`` without strict determinism, else one), whether replay
-pairs have ever agreed, the audits whose every pair agreed bit for bit, and whether the step is
-known to run under strict determinism (the probe of the first audit, applied by
-``settle_probe`` when that audit ends; a proof starts the calibration over). Every update is
-computed from all-gathered values, so every rank holds the same.
-
-Cost: host arithmetic on a few numbers per audit (at most ``NOISE_SIGHTINGS_KEPT`` sightings).
+"""What the ring replay's audits have learnt: the tolerance ``exact="auto"`` measured (never lowered,
+never above ``rtol``) and whether the step runs under strict determinism. Every update is computed
+from all-gathered values, so every rank holds the same. Cost: host arithmetic on a few numbers.
 """
 
 from __future__ import annotations
@@ -56,13 +46,10 @@ class Calibration:
         """The tolerance comparisons use now (0: bit equality)."""
         if config.exact is True:
             return 0.0
-        if config.exact is False:
-            return float(config.rtol)
-        return self.measured if self.measured is not None else 0.0
+        return float(config.rtol) if config.exact is False else self.measured or 0.0
 
     def strict(self, config: AuditSettings) -> bool:
-        """True once the step is known to run under ``torch.use_deterministic_algorithms(True)``
-        without ``warn_only``: replays are then deterministic and compare bit for bit."""
+        """True once the step is known to run under deterministic algorithms without ``warn_only``."""
         return config.deterministic and self.proven_strict is True
 
     def mode(self, config: AuditSettings) -> str:
@@ -70,26 +57,21 @@ class Calibration:
         return "off" if not config.deterministic else "strict" if self.strict(config) else "warn_only"
 
     def plan(self, config: AuditSettings) -> tuple[bool, bool, bool]:
-        """``(first, calibrating, probe)`` for an audit starting now: the first of the current mode,
-        one that takes a same-device round, one that probes strict determinism."""
-        # exact="auto" tolerates measured noise up to rtol in every mode: a kernel may be nondeterministic
-        # on some calls even under torch's deterministic switch (one exact audit proves nothing)
+        """``(first, calibrating, probe)`` for an audit starting now, in the current mode."""
+        # exact="auto" tolerates measured noise in every mode: one exact audit proves nothing
         needed = CALIBRATION_ROUNDS if self.lenient(config) and not self.strict(config) else 1
         return self.rounds == 0, self.rounds < needed, config.deterministic and self.proven_strict is None
 
     def calibrate(self, self_diffs: Sequence[float], config: AuditSettings, stats: CheckStats) -> None:
-        """``exact="auto"``: set (or raise, never above ``rtol``) the tolerance from the ranks'
-        same-device differences (``calibrate``; 0: bit for bit -> exact comparisons)."""
+        """``exact="auto"``: set (or raise) the tolerance from the ranks' same-device differences."""
         if not self.lenient(config):
             return
         self.measured = calibrate(self.measured, self_diffs, float(config.rtol))
         stats.extra = {**(stats.extra or {}), "tolerance": self.measured}
 
     def noise_seen(self, step: int, levels: dict[int, float], config: AuditSettings, stats: CheckStats) -> None:
-        """Ranks whose own re-runs showed ``levels`` of noise at the audit of ``step`` (which
-        explained a disagreement at that audit only). The tolerance rises to the largest level
-        seen on at least two ranks at two or more audits: a single difference (a transient fault,
-        or a faulty rank differing from itself again and again) never widens it for good."""
+        """Noise ``levels`` per rank seen at the audit of ``step``. The tolerance rises to the largest level seen
+        on at least two ranks at two or more audits: one rank's differences never widen it."""
         found = self.sightings + [(float(v), int(step), int(r)) for r, v in sorted(levels.items()) if v > 0]
         self.sightings = sorted(found, reverse=True)[:NOISE_SIGHTINGS_KEPT]
         ranks: set[int] = set()
@@ -114,8 +96,7 @@ class Calibration:
             stats.extra = {**(stats.extra or {}), "exact_audits": float(self.exact_audits)}
 
     def settle_probe(self, config: AuditSettings, stats: CheckStats) -> None:
-        """At the end of an audit: the probe's result sets the mode of the next audited step (every
-        rank alike); a proof of strict determinism starts the calibration anew."""
+        """At the end of an audit: the probe's result sets the next mode; a proof of strictness recalibrates."""
         if self.probed is None:
             return
         self.proven_strict, self.probed = self.probed, None

@@ -1,17 +1,8 @@
-"""Digests of a step's loss and gradients, and their comparison under a tolerance.
-
-Contract: a ``Digest`` holds, per trainable parameter (in ``names`` order), the gradient's sum and
-L2 norm (reduced in float32, returned as float64), an exact fingerprint (-0.0 read as +0.0) and its
-element count, and the loss. Two digests compare (``compare_raw``) as bit-identical when loss and
-every fingerprint are equal; otherwise the difference is per parameter the larger of the relative
-norm and sum differences (the sum relative to ``sqrt(numel) * norm``), and the loss difference, with
-``atol`` the floor of the denominators. ``disagree`` turns a comparison into a verdict (tolerance 0:
-any bit); ``calibrate`` is the ``exact="auto"`` tolerance rule (the lower median of the ranks' same-
-device differences times ``AUTO_MARGIN``, capped by ``rtol``, never lowered).
-
-Cost: per parameter a sum, a norm and a fingerprint on the gradient's device, read with one device-
-to-host copy per digest; the comparison is on P float64 values on the host. Limits: gradients with
-equal sum and norm differ only by fingerprint, which bit equality sees and a tolerance does not.
+"""Digests of a step's loss and gradients (per parameter: sum, L2 norm, exact fingerprint, count),
+and their comparison: bit-identical when loss and every fingerprint are equal, else the largest
+relative norm, sum or loss difference. Cost: per parameter three reductions on the gradient's
+device, read with one device-to-host copy per digest. Limits: gradients with equal sum and norm
+differ only by fingerprint, which bit equality sees and a tolerance does not.
 """
 
 from __future__ import annotations
@@ -51,36 +42,21 @@ class Digest:
     numels: torch.Tensor  # float64 [P]
 
 
-def _sum_norm(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sum and L2 norm of a gradient, reduced in float32 (no float64 copy of the gradient; owner
-    and replayer reduce identically, so equal gradients give equal digests) and returned as
-    float64 scalars for the comparison."""
-    g = g.detach()
-    g = g if g.dtype in (torch.float32, torch.float64) else g.float()
-    return g.sum().double(), torch.linalg.vector_norm(g).double()
-
-
-def _grad_fingerprint(g: torch.Tensor) -> torch.Tensor:
-    """Exact fingerprint of a gradient with -0.0 read as +0.0 (kernels differ in the sign of
-    an exact zero, e.g. the gradient row of a unit ReLU switched off; the value is the same)."""
-    return tensor_digest(g.detach() + 0.0)
-
-
 def digest_row(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """``(sum, norm, exact fingerprint, numel)`` of one gradient, on its device (no sync)."""
-    gs, gn = _sum_norm(g)
-    return gs, gn, _grad_fingerprint(g), g.numel()
+    """``(sum, norm, exact fingerprint, numel)`` of one gradient, on its device (no sync): sum and norm reduced
+    in float32 and returned as float64; the fingerprint reads -0.0 as +0.0 (kernels differ in a zero's sign)."""
+    g = g.detach()
+    fingerprint = tensor_digest(g + 0.0)
+    g = g if g.dtype in (torch.float32, torch.float64) else g.float()
+    return g.sum().double(), torch.linalg.vector_norm(g).double(), fingerprint, g.numel()
 
 
 Row = tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]
 
 
 def assemble(names: Sequence[str], rows: dict[str, Row], loss: torch.Tensor | float) -> Digest:
-    """A ``Digest`` in ``names`` order; a parameter without a row (no gradient) counts as zeros.
-
-    Cost: the rows are packed into one float64 vector on one device (an accelerator's when any row is there) and read
-    with ONE blocking device-to-host copy, whatever the number of parameters (never ``non_blocking=True``, which can
-    read stale bytes)."""
+    """A ``Digest`` in ``names`` order; a parameter without a row (no gradient) counts as zeros. Cost: ONE
+    blocking device-to-host copy (never ``non_blocking=True``, which can read stale bytes)."""
     loss_t = loss if isinstance(loss, torch.Tensor) else torch.tensor(float(loss), dtype=torch.float64)
     present = [r for r in rows.values() if r is not None]
     device = next((r[0].device for r in present if r[0].device.type != "cpu"), None)
@@ -118,10 +94,7 @@ def grad_digest(names: Sequence[str], grads: dict[str, torch.Tensor], loss: torc
 
 
 def compare_raw(a: Digest, b: Digest, names: Sequence[str], atol: float = 1e-6) -> tuple[bool, float, str]:
-    """``(bit-identical, largest relative difference, where)`` between two digests of the same work.
-
-    The relative difference is per parameter the larger of the gradient-norm and gradient-sum
-    differences (0 where the fingerprints are equal), and the loss difference."""
+    """``(bit-identical, largest relative difference, where)`` between two digests of the same work."""
     if a.sums.shape != b.sums.shape:
         return False, math.inf, "parameter count"
     floor = max(atol, 1e-300)
@@ -168,9 +141,8 @@ def lower_median(values: Sequence[float]) -> float:
 
 
 def calibrate(current: float | None, self_diffs: Sequence[float], rtol: float) -> float:
-    """``exact="auto"``: the tolerance after a same-device round with ``self_diffs`` (one per rank):
-    ``AUTO_MARGIN`` times their lower median (0: bit for bit), at most ``rtol``, never below
-    ``current``."""
+    """``exact="auto"``: ``AUTO_MARGIN`` times the lower median of the ranks' same-device differences (0: bit
+    for bit), at most ``rtol``, never below ``current``."""
     floor = lower_median(self_diffs)
     candidate = 0.0 if floor == 0 else min(float(rtol), AUTO_MARGIN * floor)
     return candidate if current is None else max(current, candidate)

@@ -1,24 +1,9 @@
-"""Confirming a screen hit: a partner recomputes the suspect's micro-batches before anyone is named.
+"""Confirming a screen hit: a partner recomputes the suspect's kept micro-batches, in the same step,
+before anyone is named. Per flagged rank: reproduced within ``REPRODUCED``: cleared; differing and
+within the band: confirmed (``ReplayMismatchError``); anything else: unconfirmed, no verdict.
 
-The every-step screen (``sdc_core.checks.screen``) flags a rank whose local-gradient peaks left the
-healthy ranks' band; a flag alone accuses nobody (a batch may really have a huge gradient).
-``confirm_hits`` runs in the same step, before the update, on the weights the step computed with:
-
-1. every flagged rank ``r`` sends the micro-batches it kept for the step (``RingReplay.keep_every_step``) to its ring
-   partner ``p`` (one ``exchange``); with ``replay.collective_reruns`` (sharded) every rank sends and every rank
-   re-runs, together, after one small all_reduce agreed that every rank can (``_agree``), else none does;
-2. ``p`` recomputes them side-effect free and takes the same statistic; every rank gathers the rows (one
-   ``all_gather``);
-3. every rank decides alike, per flagged rank: reproduced within ``REPRODUCED`` log2 units: a genuine spike, cleared
-   (``screen_cleared``); the partner's values differ AND stay within the band: ``r`` computed wrongly, confirmed
-   (``ReplayMismatchError`` naming ``r``, ``details["source"] == "gradient_screen"``); anything else: unconfirmed
-   (``screen_unconfirmed``), no verdict.
-
-With ``on_failure="skip_step"`` a rank's first confirmed hit drops the step on every rank and a
-second one raises. Kernel noise (a relative 1e-6) is far below ``REPRODUCED`` (a factor of 2) and a
-flag (at least ``min_band``, 2^5). Cost: nothing on a step without a flag; on a flagged step, the
-suspects' micro-batches transferred, one forward and backward per suspect on its partner and two
-small collectives (collective re-runs: every rank's, three collectives).
+Cost: nothing on a step without a flag; on a flagged step, the transfer, one forward and backward
+per suspect on its partner and two small collectives (collective re-runs: three).
 """
 
 from __future__ import annotations
@@ -38,6 +23,7 @@ from sdc_core.dist.payload import PayloadError
 from sdc_core.dist.topology import Topology, all_gather_tensor, collective_device, is_distributed, owners_of
 from sdc_core.errors import ReplayMismatchError
 from sdc_core.replay.attribution import describe, replay_partners
+from sdc_core.replay.state import Rerun
 
 REPRODUCED = 1.0  # log2 units: a recomputed peak within a factor 2 of the owner's reproduces it
 
@@ -52,10 +38,8 @@ def confirm_hits(
     context: Callable[[], AbstractContextManager[Any]],
     after_update: bool = False,
 ) -> ReplayMismatchError | None:
-    """Confirm the band hits of ``result`` (a ``ScreenResult``) by partner recomputation (every
-    rank alike, before the step's update, or with ``after_update`` on the weights after it: a
-    verdict read one step later): the verdict naming the confirmed ranks, or None (``skips``
-    applies the policy)."""
+    """Confirm the band hits of ``result`` by partner recomputation (every rank alike; ``after_update``: on the
+    weights after the update): the verdict naming the confirmed ranks, or None."""
     step = result.step
     kept = replay.kept.take(step)
     topo: Topology = replay.topology or Topology.gather()
@@ -82,7 +66,7 @@ def confirm_hits(
         batches, note = _agree(replay, batches)
     if isinstance(batches, list) and batches:
         try:
-            mine = _recomputed_peaks(replay, module, batches, step_fn, to_device, group_of, context, width)
+            mine = _recomputed_peaks(replay, Rerun(module, step_fn, to_device, context), batches, group_of, width)
         except Exception as err:  # every rank still meets at the gather below
             note = describe(err)
     elif isinstance(batches, str):
@@ -102,10 +86,8 @@ def confirm_hits(
 
 
 def skips(replay: Any, error: ReplayMismatchError, can_skip: bool = True) -> bool:
-    """Apply the replay's policy to a confirmed screen hit (every rank alike): True when every rank
-    drops the step (``skip_step``, ``can_skip`` (the hit's own update is still to come) and each
-    named rank's first confirmed hit); the error is then the replay's ``last_error`` (recorded as
-    skipped). False: raise it."""
+    """Apply the policy to a confirmed screen hit (every rank alike): True when every rank drops the step
+    (``skip_step``, ``can_skip`` and each named rank's first hit); False: raise it."""
     replay.stats.failures += 1
     strikes = replay.screen_strikes
     for r in error.suspects:
@@ -118,13 +100,9 @@ def skips(replay: Any, error: ReplayMismatchError, can_skip: bool = True) -> boo
     return skip
 
 
-def _recomputed_peaks(
-    replay: Any, module: nn.Module, batches: list[Any], step_fn: Callable[[Any, int], torch.Tensor],
-    to_device: Callable[[Any], Any], group_of: Callable[[str], int | None],
-    context: Callable[[], AbstractContextManager[Any]], width: int,
-) -> torch.Tensor:  # fmt: skip
-    """Per group the log2 of the largest magnitude of the recomputed gradients, as the owner's read
-    takes it (``log2_peaks_by_group``; NaN: none), then the loss's: one host read."""
+def _recomputed_peaks(replay: Any, rerun: Rerun, batches: list[Any], group_of: Callable[[str], int | None],
+                      width: int) -> torch.Tensor:  # fmt: skip
+    """Per group the log2 peak of the recomputed gradients (NaN: none), then the loss's: one host read."""
     pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def consume(name: str, grad: torch.Tensor) -> None:  # each gradient as produced, then freed
@@ -132,17 +110,15 @@ def _recomputed_peaks(
         if g is not None and 0 <= g < width:
             pairs.append((peaks([grad.detach()]), torch.tensor([g], device=grad.device)))
 
-    loss = replay.recompute(module, batches, step_fn, consume, to_device, context).detach().reshape(1)
+    loss = replay.recompute(rerun, batches, consume).detach().reshape(1)
     last = log2_peaks_by_group([(loss.abs(), torch.zeros(1, dtype=torch.long))], 1)
     groups = log2_peaks_by_group(pairs, width) if pairs else torch.full((width,), float("nan"), device=last.device)
     return torch.cat([groups, last.to(groups.device)]).double().cpu()
 
 
 def _agree(replay: Any, batches: Any) -> tuple[Any, str]:
-    """Collective re-runs (``replay.collective_reruns``: each re-run runs collectives, FSDP's all-gathers):
-    every rank re-runs its owner's micro-batches, or none does. One small all_reduce (every rank
-    alike) agrees on the count and on every rank being able (``replay.screen_ready``); returns
-    ``(batches, "")`` to re-run, or ``(None, why)``."""
+    """Collective re-runs: every rank re-runs its owner's micro-batches, or none does (one small all_reduce
+    agrees); returns ``(batches, "")`` to re-run, or ``(None, why)``."""
     ready = getattr(replay, "screen_ready", None)
     if not isinstance(batches, list):
         why = batches if isinstance(batches, str) else "no micro-batches received"
@@ -158,8 +134,7 @@ def _agree(replay: Any, batches: Any) -> tuple[Any, str]:
 
 
 def _escalated(result: Any, rank: int) -> bool:
-    """A hit a partner can confirm: values above the band, or a non-finite loss from finite local
-    gradients (non-finite gradients are the non-finite check's verdict)."""
+    """A hit a partner can confirm: values above the band, or a non-finite loss from finite local gradients."""
     reason = result.details[rank].get("reason")
     if reason == "band":
         return True
@@ -168,9 +143,8 @@ def _escalated(result: Any, rank: int) -> bool:
 
 
 def _judge(result: Any, rank: int, recomputed: Sequence[float]) -> str:
-    """``"cleared"``, ``"confirmed"`` or ``"unconfirmed"`` for one flagged rank (pure: every rank
-    alike). ``recomputed``: the partner's row, the layout of ``result.values`` (group peaks, then
-    the loss as the step back-propagates it, log2; NaN: none, +Inf: non-finite)."""
+    """``"cleared"``, ``"confirmed"`` or ``"unconfirmed"`` for one flagged rank; ``recomputed``: the partner's
+    row, in ``result.values``' layout."""
     owner = result.values[rank]
     pairs = [(a, b) for a, b in zip(owner, recomputed, strict=True) if not (math.isnan(a) or math.isnan(b))]
     if not pairs:
@@ -182,8 +156,7 @@ def _judge(result: Any, rank: int, recomputed: Sequence[float]) -> str:
 
 def _error(result: Any, ranks: list[int], partners: Sequence[int], topo: Topology, note: str,
            weights: str) -> ReplayMismatchError:  # fmt: skip
-    """The verdict of confirmed screen hits (every rank builds the same; ``weights``: which ones the
-    partner recomputed on, in words)."""
+    """The verdict of confirmed screen hits (every rank builds the same)."""
     hits = [{"rank": r, "recomputed_by": partners[r], **result.details[r]} for r in ranks]
     first = hits[0]
     who = f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))

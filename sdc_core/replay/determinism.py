@@ -1,15 +1,6 @@
-"""Deterministic kernels around the audited micro-batches and their replays.
-
-Contract: ``DeterministicWindow`` switches torch to deterministic kernels and puts the caller's
-settings back; ``deterministic()`` is the same as a context manager; ``is_determinism_error``
-tells torch's refusal of a kernel without a deterministic implementation. At import, when the
-user has not set it and CUDA is not yet initialised, ``CUBLAS_WORKSPACE_CONFIG`` is set to
-``CUBLAS_DETERMINISTIC`` (cuBLAS reads it when its first handle is created).
-
-Cost: setting five flags (microseconds).
-
-Limits: custom CUDA or Triton kernels outside torch's switch are not covered; compiled graphs
-keep the kernels they were compiled with.
+"""Deterministic kernels around the audited micro-batches and their replays (five flags, restored
+after). Limits: custom CUDA or Triton kernels outside torch's switch are not covered; compiled
+graphs keep the kernels they were compiled with.
 """
 
 from __future__ import annotations
@@ -23,29 +14,20 @@ import torch
 
 CUBLAS_DETERMINISTIC = ":4096:8"
 
-# cuBLAS reads its workspace configuration when its first handle is created, long before any audit
-# exists; torch refuses (or warns about) cuBLAS under deterministic algorithms without it. Set here,
-# at import, when the user has not set it and CUDA is not yet initialised: a fixed 32 MiB workspace
-# per handle and stream, no change of any result. A value the user set is kept.
+# cuBLAS reads its workspace configuration when its first handle is created, long before any audit, and
+# torch refuses cuBLAS under deterministic algorithms without it: set at import unless the user set it (a
+# fixed 32 MiB workspace per handle and stream, no change of any result).
 if "CUBLAS_WORKSPACE_CONFIG" not in os.environ and not torch.cuda.is_initialized():
     os.environ["CUBLAS_WORKSPACE_CONFIG"] = CUBLAS_DETERMINISTIC
 
 
 @dataclass
 class DeterministicWindow:
-    """Switches torch to deterministic kernels and back, and puts the caller's settings back.
-
-    ``enter(strict)``: ``torch.use_deterministic_algorithms(True, warn_only=not strict)`` (through ``torch._C``, so
-    ``torch._inductor.config`` is neither imported nor changed), cuDNN deterministic without benchmarking, and no
-    filling of uninitialised memory. ``strict=False`` never raises in a kernel without a deterministic implementation
-    (the owner's micro-batch runs in the user's loop and must not fail there), and leaves flash and memory-efficient
-    attention backward nondeterministic. ``exit()`` restores what ``enter`` found; both are idempotent."""
+    """``enter(strict)``: deterministic algorithms with ``warn_only=not strict`` (through ``torch._C``: the inductor
+    config is left alone), cuDNN deterministic without benchmarking, no filling of uninitialised memory.
+    ``exit()`` restores what ``enter`` found; both are idempotent."""
 
     _saved: tuple[bool, bool, bool, bool, bool] | None = None
-
-    @property
-    def on(self) -> bool:
-        return self._saved is not None
 
     def enter(self, strict: bool) -> None:
         if self._saved is None:
@@ -71,13 +53,10 @@ class DeterministicWindow:
 
 @contextmanager
 def deterministic(enabled: bool = True, strict: bool = False) -> Iterator[None]:
-    """Inside: deterministic kernels (``DeterministicWindow``; nothing when ``enabled`` is False);
-    the caller's settings are back afterwards, whatever was on before."""
-    if not enabled:
-        yield
-        return
+    """Inside: deterministic kernels (nothing when ``enabled`` is False); the caller's settings back after."""
     window = DeterministicWindow()
-    window.enter(strict)
+    if enabled:
+        window.enter(strict)
     try:
         yield
     finally:

@@ -4,12 +4,9 @@ would leave the ranks in different collectives.
 Contract: inside ``forbid_collectives()`` the ``torch.distributed`` collectives, as looked up at
 call time, raise ``CollectiveInReplay`` on the thread that entered it, before they reach the
 transport; other threads' collectives and those of a Python signal handler interrupting the
-replay go through. Exception- and signal-safe: an entry or exit cut short never leaves
-collectives refused.
-
-Cost: a wrapped collective outside a guard pays one thread-local look-up.
-
-Limits: functions imported by name before the replay and functional collectives are not refused.
+replay go through. An entry or exit cut short never leaves collectives refused. Cost: a wrapped
+collective outside a guard pays one thread-local look-up. Limits: functions imported by name
+before the replay and functional collectives are not refused.
 """
 
 from __future__ import annotations
@@ -78,10 +75,8 @@ def _guards() -> list[weakref.ref[_Guard]]:
 
 
 def _refuses(frame: Any) -> bool:
-    """Whether the collective called from ``frame`` is the replay's: this thread has a live guard
-    whose entering frame is on the stack, with no Python signal handler running in between (a
-    handler interrupts the replay, what it does is not part of the replayed step). A guard whose
-    entering frame has returned had its exit cut short: it is dropped here."""
+    """Whether the collective called from ``frame`` is the replay's: a live guard of this thread entered on the
+    stack, no signal handler in between. A guard whose entering frame has returned is dropped here."""
     codes: set[Any] | None = None
     for ref in reversed(getattr(_LOCAL, "guards", ())):
         guard = ref()
@@ -100,8 +95,7 @@ def _refuses(frame: Any) -> bool:
 
 
 def _cut_short(guard: _Guard) -> bool:
-    """Whether an exception being handled now (or one it replaced) left ``guard``'s own entry or
-    exit: that guard is over, though it may not have switched itself off."""
+    """Whether an exception being handled now (or one it replaced) left ``guard``'s own entry or exit."""
     err: BaseException | None = sys.exc_info()[1]
     seen = 0
     while err is not None and seen < 16:
@@ -158,10 +152,9 @@ def _install(guard: _Guard) -> None:
 
 
 def _uninstall() -> None:
-    """Put the originals back once no thread has a live guard (what is still wrapped refuses
-    nothing outside a guard, so an interrupted uninstall only costs a function call)."""
+    """Put the originals back once no thread has a live guard."""
     with _LOCK:
-        if any(_live_anywhere()):
+        if any(g.active for g in list(_ALL)):
             return
         for (ns, name), fn in list(_ORIGINALS.items()):
             mod = sys.modules.get(ns)
@@ -172,16 +165,7 @@ def _uninstall() -> None:
 _ALL: weakref.WeakSet[_Guard] = weakref.WeakSet()
 
 
-def _live_anywhere() -> list[_Guard]:
-    return [g for g in list(_ALL) if g.active]
-
-
 def forbid_collectives() -> AbstractContextManager[None]:
-    """Inside, the ``torch.distributed`` collectives (as looked up at call time by Lightning, torchmetrics,
-    ``torch.distributed.nn``) raise ``CollectiveInReplay`` on THIS thread instead of communicating (the module
-    docstring has the contract, cost and limits). Other threads' collectives and those of a signal handler that
-    interrupts the replay (Lightning's SIGTERM handler broadcasts) go through: refusing them on one rank would make
-    the ranks diverge. The wrappers are installed before the guard turns on and refuse only while a live guard of the
-    calling thread exists (a guard whose exit was cut short dies with its last reference); the originals are put back
-    when the last guard of any thread ends."""
+    """Inside, the collectives raise ``CollectiveInReplay`` on THIS thread; other threads' and signal handlers'
+    (Lightning's SIGTERM handler broadcasts) go through: refusing them on one rank would make the ranks diverge."""
     return _Guard()

@@ -1,20 +1,9 @@
 """The rare path of a ring replay audit: referees for the pairs that still disagree, and the verdict.
 
-Contract: ``attribute_step`` runs after a ``StepAudit`` found pairs that disagree beyond their
-noise. Every disagreeing pair (under tensor parallelism, every pair no culprit explains) gets a
-referee (``referee_jobs``) that replays the disputed batch; the rulings are gathered and weighed
-(``attribute``, or ``settle`` under tensor parallelism). A rank named alone re-runs what
-disagreed: a result it reproduces is a persistent fault, one it does not a transient one. The
-verdict is ``ReplayMismatchError`` on every rank, or, with ``on_failure="skip_step"`` and a
-transient fault, the step dropped on every rank. When every pair disagrees (three or more
-replicas) and no referee agrees with either side of any pair, the step is not replayable.
-
-Collectives: one gather of the "where" texts, one exchange of the disputed batches (when there
-are referees), one gather of the rulings and, with a rank named, one of its re-run's outcome;
-every rank enters each, in this order, on every path. With ``collective_reruns`` every rank replays in
-every referee round and beside the named rank's re-run.
-
-Cost: one referee replay per disagreeing pair and one re-run by a named rank.
+Collectives: one gather of the "where" texts, one exchange of the disputed batches (when there are
+referees), one gather of the rulings and, with a rank named, one of its re-run's outcome; every
+rank enters each, in this order, on every path. Cost: one referee replay per disagreeing pair and
+one re-run by a named rank.
 """
 
 from __future__ import annotations
@@ -26,7 +15,6 @@ from sdc_core.errors import ReplayMismatchError
 from sdc_core.replay.attribution import (
     SEVERAL,
     attribute,
-    describe,
     every_pair_message,
     evidence,
     explain,
@@ -45,9 +33,8 @@ Rulings = dict[Pair, tuple[bool, bool]]  # (o, q) -> (the referee agrees with th
 
 
 def attribute_step(run: StepAudit) -> bool:
-    """Referee every disputed pair of ``run``, name who is faulty and classify the fault (every
-    rank alike); raises ``ReplayMismatchError`` (or ``ReplayUnavailableError``), or returns True
-    when the step is dropped (``skip_step``, a transient fault)."""
+    """Referee every disputed pair of ``run`` and name who is faulty (every rank alike): raises, or returns True
+    when the step is dropped."""
     topo, world = run.topo, run.world
     where = run.compare(run.received["digest"], run.mine)[2] if run.mine is not None else ""
     wheres = all_gather_objects(where)
@@ -70,7 +57,6 @@ def attribute_step(run: StepAudit) -> bool:
         notes = {f"{o}->{q}": ruling_note(refereed.get((o, q))) for o, q in disputed}
         if rank is None and world > 2:
             notes |= {"attribution": SEVERAL, "explanations": explanations}
-    # which comparisons could not see a rank: those compared only with suspects
     notes["unchecked"] = unchecked(suspects, *compared)
     classification = _classify(run, rank) if rank is not None else None
     run.stats.failures += 1
@@ -81,8 +67,7 @@ def attribute_step(run: StepAudit) -> bool:
 def _referee_round(
     run: StepAudit, referees: dict[Pair, int | None], assignments: list[tuple[int, int, int]]
 ) -> bool | Rulings:
-    """The referees' replays of the disputed batches (one exchange, one gather): every rank's
-    rulings, or the audit's result when some rank failed."""
+    """The referees' replays (one exchange, one gather): the rulings, or the audit's result on a failure."""
     me, world = run.me, run.world
     sends, recv_from = referee_sends(assignments, me, run.micro, run.own, run.mine)
     got = run.exchange(sends, recv_from) if referees else {}
@@ -92,10 +77,8 @@ def _referee_round(
     rounds = len(jobs)
     if run.collective_reruns:  # replays are collective: every rank replays in every referee round
         for o, q in jobs:
-            try:
-                run.prepare(got[o])
-            except Exception as err:
-                my_failure = my_failure or f"refereeing {o}->{q}: {describe(err)}"
+            err = attempt(lambda o=o: run.prepare(got[o]))[1]
+            my_failure = my_failure or (f"refereeing {o}->{q}: {err}" if err else "")
         if any_rank(bool(my_failure)):
             return run.failed(all_gather_objects(my_failure))
         assigned = [t for _, _, t in assignments]
@@ -116,15 +99,11 @@ def _referee_round(
     gathered = all_gather_objects((my_rulings, my_failure))
     if any(f for _, f in gathered):
         return run.failed([f for _, f in gathered])
-    rulings: Rulings = {}
-    for part, _ in gathered:
-        rulings.update(part)
-    return rulings
+    return {pair: ruling for part, _ in gathered for pair, ruling in part.items()}
 
 
 def _classify(run: StepAudit, rank: int) -> str | None:
-    """The named rank re-runs what disagreed (one gather): ``"persistent"`` when it reproduces its
-    result, ``"transient"`` when not, ``"unknown (...)"`` when the re-run failed."""
+    """The named rank re-runs what disagreed (one gather): ``"persistent"``, ``"transient"`` or ``"unknown (...)"``."""
     me, table = run.me, run.table
     group_of = group_index(run.groups, run.world)
     mine_again = None
@@ -153,8 +132,7 @@ def _verdict(
     run: StepAudit, rank: int | None, suspects: tuple[int, ...], notes: dict[str, Any],
     referees: dict[Pair, int | None], wheres: list[Any], classification: str | None,
 ) -> bool:  # fmt: skip
-    """The verdict every rank builds alike (``run.error``): raised, or True when the step is
-    dropped (``skip_step`` and a transient fault)."""
+    """The verdict every rank builds alike (``run.error``): raised, or True when the step is dropped."""
     table, inverse, partners, world, topo = run.table, run.inverse, run.partners, run.world, run.topo
     tol, config, calibration = run.tolerance, run.config, run.calibration
     group_of = group_index(run.groups, world)

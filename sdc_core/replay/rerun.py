@@ -1,22 +1,15 @@
 """The side-effect free re-run of micro-batches, and the step's own gradients kept out of its way.
 
-Contract: ``replay_gradients`` re-runs micro-batches with the owner's RNG and state swapped in
-(``StateCapture.applied``), on detached aliases of the trainable parameters, with
-``torch.distributed`` collectives refused (``forbid_collectives``), and restores everything
-afterwards: ``.grad``, optimizer, DDP, attributes, RNG and user state are as before, so training
-is bit-identical with the audit on and off. ``GradientsAside`` keeps an audited step's own
-gradients out of the way of its re-runs where DDP holds a copy of them anyway (its buckets, in
-DDP's default layout), bit for bit.
-
-Cost: a re-run is one forward and backward per micro-batch; ``replay_each_gradient`` hands each
-final gradient on as it is produced and frees it (with several micro-batches the earlier ones'
-sum is held until the last), ``replay_gradients`` returns the full set.
+Contract: a re-run puts the owner's RNG and state in place, runs on detached aliases of the
+trainable parameters with collectives refused, and restores everything afterwards, so training is
+bit-identical with the audit on and off. Cost: one forward and backward per micro-batch.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from functools import partial
 from typing import Any
 
 import torch
@@ -38,16 +31,9 @@ def replay_gradients(
     context: Callable[[], AbstractContextManager[Any]] = nullcontext,
     capture: StateCapture | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Recompute the summed loss and gradients of ``micro_batches`` without any side effect.
-
-    ``step_fn(batch, batch_idx)`` returns the loss exactly as the owner back-propagated it
-    (normalised for accumulation, scaled by a GradScaler). Per micro-batch the owner's RNG and
-    state are put in place (``capture``; without one, private copies of the replayer's own),
-    trainable parameters are detached aliases, collectives are refused; everything is restored.
-    ``context()`` is entered around each forward only (``step_fn``), never the backward.
-    Returns the loss as a float64 device tensor (no host sync) and the gradients (a full set:
-    ``replay_each_gradient`` consumes them as they are produced instead).
-    """
+    """Recompute the summed loss (float64 on the device) and every gradient of ``micro_batches`` without any side
+    effect. ``step_fn(batch, batch_idx)`` returns the loss exactly as the owner back-propagated it; ``context()``
+    is entered around each forward only, never the backward."""
     total: dict[str, torch.Tensor] = {}
     loss = replay_each_gradient(module, names, micro_batches, step_fn, total.__setitem__, to_device, context, capture)
     return loss, total
@@ -63,10 +49,8 @@ def replay_each_gradient(
     context: Callable[[], AbstractContextManager[Any]] = nullcontext,
     capture: StateCapture | None = None,
 ) -> torch.Tensor:
-    """``replay_gradients`` that hands each parameter's final gradient (summed over the micro-batches, in ``.grad``'s
-    layout and order) to ``consume(name, grad)`` as soon as it is produced and frees it: with one micro-batch no
-    second full set of gradients exists. ``consume`` runs on the autograd thread: no host sync, no raise. Returns the
-    summed loss as a float64 device tensor."""
+    """``replay_gradients`` that hands each final gradient to ``consume(name, grad)`` as it is produced, then frees
+    it; ``consume`` runs on the autograd thread: no host sync, no raise."""
     capture = capture or StateCapture(module, names, max_state_mb=0)
     params = dict(module.named_parameters())
     aliases = {n: params[n].detach().requires_grad_() for n in names}
@@ -75,15 +59,12 @@ def replay_each_gradient(
     total_loss = torch.zeros((), dtype=torch.float64, device=device)
     last = [False]
 
-    def hook(name: str) -> Callable[[torch.Tensor], None]:
-        def on_grad(alias: torch.Tensor) -> None:
-            if last[0] and alias.grad is not None:
-                consume(name, alias.grad)
-                alias.grad = None
+    def hand_on(name: str, alias: torch.Tensor, now: bool = False) -> None:
+        if (now or last[0]) and alias.grad is not None:
+            consume(name, alias.grad)
+            alias.grad = None
 
-        return on_grad
-
-    handles = [a.register_post_accumulate_grad_hook(hook(n)) for n, a in aliases.items()]
+    handles = [a.register_post_accumulate_grad_hook(partial(hand_on, n)) for n, a in aliases.items()]
     batches = list(micro_batches)
     try:
         for i, mb in enumerate(batches):
@@ -100,9 +81,7 @@ def replay_each_gradient(
                     loss.backward(inputs=list(aliases.values()))
             total_loss = total_loss + loss.detach().to(total_loss.device, torch.float64)
         for n, a in aliases.items():  # used by earlier micro-batches only
-            if a.grad is not None:
-                consume(n, a.grad)
-                a.grad = None
+            hand_on(n, a, now=True)
     finally:
         for h in handles:
             h.remove()
@@ -110,13 +89,9 @@ def replay_each_gradient(
     return total_loss
 
 
-# The step's own gradients kept out of the way of the re-runs (DDP's default layout)
-
-
 class _BucketCopies(TorchDispatchMode):
-    """Records, while on, each ``copy_`` into one of ``grads`` (data pointer -> (parameter,
-    gradient)) and its source: DDP's end-of-backward copy of a reduced bucket view into
-    ``.grad``. Never raises into the caller's operators."""
+    """Records, while on, each ``copy_`` into one of ``grads`` and its source: DDP's copy of a reduced bucket
+    view into ``.grad``. Never raises into the caller's operators."""
 
     def __init__(self, grads: dict[int, tuple[nn.Parameter, torch.Tensor]]) -> None:
         super().__init__()
@@ -137,18 +112,10 @@ class _BucketCopies(TorchDispatchMode):
 
 
 class GradientsAside:
-    """Keeps an audited step's own gradients out of the way of its re-runs where DDP holds a copy of them anyway: with
-    ``gradient_as_bucket_view=False`` (DDP's default) DDP fills ``.grad`` from its reduced buckets at the end of
-    backward, and the buckets are scratch space until the next synchronised backward.
-
-    ``watch(ddp, params)`` (end of an audited backward, before DDP's own callback) records which bucket view DDP
-    copies into each ``.grad``. ``aside()`` (around the audit) copies each such gradient into its bucket view and
-    releases its storage; on exit, on every path, the storage is allocated again and the values copied back: same
-    tensors, same bits. Where that cannot be shown safe nothing moves (bucket views, a communication hook, mixed
-    precision, a reducer finalised elsewhere, gradients that are views or share storage).
-
-    Cost, on audited steps only: a Python call per operator of DDP's end-of-backward callback and two copies of the
-    moved gradients; no host sync, no collective."""
+    """Keeps an audited step's own gradients out of the way of its re-runs where DDP holds a copy anyway (its
+    buckets, with DDP's default ``gradient_as_bucket_view=False``); restored bit for bit on every path, and
+    nothing moves where that cannot be shown safe. Cost, on audited steps only: a Python call per operator of
+    DDP's end-of-backward callback and two copies of the moved gradients; no host sync, no collective."""
 
     def __init__(self) -> None:
         self._mode: _BucketCopies | None = None
@@ -170,8 +137,7 @@ class GradientsAside:
         self._found = []
 
     def watch(self, ddp: Any, params: Sequence[nn.Parameter]) -> None:
-        """At the end of a synchronised backward (an autograd callback, queued before DDP's):
-        record DDP's copies of its buckets into ``.grad`` in the callbacks that follow."""
+        """At the end of a synchronised backward (queued before DDP's callback): record DDP's bucket copies."""
         self._found, self._mode = [], None  # a mode left by a failed callback is gone with that backward's state
         if not self.applies(ddp):
             return
@@ -200,8 +166,7 @@ class GradientsAside:
 
     @contextmanager
     def aside(self) -> Iterator[int]:
-        """Release the recorded gradients' storage (their values kept in DDP's buckets) for the
-        block; put them back on exit. Yields the bytes set aside."""
+        """Release the recorded gradients' storage for the block, put back on exit; yields the bytes set aside."""
         found, self._found = self._found, []
         moved: list[tuple[torch.Tensor, int, torch.Tensor]] = []
         storages: dict[int, int] = {}

@@ -1,36 +1,12 @@
 """Ring replay audit: replicas recompute each other's micro-batches and compare.
 
-Contract: on every ``every_n_steps``-th optimizer step rank ``r`` sends that step's micro-batches
-(inputs, the state the step reads besides its batch, its loss and a digest of its LOCAL gradients,
-taken before DDP's all-reduce) to ``partners[r]`` (on another node where there is one), which
-recomputes them with the same weights and compares. Every rank reaches the same attribution:
-
-* no rank is named before a disagreement is confirmed: both sides of each disagreeing pair re-run
-  what they computed, and a difference within ``AUTO_MARGIN`` times what the re-runs show (at most
-  ``rtol``) is recorded as noise, not a verdict;
-* a pair that still disagrees gets a referee (a third rank) replaying the disputed batch; a rank is
-  named alone only when it is the one smallest explanation, else every rank that could be faulty
-  is listed; with two ranks both are suspects.
-
-Faithful replay (``StateCapture``): RNG state, buffers, frozen parameters, module attributes and
-the user's ``sdc_replay_state()`` are captured and swapped in; the replay has no side effect (a run
-with the audit on trains bit-identically to one with it off) and its collectives are refused
-(``CollectiveInReplay``). A step two or more ranks cannot reproduce on their own device, or whose
-every pair disagrees with no referee agreeing with either side, raises ``ReplayUnavailableError``
-(or, with ``on_unreplayable="warn"``, warns once and turns the audit off).
-
-Comparison: ``exact="auto"`` calibrates from same-device re-runs (bit equality where they are
-bit-identical, else ``min(rtol, 100 * noise floor)``); ``rtol`` caps what any evidence can do.
-Differences are measured per parameter on loss, gradient norm and gradient sum.
-
+Contract: on every ``every_n_steps``-th step rank ``r`` sends its micro-batches (inputs, captured
+state, loss and a digest of its LOCAL gradients) to ``partners[r]``, which recomputes them
+side-effect free and compares; every rank reaches the same verdict (``StepAudit``, ``referee``).
 Cost, on audited steps only: deterministic kernels for the owner's micro-batches (+9 to 11% on an
-H200), one extra forward and backward of the partner's micro-batches (three at the first audit),
-the point-to-point batch and state transfer, a clone of the state (at most ``max_state_mb``) and one
-all-gather of seven float64 per rank. A disagreement adds one re-run per rank, one referee replay per
-pair and one re-run by the named rank. docs/replay-contract.md has the user's side of the contract.
-
-This module keeps ``ReplayConfig`` and ``RingReplay``; the other names live in the submodules
-docs/architecture.md lists.
+H200), one extra forward and backward (three at the first audit), the transfer, a state clone (at
+most ``max_state_mb``) and one all-gather of seven float64 per rank. docs/replay-contract.md has
+the user's side of the contract.
 """
 
 from __future__ import annotations
@@ -41,6 +17,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, ClassVar, Literal
 
 import torch
@@ -53,14 +30,14 @@ from sdc_core.dist.payload_checks import check_replay_payload
 from sdc_core.dist.topology import Topology, exchange, is_distributed
 from sdc_core.errors import ReplayMismatchError, ReplayUnavailableError
 from sdc_core.replay.attribution import DEFAULT_ADVICE, describe, received_batches, send_payload
-from sdc_core.replay.audit import StepAudit
+from sdc_core.replay.audit import StepAudit, attempt
 from sdc_core.replay.calibration import Calibration
 from sdc_core.replay.compare import Digest, Row, assemble, digest_row
 from sdc_core.replay.determinism import DeterministicWindow
 from sdc_core.replay.referee import attribute_step
 from sdc_core.replay.rerun import GradientsAside, replay_each_gradient
 from sdc_core.replay.rng import all_rng
-from sdc_core.replay.state import MicroBatch, StateCapture, StepFn, fresh
+from sdc_core.replay.state import MicroBatch, Rerun, StateCapture, StepFn, fresh
 from sdc_core.schema import documented, setting
 from sdc_core.stats import CheckStats
 
@@ -147,18 +124,15 @@ class ReplayConfig:
 
 @dataclass
 class KeptSteps:
-    """The micro-batches of the steps that are not audited (references, RNG and captured state),
-    kept while the screen escalates (``RingReplay.keep_every_step``), for a partner to recompute:
-    the step being recorded and the one before it (a screen verdict read one step later confirms
-    that one). Memory: at most two steps' references and captures."""
+    """Micro-batches of unaudited steps kept while the screen escalates, for a partner to recompute:
+    the step being recorded and the one before it. Memory: at most two steps' captures."""
 
     step: int | None = None
     batches: list[MicroBatch] = field(default_factory=list)
     previous: tuple[int, list[MicroBatch]] | None = None  # the step before ``step``, not taken yet
 
     def start(self, step: int | None) -> None:
-        """Keep ``step``'s micro-batches (those kept so far, when it is the step being kept); the
-        step kept until now becomes the previous one (None: keep none now, e.g. an audited step)."""
+        """Keep ``step``'s micro-batches; the step kept until now becomes the previous one (None: keep none)."""
         if self.step != step:
             if self.step is not None:
                 self.previous = (self.step, self.batches)
@@ -180,19 +154,11 @@ class KeptSteps:
 
 @dataclass
 class RingReplay:
-    """Framework-neutral ring replay audit.
-
-    Adapter calls, per optimizer step: ``arm(step)`` (is this step audited?), ``record(...)``
-    per micro-batch (``begin()`` where the step itself starts, when later than ``record``) and
-    ``record_loss(...)``, then ``audit(...)`` after backward and before the update, on every rank.
-    ``capture`` (a ``StateCapture``), ``advice`` (the adapter's hint for unreplayable steps, in
-    its users' terms) and ``label`` (the audit's name in failure texts) are set by the adapter.
-
-    Deterministic kernels (``config.deterministic``): the owner's audited micro-batches, from
-    ``begin()`` to ``audit()``, and every replay run under deterministic algorithms
-    (``warn_only=True`` until a probe replay at the first audit proves ``warn_only=False`` works),
-    the caller's settings restored after each (``Calibration``).
-    """
+    """Framework-neutral ring replay audit. Adapter calls, per optimizer step: ``arm(step)``, ``record(...)``
+    per micro-batch (``begin()`` where the step itself starts, when later), ``record_loss(...)``, then
+    ``audit(...)`` after backward and before the update, on every rank. With ``config.deterministic`` the
+    owner's audited micro-batches and every replay run under deterministic algorithms (strict once the first
+    audit's probe proves it works), the caller's settings restored after each."""
 
     role: ClassVar[Role] = Role.REPLAY
 
@@ -253,8 +219,7 @@ class RingReplay:
         return True
 
     def disarm(self) -> None:
-        """Drop the micro-batches recorded for the armed step: it is not audited (every rank alike),
-        e.g. because another check already dropped that optimizer step."""
+        """Drop the armed step's micro-batches: it is not audited (every rank alike)."""
         self._armed_step, self._micro, self._loss, self._local = None, [], None, {}
         self._window.exit()
         self._aside.clear()
@@ -285,9 +250,7 @@ class RingReplay:
         return self.calibration.tolerance(self.config)
 
     def record(self, batch: Any, batch_idx: int, device: torch.device | None = None, state: bool = True) -> None:
-        """Remember an audited micro-batch, the RNG state and (``state=True``) the module state
-        it starts from. Cost: the capture's clones, on audited micro-batches (and, with
-        ``keep_every_step``, on every micro-batch: references and the RNG, plus the capture)."""
+        """Remember an audited (or kept) micro-batch, its RNG and (``state``) module state; cost: the capture."""
         (self.kept.batches if self.keeping else self._micro).append(MicroBatch(batch, batch_idx, *all_rng(device)))
         if state:
             self.begin(device, rng=False)  # the RNG was just taken (NumPy's alone costs about 50 us)
@@ -318,72 +281,44 @@ class RingReplay:
             self._loss = loss if self._loss is None else self._loss + loss.to(self._loss.device)
 
     def _end_of_backward(self) -> None:
-        """The tap's finisher: at the end of an audited step's synchronised backward, find where DDP
-        keeps a copy of the reduced gradients (``GradientsAside``: its buckets, default layout)."""
+        """The tap's finisher: find where DDP keeps a copy of an audited step's gradients (``GradientsAside``)."""
         if self._armed_step is not None and not self.replaying and self._tap is not None:
             self._aside.watch(self._tap.ddp, self._tap.params)
 
     def _consume(self, p: nn.Parameter, grad: torch.Tensor) -> None:
-        if self._armed_step is None or self._tap is None:
-            return
-        self._local[self._tap.names.get(id(p), "?")] = digest_row(grad)
+        if self._armed_step is not None and self._tap is not None:
+            self._local[self._tap.names.get(id(p), "?")] = digest_row(grad)
 
     def _own_digest(self) -> Digest:
         return assemble(self.names, self._local, self._loss if self._loss is not None else 0.0)
 
-    def recompute(
-        self,
-        module: nn.Module,
-        batches: list[MicroBatch],
-        step_fn: StepFn,
-        consume: Callable[[str, torch.Tensor], None],
-        to_device: Callable[[Any], Any],
-        context: Callable[[], AbstractContextManager[Any]] = nullcontext,
-    ) -> torch.Tensor:
-        """Recompute ``batches`` on this rank (no collective, no side effect), handing each
-        trainable parameter's gradient to ``consume(name, grad)``; returns the summed loss."""
+    def recompute(self, rerun: Rerun, batches: list[MicroBatch], consume: Callable[[str, torch.Tensor], None]
+                  ) -> torch.Tensor:  # fmt: skip
+        """Recompute ``batches`` side-effect free, handing each gradient to ``consume``; returns the summed loss."""
         self.replaying = True
         try:
-            return replay_each_gradient(module, self.names, batches, step_fn, consume, to_device, context,
-                                        self.capture)  # fmt: skip
+            return replay_each_gradient(rerun.module, self.names, batches, rerun.step_fn, consume, rerun.to_device,
+                                        rerun.context, self.capture)  # fmt: skip
         finally:
             self.replaying = False
 
     def exchange_batches(self, sends: dict[int, list[MicroBatch]], recv_from: list[int]) -> dict[int, Any]:
-        """Send micro-batches to partners (every rank alike; ``exchange``): what arrives is checked
-        as a replay payload, and resolved into ``MicroBatch`` lists (a received ``TRANSFER_ERROR``
-        text, and a state that cannot be resolved, become a text)."""
+        """Send micro-batches to partners (every rank alike): each received payload is checked and resolved
+        into a ``MicroBatch`` list, or a text saying why it could not be."""
         empty = assemble(self.names, {}, 0.0)
         received = self._exchange({dst: send_payload(micro, empty)[0] for dst, micro in sends.items()}, recv_from)
         own = [mb.state for micro in sends.values() for mb in micro]
-        out: dict[int, Any] = {}
-        for src, payload in received.items():
-            try:  # a text instead of a list: every rank still goes on to the next collective
-                out[src] = received_batches(payload, own)
-            except Exception as err:
-                out[src] = describe(err)
-        return out
+        out = {src: attempt(lambda p=payload: received_batches(p, own)) for src, payload in received.items()}
+        return {src: err or batches for src, (batches, err) in out.items()}  # a text: every rank still goes on
 
-    def _replay_digest(
-        self,
-        module: nn.Module,
-        batches: list[MicroBatch],
-        step_fn: StepFn,
-        to_device: Callable[[Any], Any],
-        context: Callable[[], AbstractContextManager[Any]],
-    ) -> Digest:
-        """Recompute ``batches`` on this rank (no collective, no side effect) and digest the result."""
+    def _replay_digest(self, rerun: Rerun, batches: list[MicroBatch]) -> Digest:
+        """Recompute ``batches`` side-effect free and digest each gradient as it is produced."""
         rows: dict[str, Row] = {}
-
-        def digest(name: str, grad: torch.Tensor) -> None:  # each gradient as produced, then freed
-            rows[name] = digest_row(grad)
-
-        loss = self.recompute(module, batches, step_fn, digest, to_device, context)
+        loss = self.recompute(rerun, batches, lambda n, g: rows.__setitem__(n, digest_row(g)))
         return assemble(self.names, rows, loss)
 
     def _exchange(self, sends: dict[int, Any], recv_from: list[int]) -> dict[int, Any]:
-        """``exchange`` of replay payloads: pickled batches as configured, every received payload
-        checked for the replay's shape (``PayloadError`` on every rank otherwise)."""
+        """``exchange`` of replay payloads, each received one validated (``PayloadError`` on every rank)."""
         return exchange(sends, recv_from, allow_pickle=self.config.allow_pickled_batches, validate=check_replay_payload)
 
     def _unreplayable(self, step: int, message: str) -> bool:
@@ -404,57 +339,37 @@ class RingReplay:
         to_device: Callable[[Any], Any] | None = None,
         context: Callable[[], AbstractContextManager[Any]] = nullcontext,
     ) -> bool:
-        """Run the audit of ``step`` if it was armed (every rank alike); raise on a verdict.
+        """Run the audit of ``step`` if it was armed (every rank alike).
 
-        ``to_device`` moves a received batch to where the replay runs; default: its tensors to
-        the module's device (batches travel between ranks as host bytes). Returns True when the
-        optimizer step must be skipped (``on_failure="skip_step"`` and a transient fault). Raises
-        ``ReplayMismatchError`` (a fault) or ``ReplayUnavailableError`` (the step cannot be
-        replayed faithfully) on every rank."""
+        ``to_device`` moves a received batch to the replay's device (default: the module's). Returns True
+        when the step must be skipped (``skip_step`` and a transient fault); raises ``ReplayMismatchError``
+        or ``ReplayUnavailableError`` on every rank."""
         self._window.exit()  # the owner's backward is done: the user's own settings from here on
         if self._armed_step != step:
             return False
         if to_device is None:
-            home = next((p.device for p in module.parameters()), None)
-
-            def to_device(batch: Any) -> Any:
-                return fresh(batch, home)
-
+            to_device = partial(fresh, device=next((p.device for p in module.parameters()), None))
+        rerun = Rerun(module, step_fn, to_device, context)
         try:  # the step's own gradients out of the way of the re-runs where DDP keeps a copy
             with self._aside.aside() as aside:
                 if aside:
                     self.stats.extra = {**(self.stats.extra or {}), "gradients_set_aside_bytes": float(aside)}
-                return self._audit(step, module, step_fn, to_device, context)
+                t0 = time.perf_counter()
+                topo = self.topology or Topology.gather()
+                own = self._own_digest()
+                micro, self._micro, self._armed_step = self._micro, [], None
+                failure, self._capture_error = self._capture_error, ""
+                run = StepAudit(step, topo, self.config, self.stats, self.calibration, lambda: self.names,
+                                self.groups, self.collective_reruns, self.advice, micro, own, failure=failure,
+                                recompute=lambda b: self._replay_digest(rerun, b),
+                                exchange=self._exchange, unreplayable=self._unreplayable, t0=t0)  # fmt: skip
+                try:  # the StepAudit, then the referee round if pairs still disagree
+                    result = run.run()
+                    return attribute_step(run) if result is None else result
+                finally:
+                    if run.error is not None:
+                        self.last_error = run.error
         except PayloadError as err:  # raised on every rank together by the exchange: a peer sent what is refused
             return self._unreplayable(step, f"could not exchange its data at step {step}: {err}.")
         finally:
             self.calibration.settle_probe(self.config, self.stats)  # the mode of the next audited step
-
-    def _audit(
-        self,
-        step: int,
-        module: nn.Module,
-        step_fn: StepFn,
-        to_device: Callable[[Any], Any],
-        context: Callable[[], AbstractContextManager[Any]],
-    ) -> bool:
-        """One ``StepAudit`` of the recorded micro-batches, then, when pairs still disagree, the
-        referee round (``attribute_step``); its verdict becomes ``last_error``."""
-        t0 = time.perf_counter()
-        topo = self.topology or Topology.gather()
-        own = self._own_digest()
-        micro, self._micro, self._armed_step = self._micro, [], None
-        failure, self._capture_error = self._capture_error, ""
-
-        def recompute(batches: list[MicroBatch]) -> Digest:
-            return self._replay_digest(module, batches, step_fn, to_device, context)
-
-        run = StepAudit(step, topo, self.config, self.stats, self.calibration, lambda: self.names, self.groups,
-                        self.collective_reruns, self.advice, micro, own, failure=failure, recompute=recompute,
-                        exchange=self._exchange, unreplayable=self._unreplayable, t0=t0)  # fmt: skip
-        try:
-            result = run.run()
-            return attribute_step(run) if result is None else result
-        finally:
-            if run.error is not None:
-                self.last_error = run.error

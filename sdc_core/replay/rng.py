@@ -1,12 +1,7 @@
 """The RNG states a re-run needs: torch (CPU and the CUDA device), Python's ``random`` and NumPy's.
 
-Contract: ``all_rng(device)`` returns the states in ``MicroBatch``'s field order, as
-``torch.get_rng_state``, ``torch.cuda.get_rng_state``, ``random.getstate()`` and
-``numpy.random.get_state()`` give them; ``set_rng`` puts such states back in place.
-
-Cost: with a screen the replay takes them at the start of EVERY step (a step it may have to
-re-run): host work only, about 50 us for ``numpy.random.get_state()`` and 13 us for
-``random.getstate()`` on a CPU core, whatever the model; no device work and no host wait.
+Cost: with a screen they are taken at the start of EVERY step: host work only, about 50 us for
+NumPy's and 13 us for Python's on a CPU core; no device work and no host wait.
 """
 
 from __future__ import annotations

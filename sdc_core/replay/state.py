@@ -1,20 +1,9 @@
-"""What a training step reads besides its batch: its capture, transfer and restoration.
+"""What a training step reads besides its batch (frozen tensors, buffers, module attributes, the
+user's ``sdc_replay_state()``): its capture, transfer and restoration for one re-run.
 
-Contract: ``StateCapture.capture()`` snapshots, at the start of an owner's audited micro-batch,
-what the step reads besides its batch: buffers and parameters that do not train, tensor and plain
-Python attributes of the module and every submodule, and the user's ``sdc_replay_state()``;
-``MicroBatch`` adds the batch and the RNG state of Python, NumPy and torch (CPU and the CUDA
-device), taken by ``sdc_core.replay.rng.all_rng`` and put back by its ``set_rng``.
-``StateCapture.applied`` puts a captured state in place for one re-run (``sdc_core.replay.rerun``)
-and restores the module's own afterwards; ``fresh`` makes a re-run's private copy of a captured value.
-
-Cost: a capture clones state tensors on their device (no host sync) within ``max_state_mb`` per
-audited step (larger tensors are read live and guarded against in-place change), after checking
-that the module tree kept the shape of its last walk (else it walks it again); frozen tensors
-above ``SEND_BY_DIGEST_BYTES`` travel by digest (one host read per transfer).
-
-Limits: not captured are objects that are neither tensors nor plain Python values (rebinds are
-undone, in-place changes are not), globals, iterators, files.
+Cost: clones on the state's device (no host sync) within ``max_state_mb`` per audited step (larger
+tensors are read live and guarded against in-place change); frozen tensors above
+``SEND_BY_DIGEST_BYTES`` travel by digest (one host read per transfer).
 """
 
 from __future__ import annotations
@@ -23,8 +12,8 @@ import copy
 import sys
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -44,11 +33,8 @@ _CONFIGURATION_ONLY: dict[type, bool] = {}
 
 
 def _configuration_only(kind: type) -> bool:
-    """Whether a module class is one of torch.nn's own (defined in ``torch.nn.modules``; not a
-    bare ``nn.Module`` nor a subclass defined elsewhere). Their forwards rebind no attribute (a
-    test checks every ``forward`` there), so their plain attributes are configuration, the same
-    when a re-run reads them live and on every replica: a capture leaves them out (a 12-layer
-    ``nn.TransformerEncoder``: 122 such modules, most of a kept step's capture)."""
+    """Whether a module class is one of torch.nn's own (in ``torch.nn.modules``, not bare ``nn.Module``):
+    their forwards rebind no attribute (a test checks), so a capture leaves their plain attributes out."""
     known = _CONFIGURATION_ONLY.get(kind)
     if known is None:
         known = _CONFIGURATION_ONLY[kind] = kind is not nn.Module and kind.__module__.startswith("torch.nn.modules.")
@@ -63,12 +49,10 @@ class _Skip(Exception):
 class _Budget:
     bytes_left: int
     items_left: int = _MAX_ITEMS
-    over: list[str] = field(default_factory=list)
 
 
 def _copy_plain(value: Any, budget: _Budget, depth: int = 0) -> Any:
-    """A copy of a plain value (tensors cloned on their device, containers rebuilt); ``_Skip``
-    for anything else (objects, functions, modules) or past the budget."""
+    """A copy of a plain value (tensors cloned on their device); ``_Skip`` for anything else or past the budget."""
     if isinstance(value, _SCALARS):
         return value
     if depth > 6:
@@ -77,9 +61,9 @@ def _copy_plain(value: Any, budget: _Budget, depth: int = 0) -> Any:
     if budget.items_left < 0:
         raise _Skip
     kind = type(value)
-    if kind in (list, set, frozenset, deque) or (kind is tuple):  # first: a module's sizes and paddings (these
-        items = [_copy_plain(v, budget, depth + 1) for v in value]  # exact types are no Parameter, whose
-        return deque(items, value.maxlen) if kind is deque else kind(items)  # isinstance check runs Python)
+    if kind in (list, set, frozenset, deque, tuple):  # first: a module's sizes and paddings (cheaper than
+        items = [_copy_plain(v, budget, depth + 1) for v in value]  # the isinstance check on Parameter)
+        return deque(items, value.maxlen) if kind is deque else kind(items)
     if isinstance(value, nn.Parameter | nn.Module):
         raise _Skip
     if isinstance(value, torch.Tensor):
@@ -150,26 +134,18 @@ class TensorRef:
 
 @dataclass
 class StepState:
-    """The state one micro-batch's step read besides its batch, as its owner had it at the start.
+    """The state one micro-batch's step read besides its batch, as its owner had it at the start."""
 
-    ``tensors``: ``"param:<name>"`` (not trained) and ``"buffer:<name>"`` clones (or, in
-    transit, ``TensorRef``); ``attrs``: per module path, copies of its tensor and plain Python
-    attributes; ``user``: what ``sdc_replay_state()`` returned; ``live``: tensors over the
-    budget, read live by the replay.
-    """
-
-    tensors: dict[str, Any]
-    attrs: dict[str, dict[str, Any]]
-    user: Any = None
+    tensors: dict[str, Any]  # "param:<name>" (not trained), "buffer:<name>": clones (in transit, or TensorRef)
+    attrs: dict[str, dict[str, Any]]  # per module path: copies of its tensor and plain Python attributes
+    user: Any = None  # what sdc_replay_state() returned
     has_user: bool = False
-    live: tuple[str, ...] = ()
+    live: tuple[str, ...] = ()  # tensors over the budget, read live by the replay
     nbytes: int = 0
 
 
 def _frozen(modules: list[tuple[str, nn.Module]], trainable: frozenset[str]) -> list[tuple[str, torch.Tensor]]:
-    """``named_parameters()`` of the module whose ``named_modules()`` are ``modules`` (in their
-    order, each tensor once, without another walk of the module tree) less the ``trainable``
-    names, each named ``"param:<name>"``."""
+    """``named_parameters()`` less ``trainable``, as ``"param:<name>"``, from ``named_modules()`` (no new walk)."""
     seen: set[int] = set()
     out: list[tuple[str, torch.Tensor]] = []
     for path, sub in modules:
@@ -184,9 +160,8 @@ def _frozen(modules: list[tuple[str, nn.Module]], trainable: frozenset[str]) -> 
 
 
 def _signature(modules: list[nn.Module]) -> list[Any]:
-    """What a capture's walk of ``modules`` depends on, flat: per module its class, its children,
-    its parameters (names, then objects by ``id``: ``_Walk.pinned`` keeps them alive) and its
-    buffers' names (their tensors are read at each capture), each run after its length."""
+    """What a walk of ``modules`` depends on, flat: per module its class, children, parameters (names, then
+    ids: ``_Walk.pinned`` keeps them alive) and buffer names, each run after its length."""
     out: list[Any] = []
     put, add = out.append, out.extend
     for sub in modules:
@@ -205,8 +180,7 @@ def _signature(modules: list[nn.Module]) -> list[Any]:
 
 @dataclass
 class _Walk:
-    """One walk of the module tree, reused while its ``_signature`` is unchanged: the frozen
-    parameters to clone, where each buffer lives, and the modules whose attributes are read."""
+    """One walk of the module tree, reused while its ``_signature`` is unchanged."""
 
     modules: list[nn.Module]
     signature: list[Any]
@@ -221,22 +195,9 @@ class _Walk:
 
 
 class StateCapture:
-    """Captures, reproduces and restores the state a training step reads besides its batch.
-
-    Args:
-        module: the unwrapped module the step runs.
-        trainable: names of the parameters that train (replayed on aliases, never captured).
-        exclude: attribute names of framework internals to leave out on every submodule (the ``nn.Module`` internals
-            always are).
-        get_state / load_state: the explicit hook for state the generic capture cannot see (``sdc_replay_state()`` /
-            ``sdc_load_replay_state(state)``): ``get_state`` returns a snapshot (copies), ``load_state`` puts one in
-            place.
-        max_state_mb: default budget of cloned tensors per ``capture``.
-
-    Captured: buffers and frozen parameters, and every submodule's tensor and plain Python attributes (numbers,
-    strings, None, NumPy arrays, and containers of them). Not captured: other objects (rebinds are undone after a
-    replay, in-place changes are not; left-out containers reach the replay as shallow copies), globals, iterators,
-    files, and the plain attributes of torch.nn's own module classes (configuration their forwards never rebind)."""
+    """Captures, reproduces and restores the state a training step reads besides its batch (``trainable``
+    parameters are replayed on aliases, never captured). Not captured: objects that are neither tensors nor
+    plain values (rebinds are undone after a replay, in-place changes are not), globals, iterators, files."""
 
     def __init__(
         self,
@@ -256,12 +217,8 @@ class StateCapture:
         self.max_bytes = int(max_state_mb * 2**20)
         self._walk: _Walk | None = None
 
-    def _device(self) -> torch.device:
-        return next((p.device for p in self.module.parameters()), torch.device("cpu"))
-
     def _walked(self) -> _Walk:
-        """The module tree's walk (``_Walk``): the last one while the tree kept its shape (checked
-        on every module: about half a walk's cost), else a new one."""
+        """The last walk while the tree kept its shape (about half a walk's cost to check), else a new one."""
         walk = self._walk
         if walk is not None and walk.current():
             return walk
@@ -276,8 +233,7 @@ class StateCapture:
         return walk
 
     def capture(self, budget_bytes: int | None = None) -> StepState:
-        """The current state (clones on device, no host sync) within ``budget_bytes`` of tensor
-        clones (default ``max_state_mb``); tensors past it are listed in ``live``."""
+        """The current state (clones, no host sync) within ``budget_bytes``; tensors past it go in ``live``."""
         start = self.max_bytes if budget_bytes is None else max(budget_bytes, 0)
         budget = _Budget(start)
         tensors: dict[str, Any] = {}
@@ -324,8 +280,7 @@ class StateCapture:
 
     @staticmethod
     def for_transfer(state: StepState | None) -> StepState | None:
-        """``state`` with frozen parameters and buffers above 1 MiB replaced by ``TensorRef``
-        (replica-synchronised in data parallelism: the receiver has them); one host read."""
+        """``state`` with tensors above 1 MiB replaced by ``TensorRef`` (the receiver has them); one host read."""
         if state is None:
             return None
         big = [k for k, t in state.tensors.items() if t.numel() * t.element_size() > SEND_BY_DIGEST_BYTES]
@@ -359,12 +314,11 @@ class StateCapture:
 
     @contextmanager
     def applied(self, state: StepState | None) -> Iterator[dict[str, torch.Tensor]]:
-        """Put ``state`` in place for one replay; yields the parameter/buffer tensors to swap in.
-
-        Afterwards every submodule's attribute dictionary is restored (rebinds undone, attributes
-        the replay added removed), the user's state reloaded, and tensors read live are checked
-        for in-place change (``RuntimeError`` naming them: that change cannot be undone)."""
-        module, device = self.module, self._device()
+        """Put ``state`` in place for one replay; yields the parameter/buffer tensors to swap in. Afterwards
+        every attribute dictionary and the user's state are restored; tensors read live that changed in place
+        raise ``RuntimeError``."""
+        module = self.module
+        device = next((p.device for p in module.parameters()), torch.device("cpu"))
         subs = dict(module.named_modules())
         saved = {path: dict(vars(sub)) for path, sub in subs.items()}
         own_user, loaded_user = None, False
@@ -417,19 +371,17 @@ class StateCapture:
     def _live_versions(self, state: StepState | None) -> dict[str, tuple[torch.Tensor, int]]:
         if state is None or not state.live:
             return {}
-        found: dict[str, torch.Tensor] = {}
-        named = dict(self.module.named_parameters())
-        buffers = dict(self.module.named_buffers())
+        module = self.module
+        tensors = {f"param:{n}": p for n, p in module.named_parameters()}
+        tensors |= {f"buffer:{n}": b for n, b in module.named_buffers()}
+        subs = dict(module.named_modules())
+        found: dict[str, tuple[torch.Tensor, int]] = {}
         for key in state.live:
-            kind, _, name = key.partition(":")
-            t = named.get(name) if kind == "param" else buffers.get(name) if kind == "buffer" else None
-            if t is None:
-                path, _, attr = key.rpartition(".")
-                sub = dict(self.module.named_modules()).get(path)
-                t = vars(sub).get(attr) if sub is not None else None
+            path, _, attr = key.rpartition(".")
+            t = tensors[key] if key in tensors else vars(subs[path]).get(attr) if path in subs else None
             if isinstance(t, torch.Tensor):
-                found[key] = t
-        return {k: (t, t._version) for k, t in found.items()}
+                found[key] = (t, t._version)
+        return found
 
 
 @dataclass
@@ -446,3 +398,13 @@ class MicroBatch:
 
 
 StepFn = Callable[[Any, int], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Rerun:
+    """How a re-run runs the step: ``step_fn(to_device(batch), batch_idx)`` on ``module``, forward in ``context()``."""
+
+    module: nn.Module
+    step_fn: StepFn
+    to_device: Callable[[Any], Any]
+    context: Callable[[], AbstractContextManager[Any]] = nullcontext

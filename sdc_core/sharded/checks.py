@@ -1,21 +1,8 @@
 """The checks on sharded models: FSDP2 (``fully_shard``), HSDP and tensor parallelism.
 
 Witnesses follow one rule: the ranks that hold the same bytes of a tensor are its replicas
-(``sdc_core.sharded.replicas``). ``local`` and ``is_sharded`` say what this rank holds.
-
-* ``ShardedNonFinite``: every rank's LOCAL unsharded gradients are read inside FSDP2's
-  reduce-scatter (a ``ReduceScatter`` comm that wraps the one in place, the user's included), before
-  the reduce-scatter and the HSDP all-reduce mix them; one ``aminmax`` per FSDP parameter group,
-  no host synchronisation in the hook; the flag also travels inside the reduce-scatter (NaN
-  survives a sum), and the verdict is agreed by one 4-byte all-reduce per step: a reduced shard is
-  one rank's own, so a NaN formed inside the reduction would otherwise be seen by one rank only.
-* ``ShardedFingerprint``: each replica group compares its local shards (16 bytes per rank, one
-  all-reduce in the replica group's own process group); tensors without replicas (pure FSDP) are
-  re-digested before the next forward and compared with their digest taken after the update, so a
-  bit flipped at rest in between is caught and the rank named.
-
-Every verdict is reached from data every rank holds, so every rank raises the same exception in
-the same step.
+(``sdc_core.sharded.replicas``). Every verdict is reached from data every rank holds, so every
+rank raises the same exception in the same step.
 """
 
 from __future__ import annotations
@@ -25,6 +12,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import timedelta
+from types import SimpleNamespace
 from typing import Any, ClassVar
 
 import torch
@@ -38,17 +26,9 @@ from sdc_core.checks.gradients import NonFiniteVerdicts
 from sdc_core.checks.reductions import log2_peaks_by_group
 from sdc_core.dist.topology import HostRead, Topology, all_gather_objects, collective_device, is_distributed
 from sdc_core.errors import FingerprintMismatchError
-from sdc_core.sharded.replicas import ReplicaGroup, plan_groups, settle_groups
+from sdc_core.sharded.replicas import DTensor, ReplicaGroup, plan_groups, settle_groups
 from sdc_core.sharded.tap import GradientTapComm, fsdp_taps
 from sdc_core.stats import CheckStats
-
-try:  # torch >= 2.4
-    from torch.distributed.tensor import DTensor
-except ImportError:  # pragma: no cover - old torch: nothing here is sharded
-    DTensor = None  # type: ignore[assignment,misc]
-
-
-# -- what this rank holds ----------------------------------------------------------------------------
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -63,14 +43,10 @@ def is_sharded(module: nn.Module) -> bool:
     return DTensor is not None and any(isinstance(p, DTensor) for p in module.parameters())
 
 
-# -- non-finite local gradients under FSDP2 -------------------------------------------------------
-
-
 @dataclass
 class _PendingVerdict:
     step: int
     count: HostRead  # nonzero: some rank's local gradients were not finite (in band or all-reduced)
-    work: Any
     seen: list[tuple[torch.Tensor, list[str]]]
     flags: torch.Tensor | None
     scaler_active: bool
@@ -78,16 +54,11 @@ class _PendingVerdict:
 
 @dataclass
 class ShardedNonFinite(NonFiniteVerdicts):
-    """Non-finite local gradients under FSDP2 / HSDP: the same contract and adapter calls as ``NonFiniteGradient``
-    (``attach``, ``verdict``, ``resolve``, ``pending_step``, ``discard``).
-
-    Cost: one ``aminmax`` of the local unsharded gradients per FSDP parameter group (on every micro-batch whose
-    reduce-scatter runs) and one 4-byte all-reduce per step, read with the verdict. In band (FSDP meshes spanning the
-    world) each rank's flag also rides in its reduce-scatter input (element 0 of its chunk minus +0.0, or minus NaN:
-    bit-identical training while finite) and each rank reads element 0 of its reduced shards; since a reduced shard
-    is one rank's alone, the decision to gather names comes from the all-reduced count, never one rank alone. With
-    ``"raise"`` or ``"warn"``, no GradScaler and ``now`` False the verdict is read one step later; otherwise before
-    the update. A flagged step's reduced gradients carry NaN at element 0 of every shard of the flagged groups."""
+    """Non-finite local gradients under FSDP2 / HSDP, read inside the reduce-scatter before it mixes them: the
+    same contract and adapter calls as ``NonFiniteGradient``. Cost: one ``aminmax`` per FSDP parameter group and
+    micro-batch, one 4-byte all-reduce per step. In band (FSDP meshes spanning the world) the flag also rides in
+    the reduce-scatter input (bit-identical while finite): a flagged step's reduced gradients carry NaN at
+    element 0 of every shard of the flagged groups."""
 
     taps: list[GradientTapComm] = field(default_factory=list)
     _seen: list[tuple[torch.Tensor, list[str]]] = field(default_factory=list)
@@ -102,9 +73,7 @@ class ShardedNonFinite(NonFiniteVerdicts):
     _group_index: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = field(default_factory=dict)
 
     def attach(self, module: nn.Module) -> None:
-        """Tap every FSDP parameter group. When the groups' FSDP meshes span the whole world (FSDP,
-        HSDP), each rank's flag also travels inside the reduce-scatter (``in_band``) and each rank
-        reads its reduced shards; either way a 4-byte all-reduce per step carries the verdict."""
+        """Tap every FSDP parameter group (``in_band`` when their meshes span the whole world)."""
         self.taps = fsdp_taps(module)
         self._device = collective_device(home_device(local(p) for p in module.parameters()))
         world = dist.get_world_size() if is_distributed() else 1
@@ -116,11 +85,8 @@ class ShardedNonFinite(NonFiniteVerdicts):
                 tap.watch_output()
 
     def _consume(self, tap: GradientTapComm, flat: torch.Tensor, names: list[str]) -> None:
-        """Read the local gradients; in band, poison element 0 of every rank's chunk with NaN when
-        they are not finite: ``x - z`` with ``z`` +0.0 (finite: the exact identity for every float,
-        -0.0 included) or NaN, so every rank's reduced shard starts with NaN iff some rank's local
-        gradients in this group are not finite (chunk k of the input, at ``k * numel / group``,
-        is rank k's: FSDP pads each parameter to equal chunks)."""
+        """Read the local gradients; in band, element 0 of every rank's chunk minus ``z``: +0.0 (the exact
+        identity for every float, -0.0 included) or NaN when they are not finite."""
         lo, hi = torch.aminmax(flat)  # NaN propagates
         mm = torch.stack([lo, hi]).double()
         self._seen.append((mm, names))
@@ -131,19 +97,15 @@ class ShardedNonFinite(NonFiniteVerdicts):
             flat.view(tap.group_size, -1)[:, 0].sub_(z)
 
     @property
-    def tap(self) -> _GroupLabels | None:
-        """What ``GradientScreen.attach`` reads to name its groups: the FSDP parameter groups (the
-        taps, in model order) as its "parameters", each labelled by its first parameter's name."""
+    def tap(self) -> SimpleNamespace | None:
+        """What ``GradientScreen.attach`` reads to name its groups: the FSDP parameter groups, labelled."""
         if not self.taps:
             return None
-        return _GroupLabels(list(self.taps), {id(t): _label(t.names) for t in self.taps})
+        return SimpleNamespace(params=list(self.taps), names={id(t): group_label(t.names) for t in self.taps})
 
     def want_magnitudes(self, groups: int) -> int:
-        """Opt in to the screen's local-gradient magnitudes (``NonFiniteGradient. want_magnitudes``' contract; after
-        ``attach``, on every rank alike). A group is a run of FSDP parameter groups (the taps in model order cut into
-        ``k = min(groups, taps)`` contiguous runs); value ``j`` is the log2 of the largest LOCAL unsharded gradient
-        magnitude of group ``j`` over the step's reduce-scatters, taken from the ``aminmax`` the check reads anyway.
-        Cost: two small ops per step, no host synchronisation. Returns ``k`` (0 when nothing is tapped)."""
+        """Opt in to the screen's magnitudes (``NonFiniteGradient.want_magnitudes``' contract): the taps cut into
+        ``k = min(groups, taps)`` contiguous groups; two small ops per step, no host sync. Returns ``k``."""
         if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1:
             raise ValueError(f"groups must be an integer >= 1, got {groups!r}")
         n = len(self.taps)
@@ -155,15 +117,12 @@ class ShardedNonFinite(NonFiniteVerdicts):
         return k
 
     def magnitude_group(self, name: str) -> int | None:
-        """The group (``want_magnitudes``) of the parameter named ``name``, or None. A sharded
-        replay hands each recomputed FSDP parameter group's flat gradient under its first name."""
+        """The group (``want_magnitudes``) of the parameter named ``name``, or None."""
         return self._group_names.get(name)
 
     def take_magnitudes(self) -> torch.Tensor | None:
-        """The magnitudes of the reduce-scatters read since the last call, then forgotten: 1-d
-        float32 (``NonFiniteGradient.take_magnitudes``' layout: NaN for a group without a read or
-        with zero gradients only, +Inf for one holding NaN or Inf); None when nothing was read.
-        No host synchronisation (on the CPU the values are read in Python: that waits for nothing)."""
+        """The magnitudes read since the last call, then forgotten (``NonFiniteGradient.take_magnitudes``' layout);
+        None when nothing was read. No host synchronisation."""
         seen, self._peaks_seen = self._peaks_seen, []
         if not seen or not self.magnitude_groups:
             return None
@@ -185,8 +144,7 @@ class ShardedNonFinite(NonFiniteVerdicts):
 
     def verdict(self, step: int, params: Iterable[tuple[str, nn.Parameter]], scaler_active: bool = False,
                 now: bool = False) -> bool:  # fmt: skip
-        """Take step ``step``'s local flags and start the all-reduce; decide now or leave the
-        verdict for ``resolve()`` (see the class docstring). Resolves a pending verdict first."""
+        """Take step ``step``'s local flags and start the all-reduce; decide now or at ``resolve()``."""
         self.resolve()
         t0 = time.perf_counter()
         seen, self._seen = self._seen, []
@@ -196,13 +154,11 @@ class ShardedNonFinite(NonFiniteVerdicts):
         if flags is not None:
             count += flags.any().to(device=count.device, dtype=torch.int32)
         if self.in_band and outputs:
-            # A reduced shard is this rank's alone: a NaN formed INSIDE the reduction (partial sums
-            # overflowing to +inf and -inf, a fault on the wire) lands on one rank's shard only. The
-            # names gather that a nonzero count leads to is a collective, so the count is agreed by
-            # all ranks (the all-reduce below), never read from one rank's shards alone.
+            # a NaN formed inside the reduction lands on one rank's shard only, and a nonzero count leads
+            # to a collective: the count is agreed by all ranks (the all-reduce below)
             count += torch.isnan(torch.cat(outputs).float()).any().to(device=count.device, dtype=torch.int32)
         work = dist.all_reduce(count, async_op=True) if is_distributed() else None
-        self._pending = _PendingVerdict(step, HostRead(count, work), work, seen, flags, scaler_active)
+        self._pending = _PendingVerdict(step, HostRead(count, work), seen, flags, scaler_active)
         self.stats.add_time(time.perf_counter() - t0)
         if self.config.on_failure in ("raise", "warn") and not scaler_active and not now:
             return False
@@ -219,55 +175,36 @@ class ShardedNonFinite(NonFiniteVerdicts):
         return None
 
     def _decide(self, params: list[tuple[str, nn.Parameter]]) -> bool:
+        """Read the pending verdict; on a flag, name ranks and parameters: a rank's flagged groups, narrowed to
+        those non-finite on some shard."""
         pending, self._pending = self._pending, None
         assert pending is not None
         t0 = time.perf_counter()
         self.stats.runs += 1
         if int(pending.count.get().item()) == 0:  # waits for this flag (and its all-reduce) only
             return self._clean(pending.step, t0)
-        return self._rare(pending.step, params, pending.seen, pending.flags, pending.scaler_active, t0)
-
-    def _rare(self, step: int, params: list[tuple[str, nn.Parameter]], seen: list, flags: torch.Tensor | None,
-              scaler_active: bool, t0: float) -> bool:  # fmt: skip
-        """Name ranks and parameters: a rank's flagged groups, narrowed to the parameters whose
-        reduced gradient is non-finite on some rank's shard (a NaN lands on the shard's owner)."""
         flagged: list[str] | None = None
+        flags = pending.flags
         if flags is not None and bool(flags.any()):
-            flagged = [n for f, (_, names) in zip(flags.tolist(), seen, strict=True) if f for n in names]
+            flagged = [n for f, (_, names) in zip(flags.tolist(), pending.seen, strict=True) if f for n in names]
         with torch.no_grad():
             reduced_bad = [n for n, p in params if p.grad is not None and not bool(torch.isfinite(local(p.grad)).all())]
         gathered = all_gather_objects((flagged, reduced_bad)) if is_distributed() else [(flagged, reduced_bad)]
         bad_anywhere = {n for _, names in gathered for n in names}
-        per_rank: list[list[str] | None] = []
-        for names, _ in gathered:
-            if names is None:
-                per_rank.append(None)
-                continue
-            unique = list(dict.fromkeys(names))
-            per_rank.append(([n for n in unique if n in bad_anywhere] or unique)[: self.config.max_names])
+        unique = [None if names is None else list(dict.fromkeys(names)) for names, _ in gathered]
+        per_rank = [u and ([n for n in u if n in bad_anywhere] or u)[: self.config.max_names] for u in unique]
         extra: dict[str, Any] = {"sharded": True}
         if all(names is None for names, _ in gathered):  # no rank's local gradients: it formed in the reduction
             extra["formed_in_reduction"] = {r: names[: self.config.max_names] for r, (_, names) in enumerate(gathered)
                                             if names}  # fmt: skip
-        return self._failure(step, per_rank, scaler_active, t0, params, extra)
+        return self._failure(pending.step, per_rank, pending.scaler_active, t0, params, extra)
 
 
-@dataclass(frozen=True)
-class _GroupLabels:
-    """``ShardedNonFinite.tap``: the FSDP parameter groups and their labels, as the screen reads a tap."""
-
-    params: list[Any]
-    names: dict[int, str]
-
-
-def _label(names: list[str]) -> str:
+def group_label(names: list[str]) -> str:
     """An FSDP parameter group's label: its first parameter's name, and how many follow."""
     if not names:
         return "?"
     return names[0] if len(names) == 1 else f"{names[0]} (+{len(names) - 1})"
-
-
-# -- weight fingerprint by replica group, and at rest without replicas ------------------------------
 
 
 @dataclass
@@ -278,8 +215,6 @@ class _Pending:
     reduced: list[torch.Tensor]  # per replicated group: (max fp, max ~fp) after the all-reduce
     mismatch: torch.Tensor  # a replica mismatch here (0-d int64, on the device)
     baseline: Any  # (fp, per-tensor digests, group) of the unreplicated shards after the update, or None
-    module: nn.Module
-    optimizers: list[torch.optim.Optimizer]
     flags: HostRead | None = None  # [replica mismatch here, at-rest change here], MAX over the world
     work: Any = None
     at_rest: Any = None  # (digests after the update, digests before the next forward, group) or None
@@ -288,18 +223,10 @@ class _Pending:
 @dataclass
 class ShardedFingerprint:
     """``WeightFingerprint`` for sharded models; adapters call ``start`` after an update, ``before_use`` before the next
-    forward, ``resolve`` before the next update (or one batch later) and ``finish`` at the end.
-
-    Replicated tensors (HSDP, TP-replicated, plain): each replica group all-reduces 16 bytes per rank in its own
-    process group; on a mismatch the group votes on per-tensor digests (three or more replicas name the minority).
-    Unreplicated shards (pure FSDP): the digest taken after update ``s`` is recomputed by ``before_use`` and compared
-    on the device; a change is a bit changed at rest on that rank. Both outcomes travel in one 8-byte MAX all-reduce
-    over the world, read by the next ``resolve``, so a flipped shard is reported (step ``s``, rank named) before it
-    enters another update. Only windows after compared updates are watched; a change during forward, backward or the
-    update has no witness here (the update audit recomputes updates).
-
-    Cost per check: one read of the local shards (two for unreplicated ones), 16 bytes per rank in the replica group
-    plus 8 in the world; no host synchronisation in the step; a copy of the tensors under ``SMALL_TENSOR`` elements."""
+    forward, ``resolve`` before the next update (or one batch later) and ``finish`` at the end. Replica groups
+    compare in their own process group; unreplicated shards are re-digested by ``before_use`` (a change is a bit
+    changed at rest). Cost per check: one read of the local shards (two for unreplicated ones), 16 bytes per rank
+    in the replica group plus 8 in the world; no host synchronisation in the step."""
 
     role: ClassVar[Role] = Role.FINGERPRINT
 
@@ -326,8 +253,7 @@ class ShardedFingerprint:
         return self._groups
 
     def start(self, step: int, module: nn.Module, optimizers: Iterable[torch.optim.Optimizer]) -> None:
-        """Digest the local shards after optimizer step ``step`` and start the comparisons (the
-        world all-reduce waits for ``before_use`` when some shard has no replica)."""
+        """Digest the local shards after optimizer step ``step`` and start the comparisons."""
         self.resolve()
         t0 = time.perf_counter()
         optimizers = list(optimizers)
@@ -351,15 +277,13 @@ class ShardedFingerprint:
         mismatch = torch.zeros((), dtype=torch.int64, device=device)
         for pair in reduced:
             mismatch = mismatch | (pair[0] != torch.bitwise_not(pair[1])).to(torch.int64)
-        self._pending = _Pending(step, replicated, per_tensor, reduced, mismatch, baseline, module, optimizers)
+        self._pending = _Pending(step, replicated, per_tensor, reduced, mismatch, baseline)
         self.stats.add_time(time.perf_counter() - t0)
         if baseline is None:  # nothing at rest to watch: the comparison travels now
             self.before_use()
 
     def before_use(self) -> None:
-        """Close the window at rest of the pending comparison (before the next forward reads the
-        shards): re-digest the unreplicated shards, compare with their digest after the update on
-        the device, and start the world all-reduce of both outcomes. Cheap when nothing is open."""
+        """Close the pending window at rest (re-digest the unreplicated shards) and start the world all-reduce."""
         pending = self._pending
         if pending is None or pending.flags is not None:
             return
@@ -376,8 +300,7 @@ class ShardedFingerprint:
         self.stats.add_time(time.perf_counter() - t0)
 
     def resolve(self) -> None:
-        """Read the pending comparison (every rank, same place); raise on a mismatch. A window at
-        rest still open is closed now (``before_use``)."""
+        """Read the pending comparison (every rank, same place); raise on a mismatch."""
         self.before_use()
         pending, self._pending = self._pending, None
         if pending is None:
@@ -393,24 +316,19 @@ class ShardedFingerprint:
         self._fail(pending, bool(replica_bad), bool(rest_bad), t0)
 
     def discard(self, timeout_s: float = 30.0) -> None:
-        """Finish the pending comparison's all-reduce without reading it, on a path out (an error,
-        the end of the process), as ``WeightFingerprint.discard``: none is left in flight. Waits
-        at most ``timeout_s``; never raises."""
+        """Finish the pending all-reduce unread, on a path out; waits at most ``timeout_s``, never raises."""
         pending, self._pending = self._pending, None
         if pending is not None and pending.work is not None:
             with contextlib.suppress(Exception):
                 pending.work.wait(timeout=timedelta(seconds=timeout_s))
 
     def check_now(self, step: int, module: nn.Module, optimizers: Iterable[torch.optim.Optimizer]) -> None:
-        """Compare the current shards at once (before a checkpoint, at the end of training): the
-        pending comparison (its window at rest closed now), then the current weights (every rank,
-        same place)."""
+        """Compare the pending comparison, then the current shards, at once (every rank, same place)."""
         self.start(step, module, optimizers)
         self.finish()
 
     def finish(self) -> None:
-        """At the end of training: the pending comparison, its window at rest closed now (the
-        unreplicated shards re-digested against their digest after the last compared update)."""
+        """At the end of training: the pending comparison, its window at rest closed now."""
         self.resolve()
 
     def _fail(self, pending: _Pending, replica_bad: bool, rest_bad: bool, t0: float) -> None:

@@ -1,39 +1,19 @@
-"""Ring replay audit on sharded models (FSDP2, HSDP, + tensor parallel): every rank replays its
-partner's micro-batches.
-
-Contract: on every ``every_n_steps``-th optimizer step, after backward and before the update, every
-rank receives its ring partner's micro-batches (inputs, state, loss and digests of its LOCAL
-unsharded gradients, taken in the reduce-scatter tap) and all ranks replay together: one extra
-forward and backward through the sharded model per micro-batch. The all-gathers are training's; the
-replay's reduce-scatter is suppressed by the tap (it digests its input and reduces nothing). State
-is captured and restored as in the DDP replay (``StateCapture``; FSDP-sharded parameters are the
-replayer's own shards), so training is bit-identical with the audit on and off. Everything else
-(trust rounds, calibration, attribution, ``skip_step``) is ``RingReplay``'s; since a replay runs
-collectives, every rank replays in every round (``collective_reruns``).
-
-Tensor parallelism (mesh dimensions FSDP does not use): the ring runs over the data-parallel groups,
-rank ``t`` of group ``g + 1`` replaying what rank ``t`` of ``g`` computed, so attribution stays per
-rank. A referee is a whole third group, so ``D >= 3`` data-parallel groups are needed to name one
-rank; a fault that enters a tensor-parallel collective makes the whole group compute wrong: the
-group is named.
+"""Ring replay audit on sharded models (FSDP2, HSDP, + tensor parallel): as ``RingReplay``, with the
+owner's digests taken of its LOCAL unsharded gradients in the reduce-scatter tap, and all ranks
+replaying together in every round (the replay's reduce-scatter is suppressed by the tap). Under
+tensor parallelism the ring runs over the data-parallel groups; a referee is a whole third group.
 
 Cost on an audited step: one forward and backward per micro-batch (twice at the first audit), the
-batch and state transfer, a digest per FSDP parameter group, the state capture's clones, two small
-all-gathers. Other steps pay nothing; a disagreement adds up to three rounds of replays on every
-rank.
-
-Limits: an exception inside one rank's replay after its first collective leaves the others in FSDP's
-all-gather until the process-group timeout (failures found before the replays start are decided
-together). The owner's reduce-scatter must run on every micro-batch; with
-``set_requires_gradient_sync(False)`` on accumulation micro-batches the comparison fails
-(``ReplayUnavailableError``).
+transfer, a digest per FSDP parameter group, the state clones, two small all-gathers. Limits: an
+exception inside one rank's replay after its first collective leaves the others in FSDP's
+all-gather until the process-group timeout; the owner's reduce-scatter must run on every
+micro-batch.
 """
 
 from __future__ import annotations
 
-import contextlib
+import math
 from collections.abc import Callable, Iterable
-from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,14 +24,13 @@ from torch.nn.utils.stateless import _reparametrize_module
 from sdc_core.replay.compare import Digest, Row, assemble, digest_row
 from sdc_core.replay.ring import RingReplay
 from sdc_core.replay.rng import all_rng, set_rng
-from sdc_core.replay.state import MicroBatch, StateCapture, StepFn
-from sdc_core.sharded.checks import local
+from sdc_core.replay.state import MicroBatch, Rerun, StateCapture
+from sdc_core.sharded.checks import group_label, local
 from sdc_core.sharded.tap import GradientTapComm, fsdp_taps
 
 
 def _other_parallel_meshes(module: nn.Module) -> list[tuple[Any, tuple[str, ...], list[int]]]:
-    """``(root mesh, its dimension names, indices of the dimensions of size > 1 FSDP does not
-    use)`` for every distinct root mesh of the parameters that has such dimensions."""
+    """``(root mesh, dimension names, dimensions of size > 1 FSDP does not use)`` per distinct root mesh with any."""
     from sdc_core.sharded.tap import FSDPModule
 
     fsdp_meshes: list[Any] = []
@@ -75,12 +54,8 @@ def _other_parallel_meshes(module: nn.Module) -> list[tuple[Any, tuple[str, ...]
 
 
 def tensor_parallel_groups(module: nn.Module, world: int) -> list[tuple[int, ...]] | None:
-    """The ranks that compute each batch together, one group per data-parallel index, each in
-    tensor-parallel coordinate order; None without tensor (or other non-FSDP) parallelism.
-
-    Read from the parameters' root device mesh: the mesh dimensions FSDP does not use (size > 1)
-    are the tensor-parallel ones, the others index the groups. Raises ``ValueError`` when the
-    parameters use several such meshes or the mesh does not hold every rank exactly once."""
+    """The ranks computing each batch together, per data-parallel index, in tensor-parallel order; None without
+    tensor parallelism; ``ValueError`` for several such meshes or one not holding every rank exactly once."""
     meshes = _other_parallel_meshes(module)
     if not meshes:
         return None
@@ -97,18 +72,13 @@ def tensor_parallel_groups(module: nn.Module, world: int) -> list[tuple[int, ...
             f"one of the {world} ranks once (its ranks: {ranks.flatten().tolist()})"
         )
     rest = [i for i in range(ranks.ndim) if i not in dims]
-    size = 1
-    for i in dims:
-        size *= ranks.shape[i]
-    table = ranks.permute(*rest, *dims).reshape(-1, size)
+    table = ranks.permute(*rest, *dims).reshape(-1, math.prod(ranks.shape[i] for i in dims))
     return [tuple(int(r) for r in row) for row in table.tolist()]
 
 
 def screenable(module: nn.Module, taps: list[Any]) -> bool:
-    """Whether the every-step screen runs on this sharded model: some FSDP parameter group is
-    tapped (``taps``) and there is no tensor parallelism (``tensor_parallel_groups``: the ranks of
-    a tensor-parallel group hold different slices of each gradient, a layout the screen's
-    cross-rank comparison is not made for). From the model's layout only: alike on every rank."""
+    """Whether the every-step screen runs on this sharded model: some group is tapped and there is no tensor
+    parallelism (its ranks hold different slices of each gradient). Alike on every rank."""
     if not taps:
         return False
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
@@ -120,8 +90,7 @@ def screenable(module: nn.Module, taps: list[Any]) -> bool:
 
 @dataclass
 class ShardedReplay(RingReplay):
-    """``RingReplay`` for sharded models: the same adapter calls (``arm``, ``record``, ``begin``,
-    ``record_loss``, ``audit``), with ``attach(module, ...)`` tapping the FSDP reduce-scatters."""
+    """``RingReplay`` for sharded models, with ``attach(module, ...)`` tapping the FSDP reduce-scatters."""
 
     taps: list[GradientTapComm] = field(default_factory=list)
     collective_reruns: bool = True
@@ -141,10 +110,8 @@ class ShardedReplay(RingReplay):
         get_state: Callable[[], Any] | None = None,
         load_state: Callable[[Any], None] | None = None,
     ) -> None:
-        """Tap the FSDP reduce-scatters and capture ``module``'s state (``StateCapture``: ``exclude`` names framework
-        attributes, ``get_state``/``load_state`` the user's explicit hook); under tensor parallelism the ring runs
-        over the data-parallel groups (``groups``). ``ValueError`` for a layout that cannot be read
-        (``tensor_parallel_groups``)."""
+        """Tap the FSDP reduce-scatters and capture ``module``'s state (``StateCapture``'s arguments); ``ValueError``
+        for a layout that cannot be read (``tensor_parallel_groups``)."""
         world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
         self.groups = tensor_parallel_groups(module, world)
         self.taps = fsdp_taps(module)
@@ -160,11 +127,8 @@ class ShardedReplay(RingReplay):
         self._frozen = [p for p in module.parameters() if not p.requires_grad and local(p) is not p]
 
     def begin(self, device: torch.device | None = None, rng: bool = True) -> None:
-        """As ``RingReplay.begin``; also copies this rank's shards of the sharded parameters that do
-        not train (an EMA teacher updated in place), when they fit in what is left of ``max_state_mb``:
-        they cannot travel (the partner holds other shards), so a replay of micro-batch ``i`` runs on
-        the replayer's own copy taken at its micro-batch ``i`` (equal on every rank when the step
-        changes them alike). Past the budget they are read live and guarded against change."""
+        """As ``RingReplay.begin``; also copies this rank's shards of frozen sharded parameters (they cannot
+        travel) within ``max_state_mb``; past it they are read live and guarded against change."""
         super().begin(device, rng)
         if self.keeping and len(self.kept.batches) == 1 and not self.replaying:  # a kept step's first micro-batch
             self._kept_versions = [local(p)._version for p in self._frozen]
@@ -186,7 +150,7 @@ class ShardedReplay(RingReplay):
         if not self._local:
             self._labels = []
         self._local[str(len(self._local))] = digest_row(flat)
-        self._labels.append(_label(names))
+        self._labels.append(group_label(names))
 
     def arm(self, step: int) -> bool:
         """As ``RingReplay.arm``; also starts counting the step's own reduce-scatters per tap."""
@@ -201,13 +165,11 @@ class ShardedReplay(RingReplay):
         if self._on_replay is not None:
             self._on_replay(flat, names)
             return
-        self._replayed.append((digest_row(flat), _label(names)))
+        self._replayed.append((digest_row(flat), group_label(names)))
 
     def screen_ready(self, batches: list[MicroBatch]) -> str:
-        """Why this rank cannot recompute ``batches`` (a kept step's micro-batches) as the screen's confirmation needs,
-        or ``""`` when it can: no micro-batches; the step's reduce-scatters did not run once per micro-batch; frozen
-        sharded parameters changed in place since the step began. Host state only; the caller agrees on the answer
-        with every rank before anyone replays."""
+        """Why this rank cannot recompute a kept step's ``batches`` for the screen's confirmation, or ``""``.
+        Host state only; the caller agrees on the answer with every rank before anyone replays."""
         if not batches:
             return "no micro-batches kept"
         if self.taps and max(self._calls, default=0) != len(batches):
@@ -217,27 +179,13 @@ class ShardedReplay(RingReplay):
             return "frozen sharded parameters changed in place during the step"
         return ""
 
-    def recompute(  # type: ignore[override]
-        self,
-        module: nn.Module,
-        batches: list[MicroBatch],
-        step_fn: StepFn,
-        consume: Callable[[str, torch.Tensor], None],
-        to_device: Callable[[Any], Any],
-        context: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
-    ) -> torch.Tensor:
-        """Recompute ``batches`` through the sharded model (a collective: every rank, each its own
-        batches, ``collective_reruns``), handing each FSDP parameter group's flat LOCAL unsharded gradient
-        (padding zero) of each micro-batch to ``consume(first parameter name, flat)`` inside its
-        suppressed reduce-scatter; no side effect. Frozen sharded parameters are read live
-        (``screen_ready`` refuses a step that changed them). Returns the summed loss (float64)."""
-
-        def each(flat: torch.Tensor, names: list[str]) -> None:
-            consume(names[0] if names else "?", flat)
-
-        self._on_replay = each
+    def recompute(self, rerun: Rerun, batches: list[MicroBatch], consume: Callable[[str, torch.Tensor], None]
+                  ) -> torch.Tensor:  # fmt: skip
+        """Recompute ``batches`` (a collective: every rank), handing each FSDP parameter group's flat LOCAL gradient
+        of each micro-batch to ``consume(first parameter name, flat)``; frozen sharded parameters are read live."""
+        self._on_replay = lambda flat, names: consume(names[0] if names else "?", flat)
         try:
-            return self._rerun(module, batches, step_fn, to_device, context, copies=False)
+            return self._rerun(rerun, batches, copies=False)
         finally:
             self._on_replay = None
 
@@ -250,35 +198,19 @@ class ShardedReplay(RingReplay):
         keys = [str(i) for i in range(len(self._local))]
         return assemble(keys, self._local, self._loss if self._loss is not None else 0.0)
 
-    def _replay_digest(
-        self,
-        module: nn.Module,
-        batches: list[MicroBatch],
-        step_fn: StepFn,
-        to_device: Callable[[Any], Any],
-        context: Callable[[], AbstractContextManager[Any]],
-    ) -> Digest:
-        """Forward and backward of ``batches`` through the sharded model with each owner's RNG and
-        state in place, the reduce-scatters suppressed; no side effect (collective: every rank)."""
+    def _replay_digest(self, rerun: Rerun, batches: list[MicroBatch]) -> Digest:
+        """Replay ``batches`` through the sharded model and digest each group's gradient (collective: every rank)."""
         self._replayed = []
-        loss_total = self._rerun(module, batches, step_fn, to_device, context)
+        loss_total = self._rerun(rerun, batches)
         replayed, self._replayed = self._replayed, []
         self._named([label for _, label in replayed])
         keys = [str(i) for i in range(len(replayed))]
         return assemble(keys, {k: row for k, (row, _) in zip(keys, replayed, strict=True)}, loss_total)
 
-    def _rerun(
-        self,
-        module: nn.Module,
-        batches: list[MicroBatch],
-        step_fn: StepFn,
-        to_device: Callable[[Any], Any],
-        context: Callable[[], AbstractContextManager[Any]],
-        copies: bool = True,
-    ) -> torch.Tensor:
-        """The replays of ``batches`` (``_replay_digest``'s loop; the taps' replay consumers see each
-        flat gradient); ``copies``: frozen shards from the owner's micro-batch copies (an audited
-        step), else read live. Returns the summed loss, float64 on the device."""
+    def _rerun(self, rerun: Rerun, batches: list[MicroBatch], copies: bool = True) -> torch.Tensor:
+        """The replays of ``batches``; ``copies``: frozen shards from this rank's micro-batch copies (else read
+        live). Returns the summed loss, float64 on the device."""
+        module = rerun.module
         params = list(module.parameters())
         grads = [p.grad for p in params]
         device = next((p.device for p in params), torch.device("cpu"))
@@ -301,10 +233,10 @@ class ShardedReplay(RingReplay):
                     for t, copy in zip(frozen, copies[i] if copies else [], strict=True):
                         t.copy_(copy)
                 set_rng(mb.cpu_rng, mb.cuda_rng, mb.py_rng, mb.np_rng, device)
-                batch = to_device(mb.batch)
+                batch = rerun.to_device(mb.batch)
                 with capture.applied(mb.state) as tensors, _reparametrize_module(module, tensors, tie_weights=True):
-                    with context():
-                        loss = step_fn(batch, mb.batch_idx)
+                    with rerun.context():
+                        loss = rerun.step_fn(batch, mb.batch_idx)
                     loss.backward()
                 loss_total = loss_total + loss.detach().to(device, torch.float64)
         finally:
@@ -326,10 +258,6 @@ class ShardedReplay(RingReplay):
                 "raise max_state_mb"
             )
         return loss_total
-
-
-def _label(names: list[str]) -> str:
-    return names[0] if len(names) == 1 else f"{names[0]} (+{len(names) - 1})"
 
 
 __all__ = ["ShardedReplay", "screenable"]

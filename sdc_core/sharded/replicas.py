@@ -1,12 +1,7 @@
-"""The witness rule of the sharded checks: which ranks hold the same bytes of a tensor.
-
-The ranks that hold the same bytes of a tensor are its replicas. A DTensor's replicas are read
-from its placements and device mesh: the ranks that share this rank's coordinate on every mesh
-dimension that is not ``Replicate`` (DDP-style plain tensors are replicated over the whole world).
-Pure FSDP: no replica; HSDP: the replicate dimension, per shard; tensor parallel: the TP ranks of
-a parameter that TP leaves replicated. ``plan_groups`` partitions tensors by their replicas, in an
-order identical on every rank; ``settle_groups`` confirms the groups with their members and gives
-each a process group (a collective), so ``ShardedFingerprint`` compares each group in its own.
+"""The witness rule of the sharded checks: the ranks that hold the same bytes of a tensor are its
+replicas, read from a DTensor's placements and device mesh (a plain tensor is replicated over the
+whole world). ``plan_groups`` partitions tensors by their replicas, in an order identical on every
+rank; ``settle_groups`` confirms the groups with their members and gives each a process group.
 """
 
 from __future__ import annotations
@@ -28,9 +23,8 @@ except ImportError:  # pragma: no cover - old torch: nothing here is sharded
 
 
 def replicate_ranks(mesh_ranks: torch.Tensor, coordinate: Sequence[int], placements: Sequence[Any]) -> tuple[int, ...]:
-    """The global ranks holding the same bytes as this rank: those of ``mesh_ranks`` (the mesh's
-    rank layout) that share ``coordinate`` on every dimension whose placement is not ``Replicate``.
-    Returns ``()`` when a placement is ``Partial`` (pending reduction: the bytes are no one's yet)."""
+    """The global ranks of ``mesh_ranks`` sharing ``coordinate`` on every dimension not ``Replicate``;
+    ``()`` when a placement is ``Partial`` (the bytes are no one's yet)."""
     if any(getattr(p, "is_partial", lambda: False)() for p in placements):
         return ()
     index = tuple(slice(None) if p.is_replicate() else int(c) for p, c in zip(placements, coordinate, strict=True))
@@ -55,14 +49,8 @@ class Witnesses:
 
 
 def witnesses(t: torch.Tensor, world_size: int) -> Witnesses:
-    """The replicas of ``t`` by the witness rule (see the module docstring).
-
-    A DTensor on a sub-mesh (e.g. the ``dp`` mesh of a ``dp x tp`` mesh, for a layer tensor
-    parallelism leaves alone) is read on its root mesh, the dimensions it is not placed on
-    counting as ``Replicate`` (the same module computes the same bytes there); ``settle_groups``
-    keeps such a group only if every member reports it, so a dimension where that is false
-    (pipeline stages) demotes the tensor to "no replica" instead of pairing ranks that lack it.
-    """
+    """The replicas of ``t``; a DTensor on a sub-mesh is read on its root mesh, other dimensions ``Replicate``
+    (``settle_groups`` keeps such a group only if every member reports it)."""
     if DTensor is None or not isinstance(t, DTensor):
         return Witnesses(tuple(range(world_size)))
     mesh, placements = t.device_mesh, list(t.placements)
@@ -98,11 +86,8 @@ class ReplicaGroup:
 
 
 def plan_groups(named: Sequence[tuple[str, torch.Tensor]], world_size: int) -> list[ReplicaGroup]:
-    """Partition ``named`` tensors by their replicas, in an order identical on every rank.
-
-    Groups of one rank (no replica: pure FSDP shards) come first; tensors with a ``Partial``
-    placement are left out. ``settle_groups`` confirms them and attaches process groups.
-    """
+    """Partition ``named`` tensors by their replicas, in an order identical on every rank: groups of one rank
+    first, ``Partial`` tensors left out."""
     groups: dict[tuple, ReplicaGroup] = {}
     for name, t in named:
         w = witnesses(t, world_size)
@@ -122,11 +107,9 @@ def _digest(value: Any) -> int:
 
 
 def _agree_by_digest(groups: list[ReplicaGroup], world_size: int) -> bool:
-    """Whether every rank holds the same kinds of replica groups, each over the whole world or one
-    replicate mesh dimension, and every member of each group reports the same ranks and tensor
-    names: one all-reduce over the world of the plan's shape (the same on every rank, so the
-    groups' own all-reduces that follow pair up), one within each group, and one over the world
-    of the answer, so every rank returns the same. Bytes per rank do not grow with the world."""
+    """Whether every rank holds the same kinds of replica groups (each over the world or one mesh dimension) and
+    every member reports the same ranks and names: an all-reduce over the world of the plan's shape, one within
+    each group, one over the world of the answer (every rank returns the same)."""
     replicated = [g for g in groups if len(g.ranks) > 1]
     simple = all(len(g.ranks) == world_size or (g.witnesses.dims is not None and len(g.witnesses.dims) == 1)
                  for g in replicated)  # fmt: skip
@@ -147,17 +130,8 @@ def _agree_by_digest(groups: list[ReplicaGroup], world_size: int) -> bool:
 
 
 def settle_groups(groups: list[ReplicaGroup], world_size: int) -> list[ReplicaGroup]:
-    """Confirm each replica group with its members and give it a process group (a collective:
-    call on every rank at the same point).
-
-    A group is kept only when every member rank reports the same ranks with the same tensor
-    names; the tensors of any other group join this rank's unreplicated group. A single replicate
-    mesh dimension reuses the mesh's process group; the whole world uses the default group;
-    other rank sets get ``new_group``, created over the union of every rank's sets in one order.
-    Where every group is over the world or one mesh dimension and all agree (DDP-style, FSDP,
-    HSDP), a few small all-reduces confirm it (``_agree_by_digest``); otherwise every rank's
-    groups are gathered (bytes per rank growing with the world and the groups' sizes).
-    """
+    """Confirm each replica group with its members (kept only when every member reports the same ranks and
+    names; else its tensors count as unreplicated) and give it a process group. A collective: every rank."""
     if world_size > 1 and _agree_by_digest(groups, world_size):
         for g in groups:
             w = g.witnesses

@@ -1,10 +1,6 @@
-"""The gradient tap of FSDP2: the local unsharded gradients of each parameter group, read inside
-its reduce-scatter.
-
-``fsdp_taps`` wraps every FSDP2 parameter group's reduce-scatter comm in place (FSDP's default,
-or one the user set) with a ``GradientTapComm``: its consumers read the group's LOCAL unsharded
-gradients before the reduce-scatter and the HSDP all-reduce mix them, then the wrapped comm runs.
-The non-finite check (``ShardedNonFinite``) and the sharded replay (``ShardedReplay``) consume it.
+"""The gradient tap of FSDP2: ``fsdp_taps`` wraps every FSDP2 parameter group's reduce-scatter comm
+in place (FSDP's default, or one the user set) with a ``GradientTapComm``, whose consumers read the
+group's LOCAL unsharded gradients before the reduce-scatter and the HSDP all-reduce mix them.
 """
 
 from __future__ import annotations
@@ -25,10 +21,8 @@ except ImportError:  # pragma: no cover - old torch: nothing here is sharded
 
 
 class GradientTapComm(ReduceScatter):  # type: ignore[misc,valid-type]
-    """FSDP2 reduce-scatter that lets consumers read the LOCAL unsharded gradients of one FSDP
-    parameter group (flat, pre-divided, padding zero) and then runs the comm it wraps: FSDP's
-    default, or one the user set with ``set_custom_reduce_scatter``. Consumers must not
-    synchronise with the host."""
+    """FSDP2 reduce-scatter that lets consumers read one parameter group's LOCAL unsharded gradients (flat,
+    pre-divided, padding zero), then runs the comm it wraps. Consumers must not synchronise with the host."""
 
     def __init__(self, inner: Any, names: list[str], param_group: Any = None) -> None:
         self.inner = inner
@@ -47,9 +41,8 @@ class GradientTapComm(ReduceScatter):  # type: ignore[misc,valid-type]
         return int(mesh.size()) if mesh is not None else 0
 
     def watch_output(self) -> None:
-        """Let ``output_consumers`` read this rank's reduced shard after the reduction is complete
-        (after the HSDP all-reduce), on FSDP's post-reduce stream: installs a wrapper of the
-        parameter group's all-reduce hook (the user's, if any, runs first). Not during replays."""
+        """Let ``output_consumers`` read this rank's fully reduced shard (a wrapper of the all-reduce hook,
+        after the user's); not during replays."""
         pg = self.param_group
         if pg is None or isinstance(pg._all_reduce_hook, _OutputHook):
             return
@@ -87,9 +80,8 @@ class _OutputHook:
 
 
 def fsdp_taps(module: nn.Module) -> list[GradientTapComm]:
-    """The gradient taps of every FSDP2 parameter group in ``module``, installed once (wrapping
-    the reduce-scatter comm in place). A parameter group whose reduce-scatter spans one rank
-    (HSDP with a shard size of 1) never calls the comm: it is left out, with a warning."""
+    """The gradient taps of every FSDP2 parameter group in ``module``, installed once; a group whose
+    reduce-scatter spans one rank never calls the comm: it is left out, with a warning."""
     if FSDPModule is None:
         return []
     names = {id(p): n for n, p in module.named_parameters()}

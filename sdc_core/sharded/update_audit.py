@@ -1,22 +1,11 @@
-"""Update audit for shards without replicas (pure FSDP): a partner recomputes a rank's update.
+"""Update audit for shards without replicas (pure FSDP): a partner recomputes a rank's update from
+its snapshot (shards, reduced gradients, optimizer state) and compares the digests bit for bit;
+attribution as in the ring replay. Every received payload is checked (``check_update_payload``).
 
-Contract: on every ``every_n_steps``-th optimizer step each rank snapshots, just before the update,
-its local shards, their reduced gradients and the optimizer state, and digests the shards just
-after. The snapshot travels to the rank's ring partner, which runs the same optimizer class with the
-same hyper-parameters on a replica of the shard and compares the digest of its result with the
-owner's, bit for bit. Attribution as in the ring replay: a rank that disagrees both as owner and as
-recomputer is named; a single disagreeing pair names both as suspects. Every received payload is
-checked (``check_update_payload``): a malformed one raises ``PayloadError`` on every rank alike.
-
-Cost on an audited step (S: the bytes of a rank's parameter shard, k: optimizer state tensors per
-parameter, 2 for Adam): a copy of (2 + k) * S bytes, as many sent and received point to point, one
-extra optimizer step on a shard, two digests. Other steps pay one Python check in the optimizer
-hooks.
-
-Limits: exact equality assumes the partner computes the optimizer's elementwise kernels like the
-owner (same device type and torch build); optimizers with a closure or cross-parameter state (LBFGS)
-are not recomputed faithfully. Under HSDP the fingerprint's replica comparison already sees a wrong
-update.
+Cost on an audited step (S: a rank's shard bytes, k: optimizer state tensors per parameter): a
+copy of (2 + k) * S bytes, as many sent and received, one extra optimizer step on a shard, two
+digests. Limits: the partner must compute like the owner (same device type and torch build);
+optimizers with a closure or cross-parameter state (LBFGS) are not recomputed faithfully.
 """
 
 from __future__ import annotations
@@ -85,11 +74,8 @@ def recompute(kind: type[torch.optim.Optimizer], groups: list[dict[str, Any]]) -
 
 @dataclass(kw_only=True)
 class UpdateAudit:
-    """Partner recomputation of each rank's optimizer update on its shard (see the module docstring).
-
-    Adapters call ``attach(optimizer, module)`` once, ``before_update(step, optimizer)`` after
-    backward and right before the update (gradients final, parameters and state pre-step), and
-    ``audit(step)`` after the update, on every rank."""
+    """Partner recomputation of each rank's optimizer update on its shard. Adapters call ``attach`` once,
+    ``before_update`` right before the update and ``audit(step)`` after it, on every rank."""
 
     role: ClassVar[Role] = Role.UPDATE_AUDIT
 
@@ -131,8 +117,7 @@ class UpdateAudit:
         self._handles = [inner.register_step_post_hook(after)]
 
     def before_update(self, step: int, optimizer: torch.optim.Optimizer) -> None:
-        """Snapshot the shards if ``step`` is audited (a step an optimizer skips is audited as a
-        no-op: the owner's digests are then taken at ``audit``)."""
+        """Snapshot the shards if ``step`` is audited (a step the optimizer skips is audited as a no-op)."""
         self._armed = step if is_distributed() and step % self.every_n_steps == 0 else None
         self._snap = self._after = None
         if self._armed is not None:
@@ -150,8 +135,7 @@ class UpdateAudit:
         inverse = owners_of(partners)
         payload = {"groups": snap, "after": after} if snap is not None and after is not None else {"skipped": True}
         received = exchange({partners[me]: payload}, [inverse[me]], validate=check_update_payload)[inverse[me]]
-        failure = ""
-        mismatch, names, mine = False, [], None
+        failure, names, mine = "", [], None
         try:
             if TRANSFER_ERROR in received:
                 raise RuntimeError(received[TRANSFER_ERROR])
@@ -160,10 +144,9 @@ class UpdateAudit:
                 mine = recompute(self._kind, received["groups"])
                 owner_names = [i["name"] for g in received["groups"] for i in g["items"]]
                 names = [n for n, a, b in zip(owner_names, mine, received["after"], strict=True) if a != b]
-                mismatch = bool(names)
         except Exception as err:  # decided together below
             failure = f"{type(err).__name__}: {err}"
-        row = torch.tensor([float(mismatch), float(bool(failure))], dtype=torch.float64)
+        row = torch.tensor([float(bool(names)), float(bool(failure))], dtype=torch.float64)
         table = all_gather_tensor(row).tolist()
         self.stats.runs += 1
         if any(f for _, f in table):
@@ -202,11 +185,9 @@ class UpdateAudit:
                                                    details=details, reason=reason)  # fmt: skip
         raise self.last_error
 
-
     def _referee(self, disputed: list[tuple[int, int]], payload: dict[str, Any], recomputed: list[Any],
                  topo: Topology) -> dict[tuple[int, int], tuple[bool, bool]]:  # fmt: skip
-        """A third rank recomputes each disputed owner's update from the owner's snapshot:
-        ``{(owner, replayer): (agrees with the owner, agrees with the replayer)}``."""
+        """A third rank recomputes each disputed owner's update: ``{pair: (agrees with owner, with replayer)}``."""
         world, me = topo.world_size, topo.rank
         node_of = [f.node_rank for f in topo.ranks]
         busy = {r for pair in disputed for r in pair}
@@ -220,17 +201,12 @@ class UpdateAudit:
                 assert self._kind is not None
                 mine = recompute(self._kind, got[o]["groups"])
                 verdicts[o] = (mine == got[o]["after"], mine == recomputed[q])
-        rulings: dict[tuple[int, int], tuple[bool, bool]] = {}
-        for theirs in all_gather_objects(verdicts):
-            for o, verdict in theirs.items():
-                pair = next(p for p in disputed if p[0] == o)
-                rulings[pair] = verdict
-        return rulings
+        return {next(p for p in disputed if p[0] == o): verdict  # the pair each referee judged
+                for theirs in all_gather_objects(verdicts) for o, verdict in theirs.items()}  # fmt: skip
 
 
 def update_audit(every_n_steps: int) -> UpdateAudit | None:
-    """The update audit at the setting ``update_audit_every_n_steps``: None for 0 (off);
-    ``ValueError`` naming the setting for anything but an integer >= 0."""
+    """The update audit at ``update_audit_every_n_steps``: None for 0 (off); else ``ValueError`` if invalid."""
     if isinstance(every_n_steps, int) and not isinstance(every_n_steps, bool) and every_n_steps == 0:
         return None
     return UpdateAudit(every_n_steps=every_n_steps)
