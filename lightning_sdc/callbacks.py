@@ -1,5 +1,5 @@
-"""Lightning callbacks over ``sdc_core``: they translate trainer events into core calls (the
-plumbing they share, the Trainer's seam and driver included, is ``lightning_sdc._common``)."""
+"""Lightning callbacks over ``sdc_core``: they translate trainer events into core calls (shared plumbing:
+``lightning_sdc._common``)."""
 
 from __future__ import annotations
 
@@ -53,6 +53,7 @@ class NonFiniteGradientCheck(common.SDCCallback):
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_fit_start(trainer, pl_module)
+        screened = False
         if common.is_sharded(trainer):  # FSDP2: the tap sits in each parameter group's reduce-scatter
             self._core = ShardedNonFinite(self._core.config, self._core.stats, self._core.topology)
             self._core.attach(pl_module)
@@ -60,8 +61,6 @@ class NonFiniteGradientCheck(common.SDCCallback):
         elif common.is_ddp(trainer):
             self._core.attach(common.gradient_tap(trainer, pl_module))
             screened = True
-        else:
-            screened = False
         if self._screen is not None and screened:  # every step, the local peaks compared across the ranks
             self._screen.topology = self._core.topology
             self._screen.attach(self._core)
@@ -155,10 +154,10 @@ class WeightFingerprintCheck(common.SDCCallback):
         check_loaded_checkpoint(checkpoint, int(checkpoint.get("global_step", trainer.global_step)))
 
 
-LIGHTNING_ADVICE = (
+LIGHTNING_ADVICE = (  # the replay's advice for unreplayable steps, in Lightning's terms
     "Expose state the capture cannot see with sdc_replay_state()/sdc_load_replay_state(state) on the "
     "LightningModule, or define a side-effect free sdc_replay_step(batch, batch_idx)"
-)  # the replay's advice for unreplayable steps, in Lightning's terms
+)
 
 
 @common.documented_by(ReplayConfig)

@@ -129,7 +129,8 @@ class FabricFramework(Framework):
         return handle
 
     def after_load(self, fn: Callable[[dict[str, Any]], None]) -> None:
-        """Run ``fn(state)`` (held weakly) after ``fabric.load(path, state)`` restored every object of ``state``."""
+        """Run ``fn(state)`` (held weakly) after ``fabric.load(path, state)`` restored every object of ``state``;
+        ``fabric._sdc_loading`` is non-zero inside the load."""
         fabric = self.fabric
         if "load" not in vars(fabric):  # once per Fabric
             original = fabric.load
@@ -151,11 +152,6 @@ class FabricFramework(Framework):
             fabric.load = load  # type: ignore[method-assign]
         alive = [ref for ref in fabric._sdc_after_load if ref() is not None]
         fabric._sdc_after_load = [*alive, weakref.WeakMethod(fn)]  # type: ignore[arg-type]
-
-    @property
-    def loading(self) -> bool:
-        """True while ``fabric.load`` restores objects."""
-        return bool(getattr(self.fabric, "_sdc_loading", 0))
 
 
 class _PrecisionModel:
@@ -232,8 +228,7 @@ class SDCHooks(_HookSet):
 
     def _verify_loaded(self) -> None:
         """Inside ``fabric.load`` the model or optimizer may not be restored yet: verified by ``_after_load``."""
-        fw = self._fw
-        if not (isinstance(fw, FabricFramework) and fw.loading):
+        if not getattr(self.fabric, "_sdc_loading", 0):
             super()._verify_loaded()
 
     def _after_load(self, state: dict[str, Any]) -> None:

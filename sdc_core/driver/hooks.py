@@ -358,10 +358,7 @@ class SDCHooks:
     def log(self, force: bool = False) -> None:
         """Send the counters to the trackers (or ``log``), at most one point per step (``CounterLog``): once the next
         step's verdicts are in, or with ``force`` now, flushed. The tracker step counts the optimizer steps done."""
-        if force:
-            self._log.now(self.step)
-        else:
-            self._log.due(self.step)
+        (self._log.now if force else self._log.due)(self.step)
 
     def detach(self) -> None:
         """Remove every hook this hook set installed (the tap's parameter hooks stay, reading nothing; a user's

@@ -43,13 +43,11 @@ class LoopChecks:
         self.fingerprint: Any = WeightFingerprint(fingerprint) if fingerprint else None
         self.update_audit: Any = None
         self.screen: Any = None  # the every-step screen: made at attach (DDP, with the gradient check)
-        matmul = settings.matmul()
-        if matmul is not None:
+        self.matmul: Any = None
+        if (matmul := settings.matmul()) is not None:
             from sdc_core.checks.matmul import MatmulChecksum
 
-            self.matmul: Any = MatmulChecksum(matmul)
-        else:
-            self.matmul = None
+            self.matmul = MatmulChecksum(matmul)
         self._consumers: list[tuple[list[Any], Any]] = []  # (tap list, consumer) pairs to remove on detach
         self.step_checks: list[Any] = []  # checks registered with ``add`` (``StepCheck``: run through the phases)
 

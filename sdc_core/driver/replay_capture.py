@@ -102,7 +102,6 @@ class LoopCapture:
         return wrapper
 
     def _recording_forward(self, module: nn.Module) -> bool:
-        assert self._loop.replay is not None
         return not (
             self._uses_replayable or self._in_replayable or self.in_replay()
             or not module.training or not torch.is_grad_enabled()
@@ -166,8 +165,7 @@ class LoopCapture:
         module = self._loop.module
         assert module is not None
         kind, index, args, kwargs, *rest = batch
-        amp = rest[0] if rest else None
-        sdpa = rest[1] if len(rest) > 1 else None
+        amp, sdpa = (*rest, None, None)[:2]  # validated where they are entered (a peer sent them)
         self._replaying = True
         try:
             with _autocast(amp), _sdpa_backends(sdpa):

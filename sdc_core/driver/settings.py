@@ -106,26 +106,21 @@ class SDCSettings:
     matmul_checksum: bool = _own(False, "verify every nn.Linear product's row sums in forward and backward (opt-in)")
     log_every_n_steps: int = _own(50, "how often the counters go to the trackers")
 
-    def _kwargs(self, config: type) -> dict[str, Any]:
-        """The values of ``config``'s settings, by its field names."""
-        return {name: getattr(self, setting) for name, setting in settings_for(config).items()}
+    def _config(self, config: type, on: bool, **extra: Any) -> Any:
+        """``config`` built from its settings (``extra`` over them), or None when ``on`` is false."""
+        if not on:
+            return None
+        return config(**{name: getattr(self, setting) for name, setting in settings_for(config).items()} | extra)
 
     def nonfinite(self) -> NonFiniteConfig | None:
-        if not self.nonfinite_gradient:
-            return None
-        return NonFiniteConfig(**self._kwargs(NonFiniteConfig))
+        return self._config(NonFiniteConfig, self.nonfinite_gradient)
 
-    def replay(self) -> ReplayConfig | None:
-        if self.replay_every_n_steps == 0:
-            return None
-        kwargs = self._kwargs(ReplayConfig)
-        kwargs["allow_pickled_batches"] = True if self.replay_allow_pickled_batches else None  # False: the environment
-        return ReplayConfig(**kwargs)
+    def replay(self) -> ReplayConfig | None:  # allow_pickled_batches=False becomes None: the environment decides
+        return self._config(ReplayConfig, self.replay_every_n_steps != 0,
+                            allow_pickled_batches=True if self.replay_allow_pickled_batches else None)  # fmt: skip
 
     def fingerprint(self) -> FingerprintConfig | None:
-        if self.fingerprint_every_n_steps == 0:
-            return None
-        return FingerprintConfig(**self._kwargs(FingerprintConfig))
+        return self._config(FingerprintConfig, self.fingerprint_every_n_steps != 0)
 
     def screen(self) -> ScreenConfig | None:
         """None when the screen or the gradient check it reads from is off."""
@@ -134,9 +129,7 @@ class SDCSettings:
         return ScreenConfig()  # its band's tuning is not offered (NOT_OFFERED)
 
     def matmul(self) -> MatmulChecksumConfig | None:
-        if not self.matmul_checksum:
-            return None
-        return MatmulChecksumConfig(**self._kwargs(MatmulChecksumConfig))
+        return self._config(MatmulChecksumConfig, self.matmul_checksum)
 
     def update_audit(self) -> UpdateAudit | None:
         return update_audit(self.update_audit_every_n_steps)

@@ -350,9 +350,7 @@ class StepDriver:
             try:
                 return bool(run())
             except ReplayMismatchError as symptom:
-                if self._explained_by_weights(replay, step, symptom):
-                    return True
-                if skips is not None and skips(symptom):
+                if self._explained_by_weights(replay, step, symptom) or (skips is not None and skips(symptom)):
                     return True
                 raise
 
@@ -364,12 +362,10 @@ class StepDriver:
         so the weight fault is raised when they differ and are not healed; True when a heal or rollback covers every
         rank the replay named. Without a fingerprint check a one-off comparison does it (DDP only). Cost: one
         comparison, on a failing step only."""
-        fps = [fp for fp in self.fingerprints if fp.active]
-        if fps:
-            fp = fps[0]
-        elif self.seam.world_size > 1 and not is_sharded(step.module):
+        fp = next((fp for fp in self.fingerprints if fp.active), None)
+        if fp is None and self.seam.world_size > 1 and not is_sharded(step.module):
             fp = WeightFingerprint(topology=replay.topology)
-        else:
+        if fp is None:
             return False
         now = max(step.index - 1, 0)  # the weights now: after the previous update
         replay.last_error = None  # a symptom until the weights are compared
