@@ -50,7 +50,7 @@ class AccelerateFramework(Framework):
         self._loaded: dict[str, Any] | None = None
 
     @property
-    def num_processes(self) -> int:
+    def world_size(self) -> int:
         return self.accelerator.num_processes
 
     @property

@@ -230,7 +230,6 @@ def trainer_driver(trainer: pl.Trainer) -> StepDriver:
 
 
 def trainer_seam(trainer: pl.Trainer) -> TrainerSeam:
-    """The seam of this Trainer's driver."""
     seam = trainer_driver(trainer).seam
     assert isinstance(seam, TrainerSeam)
     return seam
@@ -273,7 +272,6 @@ class SDCCallback(Callback):
         self._spawn_marker = spawn_marker()
 
     def _checks(self) -> list[Any]:
-        """The core checks this callback contributes to the driver."""
         return [self._core]
 
     def _settings(self, config: type, arguments: dict[str, Any]) -> Any:

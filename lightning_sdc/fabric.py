@@ -58,7 +58,7 @@ class FabricFramework(Framework):
         self._pre_save: OrderedDict[int, Callable[..., None]] = OrderedDict()  # RemovableHandle holds it weakly
 
     @property
-    def num_processes(self) -> int:
+    def world_size(self) -> int:
         return self.fabric.world_size
 
     @property

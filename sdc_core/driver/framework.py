@@ -44,7 +44,7 @@ class Framework(Seam):
         self.capture: Any = None  # the hook set's ``LoopCapture`` (a weak proxy), set when the hook set is made
 
     @property
-    def num_processes(self) -> int:
+    def world_size(self) -> int:
         return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
     @property
@@ -66,7 +66,7 @@ class Framework(Seam):
 
     def describe(self, model: nn.Module) -> str:
         """Why ``model`` is not a DDP model (for the error ``attach`` raises)."""
-        return (f"a {type(model).__name__} in a run of {self.num_processes} processes: wrap the model in "
+        return (f"a {type(model).__name__} in a run of {self.world_size} processes: wrap the model in "
                 "DistributedDataParallel or apply fully_shard before attach")  # fmt: skip
 
     def unwrap(self, model: nn.Module) -> nn.Module:
@@ -125,10 +125,6 @@ class Framework(Seam):
     @property
     def run_dir(self) -> str:
         return self._run_dir or "."
-
-    @property
-    def world_size(self) -> int:
-        return self.num_processes
 
     def replay_functions(self, replay: Any, step: StepContext) -> tuple[Any, Any, Any]:
         return self.capture.replay_step, self.capture.to_device, nullcontext

@@ -1,12 +1,7 @@
 """``SDCHooks``: the loop driver of the SDC checks for any training loop; a plain ``torchrun`` loop uses it as is::
 
-    hooks = SDCHooks(replay_every_n_steps=100, run_dir="runs/x", log=print_metrics)
-    hooks.attach(model, optimizer)   # a DistributedDataParallel or fully_shard model (or a plain one)
-    for batch in loader:
-        loss = model(**batch).loss   # or hooks.replayable(fn) for a loss computed outside the model
-        loss.backward()
-        optimizer.step()             # the checks run around the real update
-        optimizer.zero_grad()
+    hooks = SDCHooks(replay_every_n_steps=100, run_dir="runs/x").attach(model, optimizer)  # DDP, fully_shard or plain
+    ...  # the loop as usual: optimizer.step() runs the checks around the real update
     hooks.finish()
 
 The Accelerate, Fabric and Hugging Face Trainer seams subclass it and answer the framework questions through
@@ -56,7 +51,6 @@ class CounterLog:
         self._written: int | None = None  # the last step written
 
     def metrics(self) -> dict[str, float]:
-        """Every check's counters, by metric name."""
         return {name: value for check in self._checks() for name, value in check.stats.metrics().items()}
 
     def due(self, step: int) -> None:
@@ -212,7 +206,7 @@ class SDCHooks:
         if scaler is not None:
             fw.use_scaler(scaler)
         self.loss_fn = loss_fn or self.loss_fn
-        distributed = fw.num_processes > 1
+        distributed = fw.world_size > 1
         if distributed and is_sharded(model):  # fully_shard in place (FSDP2, HSDP): the sharded cores, the update audit
             self._module = model
             process_exit.arm()
@@ -307,7 +301,7 @@ class SDCHooks:
         """An exception leaves the step: no fingerprint all-reduce left in flight; on a verdict, counters logged."""
         if self.fingerprint is not None:
             self.fingerprint.discard()
-        if self._fw.num_processes > 1:  # the script may now free the model and the process group
+        if self._fw.world_size > 1:  # the script may now free the model and the process group
             process_exit.settle_threads()
         if isinstance(err, SDCError):
             try:  # at the tracker step of now: the updates done (a verdict about step s after its update: s + 1)
@@ -323,7 +317,7 @@ class SDCHooks:
             log_run_summary(self.step, self.checks, self._driver.seam)  # rank 0: what was checked and found
         finally:
             self.log(force=True)
-            if self._fw.num_processes > 1:  # the script may now free the model and the process group
+            if self._fw.world_size > 1:  # the script may now free the model and the process group
                 process_exit.settle_threads()
 
     def check_gradients_now(self) -> None:
