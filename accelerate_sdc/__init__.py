@@ -11,9 +11,7 @@ Hugging Face Trainer: ``accelerate_sdc.transformers.SDCTrainerCallback`` (needs 
 
 from sdc_core._lazy import lazy_exports
 
-# Imported on first use, so ``accelerate-sdc --help`` imports neither torch nor Accelerate and
-# answers without Accelerate installed; ``SDCHooks`` (``accelerate_sdc.hooks``) raises the one-line
-# ``ImportError`` naming the extra when Accelerate is missing.
+# Imported on first use: ``accelerate-sdc --help`` imports neither torch nor Accelerate.
 _EXPORTS = {
     "accelerate_sdc.config": ("SDCConfigError", "SDCSettings"),
     "accelerate_sdc.hooks": ("SDCHooks",),
@@ -22,13 +20,4 @@ _EXPORTS = {
 }  # fmt: skip
 __getattr__, __dir__ = lazy_exports("accelerate_sdc", globals(), _EXPORTS)
 
-__all__ = [
-    "FingerprintMismatchError",
-    "NonFiniteGradientError",
-    "ReplayMismatchError",
-    "ReplayUnavailableError",
-    "SDCConfigError",
-    "SDCError",
-    "SDCHooks",
-    "SDCSettings",
-]
+__all__ = sorted(name for names in _EXPORTS.values() for name in names)

@@ -166,23 +166,22 @@ def _launch(rest: list[str]) -> int:
             os.unlink(tmp_path)
 
 
-def _needs_accelerate(command: str) -> str | None:
-    """The one-line advice when Accelerate is not installed (the commands need it; ``--help`` does not)."""
+def _without_accelerate(command: str) -> bool:
+    """True, with the one-line advice printed, when Accelerate is not installed (``--help`` does not need it)."""
     from sdc_core._lazy import require
 
     try:
         require("accelerate", "accelerate", "accelerate-sdc " + command)
     except ImportError as err:
-        return str(err)
-    return None
+        print(f"accelerate-sdc {command}: error: {err}", file=sys.stderr)
+        return True
+    return False
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["launch"]:
-        advice = _needs_accelerate("launch")
-        if advice is not None:
-            print(f"accelerate-sdc launch: error: {advice}", file=sys.stderr)
+        if _without_accelerate("launch"):
             return 2
         try:
             return _launch(argv[1:])
@@ -207,9 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"accelerate-sdc {args.command}: error: unknown option {bad!r}{suggest(bad, flags)} "
               f"(see accelerate-sdc {args.command} --help)", file=sys.stderr)  # fmt: skip
         return 2
-    advice = _needs_accelerate("config")
-    if advice is not None:
-        print(f"accelerate-sdc config: error: {advice}", file=sys.stderr)
+    if _without_accelerate("config"):
         return 2
     from sdc_core.cli import run_guarded
 

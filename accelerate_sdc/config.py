@@ -1,18 +1,7 @@
-"""SDC settings for Accelerate users: defaults < settings file < ``ACCELERATE_SDC_*`` < keywords.
+"""SDC settings for Accelerate users: defaults < settings file < ``ACCELERATE_SDC_<NAME>`` < keywords.
 
-* The settings file is ``sdc_config.yaml`` in accelerate's config directory (beside
-  ``default_config.yaml``; ``$HF_HOME/accelerate`` by default), written by
-  ``accelerate-sdc config``; ``ACCELERATE_SDC_CONFIG_FILE`` names another file.
-* Every setting ``name`` can be overridden by the environment variable
-  ``ACCELERATE_SDC_<NAME>`` (inherited by every process ``accelerate launch`` starts).
-* Keyword arguments of ``SDCHooks`` override both.
-
-One rule for every source (file, environment, keywords, ``accelerate-sdc config`` options): a
-bool is ``true``/``false`` or ``1``/``0`` (as a bool, a number or a string, any case; not
-``yes``/``on``), an integer is a whole number or a string of one, a number a finite number or a
-string of one, a policy a string. An unknown name anywhere (a file key, an ``ACCELERATE_SDC_*``
-variable, a keyword) is an error suggesting the closest known name; so is a bad value, also of a
-check that is turned off. ``SDCConfigError`` names the key and where it came from.
+The settings file is ``sdc_config.yaml`` in accelerate's config directory (written by ``accelerate-sdc config``);
+``ACCELERATE_SDC_CONFIG_FILE`` names another. Every source follows the rules of ``sdc_core.driver.settings``.
 """
 
 from __future__ import annotations
@@ -29,7 +18,7 @@ CONFIG_FILE_ENV = ENV_PREFIX + "CONFIG_FILE"
 FILE_NAME = "sdc_config.yaml"
 
 __all__ = ["CONFIG_FILE_ENV", "ENV_PREFIX", "FILE_NAME", "SOURCES", "SDCConfigError", "SDCSettings", "default_file",
-           "from_env", "read_file", "resolve"]  # fmt: skip
+           "read_file", "resolve"]  # fmt: skip
 
 
 def default_file() -> Path:
@@ -44,16 +33,6 @@ def default_file() -> Path:
 SOURCES = Sources(ENV_PREFIX, default_file)
 
 
-def from_env(environ: dict[str, str] | None = None) -> dict[str, Any]:
-    """Settings from ``ACCELERATE_SDC_<NAME>`` variables; any other ``ACCELERATE_SDC_*`` name
-    (a typo) raises ``SDCConfigError`` with the closest known name."""
-    return SOURCES.from_env(environ)
-
-
 def resolve(**kwargs: Any) -> tuple[SDCSettings, dict[str, str]]:
-    """Merge defaults, the settings file, the environment and ``kwargs``.
-
-    Returns the settings and, for each key that was set, where its value came from.
-    """
+    """The settings merged from every source, and where each set key's value came from."""
     return _resolve(SOURCES, **kwargs)
-

@@ -1,19 +1,13 @@
-"""``SDCHooks`` for hand-written Accelerate training loops: the core loop driver through an
-Accelerate seam.
+"""``SDCHooks`` for hand-written Accelerate training loops: the core hook set (``sdc_core.SDCHooks``) through an
+Accelerate seam (``AccelerateFramework``).
 
 ```python
 sdc = SDCHooks(accelerator)          # settings from `accelerate-sdc config`, ACCELERATE_SDC_*, keywords
 sdc.attach(model, optimizer)         # after accelerator.prepare(...)
 ```
 
-Everything the checks do is ``sdc_core.SDCHooks`` (see its module docstring); this module only
-answers the framework questions for an ``Accelerator`` (``AccelerateFramework``): the number of
-processes, unwrapping, sync steps (``accumulate()``), the division by
-``gradient_accumulation_steps``, the GradScaler and its skipped steps, ``accelerator.log``, the
-run folder, ``register_for_checkpointing`` and a ``save_state`` pre-hook (the replicas are
-compared and the saved state fingerprinted before anything is written; ``load_state`` verifies
-the loaded tensors), and the hand-over of a ``DistributedDataParallelKwargs(comm_hook=...)`` hook
-to the gradient tap. Cost: that of the core hook set.
+``save_state`` compares the replicas and fingerprints the saved state before anything is written; ``load_state``
+verifies the loaded tensors. Cost: that of the core hook set.
 """
 
 from __future__ import annotations
@@ -56,7 +50,7 @@ class AccelerateFramework(Framework):
         self._loaded: dict[str, Any] | None = None
 
     @property
-    def num_processes(self) -> int:
+    def world_size(self) -> int:
         return self.accelerator.num_processes
 
     @property
@@ -68,8 +62,7 @@ class AccelerateFramework(Framework):
         return self.accelerator.is_main_process
 
     def tracker_targets(self) -> list[tuple[str, Any]]:
-        """``accelerator.trackers`` as ``log_incident`` targets: TensorBoard, MLflow (its active
-        run, through the ``mlflow`` module), W&B; the others get the counters only."""
+        """``accelerator.trackers`` that take text: TensorBoard, MLflow (its active run), W&B."""
         targets: list[tuple[str, Any]] = []
         for tracker in getattr(self.accelerator, "trackers", []):
             name = type(tracker).__name__
@@ -136,9 +129,8 @@ class AccelerateFramework(Framework):
                 writer.flush()
 
     def register_for_checkpointing(self, obj: Any) -> None:
-        """``save_state`` writes ``obj.state_dict()`` to ``sdc_state.json`` (main process, atomically,
-        after the pre-save hooks ran); ``load_state`` reads it back and calls ``obj.load_state_dict``
-        after Accelerate loaded everything else. No pickle is written or read."""
+        """``save_state`` writes ``obj.state_dict()`` to ``sdc_state.json`` (main process, atomically, after the
+        pre-save hooks); ``load_state`` gives it back to ``obj.load_state_dict`` after loading the rest. No pickle."""
         self._stateful = obj
         acc = self.accelerator
         acc.register_save_state_pre_hook(self._note_folder)  # runs before the refusing pre-save hooks
@@ -206,8 +198,7 @@ class AccelerateFramework(Framework):
         return handle
 
     def take_comm_hook(self) -> tuple[Any, Any]:
-        """Take the hook ``DistributedDataParallelKwargs(comm_hook=...)`` would register, so the
-        tap registers it on the DDP model (after ``prepare`` Accelerate has registered it already)."""
+        """Take the hook ``DistributedDataParallelKwargs(comm_hook=...)`` would register, for the tap to register."""
         handler = getattr(self.accelerator, "ddp_handler", None)
         taken = getattr(self.accelerator, "_sdc_taken_comm_hook", None)
         if taken is not None:
@@ -228,18 +219,16 @@ class AccelerateFramework(Framework):
 
 
 class SDCHooks(_CoreHooks):
-    """The SDC checks for an ``Accelerator`` loop; settings from the config workflow or keywords.
+    """The SDC checks for an ``Accelerator`` loop.
 
     Args:
         accelerator: the ``Accelerator`` of the run.
         loss_fn, replay_state, load_replay_state: as ``sdc_core.SDCHooks``.
-        **settings: any field of ``SDCSettings`` (``nonfinite_gradient``, ``on_failure``,
-            ``replay_every_n_steps``, ``fingerprint_every_n_steps``, ...), over
-            ``ACCELERATE_SDC_*`` over the ``accelerate-sdc config`` file; 0 turns a cadence off.
+        **settings: any field of ``SDCSettings``, over ``ACCELERATE_SDC_*`` over the
+            ``accelerate-sdc config`` file; 0 turns a cadence off.
 
-    Call ``attach(model, optimizer)`` on every process after ``accelerator.prepare`` and
-    ``finish()`` after the loop. Call ``save_state`` and ``load_state`` on every process, as
-    Accelerate expects: the save compares the replicas.
+    Call ``attach(model, optimizer)`` on every process after ``accelerator.prepare``, ``finish()``
+    after the loop, and ``save_state`` / ``load_state`` on every process, as Accelerate expects.
     """
 
     def __init__(

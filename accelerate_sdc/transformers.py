@@ -7,21 +7,11 @@ trainer = Trainer(model=model, args=args, train_dataset=ds, callbacks=[SDCTraine
 trainer.train()  # under torchrun or accelerate launch; an SDCError names the faulty rank and host
 ```
 
-The Trainer is built on Accelerate, so the callback drives the Accelerate hook set (``SDCHooks``)
-through a Trainer seam and adds only what the Trainer does differently:
-
-* the replay unit is the Trainer's own ``compute_loss`` (an override included), post-processed as ``training_step``
-  does before ``accelerator.backward`` and run under ``compute_loss_context_manager``, so loss scaling across
-  devices, accumulation and a custom ``compute_loss_func`` replay faithfully;
-* the hook set is attached in ``on_train_begin`` to ``trainer.model_wrapped`` and the prepared optimizer, so clipping,
-  gradient checkpointing and the scheduler stay the Trainer's;
-* metrics go through ``trainer.log`` every ``logging_steps`` (unless ``log_every_n_steps`` is set), incidents to
-  ``<output_dir>/sdc/incidents``; the counters and a fingerprint of the saved state travel in the Trainer's
-  checkpoints (``trainer_state.json``), verified by ``sdc verify-checkpoint`` and on
-  ``train(resume_from_checkpoint=...)``.
-
-Settings as for ``SDCHooks``. Importing ``accelerate_sdc`` does not import this module, which needs
-``transformers``.
+The callback drives the Accelerate hook set (``SDCHooks``) through a Trainer seam. The replay unit is the Trainer's
+own ``compute_loss`` (an override included), post-processed as ``training_step`` does before ``accelerator.backward``,
+so loss scaling, accumulation and a custom ``compute_loss_func`` replay faithfully. Metrics go through ``trainer.log``
+every ``logging_steps`` (unless ``log_every_n_steps`` is set), incidents to ``<output_dir>/sdc/incidents``. Needs
+``transformers`` (importing ``accelerate_sdc`` does not import this module).
 """
 
 from __future__ import annotations
@@ -65,9 +55,7 @@ class _TrainerFramework(AccelerateFramework):
         self.trainer.log(dict(metrics))
 
     def flush(self) -> None:
-        """The Trainer's tracker callbacks write in ``on_log``, but its MLflow callback queues
-        metrics asynchronously: flushed here (a verdict's counters, the end of training), so they
-        reach the run before a verdict ends the process. Costs nothing without MLflow."""
+        """MLflow's queued metrics flushed, so they reach the run before a verdict ends the process."""
         mlflow = sys.modules.get("mlflow")
         flush = getattr(mlflow, "flush_async_logging", None)
         if callable(flush):
@@ -87,17 +75,14 @@ class SDCTrainerCallback(TrainerCallback, ExportableState):
     """Turn the three SDC checks on for a ``transformers.Trainer`` run.
 
     Args:
-        **settings: any field of ``SDCSettings`` (``replay_every_n_steps``,
-            ``fingerprint_every_n_steps``, ``on_failure``, ...), over ``ACCELERATE_SDC_*`` and the
+        **settings: any field of ``SDCSettings``, over ``ACCELERATE_SDC_*`` and the
             ``accelerate-sdc config`` file; a bad value raises ``SDCConfigError`` here.
 
     Raises ``SDCError`` subclasses out of ``trainer.train()`` on every rank in the same step
     (``err.step`` is the Trainer's ``global_step``). The counters and the saved state's
-    fingerprint are stored in the Trainer's checkpoints (``trainer_state.json``, as an
-    ``ExportableState``); ``train(resume_from_checkpoint=...)`` verifies the loaded model and
-    optimizer state against it (``FingerprintMismatchError`` naming the changed tensors, on every
-    rank) and the counters go on. ``self.hooks`` is the underlying ``SDCHooks``.
-    Cost: that of ``SDCHooks``, plus one Python wrapper call per ``compute_loss``.
+    fingerprint travel in the Trainer's checkpoints (``trainer_state.json``), verified on
+    ``train(resume_from_checkpoint=...)``. ``self.hooks`` is the underlying ``SDCHooks``.
+    Cost: that of ``SDCHooks``, plus one Python call per ``compute_loss``.
     """
 
     def __init__(self, **settings: Any) -> None:
@@ -112,9 +97,8 @@ class SDCTrainerCallback(TrainerCallback, ExportableState):
     # -- binding -------------------------------------------------------------------------------
 
     def _bind(self) -> Trainer:
-        """Find the Trainer that calls this callback (once), create the hook set, wrap its
-        ``compute_loss`` and run right after ``DefaultFlowCallback`` (so the final metrics reach
-        the trackers before they close their runs in ``on_train_end``)."""
+        """Find the calling Trainer (once), create the hook set, wrap ``compute_loss`` and run right after
+        ``DefaultFlowCallback`` (the final metrics reach the trackers before they close in ``on_train_end``)."""
         trainer = _calling_trainer()
         if self.trainer is not None and trainer in (None, self.trainer):
             return self.trainer
@@ -174,10 +158,8 @@ class SDCTrainerCallback(TrainerCallback, ExportableState):
         self._wrap_save_checkpoint(trainer)
 
     def _wrap_save_checkpoint(self, trainer: Trainer) -> None:
-        """Every checkpoint the Trainer writes, whatever decided it (``save_strategy`` "steps",
-        "epoch" or "best", an evaluation), goes through ``_save_checkpoint`` on every process:
-        before it, the pending non-finite verdict is read, the replicas are compared and the model
-        and optimizer state fingerprinted (``state()`` then carries it into ``trainer_state.json``)."""
+        """Every checkpoint the Trainer writes goes through ``_save_checkpoint`` on every process: ``before_save``
+        runs first (``state()`` then carries the fingerprint into ``trainer_state.json``)."""
         original = trainer._save_checkpoint
 
         def save_checkpoint(*args: Any, **kwargs: Any) -> Any:

@@ -5,17 +5,13 @@ trainer = L.Trainer(strategy="ddp", callbacks=[NonFiniteGradientCheck(),
                     RingReplayAudit(every_n_steps=100), WeightFingerprintCheck(every_n_steps=1)])
 ```
 
-Opt-in: ``MatmulChecksumCheck()`` verifies every matrix product against a checksum, so a wrong
-multiply is caught on the rank and in the step where it happens (``sdc_core.checks.matmul``).
-
-Lightning Fabric: ``lightning_sdc.fabric.SDCHooks``. Without code changes: ``SDC_CHECKS=1``
-(``lightning_sdc.auto``, through the ``lightning.pytorch.callbacks_factory`` entry point).
+Opt-in: ``MatmulChecksumCheck()`` verifies every matrix product against a checksum. Lightning Fabric:
+``lightning_sdc.fabric.SDCHooks``. Without code changes: ``SDC_CHECKS=1`` (``lightning_sdc.auto``).
 """
 
 from sdc_core._lazy import lazy_exports, require
 
 require("lightning", "lightning", "lightning_sdc")  # found, not imported: `sdc campaign --help` stays quick
-# Imported on first use, so ``sdc campaign --help`` does not import Lightning.
 _EXPORTS = {
     "lightning_sdc.callbacks": ("FaultInjector", "MatmulChecksumCheck", "NonFiniteGradientCheck", "RingReplayAudit",
                                 "WeightFingerprintCheck"),

@@ -1,6 +1,5 @@
-"""What the Lightning callbacks share: the Trainer's seam and its one core driver, the base of
-every SDC callback (strategy check, counters in checkpoints, the driver's events), the route of
-weights-only saves, the strategy checks, the shared tap, topology, logging and rollback."""
+"""What the Lightning callbacks share: the Trainer's seam and its one core driver, and the base of every SDC
+callback (strategy check, counters in checkpoints, the driver's events, weights-only saves)."""
 
 from __future__ import annotations
 
@@ -45,8 +44,7 @@ def require_supported_strategy(trainer: pl.Trainer, check: str) -> None:
             "FSDPStrategy (FSDP1) and DeepSpeed are not supported: use ModelParallelStrategy with fully_shard."
         )
     if isinstance(strategy, DDPStrategy) and not hasattr(strategy, _STASH):
-        # Take the user's DDP comm hook from the strategy (Lightning registers it on CUDA only);
-        # the SDC tap registers it on the DDP model, on every device.
+        # the user's DDP comm hook (Lightning registers it on CUDA only): the tap registers it, on every device
         setattr(strategy, _STASH, (strategy._ddp_comm_hook, strategy._ddp_comm_state, strategy._ddp_comm_wrapper))
         strategy._ddp_comm_hook = None
 
@@ -85,11 +83,9 @@ def warn_inactive(check: str, why: str) -> None:
 
 
 def log_stats(trainer: pl.Trainer, stats: CheckStats, force: bool = False) -> None:
-    """The counters in ``trainer.callback_metrics`` at every call (0-d tensors: what ``EarlyStopping``
-    and ``ModelCheckpoint(monitor="sdc/...")`` read), and written to every logger every
-    ``log_every_n_steps`` or with ``force`` (so a failure is recorded even when its step never
-    completes). Cost: one small CPU tensor per metric per batch (``self.log`` cost about a
-    millisecond per call, more than the checks)."""
+    """The counters in ``trainer.callback_metrics`` (0-d tensors, for ``EarlyStopping`` and ``ModelCheckpoint(monitor=
+    "sdc/...")``), and to every logger every ``log_every_n_steps`` or with ``force`` (then saved). Cost: one small
+    CPU tensor per metric per batch."""
     if trainer.sanity_checking:
         return
     metrics = stats.metrics()
@@ -107,8 +103,8 @@ def log_stats(trainer: pl.Trainer, stats: CheckStats, force: bool = False) -> No
 
 @contextmanager
 def no_logging(pl_module: pl.LightningModule) -> Iterator[None]:
-    """Silence ``self.log``, ``self.log_dict`` and ``self.print`` of a LightningModule (replays
-    must not log); whatever was there before (e.g. a user's instance attribute) comes back."""
+    """Silence ``self.log``, ``self.log_dict`` and ``self.print`` of a LightningModule (replays must not log);
+    whatever the instance held before comes back."""
 
     def mute(*_args: Any, **_kwargs: Any) -> None:
         return None
@@ -128,16 +124,15 @@ def no_logging(pl_module: pl.LightningModule) -> Iterator[None]:
 
 @functools.lru_cache(maxsize=1)
 def lightning_internals() -> frozenset[str]:
-    """Attribute names a bare ``LightningModule`` holds: framework state the replay's state
-    capture leaves alone (the user's own attributes are captured)."""
+    """Attribute names a bare ``LightningModule`` holds: framework state the replay's state capture leaves alone."""
     return frozenset(vars(pl.LightningModule())) | {"_hparams", "_hparams_initial", "_hparams_name"}
 
 
 def rollback(trainer: pl.Trainer, pl_module: pl.LightningModule, error: Any, max_step: int) -> Any:
-    """Reload weights and optimizer state from the newest checkpoint of the checkpoint callbacks'
-    folders verified clean at or before ``max_step`` (``sdc_core.ops.rollback.roll_back``: chosen on
-    rank 0, loaded on every rank, ``weights_only=True`` unless ``SDC_TRUST_PICKLE=1``); data and
-    step counters go on. Returns the error with ``details["action"]`` set; raises it without one."""
+    """Reload weights and optimizer state from the newest checkpoint of the checkpoint callbacks' folders verified
+    clean at or before ``max_step`` (``sdc_core.ops.rollback.roll_back``: ``weights_only=True`` unless
+    ``SDC_TRUST_PICKLE=1``); data and step counters go on. Returns the error with ``details["action"]`` set; raises
+    it without one."""
     from sdc_core.io.safe_files import load_torch, trust_pickle_from_env
     from sdc_core.ops.rollback import roll_back
 
@@ -159,8 +154,7 @@ def rollback(trainer: pl.Trainer, pl_module: pl.LightningModule, error: Any, max
 
 
 class TrainerSeam(Seam):
-    """The core driver's seam of one Trainer: its run folder and ranks, its loggers, its rollback,
-    the replay's step function (the ``RingReplayAudit`` that owns the replay)."""
+    """The core driver's seam of one Trainer."""
 
     def __init__(self, trainer: pl.Trainer, marker: str) -> None:
         self.trainer = trainer
@@ -188,7 +182,7 @@ class TrainerSeam(Seam):
             warnings.warn(f"SDC counters not logged: {type(err).__name__}: {err}", RuntimeWarning, stacklevel=2)
 
     def tracker_targets(self) -> list[tuple[str, Any]]:
-        """The Trainer's loggers that take text: TensorBoard, MLflow, W&B (the others get counters)."""
+        """The Trainer's loggers that take text: TensorBoard, MLflow, W&B."""
         targets: list[tuple[str, Any]] = []
         for logger in self.trainer.loggers:
             name = type(logger).__name__
@@ -236,15 +230,13 @@ def trainer_driver(trainer: pl.Trainer) -> StepDriver:
 
 
 def trainer_seam(trainer: pl.Trainer) -> TrainerSeam:
-    """The seam of this Trainer's driver."""
     seam = trainer_driver(trainer).seam
     assert isinstance(seam, TrainerSeam)
     return seam
 
 
 def step_context(trainer: pl.Trainer, pl_module: pl.LightningModule, index: int | None = None) -> StepContext:
-    """The step as the driver sees it: ``trainer.global_step`` (or ``index``) is both the step and
-    the update index (Lightning counts every optimizer step)."""
+    """The step as the driver sees it: ``trainer.global_step`` (or ``index``) is both step and update index."""
     step = trainer.global_step if index is None else index
     return StepContext(
         step, step, pl_module, list(trainer.optimizers),
@@ -253,9 +245,8 @@ def step_context(trainer: pl.Trainer, pl_module: pl.LightningModule, index: int 
 
 
 def documented_by(config: type, **own: str) -> Callable[[type], type]:
-    """Class decorator: the callback's ``Args:`` section from the settings schema, so each argument's
-    doc exists once (LightningCLI's help reads it): the ``config`` setting of the argument's name,
-    or the ``SDCSettings`` field that ``own`` names for it."""
+    """Class decorator: the callback's ``Args:`` section from the settings schema (LightningCLI's help reads it): the
+    ``config`` setting of the argument's name, or the ``SDCSettings`` field that ``own`` names for it."""
     fields = {f.name: f for f in dataclasses.fields(SDCSettings)}
     docs = {**settings_of(config), **{argument: fields[name] for argument, name in own.items()}}
 
@@ -277,18 +268,14 @@ class SDCCallback(Callback):
             cls.__init__ = checked_keywords(cls.__dict__["__init__"])  # type: ignore[method-assign]
 
     def __init__(self) -> None:
-        # Made where the Trainer is built and carried to ddp_spawn workers inside the callback:
-        # where a worker leaves its verdict for the caller of trainer.fit (see on_exception).
+        # carried to ddp_spawn workers inside the callback: where a worker leaves its verdict for the caller of fit
         self._spawn_marker = spawn_marker()
 
     def _checks(self) -> list[Any]:
-        """The core checks this callback contributes to the driver."""
         return [self._core]
 
     def _settings(self, config: type, arguments: dict[str, Any]) -> Any:
-        """``config`` built from the ``arguments`` (the constructor's ``locals()``) named as its
-        settings, with a bad value's ``ValueError`` naming this callback (LightningCLI otherwise
-        shows it deep inside a union-type message)."""
+        """``config`` from the constructor's ``locals()``, a bad value's ``ValueError`` naming this callback."""
         try:
             return config(**{name: arguments[name] for name in settings_of(config) if name in arguments})
         except ValueError as err:
@@ -297,8 +284,7 @@ class SDCCallback(Callback):
 
     @property
     def state_key(self) -> str:
-        """Unique per configuration, so two instances of one check (other settings) can coexist.
-        Computed once (the settings are frozen; Lightning reads this many times per step)."""
+        """Unique per configuration, so two instances of one check can coexist; computed once."""
         key = self.__dict__.get("_state_key")
         if key is None:
             config = {k: v for k, v in dataclasses.asdict(self._core.config).items() if (k, v) != ("rolling", 1)}
@@ -330,16 +316,14 @@ class SDCCallback(Callback):
             tap.remove()
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
-        """The verdicts due before the update, in causal order whatever the order of the callbacks
-        (``StepDriver.resolve_pending``, ``before_update``: each step's run once, by the first)."""
+        """The verdicts due before the update (the driver runs each step's once, whichever callback comes first)."""
         driver, step = trainer_driver(trainer), step_context(trainer, pl_module)
         driver.observe(step)  # the screen's all_gather first, started right after backward
         driver.resolve_pending(step)
         driver.before_update(step)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        """After an update (once per global step, by the first SDC callback): the pending weight
-        comparison read, the update audit, the comparison of the new weights started; counters logged."""
+        """After an update (once per global step): the driver's after-update phase; counters logged."""
         driver, seam = trainer_driver(trainer), trainer_seam(trainer)
         if seam.seen_step != trainer.global_step:  # an update since the last batch end
             seam.seen_step = trainer.global_step
@@ -349,14 +333,12 @@ class SDCCallback(Callback):
             log_stats(trainer, check.stats)
 
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
-        """No checkpoint (weights-only ones included: see ``route_weights_only_saves``) is written
-        after a step whose verdict is unread or from replicas that differ: the driver's
-        ``before_save`` (once per checkpoint, every rank: Lightning builds it on all of them)."""
+        """The driver's ``before_save`` (once per checkpoint, every rank: Lightning builds it on all of them)."""
         self._before_save(trainer, pl_module, checkpoint)
 
     def _before_save(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> bool:
-        """The driver's comparison before this checkpoint; this callback's counters in it are
-        refreshed (Lightning took them before). True when a heal or rollback changed the weights."""
+        """The driver's comparison before this checkpoint, whose counters of this callback are refreshed. True when a
+        heal or rollback changed the weights."""
         key = (id(checkpoint), trainer.global_step)
         changed = trainer_driver(trainer).before_save(step_context(trainer, pl_module), key=key)
         if isinstance(checkpoint.get("callbacks"), dict) and self.state_key in checkpoint["callbacks"]:
@@ -364,8 +346,7 @@ class SDCCallback(Callback):
         return changed
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """The last pending verdicts read and the final weights compared before ``fit`` returns,
-        whatever the cadence (once, whichever SDC callback comes first)."""
+        """The last pending verdicts read and the final weights compared before ``fit`` returns (once)."""
         driver = trainer_driver(trainer)
         driver.before_save(step_context(trainer, pl_module), key=("end", trainer.global_step), at_end=True)
         for check in self._checks():
@@ -373,9 +354,8 @@ class SDCCallback(Callback):
         log_run_summary(trainer.global_step, trainer_checks(trainer), driver.seam)  # rank 0: one line, once per Trainer
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        """Every path out: no collective of the check left in flight; the verdict marked for the
-        launcher (``sdc run``); under ``ddp_spawn``, in the caller of ``fit``, the worker's text-only
-        exception becomes the ``SDCError`` it was (``except SDCError`` works there)."""
+        """Every path out: no collective left in flight; the verdict marked for the launcher; under ``ddp_spawn``, in
+        the caller of ``fit``, the worker's text-only exception becomes the ``SDCError`` it was."""
         unroute_weights_only_saves(pl_module)
         trainer_driver(trainer).discard()  # no all-reduce of a check left in flight into the exit
         if isinstance(exception, SDCError):
@@ -397,12 +377,9 @@ _WEIGHTS_ONLY_ROUTE = "_sdc_weights_only_route"
 
 
 def route_weights_only_saves(trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-    """Give the SDC callbacks their ``on_save_checkpoint`` for weights-only checkpoints too, for
-    which Lightning calls no callback hook (``save_weights_only=True``, ``save_checkpoint(path,
-    weights_only=True)``) but still the module's ``on_save_checkpoint`` on every rank, before
-    anything is written: that method is wrapped on the instance (once; the user's override still
-    runs, last) to run every SDC callback's first. Removed at teardown and on an exception; costs
-    one dictionary lookup on full checkpoints."""
+    """Give the SDC callbacks their ``on_save_checkpoint`` for weights-only checkpoints too, for which Lightning calls
+    only the module's ``on_save_checkpoint`` (every rank, before anything is written): it is wrapped on the instance
+    (once; the user's override still runs, last). Undone by ``unroute_weights_only_saves``."""
     if getattr(vars(pl_module).get("on_save_checkpoint"), _WEIGHTS_ONLY_ROUTE, None) is not None:
         return
     original = pl_module.on_save_checkpoint

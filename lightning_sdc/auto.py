@@ -1,11 +1,7 @@
-"""Zero-code enable for Lightning: ``SDC_CHECKS=1`` adds the SDC checks to every ``Trainer``.
-
-Through the ``lightning.pytorch.callbacks_factory`` entry point every Trainer asks ``callbacks()``;
-with ``SDC_CHECKS`` set (``1``/``true``/``all``, any case: all three; ``nonfinite_gradient,ring_replay``:
-the named ones; unset, empty, ``0``, ``false``: none; anything else raises ``ValueError`` when the
-Trainer is created) it gets one ``SDCAutoEnable``, which adds the checks with their defaults at the
-start of ``fit`` unless the Trainer (or ``configure_callbacks``) has one of that class already. One
-process: only ``NonFiniteGradientCheck``. The standalone ``pytorch_lightning`` Trainer raises.
+"""Zero-code enable for Lightning: ``SDC_CHECKS=1`` adds the SDC checks to every ``Trainer`` (through the
+``lightning.pytorch.callbacks_factory`` entry point). ``SDC_CHECKS``: ``1``/``true``/``all`` (any case) for all
+three, a comma-separated list for some, unset/empty/``0``/``false`` for none; anything else raises ``ValueError`` when
+the Trainer is created. One process: only ``NonFiniteGradientCheck``.
 """
 
 from __future__ import annotations
@@ -63,12 +59,8 @@ def pytorch_lightning_callbacks() -> list[Any]:
 
 
 class SDCAutoEnable(Callback):
-    """Adds the named checks with their defaults when ``fit`` starts, unless already present.
-
-    They are inserted before the checkpoint callbacks (so their metrics are in
-    ``trainer.callback_metrics`` when those read them) and run their own ``setup`` in the same
-    pass. ``self.added`` lists what was added. Costs nothing else.
-    """
+    """Adds the named checks with their defaults when ``fit`` starts, unless the Trainer has one of that class,
+    before the checkpoint callbacks (which read their metrics). ``self.added`` lists what was added."""
 
     def __init__(self, checks: list[str]) -> None:
         self.checks = list(checks)

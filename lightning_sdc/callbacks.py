@@ -1,5 +1,5 @@
-"""Lightning callbacks over ``sdc_core``: they translate trainer events into core calls (the
-plumbing they share, the Trainer's seam and driver included, is ``lightning_sdc._common``)."""
+"""Lightning callbacks over ``sdc_core``: they translate trainer events into core calls (shared plumbing:
+``lightning_sdc._common``)."""
 
 from __future__ import annotations
 
@@ -29,15 +29,11 @@ from sdc_core.sharded.update_audit import update_audit
 class NonFiniteGradientCheck(common.SDCCallback):
     """Flag every rank whose LOCAL gradients hold NaN/Inf, before the all-reduce spreads them.
 
-    Under DDP: a read of the local gradients at the end of backward (a few multi-tensor kernels per
-    dtype) and no collective of its own (NaN/Inf survive the all-reduce, so every rank reads the
-    verdict from the reduced gradients); the
-    ``screen`` compares the ranks' gradient peaks from the same read every step. ``"raise"`` and
-    ``"warn"`` are read one step later (the error names that step, whose update has happened; also
-    before a checkpoint and at the end of training), the other
-    policies, an fp16 GradScaler and audited steps before the update; verdicts are logged under
-    ``sdc/nonfinite_gradient/``. Without DDP, ``.grad`` is checked before the optimizer step (one
-    host read). Details: docs/checks-and-settings.md.
+    Under DDP: a read of the local gradients at the end of backward and no collective of its own;
+    the ``screen`` compares the ranks' gradient peaks from the same read every step. ``"raise"`` and
+    ``"warn"`` are read one step later (also before a checkpoint and at the end of training), the
+    other policies, an fp16 GradScaler and audited steps before the update. Without DDP, ``.grad``
+    is checked before the optimizer step. Details: docs/checks-and-settings.md.
     """
 
     def __init__(
@@ -57,6 +53,7 @@ class NonFiniteGradientCheck(common.SDCCallback):
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_fit_start(trainer, pl_module)
+        screened = False
         if common.is_sharded(trainer):  # FSDP2: the tap sits in each parameter group's reduce-scatter
             self._core = ShardedNonFinite(self._core.config, self._core.stats, self._core.topology)
             self._core.attach(pl_module)
@@ -64,8 +61,6 @@ class NonFiniteGradientCheck(common.SDCCallback):
         elif common.is_ddp(trainer):
             self._core.attach(common.gradient_tap(trainer, pl_module))
             screened = True
-        else:
-            screened = False
         if self._screen is not None and screened:  # every step, the local peaks compared across the ranks
             self._screen.topology = self._core.topology
             self._screen.attach(self._core)
@@ -101,17 +96,13 @@ class NonFiniteGradientCheck(common.SDCCallback):
 class WeightFingerprintCheck(common.SDCCallback):
     """Compare exact fingerprints of the replicas' weights after every ``every_n_steps`` steps.
 
-    The comparison of step ``s`` is read in the next optimizer step, after its backward and before
-    its update (after the earlier non-finite verdict, before this step's and the replay's, whatever
-    the callback order), so the host never waits in the step that computed it and a weight fault is
-    never reported as the replay's compute fault; a ``RingReplayAudit`` disagreement is checked
-    against the current weights first. Before a checkpoint is written and when training ends the
-    weights are compared at once, whatever the cadence. Raises ``FingerprintMismatchError`` on every
-    rank; with 3+ replicas the minority rank is named. Under manual optimization every
-    ``optimizer.step()`` counts. Checkpoints carry a fingerprint of their weights and optimizer
-    state, verified on resume (``sdc verify-checkpoint`` offline), ``save_weights_only`` ones too
-    (``route_weights_only_saves``). Sharded models (FSDP2): docs/sharded.md. Details:
-    docs/checks-and-settings.md.
+    The comparison of step ``s`` is read in the next step, before its update and before the replay's
+    verdict, so the host never waits in the step that computed it and a weight fault is never
+    reported as a compute fault. Before a checkpoint is written and when training ends the weights
+    are compared at once, whatever the cadence. Raises ``FingerprintMismatchError`` on every rank;
+    with 3+ replicas the minority rank is named. Checkpoints (weights-only ones too) carry a
+    fingerprint of their weights and optimizer state, verified on resume. Sharded models (FSDP2):
+    docs/sharded.md. Details: docs/checks-and-settings.md.
     """
 
     def __init__(
@@ -148,10 +139,8 @@ class WeightFingerprintCheck(common.SDCCallback):
             self._core.before_use()
 
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
-        """The replicas' current weights are compared (every rank) before the checkpoint is
-        written, then its fingerprint stored. A mismatch raises before anything is written; a heal
-        or rollback refreshes the checkpoint's tensors. Distributed checkpoints of sharded models
-        hold DTensor shards: compared, not fingerprinted."""
+        """The replicas compared (every rank) before the checkpoint is written, then its fingerprint stored; a heal
+        or rollback refreshes its tensors. Sharded models' DTensor shards: compared, not fingerprinted."""
         if self._before_save(trainer, pl_module, checkpoint) and common.is_ddp(trainer):  # save the new state
             checkpoint["state_dict"] = trainer.strategy.lightning_module_state_dict()
             if "optimizer_states" in checkpoint:
@@ -165,10 +154,10 @@ class WeightFingerprintCheck(common.SDCCallback):
         check_loaded_checkpoint(checkpoint, int(checkpoint.get("global_step", trainer.global_step)))
 
 
-LIGHTNING_ADVICE = (
+LIGHTNING_ADVICE = (  # the replay's advice for unreplayable steps, in Lightning's terms
     "Expose state the capture cannot see with sdc_replay_state()/sdc_load_replay_state(state) on the "
     "LightningModule, or define a side-effect free sdc_replay_step(batch, batch_idx)"
-)  # the replay's advice for unreplayable steps, in Lightning's terms
+)
 
 
 @common.documented_by(ReplayConfig)
@@ -178,14 +167,11 @@ class RingReplayAudit(common.SDCCallback):
     The replay runs ``pl_module.sdc_replay_step(batch, batch_idx)`` when defined (it returns the
     loss, or a dict with ``"loss"``), else ``training_step`` with logging muted, with the owner's
     RNG and module state (define ``sdc_replay_state()`` / ``sdc_load_replay_state(state)`` for
-    state the capture cannot see); no side effect on gradients, optimizer, buffers, module
-    attributes, metrics, RNG or loggers. Raises ``ReplayMismatchError`` (a fault) or
-    ``ReplayUnavailableError`` on every rank; a disagreement is first checked against the replicas'
-    weights (a weight fault raises ``FingerprintMismatchError``). Parameters frozen at the audit are
-    not compared. Manual optimization needs ``sdc_replay_step``, returning the loss of the backward
-    passes before the batch's first ``optimizer.step()``: only that first step is audited (a GAN's
-    later steps are covered by ``NonFiniteGradientCheck`` and ``WeightFingerprintCheck``), and a
-    batch is audited when ``trainer.global_step`` at its start is a multiple of ``every_n_steps``.
+    state the capture cannot see), without side effects. Raises ``ReplayMismatchError`` (a fault)
+    or ``ReplayUnavailableError`` on every rank; a disagreement is first checked against the
+    replicas' weights. Manual optimization needs ``sdc_replay_step``, returning the loss of the
+    backward passes before the batch's first ``optimizer.step()``: only that first step is audited
+    (a GAN's later steps are covered by ``NonFiniteGradientCheck`` and ``WeightFingerprintCheck``).
     Details: docs/checks-and-settings.md, docs/replay-contract.md.
     """
 
@@ -274,12 +260,9 @@ class RingReplayAudit(common.SDCCallback):
         self._core.record_loss(loss)
 
     def _replay_functions(self, trainer: pl.Trainer) -> tuple[Any, Any, Any]:
-        """``(step_fn, to_device, context)`` of a replay in Lightning's terms (the driver runs the
-        audit or a screen confirmation with them, explains a disagreement and delivers the verdict)."""
+        """``(step_fn, to_device, context)`` of a replay in Lightning's terms."""
         pl_module = trainer.lightning_module
-        if self._names:
-            # only what trains now is compared: a parameter frozen since fit started (the other
-            # optimizers' under toggle_optimizer, a fine-tuning schedule) gets no local gradient
+        if self._names:  # only what trains now is compared: a parameter frozen since gets no local gradient
             trains = {n for n, p in pl_module.named_parameters() if p.requires_grad}
             self._core.names = [n for n in self._names if n in trains]
         original = self._training_step[0] if self._training_step is not None else pl_module.training_step
@@ -331,13 +314,12 @@ class FaultInjector(Callback):
 class MatmulChecksumCheck(common.SDCCallback):
     """Verify every matrix product of each rank against a checksum, forward and backward, and
     raise ``ChecksumMismatchError`` on every rank naming the rank, host, module and phase of a
-    product that came out wrong (a faulty multiply-accumulate), in the step it happened.
+    product that came out wrong, in the step it happened.
 
-    Covers ``nn.Linear`` layers and ``nn.MultiheadAttention`` projections (``sdc_core.checks.matmul``
-    says what is not covered: docs/coverage.md). Cost: memory-bound reads and thin products per
-    product (docs/performance.md; ``every_n_steps`` divides it) and one asynchronous 4-byte
-    all-reduce per step; the verdict of step s is read when step s + 1 starts, before a checkpoint
-    is written and at the end of training. Training stays bit-identical: the check only reads.
+    Covers ``nn.Linear`` layers and ``nn.MultiheadAttention`` projections (docs/coverage.md). Cost:
+    memory-bound reads and thin products per product (``every_n_steps`` divides it) and one
+    asynchronous 4-byte all-reduce per step; the verdict of step s is read when step s + 1 starts,
+    before a checkpoint and at the end of training. Training stays bit-identical.
     """
 
     def __init__(

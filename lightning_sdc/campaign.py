@@ -1,12 +1,7 @@
-"""The Lightning runner of fault-injection campaigns (``sdc campaign``; the campaign itself,
-framework-neutral, is ``sdc_core.faults.campaign``): the small model every run trains, and each
-training, a Lightning DDP Trainer on 3 CPU ranks with the SDC callbacks a run asks for.
-
-``sdc campaign`` finds ``RUNNER`` through the entry point group ``sdc_checks.campaign_runners``
-(name ``lightning``); importing this module imports neither torch nor Lightning, so
-``sdc campaign --help`` answers at once. Run as a module it is the campaign's worker
-(``--worker``, under ``torch.distributed.run``) and the driver of the matrix-product checksum
-check's campaign: ``python -m lightning_sdc.campaign matmul [--per-class N] [--doc FILE] ...``.
+"""The Lightning runner of fault-injection campaigns (``sdc campaign``, entry point ``lightning``): each training is a
+Lightning DDP Trainer on 3 CPU ranks with the SDC callbacks a run asks for. Importing it imports neither torch nor
+Lightning. Run as a module it is the campaign's worker (``--worker``) and the matrix-product checksum campaign's
+driver: ``python -m lightning_sdc.campaign matmul [--per-class N] [--doc FILE] ...``.
 """
 
 from __future__ import annotations
@@ -19,9 +14,8 @@ from sdc_core.faults.campaign_runner import CAMPAIGN_DIR_ENV, CampaignRunner, co
 
 
 def _module(optimizer: str = "adam") -> Any:
-    """A fresh LightningModule around the campaign's model (``sdc_core.faults.campaign.CampaignModel``,
-    under ``model.``), trained with ``optimizer`` (``campaign.make_optimizer``: Adam at 3e-3 by
-    default) on the mean squared error. Made here, on first use, to keep torch out of the import."""
+    """A fresh LightningModule around the campaign's model (under ``model.``), trained with ``optimizer`` on the mean
+    squared error."""
     import lightning.pytorch as L
     import torch
     from torch import nn
@@ -47,8 +41,7 @@ def _module(optimizer: str = "adam") -> Any:
 
 
 def _callbacks(checks: bool, check_set: str | None, save: str | None, fault: Any) -> list[Any]:
-    """The SDC callbacks of a run (``sdc_core.faults.campaign_runner.Fit`` says which), and the
-    fault injector."""
+    """The SDC callbacks of a run (``sdc_core.faults.campaign_runner.Fit`` says which), and the fault injector."""
     from lightning_sdc import (
         FaultInjector,
         MatmulChecksumCheck,
@@ -62,9 +55,7 @@ def _callbacks(checks: bool, check_set: str | None, save: str | None, fault: Any
         callbacks += [NonFiniteGradientCheck(), RingReplayAudit(), WeightFingerprintCheck()]
         if check_set == "defaults+matmul":
             callbacks.append(MatmulChecksumCheck())
-    elif checks:
-        # the replay audits every step here: the campaign measures what each check can see; at a
-        # cadence of n a transient compute fault is audited with probability 1/n
+    elif checks:  # the replay audits every step: the campaign measures what each check can see
         callbacks += [NonFiniteGradientCheck(), RingReplayAudit(every_n_steps=1), WeightFingerprintCheck()]
     elif save:
         callbacks.append(WeightFingerprintCheck(every_n_steps=10**6))  # stores the fingerprint in the checkpoint

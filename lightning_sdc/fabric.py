@@ -1,28 +1,16 @@
 """``SDCHooks`` for Lightning Fabric: the core loop driver (``sdc_core.SDCHooks``) through a Fabric seam.
 
 ```python
-from lightning_sdc.fabric import SDCHooks
-
 model, optimizer = fabric.setup(model, optimizer)
-hooks = SDCHooks(fabric)                      # same settings as sdc_core.SDCHooks
-hooks.attach(model, optimizer)
-for i, batch in enumerate(loader):
-    accumulating = (i + 1) % N != 0
-    with fabric.no_backward_sync(model, enabled=accumulating):
-        fabric.backward(model(batch).loss)
-    if not accumulating:
-        optimizer.step()                      # the checks run around the real update
-        optimizer.zero_grad()
+hooks = SDCHooks(fabric).attach(model, optimizer)  # settings as sdc_core.SDCHooks; then train as usual
 hooks.finish()
 fabric.save(path, {"model": model, "optimizer": optimizer, "sdc": hooks})  # counters and fingerprint
 ```
 
-Settings are read as for Accelerate users (keywords over ``ACCELERATE_SDC_*`` over the ``accelerate-
-sdc config`` file); Lightning is needed, not Accelerate. Fabric does not divide the loss for
-accumulation: pass ``loss_fn`` or use ``hooks.replayable(fn)`` when you do, or when the loss is not
-``outputs.loss``. ``fabric.save`` compares the replicas and fingerprints the saved state first;
-``fabric.load`` verifies the restored tensors. Strategies: ``"ddp"`` (and its variants) or a single
-device. Details: docs/integrations.md (Lightning Fabric).
+Settings as for Accelerate users (keywords over ``ACCELERATE_SDC_*`` over the ``accelerate-sdc config`` file);
+Accelerate is not needed. Pass ``loss_fn`` or use ``hooks.replayable(fn)`` when you divide the loss for accumulation
+or the loss is not ``outputs.loss``. ``fabric.save`` compares the replicas and fingerprints the saved state first;
+``fabric.load`` verifies the restored tensors. Details: docs/integrations.md (Lightning Fabric).
 """
 
 from __future__ import annotations
@@ -61,10 +49,8 @@ SOURCES = Sources("ACCELERATE_SDC_", _settings_file)
 
 
 class FabricFramework(Framework):
-    """The hook set's seam for a ``Fabric`` object (public Fabric API only). The plain loop's
-    answers hold for the rest: every ``optimizer.step()`` is a sync step, ``fabric.backward`` does
-    not divide the loss, Fabric's optimizer wrapper calls the GradScaler itself, its DDP strategy
-    registers no communication hook, and the hook set is saved in the state you pass to ``fabric.save``."""
+    """The hook set's seam for a ``Fabric`` object (public Fabric API only); the plain loop's answers hold for the
+    rest (every ``optimizer.step()`` is a sync step, ``fabric.backward`` does not divide the loss)."""
 
     def __init__(self, fabric: Fabric, run_dir: str | None = None) -> None:
         super().__init__(run_dir)
@@ -72,7 +58,7 @@ class FabricFramework(Framework):
         self._pre_save: OrderedDict[int, Callable[..., None]] = OrderedDict()  # RemovableHandle holds it weakly
 
     @property
-    def num_processes(self) -> int:
+    def world_size(self) -> int:
         return self.fabric.world_size
 
     @property
@@ -127,8 +113,7 @@ class FabricFramework(Framework):
                 logger.save()
 
     def before_checkpoint(self, fn: Callable[..., None]) -> Any:
-        """Run ``fn(models, None, path)`` before ``fabric.save`` (called on every process, as
-        Fabric requires) writes anything; ``models`` are the modules in the saved state."""
+        """Run ``fn(models, None, path)`` before ``fabric.save`` (every process) writes anything."""
         if not self._pre_save:
             original = self.fabric.save
 
@@ -144,8 +129,8 @@ class FabricFramework(Framework):
         return handle
 
     def after_load(self, fn: Callable[[dict[str, Any]], None]) -> None:
-        """Run ``fn(state)`` after ``fabric.load(path, state)`` has restored every object of
-        ``state`` (every process; ``fn`` is held weakly). Inside the load, ``loading`` is True."""
+        """Run ``fn(state)`` (held weakly) after ``fabric.load(path, state)`` restored every object of ``state``;
+        ``fabric._sdc_loading`` is non-zero inside the load."""
         fabric = self.fabric
         if "load" not in vars(fabric):  # once per Fabric
             original = fabric.load
@@ -168,16 +153,10 @@ class FabricFramework(Framework):
         alive = [ref for ref in fabric._sdc_after_load if ref() is not None]
         fabric._sdc_after_load = [*alive, weakref.WeakMethod(fn)]  # type: ignore[arg-type]
 
-    @property
-    def loading(self) -> bool:
-        """True while ``fabric.load`` restores objects."""
-        return bool(getattr(self.fabric, "_sdc_loading", 0))
-
 
 class _PrecisionModel:
-    """The unwrapped module as ``fabric.setup`` presents it, minus DDP: inputs cast by the
-    precision plugin (``bf16-mixed`` casts them to bfloat16), the forward under its autocast, the
-    outputs cast back. Attribute access reaches the module."""
+    """The unwrapped module as ``fabric.setup`` presents it, minus DDP: inputs, forward and outputs under the
+    precision plugin. Attribute access reaches the module."""
 
     def __init__(self, module: nn.Module, precision: Any) -> None:
         self._module = module
@@ -198,8 +177,7 @@ class SDCHooks(_HookSet):
 
     Args:
         fabric: the launched ``Fabric`` of the run.
-        loss_fn: ``loss_fn(outputs, *args, **kwargs)`` giving the loss you back-propagate, when it
-            is not ``outputs.loss`` or the model's scalar output (or use ``replayable``).
+        loss_fn: as ``sdc_core.SDCHooks``.
         run_dir: where incidents go (``<run_dir>/sdc/incidents``); default: the first logger's
             ``log_dir``, else the working directory.
         **settings: any field of ``sdc_core.SDCSettings``.
@@ -232,11 +210,9 @@ class SDCHooks(_HookSet):
         return self
 
     def _wrap_clip_gradients(self) -> None:
-        """``fabric.clip_gradients`` raises a plain ``RuntimeError`` on NaN/Inf gradients
-        (``error_if_nonfinite=True``, its default) before ``optimizer.step`` could read the
-        verdict; then this step's non-finite verdict is read at once, so the error that leaves is
-        the ``NonFiniteGradientError`` naming the rank, on every process (all see the same reduced
-        gradients, so all raise)."""
+        """``fabric.clip_gradients`` raises a plain ``RuntimeError`` on NaN/Inf gradients before ``optimizer.step``
+        reads the verdict: then the verdict is read at once, so the ``NonFiniteGradientError`` naming the rank leaves
+        instead, on every process (all see the same reduced gradients, so all raise)."""
         fabric, original = self.fabric, self.fabric.clip_gradients
 
         def clip_gradients(*args: Any, **kwargs: Any) -> Any:
@@ -251,16 +227,13 @@ class SDCHooks(_HookSet):
         fabric.clip_gradients = clip_gradients  # type: ignore[method-assign]
 
     def _verify_loaded(self) -> None:
-        """Inside ``fabric.load`` the model or optimizer may not be restored yet (objects load in
-        the order of your state dictionary): the fingerprint is kept for ``_after_load``."""
-        fw = self._fw
-        if not (isinstance(fw, FabricFramework) and fw.loading):
+        """Inside ``fabric.load`` the model or optimizer may not be restored yet: verified by ``_after_load``."""
+        if not getattr(self.fabric, "_sdc_loading", 0):
             super()._verify_loaded()
 
     def _after_load(self, state: dict[str, Any]) -> None:
-        """After ``fabric.load``: the restored model and optimizer state verified against the
-        fingerprint loaded with the counters (raises ``FingerprintMismatchError`` on every process:
-        each loads the same file). Before ``attach`` it is verified by ``attach``."""
+        """After ``fabric.load``: the restored state verified against the fingerprint loaded with the counters (on
+        every process: each loads the same file); before ``attach``, ``attach`` verifies it."""
         if self._loaded_fingerprint is None or self._module is None:
             return
         models = [v for v in state.values() if isinstance(v, nn.Module)]

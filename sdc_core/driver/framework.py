@@ -1,12 +1,5 @@
-"""``Framework``: what the hook set asks of a training loop, answered here for a plain PyTorch loop.
-
-A ``Framework`` is the hook set's ``Seam`` (the run folder, the main process, the world size, the
-trackers, how a replay recomputes a micro-batch, the step's loss) and answers every other framework-
-specific question of ``sdc_core.driver.hooks.SDCHooks``: processes, the DDP model and unwrapping,
-sync steps and the loss divisor, the GradScaler, devices, the replay's model and context, logging,
-checkpoint registration and the comm-hook hand-over. Also here: the callables a loop hands the hook
-set (``LossFn``, ``MetricsFn``).
-"""
+"""``Framework``: what the hook set (``sdc_core.driver.hooks.SDCHooks``) asks of a training loop, answered here for a
+plain PyTorch loop; it is also the hook set's ``Seam``. Also here: the callables a loop hands the hook set."""
 
 from __future__ import annotations
 
@@ -28,8 +21,8 @@ MetricsFn = Callable[[dict[str, float], int], None]
 
 
 class Framework(Seam):
-    """The seam between the hook set and a training loop: here, a plain PyTorch loop; the Accelerate, Fabric and Trainer
-    seams subclass it. None of its members communicates.
+    """The seam between the hook set and a plain PyTorch loop; the other seams subclass it. None of its members
+    communicates.
 
     Args:
         run_dir: where incidents go (``<run_dir>/sdc/incidents``); default: the working directory.
@@ -51,7 +44,7 @@ class Framework(Seam):
         self.capture: Any = None  # the hook set's ``LoopCapture`` (a weak proxy), set when the hook set is made
 
     @property
-    def num_processes(self) -> int:
+    def world_size(self) -> int:
         return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
     @property
@@ -66,26 +59,14 @@ class Framework(Seam):
         """The ``DistributedDataParallel`` object of the model, or None."""
         return model if isinstance(model, DistributedDataParallel) else None
 
-    def tracker_targets(self) -> list[tuple[str, Any]]:
-        """The trackers a verdict and the run's closing line are sent to as text (``ops.trackers``
-        targets); the plain loop has none of its own (its ``log`` gets the counters)."""
-        return []
-
     def unsupported(self, model: nn.Module) -> str | None:
         """Why this set-up cannot be checked whatever the number of processes (for the error
         ``attach`` raises), or None: e.g. an engine that steps the optimizer itself."""
         return None
 
-    def refuse_unsupported(self, model: nn.Module) -> None:
-        """Raise ``ValueError`` in one line naming what is supported when ``unsupported`` says why."""
-        reason = self.unsupported(model)
-        if reason is not None:
-            raise ValueError(f"SDCHooks supports DDP (DistributedDataParallel), FSDP2 (fully_shard) or a single "
-                             f"process; got {reason}")  # fmt: skip
-
     def describe(self, model: nn.Module) -> str:
         """Why ``model`` is not a DDP model (for the error ``attach`` raises)."""
-        return (f"a {type(model).__name__} in a run of {self.num_processes} processes: wrap the model in "
+        return (f"a {type(model).__name__} in a run of {self.world_size} processes: wrap the model in "
                 "DistributedDataParallel or apply fully_shard before attach")  # fmt: skip
 
     def unwrap(self, model: nn.Module) -> nn.Module:
@@ -103,11 +84,11 @@ class Framework(Seam):
 
     @property
     def scaler(self) -> Any:
-        """The ``torch.amp.GradScaler`` given to ``attach``, or None."""
+        """The ``torch.amp.GradScaler`` scaling the loss, or None."""
         return self._scaler
 
     def use_scaler(self, scaler: Any) -> None:
-        """Take the plain loop's ``torch.amp.GradScaler`` (given to ``attach``); ``TypeError`` for another object."""
+        """Take the plain loop's GradScaler (given to ``attach``); ``TypeError`` for another object."""
         if not hasattr(scaler, "step") or not hasattr(scaler, "scale"):
             raise TypeError(f"scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}")
         self._scaler = scaler
@@ -118,7 +99,6 @@ class Framework(Seam):
         return self._scaler if self._scaler is not None else optimizer
 
     def begin_step(self) -> None:
-        """The optimizer step is about to run: no update seen yet (``step_was_skipped``)."""
         self._updated = False
 
     def mark_updated(self) -> None:
@@ -135,8 +115,7 @@ class Framework(Seam):
         return _to_device(batch, device)
 
     def replay_context(self) -> AbstractContextManager[Any]:
-        """Entered around a replayed forward of the unwrapped module (the autocast state recorded
-        at the owner's forward is entered by the hook set itself)."""
+        """Entered around a replayed forward of the unwrapped module (besides the recorded autocast)."""
         return nullcontext()
 
     def replay_model(self, module: nn.Module) -> Any:
@@ -147,12 +126,7 @@ class Framework(Seam):
     def run_dir(self) -> str:
         return self._run_dir or "."
 
-    @property
-    def world_size(self) -> int:
-        return self.num_processes
-
     def replay_functions(self, replay: Any, step: StepContext) -> tuple[Any, Any, Any]:
-        """A replay recomputes a recorded micro-batch through ``replayable`` or the model's forward."""
         return self.capture.replay_step, self.capture.to_device, nullcontext
 
     def loss(self) -> torch.Tensor | None:
@@ -169,8 +143,8 @@ class Framework(Seam):
         return None  # a plain loop saves hooks.state_dict() itself
 
     def before_checkpoint(self, fn: Callable[..., None]) -> Any:
-        """Run ``fn(models, weights, output_dir)`` before the framework writes a checkpoint; a
-        removable handle, or None where saving goes through ``SDCHooks.before_save()``."""
+        """Run ``fn(models, weights, output_dir)`` before the framework writes a checkpoint; a removable handle, or
+        None where saving goes through ``SDCHooks.before_save()``."""
         return None
 
     def take_comm_hook(self) -> tuple[Any, Any]:
@@ -180,9 +154,8 @@ class Framework(Seam):
 
 def wrap_step(owner: Any, step: Callable[[Callable[..., Any], tuple, dict], Any],
               on_error: Callable[[BaseException], None]) -> Any:  # fmt: skip
-    """Replace ``owner.step`` on the instance by ``step(original, args, kwargs)``; ``on_error(err)``
-    runs when an exception leaves it (then the exception goes on). Returns the handle that puts the
-    object's own ``step`` back."""
+    """Replace ``owner.step`` on the instance by ``step(original, args, kwargs)``; ``on_error(err)`` runs when an
+    exception leaves it (which goes on). Returns the handle that puts the object's own ``step`` back."""
     original = owner.step
 
     @functools.wraps(original)
@@ -194,17 +167,17 @@ def wrap_step(owner: Any, step: Callable[[Callable[..., Any], tuple, dict], Any]
             raise
 
     owner.step = wrapped
-    return _Restore(owner)
+    return Removal(lambda: owner.__dict__.pop("step", None))
 
 
-class _Restore:
-    """Handle that puts the object's own ``step`` back."""
+class Removal:
+    """A removable handle whose ``remove`` calls ``fn``."""
 
-    def __init__(self, owner: Any) -> None:
-        self.owner = owner
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        self.fn = fn
 
     def remove(self) -> None:
-        self.owner.__dict__.pop("step", None)
+        self.fn()
 
 
 def inner_optimizer(optimizer: Any) -> Any:

@@ -1,27 +1,14 @@
-"""``SDCHooks``: the loop driver of the three SDC checks, for any training loop.
+"""``SDCHooks``: the loop driver of the SDC checks for any training loop; a plain ``torchrun`` loop uses it as is::
 
-A plain ``torchrun`` loop uses it as it is (torch and torch.distributed only)::
-
-    hooks = SDCHooks(replay_every_n_steps=100, run_dir="runs/x", log=print_metrics)
-    hooks.attach(model, optimizer)   # a DistributedDataParallel or fully_shard model (or a plain one)
-    for batch in loader:
-        loss = model(**batch).loss   # or hooks.replayable(fn) for a loss computed outside the model
-        loss.backward()
-        optimizer.step()             # the checks run around the real update
-        optimizer.zero_grad()
+    hooks = SDCHooks(replay_every_n_steps=100, run_dir="runs/x").attach(model, optimizer)  # DDP, fully_shard or plain
+    ...  # the loop as usual: optimizer.step() runs the checks around the real update
     hooks.finish()
 
-The Accelerate, Fabric and Hugging Face Trainer seams are thin subclasses that answer the framework
-questions through ``Framework``. Collaborators: ``LoopChecks`` (the check cores and how they meet
-the model), ``LoopCapture`` (what the replay records of the loop's forwards), ``CounterLog`` (the
-tracker points), ``counters`` (its checkpoint state) and the core ``StepDriver``. The optimizer's
-``step`` is wrapped on the instance: the non-finite check and the replay audit run before the
-update, the fingerprint after each real one; an FSDP2 (``fully_shard``) model gets the sharded
-cores.
-
-A failure raises the ``SDCError`` on every rank in the same step, writes an incident under
-``<run_dir>/sdc/incidents`` (rank 0) and sets the process exit code (``sdc_core.ops.incidents``).
-Cost: as each check documents; the driver adds a few Python calls per step.
+The Accelerate, Fabric and Hugging Face Trainer seams subclass it and answer the framework questions through
+``Framework``. ``optimizer.step`` is wrapped on the instance: the non-finite check and the replay audit run before
+the update, the fingerprint after each real one. A failure raises the ``SDCError`` on every rank in the same step
+and writes an incident under ``<run_dir>/sdc/incidents`` (rank 0). Cost: the checks' own, plus a few Python calls
+per step.
 """
 
 from __future__ import annotations
@@ -53,11 +40,9 @@ from sdc_core.sharded.checks import is_sharded
 
 
 class CounterLog:
-    """The tracker points of ``checks()``' counters, one per step and metric, written through ``fw.log``.
-
-    A point is never written twice for one step with different values: a periodic point is only noted (``due``) and
-    written once the next step's verdicts are in (``write_due``), or by a forced write (``now``: at the end, or when a
-    verdict leaves the loop), which also flushes the trackers. No communication."""
+    """The tracker points of ``checks()``' counters through ``fw.log``, at most one per step: a periodic point
+    (``due``) is written once the next step's verdicts are in (``write_due``) or by ``now``, which also flushes the
+    trackers. No communication."""
 
     def __init__(self, fw: Framework, checks: Callable[[], list[Any]]) -> None:
         self._fw = fw
@@ -66,43 +51,33 @@ class CounterLog:
         self._written: int | None = None  # the last step written
 
     def metrics(self) -> dict[str, float]:
-        """Every check's counters, by metric name."""
-        out: dict[str, float] = {}
-        for check in self._checks():
-            out.update(check.stats.metrics())
-        return out
+        return {name: value for check in self._checks() for name, value in check.stats.metrics().items()}
 
     def due(self, step: int) -> None:
-        """A periodic point at ``step``: written by ``write_due`` or ``now``, whichever comes first."""
         self._due = step
 
     def write_due(self) -> None:
-        """Write the pending periodic point (its step's verdicts are in), unless its step was written."""
-        if self._due is not None:
-            step, self._due = self._due, None
-            if self._written != step:
-                self._write(step)
+        step, self._due = self._due, None
+        if step is not None:
+            self._write(step)
 
     def now(self, step: int) -> None:
-        """Write the point of ``step`` now (unless written already) and flush the trackers."""
         self._due = None
-        if self._written != step:
-            self._write(step)
+        self._write(step)
         self._fw.flush()
 
     def _write(self, step: int) -> None:
-        self._fw.log(self.metrics(), step)
-        self._written = step
+        if self._written != step:
+            self._fw.log(self.metrics(), step)
+            self._written = step
 
 
-
-# -- the hook set's checkpoint state: its counters as plain data (no pickle) and the fingerprint of the saved
-# model and optimizer state, taken before a save and checked after a load
+# -- the hook set's checkpoint state: plain data (no pickle), with the fingerprint of the saved model and
+# optimizer state, taken before a save and checked after a load
 
 
 def counters(step: int, updates: int, checks: list[Any], fingerprint: dict[str, Any] | None) -> dict[str, Any]:
-    """The hook set's state: its step and update counts, each check's counters and, when one was
-    taken, the fingerprint of the saved model and optimizer state."""
+    """The hook set's state: step and update counts, each check's counters (and screen band), the fingerprint."""
     state: dict[str, Any] = {
         "step": step,
         "updates": updates,
@@ -115,9 +90,8 @@ def counters(step: int, updates: int, checks: list[Any], fingerprint: dict[str, 
 
 
 def restore_counters(state: dict[str, Any], checks: list[Any]) -> tuple[int, int, Any]:
-    """Each of ``checks`` gets its counters back from ``state`` (``counters``' form); returns the
-    step and update counts and the fingerprint saved with them (or None). ``ValueError`` for a
-    state that is not of that form."""
+    """Restore ``checks`` from ``counters``' form; returns the step and update counts and the saved fingerprint
+    (or None). ``ValueError`` for a state not of that form."""
     try:
         step, updates, saved = int(state["step"]), int(state["updates"]), dict(state["checks"])
     except (KeyError, TypeError, ValueError) as err:
@@ -132,24 +106,8 @@ def restore_counters(state: dict[str, Any], checks: list[Any]) -> tuple[int, int
 
 
 def saved_tensors(module: nn.Module, optimizer: Any) -> dict[str, Any]:
-    """The state a checkpoint of the hook set's model holds: the unwrapped model's and the torch optimizer's."""
+    """What a checkpoint of the hook set's model holds: the unwrapped model's and the torch optimizer's state."""
     return {"model": module.state_dict(), "optimizer": inner_optimizer(optimizer).state_dict()}
-
-
-def take_fingerprint(module: nn.Module | None, optimizer: Any) -> dict[str, Any] | None:
-    """The fingerprint of the state a checkpoint of ``module`` holds (DDP or one process); None
-    before ``attach`` and for a ``fully_shard`` model (its DTensor shards are compared, not fingerprinted)."""
-    if module is None or is_sharded(module):
-        return None
-    return fingerprint_checkpoint(saved_tensors(module, optimizer))
-
-
-def verify_loaded(module: nn.Module | None, optimizer: Any, stored: dict[str, Any], step: int) -> None:
-    """Raise ``FingerprintMismatchError`` when the loaded state of ``module`` and ``optimizer``
-    differs from ``stored``, the fingerprint saved with it (every process loads the same files)."""
-    assert module is not None
-    check_loaded_checkpoint({**saved_tensors(module, optimizer), FINGERPRINT_KEY: stored}, step)
-
 
 
 def _core(name: str) -> Any:
@@ -157,29 +115,32 @@ def _core(name: str) -> Any:
     return property(lambda self: getattr(self._cores, name), doc=f"The hook set's {name} (LoopChecks.{name}).")
 
 
+def _refuse(reason: str | None) -> None:
+    """``ValueError`` in one line naming what is supported, when there is a ``reason``."""
+    if reason is not None:
+        raise ValueError(f"SDCHooks supports DDP (DistributedDataParallel), FSDP2 (fully_shard) or a single process; "
+                         f"got {reason}")  # fmt: skip
+
+
 class SDCHooks:
     """The three SDC checks for a training loop (plain PyTorch here; frameworks subclass it).
 
     Args:
         loss_fn: ``loss_fn(outputs, *args, **kwargs)`` giving the loss you back-propagate, when it
-            is not ``outputs.loss`` or the model's scalar output (the replay recomputes it). For
-            a loss that needs more than the model's inputs (labels, extra terms), use
-            ``replayable(fn)`` instead.
-        replay_state / load_replay_state: the explicit hook for state the replay's generic
-            capture cannot see: ``replay_state()`` returns a snapshot (copies), and
-            ``load_replay_state(state)`` puts one in place (default: the unwrapped model's
-            ``sdc_replay_state`` / ``sdc_load_replay_state`` methods, when it has them).
+            is not ``outputs.loss`` or the model's scalar output (the replay recomputes it); for a
+            loss that needs more than the model's inputs, use ``replayable(fn)`` instead.
+        replay_state / load_replay_state: state the replay's capture cannot see: ``replay_state()``
+            returns a snapshot (copies), ``load_replay_state(state)`` puts one in place (default: the
+            unwrapped model's ``sdc_replay_state`` / ``sdc_load_replay_state``, when it has them).
         run_dir, log, accumulation_steps: see ``Framework`` (plain-PyTorch route only).
-        framework: the seam (``Framework`` subclasses of the adapters); default: plain PyTorch.
+        framework: the seam (a ``Framework``); default: plain PyTorch.
         sources: where settings come from besides keywords (``sdc_core.driver.settings.Sources``).
-        **settings: any field of ``SDCSettings`` (``nonfinite_gradient``, ``on_failure``,
-            ``replay_every_n_steps``, ``fingerprint_every_n_steps``, ...); 0 turns a cadence off.
-            A bad value raises ``SDCConfigError`` naming it.
+        **settings: any field of ``SDCSettings``; 0 turns a cadence off. A bad value raises
+            ``SDCConfigError`` naming it.
 
-    Call ``attach(model, optimizer)`` on every process once the model is wrapped, and
-    ``finish()`` after the loop (it reads the last pending verdicts and compares the final
-    weights). Before writing a checkpoint, call ``before_save()`` on every process (the
-    framework seams do it for you), and save ``state_dict()`` with it.
+    Call ``attach(model, optimizer)`` on every process once the model is wrapped, ``finish()`` after
+    the loop, and ``before_save()`` on every process before writing a checkpoint (the framework seams
+    do it for you), saving ``state_dict()`` with it.
     """
 
     def __init__(
@@ -241,11 +202,11 @@ class SDCHooks:
         if self._module is not None:
             raise RuntimeError("SDCHooks.attach was already called")
         fw = self._fw
-        fw.refuse_unsupported(model)
+        _refuse(fw.unsupported(model))
         if scaler is not None:
             fw.use_scaler(scaler)
         self.loss_fn = loss_fn or self.loss_fn
-        distributed = fw.num_processes > 1
+        distributed = fw.world_size > 1
         if distributed and is_sharded(model):  # fully_shard in place (FSDP2, HSDP): the sharded cores, the update audit
             self._module = model
             process_exit.arm()
@@ -258,10 +219,7 @@ class SDCHooks:
             return self
         ddp = fw.ddp_model(model)
         if distributed and ddp is None:
-            raise ValueError(
-                f"SDCHooks supports DDP (DistributedDataParallel), FSDP2 (fully_shard) or a single process; "
-                f"got {fw.describe(model)}"
-            )
+            _refuse(fw.describe(model))
         module = fw.unwrap(model)
         self._module = module
         if distributed:  # the communication threads finish with Python before it shuts down
@@ -299,11 +257,10 @@ class SDCHooks:
     def replayable(self, fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
         """Wrap the function that computes the loss you back-propagate, so the replay computes it too.
 
-        ``fn(model, *args, **kwargs)`` returns the loss (or ``(loss, outputs)``) exactly as you back-propagate it
-        (the hook set applies the accumulation division and the GradScaler itself). On audited steps the wrapper
-        records ``(args, kwargs)``, the RNG, module and autocast state and the loss; the replay calls
-        ``fn(unwrapped_model, *args, **kwargs)``, so everything ``fn`` reads must come through its arguments or the
-        model. While a wrapper is in use the forward hooks record nothing.
+        ``fn(model, *args, **kwargs)`` returns the loss (or ``(loss, outputs)``) before the accumulation division and
+        the GradScaler (the hook set applies both). The replay calls ``fn(unwrapped_model, *args, **kwargs)``, so
+        everything ``fn`` reads must come through its arguments or the model. While a wrapper is in use the forward
+        hooks record nothing.
 
         Example: ``compute_loss = hooks.replayable(lambda model, x, y: F.cross_entropy(model(x), y))``."""
         return self._capture.replayable(fn)
@@ -326,13 +283,13 @@ class SDCHooks:
         driver.resolve_pending(self._context(optimizer))  # the earlier steps' verdicts, also on accumulation steps
         if not fw.sync_gradients:
             return original(*args, **kwargs)
-        plan = driver.before_update(self._context(optimizer))
+        skipped = driver.before_update(self._context(optimizer))
         self._log.write_due()  # this step's verdicts are in: the pending point is complete
         fw.begin_step()
         out = original(*args, **kwargs)
         step = self.step
         self.step += 1
-        updated = not plan.skipped and not fw.step_was_skipped(optimizer)
+        updated = not skipped and not fw.step_was_skipped(optimizer)
         if updated:
             self._updates += 1
         driver.after_update(self._context(optimizer, step, self._updates - 1), updated)
@@ -341,11 +298,10 @@ class SDCHooks:
         return out
 
     def _path_out(self, err: BaseException) -> None:
-        """An exception leaves the step: the pending fingerprint all-reduce is finished, not left
-        in flight into the exit; on a verdict, counters logged."""
+        """An exception leaves the step: no fingerprint all-reduce left in flight; on a verdict, counters logged."""
         if self.fingerprint is not None:
             self.fingerprint.discard()
-        if self._fw.num_processes > 1:  # the script may now free the model and the process group
+        if self._fw.world_size > 1:  # the script may now free the model and the process group
             process_exit.settle_threads()
         if isinstance(err, SDCError):
             try:  # at the tracker step of now: the updates done (a verdict about step s after its update: s + 1)
@@ -354,35 +310,34 @@ class SDCHooks:
                 warnings.warn(f"SDC counters not logged: {log_err!r}", RuntimeWarning, stacklevel=3)
 
     def finish(self) -> None:
-        """After the loop, on every process: the pending verdicts read, then the current weights
-        compared whatever the cadence (one extra read and one host wait); rank 0 logs the run's
-        closing line. Raises the ``SDCError`` on every process."""
+        """After the loop, on every process: the pending verdicts read and the current weights compared whatever the
+        cadence (one read and one host wait); rank 0 logs the closing line. Raises the ``SDCError`` on every process."""
         try:
             self._compare_now(at_end=True)
             log_run_summary(self.step, self.checks, self._driver.seam)  # rank 0: what was checked and found
         finally:
             self.log(force=True)
-            if self._fw.num_processes > 1:  # the script may now free the model and the process group
+            if self._fw.world_size > 1:  # the script may now free the model and the process group
                 process_exit.settle_threads()
 
     def check_gradients_now(self) -> None:
-        """Read this step's non-finite verdict now, before anything that raises on NaN gradients
-        (a clipping with ``error_if_nonfinite=True``, a norm you check yourself): raises the
-        ``NonFiniteGradientError`` naming the rank on every process, as ``optimizer.step`` would
-        have. Call it on every process, after backward. Cost: one host wait; nothing on a finite
-        step beyond that (the step's own verdict is then read as usual)."""
+        """Read this step's non-finite verdict now, before anything that raises on NaN gradients (a clipping with
+        ``error_if_nonfinite=True``): raises the ``NonFiniteGradientError`` naming the rank on every process. Call it
+        on every process, after backward. Cost: one host wait."""
         if self.nonfinite is None or self._module is None or not self._fw.sync_gradients:
             return
         self._driver.gradients_now(self._context())
 
     def before_save(self, fingerprint: bool = True) -> None:
-        """Call on every process before writing a checkpoint: reads the pending non-finite verdict and compares the
-        replicas' current weights (raising the ``SDCError`` on every process before anything is written). With
-        ``fingerprint`` (DDP or one process) the model and optimizer state are fingerprinted into
-        ``checkpoint_fingerprint``, which ``state_dict()`` carries for ``load_state_dict`` to verify. Sharded models:
-        compared, not fingerprinted. Cost: one host wait and one read of the weights (and of the saved state)."""
+        """Call on every process before writing a checkpoint: reads the pending verdicts and compares the replicas'
+        current weights (an ``SDCError`` on every process before anything is written). With ``fingerprint`` the model
+        and optimizer state are fingerprinted into ``checkpoint_fingerprint``, which ``state_dict()`` carries for
+        ``load_state_dict`` to verify (a ``fully_shard`` model's shards are compared, not fingerprinted). Cost: one
+        host wait and one read of the weights (and of the saved state)."""
         self._compare_now()
-        self.checkpoint_fingerprint = take_fingerprint(self._module, self._optimizer) if fingerprint else None
+        module = self._module
+        keep = fingerprint and module is not None and not is_sharded(module)  # DTensor shards: compared only
+        self.checkpoint_fingerprint = fingerprint_checkpoint(saved_tensors(module, self._optimizer)) if keep else None
 
     def _compare_now(self, compare: bool = True, at_end: bool = False) -> None:
         """The pending verdicts read and, with ``compare``, the current weights compared (every process)."""
@@ -395,20 +350,13 @@ class SDCHooks:
         return self._log.metrics()
 
     def log(self, force: bool = False) -> None:
-        """Send the counters to the framework's trackers (or ``log``), one point per step and metric (``CounterLog``):
-        ``force=False`` writes it once the next step's verdicts are in, ``force=True`` now, and flushes. The tracker
-        step is the number of optimizer updates done: a verdict about step ``s`` read after its update is logged at
-        ``s + 1``, one read before it at ``s``."""
-        if force:
-            self._log.now(self.step)
-        else:
-            self._log.due(self.step)
+        """Send the counters to the trackers (or ``log``), at most one point per step (``CounterLog``): once the next
+        step's verdicts are in, or with ``force`` now, flushed. The tracker step counts the optimizer steps done."""
+        (self._log.now if force else self._log.due)(self.step)
 
     def detach(self) -> None:
-        """Remove every hook this hook set installed: the forward hooks, the ``step`` wrapper and
-        its gradient-tap consumers (the tap's parameter hooks stay, reading nothing; a user's
-        communication hook stays registered: DDP cannot drop one). Call ``finish()`` first to
-        read the last pending fingerprint comparison. ``attach`` may be called again."""
+        """Remove every hook this hook set installed (the tap's parameter hooks stay, reading nothing; a user's
+        communication hook stays: DDP cannot drop one). Call ``finish()`` first; ``attach`` may be called again."""
         for handle in self._handles:
             handle.remove()
         self._handles = []
@@ -418,34 +366,33 @@ class SDCHooks:
     # -- checkpoints ---------------------------------------------------------------------------
 
     def owns(self, models: list[Any]) -> bool:
-        """True when this hook set is attached to one of ``models`` (wrapped or not), or to none yet:
-        a framework's save or load of those models concerns it."""
+        """True when this hook set is attached to one of ``models`` (wrapped or not), or to none yet."""
         if self._model is None and self._module is None:
             return True
         return any(m is self._model or self._fw.unwrap(m) is self._module for m in models)
 
     def _before_save(self, models: list[Any], weights: Any, output_dir: Any) -> None:
-        """The framework's pre-save hook (every process, before any file is written): what
-        ``before_save()`` does, unless this hook set's model is not among the saved ``models``."""
+        """The framework's pre-save hook (every process): ``before_save()`` when this hook set's model is saved."""
         if self._module is not None and self.owns(models):
             return self.before_save()
         self.checkpoint_fingerprint = None
         self._compare_now(compare=False)  # no checkpoint after a step whose verdict is unread
 
     def _verify_loaded(self) -> None:
-        """Raise ``FingerprintMismatchError`` (on every process: each loads the same files) when
-        the loaded weights or optimizer state differ from the fingerprint saved with them (once)."""
+        """Raise ``FingerprintMismatchError`` (on every process: each loads the same files) when the loaded weights or
+        optimizer state differ from the fingerprint saved with them (once)."""
         stored, self._loaded_fingerprint = self._loaded_fingerprint, None
         if stored is not None:
-            verify_loaded(self._module, self._optimizer, stored, self.step)
+            assert self._module is not None
+            loaded = {**saved_tensors(self._module, self._optimizer), FINGERPRINT_KEY: stored}
+            check_loaded_checkpoint(loaded, self.step)
 
     def state_dict(self) -> dict[str, Any]:
         """The counters (and the fingerprint of the state ``before_save`` saw): plain data only."""
         return counters(self.step, self._updates, self.checks, self.checkpoint_fingerprint)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore the counters; call it after loading the model and optimizer, so the loaded
-        tensors are verified against the fingerprint stored at ``before_save``."""
+        """Restore the counters; call it after loading the model and optimizer, whose tensors are then verified."""
         self.step, self._updates, self._loaded_fingerprint = restore_counters(state, self.checks)
         if self._module is not None:
             self._verify_loaded()
@@ -457,9 +404,7 @@ def _at_exit(hooks: weakref.ref[SDCHooks]) -> None:
     if alive is not None and alive.fingerprint is not None:
         alive.fingerprint.discard(timeout_s=10.0)
     del alive
-    # Gloo threads finish releasing a Python comm hook's callbacks first: the
-    # collection below may destroy the DDP model, whose reducer drops the process group
-    # with the GIL held and joins those threads (see sdc_core.ops.process_exit).
+    # Gloo threads finish releasing a Python comm hook's callbacks before the collection below may destroy the DDP
+    # model, whose reducer joins them with the GIL held (sdc_core.ops.process_exit); the cycles are collected here.
     process_exit.settle_threads()
-    # The hooks and the DDP model form reference cycles: collected here, while Python is whole.
     gc.collect()

@@ -1,12 +1,5 @@
-"""``LoopChecks``: the check cores of a hook set and how they meet its model.
-
-Built from the settings, then attached once a model is known: a DDP model (``attach_tap``: the
-shared gradient tap feeds the non-finite check, the screen and the replay), a ``fully_shard`` model
-(``attach_sharded``: the sharded cores; the matrix-product checksums do not cover DTensor weights
-and are dropped), or one process (``single_process``: no replica to compare with). ``detach`` takes
-the tap's consumers back. None of this communicates (the caller gathers the topology, on every rank
-alike).
-"""
+"""``LoopChecks``: the check cores of a hook set, built from the settings and attached to a DDP model, a
+``fully_shard`` model or one process. None of this communicates (the caller gathers the topology)."""
 
 from __future__ import annotations
 
@@ -23,6 +16,7 @@ from sdc_core.checks.gradient_tap import GradientTap
 from sdc_core.checks.gradients import NonFiniteGradient
 from sdc_core.checks.screen import GradientScreen, ScreenConfig
 from sdc_core.dist.topology import Topology
+from sdc_core.driver.framework import Removal
 from sdc_core.driver.replay_capture import LoopCapture
 from sdc_core.driver.settings import SDCSettings
 from sdc_core.replay.ring import RingReplay
@@ -49,13 +43,11 @@ class LoopChecks:
         self.fingerprint: Any = WeightFingerprint(fingerprint) if fingerprint else None
         self.update_audit: Any = None
         self.screen: Any = None  # the every-step screen: made at attach (DDP, with the gradient check)
-        matmul = settings.matmul()
-        if matmul is not None:
+        self.matmul: Any = None
+        if (matmul := settings.matmul()) is not None:
             from sdc_core.checks.matmul import MatmulChecksum
 
-            self.matmul: Any = MatmulChecksum(matmul)
-        else:
-            self.matmul = None
+            self.matmul = MatmulChecksum(matmul)
         self._consumers: list[tuple[list[Any], Any]] = []  # (tap list, consumer) pairs to remove on detach
         self.step_checks: list[Any] = []  # checks registered with ``add`` (``StepCheck``: run through the phases)
 
@@ -86,8 +78,7 @@ class LoopChecks:
     def attach_tap(self, module: nn.Module, ddp: Any, capture: LoopCapture, comm_hook: tuple[Any, Any],
                    screen: Callable[[], ScreenConfig | None], topo: Topology) -> list[Any]:  # fmt: skip
         """A DDP model: the gradient tap feeds the non-finite check (and the screen, when ``screen()``
-        gives its config) and the replay; returns the handles of the replay's forward hooks. Nothing
-        without either check."""
+        gives its config) and the replay; returns the handles of the replay's forward hooks."""
         if not (self.nonfinite or self.replay):
             return []
         names = {id(p): n for n, p in module.named_parameters()}
@@ -114,11 +105,8 @@ class LoopChecks:
     def attach_sharded(self, model: nn.Module, optimizer: Any, capture: LoopCapture,
                        update_audit: Callable[[], Any], topo: Topology,
                        screen: Callable[[], ScreenConfig | None] = lambda: None) -> list[Any]:  # fmt: skip
-        """A ``fully_shard`` model (FSDP2, HSDP): the non-finite check (and, when ``screen()`` gives its config and
-        there is no tensor parallelism, the screen) reads each rank's local gradients in the reduce-scatter, the
-        fingerprint compares shards in their replica groups and re-checks unreplicated ones before each forward, the
-        replay recomputes partners' inputs through the sharded model together, and ``update_audit()``'s audit
-        recomputes each rank's update. Returns the forward hooks' handles."""
+        """A ``fully_shard`` model (FSDP2, HSDP): the sharded cores (matrix-product checksums do not cover DTensor
+        weights: dropped); the fingerprint re-checks unreplicated shards before each forward. Returns the handles."""
         handles = []
         if self.matmul is not None:  # DTensor weights are not covered (sdc_core.checks.matmul)
             warnings.warn("SDC matmul_checksum is inactive on a fully_shard model", UserWarning, stacklevel=3)
@@ -132,7 +120,10 @@ class LoopChecks:
         if self.nonfinite is not None:
             self.nonfinite = ShardedNonFinite(self.nonfinite.config, self.nonfinite.stats, topo)
             self.nonfinite.attach(model)
-            self.screen = sharded_screen(model, self.nonfinite, screen(), topo)
+            config, self.screen = screen(), None
+            if config is not None and screenable(model, self.nonfinite.taps):  # alike on every rank: the layout
+                self.screen = GradientScreen(config, topo)
+                self.screen.attach(self.nonfinite)  # reads the sharded gradient check's magnitudes
         if self.fingerprint is not None:
             fingerprint = self.fingerprint = ShardedFingerprint(self.fingerprint.config, self.fingerprint.stats, topo)
 
@@ -148,10 +139,8 @@ class LoopChecks:
         return handles
 
     def attach_matmul(self, module: nn.Module, topo: Topology, arm: Callable[[Any], None]) -> list[Any]:
-        """The matrix-product checksums (``matmul_checksum``): every ``nn.Linear`` (and attention
-        projection) of ``module`` verified in its forward and backward; ``arm(matmul)`` runs before
-        each training forward with gradients (the first of a step reads the previous verdict).
-        Returns the removable handles."""
+        """The matrix-product checksums on ``module``; ``arm(matmul)`` runs before each training forward with
+        gradients (the first of a step reads the previous verdict). Returns the removable handles."""
         matmul = self.matmul
         if matmul is None:
             return []
@@ -162,7 +151,7 @@ class LoopChecks:
             if mod.training and torch.is_grad_enabled():
                 arm(matmul)
 
-        return [module.register_forward_pre_hook(before_forward), _Call(matmul.detach)]
+        return [module.register_forward_pre_hook(before_forward), Removal(matmul.detach)]
 
     def detach(self) -> None:
         """The tap's consumers removed (its parameter hooks stay, reading nothing)."""
@@ -172,27 +161,4 @@ class LoopChecks:
         self._consumers = []
 
 
-def sharded_screen(model: nn.Module, nonfinite: ShardedNonFinite, config: ScreenConfig | None,
-                   topo: Topology) -> GradientScreen | None:  # fmt: skip
-    """The every-step screen of a sharded model, reading ``nonfinite``'s magnitudes (every rank
-    alike: one blocking all_reduce agrees on the width), or None: no config, or a model the
-    screen does not cover (``screenable``: no tapped FSDP parameter group, tensor parallelism).
-    Decided from what every rank has alike (the model's layout)."""
-    if config is None or not screenable(model, nonfinite.taps):
-        return None
-    screen = GradientScreen(config, topo)
-    screen.attach(nonfinite)
-    return screen
-
-
-class _Call:
-    """Handle whose ``remove`` calls ``fn``."""
-
-    def __init__(self, fn: Callable[[], Any]) -> None:
-        self.fn = fn
-
-    def remove(self) -> None:
-        self.fn()
-
-
-__all__ = ["LOOP_ADVICE", "LoopChecks", "sharded_screen"]
+__all__ = ["LOOP_ADVICE", "LoopChecks"]

@@ -1,14 +1,10 @@
 """``LoopCapture``: what the ring replay and the screen take from a plain loop's forwards.
 
-On an audited step (``replay.arm``) each micro-batch is recorded with what it ran under, so that
-a partner recomputes it the same way: ``replayable(fn)`` wrappers record ``fn``'s arguments, and
-otherwise a forward pre-/post-hook on the unwrapped model records its inputs; both record the
-autocast state and the scaled-dot-product-attention backends of the forward, and the loss as the
-loop back-propagates it (divided by the accumulation steps, scaled by the GradScaler). A replay
-recomputes a recorded micro-batch under the same states (``replay_step``). The step's loss,
-summed over its micro-batches, is kept for the every-step screen (``take_loss``). Nothing is
-recorded in a replay, outside training, without gradients, or by the forward hooks once a
-``replayable`` wrapper is in use. No communication; cost: a few Python calls per forward.
+On an audited step each micro-batch is recorded (by ``replayable(fn)`` wrappers, else by forward hooks on the
+unwrapped model) with its autocast state and attention backends and the loss as back-propagated (divided by the
+accumulation steps, scaled by the GradScaler), so that a partner recomputes it the same way (``replay_step``). Nothing
+is recorded in a replay, outside training or without gradients. No communication; cost: a few Python calls per
+forward.
 """
 
 from __future__ import annotations
@@ -37,13 +33,8 @@ class Loop(Protocol):
 
 
 class LoopCapture:
-    """The replay's records of a loop's micro-batches, their recomputation, and the screen's loss.
-
-    Args:
-        loop: the hook set (``Loop``): its current replay, screen, step, ``loss_fn`` and module.
-        fw: the framework's answers (the loss divisor, the GradScaler, the replay's model and context).
-        replay_state / load_replay_state: the explicit state hooks of ``SDCHooks`` (``state_hooks``).
-    """
+    """The replay's records of a loop's micro-batches, their recomputation, and the screen's loss (``take_loss``).
+    ``loop``: the hook set; ``fw``: its framework; ``replay_state`` / ``load_replay_state``: as ``SDCHooks``'."""
 
     def __init__(self, loop: Loop, fw: Framework, replay_state: Callable[[], Any] | None = None,
                  load_replay_state: Callable[[Any], None] | None = None) -> None:  # fmt: skip
@@ -57,8 +48,7 @@ class LoopCapture:
         self._loss: torch.Tensor | None = None  # the loss of the step's forwards so far (the screen's value)
 
     def state_hooks(self, module: nn.Module) -> tuple[Any, Any]:
-        """``(get, load)`` for the replay's state capture: the explicit hooks, else the model's own
-        ``sdc_replay_state`` / ``sdc_load_replay_state`` methods when it has them."""
+        """``(get, load)`` for the replay's state capture: the explicit hooks, else the model's own methods."""
         get, load = self._state
         if get is None and load is None:
             get, load = getattr(module, "sdc_replay_state", None), getattr(module, "sdc_load_replay_state", None)
@@ -76,8 +66,7 @@ class LoopCapture:
     # -- recording ------------------------------------------------------------------------------
 
     def replayable(self, fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-        """``fn(model, *args, **kwargs)`` wrapped: on audited steps its arguments, states and loss
-        are recorded (see ``SDCHooks.replayable``); from now on the forward hooks record nothing."""
+        """``fn`` wrapped (``SDCHooks.replayable``); from now on the forward hooks record nothing."""
         index = len(self._replayables)
         self._replayables.append(fn)
         self._uses_replayable = True
@@ -113,7 +102,6 @@ class LoopCapture:
         return wrapper
 
     def _recording_forward(self, module: nn.Module) -> bool:
-        assert self._loop.replay is not None
         return not (
             self._uses_replayable or self._in_replayable or self.in_replay()
             or not module.training or not torch.is_grad_enabled()
@@ -143,8 +131,7 @@ class LoopCapture:
                 self._add_loss(loss)
 
     def _add_loss(self, loss: torch.Tensor) -> None:
-        """Add a micro-batch's loss, as back-propagated (normalised, scaled), to the step's loss for
-        the screen: summed over the micro-batches, what a partner's recomputation returns."""
+        """Add a micro-batch's loss as back-propagated to the step's loss for the screen (what a replay returns)."""
         self._loss = loss if self._loss is None else self._loss + loss
 
     def take_loss(self) -> torch.Tensor | None:
@@ -178,8 +165,7 @@ class LoopCapture:
         module = self._loop.module
         assert module is not None
         kind, index, args, kwargs, *rest = batch
-        amp = rest[0] if rest else None
-        sdpa = rest[1] if len(rest) > 1 else None
+        amp, sdpa = (*rest, None, None)[:2]  # validated where they are entered (a peer sent them)
         self._replaying = True
         try:
             with _autocast(amp), _sdpa_backends(sdpa):
@@ -210,8 +196,7 @@ def _own_loss(outputs: Any) -> Any:
 
 
 def _loss_of(result: Any) -> torch.Tensor:
-    """The loss in what a ``replayable`` function returned: the tensor itself, or the first item
-    of a ``(loss, outputs)`` pair (the Hugging Face ``compute_loss(..., return_outputs=True)`` form)."""
+    """The loss in what a ``replayable`` function returned: the tensor, or the first item of ``(loss, outputs)``."""
     if isinstance(result, tuple | list) and result and isinstance(result[0], torch.Tensor):
         return result[0]
     if not isinstance(result, torch.Tensor):
@@ -220,8 +205,7 @@ def _loss_of(result: Any) -> torch.Tensor:
 
 
 def _device(module: nn.Module | None) -> torch.device | None:
-    """The device of ``module``'s first parameter (``parameters()``' order), or None: the module
-    tree walked until the first one (once per forward)."""
+    """The device of ``module``'s first parameter, or None."""
     first = None if module is None else next(module.parameters(), None)
     return None if first is None else first.device
 
@@ -253,14 +237,14 @@ _SDPA_READS = tuple(getattr(torch._C, f"_get_{name}_sdp_enabled") for name in _S
 
 
 def _sdpa_state() -> tuple[bool, ...]:
-    """Which scaled-dot-product-attention backends the forward may use (``sdpa_kernel`` sets these
-    flags): the replay must pick the same kernel, or dropout masks and roundings differ."""
+    """Which scaled-dot-product-attention backends the forward may use: the replay must pick the same kernel, or
+    dropout masks and roundings differ."""
     return tuple(bool(read()) for read in _SDPA_READS)
 
 
 @contextmanager
 def _sdpa_backends(state: Any) -> Iterator[None]:
-    """Re-enter the SDPA backend flags recorded by ``_sdpa_state`` (nothing when none were recorded)."""
+    """Re-enter the SDPA backend flags recorded by ``_sdpa_state`` (validated: a partner sent them)."""
     if state is None:
         yield
         return

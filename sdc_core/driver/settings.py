@@ -1,16 +1,13 @@
 """Settings of the loop driver (``sdc_core.SDCHooks``): one validated set, from layered sources.
 
-Precedence: defaults < settings file < environment (``<PREFIX><NAME>``) < keywords. Which file and
-which prefix a route reads is its ``Sources``: the plain-PyTorch route reads keywords only (a
-script configures itself; ``SDC_*`` variables already mean other things); the Accelerate, Fabric
-and Trainer seams read ``ACCELERATE_SDC_*`` and the ``accelerate-sdc config`` file.
+Precedence: defaults < settings file < environment (``<PREFIX><NAME>``) < keywords; a route's ``Sources`` says which
+file and prefix it reads (the plain-PyTorch route: keywords only; the Accelerate, Fabric and Trainer seams:
+``ACCELERATE_SDC_*`` and the ``accelerate-sdc config`` file).
 
-One rule for every source: a bool is ``true``/``false`` or ``1``/``0`` (as a bool, a number or a
-string, any case; not ``yes``/``on``), an integer is a whole number or a string of one, a number a
-finite number or a string of one, a policy a string. An unknown name anywhere (a file key, an
-environment variable with the prefix, a keyword) is an error suggesting the closest known name;
-so is a bad value, also of a check that is turned off. ``SDCConfigError`` names the key and
-where it came from. Cost: paid once, at construction; nothing per step.
+One rule for every source: a bool is ``true``/``false`` or ``1``/``0`` (as a bool, a number or a string, any case; not
+``yes``/``on``), an integer a whole number or a string of one, a number a finite number or a string of one, a policy a
+string. An unknown name anywhere is an error suggesting the closest known name; so is a bad value, also of a check
+that is turned off. ``SDCConfigError`` names the key and where it came from. Cost: paid once, at construction.
 """
 
 from __future__ import annotations
@@ -42,8 +39,7 @@ class SDCConfigError(ValueError):
 
 
 def _from(config: type, name: str, *, default: Any = dataclasses.MISSING, doc: str = "", more: str = "") -> Any:
-    """An ``SDCSettings`` field that IS setting ``name`` of ``config``: the config's default and doc
-    (``default``, ``doc`` and ``more`` for the few that differ: a cadence of 0 that turns a check off)."""
+    """An ``SDCSettings`` field that IS setting ``name`` of ``config``, with its default and doc unless given."""
     f = settings_of(config)[name]
     return dataclasses.field(
         default=f.default if default is dataclasses.MISSING else default,
@@ -67,14 +63,11 @@ NOT_OFFERED: dict[type, tuple[str, ...]] = {
 
 @dataclass(frozen=True)
 class SDCSettings:
-    """All settings of the hook set (names mirror the Lightning callbacks' arguments).
+    """All settings of the hook set (names mirror the Lightning callbacks' arguments; a check's field is its config's).
 
-    Each field that belongs to a check is that check's config field (``_from``: same default and
-    doc, read by ``accelerate-sdc config``); ``field_doc`` gives any field's doc. A cadence of 0, or
-    ``nonfinite_gradient=False``, turns that check off; ``update_audit_every_n_steps`` applies to
-    FSDP2 models only. ``replay_allow_pickled_batches=False`` refuses a partner's micro-batch that
-    needs unpickling unless the launcher sets ``SDC_ALLOW_PICKLED_BATCHES=1`` on every rank (the
-    receiver decides, so an operator may allow it for one job without touching the script).
+    A cadence of 0, or ``nonfinite_gradient=False``, turns that check off. ``replay_allow_pickled_batches=False``
+    refuses a partner's micro-batch that needs unpickling unless the launcher sets ``SDC_ALLOW_PICKLED_BATCHES=1`` on
+    every rank (the receiver decides).
     """
 
     nonfinite_gradient: bool = _own(True, "check local gradients for NaN/Inf before the all-reduce")
@@ -113,41 +106,32 @@ class SDCSettings:
     matmul_checksum: bool = _own(False, "verify every nn.Linear product's row sums in forward and backward (opt-in)")
     log_every_n_steps: int = _own(50, "how often the counters go to the trackers")
 
-    def _kwargs(self, config: type) -> dict[str, Any]:
-        """The values of ``config``'s settings, by its field names."""
-        return {name: getattr(self, setting) for name, setting in settings_for(config).items()}
+    def _config(self, config: type, on: bool, **extra: Any) -> Any:
+        """``config`` built from its settings (``extra`` over them), or None when ``on`` is false."""
+        if not on:
+            return None
+        return config(**{name: getattr(self, setting) for name, setting in settings_for(config).items()} | extra)
 
     def nonfinite(self) -> NonFiniteConfig | None:
-        if not self.nonfinite_gradient:
-            return None
-        return NonFiniteConfig(**self._kwargs(NonFiniteConfig))
+        return self._config(NonFiniteConfig, self.nonfinite_gradient)
 
-    def replay(self) -> ReplayConfig | None:
-        if self.replay_every_n_steps == 0:
-            return None
-        kwargs = self._kwargs(ReplayConfig)
-        kwargs["allow_pickled_batches"] = True if self.replay_allow_pickled_batches else None  # False: the environment
-        return ReplayConfig(**kwargs)
+    def replay(self) -> ReplayConfig | None:  # allow_pickled_batches=False becomes None: the environment decides
+        return self._config(ReplayConfig, self.replay_every_n_steps != 0,
+                            allow_pickled_batches=True if self.replay_allow_pickled_batches else None)  # fmt: skip
 
     def fingerprint(self) -> FingerprintConfig | None:
-        if self.fingerprint_every_n_steps == 0:
-            return None
-        return FingerprintConfig(**self._kwargs(FingerprintConfig))
+        return self._config(FingerprintConfig, self.fingerprint_every_n_steps != 0)
 
     def screen(self) -> ScreenConfig | None:
-        """The every-step screen's config, or None when it (or the gradient check it reads from) is off."""
+        """None when the screen or the gradient check it reads from is off."""
         if not (self.gradient_screen and self.nonfinite_gradient):
             return None
         return ScreenConfig()  # its band's tuning is not offered (NOT_OFFERED)
 
     def matmul(self) -> MatmulChecksumConfig | None:
-        """The matrix-product checksum check's config, or None when off."""
-        if not self.matmul_checksum:
-            return None
-        return MatmulChecksumConfig(**self._kwargs(MatmulChecksumConfig))
+        return self._config(MatmulChecksumConfig, self.matmul_checksum)
 
     def update_audit(self) -> UpdateAudit | None:
-        """FSDP2 without replicas: a partner recomputes each rank's optimizer update every n-th step."""
         return update_audit(self.update_audit_every_n_steps)
 
     def to_dict(self) -> dict[str, Any]:
@@ -160,8 +144,8 @@ def field_doc(name: str) -> str:
 
 
 def help_table_source() -> str:
-    """The text of ``sdc_core/driver/settings_help.py``: each setting's name, default and doc, for a
-    ``--help`` that imports no torch (``tests/test_cli_startup.py`` keeps the file equal to this)."""
+    """The text of ``sdc_core/driver/settings_help.py``, for a ``--help`` that imports no torch
+    (``tests/test_cli_startup.py`` keeps the file equal to this)."""
     rows = "".join(f"    ({f.name!r}, {f.default!r},\n     {f.metadata['doc']!r}),\n" for f in fields(SDCSettings))
     return (
         '"""Generated from ``sdc_core.driver.settings.SDCSettings`` by ``help_table_source()`` (do not edit): each\n'
@@ -194,9 +178,8 @@ class UnknownArgumentError(SDCConfigError, TypeError):
 
 
 def checked_keywords(init: Callable[..., None]) -> Callable[..., None]:
-    """Wrap a constructor so an unknown keyword raises ``UnknownArgumentError`` naming the class,
-    the keyword and the closest known one (``suggest``), instead of Python's bare ``TypeError``.
-    The signature stays visible to introspection (``functools.wraps``: LightningCLI reads it)."""
+    """Wrap a constructor so an unknown keyword raises ``UnknownArgumentError`` naming the class, the keyword and the
+    closest known one; the signature stays visible (LightningCLI reads it)."""
     params = inspect.signature(init).parameters
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         return init
@@ -253,9 +236,8 @@ def coerce(key: str, value: Any, source: str) -> Any:
 
 
 def read_file(path: Path) -> dict[str, Any]:
-    """Settings from a YAML file: its top level, or its ``sdc:`` section (an accelerate config).
-    Booleans are ``true``/``false`` only (``yes``/``on`` stay strings and are then rejected).
-    Needs PyYAML (a dependency of Lightning and Accelerate), imported here only."""
+    """Settings from a YAML file: its top level, or its ``sdc:`` section (an accelerate config). Booleans are
+    ``true``/``false`` only (``yes``/``on`` stay strings and are then rejected)."""
     import yaml
 
     class _Loader(yaml.SafeLoader):
@@ -285,9 +267,8 @@ def read_file(path: Path) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class Sources:
-    """Where a route reads settings from besides keywords: environment variables
-    ``<env_prefix><NAME>``, the file named by ``<env_prefix>CONFIG_FILE``, else ``default_file()``
-    when it returns a path that exists. ``env_prefix=None``: keywords only."""
+    """Where a route reads settings besides keywords: ``<env_prefix><NAME>`` variables, the file named by
+    ``<env_prefix>CONFIG_FILE``, else ``default_file()`` when it exists. ``env_prefix=None``: keywords only."""
 
     env_prefix: str | None = None
     default_file: Callable[[], Path | None] | None = None
@@ -304,8 +285,8 @@ class Sources:
         return self.default_file() if self.default_file is not None else None
 
     def from_env(self, environ: Mapping[str, str] | None = None) -> dict[str, Any]:
-        """Settings from ``<env_prefix><NAME>`` variables; any other name with the prefix (a
-        typo, in any case) raises ``SDCConfigError`` with the closest known name."""
+        """Settings from ``<env_prefix><NAME>`` variables; any other name with the prefix (in any case) raises
+        ``SDCConfigError`` with the closest known name."""
         if self.env_prefix is None:
             return {}
         env = os.environ if environ is None else environ
@@ -336,12 +317,9 @@ def _either(words: tuple[str, ...]) -> str:
 
 
 def resolve(sources: Sources = PLAIN, **kwargs: Any) -> tuple[SDCSettings, dict[str, str]]:
-    """Merge defaults, the settings file, the environment and ``kwargs``, and validate every value.
-
-    Returns the settings and, for each key that was set, where its value came from. Raises
-    ``SDCConfigError`` naming the key and its source; left uncaught, it ends the process with
-    that one line (``one_line_when_uncaught``).
-    """
+    """Merge defaults, the settings file, the environment and ``kwargs``, and validate every value. Returns the
+    settings and, for each key that was set, where its value came from. ``SDCConfigError`` names the key and its
+    source; left uncaught, it ends the process with that one line."""
     try:
         return _resolve(sources, **kwargs)
     except SDCConfigError:

@@ -1,17 +1,11 @@
-"""``StepDriver``: the one loop driver of the SDC checks, whatever the training loop.
+"""``StepDriver``: the one loop driver of the SDC checks, called by every seam (``SDCHooks`` from its wrapper of
+``optimizer.step``, the Lightning callbacks from the trainer's events). It owns the phases of an optimizer step and
+the order of the verdicts in them (an earlier step's fault is always read before a later step can show it as a
+symptom), what one check's verdict means for the others, and the delivery of a verdict (``Delivery``).
+docs/architecture.md ("One step's journey") walks through a step; the ``Seam`` answers what only the framework knows.
 
-Every seam calls it: ``SDCHooks`` from its wrapper of ``optimizer.step`` (and through it Accelerate,
-Fabric and the Hugging Face Trainer), the Lightning callbacks from the trainer's events. It owns,
-once: the phases of an optimizer step and the order of the verdicts in them (an earlier step's fault
-is always read before a later step can show it as a symptom), the start of the weight comparison
-after the update, what one check's verdict means for the others (a dropped or healed step is not
-audited; a replay disagreement is first checked against the replicas' weights), the delivery of a
-verdict (``Delivery``) and the comparisons before a checkpoint and at the end.
-docs/architecture.md ("One step's journey") walks through a step.
-
-The seam (``Seam``) answers what only the framework knows. Every rank calls the same methods in the
-same order; each runs the same collectives on every rank, on its error paths too; each verdict has
-its own collective (or none). Cost: a few Python calls per step beyond the checks' own.
+Every rank calls the same methods in the same order; each runs the same collectives on every rank, on its error paths
+too. Cost: a few Python calls per step beyond the checks' own.
 """
 
 from __future__ import annotations
@@ -44,11 +38,10 @@ ROLLED_BACK = RolledBack()
 
 
 class Delivery:
-    """What happens to one check's verdict, whatever the seam: returned (skipped, warned, healed: its incident
-    recorded with the policy applied), raised (recorded as ``"raise"``, marked for the launcher, re-raised; recorded
-    once even through an outer delivery) or, with ``on_failure="rollback"``, handed to the seam's rollback (recorded
-    as ``"rollback"``, ``ROLLED_BACK`` returned; ``rolled_back``: that verdict, with what was done). Each recorded
-    verdict also goes to the seam's report. No communication beyond the seam's rollback (every rank together)."""
+    """What happens to one check's verdict: returned (skipped, warned, healed: recorded with the policy applied),
+    raised (recorded once as ``"raise"``, marked for the launcher) or, with ``on_failure="rollback"``, handed to the
+    seam's rollback (``ROLLED_BACK`` returned; ``rolled_back``: that verdict). No communication beyond the seam's
+    rollback (every rank together)."""
 
     def __init__(self, seam: Any) -> None:
         self.seam = seam
@@ -117,10 +110,10 @@ class StepContext:
 
     Args:
         index: the step (0-based): ``SDCError.step``, the replay's and matmul check's cadence.
-        update: the 0-based index of the update in question, for the fingerprint's cadence
-            (the coming one before the update, the one just done after it).
+        update: the 0-based index of the update in question (the fingerprint's cadence): the
+            coming one before the update, the one just done after it.
         module: the unwrapped (or ``fully_shard``) model.
-        optimizers: the torch optimizers of the step (inner ones, not a framework's wrappers).
+        optimizers: the inner torch optimizers of the step.
         scaler_active: an fp16 GradScaler scales this step.
     """
 
@@ -129,13 +122,6 @@ class StepContext:
     module: nn.Module
     optimizers: list[Any]
     scaler_active: bool = False
-
-
-@dataclass
-class StepPlan:
-    """What ``before_update`` decided: the update is skipped on every rank."""
-
-    skipped: bool = False
 
 
 class Seam:
@@ -156,17 +142,14 @@ class Seam:
         return 1
 
     def report(self, check: Any, policy: str) -> None:
-        """A verdict of ``check`` was recorded with ``policy``: e.g. its counters to the trackers.
-        Must not raise and run no collective."""
+        """A verdict of ``check`` was recorded with ``policy``. Must not raise and run no collective."""
 
     def tracker_targets(self) -> list[tuple[str, Any]]:
-        """The trackers that get a verdict and the run's closing line as text (``ops.trackers``
-        targets: ``(kind, object)``); none by default. Main process only; no collective."""
+        """The trackers that get a verdict and the closing line as text (``(kind, object)``, ``ops.trackers``)."""
         return []
 
     def report_incident(self, error: SDCError, path: Any) -> None:
-        """On the main process, the verdict ``error`` (its incident file ``path``, or None) to the
-        trackers as what it is. Must not raise and run no collective."""
+        """On the main process, the verdict (its incident file ``path``, or None) to the trackers. Never raises."""
         log_incident(self.tracker_targets(), error, path, error.step)
 
     def mark(self, error: SDCError) -> None:
@@ -174,14 +157,12 @@ class Seam:
         mark_verdict(error)
 
     def rollback(self, error: SDCError, max_step: int) -> SDCError:
-        """Restore the newest checkpoint verified clean at or before ``max_step`` (every rank
-        together) and return ``error`` with what was done; raise it when impossible. The plain
-        loop has no checkpoint of its own to restore (the settings refuse ``"rollback"``)."""
+        """Restore the newest checkpoint verified clean at or before ``max_step`` (every rank together) and return
+        ``error`` with what was done; raise it when impossible (the plain loop: always)."""
         raise error
 
     def audit(self, replay: Any, step: StepContext) -> bool:
-        """Run ``replay.audit`` for this step with the framework's step function; True when the
-        step is to be dropped on every rank (a transient fault)."""
+        """Run ``replay.audit`` for this step; True when every rank drops the step (a transient fault)."""
         return bool(replay.audit(step.index, step.module, *self.replay_functions(replay, step)))
 
     def replay_functions(self, replay: Any, step: StepContext) -> tuple[Any, Any, Any]:
@@ -199,30 +180,27 @@ def _with_role(role: Role) -> Any:
 
 
 class StepDriver:
-    """The verdicts of the SDC checks in the order of cause and effect, for any seam.
-
-    The phases (``sdc_core.checks.contract.Phase``) map to ``observe`` then ``resolve_pending``, ``before_update``,
-    ``after_update``, ``before_save`` and ``at_end``. The checks are found by the ``Role`` they declare; a
-    ``StepCheck`` is called in each phase after the built-in checks of that phase.
+    """The verdicts of the SDC checks in the order of cause and effect, for any seam. The phases
+    (``sdc_core.checks.contract.Phase``) are ``observe``, ``resolve_pending``, ``before_update``, ``after_update``,
+    ``before_save`` and the end; a ``StepCheck`` runs in each phase after the built-in checks (found by ``Role``).
 
     Args:
         seam: the framework's answers (``Seam``).
-        checks: returns the checks now in use, asked at every call (a seam may swap a check for its sharded variant or
-            drop it)."""
+        checks: returns the checks now in use, asked at every call."""
 
     def __init__(self, seam: Seam, checks: Callable[[], Iterable[Any]]) -> None:
         self.seam = seam
         self._checks = checks
         self._decided: dict[int, tuple[int, bool]] = {}  # id(non-finite check) -> (step decided, dropped)
-        self._planned: tuple[int, StepPlan] | None = None  # before_update ran for this step
+        self._planned: tuple[int, bool] | None = None  # (step, skipped) of the last before_update
         self._observed: int | None = None  # the step whose screen all_gathers were started
         self._saved: tuple[Any, bool] | None = None  # (key, weights changed) of the last before_save
         self.delivery = Delivery(seam)  # runs a check's call and delivers its verdict
         self.screen_verdicts = ScreenVerdicts(self)  # when each screen's verdict is read, and its confirmation
 
     def prepare(self) -> None:
-        """Once the checks are in place (every rank alike): with a screen, the replay (DDP or
-        sharded) keeps every step's micro-batches, so that a partner can confirm a hit in its step."""
+        """Once the checks are in place (every rank alike): with a screen, the replay keeps every step's
+        micro-batches, so that a partner can confirm a hit."""
         screening = bool(self.screens)
         for replay in self.replays:
             replay.keep_every_step = screening
@@ -239,8 +217,7 @@ class StepDriver:
 
     @property
     def _magnitudes(self) -> Any:
-        """The gradient check whose read gives the screen its magnitudes (``want_magnitudes``): the
-        DDP one, or the sharded one (per run of FSDP parameter groups)."""
+        """The gradient check whose read gives the screen its magnitudes."""
         return next((nf for nf in self.nonfinite if nf.magnitude_groups), None)
 
     # -- delivery -----------------------------------------------------------------------------
@@ -262,16 +239,14 @@ class StepDriver:
                 self._gradients(nf, nf.resolve, step)
 
     def resolve_pending(self, step: StepContext) -> bool:
-        """The verdicts of earlier steps, before this step's: pending non-finite verdicts, then the
-        pending weight comparison (``resolve_comparison``). Every rank, after backward (or at the
-        step's first micro-batch). True when replicas were healed or rolled back."""
+        """The pending verdicts of earlier steps (non-finite, then the weight comparison), before this step's. Every
+        rank, after backward. True when replicas were healed or rolled back."""
         self.resolve_gradients(step, before=step.index)
         return self.resolve_comparison(step)
 
     def resolve_comparison(self, step: StepContext) -> bool:
-        """Read the pending weight comparison (of the weights after an earlier update). When it
-        healed or rolled back replicas, this step's gradients came from other weights: its replay
-        is not run, and after a rollback its update is dropped. Returns True then."""
+        """Read the pending weight comparison. When it healed or rolled back replicas (True), this step's gradients
+        came from other weights: its replay is not run, and after a rollback its update is dropped."""
         acted = rolled = False
         for fp in self.fingerprints:
             failures = fp.stats.failures
@@ -286,10 +261,9 @@ class StepDriver:
         return acted
 
     def gradients(self, step: StepContext, now: bool = False) -> bool:
-        """Hand this step's gradients to the non-finite checks (once per step): the verdict is read
-        now when the policy needs it before the update, when ``now`` (a caller about to act on
-        the gradients) or when a replay audits this step, else one step later. True when the
-        update is dropped."""
+        """Hand this step's gradients to the non-finite checks (once per step): the verdict is read now when the
+        policy needs it, when ``now`` or when a replay audits this step, else one step later. True: the update is
+        dropped."""
         audited = now or any(r.armed for r in self.replays)
         dropped = False
         for nf in self.nonfinite:
@@ -309,14 +283,12 @@ class StepDriver:
         return dropped
 
     def gradients_now(self, step: StepContext) -> None:
-        """Read this step's non-finite verdict now, for a caller about to act on the gradients: the
-        earlier steps' verdicts first; the step's gradients are then taken (once per step)."""
+        """Read the earlier steps' and this step's non-finite verdicts now (a caller about to act on the gradients)."""
         self.resolve_gradients(step, before=step.index)
         self.gradients(step, now=True)
 
     def observe(self, step: StepContext) -> None:
-        """Start this step's screen all_gather (every rank, right after the sync backward; once per
-        step)."""
+        """Start this step's screen all_gather (every rank, right after the sync backward; once per step)."""
         if self._observed == step.index:
             return
         self._observed = step.index
@@ -326,43 +298,40 @@ class StepDriver:
         for check in self.step_checks:
             self.delivery.deliver(check, lambda c=check: c.after_backward(step), check.policy)
 
-    def before_update(self, step: StepContext) -> StepPlan:
-        """This step's verdicts, before its update (every rank, after backward; once per step:
-        a second call for the same step returns the first plan). Call ``observe`` and
-        ``resolve_pending`` first."""
+    def before_update(self, step: StepContext) -> bool:
+        """This step's verdicts, before its update (every rank, after ``resolve_pending``; once per step: a second
+        call returns the first answer). True: the update is skipped on every rank."""
         if self._planned is not None and self._planned[0] == step.index:
             return self._planned[1]
-        plan = StepPlan()
         self.observe(step)  # where the seam has not: its all_gather starts right after backward, read below
         for matmul in self.matmuls:  # the step's products: sent now, read at the next step
             self.delivery.deliver(matmul, lambda m=matmul: m.verdict(step.index))
-        plan.skipped = self.gradients(step)
-        if self.screen_verdicts.before_update(step, plan.skipped):  # this step's, or the previous step's
+        skipped = self.gradients(step)
+        if self.screen_verdicts.before_update(step, skipped):  # this step's, or the previous step's
             drop_step(step.module.parameters(), scaler_active=step.scaler_active)
-            plan.skipped = True
+            skipped = True
         for replay in self.replays:
             if not replay.armed:
                 continue
-            if plan.skipped:
+            if skipped:
                 replay.disarm()  # a step the gradient check dropped is not audited
             elif self._replay_verdict(replay, step, lambda r=replay: self.seam.audit(r, step)):
                 # a transient fault (or rolled back, or explained by the weights): every rank drops this step
                 drop_step(step.module.parameters(), scaler_active=step.scaler_active)
-                plan.skipped = True
+                skipped = True
         for check in self.step_checks:
             out = self.delivery.deliver(check, lambda c=check: c.before_update(step), check.policy)
             if out is True or out is ROLLED_BACK:
                 drop_step(step.module.parameters(), scaler_active=step.scaler_active)
-                plan.skipped = True
+                skipped = True
         for audit in self.update_audits:  # last: the update's inputs as the optimizer will see them
             audit.before_update(step.index, step.optimizers[0])
-        self._planned = (step.index, plan)
-        return plan
+        self._planned = (step.index, skipped)
+        return skipped
 
     def after_update(self, step: StepContext, updated: bool) -> None:
-        """After the update of ``step`` (``step.update``: its index): the update audit's verdict,
-        then, when the weights were updated, the comparison of the replicas' new weights, started
-        (read at the next step)."""
+        """After the update: the update audit's verdict, then, when the weights were updated, the comparison of the
+        replicas' new weights started (read at the next step)."""
         for audit in self.update_audits:
             self.delivery.deliver(audit, lambda a=audit: a.audit(step.index), "raise")
         if updated:
@@ -374,17 +343,14 @@ class StepDriver:
 
     def _replay_verdict(self, replay: Any, step: StepContext, run: Callable[[], Any],
                         skips: Callable[[ReplayMismatchError], bool] | None = None) -> bool:  # fmt: skip
-        """Deliver a replay's verdict on this step (``run``: True to drop the step, or raises): a
-        disagreement is checked against the replicas' weights first, then ``skips`` may turn it into
-        a dropped step. True: every rank drops the step (skipped, explained or rolled back)."""
+        """Deliver a replay's verdict (``run``: True to drop the step, or raises): a disagreement is checked against
+        the replicas' weights first, then ``skips`` may turn it into a dropped step. True: every rank drops the step."""
 
         def checked() -> bool:
             try:
                 return bool(run())
             except ReplayMismatchError as symptom:
-                if self._explained_by_weights(replay, step, symptom):
-                    return True
-                if skips is not None and skips(symptom):
+                if self._explained_by_weights(replay, step, symptom) or (skips is not None and skips(symptom)):
                     return True
                 raise
 
@@ -392,17 +358,14 @@ class StepDriver:
         return out is ROLLED_BACK or bool(out)
 
     def _explained_by_weights(self, replay: Any, step: StepContext, symptom: ReplayMismatchError) -> bool:
-        """Compare the replicas' current weights (every rank, every tensor): a replica whose weights changed computes
-        differently, so the weight fault (``FingerprintMismatchError`` naming the tensors) is raised when they differ
-        and are not healed; True when a heal or rollback covers every rank the replay named (the step is dropped).
-        Without a fingerprint check a one-off comparison of every parameter does it (DDP only). Cost: one extra
+        """Compare the replicas' current weights (every rank): a replica whose weights changed computes differently,
+        so the weight fault is raised when they differ and are not healed; True when a heal or rollback covers every
+        rank the replay named. Without a fingerprint check a one-off comparison does it (DDP only). Cost: one
         comparison, on a failing step only."""
-        fps = [fp for fp in self.fingerprints if fp.active]
-        if fps:
-            fp = fps[0]
-        elif self.seam.world_size > 1 and not is_sharded(step.module):
+        fp = next((fp for fp in self.fingerprints if fp.active), None)
+        if fp is None and self.seam.world_size > 1 and not is_sharded(step.module):
             fp = WeightFingerprint(topology=replay.topology)
-        else:
+        if fp is None:
             return False
         now = max(step.index - 1, 0)  # the weights now: after the previous update
         replay.last_error = None  # a symptom until the weights are compared
@@ -417,11 +380,9 @@ class StepDriver:
     # -- checkpoints and the end --------------------------------------------------------------
 
     def compare_now(self, step: StepContext, at_end: bool = False) -> bool:
-        """Read the pending verdicts and compare the replicas' current weights at once, whatever
-        the cadence (every rank; one host wait and one read of the weights): the matmul and
-        non-finite verdicts still pending, then the pending comparison and a fresh one, then each
-        ``StepCheck``'s ``before_save`` (``at_end``: its ``at_end``). True when a heal or
-        rollback changed the weights."""
+        """Read the pending verdicts and compare the replicas' current weights at once, whatever the cadence (every
+        rank; one host wait and one read of the weights), then each ``StepCheck``'s ``before_save`` (``at_end``: its
+        ``at_end``). True when a heal or rollback changed the weights."""
         for matmul in self.matmuls:
             self.delivery.deliver(matmul, matmul.resolve)
         for nf in self.nonfinite:
@@ -439,9 +400,8 @@ class StepDriver:
         return changed
 
     def before_save(self, step: StepContext, key: Any = None, at_end: bool = False) -> bool:
-        """``compare_now`` before a checkpoint is written (every rank, before any file exists),
-        once per ``key`` (a seam whose checks each see the save passes the same key: the first
-        call compares, the others get its answer). True when a heal or rollback changed the weights."""
+        """``compare_now`` before a checkpoint is written (every rank), once per ``key``: later calls with the same
+        key get the first one's answer."""
         if key is not None and self._saved is not None and self._saved[0] == key:
             return self._saved[1]
         changed = self.compare_now(step, at_end)
@@ -449,8 +409,7 @@ class StepDriver:
         return changed
 
     def discard(self) -> None:
-        """An exception leaves the loop: drop what is in flight without any collective (the other
-        ranks may not be here)."""
+        """An exception leaves the loop: drop what is in flight without any collective."""
         self.screen_verdicts.discard()
         for check in self._checks():
             discard = getattr(check, "discard", None)
@@ -458,4 +417,4 @@ class StepDriver:
                 discard()
 
 
-__all__ = ["ROLLED_BACK", "Delivery", "RolledBack", "Seam", "StepContext", "StepDriver", "StepPlan"]
+__all__ = ["ROLLED_BACK", "Delivery", "RolledBack", "Seam", "StepContext", "StepDriver"]
