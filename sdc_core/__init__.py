@@ -38,35 +38,4 @@ __getattr__, __dir__ = lazy_exports("sdc_core", globals(), _EXPORTS)
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "CheckStats",
-    "Fault",
-    "FaultInjector",
-    "FingerprintConfig",
-    "FingerprintMismatchError",
-    "Framework",
-    "GradientTap",
-    "Incident",
-    "NonFiniteConfig",
-    "NonFiniteGradient",
-    "NonFiniteGradientError",
-    "PayloadError",
-    "ReplayConfig",
-    "ReplayMismatchError",
-    "ReplayUnavailableError",
-    "RingReplay",
-    "SDCConfigError",
-    "SDCError",
-    "SDCHooks",
-    "SDCSettings",
-    "StateCapture",
-    "Topology",
-    "WeightFingerprint",
-    "flip_bit",
-    "load_incidents",
-    "process_exit",
-    "ring_partners",
-    "tensor_digest",
-    "tensor_digests",
-    "vote",
-]
+__all__ = ["process_exit", *(name for names in _EXPORTS.values() for name in names)]

@@ -8,11 +8,8 @@ from typing import Any
 
 @dataclass
 class CheckStats:
-    """Running counters of one check. Identical on every rank except the time spent.
-
-    ``state_dict`` holds only the rank-independent counters, so a checkpoint written by rank 0
-    restores every rank.
-    """
+    """Running counters of one check, identical on every rank except the time spent (which
+    ``state_dict`` leaves out, so a checkpoint written by rank 0 restores every rank)."""
 
     check: str
     runs: int = 0
@@ -68,10 +65,5 @@ class CheckStats:
             extra = {str(k): float(v) for k, v in dict(state.get("extra", {})).items()}
         except (KeyError, TypeError, ValueError, OverflowError) as err:
             raise ValueError(f"corrupted SDC '{self.check}' checkpoint state: {err!r} in {state!r}") from err
-        self.runs, self.failures, self.last_verified_step, self.max_diff, self.extra = (
-            runs,
-            failures,
-            last,
-            max_diff,
-            extra,
-        )
+        self.runs, self.failures, self.last_verified_step = runs, failures, last
+        self.max_diff, self.extra = max_diff, extra

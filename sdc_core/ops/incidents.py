@@ -1,19 +1,13 @@
-"""After detection: incident reports and the hosts to exclude (how the process then ends:
-``sdc_core.ops.process_exit``).
+"""After detection: incident reports and the hosts to exclude.
 
-* ``write_incident`` (rank 0, on every verdict: raised, skipped or warned) writes one JSON file to
-  ``<run dir>/sdc/incidents/``: the exception's fields, the check's configuration, the step and
-  time, and for each suspect rank its host, node rank, local rank, device, device UUID (where the
-  device has one) and library versions, gathered once at start-up.
-  Each is written atomically under a name of its own: two incidents in the same millisecond are
-  two files.
-* ``read_incident_dicts`` reads them back as checked dicts, skipping (and naming) files that are
-  not incidents; ``summarise`` and ``exclude_hosts`` are ``sdc report`` and ``sdc exclude-list``.
-* ``load_incidents`` (``sdc_core.load_incidents``) gives the same as typed records (``Incident``), for a
-  user's own tooling::
+``write_incident`` (rank 0, on every verdict) writes one JSON file, atomically and under a name of
+its own, to ``<run dir>/sdc/incidents/``: the error, the configuration, the step and time, and each
+suspect's host, ranks, device and library versions. ``read_incident_dicts`` reads them back as
+checked dicts (``sdc report``, ``sdc exclude-list``); ``load_incidents`` as typed ``Incident``
+records, for a user's own tooling::
 
-      for incident in load_incidents(["runs/my_job"]):
-          print(incident.time_iso, incident.check, incident.step, incident.rank, incident.exclude_hosts)
+    for incident in load_incidents(["runs/my_job"]):
+        print(incident.time_iso, incident.check, incident.step, incident.rank, incident.exclude_hosts)
 """
 
 from __future__ import annotations
@@ -38,8 +32,7 @@ SCHEMA_VERSION = 1  # of the incident JSON; files written before the field read 
 
 
 def write_incident(run_dir: str | Path, error: SDCError, topology: Topology, config: Any, policy: str) -> Path:
-    """Write the incident of ``error`` under ``<run_dir>/sdc/incidents/`` (call on rank 0): a new
-    file, written atomically, never replacing another incident."""
+    """Write the incident of ``error`` to a new file under ``<run_dir>/sdc/incidents/`` (rank 0)."""
     folder = Path(run_dir) / "sdc" / "incidents"
     folder.mkdir(parents=True, exist_ok=True)
     now = time.time()
@@ -65,10 +58,8 @@ def write_incident(run_dir: str | Path, error: SDCError, topology: Topology, con
 
 
 def _exclude(error: SDCError, topology: Topology) -> list[str]:
-    """The hosts to take out: the named rank's; with several ranks whose devices disagree (a
-    confirmed replay verdict that no single rank explains), every suspect's while they are fewer
-    than the ranks (each may be faulty; none is known healthy); none when every rank is a suspect
-    (a common cause is likelier) or two replicas cannot tell."""
+    """The hosts to take out: the named rank's; when several ranks disagree, every suspect's while
+    they are fewer than the ranks; else none (a common cause is likelier, or two cannot tell)."""
     if error.rank is not None:
         return [topology.ranks[error.rank].host]
     several = bool(error.details.get("several_ranks")) if isinstance(error.details, dict) else False
@@ -79,12 +70,11 @@ def _exclude(error: SDCError, topology: Topology) -> list[str]:
 
 def read_incident_dicts(paths: Iterable[str | Path], skipped: list[str] | None = None) -> list[dict[str, Any]]:
     """Every incident under the given run directories (``<dir>/**/sdc/incidents/*.json`` and
-    ``<dir>/*.json``) or incident files, in a checked shape.
+    ``<dir>/*.json``) or incident files, in a checked shape, oldest file name first within a folder.
 
-    A path that does not exist raises ``UnreadableError``. A file that cannot be read, is not
-    JSON, or is not an incident is skipped and the rest still read: ``"<file>: <why>"`` is
-    appended to ``skipped`` when given, else issued as a warning. (A ``*.json`` beside the run
-    folders that is valid JSON but no incident, such as a results file, is passed over quietly.)"""
+    A missing path raises ``UnreadableError``. A file that is not a readable incident is skipped:
+    ``"<file>: <why>"`` is appended to ``skipped`` when given, else warned (a ``*.json`` beside the
+    run folders that is no incident, such as a results file, is passed over quietly)."""
     found: list[dict[str, Any]] = []
 
     def skip(f: Path, why: str) -> None:
@@ -123,8 +113,7 @@ def read_incident_dicts(paths: Iterable[str | Path], skipped: list[str] | None =
 
 
 def _when(data: dict[str, Any], notes: list[str]) -> str:
-    """The incident's time as ISO text: ``time_iso``, else ``time`` (seconds since the epoch), else
-    ``"?"``; a value that is no time (1e300, NaN, a list) is skipped with a note."""
+    """``time_iso``, else ``time`` as ISO text, else ``"?"``; a value that is no time is noted."""
     when = data.get("time_iso")
     if isinstance(when, str):
         return when
@@ -151,8 +140,7 @@ def _short(value: Any) -> str:
 
 
 def _facts(rank: str, facts: dict[str, Any], notes: list[str]) -> dict[str, Any]:
-    """A suspect's facts with ``device`` a text (``"?"`` when absent) and ``device_uuid`` a text or
-    None; another value of either is skipped with a note."""
+    """A suspect's facts with ``device`` a text (``"?"``) and ``device_uuid`` a text or None."""
     out = dict(facts)
     for key, missing in (("device", "?"), ("device_uuid", None)):
         value = facts.get(key)
@@ -167,9 +155,8 @@ def _facts(rank: str, facts: dict[str, Any], notes: list[str]) -> dict[str, Any]
 
 
 def _checked(data: Any, notes: list[str] | None = None) -> tuple[dict[str, Any] | None, str]:
-    """``data`` as an incident with the fields ``summarise``/``exclude_hosts`` read, each of the
-    right type, or ``(None, why)``. A field only shown (the time) that is not of its type is
-    skipped instead, with a line appended to ``notes``."""
+    """``data`` as an incident whose fields ``summarise`` and ``exclude_hosts`` read are of their type,
+    or ``(None, why)``; a field only shown (the time) of another type is noted in ``notes``."""
     notes = [] if notes is None else notes
     if not isinstance(data, dict):
         return None, f"a JSON {type(data).__name__}, not an object"
@@ -220,9 +207,7 @@ def summarise(incidents: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def exclude_hosts(incidents: list[dict[str, Any]]) -> list[str]:
-    """Hosts of ranks a verdict named as faulty, or of the suspects of a verdict that several ranks
-    disagree (fewer than every rank: ``write_incident``);
-    a string ``exclude_hosts`` is one host name (or a comma separated list), never its letters."""
+    """The incidents' ``exclude_hosts``; a string is a host name or a comma separated list."""
     out: set[str] = set()
     for inc in incidents:
         hosts = inc.get("exclude_hosts", [])
@@ -233,9 +218,8 @@ def exclude_hosts(incidents: list[dict[str, Any]]) -> list[str]:
 
 
 def exclude_reason(incidents: list[dict[str, Any]]) -> str:
-    """Why ``exclude_hosts`` lists its hosts, in one line a scheduler keeps as a node's reason
-    (``sdc exclude-list --format reason``): ``SDC weight_fingerprint at step 8 on n2``, one entry
-    per check, step and host of the incidents that named one, oldest first; empty when none did."""
+    """Why ``exclude_hosts`` lists its hosts, as a scheduler's node reason: ``SDC weight_fingerprint at
+    step 8 on n2``, one entry per check, step and host, oldest first; empty when none."""
     seen: list[str] = []
     for inc in sorted(incidents, key=lambda i: str(i.get("time_iso") or "")):
         check = re.sub(r"[^A-Za-z0-9_.-]", "?", str(inc.get("check")))[:40]
@@ -249,13 +233,9 @@ def exclude_reason(incidents: list[dict[str, Any]]) -> str:
 
 
 def record_verdict(check: Any, run_dir: str | Path | None, is_main: bool, policy: str) -> Path | None:
-    """Write the incident of ``check.last_error`` (once) on the main process; what adapters call
-    after a verdict, whether it raised, skipped the step or warned.
-
-    Never raises and runs no collective: a failed write (a read-only or full disk, ``<run dir>/sdc``
-    a file) only warns, naming the path, so the verdict itself still reaches every rank. Returns
-    the incident file, or None.
-    """
+    """Write the incident of ``check.last_error`` (once) on the main process and return its file.
+    Never raises and runs no collective: a failed write only warns, so the verdict still reaches
+    every rank."""
     error = getattr(check, "last_error", None)
     if error is None:
         return None
@@ -288,22 +268,9 @@ def _local_topology(error: SDCError) -> Topology:
 
 @dataclasses.dataclass(frozen=True)
 class Incident:
-    """One SDC verdict as rank 0 recorded it (``<run dir>/sdc/incidents/*.json``).
-
-    Args:
-        file: the incident's file.
-        schema_version: the file's format version (0: written before the field existed).
-        check: the check that reached the verdict (``"ring_replay"``, ``"weight_fingerprint"``, ...).
-        step: the optimizer step of the verdict, or None.
-        rank: the rank named faulty, or None when the evidence could not single one out.
-        suspects: each suspect rank's facts (host, node rank, local rank, device, device UUID,
-            library versions), read-only.
-        exclude_hosts: the hosts the verdict says to take out of service.
-        time_iso: when it was recorded (UTC, ISO 8601).
-        policy: what was done (``"raise"``, ``"warn"``, ``"skip_step"``, ``"heal"``, ``"rollback"``).
-        message: the verdict's one-line text.
-        record: the whole JSON record, read-only.
-    """
+    """One SDC verdict as rank 0 recorded it (``<run dir>/sdc/incidents/*.json``); the mappings are
+    read-only. ``schema_version`` 0: written before the field; ``rank`` None: none singled out;
+    ``time_iso`` in UTC; ``policy``: what was done; ``record``: the whole JSON record."""
 
     file: str
     schema_version: int
@@ -328,12 +295,7 @@ def _int_or_none(value: Any) -> int | None:
 
 
 def load_incidents(paths: Iterable[str | Path], skipped: list[str] | None = None) -> list[Incident]:
-    """Every incident under the given run directories (``<dir>/**/sdc/incidents/*.json`` and
-    ``<dir>/*.json``) or incident files, oldest file name first within a folder.
-
-    A path that does not exist raises ``UnreadableError``. A file that cannot be read or is not an
-    incident is skipped: ``"<file>: <why>"`` is appended to ``skipped`` when given, else issued as a
-    warning. Reads JSON only (nothing in a file can run code)."""
+    """``read_incident_dicts`` as ``Incident`` records (JSON only: nothing in a file can run code)."""
     out = []
     for data in read_incident_dicts(paths, skipped=skipped):
         error = data.get("error") if isinstance(data.get("error"), dict) else {}

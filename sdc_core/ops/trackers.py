@@ -1,9 +1,5 @@
-"""An SDC verdict in a tracker as what it is, beside the ``sdc/<check>/failures`` counter's jump:
-TensorBoard text, an MLflow tag and the incident file as an artifact, a W&B alert and summary entry;
-and the run's closing line the same way (``log_summary``).
-
-The adapters map their framework's tracker objects to ``log_incident``'s targets (Lightning's
-loggers, Accelerate's trackers). Runs on the main process only (where trackers live), never raises
+"""An SDC verdict, and the run's closing line, in the trackers: TensorBoard text, an MLflow tag (and
+the incident file as an artifact), a W&B alert and summary entry. Main process only; never raises
 and runs no collective: a tracker that fails only warns, so the verdict still reaches every rank.
 """
 
@@ -20,13 +16,7 @@ TAG = "sdc.incident"  # the MLflow tag; TensorBoard's text tag and the W&B summa
 _MLFLOW_TAG_LIMIT = 5000  # characters MLflow keeps in a tag value
 
 
-def incident_text(error: SDCError, path: str | Path | None) -> str:
-    """The verdict's one line, then where its incident file is."""
-    return f"{error} (incident: {path})" if path else str(error)
-
-
 def _send(targets: Iterable[tuple[str, Any]], what: str, send: Callable[[str, Any], None]) -> None:
-    """``send(kind, target)`` for each target; a tracker that fails only warns (never the run)."""
     for kind, target in targets:
         try:
             send(kind, target)
@@ -41,10 +31,9 @@ def _mlflow_tag(target: tuple[Any, Any], key: str, text: str) -> None:
 
 
 def log_incident(targets: Iterable[tuple[str, Any]], error: SDCError, path: str | Path | None, step: int) -> None:
-    """Send the verdict to each ``(kind, target)``: ``("tensorboard", SummaryWriter)``,
-    ``("mlflow", (client, run_id))`` with an ``MlflowClient`` (or ``(mlflow, None)``: the module and
-    its active run), ``("wandb", run)``. Unknown kinds are passed over."""
-    text = incident_text(error, path)
+    """Send the verdict to each ``(kind, target)``: ``("tensorboard", SummaryWriter)``, ``("mlflow",
+    (client, run_id))`` (or ``(mlflow, None)``: its active run), ``("wandb", run)``; others are passed over."""
+    text = f"{error} (incident: {path})" if path else str(error)
 
     def send(kind: str, target: Any) -> None:
         if kind == "tensorboard":
@@ -64,8 +53,7 @@ def log_incident(targets: Iterable[tuple[str, Any]], error: SDCError, path: str 
 
 
 def log_summary(targets: Iterable[tuple[str, Any]], line: str, step: int) -> None:
-    """The run's closing line (``ops.summary``) to each target of ``log_incident``: TensorBoard text
-    ``sdc/summary``, the MLflow tag ``sdc.summary``, the W&B summary entry ``sdc/summary``."""
+    """The run's closing line (``ops.summary``) to each target of ``log_incident``, under ``sdc/summary``."""
 
     def send(kind: str, target: Any) -> None:
         if kind == "tensorboard":
@@ -79,4 +67,4 @@ def log_summary(targets: Iterable[tuple[str, Any]], line: str, step: int) -> Non
     _send(targets, "summary", send)
 
 
-__all__ = ["TAG", "incident_text", "log_incident", "log_summary"]
+__all__ = ["TAG", "log_incident", "log_summary"]
