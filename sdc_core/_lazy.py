@@ -1,6 +1,5 @@
-"""Package exports imported on first use (PEP 562): ``import sdc_core`` or ``lightning_sdc`` stays
-cheap (no torch, no Lightning) until a name is used, so ``sdc --help`` answers at once; and
-``require``, the one-line ``ImportError`` of an adapter whose framework is not installed."""
+"""Package exports imported on first use (PEP 562), so ``import sdc_core`` imports no torch until a
+name is used; and ``require``, the one-line ``ImportError`` of an adapter whose framework is missing."""
 
 from __future__ import annotations
 
@@ -29,7 +28,6 @@ def lazy_exports(
         return sorted({*namespace, *home})
 
     return getattr_, dir_
-
 
 
 def _advice(module: str, extra: str, package: str) -> str:

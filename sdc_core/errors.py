@@ -164,24 +164,17 @@ class FingerprintMismatchError(SDCError):
 
 
 class ChecksumMismatchError(SDCError):
-    """A matrix product disagreed with its checksum beyond the rounding bound on one rank: the
-    multiply was computed wrongly there (``sdc_core.checks.matmul``).
+    """A matrix product disagreed with its checksum beyond the rounding bound on one rank.
 
-    Besides the common fields: ``module`` (the product's module name, e.g. ``"encoder.layers.0.linear1"``
-    or ``"encoder.layers.0.self_attn.in_proj"``), ``phase`` (``"forward"`` or ``"backward"``) and
-    ``host`` (the faulty rank's host); ``details["product"]`` says which product (``"output"``,
-    ``"input_gradient"`` or ``"weight_gradient"``) and ``details["violations"]`` lists every
-    rank's, module's and phase's excess over the bound.
-    """
+    Besides the common fields: ``module`` (e.g. ``"encoder.layers.0.linear1"``), ``phase``
+    (``"forward"`` or ``"backward"``) and ``host`` (the faulty rank's); ``details["product"]``
+    (``"output"``, ``"input_gradient"``, ``"weight_gradient"``) and ``details["violations"]``."""
 
     check = "matmul_checksum"
 
     def __init__(self, *, module: str | None = None, phase: str | None = None, **kwargs: Any) -> None:
-        details = dict(kwargs.pop("details", None) or {})
-        if module is not None:
-            details["module"] = module
-        if phase is not None:
-            details["phase"] = phase
+        given = {"module": module, "phase": phase}
+        details = dict(kwargs.pop("details", None) or {}) | {k: v for k, v in given.items() if v is not None}
         super().__init__(details=details, **kwargs)
 
     @property

@@ -93,6 +93,11 @@ def _qualname(cls: type) -> str:
     return f"{cls.__module__}:{cls.__qualname__}"
 
 
+def _uint8(data: bytes) -> torch.Tensor:
+    """``data`` as a CPU ``uint8`` tensor of its own (``torch.frombuffer`` refuses an empty buffer)."""
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+
+
 def _resolve(name: Any, what: str) -> Any:
     """The class ``module:qualname`` from a module this process already imported (no import)."""
     if not isinstance(name, str) or ":" not in name:
@@ -108,9 +113,6 @@ def _resolve(name: Any, what: str) -> Any:
     if not isinstance(obj, type):
         raise PayloadError(f"{what} class {name} does not exist on this rank")
     return obj
-
-
-# ------------------------------------------------------------------------------------------ encode
 
 
 class _Encoder:
@@ -156,7 +158,7 @@ class _Encoder:
                 data = pickle.dumps(obj)
             except Exception as err:
                 raise NotEncodable(f"{where}: a {kind.__name__} cannot be pickled either ({err})") from None
-            return {"t": "pickle", "i": self.blob(["pickle"], torch.frombuffer(bytearray(data), dtype=torch.uint8))}
+            return {"t": "pickle", "i": self.blob(["pickle"], _uint8(data))}
 
     def _seq(self, items: Any, where: str, depth: int) -> list[Any]:
         return [self.encode(v, f"{where}[{i}]", depth + 1) for i, v in enumerate(items)]
@@ -203,12 +205,7 @@ class _Encoder:
                 raise NotEncodable(f"{where}: a NumPy value of dtype {obj.dtype} does not travel")
             arr = np.asarray(obj)  # a scalar stays 0-d (ascontiguousarray would make it 1-d)
             arr = arr if arr.flags.c_contiguous else arr.copy(order="C")
-            data = (
-                torch.frombuffer(bytearray(arr.tobytes()), dtype=torch.uint8)
-                if arr.nbytes
-                else torch.empty(0, dtype=torch.uint8)
-            )
-            i = self.blob(["numpy", obj.dtype.str, list(arr.shape)], data)
+            i = self.blob(["numpy", obj.dtype.str, list(arr.shape)], _uint8(arr.tobytes()))
             return {"t": "ndarray" if isinstance(obj, np.ndarray) else "npscalar", "i": i}
         if isinstance(obj, tuple) and hasattr(kind, "_fields") and hasattr(kind, "_make"):
             return {"t": "ntuple", "cls": _qualname(kind), "v": self._seq(obj, where, depth)}
@@ -236,14 +233,11 @@ def encode(obj: Any, allow_pickle: bool = False, where: str = "payload") -> torc
     start = -(-(len(MAGIC) + 8 + len(header)) // _ALIGN) * _ALIGN
     out = torch.zeros(start + offset, dtype=torch.uint8)
     head = MAGIC + len(header).to_bytes(8, "little") + header
-    out[: len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
+    out[: len(head)] = _uint8(head)
     for (_, data), entry in zip(enc.blobs, entries, strict=True):
         if data.numel():
             out[start + entry[-2] : start + entry[-2] + data.numel()] = data
     return out
-
-
-# ------------------------------------------------------------------------------------------ decode
 
 
 def _int(value: Any, what: str, limit: int = 1 << 62) -> int:

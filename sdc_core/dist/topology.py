@@ -77,7 +77,6 @@ class HostRead:
         self.value = value
         self.work = work
         self.event = None
-        self._list: list[Any] | None = None
         if value.device.type == "cuda":
             self.event = torch.cuda.Event()
             self.event.record(torch.cuda.current_stream(value.device))
@@ -101,9 +100,7 @@ class HostRead:
         return host
 
     def tolist(self) -> list[Any]:
-        if self._list is None:
-            self._list = self.get().tolist()
-        return self._list
+        return self.get().tolist()
 
 
 _side_streams: dict[torch.device, Any] = {}

@@ -62,8 +62,7 @@ def _exclude(error: SDCError, topology: Topology) -> list[str]:
     they are fewer than the ranks; else none (a common cause is likelier, or two cannot tell)."""
     if error.rank is not None:
         return [topology.ranks[error.rank].host]
-    several = bool(error.details.get("several_ranks")) if isinstance(error.details, dict) else False
-    if several and 0 < len(error.suspects) < topology.world_size:
+    if error.details.get("several_ranks") and 0 < len(error.suspects) < topology.world_size:
         return sorted({topology.ranks[r].host for r in error.suspects if r < topology.world_size})
     return []
 
@@ -154,10 +153,9 @@ def _facts(rank: str, facts: dict[str, Any], notes: list[str]) -> dict[str, Any]
     return out
 
 
-def _checked(data: Any, notes: list[str] | None = None) -> tuple[dict[str, Any] | None, str]:
+def _checked(data: Any, notes: list[str]) -> tuple[dict[str, Any] | None, str]:
     """``data`` as an incident whose fields ``summarise`` and ``exclude_hosts`` read are of their type,
     or ``(None, why)``; a field only shown (the time) of another type is noted in ``notes``."""
-    notes = [] if notes is None else notes
     if not isinstance(data, dict):
         return None, f"a JSON {type(data).__name__}, not an object"
     if not isinstance(data.get("check"), str):

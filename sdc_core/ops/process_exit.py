@@ -120,21 +120,16 @@ def exit_cleanly(code: int) -> None:
     """End the process with ``code`` after joining non-daemon threads, running the ``atexit``
     handlers, ``leave()`` and flushing, skipping interpreter teardown (where a gloo worker can abort
     the process). A script may end with ``exit_cleanly(main())``."""
-    with contextlib.suppress(Exception):  # never let the exit path fail
-        _join_threads()  # what a normal exit does first
+    with contextlib.suppress(Exception):  # never let the exit path fail; join what a normal exit joins first
+        for thread in threading.enumerate():
+            if thread not in (threading.current_thread(), threading.main_thread()) and not thread.daemon:
+                thread.join()
     atexit._run_exitfuncs()  # the trackers close their runs
     leave()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
     os._exit(code)
-
-
-def _join_threads() -> None:
-    current = threading.current_thread()
-    for thread in threading.enumerate():
-        if thread is not current and thread is not threading.main_thread() and not thread.daemon:
-            thread.join()
 
 
 def mark_verdict(error: SDCError, also: str | Path | None = None) -> None:

@@ -1,10 +1,7 @@
-"""The run's closing line: what the SDC checks checked, and whether they found anything.
+"""The run's closing line: rank 0 logs (logger ``sdc_checks``, INFO; to stderr where no logging is
+configured) and sends to the trackers what the checks checked and whether they found anything::
 
-At the end of training rank 0 logs one line (logger ``sdc_checks``, INFO; to stderr where no logging
-is configured) and sends it to the trackers, for example::
-
-    sdc-checks: 1000 steps checked by nonfinite_gradient (1000), weight_fingerprint (1000),
-    ring_replay (10 audits); no SDC found
+    sdc-checks: 1000 steps checked by nonfinite_gradient (1000), ring_replay (10 audits); no SDC found
 
 The screen's hits and the replay's unexplained differences are counted beside their check; they are
 not verdicts. ``SDC_RUN_SUMMARY=0`` turns it off. Cost: once per run, no collective.

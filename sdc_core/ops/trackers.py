@@ -25,9 +25,10 @@ def _send(targets: Iterable[tuple[str, Any]], what: str, send: Callable[[str, An
                           stacklevel=3)  # fmt: skip
 
 
-def _mlflow_tag(target: tuple[Any, Any], key: str, text: str) -> None:
+def _mlflow(target: tuple[Any, Any], method: str, *args: Any, **kwargs: Any) -> None:
+    """``client.<method>(run_id, ...)``; ``(mlflow, None)``: the module's, on its active run."""
     client, run_id = target
-    client.set_tag(*((run_id,) if run_id is not None else ()), key, text[:_MLFLOW_TAG_LIMIT])
+    getattr(client, method)(*((run_id,) if run_id is not None else ()), *args, **kwargs)
 
 
 def log_incident(targets: Iterable[tuple[str, Any]], error: SDCError, path: str | Path | None, step: int) -> None:
@@ -40,11 +41,9 @@ def log_incident(targets: Iterable[tuple[str, Any]], error: SDCError, path: str 
             target.add_text("sdc/incident", text, step)
             target.flush()
         elif kind == "mlflow":
-            _mlflow_tag(target, TAG, text)
+            _mlflow(target, "set_tag", TAG, text[:_MLFLOW_TAG_LIMIT])
             if path:
-                client, run_id = target
-                where = (run_id,) if run_id is not None else ()
-                client.log_artifact(*where, str(path), artifact_path="sdc_incidents")
+                _mlflow(target, "log_artifact", str(path), artifact_path="sdc_incidents")
         elif kind == "wandb":
             target.summary["sdc/incident"] = text
             target.alert(title=f"SDC verdict: {error.check} at step {error.step}", text=text)
@@ -60,7 +59,7 @@ def log_summary(targets: Iterable[tuple[str, Any]], line: str, step: int) -> Non
             target.add_text("sdc/summary", line, step)
             target.flush()
         elif kind == "mlflow":
-            _mlflow_tag(target, "sdc.summary", line)
+            _mlflow(target, "set_tag", "sdc.summary", line[:_MLFLOW_TAG_LIMIT])
         elif kind == "wandb":
             target.summary["sdc/summary"] = line
 
