@@ -30,8 +30,7 @@ def describe(f: dataclasses.Field[Any]) -> str:
 
 
 def documented(cls: T, settings: dict[str, dataclasses.Field[Any]] | None = None) -> T:
-    """Append an ``Args:`` section made of the settings' docs to ``cls.__doc__`` (one source):
-    ``cls``'s own settings, or ``settings`` (argument name -> the setting that documents it)."""
+    """Append an ``Args:`` section of ``cls``'s settings' docs (or of ``settings``) to ``cls.__doc__``."""
     lines = [
         textwrap.fill(f"{name}: {describe(f)}", width=96, initial_indent=" " * 8, subsequent_indent=" " * 12)
         for name, f in (settings_of(cls) if settings is None else settings).items()

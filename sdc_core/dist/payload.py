@@ -75,9 +75,7 @@ def max_payload_bytes(max_bytes: int | None = None) -> int:
         if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1:
             raise ValueError(f"max_bytes must be a positive integer, got {max_bytes!r}")
         return max_bytes
-    raw = os.environ.get(MAX_PAYLOAD_ENV, "").strip()
-    if not raw:
-        return DEFAULT_MAX_PAYLOAD_MB << 20
+    raw = os.environ.get(MAX_PAYLOAD_ENV, "").strip() or str(DEFAULT_MAX_PAYLOAD_MB)
     if not raw.isdigit() or int(raw) < 1:
         raise ValueError(f"{MAX_PAYLOAD_ENV} must be a positive whole number of MiB, got {raw!r}")
     return int(raw) << 20

@@ -9,6 +9,7 @@ waiting.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 from collections.abc import Callable
@@ -36,8 +37,7 @@ def is_distributed() -> bool:
 
 
 def device_backends(config: str | None = None) -> dict[str, str]:
-    """Device type -> backend name, for a backend string such as ``"cpu:gloo,cuda:nccl"`` (default:
-    the default group's; empty without one), parsed by torch's ``BackendConfig``."""
+    """Device type -> backend name for a backend string (``"cpu:gloo,cuda:nccl"``; default: the group's)."""
     if config is None:
         if not (dist.is_available() and dist.is_initialized()):
             return {}
@@ -121,8 +121,7 @@ def _env_int(*names: str) -> int | None:
 
 
 def node_name() -> str:
-    """The name the scheduler knows this node by (the one to drain): ``SLURMD_NODENAME``, else
-    ``NODE_NAME`` (Kubernetes' downward API), else the host name."""
+    """The node's name to drain: ``SLURMD_NODENAME``, else ``NODE_NAME`` (Kubernetes), else the host name."""
     for name in ("SLURMD_NODENAME", "NODE_NAME"):
         value = os.environ.get(name, "").strip()
         if value:
@@ -151,11 +150,8 @@ def _device_facts() -> tuple[str, str | None, tuple[tuple[str, str], ...]]:
         index = torch.cuda.current_device()
         props = torch.cuda.get_device_properties(index)
         versions += [("cuda", str(torch.version.cuda)), ("cudnn", str(torch.backends.cudnn.version()))]
-        try:  # the kernel driver's version line, where the NVIDIA driver exposes it
-            with open("/proc/driver/nvidia/version") as f:
-                versions.append(("driver", f.readline().strip()))
-        except OSError:
-            pass
+        with contextlib.suppress(OSError), open("/proc/driver/nvidia/version") as f:  # where the driver shows it
+            versions.append(("driver", f.readline().strip()))
         uuid = getattr(props, "uuid", None)
         return props.name, (str(uuid) if uuid is not None else None), tuple(versions)
     return platform.processor() or platform.machine() or "cpu", None, tuple(versions)
@@ -174,8 +170,7 @@ class Topology:
 
     @classmethod
     def gather(cls, node_rank: int | None = None, local_rank: int | None = None) -> Topology:
-        """Every rank's facts (one ``all_gather_objects``; call on every rank). ``node_rank`` defaults
-        to ``GROUP_RANK``, ``NODE_RANK`` or ``SLURM_NODEID``; ``local_rank`` to ``LOCAL_RANK`` or ``SLURM_LOCALID``."""
+        """Every rank's facts (one ``all_gather_objects``; call on every rank); ranks default to the launcher's."""
         rank = dist.get_rank() if is_distributed() else 0
         mine = RankFacts(
             rank=rank,

@@ -88,8 +88,7 @@ def stored_fingerprint(obj: Any) -> tuple[int, dict[str, int]] | None:
 
 
 def changed_tensors(obj: dict[str, Any]) -> list[str] | None:
-    """Names of the tensors whose digest differs from the stored fingerprint (None: none stored);
-    ``FingerprintUnusable`` when it cannot be compared."""
+    """Names of the tensors whose digest differs from the stored fingerprint (None: none stored)."""
     stored = stored_fingerprint(obj)
     if stored is None:
         return None
@@ -109,8 +108,7 @@ class Checkpoint:
 
     @classmethod
     def load(cls, path: str | Path, trust_pickle: bool = False) -> Checkpoint:
-        """Read a checkpoint with ``weights_only=True`` (``trust_pickle``: full unpickling, loudly);
-        ``UnreadableError`` naming the file when it cannot be read or is not a checkpoint."""
+        """Read with ``weights_only=True`` (``trust_pickle``: full unpickling, loudly); else ``UnreadableError``."""
         path = Path(path)
         if not path.exists():
             raise UnreadableError(f"{path} does not exist")
@@ -148,10 +146,7 @@ class Checkpoint:
     def tensors(self) -> Iterator[tuple[str, str, torch.Tensor]]:
         """``(name, group, tensor)`` for every floating tensor; group is "weights" or "optimizer"."""
         for fname, obj in self.objects.items():
-            for key, t in _walk(obj, fname):
-                if not t.is_floating_point():
-                    continue
-                yield key, _group(self.kind, key), t
+            yield from ((key, _group(self.kind, key), t) for key, t in _walk(obj, fname) if t.is_floating_point())
 
     def save(self, out: Path) -> None:
         """Write to ``out`` atomically: a file or a folder (new or empty) is built beside ``out`` and
@@ -329,10 +324,7 @@ def _merged_shards(objects: dict[str, Any]) -> dict[str, Any]:
     shards = sorted(name for name in objects if _SHARD.fullmatch(name))
     if not shards:
         return objects
-    merged: dict[str, Any] = {}
-    for name in shards:
-        if isinstance(objects[name], dict):
-            merged.update(objects[name])
+    merged = {k: v for name in shards if isinstance(objects[name], dict) for k, v in objects[name].items()}
     return {k: v for k, v in objects.items() if k not in shards} | {"model": merged}
 
 
@@ -385,17 +377,10 @@ def _matched(was: dict[str, int], candidates: dict[str, Any]) -> tuple[dict[str,
     missing = []
     for group, rels in groups.items():
         named_like = [k for k in walked if k == group or k.split(".")[0] == group]
-        choice = None
-        for key in [*named_like, *(k for k in walked if k not in named_like)]:
-            for prefix in ("", *_WRAPPERS):
-                if prefix and not all(n.startswith(prefix) for n in walked[key]):
-                    continue
-                renamed = {n[len(prefix):]: t for n, t in walked[key].items()}
-                choice = _with_tied(renamed, rels)
-                if choice is not None:
-                    break
-            if choice is not None:
-                break
+        order = [*named_like, *(k for k in walked if k not in named_like)]
+        renamed = ({n[len(p):]: t for n, t in walked[k].items()} for k in order for p in ("", *_WRAPPERS)
+                   if not p or all(n.startswith(p) for n in walked[k]))  # fmt: skip
+        choice = next((held for held in (_with_tied(r, rels) for r in renamed) if held is not None), None)
         if choice is None and named_like:
             choice = walked[named_like[0]]
         if choice is None:

@@ -121,8 +121,7 @@ def current_umask() -> int:
 
 
 def output_mode(target: str | Path, folder: bool = False) -> int:
-    """The permission bits an ordinary write would leave on ``target``: its own when it exists,
-    else ``0o666`` (``0o777`` for a folder) less the umask."""
+    """The mode an ordinary write leaves on ``target``: its own, else ``0o666``/``0o777`` less the umask."""
     try:
         return stat.S_IMODE(os.stat(target).st_mode) & 0o777
     except OSError:

@@ -186,10 +186,7 @@ def summarise(incidents: list[dict[str, Any]]) -> list[dict[str, Any]]:
     rows: dict[tuple[str, str], dict[str, Any]] = {}
     for inc in incidents:
         named = [str(inc["rank"])] if inc.get("rank") is not None else list(inc["suspects"])
-        for r in named:
-            f = inc["suspects"].get(r)
-            if f is None:
-                continue
+        for f in (inc["suspects"][r] for r in named if inc["suspects"].get(r) is not None):
             key = (f["host"], str(f.get("device_uuid") or f.get("device", "?")))
             row = rows.setdefault(key, {"host": key[0], "device": key[1], "incidents": 0, "named": 0, "checks": set(),
                                         "first_seen": inc["time_iso"], "last_seen": inc["time_iso"]})  # fmt: skip

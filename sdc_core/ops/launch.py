@@ -75,8 +75,7 @@ def _in_foreground() -> bool:
 
 
 def run_command(cmd: Sequence[str], env: dict[str, str] | None = None) -> int:
-    """Run ``cmd`` with a fresh ``SDC_VERDICT_DIR`` and return the job's exit code (``sdc run``,
-    ``accelerate-sdc launch``); ``OSError`` when the command cannot be started."""
+    """Run ``cmd`` with a fresh ``SDC_VERDICT_DIR`` and return the job's exit code (``sdc run``)."""
     from sdc_core.ops.process_exit import (  # here: `sdc run --help` stays quick
         VERDICT_DIR_ENV,
         exit_code,

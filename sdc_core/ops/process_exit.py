@@ -72,8 +72,7 @@ def one_line_when_uncaught(kind: type[BaseException]) -> None:
 
 
 def exit_code(environ: Mapping[str, str] | None = None) -> int:
-    """``SDC_EXIT_CODE`` of ``environ`` (default: ``os.environ``): 0-255 (0 turns it off); 86 when
-    unset or empty."""
+    """``SDC_EXIT_CODE`` of ``environ`` (default: ours): 0-255 (0 turns it off); 86 when unset or empty."""
     raw = (os.environ if environ is None else environ).get(EXIT_CODE_ENV, "").strip() or str(DEFAULT_EXIT_CODE)
     if not raw.isdigit() or not 0 <= int(raw) <= 255:
         raise ValueError(f"{EXIT_CODE_ENV} must be an integer in 0..255, got {raw!r}")
@@ -216,8 +215,7 @@ def refuse_restart_after_verdict(code: int | None = None) -> None:
 
 
 def capture() -> None:
-    """Keep the default group's store and this rank for ``leave()`` (call on a verdict, while the
-    group of 2 or more is alive). Never raises; no communication."""
+    """Keep the default group's store and this rank for ``leave()``, on a verdict. Never raises."""
     global _captured
     if _captured is not None or "torch.distributed" not in sys.modules:
         return
