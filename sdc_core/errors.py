@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+_FIELDS = ("check", "step", "rank", "suspects", "hosts", "details", "reason")  # what to_dict and pickling carry
+
 
 class SDCError(RuntimeError):
     """A silent-data-corruption check failed.
@@ -81,17 +83,8 @@ class SDCError(RuntimeError):
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form: every key a string, every value a plain type."""
-        return {
-            "type": type(self).__name__,
-            "check": self.check,
-            "step": self.step,
-            "rank": self.rank,
-            "suspects": list(self.suspects),
-            "hosts": {str(r): h for r, h in self.hosts.items()},
-            "details": _jsonable(self.details),
-            "reason": self.reason,
-            "message": str(self),
-        }
+        fields = {name: getattr(self, name) for name in _FIELDS}
+        return _jsonable({"type": type(self).__name__, **fields, "message": str(self)})
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> SDCError:
@@ -114,8 +107,7 @@ class SDCError(RuntimeError):
             raise ValueError(f"not an SDC error record: {err!r}") from None
 
     def __reduce__(self) -> tuple[Any, ...]:
-        fields = ("step", "rank", "suspects", "hosts", "details", "reason", "check")
-        return (_rebuild, (type(self), {name: getattr(self, name) for name in fields}))
+        return (_rebuild, (type(self), {name: getattr(self, name) for name in _FIELDS}))
 
 
 def _rebuild(cls: type[SDCError], kwargs: dict[str, Any]) -> SDCError:

@@ -47,13 +47,8 @@ class CheckStats:
         return out
 
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "runs": self.runs,
-            "failures": self.failures,
-            "last_verified_step": self.last_verified_step,
-            "max_diff": self.max_diff,
-            "extra": dict(self.extra or {}),
-        }
+        counters = {name: getattr(self, name) for name in ("runs", "failures", "last_verified_step", "max_diff")}
+        return {**counters, "extra": dict(self.extra or {})}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore counters; raises ``ValueError`` naming the key on a malformed state."""

@@ -1,9 +1,7 @@
-"""Objects sent between ranks in a form that cannot run code when read (torch and the standard
-library only; NumPy when it is already imported).
-
-A payload is one ``uint8`` buffer: a magic line, a JSON header describing the object tree, and the
-raw bytes of its tensors and arrays. Reading it parses JSON and copies bytes into tensors of listed
-dtypes; it never unpickles and never imports. What travels: ``None``, numbers, ``str``, ``bytes``,
+"""Objects sent between ranks in a form that cannot run code when read: one ``uint8`` buffer of a
+magic line, a JSON header describing the object tree, and the raw bytes of its tensors and arrays.
+Reading it parses JSON and copies bytes into tensors of listed dtypes; it never unpickles and never
+imports. What travels: ``None``, numbers, ``str``, ``bytes``,
 ``bytearray``; the builtin containers, ``deque``, ``OrderedDict``, a ``defaultdict`` of a builtin
 factory, Hugging Face's ``BatchEncoding``; strided tensors of a plain dtype (``requires_grad`` and
 ``nn.Parameter`` kept; they arrive on the CPU), ``torch.Size``/``dtype``/``device``, numeric NumPy
@@ -117,7 +115,6 @@ class _Encoder:
     def __init__(self, allow_pickle: bool) -> None:
         self.allow_pickle = allow_pickle
         self.blobs: list[tuple[list[Any], torch.Tensor]] = []  # (header entry, uint8 CPU bytes)
-        self.size = 0
 
     def blob(self, entry: list[Any], data: torch.Tensor) -> int:
         self.blobs.append((entry, data))

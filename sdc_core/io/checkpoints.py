@@ -1,10 +1,8 @@
-"""Checkpoint reading, writing and verification (torch only).
-
-Reads Lightning ``.ckpt`` files, ``torch.save`` state dicts, Accelerate ``save_state`` and Hugging
-Face Trainer folders (``Checkpoint``) with ``weights_only=True`` (``trust_pickle=True`` opts in,
-loudly, for a legacy file you wrote), and writes them back atomically, only to a regular file.
-``fingerprint_checkpoint(obj)`` is what ``WeightFingerprintCheck`` stores in the checkpoints it sees
-written; ``verify(path)`` recomputes it and names the tensors that changed.
+"""Checkpoint reading, writing and verification (torch only). Reads Lightning ``.ckpt`` files,
+``torch.save`` state dicts, Accelerate ``save_state`` and Hugging Face Trainer folders (``Checkpoint``)
+with ``weights_only=True`` (``trust_pickle=True`` opts in, loudly, for a legacy file you wrote), and
+writes them back atomically, only to a regular file. ``fingerprint_checkpoint(obj)`` is what
+``WeightFingerprintCheck`` stores in the checkpoints it sees written; ``verify(path)`` recomputes it.
 """
 
 from __future__ import annotations

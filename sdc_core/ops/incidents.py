@@ -1,13 +1,7 @@
-"""After detection: incident reports and the hosts to exclude.
-
-``write_incident`` (rank 0, on every verdict) writes one JSON file, atomically and under a name of
-its own, to ``<run dir>/sdc/incidents/``: the error, the configuration, the step and time, and each
-suspect's host, ranks, device and library versions. ``read_incident_dicts`` reads them back as
-checked dicts (``sdc report``, ``sdc exclude-list``); ``load_incidents`` as typed ``Incident``
-records, for a user's own tooling::
-
-    for incident in load_incidents(["runs/my_job"]):
-        print(incident.time_iso, incident.check, incident.step, incident.rank, incident.exclude_hosts)
+"""After detection (docs/incidents-and-exit-codes.md): ``write_incident`` (rank 0, on every verdict)
+writes one JSON file, atomically and under a name of its own, to ``<run dir>/sdc/incidents/``;
+``read_incident_dicts`` reads them back as checked dicts (``sdc report``, ``sdc exclude-list``), and
+``load_incidents`` as typed ``Incident`` records for a user's own tooling.
 """
 
 from __future__ import annotations

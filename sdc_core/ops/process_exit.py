@@ -1,18 +1,11 @@
-"""How a process ends on an SDC verdict: the one line, the exit code, the launcher's marker, the
-order in which ranks leave, and a clean interpreter exit under torch.distributed.
-
-* ``install_exit_code``: an uncaught ``SDCError`` prints one line per process, leaves a marker for
-  ``sdc run`` (``mark_verdict``), runs the ``atexit`` handlers and exits 86 (``SDC_EXIT_CODE``).
-* ``capture``/``leave``: on a verdict, ranks other than 0 wait at exit (at most ``WAIT_S``) for rank 0,
-  which owns the trackers, through the process group's store, so the launcher does not kill it first.
-* ``arm``/``settle_threads``: with a Python DDP communication hook, gloo runs a Python callback on a
-  worker thread; if interpreter teardown starts first the process aborts or hangs. Releasing the GIL
-  for 0.2 s before teardown avoids it. The exit handler is registered at ``import sdc_core``, so it
-  runs after the ``atexit`` handlers registered later (trackers, Lightning's, Accelerate's).
-
-Below public APIs, for want of public ones: ``atexit._run_exitfuncs`` and torch's
-``_get_default_store``. Cost: nothing during training; at a verdict's exit one store round trip per
-rank and one settle period.
+"""How a process ends on an SDC verdict (docs/incidents-and-exit-codes.md): the one line, the exit
+code (86) and the marker ``sdc run`` reads (``install_exit_code``); ranks other than 0 waiting at
+exit, at most ``WAIT_S``, for rank 0, which owns the trackers (``capture``, ``leave``); and a clean
+interpreter exit under a Python DDP communication hook (``arm``, ``settle_threads``): gloo runs the
+hook on a worker thread that aborts the process if teardown starts first, so the GIL is released for
+0.2 s before it. This module is imported first by ``sdc_core`` so that its exit handler runs after
+those registered later. Below public APIs, for want of public ones: ``atexit._run_exitfuncs`` and
+torch's ``_get_default_store``. Cost: nothing during training; one store round trip at a verdict's exit.
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
-"""The run's closing line: rank 0 logs (logger ``sdc_checks``, INFO; to stderr where no logging is
-configured) and sends to the trackers what the checks checked and whether they found anything::
-
-    sdc-checks: 1000 steps checked by nonfinite_gradient (1000), ring_replay (10 audits); no SDC found
-
-The screen's hits and the replay's unexplained differences are counted beside their check; they are
-not verdicts. ``SDC_RUN_SUMMARY=0`` turns it off. Cost: once per run, no collective.
+"""The run's closing line (docs/incidents-and-exit-codes.md, "At the end of a run"): what the checks
+checked and whether they found anything, logged once by rank 0 (logger ``sdc_checks``, INFO) and sent
+to the trackers; ``SDC_RUN_SUMMARY=0`` turns it off. Cost: once per run, no collective.
 """
 
 from __future__ import annotations
