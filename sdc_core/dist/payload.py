@@ -67,8 +67,7 @@ class NotEncodable(TypeError):
 
 
 def max_payload_bytes(max_bytes: int | None = None) -> int:
-    """``max_bytes``, else ``SDC_MAX_PAYLOAD_MB`` (MiB), else 4096 MiB; ``ValueError`` naming the
-    setting for anything but a positive integer."""
+    """``max_bytes``, else ``SDC_MAX_PAYLOAD_MB`` (MiB), else 4096 MiB; ``ValueError`` unless positive."""
     if max_bytes is not None:
         if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1:
             raise ValueError(f"max_bytes must be a positive integer, got {max_bytes!r}")
@@ -80,8 +79,7 @@ def max_payload_bytes(max_bytes: int | None = None) -> int:
 
 
 def pickle_allowed(allow_pickle: bool | None = None) -> bool:
-    """``allow_pickle``, else ``SDC_ALLOW_PICKLED_BATCHES`` (``1``/``true``; empty, ``0``, ``false``:
-    no); ``ValueError`` naming the variable for another value."""
+    """``allow_pickle``, else the flag ``SDC_ALLOW_PICKLED_BATCHES`` (``schema.env_flag``)."""
     return bool(allow_pickle) if allow_pickle is not None else env_flag(ALLOW_PICKLE_ENV)
 
 
@@ -242,8 +240,7 @@ def _int(value: Any, what: str, limit: int = 1 << 62) -> int:
 
 
 def _conforms(value: Any, hint: Any, depth: int = 0) -> bool:
-    """Whether ``value`` fits the annotation ``hint`` (classes, unions, and containers' element types
-    to a few levels; an annotation it does not read fits)."""
+    """Whether ``value`` fits the annotation ``hint`` (one this does not read fits)."""
     if hint is Any or depth > 4:
         return True
     if hint is None or hint is type(None):
@@ -261,12 +258,11 @@ def _conforms(value: Any, hint: Any, depth: int = 0) -> bool:
         args = typing.get_args(hint)
         if origin is dict and len(args) == 2:
             return all(_conforms(k, args[0], depth + 1) and _conforms(v, args[1], depth + 1) for k, v in value.items())
-        if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
+        homogeneous = origin in (list, set, frozenset) and len(args) == 1
+        if homogeneous or (origin is tuple and len(args) == 2 and args[1] is Ellipsis):
             return all(_conforms(v, args[0], depth + 1) for v in value)
         if origin is tuple and args and args != ((),):
             return len(args) == len(value) and all(_conforms(v, a, depth + 1) for v, a in zip(value, args, strict=True))
-        if origin in (list, set, frozenset) and len(args) == 1:
-            return all(_conforms(v, args[0], depth + 1) for v in value)
         return True
     return True  # an annotation this check does not read
 

@@ -12,8 +12,7 @@ from sdc_core.dist.topology import TRANSFER_ERROR
 
 
 def check_replay_payload(payload: Any) -> None:
-    """The ring replay's payload: ``{TRANSFER_ERROR: text}``, or ``micro`` (``MicroBatch`` list) with
-    ``digest``, and/or ``replay``, each a ``Digest`` of 1-D tensors of one length and a float loss."""
+    """``validate`` for the ring replay's exchanges (``replay.ring``): ``ValueError`` for another shape."""
     if not isinstance(payload, dict):
         raise ValueError(f"a replay payload is a {type(payload).__name__}, not a dict")
     if TRANSFER_ERROR in payload:
@@ -50,8 +49,7 @@ def _check_digest(d: Any, key: str) -> None:
 
 
 def check_update_payload(payload: Any) -> None:
-    """The update audit's payload: ``{TRANSFER_ERROR: text}``, ``{"skipped": True}`` or ``{"groups":
-    [...], "after": [int, ...]}`` of items with a name, a parameter, a matching gradient (or None), a state."""
+    """``validate`` for the update audit's exchanges (``sharded.update_audit``): ``ValueError`` for another shape."""
     if not isinstance(payload, dict):
         raise ValueError(f"an update payload is a {type(payload).__name__}, not a dict")
     if TRANSFER_ERROR in payload or "skipped" in payload:

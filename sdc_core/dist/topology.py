@@ -259,10 +259,8 @@ def _agree(failures: list[str], what: str) -> None:
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     if not int(flag.item()):
         return
-    mine = "; ".join(failures).encode("utf-8", "replace")[:_TEXT_BYTES]
-    text = torch.zeros(_TEXT_BYTES, dtype=torch.uint8)
-    if mine:
-        text[: len(mine)] = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
+    mine = "; ".join(failures).encode("utf-8", "replace")[:_TEXT_BYTES].ljust(_TEXT_BYTES, b"\0")
+    text = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
     rows = all_gather_tensor(text.to(collective_device())).cpu()
     said = [bytes(r.tolist()).rstrip(b"\0").decode("utf-8", "replace") for r in rows]
     raise PayloadError(f"{what} failed: " + "; ".join(t for t in said if t))

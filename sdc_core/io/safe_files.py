@@ -73,21 +73,16 @@ _KINDS = (
 def check_output(path: str | Path) -> Path:
     """The file ``atomic_write`` would replace for ``path`` (a symbolic link's target); ``OutputError``
     when it is anything but a regular file or nothing, or its folder is missing. A few ``stat`` calls."""
-    path = Path(path)
-    target = path
+    path = target = Path(path)
+    mode = None  # nothing there (a dangling link's target included)
     try:
         if stat.S_ISLNK(os.lstat(path).st_mode):
             target = Path(os.path.realpath(path))
             if stat.S_ISLNK(os.lstat(target).st_mode):
                 raise OutputError(f"cannot write {path}: it is a symbolic link that does not resolve (a loop)")
-    except FileNotFoundError:
-        pass
-    except OSError as err:
-        raise OutputError(f"cannot write {path}: {err.strerror or err}") from None
-    try:
         mode = os.stat(target).st_mode
     except FileNotFoundError:
-        mode = None
+        pass
     except OSError as err:
         raise OutputError(f"cannot write {path}: {err.strerror or err}") from None
     if mode is not None and not stat.S_ISREG(mode):

@@ -47,8 +47,7 @@ def job_exit_code(returncode: int, verdicts: Sequence[dict[str, Any]], sdc_code:
 
 
 def summary(returncode: int, verdicts: Sequence[dict[str, Any]], job_code: int) -> str | None:
-    """The line ``sdc run`` ends with: the verdict it saw and where its incident is, or that the
-    job failed for another reason (None when it succeeded without a verdict)."""
+    """The line ``sdc run`` ends with (None when the job succeeded without a verdict)."""
     if verdicts:
         message = str((verdicts[0].get("error") or {}).get("message") or "an SDC verdict")
         places = [str(v["incident"]) for v in verdicts if v.get("incident")]
