@@ -53,12 +53,10 @@ class CheckStats:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore counters; raises ``ValueError`` naming the key on a malformed state."""
         try:
-            runs = int(state["runs"])
-            failures = int(state["failures"])
-            last = int(state["last_verified_step"])
+            counts = [int(state[name]) for name in ("runs", "failures", "last_verified_step")]
             max_diff = float(state.get("max_diff", 0.0))
             extra = {str(k): float(v) for k, v in dict(state.get("extra", {})).items()}
         except (KeyError, TypeError, ValueError, OverflowError) as err:
             raise ValueError(f"corrupted SDC '{self.check}' checkpoint state: {err!r} in {state!r}") from err
-        self.runs, self.failures, self.last_verified_step = runs, failures, last
+        self.runs, self.failures, self.last_verified_step = counts
         self.max_diff, self.extra = max_diff, extra

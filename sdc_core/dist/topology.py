@@ -172,15 +172,11 @@ class Topology:
     def gather(cls, node_rank: int | None = None, local_rank: int | None = None) -> Topology:
         """Every rank's facts (one ``all_gather_objects``; call on every rank); ranks default to the launcher's."""
         rank = dist.get_rank() if is_distributed() else 0
-        mine = RankFacts(
-            rank=rank,
-            host=node_name(),
-            node_rank=node_rank
-            if node_rank is not None
-            else (_env_int("GROUP_RANK", "NODE_RANK", "SLURM_NODEID") or 0),
-            local_rank=local_rank if local_rank is not None else (_env_int("LOCAL_RANK", "SLURM_LOCALID") or 0),
-            **dict(zip(("device", "device_uuid", "versions"), _device_facts(), strict=True)),
-        )
+        if node_rank is None:
+            node_rank = _env_int("GROUP_RANK", "NODE_RANK", "SLURM_NODEID") or 0
+        if local_rank is None:
+            local_rank = _env_int("LOCAL_RANK", "SLURM_LOCALID") or 0
+        mine = RankFacts(rank, node_name(), node_rank, local_rank, *_device_facts())
         if not is_distributed():
             return cls(ranks=(mine,), rank=0)
         gathered = all_gather_objects(mine)
