@@ -412,17 +412,13 @@ def check_loaded_checkpoint(obj: dict[str, Any], step: int) -> None:
             warnings.warn(f"the checkpoint being loaded cannot be verified: {err}", UserWarning, stacklevel=2)
             return
         reason = f"the checkpoint changed on disk after it was written: {err}"
-        details = {"checkpoint_fingerprint": str(err)}
-        raise FingerprintMismatchError(step=step, rank=None, suspects=(), details=details, reason=reason) from None
-    if not changed:
-        return
-    raise FingerprintMismatchError(
-        step=step,
-        rank=None,
-        suspects=(),
-        details={"checkpoint_changed_tensors": changed[:20], "changed_count": len(changed)},
-        reason=f"the checkpoint changed on disk after it was written ({len(changed)} tensors, e.g. {changed[0]})",
-    )
+        details: dict[str, Any] = {"checkpoint_fingerprint": str(err)}
+    else:
+        if not changed:
+            return
+        reason = f"the checkpoint changed on disk after it was written ({len(changed)} tensors, e.g. {changed[0]})"
+        details = {"checkpoint_changed_tensors": changed[:20], "changed_count": len(changed)}
+    raise FingerprintMismatchError(step=step, rank=None, suspects=(), details=details, reason=reason)
 
 
 def newest_verified(folders: list[str | Path], max_step: int, trust_pickle: bool = False,
