@@ -21,6 +21,7 @@ import collections
 import dataclasses
 import enum
 import json
+import math
 import os
 import pickle
 import re
@@ -298,9 +299,7 @@ class _Decoder:
     def shape(self, shape: Any, itemsize: int, size: int, what: str) -> list[int]:
         if not isinstance(shape, list) or len(shape) > 64:
             raise PayloadError(f"{what} has shape {shape!r}")
-        numel = 1
-        for n in shape:
-            numel *= _int(n, f"a dimension of {what}")
+        numel = math.prod(_int(n, f"a dimension of {what}") for n in shape)
         if numel * itemsize != size:
             raise PayloadError(f"{what} of shape {shape} needs {numel * itemsize} bytes, the payload has {size}")
         return shape

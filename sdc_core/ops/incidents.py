@@ -203,16 +203,13 @@ def exclude_hosts(incidents: list[dict[str, Any]]) -> list[str]:
 def exclude_reason(incidents: list[dict[str, Any]]) -> str:
     """Why ``exclude_hosts`` lists its hosts, as a scheduler's node reason: ``SDC weight_fingerprint at
     step 8 on n2``, one entry per check, step and host, oldest first; empty when none."""
-    seen: list[str] = []
+    entries: list[str] = []
     for inc in sorted(incidents, key=lambda i: str(i.get("time_iso") or "")):
         check = re.sub(r"[^A-Za-z0-9_.-]", "?", str(inc.get("check")))[:40]
         step = inc.get("step")
         where = f" at step {step}" if isinstance(step, int) and not isinstance(step, bool) else ""
-        for host in exclude_hosts([inc]):
-            entry = f"{check}{where} on {re.sub(r'[^A-Za-z0-9_.-]', '?', host)[:64]}"
-            if entry not in seen:
-                seen.append(entry)
-    return "SDC " + "; ".join(seen) if seen else ""
+        entries += [f"{check}{where} on {re.sub(r'[^A-Za-z0-9_.-]', '?', h)[:64]}" for h in exclude_hosts([inc])]
+    return "SDC " + "; ".join(dict.fromkeys(entries)) if entries else ""
 
 
 def record_verdict(check: Any, run_dir: str | Path | None, is_main: bool, policy: str) -> Path | None:
@@ -223,7 +220,8 @@ def record_verdict(check: Any, run_dir: str | Path | None, is_main: bool, policy
     if error is None:
         return None
     check.last_error = None
-    error.incident_dir = str(Path(run_dir or ".") / "sdc" / "incidents")  # type: ignore[attr-defined]
+    where = Path(run_dir or ".") / "sdc" / "incidents"
+    error.incident_dir = str(where)  # type: ignore[attr-defined]
     if not is_main:
         return None
     try:
@@ -232,7 +230,6 @@ def record_verdict(check: Any, run_dir: str | Path | None, is_main: bool, policy
         error.incident = str(path)  # type: ignore[attr-defined]
         return path
     except Exception as err:  # the report must never cost the verdict
-        where = Path(run_dir or ".") / "sdc" / "incidents"
         error.incident = f"none (not written to {where}: {type(err).__name__})"  # type: ignore[attr-defined]
         warnings.warn(f"SDC incident of {error.check} at step {error.step} not written to {where}: "
                       f"{type(err).__name__}: {err}", RuntimeWarning, stacklevel=2)  # fmt: skip
