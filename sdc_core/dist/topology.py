@@ -87,7 +87,9 @@ class HostRead:
                 self.work.wait()
             return self.value if self.value.device.type == "cpu" else self.value.to("cpu")
         device = self.value.device
-        stream = _side_stream(device)
+        if device not in _side_streams:  # one side stream per CUDA device
+            _side_streams[device] = torch.cuda.Stream(device)
+        stream = _side_streams[device]
         stream.wait_event(self.event)
         with torch.cuda.stream(stream):
             if self.work is not None:
@@ -104,12 +106,6 @@ class HostRead:
 
 
 _side_streams: dict[torch.device, Any] = {}
-
-
-def _side_stream(device: torch.device) -> Any:
-    if device not in _side_streams:
-        _side_streams[device] = torch.cuda.Stream(device)
-    return _side_streams[device]
 
 
 def _env_int(*names: str) -> int | None:

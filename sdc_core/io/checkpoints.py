@@ -303,7 +303,8 @@ def _find_fingerprint(ckpt: Checkpoint) -> tuple[dict[str, Any], str, dict[str, 
             if FINGERPRINT_KEY in holder:
                 where = "under " + "/".join(repr(p) for p in path)
                 return holder, where, {k: v for k, v in obj.items() if k != key}
-    counters = next((str(k) for k, v in obj.items() if _is_hook_state(v)), None)
+    counters = next((str(k) for k, v in obj.items() if isinstance(v, dict) and {"step", "updates", "checks"} <= set(v)),
+                    None)  # fmt: skip
     if counters is not None:
         return (f"the SDC state under {counters!r} holds counters only: call hooks.before_save() before "
                 "hooks.state_dict() (fabric.save does; a Fabric file of an sdc-checks release before that holds "
@@ -333,10 +334,6 @@ def _dicts(obj: Any, path: tuple[str, ...], depth: int = 3) -> Iterator[tuple[tu
     for key, value in obj.items():
         if key != FINGERPRINT_KEY:
             yield from _dicts(value, (*path, str(key)), depth - 1)
-
-
-def _is_hook_state(value: Any) -> bool:
-    return isinstance(value, dict) and {"step", "updates", "checks"} <= set(value)
 
 
 def _callback_states(trainer_state: Any) -> Iterator[tuple[str, Any]]:
