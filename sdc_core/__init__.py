@@ -1,15 +1,10 @@
 """sdc_core: the framework-neutral silent-data-corruption checks (torch and torch.distributed only).
 
-Three checks use the data-parallel replicas as witnesses of each other:
-
-* ``NonFiniteGradient``: NaN/Inf in a rank's LOCAL gradients, before the all-reduce;
-* ``RingReplay``: a partner rank recomputes a rank's micro-batches and compares;
-* ``WeightFingerprint``: replicas compare exact fingerprints of their weights after a step.
-
-A failure raises an ``SDCError`` subclass on every rank, in the same step, naming the faulty rank
-and host when the evidence allows. ``SDCHooks`` drives all three in a plain PyTorch loop (DDP or
-``fully_shard``); the Lightning, Fabric, Accelerate and Hugging Face Trainer adapters are thin
-seams over the same driver.
+The data-parallel replicas witness each other: ``NonFiniteGradient`` (NaN/Inf in a rank's local
+gradients, before the all-reduce), ``RingReplay`` (a partner recomputes a rank's micro-batches) and
+``WeightFingerprint`` (exact weight fingerprints compared after a step). A failure raises an
+``SDCError`` on every rank in the same step, naming the faulty rank and host when the evidence
+allows. ``SDCHooks`` drives the checks in a plain loop; the framework adapters are seams over it.
 """
 
 from sdc_core._lazy import lazy_exports
@@ -38,35 +33,4 @@ __getattr__, __dir__ = lazy_exports("sdc_core", globals(), _EXPORTS)
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "CheckStats",
-    "Fault",
-    "FaultInjector",
-    "FingerprintConfig",
-    "FingerprintMismatchError",
-    "Framework",
-    "GradientTap",
-    "Incident",
-    "NonFiniteConfig",
-    "NonFiniteGradient",
-    "NonFiniteGradientError",
-    "PayloadError",
-    "ReplayConfig",
-    "ReplayMismatchError",
-    "ReplayUnavailableError",
-    "RingReplay",
-    "SDCConfigError",
-    "SDCError",
-    "SDCHooks",
-    "SDCSettings",
-    "StateCapture",
-    "Topology",
-    "WeightFingerprint",
-    "flip_bit",
-    "load_incidents",
-    "process_exit",
-    "ring_partners",
-    "tensor_digest",
-    "tensor_digests",
-    "vote",
-]
+__all__ = ["process_exit", *(name for names in _EXPORTS.values() for name in names)]

@@ -1,6 +1,5 @@
-"""Package exports imported on first use (PEP 562): ``import sdc_core`` or ``lightning_sdc`` stays
-cheap (no torch, no Lightning) until a name is used, so ``sdc --help`` answers at once; and
-``require``, the one-line ``ImportError`` of an adapter whose framework is not installed."""
+"""Package exports imported on first use (PEP 562), so ``import sdc_core`` imports no torch until a
+name is used; and ``require``, the one-line ``ImportError`` of an adapter whose framework is missing."""
 
 from __future__ import annotations
 
@@ -13,8 +12,7 @@ from typing import Any
 def lazy_exports(
     package: str, namespace: dict[str, Any], exports: dict[str, tuple[str, ...]]
 ) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
-    """``(__getattr__, __dir__)`` for ``package``: each name in ``exports`` (module -> names) is
-    imported from its module on first access and kept in ``namespace`` (the package's globals)."""
+    """``(__getattr__, __dir__)`` importing each name of ``exports`` (module -> names) on first access."""
     home = {name: module for module, names in exports.items() for name in names}
 
     def getattr_(name: str) -> Any:
@@ -31,14 +29,12 @@ def lazy_exports(
     return getattr_, dir_
 
 
-
 def _advice(module: str, extra: str, package: str) -> str:
     return f"{package} needs {module}, which is not installed: pip install 'sdc-checks[{extra}]'"
 
 
 def require(module: str, extra: str, package: str) -> None:
-    """Raise ``ImportError`` naming the extra to install when the top-level package ``module``
-    (the framework ``package`` adapts) is not installed. Imports nothing: finding it is enough."""
+    """Raise ``ImportError`` naming the extra to install when ``module`` is not installed (imports nothing)."""
     try:
         found = importlib.util.find_spec(module) is not None
     except (ImportError, ValueError):  # a blocked import, or a module in sys.modules without a spec
@@ -48,8 +44,7 @@ def require(module: str, extra: str, package: str) -> None:
 
 
 def missing(err: ImportError, module: str, extra: str, package: str) -> ImportError:
-    """What to raise for ``err``, met importing the framework ``module`` at the top of an adapter:
-    the one-line advice when ``module`` itself is not installed, else ``err`` (a broken install)."""
+    """For ``err`` met importing ``module``: the one-line advice when it is missing, else ``err``."""
     if (err.name or "").split(".")[0] != module:
         return err
     return ImportError(_advice(module, extra, package), name=module)

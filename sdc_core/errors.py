@@ -1,13 +1,12 @@
-"""Typed exceptions raised by the SDC checks.
-
-Every rank raises the same exception, with the same fields, in the same step: the verdict is
-computed from data all ranks exchanged, never from one rank's local view.
-"""
+"""Typed exceptions raised by the SDC checks: every rank raises the same one, with the same fields,
+in the same step (the verdict is computed from data all ranks exchanged)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from typing import Any
+
+_FIELDS = ("check", "step", "rank", "suspects", "hosts", "details", "reason")  # what to_dict and pickling carry
 
 
 class SDCError(RuntimeError):
@@ -84,24 +83,12 @@ class SDCError(RuntimeError):
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form: every key a string, every value a plain type."""
-        return {
-            "type": type(self).__name__,
-            "check": self.check,
-            "step": self.step,
-            "rank": self.rank,
-            "suspects": list(self.suspects),
-            "hosts": {str(r): h for r, h in self.hosts.items()},
-            "details": _jsonable(self.details),
-            "reason": self.reason,
-            "message": str(self),
-        }
+        fields = {name: getattr(self, name) for name in _FIELDS}
+        return _jsonable({"type": type(self).__name__, **fields, "message": str(self)})
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> SDCError:
-        """Rebuild an error from ``to_dict()`` output (the type by name among this module's SDC errors).
-
-        Raises ``ValueError`` naming the problem for anything else (the data may come from a file).
-        """
+        """Rebuild an error from ``to_dict()`` output; ``ValueError`` for anything else (it may come from a file)."""
         known = (SDCError, NonFiniteGradientError, ReplayMismatchError, FingerprintMismatchError, ChecksumMismatchError)
         types = {t.__name__: t for t in known}
         try:
@@ -120,16 +107,7 @@ class SDCError(RuntimeError):
             raise ValueError(f"not an SDC error record: {err!r}") from None
 
     def __reduce__(self) -> tuple[Any, ...]:
-        kwargs = {
-            "step": self.step,
-            "rank": self.rank,
-            "suspects": self.suspects,
-            "hosts": self.hosts,
-            "details": self.details,
-            "reason": self.reason,
-            "check": self.check,
-        }
-        return (_rebuild, (type(self), kwargs))
+        return (_rebuild, (type(self), {name: getattr(self, name) for name in _FIELDS}))
 
 
 def _rebuild(cls: type[SDCError], kwargs: dict[str, Any]) -> SDCError:
@@ -152,9 +130,8 @@ TRACEBACK_ENV = "SDC_TRACEBACK"  # set to 1: an uncaught verdict prints its full
 
 
 def verdict_line(error: SDCError) -> str:
-    """The one line an uncaught verdict prints on each rank: the error's type and message (check,
-    step, rank, host, what to do) and where its incident is (``error.incident``, the file, on the
-    rank that wrote it; ``error.incident_dir`` elsewhere: both set when the incident is recorded)."""
+    """The one line an uncaught verdict prints on each rank: its type, message and incident (the file
+    on the rank that wrote it, the folder elsewhere)."""
     where = getattr(error, "incident", None) or getattr(error, "incident_dir", None)
     incident = f" Incident: {where}." if where else ""
     return f"{type(error).__name__}: {error}{incident} ({TRACEBACK_ENV}=1 shows the traceback)"
@@ -179,24 +156,17 @@ class FingerprintMismatchError(SDCError):
 
 
 class ChecksumMismatchError(SDCError):
-    """A matrix product disagreed with its checksum beyond the rounding bound on one rank: the
-    multiply was computed wrongly there (``sdc_core.checks.matmul``).
+    """A matrix product disagreed with its checksum beyond the rounding bound on one rank.
 
-    Besides the common fields: ``module`` (the product's module name, e.g. ``"encoder.layers.0.linear1"``
-    or ``"encoder.layers.0.self_attn.in_proj"``), ``phase`` (``"forward"`` or ``"backward"``) and
-    ``host`` (the faulty rank's host); ``details["product"]`` says which product (``"output"``,
-    ``"input_gradient"`` or ``"weight_gradient"``) and ``details["violations"]`` lists every
-    rank's, module's and phase's excess over the bound.
-    """
+    Besides the common fields: ``module`` (e.g. ``"encoder.layers.0.linear1"``), ``phase``
+    (``"forward"`` or ``"backward"``) and ``host`` (the faulty rank's); ``details["product"]``
+    (``"output"``, ``"input_gradient"``, ``"weight_gradient"``) and ``details["violations"]``."""
 
     check = "matmul_checksum"
 
     def __init__(self, *, module: str | None = None, phase: str | None = None, **kwargs: Any) -> None:
-        details = dict(kwargs.pop("details", None) or {})
-        if module is not None:
-            details["module"] = module
-        if phase is not None:
-            details["phase"] = phase
+        given = {"module": module, "phase": phase}
+        details = dict(kwargs.pop("details", None) or {}) | {k: v for k, v in given.items() if v is not None}
         super().__init__(details=details, **kwargs)
 
     @property
@@ -213,22 +183,15 @@ class ChecksumMismatchError(SDCError):
 
 
 class ReplayUnavailableError(RuntimeError):
-    """The ring replay audit could not run (a replay or batch transfer failed on some rank).
-
-    Not evidence of SDC, so not an ``SDCError``: raised on every rank alike so none is left
-    waiting in a collective. Usually the training step has a side effect or an input that does
-    not travel: define a side-effect free replay step, or turn the audit off.
-    """
+    """The ring replay audit could not run (a transfer failed on some rank); raised on every rank alike.
+    Not evidence of SDC, so not an ``SDCError``: usually the step has a side effect or an input that
+    does not travel."""
 
 
 def as_sdc_error(exception: BaseException, error: SDCError) -> BaseException:
-    """Make ``exception`` also an instance of ``type(error)`` carrying its fields, in place.
-
-    For launchers that re-raise a worker's exception as text only (torch.multiprocessing's
-    ``ProcessRaisedException`` under Lightning ``ddp_spawn``): the caller's ``except SDCError``
-    (and ``except ProcessRaisedException``) then both work. ``str()`` gives the SDC message; the
-    launcher's own attributes (``msg``: the worker's traceback) stay. Pickles as ``type(error)``.
-    """
+    """Make ``exception`` (a launcher's re-raise of a worker's error as text, as under ``ddp_spawn``)
+    also an instance of ``type(error)`` carrying its fields, in place: ``except SDCError`` and the
+    launcher's own ``except`` both work, its attributes stay. Pickles as ``type(error)``."""
     if isinstance(exception, SDCError):
         return exception
     kind = type(error)

@@ -1,10 +1,6 @@
-"""A check's settings, declared once: the fields of its config dataclass, each with its doc.
-
-A config field made by ``setting(default, doc, more)`` is a setting: ``doc`` is one line (what
-``accelerate-sdc config`` asks and ``--help`` shows), ``more`` the details; ``documented`` writes
-both into the class docstring's ``Args:``. ``SDCSettings`` (``sdc_core.driver.settings``) takes its
-defaults, docs and mapping to each config from these fields. Fields without a doc are a check's
-state, not settings. No torch, no imports of the package: every config module imports this one.
+"""A check's settings, declared once: the fields of its config dataclass made by ``setting(default,
+doc, more)``; ``SDCSettings`` and ``accelerate-sdc config`` take their defaults and docs from them,
+``documented`` writes them into the class docstring. No torch: every config module imports this one.
 """
 
 from __future__ import annotations
@@ -34,8 +30,7 @@ def describe(f: dataclasses.Field[Any]) -> str:
 
 
 def documented(cls: T, settings: dict[str, dataclasses.Field[Any]] | None = None) -> T:
-    """Append an ``Args:`` section made of the settings' docs to ``cls.__doc__`` (one source):
-    ``cls``'s own settings, or ``settings`` (argument name -> the setting that documents it)."""
+    """Append an ``Args:`` section of ``cls``'s settings' docs (or of ``settings``) to ``cls.__doc__``."""
     lines = [
         textwrap.fill(f"{name}: {describe(f)}", width=96, initial_indent=" " * 8, subsequent_indent=" " * 12)
         for name, f in (settings_of(cls) if settings is None else settings).items()

@@ -8,11 +8,8 @@ from typing import Any
 
 @dataclass
 class CheckStats:
-    """Running counters of one check. Identical on every rank except the time spent.
-
-    ``state_dict`` holds only the rank-independent counters, so a checkpoint written by rank 0
-    restores every rank.
-    """
+    """Running counters of one check, identical on every rank except the time spent (which
+    ``state_dict`` leaves out, so a checkpoint written by rank 0 restores every rank)."""
 
     check: str
     runs: int = 0
@@ -50,28 +47,16 @@ class CheckStats:
         return out
 
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "runs": self.runs,
-            "failures": self.failures,
-            "last_verified_step": self.last_verified_step,
-            "max_diff": self.max_diff,
-            "extra": dict(self.extra or {}),
-        }
+        counters = {name: getattr(self, name) for name in ("runs", "failures", "last_verified_step", "max_diff")}
+        return {**counters, "extra": dict(self.extra or {})}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore counters; raises ``ValueError`` naming the key on a malformed state."""
         try:
-            runs = int(state["runs"])
-            failures = int(state["failures"])
-            last = int(state["last_verified_step"])
+            counts = [int(state[name]) for name in ("runs", "failures", "last_verified_step")]
             max_diff = float(state.get("max_diff", 0.0))
             extra = {str(k): float(v) for k, v in dict(state.get("extra", {})).items()}
         except (KeyError, TypeError, ValueError, OverflowError) as err:
             raise ValueError(f"corrupted SDC '{self.check}' checkpoint state: {err!r} in {state!r}") from err
-        self.runs, self.failures, self.last_verified_step, self.max_diff, self.extra = (
-            runs,
-            failures,
-            last,
-            max_diff,
-            extra,
-        )
+        self.runs, self.failures, self.last_verified_step = counts
+        self.max_diff, self.extra = max_diff, extra

@@ -1,28 +1,17 @@
-"""Objects sent between ranks in a form that cannot run code when read (torch and the standard
-library only; NumPy when it is already imported).
+"""Objects sent between ranks in a form that cannot run code when read: one ``uint8`` buffer of a
+magic line, a JSON header describing the object tree, and the raw bytes of its tensors and arrays.
+Reading it parses JSON and copies bytes into tensors of listed dtypes; it never unpickles and never
+imports. What travels: ``None``, numbers, ``str``, ``bytes``,
+``bytearray``; the builtin containers, ``deque``, ``OrderedDict``, a ``defaultdict`` of a builtin
+factory, Hugging Face's ``BatchEncoding``; strided tensors of a plain dtype (``requires_grad`` and
+``nn.Parameter`` kept; they arrive on the CPU), ``torch.Size``/``dtype``/``device``, numeric NumPy
+arrays and scalars; named tuples and enums of classes the receiver has already imported, and
+``sdc_core``'s dataclasses (fields checked against their annotations).
 
-A payload is one ``uint8`` buffer: a magic line, a JSON header describing the object tree, and
-the raw bytes of its tensors and arrays. Reading it parses JSON and copies bytes into tensors of
-listed dtypes; it never unpickles and never imports. What travels:
-
-* ``None``, ``bool``, ``int``, ``float`` (NaN and infinities too), ``complex``, ``str``,
-  ``bytes``, ``bytearray``;
-* ``list``, ``tuple``, ``dict`` (any keys that travel), ``set``, ``frozenset``, ``deque``,
-  ``OrderedDict``, a ``defaultdict`` whose factory is a builtin container or number type, and
-  Hugging Face's ``BatchEncoding`` (its data);
-* tensors (strided, of a plain dtype; ``requires_grad`` and ``nn.Parameter`` kept; they arrive on
-  the CPU), ``torch.Size``, ``torch.dtype``, ``torch.device``, NumPy arrays and scalars of
-  numeric or boolean dtype;
-* named tuples and enum members of classes the receiver has already imported (rebuilt from their
-  fields; nothing is imported to find them), and the dataclasses of ``sdc_core`` (fields checked
-  against their annotations).
-
-Anything else raises ``NotEncodable`` naming where it sits (``payload['micro'][0].batch``), unless
-the SENDER passes ``allow_pickle``: then that object alone is pickled, and the RECEIVER unpickles it
-only when its own ``allow_pickle`` is set (``PayloadError`` otherwise). A sender cannot make a
-receiver unpickle. ``decode`` raises ``PayloadError`` for any payload that is not well formed.
-
-Cost: one copy of every tensor into the buffer and one out of it, as ``torch.save`` does.
+Anything else raises ``NotEncodable`` naming where it sits, unless the SENDER passes
+``allow_pickle``: then that object alone is pickled, and the RECEIVER unpickles it only when its own
+``allow_pickle`` is set. A sender cannot make a receiver unpickle. ``decode`` raises
+``PayloadError`` for any payload that is not well formed. Cost: one copy of every tensor in and out.
 """
 
 from __future__ import annotations
@@ -32,6 +21,7 @@ import collections
 import dataclasses
 import enum
 import json
+import math
 import os
 import pickle
 import re
@@ -55,27 +45,9 @@ _ALIGN = 64
 _DTYPES: dict[str, torch.dtype] = {
     name: getattr(torch, name)
     for name in (
-        "float64",
-        "float32",
-        "float16",
-        "bfloat16",
-        "complex128",
-        "complex64",
-        "complex32",
-        "int64",
-        "int32",
-        "int16",
-        "int8",
-        "uint64",
-        "uint32",
-        "uint16",
-        "uint8",
-        "bool",
-        "float8_e4m3fn",
-        "float8_e5m2",
-        "float8_e4m3fnuz",
-        "float8_e5m2fnuz",
-    )
+        "float64 float32 float16 bfloat16 complex128 complex64 complex32 int64 int32 int16 int8 uint64 "
+        "uint32 uint16 uint8 bool float8_e4m3fn float8_e5m2 float8_e4m3fnuz float8_e5m2fnuz"
+    ).split()
     if isinstance(getattr(torch, name, None), torch.dtype)
 }
 _NUMPY_DTYPE = re.compile(r"[<>|=]?(b1|[iu][1248]|f[248]|c(8|16))")
@@ -87,9 +59,8 @@ _MAPPINGS = {"transformers.tokenization_utils_base:BatchEncoding", "transformers
 
 
 class PayloadError(RuntimeError):
-    """A payload between ranks was refused: malformed, larger than allowed, holding a pickled
-    object this rank does not accept, or of a shape the receiver does not expect. Raised on every
-    rank alike by ``sdc_core.dist.topology.exchange`` and ``all_gather_objects``."""
+    """A payload between ranks was refused (malformed, too large, pickled without consent, of an
+    unexpected shape); ``topology.exchange`` and ``all_gather_objects`` raise it on every rank alike."""
 
 
 class NotEncodable(TypeError):
@@ -97,28 +68,29 @@ class NotEncodable(TypeError):
 
 
 def max_payload_bytes(max_bytes: int | None = None) -> int:
-    """``max_bytes``, else ``SDC_MAX_PAYLOAD_MB`` (MiB), else 4096 MiB; ``ValueError`` naming the
-    setting for anything but a positive integer."""
+    """``max_bytes``, else ``SDC_MAX_PAYLOAD_MB`` (MiB), else 4096 MiB; ``ValueError`` unless positive."""
     if max_bytes is not None:
         if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1:
             raise ValueError(f"max_bytes must be a positive integer, got {max_bytes!r}")
         return max_bytes
-    raw = os.environ.get(MAX_PAYLOAD_ENV, "").strip()
-    if not raw:
-        return DEFAULT_MAX_PAYLOAD_MB << 20
+    raw = os.environ.get(MAX_PAYLOAD_ENV, "").strip() or str(DEFAULT_MAX_PAYLOAD_MB)
     if not raw.isdigit() or int(raw) < 1:
         raise ValueError(f"{MAX_PAYLOAD_ENV} must be a positive whole number of MiB, got {raw!r}")
     return int(raw) << 20
 
 
 def pickle_allowed(allow_pickle: bool | None = None) -> bool:
-    """``allow_pickle``, else ``SDC_ALLOW_PICKLED_BATCHES`` (``1``/``true``; empty, ``0``, ``false``:
-    no); ``ValueError`` naming the variable for another value."""
+    """``allow_pickle``, else the flag ``SDC_ALLOW_PICKLED_BATCHES`` (``schema.env_flag``)."""
     return bool(allow_pickle) if allow_pickle is not None else env_flag(ALLOW_PICKLE_ENV)
 
 
 def _qualname(cls: type) -> str:
     return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def _uint8(data: bytes) -> torch.Tensor:
+    """``data`` as a CPU ``uint8`` tensor of its own (``torch.frombuffer`` refuses an empty buffer)."""
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
 
 
 def _resolve(name: Any, what: str) -> Any:
@@ -138,33 +110,28 @@ def _resolve(name: Any, what: str) -> Any:
     return obj
 
 
-# ------------------------------------------------------------------------------------------ encode
-
-
 class _Encoder:
     def __init__(self, allow_pickle: bool) -> None:
         self.allow_pickle = allow_pickle
         self.blobs: list[tuple[list[Any], torch.Tensor]] = []  # (header entry, uint8 CPU bytes)
-        self.size = 0
 
     def blob(self, entry: list[Any], data: torch.Tensor) -> int:
         self.blobs.append((entry, data))
         return len(self.blobs) - 1
 
     def tensor(self, t: torch.Tensor, where: str) -> dict[str, Any]:
-        if t.layout != torch.strided or t.is_quantized or str(t.dtype).removeprefix("torch.") not in _DTYPES:
+        name = str(t.dtype).removeprefix("torch.")
+        if t.layout != torch.strided or t.is_quantized or name not in _DTYPES:
             raise NotEncodable(f"{where}: a {t.layout} tensor of {t.dtype} does not travel")
         if t.device.type == "meta":
             raise NotEncodable(f"{where}: a tensor on the meta device holds no data")
         param = isinstance(t, torch.nn.Parameter)
         if type(t) is not torch.Tensor and not param:
             raise NotEncodable(f"{where}: a {type(t).__name__} (a tensor subclass) does not travel")
-        grad = bool(t.requires_grad)
         flat = t.detach().resolve_conj().resolve_neg().to("cpu").contiguous().reshape(-1)
         raw = flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8)
-        name = str(t.dtype).removeprefix("torch.")
         node = {"t": "tensor", "i": self.blob(["tensor", name, list(t.shape)], raw)}
-        if grad:
+        if t.requires_grad:
             node["grad"] = True
         if param:
             node["param"] = True
@@ -174,9 +141,7 @@ class _Encoder:
         if depth > MAX_DEPTH:
             raise NotEncodable(f"{where}: nested more than {MAX_DEPTH} levels deep")
         kind = type(obj)
-        if obj is None or kind in (bool, int, str):
-            return obj
-        if kind is float:
+        if obj is None or kind in (bool, int, float, str):
             return obj
         try:
             return self._encode(obj, kind, where, depth)
@@ -187,7 +152,7 @@ class _Encoder:
                 data = pickle.dumps(obj)
             except Exception as err:
                 raise NotEncodable(f"{where}: a {kind.__name__} cannot be pickled either ({err})") from None
-            return {"t": "pickle", "i": self.blob(["pickle"], torch.frombuffer(bytearray(data), dtype=torch.uint8))}
+            return {"t": "pickle", "i": self.blob(["pickle"], _uint8(data))}
 
     def _seq(self, items: Any, where: str, depth: int) -> list[Any]:
         return [self.encode(v, f"{where}[{i}]", depth + 1) for i, v in enumerate(items)]
@@ -234,12 +199,7 @@ class _Encoder:
                 raise NotEncodable(f"{where}: a NumPy value of dtype {obj.dtype} does not travel")
             arr = np.asarray(obj)  # a scalar stays 0-d (ascontiguousarray would make it 1-d)
             arr = arr if arr.flags.c_contiguous else arr.copy(order="C")
-            data = (
-                torch.frombuffer(bytearray(arr.tobytes()), dtype=torch.uint8)
-                if arr.nbytes
-                else torch.empty(0, dtype=torch.uint8)
-            )
-            i = self.blob(["numpy", obj.dtype.str, list(arr.shape)], data)
+            i = self.blob(["numpy", obj.dtype.str, list(arr.shape)], _uint8(arr.tobytes()))
             return {"t": "ndarray" if isinstance(obj, np.ndarray) else "npscalar", "i": i}
         if isinstance(obj, tuple) and hasattr(kind, "_fields") and hasattr(kind, "_make"):
             return {"t": "ntuple", "cls": _qualname(kind), "v": self._seq(obj, where, depth)}
@@ -256,10 +216,7 @@ class _Encoder:
 
 
 def encode(obj: Any, allow_pickle: bool = False, where: str = "payload") -> torch.Tensor:
-    """``obj`` as one CPU ``uint8`` tensor (see the module docstring for what travels).
-
-    Raises ``NotEncodable`` naming the first object that cannot travel (with ``allow_pickle``:
-    that cannot be pickled either)."""
+    """``obj`` as one CPU ``uint8`` tensor; ``NotEncodable`` names the first object that cannot travel."""
     enc = _Encoder(allow_pickle)
     tree = enc.encode(obj, where)
     entries, offset = [], 0
@@ -269,16 +226,12 @@ def encode(obj: Any, allow_pickle: bool = False, where: str = "payload") -> torc
     header = json.dumps({"tree": tree, "blobs": entries}, separators=(",", ":")).encode()
     start = -(-(len(MAGIC) + 8 + len(header)) // _ALIGN) * _ALIGN
     out = torch.zeros(start + offset, dtype=torch.uint8)
-    out[: len(MAGIC)] = torch.frombuffer(bytearray(MAGIC), dtype=torch.uint8)
-    out[len(MAGIC) : len(MAGIC) + 8] = torch.frombuffer(bytearray(len(header).to_bytes(8, "little")), dtype=torch.uint8)
-    out[len(MAGIC) + 8 : len(MAGIC) + 8 + len(header)] = torch.frombuffer(bytearray(header), dtype=torch.uint8)
+    head = MAGIC + len(header).to_bytes(8, "little") + header
+    out[: len(head)] = _uint8(head)
     for (_, data), entry in zip(enc.blobs, entries, strict=True):
         if data.numel():
             out[start + entry[-2] : start + entry[-2] + data.numel()] = data
     return out
-
-
-# ------------------------------------------------------------------------------------------ decode
 
 
 def _int(value: Any, what: str, limit: int = 1 << 62) -> int:
@@ -288,8 +241,7 @@ def _int(value: Any, what: str, limit: int = 1 << 62) -> int:
 
 
 def _conforms(value: Any, hint: Any, depth: int = 0) -> bool:
-    """Whether ``value`` fits the annotation ``hint`` (classes, unions, Optional, and the outer
-    type of list, tuple, dict, set; element types of tuples and dicts to a few levels)."""
+    """Whether ``value`` fits the annotation ``hint`` (one this does not read fits)."""
     if hint is Any or depth > 4:
         return True
     if hint is None or hint is type(None):
@@ -307,19 +259,17 @@ def _conforms(value: Any, hint: Any, depth: int = 0) -> bool:
         args = typing.get_args(hint)
         if origin is dict and len(args) == 2:
             return all(_conforms(k, args[0], depth + 1) and _conforms(v, args[1], depth + 1) for k, v in value.items())
-        if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
+        homogeneous = origin in (list, set, frozenset) and len(args) == 1
+        if homogeneous or (origin is tuple and len(args) == 2 and args[1] is Ellipsis):
             return all(_conforms(v, args[0], depth + 1) for v in value)
         if origin is tuple and args and args != ((),):
             return len(args) == len(value) and all(_conforms(v, a, depth + 1) for v, a in zip(value, args, strict=True))
-        if origin in (list, set, frozenset) and len(args) == 1:
-            return all(_conforms(v, args[0], depth + 1) for v in value)
         return True
     return True  # an annotation this check does not read
 
 
 def _bytes_of(t: torch.Tensor) -> bytes:
-    """The bytes of a 1-D uint8 CPU tensor, copied once into a fresh buffer (torch alone: no NumPy;
-    one memcpy, the same cost as ``t.numpy().tobytes()``)."""
+    """The bytes of a 1-D uint8 CPU tensor (one copy, without NumPy)."""
     buf = bytearray(t.numel())
     if buf:
         torch.frombuffer(buf, dtype=torch.uint8).copy_(t)
@@ -349,9 +299,7 @@ class _Decoder:
     def shape(self, shape: Any, itemsize: int, size: int, what: str) -> list[int]:
         if not isinstance(shape, list) or len(shape) > 64:
             raise PayloadError(f"{what} has shape {shape!r}")
-        numel = 1
-        for n in shape:
-            numel *= _int(n, f"a dimension of {what}")
+        numel = math.prod(_int(n, f"a dimension of {what}") for n in shape)
         if numel * itemsize != size:
             raise PayloadError(f"{what} of shape {shape} needs {numel * itemsize} bytes, the payload has {size}")
         return shape
@@ -528,11 +476,8 @@ _TAGS = {  # the tag of a node -> the method that rebuilds it
 
 
 def decode(data: torch.Tensor, allow_pickle: bool = False) -> Any:
-    """The object ``encode`` wrote into ``data`` (a ``uint8`` tensor, on any device).
-
-    Raises ``PayloadError`` saying what is wrong for anything else: a foreign or truncated
-    buffer, a header that is not the expected JSON, sizes that do not add up, an unknown tag or
-    class, a dataclass field of the wrong type, a pickled object without ``allow_pickle``."""
+    """The object ``encode`` wrote into ``data`` (a ``uint8`` tensor, on any device); ``PayloadError``
+    saying what is wrong for anything else (a pickled object too, unless ``allow_pickle``)."""
     if not isinstance(data, torch.Tensor) or data.dtype != torch.uint8 or data.dim() != 1:
         raise PayloadError("a payload must be a 1-D uint8 tensor")
     data = data.cpu()

@@ -1,8 +1,5 @@
-"""The shapes a peer's payload must have before its receiver uses it: the ``validate`` functions
-that ``sdc_core.dist.topology.exchange`` runs on each received object (the decode itself already
-refused anything that is not a well formed payload). A payload of another shape raises
-``ValueError`` naming what is wrong; ``exchange`` turns that into ``PayloadError`` on every rank
-together. No communication; cost: a walk over the payload's containers, no tensor data read.
+"""The shapes a peer's payload must have: ``validate`` functions for ``topology.exchange``, which turns
+their ``ValueError`` into ``PayloadError`` on every rank. Cost: a walk over the containers, no data read.
 """
 
 from __future__ import annotations
@@ -15,10 +12,7 @@ from sdc_core.dist.topology import TRANSFER_ERROR
 
 
 def check_replay_payload(payload: Any) -> None:
-    """``validate`` for the ring replay's exchanges (``sdc_core.replay.ring``): raises ``ValueError``
-    unless ``payload`` is ``{TRANSFER_ERROR: text}`` or holds ``micro`` (a list of ``MicroBatch``)
-    with ``digest``, and/or ``replay``, each a well formed ``Digest`` (1-D tensors of one length:
-    float64 sums, norms and numels, int64 fingerprints; a float loss)."""
+    """``validate`` for the ring replay's exchanges (``replay.ring``): ``ValueError`` for another shape."""
     if not isinstance(payload, dict):
         raise ValueError(f"a replay payload is a {type(payload).__name__}, not a dict")
     if TRANSFER_ERROR in payload:
@@ -55,10 +49,7 @@ def _check_digest(d: Any, key: str) -> None:
 
 
 def check_update_payload(payload: Any) -> None:
-    """``validate`` for the update audit's exchanges (``sdc_core.sharded.update_audit``): raises
-    ``ValueError`` unless ``payload`` is ``{TRANSFER_ERROR: text}``, ``{"skipped": True}`` or
-    ``{"groups": [...], "after": [int, ...]}`` whose items hold a name, a parameter shard, a
-    gradient of the same shape (or None) and a state of tensors and plain values."""
+    """``validate`` for the update audit's exchanges (``sharded.update_audit``): ``ValueError`` for another shape."""
     if not isinstance(payload, dict):
         raise ValueError(f"an update payload is a {type(payload).__name__}, not a dict")
     if TRANSFER_ERROR in payload or "skipped" in payload:

@@ -1,18 +1,15 @@
 """Who is where: ranks, hosts and nodes, replay partners, and the few collectives the checks use.
 
-Facts about each rank (hostname, node rank, local rank) are gathered once, at set-up, with one
-``all_gather_objects``; nothing here runs per step except the small helpers the checks call on
-their own cadence.
-
-Nothing a peer sends is unpickled: ``all_gather_objects`` and ``exchange`` carry objects in the
-form of ``sdc_core.dist.payload`` (JSON header plus raw tensor bytes), agree on sizes before any
-buffer is allocated, and raise ``PayloadError`` on every rank together for anything malformed,
-oversized or refused: one corrupted or compromised rank can neither run code on its partners nor
-leave them waiting.
+Each rank's facts are gathered once, at set-up. Nothing a peer sends is unpickled:
+``all_gather_objects`` and ``exchange`` carry ``sdc_core.dist.payload`` buffers, agree on sizes
+before any buffer is allocated, and raise ``PayloadError`` on every rank together for anything
+malformed, oversized or refused: one bad rank can neither run code on its partners nor leave them
+waiting.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 from collections.abc import Callable
@@ -40,12 +37,7 @@ def is_distributed() -> bool:
 
 
 def device_backends(config: str | None = None) -> dict[str, str]:
-    """Device type -> name of the backend that serves it, for a backend string as
-    ``dist.get_backend_config()`` writes it (``"nccl"``, ``"gloo"``, ``"cpu:gloo,cuda:nccl"``, ...),
-    by default the default process group's (empty when none is initialized). Parsed by torch's
-    own ``BackendConfig`` (a single name stands for every device type torch says it serves:
-    ``"gloo"`` serves ``cpu`` and ``cuda``, ``"nccl"`` only ``cuda``). Raises ``ValueError`` on a
-    malformed string."""
+    """Device type -> backend name for a backend string (``"cpu:gloo,cuda:nccl"``; default: the group's)."""
     if config is None:
         if not (dist.is_available() and dist.is_initialized()):
             return {}
@@ -56,7 +48,6 @@ def device_backends(config: str | None = None) -> dict[str, str]:
 
 
 def _current(kind: str) -> torch.device:
-    """The current device of type ``kind`` (``cuda`` -> ``cuda:<current>``)."""
     module = getattr(torch, kind, None)
     if module is not None and hasattr(module, "current_device") and module.is_available():
         return torch.device(kind, module.current_device())
@@ -64,11 +55,9 @@ def _current(kind: str) -> torch.device:
 
 
 def collective_device(device: torch.device | str | None = None, config: str | None = None) -> torch.device:
-    """Where tensors made on ``device`` go to the default group's collectives: ``device`` itself when a backend of the
-    group serves its type (device-made values never cross to the host on the checks' side), else the host when the
-    group serves ``cpu``, else the device type the group serves. ``device=None`` (values made on the host): the host
-    when the group serves it, else the group's device. Without a process group: ``device``, or the host. ``config``
-    overrides the group's backend string (``device_backends``)."""
+    """Where tensors made on ``device`` (None: the host) go to the default group's collectives:
+    ``device`` when a backend serves its type, else the host when one serves ``cpu``, else the
+    group's device type. Without a group: ``device``, or the host."""
     backends = device_backends(config)
     if device is not None:
         device = torch.device(device)
@@ -80,30 +69,27 @@ def collective_device(device: torch.device | str | None = None, config: str | No
 
 
 class HostRead:
-    """A device tensor's value, to be read on the host later without draining the device's queue.
-
-    Create it where the value is produced (after starting any asynchronous ``work`` on it): on CUDA it records an
-    event; ``get()`` copies the value into pinned host memory on a side stream that waits for that event (and
-    ``work``), and waits for that copy only. On the host ``get()`` waits for ``work``; other device types take a
-    blocking copy. Cost: one event, one tiny copy, one wait when read."""
+    """A device tensor's value, read on the host later without draining the device's queue: create
+    it where the value is produced (after starting any asynchronous ``work`` on it); on CUDA
+    ``get()`` copies it on a side stream and waits for that copy only. Cost: one event, one copy."""
 
     def __init__(self, value: torch.Tensor, work: Any = None) -> None:
         self.value = value
         self.work = work
         self.event = None
-        self._list: list[Any] | None = None
         if value.device.type == "cuda":
             self.event = torch.cuda.Event()
             self.event.record(torch.cuda.current_stream(value.device))
 
     def get(self) -> torch.Tensor:
-        """The value as a CPU tensor, once it (and ``work``) has landed."""
         if self.event is None:
             if self.work is not None:
                 self.work.wait()
             return self.value if self.value.device.type == "cpu" else self.value.to("cpu")
         device = self.value.device
-        stream = _side_stream(device)
+        if device not in _side_streams:  # one side stream per CUDA device
+            _side_streams[device] = torch.cuda.Stream(device)
+        stream = _side_streams[device]
         stream.wait_event(self.event)
         with torch.cuda.stream(stream):
             if self.work is not None:
@@ -116,20 +102,10 @@ class HostRead:
         return host
 
     def tolist(self) -> list[Any]:
-        """``get()`` as a list (read once, then kept)."""
-        if self._list is None:
-            self._list = self.get().tolist()
-        return self._list
+        return self.get().tolist()
 
 
 _side_streams: dict[torch.device, Any] = {}
-
-
-def _side_stream(device: torch.device) -> Any:
-    """One side stream per CUDA device, for ``HostRead`` copies."""
-    if device not in _side_streams:
-        _side_streams[device] = torch.cuda.Stream(device)
-    return _side_streams[device]
 
 
 def _env_int(*names: str) -> int | None:
@@ -140,14 +116,9 @@ def _env_int(*names: str) -> int | None:
     return None
 
 
-NODE_NAME_ENVS = ("SLURMD_NODENAME", "NODE_NAME")  # Slurm's node; Kubernetes' (downward API: spec.nodeName)
-
-
 def node_name() -> str:
-    """The name the scheduler knows this process's node by, the one to drain or cordon:
-    ``SLURMD_NODENAME`` under Slurm, else ``NODE_NAME`` (Kubernetes, from the downward API), else
-    the host name. Several Slurm nodes can share one host; only the scheduler's name tells them apart."""
-    for name in NODE_NAME_ENVS:
+    """The node's name to drain: ``SLURMD_NODENAME``, else ``NODE_NAME`` (Kubernetes), else the host name."""
+    for name in ("SLURMD_NODENAME", "NODE_NAME"):
         value = os.environ.get(name, "").strip()
         if value:
             return value
@@ -156,7 +127,7 @@ def node_name() -> str:
 
 @dataclass(frozen=True)
 class RankFacts:
-    """What is known of one rank: its host, node rank, local rank and device (gathered once)."""
+    """What is known of one rank (gathered once)."""
 
     rank: int
     host: str
@@ -168,7 +139,6 @@ class RankFacts:
 
 
 def _device_facts() -> tuple[str, str | None, tuple[tuple[str, str], ...]]:
-    """This process's device name, UUID (where the device has one) and library versions."""
     import platform
 
     versions = [("torch", str(torch.__version__)), ("python", platform.python_version())]
@@ -176,11 +146,8 @@ def _device_facts() -> tuple[str, str | None, tuple[tuple[str, str], ...]]:
         index = torch.cuda.current_device()
         props = torch.cuda.get_device_properties(index)
         versions += [("cuda", str(torch.version.cuda)), ("cudnn", str(torch.backends.cudnn.version()))]
-        try:  # the kernel driver's version line, where the NVIDIA driver exposes it
-            with open("/proc/driver/nvidia/version") as f:
-                versions.append(("driver", f.readline().strip()))
-        except OSError:
-            pass
+        with contextlib.suppress(OSError), open("/proc/driver/nvidia/version") as f:  # where the driver shows it
+            versions.append(("driver", f.readline().strip()))
         uuid = getattr(props, "uuid", None)
         return props.name, (str(uuid) if uuid is not None else None), tuple(versions)
     return platform.processor() or platform.machine() or "cpu", None, tuple(versions)
@@ -199,21 +166,13 @@ class Topology:
 
     @classmethod
     def gather(cls, node_rank: int | None = None, local_rank: int | None = None) -> Topology:
-        """Collect every rank's facts (one ``all_gather_objects``; call once, on every rank).
-
-        ``node_rank`` defaults to ``GROUP_RANK`` (torchrun), ``NODE_RANK`` (Lightning) or
-        ``SLURM_NODEID``; ``local_rank`` to ``LOCAL_RANK`` or ``SLURM_LOCALID``.
-        """
+        """Every rank's facts (one ``all_gather_objects``; call on every rank); ranks default to the launcher's."""
         rank = dist.get_rank() if is_distributed() else 0
-        mine = RankFacts(
-            rank=rank,
-            host=node_name(),
-            node_rank=node_rank
-            if node_rank is not None
-            else (_env_int("GROUP_RANK", "NODE_RANK", "SLURM_NODEID") or 0),
-            local_rank=local_rank if local_rank is not None else (_env_int("LOCAL_RANK", "SLURM_LOCALID") or 0),
-            **dict(zip(("device", "device_uuid", "versions"), _device_facts(), strict=True)),
-        )
+        if node_rank is None:
+            node_rank = _env_int("GROUP_RANK", "NODE_RANK", "SLURM_NODEID") or 0
+        if local_rank is None:
+            local_rank = _env_int("LOCAL_RANK", "SLURM_LOCALID") or 0
+        mine = RankFacts(rank, node_name(), node_rank, local_rank, *_device_facts())
         if not is_distributed():
             return cls(ranks=(mine,), rank=0)
         gathered = all_gather_objects(mine)
@@ -232,15 +191,13 @@ class Topology:
         return len({f.node_rank for f in self.ranks})
 
     def partners(self) -> tuple[int, ...]:
-        """``partners()[r]`` is the rank that replays rank ``r``'s batch: one cycle through all
-        ranks, crossing nodes at every hop when the nodes are of equal size."""
+        """``partners()[r]`` is the rank that replays rank ``r``'s batch (``ring_partners``)."""
         return ring_partners([f.node_rank for f in self.ranks])
 
 
 def ring_partners(node_of_rank: list[int]) -> tuple[int, ...]:
-    """Replay permutation for ranks placed on the given nodes (see ``Topology.partners``): ranks interleaved across
-    nodes, each replaying the one before it in that single cycle, so no two ranks replay each other and with equal
-    node sizes every partner is on another node. On one node the partner of ``r`` is ``r + 1``."""
+    """Replay permutation for ranks on the given nodes: one cycle with ranks interleaved across nodes, so
+    no two ranks replay each other and, with equal node sizes, every partner is on another node."""
     world = len(node_of_rank)
     seen: dict[int, int] = {}
     local_index = []
@@ -255,10 +212,9 @@ def ring_partners(node_of_rank: list[int]) -> tuple[int, ...]:
 
 
 def group_ring_partners(groups: list[tuple[int, ...]], node_of_rank: list[int]) -> tuple[int, ...]:
-    """Replay permutation when ranks compute each batch together in ``groups`` (tensor-parallel groups in coordinate
-    order): the ring runs over the groups, the rank with coordinate ``t`` of the group after ``g`` replaying what
-    rank ``t`` of ``g`` computed, so a group's collectives pair up. Raises ``ValueError`` unless the groups are of
-    one size and cover every rank exactly once."""
+    """Replay permutation over tensor-parallel ``groups`` (coordinate order): rank ``t`` of the next
+    group replays rank ``t`` of ``g``, so a group's collectives pair up. ``ValueError`` unless the
+    groups are of one size and cover every rank once."""
     world = len(node_of_rank)
     sizes = {len(g) for g in groups}
     if len(sizes) != 1 or sorted(r for g in groups for r in g) != list(range(world)):
@@ -272,8 +228,7 @@ def group_ring_partners(groups: list[tuple[int, ...]], node_of_rank: list[int]) 
 
 
 def owners_of(partners: tuple[int, ...] | list[int]) -> list[int]:
-    """The inverse of a replay permutation: ``owners_of(partners)[q]`` is the rank whose batch
-    rank ``q`` replays."""
+    """The inverse of a replay permutation: the rank whose batch rank ``q`` replays."""
     owners = [0] * len(partners)
     for o, q in enumerate(partners):
         owners[q] = o
@@ -290,17 +245,14 @@ def all_gather_tensor(value: torch.Tensor) -> torch.Tensor:
 
 
 def _agree(failures: list[str], what: str) -> None:
-    """Raise ``PayloadError`` on every rank when any rank lists a failure (a collective: every rank
-    calls it at the same point). Costs one 4-byte all-reduce, whatever the world size; the texts
-    (512 bytes a rank) are gathered only when some rank failed."""
+    """Raise ``PayloadError`` on every rank when any rank lists a failure (a collective). One 4-byte
+    all-reduce; the texts (512 bytes a rank) are gathered only when some rank failed."""
     flag = torch.tensor([len(failures)], dtype=torch.int32, device=collective_device())
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     if not int(flag.item()):
         return
-    mine = "; ".join(failures).encode("utf-8", "replace")[:_TEXT_BYTES]
-    text = torch.zeros(_TEXT_BYTES, dtype=torch.uint8)
-    if mine:
-        text[: len(mine)] = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
+    mine = "; ".join(failures).encode("utf-8", "replace")[:_TEXT_BYTES].ljust(_TEXT_BYTES, b"\0")
+    text = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
     rows = all_gather_tensor(text.to(collective_device())).cpu()
     said = [bytes(r.tolist()).rstrip(b"\0").decode("utf-8", "replace") for r in rows]
     raise PayloadError(f"{what} failed: " + "; ".join(t for t in said if t))
@@ -310,12 +262,9 @@ _TEXT_BYTES = 512
 
 
 def all_gather_objects(obj: Any, *, max_bytes: int | None = None) -> list[Any]:
-    """Every rank's ``obj``, in rank order, never unpickled (the form of ``sdc_core.dist.payload``).
-
-    Sizes are agreed first and checked against the smallest ``max_bytes`` of all ranks (default
-    ``SDC_MAX_PAYLOAD_MB`` or 4 GiB), and the buffers' allocation is agreed, so a bad size, an unholdable buffer or
-    an unreadable object raises ``PayloadError`` naming the rank on every rank, never on one while the others wait.
-    Rare paths only: three collectives."""
+    """Every rank's ``obj``, in rank order, never unpickled. Sizes (against the smallest ``max_bytes``
+    of all ranks) and allocation are agreed, so a bad size, buffer or object raises ``PayloadError``
+    naming the rank on every rank. Rare paths only: three collectives."""
     if not is_distributed():
         return [obj]
     world, me = dist.get_world_size(), dist.get_rank()
@@ -357,8 +306,7 @@ TRANSFER_ERROR = "__sdc_transfer_error__"
 
 
 def _outgoing(obj: Any, allow_pickle: bool, limit: int) -> torch.Tensor:
-    """The payload of ``obj`` (CPU bytes); an object that cannot travel, or one over the limit,
-    becomes ``{TRANSFER_ERROR: why}`` so the receiver still gets a message and no rank waits."""
+    """The payload of ``obj``, or of ``{TRANSFER_ERROR: why}`` when it cannot travel or is over the limit."""
     try:
         data = encode(obj, allow_pickle=allow_pickle)
     except (NotEncodable, RuntimeError) as err:
@@ -386,9 +334,8 @@ def _pair_key(src: int, dst: int) -> int:
 
 
 def check_plans(sends_to: list[int], recv_from: list[int]) -> None:
-    """Raise ``PayloadError`` on every rank unless every rank's sends are matched by receives and no
-    receive is left without its send (one all-reduce of four integers, whatever the world size: the
-    counts, and sums of a key of each pair ``src -> dst``, agree only then)."""
+    """Raise ``PayloadError`` on every rank unless every send is matched by a receive and vice versa
+    (one all-reduce of four integers: the counts and sums of a key of each pair ``src -> dst``)."""
     me = dist.get_rank()
     plan = torch.tensor([len(sends_to), len(recv_from), sum(_pair_key(me, d) for d in sends_to),
                          sum(_pair_key(s, me) for s in recv_from)], dtype=torch.int64, device=collective_device())
@@ -407,17 +354,13 @@ def exchange(
     max_bytes: int | None = None,
     validate: Callable[[Any], None] | None = None,
 ) -> dict[int, Any]:
-    """Point-to-point exchange: ``sends[dst] = obj``; returns ``{src: obj}`` for each source.
+    """Point-to-point exchange (every rank at the same point): ``sends[dst] = obj``; returns ``{src: obj}``.
 
-    Every rank calls it at the same point with plans consistent with the others'. Objects travel in the form of
-    ``sdc_core.dist.payload`` and arrive on the CPU; nothing is unpickled unless THIS rank's ``allow_pickle``
-    (default ``SDC_ALLOW_PICKLED_BATCHES``, off) says so. An object this rank cannot send arrives as
-    ``{TRANSFER_ERROR: why}``.
-
-    Guarantees: the plans, the smallest ``max_bytes`` (default ``SDC_MAX_PAYLOAD_MB`` or 4 GiB), each announced size,
-    the buffers' allocation and each receiver's decoding and ``validate`` are agreed, so any failure raises
-    ``PayloadError`` on every rank, naming the ranks. Cost per rank, whatever the world size: one copy of each
-    payload in and one out, an 8-byte size per partner and five all-reduces of at most 32 bytes."""
+    Objects arrive on the CPU, unpickled only when THIS rank's ``allow_pickle`` (default
+    ``SDC_ALLOW_PICKLED_BATCHES``, off) says so; one this rank cannot send arrives as
+    ``{TRANSFER_ERROR: why}``. The plans, the smallest ``max_bytes``, each size, the allocation and
+    each receiver's decoding and ``validate`` are agreed: any failure raises ``PayloadError`` on every
+    rank. Cost: one copy of each payload in and out, 8 bytes per partner, five tiny all-reduces."""
     me, device = dist.get_rank(), collective_device()
     allow = pickle_allowed(allow_pickle)
     agreed = torch.tensor([max_payload_bytes(max_bytes)], dtype=torch.int64, device=device)

@@ -1,16 +1,8 @@
-"""Checkpoint reading, writing and verification (torch only).
-
-This module reads Lightning ``.ckpt`` files, plain ``torch.save`` state dicts, Accelerate
-``save_state`` and Hugging Face Trainer folders (``Checkpoint``), writes them back atomically (a
-hard link to the input is replaced, never written through) and only to a regular file: a device
-or FIFO given as the output is refused. Flipping bits in a saved checkpoint (fault injection) is
-``sdc_core.faults.checkpoint``; nothing here imports fault injection.
-
-Every file is read with ``weights_only=True`` (``sdc_core.io.safe_files.load_torch``): reading a checkpoint
-cannot run code hidden in it; ``trust_pickle=True`` opts in, loudly, for a legacy file you wrote.
-
-``fingerprint_checkpoint(obj)`` is what ``WeightFingerprintCheck`` stores in the checkpoints it
-sees written; ``verify(path)`` recomputes it and names the tensors that changed.
+"""Checkpoint reading, writing and verification (torch only). Reads Lightning ``.ckpt`` files,
+``torch.save`` state dicts, Accelerate ``save_state`` and Hugging Face Trainer folders (``Checkpoint``)
+with ``weights_only=True`` (``trust_pickle=True`` opts in, loudly, for a legacy file you wrote), and
+writes them back atomically, only to a regular file. ``fingerprint_checkpoint(obj)`` is what
+``WeightFingerprintCheck`` stores in the checkpoints it sees written; ``verify(path)`` recomputes it.
 """
 
 from __future__ import annotations
@@ -49,12 +41,8 @@ FINGERPRINT_VERSION = max(_DIGESTS)
 
 
 def fingerprint_checkpoint(obj: dict[str, Any], version: int = FINGERPRINT_VERSION) -> dict[str, Any]:
-    """Per-tensor exact digests of a checkpoint's weights and optimizer state (what
-    ``WeightFingerprintCheck`` stores under ``sdc_fingerprint`` in the checkpoints it sees written).
-
-    For a Lightning checkpoint: every tensor under ``state_dict`` and ``optimizer_states``; for a
-    plain state dict: every tensor. ``version`` picks the digest (older ones verify older files):
-    2 is ``tensor_digest``; 1, the plain word sum of earlier releases, only verifies their files."""
+    """Per-tensor exact digests of a checkpoint's tensors (of a Lightning one: under ``state_dict`` and
+    ``optimizer_states``). ``version`` picks the digest: 2 (``tensor_digest``) is written, 1 only verifies."""
     if version not in _DIGESTS:
         raise ValueError(f"unknown {FINGERPRINT_KEY} version {version!r} (this release reads {sorted(_DIGESTS)})")
     digest = _DIGESTS[version]
@@ -68,8 +56,7 @@ def fingerprint_checkpoint(obj: dict[str, Any], version: int = FINGERPRINT_VERSI
 
 
 class FingerprintUnusable(ValueError):
-    """A stored fingerprint that cannot be compared: ``damaged`` (not the shape this module
-    writes: the file changed) or written with another fingerprint version."""
+    """A stored fingerprint that cannot be compared: ``damaged`` (the file changed), or of another version."""
 
     def __init__(self, message: str, damaged: bool) -> None:
         super().__init__(message)
@@ -77,9 +64,7 @@ class FingerprintUnusable(ValueError):
 
 
 def stored_fingerprint(obj: Any) -> tuple[int, dict[str, int]] | None:
-    """``(version, per-tensor digests)`` stored in ``obj`` (None: none stored); raises
-    ``FingerprintUnusable`` when an entry is stored but damaged or of a version this release
-    does not know."""
+    """``(version, per-tensor digests)`` stored in ``obj``, or None; ``FingerprintUnusable`` for an unusable one."""
     if not isinstance(obj, dict) or FINGERPRINT_KEY not in obj:
         return None
     stored = obj[FINGERPRINT_KEY]
@@ -101,9 +86,7 @@ def stored_fingerprint(obj: Any) -> tuple[int, dict[str, int]] | None:
 
 
 def changed_tensors(obj: dict[str, Any]) -> list[str] | None:
-    """Names of the tensors whose digest differs from the stored fingerprint (None: none stored).
-
-    Raises ``FingerprintUnusable`` when a fingerprint is stored but cannot be compared."""
+    """Names of the tensors whose digest differs from the stored fingerprint (None: none stored)."""
     stored = stored_fingerprint(obj)
     if stored is None:
         return None
@@ -123,9 +106,7 @@ class Checkpoint:
 
     @classmethod
     def load(cls, path: str | Path, trust_pickle: bool = False) -> Checkpoint:
-        """Read a checkpoint with ``weights_only=True`` (``trust_pickle``: full unpickling, loudly).
-
-        Raises ``UnreadableError`` naming the file when it cannot be read or is not a checkpoint."""
+        """Read with ``weights_only=True`` (``trust_pickle``: full unpickling, loudly); else ``UnreadableError``."""
         path = Path(path)
         if not path.exists():
             raise UnreadableError(f"{path} does not exist")
@@ -149,13 +130,11 @@ class Checkpoint:
             if f.suffix == ".safetensors":
                 objects[f.name], metadata[f.name] = _safetensors_load(f)
             elif f.suffix in (".bin", ".pt", ".pth"):
-                if f.name.startswith(_STATE_FILES):
+                try:
                     objects[f.name] = load_torch(f, trust_pickle)
-                    continue
-                try:  # an auxiliary file (scheduler, RNG states, Trainer arguments) may need unpickling
-                    objects[f.name] = load_torch(f, trust_pickle)
-                except UnreadableError:
-                    continue  # left out (never unpickled); a written copy keeps it byte for byte
+                except UnreadableError:  # an auxiliary file (scheduler, RNG states) may need unpickling: left out,
+                    if f.name.startswith(_STATE_FILES):  # and a written copy keeps it byte for byte
+                        raise
         if not objects:
             raise UnreadableError(f"{path} holds no model or optimizer files of an Accelerate save_state or Trainer "
                                   "checkpoint folder (*.safetensors, *.bin, *.pt, *.pth)")  # fmt: skip
@@ -165,15 +144,11 @@ class Checkpoint:
     def tensors(self) -> Iterator[tuple[str, str, torch.Tensor]]:
         """``(name, group, tensor)`` for every floating tensor; group is "weights" or "optimizer"."""
         for fname, obj in self.objects.items():
-            for key, t in _walk(obj, fname):
-                if not t.is_floating_point():
-                    continue
-                yield key, _group(self.kind, key), t
+            yield from ((key, _group(self.kind, key), t) for key, t in _walk(obj, fname) if t.is_floating_point())
 
     def save(self, out: Path) -> None:
-        """Write to ``out`` atomically. A file is written beside ``out`` and renamed onto it; a
-        folder is built beside ``out`` and renamed into place (``out`` must not exist or be empty),
-        or, when ``out`` is the folder read, each of its files is replaced in turn."""
+        """Write to ``out`` atomically: a file or a folder (new or empty) is built beside ``out`` and
+        renamed into place; in the folder read, each file is replaced in turn."""
         if self.kind not in _FOLDERS:
             atomic_write(out, lambda f: torch.save(self.objects[""], f))
             return
@@ -226,8 +201,8 @@ def _safetensors_load(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, st
 
 
 def _walk(obj: Any, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(name, tensor)`` for every tensor in nested dicts, lists and tuples, depth first in order;
-    a container met again on its own path (a self-referencing file) is not entered again."""
+    """``(name, tensor)`` for every tensor in nested dicts, lists and tuples, depth first; a container
+    met again on its own path (a self-referencing file) is not entered again."""
     stack: list[tuple[Any, str, frozenset[int]]] = [(obj, prefix, frozenset())]
     while stack:
         item, name, seen = stack.pop()
@@ -261,20 +236,12 @@ def _group(kind: str, key: str) -> str:
 
 
 def verify(path: str | Path, trust_pickle: bool = False) -> dict[str, Any]:
-    """Recompute a checkpoint's fingerprint and compare it with the one stored when it was written.
-
-    The fingerprint is found wherever this project's routes put it: at the top level of a
-    Lightning ``.ckpt``, inside the hook set's state in a ``torch.save`` file (the plain recipe's
-    ``"sdc": hooks.state_dict()``), in an Accelerate ``save_state`` folder's ``sdc_state.json``
-    or a Trainer checkpoint's ``trainer_state.json``. The hook set's fingerprint names the tensors
-    ``model/...`` and ``optimizer/...``; each is matched to the entry (or file) of the checkpoint
-    that holds exactly those tensor names (``module.`` and ``_orig_mod.`` prefixes of a wrapped
-    model's state dict allowed).
+    """Recompute a checkpoint's fingerprint, found wherever the routes store it, and compare.
 
     Returns ``{"status": "clean" | "corrupted" | "no_fingerprint", "changed": [...], "path": ...,
-    "where": ...}`` with ``"reason"`` when the status is not clean; ``UnreadableError`` for a file
-    it cannot read. A damaged stored fingerprint counts as corrupted (the file changed); one of
-    another version, or one covering state the file does not hold, as no fingerprint it can use."""
+    "where": ...}`` with ``"reason"`` when not clean; ``UnreadableError`` for a file it cannot read.
+    A damaged stored fingerprint counts as corrupted; one of another version, or one covering state
+    the file does not hold, as no fingerprint."""
     ckpt = Checkpoint.load(path, trust_pickle)
     out: dict[str, Any] = {"status": "no_fingerprint", "changed": [], "path": str(path)}
     found = _find_fingerprint(ckpt)
@@ -308,9 +275,8 @@ def verify(path: str | Path, trust_pickle: bool = False) -> dict[str, Any]:
 
 
 def _find_fingerprint(ckpt: Checkpoint) -> tuple[dict[str, Any], str, dict[str, Any] | None] | str:
-    """``(holder, where, candidates)``: the dict holding ``sdc_fingerprint``, a phrase saying where
-    it sits, and the entries its tensor names are matched against (None: the holder is the whole
-    checkpoint, names as ``fingerprint_checkpoint`` makes them). A string says why there is none."""
+    """``(holder, where, candidates)``: the dict holding the fingerprint, where it sits, and the
+    entries its names are matched against (None: the whole checkpoint); else why there is none."""
     if ckpt.kind in _FOLDERS:
         sdc_state = _read_json(ckpt.path / ACCELERATE_STATE)
         if isinstance(sdc_state, dict) and FINGERPRINT_KEY in sdc_state:
@@ -337,7 +303,8 @@ def _find_fingerprint(ckpt: Checkpoint) -> tuple[dict[str, Any], str, dict[str, 
             if FINGERPRINT_KEY in holder:
                 where = "under " + "/".join(repr(p) for p in path)
                 return holder, where, {k: v for k, v in obj.items() if k != key}
-    counters = next((str(k) for k, v in obj.items() if _is_hook_state(v)), None)
+    counters = next((str(k) for k, v in obj.items() if isinstance(v, dict) and {"step", "updates", "checks"} <= set(v)),
+                    None)  # fmt: skip
     if counters is not None:
         return (f"the SDC state under {counters!r} holds counters only: call hooks.before_save() before "
                 "hooks.state_dict() (fabric.save does; a Fabric file of an sdc-checks release before that holds "
@@ -352,20 +319,15 @@ _SHARD = re.compile(r"(model|pytorch_model)-\d+-of-\d+\.(safetensors|bin)")
 
 
 def _merged_shards(objects: dict[str, Any]) -> dict[str, Any]:
-    """A folder's files with a sharded model's (``model-00001-of-00002.safetensors``, ...) merged
-    into one entry ``model``: the fingerprint's ``model/...`` is matched against all of them."""
+    """A folder's files with a sharded model's files merged into one entry ``model``."""
     shards = sorted(name for name in objects if _SHARD.fullmatch(name))
     if not shards:
         return objects
-    merged: dict[str, Any] = {}
-    for name in shards:
-        if isinstance(objects[name], dict):
-            merged.update(objects[name])
+    merged = {k: v for name in shards if isinstance(objects[name], dict) for k, v in objects[name].items()}
     return {k: v for k, v in objects.items() if k not in shards} | {"model": merged}
 
 
 def _dicts(obj: Any, path: tuple[str, ...], depth: int = 3) -> Iterator[tuple[tuple[str, ...], dict[str, Any]]]:
-    """Every dict in nested dicts down to ``depth`` levels, with the keys leading to it."""
     if not isinstance(obj, dict) or depth == 0:
         return
     yield path, obj
@@ -374,12 +336,7 @@ def _dicts(obj: Any, path: tuple[str, ...], depth: int = 3) -> Iterator[tuple[tu
             yield from _dicts(value, (*path, str(key)), depth - 1)
 
 
-def _is_hook_state(value: Any) -> bool:
-    return isinstance(value, dict) and {"step", "updates", "checks"} <= set(value)
-
-
 def _callback_states(trainer_state: Any) -> Iterator[tuple[str, Any]]:
-    """The hook-set states the Trainer callbacks stored in ``trainer_state.json``."""
     callbacks = trainer_state.get("stateful_callbacks") if isinstance(trainer_state, dict) else None
     for name, entry in (callbacks or {}).items() if isinstance(callbacks, dict) else ():
         for item in entry if isinstance(entry, list) else [entry]:
@@ -389,7 +346,6 @@ def _callback_states(trainer_state: Any) -> Iterator[tuple[str, Any]]:
 
 
 def _read_json(path: Path) -> Any:
-    """A small JSON file (None when absent); ``UnreadableError`` when it is not JSON."""
     if not path.is_file():
         return None
     try:
@@ -404,14 +360,9 @@ _WRAPPERS = ("module.", "_orig_mod.")  # prefixes of a DDP-wrapped or compiled m
 
 
 def _matched(was: dict[str, int], candidates: dict[str, Any]) -> tuple[dict[str, torch.Tensor], list[str]]:
-    """The tensors the fingerprint ``was`` (``<group>/<name>`` -> stored digest) refers to, found
-    in ``candidates`` (a checkpoint's top-level entries, or a folder's files): each group is the
-    candidate holding exactly the group's tensor names, preferring one named like the group
-    (``model``, ``model.safetensors``); else the candidate named like it (its differences then show
-    as changed tensors). A name a candidate lacks counts as held when its stored digest is that of
-    a name it holds: a tied weight, written once (``save_pretrained`` drops ``lm_head.weight`` tied
-    to the embedding); it is compared with that tensor. Returns the tensors and the groups found
-    nowhere."""
+    """The tensors the fingerprint ``was`` (``<group>/<name>`` -> digest) refers to, and the groups
+    found nowhere: each group is the candidate holding exactly its names (tied weights allowed:
+    ``_with_tied``), preferring one named like the group; else the one named like it."""
     groups: dict[str, dict[str, int]] = {}
     for name, digest in was.items():
         group, _, rest = name.partition("/")
@@ -421,17 +372,10 @@ def _matched(was: dict[str, int], candidates: dict[str, Any]) -> tuple[dict[str,
     missing = []
     for group, rels in groups.items():
         named_like = [k for k in walked if k == group or k.split(".")[0] == group]
-        choice = None
-        for key in [*named_like, *(k for k in walked if k not in named_like)]:
-            for prefix in ("", *_WRAPPERS):
-                if prefix and not all(n.startswith(prefix) for n in walked[key]):
-                    continue
-                renamed = {n[len(prefix):]: t for n, t in walked[key].items()}
-                choice = _with_tied(renamed, rels)
-                if choice is not None:
-                    break
-            if choice is not None:
-                break
+        order = [*named_like, *(k for k in walked if k not in named_like)]
+        renamed = ({n[len(p):]: t for n, t in walked[k].items()} for k in order for p in ("", *_WRAPPERS)
+                   if not p or all(n.startswith(p) for n in walked[k]))  # fmt: skip
+        choice = next((held for held in (_with_tied(r, rels) for r in renamed) if held is not None), None)
         if choice is None and named_like:
             choice = walked[named_like[0]]
         if choice is None:
@@ -442,9 +386,8 @@ def _matched(was: dict[str, int], candidates: dict[str, Any]) -> tuple[dict[str,
 
 
 def _with_tied(held: dict[str, torch.Tensor], rels: dict[str, int]) -> dict[str, torch.Tensor] | None:
-    """``held`` when it holds exactly the names of ``rels`` (name -> stored digest), the names it
-    lacks being tied to ones it holds (the same stored digest): each then maps to that tensor.
-    None when the names differ otherwise."""
+    """``held`` when it holds exactly the names of ``rels`` (name -> digest), a name it lacks mapped
+    to the held tensor of the same digest (a tied weight written once); else None."""
     if not set(held) <= set(rels):
         return None
     lacking = set(rels) - set(held)
@@ -457,9 +400,8 @@ def _with_tied(held: dict[str, torch.Tensor], rels: dict[str, int]) -> dict[str,
 
 
 def check_loaded_checkpoint(obj: dict[str, Any], step: int) -> None:
-    """Raise ``FingerprintMismatchError`` (on every rank: each loads the same file) when a
-    checkpoint's tensors no longer match the fingerprint stored with it, or that fingerprint is
-    damaged; warn when it is of another version (it cannot be checked)."""
+    """Raise ``FingerprintMismatchError`` (on every rank: each loads the same file) when the tensors
+    no longer match the stored fingerprint or it is damaged; warn when it is of another version."""
     try:
         changed = changed_tensors(obj)
     except FingerprintUnusable as err:
@@ -467,29 +409,22 @@ def check_loaded_checkpoint(obj: dict[str, Any], step: int) -> None:
             warnings.warn(f"the checkpoint being loaded cannot be verified: {err}", UserWarning, stacklevel=2)
             return
         reason = f"the checkpoint changed on disk after it was written: {err}"
-        details = {"checkpoint_fingerprint": str(err)}
-        raise FingerprintMismatchError(step=step, rank=None, suspects=(), details=details, reason=reason) from None
-    if not changed:
-        return
-    raise FingerprintMismatchError(
-        step=step,
-        rank=None,
-        suspects=(),
-        details={"checkpoint_changed_tensors": changed[:20], "changed_count": len(changed)},
-        reason=f"the checkpoint changed on disk after it was written ({len(changed)} tensors, e.g. {changed[0]})",
-    )
+        details: dict[str, Any] = {"checkpoint_fingerprint": str(err)}
+    else:
+        if not changed:
+            return
+        reason = f"the checkpoint changed on disk after it was written ({len(changed)} tensors, e.g. {changed[0]})"
+        details = {"checkpoint_changed_tensors": changed[:20], "changed_count": len(changed)}
+    raise FingerprintMismatchError(step=step, rank=None, suspects=(), details=details, reason=reason)
 
 
 def newest_verified(folders: list[str | Path], max_step: int, trust_pickle: bool = False,
                     skipped: list[str] | None = None) -> Path | None:  # fmt: skip
-    """The newest checkpoint under ``folders`` written at or before optimizer step ``max_step``
-    whose tensors still match the fingerprint stored with it (None when there is none). A
-    weights-only checkpoint (no ``optimizer_states``) is passed over: Lightning cannot resume
-    training from one either.
-
-    Files are read with ``weights_only=True`` unless ``trust_pickle``; each file passed over is
-    appended to ``skipped`` (when given) with the reason."""
+    """The newest ``*.ckpt`` under ``folders`` of a step at most ``max_step`` whose tensors match its
+    stored fingerprint, or None; weights-only ones are passed over (nothing to resume). Each file
+    passed over is appended to ``skipped`` with the reason."""
     best: tuple[int, float, Path] | None = None
+    skipped = [] if skipped is None else skipped
     for folder in map(Path, folders):
         for path in sorted(folder.glob("*.ckpt")) if folder.is_dir() else []:
             try:  # a hostile or odd file is passed over, never raised: the caller's ranks wait for the answer
@@ -498,15 +433,13 @@ def newest_verified(folders: list[str | Path], max_step: int, trust_pickle: bool
                 changed = changed_tensors(obj) if 0 <= step <= max_step else None
                 mtime = path.stat().st_mtime
             except Exception as err:  # unreadable, odd step, unusable fingerprint
-                if skipped is not None:
-                    skipped.append(f"{path}: {err}")
+                skipped.append(f"{path}: {err}")
                 continue
             if "optimizer_states" not in obj and 0 <= step <= max_step:  # Lightning save_weights_only
-                if skipped is not None:
-                    skipped.append(f"{path}: weights only (no optimizer state to roll back to)")
+                skipped.append(f"{path}: weights only (no optimizer state to roll back to)")
                 continue
             if step < 0 or step > max_step or changed != []:
-                if skipped is not None and step <= max_step:
+                if step <= max_step:
                     why = "no fingerprint" if changed is None else f"changed tensors {changed[:3]}"
                     skipped.append(f"{path}: {why}" if step >= 0 else f"{path}: no global_step")
                 continue

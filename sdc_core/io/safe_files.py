@@ -1,14 +1,8 @@
 """Reading files that may be hostile and writing files that must not be half written (torch only).
 
-* ``load_torch`` reads a ``torch.save`` file with ``weights_only=True``, so a file cannot run code while it is read;
-  ``trust_pickle=True`` (``--trust-pickle``, ``SDC_TRUST_PICKLE=1``) unpickles in full, warning with the file's name
-  each time.
-* ``atomic_write`` writes beside the destination and renames into place: a reader sees the old file or the new one,
-  and a hard link to an input is replaced, never written through. Only a regular file (or nothing) is replaced (a
-  symbolic link is followed); a device, FIFO, socket or folder is refused with ``OutputError`` before anything is
-  written (``check_output``), since every output here is read back. A new file gets ``0o666`` less the umask, a
-  replaced one keeps its mode (``output_mode``).
-* ``UnreadableError`` and ``OutputError`` name the file and say what to do; both are ``ValueError``.
+``load_torch`` reads with ``weights_only=True`` (``trust_pickle=True`` unpickles, warning each time).
+``atomic_write`` writes beside the destination and renames into place, only onto a regular file or
+nothing (``check_output``). ``UnreadableError`` and ``OutputError`` name the file; both are ``ValueError``.
 """
 
 from __future__ import annotations
@@ -36,15 +30,13 @@ class OutputError(ValueError):
 
 
 def trust_pickle_from_env() -> bool:
-    """Whether ``SDC_TRUST_PICKLE`` opts in to full unpickling (``1``/``true``; empty or ``0``: no)."""
+    """Whether ``SDC_TRUST_PICKLE`` opts in to full unpickling."""
     return env_flag(TRUST_PICKLE_ENV)
 
 
 def load_torch(path: str | Path, trust_pickle: bool = False, map_location: Any = "cpu") -> Any:
-    """``torch.load`` of ``path`` that cannot run code unless ``trust_pickle`` (loudly) allows it.
-
-    Raises ``UnreadableError`` naming the file for anything that is not a readable ``torch.save``
-    file, and saying how to opt in when the file needs full unpickling."""
+    """``torch.load`` of ``path`` that cannot run code unless ``trust_pickle`` (loudly) allows it;
+    ``UnreadableError`` naming the file (and how to opt in, where that would help) otherwise."""
     import torch
 
     path = Path(path)
@@ -71,7 +63,6 @@ def load_torch(path: str | Path, trust_pickle: bool = False, map_location: Any =
 
 
 _KINDS = (
-    (stat.S_ISDIR, "a folder"),
     (stat.S_ISCHR, "a character device"),
     (stat.S_ISBLK, "a block device"),
     (stat.S_ISFIFO, "a FIFO (named pipe)"),
@@ -80,32 +71,25 @@ _KINDS = (
 
 
 def check_output(path: str | Path) -> Path:
-    """The file ``atomic_write`` would replace for ``path``: ``path`` itself, or for a symbolic
-    link the file it names. Raises ``OutputError`` (one line, naming the path and its kind) when
-    that is anything but a regular file or nothing (a device, FIFO, socket, folder, a link loop)
-    or its folder does not exist. Cheap (a few ``stat`` calls): call it before expensive work."""
-    path = Path(path)
-    target = path
+    """The file ``atomic_write`` would replace for ``path`` (a symbolic link's target); ``OutputError``
+    when it is anything but a regular file or nothing, or its folder is missing. A few ``stat`` calls."""
+    path = target = Path(path)
+    mode = None  # nothing there (a dangling link's target included)
     try:
         if stat.S_ISLNK(os.lstat(path).st_mode):
             target = Path(os.path.realpath(path))
             if stat.S_ISLNK(os.lstat(target).st_mode):
                 raise OutputError(f"cannot write {path}: it is a symbolic link that does not resolve (a loop)")
+        mode = os.stat(target).st_mode
     except FileNotFoundError:
         pass
     except OSError as err:
         raise OutputError(f"cannot write {path}: {err.strerror or err}") from None
-    try:
-        mode = os.stat(target).st_mode
-    except FileNotFoundError:
-        mode = None
-    except OSError as err:
-        raise OutputError(f"cannot write {path}: {err.strerror or err}") from None
     if mode is not None and not stat.S_ISREG(mode):
-        kind = next((name for test, name in _KINDS if test(mode)), "not a regular file")
         shown = f"{path} (a link to {target})" if target != path else str(path)
         if stat.S_ISDIR(mode):
             raise OutputError(f"{shown} is a folder; give a file name")
+        kind = next((name for test, name in _KINDS if test(mode)), "not a regular file")
         raise OutputError(f"cannot write {shown}: it is {kind}, and outputs are only written to regular files "
                           "(replaced atomically); give a file path")  # fmt: skip
     if not target.parent.is_dir():
@@ -117,8 +101,7 @@ _UMASK_LOCK = threading.Lock()
 
 
 def current_umask() -> int:
-    """This process's umask, read without changing it where Linux shows it (``/proc/self/status``);
-    elsewhere set and restored at once under a lock."""
+    """This process's umask, from ``/proc/self/status`` where Linux shows it, else set and restored under a lock."""
     try:
         with open("/proc/self/status") as f:
             for line in f:
@@ -133,8 +116,7 @@ def current_umask() -> int:
 
 
 def output_mode(target: str | Path, folder: bool = False) -> int:
-    """The permission bits an ordinary write would leave on ``target``: its own when it exists,
-    else ``0o666`` (``0o777`` for a folder) less the umask."""
+    """The mode an ordinary write leaves on ``target``: its own, else ``0o666``/``0o777`` less the umask."""
     try:
         return stat.S_IMODE(os.stat(target).st_mode) & 0o777
     except OSError:
@@ -142,12 +124,9 @@ def output_mode(target: str | Path, folder: bool = False) -> int:
 
 
 def atomic_write(path: str | Path, write: Callable[[IO[bytes]], Any]) -> Path:
-    """Call ``write`` on a temporary file beside ``path`` and rename it onto ``path``.
-
-    Only a regular file or nothing is replaced; a symbolic link is followed and its target
-    replaced (see ``check_output``, which raises ``OutputError`` for anything else: a device, a
-    FIFO, a folder, a missing folder). The temporary file is removed when ``write`` fails.
-    Returns ``path``."""
+    """Call ``write`` on a temporary file beside ``path`` (removed when it fails), then rename it onto
+    ``check_output(path)``; a reader sees the old file or the new one, a hard link is never written
+    through, and a replaced file keeps its mode. Returns ``path``."""
     path = Path(path)
     target = check_output(path)
     try:
@@ -175,9 +154,8 @@ def atomic_write_text(path: str | Path, text: str) -> Path:
 
 
 def create_unique(folder: str | Path, stem: str, suffix: str, text: str) -> Path:
-    """Write ``text`` to a new file ``<folder>/<stem><suffix>`` (``<stem>-2<suffix>``, ... when
-    taken) atomically, never replacing an existing file: two writers in the same instant get two
-    files. The file gets ``0o666`` less the umask, as an ordinary new file."""
+    """Write ``text`` atomically to a new file ``<folder>/<stem><suffix>`` (``<stem>-2<suffix>``, ...
+    when taken), never replacing one: two writers in the same instant get two files."""
     folder = Path(folder)
     try:
         fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{stem}.", suffix=".tmp")

@@ -1,19 +1,7 @@
-"""After detection: incident reports and the hosts to exclude (how the process then ends:
-``sdc_core.ops.process_exit``).
-
-* ``write_incident`` (rank 0, on every verdict: raised, skipped or warned) writes one JSON file to
-  ``<run dir>/sdc/incidents/``: the exception's fields, the check's configuration, the step and
-  time, and for each suspect rank its host, node rank, local rank, device, device UUID (where the
-  device has one) and library versions, gathered once at start-up.
-  Each is written atomically under a name of its own: two incidents in the same millisecond are
-  two files.
-* ``read_incident_dicts`` reads them back as checked dicts, skipping (and naming) files that are
-  not incidents; ``summarise`` and ``exclude_hosts`` are ``sdc report`` and ``sdc exclude-list``.
-* ``load_incidents`` (``sdc_core.load_incidents``) gives the same as typed records (``Incident``), for a
-  user's own tooling::
-
-      for incident in load_incidents(["runs/my_job"]):
-          print(incident.time_iso, incident.check, incident.step, incident.rank, incident.exclude_hosts)
+"""After detection (docs/incidents-and-exit-codes.md): ``write_incident`` (rank 0, on every verdict)
+writes one JSON file, atomically and under a name of its own, to ``<run dir>/sdc/incidents/``;
+``read_incident_dicts`` reads them back as checked dicts (``sdc report``, ``sdc exclude-list``), and
+``load_incidents`` as typed ``Incident`` records for a user's own tooling.
 """
 
 from __future__ import annotations
@@ -38,8 +26,7 @@ SCHEMA_VERSION = 1  # of the incident JSON; files written before the field read 
 
 
 def write_incident(run_dir: str | Path, error: SDCError, topology: Topology, config: Any, policy: str) -> Path:
-    """Write the incident of ``error`` under ``<run_dir>/sdc/incidents/`` (call on rank 0): a new
-    file, written atomically, never replacing another incident."""
+    """Write the incident of ``error`` to a new file under ``<run_dir>/sdc/incidents/`` (rank 0)."""
     folder = Path(run_dir) / "sdc" / "incidents"
     folder.mkdir(parents=True, exist_ok=True)
     now = time.time()
@@ -65,26 +52,22 @@ def write_incident(run_dir: str | Path, error: SDCError, topology: Topology, con
 
 
 def _exclude(error: SDCError, topology: Topology) -> list[str]:
-    """The hosts to take out: the named rank's; with several ranks whose devices disagree (a
-    confirmed replay verdict that no single rank explains), every suspect's while they are fewer
-    than the ranks (each may be faulty; none is known healthy); none when every rank is a suspect
-    (a common cause is likelier) or two replicas cannot tell."""
+    """The hosts to take out: the named rank's; when several ranks disagree, every suspect's while
+    they are fewer than the ranks; else none (a common cause is likelier, or two cannot tell)."""
     if error.rank is not None:
         return [topology.ranks[error.rank].host]
-    several = bool(error.details.get("several_ranks")) if isinstance(error.details, dict) else False
-    if several and 0 < len(error.suspects) < topology.world_size:
+    if error.details.get("several_ranks") and 0 < len(error.suspects) < topology.world_size:
         return sorted({topology.ranks[r].host for r in error.suspects if r < topology.world_size})
     return []
 
 
 def read_incident_dicts(paths: Iterable[str | Path], skipped: list[str] | None = None) -> list[dict[str, Any]]:
     """Every incident under the given run directories (``<dir>/**/sdc/incidents/*.json`` and
-    ``<dir>/*.json``) or incident files, in a checked shape.
+    ``<dir>/*.json``) or incident files, in a checked shape, oldest file name first within a folder.
 
-    A path that does not exist raises ``UnreadableError``. A file that cannot be read, is not
-    JSON, or is not an incident is skipped and the rest still read: ``"<file>: <why>"`` is
-    appended to ``skipped`` when given, else issued as a warning. (A ``*.json`` beside the run
-    folders that is valid JSON but no incident, such as a results file, is passed over quietly.)"""
+    A missing path raises ``UnreadableError``. A file that is not a readable incident is skipped:
+    ``"<file>: <why>"`` is appended to ``skipped`` when given, else warned (a ``*.json`` beside the
+    run folders that is no incident, such as a results file, is passed over quietly)."""
     found: list[dict[str, Any]] = []
 
     def skip(f: Path, why: str) -> None:
@@ -123,8 +106,7 @@ def read_incident_dicts(paths: Iterable[str | Path], skipped: list[str] | None =
 
 
 def _when(data: dict[str, Any], notes: list[str]) -> str:
-    """The incident's time as ISO text: ``time_iso``, else ``time`` (seconds since the epoch), else
-    ``"?"``; a value that is no time (1e300, NaN, a list) is skipped with a note."""
+    """``time_iso``, else ``time`` as ISO text, else ``"?"``; a value that is no time is noted."""
     when = data.get("time_iso")
     if isinstance(when, str):
         return when
@@ -151,8 +133,7 @@ def _short(value: Any) -> str:
 
 
 def _facts(rank: str, facts: dict[str, Any], notes: list[str]) -> dict[str, Any]:
-    """A suspect's facts with ``device`` a text (``"?"`` when absent) and ``device_uuid`` a text or
-    None; another value of either is skipped with a note."""
+    """A suspect's facts with ``device`` a text (``"?"``) and ``device_uuid`` a text or None."""
     out = dict(facts)
     for key, missing in (("device", "?"), ("device_uuid", None)):
         value = facts.get(key)
@@ -166,11 +147,9 @@ def _facts(rank: str, facts: dict[str, Any], notes: list[str]) -> dict[str, Any]
     return out
 
 
-def _checked(data: Any, notes: list[str] | None = None) -> tuple[dict[str, Any] | None, str]:
-    """``data`` as an incident with the fields ``summarise``/``exclude_hosts`` read, each of the
-    right type, or ``(None, why)``. A field only shown (the time) that is not of its type is
-    skipped instead, with a line appended to ``notes``."""
-    notes = [] if notes is None else notes
+def _checked(data: Any, notes: list[str]) -> tuple[dict[str, Any] | None, str]:
+    """``data`` as an incident whose fields ``summarise`` and ``exclude_hosts`` read are of their type,
+    or ``(None, why)``; a field only shown (the time) of another type is noted in ``notes``."""
     if not isinstance(data, dict):
         return None, f"a JSON {type(data).__name__}, not an object"
     if not isinstance(data.get("check"), str):
@@ -201,10 +180,7 @@ def summarise(incidents: list[dict[str, Any]]) -> list[dict[str, Any]]:
     rows: dict[tuple[str, str], dict[str, Any]] = {}
     for inc in incidents:
         named = [str(inc["rank"])] if inc.get("rank") is not None else list(inc["suspects"])
-        for r in named:
-            f = inc["suspects"].get(r)
-            if f is None:
-                continue
+        for f in (inc["suspects"][r] for r in named if inc["suspects"].get(r) is not None):
             key = (f["host"], str(f.get("device_uuid") or f.get("device", "?")))
             row = rows.setdefault(key, {"host": key[0], "device": key[1], "incidents": 0, "named": 0, "checks": set(),
                                         "first_seen": inc["time_iso"], "last_seen": inc["time_iso"]})  # fmt: skip
@@ -220,47 +196,32 @@ def summarise(incidents: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def exclude_hosts(incidents: list[dict[str, Any]]) -> list[str]:
-    """Hosts of ranks a verdict named as faulty, or of the suspects of a verdict that several ranks
-    disagree (fewer than every rank: ``write_incident``);
-    a string ``exclude_hosts`` is one host name (or a comma separated list), never its letters."""
-    out: set[str] = set()
-    for inc in incidents:
-        hosts = inc.get("exclude_hosts", [])
-        if isinstance(hosts, str):
-            hosts = re.split(r"[,\s]+", hosts)
-        out.update(h.strip() for h in hosts if isinstance(h, str) and h.strip())
-    return sorted(out)
+    """The hosts the incidents (as ``read_incident_dicts`` checked them: lists of names) say to exclude."""
+    return sorted({host for inc in incidents for host in inc["exclude_hosts"]})
 
 
 def exclude_reason(incidents: list[dict[str, Any]]) -> str:
-    """Why ``exclude_hosts`` lists its hosts, in one line a scheduler keeps as a node's reason
-    (``sdc exclude-list --format reason``): ``SDC weight_fingerprint at step 8 on n2``, one entry
-    per check, step and host of the incidents that named one, oldest first; empty when none did."""
-    seen: list[str] = []
+    """Why ``exclude_hosts`` lists its hosts, as a scheduler's node reason: ``SDC weight_fingerprint at
+    step 8 on n2``, one entry per check, step and host, oldest first; empty when none."""
+    entries: list[str] = []
     for inc in sorted(incidents, key=lambda i: str(i.get("time_iso") or "")):
         check = re.sub(r"[^A-Za-z0-9_.-]", "?", str(inc.get("check")))[:40]
         step = inc.get("step")
         where = f" at step {step}" if isinstance(step, int) and not isinstance(step, bool) else ""
-        for host in exclude_hosts([inc]):
-            entry = f"{check}{where} on {re.sub(r'[^A-Za-z0-9_.-]', '?', host)[:64]}"
-            if entry not in seen:
-                seen.append(entry)
-    return "SDC " + "; ".join(seen) if seen else ""
+        entries += [f"{check}{where} on {re.sub(r'[^A-Za-z0-9_.-]', '?', h)[:64]}" for h in exclude_hosts([inc])]
+    return "SDC " + "; ".join(dict.fromkeys(entries)) if entries else ""
 
 
 def record_verdict(check: Any, run_dir: str | Path | None, is_main: bool, policy: str) -> Path | None:
-    """Write the incident of ``check.last_error`` (once) on the main process; what adapters call
-    after a verdict, whether it raised, skipped the step or warned.
-
-    Never raises and runs no collective: a failed write (a read-only or full disk, ``<run dir>/sdc``
-    a file) only warns, naming the path, so the verdict itself still reaches every rank. Returns
-    the incident file, or None.
-    """
+    """Write the incident of ``check.last_error`` (once) on the main process and return its file.
+    Never raises and runs no collective: a failed write only warns, so the verdict still reaches
+    every rank."""
     error = getattr(check, "last_error", None)
     if error is None:
         return None
     check.last_error = None
-    error.incident_dir = str(Path(run_dir or ".") / "sdc" / "incidents")  # type: ignore[attr-defined]
+    where = Path(run_dir or ".") / "sdc" / "incidents"
+    error.incident_dir = str(where)  # type: ignore[attr-defined]
     if not is_main:
         return None
     try:
@@ -269,7 +230,6 @@ def record_verdict(check: Any, run_dir: str | Path | None, is_main: bool, policy
         error.incident = str(path)  # type: ignore[attr-defined]
         return path
     except Exception as err:  # the report must never cost the verdict
-        where = Path(run_dir or ".") / "sdc" / "incidents"
         error.incident = f"none (not written to {where}: {type(err).__name__})"  # type: ignore[attr-defined]
         warnings.warn(f"SDC incident of {error.check} at step {error.step} not written to {where}: "
                       f"{type(err).__name__}: {err}", RuntimeWarning, stacklevel=2)  # fmt: skip
@@ -288,22 +248,9 @@ def _local_topology(error: SDCError) -> Topology:
 
 @dataclasses.dataclass(frozen=True)
 class Incident:
-    """One SDC verdict as rank 0 recorded it (``<run dir>/sdc/incidents/*.json``).
-
-    Args:
-        file: the incident's file.
-        schema_version: the file's format version (0: written before the field existed).
-        check: the check that reached the verdict (``"ring_replay"``, ``"weight_fingerprint"``, ...).
-        step: the optimizer step of the verdict, or None.
-        rank: the rank named faulty, or None when the evidence could not single one out.
-        suspects: each suspect rank's facts (host, node rank, local rank, device, device UUID,
-            library versions), read-only.
-        exclude_hosts: the hosts the verdict says to take out of service.
-        time_iso: when it was recorded (UTC, ISO 8601).
-        policy: what was done (``"raise"``, ``"warn"``, ``"skip_step"``, ``"heal"``, ``"rollback"``).
-        message: the verdict's one-line text.
-        record: the whole JSON record, read-only.
-    """
+    """One SDC verdict as rank 0 recorded it (``<run dir>/sdc/incidents/*.json``); the mappings are
+    read-only. ``schema_version`` 0: written before the field; ``rank`` None: none singled out;
+    ``time_iso`` in UTC; ``policy``: what was done; ``record``: the whole JSON record."""
 
     file: str
     schema_version: int
@@ -328,12 +275,7 @@ def _int_or_none(value: Any) -> int | None:
 
 
 def load_incidents(paths: Iterable[str | Path], skipped: list[str] | None = None) -> list[Incident]:
-    """Every incident under the given run directories (``<dir>/**/sdc/incidents/*.json`` and
-    ``<dir>/*.json``) or incident files, oldest file name first within a folder.
-
-    A path that does not exist raises ``UnreadableError``. A file that cannot be read or is not an
-    incident is skipped: ``"<file>: <why>"`` is appended to ``skipped`` when given, else issued as a
-    warning. Reads JSON only (nothing in a file can run code)."""
+    """``read_incident_dicts`` as ``Incident`` records (JSON only: nothing in a file can run code)."""
     out = []
     for data in read_incident_dicts(paths, skipped=skipped):
         error = data.get("error") if isinstance(data.get("error"), dict) else {}

@@ -1,21 +1,17 @@
 """``sdc run -- <launch command>``: the job's exit code tells an SDC verdict from a crash.
 
-torchrun, ``accelerate launch`` and most launchers turn any failed worker into their own exit code
-1, whatever the worker's code, and a worker cannot change that. ``sdc run`` starts the command
-with ``SDC_VERDICT_DIR`` naming a fresh private folder; every process that raises an SDC verdict
-(uncaught, or through the Lightning / Accelerate adapters) leaves a small marker there
-(``sdc_core.ops.process_exit.mark_verdict``). When the command ends:
+torchrun, ``accelerate launch`` and most launchers turn any failed worker into their own exit code 1.
+``sdc run`` starts the command with ``SDC_VERDICT_DIR`` naming a fresh private folder, where every
+process that raises an SDC verdict (uncaught, or through the adapters) leaves a marker. Then:
 
 * exit 0 stays 0 (the job finished, or handled the verdict itself);
 * a failure with a marker exits ``SDC_EXIT_CODE`` (default 86; 0 keeps the command's code);
-* any other failure keeps the command's own code (a crash stays a crash; a command killed by a
-  signal gives 128 + the signal number, as a shell does).
+* any other failure keeps the command's own code (a command killed by a signal: 128 + its number).
 
-SIGTERM, SIGHUP, SIGUSR1, SIGUSR2 (and SIGINT/SIGQUIT when they did not come from the
-terminal, which sends them to the command itself) are forwarded to the command. Under
-``torchrun --max-restarts N`` a worker group restarted after an SDC verdict ends at once with
-the SDC code instead of training again on the host just named (see
-``process_exit.refuse_restart_after_verdict``). Multi-node: run ``sdc run`` on every node.
+SIGTERM, SIGHUP, SIGUSR1, SIGUSR2 (and SIGINT/SIGQUIT not from the terminal, which sends them to the
+command itself) are forwarded. Under ``torchrun --max-restarts N`` a worker group restarted after an
+SDC verdict ends at once with the SDC code instead of training again on the host just named.
+Multi-node: run ``sdc run`` on every node.
 """
 
 from __future__ import annotations
@@ -47,8 +43,7 @@ def job_exit_code(returncode: int, verdicts: Sequence[dict[str, Any]], sdc_code:
 
 
 def summary(returncode: int, verdicts: Sequence[dict[str, Any]], job_code: int) -> str | None:
-    """The line ``sdc run`` ends with: the verdict it saw and where its incident is, or that the
-    job failed for another reason (None when it succeeded without a verdict)."""
+    """The line ``sdc run`` ends with (None when the job succeeded without a verdict)."""
     if verdicts:
         message = str((verdicts[0].get("error") or {}).get("message") or "an SDC verdict")
         places = [str(v["incident"]) for v in verdicts if v.get("incident")]
@@ -75,11 +70,7 @@ def _in_foreground() -> bool:
 
 
 def run_command(cmd: Sequence[str], env: dict[str, str] | None = None) -> int:
-    """Run ``cmd`` with a fresh ``SDC_VERDICT_DIR`` and return the job's exit code.
-
-    What ``sdc run`` and ``accelerate-sdc launch`` do. Raises ``FileNotFoundError`` /
-    ``PermissionError`` when the command cannot be started.
-    """
+    """Run ``cmd`` with a fresh ``SDC_VERDICT_DIR`` and return the job's exit code (``sdc run``)."""
     from sdc_core.ops.process_exit import (  # here: `sdc run --help` stays quick
         VERDICT_DIR_ENV,
         exit_code,

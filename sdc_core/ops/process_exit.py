@@ -1,31 +1,11 @@
-"""How a process ends on an SDC verdict, in one place: the one line, the exit code, the launcher's
-marker, the order in which ranks leave, and a clean interpreter exit under torch.distributed.
-
-* **The verdict's exit** (``install_exit_code``): an uncaught ``SDCError`` prints one line per
-  process (``errors.verdict_line``; ``SDC_TRACEBACK=1``: the traceback), leaves a marker for the
-  launcher (``mark_verdict``), runs what a normal exit runs (threads joined, ``atexit`` handlers)
-  and exits with a distinct code (86, ``SDC_EXIT_CODE``). Launchers turn any failed worker into exit
-  code 1, so ``sdc run`` / ``accelerate-sdc launch`` (``sdc_core.ops.launch``) read the markers in
-  ``$SDC_VERDICT_DIR`` and exit 86; a worker group torchrun restarts after a verdict ends at once
-  (``refuse_restart_after_verdict``).
-* **Exit order** (``capture``, ``leave``): launchers stop the whole worker group as soon as one
-  worker fails, and rank 0 owns the trackers, so on a verdict the other ranks wait for rank 0 at
-  exit through the process group's key-value store (across nodes too), at most ``WAIT_S`` seconds.
-* **A clean interpreter exit** (``arm``, ``settle_threads``): with a Python DDP communication hook
-  (the user's: torch's ``allreduce_hook``, compression, PowerSGD) gloo runs a Python callback on a
-  worker thread that takes the GIL again after the bucket is reduced; if the main thread starts
-  interpreter teardown first, CPython ends that thread with ``pthread_exit`` and the process aborts
-  ("terminate called without an active exception") or hangs. The remedy: release the GIL for a
-  settle period (0.2 s) before teardown. ``arm()`` (called when a check is attached to a distributed
-  model) turns on the exit handler registered when ``sdc_core`` is first imported, so it runs after
-  the ``atexit`` handlers registered later (trackers, Lightning's and Accelerate's teardown).
-* **One line for an uncaught configuration error** (``one_line_when_uncaught``): every rank raises
-  it alike, and eight tracebacks hide the one line that matters.
-
-Two calls reach below public APIs, for want of public ones: ``atexit._run_exitfuncs`` (the only way
-to run the ``atexit`` handlers before choosing the exit code) and torch's ``_get_default_store``
-(the store the process group was built on). Cost: nothing during training; at a verdict's exit one
-store round trip per rank and one settle period.
+"""How a process ends on an SDC verdict (docs/incidents-and-exit-codes.md): the one line, the exit
+code (86) and the marker ``sdc run`` reads (``install_exit_code``); ranks other than 0 waiting at
+exit, at most ``WAIT_S``, for rank 0, which owns the trackers (``capture``, ``leave``); and a clean
+interpreter exit under a Python DDP communication hook (``arm``, ``settle_threads``): gloo runs the
+hook on a worker thread that aborts the process if teardown starts first, so the GIL is released for
+0.2 s before it. This module is imported first by ``sdc_core`` so that its exit handler runs after
+those registered later. Below public APIs, for want of public ones: ``atexit._run_exitfuncs`` and
+torch's ``_get_default_store``. Cost: nothing during training; one store round trip at a verdict's exit.
 """
 
 from __future__ import annotations
@@ -60,8 +40,8 @@ _armed = False
 
 
 def print_line(text: str) -> None:
-    """Print ``text`` on stderr, with ``[rank<r>]: `` in front under a launcher, unless torch's own
-    excepthook (``init_process_group`` installs it around ours; it swaps stderr for a buffer) adds it."""
+    """Print ``text`` on stderr, with ``[rank<r>]: `` in front under a launcher (unless torch's
+    excepthook, which swaps stderr for a buffer, adds it)."""
     rank = os.environ.get("RANK")
     prefix = f"[rank{rank}]: " if rank and not isinstance(sys.stderr, io.StringIO) else ""
     sys.stderr.write(f"{prefix}{text}\n")  # one write: under PIPE_BUF, lines of several ranks never interleave
@@ -69,8 +49,7 @@ def print_line(text: str) -> None:
 
 
 def one_line_when_uncaught(kind: type[BaseException]) -> None:
-    """Install the one-line hook for ``kind`` (idempotent while it is the current ``sys.excepthook``);
-    the settings call it with ``SDCConfigError`` before raising one."""
+    """Print an uncaught ``kind`` as one line, not a traceback per rank (idempotent)."""
     if getattr(sys.excepthook, "_sdc_one_line", None) is kind:
         return
     previous = sys.excepthook
@@ -86,9 +65,7 @@ def one_line_when_uncaught(kind: type[BaseException]) -> None:
 
 
 def exit_code(environ: Mapping[str, str] | None = None) -> int:
-    """The exit code for SDC verdicts: ``SDC_EXIT_CODE`` (0-255; 0 turns it off) or 86 (also
-    when the variable is set but empty, as ``VAR=`` in a job script leaves it); read from
-    ``environ`` (default: this process's environment)."""
+    """``SDC_EXIT_CODE`` of ``environ`` (default: ours): 0-255 (0 turns it off); 86 when unset or empty."""
     raw = (os.environ if environ is None else environ).get(EXIT_CODE_ENV, "").strip() or str(DEFAULT_EXIT_CODE)
     if not raw.isdigit() or not 0 <= int(raw) <= 255:
         raise ValueError(f"{EXIT_CODE_ENV} must be an integer in 0..255, got {raw!r}")
@@ -96,14 +73,9 @@ def exit_code(environ: Mapping[str, str] | None = None) -> int:
 
 
 def install_exit_code() -> None:
-    """Make an uncaught ``SDCError`` exit the process with ``exit_code()`` (idempotent).
-
-    The verdict prints one line per process (``SDC_TRACEBACK=1``: the traceback), is marked for the launcher
-    (``mark_verdict``), non-daemon threads are joined and the ``atexit`` handlers run (trackers close their runs),
-    then the process ends with the code (``SDC_EXIT_CODE=0``: Python's own 1). Ranks other than 0 leave only once
-    rank 0's handlers ran (``leave``, at most ``WAIT_S`` seconds). Other exceptions are left alone. In a worker group
-    torchrun restarted after an SDC verdict (inside ``sdc run``) the first call ends the process at once with the
-    code."""
+    """Make an uncaught ``SDCError`` print one line (``SDC_TRACEBACK=1``: the traceback), leave its
+    marker and end the process through ``exit_cleanly(exit_code() or 1)`` (idempotent). Other
+    exceptions are left alone. After a verdict's restart inside ``sdc run``, ends the process at once."""
     if getattr(sys.excepthook, "_sdc", False):
         return
     code = exit_code()
@@ -125,11 +97,8 @@ def install_exit_code() -> None:
 
 
 def _release_stderr() -> None:
-    """Put the real stderr back, with what was written to the buffer in its place. When
-    ``init_process_group`` ran after ``install_exit_code``, torch's excepthook calls ours with
-    ``sys.stderr`` swapped for a buffer that it prints (prefixed with the rank) only once ours
-    returns, which ours never does: the verdict's traceback, and whatever the ``atexit``
-    handlers print, would be lost."""
+    """Put the real stderr back, writing out what torch's excepthook buffered in its place (it
+    prints the buffer only once our hook returns, which it never does)."""
     captured, real = sys.stderr, sys.__stderr__
     if isinstance(captured, io.StringIO) and real is not None:
         sys.stderr = real
@@ -140,34 +109,24 @@ def _release_stderr() -> None:
 
 
 def exit_cleanly(code: int) -> None:
-    """End the process with ``code`` after what a normal interpreter exit runs first (non-daemon threads joined, the
-    ``atexit`` handlers, stdout and stderr flushed), skipping interpreter teardown, where a gloo worker running a
-    Python communication hook can abort the process. A script may end with ``exit_cleanly(main())``."""
-    with contextlib.suppress(Exception):  # never let the exit path fail
-        _join_threads()  # what a normal exit does first
-    atexit._run_exitfuncs()  # the trackers close their runs (module docstring: no public way)
-    leave()  # after a verdict: rank 0 (the trackers' owner) leaves first
+    """End the process with ``code`` after joining non-daemon threads, running the ``atexit``
+    handlers, ``leave()`` and flushing, skipping interpreter teardown (where a gloo worker can abort
+    the process). A script may end with ``exit_cleanly(main())``."""
+    with contextlib.suppress(Exception):  # never let the exit path fail; join what a normal exit joins first
+        for thread in threading.enumerate():
+            if thread not in (threading.current_thread(), threading.main_thread()) and not thread.daemon:
+                thread.join()
+    atexit._run_exitfuncs()  # the trackers close their runs
+    leave()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
     os._exit(code)
 
 
-def _join_threads() -> None:
-    """Join the non-daemon threads, as the interpreter does before its ``atexit`` handlers."""
-    current = threading.current_thread()
-    for thread in threading.enumerate():
-        if thread is not current and thread is not threading.main_thread() and not thread.daemon:
-            thread.join()
-
-
 def mark_verdict(error: SDCError, also: str | Path | None = None) -> None:
-    """Leave a marker of a raised verdict for whoever started the job (best effort, never raises).
-
-    Writes ``<$SDC_VERDICT_DIR>/<host>-<pid>-<ns>.json`` when ``SDC_VERDICT_DIR`` is set (``sdc run``
-    and ``accelerate-sdc launch`` set it), and ``also`` when given (the ``ddp_spawn`` parent reads
-    it). Once per error object; a few hundred bytes, atomic (written aside, then renamed).
-    """
+    """Write the verdict's marker atomically to ``$SDC_VERDICT_DIR/<host>-<pid>-<ns>.json`` (when
+    set) and to ``also`` (when given), once per error; a failed write only warns."""
     if getattr(error, "_sdc_marked", False):
         return
     error._sdc_marked = True  # type: ignore[attr-defined]
@@ -197,8 +156,7 @@ def mark_verdict(error: SDCError, also: str | Path | None = None) -> None:
 
 
 def spawn_marker() -> str:
-    """A fresh file name for ``mark_verdict(also=...)``: made in the process that spawns the
-    workers and carried to them, where a worker leaves its verdict for that process."""
+    """A fresh file name for ``mark_verdict(also=...)``, made by the process that spawns workers."""
     return str(Path(tempfile.gettempdir()) / f"sdc-verdict-{uuid.uuid4().hex}.json")
 
 
@@ -234,10 +192,9 @@ def _restart_count() -> int:
 
 
 def refuse_restart_after_verdict(code: int | None = None) -> None:
-    """End this process with the SDC exit code if torchrun restarted its worker group after an SDC
-    verdict of an earlier attempt of the same run (seen through ``$SDC_VERDICT_DIR``, so only
-    inside ``sdc run``): training again on the host a check just named would repeat the fault.
-    ``--max-restarts`` then still covers crashes, and ``sdc run`` exits with the SDC code."""
+    """End this process with the SDC exit code when torchrun restarted its worker group after an SDC
+    verdict of an earlier attempt of the same run (markers in ``$SDC_VERDICT_DIR``: inside ``sdc run``
+    only): training again on the host just named would repeat the fault."""
     folder, restart = os.environ.get(VERDICT_DIR_ENV), _restart_count()
     if not folder or restart == 0 or not Path(folder).is_dir():
         return
@@ -251,9 +208,7 @@ def refuse_restart_after_verdict(code: int | None = None) -> None:
 
 
 def capture() -> None:
-    """Keep the default process group's store and this process's rank for ``leave()`` (call on
-    a verdict, while the group is alive; once per process). Nothing without a group of 2 or more.
-    Holds a reference to the store until the process ends. Never raises; no communication."""
+    """Keep the default group's store and this rank for ``leave()``, on a verdict. Never raises."""
     global _captured
     if _captured is not None or "torch.distributed" not in sys.modules:
         return
@@ -267,10 +222,8 @@ def capture() -> None:
 
 
 def leave(wait_s: float = WAIT_S) -> bool:
-    """Call after this process's ``atexit`` handlers ran, just before it ends: rank 0 says its
-    handlers (the trackers' end-of-run) are done; every other rank waits for that, at most
-    ``wait_s`` seconds. Returns True when the order was kept (nothing to do counts), False when
-    the wait ran out or the store failed. Never raises."""
+    """After the ``atexit`` handlers: rank 0 says it is done; every other rank waits for that, at
+    most ``wait_s`` seconds. False when the wait ran out or the store failed. Never raises."""
     if _captured is None:
         return True
     store, rank = _captured
@@ -286,9 +239,8 @@ def leave(wait_s: float = WAIT_S) -> bool:
 
 
 def settle_threads(settle_s: float = SETTLE_S) -> None:
-    """Release the GIL for ``settle_s`` seconds (in short sleeps, so any thread waiting for the
-    GIL takes it at once): a gloo worker finishing a Python callback does so before the caller
-    goes on to free the process group or end the interpreter. Never raises; no collective."""
+    """Release the GIL for ``settle_s`` seconds in short sleeps, so a gloo worker finishes its Python
+    callback before the process group is freed or the interpreter ends. No collective."""
     deadline = time.monotonic() + settle_s
     while (left := deadline - time.monotonic()) > 0:
         time.sleep(min(left, 0.01))
@@ -306,14 +258,7 @@ def _at_exit() -> None:
 
 
 atexit.register(_at_exit)
-# A torchrun worker group restarted after an SDC verdict (inside `sdc run`) stops here, at `import
-# sdc_core`: before it joins a process group or trains on the host just named.
-refuse_restart_after_verdict()
-
-
-atexit.register(_at_exit)
-# A torchrun worker group restarted after an SDC verdict (inside `sdc run`) stops here, at `import
-# sdc_core`: before it joins a process group or trains on the host just named.
+# A worker group restarted after an SDC verdict stops here, at `import sdc_core`: before it trains again.
 refuse_restart_after_verdict()
 
 __all__ = ["DEFAULT_EXIT_CODE", "EXIT_CODE_ENV", "KEY", "VERDICT_DIR_ENV", "WAIT_S", "arm", "capture", "exit_cleanly",

@@ -1,12 +1,4 @@
-"""Rollback to the newest checkpoint verified clean, whatever the framework.
-
-``roll_back`` chooses the checkpoint on the main rank (``newest_verified``: weights-only reads
-unless ``trust_pickle``; a file that cannot be verified is passed over and named), shares the
-choice with every rank through the framework's ``broadcast`` (every rank meets there, whatever
-happened in the search), and has the framework ``restore`` it. It returns the verdict with
-``details["action"]`` saying what was done, or raises it, saying why not, when no checkpoint
-verified clean at or before the step exists. Data and step counters are the framework's: they go on.
-"""
+"""Rollback to the newest checkpoint verified clean, whatever the framework."""
 
 from __future__ import annotations
 
@@ -19,10 +11,10 @@ from sdc_core.io.checkpoints import newest_verified
 
 def roll_back(error: SDCError, max_step: int, folders: list[str], *, is_main: bool, trust_pickle: bool,
               broadcast: Callable[[Any], Any], restore: Callable[[str], Any]) -> SDCError:  # fmt: skip
-    """The newest checkpoint of ``folders`` verified clean at or before ``max_step`` restored on
-    every rank (``restore(path)`` loads it and returns its step); ``broadcast(obj)`` returns the
-    main rank's ``obj`` on every rank. Returns ``error`` with ``details["action"]`` (and
-    ``"rollback_skipped"``: the files passed over) set; raises it when there is none."""
+    """Restore on every rank the newest checkpoint of ``folders`` verified clean at or before ``max_step``
+    (chosen on the main rank, weights-only reads unless ``trust_pickle``; ``broadcast(obj)`` returns
+    the main rank's ``obj`` everywhere; ``restore(path)`` returns its step). Returns ``error`` with
+    ``details["action"]`` (and ``"rollback_skipped"``) set; raises it when there is none."""
     skipped: list[str] = []
     path = None
     if is_main:

@@ -1,17 +1,6 @@
-"""The run's closing line: what the SDC checks checked, and whether they found anything.
-
-At the end of training rank 0 logs one line through Python ``logging`` (logger ``sdc_checks``, INFO;
-to stderr where no logging is configured) and to the trackers that take text
-(``ops.trackers.log_summary``), for example::
-
-    sdc-checks: 1000 steps checked by nonfinite_gradient (1000), weight_fingerprint (1000),
-    ring_replay (10 audits); no SDC found  (one line in the log)
-
-or, when training went on after a verdict: ``...; 2 SDC verdicts (weight_fingerprint 2): sdc report
-<run dir>``. The screen's hits and the replay's unexplained differences are not verdicts: they are
-counted beside their check, ``gradient_screen (1000; 2 hits)``, ``ring_replay (10 audits; 1
-unexplained difference, rank 1 at step 30)``. ``SDC_RUN_SUMMARY=0`` (or a level above INFO on the
-logger) turns it off. Cost: once per run, no collective.
+"""The run's closing line (docs/incidents-and-exit-codes.md, "At the end of a run"): what the checks
+checked and whether they found anything, logged once by rank 0 (logger ``sdc_checks``, INFO) and sent
+to the trackers; ``SDC_RUN_SUMMARY=0`` turns it off. Cost: once per run, no collective.
 """
 
 from __future__ import annotations
@@ -43,8 +32,7 @@ def _logger() -> logging.Logger:
 
 
 def run_summary(steps: int, checks: Iterable[Any], run_dir: str | None = None) -> str:
-    """The closing line for ``steps`` optimizer steps and ``checks`` (each with ``stats``: a
-    ``CheckStats``): each check with the times it ran, then "no SDC found" or the verdicts."""
+    """The closing line: each check (its ``stats``) with the times it ran, then "no SDC found" or the verdicts."""
     parts, verdicts = [], {}
     for check in checks:
         stats = check.stats
@@ -84,10 +72,8 @@ def _wanted() -> bool:
 
 
 def log_run_summary(steps: int, checks: Iterable[Any], seam: Any) -> str | None:
-    """Log ``run_summary`` once per ``seam`` (a driver's ``Seam``: ``is_main``, ``run_dir``) on
-    the main process, unless ``SDC_RUN_SUMMARY=0``; every rank calls it (the run folder, which a
-    seam may resolve collectively, is asked on every rank alike, and only when a verdict was
-    recorded). Returns the line logged, or None."""
+    """Log ``run_summary`` once per ``seam`` on the main process, unless ``SDC_RUN_SUMMARY=0``, and
+    return it. Every rank calls it: ``seam.run_dir`` may be collective, and is asked on every rank alike."""
     if seam in _SUMMARISED:
         return None
     _SUMMARISED.add(seam)

@@ -1,9 +1,5 @@
-"""An SDC verdict in a tracker as what it is, beside the ``sdc/<check>/failures`` counter's jump:
-TensorBoard text, an MLflow tag and the incident file as an artifact, a W&B alert and summary entry;
-and the run's closing line the same way (``log_summary``).
-
-The adapters map their framework's tracker objects to ``log_incident``'s targets (Lightning's
-loggers, Accelerate's trackers). Runs on the main process only (where trackers live), never raises
+"""An SDC verdict, and the run's closing line, in the trackers: TensorBoard text, an MLflow tag (and
+the incident file as an artifact), a W&B alert and summary entry. Main process only; never raises
 and runs no collective: a tracker that fails only warns, so the verdict still reaches every rank.
 """
 
@@ -20,13 +16,7 @@ TAG = "sdc.incident"  # the MLflow tag; TensorBoard's text tag and the W&B summa
 _MLFLOW_TAG_LIMIT = 5000  # characters MLflow keeps in a tag value
 
 
-def incident_text(error: SDCError, path: str | Path | None) -> str:
-    """The verdict's one line, then where its incident file is."""
-    return f"{error} (incident: {path})" if path else str(error)
-
-
 def _send(targets: Iterable[tuple[str, Any]], what: str, send: Callable[[str, Any], None]) -> None:
-    """``send(kind, target)`` for each target; a tracker that fails only warns (never the run)."""
     for kind, target in targets:
         try:
             send(kind, target)
@@ -35,27 +25,25 @@ def _send(targets: Iterable[tuple[str, Any]], what: str, send: Callable[[str, An
                           stacklevel=3)  # fmt: skip
 
 
-def _mlflow_tag(target: tuple[Any, Any], key: str, text: str) -> None:
+def _mlflow(target: tuple[Any, Any], method: str, *args: Any, **kwargs: Any) -> None:
+    """``client.<method>(run_id, ...)``; ``(mlflow, None)``: the module's, on its active run."""
     client, run_id = target
-    client.set_tag(*((run_id,) if run_id is not None else ()), key, text[:_MLFLOW_TAG_LIMIT])
+    getattr(client, method)(*((run_id,) if run_id is not None else ()), *args, **kwargs)
 
 
 def log_incident(targets: Iterable[tuple[str, Any]], error: SDCError, path: str | Path | None, step: int) -> None:
-    """Send the verdict to each ``(kind, target)``: ``("tensorboard", SummaryWriter)``,
-    ``("mlflow", (client, run_id))`` with an ``MlflowClient`` (or ``(mlflow, None)``: the module and
-    its active run), ``("wandb", run)``. Unknown kinds are passed over."""
-    text = incident_text(error, path)
+    """Send the verdict to each ``(kind, target)``: ``("tensorboard", SummaryWriter)``, ``("mlflow",
+    (client, run_id))`` (or ``(mlflow, None)``: its active run), ``("wandb", run)``; others are passed over."""
+    text = f"{error} (incident: {path})" if path else str(error)
 
     def send(kind: str, target: Any) -> None:
         if kind == "tensorboard":
             target.add_text("sdc/incident", text, step)
             target.flush()
         elif kind == "mlflow":
-            _mlflow_tag(target, TAG, text)
+            _mlflow(target, "set_tag", TAG, text[:_MLFLOW_TAG_LIMIT])
             if path:
-                client, run_id = target
-                where = (run_id,) if run_id is not None else ()
-                client.log_artifact(*where, str(path), artifact_path="sdc_incidents")
+                _mlflow(target, "log_artifact", str(path), artifact_path="sdc_incidents")
         elif kind == "wandb":
             target.summary["sdc/incident"] = text
             target.alert(title=f"SDC verdict: {error.check} at step {error.step}", text=text)
@@ -64,19 +52,18 @@ def log_incident(targets: Iterable[tuple[str, Any]], error: SDCError, path: str 
 
 
 def log_summary(targets: Iterable[tuple[str, Any]], line: str, step: int) -> None:
-    """The run's closing line (``ops.summary``) to each target of ``log_incident``: TensorBoard text
-    ``sdc/summary``, the MLflow tag ``sdc.summary``, the W&B summary entry ``sdc/summary``."""
+    """The run's closing line (``ops.summary``) to each target of ``log_incident``, under ``sdc/summary``."""
 
     def send(kind: str, target: Any) -> None:
         if kind == "tensorboard":
             target.add_text("sdc/summary", line, step)
             target.flush()
         elif kind == "mlflow":
-            _mlflow_tag(target, "sdc.summary", line)
+            _mlflow(target, "set_tag", "sdc.summary", line[:_MLFLOW_TAG_LIMIT])
         elif kind == "wandb":
             target.summary["sdc/summary"] = line
 
     _send(targets, "summary", send)
 
 
-__all__ = ["TAG", "incident_text", "log_incident", "log_summary"]
+__all__ = ["TAG", "log_incident", "log_summary"]
