@@ -33,6 +33,7 @@ weights cached per device (16 bytes per class of the largest tensor, at most 128
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -141,12 +142,7 @@ def tensor_digest(t: torch.Tensor) -> torch.Tensor:
     """The version-2 digest of ``t``'s bytes (0-d int64 on ``t``'s device, no host synchronisation).
     Depends only on the bytes, not the layout."""
     with torch.no_grad():
-        return _digest(t)
-
-
-def _digest(t: torch.Tensor) -> torch.Tensor:
-    """``tensor_digest`` without the ``no_grad`` guard (the caller holds it)."""
-    return _mix(class_sums(words(t)), 0)
+        return _mix(class_sums(words(t)), 0)
 
 
 def tensor_digest_v1(t: torch.Tensor) -> torch.Tensor:
@@ -179,7 +175,7 @@ def tensor_digests(tensors: Sequence[torch.Tensor], device: torch.device | None 
         return torch.zeros(0, dtype=torch.int64, device=device)
     device = device or tensors[0].device
     with torch.no_grad():
-        return torch.stack([_on(_digest(t), device) for t in tensors])
+        return torch.stack([_on(_mix(class_sums(words(t)), 0), device) for t in tensors])
 
 
 def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -200,12 +196,7 @@ def flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
 
 
 _BATCH_CLASSES = 1 << 15  # units with at most this many classes share one batched weighting
-_layout_cache: dict[tuple[torch.device, tuple[int, ...]], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-
-
-def _layout(device: torch.device, sizes: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``_unit_weights`` for units of ``sizes`` classes (cached)."""
-    return _memo(_layout_cache, (device, sizes), lambda: tuple(_unit_weights(device, sizes)))
+_layout_cache: dict[tuple[torch.device, tuple[int, ...]], list[torch.Tensor]] = {}
 
 
 def _unit_weights(device: torch.device, classes: Sequence[int]) -> list[torch.Tensor]:
@@ -237,19 +228,24 @@ def mix_units(parts: Sequence[list[torch.Tensor]], device: torch.device) -> torc
     pieces = [torch.stack([_on(_mix(torch.cat(parts[u]), 0), device) for u in singles])] if singles else []
     order = list(singles)
     for dev, members in batches.items():
-        wa, wb, ends = _layout(dev, tuple(sizes[u] for u in members))
+        classes = tuple(sizes[u] for u in members)
+        wa, wb, ends = _memo(_layout_cache, (dev, classes), functools.partial(_unit_weights, dev, classes))
         pieces.append(_on(_scan_digests(torch.cat([p for u in members for p in parts[u]]), wa, wb, ends), device))
         order += members
-    digests = torch.cat(pieces)
-    return digests if order == sorted(order) else digests[_inverse(tuple(order), device)]
+    return _in_order(pieces, order, device)
 
 
 _perm_cache: dict[tuple[torch.device, tuple[int, ...]], torch.Tensor] = {}
 
 
-def _inverse(order: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """Indices that put values listed in ``order`` back in unit order (cached per device)."""
-    return _memo(_perm_cache, (device, order), lambda: torch.tensor(order, dtype=torch.int64).argsort().to(device))
+def _in_order(pieces: list[torch.Tensor], order: list[int], device: torch.device) -> torch.Tensor:
+    """The digest vectors ``pieces`` (on ``device``) of the units listed in ``order``, joined and put back in
+    unit order (the permutation cached per device)."""
+    digests = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+    if order == sorted(order):
+        return digests
+    key = (device, tuple(order))
+    return digests[_memo(_perm_cache, key, lambda: torch.tensor(order, dtype=torch.int64).argsort().to(device))]
 
 
 def _kernel_digests(tensors: Sequence[torch.Tensor]) -> tuple[list[int], torch.Tensor | None]:
@@ -295,9 +291,7 @@ def grouped_digests(
             more, host = _host_digests(tensors, rest, device)
             order += more
             pieces += host
-        digests = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
-        if order != sorted(order):
-            digests = digests[_inverse(tuple(order), device)]
+        digests = _in_order(pieces, order, device)
     return digests, lambda: digests
 
 
@@ -393,9 +387,7 @@ def _padded(parts: list[torch.Tensor], pad: list[bool] | None) -> list[torch.Ten
         out.append(t)
         if needed:
             key = (t.device, t.dtype, (8 - (t.nbytes & 7)) // t.element_size())
-            if key not in _pads:
-                _pads[key] = torch.zeros(key[2], dtype=t.dtype, device=t.device)
-            out.append(_pads[key])
+            out.append(_memo(_pads, key, functools.partial(torch.zeros, key[2], dtype=t.dtype, device=t.device)))
     return out
 
 
@@ -435,10 +427,8 @@ def _mixed_digests(values: torch.Tensor, sizes: tuple[int, ...]) -> torch.Tensor
 
 def _host_layout(device: torch.device, sizes: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
     """``_unit_weights`` for tensors of ``sizes`` words and, with several rows, each word's class (cached)."""
-    key = (device, sizes)
-    if key not in _host_layouts:
-        if len(_host_layouts) >= 64:
-            _host_layouts.clear()
+
+    def make() -> tuple[torch.Tensor, ...]:
         classes, where, start = [], [], 0
         for n in sizes:
             _, rows, cols = class_shape(n)
@@ -453,8 +443,9 @@ def _host_layout(device: torch.device, sizes: tuple[int, ...]) -> tuple[torch.Te
         layout = _unit_weights(device, classes)
         if start < sum(sizes):
             layout.append(torch.cat(where).to(device))
-        _host_layouts[key] = tuple(layout)
-    return _host_layouts[key]
+        return tuple(layout)
+
+    return _memo(_host_layouts, (device, sizes), make)
 
 
 def combine(digests: torch.Tensor) -> torch.Tensor:
