@@ -98,10 +98,8 @@ class MatmulChecksumConfig:
 @dataclass
 class _Pending:
     step: int
-    payload: torch.Tensor  # the step's worst ratio, all-reduced (MAX) in place
-    work: Any
     records: list[tuple[int, int, torch.Tensor]]  # this rank's (site, product, worst ratio) (for the names)
-    read: HostRead  # the all-reduced value, read on the host without draining the queue
+    read: HostRead  # the step's worst ratio, all-reduced (MAX), read on the host without draining the queue
 
 
 @dataclass
@@ -196,7 +194,7 @@ class MatmulChecksum:
         payload = (torch.stack(peaks).amax() if peaks else torch.zeros((), device=device)).reshape(1).float()
         payload = torch.nan_to_num(payload, nan=math.inf)
         work = dist.all_reduce(payload, op=dist.ReduceOp.MAX, async_op=True) if is_distributed() else None
-        self._pending = _Pending(step, payload, work, records, HostRead(payload, work))
+        self._pending = _Pending(step, records, HostRead(payload, work))
         self.stats.add_time(time.perf_counter() - t0)
         if now:
             self.resolve()

@@ -95,12 +95,15 @@ def _attention_site(mha: nn.MultiheadAttention, weight: torch.Tensor) -> str | N
     return None
 
 
-def _is_dtensor(t: Any) -> bool:
+def _left_out(module: nn.Module, base: type[nn.Module], weight: torch.Tensor) -> str | None:
+    """Why ``module`` (an instance of ``base``) is not checked, or None."""
+    if type(module).forward is not base.forward:
+        return f"{type(module).__name__} has its own forward"
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # pragma: no cover
-        return False
-    return isinstance(t, DTensor)
+        return None
+    return "DTensor (tensor-parallel) weight" if isinstance(weight, DTensor) else None
 
 
 LinearCheck = Callable[[int, Any, torch.Tensor, torch.Tensor | None, torch.Tensor], None]
@@ -133,24 +136,18 @@ class ProductSites:
                 skip.add(f"{name}.out_proj" if name else "out_proj")  # used through the functional call
                 self._attach_attention(name, module, attention)
             elif isinstance(module, nn.Linear):
-                if type(module).forward is not nn.Linear.forward:
-                    self.uncovered[name] = f"{type(module).__name__} has its own forward"
-                elif _is_dtensor(module.weight):
-                    self.uncovered[name] = "DTensor (tensor-parallel) weight"
+                reason = _left_out(module, nn.Linear, module.weight)
+                if reason is not None:
+                    self.uncovered[name] = reason
                 else:
                     hook = functools.partial(self.on_linear, self._site(name))
                     self._handles.append(module.register_forward_hook(hook, prepend=True))
         return list(self.names)
 
     def _attach_attention(self, name: str, mha: nn.MultiheadAttention, attention: bool) -> None:
-        if not attention:
-            self.uncovered[name] = "attention=False"
-            return
-        if type(mha).forward is not nn.MultiheadAttention.forward:
-            self.uncovered[name] = f"{type(mha).__name__} has its own forward"
-            return
-        if _is_dtensor(mha.out_proj.weight):
-            self.uncovered[name] = "DTensor (tensor-parallel) weight"
+        reason = _left_out(mha, nn.MultiheadAttention, mha.out_proj.weight) if attention else "attention=False"
+        if reason is not None:
+            self.uncovered[name] = reason
             return
         prefix = f"{name}." if name else ""
         packed = ("in_proj", "in_proj[q]", "in_proj[k]", "in_proj[v]", "in_proj[kv]")
