@@ -181,7 +181,7 @@ class GradientScreen:
         if (  # all on the host (CPU gradients: read there already), as the collectives take them: no wait here
             (isinstance(magnitudes, list) or (magnitudes is None and self._device in (None, _CPU)))
             and (loss is None or loss.is_cpu)
-            and self._host_target()
+            and self._target(None).type == "cpu"  # host-made values go to the collectives on the host
         ):
             if self._device is None and magnitudes is not None:
                 self._device = _CPU
@@ -195,10 +195,7 @@ class GradientScreen:
         made_on = magnitudes.device if magnitudes is not None else None
         if made_on is not None and self._device is None:
             self._device = made_on
-        source = made_on if made_on is not None else self._device
-        device = self._targets.get(source)
-        if device is None:
-            device = self._targets[source] = collective_device(source)
+        device = self._target(made_on if made_on is not None else self._device)
         if device.type == "cpu":
             head = torch.tensor([float(step), float(self.width)], dtype=torch.float64)
         else:  # no host-to-device copy (it would wait for the device's queue)
@@ -212,12 +209,12 @@ class GradientScreen:
         self._start(step, row, device)
         self.stats.add_time(time.perf_counter() - t0)
 
-    def _host_target(self) -> bool:
-        """Whether host-made values go to the collectives on the host (gloo, or no process group)."""
-        target = self._targets.get(None)
+    def _target(self, source: torch.device | None) -> torch.device:
+        """``collective_device(source)``, cached per source device (None: values made on the host)."""
+        target = self._targets.get(source)
         if target is None:
-            target = self._targets[None] = collective_device(None)
-        return target.type == "cpu"
+            target = self._targets[source] = collective_device(source)
+        return target
 
     def _start(self, step: int, row: torch.Tensor, device: torch.device) -> None:
         """Start the exchange of this rank's ``row`` for ``step`` (every rank alike; async)."""
@@ -325,9 +322,7 @@ class GradientScreen:
         band, calibrated = self.band.current()
         predicted = self.band.predicted_hits_per_day
         if predicted == predicted:  # not NaN
-            if self.stats.extra is None:
-                self.stats.extra = {}
-            self.stats.extra["predicted_hits_per_day"] = predicted
+            self.stats.extra = {**(self.stats.extra or {}), "predicted_hits_per_day": predicted}
         return band, calibrated
 
     def _verdict(self, step: int, table: list[list[float]], band: list[float], calibrated: bool,
@@ -347,9 +342,8 @@ class GradientScreen:
                 self.stats.bump(f"{info['reason']}_suspects")
         else:
             self.stats.last_verified_step = step
-        result = ScreenResult(step=step, ranks=ranks, details=details, calibrated=calibrated, margin=margin,
-                              values=tuple(values), bands=tuple(band))  # fmt: skip
-        return result
+        return ScreenResult(step=step, ranks=ranks, details=details, calibrated=calibrated, margin=margin,
+                            values=tuple(values), bands=tuple(band))  # fmt: skip
 
     def state_dict(self) -> dict[str, Any]:
         """Counters and the band's history (identical on every rank: rank 0's restores all)."""
