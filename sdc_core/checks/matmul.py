@@ -298,25 +298,10 @@ class MatmulChecksum:
                 self._records.append((site, FORWARD, worst_ratio(ratio)))
             if node is not None:
                 graph, dx_at = node
-                graph.register_hook(functools.partial(self._on_backward, site, dx_at, lb, x_block_sums, x_block_norms))
+                hook = functools.partial(self._check_backward, site, dx_at, lb, x_block_sums, x_block_norms)
+                graph.register_hook(hook)
             elif torch.is_grad_enabled() and y.requires_grad:
                 self.stats.bump("backward_not_located")
-        except Exception as err:
-            self._failed_check(err)
-
-    def _on_backward(
-        self,
-        site: int,
-        dx_at: int,
-        lb: LinearBound,
-        x_block_sums: torch.Tensor | None,
-        x_block_norms: torch.Tensor,
-        grad_inputs: tuple[torch.Tensor | None, ...],
-        grad_outputs: tuple[torch.Tensor | None, ...],
-    ) -> None:
-        """Post-hook of the product's node: dY in, dX and dW^T out, as the product computed them."""
-        try:
-            self._check_backward(site, dx_at, lb, x_block_sums, x_block_norms, grad_inputs, grad_outputs)
         except Exception as err:
             self._failed_check(err)
 
@@ -330,24 +315,28 @@ class MatmulChecksum:
         grad_inputs: tuple[torch.Tensor | None, ...],
         grad_outputs: tuple[torch.Tensor | None, ...],
     ) -> None:
-        dy = grad_outputs[0] if grad_outputs else None
-        if not self._armed or dy is None or len(grad_inputs) < dx_at + 2:
-            return
-        dx, dwt = grad_inputs[dx_at], grad_inputs[dx_at + 1]
-        n, k, m, acc = x_block_norms.shape[0], lb.k, lb.m, lb.rnd.acc_dtype
-        # the backward runs with grad mode off unless it builds a graph (create_graph=True)
-        grad = torch.no_grad() if torch.is_grad_enabled() else NOTHING
-        with grad, plain_arithmetic(dy.device.type):
-            dy2 = dy.reshape(-1, m)
-            if dy2.shape[0] != n:
+        """Post-hook of the product's node: dY in, dX and dW^T out, as the product computed them."""
+        try:
+            dy = grad_outputs[0] if grad_outputs else None
+            if not self._armed or dy is None or len(grad_inputs) < dx_at + 2:
                 return
-            dy2 = dy2 if dy2.dtype == acc else dy2.to(acc)
-            dy_norms = torch.linalg.vector_norm(dy2, dim=-1)
-            if dx is not None and dx.shape == (n, k):
-                self._records.append((site, INPUT_GRAD, worst_ratio(lb.input_grad_ratio(dy2, dx, dy_norms))))
-            if dwt is not None and x_block_sums is not None and dwt.shape == (k, m):
-                ratio = lb.weight_grad_ratio(dy2, dwt, x_block_sums, x_block_norms, dy_norms)
-                self._records.append((site, WEIGHT_GRAD, worst_ratio(ratio)))
+            dx, dwt = grad_inputs[dx_at], grad_inputs[dx_at + 1]
+            n, k, m, acc = x_block_norms.shape[0], lb.k, lb.m, lb.rnd.acc_dtype
+            # the backward runs with grad mode off unless it builds a graph (create_graph=True)
+            grad = torch.no_grad() if torch.is_grad_enabled() else NOTHING
+            with grad, plain_arithmetic(dy.device.type):
+                dy2 = dy.reshape(-1, m)
+                if dy2.shape[0] != n:
+                    return
+                dy2 = dy2 if dy2.dtype == acc else dy2.to(acc)
+                dy_norms = torch.linalg.vector_norm(dy2, dim=-1)
+                if dx is not None and dx.shape == (n, k):
+                    self._records.append((site, INPUT_GRAD, worst_ratio(lb.input_grad_ratio(dy2, dx, dy_norms))))
+                if dwt is not None and x_block_sums is not None and dwt.shape == (k, m):
+                    ratio = lb.weight_grad_ratio(dy2, dwt, x_block_sums, x_block_norms, dy_norms)
+                    self._records.append((site, WEIGHT_GRAD, worst_ratio(ratio)))
+        except Exception as err:
+            self._failed_check(err)
 
 
 def mismatch_error(step: int, per_rank: list[list[dict[str, Any]]], topo: Topology) -> ChecksumMismatchError:
