@@ -9,6 +9,7 @@ once. ``triton`` is None where Triton is missing or ``SDC_TRITON=0`` (the caller
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 
@@ -27,8 +28,6 @@ except ImportError:  # pragma: no cover
 # 0.93-1.06x of a flat sum on 40 MB to 4.8 GB. The digests do not depend on it.
 BLOCK = 512
 WARPS = 8
-_cache: dict[tuple, tuple[torch.Tensor, ...]] = {}
-_ptr_cache: dict[tuple, torch.Tensor] = {}
 
 
 if triton is not None:  # pragma: no cover - needs a GPU
@@ -67,36 +66,27 @@ if triton is not None:  # pragma: no cover - needs a GPU
         tl.store(out + pid, tl.sum(term, axis=0))
 
 
+@functools.lru_cache(maxsize=8)
 def _tables(device: torch.device, sizes: tuple[int, ...], shape: Callable[[int], tuple[int, int, int]],
             block: int = BLOCK) -> tuple[torch.Tensor, ...]:  # fmt: skip
     """Per-unit (words, rows, cols), per-block (unit, first class) and each unit's last block, on
     ``device`` (cached per list of word counts)."""
-    key = (device, sizes, block)
-    if key not in _cache:
-        shapes = [shape(n) for n in sizes]
-        if len(_cache) >= 8:
-            _cache.clear()
-        units, starts, ends = [], [], []
-        for u, (n, r, m) in enumerate(shapes):
-            classes = m + n - r * m
-            count = max(1, -(-classes // block))
-            units += [u] * count
-            starts += [block * b for b in range(count)]
-            ends.append(len(units) - 1)
-        cols = [torch.tensor(c, dtype=torch.int64) for c in zip(*shapes, strict=True)]
-        _cache[key] = tuple(t.to(device) for t in (*cols, torch.tensor(units), torch.tensor(starts),
-                                                    torch.tensor(ends)))  # fmt: skip
-    return _cache[key]
+    shapes = [shape(n) for n in sizes]
+    units, starts, ends = [], [], []
+    for u, (n, r, m) in enumerate(shapes):
+        classes = m + n - r * m
+        count = max(1, -(-classes // block))
+        units += [u] * count
+        starts += [block * b for b in range(count)]
+        ends.append(len(units) - 1)
+    cols = [torch.tensor(c, dtype=torch.int64) for c in zip(*shapes, strict=True)]
+    return tuple(t.to(device) for t in (*cols, torch.tensor(units), torch.tensor(starts), torch.tensor(ends)))
 
 
+@functools.lru_cache(maxsize=8)
 def _pointers(device: torch.device, ptrs: tuple[int, ...]) -> torch.Tensor:
     """The words' addresses as an int64 table on ``device`` (cached: the steady state copies nothing)."""
-    key = (device, ptrs)
-    if key not in _ptr_cache:
-        if len(_ptr_cache) >= 8:
-            _ptr_cache.clear()
-        _ptr_cache[key] = torch.tensor(ptrs, dtype=torch.int64).to(device)
-    return _ptr_cache[key]
+    return torch.tensor(ptrs, dtype=torch.int64).to(device)
 
 
 def digests(device: torch.device, ptrs: tuple[int, ...], sizes: tuple[int, ...],

@@ -301,7 +301,6 @@ _MIXED_WORDS = 1 << 13  # words: only smaller tensors join a mixed-size batch (i
 _CHUNK_WORDS = 1 << 21  # words per batch (16 MiB): bounds the transient copy and the cached layouts
 _SAME_FIXED_NS = (30_000, 60_000)  # a same-size batch's fixed cost (one row, several rows) ...
 _SAME_SAVES_NS = (1_000, 2)  # ... against what it saves per tensor over a mixed batch: 1 us + 2 ns a word
-_host_layouts: dict[tuple[torch.device, tuple[int, ...]], tuple[torch.Tensor, ...]] = {}
 
 
 def _host_digests(
@@ -310,7 +309,7 @@ def _host_digests(
     """``tensor_digest`` of ``tensors[i]`` for ``i`` in ``indices``: the indices in the order digested and the digest
     vectors (on ``device``). Small tensors are copied into batches (at most ``_CHUNK_WORDS`` words at a time)."""
     meta = tuple([(t.device, t.dtype, t.shape) for t in [tensors[i] for i in indices]])  # lists: no call per tensor
-    batches, singles, padded, order = _memo(_host_plans, meta, lambda: _host_plan(meta))
+    batches, singles, padded, order = _host_plan(meta)
     pieces = []
     for same, positions, arg, cat in batches:
         parts = _padded([tensors[indices[p]] for p in positions], [p in padded for p in positions] if padded else None)
@@ -328,9 +327,7 @@ def _host_digests(
     return [indices[p] for p in order], pieces
 
 
-_host_plans: dict[tuple, tuple] = {}
-
-
+@functools.lru_cache(maxsize=64)
 def _host_plan(meta: tuple[tuple[torch.device, torch.dtype, torch.Size], ...]) -> tuple:
     """``_host_digests``' plan for tensors of ``meta`` (device, dtype, shape): the batches (same size?,
     positions, words or sizes, whether ``cat`` can join them), the positions digested one by one,
@@ -425,27 +422,24 @@ def _mixed_digests(values: torch.Tensor, sizes: tuple[int, ...]) -> torch.Tensor
     return _scan_digests(sums, wa, wb, ends)
 
 
+@functools.lru_cache(maxsize=64)
 def _host_layout(device: torch.device, sizes: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
     """``_unit_weights`` for tensors of ``sizes`` words and, with several rows, each word's class (cached)."""
-
-    def make() -> tuple[torch.Tensor, ...]:
-        classes, where, start = [], [], 0
-        for n in sizes:
-            _, rows, cols = class_shape(n)
-            if rows == 1:
-                classes.append(n)
-                where.append(torch.arange(start, start + n, dtype=torch.int32))
-            else:
-                i = torch.arange(n, dtype=torch.int32)
-                where.append(torch.where(i < rows * cols, i % cols, i - (rows - 1) * cols).add_(start))
-                classes.append(n - (rows - 1) * cols)
-            start += classes[-1]
-        layout = _unit_weights(device, classes)
-        if start < sum(sizes):
-            layout.append(torch.cat(where).to(device))
-        return tuple(layout)
-
-    return _memo(_host_layouts, (device, sizes), make)
+    classes, where, start = [], [], 0
+    for n in sizes:
+        _, rows, cols = class_shape(n)
+        if rows == 1:
+            classes.append(n)
+            where.append(torch.arange(start, start + n, dtype=torch.int32))
+        else:
+            i = torch.arange(n, dtype=torch.int32)
+            where.append(torch.where(i < rows * cols, i % cols, i - (rows - 1) * cols).add_(start))
+            classes.append(n - (rows - 1) * cols)
+        start += classes[-1]
+    layout = _unit_weights(device, classes)
+    if start < sum(sizes):
+        layout.append(torch.cat(where).to(device))
+    return tuple(layout)
 
 
 def combine(digests: torch.Tensor) -> torch.Tensor:

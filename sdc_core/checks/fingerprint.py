@@ -213,8 +213,7 @@ class _Pending:
     module: nn.Module
     optimizers: list[torch.optim.Optimizer]
     names: Callable[[], list[str]]  # the compared tensors' names (read on a mismatch only)
-    reduced: HostRead  # the ranks' MAX of (digest, ~digest)
-    work: object | None
+    reduced: HostRead  # the ranks' MAX of (digest, ~digest), and its all-reduce's work
     part: tuple[int, int] | None = None  # (slice, slices) of a rolling comparison; None: every tensor
 
 
@@ -276,7 +275,7 @@ class WeightFingerprint:
         fp = combine(digests)
         reduced = torch.stack([fp, torch.bitwise_not(fp)])
         work = torch.distributed.all_reduce(reduced, op=torch.distributed.ReduceOp.MAX, async_op=True)
-        self._pending = _Pending(step, per_tensor, module, list(optimizers), names, HostRead(reduced, work), work, part)
+        self._pending = _Pending(step, per_tensor, module, list(optimizers), names, HostRead(reduced, work), part)
         self.stats.add_time(time.perf_counter() - t0)
 
     def resolve(self) -> None:
@@ -344,9 +343,9 @@ class WeightFingerprint:
         """Finish the pending all-reduce without reading it, on a path out (no collective left in
         flight). Waits at most ``timeout_s``; never raises."""
         pending, self._pending = self._pending, None
-        if pending is not None and pending.work is not None:
+        if pending is not None and pending.reduced.work is not None:
             with contextlib.suppress(Exception):
-                pending.work.wait(timeout=timedelta(seconds=timeout_s))  # type: ignore[attr-defined]
+                pending.reduced.work.wait(timeout=timedelta(seconds=timeout_s))  # type: ignore[attr-defined]
 
     def check_now(self, step: int, module: nn.Module, optimizers: Iterable[torch.optim.Optimizer]) -> None:
         """Digest every tensor, compare and resolve at once (raises on a mismatch)."""
