@@ -85,6 +85,17 @@ class StepCheck:
         """Training stops on an error: drop what is in flight, with no collective."""
 
 
+def check_settings(config: Any, ints: tuple[str, ...] = (), flags: tuple[str, ...] = ()) -> None:
+    """Raise ``ValueError`` unless each setting in ``ints`` is an integer >= 1 and each in ``flags`` True or False."""
+    for name in ints:
+        value = getattr(config, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    for name in flags:
+        if not isinstance(getattr(config, name), bool):
+            raise ValueError(f"{name} must be True or False, got {getattr(config, name)!r}")
+
+
 def role_of(check: Any) -> Role:
     """The role ``check`` declares (``Role.STEP_CHECK`` for one that declares none)."""
     return getattr(check, "role", Role.STEP_CHECK)

@@ -20,7 +20,7 @@ from typing import Any, ClassVar, Literal
 import torch
 from torch import nn
 
-from sdc_core.checks.contract import Role
+from sdc_core.checks.contract import Role, check_settings
 from sdc_core.checks.digest import _memo, combine, grouped_digests, home_device
 from sdc_core.dist.topology import HostRead, Topology, all_gather_tensor, collective_device, is_distributed
 from sdc_core.errors import FingerprintMismatchError
@@ -69,15 +69,10 @@ class FingerprintConfig:
     def __post_init__(self) -> None:
         if self.on_failure not in ("raise", "heal", "rollback"):
             raise ValueError(f"on_failure must be 'raise', 'heal' or 'rollback', got {self.on_failure!r}")
-        for name in ("max_heals", "every_n_steps"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        check_settings(self, ints=("max_heals", "every_n_steps"))
         if isinstance(self.rolling, bool) or not isinstance(self.rolling, int) or self.rolling < 1:
             raise ValueError(f"rolling must be an integer >= 1 (1: every tensor each time), got {self.rolling!r}")
-        for name in ("include_buffers", "include_optimizer_state"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        check_settings(self, flags=("include_buffers", "include_optimizer_state"))
 
 
 def _compared(
@@ -195,10 +190,7 @@ def vote(rows: list[tuple[int, ...]]) -> tuple[int | None, tuple[int, ...], int 
     """Vote on per-rank digest rows: ``(rank, suspects, reference)``. With a strict majority the
     suspects are the ranks outside it, ``rank`` the only one of them if there is exactly one,
     ``reference`` a majority rank; without (two replicas, a tie) every rank is a suspect."""
-    groups = replica_groups(rows)
-    biggest = max(groups.values(), key=len)
-    if len(groups) == 1:
-        return None, (), biggest[0]
+    biggest = max(replica_groups(rows).values(), key=len)
     if 2 * len(biggest) > len(rows):
         majority = set(biggest)
         suspects = tuple(r for r in range(len(rows)) if r not in majority)

@@ -27,7 +27,7 @@ from typing import Any, ClassVar, Literal
 import torch
 from torch import nn
 
-from sdc_core.checks.contract import Role
+from sdc_core.checks.contract import Role, check_settings
 from sdc_core.checks.gradient_tap import GradientTap
 from sdc_core.checks.reductions import any_nonfinite, local_sum, log2_peaks_by_group, log2_peaks_on_host, peaks
 from sdc_core.dist.topology import HostRead, Topology, all_gather_objects, is_distributed
@@ -65,10 +65,7 @@ class NonFiniteConfig:
     def __post_init__(self) -> None:
         if self.on_failure not in _ON_FAILURE:
             raise ValueError(f"on_failure must be one of {_ON_FAILURE}, got {self.on_failure!r}")
-        for name in ("overflow_patience", "max_names"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        check_settings(self, ints=("overflow_patience", "max_names"))
 
 
 @dataclass

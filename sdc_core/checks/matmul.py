@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from sdc_core.checks.contract import Role
+from sdc_core.checks.contract import Role, check_settings
 from sdc_core.checks.matmul_bound import (
     NOTHING,
     LinearBound,
@@ -83,16 +83,12 @@ class MatmulChecksumConfig:
     def __post_init__(self) -> None:
         if self.on_failure not in _ON_FAILURE:
             raise ValueError(f"on_failure must be one of {_ON_FAILURE}, got {self.on_failure!r}")
-        for name in ("every_n_steps", "max_names"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        check_settings(self, ints=("every_n_steps", "max_names"))
         if isinstance(self.safety, bool) or not isinstance(self.safety, int | float) or not self.safety >= 1:
             raise ValueError(f"safety must be a number >= 1, got {self.safety!r}")
         if isinstance(self.block, bool) or not isinstance(self.block, int) or self.block < 0:
             raise ValueError(f"block must be an integer >= 0 (0: whole rows), got {self.block!r}")
-        if not isinstance(self.attention, bool):
-            raise ValueError(f"attention must be True or False, got {self.attention!r}")
+        check_settings(self, flags=("attention",))
 
 
 @dataclass

@@ -70,9 +70,6 @@ def _log2_peaks_on_host(pairs: Sequence[tuple[torch.Tensor, Index]], groups: int
     return torch.tensor(log2_peaks_on_host(pairs, groups), dtype=torch.float32)
 
 
-_FLOAT32S: dict[int, struct.Struct] = {}  # per count, its packer as float32s
-
-
 def log2_peaks_on_host(pairs: Sequence[tuple[torch.Tensor, Index]], groups: int) -> list[float]:
     """``log2_peaks_by_group``'s values for CPU tensors as a list of floats made in Python (no
     tensor), each correctly rounded to float32 (the kernels' may differ by one unit in the last place)."""
@@ -87,10 +84,8 @@ def log2_peaks_on_host(pairs: Sequence[tuple[torch.Tensor, Index]], groups: int)
             if v > best[j]:
                 best[j] = v
     logs = [math.log2(b) if b > 0 else nan for b in best]
-    packer = _FLOAT32S.get(groups)
-    if packer is None:
-        packer = _FLOAT32S[groups] = struct.Struct(f"{groups}f")
-    return list(packer.unpack(packer.pack(*logs)))  # rounded to float32
+    fmt = f"{groups}f"  # struct caches the compiled format
+    return list(struct.unpack(fmt, struct.pack(fmt, *logs)))  # rounded to float32
 
 
 def any_nonfinite_multi(tensors: Sequence[torch.Tensor]) -> torch.Tensor:

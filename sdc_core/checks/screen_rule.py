@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from sdc_core.checks.contract import check_settings
 from sdc_core.schema import documented, setting
 
 HEADER = 2  # a row starts with its step and width
@@ -85,10 +86,7 @@ class ScreenConfig:
     )
 
     def __post_init__(self) -> None:
-        for name in ("groups", "window", "calibration_samples"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        check_settings(self, ints=("groups", "window", "calibration_samples"))
         for name in ("min_band", "max_band", "initial_band", "z"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
