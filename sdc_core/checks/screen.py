@@ -47,11 +47,11 @@ _CPU = torch.device("cpu")
 __all__ = ["GradientScreen", "ScreenConfig", "ScreenResult", "in_band", "loss_magnitude", "reference"]
 
 
+@dataclass
 class _AllOf:
     """Several asynchronous works waited for as one."""
 
-    def __init__(self, works: list[Any]) -> None:
-        self.works = works
+    works: list[Any]
 
     def wait(self) -> None:
         for work in self.works:
@@ -347,10 +347,9 @@ class GradientScreen:
 
     def state_dict(self) -> dict[str, Any]:
         """Counters and the band's history (identical on every rank: rank 0's restores all)."""
-        if self.band is None:  # before attach: what a checkpoint restored, if anything, is kept as it came
-            kept = self._restored or {"history": None, "shape": None, "cursor": 0, "filled": 0}
-            return {"stats": self.stats.state_dict(), **kept}
-        return {"stats": self.stats.state_dict(), **self.band.state_dict()}
+        # before attach: what a checkpoint restored, if anything, is kept as it came
+        kept = self._restored or {"history": None, "shape": None, "cursor": 0, "filled": 0}
+        return {"stats": self.stats.state_dict(), **(kept if self.band is None else self.band.state_dict())}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what ``state_dict`` saved, before or after ``attach`` (a history of another shape
