@@ -117,9 +117,6 @@ def run_guarded(prog: str, body: Callable[[], int]) -> int:
     return code
 
 
-# ------------------------------------------------------------------------------------ checkpoints
-
-
 def _bits(text: str) -> tuple[int, ...]:
     try:
         bits = tuple(int(b) for b in text.split(","))
@@ -229,9 +226,6 @@ def _verify(args: argparse.Namespace) -> int:
     return {"clean": EXIT_OK, "corrupted": EXIT_CHANGED}.get(result["status"], EXIT_NO_FINGERPRINT)
 
 
-# -------------------------------------------------------------------------------------- incidents
-
-
 def _incident_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("dirs", nargs="+", type=Path, metavar="DIR_OR_FILE",
                    help="run folders (incidents under */sdc/incidents/) or incident files")  # fmt: skip
@@ -294,9 +288,6 @@ def _exclude(args: argparse.Namespace) -> int:
     elif hosts:
         print(",".join(hosts) if args.format == "slurm" else "\n".join(hosts))
     return EXIT_UNREADABLE if skipped and args.strict else EXIT_OK
-
-
-# --------------------------------------------------------------------------------------- campaign
 
 
 def _sites(text: str) -> tuple[str, ...]:
@@ -387,9 +378,6 @@ register(Command("campaign", "fault-injection campaign over short Lightning DDP 
                  delegate="sdc_core.cli:campaign_main"))  # fmt: skip
 register(Command("run", "sdc run -- COMMAND: exit 86 (SDC_EXIT_CODE) when the job ended on an SDC verdict",
                  delegate="sdc_core.ops.launch:main"))  # fmt: skip
-
-
-# ------------------------------------------------------------------------------------------- main
 
 
 def _needs(command: str, module: str, err: ImportError) -> ValueError:

@@ -42,9 +42,6 @@ _NO_FAULT = {"bit_class": "-", "rank": -1, "step": -1}  # the fault fields of a 
 _BY = {"nonfinite": "nonfinite_gradient", "replay": "ring_replay", "fingerprint": "weight_fingerprint"}
 
 
-# -------------------------------------------------------------------------------------------- plans
-
-
 def _target(site: str, turn: int, rng: random.Random) -> dict[str, Any]:
     """What an in-memory fault at ``site`` hits: a layer, a product's phase (the ``turn``-th) and
     layer, or a parameter."""
@@ -129,9 +126,6 @@ def plan_sizes(per_cell: int, seed: int, steps: int, sites: tuple[str, ...] = CO
     return specs
 
 
-# ----------------------------------------------------------------------------------- data and faults
-
-
 class CampaignModel(torch.nn.Module):
     """The small model every campaign run trains, whatever the runner: the layers ``MODULES``."""
 
@@ -197,9 +191,6 @@ def fault_for(spec: dict[str, Any], prefix: str = "") -> Fault:
         return Fault("gradient_scale", **where)
     kind = {"gradient": "gradient_bit_flip", "weights": "weight_bit_flip", "optimizer": "optimizer_state"}[site]
     return Fault(kind, state_key="exp_avg_sq" if spec["bit_class"] == "mantissa" else "exp_avg", **where)
-
-
-# ------------------------------------------------------------------------------------- classification
 
 
 def _effect(spec: dict[str, Any], effect: dict, reference: dict, keys: tuple[str, ...]) -> dict[str, Any]:
@@ -301,9 +292,6 @@ def clean_outcome(error: dict[str, Any] | None, row: dict[str, Any]) -> str:
 def within_one_step(r: dict[str, Any]) -> bool:
     """Whether the checks at their defaults named the row's fault in its step or the next."""
     return bool(r.get("defaults_by")) and r.get("defaults_latency") is not None and 0 <= r["defaults_latency"] <= 1
-
-
-# ------------------------------------------------------------------------------------------ summaries
 
 
 def _cells(rows: list[dict[str, Any]], **axes: tuple[Any, ...]) -> Iterator[tuple[tuple[Any, ...], list[dict]]]:

@@ -45,9 +45,6 @@ class CampaignFailed(RuntimeError):
     """A campaign training failed (its log names why)."""
 
 
-# ---------------------------------------------------------------------------------------------- worker
-
-
 @dataclass(frozen=True)
 class _Launch:
     """One launch's trainings: each spec's row from the runs its site needs (the same trainings in
@@ -142,9 +139,6 @@ def worker(runner: CampaignRunner, specs_file: Path, out: Path, steps: int, opti
         if launch.rank == 0:
             with results.open("a") as f:
                 f.write(json.dumps(row) + "\n")
-
-
-# ---------------------------------------------------------------------------------------------- driver
 
 
 def run_specs(specs: list[dict[str, Any]], out: Path, workers: int, steps: int,
