@@ -186,10 +186,6 @@ class Topology:
     def node_ranks(self, ranks: Any) -> dict[int, int]:
         return {int(r): self.ranks[int(r)].node_rank for r in ranks}
 
-    @property
-    def num_nodes(self) -> int:
-        return len({f.node_rank for f in self.ranks})
-
     def partners(self) -> tuple[int, ...]:
         """``partners()[r]`` is the rank that replays rank ``r``'s batch (``ring_partners``)."""
         return ring_partners([f.node_rank for f in self.ranks])

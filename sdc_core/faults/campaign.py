@@ -78,12 +78,10 @@ def plan(injections: int, clean: int, seed: int, steps: int, study: int = 0, har
     specs = [_injection(i, sites, steps, rng) for i in range(injections)]
     specs += [{"id": f"clean{i:03d}", "site": "clean", "variant": "order", "order": i + 1, **_NO_FAULT}
               for i in range(clean)]  # fmt: skip
-    for i in range(study):  # checkpoint alteration as in the SBAC-PAD 2022 study: 1% of the entries
-        for target in ("weights", "optimizer"):
-            for bit_class in BIT_CLASSES:
-                specs.append({"id": f"study-{target}-{bit_class}-{i}", "site": "study", "target": target,
-                              "bit_class": bit_class, "rank": -1, "step": CKPT_STEP, "fraction": STUDY_FRACTION,
-                              "seed": rng.randrange(2**31)})  # fmt: skip
+    # checkpoint alteration as in the SBAC-PAD 2022 study: 1% of the entries
+    specs += [{"id": f"study-{target}-{bit_class}-{i}", "site": "study", "target": target, "bit_class": bit_class,
+               "rank": -1, "step": CKPT_STEP, "fraction": STUDY_FRACTION, "seed": rng.randrange(2**31)}
+              for i in range(study) for target in ("weights", "optimizer") for bit_class in BIT_CLASSES]  # fmt: skip
     for i in range(hard):  # clean runs that a screen may flag
         specs.append({"id": f"hard-hetero{i:03d}", "site": "clean", "variant": "hetero", **_NO_FAULT,
                       "seed": rng.randrange(2**31)})  # fmt: skip
@@ -387,19 +385,16 @@ def defaults_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 def study(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Checkpoint alteration per target and bit class."""
-    out = []
-    for (_, target, bit_class), rs in _cells(rows, site=("study",), target=("weights", "optimizer"),
-                                             bit_class=BIT_CLASSES):  # fmt: skip
-        out.append({
-            "target": target, "bit_class": bit_class, "runs": len(rs), "changed": sum(r["changed"] for r in rs),
-            "diverged": sum(r["diverged"] for r in rs),
-            "crashed_on_resume": sum(bool(r.get("effect_crash")) for r in rs),
-            "median_loss_ratio": _median([r["final_loss"] / r["clean_loss"] for r in rs
-                                          if math.isfinite(r["final_loss"])]),
-            "caught_on_load": sum(r["outcome"] == "detected" for r in rs),
-            "caught_at_runtime_without_fingerprint": sum(bool(r.get("runtime_detected_by")) for r in rs),
-        })  # fmt: skip
-    return out
+    cells = _cells(rows, site=("study",), target=("weights", "optimizer"), bit_class=BIT_CLASSES)
+    return [{
+        "target": target, "bit_class": bit_class, "runs": len(rs), "changed": sum(r["changed"] for r in rs),
+        "diverged": sum(r["diverged"] for r in rs),
+        "crashed_on_resume": sum(bool(r.get("effect_crash")) for r in rs),
+        "median_loss_ratio": _median([r["final_loss"] / r["clean_loss"] for r in rs
+                                      if math.isfinite(r["final_loss"])]),
+        "caught_on_load": sum(r["outcome"] == "detected" for r in rs),
+        "caught_at_runtime_without_fingerprint": sum(bool(r.get("runtime_detected_by")) for r in rs),
+    } for (_, target, bit_class), rs in cells]  # fmt: skip
 
 
 def summarise(rows: list[dict[str, Any]], seed: int, steps: int, optimizer: str = "adam") -> dict[str, Any]:
