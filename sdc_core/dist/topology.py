@@ -32,7 +32,6 @@ from sdc_core.dist.payload import (
 
 
 def is_distributed() -> bool:
-    """True when a process group with more than one rank is initialized."""
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
