@@ -112,16 +112,11 @@ def plan_sizes(per_cell: int, seed: int, steps: int, sites: tuple[str, ...] = CO
     if not sites or any(site not in COMPUTE_SITES for site in sites):
         raise ValueError(f"--sizes injects at some of {','.join(COMPUTE_SITES)}, got --sites {','.join(sites)}")
     rng = random.Random(seed)
-    specs = []
-    for site in sites:
-        for size in SIZES:
-            for when, (first, stop) in zip(STEP_RANGES, ((2, LATE_STEP), (LATE_STEP, steps - 1)), strict=True):
-                for i in range(per_cell):
-                    spec = {"id": f"size-{site}-{size:.0e}-{when}-{i:03d}", "site": site, "bit_class": "scale",
-                            "rel_error": size, "factor": 1.0 + size, "step_range": when, "rank": rng.randrange(WORLD),
-                            "step": rng.randrange(first, stop), "index": rng.randrange(10_000)}  # fmt: skip
-                    specs.append(spec | _target(site, i, rng))
-    return specs
+    ranges = tuple(zip(STEP_RANGES, ((2, LATE_STEP), (LATE_STEP, steps - 1)), strict=True))
+    return [{"id": f"size-{site}-{size:.0e}-{when}-{i:03d}", "site": site, "bit_class": "scale", "rel_error": size,
+             "factor": 1.0 + size, "step_range": when, "rank": rng.randrange(WORLD), "step": rng.randrange(first, stop),
+             "index": rng.randrange(10_000)} | _target(site, i, rng)
+            for site in sites for size in SIZES for when, (first, stop) in ranges for i in range(per_cell)]  # fmt: skip
 
 
 class CampaignModel(torch.nn.Module):
