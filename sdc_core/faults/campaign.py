@@ -398,9 +398,8 @@ def summarise(rows: list[dict[str, Any]], seed: int, steps: int, optimizer: str 
     spread = loss_spread(rows)
     for r in rows:
         if r["site"] in SITES:
-            loss = r["final_loss"]
-            worse = loss - r["clean_loss"] > spread["spread"]
-            r["harmful"] = bool(r.get("nonfinite")) or not math.isfinite(loss) or worse
+            worse = r["final_loss"] - r["clean_loss"] > spread["spread"]
+            r["harmful"] = bool(r.get("nonfinite")) or not math.isfinite(r["final_loss"]) or worse
     table, defaults_table = _site_tables(rows)
     clean = [r for r in rows if r["site"] == "clean"]
     return {
