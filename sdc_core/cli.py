@@ -117,41 +117,29 @@ def run_guarded(prog: str, body: Callable[[], int]) -> int:
     return code
 
 
-# ------------------------------------------------------------------------------------ checkpoints
+def _checked(cast: Callable[[str], Any], expected: str, ok: Callable[[Any], bool], refused: str) -> Any:
+    """An argparse type: ``cast(text)``, with a one-line message unless it parses and is ``ok``
+    (``refused`` is formatted with ``text`` and ``value``)."""
 
-
-def _bits(text: str) -> tuple[int, ...]:
-    try:
-        bits = tuple(int(b) for b in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected bit positions separated by commas, got {text!r}") from None
-    if any(not 0 <= b < 64 for b in bits):
-        raise argparse.ArgumentTypeError(f"bit positions must be in 0..63, got {text!r}")
-    return bits
-
-
-def _at_least(low: int) -> type:
-    """An argparse type: an integer of at least ``low``, with a one-line message otherwise."""
-    def parse(text: str) -> int:
+    def parse(text: str) -> Any:
         try:
-            value = int(text)
+            value = cast(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+        if not ok(value):
+            raise argparse.ArgumentTypeError(refused.format(text=text, value=value))
         return value
 
-    return parse  # type: ignore[return-value]
+    return parse
 
 
-def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
-    return value
+_bits = _checked(lambda text: tuple(int(b) for b in text.split(",")), "bit positions separated by commas",
+                 lambda bits: all(0 <= b < 64 for b in bits), "bit positions must be in 0..63, got {text!r}")
+_fraction = _checked(float, "a number", lambda value: 0 < value <= 1, "must be in (0, 1], got {text}")
+
+
+def _at_least(low: int) -> Any:
+    return _checked(int, "an integer", lambda value: value >= low, f"must be >= {low}, got {{value}}")
 
 
 TRUST_HELP = ("unpickle in full: lets the file run code while it is read. Only for a legacy file you wrote "
@@ -229,9 +217,6 @@ def _verify(args: argparse.Namespace) -> int:
     return {"clean": EXIT_OK, "corrupted": EXIT_CHANGED}.get(result["status"], EXIT_NO_FINGERPRINT)
 
 
-# -------------------------------------------------------------------------------------- incidents
-
-
 def _incident_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("dirs", nargs="+", type=Path, metavar="DIR_OR_FILE",
                    help="run folders (incidents under */sdc/incidents/) or incident files")  # fmt: skip
@@ -294,9 +279,6 @@ def _exclude(args: argparse.Namespace) -> int:
     elif hosts:
         print(",".join(hosts) if args.format == "slurm" else "\n".join(hosts))
     return EXIT_UNREADABLE if skipped and args.strict else EXIT_OK
-
-
-# --------------------------------------------------------------------------------------- campaign
 
 
 def _sites(text: str) -> tuple[str, ...]:
@@ -387,9 +369,6 @@ register(Command("campaign", "fault-injection campaign over short Lightning DDP 
                  delegate="sdc_core.cli:campaign_main"))  # fmt: skip
 register(Command("run", "sdc run -- COMMAND: exit 86 (SDC_EXIT_CODE) when the job ended on an SDC verdict",
                  delegate="sdc_core.ops.launch:main"))  # fmt: skip
-
-
-# ------------------------------------------------------------------------------------------- main
 
 
 def _needs(command: str, module: str, err: ImportError) -> ValueError:

@@ -93,13 +93,12 @@ class SDCError(RuntimeError):
         types = {t.__name__: t for t in known}
         try:
             kind = types[data["type"]]
-            rank = data["rank"]
-            return kind(
-                step=int(data["step"]),
-                rank=None if rank is None else int(rank),
-                suspects=[int(r) for r in data["suspects"]],
-                hosts={int(r): str(h) for r, h in dict(data.get("hosts") or {}).items()},
-                details=dict(data.get("details") or {}),
+            return kind(  # the constructor makes every field of its type, or raises
+                step=data["step"],
+                rank=data["rank"],
+                suspects=data["suspects"],
+                hosts=dict(data.get("hosts") or {}),
+                details=data.get("details"),
                 reason=str(data.get("reason") or ""),
                 check=str(data.get("check") or kind.check),
             )

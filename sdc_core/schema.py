@@ -24,7 +24,6 @@ def settings_of(config: type) -> dict[str, dataclasses.Field[Any]]:
 
 
 def describe(f: dataclasses.Field[Any]) -> str:
-    """The whole doc of a setting: its line and its details."""
     doc, more = f.metadata["doc"], f.metadata.get("more", "")
     return f"{doc}. {more}" if more else f"{doc}."
 

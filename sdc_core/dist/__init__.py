@@ -1,3 +1,2 @@
-"""Between ranks and processes: ranks, hosts and ring partners, the collectives and the point-to-point
-exchange (``topology``), the peer-payload codec (``payload``) and the shapes a received payload must
-have (``payload_checks``). Imports only the package's leaves."""
+"""Between ranks and processes: ``topology``, ``payload``, ``payload_checks`` (docs/architecture.md says what
+each holds). Imports only the package's leaves."""

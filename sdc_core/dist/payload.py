@@ -80,7 +80,6 @@ def max_payload_bytes(max_bytes: int | None = None) -> int:
 
 
 def pickle_allowed(allow_pickle: bool | None = None) -> bool:
-    """``allow_pickle``, else the flag ``SDC_ALLOW_PICKLED_BATCHES`` (``schema.env_flag``)."""
     return bool(allow_pickle) if allow_pickle is not None else env_flag(ALLOW_PICKLE_ENV)
 
 

@@ -32,7 +32,6 @@ from sdc_core.dist.payload import (
 
 
 def is_distributed() -> bool:
-    """True when a process group with more than one rank is initialized."""
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
@@ -186,10 +185,6 @@ class Topology:
     def node_ranks(self, ranks: Any) -> dict[int, int]:
         return {int(r): self.ranks[int(r)].node_rank for r in ranks}
 
-    @property
-    def num_nodes(self) -> int:
-        return len({f.node_rank for f in self.ranks})
-
     def partners(self) -> tuple[int, ...]:
         """``partners()[r]`` is the rank that replays rank ``r``'s batch (``ring_partners``)."""
         return ring_partners([f.node_rank for f in self.ranks])
@@ -205,10 +200,8 @@ def ring_partners(node_of_rank: list[int]) -> tuple[int, ...]:
         local_index.append(seen.get(node, 0))
         seen[node] = local_index[-1] + 1
     order = sorted(range(world), key=lambda r: (local_index[r], node_of_rank[r], r))
-    partner = [0] * world
-    for i, r in enumerate(order):
-        partner[r] = order[(i + 1) % world]
-    return tuple(partner)
+    next_in_ring = dict(zip(order, order[1:] + order[:1], strict=True))
+    return tuple(next_in_ring[r] for r in range(world))
 
 
 def group_ring_partners(groups: list[tuple[int, ...]], node_of_rank: list[int]) -> tuple[int, ...]:
@@ -220,11 +213,8 @@ def group_ring_partners(groups: list[tuple[int, ...]], node_of_rank: list[int]) 
     if len(sizes) != 1 or sorted(r for g in groups for r in g) != list(range(world)):
         raise ValueError(f"tensor-parallel groups must be of one size and cover the {world} ranks once, got {groups}")
     ring = ring_partners([node_of_rank[g[0]] for g in groups])
-    partner = [0] * world
-    for g, members in enumerate(groups):
-        for t, r in enumerate(members):
-            partner[r] = groups[ring[g]][t]
-    return tuple(partner)
+    partner = {r: groups[ring[g]][t] for g, members in enumerate(groups) for t, r in enumerate(members)}
+    return tuple(partner[r] for r in range(world))
 
 
 def owners_of(partners: tuple[int, ...] | list[int]) -> list[int]:

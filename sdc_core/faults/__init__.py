@@ -1,2 +1,2 @@
-"""Fault injection, beside the driver and never below it: bit flips and the injector (``inject``),
-checkpoint alteration (``checkpoint``). Imported only by itself, the CLI and the adapters."""
+"""Fault injection and campaigns, beside the driver and never below it (docs/architecture.md lists the modules).
+Imported only by itself, the CLI and the adapters."""

@@ -42,9 +42,6 @@ _NO_FAULT = {"bit_class": "-", "rank": -1, "step": -1}  # the fault fields of a 
 _BY = {"nonfinite": "nonfinite_gradient", "replay": "ring_replay", "fingerprint": "weight_fingerprint"}
 
 
-# -------------------------------------------------------------------------------------------- plans
-
-
 def _target(site: str, turn: int, rng: random.Random) -> dict[str, Any]:
     """What an in-memory fault at ``site`` hits: a layer, a product's phase (the ``turn``-th) and
     layer, or a parameter."""
@@ -81,12 +78,10 @@ def plan(injections: int, clean: int, seed: int, steps: int, study: int = 0, har
     specs = [_injection(i, sites, steps, rng) for i in range(injections)]
     specs += [{"id": f"clean{i:03d}", "site": "clean", "variant": "order", "order": i + 1, **_NO_FAULT}
               for i in range(clean)]  # fmt: skip
-    for i in range(study):  # checkpoint alteration as in the SBAC-PAD 2022 study: 1% of the entries
-        for target in ("weights", "optimizer"):
-            for bit_class in BIT_CLASSES:
-                specs.append({"id": f"study-{target}-{bit_class}-{i}", "site": "study", "target": target,
-                              "bit_class": bit_class, "rank": -1, "step": CKPT_STEP, "fraction": STUDY_FRACTION,
-                              "seed": rng.randrange(2**31)})  # fmt: skip
+    # checkpoint alteration as in the SBAC-PAD 2022 study: 1% of the entries
+    specs += [{"id": f"study-{target}-{bit_class}-{i}", "site": "study", "target": target, "bit_class": bit_class,
+               "rank": -1, "step": CKPT_STEP, "fraction": STUDY_FRACTION, "seed": rng.randrange(2**31)}
+              for i in range(study) for target in ("weights", "optimizer") for bit_class in BIT_CLASSES]  # fmt: skip
     for i in range(hard):  # clean runs that a screen may flag
         specs.append({"id": f"hard-hetero{i:03d}", "site": "clean", "variant": "hetero", **_NO_FAULT,
                       "seed": rng.randrange(2**31)})  # fmt: skip
@@ -117,19 +112,11 @@ def plan_sizes(per_cell: int, seed: int, steps: int, sites: tuple[str, ...] = CO
     if not sites or any(site not in COMPUTE_SITES for site in sites):
         raise ValueError(f"--sizes injects at some of {','.join(COMPUTE_SITES)}, got --sites {','.join(sites)}")
     rng = random.Random(seed)
-    specs = []
-    for site in sites:
-        for size in SIZES:
-            for when, (first, stop) in zip(STEP_RANGES, ((2, LATE_STEP), (LATE_STEP, steps - 1)), strict=True):
-                for i in range(per_cell):
-                    spec = {"id": f"size-{site}-{size:.0e}-{when}-{i:03d}", "site": site, "bit_class": "scale",
-                            "rel_error": size, "factor": 1.0 + size, "step_range": when, "rank": rng.randrange(WORLD),
-                            "step": rng.randrange(first, stop), "index": rng.randrange(10_000)}  # fmt: skip
-                    specs.append(spec | _target(site, i, rng))
-    return specs
-
-
-# ----------------------------------------------------------------------------------- data and faults
+    ranges = tuple(zip(STEP_RANGES, ((2, LATE_STEP), (LATE_STEP, steps - 1)), strict=True))
+    return [{"id": f"size-{site}-{size:.0e}-{when}-{i:03d}", "site": site, "bit_class": "scale", "rel_error": size,
+             "factor": 1.0 + size, "step_range": when, "rank": rng.randrange(WORLD), "step": rng.randrange(first, stop),
+             "index": rng.randrange(10_000)} | _target(site, i, rng)
+            for site in sites for size in SIZES for when, (first, stop) in ranges for i in range(per_cell)]  # fmt: skip
 
 
 class CampaignModel(torch.nn.Module):
@@ -197,9 +184,6 @@ def fault_for(spec: dict[str, Any], prefix: str = "") -> Fault:
         return Fault("gradient_scale", **where)
     kind = {"gradient": "gradient_bit_flip", "weights": "weight_bit_flip", "optimizer": "optimizer_state"}[site]
     return Fault(kind, state_key="exp_avg_sq" if spec["bit_class"] == "mantissa" else "exp_avg", **where)
-
-
-# ------------------------------------------------------------------------------------- classification
 
 
 def _effect(spec: dict[str, Any], effect: dict, reference: dict, keys: tuple[str, ...]) -> dict[str, Any]:
@@ -303,9 +287,6 @@ def within_one_step(r: dict[str, Any]) -> bool:
     return bool(r.get("defaults_by")) and r.get("defaults_latency") is not None and 0 <= r["defaults_latency"] <= 1
 
 
-# ------------------------------------------------------------------------------------------ summaries
-
-
 def _cells(rows: list[dict[str, Any]], **axes: tuple[Any, ...]) -> Iterator[tuple[tuple[Any, ...], list[dict]]]:
     """``((value, ...), rows)`` per non-empty cell of the row fields ``axes`` and their values."""
     for values in itertools.product(*axes.values()):
@@ -399,19 +380,16 @@ def defaults_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 def study(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Checkpoint alteration per target and bit class."""
-    out = []
-    for (_, target, bit_class), rs in _cells(rows, site=("study",), target=("weights", "optimizer"),
-                                             bit_class=BIT_CLASSES):  # fmt: skip
-        out.append({
-            "target": target, "bit_class": bit_class, "runs": len(rs), "changed": sum(r["changed"] for r in rs),
-            "diverged": sum(r["diverged"] for r in rs),
-            "crashed_on_resume": sum(bool(r.get("effect_crash")) for r in rs),
-            "median_loss_ratio": _median([r["final_loss"] / r["clean_loss"] for r in rs
-                                          if math.isfinite(r["final_loss"])]),
-            "caught_on_load": sum(r["outcome"] == "detected" for r in rs),
-            "caught_at_runtime_without_fingerprint": sum(bool(r.get("runtime_detected_by")) for r in rs),
-        })  # fmt: skip
-    return out
+    cells = _cells(rows, site=("study",), target=("weights", "optimizer"), bit_class=BIT_CLASSES)
+    return [{
+        "target": target, "bit_class": bit_class, "runs": len(rs), "changed": sum(r["changed"] for r in rs),
+        "diverged": sum(r["diverged"] for r in rs),
+        "crashed_on_resume": sum(bool(r.get("effect_crash")) for r in rs),
+        "median_loss_ratio": _median([r["final_loss"] / r["clean_loss"] for r in rs
+                                      if math.isfinite(r["final_loss"])]),
+        "caught_on_load": sum(r["outcome"] == "detected" for r in rs),
+        "caught_at_runtime_without_fingerprint": sum(bool(r.get("runtime_detected_by")) for r in rs),
+    } for (_, target, bit_class), rs in cells]  # fmt: skip
 
 
 def summarise(rows: list[dict[str, Any]], seed: int, steps: int, optimizer: str = "adam") -> dict[str, Any]:
@@ -420,9 +398,8 @@ def summarise(rows: list[dict[str, Any]], seed: int, steps: int, optimizer: str 
     spread = loss_spread(rows)
     for r in rows:
         if r["site"] in SITES:
-            loss = r["final_loss"]
-            worse = loss - r["clean_loss"] > spread["spread"]
-            r["harmful"] = bool(r.get("nonfinite")) or not math.isfinite(loss) or worse
+            worse = r["final_loss"] - r["clean_loss"] > spread["spread"]
+            r["harmful"] = bool(r.get("nonfinite")) or not math.isfinite(r["final_loss"]) or worse
     table, defaults_table = _site_tables(rows)
     clean = [r for r in rows if r["site"] == "clean"]
     return {

@@ -54,9 +54,6 @@ def make_folder(folder: Path, what: str) -> None:
         raise OutputError(f"cannot create {what} {folder}: {err.strerror or err}") from None
 
 
-# ------------------------------------------------------------------------------ the campaign folder
-
-
 def report(rows: list[dict[str, Any]], out: Path, seed: int, steps: int, optimizer: str = "adam") -> dict[str, Any]:
     """Write results.csv/json, the PNG plot; print the table; return the summary."""
     summary = summarise(rows, seed, steps, optimizer)
@@ -111,9 +108,6 @@ def plot(table: list[dict[str, Any]], path: Path) -> bool:
     atomic_write(path, lambda f: fig.savefig(f, dpi=110, format="png"))
     plt.close(fig)
     return True
-
-
-# ------------------------------------------------------------------------------- the coverage page
 
 
 def write_doc(out: Path, doc: Path, command: str) -> None:
@@ -279,9 +273,6 @@ def _study_markdown(summ: dict[str, Any]) -> list[str]:
         "this scale, and flips of the top exponent bit ruin either. Every altered checkpoint was caught on resume "
         "by the fingerprint stored when it was written (`sdc verify-checkpoint` gives the same verdict offline).",
     ]
-
-
-# ------------------------------------------------------------------------------------ at the defaults
 
 
 def _pct(part: int, whole: int) -> str:

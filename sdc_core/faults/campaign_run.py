@@ -45,9 +45,6 @@ class CampaignFailed(RuntimeError):
     """A campaign training failed (its log names why)."""
 
 
-# ---------------------------------------------------------------------------------------------- worker
-
-
 @dataclass(frozen=True)
 class _Launch:
     """One launch's trainings: each spec's row from the runs its site needs (the same trainings in
@@ -144,9 +141,6 @@ def worker(runner: CampaignRunner, specs_file: Path, out: Path, steps: int, opti
                 f.write(json.dumps(row) + "\n")
 
 
-# ---------------------------------------------------------------------------------------------- driver
-
-
 def run_specs(specs: list[dict[str, Any]], out: Path, workers: int, steps: int,
               runner: CampaignRunner | None = None, optimizer: str = "adam") -> list[dict[str, Any]]:  # fmt: skip
     """Run ``specs`` in ``workers`` launches of ``runner`` (the installed one by default); every
@@ -154,13 +148,14 @@ def run_specs(specs: list[dict[str, Any]], out: Path, workers: int, steps: int,
     runner = runner or find_runner()
     atomic_write_text(out / "plan.json", json.dumps(specs, indent=1))
     chunks = [specs[i::workers] for i in range(workers)]
+    results = [out / f"chunk{i}.jsonl" for i in range(workers)]
     procs = []
     for i, chunk in enumerate(chunks):
         if not chunk:
             continue
         f = out / f"chunk{i}.json"
         atomic_write_text(f, json.dumps(chunk))
-        (out / f"chunk{i}.jsonl").unlink(missing_ok=True)
+        results[i].unlink(missing_ok=True)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone" if workers == 1 else "--nnodes=1",
                f"--nproc-per-node={WORLD}", "-m", runner.worker_module, "--worker", str(f), "--out", str(out),
                "--steps", str(steps), "--optimizer", optimizer]  # fmt: skip
@@ -169,10 +164,13 @@ def run_specs(specs: list[dict[str, Any]], out: Path, workers: int, steps: int,
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", **{CAMPAIGN_DIR_ENV: str(out)})
         log = (out / f"chunk{i}.log").open("w")
         procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
+
+    def lines() -> list[str]:
+        return [line for f in results if f.exists() for line in f.read_text().splitlines()]
+
     t0 = time.perf_counter()
     while any(p.poll() is None for p in procs):  # a progress bar: runs done, and the time left
-        done = sum(len((out / f"chunk{i}.jsonl").read_text().splitlines()) if (out / f"chunk{i}.jsonl").exists() else 0
-                   for i in range(len(chunks)))  # fmt: skip
+        done = len(lines())
         filled, elapsed = 30 * done // max(len(specs), 1), time.perf_counter() - t0
         eta = f"~{elapsed / done * (len(specs) - done) / 60:.1f} min left" if done else f"{elapsed:.0f} s, starting"
         sys.stderr.write(f"\r[{'#' * filled}{'.' * (30 - filled)}] {done}/{len(specs)} runs, {eta} ")
@@ -181,10 +179,7 @@ def run_specs(specs: list[dict[str, Any]], out: Path, workers: int, steps: int,
     sys.stderr.write("\n")
     if any(p.returncode for p in procs):
         raise CampaignFailed(f"a campaign training failed; see {out}/chunk*.log")
-    rows = [json.loads(line) for i in range(len(chunks)) if (out / f"chunk{i}.jsonl").exists()
-            for line in (out / f"chunk{i}.jsonl").read_text().splitlines()]  # fmt: skip
-    rows.sort(key=lambda r: r["id"])
-    return rows
+    return sorted((json.loads(line) for line in lines()), key=lambda r: r["id"])
 
 
 def run_campaign(out: Path, injections: int = 200, clean: int = 20, workers: int = 1, seed: int = 0, steps: int = 12,

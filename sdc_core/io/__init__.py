@@ -1,2 +1,1 @@
-"""Files: atomic writes and weights-only reads (``safe_files``); reading, writing and verifying
-checkpoints and their fingerprints (``checkpoints``). On ``dist`` and the checks' digests."""
+"""Files: ``safe_files``, ``checkpoints`` (docs/architecture.md says what each holds). On ``dist`` and the checks."""

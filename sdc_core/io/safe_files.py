@@ -30,7 +30,6 @@ class OutputError(ValueError):
 
 
 def trust_pickle_from_env() -> bool:
-    """Whether ``SDC_TRUST_PICKLE`` opts in to full unpickling."""
     return env_flag(TRUST_PICKLE_ENV)
 
 
@@ -149,7 +148,6 @@ def atomic_write(path: str | Path, write: Callable[[IO[bytes]], Any]) -> Path:
 
 
 def atomic_write_text(path: str | Path, text: str) -> Path:
-    """``atomic_write`` of a UTF-8 text."""
     return atomic_write(path, lambda f: f.write(text.encode()))
 
 

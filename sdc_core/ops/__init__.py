@@ -1,2 +1,1 @@
-"""After the verdict: incident records and their report (``incidents``), how a process ends on one
-(``process_exit``), the ``sdc run`` launcher (``launch``). On ``dist`` and ``io``."""
+"""After the verdict: ``incidents``, ``process_exit``, ``launch``, ``rollback`` (docs/architecture.md); on dist, io."""

@@ -30,9 +30,8 @@ def write_incident(run_dir: str | Path, error: SDCError, topology: Topology, con
     folder = Path(run_dir) / "sdc" / "incidents"
     folder.mkdir(parents=True, exist_ok=True)
     now = time.time()
-    facts = {r: dataclasses.asdict(topology.ranks[r]) for r in error.suspects if r < topology.world_size}
-    for f in facts.values():
-        f["versions"] = dict(f["versions"])
+    facts = {r: dataclasses.asdict(topology.ranks[r]) | {"versions": dict(topology.ranks[r].versions)}
+             for r in error.suspects if r < topology.world_size}  # fmt: skip
     incident = {
         "schema_version": SCHEMA_VERSION,
         "time": now,
@@ -266,7 +265,6 @@ class Incident:
 
     @property
     def hosts(self) -> dict[int, str]:
-        """Each suspect rank's host."""
         return {r: str(f["host"]) for r, f in self.suspects.items()}
 
 

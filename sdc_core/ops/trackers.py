@@ -16,10 +16,21 @@ TAG = "sdc.incident"  # the MLflow tag; TensorBoard's text tag and the W&B summa
 _MLFLOW_TAG_LIMIT = 5000  # characters MLflow keeps in a tag value
 
 
-def _send(targets: Iterable[tuple[str, Any]], what: str, send: Callable[[str, Any], None]) -> None:
+def _send(targets: Iterable[tuple[str, Any]], what: str, text: str, step: int,
+          more: Callable[[str, Any], None] | None = None) -> None:  # fmt: skip
+    """``text`` under ``sdc/<what>`` (TensorBoard text, W&B summary; MLflow tag ``sdc.<what>``) in each
+    target, then ``more(kind, target)``."""
     for kind, target in targets:
         try:
-            send(kind, target)
+            if kind == "tensorboard":
+                target.add_text(f"sdc/{what}", text, step)
+                target.flush()
+            elif kind == "mlflow":
+                _mlflow(target, "set_tag", f"sdc.{what}", text[:_MLFLOW_TAG_LIMIT])
+            elif kind == "wandb":
+                target.summary[f"sdc/{what}"] = text
+            if more is not None:
+                more(kind, target)
         except Exception as err:
             warnings.warn(f"SDC {what} not logged to {kind}: {type(err).__name__}: {err}", RuntimeWarning,
                           stacklevel=3)  # fmt: skip
@@ -36,34 +47,18 @@ def log_incident(targets: Iterable[tuple[str, Any]], error: SDCError, path: str 
     (client, run_id))`` (or ``(mlflow, None)``: its active run), ``("wandb", run)``; others are passed over."""
     text = f"{error} (incident: {path})" if path else str(error)
 
-    def send(kind: str, target: Any) -> None:
-        if kind == "tensorboard":
-            target.add_text("sdc/incident", text, step)
-            target.flush()
-        elif kind == "mlflow":
-            _mlflow(target, "set_tag", TAG, text[:_MLFLOW_TAG_LIMIT])
-            if path:
-                _mlflow(target, "log_artifact", str(path), artifact_path="sdc_incidents")
+    def more(kind: str, target: Any) -> None:
+        if kind == "mlflow" and path:
+            _mlflow(target, "log_artifact", str(path), artifact_path="sdc_incidents")
         elif kind == "wandb":
-            target.summary["sdc/incident"] = text
             target.alert(title=f"SDC verdict: {error.check} at step {error.step}", text=text)
 
-    _send(targets, "incident", send)
+    _send(targets, "incident", text, step, more)
 
 
 def log_summary(targets: Iterable[tuple[str, Any]], line: str, step: int) -> None:
     """The run's closing line (``ops.summary``) to each target of ``log_incident``, under ``sdc/summary``."""
-
-    def send(kind: str, target: Any) -> None:
-        if kind == "tensorboard":
-            target.add_text("sdc/summary", line, step)
-            target.flush()
-        elif kind == "mlflow":
-            _mlflow(target, "set_tag", "sdc.summary", line[:_MLFLOW_TAG_LIMIT])
-        elif kind == "wandb":
-            target.summary["sdc/summary"] = line
-
-    _send(targets, "summary", send)
+    _send(targets, "summary", line, step)
 
 
 __all__ = ["TAG", "log_incident", "log_summary"]
