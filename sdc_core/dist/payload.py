@@ -45,9 +45,10 @@ _ALIGN = 64
 _DTYPES: dict[str, torch.dtype] = {
     name: getattr(torch, name)
     for name in (
-        "float64 float32 float16 bfloat16 complex128 complex64 complex32 int64 int32 int16 int8 uint64 "
-        "uint32 uint16 uint8 bool float8_e4m3fn float8_e5m2 float8_e4m3fnuz float8_e5m2fnuz"
-    ).split()
+        "float64", "float32", "float16", "bfloat16", "complex128", "complex64", "complex32", "int64", "int32",
+        "int16", "int8", "uint64", "uint32", "uint16", "uint8", "bool", "float8_e4m3fn", "float8_e5m2",
+        "float8_e4m3fnuz", "float8_e5m2fnuz",
+    )
     if isinstance(getattr(torch, name, None), torch.dtype)
 }
 _NUMPY_DTYPE = re.compile(r"[<>|=]?(b1|[iu][1248]|f[248]|c(8|16))")
