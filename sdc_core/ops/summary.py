@@ -21,16 +21,6 @@ SUMMARY_ENV = "SDC_RUN_SUMMARY"
 _SUMMARISED: weakref.WeakSet[Any] = weakref.WeakSet()  # the seams whose run was summarised (once each)
 
 
-def _logger() -> logging.Logger:
-    logger = logging.getLogger(LOGGER_NAME)
-    if not logging.getLogger().handlers and not logger.handlers:  # nothing configured: show it on stderr
-        logger.addHandler(logging.StreamHandler())
-        logger.propagate = False
-        if logger.level == logging.NOTSET:
-            logger.setLevel(logging.INFO)
-    return logger
-
-
 def run_summary(steps: int, checks: Iterable[Any], run_dir: str | None = None) -> str:
     """The closing line: each check (its ``stats``) with the times it ran, then "no SDC found" or the verdicts."""
     parts, verdicts = [], {}
@@ -82,7 +72,13 @@ def log_run_summary(steps: int, checks: Iterable[Any], seam: Any) -> str | None:
     if not seam.is_main or not _wanted():
         return None
     line = run_summary(steps, checks, run_dir)
-    _logger().info(line)
+    logger = logging.getLogger(LOGGER_NAME)
+    if not logging.getLogger().handlers and not logger.handlers:  # nothing configured: show it on stderr
+        logger.addHandler(logging.StreamHandler())
+        logger.propagate = False
+        if logger.level == logging.NOTSET:
+            logger.setLevel(logging.INFO)
+    logger.info(line)
     log_summary(seam.tracker_targets(), line, steps)
     return line
 
