@@ -221,18 +221,18 @@ def _walk(obj: Any, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
         stack.extend((v, n, inner) for v, n in reversed(children))
 
 
-# per checkpoint kind: (name prefix, group) in order, and the group of everything else
+# per checkpoint kind: (name prefixes, group), the first that matches; "" matches everything else
+_FOLDER_GROUPS = ((("optimizer",), "optimizer"), (("model", "pytorch_model"), "weights"), (("",), "other"))
 _GROUPS: dict[str, tuple[tuple[tuple[str, ...], str], ...]] = {
-    "lightning": ((("state_dict/",), "weights"), (("optimizer_states/",), "optimizer")),
-    "accelerate": ((("optimizer",), "optimizer"), (("model", "pytorch_model"), "weights")),
-    "trainer": ((("optimizer",), "optimizer"), (("model", "pytorch_model"), "weights")),
-    "state_dict": ((("optimizer", "optim"), "optimizer"),),
+    "lightning": ((("state_dict/",), "weights"), (("optimizer_states/",), "optimizer"), (("",), "other")),
+    "accelerate": _FOLDER_GROUPS,
+    "trainer": _FOLDER_GROUPS,
+    "state_dict": ((("optimizer", "optim"), "optimizer"), (("",), "weights")),
 }
-_OTHER = {"lightning": "other", "accelerate": "other", "trainer": "other", "state_dict": "weights"}
 
 
 def _group(kind: str, key: str) -> str:
-    return next((group for prefixes, group in _GROUPS[kind] if key.startswith(prefixes)), _OTHER[kind])
+    return next(group for prefixes, group in _GROUPS[kind] if key.startswith(prefixes))
 
 
 def verify(path: str | Path, trust_pickle: bool = False) -> dict[str, Any]:
