@@ -93,11 +93,10 @@ def plot(table: list[dict[str, Any]], path: Path) -> bool:
 
     fig, ax = plt.subplots(figsize=(9, 4.6))
     width = 0.2
+    cells = {(t["site"], t["bit_class"]): t for t in reversed(table)}  # the first row of each cell
     for j, bit_class in enumerate(BIT_CLASSES):
-        rates = []
-        for site in SITES:
-            t = next((t for t in table if t["site"] == site and t["bit_class"] == bit_class), None)
-            rates.append(100 * t["detected"] / t["injections"] if t and t["injections"] else 0)
+        found = [cells.get((site, bit_class)) for site in SITES]
+        rates = [100 * t["detected"] / t["injections"] if t and t["injections"] else 0 for t in found]
         ax.bar([i + (j - 1.5) * width for i in range(len(SITES))], rates, width, label=bit_class)
     ax.set_xticks(range(len(SITES)), SITES)
     ax.set_ylabel("detected (% of injections)")
