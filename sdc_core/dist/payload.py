@@ -234,8 +234,8 @@ def encode(obj: Any, allow_pickle: bool = False, where: str = "payload") -> torc
     return out
 
 
-def _int(value: Any, what: str, limit: int = 1 << 62) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= limit:
+def _int(value: Any, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 1 << 62:
         raise PayloadError(f"{what} is {value!r}, not a size")
     return value
 

@@ -43,8 +43,7 @@ _BY = {"nonfinite": "nonfinite_gradient", "replay": "ring_replay", "fingerprint"
 
 
 def _target(site: str, turn: int, rng: random.Random) -> dict[str, Any]:
-    """What an in-memory fault at ``site`` hits: a layer, a product's phase (the ``turn``-th) and
-    layer, or a parameter."""
+    """What an in-memory fault at ``site`` hits (a matmul fault: the ``turn``-th phase, then a layer)."""
     if site == "activation":
         return {"target": rng.choice(MODULES)}
     if site == "matmul_output":
