@@ -91,3 +91,16 @@ def test_rollback_passes_over_weights_only_checkpoints(tmp_path: Path) -> None:
     # the newer weights-only file is verified clean but holds no optimizer state to roll back to
     assert newest_verified([tmp_path], max_step=10, skipped=skipped) == tmp_path / "full.ckpt"
     assert skipped == [f"{tmp_path / 'only.ckpt'}: weights only (no optimizer state to roll back to)"]
+
+
+def test_rollback_passes_over_a_checkpoint_that_is_not_a_dict(tmp_path: Path) -> None:
+    import torch
+
+    from sdc_core.io.checkpoints import newest_verified
+
+    torch.save(torch.zeros(3), tmp_path / "tensor.ckpt")
+    torch.save(7, tmp_path / "number.ckpt")
+    skipped: list[str] = []
+    # an odd file is passed over with its reason, never raised: every rank waits for this answer
+    assert newest_verified([tmp_path], max_step=10, skipped=skipped) is None
+    assert skipped == [f"{tmp_path / 'number.ckpt'}: no global_step", f"{tmp_path / 'tensor.ckpt'}: no global_step"]

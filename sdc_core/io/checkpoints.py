@@ -435,7 +435,7 @@ def newest_verified(folders: list[str | Path], max_step: int, trust_pickle: bool
             except Exception as err:  # unreadable, odd step, unusable fingerprint
                 skipped.append(f"{path}: {err}")
                 continue
-            if "optimizer_states" not in obj and 0 <= step <= max_step:  # Lightning save_weights_only
+            if 0 <= step <= max_step and "optimizer_states" not in obj:  # Lightning save_weights_only
                 skipped.append(f"{path}: weights only (no optimizer state to roll back to)")
                 continue
             if step < 0 or step > max_step or changed != []:
