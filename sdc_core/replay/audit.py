@@ -12,7 +12,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -27,11 +27,14 @@ from sdc_core.replay.attribution import (
     send_payload,
     unreproducible_message,
 )
-from sdc_core.replay.calibration import AuditSettings, Calibration
+from sdc_core.replay.calibration import Calibration
 from sdc_core.replay.compare import AUTO_MARGIN, Digest, compare_raw, disagree
 from sdc_core.replay.determinism import deterministic
 from sdc_core.replay.state import MicroBatch
 from sdc_core.stats import CheckStats
+
+if TYPE_CHECKING:
+    from sdc_core.replay.ring import ReplayConfig
 
 Pair = tuple[int, int]  # (owner, replayer)
 Comparison = tuple[bool, float, str]  # (bit-identical, largest relative difference, where)
@@ -48,7 +51,7 @@ class StepAudit:
 
     step: int
     topo: Topology
-    config: AuditSettings
+    config: ReplayConfig
     stats: CheckStats
     calibration: Calibration
     names: Callable[[], Sequence[str]]

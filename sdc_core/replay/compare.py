@@ -10,25 +10,17 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING
 
 import torch
 
 from sdc_core.checks.digest import tensor_digest
 
+if TYPE_CHECKING:
+    from sdc_core.replay.ring import ReplayConfig
+
 AUTO_MARGIN = 100.0  # exact="auto": tolerance = AUTO_MARGIN * measured same-device noise floor (GPU noise
 # fluctuates from batch to batch; a fault must stand out from it by two orders of magnitude)
-
-
-class Tolerances(Protocol):
-    """What ``compare`` reads of a configuration (``sdc_core.replay.ring.ReplayConfig`` has it)."""
-
-    @property
-    def exact(self) -> bool | str: ...
-    @property
-    def rtol(self) -> float: ...
-    @property
-    def atol(self) -> float: ...
 
 
 @dataclass
@@ -127,22 +119,8 @@ def disagree(exact: bool, diff: float, tolerance: float) -> bool:
     return (not exact) if tolerance == 0 else (diff > tolerance or math.isnan(diff))
 
 
-def compare(a: Digest, b: Digest, config: Tolerances, names: Sequence[str]) -> tuple[bool, float, str]:
+def compare(a: Digest, b: Digest, config: ReplayConfig, names: Sequence[str]) -> tuple[bool, float, str]:
     """``(mismatch, largest relative difference, where)`` under ``config``'s fixed tolerance
     (bit equality for ``exact=True``, ``rtol`` otherwise; ``RingReplay`` calibrates ``"auto"``)."""
     exact, diff, where = compare_raw(a, b, names, config.atol)
     return disagree(exact, diff, 0.0 if config.exact is True else config.rtol), diff, where
-
-
-def lower_median(values: Sequence[float]) -> float:
-    """The lower median: no single value (one faulty rank) can raise it above a healthy one."""
-    ordered = sorted(values)
-    return ordered[(len(ordered) - 1) // 2] if ordered else 0.0
-
-
-def calibrate(current: float | None, self_diffs: Sequence[float], rtol: float) -> float:
-    """``exact="auto"``: ``AUTO_MARGIN`` times the lower median of the ranks' same-device differences (0: bit
-    for bit), at most ``rtol``, never below ``current``."""
-    floor = lower_median(self_diffs)
-    candidate = 0.0 if floor == 0 else min(float(rtol), AUTO_MARGIN * floor)
-    return candidate if current is None else max(current, candidate)
