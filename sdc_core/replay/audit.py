@@ -113,7 +113,7 @@ class StepAudit:
         return self.replay(self.prepare(payload))
 
     def replay_owner(self) -> Digest:
-        """This rank's replay of its owner's micro-batches (again)."""
+        """This rank's replay of its owner's micro-batches (``batches`` already prepared with collective re-runs)."""
         return self.replay(self.batches) if self.collective_reruns else self.replay_payload(self.received)
 
     def compare(self, a: Digest, b: Digest) -> Comparison:
@@ -183,16 +183,13 @@ class StepAudit:
             self.batches, failure = batches or [], failure or prep_failure
             if any_rank(bool(failure)):
                 return self.failed(all_gather_objects(failure))
-            self.mine, replay_failure = attempt(lambda: self.replay(self.batches))
-        else:
-            self.mine, replay_failure = attempt(lambda: self.replay_payload(self.received))
+        self.mine, replay_failure = attempt(self.replay_owner)
         failure = failure or replay_failure
         cross = self.compare(self.received["digest"], self.mine) if self.mine is not None else _SAME
-        self_failure = ""
         if calibrating:
             self.mine_self, self_failure = self.self_round()
-        if self_failure and not failure:
-            failure = f"re-running its own micro-batches: {self_failure}"
+            if self_failure and not failure:
+                failure = f"re-running its own micro-batches: {self_failure}"
         # the probe: can the step run under warn_only=False (deterministic attention backward too)?
         strict_ok = probe and attempt(lambda: self.replay(self.micro, strict=True))[0] is not None
         row = [float(cross[0]), cross[1], float(bool(failure)), float(calibrating), float(self.mine_self[0]),
