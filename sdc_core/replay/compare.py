@@ -58,9 +58,9 @@ def assemble(names: Sequence[str], rows: dict[str, Row], loss: torch.Tensor | fl
     picked = [rows.get(n) for n in names]
 
     def col(i: int, z: torch.Tensor) -> list[torch.Tensor]:
-        return [_on(r[i], device) if r else z for r in picked]
+        return [r[i].to(device) if r else z for r in picked]  # blocking: itself when already there
 
-    parts = [_on(loss_t.detach().reshape(1).to(torch.float64), device)]
+    parts = [loss_t.detach().reshape(1).to(device, torch.float64)]
     if picked:
         fps = torch.stack(col(2, zero_fp)).view(torch.float64)  # bit-cast: travels unchanged
         parts += [torch.stack(col(0, zero)), torch.stack(col(1, zero)), fps]
@@ -73,11 +73,6 @@ def assemble(names: Sequence[str], rows: dict[str, Row], loss: torch.Tensor | fl
         fps=packed[1 + 2 * p : 1 + 3 * p].clone().view(torch.int64),
         numels=torch.tensor([r[3] if r else 0 for r in picked], dtype=torch.float64),
     )
-
-
-def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``t`` on ``device``: itself when already there, else a blocking copy (safe to read at once)."""
-    return t if t.device == device else t.to(device, non_blocking=False)
 
 
 def grad_digest(names: Sequence[str], grads: dict[str, torch.Tensor], loss: torch.Tensor | float) -> Digest:
