@@ -63,7 +63,7 @@ class StepAudit:
     failure: str  # what already failed on this rank (capturing its state), decided with the first gather
     recompute: Callable[[list[MicroBatch]], Digest]
     exchange: Callable[[dict[int, Any], list[int]], dict[int, Any]]
-    unreplayable: Callable[[int, str], bool]
+    unreplayable: Callable[[str], bool]
     t0: float = field(default_factory=time.perf_counter)
     received: dict[str, Any] = field(default_factory=dict)  # the owner's payload
     batches: list[MicroBatch] = field(default_factory=list)  # its micro-batches, prepared (collective_reruns)
@@ -150,7 +150,7 @@ class StepAudit:
     def failed(self, failures: Sequence[str]) -> bool:
         """Some rank's replay failed (``failures``: every rank's text, gathered): not replayable."""
         self.done()
-        return self.unreplayable(self.step, failed_message(self.step, failures, self.inverse, self.advice))
+        return self.unreplayable(failed_message(self.step, failures, self.inverse, self.advice))
 
     def run(self) -> bool | None:
         """The audit up to the referee round (every rank alike): its result, or None when pairs still
@@ -254,14 +254,14 @@ class StepAudit:
             wheres = all_gather_objects(self.mine_self[2])
             self.done()
             worst_self = max(max(table[q][5], noise[q] if noise else 0.0) for q in refused)
-            return self.unreplayable(self.step, unreproducible_message(
+            return self.unreplayable(unreproducible_message(
                 self.step, refused, worst_self, wheres, self.self_bound, self.config.exact, self.advice))  # fmt: skip
         # every pair disagreeing at the first audit of two replicas: the replay does not compute what the
         # owners did (once pairs have agreed, it is a fault); with three or more, referees tell
         every_pair = bool(mismatching) and len(mismatching) == self.world
         if every_pair and self.rings < 3 and first and not self.calibration.agreed:
             self.done()
-            return self.unreplayable(self.step, every_pair_message(self.step, self.topo, first, self.advice))
+            return self.unreplayable(every_pair_message(self.step, self.topo, first, self.advice))
         if not mismatching:
             self.calibration.pairs_agreed(all(r[0] for r in table), self.stats)
             if unreproducible:  # verified by the partner; the one rank's re-run differed: note it

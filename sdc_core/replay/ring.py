@@ -316,7 +316,7 @@ class RingReplay:
         """``exchange`` of replay payloads, each received one validated (``PayloadError`` on every rank)."""
         return exchange(sends, recv_from, allow_pickle=self.config.allow_pickled_batches, validate=check_replay_payload)
 
-    def _unreplayable(self, step: int, message: str) -> bool:
+    def _unreplayable(self, message: str) -> bool:
         """Every rank alike: raise ``ReplayUnavailableError``, or warn once and turn the audit off."""
         self.stats.bump("unreplayable")
         message = f"{self.label} {message}"
@@ -365,6 +365,6 @@ class RingReplay:
                     if run.error is not None:
                         self.last_error = run.error
         except PayloadError as err:  # raised on every rank together by the exchange: a peer sent what is refused
-            return self._unreplayable(step, f"could not exchange its data at step {step}: {err}.")
+            return self._unreplayable(f"could not exchange its data at step {step}: {err}.")
         finally:
             self.calibration.settle_probe(self.config, self.stats)  # the mode of the next audited step
