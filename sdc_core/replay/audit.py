@@ -12,7 +12,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import torch
 
@@ -27,14 +27,11 @@ from sdc_core.replay.attribution import (
     send_payload,
     unreproducible_message,
 )
-from sdc_core.replay.calibration import Calibration
+from sdc_core.replay.calibration import AuditSettings, Calibration
 from sdc_core.replay.compare import AUTO_MARGIN, Digest, compare_raw, disagree
 from sdc_core.replay.determinism import deterministic
 from sdc_core.replay.state import MicroBatch
 from sdc_core.stats import CheckStats
-
-if TYPE_CHECKING:
-    from sdc_core.replay.ring import ReplayConfig
 
 Pair = tuple[int, int]  # (owner, replayer)
 Comparison = tuple[bool, float, str]  # (bit-identical, largest relative difference, where)
@@ -51,7 +48,7 @@ class StepAudit:
 
     step: int
     topo: Topology
-    config: ReplayConfig
+    config: AuditSettings
     stats: CheckStats
     calibration: Calibration
     names: Callable[[], Sequence[str]]
@@ -159,8 +156,9 @@ class StepAudit:
         early = self._replay_round(calibrating, probe)
         if early is not None:
             return early
-        if calibrating:
-            self.calibration.round_taken([_noise(r[4], r[5]) for r in self.table], self.config, self.stats)
+        if calibrating:  # a same-device calibration round of the current mode
+            self.calibration.rounds += 1
+            self.calibration.calibrate([_noise(r[4], r[5]) for r in self.table], self.config, self.stats)
         self.stats.runs += 1
         self.mismatching, unreproducible = self.judge()
         shaky: list[int] = []  # exact comparisons: ranks of disagreeing pairs that disagree with themselves

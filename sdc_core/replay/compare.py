@@ -10,17 +10,25 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from sdc_core.checks.digest import tensor_digest
 
-if TYPE_CHECKING:
-    from sdc_core.replay.ring import ReplayConfig
-
 AUTO_MARGIN = 100.0  # exact="auto": tolerance = AUTO_MARGIN * measured same-device noise floor (GPU noise
 # fluctuates from batch to batch; a fault must stand out from it by two orders of magnitude)
+
+
+class Tolerances(Protocol):
+    """What ``compare`` reads of a configuration (``sdc_core.replay.ring.ReplayConfig`` has it)."""
+
+    @property
+    def exact(self) -> bool | str: ...
+    @property
+    def rtol(self) -> float: ...
+    @property
+    def atol(self) -> float: ...
 
 
 @dataclass
@@ -114,7 +122,7 @@ def disagree(exact: bool, diff: float, tolerance: float) -> bool:
     return (not exact) if tolerance == 0 else (diff > tolerance or math.isnan(diff))
 
 
-def compare(a: Digest, b: Digest, config: ReplayConfig, names: Sequence[str]) -> tuple[bool, float, str]:
+def compare(a: Digest, b: Digest, config: Tolerances, names: Sequence[str]) -> tuple[bool, float, str]:
     """``(mismatch, largest relative difference, where)`` under ``config``'s fixed tolerance
     (bit equality for ``exact=True``, ``rtol`` otherwise; ``RingReplay`` calibrates ``"auto"``)."""
     exact, diff, where = compare_raw(a, b, names, config.atol)
