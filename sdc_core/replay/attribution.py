@@ -57,8 +57,13 @@ def settle(
     notes: dict[str, Any] = {}
     for o, q in disputed:
         verdict = referee_says.get((o, q))
-        notes[f"{o}->{q}"] = ruling_note(verdict)  # the side a referee disagrees with alone is suspect, else both
-        suspects.update({(True, False): (q,), (False, True): (o,)}.get(verdict, (o, q)))
+        notes[f"{o}->{q}"] = ruling_note(verdict)
+        if verdict == (True, False):
+            suspects.add(q)
+        elif verdict == (False, True):
+            suspects.add(o)
+        else:
+            suspects.update((o, q))
     ordered = tuple(sorted(suspects))
     rank = ordered[0] if len(ordered) == 1 and world > 2 else None
     if mismatching is None or world <= 2:
