@@ -79,7 +79,8 @@ def _copy_plain(value: Any, budget: _Budget, depth: int = 0) -> Any:
             out.clear()
         except Exception as err:
             raise _Skip from err
-        out.update((_copy_plain(k, budget, depth + 1), _copy_plain(v, budget, depth + 1)) for k, v in value.items())
+        for k, v in value.items():
+            out[_copy_plain(k, budget, depth + 1)] = _copy_plain(v, budget, depth + 1)
         return out
     raise _Skip
 
@@ -100,7 +101,8 @@ def fresh(value: Any, device: torch.device | None) -> Any:
     if isinstance(value, dict):
         out = copy.copy(value)
         out.clear()
-        out.update((k, fresh(v, device)) for k, v in value.items())
+        for k, v in value.items():
+            out[k] = fresh(v, device)
         return out
     return copy.deepcopy(value)
 
