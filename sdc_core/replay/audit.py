@@ -60,7 +60,7 @@ class StepAudit:
     failure: str  # what already failed on this rank (capturing its state), decided with the first gather
     recompute: Callable[[list[MicroBatch]], Digest]
     exchange: Callable[[dict[int, Any], list[int]], dict[int, Any]]
-    unreplayable: Callable[[int, str], bool]
+    unreplayable: Callable[[str], bool]
     t0: float = field(default_factory=time.perf_counter)
     received: dict[str, Any] = field(default_factory=dict)  # the owner's payload
     batches: list[MicroBatch] = field(default_factory=list)  # its micro-batches, prepared (collective_reruns)
@@ -110,7 +110,7 @@ class StepAudit:
         return self.replay(self.prepare(payload))
 
     def replay_owner(self) -> Digest:
-        """This rank's replay of its owner's micro-batches (again)."""
+        """This rank's replay of its owner's micro-batches (``batches`` already prepared with collective re-runs)."""
         return self.replay(self.batches) if self.collective_reruns else self.replay_payload(self.received)
 
     def compare(self, a: Digest, b: Digest) -> Comparison:
@@ -147,7 +147,7 @@ class StepAudit:
     def failed(self, failures: Sequence[str]) -> bool:
         """Some rank's replay failed (``failures``: every rank's text, gathered): not replayable."""
         self.done()
-        return self.unreplayable(self.step, failed_message(self.step, failures, self.inverse, self.advice))
+        return self.unreplayable(failed_message(self.step, failures, self.inverse, self.advice))
 
     def run(self) -> bool | None:
         """The audit up to the referee round (every rank alike): its result, or None when pairs still
@@ -156,8 +156,9 @@ class StepAudit:
         early = self._replay_round(calibrating, probe)
         if early is not None:
             return early
-        if calibrating:
-            self.calibration.round_taken([_noise(r[4], r[5]) for r in self.table], self.config, self.stats)
+        if calibrating:  # a same-device calibration round of the current mode
+            self.calibration.rounds += 1
+            self.calibration.calibrate([_noise(r[4], r[5]) for r in self.table], self.config, self.stats)
         self.stats.runs += 1
         self.mismatching, unreproducible = self.judge()
         shaky: list[int] = []  # exact comparisons: ranks of disagreeing pairs that disagree with themselves
@@ -180,16 +181,13 @@ class StepAudit:
             self.batches, failure = batches or [], failure or prep_failure
             if any_rank(bool(failure)):
                 return self.failed(all_gather_objects(failure))
-            self.mine, replay_failure = attempt(lambda: self.replay(self.batches))
-        else:
-            self.mine, replay_failure = attempt(lambda: self.replay_payload(self.received))
+        self.mine, replay_failure = attempt(self.replay_owner)
         failure = failure or replay_failure
         cross = self.compare(self.received["digest"], self.mine) if self.mine is not None else _SAME
-        self_failure = ""
         if calibrating:
             self.mine_self, self_failure = self.self_round()
-        if self_failure and not failure:
-            failure = f"re-running its own micro-batches: {self_failure}"
+            if self_failure and not failure:
+                failure = f"re-running its own micro-batches: {self_failure}"
         # the probe: can the step run under warn_only=False (deterministic attention backward too)?
         strict_ok = probe and attempt(lambda: self.replay(self.micro, strict=True))[0] is not None
         row = [float(cross[0]), cross[1], float(bool(failure)), float(calibrating), float(self.mine_self[0]),
@@ -254,14 +252,14 @@ class StepAudit:
             wheres = all_gather_objects(self.mine_self[2])
             self.done()
             worst_self = max(max(table[q][5], noise[q] if noise else 0.0) for q in refused)
-            return self.unreplayable(self.step, unreproducible_message(
+            return self.unreplayable(unreproducible_message(
                 self.step, refused, worst_self, wheres, self.self_bound, self.config.exact, self.advice))  # fmt: skip
         # every pair disagreeing at the first audit of two replicas: the replay does not compute what the
         # owners did (once pairs have agreed, it is a fault); with three or more, referees tell
         every_pair = bool(mismatching) and len(mismatching) == self.world
         if every_pair and self.rings < 3 and first and not self.calibration.agreed:
             self.done()
-            return self.unreplayable(self.step, every_pair_message(self.step, self.topo, first, self.advice))
+            return self.unreplayable(every_pair_message(self.step, self.topo, first, self.advice))
         if not mismatching:
             self.calibration.pairs_agreed(all(r[0] for r in table), self.stats)
             if unreproducible:  # verified by the partner; the one rank's re-run differed: note it

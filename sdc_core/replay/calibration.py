@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from sdc_core.replay.compare import Tolerances, calibrate
+from sdc_core.replay.compare import AUTO_MARGIN, Tolerances
 from sdc_core.stats import CheckStats
 
 NOISE_SIGHTINGS_KEPT = 256  # the largest noise sightings kept (``noise_seen``); older, smaller ones drop out
@@ -63,10 +63,14 @@ class Calibration:
         return self.rounds == 0, self.rounds < needed, config.deterministic and self.proven_strict is None
 
     def calibrate(self, self_diffs: Sequence[float], config: AuditSettings, stats: CheckStats) -> None:
-        """``exact="auto"``: set (or raise) the tolerance from the ranks' same-device differences."""
+        """``exact="auto"``: the tolerance rises to ``AUTO_MARGIN`` times the lower median of the ranks' same-device
+        differences (no single faulty rank can raise it; 0: bit for bit), at most ``rtol``; never lowered."""
         if not self.lenient(config):
             return
-        self.measured = calibrate(self.measured, self_diffs, float(config.rtol))
+        ordered = sorted(self_diffs)
+        floor = ordered[(len(ordered) - 1) // 2] if ordered else 0.0
+        candidate = 0.0 if floor == 0 else min(float(config.rtol), AUTO_MARGIN * floor)
+        self.measured = candidate if self.measured is None else max(self.measured, candidate)
         stats.extra = {**(stats.extra or {}), "tolerance": self.measured}
 
     def noise_seen(self, step: int, levels: dict[int, float], config: AuditSettings, stats: CheckStats) -> None:
@@ -82,11 +86,6 @@ class Calibration:
             if len(ranks) >= 2 and len(steps) >= 2:
                 self.calibrate([level], config, stats)
                 return
-
-    def round_taken(self, self_diffs: Sequence[float], config: AuditSettings, stats: CheckStats) -> None:
-        """A same-device calibration round of the current mode was taken, with these differences."""
-        self.rounds += 1
-        self.calibrate(self_diffs, config, stats)
 
     def pairs_agreed(self, bit_for_bit: bool, stats: CheckStats) -> None:
         """Every replay pair of an audit agreed (``bit_for_bit``: exactly, evidence never taken as proof)."""

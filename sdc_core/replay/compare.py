@@ -66,9 +66,9 @@ def assemble(names: Sequence[str], rows: dict[str, Row], loss: torch.Tensor | fl
     picked = [rows.get(n) for n in names]
 
     def col(i: int, z: torch.Tensor) -> list[torch.Tensor]:
-        return [_on(r[i], device) if r else z for r in picked]
+        return [r[i].to(device) if r else z for r in picked]  # blocking: itself when already there
 
-    parts = [_on(loss_t.detach().reshape(1).to(torch.float64), device)]
+    parts = [loss_t.detach().reshape(1).to(device, torch.float64)]
     if picked:
         fps = torch.stack(col(2, zero_fp)).view(torch.float64)  # bit-cast: travels unchanged
         parts += [torch.stack(col(0, zero)), torch.stack(col(1, zero)), fps]
@@ -81,11 +81,6 @@ def assemble(names: Sequence[str], rows: dict[str, Row], loss: torch.Tensor | fl
         fps=packed[1 + 2 * p : 1 + 3 * p].clone().view(torch.int64),
         numels=torch.tensor([r[3] if r else 0 for r in picked], dtype=torch.float64),
     )
-
-
-def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``t`` on ``device``: itself when already there, else a blocking copy (safe to read at once)."""
-    return t if t.device == device else t.to(device, non_blocking=False)
 
 
 def grad_digest(names: Sequence[str], grads: dict[str, torch.Tensor], loss: torch.Tensor | float) -> Digest:
@@ -132,17 +127,3 @@ def compare(a: Digest, b: Digest, config: Tolerances, names: Sequence[str]) -> t
     (bit equality for ``exact=True``, ``rtol`` otherwise; ``RingReplay`` calibrates ``"auto"``)."""
     exact, diff, where = compare_raw(a, b, names, config.atol)
     return disagree(exact, diff, 0.0 if config.exact is True else config.rtol), diff, where
-
-
-def lower_median(values: Sequence[float]) -> float:
-    """The lower median: no single value (one faulty rank) can raise it above a healthy one."""
-    ordered = sorted(values)
-    return ordered[(len(ordered) - 1) // 2] if ordered else 0.0
-
-
-def calibrate(current: float | None, self_diffs: Sequence[float], rtol: float) -> float:
-    """``exact="auto"``: ``AUTO_MARGIN`` times the lower median of the ranks' same-device differences (0: bit
-    for bit), at most ``rtol``, never below ``current``."""
-    floor = lower_median(self_diffs)
-    candidate = 0.0 if floor == 0 else min(float(rtol), AUTO_MARGIN * floor)
-    return candidate if current is None else max(current, candidate)

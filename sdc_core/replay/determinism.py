@@ -11,6 +11,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+import torch.utils.deterministic as det
 
 CUBLAS_DETERMINISTIC = ":4096:8"
 
@@ -31,15 +32,13 @@ class DeterministicWindow:
 
     def enter(self, strict: bool) -> None:
         if self._saved is None:
-            import torch.utils.deterministic as det
-
             cudnn = torch.backends.cudnn
             self._saved = (torch.are_deterministic_algorithms_enabled(),
                            torch.is_deterministic_algorithms_warn_only_enabled(),
                            cudnn.deterministic, cudnn.benchmark, det.fill_uninitialized_memory)  # fmt: skip
         torch._C._set_deterministic_algorithms(True, warn_only=not strict)
         torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
-        torch.utils.deterministic.fill_uninitialized_memory = False  # type: ignore[attr-defined]
+        det.fill_uninitialized_memory = False  # type: ignore[attr-defined]
 
     def exit(self) -> None:
         if self._saved is None:
@@ -48,7 +47,7 @@ class DeterministicWindow:
         self._saved = None
         torch._C._set_deterministic_algorithms(mode, warn_only=warn_only)
         torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = cudnn_det, cudnn_bench
-        torch.utils.deterministic.fill_uninitialized_memory = fill  # type: ignore[attr-defined]
+        det.fill_uninitialized_memory = fill  # type: ignore[attr-defined]
 
 
 @contextmanager

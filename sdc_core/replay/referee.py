@@ -48,7 +48,7 @@ def attribute_step(run: StepAudit) -> bool:
         return refereed
     if run.every_pair is not None and not any(a or b for a, b in refereed.values()):
         run.done()
-        return run.unreplayable(run.step, every_pair_message(run.step, topo, run.every_pair, run.advice))
+        return run.unreplayable(every_pair_message(run.step, topo, run.every_pair, run.advice))
     compared = evidence(run.inverse, run.mismatching, referees, refereed)
     if run.groups:
         rank, suspects, notes = settle(run.rings, culprits, disputed, refereed)

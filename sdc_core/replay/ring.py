@@ -41,8 +41,6 @@ from sdc_core.replay.state import MicroBatch, Rerun, StateCapture, StepFn, fresh
 from sdc_core.schema import documented, setting
 from sdc_core.stats import CheckStats
 
-EXACT_MODES = (True, False, "auto")
-
 ReplayExact = bool | Literal["auto"]  # ReplayConfig.exact
 ReplayFailurePolicy = Literal["raise", "skip_step", "rollback"]  # ReplayConfig.on_failure
 UnreplayablePolicy = Literal["raise", "warn"]  # ReplayConfig.on_unreplayable
@@ -105,7 +103,7 @@ class ReplayConfig:
             raise ValueError(f"on_failure must be 'raise', 'skip_step' or 'rollback', got {self.on_failure!r}")
         if isinstance(self.every_n_steps, bool) or not isinstance(self.every_n_steps, int) or self.every_n_steps < 1:
             raise ValueError(f"every_n_steps must be an integer >= 1, got {self.every_n_steps!r}")
-        if not any(self.exact is m or (isinstance(self.exact, str) and self.exact == m) for m in EXACT_MODES):
+        if not (self.exact is True or self.exact is False or (isinstance(self.exact, str) and self.exact == "auto")):
             raise ValueError(f"exact must be True, False or 'auto', got {self.exact!r}")
         if isinstance(self.rtol, bool) or not isinstance(self.rtol, int | float) or not 0 < self.rtol < 1:
             raise ValueError(f"rtol must be a number in (0, 1), got {self.rtol!r}")
@@ -226,7 +224,6 @@ class RingReplay:
 
     @property
     def mode(self) -> str:
-        """``"strict"``, ``"warn_only"`` or ``"off"`` (``Calibration.mode``)."""
         return self.calibration.mode(self.config)
 
     @property
@@ -246,7 +243,6 @@ class RingReplay:
 
     @property
     def tolerance(self) -> float:
-        """The tolerance comparisons use now (0: bit equality)."""
         return self.calibration.tolerance(self.config)
 
     def record(self, batch: Any, batch_idx: int, device: torch.device | None = None, state: bool = True) -> None:
@@ -312,7 +308,6 @@ class RingReplay:
         return {src: err or batches for src, (batches, err) in out.items()}  # a text: every rank still goes on
 
     def _replay_digest(self, rerun: Rerun, batches: list[MicroBatch]) -> Digest:
-        """Recompute ``batches`` side-effect free and digest each gradient as it is produced."""
         rows: dict[str, Row] = {}
         loss = self.recompute(rerun, batches, lambda n, g: rows.__setitem__(n, digest_row(g)))
         return assemble(self.names, rows, loss)
@@ -321,7 +316,7 @@ class RingReplay:
         """``exchange`` of replay payloads, each received one validated (``PayloadError`` on every rank)."""
         return exchange(sends, recv_from, allow_pickle=self.config.allow_pickled_batches, validate=check_replay_payload)
 
-    def _unreplayable(self, step: int, message: str) -> bool:
+    def _unreplayable(self, message: str) -> bool:
         """Every rank alike: raise ``ReplayUnavailableError``, or warn once and turn the audit off."""
         self.stats.bump("unreplayable")
         message = f"{self.label} {message}"
@@ -370,6 +365,6 @@ class RingReplay:
                     if run.error is not None:
                         self.last_error = run.error
         except PayloadError as err:  # raised on every rank together by the exchange: a peer sent what is refused
-            return self._unreplayable(step, f"could not exchange its data at step {step}: {err}.")
+            return self._unreplayable(f"could not exchange its data at step {step}: {err}.")
         finally:
             self.calibration.settle_probe(self.config, self.stats)  # the mode of the next audited step

@@ -15,15 +15,13 @@ import torch
 
 def capture_rng(device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The CPU RNG state and, for a CUDA ``device``, that device's RNG state."""
-    if device is None or device.type != "cuda":
-        return torch.get_rng_state(), None
-    return torch.get_rng_state(), torch.cuda.get_rng_state(device)
+    cuda = device is not None and device.type == "cuda"
+    return torch.get_rng_state(), torch.cuda.get_rng_state(device) if cuda else None
 
 
 def _np_random() -> Any:
     """``numpy.random`` where the program imported NumPy (no import of our own), else None."""
-    np = sys.modules.get("numpy")
-    return getattr(np, "random", None) if np is not None else None
+    return getattr(sys.modules.get("numpy"), "random", None)
 
 
 def all_rng(device: torch.device | None) -> tuple[torch.Tensor, torch.Tensor | None, Any, Any]:

@@ -9,6 +9,7 @@ tensors are read live and guarded against in-place change); frozen tensors above
 from __future__ import annotations
 
 import copy
+import functools
 import sys
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -29,16 +30,11 @@ _SCALARS = (type(None), bool, int, float, complex, str, bytes)
 _MAX_ITEMS = 10_000  # elements of plain Python containers captured per micro-batch
 
 
-_CONFIGURATION_ONLY: dict[type, bool] = {}
-
-
+@functools.cache
 def _configuration_only(kind: type) -> bool:
     """Whether a module class is one of torch.nn's own (in ``torch.nn.modules``, not bare ``nn.Module``):
     their forwards rebind no attribute (a test checks), so a capture leaves their plain attributes out."""
-    known = _CONFIGURATION_ONLY.get(kind)
-    if known is None:
-        known = _CONFIGURATION_ONLY[kind] = kind is not nn.Module and kind.__module__.startswith("torch.nn.modules.")
-    return known
+    return kind is not nn.Module and kind.__module__.startswith("torch.nn.modules.")
 
 
 class _Skip(Exception):
@@ -117,10 +113,7 @@ def _first_device(value: Any) -> torch.device | None:
     if isinstance(value, dict):
         value = list(value.values())
     if isinstance(value, list | tuple | deque):
-        for v in value:
-            d = _first_device(v)
-            if d is not None:
-                return d
+        return next((d for v in value if (d := _first_device(v)) is not None), None)
     return None
 
 
@@ -146,17 +139,12 @@ class StepState:
 
 def _frozen(modules: list[tuple[str, nn.Module]], trainable: frozenset[str]) -> list[tuple[str, torch.Tensor]]:
     """``named_parameters()`` less ``trainable``, as ``"param:<name>"``, from ``named_modules()`` (no new walk)."""
-    seen: set[int] = set()
-    out: list[tuple[str, torch.Tensor]] = []
+    first: dict[int, tuple[str, torch.Tensor]] = {}  # each parameter once, by its first name
     for path, sub in modules:
         for k, t in sub._parameters.items():
-            if t is None or id(t) in seen:
-                continue
-            seen.add(id(t))
-            name = f"{path}.{k}" if path else k
-            if name not in trainable:
-                out.append(("param:" + name, t))
-    return out
+            if t is not None:
+                first.setdefault(id(t), (f"{path}.{k}" if path else k, t))
+    return [("param:" + name, t) for name, t in first.values() if name not in trainable]
 
 
 def _signature(modules: list[nn.Module]) -> list[Any]:
@@ -239,14 +227,12 @@ class StateCapture:
         tensors: dict[str, Any] = {}
         live: list[str] = []
         walk = self._walked()
-        seen: set[int] = set()  # buffers, each once (``named_buffers``)
-        named = list(walk.frozen)
+        buffers: dict[int, tuple[str, torch.Tensor]] = {}  # each buffer once (``named_buffers``)
         for key, sub, k in walk.buffers:
             t = sub._buffers.get(k)
-            if t is not None and id(t) not in seen:
-                seen.add(id(t))
-                named.append((key, t))
-        for key, t in named:
+            if t is not None:
+                buffers.setdefault(id(t), (key, t))
+        for key, t in [*walk.frozen, *buffers.values()]:
             size = t.numel() * t.element_size()
             if size > budget.bytes_left:
                 live.append(key)

@@ -1,8 +1,6 @@
-"""The checks on sharded models: FSDP2 (``fully_shard``), HSDP and tensor parallelism.
-
-Witnesses follow one rule: the ranks that hold the same bytes of a tensor are its replicas
-(``sdc_core.sharded.replicas``). Every verdict is reached from data every rank holds, so every
-rank raises the same exception in the same step.
+"""The checks on sharded models: FSDP2 (``fully_shard``), HSDP and tensor parallelism, with the witnesses of
+``sdc_core.sharded.replicas``. Every verdict is reached from data every rank holds, so every rank raises the
+same exception in the same step.
 """
 
 from __future__ import annotations
@@ -212,11 +210,9 @@ class _Pending:
     step: int
     groups: list[ReplicaGroup]
     per_tensor: list[Any]  # per replicated group: () -> per-tensor digests
-    reduced: list[torch.Tensor]  # per replicated group: (max fp, max ~fp) after the all-reduce
     mismatch: torch.Tensor  # a replica mismatch here (0-d int64, on the device)
     baseline: Any  # (fp, per-tensor digests, group) of the unreplicated shards after the update, or None
     flags: HostRead | None = None  # [replica mismatch here, at-rest change here], MAX over the world
-    work: Any = None
     at_rest: Any = None  # (digests after the update, digests before the next forward, group) or None
 
 
@@ -277,7 +273,7 @@ class ShardedFingerprint:
         mismatch = torch.zeros((), dtype=torch.int64, device=device)
         for pair in reduced:
             mismatch = mismatch | (pair[0] != torch.bitwise_not(pair[1])).to(torch.int64)
-        self._pending = _Pending(step, replicated, per_tensor, reduced, mismatch, baseline)
+        self._pending = _Pending(step, replicated, per_tensor, mismatch, baseline)
         self.stats.add_time(time.perf_counter() - t0)
         if baseline is None:  # nothing at rest to watch: the comparison travels now
             self.before_use()
@@ -295,8 +291,7 @@ class ShardedFingerprint:
             rest = (combine(now) != fp).to(torch.int64).to(rest.device)  # on the device: no host wait
             pending.at_rest, pending.baseline = (rows, now_rows, g), None
         flags = torch.stack([pending.mismatch, rest])
-        pending.work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, async_op=True)
-        pending.flags = HostRead(flags, pending.work)
+        pending.flags = HostRead(flags, dist.all_reduce(flags, op=dist.ReduceOp.MAX, async_op=True))
         self.stats.add_time(time.perf_counter() - t0)
 
     def resolve(self) -> None:
@@ -318,9 +313,9 @@ class ShardedFingerprint:
     def discard(self, timeout_s: float = 30.0) -> None:
         """Finish the pending all-reduce unread, on a path out; waits at most ``timeout_s``, never raises."""
         pending, self._pending = self._pending, None
-        if pending is not None and pending.work is not None:
+        if pending is not None and pending.flags is not None and pending.flags.work is not None:
             with contextlib.suppress(Exception):
-                pending.work.wait(timeout=timedelta(seconds=timeout_s))
+                pending.flags.work.wait(timeout=timedelta(seconds=timeout_s))
 
     def check_now(self, step: int, module: nn.Module, optimizers: Iterable[torch.optim.Optimizer]) -> None:
         """Compare the pending comparison, then the current shards, at once (every rank, same place)."""

@@ -195,8 +195,7 @@ class ShardedReplay(RingReplay):
 
     def _own_digest(self) -> Digest:
         self._named(self._labels)
-        keys = [str(i) for i in range(len(self._local))]
-        return assemble(keys, self._local, self._loss if self._loss is not None else 0.0)
+        return assemble(list(self._local), self._local, self._loss if self._loss is not None else 0.0)
 
     def _replay_digest(self, rerun: Rerun, batches: list[MicroBatch]) -> Digest:
         """Replay ``batches`` through the sharded model and digest each group's gradient (collective: every rank)."""
@@ -204,8 +203,8 @@ class ShardedReplay(RingReplay):
         loss_total = self._rerun(rerun, batches)
         replayed, self._replayed = self._replayed, []
         self._named([label for _, label in replayed])
-        keys = [str(i) for i in range(len(replayed))]
-        return assemble(keys, {k: row for k, (row, _) in zip(keys, replayed, strict=True)}, loss_total)
+        rows = {str(i): row for i, (row, _) in enumerate(replayed)}
+        return assemble(list(rows), rows, loss_total)
 
     def _rerun(self, rerun: Rerun, batches: list[MicroBatch], copies: bool = True) -> torch.Tensor:
         """The replays of ``batches``; ``copies``: frozen shards from this rank's micro-batch copies (else read

@@ -17,9 +17,9 @@ import torch.distributed as dist
 from sdc_core.dist.topology import all_gather_objects, collective_device
 
 try:  # torch >= 2.4
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor, Replicate
 except ImportError:  # pragma: no cover - old torch: nothing here is sharded
-    DTensor = None  # type: ignore[assignment,misc]
+    DTensor = Replicate = None  # type: ignore[assignment,misc]
 
 
 def replicate_ranks(mesh_ranks: torch.Tensor, coordinate: Sequence[int], placements: Sequence[Any]) -> tuple[int, ...]:
@@ -57,8 +57,6 @@ def witnesses(t: torch.Tensor, world_size: int) -> Witnesses:
     root = mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else mesh
     names, root_names = mesh.mesh_dim_names, root.mesh_dim_names
     if root is not mesh and names and root_names and all(n in root_names for n in names):
-        from torch.distributed.tensor import Replicate
-
         widened: list[Any] = [Replicate()] * root.ndim
         for name, p in zip(names, placements, strict=True):
             widened[root_names.index(name)] = p

@@ -30,7 +30,7 @@ from sdc_core.dist.topology import (
     owners_of,
 )
 from sdc_core.errors import FingerprintMismatchError, ReplayUnavailableError
-from sdc_core.replay.attribution import explain, pick_referee, settle
+from sdc_core.replay.attribution import describe, explain, pick_referee, settle
 from sdc_core.schema import setting
 from sdc_core.sharded.checks import local
 from sdc_core.stats import CheckStats
@@ -145,7 +145,7 @@ class UpdateAudit:
                 owner_names = [i["name"] for g in received["groups"] for i in g["items"]]
                 names = [n for n, a, b in zip(owner_names, mine, received["after"], strict=True) if a != b]
         except Exception as err:  # decided together below
-            failure = f"{type(err).__name__}: {err}"
+            failure = describe(err)
         row = torch.tensor([float(bool(names)), float(bool(failure))], dtype=torch.float64)
         table = all_gather_tensor(row).tolist()
         self.stats.runs += 1
