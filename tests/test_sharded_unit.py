@@ -88,3 +88,18 @@ def test_lightning_refuses_fsdp1_and_deepspeed_naming_what_is_supported(tmp_path
                 require_supported_strategy(t, check.__name__)
     t._accelerator_connector.strategy = ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1)
     require_supported_strategy(t, "WeightFingerprintCheck")  # accepted
+
+
+def test_update_audit_hands_back_its_optimizer_hook_for_removal() -> None:
+    """The hook set removes every hook at detach: the update audit's post-step hook included (it would fire
+    on every later update, and twice after a second attach)."""
+    from sdc_core.sharded.update_audit import UpdateAudit
+
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    hooks = optimizer._optimizer_step_post_hooks  # torch's own table: the only way to see a registered hook
+    before = len(hooks)
+    handle = UpdateAudit(every_n_steps=1).attach(optimizer, model)
+    assert len(hooks) == before + 1
+    handle.remove()
+    assert len(hooks) == before

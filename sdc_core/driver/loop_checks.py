@@ -135,7 +135,7 @@ class LoopChecks:
         self.update_audit = audit = update_audit()
         if audit is not None:  # wrong updates of shards without replicas: a partner recomputes them
             audit.topology = topo
-            audit.attach(optimizer, model)  # the driver snapshots before each update and audits after it
+            handles.append(audit.attach(optimizer, model))  # the driver snapshots before each update, audits after
         return handles
 
     def attach_matmul(self, module: nn.Module, topo: Topology, arm: Callable[[Any], None]) -> list[Any]:

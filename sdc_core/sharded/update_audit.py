@@ -88,7 +88,6 @@ class UpdateAudit:
     _armed: int | None = None
     _snap: list[dict[str, Any]] | None = None
     _after: list[int] | None = None
-    _handles: list[Any] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         n = self.every_n_steps
@@ -100,7 +99,8 @@ class UpdateAudit:
         """The settings an incident report records."""
         return {"update_audit_every_n_steps": self.every_n_steps}
 
-    def attach(self, optimizer: torch.optim.Optimizer, module: nn.Module) -> None:
+    def attach(self, optimizer: torch.optim.Optimizer, module: nn.Module) -> Any:
+        """Watch ``optimizer``'s updates of ``module``'s parameters; returns the removable post-step hook."""
         inner = getattr(optimizer, "optimizer", optimizer)  # Accelerate's wrapper
         self._kind = type(inner)
         self._names = {id(p): n for n, p in module.named_parameters()}
@@ -114,7 +114,7 @@ class UpdateAudit:
                         item["grad"] = None
                 self._after = [int(tensor_digest(local(p))) for p in live]
 
-        self._handles = [inner.register_step_post_hook(after)]
+        return inner.register_step_post_hook(after)
 
     def before_update(self, step: int, optimizer: torch.optim.Optimizer) -> None:
         """Snapshot the shards if ``step`` is audited (a step the optimizer skips is audited as a no-op)."""
