@@ -374,9 +374,8 @@ class NonFiniteGradient(NonFiniteVerdicts):
         grads = [p.grad for _, p in params if p.grad is not None]
         if not grads or not bool(any_nonfinite(grads)):
             return self._clean(step, t0)
-        limit = self.config.max_names
         bad = [n for (n, p) in params if p.grad is not None and not bool(torch.isfinite(p.grad).all())]
-        return self._failure(step, [bad[:limit]], scaler_active, t0, params=params)
+        return self._failure(step, [bad[: self.config.max_names]], scaler_active, t0, params=params)
 
     def _local_names(self, local: list[tuple[torch.Tensor, list[nn.Parameter]]]) -> list[str] | None:
         """This rank's parameters whose LOCAL gradient was non-finite (rare path: host reads), or None.

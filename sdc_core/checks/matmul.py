@@ -170,7 +170,7 @@ class MatmulChecksum:
 
     def worst(self) -> dict[tuple[str, str], float]:
         """This rank's worst ratio so far in the armed step, per (site, product) (a host read)."""
-        return _by_site(self.sites, self._records)
+        return {(self.sites[s], PRODUCTS[p]): v for (s, p), v in _by_site(self._records).items()}
 
     def verdict(self, step: int, now: bool = False) -> None:
         """Close step ``step``: read the previous step's result (may raise), then start this step's
@@ -233,7 +233,7 @@ class MatmulChecksum:
     def _local_report(self, records: list[tuple[int, int, torch.Tensor]]) -> list[dict[str, Any]]:
         """This rank's failed products, worst first (a host read: rare paths only)."""
         found = []
-        for (site, product), value in _by_site(self.sites, records, names=False).items():
+        for (site, product), value in _by_site(records).items():
             if not value <= 1.0:
                 ratio: float | str = value if math.isfinite(value) else "inf" if value > 0 else "non-finite result"
                 found.append({"module": self.sites[site], "phase": PHASES[product], "product": PRODUCTS[product],
@@ -368,15 +368,14 @@ def mismatch_error(step: int, per_rank: list[list[dict[str, Any]]], topo: Topolo
     )
 
 
-def _by_site(sites: list[str], records: list[tuple[int, int, torch.Tensor]], names: bool = True) -> dict[Any, float]:
-    """The worst ratio per (site, product) of some records (one host read)."""
+def _by_site(records: list[tuple[int, int, torch.Tensor]]) -> dict[tuple[int, int], float]:
+    """The worst ratio per (site, product) index of some records (one host read)."""
     if not records:
         return {}
     values = torch.stack([w.float().cpu() for _, _, w in records]).tolist()
-    out: dict[Any, float] = {}
+    out: dict[tuple[int, int], float] = {}
     for (site, product, _), value in zip(records, values, strict=True):
-        key = (sites[site], PRODUCTS[product]) if names else (site, product)
-        old = out.get(key)
+        old = out.get((site, product))
         if old is None or value != value or (old == old and value > old):  # NaN wins
-            out[key] = value
+            out[(site, product)] = value
     return out
