@@ -222,10 +222,6 @@ class LinearBound:
         """``LinearBound(...)``: the bound of one weight (and bias) used in ``dtype``."""
         return cls(weight, bias, dtype, rnd, safety, block)
 
-    def x_blocks(self, x2: torch.Tensor) -> torch.Tensor:
-        """``x2`` (n x k) as n x nx x bx (the backward blocks)."""
-        return x2.reshape(x2.shape[0], self.nx, self.bx)
-
     def _row_bound(self, norms: torch.Tensor, out3: torch.Tensor | None, forward: bool) -> torch.Tensor:
         """Per row and block, the bound on the forward (n x nf) or the input-gradient (n x nx) residual
         from the row norms of ``x`` or ``dy``: ``icpt + ||row|| slope`` plus, for a narrow output,
@@ -259,7 +255,7 @@ class LinearBound:
         # X c_b for every block as one thin product with few rows (fast everywhere; n x nf is slow on CPUs)
         residual = torch.addmm(y3.sum(-1, dtype=self.rnd.acc_dtype).t(), self.cf, x2.t(), alpha=-1).t()
         residual = residual.sub_(self.bias_sum).abs_()
-        xb = self.x_blocks(x2)
+        xb = x2.reshape(n, self.nx, self.bx)  # the backward blocks
         x_block_norms = torch.linalg.vector_norm(xb, dim=-1)
         x_norms = torch.linalg.vector_norm(x_block_norms, dim=-1) if self.nx > 1 else x_block_norms.reshape(n)
         ratio = residual.div_(self._row_bound(x_norms, y3, forward=True))
@@ -402,7 +398,7 @@ def visible_error_sizes(width: int, dtype: torch.dtype = torch.float32, rows: in
     lb = LinearBound.of(w, b, dtype, rnd, safety, block)
     acc = rnd.acc_dtype
     y, dx, dw = F.linear(x, w, b), dy @ w, dy.t() @ x  # as computed, in dtype
-    x_block_norms = torch.linalg.vector_norm(lb.x_blocks(x.to(acc)), dim=-1)
+    x_block_norms = torch.linalg.vector_norm(x.to(acc).reshape(rows, lb.nx, lb.bx), dim=-1)
     x_norms = torch.linalg.vector_norm(x_block_norms, dim=-1)
     dy_norms = torch.linalg.vector_norm(dy.to(acc), dim=-1)
     f, d = lb.forward_threshold(x_norms, y), lb.input_grad_threshold(dy_norms, dx)
