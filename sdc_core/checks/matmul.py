@@ -209,7 +209,16 @@ class MatmulChecksum:
             return
         # Rare path, entered by every rank together: who saw what.
         per_rank = all_gather_objects(self._local_report(pending.records))
-        self._failure(pending.step, per_rank, t0)
+        if not any(per_rank):  # cannot happen: the ratio that made the maximum is in some report
+            self.stats.last_verified_step = pending.step
+            return
+        error = mismatch_error(pending.step, per_rank, self.topology or Topology.gather())
+        self.stats.failures += 1
+        self.last_error = error
+        self.stats.add_time(time.perf_counter() - t0)
+        if self.config.on_failure == "raise":
+            raise error
+        warnings.warn(str(error), RuntimeWarning, stacklevel=2)
 
     def discard(self) -> int | None:
         """Drop the pending verdict without a collective; warns when this rank's own products failed
@@ -240,18 +249,6 @@ class MatmulChecksum:
                               "ratio": ratio})  # fmt: skip
         found.sort(key=lambda v: -v["ratio"] if isinstance(v["ratio"], float) else -math.inf)
         return found[: self.config.max_names]
-
-    def _failure(self, step: int, per_rank: list[list[dict[str, Any]]], t0: float) -> None:
-        if not any(per_rank):  # cannot happen: the ratio that made the maximum is in some report
-            self.stats.last_verified_step = step
-            return
-        error = mismatch_error(step, per_rank, self.topology or Topology.gather())
-        self.stats.failures += 1
-        self.last_error = error
-        self.stats.add_time(time.perf_counter() - t0)
-        if self.config.on_failure == "raise":
-            raise error
-        warnings.warn(str(error), RuntimeWarning, stacklevel=3)
 
     def _on_linear(self, site: int, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         if self._armed and args and isinstance(output, torch.Tensor) and not torch.compiler.is_compiling():
