@@ -233,11 +233,11 @@ def _unsorting(order: tuple[int, ...], device: torch.device) -> torch.Tensor:
     return torch.tensor(order, dtype=torch.int64).argsort().to(device)
 
 
-def _kernel_digests(tensors: Sequence[torch.Tensor]) -> tuple[list[int], torch.Tensor | None]:
+def _kernel_digests(tensors: Sequence[torch.Tensor]) -> tuple[list[int], list[torch.Tensor]]:
     """Indices of the tensors the multi-tensor CUDA kernel digests (contiguous, 8-byte aligned CUDA
-    tensors of whole words; one launch per device) and their digests in that order (None: none)."""
+    tensors of whole words; one launch per device) and their digests in that order, a vector per device."""
     if _triton is None:
-        return [], None
+        return [], []
     by_device: dict[torch.device, tuple[list[int], list[int], list[int]]] = {}
     for i, t in enumerate(tensors):
         if t.is_cuda and t.is_contiguous() and t.dtype != torch.bool:
@@ -247,15 +247,12 @@ def _kernel_digests(tensors: Sequence[torch.Tensor]) -> tuple[list[int], torch.T
                 idx.append(i)
                 ptrs.append(ptr)
                 sizes.append(nbytes >> 3)
-    if not by_device:
-        return [], None
     order: list[int] = []
     pieces = []
     for dev, (idx, ptrs, sizes) in by_device.items():
         pieces.append(_triton.digests(dev, tuple(ptrs), tuple(sizes), class_shape, _SEEDS[:2]))
         order += idx
-    home = pieces[0].device
-    return order, pieces[0] if len(pieces) == 1 else torch.cat([p.to(home) for p in pieces])
+    return order, pieces
 
 
 def grouped_digests(
@@ -269,7 +266,7 @@ def grouped_digests(
     device = device or home_device(tensors)
     with torch.no_grad():
         order, fast = _kernel_digests(tensors)
-        pieces = [fast.to(device)] if fast is not None else []
+        pieces = [p.to(device) for p in fast]
         if len(order) < len(tensors):
             taken = set(order)
             rest = [i for i in range(len(tensors)) if i not in taken] if taken else range(len(tensors))
