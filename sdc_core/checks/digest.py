@@ -36,7 +36,6 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
 
 import torch
 
@@ -51,15 +50,6 @@ _COUNT_WEIGHT = 0x9E3779B97F4A7C15  # odd: the tensor count enters the fingerpri
 _SEEDS = (0x5DC0DE0F1A9E12, 0x5DC0DE0F1A9E13, 0x5DC0DE0F1A9E14, 0x5DC0DE0F1A9E15)  # A, B; fingerprint A, B
 _weight_cache: dict[tuple[torch.device, int], torch.Tensor] = {}
 _triton = _triton_digest if _triton_digest.triton is not None else None
-
-
-def _memo(cache: dict, key: object, make: Callable[[], object], limit: int = 64) -> Any:
-    """``cache[key]``, made by ``make`` when missing (the cache is emptied once it holds ``limit``)."""
-    if key not in cache:
-        if len(cache) >= limit:
-            cache.clear()
-        cache[key] = make()
-    return cache[key]
 
 
 def _signed(v: int) -> int:
@@ -174,14 +164,9 @@ def tensor_digests(tensors: Sequence[torch.Tensor], device: torch.device | None 
     if not tensors:
         return torch.zeros(0, dtype=torch.int64, device=device)
     device = device or tensors[0].device
-    with torch.no_grad():
-        return torch.stack([_on(_mix(class_sums(words(t)), 0), device) for t in tensors])
-
-
-def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``t`` on ``device``. Blocking: a ``non_blocking`` device-to-host copy read at once (a
-    ``stack``, a gloo collective) reads stale bytes."""
-    return t if t.device == device else t.to(device)
+    # digests move with blocking copies (here and below): a non_blocking device-to-host copy read at once
+    # (a ``stack``, a gloo collective) reads stale bytes
+    return torch.stack([tensor_digest(t).to(device) for t in tensors])
 
 
 def home_device(tensors: Iterable[torch.Tensor]) -> torch.device:
@@ -196,7 +181,6 @@ def flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
 
 
 _BATCH_CLASSES = 1 << 15  # units with at most this many classes share one batched weighting
-_layout_cache: dict[tuple[torch.device, tuple[int, ...]], list[torch.Tensor]] = {}
 
 
 def _unit_weights(device: torch.device, classes: Sequence[int]) -> list[torch.Tensor]:
@@ -205,6 +189,9 @@ def _unit_weights(device: torch.device, classes: Sequence[int]) -> list[torch.Te
     wa, wb = _weights(0, top, device), _weights(1, top, device)
     ends = torch.tensor(classes, dtype=torch.int64).cumsum(0).sub_(1).to(device)
     return [torch.cat([wa[:k] for k in classes]), torch.cat([wb[:k] for k in classes]), ends]
+
+
+_batch_weights = functools.lru_cache(maxsize=64)(_unit_weights)  # mix_units' layouts (read only)
 
 
 def _scan_digests(sums: torch.Tensor, wa: torch.Tensor, wb: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
@@ -225,34 +212,32 @@ def mix_units(parts: Sequence[list[torch.Tensor]], device: torch.device) -> torc
             batches.setdefault(unit[0].device, []).append(u)
         else:
             singles.append(u)
-    pieces = [torch.stack([_on(_mix(torch.cat(parts[u]), 0), device) for u in singles])] if singles else []
+    pieces = [torch.stack([_mix(torch.cat(parts[u]), 0).to(device) for u in singles])] if singles else []
     order = list(singles)
     for dev, members in batches.items():
-        classes = tuple(sizes[u] for u in members)
-        wa, wb, ends = _memo(_layout_cache, (dev, classes), functools.partial(_unit_weights, dev, classes))
-        pieces.append(_on(_scan_digests(torch.cat([p for u in members for p in parts[u]]), wa, wb, ends), device))
+        wa, wb, ends = _batch_weights(dev, tuple(sizes[u] for u in members))
+        pieces.append(_scan_digests(torch.cat([p for u in members for p in parts[u]]), wa, wb, ends).to(device))
         order += members
     return _in_order(pieces, order, device)
-
-
-_perm_cache: dict[tuple[torch.device, tuple[int, ...]], torch.Tensor] = {}
 
 
 def _in_order(pieces: list[torch.Tensor], order: list[int], device: torch.device) -> torch.Tensor:
     """The digest vectors ``pieces`` (on ``device``) of the units listed in ``order``, joined and put back in
     unit order (the permutation cached per device)."""
     digests = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
-    if order == sorted(order):
-        return digests
-    key = (device, tuple(order))
-    return digests[_memo(_perm_cache, key, lambda: torch.tensor(order, dtype=torch.int64).argsort().to(device))]
+    return digests if order == sorted(order) else digests[_unsorting(tuple(order), device)]
 
 
-def _kernel_digests(tensors: Sequence[torch.Tensor]) -> tuple[list[int], torch.Tensor | None]:
+@functools.lru_cache(maxsize=64)
+def _unsorting(order: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    return torch.tensor(order, dtype=torch.int64).argsort().to(device)
+
+
+def _kernel_digests(tensors: Sequence[torch.Tensor]) -> tuple[list[int], list[torch.Tensor]]:
     """Indices of the tensors the multi-tensor CUDA kernel digests (contiguous, 8-byte aligned CUDA
-    tensors of whole words; one launch per device) and their digests in that order (None: none)."""
+    tensors of whole words; one launch per device) and their digests in that order, a vector per device."""
     if _triton is None:
-        return [], None
+        return [], []
     by_device: dict[torch.device, tuple[list[int], list[int], list[int]]] = {}
     for i, t in enumerate(tensors):
         if t.is_cuda and t.is_contiguous() and t.dtype != torch.bool:
@@ -262,15 +247,12 @@ def _kernel_digests(tensors: Sequence[torch.Tensor]) -> tuple[list[int], torch.T
                 idx.append(i)
                 ptrs.append(ptr)
                 sizes.append(nbytes >> 3)
-    if not by_device:
-        return [], None
     order: list[int] = []
     pieces = []
     for dev, (idx, ptrs, sizes) in by_device.items():
         pieces.append(_triton.digests(dev, tuple(ptrs), tuple(sizes), class_shape, _SEEDS[:2]))
         order += idx
-    home = pieces[0].device
-    return order, pieces[0] if len(pieces) == 1 else torch.cat([_on(p, home) for p in pieces])
+    return order, pieces
 
 
 def grouped_digests(
@@ -284,7 +266,7 @@ def grouped_digests(
     device = device or home_device(tensors)
     with torch.no_grad():
         order, fast = _kernel_digests(tensors)
-        pieces = [_on(fast, device)] if fast is not None else []
+        pieces = [p.to(device) for p in fast]
         if len(order) < len(tensors):
             taken = set(order)
             rest = [i for i in range(len(tensors)) if i not in taken] if taken else range(len(tensors))
@@ -319,9 +301,8 @@ def _host_digests(
         if not cat and len(parts) == 1:
             values = values.clone()  # ``flatten`` of one tensor is a view of it
         values = values.view(torch.int64)  # our own buffer: shifted in place
-        pieces.append(
-            _on(_same_size_digests(values, len(positions), arg) if same else _mixed_digests(values, arg), device)
-        )
+        digests = _same_size_digests(values, len(positions), arg) if same else _mixed_digests(values, arg)
+        pieces.append(digests.to(device))
     if singles:
         pieces.append(mix_units([class_parts(words(tensors[indices[p]])) for p in singles], device))
     return [indices[p] for p in order], pieces
@@ -372,7 +353,7 @@ def _host_plan(meta: tuple[tuple[torch.device, torch.dtype, torch.Size], ...]) -
     return batches, singles, padded, order
 
 
-_pads: dict[tuple[torch.device, torch.dtype, int], torch.Tensor] = {}
+_zeros = functools.lru_cache(maxsize=64)(torch.zeros)  # the pads: read only
 
 
 def _padded(parts: list[torch.Tensor], pad: list[bool] | None) -> list[torch.Tensor]:
@@ -383,8 +364,7 @@ def _padded(parts: list[torch.Tensor], pad: list[bool] | None) -> list[torch.Ten
     for t, needed in zip(parts, pad, strict=True):
         out.append(t)
         if needed:
-            key = (t.device, t.dtype, (8 - (t.nbytes & 7)) // t.element_size())
-            out.append(_memo(_pads, key, functools.partial(torch.zeros, key[2], dtype=t.dtype, device=t.device)))
+            out.append(_zeros((8 - (t.nbytes & 7)) // t.element_size(), dtype=t.dtype, device=t.device))
     return out
 
 

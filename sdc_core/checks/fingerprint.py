@@ -11,6 +11,7 @@ that make replicas differ, not a faulty gradient the all-reduce spreads (the rin
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -21,7 +22,7 @@ import torch
 from torch import nn
 
 from sdc_core.checks.contract import Role, check_settings
-from sdc_core.checks.digest import _memo, combine, grouped_digests, home_device
+from sdc_core.checks.digest import combine, grouped_digests, home_device
 from sdc_core.dist.topology import HostRead, Topology, all_gather_tensor, collective_device, is_distributed
 from sdc_core.errors import FingerprintMismatchError
 from sdc_core.schema import documented, setting
@@ -118,23 +119,21 @@ def fingerprinted_tensors(
     return named
 
 
-_slices_cache: dict[tuple[int, tuple[int, ...]], list[list[int]]] = {}
-
-
 def rolling_slices(sizes: Sequence[int], k: int) -> list[list[int]]:
     """The tensor indices in ``k`` slices, each joining the slice with the fewest bytes so far (the
     lowest on a tie): the same on every replica, and appended tensors move no earlier one. Cached."""
+    return _slices(tuple(sizes), k)
 
-    def make() -> list[list[int]]:
-        slices: list[list[int]] = [[] for _ in range(k)]
-        load = [0] * k
-        for i, n in enumerate(sizes):
-            j = min(range(k), key=lambda s: (load[s], s))
-            slices[j].append(i)
-            load[j] += n
-        return slices
 
-    return _memo(_slices_cache, (k, tuple(sizes)), make, limit=16)
+@functools.lru_cache(maxsize=16)
+def _slices(sizes: tuple[int, ...], k: int) -> list[list[int]]:
+    slices: list[list[int]] = [[] for _ in range(k)]
+    load = [0] * k
+    for i, n in enumerate(sizes):
+        j = min(range(k), key=lambda s: (load[s], s))
+        slices[j].append(i)
+        load[j] += n
+    return slices
 
 
 def copy_replica(module: nn.Module, optimizers: Iterable[torch.optim.Optimizer], src: int) -> None:

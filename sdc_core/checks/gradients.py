@@ -194,7 +194,7 @@ class NonFiniteGradient(NonFiniteVerdicts):
     _group_index: dict[tuple[Any, ...], torch.Tensor | list[int]] = field(default_factory=dict)  # cached indices
     _peaked: list[tuple[torch.Tensor, list[nn.Parameter]]] = field(default_factory=list)  # per-parameter peaks
     _magnitudes: torch.Tensor | list[float] | None = None  # the last read backward's, until ``take_magnitudes``
-    _group_names: dict[str, int] | None = None  # name -> group, made on first use (``magnitude_group``)
+    _group_names: dict[str, int] = field(default_factory=dict)  # name -> group (``magnitude_group``)
 
     def attach(self, tap: GradientTap) -> None:
         """Read each local gradient in its hook on the first two synchronised backwards, then, where DDP
@@ -217,14 +217,11 @@ class NonFiniteGradient(NonFiniteVerdicts):
         self.magnitude_groups = k
         self._group_of = {id(p): i * k // len(params) for i, p in enumerate(params)}
         self._group_index = {}
-        self._group_names = None
+        self._group_names = {self.tap.names.get(pid, "?"): g for pid, g in self._group_of.items()}
         return k
 
     def magnitude_group(self, name: str) -> int | None:
         """The group (``want_magnitudes``) of the parameter named ``name``, or None."""
-        if self._group_names is None:
-            names = self.tap.names if self.tap is not None else {}
-            self._group_names = {names.get(pid, "?"): g for pid, g in self._group_of.items()}
         return self._group_names.get(name)
 
     def take_magnitudes(self) -> torch.Tensor | list[float] | None:
@@ -377,9 +374,8 @@ class NonFiniteGradient(NonFiniteVerdicts):
         grads = [p.grad for _, p in params if p.grad is not None]
         if not grads or not bool(any_nonfinite(grads)):
             return self._clean(step, t0)
-        limit = self.config.max_names
         bad = [n for (n, p) in params if p.grad is not None and not bool(torch.isfinite(p.grad).all())]
-        return self._failure(step, [bad[:limit]], scaler_active, t0, params=params)
+        return self._failure(step, [bad[: self.config.max_names]], scaler_active, t0, params=params)
 
     def _local_names(self, local: list[tuple[torch.Tensor, list[nn.Parameter]]]) -> list[str] | None:
         """This rank's parameters whose LOCAL gradient was non-finite (rare path: host reads), or None.

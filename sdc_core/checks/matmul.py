@@ -146,7 +146,7 @@ class MatmulChecksum:
 
     def coverage(self) -> dict[str, Any]:
         """Checked sites (``<mha>.in_proj``, ``.in_proj[q]`` etc.) and modules left out, with the reason."""
-        return self._products.coverage()
+        return {"checked": list(self.sites), "not_checked": dict(self.uncovered)}
 
     def arm(self, step: int) -> bool:
         """Start checking step ``step`` if it is due (before each of its forwards, every rank alike).
@@ -170,7 +170,7 @@ class MatmulChecksum:
 
     def worst(self) -> dict[tuple[str, str], float]:
         """This rank's worst ratio so far in the armed step, per (site, product) (a host read)."""
-        return _by_site(self.sites, self._records)
+        return {(self.sites[s], PRODUCTS[p]): v for (s, p), v in _by_site(self._records).items()}
 
     def verdict(self, step: int, now: bool = False) -> None:
         """Close step ``step``: read the previous step's result (may raise), then start this step's
@@ -209,7 +209,16 @@ class MatmulChecksum:
             return
         # Rare path, entered by every rank together: who saw what.
         per_rank = all_gather_objects(self._local_report(pending.records))
-        self._failure(pending.step, per_rank, t0)
+        if not any(per_rank):  # cannot happen: the ratio that made the maximum is in some report
+            self.stats.last_verified_step = pending.step
+            return
+        error = mismatch_error(pending.step, per_rank, self.topology or Topology.gather())
+        self.stats.failures += 1
+        self.last_error = error
+        self.stats.add_time(time.perf_counter() - t0)
+        if self.config.on_failure == "raise":
+            raise error
+        warnings.warn(str(error), RuntimeWarning, stacklevel=2)
 
     def discard(self) -> int | None:
         """Drop the pending verdict without a collective; warns when this rank's own products failed
@@ -233,25 +242,13 @@ class MatmulChecksum:
     def _local_report(self, records: list[tuple[int, int, torch.Tensor]]) -> list[dict[str, Any]]:
         """This rank's failed products, worst first (a host read: rare paths only)."""
         found = []
-        for (site, product), value in _by_site(self.sites, records, names=False).items():
+        for (site, product), value in _by_site(records).items():
             if not value <= 1.0:
                 ratio: float | str = value if math.isfinite(value) else "inf" if value > 0 else "non-finite result"
                 found.append({"module": self.sites[site], "phase": PHASES[product], "product": PRODUCTS[product],
                               "ratio": ratio})  # fmt: skip
         found.sort(key=lambda v: -v["ratio"] if isinstance(v["ratio"], float) else -math.inf)
         return found[: self.config.max_names]
-
-    def _failure(self, step: int, per_rank: list[list[dict[str, Any]]], t0: float) -> None:
-        if not any(per_rank):  # cannot happen: the ratio that made the maximum is in some report
-            self.stats.last_verified_step = step
-            return
-        error = mismatch_error(step, per_rank, self.topology or Topology.gather())
-        self.stats.failures += 1
-        self.last_error = error
-        self.stats.add_time(time.perf_counter() - t0)
-        if self.config.on_failure == "raise":
-            raise error
-        warnings.warn(str(error), RuntimeWarning, stacklevel=3)
 
     def _on_linear(self, site: int, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         if self._armed and args and isinstance(output, torch.Tensor) and not torch.compiler.is_compiling():
@@ -368,15 +365,14 @@ def mismatch_error(step: int, per_rank: list[list[dict[str, Any]]], topo: Topolo
     )
 
 
-def _by_site(sites: list[str], records: list[tuple[int, int, torch.Tensor]], names: bool = True) -> dict[Any, float]:
-    """The worst ratio per (site, product) of some records (one host read)."""
+def _by_site(records: list[tuple[int, int, torch.Tensor]]) -> dict[tuple[int, int], float]:
+    """The worst ratio per (site, product) index of some records (one host read)."""
     if not records:
         return {}
     values = torch.stack([w.float().cpu() for _, _, w in records]).tolist()
-    out: dict[Any, float] = {}
+    out: dict[tuple[int, int], float] = {}
     for (site, product, _), value in zip(records, values, strict=True):
-        key = (sites[site], PRODUCTS[product]) if names else (site, product)
-        old = out.get(key)
+        old = out.get((site, product))
         if old is None or value != value or (old == old and value > old):  # NaN wins
-            out[key] = value
+            out[(site, product)] = value
     return out

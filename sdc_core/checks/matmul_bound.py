@@ -222,37 +222,26 @@ class LinearBound:
         """``LinearBound(...)``: the bound of one weight (and bias) used in ``dtype``."""
         return cls(weight, bias, dtype, rnd, safety, block)
 
-    def x_blocks(self, x2: torch.Tensor) -> torch.Tensor:
-        """``x2`` (n x k) as n x nx x bx (the backward blocks)."""
-        return x2.reshape(x2.shape[0], self.nx, self.bx)
-
-    def forward_bound(self, x_norms: torch.Tensor, y3: torch.Tensor | None) -> torch.Tensor:
-        """Per row and block (n x nf), the bound on the forward residual (``y3=None``: whatever the
-        output holds). A narrow output may round twice (before and after the bias)."""
-        cap = (self.t_icpt, self.t_slope, self.consts[11], self.consts[0])
-        return self._row_bound(x_norms, self.f_icpt, self.f_slope, cap, y3, 2)
-
-    def _row_bound(
-        self,
-        norms: torch.Tensor,
-        icpt: torch.Tensor,
-        slope: torch.Tensor,
-        cap: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
-        out3: torch.Tensor | None,
-        roundings: int,
-    ) -> torch.Tensor:
-        """Per row and block ``icpt + ||row|| slope`` plus, for a narrow output, ``roundings * safety *
-        u_out`` times ``T = t_icpt + ||row|| t_slope``, capped by ``root (||out_b|| + allowance)``
-        where ``out3`` is given (``cap``: ``(t_icpt, t_slope, allowance, root)``)."""
+    def _row_bound(self, norms: torch.Tensor, out3: torch.Tensor | None, forward: bool) -> torch.Tensor:
+        """Per row and block, the bound on the forward (n x nf) or the input-gradient (n x nx) residual
+        from the row norms of ``x`` or ``dy``: ``icpt + ||row|| slope`` plus, for a narrow output,
+        ``roundings * safety * u_out`` times ``T = t_icpt + ||row|| t_slope`` (a forward output may round
+        twice: before and after the bias), capped by ``root (||out_b|| + allowance)`` where the output's
+        blocks ``out3`` are given (None: whatever the output holds)."""
+        k_ = self.consts
+        icpt, slope, t_icpt, t_slope, allowance, root = (
+            (self.f_icpt, self.f_slope, self.t_icpt, self.t_slope, k_[11], k_[0])
+            if forward
+            else (self.d_icpt, self.d_slope, self.dt_icpt, self.dt_slope, k_[13], k_[5])
+        )
         col = norms.unsqueeze(-1)
         bound = torch.addcmul(icpt, col, slope)
         if self.rnd.out:
-            t_icpt, t_slope, allowance, root = cap
             t = torch.addcmul(t_icpt, col, t_slope)
             if out3 is not None:
                 sums = torch.linalg.vector_norm(out3, dim=-1, dtype=self.rnd.acc_dtype)
                 t = torch.minimum(sums.add_(allowance).mul_(root), t)
-            bound.add_(t, alpha=roundings * self.safety * self.rnd.out)
+            bound.add_(t, alpha=(2 if forward else 1) * self.safety * self.rnd.out)
         return bound
 
     def forward_ratio(
@@ -266,10 +255,10 @@ class LinearBound:
         # X c_b for every block as one thin product with few rows (fast everywhere; n x nf is slow on CPUs)
         residual = torch.addmm(y3.sum(-1, dtype=self.rnd.acc_dtype).t(), self.cf, x2.t(), alpha=-1).t()
         residual = residual.sub_(self.bias_sum).abs_()
-        xb = self.x_blocks(x2)
+        xb = x2.reshape(n, self.nx, self.bx)  # the backward blocks
         x_block_norms = torch.linalg.vector_norm(xb, dim=-1)
         x_norms = torch.linalg.vector_norm(x_block_norms, dim=-1) if self.nx > 1 else x_block_norms.reshape(n)
-        ratio = residual.div_(self.forward_bound(x_norms, y3))
+        ratio = residual.div_(self._row_bound(x_norms, y3, forward=True))
         ratio = torch.where(torch.lt(x_norms.unsqueeze(-1), self.f_xmax), ratio, self.consts[9])
         return ratio, x_norms, x_block_norms, (xb.sum(-1) if need_blocks else None)
 
@@ -278,13 +267,8 @@ class LinearBound:
         (without ``y2``: for any output)."""
         y3 = None if y2 is None else y2.reshape(y2.shape[0], self.nf, self.bf)
         g = _slack(self.rnd, max(self.k, self.m))
-        threshold = _threshold(self.forward_bound(x_norms, y3), self.safety, 2 * self.rnd.out * g * math.sqrt(self.bf))
+        threshold = self._threshold(self._row_bound(x_norms, y3, True), 2 * self.rnd.out * g * math.sqrt(self.bf))
         return torch.where(torch.lt(x_norms.unsqueeze(-1), self.f_xmax), threshold, math.inf)
-
-    def input_grad_bound(self, dy_norms: torch.Tensor, dx3: torch.Tensor | None) -> torch.Tensor:
-        """As ``forward_bound``, for the input gradient (n x nx; ``dx3``: its backward blocks)."""
-        cap = (self.dt_icpt, self.dt_slope, self.consts[13], self.consts[5])
-        return self._row_bound(dy_norms, self.d_icpt, self.d_slope, cap, dx3, 1)
 
     def input_grad_ratio(
         self, dy2: torch.Tensor, dx2: torch.Tensor, dy_norms: torch.Tensor | None = None
@@ -294,14 +278,14 @@ class LinearBound:
         residual = torch.addmm(dx3.sum(-1, dtype=self.rnd.acc_dtype).t(), self.dx, dy2.t(), alpha=-1).t().abs_()
         if dy_norms is None:
             dy_norms = torch.linalg.vector_norm(dy2, dim=-1)
-        ratio = residual.div_(self.input_grad_bound(dy_norms, dx3))
+        ratio = residual.div_(self._row_bound(dy_norms, dx3, forward=False))
         return torch.where(torch.lt(dy_norms.unsqueeze(-1), self.d_ymax), ratio, self.consts[9])
 
     def input_grad_threshold(self, dy_norms: torch.Tensor, dx2: torch.Tensor | None = None) -> torch.Tensor:
         """As ``forward_threshold``, for one element of the input gradient ``dx2``."""
         dx3 = None if dx2 is None else dx2.reshape(dx2.shape[0], self.nx, self.bx)
         g = _slack(self.rnd, max(self.k, self.m))
-        threshold = _threshold(self.input_grad_bound(dy_norms, dx3), self.safety, self.rnd.out * g * math.sqrt(self.bx))
+        threshold = self._threshold(self._row_bound(dy_norms, dx3, False), self.rnd.out * g * math.sqrt(self.bx))
         return torch.where(torch.lt(dy_norms.unsqueeze(-1), self.d_ymax), threshold, math.inf)
 
     def weight_grad_bound(
@@ -350,8 +334,15 @@ class LinearBound:
         dw3 = None if dwt is None else dwt.t().reshape(self.m, self.nx, self.bx)
         bound, judged = self.weight_grad_bound(x_block_norms, dy_norms, dw3)
         g = _slack(self.rnd, max(dy_norms.shape[0], self.bx))
-        threshold = _threshold(bound.expand(self.m, self.nx), self.safety, self.rnd.out * g * math.sqrt(self.bx))
+        threshold = self._threshold(bound.expand(self.m, self.nx), self.rnd.out * g * math.sqrt(self.bx))
         return torch.where(judged, threshold, math.inf)
+
+    def _threshold(self, bound: torch.Tensor, growth: float) -> torch.Tensor:
+        """The error of one element always caught where the clean bound is ``bound``: the residual is
+        at least the error less ``bound / safety``, and the wrong element can raise the bound by
+        ``safety * growth`` times itself (the narrow-output term)."""
+        shrink = 1 - self.safety * growth
+        return bound * (1 + 1 / self.safety) / shrink if shrink > 0 else torch.full_like(bound, math.inf)
 
 
 NOTHING = contextlib.nullcontext()  # reusable: no state
@@ -362,14 +353,6 @@ def plain_arithmetic(device_type: str) -> contextlib.AbstractContextManager[Any]
     if torch.is_autocast_enabled(device_type):
         return torch.autocast(device_type, enabled=False)
     return NOTHING
-
-
-def _threshold(bound: torch.Tensor, safety: float, growth: float) -> torch.Tensor:
-    """The error of one element always caught where the clean bound is ``bound``: the residual is
-    at least the error less ``bound / safety``, and the wrong element can raise the bound by
-    ``safety * growth`` times itself (the narrow-output term)."""
-    shrink = 1 - safety * growth
-    return bound * (1 + 1 / safety) / shrink if shrink > 0 else torch.full_like(bound, math.inf)
 
 
 def operand(x: torch.Tensor, dtype: torch.dtype, acc: torch.dtype, width: int) -> torch.Tensor:
@@ -415,7 +398,7 @@ def visible_error_sizes(width: int, dtype: torch.dtype = torch.float32, rows: in
     lb = LinearBound.of(w, b, dtype, rnd, safety, block)
     acc = rnd.acc_dtype
     y, dx, dw = F.linear(x, w, b), dy @ w, dy.t() @ x  # as computed, in dtype
-    x_block_norms = torch.linalg.vector_norm(lb.x_blocks(x.to(acc)), dim=-1)
+    x_block_norms = torch.linalg.vector_norm(x.to(acc).reshape(rows, lb.nx, lb.bx), dim=-1)
     x_norms = torch.linalg.vector_norm(x_block_norms, dim=-1)
     dy_norms = torch.linalg.vector_norm(dy.to(acc), dim=-1)
     f, d = lb.forward_threshold(x_norms, y), lb.input_grad_threshold(dy_norms, dx)

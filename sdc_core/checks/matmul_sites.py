@@ -188,10 +188,6 @@ class ProductSites:
         self._handles, self._wrapped, self._patched = [], [], False
         self.names, self._index, self.uncovered = [], {}, {}
 
-    def coverage(self) -> dict[str, Any]:
-        """The checked sites and the linear-like modules left out, with the reason."""
-        return {"checked": list(self.names), "not_checked": dict(self.uncovered)}
-
     def _site(self, name: str) -> int:
         if name not in self._index:
             self._index[name] = len(self.names)

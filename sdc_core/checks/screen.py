@@ -135,9 +135,8 @@ class GradientScreen:
             self.topology = Topology.gather()
         k = nonfinite.want_magnitudes(self.config.groups)
         tap = nonfinite.tap
-        params = tap.params if tap is not None else []
-        names = [tap.names.get(id(p), "?") if tap is not None else "?" for p in params]
-        first = [next(n for i, n in enumerate(names) if i * k // len(params) == j) for j in range(k)]
+        names = [tap.names.get(id(p), "?") for p in tap.params] if tap is not None else []
+        first = [next(n for i, n in enumerate(names) if i * k // len(names) == j) for j in range(k)]
         self._setup(k, first)
         return self.width
 

@@ -238,12 +238,10 @@ def judge_rows(
 ) -> tuple[dict[int, dict[str, Any]], list[list[float]], float, list[tuple[float, ...]], list[list[float]]]:
     """``classify``'s ``(details, healthy, margin)`` on some ranks' rows, then each rank's values as
     reported (``read_rows``) and its deviations. ``names``: the values', the level's last."""
-    width = len(names) - 1
-    values, judged, malformed, nonfinite = read_rows(table, width)
+    values, judged, malformed, nonfinite = read_rows(table, len(names) - 1)
     ref = reference(judged)
     devs = [deviations(x, ref) for x in judged]
-    details, healthy, margin = classify(devs, band, malformed, nonfinite, names)
-    return details, healthy, margin, values, devs
+    return (*classify(devs, band, malformed, nonfinite, names), values, devs)
 
 
 def bulk_bands(history: torch.Tensor, config: ScreenConfig) -> torch.Tensor:
