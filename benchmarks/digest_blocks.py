@@ -88,7 +88,7 @@ def measure(sizes: list[int], device: torch.device, reps: int, dry: bool, spent:
     flat = torch.cat([t.reshape(-1) for t in tensors])
     flat_gbps = nbytes / timed(flat.sum, reps, device) / 1e9
     del flat
-    reference = grouped_digests(tensors)[0].clone() if dry else launch(tensors, *SHIPPED)().clone()
+    reference = grouped_digests(tensors).clone() if dry else launch(tensors, *SHIPPED)().clone()
     configs: dict[str, Any] = {}
     for block in BLOCKS:
         for warps in WARPS:
@@ -97,7 +97,7 @@ def measure(sizes: list[int], device: torch.device, reps: int, dry: bool, spent:
                 configs[key] = "not run: budget spent"
                 continue
             try:
-                fn = (lambda: grouped_digests(tensors)[0]) if dry else launch(tensors, block, warps)
+                fn = (lambda: grouped_digests(tensors)) if dry else launch(tensors, block, warps)
                 same = bool(torch.equal(fn(), reference))
                 gbps = nbytes / timed(fn, reps, device) / 1e9
                 configs[key] = {"gbps": gbps, "same_digests": same, "vs_flat_sum": gbps / flat_gbps}

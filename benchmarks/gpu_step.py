@@ -302,7 +302,7 @@ def measure(name: str, spec: tuple[int, int, int, int], device: torch.device, ba
     flat = torch.cat([p.detach().reshape(-1) for p in params])
     with torch.no_grad():
         gb = {
-            "fingerprint": timed(device, lambda: combine(grouped_digests(params)[0]), repeats),
+            "fingerprint": timed(device, lambda: combine(grouped_digests(params)), repeats),
             "sum_per_tensor": timed(device, lambda: torch.stack([p.sum() for p in params]).sum(), repeats),
             "sum_flat": timed(device, lambda: flat.sum(), repeats),
         }

@@ -65,7 +65,7 @@ def candidates(tensors: list[torch.Tensor]) -> dict[str, Any]:
     fns = {
         "copy": lambda: copy_dst.copy_(flat),
         "sum": lambda: torch.stack([t.sum() for t in tensors]).sum().item(),
-        "fingerprint": lambda: combine(grouped_digests(tensors)[0]).item(),
+        "fingerprint": lambda: combine(grouped_digests(tensors)).item(),
         "class_sums": lambda: [class_parts(words(t)) for t in tensors],  # timed up to a device sync
         "nonfinite_ddp": nonfinite_ddp,
         "nonfinite_tensor": lambda: bool(any_nonfinite(tensors)),
@@ -151,7 +151,8 @@ def _revision_module(rev: str) -> Any:
 
 
 def _fingerprint(mod: Any, tensors: list[torch.Tensor]) -> int:
-    return mod.combine(mod.grouped_digests(tensors)[0]).item()
+    digests = mod.grouped_digests(tensors)  # before 2026-12-06 a (digests, function) pair
+    return mod.combine(digests[0] if isinstance(digests, tuple) else digests).item()
 
 
 def host(baselines: list[str], repeats: int) -> list[dict[str, Any]]:

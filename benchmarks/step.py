@@ -70,7 +70,7 @@ def run(device: torch.device, steps: int, replay_every: int = ReplayConfig().eve
             timed("nonfinite_work", lambda: nonfinite.verdict(counter["step"], model.named_parameters()))
         opt.step()
         if check in ("fingerprint", "all_three"):
-            timed("fingerprint_work", lambda: combine(grouped_digests(list(model.parameters()))[0]).item())
+            timed("fingerprint_work", lambda: combine(grouped_digests(list(model.parameters()))).item())
         counter["step"] += 1
 
     def replay_once() -> None:

@@ -26,9 +26,9 @@ def _mixed(seed: int, device: str = "cpu") -> list[torch.Tensor]:
 
 def test_grouped_digests_are_the_per_tensor_digests():
     tensors = _mixed(1)
-    digests, per_tensor = grouped_digests(tensors)
+    digests = grouped_digests(tensors)
     expected = [int(tensor_digest(t)) for t in tensors]
-    assert digests.tolist() == expected and per_tensor().tolist() == expected
+    assert digests.tolist() == expected
     assert int(combine(digests)) == int(combine(torch.tensor(expected)))
 
 
@@ -46,9 +46,9 @@ class _Kernels(TorchDispatchMode):
 
 
 def _launches(tensors: list[torch.Tensor]) -> int:
-    combine(grouped_digests(tensors)[0])  # warm the caches (weights, layouts): built once per layout
+    combine(grouped_digests(tensors))  # warm the caches (weights, layouts): built once per layout
     with _Kernels() as k:
-        combine(grouped_digests(tensors)[0])
+        combine(grouped_digests(tensors))
     return k.count
 
 
@@ -68,7 +68,7 @@ def test_cuda_kernel_gives_the_cpu_digests_in_one_launch():  # pragma: no cover 
         cpu = _mixed(seed)
         cuda = [t.cuda() for t in cpu]
         big = torch.randn(70_000_000, device="cuda")  # past 2**26 words: more than 16 rows
-        digests, _ = grouped_digests([*cuda, big])
+        digests = grouped_digests([*cuda, big])
         assert digests.device.type == "cuda"
         assert digests.tolist() == [int(tensor_digest(t)) for t in cpu] + [int(tensor_digest(big.cpu()))]
     few = [torch.randn(1 << 16, device="cuda") for _ in range(10)]

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -255,14 +255,11 @@ def _kernel_digests(tensors: Sequence[torch.Tensor]) -> tuple[list[int], list[to
     return order, pieces
 
 
-def grouped_digests(
-    tensors: Sequence[torch.Tensor], device: torch.device | None = None
-) -> tuple[torch.Tensor, Callable[[], torch.Tensor]]:
+def grouped_digests(tensors: Sequence[torch.Tensor], device: torch.device | None = None) -> torch.Tensor:
     """``tensor_digest`` of each tensor as one int64 vector on ``device`` (default ``home_device``),
-    with few launches (the values do not depend on the path), and a function returning them again."""
+    with few launches (the values do not depend on the path)."""
     if not tensors:
-        empty = torch.zeros(0, dtype=torch.int64, device=device)
-        return empty, lambda: empty
+        return torch.zeros(0, dtype=torch.int64, device=device)
     device = device or home_device(tensors)
     with torch.no_grad():
         order, fast = _kernel_digests(tensors)
@@ -273,8 +270,7 @@ def grouped_digests(
             more, host = _host_digests(tensors, rest, device)
             order += more
             pieces += host
-        digests = _in_order(pieces, order, device)
-    return digests, lambda: digests
+        return _in_order(pieces, order, device)
 
 
 # The host path's thresholds, measured on a 2-core AMD EPYC, one thread (``benchmarks/kernels.py``):

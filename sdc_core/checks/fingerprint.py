@@ -200,7 +200,7 @@ def vote(rows: list[tuple[int, ...]]) -> tuple[int | None, tuple[int, ...], int 
 @dataclass
 class _Pending:
     step: int
-    per_tensor: Callable[[], torch.Tensor]
+    per_tensor: torch.Tensor  # each compared tensor's digest, on the device
     module: nn.Module
     optimizers: list[torch.optim.Optimizer]
     names: Callable[[], list[str]]  # the compared tensors' names (read on a mismatch only)
@@ -262,8 +262,8 @@ class WeightFingerprint:
 
             self._turn += 1
         device = collective_device(home_device(tensors))  # the tensors' own device when the backend serves it
-        digests, per_tensor = grouped_digests(tensors, device=device)
-        fp = combine(digests)
+        per_tensor = grouped_digests(tensors, device=device)
+        fp = combine(per_tensor)
         reduced = torch.stack([fp, torch.bitwise_not(fp)])
         work = torch.distributed.all_reduce(reduced, op=torch.distributed.ReduceOp.MAX, async_op=True)
         self._pending = _Pending(step, per_tensor, module, list(optimizers), names, HostRead(reduced, work), part)
@@ -286,7 +286,7 @@ class WeightFingerprint:
                 self.stats.last_verified_step = max(self.stats.last_verified_step, min(self._clean))
             self.stats.add_time(time.perf_counter() - t0)
             return
-        rows, differing, tensors = vote_rows(pending.per_tensor(), pending.names)
+        rows, differing, tensors = vote_rows(pending.per_tensor, pending.names)
         rank, suspects, reference = vote(rows)
         self.stats.failures += 1
         self.stats.add_time(time.perf_counter() - t0)

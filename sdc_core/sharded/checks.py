@@ -209,7 +209,7 @@ def group_label(names: list[str]) -> str:
 class _Pending:
     step: int
     groups: list[ReplicaGroup]
-    per_tensor: list[Any]  # per replicated group: () -> per-tensor digests
+    per_tensor: list[torch.Tensor]  # per replicated group: its tensors' digests
     mismatch: torch.Tensor  # a replica mismatch here (0-d int64, on the device)
     baseline: Any  # (fp, per-tensor digests, group) of the unreplicated shards after the update, or None
     flags: HostRead | None = None  # [replica mismatch here, at-rest change here], MAX over the world
@@ -258,8 +258,8 @@ class ShardedFingerprint:
         replicated, per_tensor, reduced, works = [], [], [], []
         baseline = None
         for g in groups:
-            digests, rows = grouped_digests([local(t) for t in g.tensors], device=device)
-            fp = combine(digests)
+            rows = grouped_digests([local(t) for t in g.tensors], device=device)
+            fp = combine(rows)
             if len(g.ranks) == 1:
                 baseline = (fp, rows, g)
                 continue
@@ -287,8 +287,8 @@ class ShardedFingerprint:
         rest = torch.zeros_like(pending.mismatch)
         if pending.baseline is not None:
             fp, rows, g = pending.baseline
-            now, now_rows = grouped_digests([local(t) for t in g.tensors], device=fp.device)
-            rest = (combine(now) != fp).to(torch.int64).to(rest.device)  # on the device: no host wait
+            now_rows = grouped_digests([local(t) for t in g.tensors], device=fp.device)
+            rest = (combine(now_rows) != fp).to(torch.int64).to(rest.device)  # on the device: no host wait
             pending.at_rest, pending.baseline = (rows, now_rows, g), None
         flags = torch.stack([pending.mismatch, rest])
         pending.flags = HostRead(flags, dist.all_reduce(flags, op=dist.ReduceOp.MAX, async_op=True))
@@ -330,7 +330,7 @@ class ShardedFingerprint:
         """Rare path: gather per-tensor digests and at-rest names, vote per replica group."""
         rank = dist.get_rank() if is_distributed() else 0
         mine = {
-            "rows": {g.ranks: rows().tolist() for g, rows in zip(pending.groups, pending.per_tensor, strict=True)}
+            "rows": {g.ranks: rows.tolist() for g, rows in zip(pending.groups, pending.per_tensor, strict=True)}
             if replica_bad else {},
             "names": {g.ranks: g.names for g in pending.groups} if replica_bad else {},
             "at_rest": _changed(pending.at_rest) if rest_bad else [],
@@ -412,7 +412,7 @@ def _changed(held: Any) -> list[str]:
     if held is None:
         return []
     rows, now_rows, g = held
-    return [n for n, a, b in zip(g.names, rows().tolist(), now_rows().tolist(), strict=True) if a != b]
+    return [n for n, a, b in zip(g.names, rows.tolist(), now_rows.tolist(), strict=True) if a != b]
 
 
 __all__ = ["ShardedFingerprint", "ShardedNonFinite", "is_sharded", "local"]
