@@ -150,9 +150,6 @@ def rollback(trainer: pl.Trainer, pl_module: pl.LightningModule, error: Any, max
                      broadcast=lambda obj: trainer.strategy.broadcast(obj, src=0), restore=restore)  # fmt: skip
 
 
-# -- the Trainer's seam and driver -------------------------------------------------------------------
-
-
 class TrainerSeam(Seam):
     """The core driver's seam of one Trainer."""
 

@@ -63,8 +63,6 @@ class LoopCapture:
         """True while a replay runs (the DDP core says so; the sharded one runs ``replay_step``)."""
         return self._replaying or bool(getattr(self._loop.replay, "replaying", False))
 
-    # -- recording ------------------------------------------------------------------------------
-
     def replayable(self, fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
         """``fn`` wrapped (``SDCHooks.replayable``); from now on the forward hooks record nothing."""
         index = len(self._replayables)
@@ -138,8 +136,6 @@ class LoopCapture:
         """The step's loss for the screen (no host read), and a fresh sum for the next step."""
         loss, self._loss = self._loss, None
         return loss
-
-    # -- the loss and its recomputation ---------------------------------------------------------
 
     def backward_loss(self, outputs: Any, args: tuple, kwargs: dict) -> torch.Tensor:
         """The loss as the loop back-propagates it (normalised, scaled)."""

@@ -328,22 +328,16 @@ def resolve(sources: Sources = PLAIN, **kwargs: Any) -> tuple[SDCSettings, dict[
 
 
 def _resolve(sources: Sources, **kwargs: Any) -> tuple[SDCSettings, dict[str, str]]:
-    values: dict[str, Any] = {}
-    origin: dict[str, str] = {}
     path = sources.file()
-    layers = []
+    layers = []  # (key, value, where it came from), later sources last
     if path is not None and path.exists():  # os.devnull reads as an empty file: no settings
-        layers.append((read_file(path), f"config file {path}"))
+        layers += [(k, v, f"config file {path}") for k, v in read_file(path).items()]
     elif sources.env_prefix is not None and os.environ.get(sources.file_env):
         raise SDCConfigError(f"{sources.file_env} names {path}, which does not exist")
-    layers.append((sources.from_env(), "environment"))
-    layers.append(({k: coerce(k, v, "keyword arguments") for k, v in kwargs.items()}, "keyword arguments"))
-    for layer, source in layers:
-        for k, v in layer.items():
-            values[k] = v
-            env_name = f"environment variable {sources.env_prefix or ''}{k.upper()}"
-            origin[k] = env_name if source == "environment" else source
-    settings = SDCSettings(**values)
+    layers += [(k, v, f"environment variable {sources.env_prefix}{k.upper()}") for k, v in sources.from_env().items()]
+    layers += [(k, coerce(k, v, "keyword arguments"), "keyword arguments") for k, v in kwargs.items()]
+    origin = {k: source for k, _, source in layers}
+    settings = SDCSettings(**{k: v for k, v, _ in layers})
     checked = dataclasses.replace(  # a check turned off still gets its other settings checked
         settings,
         nonfinite_gradient=True,

@@ -205,8 +205,6 @@ class StepDriver:
         for replay in self.replays:
             replay.keep_every_step = screening
 
-    # -- the checks, by kind ----------------------------------------------------------------------
-
     nonfinite = _with_role(Role.NONFINITE)
     fingerprints = _with_role(Role.FINGERPRINT)
     replays = _with_role(Role.REPLAY)
@@ -220,16 +218,12 @@ class StepDriver:
         """The gradient check whose read gives the screen its magnitudes."""
         return next((nf for nf in self.nonfinite if nf.magnitude_groups), None)
 
-    # -- delivery -----------------------------------------------------------------------------
-
     def _gradients(self, check: Any, run: Callable[[], Any], step: StepContext) -> Any:
         """A non-finite verdict; a rollback drops the coming update (its gradients are stale)."""
         out = self.delivery.deliver(check, run)
         if out is ROLLED_BACK:
             drop_step(step.module.parameters(), scaler_active=step.scaler_active)
         return out
-
-    # -- the step -----------------------------------------------------------------------------
 
     def resolve_gradients(self, step: StepContext, before: int | None = None) -> None:
         """Read the pending non-finite verdicts (of steps before ``before``, when given)."""
@@ -376,8 +370,6 @@ class StepDriver:
             return True
         replay.last_error = symptom
         return False
-
-    # -- checkpoints and the end --------------------------------------------------------------
 
     def compare_now(self, step: StepContext, at_end: bool = False) -> bool:
         """Read the pending verdicts and compare the replicas' current weights at once, whatever the cadence (every
