@@ -90,8 +90,6 @@ def log_stats(trainer: pl.Trainer, stats: CheckStats, force: bool = False) -> No
         return
     metrics = stats.metrics()
     trainer.callback_metrics.update({k: torch.tensor(v) for k, v in metrics.items()})
-    if not trainer.loggers:
-        return
     step = trainer.global_step
     if not force and step % max(trainer.log_every_n_steps, 1) != 0:
         return
@@ -105,21 +103,15 @@ def log_stats(trainer: pl.Trainer, stats: CheckStats, force: bool = False) -> No
 def no_logging(pl_module: pl.LightningModule) -> Iterator[None]:
     """Silence ``self.log``, ``self.log_dict`` and ``self.print`` of a LightningModule (replays must not log);
     whatever the instance held before comes back."""
-
-    def mute(*_args: Any, **_kwargs: Any) -> None:
-        return None
-
-    own = vars(pl_module)
-    before = {n: own.get(n, mute) for n in ("log", "log_dict", "print")}  # mute: the instance had none
-    own.update(dict.fromkeys(before, mute))
+    own, names = vars(pl_module), ("log", "log_dict", "print")
+    before = {n: own[n] for n in names if n in own}  # what the instance itself held
+    own.update(dict.fromkeys(names, lambda *_args, **_kwargs: None))
     try:
         yield
     finally:
-        for n, f in before.items():
-            if f is mute:
-                own.pop(n, None)
-            else:
-                own[n] = f
+        for n in names:
+            own.pop(n, None)
+        own.update(before)
 
 
 @functools.lru_cache(maxsize=1)
@@ -129,10 +121,8 @@ def lightning_internals() -> frozenset[str]:
 
 
 def rollback(trainer: pl.Trainer, pl_module: pl.LightningModule, error: Any, max_step: int) -> Any:
-    """Reload weights and optimizer state from the newest checkpoint of the checkpoint callbacks' folders verified
-    clean at or before ``max_step`` (``sdc_core.ops.rollback.roll_back``: ``weights_only=True`` unless
-    ``SDC_TRUST_PICKLE=1``); data and step counters go on. Returns the error with ``details["action"]`` set; raises
-    it without one."""
+    """``sdc_core.ops.rollback.roll_back`` over the checkpoint callbacks' folders (weights-only reads unless
+    ``SDC_TRUST_PICKLE=1``): weights and optimizer state reloaded; data and step counters go on."""
     from sdc_core.io.safe_files import load_torch, trust_pickle_from_env
     from sdc_core.ops.rollback import roll_back
 
@@ -180,16 +170,13 @@ class TrainerSeam(Seam):
 
     def tracker_targets(self) -> list[tuple[str, Any]]:
         """The Trainer's loggers that take text: TensorBoard, MLflow, W&B."""
-        targets: list[tuple[str, Any]] = []
-        for logger in self.trainer.loggers:
-            name = type(logger).__name__
-            if name == "TensorBoardLogger":
-                targets.append(("tensorboard", logger.experiment))
-            elif name == "MLFlowLogger":
-                targets.append(("mlflow", (logger.experiment, logger.run_id)))
-            elif name == "WandbLogger":
-                targets.append(("wandb", logger.experiment))
-        return targets
+        targets = {
+            "TensorBoardLogger": lambda logger: ("tensorboard", logger.experiment),
+            "MLFlowLogger": lambda logger: ("mlflow", (logger.experiment, logger.run_id)),
+            "WandbLogger": lambda logger: ("wandb", logger.experiment),
+        }
+        loggers = self.trainer.loggers
+        return [targets[type(lg).__name__](lg) for lg in loggers if type(lg).__name__ in targets]
 
     def mark(self, error: SDCError) -> None:
         spawned = isinstance(self.trainer.strategy.launcher, _MultiProcessingLauncher)
@@ -219,10 +206,8 @@ def trainer_driver(trainer: pl.Trainer) -> StepDriver:
     """The one core driver of this Trainer's SDC callbacks (made at the first callback's ``setup``)."""
     driver = vars(trainer).get(_DRIVER)
     if driver is None:
-        callbacks = [cb for cb in trainer.callbacks if isinstance(cb, SDCCallback)]
-        seam = TrainerSeam(trainer, callbacks[0]._spawn_marker if callbacks else "")
-        driver = StepDriver(seam, lambda: trainer_checks(trainer))
-        vars(trainer)[_DRIVER] = driver
+        marker = next((cb._spawn_marker for cb in trainer.callbacks if isinstance(cb, SDCCallback)), "")
+        driver = vars(trainer)[_DRIVER] = StepDriver(TrainerSeam(trainer, marker), lambda: trainer_checks(trainer))
     return driver
 
 

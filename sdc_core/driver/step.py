@@ -49,8 +49,7 @@ class Delivery:
         self.rolled_back: SDCError | None = None
 
     def deliver(self, check: Any, run: Callable[[], Any], policy: str | None = None) -> Any:
-        """Run one check's call and deliver its verdict: returned (recorded with ``policy``, default
-        the check's ``on_failure``), raised, or rolled back by the seam (returns ``ROLLED_BACK``)."""
+        """Run one check's call and deliver its verdict (``policy``: default the check's ``on_failure``)."""
         policy = policy or _policy(check)
         try:
             out = run()
@@ -261,19 +260,15 @@ class StepDriver:
         audited = now or any(r.armed for r in self.replays)
         dropped = False
         for nf in self.nonfinite:
-            decided = self._decided.get(id(nf))
-            if decided is not None and decided[0] == step.index:
-                dropped = dropped or decided[1]
-                continue
+            if self._decided.get(id(nf), (None,))[0] != step.index:  # a second call of the step reads the first's
 
-            def verdict(nf: Any = nf) -> bool:
-                return bool(nf.verdict(step.index, step.module.named_parameters(), scaler_active=step.scaler_active,
-                                       now=audited))  # fmt: skip
+                def verdict(nf: Any = nf) -> bool:
+                    return bool(nf.verdict(step.index, step.module.named_parameters(),
+                                           scaler_active=step.scaler_active, now=audited))  # fmt: skip
 
-            out = self._gradients(nf, verdict, step)
-            drop = out is True or out is ROLLED_BACK
-            self._decided[id(nf)] = (step.index, drop)
-            dropped = dropped or drop
+                out = self._gradients(nf, verdict, step)
+                self._decided[id(nf)] = (step.index, out is True or out is ROLLED_BACK)
+            dropped = self._decided[id(nf)][1] or dropped
         return dropped
 
     def gradients_now(self, step: StepContext) -> None:
@@ -391,14 +386,12 @@ class StepDriver:
             self.delivery.deliver(check, lambda p=phase: p(step), check.policy)
         return changed
 
-    def before_save(self, step: StepContext, key: Any = None, at_end: bool = False) -> bool:
+    def before_save(self, step: StepContext, key: Any, at_end: bool = False) -> bool:
         """``compare_now`` before a checkpoint is written (every rank), once per ``key``: later calls with the same
         key get the first one's answer."""
-        if key is not None and self._saved is not None and self._saved[0] == key:
-            return self._saved[1]
-        changed = self.compare_now(step, at_end)
-        self._saved = (key, changed) if key is not None else None
-        return changed
+        if self._saved is None or self._saved[0] != key:
+            self._saved = (key, self.compare_now(step, at_end))
+        return self._saved[1]
 
     def discard(self) -> None:
         """An exception leaves the loop: drop what is in flight without any collective."""
