@@ -55,7 +55,6 @@ def _config(args: argparse.Namespace) -> int:
         else:
             values[f.name] = f.default
     config.SDCSettings(**values)  # type check only; the cross checks run below
-    os.environ.pop(config.CONFIG_FILE_ENV, None)
     settings = _validated(values, f"accelerate-sdc config ({path})")
     from sdc_core.io.safe_files import atomic_write_text
 
@@ -105,26 +104,13 @@ def _accelerate_config_files() -> set[Path]:
 
 
 def _validated(values: dict[str, object], source: str) -> dict[str, object]:
-    """Run the same checks ``SDCHooks`` runs, reporting ``source``."""
-    from accelerate_sdc import config
+    """Run the same checks ``SDCHooks`` runs, on ``values`` alone (no variable or file), reporting ``source``."""
+    from sdc_core.driver.settings import SDCConfigError, resolve
 
-    saved = {k: v for k, v in os.environ.items() if k.startswith(config.ENV_PREFIX)}
-    for k in saved:
-        del os.environ[k]
-    os.environ[config.CONFIG_FILE_ENV] = os.devnull
     try:
-        with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as tmp:
-            yaml.safe_dump(values, tmp)
-        os.environ[config.CONFIG_FILE_ENV] = tmp.name
-        try:
-            settings, _ = config.resolve()
-        except config.SDCConfigError as err:
-            raise config.SDCConfigError(str(err).replace(f"config file {tmp.name}", source)) from None
-        finally:
-            os.unlink(tmp.name)
-    finally:
-        os.environ.pop(config.CONFIG_FILE_ENV, None)
-        os.environ.update(saved)
+        settings, _ = resolve(**values)  # the plain route's sources: keywords only
+    except SDCConfigError as err:
+        raise SDCConfigError(str(err).replace("keyword arguments", source)) from None
     return settings.to_dict()
 
 

@@ -382,9 +382,7 @@ def route_weights_only_saves(trainer: pl.Trainer, pl_module: pl.LightningModule)
 def unroute_weights_only_saves(pl_module: pl.LightningModule) -> None:
     """Undo ``route_weights_only_saves`` (idempotent): the module's own method is back."""
     route = getattr(vars(pl_module).get("on_save_checkpoint"), _WEIGHTS_ONLY_ROUTE, None)
-    if route is None:
-        return
-    if route[0] is None:
+    if route is not None:
         del pl_module.on_save_checkpoint
-    else:
-        pl_module.on_save_checkpoint = route[0]  # type: ignore[method-assign]
+        if route[0] is not None:
+            pl_module.on_save_checkpoint = route[0]  # type: ignore[method-assign]

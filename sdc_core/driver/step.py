@@ -91,8 +91,7 @@ class Delivery:
 
 
 def _policy(check: Any) -> str:
-    config = getattr(check, "config", None)
-    return getattr(config, "on_failure", "raise") if config is not None else "raise"
+    return getattr(getattr(check, "config", None), "on_failure", "raise")  # no config: "raise"
 
 
 def _rollback_bound(check: Any, error: SDCError) -> int:
