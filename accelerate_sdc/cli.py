@@ -54,7 +54,6 @@ def _config(args: argparse.Namespace) -> int:
             values[f.name] = coerce(f.name, answer, "your answer") if answer else f.default
         else:
             values[f.name] = f.default
-    config.SDCSettings(**values)  # type check only; the cross checks run below
     settings = _validated(values, f"accelerate-sdc config ({path})")
     from sdc_core.io.safe_files import atomic_write_text
 
