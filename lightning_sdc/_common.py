@@ -264,14 +264,11 @@ class SDCCallback(Callback):
             one_line_when_uncaught(SDCConfigError)  # a configuration error is one line per rank, not a traceback
             raise SDCConfigError(f"{type(self).__name__}: {err}") from None
 
-    @property
+    @functools.cached_property
     def state_key(self) -> str:
         """Unique per configuration, so two instances of one check can coexist; computed once."""
-        key = self.__dict__.get("_state_key")
-        if key is None:
-            config = {k: v for k, v in dataclasses.asdict(self._core.config).items() if (k, v) != ("rolling", 1)}
-            key = self.__dict__["_state_key"] = self._generate_state_key(**config)  # rolling=1: the key as before
-        return key
+        config = {k: v for k, v in dataclasses.asdict(self._core.config).items() if (k, v) != ("rolling", 1)}
+        return self._generate_state_key(**config)  # rolling=1: the key as before
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":
