@@ -70,12 +70,9 @@ class CounterLog:
             self._written = step
 
 
-# -- the hook set's checkpoint state: plain data (no pickle), with the fingerprint of the saved model and
-# optimizer state, taken before a save and checked after a load
-
-
 def counters(step: int, updates: int, checks: list[Any], fingerprint: dict[str, Any] | None) -> dict[str, Any]:
-    """The hook set's state: step and update counts, each check's counters (and screen band), the fingerprint."""
+    """The hook set's state, plain data: step and update counts, each check's counters (and screen band), the
+    fingerprint of the saved model and optimizer state (taken by ``before_save``, checked after a load)."""
     state: dict[str, Any] = {
         "step": step,
         "updates": updates,
