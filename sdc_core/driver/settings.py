@@ -19,7 +19,7 @@ import inspect
 import math
 import os
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -284,20 +284,19 @@ class Sources:
             return Path(os.environ[self.file_env])
         return self.default_file() if self.default_file is not None else None
 
-    def from_env(self, environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    def from_env(self) -> dict[str, Any]:
         """Settings from ``<env_prefix><NAME>`` variables; any other name with the prefix (in any case) raises
         ``SDCConfigError`` with the closest known name."""
         if self.env_prefix is None:
             return {}
-        env = os.environ if environ is None else environ
         known = {self.env_prefix + key.upper(): key for key in _TYPES}
         out = {}
-        for name in sorted(env):
+        for name in sorted(os.environ):
             if not name.upper().startswith(self.env_prefix) or name == self.file_env:
                 continue
             if name not in known:
                 raise SDCConfigError(f"unknown environment variable {name}{suggest(name, [*known, self.file_env])}")
-            out[known[name]] = coerce(known[name], env[name], f"environment variable {name}")
+            out[known[name]] = coerce(known[name], os.environ[name], f"environment variable {name}")
         return out
 
 
