@@ -69,11 +69,14 @@ def _config(args: argparse.Namespace) -> int:
 def _check_owned(path: Path) -> None:
     """Raise unless ``path`` is missing, empty, or a file of SDC settings only (what this
     command writes): it never replaces a file it does not own, such as an accelerate config."""
+    from accelerate.commands.config.config_args import default_json_config_file, default_yaml_config_file
+
     from accelerate_sdc import config
 
     if path.is_dir():
         raise config.SDCConfigError(f"--config_file {path} is a folder; give a file name")
-    if path.expanduser().resolve() in _accelerate_config_files():
+    accelerate_files = (default_yaml_config_file, default_json_config_file)  # what `accelerate config` writes
+    if path.expanduser().resolve() in {Path(f).expanduser().resolve() for f in accelerate_files}:
         raise config.SDCConfigError(
             f"{path} is accelerate's own config file, which `accelerate launch` reads and which must not hold SDC "
             f"settings; left unchanged. Leave out --config_file (the settings go to {config.default_file()})"
@@ -93,13 +96,6 @@ def _check_owned(path: Path) -> None:
         f"{path} is not an SDC settings file ({what}); left unchanged. Write the SDC settings to another "
         "--config_file, or add them by hand to an `sdc:` section of an accelerate config (for accelerate-sdc launch)"
     )
-
-
-def _accelerate_config_files() -> set[Path]:
-    """The files accelerate itself reads as its config (``accelerate config``'s defaults)."""
-    from accelerate.commands.config.config_args import default_json_config_file, default_yaml_config_file
-
-    return {Path(f).expanduser().resolve() for f in (default_yaml_config_file, default_json_config_file)}
 
 
 def _validated(values: dict[str, object], source: str) -> dict[str, object]:

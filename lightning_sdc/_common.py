@@ -58,15 +58,6 @@ def is_sharded(trainer: pl.Trainer) -> bool:
     return isinstance(trainer.strategy, ModelParallelStrategy) and trainer.world_size > 1
 
 
-def topology(trainer: pl.Trainer) -> Topology:
-    """Every rank's host, node and local rank: gathered once per strategy (a collective)."""
-    topo = getattr(trainer.strategy, "_sdc_topology", None)
-    if topo is None:
-        topo = Topology.gather(node_rank=trainer.node_rank, local_rank=trainer.local_rank)
-        trainer.strategy._sdc_topology = topo  # type: ignore[attr-defined]
-    return topo
-
-
 def gradient_tap(trainer: pl.Trainer, pl_module: pl.LightningModule) -> GradientTap:
     """The single gradient tap on the DDP model; registers the user's comm hook, if any."""
     hook, state, wrapper = getattr(trainer.strategy, _STASH, (None, None, None))
@@ -278,7 +269,10 @@ class SDCCallback(Callback):
                 vars(trainer).pop(_DRIVER, None)  # a new fit: a new driver
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._core.topology = topology(trainer)
+        strategy: Any = trainer.strategy
+        if getattr(strategy, "_sdc_topology", None) is None:  # every rank's host, node and local rank: a collective
+            strategy._sdc_topology = Topology.gather(node_rank=trainer.node_rank, local_rank=trainer.local_rank)
+        self._core.topology = strategy._sdc_topology  # gathered once per strategy, shared by the SDC callbacks
         seam = trainer_seam(trainer)
         if seam.resolved_run_dir is None:
             # Resolved here, on every rank: `trainer.log_dir` is a broadcast, never safe on an error path.

@@ -86,8 +86,8 @@ class Delivery:
             return
         path = record_verdict(check, self.seam.run_dir, self.seam.is_main, policy)
         self.seam.report(check, policy)
-        if self.seam.is_main:
-            self.seam.report_incident(error, path)
+        if self.seam.is_main:  # the verdict (its incident file, or None) to the trackers
+            log_incident(self.seam.tracker_targets(), error, path, error.step)
 
 
 def _policy(check: Any) -> str:
@@ -145,10 +145,6 @@ class Seam:
     def tracker_targets(self) -> list[tuple[str, Any]]:
         """The trackers that get a verdict and the closing line as text (``(kind, object)``, ``ops.trackers``)."""
         return []
-
-    def report_incident(self, error: SDCError, path: Any) -> None:
-        """On the main process, the verdict (its incident file ``path``, or None) to the trackers. Never raises."""
-        log_incident(self.tracker_targets(), error, path, error.step)
 
     def mark(self, error: SDCError) -> None:
         """A verdict is raised: leave the marker for the launcher (``mark_verdict``)."""
