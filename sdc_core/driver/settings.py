@@ -123,10 +123,8 @@ class SDCSettings:
         return self._config(FingerprintConfig, self.fingerprint_every_n_steps != 0)
 
     def screen(self) -> ScreenConfig | None:
-        """None when the screen or the gradient check it reads from is off."""
-        if not (self.gradient_screen and self.nonfinite_gradient):
-            return None
-        return ScreenConfig()  # its band's tuning is not offered (NOT_OFFERED)
+        """None when the screen or the gradient check it reads from is off; its band's tuning is not offered."""
+        return ScreenConfig() if self.gradient_screen and self.nonfinite_gradient else None
 
     def matmul(self) -> MatmulChecksumConfig | None:
         return self._config(MatmulChecksumConfig, self.matmul_checksum)
