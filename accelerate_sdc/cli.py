@@ -54,8 +54,6 @@ def _config(args: argparse.Namespace) -> int:
             values[f.name] = coerce(f.name, answer, "your answer") if answer else f.default
         else:
             values[f.name] = f.default
-    config.SDCSettings(**values)  # type check only; the cross checks run below
-    os.environ.pop(config.CONFIG_FILE_ENV, None)
     settings = _validated(values, f"accelerate-sdc config ({path})")
     from sdc_core.io.safe_files import atomic_write_text
 
@@ -71,11 +69,14 @@ def _config(args: argparse.Namespace) -> int:
 def _check_owned(path: Path) -> None:
     """Raise unless ``path`` is missing, empty, or a file of SDC settings only (what this
     command writes): it never replaces a file it does not own, such as an accelerate config."""
+    from accelerate.commands.config.config_args import default_json_config_file, default_yaml_config_file
+
     from accelerate_sdc import config
 
     if path.is_dir():
         raise config.SDCConfigError(f"--config_file {path} is a folder; give a file name")
-    if path.expanduser().resolve() in _accelerate_config_files():
+    accelerate_files = (default_yaml_config_file, default_json_config_file)  # what `accelerate config` writes
+    if path.expanduser().resolve() in {Path(f).expanduser().resolve() for f in accelerate_files}:
         raise config.SDCConfigError(
             f"{path} is accelerate's own config file, which `accelerate launch` reads and which must not hold SDC "
             f"settings; left unchanged. Leave out --config_file (the settings go to {config.default_file()})"
@@ -97,34 +98,14 @@ def _check_owned(path: Path) -> None:
     )
 
 
-def _accelerate_config_files() -> set[Path]:
-    """The files accelerate itself reads as its config (``accelerate config``'s defaults)."""
-    from accelerate.commands.config.config_args import default_json_config_file, default_yaml_config_file
-
-    return {Path(f).expanduser().resolve() for f in (default_yaml_config_file, default_json_config_file)}
-
-
 def _validated(values: dict[str, object], source: str) -> dict[str, object]:
-    """Run the same checks ``SDCHooks`` runs, reporting ``source``."""
-    from accelerate_sdc import config
+    """Run the same checks ``SDCHooks`` runs, on ``values`` alone (no variable or file), reporting ``source``."""
+    from sdc_core.driver.settings import SDCConfigError, resolve
 
-    saved = {k: v for k, v in os.environ.items() if k.startswith(config.ENV_PREFIX)}
-    for k in saved:
-        del os.environ[k]
-    os.environ[config.CONFIG_FILE_ENV] = os.devnull
     try:
-        with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as tmp:
-            yaml.safe_dump(values, tmp)
-        os.environ[config.CONFIG_FILE_ENV] = tmp.name
-        try:
-            settings, _ = config.resolve()
-        except config.SDCConfigError as err:
-            raise config.SDCConfigError(str(err).replace(f"config file {tmp.name}", source)) from None
-        finally:
-            os.unlink(tmp.name)
-    finally:
-        os.environ.pop(config.CONFIG_FILE_ENV, None)
-        os.environ.update(saved)
+        settings, _ = resolve(**values)  # the plain route's sources: keywords only
+    except SDCConfigError as err:
+        raise SDCConfigError(str(err).replace("keyword arguments", source)) from None
     return settings.to_dict()
 
 

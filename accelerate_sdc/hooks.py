@@ -1,18 +1,12 @@
-"""``SDCHooks`` for hand-written Accelerate training loops: the core hook set (``sdc_core.SDCHooks``) through an
-Accelerate seam (``AccelerateFramework``).
-
-```python
-sdc = SDCHooks(accelerator)          # settings from `accelerate-sdc config`, ACCELERATE_SDC_*, keywords
-sdc.attach(model, optimizer)         # after accelerator.prepare(...)
-```
-
-``save_state`` compares the replicas and fingerprints the saved state before anything is written; ``load_state``
-verifies the loaded tensors. Cost: that of the core hook set.
+"""``SDCHooks`` for hand-written Accelerate training loops (usage: the ``accelerate_sdc`` package): the core hook set
+(``sdc_core.SDCHooks``) through an Accelerate seam (``AccelerateFramework``). ``save_state`` compares the replicas
+and fingerprints the saved state before anything is written; ``load_state`` verifies the loaded tensors.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -63,18 +57,13 @@ class AccelerateFramework(Framework):
 
     def tracker_targets(self) -> list[tuple[str, Any]]:
         """``accelerator.trackers`` that take text: TensorBoard, MLflow (its active run), W&B."""
-        targets: list[tuple[str, Any]] = []
-        for tracker in getattr(self.accelerator, "trackers", []):
-            name = type(tracker).__name__
-            if name == "TensorBoardTracker":
-                targets.append(("tensorboard", tracker.writer))
-            elif name == "MLflowTracker":
-                import mlflow
-
-                targets.append(("mlflow", (mlflow, None)))
-            elif name == "WandBTracker":
-                targets.append(("wandb", tracker.run))
-        return targets
+        targets = {
+            "TensorBoardTracker": lambda tracker: ("tensorboard", tracker.writer),
+            "MLflowTracker": lambda tracker: ("mlflow", (importlib.import_module("mlflow"), None)),
+            "WandBTracker": lambda tracker: ("wandb", tracker.run),
+        }
+        trackers = getattr(self.accelerator, "trackers", [])
+        return [targets[type(t).__name__](t) for t in trackers if type(t).__name__ in targets]
 
     def unsupported(self, model: nn.Module) -> str | None:
         if getattr(self.accelerator, "distributed_type", None) == "DEEPSPEED":  # DistributedType is a str enum
@@ -157,8 +146,7 @@ class AccelerateFramework(Framework):
 
             def load_state(*args: Any, **kwargs: Any) -> Any:
                 out = original(*args, **kwargs)
-                frameworks = getattr(acc, "_sdc_frameworks", [])
-                for fw in list(frameworks):
+                for fw in list(acc._sdc_frameworks):
                     fw._restore()
                 return out
 

@@ -94,8 +94,6 @@ class SDCTrainerCallback(TrainerCallback, ExportableState):
         self._live = False
         self._raw: torch.Tensor | None = None
 
-    # -- binding -------------------------------------------------------------------------------
-
     def _bind(self) -> Trainer:
         """Find the calling Trainer (once), create the hook set, wrap ``compute_loss`` and run right after
         ``DefaultFlowCallback`` (the final metrics reach the trackers before they close in ``on_train_end``)."""
@@ -171,8 +169,6 @@ class SDCTrainerCallback(TrainerCallback, ExportableState):
             return original(*args, **kwargs)
 
         trainer._save_checkpoint = save_checkpoint  # type: ignore[method-assign]
-
-    # -- events --------------------------------------------------------------------------------
 
     def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._bind()

@@ -58,15 +58,6 @@ def is_sharded(trainer: pl.Trainer) -> bool:
     return isinstance(trainer.strategy, ModelParallelStrategy) and trainer.world_size > 1
 
 
-def topology(trainer: pl.Trainer) -> Topology:
-    """Every rank's host, node and local rank: gathered once per strategy (a collective)."""
-    topo = getattr(trainer.strategy, "_sdc_topology", None)
-    if topo is None:
-        topo = Topology.gather(node_rank=trainer.node_rank, local_rank=trainer.local_rank)
-        trainer.strategy._sdc_topology = topo  # type: ignore[attr-defined]
-    return topo
-
-
 def gradient_tap(trainer: pl.Trainer, pl_module: pl.LightningModule) -> GradientTap:
     """The single gradient tap on the DDP model; registers the user's comm hook, if any."""
     hook, state, wrapper = getattr(trainer.strategy, _STASH, (None, None, None))
@@ -90,8 +81,6 @@ def log_stats(trainer: pl.Trainer, stats: CheckStats, force: bool = False) -> No
         return
     metrics = stats.metrics()
     trainer.callback_metrics.update({k: torch.tensor(v) for k, v in metrics.items()})
-    if not trainer.loggers:
-        return
     step = trainer.global_step
     if not force and step % max(trainer.log_every_n_steps, 1) != 0:
         return
@@ -105,21 +94,15 @@ def log_stats(trainer: pl.Trainer, stats: CheckStats, force: bool = False) -> No
 def no_logging(pl_module: pl.LightningModule) -> Iterator[None]:
     """Silence ``self.log``, ``self.log_dict`` and ``self.print`` of a LightningModule (replays must not log);
     whatever the instance held before comes back."""
-
-    def mute(*_args: Any, **_kwargs: Any) -> None:
-        return None
-
-    own = vars(pl_module)
-    before = {n: own.get(n, mute) for n in ("log", "log_dict", "print")}  # mute: the instance had none
-    own.update(dict.fromkeys(before, mute))
+    own, names = vars(pl_module), ("log", "log_dict", "print")
+    before = {n: own[n] for n in names if n in own}  # what the instance itself held
+    own.update(dict.fromkeys(names, lambda *_args, **_kwargs: None))
     try:
         yield
     finally:
-        for n, f in before.items():
-            if f is mute:
-                own.pop(n, None)
-            else:
-                own[n] = f
+        for n in names:
+            own.pop(n, None)
+        own.update(before)
 
 
 @functools.lru_cache(maxsize=1)
@@ -129,10 +112,8 @@ def lightning_internals() -> frozenset[str]:
 
 
 def rollback(trainer: pl.Trainer, pl_module: pl.LightningModule, error: Any, max_step: int) -> Any:
-    """Reload weights and optimizer state from the newest checkpoint of the checkpoint callbacks' folders verified
-    clean at or before ``max_step`` (``sdc_core.ops.rollback.roll_back``: ``weights_only=True`` unless
-    ``SDC_TRUST_PICKLE=1``); data and step counters go on. Returns the error with ``details["action"]`` set; raises
-    it without one."""
+    """``sdc_core.ops.rollback.roll_back`` over the checkpoint callbacks' folders (weights-only reads unless
+    ``SDC_TRUST_PICKLE=1``): weights and optimizer state reloaded; data and step counters go on."""
     from sdc_core.io.safe_files import load_torch, trust_pickle_from_env
     from sdc_core.ops.rollback import roll_back
 
@@ -148,9 +129,6 @@ def rollback(trainer: pl.Trainer, pl_module: pl.LightningModule, error: Any, max
     folders = [cb.dirpath for cb in trainer.checkpoint_callbacks if getattr(cb, "dirpath", None)]
     return roll_back(error, max_step, folders, is_main=trainer.is_global_zero, trust_pickle=trust,
                      broadcast=lambda obj: trainer.strategy.broadcast(obj, src=0), restore=restore)  # fmt: skip
-
-
-# -- the Trainer's seam and driver -------------------------------------------------------------------
 
 
 class TrainerSeam(Seam):
@@ -183,16 +161,13 @@ class TrainerSeam(Seam):
 
     def tracker_targets(self) -> list[tuple[str, Any]]:
         """The Trainer's loggers that take text: TensorBoard, MLflow, W&B."""
-        targets: list[tuple[str, Any]] = []
-        for logger in self.trainer.loggers:
-            name = type(logger).__name__
-            if name == "TensorBoardLogger":
-                targets.append(("tensorboard", logger.experiment))
-            elif name == "MLFlowLogger":
-                targets.append(("mlflow", (logger.experiment, logger.run_id)))
-            elif name == "WandbLogger":
-                targets.append(("wandb", logger.experiment))
-        return targets
+        targets = {
+            "TensorBoardLogger": lambda logger: ("tensorboard", logger.experiment),
+            "MLFlowLogger": lambda logger: ("mlflow", (logger.experiment, logger.run_id)),
+            "WandbLogger": lambda logger: ("wandb", logger.experiment),
+        }
+        loggers = self.trainer.loggers
+        return [targets[type(lg).__name__](lg) for lg in loggers if type(lg).__name__ in targets]
 
     def mark(self, error: SDCError) -> None:
         spawned = isinstance(self.trainer.strategy.launcher, _MultiProcessingLauncher)
@@ -222,10 +197,8 @@ def trainer_driver(trainer: pl.Trainer) -> StepDriver:
     """The one core driver of this Trainer's SDC callbacks (made at the first callback's ``setup``)."""
     driver = vars(trainer).get(_DRIVER)
     if driver is None:
-        callbacks = [cb for cb in trainer.callbacks if isinstance(cb, SDCCallback)]
-        seam = TrainerSeam(trainer, callbacks[0]._spawn_marker if callbacks else "")
-        driver = StepDriver(seam, lambda: trainer_checks(trainer))
-        vars(trainer)[_DRIVER] = driver
+        marker = next((cb._spawn_marker for cb in trainer.callbacks if isinstance(cb, SDCCallback)), "")
+        driver = vars(trainer)[_DRIVER] = StepDriver(TrainerSeam(trainer, marker), lambda: trainer_checks(trainer))
     return driver
 
 
@@ -282,14 +255,11 @@ class SDCCallback(Callback):
             one_line_when_uncaught(SDCConfigError)  # a configuration error is one line per rank, not a traceback
             raise SDCConfigError(f"{type(self).__name__}: {err}") from None
 
-    @property
+    @functools.cached_property
     def state_key(self) -> str:
         """Unique per configuration, so two instances of one check can coexist; computed once."""
-        key = self.__dict__.get("_state_key")
-        if key is None:
-            config = {k: v for k, v in dataclasses.asdict(self._core.config).items() if (k, v) != ("rolling", 1)}
-            key = self.__dict__["_state_key"] = self._generate_state_key(**config)  # rolling=1: the key as before
-        return key
+        config = {k: v for k, v in dataclasses.asdict(self._core.config).items() if (k, v) != ("rolling", 1)}
+        return self._generate_state_key(**config)  # rolling=1: the key as before
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":
@@ -299,7 +269,10 @@ class SDCCallback(Callback):
                 vars(trainer).pop(_DRIVER, None)  # a new fit: a new driver
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._core.topology = topology(trainer)
+        strategy: Any = trainer.strategy
+        if getattr(strategy, "_sdc_topology", None) is None:  # every rank's host, node and local rank: a collective
+            strategy._sdc_topology = Topology.gather(node_rank=trainer.node_rank, local_rank=trainer.local_rank)
+        self._core.topology = strategy._sdc_topology  # gathered once per strategy, shared by the SDC callbacks
         seam = trainer_seam(trainer)
         if seam.resolved_run_dir is None:
             # Resolved here, on every rank: `trainer.log_dir` is a broadcast, never safe on an error path.
@@ -400,9 +373,7 @@ def route_weights_only_saves(trainer: pl.Trainer, pl_module: pl.LightningModule)
 def unroute_weights_only_saves(pl_module: pl.LightningModule) -> None:
     """Undo ``route_weights_only_saves`` (idempotent): the module's own method is back."""
     route = getattr(vars(pl_module).get("on_save_checkpoint"), _WEIGHTS_ONLY_ROUTE, None)
-    if route is None:
-        return
-    if route[0] is None:
+    if route is not None:
         del pl_module.on_save_checkpoint
-    else:
-        pl_module.on_save_checkpoint = route[0]  # type: ignore[method-assign]
+        if route[0] is not None:
+            pl_module.on_save_checkpoint = route[0]  # type: ignore[method-assign]

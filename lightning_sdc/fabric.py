@@ -8,9 +8,8 @@ fabric.save(path, {"model": model, "optimizer": optimizer, "sdc": hooks})  # cou
 ```
 
 Settings as for Accelerate users (keywords over ``ACCELERATE_SDC_*`` over the ``accelerate-sdc config`` file);
-Accelerate is not needed. Pass ``loss_fn`` or use ``hooks.replayable(fn)`` when you divide the loss for accumulation
-or the loss is not ``outputs.loss``. ``fabric.save`` compares the replicas and fingerprints the saved state first;
-``fabric.load`` verifies the restored tensors. Details: docs/integrations.md (Lightning Fabric).
+Accelerate is not needed. ``fabric.save`` compares the replicas and fingerprints the saved state first; ``fabric.load``
+verifies the restored tensors. Details: docs/integrations.md (Lightning Fabric).
 """
 
 from __future__ import annotations
@@ -98,11 +97,8 @@ class FabricFramework(Framework):
     def run_dir(self) -> str:
         if self._run_dir is not None:
             return self._run_dir
-        for logger in self.fabric.loggers:
-            folder = getattr(logger, "log_dir", None) or getattr(logger, "root_dir", None)
-            if folder:
-                return str(folder)
-        return "."
+        folders = (getattr(lg, "log_dir", None) or getattr(lg, "root_dir", None) for lg in self.fabric.loggers)
+        return next((str(folder) for folder in folders if folder), ".")
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         self.fabric.log_dict(metrics, step=step)

@@ -4,11 +4,9 @@
     ...  # the loop as usual: optimizer.step() runs the checks around the real update
     hooks.finish()
 
-The Accelerate, Fabric and Hugging Face Trainer seams subclass it and answer the framework questions through
-``Framework``. ``optimizer.step`` is wrapped on the instance: the non-finite check and the replay audit run before
-the update, the fingerprint after each real one. A failure raises the ``SDCError`` on every rank in the same step
-and writes an incident under ``<run_dir>/sdc/incidents`` (rank 0). Cost: the checks' own, plus a few Python calls
-per step.
+``optimizer.step`` is wrapped on the instance: the non-finite check and the replay audit run before the update, the
+fingerprint after each real one. A failure raises the ``SDCError`` on every rank in the same step and writes an
+incident under ``<run_dir>/sdc/incidents`` (rank 0). Cost: the checks' own, plus a few Python calls per step.
 """
 
 from __future__ import annotations
@@ -72,12 +70,9 @@ class CounterLog:
             self._written = step
 
 
-# -- the hook set's checkpoint state: plain data (no pickle), with the fingerprint of the saved model and
-# optimizer state, taken before a save and checked after a load
-
-
 def counters(step: int, updates: int, checks: list[Any], fingerprint: dict[str, Any] | None) -> dict[str, Any]:
-    """The hook set's state: step and update counts, each check's counters (and screen band), the fingerprint."""
+    """The hook set's state, plain data: step and update counts, each check's counters (and screen band), the
+    fingerprint of the saved model and optimizer state (taken by ``before_save``, checked after a load)."""
     state: dict[str, Any] = {
         "step": step,
         "updates": updates,
@@ -207,24 +202,21 @@ class SDCHooks:
             fw.use_scaler(scaler)
         self.loss_fn = loss_fn or self.loss_fn
         distributed = fw.world_size > 1
-        if distributed and is_sharded(model):  # fully_shard in place (FSDP2, HSDP): the sharded cores, the update audit
-            self._module = model
+        sharded = distributed and is_sharded(model)  # fully_shard in place (FSDP2, HSDP)
+        ddp = None if sharded else fw.ddp_model(model)
+        if distributed and not sharded and ddp is None:
+            _refuse(fw.describe(model))
+        module = self._module = model if sharded else fw.unwrap(model)
+        if distributed:  # the communication threads finish with Python before it shuts down
             process_exit.arm()
-            topo = Topology.gather(local_rank=fw.local_rank)
+        topo = Topology.gather(local_rank=fw.local_rank)
+        if sharded:  # the sharded cores, the update audit
             self._handles += self._cores.attach_sharded(model, optimizer, self._capture, self.settings.update_audit,
                                                         topo, self.settings.screen)  # fmt: skip
             self._driver.prepare()  # with a screen, the sharded replay keeps every step's micro-batches
             # shards are compared before a save; the saved state (DTensor shards) carries no fingerprint
             self._hooked(model, optimizer, lambda *_: self.before_save())
             return self
-        ddp = fw.ddp_model(model)
-        if distributed and ddp is None:
-            _refuse(fw.describe(model))
-        module = fw.unwrap(model)
-        self._module = module
-        if distributed:  # the communication threads finish with Python before it shuts down
-            process_exit.arm()
-        topo = Topology.gather(local_rank=fw.local_rank)
         for check in self.checks:
             check.topology = topo
         if distributed:
@@ -264,8 +256,6 @@ class SDCHooks:
 
         Example: ``compute_loss = hooks.replayable(lambda model, x, y: F.cross_entropy(model(x), y))``."""
         return self._capture.replayable(fn)
-
-    # -- the step ------------------------------------------------------------------------------
 
     def _context(self, optimizer: Any = None, index: int | None = None, update: int | None = None) -> StepContext:
         """The step as the driver sees it: by default the coming update's step and update index."""
@@ -362,8 +352,6 @@ class SDCHooks:
         self._handles = []
         self._cores.detach()
         self._module = None
-
-    # -- checkpoints ---------------------------------------------------------------------------
 
     def owns(self, models: list[Any]) -> bool:
         """True when this hook set is attached to one of ``models`` (wrapped or not), or to none yet."""

@@ -39,7 +39,7 @@ class LoopChecks:
     def __init__(self, settings: SDCSettings) -> None:
         nonfinite, replay, fingerprint = settings.nonfinite(), settings.replay(), settings.fingerprint()
         self.nonfinite: Any = NonFiniteGradient(nonfinite) if nonfinite else None
-        self.replay: Any = RingReplay(replay) if replay else None
+        self.replay: Any = RingReplay(replay, advice=LOOP_ADVICE) if replay else None
         self.fingerprint: Any = WeightFingerprint(fingerprint) if fingerprint else None
         self.update_audit: Any = None
         self.screen: Any = None  # the every-step screen: made at attach (DDP, with the gradient check)
@@ -97,7 +97,6 @@ class LoopChecks:
             get, load = capture.state_hooks(module)
             self.replay.capture = StateCapture(module, trainable, get_state=get, load_state=load,
                                                max_state_mb=self.replay.config.max_state_mb)  # fmt: skip
-            self.replay.advice = LOOP_ADVICE
             handles = capture.hook_forward(module)
         self._consumers = [(getattr(tap, n), c) for n in _CONSUMER_LISTS for c in getattr(tap, n, [])[before[n] :]]
         return handles
@@ -112,10 +111,9 @@ class LoopChecks:
             warnings.warn("SDC matmul_checksum is inactive on a fully_shard model", UserWarning, stacklevel=3)
             self.matmul = None
         if self.replay is not None:
-            self.replay = ShardedReplay(self.replay.config, self.replay.stats, topo)
+            self.replay = ShardedReplay(self.replay.config, self.replay.stats, topo, advice=LOOP_ADVICE)
             get, load = capture.state_hooks(model)
             self.replay.attach(model, get_state=get, load_state=load)
-            self.replay.advice = LOOP_ADVICE
             handles += capture.hook_forward(model)
         if self.nonfinite is not None:
             self.nonfinite = ShardedNonFinite(self.nonfinite.config, self.nonfinite.stats, topo)

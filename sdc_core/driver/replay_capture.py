@@ -63,8 +63,6 @@ class LoopCapture:
         """True while a replay runs (the DDP core says so; the sharded one runs ``replay_step``)."""
         return self._replaying or bool(getattr(self._loop.replay, "replaying", False))
 
-    # -- recording ------------------------------------------------------------------------------
-
     def replayable(self, fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
         """``fn`` wrapped (``SDCHooks.replayable``); from now on the forward hooks record nothing."""
         index = len(self._replayables)
@@ -75,18 +73,9 @@ class LoopCapture:
         def wrapper(model: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
             loop = self._loop
             module, replay = loop.module, loop.replay
-            record = (
-                replay is not None
-                and module is not None
-                and not self.in_replay()
-                and module.training
-                and torch.is_grad_enabled()
-                and replay.arm(loop.step)
-            )
+            record = replay is not None and module is not None and self._training(module) and replay.arm(loop.step)
             if record:
-                device = _device(module)
-                replay.record(("fn", index, args, kwargs, _autocast_state(device), _sdpa_state()), replay.recorded,
-                              device)  # fmt: skip
+                _record(replay, module, ("fn", index, args, kwargs))
             self._in_replayable += 1
             try:
                 loss = fn(model, *args, **kwargs)
@@ -101,19 +90,18 @@ class LoopCapture:
 
         return wrapper
 
+    def _training(self, module: nn.Module) -> bool:
+        """A training forward with gradients, not a replay's: one that is recorded."""
+        return module.training and torch.is_grad_enabled() and not self.in_replay()
+
     def _recording_forward(self, module: nn.Module) -> bool:
-        return not (
-            self._uses_replayable or self._in_replayable or self.in_replay()
-            or not module.training or not torch.is_grad_enabled()
-        )  # fmt: skip
+        return not (self._uses_replayable or self._in_replayable) and self._training(module)
 
     def _before_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         replay = self._loop.replay
         assert replay is not None
         if self._recording_forward(module) and replay.arm(self._loop.step):
-            device = _device(module)
-            replay.record(("forward", 0, args, kwargs, _autocast_state(device), _sdpa_state()), replay.recorded,
-                          device)  # fmt: skip
+            _record(replay, module, ("forward", 0, args, kwargs))
 
     def _after_forward(self, module: nn.Module, args: tuple, kwargs: dict, outputs: Any) -> None:
         replay = self._loop.replay
@@ -138,8 +126,6 @@ class LoopCapture:
         """The step's loss for the screen (no host read), and a fresh sum for the next step."""
         loss, self._loss = self._loss, None
         return loss
-
-    # -- the loss and its recomputation ---------------------------------------------------------
 
     def backward_loss(self, outputs: Any, args: tuple, kwargs: dict) -> torch.Tensor:
         """The loss as the loop back-propagates it (normalised, scaled)."""
@@ -204,8 +190,13 @@ def _loss_of(result: Any) -> torch.Tensor:
     return result
 
 
+def _record(replay: Any, module: nn.Module, call: tuple) -> None:
+    """Record a micro-batch's call with the autocast state and attention backends it runs under."""
+    device = _device(module)
+    replay.record((*call, _autocast_state(device), _sdpa_state()), replay.recorded, device)
+
+
 def _device(module: nn.Module | None) -> torch.device | None:
-    """The device of ``module``'s first parameter, or None."""
     first = None if module is None else next(module.parameters(), None)
     return None if first is None else first.device
 

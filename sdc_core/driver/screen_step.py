@@ -40,16 +40,13 @@ class ScreenVerdicts:
 
     def reads_next_step(self, screen: Any) -> bool:
         """Whether ``screen``'s verdict on a step is read at the next step (decided once, alike on every rank)."""
-        decided = self._next_step.get(id(screen))
-        if decided is None:
+        if id(screen) not in self._next_step:
             read = screen.config.read
             if read == "auto":
                 skip = any(r.config.on_failure == "skip_step" for r in self.driver.replays)
-                decided = collective_device().type == "cuda" and not skip
-            else:
-                decided = read == "next_step"
-            self._next_step[id(screen)] = decided
-        return decided
+                read = "next_step" if collective_device().type == "cuda" and not skip else "same_step"
+            self._next_step[id(screen)] = read == "next_step"
+        return self._next_step[id(screen)]
 
     def before_update(self, step: Any, skipped: bool) -> bool:
         """Each screen's verdict due now (this step's or the previous step's). True: drop this step's update."""

@@ -19,7 +19,7 @@ import inspect
 import math
 import os
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -123,10 +123,8 @@ class SDCSettings:
         return self._config(FingerprintConfig, self.fingerprint_every_n_steps != 0)
 
     def screen(self) -> ScreenConfig | None:
-        """None when the screen or the gradient check it reads from is off."""
-        if not (self.gradient_screen and self.nonfinite_gradient):
-            return None
-        return ScreenConfig()  # its band's tuning is not offered (NOT_OFFERED)
+        """None when the screen or the gradient check it reads from is off; its band's tuning is not offered."""
+        return ScreenConfig() if self.gradient_screen and self.nonfinite_gradient else None
 
     def matmul(self) -> MatmulChecksumConfig | None:
         return self._config(MatmulChecksumConfig, self.matmul_checksum)
@@ -284,20 +282,19 @@ class Sources:
             return Path(os.environ[self.file_env])
         return self.default_file() if self.default_file is not None else None
 
-    def from_env(self, environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    def from_env(self) -> dict[str, Any]:
         """Settings from ``<env_prefix><NAME>`` variables; any other name with the prefix (in any case) raises
         ``SDCConfigError`` with the closest known name."""
         if self.env_prefix is None:
             return {}
-        env = os.environ if environ is None else environ
         known = {self.env_prefix + key.upper(): key for key in _TYPES}
         out = {}
-        for name in sorted(env):
+        for name in sorted(os.environ):
             if not name.upper().startswith(self.env_prefix) or name == self.file_env:
                 continue
             if name not in known:
                 raise SDCConfigError(f"unknown environment variable {name}{suggest(name, [*known, self.file_env])}")
-            out[known[name]] = coerce(known[name], env[name], f"environment variable {name}")
+            out[known[name]] = coerce(known[name], os.environ[name], f"environment variable {name}")
         return out
 
 
@@ -328,22 +325,16 @@ def resolve(sources: Sources = PLAIN, **kwargs: Any) -> tuple[SDCSettings, dict[
 
 
 def _resolve(sources: Sources, **kwargs: Any) -> tuple[SDCSettings, dict[str, str]]:
-    values: dict[str, Any] = {}
-    origin: dict[str, str] = {}
     path = sources.file()
-    layers = []
+    layers = []  # (key, value, where it came from), later sources last
     if path is not None and path.exists():  # os.devnull reads as an empty file: no settings
-        layers.append((read_file(path), f"config file {path}"))
+        layers += [(k, v, f"config file {path}") for k, v in read_file(path).items()]
     elif sources.env_prefix is not None and os.environ.get(sources.file_env):
         raise SDCConfigError(f"{sources.file_env} names {path}, which does not exist")
-    layers.append((sources.from_env(), "environment"))
-    layers.append(({k: coerce(k, v, "keyword arguments") for k, v in kwargs.items()}, "keyword arguments"))
-    for layer, source in layers:
-        for k, v in layer.items():
-            values[k] = v
-            env_name = f"environment variable {sources.env_prefix or ''}{k.upper()}"
-            origin[k] = env_name if source == "environment" else source
-    settings = SDCSettings(**values)
+    layers += [(k, v, f"environment variable {sources.env_prefix}{k.upper()}") for k, v in sources.from_env().items()]
+    layers += [(k, coerce(k, v, "keyword arguments"), "keyword arguments") for k, v in kwargs.items()]
+    origin = {k: source for k, _, source in layers}
+    settings = SDCSettings(**{k: v for k, v, _ in layers})
     checked = dataclasses.replace(  # a check turned off still gets its other settings checked
         settings,
         nonfinite_gradient=True,

@@ -49,8 +49,7 @@ class Delivery:
         self.rolled_back: SDCError | None = None
 
     def deliver(self, check: Any, run: Callable[[], Any], policy: str | None = None) -> Any:
-        """Run one check's call and deliver its verdict: returned (recorded with ``policy``, default
-        the check's ``on_failure``), raised, or rolled back by the seam (returns ``ROLLED_BACK``)."""
+        """Run one check's call and deliver its verdict (``policy``: default the check's ``on_failure``)."""
         policy = policy or _policy(check)
         try:
             out = run()
@@ -87,13 +86,12 @@ class Delivery:
             return
         path = record_verdict(check, self.seam.run_dir, self.seam.is_main, policy)
         self.seam.report(check, policy)
-        if self.seam.is_main:
-            self.seam.report_incident(error, path)
+        if self.seam.is_main:  # the verdict (its incident file, or None) to the trackers
+            log_incident(self.seam.tracker_targets(), error, path, error.step)
 
 
 def _policy(check: Any) -> str:
-    config = getattr(check, "config", None)
-    return getattr(config, "on_failure", "raise") if config is not None else "raise"
+    return getattr(getattr(check, "config", None), "on_failure", "raise")  # no config: "raise"
 
 
 def _rollback_bound(check: Any, error: SDCError) -> int:
@@ -148,10 +146,6 @@ class Seam:
         """The trackers that get a verdict and the closing line as text (``(kind, object)``, ``ops.trackers``)."""
         return []
 
-    def report_incident(self, error: SDCError, path: Any) -> None:
-        """On the main process, the verdict (its incident file ``path``, or None) to the trackers. Never raises."""
-        log_incident(self.tracker_targets(), error, path, error.step)
-
     def mark(self, error: SDCError) -> None:
         """A verdict is raised: leave the marker for the launcher (``mark_verdict``)."""
         mark_verdict(error)
@@ -205,8 +199,6 @@ class StepDriver:
         for replay in self.replays:
             replay.keep_every_step = screening
 
-    # -- the checks, by kind ----------------------------------------------------------------------
-
     nonfinite = _with_role(Role.NONFINITE)
     fingerprints = _with_role(Role.FINGERPRINT)
     replays = _with_role(Role.REPLAY)
@@ -220,16 +212,12 @@ class StepDriver:
         """The gradient check whose read gives the screen its magnitudes."""
         return next((nf for nf in self.nonfinite if nf.magnitude_groups), None)
 
-    # -- delivery -----------------------------------------------------------------------------
-
     def _gradients(self, check: Any, run: Callable[[], Any], step: StepContext) -> Any:
         """A non-finite verdict; a rollback drops the coming update (its gradients are stale)."""
         out = self.delivery.deliver(check, run)
         if out is ROLLED_BACK:
             drop_step(step.module.parameters(), scaler_active=step.scaler_active)
         return out
-
-    # -- the step -----------------------------------------------------------------------------
 
     def resolve_gradients(self, step: StepContext, before: int | None = None) -> None:
         """Read the pending non-finite verdicts (of steps before ``before``, when given)."""
@@ -267,19 +255,15 @@ class StepDriver:
         audited = now or any(r.armed for r in self.replays)
         dropped = False
         for nf in self.nonfinite:
-            decided = self._decided.get(id(nf))
-            if decided is not None and decided[0] == step.index:
-                dropped = dropped or decided[1]
-                continue
+            if self._decided.get(id(nf), (None,))[0] != step.index:  # a second call of the step reads the first's
 
-            def verdict(nf: Any = nf) -> bool:
-                return bool(nf.verdict(step.index, step.module.named_parameters(), scaler_active=step.scaler_active,
-                                       now=audited))  # fmt: skip
+                def verdict(nf: Any = nf) -> bool:
+                    return bool(nf.verdict(step.index, step.module.named_parameters(),
+                                           scaler_active=step.scaler_active, now=audited))  # fmt: skip
 
-            out = self._gradients(nf, verdict, step)
-            drop = out is True or out is ROLLED_BACK
-            self._decided[id(nf)] = (step.index, drop)
-            dropped = dropped or drop
+                out = self._gradients(nf, verdict, step)
+                self._decided[id(nf)] = (step.index, out is True or out is ROLLED_BACK)
+            dropped = self._decided[id(nf)][1] or dropped
         return dropped
 
     def gradients_now(self, step: StepContext) -> None:
@@ -377,8 +361,6 @@ class StepDriver:
         replay.last_error = symptom
         return False
 
-    # -- checkpoints and the end --------------------------------------------------------------
-
     def compare_now(self, step: StepContext, at_end: bool = False) -> bool:
         """Read the pending verdicts and compare the replicas' current weights at once, whatever the cadence (every
         rank; one host wait and one read of the weights), then each ``StepCheck``'s ``before_save`` (``at_end``: its
@@ -399,14 +381,12 @@ class StepDriver:
             self.delivery.deliver(check, lambda p=phase: p(step), check.policy)
         return changed
 
-    def before_save(self, step: StepContext, key: Any = None, at_end: bool = False) -> bool:
+    def before_save(self, step: StepContext, key: Any, at_end: bool = False) -> bool:
         """``compare_now`` before a checkpoint is written (every rank), once per ``key``: later calls with the same
         key get the first one's answer."""
-        if key is not None and self._saved is not None and self._saved[0] == key:
-            return self._saved[1]
-        changed = self.compare_now(step, at_end)
-        self._saved = (key, changed) if key is not None else None
-        return changed
+        if self._saved is None or self._saved[0] != key:
+            self._saved = (key, self.compare_now(step, at_end))
+        return self._saved[1]
 
     def discard(self) -> None:
         """An exception leaves the loop: drop what is in flight without any collective."""
