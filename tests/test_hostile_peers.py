@@ -1,6 +1,6 @@
 """Hostile peers: several faulty ranks at once (issue 22, item 5).
 
-The attribution (``explain``, ``pick_referee``, ``settle``) over simulated comparisons for every
+The replay's attribution (``pick_referee``, ``evidence``, ``attribute``) over simulated comparisons for every
 pair of faulty ranks in worlds of 4 to 8, and real ``torchrun`` runs (``tests/hostile_scenarios.py``)
 with the same persistent fault on two ranks.
 
@@ -19,13 +19,13 @@ import pytest
 from conftest import results, torchrun
 
 from sdc_core.dist.topology import ring_partners
-from sdc_core.replay.attribution import SEVERAL, explain, pick_referee, settle
+from sdc_core.replay.attribution import attribute, evidence, pick_referee
 
 SCRIPT = Path(__file__).with_name("hostile_scenarios.py")
 
 
 def _attribute(world: int, node_of: list[int], computes: Any) -> tuple[str, int | None, tuple[int, ...]]:
-    """The replay's attribution protocol (``RingReplay._audit`` and ``_attribute``) with
+    """The replay's attribution protocol without tensor parallelism (``referee.attribute_step``) with
     ``computes(batch, rank)`` standing for the result rank ``rank`` gets for ``batch``'s owner.
     Returns ``("none" | "unreplayable" | "sdc", rank, suspects)``."""
     partners = ring_partners(node_of)
@@ -37,19 +37,13 @@ def _attribute(world: int, node_of: list[int], computes: Any) -> tuple[str, int 
     )
     if not mismatching:
         return "none", None, ()
-    every_pair = len(mismatching) == world
-    culprits, disputed = explain(world, partners, mismatching)
-    if every_pair:
-        culprits, disputed = set(), list(mismatching)
-    busy = {r for pair in mismatching for r in pair}
-    referees = {pair: pick_referee(*pair, world, node_of, busy) for pair in disputed}
+    busy, load = {r for pair in mismatching for r in pair}, {}
+    referees = {pair: pick_referee(*pair, world, node_of, busy, load) for pair in mismatching}  # every pair judged
     rulings = {(o, q): (computes(o, t) == computes(o, o), computes(o, t) == computes(o, q))
                for (o, q), t in referees.items() if t is not None}  # fmt: skip
-    if every_pair and not any(a or b for a, b in rulings.values()):
+    if len(mismatching) == world and not any(a or b for a, b in rulings.values()):
         return "unreplayable", None, ()
-    rank, suspects, notes = settle(world, culprits, disputed, rulings, mismatching=mismatching, referees=referees)
-    if rank is None and len(mismatching) > 1 and disputed:
-        assert notes["attribution"] == SEVERAL
+    rank, suspects, _ = attribute(world, *evidence(inverse, mismatching, referees, rulings))
     return "sdc", rank, suspects
 
 

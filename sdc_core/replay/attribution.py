@@ -44,15 +44,13 @@ def settle(
     culprits: set[int],
     disputed: Sequence[tuple[int, int]],
     referee_says: dict[tuple[int, int], tuple[bool, bool]],
-    *,
-    mismatching: Sequence[tuple[int, int]] | None = None,
-    referees: dict[tuple[int, int], int | None] | None = None,
 ) -> tuple[int | None, tuple[int, ...], dict[str, Any]]:
-    """Final attribution under tensor parallelism: ``(rank, suspects, notes)``.
+    """Final attribution of a ring of tensor-parallel groups or of the update audit: ``(rank, suspects, notes)``.
 
     ``referee_says[(owner, replayer)] = (agrees_with_owner, agrees_with_replayer)``. A rank is named only when it
-    alone explains every observation (``single_fault``: a faulty referee could otherwise make a healthy rank the
-    only suspect); else every rank of a disagreeing pair is a suspect."""
+    is the one suspect left (of more than two); else every rank of a disagreeing pair is a suspect. One referee
+    per pair: a faulty referee that computes what a faulty owner computed makes the replayer the suspect (the
+    replay without tensor parallelism weighs every comparison instead: ``attribute``)."""
     suspects = set(culprits)
     notes: dict[str, Any] = {}
     for o, q in disputed:
@@ -65,16 +63,7 @@ def settle(
         else:
             suspects.update((o, q))
     ordered = tuple(sorted(suspects))
-    rank = ordered[0] if len(ordered) == 1 and world > 2 else None
-    if mismatching is None or world <= 2:
-        return rank, ordered, notes
-    if rank is not None and single_fault(rank, mismatching, referee_says, referees or {}):
-        return rank, ordered, notes
-    involved = {r for pair in mismatching for r in pair}
-    if rank is not None or (disputed and len(mismatching) > 1):  # referees' rulings may come from a faulty rank
-        notes["attribution"] = SEVERAL
-        ordered = tuple(sorted(suspects | involved))
-    return None, ordered, notes
+    return (ordered[0] if len(ordered) == 1 and world > 2 else None), ordered, notes
 
 
 SEVERAL = "several ranks disagree: no single faulty rank explains every disagreement"
@@ -249,27 +238,6 @@ def unchecked(
     pairs = [*disagreeing, *agreeing]
     checked = {r for a, b in pairs if a not in sus and b not in sus for r in (a, b)}
     return sorted({r for pair in pairs for r in pair} - sus - checked)
-
-
-def single_fault(
-    rank: int,
-    mismatching: Iterable[tuple[int, int]],
-    referee_says: dict[tuple[int, int], tuple[bool, bool]],
-    referees: dict[tuple[int, int], int | None],
-) -> bool:
-    """Whether ``rank`` alone being faulty explains the evidence: it is in every disagreeing pair, and every
-    other referee agreed with the other side of its pair, not with ``rank``."""
-    if any(rank not in pair for pair in mismatching):
-        return False
-    for (o, q), (with_owner, with_replayer) in referee_says.items():
-        t = referees.get((o, q))
-        if t is None or t == rank:
-            continue
-        if rank == o and (with_owner or not with_replayer):
-            return False
-        if rank == q and (with_replayer or not with_owner):
-            return False
-    return True
 
 
 def describe(err: BaseException) -> str:
