@@ -117,7 +117,8 @@ class GradientTap:
 
     def present(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
         """Each parameter with a gradient the tap reads (``dense``) and that gradient, in the tap's order."""
-        return [(p, p.grad) for p in self.params if dense(p.grad)]
+        return [(p, g) for p in self.params  # dense()'s test inline: no Python call per tensor (benchmarks/calls.py)
+                if (g := p.grad) is not None and g.layout == torch.strided and g.numel() > 0]  # fmt: skip
 
     def _on_output_grad(self, grad: torch.Tensor) -> None:
         if not self._queued:
