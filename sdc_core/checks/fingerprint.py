@@ -209,10 +209,8 @@ class _Pending:
 
 
 @dataclass
-class WeightFingerprint:
-    """Framework-neutral weight fingerprint check; adapters call ``start`` and ``resolve``. With
-    ``rolling = k > 1`` each ``start`` digests the next of k slices; ``stats.last_verified_step`` is
-    then the oldest of the slices' last clean comparisons."""
+class FingerprintCommon:
+    """What the DDP and the sharded fingerprint checks share: settings, counters, cadence, heals per rank."""
 
     role: ClassVar[Role] = Role.FINGERPRINT
 
@@ -221,9 +219,6 @@ class WeightFingerprint:
     topology: Topology | None = None
     last_error: FingerprintMismatchError | None = None
     heals: dict[int, int] = field(default_factory=dict)
-    _pending: _Pending | None = None
-    _turn: int = 0  # rolling comparisons started: the next slice is _turn % slices
-    _clean: list[int] = field(default_factory=list)  # per slice, the step of its last clean comparison
 
     @property
     def active(self) -> bool:
@@ -232,6 +227,25 @@ class WeightFingerprint:
     def due(self, step: int) -> bool:
         """Whether the replicas are compared after step ``step`` (0-based): steps n-1, 2n-1, ..."""
         return (step + 1) % self.config.every_n_steps == 0
+
+    def _may_heal(self, ranks: Iterable[int]) -> bool:
+        return all(self.heals.get(r, 0) < self.config.max_heals for r in ranks)
+
+    def _count_heal(self, ranks: Iterable[int]) -> None:
+        for r in ranks:
+            self.heals[r] = self.heals.get(r, 0) + 1
+        self.stats.bump("heals")
+
+
+@dataclass
+class WeightFingerprint(FingerprintCommon):
+    """Framework-neutral weight fingerprint check; adapters call ``start`` and ``resolve``. With
+    ``rolling = k > 1`` each ``start`` digests the next of k slices; ``stats.last_verified_step`` is
+    then the oldest of the slices' last clean comparisons."""
+
+    _pending: _Pending | None = None
+    _turn: int = 0  # rolling comparisons started: the next slice is _turn % slices
+    _clean: list[int] = field(default_factory=list)  # per slice, the step of its last clean comparison
 
     def start(
         self,
@@ -308,11 +322,7 @@ class WeightFingerprint:
             reason = f"{len(suspects)} replicas differ from the majority"
         else:
             reason = f"replicas split into {len(groups)} groups with no majority"
-        heal = (
-            self.config.on_failure == "heal"
-            and reference is not None
-            and all(self.heals.get(r, 0) < self.config.max_heals for r in suspects)
-        )
+        heal = self.config.on_failure == "heal" and reference is not None and self._may_heal(suspects)
         if heal:
             details["action"] = f"healed from rank {reference}"
             reason += f"; healed from majority rank {reference}"
@@ -325,9 +335,7 @@ class WeightFingerprint:
         )
         if not heal:
             raise self.last_error
-        for r in suspects:
-            self.heals[r] = self.heals.get(r, 0) + 1
-        self.stats.bump("heals")
+        self._count_heal(suspects)
         copy_replica(pending.module, pending.optimizers, src=reference)
 
     def discard(self, timeout_s: float = 30.0) -> None:
@@ -355,6 +363,7 @@ def healed_by_comparison(check: Any, step: int, module: nn.Module, optimizers: I
 
 
 __all__ = [
+    "FingerprintCommon",
     "FingerprintConfig",
     "WeightFingerprint",
     "fingerprinted_tensors",

@@ -100,6 +100,18 @@ class NonFiniteVerdicts:
     last_error: NonFiniteGradientError | None = None
     _sole_rank: int | None = None
     _streak: int = 0
+    _pending: Any = None  # the verdict still to be read, with its ``step``
+    magnitude_groups: int = 0  # opt-in (``want_magnitudes``): groups of the local magnitudes read
+    _group_names: dict[str, int] = field(default_factory=dict)  # name -> group (``magnitude_group``)
+
+    @property
+    def pending_step(self) -> int | None:
+        """The step whose verdict is still to be read, if any."""
+        return self._pending.step if self._pending is not None else None
+
+    def magnitude_group(self, name: str) -> int | None:
+        """The group (``want_magnitudes``) of the parameter named ``name``, or None."""
+        return self._group_names.get(name)
 
     def _clean(self, step: int, t0: float) -> bool:
         self._streak, self._sole_rank = 0, None
@@ -189,12 +201,10 @@ class NonFiniteGradient(NonFiniteVerdicts):
     batched: bool = False  # local gradients read in one multi-tensor pass at the end of backward
     _probes: int = 0  # read backwards checked so far (the mode is chosen after two)
     _intact: bool = True  # the local gradients were intact at the end of every probed backward
-    magnitude_groups: int = 0  # opt-in (``want_magnitudes``): groups of the local magnitudes read
     _group_of: dict[int, int] = field(default_factory=dict)  # id(parameter) -> its group
     _group_index: dict[tuple[Any, ...], torch.Tensor | list[int]] = field(default_factory=dict)  # cached indices
     _peaked: list[tuple[torch.Tensor, list[nn.Parameter]]] = field(default_factory=list)  # per-parameter peaks
     _magnitudes: torch.Tensor | list[float] | None = None  # the last read backward's, until ``take_magnitudes``
-    _group_names: dict[str, int] = field(default_factory=dict)  # name -> group (``magnitude_group``)
 
     def attach(self, tap: GradientTap) -> None:
         """Read each local gradient in its hook on the first two synchronised backwards, then, where DDP
@@ -219,10 +229,6 @@ class NonFiniteGradient(NonFiniteVerdicts):
         self._group_index = {}
         self._group_names = {self.tap.names.get(pid, "?"): g for pid, g in self._group_of.items()}
         return k
-
-    def magnitude_group(self, name: str) -> int | None:
-        """The group (``want_magnitudes``) of the parameter named ``name``, or None."""
-        return self._group_names.get(name)
 
     def take_magnitudes(self) -> torch.Tensor | list[float] | None:
         """The last read backward's magnitudes, then forgotten: 1-d float32 on the gradients' device
@@ -303,11 +309,6 @@ class NonFiniteGradient(NonFiniteVerdicts):
         self._local += read
         if self.magnitude_groups:
             self._magnitudes = self._group_magnitudes(read)
-
-    @property
-    def pending_step(self) -> int | None:
-        """The step whose verdict is still to be read, if any."""
-        return self._pending.step if self._pending is not None else None
 
     def verdict(
         self,

@@ -23,7 +23,7 @@ from typing import Any, ClassVar, Literal
 import torch
 from torch import nn
 
-from sdc_core.checks.contract import Role
+from sdc_core.checks.contract import Role, check_settings
 from sdc_core.checks.gradient_tap import GradientTap
 from sdc_core.dist.payload import PayloadError
 from sdc_core.dist.payload_checks import check_replay_payload
@@ -101,8 +101,7 @@ class ReplayConfig:
     def __post_init__(self) -> None:
         if self.on_failure not in ("raise", "skip_step", "rollback"):
             raise ValueError(f"on_failure must be 'raise', 'skip_step' or 'rollback', got {self.on_failure!r}")
-        if isinstance(self.every_n_steps, bool) or not isinstance(self.every_n_steps, int) or self.every_n_steps < 1:
-            raise ValueError(f"every_n_steps must be an integer >= 1, got {self.every_n_steps!r}")
+        check_settings(self, ints=("every_n_steps",))
         if not (self.exact is True or self.exact is False or (isinstance(self.exact, str) and self.exact == "auto")):
             raise ValueError(f"exact must be True, False or 'auto', got {self.exact!r}")
         if isinstance(self.rtol, bool) or not isinstance(self.rtol, int | float) or not 0 < self.rtol < 1:
@@ -114,8 +113,7 @@ class ReplayConfig:
         mb = self.max_state_mb
         if isinstance(mb, bool) or not isinstance(mb, int | float) or not 0 <= mb < math.inf:
             raise ValueError(f"max_state_mb must be a finite number >= 0, got {mb!r}")
-        if not isinstance(self.deterministic, bool):
-            raise ValueError(f"deterministic must be True or False, got {self.deterministic!r}")
+        check_settings(self, flags=("deterministic",))
         if self.allow_pickled_batches is not None and not isinstance(self.allow_pickled_batches, bool):
             raise ValueError(f"allow_pickled_batches must be True, False or None, got {self.allow_pickled_batches!r}")
 

@@ -11,22 +11,20 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from types import SimpleNamespace
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from sdc_core.checks.contract import Role
 from sdc_core.checks.digest import combine, grouped_digests, home_device
-from sdc_core.checks.fingerprint import FingerprintConfig, fingerprinted_tensors, vote
+from sdc_core.checks.fingerprint import FingerprintCommon, fingerprinted_tensors, vote
 from sdc_core.checks.gradients import NonFiniteVerdicts
 from sdc_core.checks.reductions import log2_peaks_by_group
 from sdc_core.dist.topology import HostRead, Topology, all_gather_objects, collective_device, is_distributed
 from sdc_core.errors import FingerprintMismatchError
 from sdc_core.sharded.replicas import DTensor, ReplicaGroup, plan_groups, settle_groups
 from sdc_core.sharded.tap import GradientTapComm, fsdp_taps
-from sdc_core.stats import CheckStats
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -64,9 +62,7 @@ class ShardedNonFinite(NonFiniteVerdicts):
     _pending: _PendingVerdict | None = None
     in_band: bool = False  # the flags also travel inside the reduce-scatter (and reduced shards are read)
     _device: torch.device | None = None  # where the 4-byte flag all-reduce runs (alike on every rank)
-    magnitude_groups: int = 0  # opt-in (``want_magnitudes``): groups of FSDP parameter groups
     _group_of_tap: dict[int, int] = field(default_factory=dict)  # id(tap) -> its group
-    _group_names: dict[str, int] = field(default_factory=dict)  # parameter name -> its group
     _peaks_seen: list[tuple[torch.Tensor, int]] = field(default_factory=list)  # (lo, hi) per read, its group
     _group_index: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = field(default_factory=dict)
 
@@ -114,10 +110,6 @@ class ShardedNonFinite(NonFiniteVerdicts):
         self._peaks_seen, self._group_index = [], {}
         return k
 
-    def magnitude_group(self, name: str) -> int | None:
-        """The group (``want_magnitudes``) of the parameter named ``name``, or None."""
-        return self._group_names.get(name)
-
     def take_magnitudes(self) -> torch.Tensor | None:
         """The magnitudes read since the last call, then forgotten (``NonFiniteGradient.take_magnitudes``' layout);
         None when nothing was read. No host synchronisation."""
@@ -135,10 +127,6 @@ class ShardedNonFinite(NonFiniteVerdicts):
 
     def _consume_output(self, reduce_output: torch.Tensor) -> None:
         self._outputs.append(reduce_output.view(-1)[:1].clone())  # on the post-reduce stream: no host sync
-
-    @property
-    def pending_step(self) -> int | None:
-        return self._pending.step if self._pending is not None else None
 
     def verdict(self, step: int, params: Iterable[tuple[str, nn.Parameter]], scaler_active: bool = False,
                 now: bool = False) -> bool:  # fmt: skip
@@ -217,29 +205,15 @@ class _Pending:
 
 
 @dataclass
-class ShardedFingerprint:
+class ShardedFingerprint(FingerprintCommon):
     """``WeightFingerprint`` for sharded models; adapters call ``start`` after an update, ``before_use`` before the next
     forward, ``resolve`` before the next update (or one batch later) and ``finish`` at the end. Replica groups
     compare in their own process group; unreplicated shards are re-digested by ``before_use`` (a change is a bit
     changed at rest). Cost per check: one read of the local shards (two for unreplicated ones), 16 bytes per rank
     in the replica group plus 8 in the world; no host synchronisation in the step."""
 
-    role: ClassVar[Role] = Role.FINGERPRINT
-
-    config: FingerprintConfig = field(default_factory=FingerprintConfig)
-    stats: CheckStats = field(default_factory=lambda: CheckStats("weight_fingerprint"))
-    topology: Topology | None = None
-    last_error: FingerprintMismatchError | None = None
-    heals: dict[int, int] = field(default_factory=dict)
     _groups: list[ReplicaGroup] | None = None
     _pending: _Pending | None = None
-
-    @property
-    def active(self) -> bool:
-        return is_distributed()
-
-    def due(self, step: int) -> bool:
-        return (step + 1) % self.config.every_n_steps == 0
 
     def _plan(self, module: nn.Module, optimizers: list[torch.optim.Optimizer]) -> list[ReplicaGroup]:
         if self._groups is None:
@@ -383,7 +357,7 @@ class ShardedFingerprint:
                 f"rank {r}: {', '.join(n[:3])}" for r, n in sorted(differing.items()) if r in suspects))  # fmt: skip
         reason = "; ".join(parts) or "the shards differ"
         heal = (self.config.on_failure == "heal" and not at_rest and not no_majority and heal_plan
-                and all(self.heals.get(r, 0) < self.config.max_heals for r in ordered))  # fmt: skip
+                and self._may_heal(ordered))  # fmt: skip
         if heal:
             details["action"] = "healed from " + ", ".join(f"rank {src}" for _, src in heal_plan)
         elif self.config.on_failure == "heal":
@@ -395,9 +369,7 @@ class ShardedFingerprint:
         self.stats.add_time(time.perf_counter() - t0)
         if not heal:
             raise self.last_error
-        for r in ordered:
-            self.heals[r] = self.heals.get(r, 0) + 1
-        self.stats.bump("heals")
+        self._count_heal(ordered)
         by_ranks = {g.ranks: g for g in pending.groups}
         with torch.no_grad():
             for ranks, src in heal_plan:
