@@ -55,6 +55,7 @@ class FabricFramework(Framework):
         super().__init__(run_dir)
         self.fabric = fabric
         self._pre_save: OrderedDict[int, Callable[..., None]] = OrderedDict()  # RemovableHandle holds it weakly
+        self._save_wrapped = False  # once per seam: a re-attach after detach must not wrap (and run the hooks) twice
 
     @property
     def world_size(self) -> int:
@@ -110,8 +111,8 @@ class FabricFramework(Framework):
 
     def before_checkpoint(self, fn: Callable[..., None]) -> Any:
         """Run ``fn(models, None, path)`` before ``fabric.save`` (every process) writes anything."""
-        if not self._pre_save:
-            original = self.fabric.save
+        if not self._save_wrapped:
+            self._save_wrapped, original = True, self.fabric.save
 
             def save(path: Any, state: dict[str, Any], filter: Any = None) -> Any:
                 models = [v for v in state.values() if isinstance(v, nn.Module)]

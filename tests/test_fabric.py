@@ -103,3 +103,19 @@ def test_fabric_bf16_mixed_replays_as_fabric_ran_it(tmp_path: Path, capture: str
     assert all(r["error"] is None and r["state"]["checks"]["ring_replay"]["runs"] == 6 for r in on)
     err = same_error(out, "replay")
     assert (err["type"], err["rank"], err["step"]) == ("ReplayMismatchError", 0, 2)
+
+
+def test_fabric_pre_save_hook_runs_once_after_detach_and_reattach(tmp_path: Path) -> None:
+    """The seam wraps ``fabric.save`` once: hooks removed and added again (detach, attach) run once per save."""
+    import torch
+    from lightning.fabric import Fabric
+
+    from lightning_sdc.fabric import FabricFramework
+
+    fabric = Fabric(accelerator="cpu", devices=1)
+    seam = FabricFramework(fabric)
+    calls: list[Any] = []
+    seam.before_checkpoint(lambda *args: calls.append("first")).remove()
+    seam.before_checkpoint(lambda *args: calls.append("second"))
+    fabric.save(tmp_path / "state.ckpt", {"model": torch.nn.Linear(2, 2)})
+    assert calls == ["second"]
