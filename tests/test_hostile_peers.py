@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 from conftest import results, torchrun
 
-from sdc_core.dist.topology import ring_partners
-from sdc_core.replay.attribution import attribute, evidence, pick_referee
+from sdc_core.dist.topology import RankFacts, Topology, owners_of, ring_partners
+from sdc_core.replay.attribution import attribute, evidence, referee_jobs
 
 SCRIPT = Path(__file__).with_name("hostile_scenarios.py")
 
@@ -28,17 +28,15 @@ def _attribute(world: int, node_of: list[int], computes: Any) -> tuple[str, int 
     """The replay's attribution protocol without tensor parallelism (``referee.attribute_step``) with
     ``computes(batch, rank)`` standing for the result rank ``rank`` gets for ``batch``'s owner.
     Returns ``("none" | "unreplayable" | "sdc", rank, suspects)``."""
-    partners = ring_partners(node_of)
-    inverse = [0] * world
-    for o, q in enumerate(partners):
-        inverse[q] = o
+    inverse = owners_of(ring_partners(node_of))
     mismatching = sorted(
         (inverse[q], q) for q in range(world) if computes(inverse[q], inverse[q]) != computes(inverse[q], q)
     )
     if not mismatching:
         return "none", None, ()
-    busy, load = {r for pair in mismatching for r in pair}, {}
-    referees = {pair: pick_referee(*pair, world, node_of, busy, load) for pair in mismatching}  # every pair judged
+    facts = tuple(RankFacts(r, f"n{n}", node_rank=n, local_rank=0) for r, n in enumerate(node_of))
+    topo = Topology(ranks=facts, rank=0)
+    referees, _ = referee_jobs(mismatching, mismatching, topo)  # every disagreeing pair judged
     rulings = {(o, q): (computes(o, t) == computes(o, o), computes(o, t) == computes(o, q))
                for (o, q), t in referees.items() if t is not None}  # fmt: skip
     if len(mismatching) == world and not any(a or b for a, b in rulings.values()):
