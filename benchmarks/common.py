@@ -64,10 +64,15 @@ class WorkTimer:
         """Count the work of every consumer and writer of these gradient taps (the DDP tap's,
         inside backward; the FSDP2 taps', inside the reduce-scatter); ``None`` entries are skipped."""
         for tap in taps:
+            wanted = getattr(tap, "wanted_when", {})  # kept for the wrapper: else the tap reads per parameter always
             for name in ("consumers", "writers", "output_consumers", "replay_consumers"):
                 hooks = getattr(tap, name, None)
                 if hooks is not None:
-                    hooks[:] = [self.wrap(f) for f in hooks]
+                    wrapped = [self.wrap(f) for f in hooks]
+                    for f, w in zip(hooks, wrapped, strict=True):
+                        if f in wanted:
+                            wanted[w] = wanted.pop(f)
+                    hooks[:] = wrapped
 
     def exclude(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         """``fn`` wrapped so that its time is not counted when a wrapped caller calls it (the real
