@@ -10,6 +10,7 @@ gradient all-reduce runs in C++ and is not counted).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import time
@@ -134,6 +135,13 @@ def data_for(model: str, batch: int, steps: int) -> tuple[L.LightningModule, Dat
     return Model(), DataLoader(TensorDataset(x, x[:, :1]), batch_size=batch)
 
 
+def read_in_step(check: NonFiniteGradientCheck) -> NonFiniteGradientCheck:
+    """``check`` with its screen's verdict read before the step's own update, the host waiting for
+    the rows (``ScreenConfig(read="same_step")``: what a ``skip_step`` replay gets)."""
+    check._screen.config = dataclasses.replace(check._screen.config, read="same_step")  # type: ignore[union-attr]
+    return check
+
+
 def fit(config: str, steps: int, traffic: Traffic, replay_every: int, batch: int = BATCH,
         model: str = "mlp") -> list[dict[str, float]]:  # fmt: skip
     callbacks: list[Any] = {
@@ -145,6 +153,7 @@ def fit(config: str, steps: int, traffic: Traffic, replay_every: int, batch: int
         "audit_often": [NonFiniteGradientCheck(), RingReplayAudit(replay_every), WeightFingerprintCheck()],
         "replay_only": [RingReplayAudit()],
         "cheap_two": [NonFiniteGradientCheck(), WeightFingerprintCheck()],
+        "screen_in_step": [read_in_step(NonFiniteGradientCheck()), RingReplayAudit(), WeightFingerprintCheck()],
         "fingerprint_every_10": [NonFiniteGradientCheck(), RingReplayAudit(), WeightFingerprintCheck(every_n_steps=10)],
     }[config]  # fmt: skip
     probe = Probe(traffic, callbacks)

@@ -34,8 +34,8 @@ step's timeline (the screen itself needs two ranks, so two GPUs under NCCL): bef
 small row gathered across the ranks (one ``all_gather``) and read on the host (``tolist()``), so
 the host waits for backward and the gather to finish before it queues the update; reported as
 ``step_ms["host_wait"]`` and ``step_ms["host_wait_overhead"]``: what the same-step read costs
-(``ScreenConfig(read="same_step")``: CPU process groups, ``skip_step``). ``--screen-next`` adds the
-read at the defaults on NCCL: each step's row gathered asynchronously after backward and the
+(``ScreenConfig(read="same_step")``, what ``skip_step`` needs). ``--screen-next`` adds the
+read at the defaults: each step's row gathered asynchronously after backward and the
 previous step's rows read before the update (``read="next_step"``), as ``step_ms["screen_next"]``.
 Both read through ``HostRead``, as the screen does. Proxies of the screen's reads, not the screen's
 own work (``benchmarks.screen_cost`` measures that on CPU ranks).

@@ -6,22 +6,24 @@ defaults (the replay audits one step in 100: steps 0 and 100 only). Scenarios:
 
 * ``fault``: the top exponent bit of one element of rank 1's local weight gradient at step 30
   (a step the replay does not audit): the screen flags it, the partner's recomputation confirms
-  it, and every rank raises ``ReplayMismatchError`` naming rank 1 at step 30, before its update.
+  it on the weights after step 30's update (the verdict is read one step later, ``read="auto"``),
+  and every rank raises ``ReplayMismatchError`` naming rank 1 at step 30, during step 31.
 * ``spike``: rank 2's batch of step 30 is a genuine spike (its pooled features scaled 10^4, so the
   gradient is huge on any rank that computes it): flagged, reproduced by the partner, cleared;
   training goes on to the end without a verdict.
-* ``skip``: the ``fault`` with ``replay_on_failure="skip_step"``: every rank drops step 30 and
-  training goes on; the replicas stay equal (the final comparison passes).
+* ``skip``: the ``fault`` with ``replay_on_failure="skip_step"`` (``auto`` then reads the verdict
+  before the step's update): every rank drops step 30 and training goes on; the replicas stay
+  equal (the final comparison passes).
 * ``logit``: the top exponent bit of one logit of rank 1's head flipped from step 30 on (a wrong
   activation that mostly moves the loss; it blows up only on steps whose logit lies below 2 in
-  magnitude): named at the first step it does harm, before that step's update (by the screen when
-  it blows the loss up, by the non-finite check when its gradients overflow).
+  magnitude): named on rank 1 (by the screen when it blows the loss up, by the non-finite check
+  when its gradients overflow).
 * ``lightning``: the ``fault`` in a ``Trainer(strategy="ddp")`` fit with the three callbacks at
   their default arguments: the same verdict, from the callbacks' one driver.
-* ``fault_next``, ``spike_next``, ``last_next``, ``lightning_next``: the screen's verdict read one
-  step later (``ScreenConfig(read="next_step")``, what ``auto`` picks on a CUDA device): the fault
-  of step 30 named during step 31 (step 30's update made), the spike cleared, a fault at the last
-  step named by the end of training, and under Lightning.
+* ``last``: the fault at the last step, named by the end of training.
+* ``fault_same``, ``spike_same``, ``lightning_same``: the screen's verdict read before the
+  step's own update (``ScreenConfig(read="same_step")``): the fault named in step 30 before its
+  update, the spike cleared, and under Lightning.
 """
 
 from __future__ import annotations
@@ -56,12 +58,12 @@ class Spiky(Classifier):
         return torch.nn.functional.cross_entropy(self.head(pooled * self.scale), labels)
 
 
-def next_step(screen: Any) -> None:
-    """Read ``screen``'s verdicts one step later (``auto``'s choice on a CUDA device), on this CPU."""
-    screen.config = dataclasses.replace(screen.config, read="next_step")
+def same_step(screen: Any) -> None:
+    """Read ``screen``'s verdicts before the step's own update (``auto``'s choice with ``skip_step``)."""
+    screen.config = dataclasses.replace(screen.config, read="same_step")
 
 
-def train(out: Path, name: str, faults: list[Fault], spike: bool = False, read_next: bool = False,
+def train(out: Path, name: str, faults: list[Fault], spike: bool = False, read_same: bool = False,
           **settings: Any) -> dict[str, Any]:  # fmt: skip
     torch.manual_seed(0)
     rank = dist.get_rank()
@@ -70,8 +72,8 @@ def train(out: Path, name: str, faults: list[Fault], spike: bool = False, read_n
     opt = torch.optim.AdamW(ddp.parameters(), lr=3e-3)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / WARMUP))
     hooks = SDCHooks(run_dir=out / name, **settings).attach(ddp, opt)
-    if read_next:
-        next_step(hooks.screen)
+    if read_same:
+        same_step(hooks.screen)
     injector = FaultInjector(faults)
     injector.install(net, rank)
     result: dict[str, Any] = {"steps": 0}
@@ -97,7 +99,7 @@ def train(out: Path, name: str, faults: list[Fault], spike: bool = False, read_n
     return result
 
 
-def lightning(out: Path, name: str = "lightning", read_next: bool = False) -> dict[str, Any]:
+def lightning(out: Path, name: str = "lightning", read_same: bool = False) -> dict[str, Any]:
     """The fault under Lightning, the SDC callbacks at their defaults."""
     import lightning.pytorch as L
     from scenario_runner import cpu_ddp_trainer
@@ -123,8 +125,8 @@ def lightning(out: Path, name: str = "lightning", read_next: bool = False) -> di
     rank = dist.get_rank()
     loader = DataLoader(list(range(STEPS)), batch_size=1, collate_fn=lambda idx: batch(0, rank, idx[0]))
     checks = [NonFiniteGradientCheck(), RingReplayAudit(), WeightFingerprintCheck()]
-    if read_next:
-        next_step(checks[0]._screen)
+    if read_same:
+        same_step(checks[0]._screen)
     faults = [Fault(kind="gradient_bit_flip", rank=1, step=AT, target="model.enc.linear2.weight", index=11, bit=30)]
     trainer = cpu_ddp_trainer(max_steps=STEPS, use_distributed_sampler=False, default_root_dir=str(out / name),
                               callbacks=[*checks, InjectorCallback(faults)])  # fmt: skip
@@ -144,7 +146,7 @@ def fault(step: int = AT) -> list[Fault]:
 
 
 def main() -> None:
-    args = parse("fault,spike,skip,lightning,logit,fault_next,last_next")
+    args = parse("fault,spike,skip,lightning,logit,fault_same,last")
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     scenarios = {
@@ -152,10 +154,10 @@ def main() -> None:
         "spike": lambda: train(args.out, "spike", [], spike=True),
         "skip": lambda: train(args.out, "skip", fault(), replay_on_failure="skip_step"),
         "lightning": lambda: lightning(args.out),
-        "fault_next": lambda: train(args.out, "fault_next", fault(), read_next=True),
-        "spike_next": lambda: train(args.out, "spike_next", [], spike=True, read_next=True),
-        "last_next": lambda: train(args.out, "last_next", fault(STEPS - 1), read_next=True),
-        "lightning_next": lambda: lightning(args.out, "lightning_next", read_next=True),
+        "last": lambda: train(args.out, "last", fault(STEPS - 1)),
+        "fault_same": lambda: train(args.out, "fault_same", fault(), read_same=True),
+        "spike_same": lambda: train(args.out, "spike_same", [], spike=True, read_same=True),
+        "lightning_same": lambda: lightning(args.out, "lightning_same", read_same=True),
         "logit": lambda: train(args.out, "logit", [Fault(kind="module_output", rank=1, step=AT, target="head",
                                                          index=3, bit=30)]),
     }

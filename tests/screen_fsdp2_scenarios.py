@@ -6,14 +6,16 @@ Scenarios:
 
 * ``fault``: on rank 1 at step ``AT`` (not audited) the largest element of the gradient flowing back
   into the second layer's output (before its ReLU) is multiplied by 2^30 (a wrong backward, transient: once): the screen
-  flags rank 1, its partner's recomputation stays in band, every rank raises
-  ``ReplayMismatchError`` naming rank 1 at step ``AT``, before its update.
+  flags rank 1, its partner's recomputation (during step ``AT + 1``: the verdict is read one step
+  later) stays in band, every rank raises ``ReplayMismatchError`` naming rank 1 at step ``AT``.
 * ``clean``: the same run without a fault: no verdict, no confirmed hit.
 * ``spike``: rank 2's batch of step ``AT`` is a genuine spike (the hidden features before the head
-  scaled by 10^4 on any rank that computes that batch): flagged, reproduced by the partner,
-  cleared; training goes on to the end without a verdict.
+  scaled by 10^4 on any rank that computes that batch): flagged, nobody named; training goes on to
+  the end without a verdict.
 * ``lightning``: the ``fault`` under Lightning's ``ModelParallelStrategy`` with the three callbacks
   at their default arguments: the same verdict; ``lightning_clean``: no fault, no verdict.
+* ``fault_same``, ``spike_same``: read before the step's own update (``read="same_step"``): the
+  fault named in step ``AT``, the spike reproduced by the partner on the same weights and cleared.
 """
 
 from __future__ import annotations
@@ -86,12 +88,12 @@ def train(out: Path, name: str) -> dict[str, Any]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         hooks = SDCHooks(run_dir=out / name).attach(net, opt)
-    if name.endswith("_next"):  # the verdict read one step later (``auto`` on a CUDA device)
-        hooks.screen.config = dataclasses.replace(hooks.screen.config, read="next_step")
+    if name.endswith("_same"):  # the verdict read before the step's own update (``auto`` with ``skip_step``)
+        hooks.screen.config = dataclasses.replace(hooks.screen.config, read="same_step")
     result: dict[str, Any] = {"steps": 0, "groups": hooks.screen.names if hooks.screen is not None else None}
     try:
         for step in range(STEPS):
-            spiky = name == "spike" and rank == 2 and step == AT
+            spiky = name.startswith("spike") and rank == 2 and step == AT
             net.scale = 1e4 if spiky else 1.0
             FAULT["armed"] = name.startswith("fault") and rank == 1 and step == AT
             x, y = batch(rank, step, spiky)
@@ -162,7 +164,7 @@ def lightning(out: Path, name: str) -> dict[str, Any]:
 
 
 def main() -> None:
-    args = parse("fault,clean,spike,lightning,lightning_clean,fault_next")
+    args = parse("fault,clean,spike,lightning,lightning_clean,fault_same,spike_same")
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
 

@@ -95,10 +95,11 @@ def test_clean_run_with_accumulation_raises_nothing(launch_a: Path) -> None:
 def test_the_every_step_screen_names_a_wrong_gradient_on_an_unaudited_step(launch_a: Path) -> None:
     """At the settings the config gives (the replay every 3 steps, 2 micro-batches a step), a
     wrong local gradient on rank 2 at step 4 is flagged by the screen, confirmed by the partner's
-    recomputation of both micro-batches and named in its step."""
+    recomputation of both micro-batches and named during the next step (the verdict is read one
+    step later at the defaults)."""
     err = same_error(launch_a, "screen", "ReplayMismatchError")
     assert (err["step"], err["rank"]) == (4, 2) and err["details"]["source"] == "gradient_screen", err
-    assert all(r["step"] == 4 for r in results(launch_a, "screen", 3))  # raised before step 4's update
+    assert all(r["step"] == 5 for r in results(launch_a, "screen", 3))  # step 4's update made, step 5's not
 
 
 def test_replay_has_no_side_effect(launch_a: Path) -> None:

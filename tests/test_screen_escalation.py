@@ -1,6 +1,7 @@
 """The every-step screen at the hook set's defaults, end to end (``screen_escalation_scenarios``):
-one torchrun of 3 gloo ranks. A wrong gradient on a step the replay does not audit is named in
-its own step, on every rank, after a partner's recomputation confirmed it; a genuine spike is
+one torchrun of 3 gloo ranks. A wrong gradient on a step the replay does not audit is named, on
+every rank, after a partner's recomputation confirmed it: during the next step at the defaults, in
+its own step before its update with ``read="same_step"``; a genuine spike is
 flagged, reproduced by the partner and cleared; ``skip_step`` drops the faulty step and training
 goes on with equal replicas; under Lightning the callbacks at their defaults give the same verdict."""
 
@@ -18,7 +19,7 @@ WORLD = 3
 @pytest.fixture(scope="module")
 def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("screen_escalation")
-    scenarios = "fault,spike,skip,lightning,logit,fault_next,last_next"
+    scenarios = "fault,spike,skip,lightning,logit,fault_same,last"
     torchrun(ROOT / "tests" / "screen_escalation_scenarios.py", path, scenarios, WORLD)
     return path
 
@@ -27,20 +28,39 @@ def incidents(folder: Path) -> list[dict]:
     return [json.loads(p.read_text()) for p in sorted((folder / "sdc" / "incidents").glob("*.json"))]
 
 
-def test_a_wrong_gradient_on_an_unaudited_step_is_named_in_its_step_after_confirmation(out: Path) -> None:
+def test_a_wrong_gradient_on_an_unaudited_step_is_named_one_step_later_after_confirmation(out: Path) -> None:
+    """At the defaults (``read="auto"``: the host never waits for backward) the fault of step 30 is
+    confirmed by the partner on the weights after step 30's update and named during step 31,
+    before its update, on every rank alike."""
     runs = results(out, "fault", WORLD)
     errors = [r["error"] for r in runs]
     assert all(e == errors[0] for e in errors)  # the same verdict on every rank
     error = errors[0]
     assert error["type"] == "ReplayMismatchError" and error["step"] == 30 and error["rank"] == 1, error
     assert error["suspects"] == [1] and error["details"]["source"] == "gradient_screen"
+    assert "one step later" in error["details"]["read"]
+    assert "on the weights after its update" in error["reason"], error["reason"]
     (hit,) = error["details"]["screen"]
     assert hit["rank"] == 1 and hit["recomputed_by"] != 1 and hit["reason"] == "band"
-    assert all(r["steps"] == 30 for r in runs)  # raised before step 30's update
+    assert all(r["steps"] == 31 for r in runs)  # step 30's update made, step 31's not
     assert all(r["replay"]["extra"]["screen_confirmed"] == 1 for r in runs)
     assert all(r["replay"]["runs"] == 1 for r in runs)  # the replay audited step 0 only: the screen found it
     (incident,) = incidents(out / "fault")
     assert incident["policy"] == "raise" and incident["error"]["details"]["source"] == "gradient_screen"
+
+
+def test_read_in_the_same_step_the_fault_is_named_before_its_update(out: Path) -> None:
+    """``ScreenConfig(read="same_step")``: the host waits for the screen's rows before the update;
+    the fault of step 30 is confirmed and named in step 30, its update never made."""
+    runs = results(out, "fault_same", WORLD)
+    error = runs[0]["error"]
+    assert all(r["error"] == error for r in runs)
+    assert error["type"] == "ReplayMismatchError" and (error["step"], error["rank"]) == (30, 1), error
+    assert error["details"]["source"] == "gradient_screen" and "read" not in error["details"]
+    (hit,) = error["details"]["screen"]
+    assert hit["rank"] == 1 and hit["recomputed_by"] != 1 and hit["reason"] == "band"
+    assert all(r["steps"] == 30 for r in runs)  # raised before step 30's update
+    assert all(r["replay"]["extra"]["screen_confirmed"] == 1 for r in runs)
 
 
 def test_a_genuine_spike_is_flagged_reproduced_by_the_partner_and_cleared(out: Path) -> None:
@@ -61,20 +81,20 @@ def test_skip_step_drops_the_confirmed_faulty_step_and_training_goes_on(out: Pat
     assert incident["policy"] == "skip_step" and incident["error"]["rank"] == 1
 
 
-def test_lightning_callbacks_at_their_defaults_name_the_rank_in_its_step(out: Path) -> None:
+def test_lightning_callbacks_at_their_defaults_name_the_rank_one_step_later(out: Path) -> None:
     runs = results(out, "lightning", WORLD)
     errors = [r["error"] for r in runs]
     assert all(e == errors[0] for e in errors)
     error = errors[0]
     assert error["type"] == "ReplayMismatchError" and (error["step"], error["rank"]) == (30, 1), error
     assert error["details"]["source"] == "gradient_screen"
-    assert all(r["steps"] == 30 and r["replay"]["runs"] == 1 for r in runs)  # before the update; audited: step 0
+    assert all(r["steps"] == 31 and r["replay"]["runs"] == 1 for r in runs)  # step 30's update made; audited: step 0
 
 
 def test_a_wrong_logit_is_named_at_the_first_step_it_does_harm(out: Path) -> None:
     """A persistent activation fault in the head: named on rank 1 at the first step it does harm, by
-    the screen before that step's update (its loss stood out, the partner's did not) or, where its
-    gradients went non-finite, by the non-finite check (at the defaults one step later)."""
+    the screen (its loss stood out, the partner's did not) or, where its gradients went non-finite,
+    by the non-finite check; at the defaults both are read one step later."""
     runs = results(out, "logit", WORLD)
     error = runs[0]["error"]
     assert all(r["error"] == error for r in runs)
@@ -82,28 +102,13 @@ def test_a_wrong_logit_is_named_at_the_first_step_it_does_harm(out: Path) -> Non
     if error["type"] == "ReplayMismatchError":
         assert error["details"]["source"] == "gradient_screen"
         assert error["details"]["screen"][0]["value"] == "loss"
-        assert all(r["steps"] == error["step"] for r in runs)  # before that step's update
-    else:  # read one step later ("raise"): that step's update happened, the next did not
+    else:
         assert error["type"] == "NonFiniteGradientError", error
-        assert all(r["steps"] == error["step"] + 1 for r in runs)
+    assert all(r["steps"] == error["step"] + 1 for r in runs)  # that step's update happened, the next did not
 
 
-def test_read_one_step_later_the_fault_is_named_in_the_next_step_after_its_update(out: Path) -> None:
-    """``ScreenConfig(read="next_step")`` (``auto`` on a CUDA device: the host never waits for
-    backward): the fault of step 30 is confirmed by the partner on the weights after step 30's
-    update and named during step 31, before its update, on every rank alike."""
-    runs = results(out, "fault_next", WORLD)
-    error = runs[0]["error"]
-    assert all(r["error"] == error for r in runs)
-    assert error["type"] == "ReplayMismatchError" and (error["step"], error["rank"]) == (30, 1), error
-    assert error["details"]["source"] == "gradient_screen" and "one step later" in error["details"]["read"]
-    assert "on the weights after its update" in error["reason"], error["reason"]
-    assert all(r["steps"] == 31 for r in runs)  # step 30's update made, step 31's not
-    assert all(r["replay"]["extra"]["screen_confirmed"] == 1 for r in runs)
-
-
-def test_read_one_step_later_a_fault_at_the_last_step_is_named_by_the_end_of_training(out: Path) -> None:
-    runs = results(out, "last_next", WORLD)
+def test_a_fault_at_the_last_step_is_named_by_the_end_of_training(out: Path) -> None:
+    runs = results(out, "last", WORLD)
     error = runs[0]["error"]
     assert all(r["error"] == error for r in runs)
     assert error["type"] == "ReplayMismatchError" and (error["step"], error["rank"]) == (43, 1), error
@@ -111,14 +116,14 @@ def test_read_one_step_later_a_fault_at_the_last_step_is_named_by_the_end_of_tra
 
 
 @pytest.mark.slow  # a second 3-rank launch
-def test_read_one_step_later_a_spike_is_cleared_and_lightning_names_the_fault(tmp_path: Path) -> None:
-    torchrun(ROOT / "tests" / "screen_escalation_scenarios.py", tmp_path, "spike_next,lightning_next", WORLD)
-    runs = results(tmp_path, "spike_next", WORLD)
+def test_read_in_the_same_step_a_spike_is_cleared_and_lightning_names_the_fault(tmp_path: Path) -> None:
+    torchrun(ROOT / "tests" / "screen_escalation_scenarios.py", tmp_path, "spike_same,lightning_same", WORLD)
+    runs = results(tmp_path, "spike_same", WORLD)
     assert all("error" not in r and r["steps"] == 44 for r in runs), runs[0]
     assert all(r["screen"]["extra"]["hits"] == 1 and r["replay"]["extra"]["screen_cleared"] == 1 for r in runs)
-    assert incidents(tmp_path / "spike_next") == []
-    runs = results(tmp_path, "lightning_next", WORLD)
+    assert incidents(tmp_path / "spike_same") == []
+    runs = results(tmp_path, "lightning_same", WORLD)
     error = runs[0]["error"]
     assert all(r["error"] == error for r in runs)
     assert error["type"] == "ReplayMismatchError" and (error["step"], error["rank"]) == (30, 1), error
-    assert all(r["steps"] == 31 for r in runs)
+    assert all(r["steps"] == 30 for r in runs)  # before step 30's update

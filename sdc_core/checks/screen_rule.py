@@ -80,8 +80,8 @@ class ScreenConfig:
     read: str = setting(
         "auto",
         "when a step's verdict is read: before its update (same_step) or the next one's (next_step), or auto",
-        "``auto``: ``next_step`` on a CUDA device unless a replay's policy is ``skip_step``, else ``same_step`` "
-        "(``sdc_core.driver.screen_step``). ``next_step`` keeps the host from waiting for backward; a confirmed "
+        "``auto``: ``next_step`` unless a replay's policy is ``skip_step``, then ``same_step`` "
+        "(``sdc_core.driver.screen_step``). ``next_step`` keeps the host from waiting in the step; a confirmed "
         "hit then stops the run one step later, its update made.",
     )
 

@@ -4,7 +4,8 @@ The verdict on step ``s`` is read (``ScreenConfig.read``) before step ``s``'s up
 for that step's backward; a confirmed hit can drop the update) or before step ``s + 1``'s (``"next_step"``: waits for
 nothing; a confirmed hit stops the run one step later, before any checkpoint and the end; one optimizer step changes a
 group's largest gradient by far less than the band, at least 2^5, so the recomputation on the updated weights still
-judges). ``"auto"``: ``"next_step"`` where the collectives run on CUDA unless some replay's policy is ``skip_step``.
+judges). ``"auto"``: ``"next_step"`` on every device unless some replay's policy is ``skip_step`` (which must drop the
+faulty step's own update); on a 3-rank CPU Lightning run, waiting in the step cost about 8% of a 0.1 s step.
 
 A hit is escalated to a partner's recomputation (``replay.confirm.confirm_hits``) of the micro-batches the replay kept;
 only a confirmed hit is a verdict, checked against the replicas' weights first. Without such a replay, or for a step
@@ -17,7 +18,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from sdc_core.dist.topology import collective_device
 from sdc_core.replay.confirm import confirm_hits, skips
 
 
@@ -44,7 +44,7 @@ class ScreenVerdicts:
             read = screen.config.read
             if read == "auto":
                 skip = any(r.config.on_failure == "skip_step" for r in self.driver.replays)
-                read = "next_step" if collective_device().type == "cuda" and not skip else "same_step"
+                read = "same_step" if skip else "next_step"
             self._next_step[id(screen)] = read == "next_step"
         return self._next_step[id(screen)]
 
