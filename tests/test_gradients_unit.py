@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -51,11 +52,18 @@ def test_the_multi_tensor_verdict_flags_exactly_nan_and_inf(dtype: torch.dtype) 
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
-def test_the_host_log2_peaks_equal_the_kernels_ones(dtype: torch.dtype) -> None:
-    """The CPU path of ``log2_peaks_by_group`` (maxima and log2 in Python) gives what the kernels
-    give, within one float32 rounding of the log2, and exactly NaN for empty or all-zero groups and
-    +Inf for non-finite ones."""
-    from sdc_core.checks.reductions import _log2_peaks_on_device, _log2_peaks_on_host, log2_peaks_by_group
+def test_log2_peaks_by_group_take_each_groups_largest_peak(dtype: torch.dtype) -> None:
+    """``log2_peaks_by_group`` gives per group the log2 of its largest peak (within one float32
+    rounding of Python's), exactly NaN for empty or all-zero groups and +Inf for non-finite ones,
+    with the indices as a tensor or as a list."""
+    from sdc_core.checks.reductions import log2_peaks_by_group
+
+    def expected(pairs: list, groups: int) -> list[float]:  # in Python, from the values read
+        best = [0.0] * groups
+        for values, index in pairs:
+            for v, j in zip(values.to(torch.float32).tolist(), index.tolist(), strict=True):
+                best[j] = max(best[j], v if -math.inf < v < math.inf else math.inf)
+        return [math.log2(b) if b > 0 else math.nan for b in best]
 
     g = torch.Generator().manual_seed(3)
     for trial in range(40):
@@ -71,17 +79,14 @@ def test_the_host_log2_peaks_equal_the_kernels_ones(dtype: torch.dtype) -> None:
             if trial == 7:
                 values.fill_(1e300 if dtype == torch.float64 else 0.0)  # float64 beyond float32: Inf
             pairs.append((values, torch.randint(0, groups, (n,), generator=g)))
-        host = _log2_peaks_on_host(pairs, groups)
-        kernels = _log2_peaks_on_device(pairs, groups, torch.device("cpu"))
-        assert torch.equal(host.isnan(), kernels.isnan()), (trial, host, kernels)
-        assert torch.equal(host.isinf(), kernels.isinf()), (trial, host, kernels)
-        finite = host.isfinite()
-        assert torch.allclose(host[finite], kernels[finite], rtol=2**-22, atol=2**-22), (trial, host, kernels)
-        assert torch.equal(log2_peaks_by_group(pairs, groups).nan_to_num(nan=-1.0), host.nan_to_num(nan=-1.0))
-        listed = [(v, i.tolist()) for v, i in pairs]  # the indices as the check caches them on the host
-        assert torch.equal(_log2_peaks_on_host(listed, groups).nan_to_num(nan=-1.0), host.nan_to_num(nan=-1.0))
-        assert torch.equal(_log2_peaks_on_device(listed, groups, torch.device("cpu")).nan_to_num(nan=-1.0),
-                           kernels.nan_to_num(nan=-1.0))  # fmt: skip
+        want = torch.tensor(expected(pairs, groups), dtype=torch.float64)
+        got = log2_peaks_by_group(pairs, groups)
+        assert got.dtype == torch.float32 and got.shape == (groups,)
+        assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.isinf(), want.isinf()), (trial, got, want)
+        finite = want.isfinite()
+        assert torch.allclose(got.double()[finite], want[finite], rtol=2**-22, atol=2**-22), (trial, got, want)
+        listed = [(v, i.tolist()) for v, i in pairs]  # the indices as the check caches them on the CPU
+        assert torch.equal(log2_peaks_by_group(listed, groups).nan_to_num(nan=-1.0), got.nan_to_num(nan=-1.0))
 
 
 def test_batched_reads_need_no_hook_per_parameter_and_still_flag_and_peak_exactly(tmp_path: Path) -> None:

@@ -29,7 +29,7 @@ from torch import nn
 
 from sdc_core.checks.contract import Role, check_settings
 from sdc_core.checks.gradient_tap import GradientTap
-from sdc_core.checks.reductions import any_nonfinite, local_sum, log2_peaks_by_group, log2_peaks_on_host, peaks
+from sdc_core.checks.reductions import any_nonfinite, local_sum, log2_peaks_by_group, peaks
 from sdc_core.dist.topology import HostRead, Topology, all_gather_objects, is_distributed
 from sdc_core.errors import NonFiniteGradientError
 from sdc_core.schema import documented, setting
@@ -204,7 +204,7 @@ class NonFiniteGradient(NonFiniteVerdicts):
     _group_of: dict[int, int] = field(default_factory=dict)  # id(parameter) -> its group
     _group_index: dict[tuple[Any, ...], torch.Tensor | list[int]] = field(default_factory=dict)  # cached indices
     _peaked: list[tuple[torch.Tensor, list[nn.Parameter]]] = field(default_factory=list)  # per-parameter peaks
-    _magnitudes: torch.Tensor | list[float] | None = None  # the last read backward's, until ``take_magnitudes``
+    _magnitudes: torch.Tensor | None = None  # the last read backward's, until ``take_magnitudes``
 
     def attach(self, tap: GradientTap) -> None:
         """Read each local gradient in its hook on the first two synchronised backwards, then, where DDP
@@ -230,9 +230,9 @@ class NonFiniteGradient(NonFiniteVerdicts):
         self._group_names = {self.tap.names.get(pid, "?"): g for pid, g in self._group_of.items()}
         return k
 
-    def take_magnitudes(self) -> torch.Tensor | list[float] | None:
-        """The last read backward's magnitudes, then forgotten: 1-d float32 on the gradients' device
-        (CPU: a list), NaN for a group with nothing or all zero, +Inf for one holding NaN or Inf;
+    def take_magnitudes(self) -> torch.Tensor | None:
+        """The last read backward's magnitudes, then forgotten: 1-d float32 on the gradients' device,
+        NaN for a group with nothing or all zero, +Inf for one holding NaN or Inf;
         None when nothing was read since the last call."""
         if self._seen and self.magnitude_groups:
             self._end_of_backward()
@@ -246,25 +246,21 @@ class NonFiniteGradient(NonFiniteVerdicts):
             if self.magnitude_groups:
                 self._peaked.append((peaks([grad]), [p]))
 
-    def _group_magnitudes(
-        self, local: list[tuple[torch.Tensor, list[nn.Parameter]]]
-    ) -> torch.Tensor | list[float] | None:
+    def _group_magnitudes(self, local: list[tuple[torch.Tensor, list[nn.Parameter]]]) -> torch.Tensor | None:
         """Per group the log2 of the largest of ``local``'s peaks (see ``take_magnitudes``)."""
         pairs = [(v, ps) for v, ps in local if ps]
         if not pairs:
             return None
-        if all(v.is_cpu for v, _ in pairs):  # a Python list on the host: no device object, no tensor
-            return log2_peaks_on_host([(v, self._index(ps, None)) for v, ps in pairs], self.magnitude_groups)
         home = pairs[0][0].device
         return log2_peaks_by_group([(v, self._index(ps, home)) for v, ps in pairs], self.magnitude_groups)
 
-    def _index(self, params: list[nn.Parameter], home: torch.device | None) -> torch.Tensor | list[int]:
-        """The group of each of ``params``: a list, or a tensor on a non-CPU ``home`` (first 64 cached)."""
+    def _index(self, params: list[nn.Parameter], home: torch.device) -> torch.Tensor | list[int]:
+        """The group of each of ``params``: a list on the CPU, else a tensor on ``home`` (first 64 cached)."""
         key = (home, *map(id, params))
         index = self._group_index.get(key)
         if index is None:
             index = [self._group_of.get(i, 0) for i in key[1:]]
-            if home is not None and home.type != "cpu":
+            if home.type != "cpu":
                 index = torch.tensor(index, device=home)
             if len(self._group_index) < 64:
                 self._group_index[key] = index

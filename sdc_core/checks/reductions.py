@@ -3,8 +3,6 @@ largest magnitudes (peaks) and their log2 per group, NaN/Inf flags."""
 
 from __future__ import annotations
 
-import math
-import struct
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -46,16 +44,8 @@ Index = torch.Tensor | Sequence[int]
 
 def log2_peaks_by_group(pairs: Sequence[tuple[torch.Tensor, Index]], groups: int) -> torch.Tensor:
     """Per group the log2 of the largest peak given to it (``pairs`` of ``peaks`` and group indices):
-    NaN for none nonzero, +Inf for a non-finite one; float32 on the peaks' device, no host sync."""
+    NaN for none nonzero, +Inf for a non-finite one; float32 on the first peaks' device, no host sync."""
     home = pairs[0][0].device
-    if home.type == "cpu" and all(v.device.type == "cpu" for v, _ in pairs):
-        return _log2_peaks_on_host(pairs, groups)
-    return _log2_peaks_on_device(pairs, groups, home)
-
-
-def _log2_peaks_on_device(pairs: Sequence[tuple[torch.Tensor, Index]], groups: int,
-                          home: torch.device) -> torch.Tensor:  # fmt: skip
-    """``log2_peaks_by_group`` in kernels on ``home``, without a host read."""
     out = torch.full((groups,), float("-inf"), device=home)
     for values, index in pairs:
         v = values.to(home, torch.float32)
@@ -63,29 +53,6 @@ def _log2_peaks_on_device(pairs: Sequence[tuple[torch.Tensor, Index]], groups: i
         where = torch.as_tensor(index, device=home)
         out.scatter_reduce_(0, where, torch.log2(v), "amax")  # zero peaks: -inf, ignored by amax
     return torch.where(out == float("-inf"), torch.full_like(out, float("nan")), out)
-
-
-def _log2_peaks_on_host(pairs: Sequence[tuple[torch.Tensor, Index]], groups: int) -> torch.Tensor:
-    """``log2_peaks_by_group`` for CPU tensors: ``log2_peaks_on_host``'s values, one tensor made."""
-    return torch.tensor(log2_peaks_on_host(pairs, groups), dtype=torch.float32)
-
-
-def log2_peaks_on_host(pairs: Sequence[tuple[torch.Tensor, Index]], groups: int) -> list[float]:
-    """``log2_peaks_by_group``'s values for CPU tensors as a list of floats made in Python (no
-    tensor), each correctly rounded to float32 (the kernels' may differ by one unit in the last place)."""
-    inf, nan = math.inf, math.nan
-    best = [0.0] * groups  # 0: no positive peak yet (NaN below)
-    for values, index in pairs:
-        read = values if values.dtype == torch.float32 else values.to(torch.float32)  # no op when float32
-        where = index.tolist() if isinstance(index, torch.Tensor) else index
-        for v, j in zip(read.tolist(), where, strict=False):  # as scatter_reduce_
-            if not -inf < v < inf:  # NaN or Inf: the group holds a non-finite value
-                v = inf
-            if v > best[j]:
-                best[j] = v
-    logs = [math.log2(b) if b > 0 else nan for b in best]
-    fmt = f"{groups}f"  # struct caches the compiled format
-    return list(struct.unpack(fmt, struct.pack(fmt, *logs)))  # rounded to float32
 
 
 def any_nonfinite_multi(tensors: Sequence[torch.Tensor]) -> torch.Tensor:

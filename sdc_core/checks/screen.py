@@ -43,7 +43,6 @@ if TYPE_CHECKING:
 _MAX_PENDING = 2  # observed steps whose verdict may wait (the driver reads one step later at most)
 ALL_ROWS_UP_TO = 16  # worlds up to this size gather every row every step; larger ones compare neighbourhoods
 NEIGHBOURS = 8  # in a larger world, the ranks before this one on the ring whose rows it judges with its own
-_CPU = torch.device("cpu")
 __all__ = ["GradientScreen", "ScreenConfig", "ScreenResult", "in_band", "loss_magnitude", "reference"]
 
 
@@ -88,16 +87,6 @@ def loss_magnitude(loss: torch.Tensor | None, device: torch.device) -> torch.Ten
         return torch.full((1,), float("nan"), device=device)
     v = loss.detach().reshape(-1)[:1].to(device, torch.float32).abs().log2()  # NaN, +Inf, -Inf (zero)
     return torch.nan_to_num(v, nan=math.inf, posinf=math.inf, neginf=math.nan)
-
-
-def _loss_log2(loss: torch.Tensor | None) -> float:
-    """``loss_magnitude``'s value for a loss on the host, as a Python float (no op but the read)."""
-    if loss is None:
-        return math.nan
-    v = abs(loss.detach().reshape(-1)[0].to(torch.float32).item())  # float32, as loss_magnitude reads it
-    if not v < math.inf:  # NaN or Inf (an overflow to float32 included)
-        return math.inf
-    return math.log2(v) if v > 0 else math.nan
 
 
 class GradientScreen:
@@ -175,21 +164,7 @@ class GradientScreen:
         while len(self._pending) >= _MAX_PENDING:
             self._judge_oldest()
         k = self.width - 1
-        if isinstance(magnitudes, torch.Tensor) and magnitudes.is_cpu:
-            magnitudes = magnitudes.tolist()
-        if (  # all on the host (CPU gradients: read there already), as the collectives take them: no wait here
-            (isinstance(magnitudes, list) or (magnitudes is None and self._device in (None, _CPU)))
-            and (loss is None or loss.is_cpu)
-            and self._target(None).type == "cpu"  # host-made values go to the collectives on the host
-        ):
-            if self._device is None and magnitudes is not None:
-                self._device = _CPU
-            mags_host = magnitudes if magnitudes is not None and len(magnitudes) == k else [math.nan] * k
-            row = torch.tensor([float(step), float(self.width), *mags_host, _loss_log2(loss)], dtype=torch.float64)
-            self._start(step, row, _CPU)
-            self.stats.add_time(time.perf_counter() - t0)
-            return
-        if isinstance(magnitudes, list):  # read on the host already (CPU gradients)
+        if isinstance(magnitudes, list):
             magnitudes = torch.tensor(magnitudes, dtype=torch.float64)
         made_on = magnitudes.device if magnitudes is not None else None
         if made_on is not None and self._device is None:
