@@ -44,6 +44,7 @@ class WorkTimer:
 
     def __init__(self) -> None:
         self.seconds = 0.0
+        self.thread_seconds = 0.0  # the calling thread's CPU time inside: no waits, no time waiting for a core
         self._depth = 0
 
     def wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -51,21 +52,22 @@ class WorkTimer:
             if self._depth:
                 return fn(*args, **kwargs)
             self._depth += 1
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             try:
                 return fn(*args, **kwargs)
             finally:
                 self.seconds += time.perf_counter() - t0
+                self.thread_seconds += time.thread_time() - c0
                 self._depth -= 1
 
         return timed
 
     def wrap_taps(self, taps: list[Any]) -> None:
-        """Count the work of every consumer and writer of these gradient taps (the DDP tap's,
-        inside backward; the FSDP2 taps', inside the reduce-scatter); ``None`` entries are skipped."""
+        """Count the work of every consumer, writer and finisher of these gradient taps (the DDP
+        tap's, inside backward; the FSDP2 taps', inside the reduce-scatter); ``None`` entries are skipped."""
         for tap in taps:
             wanted = getattr(tap, "wanted_when", {})  # kept for the wrapper: else the tap reads per parameter always
-            for name in ("consumers", "writers", "output_consumers", "replay_consumers"):
+            for name in ("consumers", "writers", "finishers", "output_consumers", "replay_consumers"):
                 hooks = getattr(tap, name, None)
                 if hooks is not None:
                     wrapped = [self.wrap(f) for f in hooks]
@@ -91,6 +93,11 @@ class WorkTimer:
     def take(self) -> float:
         """The seconds counted since the last ``take``."""
         seconds, self.seconds = self.seconds, 0.0
+        return seconds
+
+    def take_thread(self) -> float:
+        """The thread CPU seconds counted since the last ``take_thread``."""
+        seconds, self.thread_seconds = self.thread_seconds, 0.0
         return seconds
 
 
@@ -147,6 +154,11 @@ def step_table(runs: dict[str, list[dict[str, float]]], per_round: dict[str, lis
     if all("work_seconds" in s for steps in runs.values() for s in steps):  # this rank's steps
         out["work_share"] = {
             c: sum(s["work_seconds"] for s in steps) / sum(s["seconds"] for s in steps) for c, steps in runs.items()
+        }
+    if all("work_cpu_seconds" in s for steps in runs.values() for s in steps):  # the checks' CPU / the process's
+        out["work_cpu_share"] = {
+            c: sum(s["work_cpu_seconds"] for s in steps) / sum(s["cpu_seconds"] for s in steps)
+            for c, steps in runs.items()
         }
     if "defaults" in runs:
         out["defaults_overhead"] = out["overhead"]["defaults"]

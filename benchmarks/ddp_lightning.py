@@ -56,14 +56,15 @@ class Traffic:
 
 
 class Probe(L.Callback):
-    """Per-step wall time, check traffic and the time spent in the checks' own code: every hook
-    of the SDC callbacks and the gradient tap's consumers and writers (run from each parameter's
-    gradient hook inside backward)."""
+    """Per-step wall time, check traffic and the time spent in the checks' own code (wall and the
+    thread's CPU): every hook of the SDC callbacks, the gradient tap's consumers, writers and
+    finishers (inside backward) and the replay's capture where ``training_step`` starts."""
 
     def __init__(self, traffic: Traffic, checks: list[L.Callback]) -> None:
         self.traffic = traffic
         self.steps: list[dict[str, float]] = []
         self.work = WorkTimer()
+        self.checks = checks
         for check in checks:
             for name in dir(check):
                 if name.startswith("on_") and callable(getattr(check, name)):
@@ -73,6 +74,10 @@ class Probe(L.Callback):
         taps = [getattr(trainer.strategy.model, "_sdc_gradient_tap", None)]  # DDP: one per model
         taps += [tap for cb in trainer.callbacks for tap in getattr(getattr(cb, "_core", None), "taps", [])]  # FSDP2
         self.work.wrap_taps(taps)
+        for check in trainer.callbacks:  # the replay's capture where training_step starts (its wrapper calls begin)
+            core = getattr(check, "_core", None)
+            if check in self.checks and hasattr(core, "begin"):
+                core.begin = self.work.wrap(core.begin)
 
     def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
         self.t0, self.cpu0 = time.perf_counter(), time.process_time()
@@ -83,7 +88,8 @@ class Probe(L.Callback):
         cpu = time.process_time() - self.cpu0  # this process, every thread: less sensitive to scheduling
         # work: the checks' own seconds since the last step's end (this step's hooks, all of them)
         self.steps.append({"seconds": time.perf_counter() - self.t0, "cpu_seconds": cpu, "calls": calls - self.c0,
-                           "bytes": sent - self.b0, "work_seconds": self.work.take()})  # fmt: skip
+                           "bytes": sent - self.b0, "work_seconds": self.work.take(),
+                           "work_cpu_seconds": self.work.take_thread()})  # fmt: skip
 
 
 class Model(L.LightningModule):
@@ -178,10 +184,12 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=BATCH, help="samples per rank and step")
     parser.add_argument("--configs", default="none,nonfinite,fingerprint,defaults,audit_often")
     parser.add_argument("--model", choices=["mlp", "lm"], default="mlp", help="lm: a small transformer LM")
+    parser.add_argument("--skip", type=int, default=5, help="first steps of each fit left out (warm-up); the "
+                        "screen recalibrates its band every step for its first 32, so 40 measures the steady state")
     args = parser.parse_args()
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     traffic = Traffic()
-    skip = 5  # warm-up steps excluded
+    skip = args.skip
     configs = args.configs.split(",")
     rounds = alternate(lambda c: fit(c, args.steps, traffic, args.replay_every, args.batch, args.model), configs,
                        args.rounds, skip)  # fmt: skip
@@ -197,6 +205,7 @@ def main() -> None:
         **step_table(runs, rounds["per_round"], rounds["cpu_round"]),
         "replay_every": args.replay_every,
         "batch": args.batch,
+        "skipped_steps": skip,
     }
     if "audit_often" in runs:
         audited, normal, result["audited_step_vs_normal"] = audited_split(
