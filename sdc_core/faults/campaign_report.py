@@ -80,14 +80,14 @@ def write_results(rows: list[dict[str, Any]], summary: dict[str, Any], out: Path
         print(" ".join(f"{t[h]!s:>14}" for h in head))
 
 
-def plot(table: list[dict[str, Any]], path: Path) -> bool:
-    """Detection rate by site and bit class; without matplotlib warns instead. Returns whether it drew."""
+def plot(table: list[dict[str, Any]], path: Path) -> None:
+    """Detection rate by site and bit class; without matplotlib warns instead."""
     try:
         import matplotlib
     except ImportError:
         warnings.warn("matplotlib is not installed: no detection plot (pip install matplotlib); the tables and "
                       "the coverage page are written without it", UserWarning, stacklevel=2)  # fmt: skip
-        return False
+        return
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -106,7 +106,6 @@ def plot(table: list[dict[str, Any]], path: Path) -> bool:
     fig.tight_layout()
     atomic_write(path, lambda f: fig.savefig(f, dpi=110, format="png"))
     plt.close(fig)
-    return True
 
 
 def write_doc(out: Path, doc: Path, command: str) -> None:

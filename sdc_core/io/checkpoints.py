@@ -391,8 +391,6 @@ def _with_tied(held: dict[str, torch.Tensor], rels: dict[str, int]) -> dict[str,
     if not set(held) <= set(rels):
         return None
     lacking = set(rels) - set(held)
-    if not lacking:
-        return held
     by_digest = {rels[n]: n for n in held}
     if not all(rels[n] in by_digest for n in lacking):
         return None

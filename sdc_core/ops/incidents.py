@@ -188,10 +188,8 @@ def summarise(incidents: list[dict[str, Any]]) -> list[dict[str, Any]]:
             row["checks"].add(inc["check"])
             row["first_seen"] = min(row["first_seen"], inc["time_iso"])
             row["last_seen"] = max(row["last_seen"], inc["time_iso"])
-    out = sorted(rows.values(), key=lambda r: (-r["named"], -r["incidents"], r["host"]))
-    for r in out:
-        r["checks"] = sorted(r["checks"])
-    return out
+    ordered = sorted(rows.values(), key=lambda r: (-r["named"], -r["incidents"], r["host"]))
+    return [r | {"checks": sorted(r["checks"])} for r in ordered]
 
 
 def exclude_hosts(incidents: list[dict[str, Any]]) -> list[str]:
