@@ -151,9 +151,7 @@ class GradientScreen:
         """Whether rows are compared in neighbourhoods (a world above ``ALL_ROWS_UP_TO``)."""
         return bool(self._receives_from)
 
-    def observe(
-        self, step: int, magnitudes: torch.Tensor | list[float] | None, loss: torch.Tensor | None = None
-    ) -> None:
+    def observe(self, step: int, magnitudes: torch.Tensor | None, loss: torch.Tensor | None = None) -> None:
         """Start step ``step``'s exchange of this rank's row (``magnitudes``: ``take_magnitudes``'
         values, None for no opinion). No host synchronisation. Every rank, every step, alike."""
         if self.width == 0:
@@ -164,8 +162,6 @@ class GradientScreen:
         while len(self._pending) >= _MAX_PENDING:
             self._judge_oldest()
         k = self.width - 1
-        if isinstance(magnitudes, list):
-            magnitudes = torch.tensor(magnitudes, dtype=torch.float64)
         made_on = magnitudes.device if magnitudes is not None else None
         if made_on is not None and self._device is None:
             self._device = made_on
