@@ -166,5 +166,4 @@ def settle_groups(groups: list[ReplicaGroup], world_size: int) -> list[ReplicaGr
     return ([solo] if solo.names else []) + kept
 
 
-
 __all__ = ["ReplicaGroup", "Witnesses", "plan_groups", "replicate_ranks", "settle_groups", "witnesses"]
