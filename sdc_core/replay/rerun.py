@@ -134,11 +134,8 @@ class GradientsAside:
         )
         if not second_copy:
             return
-        grads = {}
-        for p in params:
-            g = p.grad
-            if g is not None and g.layout == torch.strided and g.numel() > 0 and g.data_ptr():
-                grads[g.data_ptr()] = (p, g)
+        grads = {g.data_ptr(): (p, g) for p in params
+                 if (g := p.grad) is not None and g.layout == torch.strided and g.numel() > 0 and g.data_ptr()}
         if not grads:
             return
         mode = _BucketCopies(grads)
