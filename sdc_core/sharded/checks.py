@@ -29,9 +29,7 @@ from sdc_core.sharded.tap import GradientTapComm, fsdp_taps
 
 def local(t: torch.Tensor) -> torch.Tensor:
     """This rank's bytes of ``t``: a DTensor's local shard (no copy), else ``t`` itself."""
-    if DTensor is not None and isinstance(t, DTensor):
-        return t.to_local()
-    return t
+    return t.to_local() if DTensor is not None and isinstance(t, DTensor) else t
 
 
 def is_sharded(module: nn.Module) -> bool:
