@@ -56,7 +56,12 @@ def settle(
     for o, q in disputed:
         verdict = referee_says.get((o, q))
         notes[f"{o}->{q}"] = ruling_note(verdict)
-        suspects.update({(True, False): (q,), (False, True): (o,)}.get(verdict, (o, q)))
+        if verdict == (True, False):
+            suspects.add(q)
+        elif verdict == (False, True):
+            suspects.add(o)
+        else:
+            suspects.update((o, q))
     ordered = tuple(sorted(suspects))
     return (ordered[0] if len(ordered) == 1 and world > 2 else None), ordered, notes
 
