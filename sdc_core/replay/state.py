@@ -269,10 +269,9 @@ class StateCapture:
         if not big:
             return state
         digests = torch.stack([tensor_digest(state.tensors[k]).to(state.tensors[big[0]].device) for k in big])
-        tensors = dict(state.tensors)
-        for k, d in zip(big, digests.cpu().tolist(), strict=True):
-            tensors[k] = TensorRef(int(d), state.tensors[k].numel() * state.tensors[k].element_size())
-        return replace(state, tensors=tensors)
+        refs = {k: TensorRef(int(d), state.tensors[k].numel() * state.tensors[k].element_size())
+                for k, d in zip(big, digests.cpu().tolist(), strict=True)}
+        return replace(state, tensors=state.tensors | refs)
 
     @staticmethod
     def resolve(state: StepState | None, own: Sequence[StepState | None]) -> StepState | None:
@@ -281,9 +280,7 @@ class StateCapture:
         if state is None or not any(isinstance(t, TensorRef) for t in state.tensors.values()):
             return state
         tensors = dict(state.tensors)
-        for key, ref in state.tensors.items():
-            if not isinstance(ref, TensorRef):
-                continue
+        for key, ref in [(k, r) for k, r in state.tensors.items() if isinstance(r, TensorRef)]:
             candidates = [s.tensors[key] for s in own if s is not None and isinstance(s.tensors.get(key), torch.Tensor)]
             match = next((t for t in candidates if int(tensor_digest(t)) == ref.digest), None)
             if match is None:
