@@ -55,8 +55,7 @@ class _Guard:
 
     def __exit__(self, *_exc: object) -> None:
         self.active = False
-        stack = _LOCAL.guards
-        stack[:] = [g for g in stack if (t := g()) is not None and t is not self and t.active]
+        _LOCAL.guards[:] = [g for g in _LOCAL.guards if (t := g()) is not None and t is not self and t.active]
         _uninstall()
 
 
