@@ -264,8 +264,7 @@ def _conforms(value: Any, hint: Any, depth: int = 0) -> bool:
             return all(_conforms(v, args[0], depth + 1) for v in value)
         if origin is tuple and args and args != ((),):
             return len(args) == len(value) and all(_conforms(v, a, depth + 1) for v, a in zip(value, args, strict=True))
-        return True
-    return True  # an annotation this check does not read
+    return True  # a container's items this check does not read, or an annotation it does not read
 
 
 def _bytes_of(t: torch.Tensor) -> bytes:

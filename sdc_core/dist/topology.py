@@ -385,11 +385,9 @@ def exchange(
             failures.append(f"rank {me} could not {what}: {type(err).__name__}: {err}")
             broken.add(src)
     received = {}
-    for src, buf in incoming.items():
-        if src in broken:
-            continue
+    for src in [s for s in incoming if s not in broken]:
         try:
-            received[src] = decode(buf, allow_pickle=allow)
+            received[src] = decode(incoming[src], allow_pickle=allow)
             if validate is not None:
                 validate(received[src])
         except Exception as err:

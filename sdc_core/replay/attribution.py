@@ -123,10 +123,11 @@ def attribute(
     group = _Groups(world, [(a, b) for a, b in agreeing if a != b])
     suspects: set[int] = set()
     every: set[tuple[int, ...]] = set()
-    covers = [_covers(part) for part in _parts(bad, lambda r: r)]
+    parts = _parts(bad, lambda r: r)
+    covers = [_covers(part) for part in parts]
     persistent = [_persistent(world, part, group) for part in _parts(bad, group.persistent_node)]
     consistent = all(persistent)  # a part no persistent fault explains rules the reading out
-    for part, found in zip(_parts(bad, lambda r: r), covers, strict=True):
+    for part, found in zip(parts, covers, strict=True):
         suspects |= set().union(*found) if found else {r for pair in part for r in pair}
         every |= {tuple(sorted(h)) for h in found}
     if consistent:
@@ -145,7 +146,7 @@ class _Groups:
     """Ranks joined by agreeing comparisons (union-find), and which groups hold half the world."""
 
     def __init__(self, world: int, good: Sequence[tuple[int, int]]) -> None:
-        self.parent = list(range(world))
+        self.parent: dict[int, int] = {}
         for a, b in good:
             self.parent[self.find(a)] = self.find(b)
         self.members: dict[int, list[int]] = {}
@@ -154,10 +155,7 @@ class _Groups:
         self.world = world
 
     def find(self, x: int) -> int:
-        while self.parent[x] != x:
-            self.parent[x] = self.parent[self.parent[x]]
-            x = self.parent[x]
-        return x
+        return _find(self.parent, x)
 
     def large(self, g: int) -> bool:
         """Half the ranks or more: never part of a persistent explanation."""
@@ -172,24 +170,25 @@ class _Groups:
 def _parts(bad: Sequence[tuple[int, int]], node: Any) -> list[list[tuple[int, int]]]:
     """``bad`` split into connected parts, linked by a shared ``node(rank)`` (None links nothing), sorted."""
     parent: dict[Any, Any] = {}
-
-    def find(x: Any) -> Any:
-        parent.setdefault(x, x)
-        while parent[x] != x:
-            parent[x] = parent[parent[x]]
-            x = parent[x]
-        return x
-
     keys = []
     for i, (a, b) in enumerate(bad):
         ends = [n for n in (node(a), node(b)) if n is not None] or [("pair", i)]
         for e in ends[1:]:
-            parent[find(e)] = find(ends[0])
+            parent[_find(parent, e)] = _find(parent, ends[0])
         keys.append(ends[0])
     parts: dict[Any, list[tuple[int, int]]] = {}
     for pair, k in zip(bad, keys, strict=True):
-        parts.setdefault(find(k), []).append(pair)
+        parts.setdefault(_find(parent, k), []).append(pair)
     return sorted(parts.values())
+
+
+def _find(parent: dict[Any, Any], x: Any) -> Any:
+    """The root of ``x`` in the union-find forest ``parent`` (a new ``x`` is its own root)."""
+    parent.setdefault(x, x)
+    while parent[x] != x:
+        parent[x] = parent[parent[x]]
+        x = parent[x]
+    return x
 
 
 def _covers(bad: Sequence[tuple[int, int]]) -> list[set[int]]:

@@ -18,6 +18,7 @@ from sdc_core.checks.digest import tensor_digest
 
 AUTO_MARGIN = 100.0  # exact="auto": tolerance = AUTO_MARGIN * measured same-device noise floor (GPU noise
 # fluctuates from batch to batch; a fault must stand out from it by two orders of magnitude)
+Row = tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]  # one gradient's digest_row
 
 
 class Tolerances(Protocol):
@@ -42,16 +43,13 @@ class Digest:
     numels: torch.Tensor  # float64 [P]
 
 
-def digest_row(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+def digest_row(g: torch.Tensor) -> Row:
     """``(sum, norm, exact fingerprint, numel)`` of one gradient, on its device (no sync): sum and norm reduced
     in float32 and returned as float64; the fingerprint reads -0.0 as +0.0 (kernels differ in a zero's sign)."""
     g = g.detach()
     fingerprint = tensor_digest(g + 0.0)
     g = g if g.dtype in (torch.float32, torch.float64) else g.float()
     return g.sum().double(), torch.linalg.vector_norm(g).double(), fingerprint, g.numel()
-
-
-Row = tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]
 
 
 def assemble(names: Sequence[str], rows: dict[str, Row], loss: torch.Tensor | float) -> Digest:

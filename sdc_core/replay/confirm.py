@@ -119,11 +119,10 @@ def _recomputed_peaks(replay: Any, rerun: Rerun, batches: list[Any], group_of: C
 def _agree(replay: Any, batches: Any) -> tuple[Any, str]:
     """Collective re-runs: every rank re-runs its owner's micro-batches, or none does (one small all_reduce
     agrees); returns ``(batches, "")`` to re-run, or ``(None, why)``."""
-    ready = getattr(replay, "screen_ready", None)
     if not isinstance(batches, list):
         why = batches if isinstance(batches, str) else "no micro-batches received"
     else:
-        why = ready(batches) if ready is not None else ""
+        why = replay.screen_ready(batches) if hasattr(replay, "screen_ready") else ""
     n = len(batches) if isinstance(batches, list) and not why else 0
     flags = torch.tensor([n, -n], dtype=torch.float64, device=collective_device())
     dist.all_reduce(flags, op=dist.ReduceOp.MAX)
@@ -161,18 +160,14 @@ def _error(result: Any, ranks: list[int], partners: Sequence[int], topo: Topolog
     first = hits[0]
     who = f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
     if first.get("reason") == "nonfinite":
-        reason = (
-            f"the every-step gradient screen saw {who}'s loss non-finite at step {result.step} while its local "
-            f"gradients were finite; rank {first['recomputed_by']} recomputed the same micro-batches on {weights} "
-            f"and got a finite loss and gradients within the band: {who} computed that step wrongly"
-        )
+        saw = f"loss non-finite at step {result.step} while its local gradients were finite"
+        outcome = "got a finite loss and gradients within the band"
     else:
-        reason = (
-            f"the every-step gradient screen saw {who}'s {first.get('value')} out of band at step {result.step} "
-            f"(2^{first.get('excess', 0.0):.1f} above the ranks' median, band "
-            f"2^{first.get('band', 0.0):.1f}); rank {first['recomputed_by']} recomputed the same micro-batches on "
-            f"{weights} and stayed within the band: {who} computed that step wrongly"
-        )
+        saw = (f"{first.get('value')} out of band at step {result.step} (2^{first.get('excess', 0.0):.1f} above the "
+               f"ranks' median, band 2^{first.get('band', 0.0):.1f})")
+        outcome = "stayed within the band"
+    reason = (f"the every-step gradient screen saw {who}'s {saw}; rank {first['recomputed_by']} recomputed the same "
+              f"micro-batches on {weights} and {outcome}: {who} computed that step wrongly")
     details: dict[str, Any] = {"source": "gradient_screen", "screen": hits,
                                "classification": "transient or persistent not told (one replay per escalation)"}
     if note:

@@ -47,7 +47,7 @@ class _Guard:
 
     def __enter__(self) -> None:
         self.entry = id(sys._getframe(1))
-        stack = _guards()
+        stack = _LOCAL.guards
         stack[:] = [g for g in stack if (t := g()) is not None and t.active]  # guards cut short are gone
         stack.append(weakref.ref(self))
         _install(self)
@@ -55,30 +55,26 @@ class _Guard:
 
     def __exit__(self, *_exc: object) -> None:
         self.active = False
-        stack = _guards()
-        stack[:] = [g for g in stack if (t := g()) is not None and t is not self and t.active]
+        _LOCAL.guards[:] = [g for g in _LOCAL.guards if (t := g()) is not None and t is not self and t.active]
         _uninstall()
 
 
+class _Local(threading.local):
+    def __init__(self) -> None:
+        self.guards: list[weakref.ref[_Guard]] = []  # this thread's (weak: an interrupted exit dies with the guard)
+
+
 _GUARD_CODES = frozenset((_Guard.__enter__.__code__, _Guard.__exit__.__code__))
-_LOCAL = threading.local()
+_LOCAL = _Local()
 _LOCK = threading.RLock()  # re-entrant: a signal handler on the locking thread may enter a guard too
 _ORIGINALS: dict[tuple[str, str], Callable[..., Any]] = {}  # (namespace, name) -> the function wrapped
-
-
-def _guards() -> list[weakref.ref[_Guard]]:
-    """This thread's guards (weak: a guard whose exit was interrupted dies with its last reference)."""
-    stack = getattr(_LOCAL, "guards", None)
-    if stack is None:
-        stack = _LOCAL.guards = []
-    return stack
 
 
 def _refuses(frame: Any) -> bool:
     """Whether the collective called from ``frame`` is the replay's: a live guard of this thread entered on the
     stack, no signal handler in between. A guard whose entering frame has returned is dropped here."""
     codes: set[Any] | None = None
-    for ref in reversed(getattr(_LOCAL, "guards", ())):
+    for ref in reversed(_LOCAL.guards):
         guard = ref()
         if guard is None or not guard.active:
             continue
@@ -130,7 +126,7 @@ def _handler_codes() -> set[Any]:
 def _wrap(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def collective(*args: Any, **kwargs: Any) -> Any:
-        if getattr(_LOCAL, "guards", None) and _refuses(sys._getframe(1)):
+        if _LOCAL.guards and _refuses(sys._getframe(1)):
             raise CollectiveInReplay(f"torch.distributed.{name} was called inside the replayed training step")
         return original(*args, **kwargs)
 

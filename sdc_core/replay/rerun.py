@@ -120,18 +120,6 @@ class GradientsAside:
     def __init__(self) -> None:
         self._mode: _BucketCopies | None = None
         self._found: list[tuple[nn.Parameter, torch.Tensor, torch.Tensor]] = []
-        self.moved_bytes = 0  # set aside by the last ``aside()``
-
-    @staticmethod
-    def applies(ddp: Any) -> bool:
-        """Whether ``ddp``'s buckets are a second copy of ``.grad`` that nothing else reads."""
-        return (
-            ddp is not None
-            and getattr(ddp, "gradient_as_bucket_view", True) is False
-            and not getattr(ddp, "_comm_hooks", None)
-            and getattr(ddp, "mixed_precision", None) is None
-            and not getattr(ddp, "_delay_all_reduce_all_params", False)
-        )
 
     def clear(self) -> None:
         self._found = []
@@ -139,13 +127,15 @@ class GradientsAside:
     def watch(self, ddp: Any, params: Sequence[nn.Parameter]) -> None:
         """At the end of a synchronised backward (queued before DDP's callback): record DDP's bucket copies."""
         self._found, self._mode = [], None  # a mode left by a failed callback is gone with that backward's state
-        if not self.applies(ddp):
+        second_copy = (  # DDP's buckets are a second copy of ``.grad`` that nothing else reads
+            ddp is not None and getattr(ddp, "gradient_as_bucket_view", True) is False
+            and not getattr(ddp, "_comm_hooks", None) and getattr(ddp, "mixed_precision", None) is None
+            and not getattr(ddp, "_delay_all_reduce_all_params", False)
+        )
+        if not second_copy:
             return
-        grads = {}
-        for p in params:
-            g = p.grad
-            if g is not None and g.layout == torch.strided and g.numel() > 0 and g.data_ptr():
-                grads[g.data_ptr()] = (p, g)
+        grads = {g.data_ptr(): (p, g) for p in params
+                 if (g := p.grad) is not None and g.layout == torch.strided and g.numel() > 0 and g.data_ptr()}
         if not grads:
             return
         mode = _BucketCopies(grads)
@@ -192,8 +182,7 @@ class GradientsAside:
                 view.copy_(g)
                 g.untyped_storage().resize_(0)
                 released.append((g, nbytes, view))
-            self.moved_bytes = sum(n for _, n, _ in released)
-            yield self.moved_bytes
+            yield sum(n for _, n, _ in released)
         finally:
             error: BaseException | None = None
             for g, nbytes, view in released:  # every one is tried, the first failure raised after

@@ -27,9 +27,8 @@ def _np_random() -> Any:
 def all_rng(device: torch.device | None) -> tuple[torch.Tensor, torch.Tensor | None, Any, Any]:
     """The RNG state of torch (CPU and, for a CUDA ``device``, that device), Python and NumPy,
     in ``MicroBatch``'s field order."""
-    cpu, cuda = capture_rng(device)
     npr = _np_random()
-    return cpu, cuda, random.getstate(), npr.get_state() if npr is not None else None
+    return *capture_rng(device), random.getstate(), npr.get_state() if npr is not None else None
 
 
 def set_rng(cpu: torch.Tensor, cuda: torch.Tensor | None, py: Any, np_state: Any, device: torch.device) -> None:

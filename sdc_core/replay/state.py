@@ -177,10 +177,6 @@ class _Walk:
     buffers: list[tuple[str, nn.Module, str]]  # ("buffer:<name>", its module, key): the tensor read live
     attributed: list[tuple[str, nn.Module]]  # modules not of torch.nn's own classes: attributes read live
 
-    def current(self) -> bool:
-        """Whether the tree still has this walk's shape (about half a walk's cost)."""
-        return _signature(self.modules) == self.signature
-
 
 class StateCapture:
     """Captures, reproduces and restores the state a training step reads besides its batch (``trainable``
@@ -208,7 +204,7 @@ class StateCapture:
     def _walked(self) -> _Walk:
         """The last walk while the tree kept its shape (about half a walk's cost to check), else a new one."""
         walk = self._walk
-        if walk is not None and walk.current():
+        if walk is not None and _signature(walk.modules) == walk.signature:
             return walk
         named = list(self.module.named_modules())
         subs = [sub for _, sub in named]
@@ -273,10 +269,9 @@ class StateCapture:
         if not big:
             return state
         digests = torch.stack([tensor_digest(state.tensors[k]).to(state.tensors[big[0]].device) for k in big])
-        tensors = dict(state.tensors)
-        for k, d in zip(big, digests.cpu().tolist(), strict=True):
-            tensors[k] = TensorRef(int(d), state.tensors[k].numel() * state.tensors[k].element_size())
-        return replace(state, tensors=tensors)
+        refs = {k: TensorRef(int(d), state.tensors[k].numel() * state.tensors[k].element_size())
+                for k, d in zip(big, digests.cpu().tolist(), strict=True)}
+        return replace(state, tensors=state.tensors | refs)
 
     @staticmethod
     def resolve(state: StepState | None, own: Sequence[StepState | None]) -> StepState | None:
@@ -285,9 +280,7 @@ class StateCapture:
         if state is None or not any(isinstance(t, TensorRef) for t in state.tensors.values()):
             return state
         tensors = dict(state.tensors)
-        for key, ref in state.tensors.items():
-            if not isinstance(ref, TensorRef):
-                continue
+        for key, ref in [(k, r) for k, r in state.tensors.items() if isinstance(r, TensorRef)]:
             candidates = [s.tensors[key] for s in own if s is not None and isinstance(s.tensors.get(key), torch.Tensor)]
             match = next((t for t in candidates if int(tensor_digest(t)) == ref.digest), None)
             if match is None:
@@ -308,7 +301,15 @@ class StateCapture:
         subs = dict(module.named_modules())
         saved = {path: dict(vars(sub)) for path, sub in subs.items()}
         own_user, loaded_user = None, False
-        live = self._live_versions(state)
+        live: dict[str, tuple[torch.Tensor, int]] = {}  # the tensors read live, with their versions now
+        if state is not None and state.live:
+            tensors = {f"param:{n}": p for n, p in module.named_parameters()}
+            tensors |= {f"buffer:{n}": b for n, b in module.named_buffers()}
+            for key in state.live:
+                path, _, attr = key.rpartition(".")
+                t = tensors[key] if key in tensors else vars(subs[path]).get(attr) if path in subs else None
+                if isinstance(t, torch.Tensor):
+                    live[key] = (t, t._version)
         swapped: dict[str, torch.Tensor] = {}
         try:
             if state is None:  # nothing captured: the replayer's own state, on private copies
@@ -353,21 +354,6 @@ class StateCapture:
                 f"(over max_state_mb={self.max_bytes / 2**20:g}): raise max_state_mb or expose it with "
                 "sdc_replay_state()/sdc_load_replay_state(state)"
             )
-
-    def _live_versions(self, state: StepState | None) -> dict[str, tuple[torch.Tensor, int]]:
-        if state is None or not state.live:
-            return {}
-        module = self.module
-        tensors = {f"param:{n}": p for n, p in module.named_parameters()}
-        tensors |= {f"buffer:{n}": b for n, b in module.named_buffers()}
-        subs = dict(module.named_modules())
-        found: dict[str, tuple[torch.Tensor, int]] = {}
-        for key in state.live:
-            path, _, attr = key.rpartition(".")
-            t = tensors[key] if key in tensors else vars(subs[path]).get(attr) if path in subs else None
-            if isinstance(t, torch.Tensor):
-                found[key] = (t, t._version)
-        return found
 
 
 @dataclass

@@ -33,10 +33,8 @@ def _other_parallel_meshes(module: nn.Module) -> list[tuple[Any, tuple[str, ...]
     """``(root mesh, dimension names, dimensions of size > 1 FSDP does not use)`` per distinct root mesh with any."""
     from sdc_core.sharded.tap import FSDPModule
 
-    fsdp_meshes: list[Any] = []
-    for m in module.modules():
-        if FSDPModule is not None and isinstance(m, FSDPModule):
-            fsdp_meshes += [pg.mesh_info.mesh for pg in m._get_fsdp_state()._fsdp_param_groups]
+    fsdp_meshes = [pg.mesh_info.mesh for m in module.modules() if FSDPModule is not None and isinstance(m, FSDPModule)
+                   for pg in m._get_fsdp_state()._fsdp_param_groups]
     fsdp_dims = {n for mesh in fsdp_meshes for n in (mesh.mesh_dim_names or ())}
     found: list[tuple[Any, tuple[str, ...], list[int]]] = []
     for p in module.parameters():

@@ -92,10 +92,9 @@ def plan_groups(named: Sequence[tuple[str, torch.Tensor]], world_size: int) -> l
         if not w.ranks:
             continue
         key = (True, w.kind, w.ranks) if len(w.ranks) > 1 else (False, ("solo",), w.ranks)
-        if key not in groups:
-            groups[key] = ReplicaGroup(w, [], [])
-        groups[key].names.append(name)
-        groups[key].tensors.append(t)
+        group = groups.setdefault(key, ReplicaGroup(w, [], []))
+        group.names.append(name)
+        group.tensors.append(t)
     return [groups[k] for k in sorted(groups, key=lambda k: (k[0], repr(k[1])))]
 
 
@@ -132,9 +131,8 @@ def settle_groups(groups: list[ReplicaGroup], world_size: int) -> list[ReplicaGr
     names; else its tensors count as unreplicated) and give it a process group. A collective: every rank."""
     if world_size > 1 and _agree_by_digest(groups, world_size):
         for g in groups:
-            w = g.witnesses
             if len(g.ranks) > 1:
-                g.group = None if len(g.ranks) == world_size else w.mesh.get_group(w.dims[0])
+                g.group = None if len(g.ranks) == world_size else g.witnesses.mesh.get_group(g.witnesses.dims[0])
         solo = [g for g in groups if len(g.ranks) == 1]
         return solo + [g for g in groups if len(g.ranks) > 1]
     mine = {g.ranks: g.names for g in groups if len(g.ranks) > 1}
@@ -164,7 +162,6 @@ def settle_groups(groups: list[ReplicaGroup], world_size: int) -> list[ReplicaGr
         if g.witnesses.ranks in made:
             g.group = made[g.witnesses.ranks]
     return ([solo] if solo.names else []) + kept
-
 
 
 __all__ = ["ReplicaGroup", "Witnesses", "plan_groups", "replicate_ranks", "settle_groups", "witnesses"]
