@@ -29,14 +29,9 @@ def peaks(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         return torch.stack(torch._foreach_norm(tensors, float("inf")))
     small = [t for t in tensors if t.numel() < _AMINMAX_FROM]
     norms = iter(torch._foreach_norm(small, float("inf")) if small else ())
-    values = []
-    for t in tensors:
-        if t.numel() < _AMINMAX_FROM:
-            values.append(next(norms))
-        else:
-            lo, hi = torch.aminmax(t)
-            values.append(torch.maximum(lo.abs(), hi.abs()))
-    return torch.stack(values)
+    return torch.stack(
+        [next(norms) if t.numel() < _AMINMAX_FROM else torch.stack(torch.aminmax(t)).abs().amax() for t in tensors]
+    )
 
 
 Index = torch.Tensor | Sequence[int]
