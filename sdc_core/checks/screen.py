@@ -162,10 +162,9 @@ class GradientScreen:
         while len(self._pending) >= _MAX_PENDING:
             self._judge_oldest()
         k = self.width - 1
-        made_on = magnitudes.device if magnitudes is not None else None
-        if made_on is not None and self._device is None:
-            self._device = made_on
-        device = self._target(made_on if made_on is not None else self._device)
+        if magnitudes is not None and self._device is None:
+            self._device = magnitudes.device
+        device = self._target(magnitudes.device if magnitudes is not None else self._device)
         if device.type == "cpu":
             head = torch.tensor([float(step), float(self.width)], dtype=torch.float64)
         else:  # no host-to-device copy (it would wait for the device's queue)

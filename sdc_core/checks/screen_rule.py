@@ -139,11 +139,8 @@ def reference(values: Sequence[Sequence[float]], exclude: int | None = None) -> 
     if len(others) >= need and all(map(_isfinite, map(sum, others))):  # no NaN nor Inf anywhere
         m = (len(others) - 1) // 2
         return [sorted(col)[m] for col in zip(*others, strict=True)]
-    out = []
-    for col in zip(*others, strict=True):
-        v = sorted(a for a in col if a == a and a != math.inf)
-        out.append(v[(len(v) - 1) // 2] if len(v) >= need else math.nan)
-    return out
+    cols = [sorted(a for a in col if a == a and a != math.inf) for col in zip(*others, strict=True)]
+    return [v[(len(v) - 1) // 2] if len(v) >= need else math.nan for v in cols]
 
 
 def read_rows(
