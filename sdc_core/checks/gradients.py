@@ -76,11 +76,10 @@ class _StepFlags:
     reduced: torch.Tensor | None  # 0-d bool on the device: some reduced gradient holds NaN or Inf
     local: list[tuple[torch.Tensor, list[nn.Parameter]]]  # (local sums or peaks, their parameters)
     scaler_active: bool = False
-    bad: HostRead | None = None  # ``reduced`` on its way to the host
+    bad: HostRead | None = field(init=False)  # ``reduced`` on its way to the host
 
     def __post_init__(self) -> None:
-        if self.reduced is not None and self.bad is None:
-            self.bad = HostRead(self.reduced)
+        self.bad = HostRead(self.reduced) if self.reduced is not None else None
 
     def nonfinite(self) -> bool:
         """The host read of the flag: waits for its event, not the stream, and never for a peer."""

@@ -224,10 +224,8 @@ class LinearBound:
 
     def _row_bound(self, norms: torch.Tensor, out3: torch.Tensor | None, forward: bool) -> torch.Tensor:
         """Per row and block, the bound on the forward (n x nf) or the input-gradient (n x nx) residual
-        from the row norms of ``x`` or ``dy``: ``icpt + ||row|| slope`` plus, for a narrow output,
-        ``roundings * safety * u_out`` times ``T = t_icpt + ||row|| t_slope`` (a forward output may round
-        twice: before and after the bias), capped by ``root (||out_b|| + allowance)`` where the output's
-        blocks ``out3`` are given (None: whatever the output holds)."""
+        from the row norms of ``x`` or ``dy``; a narrow output's term is capped by its blocks ``out3``
+        where given (None: whatever the output holds). A forward output may round twice (around the bias)."""
         k_ = self.consts
         icpt, slope, t_icpt, t_slope, allowance, root = (
             (self.f_icpt, self.f_slope, self.t_icpt, self.t_slope, k_[11], k_[0])
