@@ -181,9 +181,7 @@ def deviations(row: Sequence[float], ref: Sequence[float]) -> list[float]:
     raw = list(map(_sub, row, ref))
     level, loss = _median(raw), raw[-1]
     shift = loss if level != level or loss < level else level
-    dev = [a - shift for a in raw]
-    dev.append(level)
-    return dev
+    return [a - shift for a in raw] + [level]
 
 
 def in_band(row: Sequence[float], ref: Sequence[float], bands: Sequence[float]) -> bool:
@@ -192,9 +190,8 @@ def in_band(row: Sequence[float], ref: Sequence[float], bands: Sequence[float]) 
     magnitude is out. ``ValueError`` when the lengths do not match."""
     if not len(row) == len(ref) == len(bands) - 1:
         raise ValueError(f"in_band: {len(row)} values, {len(ref)} references, {len(bands)} bands")
-    if not all(a != a or -LOG2_LIMIT <= a <= LOG2_LIMIT for a in row):
-        return False
-    return not any(d > b for d, b in zip(deviations(row, ref), bands, strict=True))
+    legal = all(a != a or -LOG2_LIMIT <= a <= LOG2_LIMIT for a in row)
+    return legal and not any(d > b for d, b in zip(deviations(row, ref), bands, strict=True))
 
 
 def classify(
