@@ -139,10 +139,6 @@ def tensor_digest_v1(t: torch.Tensor) -> torch.Tensor:
     """The version-1 digest (wrap-around sum of 64/32/16/8-bit words), kept to verify checkpoints
     written with it; never for new fingerprints."""
     with torch.no_grad():
-        try:
-            return t.view(-1).view(torch.int64).sum()
-        except RuntimeError:
-            pass
         flat = t.contiguous().view(-1)
         if flat.dtype == torch.bool:
             flat = flat.view(torch.uint8)
