@@ -1,11 +1,9 @@
 """The check contract: the phases of an optimizer step, and what the step driver asks of a check.
 
 ``sdc_core.driver.step.StepDriver`` runs every check through the same phases (each seam translates
-its framework's events): ``AFTER_BACKWARD`` starts collectives read later and reads earlier steps'
-verdicts (an earlier fault is never reported as a later one's symptom); ``BEFORE_UPDATE`` reads
-verdicts that must precede the update; ``AFTER_UPDATE`` starts the comparison of the update's
-result; ``BEFORE_SAVE`` and ``AT_END`` read every pending verdict and compare the weights now. A
-check without a built-in ``Role`` is a ``StepCheck`` (``SDCHooks.add_check``). Every rank calls the
+its framework's events; what each phase is for: ``StepCheck``'s methods, docs/architecture.md).
+Earlier steps' verdicts are read first: an earlier fault is never reported as a later one's symptom.
+A check without a built-in ``Role`` is a ``StepCheck`` (``SDCHooks.add_check``). Every rank calls the
 same phases in the same order; a check runs the same collectives on every rank, on its error paths
 too. Cost: a method call per check and phase.
 """
@@ -19,7 +17,7 @@ from sdc_core.stats import CheckStats
 
 
 class Phase(Enum):
-    """Where in an optimizer step a check may act (module docstring)."""
+    """Where in an optimizer step a check may act (``StepCheck``'s methods)."""
 
     AFTER_BACKWARD = "after_backward"
     BEFORE_UPDATE = "before_update"
