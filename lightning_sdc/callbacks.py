@@ -77,9 +77,8 @@ class NonFiniteGradientCheck(common.SDCCallback):
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        state = dict(state_dict)
-        screen = state.pop("screen", None)
-        super().load_state_dict(state)
+        super().load_state_dict(state_dict)  # the check's counters (CheckStats reads its own keys only)
+        screen = state_dict.get("screen")
         if screen is not None and self._screen is not None:  # counters and band
             self._screen.load_state_dict(screen)
 
@@ -298,9 +297,7 @@ class FaultInjector(Callback):
 
         self._handles = [opt.register_step_post_hook(after) for opt in trainer.optimizers]
 
-    def on_train_batch_start(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
-    ) -> None:
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         self.injector.set_step(trainer.global_step)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
