@@ -77,8 +77,9 @@ class NonFiniteGradientCheck(common.SDCCallback):
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        super().load_state_dict(state_dict)  # the check's counters (CheckStats reads its own keys only)
-        screen = state_dict.get("screen")
+        state = dict(state_dict)
+        screen = state.pop("screen", None)
+        super().load_state_dict(state)
         if screen is not None and self._screen is not None:  # counters and band
             self._screen.load_state_dict(screen)
 

@@ -111,7 +111,6 @@ def _core(name: str) -> Any:
 
 
 def _refuse(reason: str | None) -> None:
-    """``ValueError`` in one line naming what is supported, when there is a ``reason``."""
     if reason is not None:
         raise ValueError(f"SDCHooks supports DDP (DistributedDataParallel), FSDP2 (fully_shard) or a single process; "
                          f"got {reason}")  # fmt: skip
