@@ -10,6 +10,7 @@ import importlib
 import json
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from torch import nn
@@ -194,12 +195,7 @@ class AccelerateFramework(Framework):
         if handler is None or handler.comm_hook == DDPCommunicationHookType.NO:
             return None, None
         captured: dict[str, Any] = {}
-
-        class _Capture:
-            def register_comm_hook(self, state: Any, hook: Any) -> None:
-                captured.update(state=state, hook=hook)
-
-        handler.register_comm_hook(_Capture())
+        handler.register_comm_hook(SimpleNamespace(register_comm_hook=captured.update))  # called with state=, hook=
         handler.comm_hook = DDPCommunicationHookType.NO
         handler.comm_wrapper = DDPCommunicationHookType.NO
         self.accelerator._sdc_taken_comm_hook = (captured.get("hook"), captured.get("state"))

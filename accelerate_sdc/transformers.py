@@ -56,8 +56,7 @@ class _TrainerFramework(AccelerateFramework):
 
     def flush(self) -> None:
         """MLflow's queued metrics flushed, so they reach the run before a verdict ends the process."""
-        mlflow = sys.modules.get("mlflow")
-        flush = getattr(mlflow, "flush_async_logging", None)
+        flush = getattr(sys.modules.get("mlflow"), "flush_async_logging", None)
         if callable(flush):
             try:
                 flush()
@@ -140,9 +139,8 @@ class SDCTrainerCallback(TrainerCallback, ExportableState):
                                 **kwargs)  # fmt: skip
             scaled = getattr(trainer, "loss_is_scaled_for_ga", None)
             if scaled is None:
-                scaled = (trainer.model_accepts_loss_kwargs and num_items_in_batch is not None) or (
-                    trainer.compute_loss_func is not None
-                )
+                by_items = trainer.model_accepts_loss_kwargs and num_items_in_batch is not None
+                scaled = by_items or trainer.compute_loss_func is not None
             divisor = 1 if scaled else int(getattr(trainer, "current_gradient_accumulation_steps", 1))
             self._live = True
             try:

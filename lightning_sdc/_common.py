@@ -166,8 +166,7 @@ class TrainerSeam(Seam):
             "MLFlowLogger": lambda logger: ("mlflow", (logger.experiment, logger.run_id)),
             "WandbLogger": lambda logger: ("wandb", logger.experiment),
         }
-        loggers = self.trainer.loggers
-        return [targets[type(lg).__name__](lg) for lg in loggers if type(lg).__name__ in targets]
+        return [targets[type(lg).__name__](lg) for lg in self.trainer.loggers if type(lg).__name__ in targets]
 
     def mark(self, error: SDCError) -> None:
         spawned = isinstance(self.trainer.strategy.launcher, _MultiProcessingLauncher)

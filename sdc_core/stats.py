@@ -42,9 +42,7 @@ class CheckStats:
         }
         if self.check == "ring_replay":
             out[prefix + "max_diff"] = self.max_diff
-        for k, v in (self.extra or {}).items():
-            out[prefix + k] = float(v)
-        return out
+        return out | {prefix + k: float(v) for k, v in (self.extra or {}).items()}
 
     def state_dict(self) -> dict[str, Any]:
         counters = {name: getattr(self, name) for name in ("runs", "failures", "last_verified_step", "max_diff")}

@@ -102,7 +102,6 @@ class Framework(Seam):
         self._updated = False
 
     def mark_updated(self) -> None:
-        """Called by a step post-hook of the inner optimizer: a real update happened."""
         self._updated = True
 
     def step_was_skipped(self, optimizer: Any) -> bool:

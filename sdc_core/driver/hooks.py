@@ -111,7 +111,6 @@ def _core(name: str) -> Any:
 
 
 def _refuse(reason: str | None) -> None:
-    """``ValueError`` in one line naming what is supported, when there is a ``reason``."""
     if reason is not None:
         raise ValueError(f"SDCHooks supports DDP (DistributedDataParallel), FSDP2 (fully_shard) or a single process; "
                          f"got {reason}")  # fmt: skip
@@ -280,8 +279,7 @@ class SDCHooks:
         step = self.step
         self.step += 1
         updated = not skipped and not fw.step_was_skipped(optimizer)
-        if updated:
-            self._updates += 1
+        self._updates += updated
         driver.after_update(self._context(optimizer, step, self._updates - 1), updated)
         if self.step % self.settings.log_every_n_steps == 0:
             self.log()
@@ -316,7 +314,9 @@ class SDCHooks:
         on every process, after backward. Cost: one host wait."""
         if self.nonfinite is None or self._module is None or not self._fw.sync_gradients:
             return
-        self._driver.gradients_now(self._context())
+        step = self._context()  # the earlier steps' verdicts, then this step's
+        self._driver.resolve_gradients(step, before=step.index)
+        self._driver.gradients(step, now=True)
 
     def before_save(self, fingerprint: bool = True) -> None:
         """Call on every process before writing a checkpoint: reads the pending verdicts and compares the replicas'

@@ -165,7 +165,6 @@ class LoopCapture:
             self._replaying = False
 
     def to_device(self, batch: Any) -> Any:
-        """A received micro-batch moved to the model's device."""
         module = self._loop.module
         return self._fw.to_device(batch, _device(module) if module is not None else None)
 

@@ -60,8 +60,12 @@ class Delivery:
             if check.last_error is None:
                 check.last_error = err
             if _policy(check) == "rollback":
+                # the newest step a rollback may return to: for a weight fault, the step after the last comparison
+                # that found the replicas equal; for a compute fault, the faulty step
+                fingerprint = role_of(check) is Role.FINGERPRINT
+                bound = check.stats.last_verified_step + 1 if fingerprint else err.step
                 try:
-                    check.last_error = self.seam.rollback(err, _rollback_bound(check, err))
+                    check.last_error = self.seam.rollback(err, bound)
                 except SDCError as failed:
                     check.last_error = failed
                     self._raise(check, failed)
@@ -92,14 +96,6 @@ class Delivery:
 
 def _policy(check: Any) -> str:
     return getattr(getattr(check, "config", None), "on_failure", "raise")  # no config: "raise"
-
-
-def _rollback_bound(check: Any, error: SDCError) -> int:
-    """The newest step a rollback may return to: for a weight fault, the step after the last
-    comparison that found the replicas equal; for a compute fault, the faulty step."""
-    if role_of(check) is Role.FINGERPRINT:
-        return check.stats.last_verified_step + 1
-    return error.step
 
 
 @dataclass
@@ -266,11 +262,6 @@ class StepDriver:
                 self._decided[id(nf)] = (step.index, out is True or out is ROLLED_BACK)
             dropped = self._decided[id(nf)][1] or dropped
         return dropped
-
-    def gradients_now(self, step: StepContext) -> None:
-        """Read the earlier steps' and this step's non-finite verdicts now (a caller about to act on the gradients)."""
-        self.resolve_gradients(step, before=step.index)
-        self.gradients(step, now=True)
 
     def observe(self, step: StepContext) -> None:
         """Start this step's screen all_gather (every rank, right after the sync backward; once per step)."""
