@@ -66,8 +66,8 @@ def test_a_clean_run_raises_nothing_and_confirms_nothing(out: Path) -> None:
 
 def test_a_genuine_spike_is_flagged_and_nobody_is_named(out: Path) -> None:
     """At the defaults the partner re-runs the spiky batch on the weights after its own update: with a
-    10^4 spike under AdamW that update moves the head enough that the recomputed peaks differ from the
-    owner's by more than 2x while standing out as much (unconfirmed); read in the same step, on the
+    10^4 spike under AdamW that update moves the head enough that the recomputation neither reproduces
+    the owner's peaks within 2x nor falls back in band (unconfirmed); read in the same step, on the
     same weights, the partner reproduces them (cleared). Either way nobody is named."""
     for name, outcome in (("spike", "screen_unconfirmed"), ("spike_same", "screen_cleared")):
         runs = results(out, name, WORLD)
