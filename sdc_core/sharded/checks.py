@@ -205,10 +205,10 @@ class _Pending:
 @dataclass
 class ShardedFingerprint(FingerprintCommon):
     """``WeightFingerprint`` for sharded models; adapters call ``start`` after an update, ``before_use`` before the next
-    forward, ``resolve`` before the next update (or one batch later) and ``check_now`` before a save and at the end.
-    Replica groups compare in their own process group; unreplicated shards are re-digested by ``before_use`` (a change
-    is a bit changed at rest). Cost per check: one read of the local shards (two for unreplicated ones), 16 bytes per
-    rank in the replica group plus 8 in the world; no host synchronisation in the step."""
+    forward, ``resolve`` before the next update (or one batch later), ``check_now`` before a save, ``finish`` at the
+    end. Replica groups compare in their own process group; unreplicated shards are re-digested by ``before_use`` (a
+    change is a bit changed at rest). Cost per check: one read of the local shards (two for unreplicated ones), 16
+    bytes per rank in the replica group plus 8 in the world; no host synchronisation in the step."""
 
     _groups: list[ReplicaGroup] | None = None
     _pending: _Pending | None = None
@@ -292,6 +292,10 @@ class ShardedFingerprint(FingerprintCommon):
     def check_now(self, step: int, module: nn.Module, optimizers: Iterable[torch.optim.Optimizer]) -> None:
         """Compare the pending comparison, then the current shards, at once (every rank, same place)."""
         self.start(step, module, optimizers)
+        self.finish()
+
+    def finish(self) -> None:
+        """At the end of training: the pending comparison, its window at rest closed now."""
         self.resolve()
 
     def _fail(self, pending: _Pending, replica_bad: bool, rest_bad: bool, t0: float) -> None:
