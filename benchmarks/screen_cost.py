@@ -47,13 +47,12 @@ CONFIGS = ("none", "no_screen", "defaults")
 
 
 class ThreadTimer(WorkTimer):
-    """``WorkTimer`` that also counts the CPU time of the calling thread inside the wrapped calls
-    (``time.thread_time``): what the screen's code itself costs, without the time the thread waits
-    for a core on an oversubscribed machine (3 ranks and their communication threads on 2 cores)."""
+    """``WorkTimer`` whose thread CPU time (``thread_seconds``: what the screen's code itself costs,
+    without the time the thread waits for a core on an oversubscribed machine, 3 ranks and their
+    communication threads on 2 cores) is also split by wrapped callable's name (``parts``)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.cpu_seconds = 0.0
         self.parts: dict[str, float] = {}  # CPU seconds per wrapped callable's name
 
     def wrap(self, fn: Any) -> Any:
@@ -66,32 +65,15 @@ class ThreadTimer(WorkTimer):
             try:
                 return timed(*args, **kwargs)
             finally:
-                spent = time.thread_time() - c0
-                self.cpu_seconds += spent
-                self.parts[name] += spent
+                self.parts[name] += time.thread_time() - c0
 
         return counted
 
 
-class Digests:
-    """The thread CPU time spent in the weight comparison's digests (``grouped_digests``, as the
-    fingerprint calls it), in every configuration alike: taken out of the comparison's time."""
-
-    def __init__(self) -> None:
-        self.cpu_seconds = 0.0
-        real = fingerprint.grouped_digests
-
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            c0 = time.thread_time()
-            try:
-                return real(*args, **kwargs)
-            finally:
-                self.cpu_seconds += time.thread_time() - c0
-
-        fingerprint.grouped_digests = timed  # type: ignore[assignment]
-
-
-DIGESTS = Digests()
+# the thread CPU time spent in the weight comparison's digests (``grouped_digests``, as the fingerprint calls it),
+# in every configuration alike: taken out of the comparison's time
+DIGESTS = WorkTimer()
+fingerprint.grouped_digests = DIGESTS.wrap(fingerprint.grouped_digests)  # type: ignore[assignment]
 
 
 class Encoder(nn.Module):
@@ -157,8 +139,8 @@ class Run:
         self.i = 0
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        t0, c0, w0, s0 = time.perf_counter(), time.thread_time(), self.work.cpu_seconds, self.shared.cpu_seconds
-        d0, h0, k0 = DIGESTS.cpu_seconds, self.hooks.cpu_seconds, self.keep.cpu_seconds
+        t0, c0, w0, s0 = time.perf_counter(), time.thread_time(), self.work.thread_seconds, self.shared.thread_seconds
+        d0, h0, k0 = DIGESTS.thread_seconds, self.hooks.thread_seconds, self.keep.thread_seconds
         loss = self.model(x, y)
         loss.backward()
         self.opt.step()
@@ -166,11 +148,11 @@ class Run:
         self.i += 1
         self.steps.append({"seconds": time.perf_counter() - t0, "work_seconds": self.work.take(),
                            "cpu_seconds": time.thread_time() - c0,
-                           "work_cpu_seconds": self.work.cpu_seconds - w0,
-                           "hooks_cpu_seconds": self.hooks.cpu_seconds - h0,
-                           "keep_cpu_seconds": self.keep.cpu_seconds - k0,
-                           "digest_cpu_seconds": (d := DIGESTS.cpu_seconds - d0),
-                           "shared_cpu_seconds": self.shared.cpu_seconds - s0 - d})  # fmt: skip
+                           "work_cpu_seconds": self.work.thread_seconds - w0,
+                           "hooks_cpu_seconds": self.hooks.thread_seconds - h0,
+                           "keep_cpu_seconds": self.keep.thread_seconds - k0,
+                           "digest_cpu_seconds": (d := DIGESTS.thread_seconds - d0),
+                           "shared_cpu_seconds": self.shared.thread_seconds - s0 - d})  # fmt: skip
 
 
 def main() -> None:
