@@ -74,9 +74,9 @@ class Probe(L.Callback):
         taps = [getattr(trainer.strategy.model, "_sdc_gradient_tap", None)]  # DDP: one per model
         taps += [tap for cb in trainer.callbacks for tap in getattr(getattr(cb, "_core", None), "taps", [])]  # FSDP2
         self.work.wrap_taps(taps)
-        for check in trainer.callbacks:  # the replay's capture where training_step starts (its wrapper calls begin)
+        for check in self.checks:  # the replay's capture where training_step starts (its wrapper calls begin)
             core = getattr(check, "_core", None)
-            if check in self.checks and hasattr(core, "begin"):
+            if hasattr(core, "begin"):
                 core.begin = self.work.wrap(core.begin)
 
     def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
