@@ -10,9 +10,8 @@ run in alternating rounds over the same tensors and report GB/s and the ratio to
   weighting): the floor under ``fingerprint`` with torch's own kernels;
 * ``nonfinite_ddp``: what the non-finite check runs under DDP: the local gradients' read at the
   end of backward (``peaks``: on CUDA the largest magnitudes, a few multi-tensor kernels per
-  dtype; on the CPU a sum per large tensor and one multi-tensor 2-norm of the small ones), then
-  the verdict's read of the reduced gradients (the same, here over the same tensors) and its one
-  host read;
+  dtype; on the CPU ``aminmax`` per large tensor and one multi-tensor inf-norm of the small ones),
+  then the flag every rank all-reduces (a few kernels on the peaks) and its one host read;
 * ``nonfinite_tensor``: one ``aminmax`` per tensor, the check's single-process (``.grad``) path;
 * ``sha1_host``: SHA-1 of the bytes copied to the host (Megatron-LM's cross-replica check);
 * ``hash_tensor``: ``torch.hash_tensor`` (xor) per tensor;
@@ -38,7 +37,7 @@ import torch
 
 from benchmarks.common import interleaved, summary
 from sdc_core.checks.digest import class_parts, combine, grouped_digests, words
-from sdc_core.checks.reductions import any_nonfinite, any_nonfinite_multi, peaks
+from sdc_core.checks.reductions import any_nonfinite, peaks
 
 
 def make_tensors(total: int, layout: str, dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
@@ -52,8 +51,8 @@ def candidates(tensors: list[torch.Tensor]) -> dict[str, Any]:
     flat = torch.cat([t.reshape(-1) for t in tensors])
 
     def nonfinite_ddp() -> bool:
-        peaks(tensors)  # the local read at the end of backward
-        return bool(any_nonfinite_multi(tensors))  # the verdict on the reduced gradients
+        local = peaks(tensors)  # the local read at the end of backward
+        return bool((~torch.isfinite(local)).any())  # the flag every rank all-reduces (one process here)
 
     def sha1() -> str:
         h = hashlib.sha1()
@@ -204,7 +203,7 @@ def nonfinite_reads(repeats: int) -> list[dict[str, Any]]:
     ``inf_norm`` (the read it replaced, ``_foreach_norm(ord=inf)``, a scalar loop on the CPU) and
     ``sum`` (one ``sum`` per tensor, the memory-read floor), in alternating rounds; minimum and
     median, and the ratios to ``sum``.
-    A DDP step makes two such reads (the local gradients, then the reduced ones)."""
+    A DDP step makes one such read (the local gradients)."""
     import time
 
     fns_of = {

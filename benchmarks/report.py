@@ -209,10 +209,9 @@ A run of some sections replaces those sections in the JSON and keeps the others.
 KERNELS_TEXT = """Candidates over the same tensors: `sum` (the memory-read limit), `fingerprint` (what the
 weight check runs), `class_sums` (the digest's first stage alone: the (r, m) sums of the 64-bit
 words, without the weighting), `nonfinite_ddp` (what the non-finite check runs under DDP: the
-read of the local gradients at the end of backward and the verdict's read of the reduced ones,
-each `peaks`: on the CPU a sum per tensor of 64k elements or more and one multi-tensor 2-norm of
-the smaller ones, the exact largest magnitude only where that is non-finite; on CUDA the largest
-magnitudes, a few multi-tensor kernels per dtype),
+read of the local gradients at the end of backward, `peaks`: on the CPU `aminmax` per tensor of
+2,048 elements or more and one multi-tensor inf-norm of the smaller ones; on CUDA a few
+multi-tensor kernels per dtype; then the flag every rank all-reduces),
 `nonfinite_tensor` (the check's single-process `.grad` path), `sha1_host` (SHA-1 of the bytes on
 the host, Megatron-LM's cross-replica check), `hash_tensor` (`torch.hash_tensor`, xor),
 `isfinite_loop` (`torch.isfinite(g).all().item()` per tensor) and `copy` (bytes copied per second
@@ -223,9 +222,8 @@ tensors.
 KERNELS_AFTER = """
 Reading the table:
 - On large tensors (10M and 100M rows) the fingerprint runs at {fp_large} of the plain sum and the
-  non-finite DDP path at {nf_large} (two reads: the local gradients, for the names, and the
-  reduced ones, for a verdict every rank shares without a collective; nothing is written into
-  the gradients). On this CPU
+  non-finite DDP path at {nf_large} (one read of the local gradients and the flag every rank
+  all-reduces; nothing is written into the gradients). On this CPU
   the plain sum itself is only {sum_vs_sha} faster than SHA-1 of the host bytes (SHA-1 needs no
   device-to-host copy here), and a check that reads every byte cannot beat SHA-1 by more than that on this machine: the
   fingerprint reaches {fp_vs_sha}, so the 10x target is met only where the sum itself allows
@@ -251,7 +249,7 @@ Reading the table:
   bandwidth.
 - The `nonfinite_ddp` column above was measured at an earlier revision of the check (one sum per
   parameter with the flag folded into element 0 of the gradient). The check now writes nothing
-  into the gradients and reads them twice (local, then reduced); what that read costs on this
+  into the gradients and reads the local ones once; what that read costs on this
   CPU is measured in "The non-finite check's CPU read" below.
 """
 
@@ -298,14 +296,12 @@ tens of percent, so the wall-time columns cannot resolve a few percent here; the
 work" column, measured inside the same steps, is the steadier figure.
 """
 
-DDP_AFTER = """What the cheap checks add on a clean step: the gradient check makes no collective (NaN and
-Inf survive DDP's own all-reduce, so every rank reads the verdict from its reduced gradients)
-and, with `on_failure="raise"` (the default), reads its device flag one step later, so the host
-never waits for the step's gradients; its work was two reads of the gradients on the device
-when this table was measured (the local ones at the end of backward, the reduced ones for the
-verdict); the verdict now rides the fingerprint's all-reduce on the steps it compares, one read
-(the step-by-step run below measures both). The fingerprint digests the weights and sends 16
-bytes (24 with the carried verdict) in one asynchronous all-reduce read a batch later. Three
+DDP_AFTER = """What the cheap checks add on a clean step: the gradient check reads the local gradients
+once and starts a 4-byte MAX all-reduce of its flag; with `on_failure="raise"` (the default) it
+reads that flag one step later, so the host never waits for the step's gradients (when this
+table was measured it read the reduced gradients a second time instead of the flag). The
+fingerprint digests the weights and sends 16 bytes in one asynchronous all-reduce read a batch
+later. Three
 ranks share two cores here, so any of this competes with the other ranks' compute.
 An audited step does the normal step, one extra forward and backward of the partner's
 micro-batch, the gradient digests and the batch transfer: the target allows about 2x a normal

@@ -1,10 +1,10 @@
 """The non-finite check without a synchronous collective: real ``torchrun`` (Lightning DDP) and
 ``accelerate launch`` runs, 3 gloo CPU ranks.
 
-Clean steps make no collective and, with ``on_failure="raise"``, no host read of the step's own
-evidence; the verdict is read one step later and names the step it belongs to; names come from
-the local flags, so gradient clipping cannot contaminate them; no checkpoint is written after an
-unread non-finite step.
+Clean steps start one asynchronous all-reduce (the flag) and, with ``on_failure="raise"``, make no
+host read of the step's own evidence; the verdict is read one step later and names the step it
+belongs to; names come from the local flags, so gradient clipping cannot contaminate them; no
+checkpoint is written after an unread non-finite step.
 """
 
 from __future__ import annotations
@@ -38,16 +38,17 @@ def same_error(out: Path, scenario: str) -> tuple[dict[str, Any], list[dict[str,
     return errors[0], per_rank
 
 
-def test_clean_steps_make_no_collective_and_raise_reads_nothing_in_the_step(out: Path) -> None:
+def test_clean_steps_start_one_all_reduce_and_raise_reads_nothing_in_the_step(out: Path) -> None:
     for r in results(out, "probe_raise", WORLD):
         assert r["error"] is None and r["states"]["NonFiniteGradientCheck"]["runs"] == 6
         steps = r["probe"]
-        assert all(s.get("collectives_now", 0) == s.get("collectives_late", 0) == 0 for s in steps), steps
+        # the flag's all-reduce, started in the step; its read one step later starts none
+        assert all(s.get("collectives_now", 0) == 1 and s.get("collectives_late", 0) == 0 for s in steps), steps
         assert all(s.get("reads_now", 0) == 0 for s in steps), steps  # nothing waits for this step's gradients
         assert [s.get("reads_late", 0) for s in steps] == [0] + [1] * 5  # the previous step's flag, once
     for r in results(out, "probe_skip", WORLD):  # the probe sees reads: skip_step decides before the update
         assert r["error"] is None
-        assert all(s.get("collectives_now", 0) == 0 and s.get("reads_now", 0) == 1 for s in r["probe"]), r["probe"]
+        assert all(s.get("collectives_now", 0) == 1 and s.get("reads_now", 0) == 1 for s in r["probe"]), r["probe"]
 
 
 def test_verdict_read_one_step_later_names_its_step_and_only_the_local_offender(out: Path) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sdc_core.checks.reductions import _AMINMAX_FROM, any_nonfinite_multi, peaks
+from sdc_core.checks.reductions import _AMINMAX_FROM, peaks
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
@@ -20,7 +20,6 @@ def test_the_cpu_screen_flags_exactly_nan_and_inf_in_small_and_large_tensors(dty
     before = [t.clone() for t in clean]
     values = peaks(clean)
     assert bool(torch.isfinite(values).all()), values
-    assert not bool(any_nonfinite_multi(clean))
     assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(clean, before, strict=True))
     for k in range(len(clean)):
         bad = (float("nan"), float("inf"), float("-inf"))[k % 3]
@@ -29,7 +28,6 @@ def test_the_cpu_screen_flags_exactly_nan_and_inf_in_small_and_large_tensors(dty
         grads[k].view(-1)[len(grads[k]) // 2] = bad
         flags = (~torch.isfinite(peaks(grads))).tolist()
         assert flags == [i == k for i in range(len(grads))], (bad, k, flags)
-    assert bool(any_nonfinite_multi(grads))
     grads = list(clean)
     grads[3] = clean[3].clone()
     grads[3][0], grads[3][1] = float("inf"), float("-inf")  # Inf - Inf in a sum: NaN, still flagged

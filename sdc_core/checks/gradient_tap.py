@@ -10,8 +10,6 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from sdc_core.checks.reductions import any_nonfinite_multi
-
 GradConsumer = Callable[[nn.Parameter, torch.Tensor], None]
 
 
@@ -74,13 +72,6 @@ class GradientTap:
         self._handles, self._each, self.reading_each = [], [], False
         if getattr(self.ddp, "_sdc_gradient_tap", None) is self:
             del self.ddp._sdc_gradient_tap
-
-    def reduced_nonfinite(self) -> torch.Tensor | None:
-        """Whether any parameter's gradient holds NaN or Inf (0-d bool on the device, no host
-        synchronisation), or None without gradients. After a synchronised backward these are the
-        REDUCED gradients, identical on every rank."""
-        grads = [g for _, g in self.present()]
-        return any_nonfinite_multi(grads) if grads else None
 
     def _on_forward(self, module: nn.Module, args: Any) -> None:
         # DDP decides here whether this forward's backward synchronises (not under no_sync); a

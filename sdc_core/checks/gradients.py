@@ -2,18 +2,20 @@
 for NaN and Inf on the step's sync micro-batch; when some rank's were non-finite, every rank names
 the same ranks and parameters and acts alike (raise, skip the step, or warn).
 
-DDP: the ``GradientTap`` keeps each local gradient's sum or peak on the device. NaN and Inf survive
-the all-reduce, so the REDUCED gradients (identical on every rank) are non-finite exactly when some
-local one was or the reduction overflowed: every rank reads them with no communication, and only
-then gathers local flags to name ranks and parameters (finite local gradients:
-``nonfinite_after_reduce``, no verdict). Cost of a clean step: a constant number of Python calls,
-one batched read of the local and one of the reduced gradients, no collective. ``"raise"`` and
-``"warn"`` read step ``s``'s verdict one step later (``resolve()``); ``"skip_step"``,
-``"rollback"``, a GradScaler, replay-audited steps and a single process read it before the update.
+DDP: the ``GradientTap`` keeps each local gradient's largest magnitude on the device (``peaks``:
+exact, a finite value never flags). Each step every rank starts one asynchronous MAX all-reduce of
+a one-element flag (this rank's local gradients held NaN or Inf), so every rank learns whether any
+rank's did, and only then gathers the local flags to name ranks and parameters. Cost of a clean
+step: a constant number of Python calls, one batched read of the local gradients, a 4-byte
+all-reduce. ``"raise"`` and ``"warn"`` read step ``s``'s verdict one step later (``resolve()``);
+``"skip_step"``, ``"rollback"``, a GradScaler, replay-audited steps and a single process read it
+before the update (a host wait for the all-reduce).
 
-Limits: finite faults are invisible here (the replay's job); a communication hook that replaces
-non-finite values hides them; single process, a clipping before the verdict names every parameter
-it contaminated.
+Limits: finite faults are invisible here (the replay's job); a NaN or Inf formed inside the
+reduction from finite local gradients (summed values overflowing, a fault on the wire) is not
+seen at its step (the optimizer writes it into every replica; the next step's local gradients
+show it on every rank); single process, a clipping before the verdict names every parameter it
+contaminated.
 """
 
 from __future__ import annotations
@@ -25,12 +27,13 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from sdc_core.checks.contract import Role, check_settings
 from sdc_core.checks.gradient_tap import GradientTap
-from sdc_core.checks.reductions import any_nonfinite, local_sum, log2_peaks_by_group, peaks
-from sdc_core.dist.topology import HostRead, Topology, all_gather_objects, is_distributed
+from sdc_core.checks.reductions import any_nonfinite, log2_peaks_by_group, peaks
+from sdc_core.dist.topology import HostRead, Topology, all_gather_objects, collective_device, is_distributed
 from sdc_core.errors import NonFiniteGradientError
 from sdc_core.schema import documented, setting
 from sdc_core.stats import CheckStats
@@ -70,20 +73,21 @@ class NonFiniteConfig:
 
 @dataclass
 class _StepFlags:
-    """One step's device flag (reduced gradients hold NaN/Inf) and local evidence (for the names)."""
+    """One step's flag (some rank's local gradients held NaN or Inf: a MAX all-reduce in flight)
+    and this rank's local evidence (for the names)."""
 
     step: int
-    reduced: torch.Tensor | None  # 0-d bool on the device: some reduced gradient holds NaN or Inf
-    local: list[tuple[torch.Tensor, list[nn.Parameter]]]  # (local sums or peaks, their parameters)
+    any_rank: HostRead  # 1-element float32, 1.0 when some rank's local gradients were non-finite
+    local: list[tuple[torch.Tensor, list[nn.Parameter]]]  # (local peaks, their parameters)
     scaler_active: bool = False
-    bad: HostRead | None = field(init=False)  # ``reduced`` on its way to the host
-
-    def __post_init__(self) -> None:
-        self.bad = HostRead(self.reduced) if self.reduced is not None else None
 
     def nonfinite(self) -> bool:
-        """The host read of the flag: waits for its event, not the stream, and never for a peer."""
-        return self.bad is not None and bool(self.bad.get())
+        """The host read of the flag: waits for its all-reduce (long landed when read one step later)."""
+        return bool(self.any_rank.get().item())
+
+    def nonfinite_here(self) -> bool:
+        """Whether THIS rank's local gradients were non-finite (its own values: never waits for a peer)."""
+        return any(not bool(torch.isfinite(values).all()) for values, _ in self.local)
 
 
 @dataclass
@@ -204,6 +208,7 @@ class NonFiniteGradient(NonFiniteVerdicts):
     _group_index: dict[tuple[Any, ...], torch.Tensor | list[int]] = field(default_factory=dict)  # cached indices
     _peaked: list[tuple[torch.Tensor, list[nn.Parameter]]] = field(default_factory=list)  # per-parameter peaks
     _magnitudes: torch.Tensor | None = None  # the last read backward's, until ``take_magnitudes``
+    _flag_devices: dict[torch.device | None, torch.device] = field(default_factory=dict)  # ``collective_device``
 
     def attach(self, tap: GradientTap) -> None:
         """Read each local gradient in its hook on the first two synchronised backwards, then, where DDP
@@ -241,9 +246,10 @@ class NonFiniteGradient(NonFiniteVerdicts):
     def _read(self, p: nn.Parameter, grad: torch.Tensor) -> None:
         self._seen.append((p, grad, grad._version))
         if not self.batched:
-            self._local.append((local_sum(grad).reshape(1), [p]))
+            read = (peaks([grad]), [p])
+            self._local.append(read)
             if self.magnitude_groups:
-                self._peaked.append((peaks([grad]), [p]))
+                self._peaked.append(read)
 
     def _group_magnitudes(self, local: list[tuple[torch.Tensor, list[nn.Parameter]]]) -> torch.Tensor | None:
         """Per group the log2 of the largest of ``local``'s peaks (see ``take_magnitudes``)."""
@@ -323,11 +329,23 @@ class NonFiniteGradient(NonFiniteVerdicts):
         local, self._local = self._local, []
         if self.tap is None or not (local or is_distributed()):  # no DDP backward (one process): .grad
             return self._single_process(step, list(params), scaler_active, t0)
+        flags = _StepFlags(step, self._any_rank(local), local, scaler_active)
         if self.config.on_failure in _DEFERRED and not scaler_active and not now:
-            self._pending = _StepFlags(step, self.tap.reduced_nonfinite(), local, scaler_active)
+            self._pending = flags
             self.stats.add_time(time.perf_counter() - t0)
             return False
-        return self._decide(_StepFlags(step, self.tap.reduced_nonfinite(), local, scaler_active), t0, list(params))
+        return self._decide(flags, t0, list(params))
+
+    def _any_rank(self, local: list[tuple[torch.Tensor, list[nn.Parameter]]]) -> HostRead:
+        """Start the MAX all-reduce of this rank's flag (1.0: some local value non-finite or unreadable);
+        every rank alike, asynchronous, 4 bytes."""
+        source = local[0][0].device if local else None
+        device = self._flag_devices.get(source)
+        if device is None:
+            device = self._flag_devices[source] = collective_device(source)
+        values = torch.cat([v.reshape(-1).to(device) for v, _ in local]) if local else torch.zeros(0, device=device)
+        flag = (~torch.isfinite(values)).any().to(torch.float32).reshape(1)
+        return HostRead(flag, dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True) if is_distributed() else None)
 
     def resolve(self) -> None:
         """Read the pending verdict, if any (every rank, same place); raise or warn naming its step."""
@@ -336,29 +354,28 @@ class NonFiniteGradient(NonFiniteVerdicts):
             self._decide(flags, time.perf_counter())
 
     def discard(self) -> int | None:
-        """Drop the pending verdict without a collective; warns when that step's reduced gradients
-        were non-finite. Returns that step, or None."""
+        """Drop the pending verdict without waiting for a peer; warns when this rank's local gradients
+        of that step were non-finite. Returns that step, or None."""
         flags, self._pending = self._pending, None
         self._local, self._seen, self._peaked, self._magnitudes = [], [], [], None
-        if flags is None or not flags.nonfinite():  # never waits for a peer
+        if flags is None or not flags.nonfinite_here():
             return None
         warnings.warn(
-            f"SDC check 'nonfinite_gradient': the gradients of step {flags.step} were non-finite after the "
-            "all-reduce; the ranks were not named because training stopped on another error first",
+            f"SDC check 'nonfinite_gradient': this rank's local gradients of step {flags.step} were non-finite; "
+            "the ranks were not named because training stopped on another error first",
             RuntimeWarning,
             stacklevel=2,
         )
         return flags.step
 
     def _decide(self, flags: _StepFlags, t0: float, params: list[tuple[str, nn.Parameter]] | None = None) -> bool:
-        """The verdict of ``flags.step`` from the reduced gradients (identical on every rank)."""
+        """The verdict of ``flags.step`` from the all-reduced flag (identical on every rank)."""
         self.stats.runs += 1
         if not flags.nonfinite():  # the host read
             return self._clean(flags.step, t0)
         # Rare path, entered by every rank together: gather the local flags to name ranks and parameters.
         per_rank = all_gather_objects(self._local_names(flags.local))
-        if all(names is None for names in per_rank):  # finite everywhere before the reduction: it overflowed
-            self.stats.bump("nonfinite_after_reduce")
+        if all(names is None for names in per_rank):  # no rank names what its flag said: nothing to judge
             return self._clean(flags.step, t0)
         return self._failure(flags.step, per_rank, flags.scaler_active, t0, params)
 
@@ -381,7 +398,7 @@ class NonFiniteGradient(NonFiniteVerdicts):
         lookup = self.tap.names if self.tap is not None else {}
         names: list[str] = []
         for values, params in local:
-            finite = torch.isfinite(values.float()).cpu().tolist()
+            finite = torch.isfinite(values).cpu().tolist()
             if not params:  # unreadable local values
                 names += [] if all(finite) else ["?"]
                 continue

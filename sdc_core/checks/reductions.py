@@ -1,4 +1,4 @@
-"""Read-only reductions of gradients on their device, without a host synchronisation: sums,
+"""Read-only reductions of gradients on their device, without a host synchronisation: the
 largest magnitudes (peaks) and their log2 per group, NaN/Inf flags."""
 
 from __future__ import annotations
@@ -10,12 +10,6 @@ import torch
 from sdc_core.checks.digest import flatten
 
 SMALL_TENSOR = 1 << 12  # elements: ``any_nonfinite`` (the host path) flattens smaller tensors together
-
-
-def local_sum(grad: torch.Tensor) -> torch.Tensor:
-    """The sum of one gradient (0-d, on its device; fp16 summed in float32), the cheapest reduction:
-    non-finite exactly when the gradient holds NaN or Inf or its finite values overflow the sum."""
-    return grad.sum(dtype=torch.float32 if grad.dtype == torch.float16 else None)
 
 
 _AMINMAX_FROM = 1 << 11  # elements: on the CPU, tensors this large or larger are read one by one (``aminmax``)
@@ -48,19 +42,6 @@ def log2_peaks_by_group(pairs: Sequence[tuple[torch.Tensor, Index]], groups: int
         where = torch.as_tensor(index, device=home)
         out.scatter_reduce_(0, where, torch.log2(v), "amax")  # zero peaks: -inf, ignored by amax
     return torch.where(out == float("-inf"), torch.full_like(out, float("nan")), out)
-
-
-def any_nonfinite_multi(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """One flag (0-d bool on the first tensor's device, no host synchronisation): does any tensor
-    hold NaN or Inf? Exact; one ``peaks`` call per dtype and device, plus a few kernels to combine."""
-    groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-    for t in tensors:
-        groups.setdefault((t.dtype, t.device), []).append(t)
-    home = tensors[0].device
-    finite = [torch.isfinite(peaks(ts)).all() for ts in groups.values()]
-    if len(finite) > 1:  # to the first device (blocking where it is a host copy: read at once)
-        return ~torch.stack([f.to(home) for f in finite]).all()
-    return ~finite[0]
 
 
 def nonfinite_flags(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
