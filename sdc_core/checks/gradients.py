@@ -20,10 +20,12 @@ contaminated.
 
 from __future__ import annotations
 
+import contextlib
 import time
 import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any, ClassVar, Literal
 
 import torch
@@ -353,11 +355,15 @@ class NonFiniteGradient(NonFiniteVerdicts):
         if flags is not None:
             self._decide(flags, time.perf_counter())
 
-    def discard(self) -> int | None:
-        """Drop the pending verdict without waiting for a peer; warns when this rank's local gradients
-        of that step were non-finite. Returns that step, or None."""
+    def discard(self, timeout_s: float = 30.0) -> int | None:
+        """Drop the pending verdict without reading it: its all-reduce is finished (at most ``timeout_s``,
+        never raises: no collective left in flight on a path out); warns when this rank's local
+        gradients of that step were non-finite. Returns that step, or None."""
         flags, self._pending = self._pending, None
         self._local, self._seen, self._peaked, self._magnitudes = [], [], [], None
+        if flags is not None and flags.any_rank.work is not None:
+            with contextlib.suppress(Exception):
+                flags.any_rank.work.wait(timeout=timedelta(seconds=timeout_s))
         if flags is None or not flags.nonfinite_here():
             return None
         warnings.warn(
