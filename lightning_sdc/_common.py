@@ -289,10 +289,7 @@ class SDCCallback(Callback):
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         """The verdicts due before the update (the driver runs each step's once, whichever callback comes first)."""
-        driver, step = trainer_driver(trainer), step_context(trainer, pl_module)
-        driver.observe(step)  # the screen's all_gather first, started right after backward
-        driver.resolve_pending(step)
-        driver.before_update(step)
+        trainer_driver(trainer).before_optimizer_step(step_context(trainer, pl_module))
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         """After an update (once per global step): the driver's after-update phase; counters logged."""

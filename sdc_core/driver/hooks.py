@@ -267,12 +267,9 @@ class SDCHooks:
         fw, driver = self._fw, self._driver
         if self._module is None:  # detached: the step as it was
             return original(*args, **kwargs)
-        if fw.sync_gradients:  # the screen's all_gather first, started right after backward
-            driver.observe(self._context(optimizer))
-        driver.resolve_pending(self._context(optimizer))  # the earlier steps' verdicts, also on accumulation steps
+        skipped = driver.before_optimizer_step(self._context(optimizer), sync=fw.sync_gradients)
         if not fw.sync_gradients:
             return original(*args, **kwargs)
-        skipped = driver.before_update(self._context(optimizer))
         self._log.write_due()  # this step's verdicts are in: the pending point is complete
         fw.begin_step()
         out = original(*args, **kwargs)

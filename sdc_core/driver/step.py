@@ -10,6 +10,7 @@ too. Cost: a few Python calls per step beyond the checks' own.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -166,14 +167,31 @@ class Seam:
 
 def _with_role(role: Role) -> Any:
     """A property of ``StepDriver``: the checks now in use that declare ``role``, in order."""
-    # role_of's test inline: no Python call per check and access (benchmarks/calls.py)
-    return property(lambda self: [c for c in self._checks() if getattr(c, "role", Role.STEP_CHECK) is role])
+    return property(lambda self: self._roles().get(role, []))
+
+
+def _phase(method: Callable[..., Any]) -> Callable[..., Any]:
+    """A phase of ``StepDriver``: the checks in use are looked up once on entry, and every role list read inside
+    it (nested phases included) comes from that look. The checks change only between phases (attach, fit start)."""
+
+    @functools.wraps(method)
+    def run(self: StepDriver, *args: Any, **kwargs: Any) -> Any:
+        if self._in_phase:  # inside another phase: its look
+            return method(self, *args, **kwargs)
+        self._in_phase = True
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self._in_phase, self._phase_roles = False, None
+
+    return run
 
 
 class StepDriver:
     """The verdicts of the SDC checks in the order of cause and effect, for any seam. The phases
     (``sdc_core.checks.contract.Phase``) are ``observe``, ``resolve_pending``, ``before_update``, ``after_update``,
-    ``before_save`` and the end; a ``StepCheck`` runs in each phase after the built-in checks (found by ``Role``).
+    ``before_save`` and the end (``before_optimizer_step`` runs the first three in order); a ``StepCheck`` runs in
+    each phase after the built-in checks (found by ``Role``). Each phase looks the checks up once.
 
     Args:
         seam: the framework's answers (``Seam``).
@@ -188,7 +206,21 @@ class StepDriver:
         self._saved: tuple[Any, bool] | None = None  # (key, weights changed) of the last before_save
         self.delivery = Delivery(seam)  # runs a check's call and delivers its verdict
         self.screen_verdicts = ScreenVerdicts(self)  # when each screen's verdict is read, and its confirmation
+        self._in_phase = False
+        self._phase_roles: dict[Role, list[Any]] | None = None  # the checks by role, looked up once in a phase
 
+    def _roles(self) -> dict[Role, list[Any]]:
+        """The checks in use by role, in order: the current phase's look (made at its first use), or a new one."""
+        roles = self._phase_roles
+        if roles is None:
+            roles = {}
+            for check in self._checks():  # role_of's test inline: no Python call per check (benchmarks/calls.py)
+                roles.setdefault(getattr(check, "role", Role.STEP_CHECK), []).append(check)
+            if self._in_phase:
+                self._phase_roles = roles
+        return roles
+
+    @_phase
     def prepare(self) -> None:
         """Once the checks are in place (every rank alike): with a screen, the replay keeps every step's
         micro-batches, so that a partner can confirm a hit."""
@@ -216,6 +248,7 @@ class StepDriver:
             drop_step(step.module.parameters(), scaler_active=step.scaler_active)
         return out
 
+    @_phase
     def resolve_gradients(self, step: StepContext, before: int | None = None) -> None:
         """Read the pending non-finite verdicts (of steps before ``before``, when given)."""
         for nf in self.nonfinite:
@@ -223,12 +256,14 @@ class StepDriver:
             if pending is not None and (before is None or pending < before):
                 self._gradients(nf, nf.resolve, step)
 
+    @_phase
     def resolve_pending(self, step: StepContext) -> bool:
         """The pending verdicts of earlier steps (non-finite, then the weight comparison), before this step's. Every
         rank, after backward. True when replicas were healed or rolled back."""
         self.resolve_gradients(step, before=step.index)
         return self.resolve_comparison(step)
 
+    @_phase
     def resolve_comparison(self, step: StepContext) -> bool:
         """Read the pending weight comparison. When it healed or rolled back replicas (True), this step's gradients
         came from other weights: its replay is not run, and after a rollback its update is dropped."""
@@ -245,6 +280,7 @@ class StepDriver:
             drop_step(step.module.parameters(), scaler_active=step.scaler_active)
         return acted
 
+    @_phase
     def gradients(self, step: StepContext, now: bool = False) -> bool:
         """Hand this step's gradients to the non-finite checks (once per step): the verdict is read now when the
         policy needs it, when ``now`` or when a replay audits this step, else one step later. True: the update is
@@ -263,6 +299,7 @@ class StepDriver:
             dropped = self._decided[id(nf)][1] or dropped
         return dropped
 
+    @_phase
     def observe(self, step: StepContext) -> None:
         """Start this step's screen all_gather (every rank, right after the sync backward; once per step)."""
         if self._observed == step.index:
@@ -274,6 +311,17 @@ class StepDriver:
         for check in self.step_checks:
             self.delivery.deliver(check, lambda c=check: c.after_backward(step), check.policy)
 
+    @_phase
+    def before_optimizer_step(self, step: StepContext, sync: bool = True) -> bool:
+        """What every seam runs right before an optimizer step, in this order: on a synchronised step the screen's
+        exchange started (``observe``), then the earlier steps' verdicts (``resolve_pending``, on accumulation
+        steps too), then on a synchronised step this step's (``before_update``). True: the update is skipped."""
+        if sync:
+            self.observe(step)
+        self.resolve_pending(step)
+        return self.before_update(step) if sync else False
+
+    @_phase
     def before_update(self, step: StepContext) -> bool:
         """This step's verdicts, before its update (every rank, after ``resolve_pending``; once per step: a second
         call returns the first answer). True: the update is skipped on every rank."""
@@ -305,6 +353,7 @@ class StepDriver:
         self._planned = (step.index, skipped)
         return skipped
 
+    @_phase
     def after_update(self, step: StepContext, updated: bool) -> None:
         """After the update: the update audit's verdict, then, when the weights were updated, the comparison of the
         replicas' new weights started (read at the next step)."""
@@ -353,6 +402,7 @@ class StepDriver:
         replay.last_error = symptom
         return False
 
+    @_phase
     def compare_now(self, step: StepContext, at_end: bool = False) -> bool:
         """Read the pending verdicts and compare the replicas' current weights at once, whatever the cadence (every
         rank; one host wait and one read of the weights), then each ``StepCheck``'s ``before_save`` (``at_end``: its
@@ -373,6 +423,7 @@ class StepDriver:
             self.delivery.deliver(check, lambda p=phase: p(step), check.policy)
         return changed
 
+    @_phase
     def before_save(self, step: StepContext, key: Any, at_end: bool = False) -> bool:
         """``compare_now`` before a checkpoint is written (every rank), once per ``key``: later calls with the same
         key get the first one's answer."""
