@@ -315,7 +315,10 @@ class StepDriver:
     def before_optimizer_step(self, step: StepContext, sync: bool = True) -> bool:
         """What every seam runs right before an optimizer step, in this order: on a synchronised step the screen's
         exchange started (``observe``), then the earlier steps' verdicts (``resolve_pending``, on accumulation
-        steps too), then on a synchronised step this step's (``before_update``). True: the update is skipped."""
+        steps too), then on a synchronised step this step's (``before_update``). True: the update is skipped. A later
+        call for the same step (another SDC callback) gets the first one's answer."""
+        if sync and self._planned is not None and self._planned[0] == step.index:
+            return self._planned[1]
         if sync:
             self.observe(step)
         self.resolve_pending(step)
