@@ -87,10 +87,6 @@ class _StepFlags:
         """The host read of the flag: waits for its all-reduce (long landed when read one step later)."""
         return bool(self.any_rank.get().item())
 
-    def nonfinite_here(self) -> bool:
-        """Whether THIS rank's local gradients were non-finite (its own values: never waits for a peer)."""
-        return any(not bool(torch.isfinite(values).all()) for values, _ in self.local)
-
 
 @dataclass
 class NonFiniteVerdicts:
@@ -364,7 +360,7 @@ class NonFiniteGradient(NonFiniteVerdicts):
         if flags is not None and flags.any_rank.work is not None:
             with contextlib.suppress(Exception):
                 flags.any_rank.work.wait(timeout=timedelta(seconds=timeout_s))
-        if flags is None or not flags.nonfinite_here():
+        if flags is None or all(bool(torch.isfinite(values).all()) for values, _ in flags.local):  # this rank's own
             return None
         warnings.warn(
             f"SDC check 'nonfinite_gradient': this rank's local gradients of step {flags.step} were non-finite; "

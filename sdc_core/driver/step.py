@@ -176,22 +176,22 @@ def _phase(method: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(method)
     def run(self: StepDriver, *args: Any, **kwargs: Any) -> Any:
-        if self._in_phase:  # inside another phase: its look
+        if self._phase_roles is not None:  # inside another phase: its look
             return method(self, *args, **kwargs)
-        self._in_phase = True
+        self._phase_roles = {}
         try:
             return method(self, *args, **kwargs)
         finally:
-            self._in_phase, self._phase_roles = False, None
+            self._phase_roles = None
 
     return run
 
 
 class StepDriver:
     """The verdicts of the SDC checks in the order of cause and effect, for any seam. The phases
-    (``sdc_core.checks.contract.Phase``) are ``observe``, ``resolve_pending``, ``before_update``, ``after_update``,
-    ``before_save`` and the end (``before_optimizer_step`` runs the first three in order); a ``StepCheck`` runs in
-    each phase after the built-in checks (found by ``Role``). Each phase looks the checks up once.
+    (``sdc_core.checks.contract.Phase``) are ``before_optimizer_step`` (``observe``, the earlier steps' verdicts,
+    ``before_update``), ``after_update``, ``before_save`` and the end; a ``StepCheck`` runs in each phase after the
+    built-in checks (found by ``Role``). Each phase looks the checks up once.
 
     Args:
         seam: the framework's answers (``Seam``).
@@ -206,19 +206,19 @@ class StepDriver:
         self._saved: tuple[Any, bool] | None = None  # (key, weights changed) of the last before_save
         self.delivery = Delivery(seam)  # runs a check's call and delivers its verdict
         self.screen_verdicts = ScreenVerdicts(self)  # when each screen's verdict is read, and its confirmation
-        self._in_phase = False
-        self._phase_roles: dict[Role, list[Any]] | None = None  # the checks by role, looked up once in a phase
+        self._phase_roles: dict[Role, list[Any]] | None = None  # in a phase: the checks by role (empty: not looked up)
 
     def _roles(self) -> dict[Role, list[Any]]:
         """The checks in use by role, in order: the current phase's look (made at its first use), or a new one."""
         roles = self._phase_roles
-        if roles is None:
-            roles = {}
-            for check in self._checks():  # role_of's test inline: no Python call per check (benchmarks/calls.py)
-                roles.setdefault(getattr(check, "role", Role.STEP_CHECK), []).append(check)
-            if self._in_phase:
-                self._phase_roles = roles
-        return roles
+        if roles:  # this phase's look
+            return roles
+        looked: dict[Role, list[Any]] = {}
+        for check in self._checks():  # role_of's test inline: no Python call per check (benchmarks/calls.py)
+            looked.setdefault(getattr(check, "role", Role.STEP_CHECK), []).append(check)
+        if roles is not None:  # in a phase: kept for the rest of it
+            roles.update(looked)
+        return looked
 
     @_phase
     def prepare(self) -> None:
@@ -257,13 +257,6 @@ class StepDriver:
                 self._gradients(nf, nf.resolve, step)
 
     @_phase
-    def resolve_pending(self, step: StepContext) -> bool:
-        """The pending verdicts of earlier steps (non-finite, then the weight comparison), before this step's. Every
-        rank, after backward. True when replicas were healed or rolled back."""
-        self.resolve_gradients(step, before=step.index)
-        return self.resolve_comparison(step)
-
-    @_phase
     def resolve_comparison(self, step: StepContext) -> bool:
         """Read the pending weight comparison. When it healed or rolled back replicas (True), this step's gradients
         came from other weights: its replay is not run, and after a rollback its update is dropped."""
@@ -299,7 +292,6 @@ class StepDriver:
             dropped = self._decided[id(nf)][1] or dropped
         return dropped
 
-    @_phase
     def observe(self, step: StepContext) -> None:
         """Start this step's screen all_gather (every rank, right after the sync backward; once per step)."""
         if self._observed == step.index:
@@ -314,19 +306,19 @@ class StepDriver:
     @_phase
     def before_optimizer_step(self, step: StepContext, sync: bool = True) -> bool:
         """What every seam runs right before an optimizer step, in this order: on a synchronised step the screen's
-        exchange started (``observe``), then the earlier steps' verdicts (``resolve_pending``, on accumulation
-        steps too), then on a synchronised step this step's (``before_update``). True: the update is skipped. A later
-        call for the same step (another SDC callback) gets the first one's answer."""
+        exchange started (``observe``), then the earlier steps' pending verdicts (non-finite, then the weight
+        comparison; on accumulation steps too), then on a synchronised step this step's (``before_update``). True:
+        the update is skipped. A later call for the same step (another SDC callback) gets the first one's answer."""
         if sync and self._planned is not None and self._planned[0] == step.index:
             return self._planned[1]
         if sync:
             self.observe(step)
-        self.resolve_pending(step)
+        self.resolve_gradients(step, before=step.index)
+        self.resolve_comparison(step)
         return self.before_update(step) if sync else False
 
-    @_phase
     def before_update(self, step: StepContext) -> bool:
-        """This step's verdicts, before its update (every rank, after ``resolve_pending``; once per step: a second
+        """This step's verdicts, before its update (every rank, after the earlier steps'; once per step: a second
         call returns the first answer). True: the update is skipped on every rank."""
         if self._planned is not None and self._planned[0] == step.index:
             return self._planned[1]
