@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from scenario_runner import main_for
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import checkpoint
 
@@ -58,27 +59,32 @@ def digest(module: nn.Module) -> str:
     return h.hexdigest()
 
 
+def sanitising_hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP refuses string annotations here
+    """A user's hook that hides non-finite reduced values: the all-reduce, then NaN and Inf set to 0."""
+    return allreduce_hook(state, bucket).then(lambda fut: torch.nan_to_num(fut.value(), 0.0, 0.0, 0.0))
+
+
 def train(
     tapped: bool,
     bucket_view: bool = False,
     nan_at: tuple[int, int, int] | None = None,
     accumulate: int = 1,
-    comm_hook: bool = False,
+    comm_hook: str | None = None,
     conv: bool = False,
     static: bool = False,
     ckpt: bool = False,
 ) -> dict[str, Any]:
     """``STEPS`` optimizer steps of ``accumulate`` micro-batches; ``nan_at`` = (rank, step,
-    micro-batch) puts a NaN into the LOCAL gradient of ``0.weight`` there."""
+    micro-batch) puts a NaN into the LOCAL gradient of ``0.weight`` there; ``comm_hook``: the user's
+    ``"allreduce"`` hook, or ``"sanitising"`` (it zeroes NaN and Inf in the reduced buckets)."""
     rank = dist.get_rank()
     net = model(conv, ckpt)
     ddp = DDP(net, gradient_as_bucket_view=bucket_view, bucket_cap_mb=0.0005, static_graph=static)  # several buckets
     inner = None
-    if comm_hook:
-        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-
-        ddp.register_comm_hook(None, allreduce_hook)  # the user's, registered before the tap
-        inner = allreduce_hook  # and handed to it too (Accelerate's setting read after prepare)
+    if comm_hook is not None:
+        inner = allreduce_hook if comm_hook == "allreduce" else sanitising_hook
+        ddp.register_comm_hook(None, inner)  # the user's, registered before the tap
+        # and handed to it too (Accelerate's setting read after prepare)
     check = NonFiniteGradient(NonFiniteConfig(on_failure="raise"))
     tap = None
     if tapped:
@@ -143,7 +149,9 @@ SCENARIOS = {
     "nan_view": lambda o: train(tapped=True, bucket_view=True, nan_at=(1, 2, 0)),
     # a NaN in a no_sync micro-batch: the sync micro-batch's .grad holds the sum, the tap sees it
     "nan_accumulated": lambda o: train(tapped=True, nan_at=(2, 1, 0), accumulate=3),
-    "nan_comm_hook": lambda o: train(tapped=True, nan_at=(0, 1, 0), comm_hook=True),
+    "nan_comm_hook": lambda o: train(tapped=True, nan_at=(0, 1, 0), comm_hook="allreduce"),
+    # a hook that zeroes non-finite reduced values: the local NaN is still named (the ranks share flags)
+    "nan_sanitised": lambda o: train(tapped=True, nan_at=(0, 1, 0), comm_hook="sanitising"),
     # static graph: the first iteration's reduction is delayed to the end of backward
     "plain_static": lambda o: train(tapped=False, static=True),
     "tapped_static": lambda o: train(tapped=True, static=True),

@@ -1,7 +1,7 @@
 """The DDP gradient tap (per-parameter gradient hooks ahead of DDP's own reduction) on raw DDP,
-3 gloo ranks under torchrun: bit-identical training, the flag carried by DDP's all-reduce with
-and without bucket views and in channels-last gradients, gradient accumulation, a user's
-communication hook, clean removal."""
+3 gloo ranks under torchrun: bit-identical training, a local NaN named with and without bucket
+views and in channels-last gradients, gradient accumulation, a user's communication hook (also
+one that zeroes non-finite reduced values), clean removal."""
 
 from __future__ import annotations
 
@@ -80,6 +80,14 @@ def test_a_nan_in_a_no_sync_micro_batch_is_seen_at_the_sync_one(out: Path) -> No
 def test_a_users_comm_hook_registered_first_composes_with_the_tap(out: Path) -> None:
     for r in results(out, "nan_comm_hook", WORLD):
         assert r["inner_hook"] == "allreduce_hook"
+        assert r["error"] == {"step": 1, "rank": 0, "parameters": {"0": ["0.weight"]}}
+
+
+@pytest.mark.slow  # a multi-process launch: the default run stays under 10 minutes
+def test_a_comm_hook_that_zeroes_non_finite_reduced_values_cannot_hide_a_local_nan(out: Path) -> None:
+    """The reduced gradients are finite here (the hook zeroed the NaN): the ranks' shared flags name it."""
+    for r in results(out, "nan_sanitised", WORLD):
+        assert r["inner_hook"] == "sanitising_hook"
         assert r["error"] == {"step": 1, "rank": 0, "parameters": {"0": ["0.weight"]}}
 
 
