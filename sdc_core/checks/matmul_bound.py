@@ -60,15 +60,13 @@ def _fp32_input_rounding(device_type: str) -> float:
     """Rounding of fp32 operands inside an fp32 matmul on this backend (TF32 or bf16 where allowed)."""
     precision = torch.get_float32_matmul_precision()
     unit = {"high": 2.0**-11, "medium": 2.0**-8}.get(precision, 0.0)
-    try:
+    with contextlib.suppress(AttributeError, RuntimeError):  # older torch: the generic setting above decides
         if device_type == "cuda":
             if torch.backends.cuda.matmul.allow_tf32 or torch.backends.cuda.matmul.fp32_precision == "tf32":
                 unit = max(unit, 2.0**-11)
         elif device_type == "cpu":
             mode = torch.backends.mkldnn.matmul.fp32_precision
             unit = max(unit, {"tf32": 2.0**-11, "bf16": 2.0**-8}.get(mode, 0.0))
-    except (AttributeError, RuntimeError):  # older torch: the generic setting above decides
-        pass
     return unit
 
 
