@@ -213,19 +213,15 @@ class ShardedFingerprint(FingerprintCommon):
     _groups: list[ReplicaGroup] | None = None
     _pending: _Pending | None = None
 
-    def _plan(self, module: nn.Module, optimizers: list[torch.optim.Optimizer]) -> list[ReplicaGroup]:
-        if self._groups is None:
-            world = dist.get_world_size() if is_distributed() else 1
-            self._groups = settle_groups(plan_groups(fingerprinted_tensors(module, optimizers, self.config), world),
-                                         world)  # fmt: skip
-        return self._groups
-
     def start(self, step: int, module: nn.Module, optimizers: Iterable[torch.optim.Optimizer]) -> None:
         """Digest the local shards after optimizer step ``step`` and start the comparisons."""
         self.resolve()
         t0 = time.perf_counter()
-        optimizers = list(optimizers)
-        groups = self._plan(module, optimizers)
+        if self._groups is None:  # planned once
+            world = dist.get_world_size() if is_distributed() else 1
+            self._groups = settle_groups(plan_groups(fingerprinted_tensors(module, list(optimizers), self.config),
+                                                     world), world)  # fmt: skip
+        groups = self._groups
         device = collective_device(home_device(local(t) for g in groups for t in g.tensors))
         replicated, per_tensor, reduced, works = [], [], [], []
         baseline = None
