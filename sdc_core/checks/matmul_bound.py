@@ -272,8 +272,7 @@ class LinearBound:
         """Check of ``dx2 = dy2 W``: per row and backward block (n x nx), as ``forward_ratio``."""
         dx3 = dx2.reshape(dx2.shape[0], self.nx, self.bx)
         residual = torch.addmm(dx3.sum(-1, dtype=self.rnd.acc_dtype).t(), self.dx, dy2.t(), alpha=-1).t().abs_()
-        if dy_norms is None:
-            dy_norms = torch.linalg.vector_norm(dy2, dim=-1)
+        dy_norms = torch.linalg.vector_norm(dy2, dim=-1) if dy_norms is None else dy_norms
         ratio = residual.div_(self._row_bound(dy_norms, dx3, forward=False))
         return torch.where(torch.lt(dy_norms.unsqueeze(-1), self.d_ymax), ratio, self.consts[9])
 
@@ -318,8 +317,7 @@ class LinearBound:
         dw3 = dwt.t().reshape(self.m, self.nx, self.bx)
         sums = dw3.sum(-1, dtype=self.rnd.acc_dtype).t()  # nx x m
         residual = torch.addmm(sums, x_block_sums.t(), dy2, alpha=-1).t().abs_()  # BLAS reads the transposed view
-        if dy_norms is None:
-            dy_norms = torch.linalg.vector_norm(dy2, dim=-1)
+        dy_norms = torch.linalg.vector_norm(dy2, dim=-1) if dy_norms is None else dy_norms
         bound, judged = self.weight_grad_bound(x_block_norms, dy_norms, dw3)
         return torch.where(judged, residual.div_(bound), self.consts[9])
 
