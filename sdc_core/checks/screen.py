@@ -199,7 +199,6 @@ class GradientScreen:
             self._pending[step] = _Neighbourhood(row, HostRead(window, _AllOf(dist.batch_isend_irecv(ops))))
 
     def _gather(self, row: torch.Tensor, device: torch.device) -> HostRead:
-        """Start the all_gather of every rank's ``row`` (async)."""
         out = torch.empty(self.world_size, row.numel(), dtype=torch.float64, device=device)
         work = dist.all_gather(list(out.unbind(0)), row, async_op=True)
         return HostRead(out, work)
