@@ -120,8 +120,7 @@ class GradientScreen:
     def attach(self, nonfinite: NonFiniteGradient) -> int:
         """Opt ``nonfinite`` in to its magnitudes and agree on the row's width (one blocking
         all_reduce; ``ValueError`` on every rank when the widths differ). Returns the width."""
-        if self.topology is None:
-            self.topology = Topology.gather()
+        self.topology = self.topology or Topology.gather()
         k = nonfinite.want_magnitudes(self.config.groups)
         tap = nonfinite.tap
         names = [tap.names.get(id(p), "?") for p in tap.params] if tap is not None else []
