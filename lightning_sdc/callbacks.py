@@ -149,9 +149,8 @@ class WeightFingerprintCheck(common.SDCCallback):
             checkpoint[FINGERPRINT_KEY] = fingerprint_checkpoint(checkpoint)
 
     def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
-        if common.is_sharded(trainer):
-            return
-        check_loaded_checkpoint(checkpoint, int(checkpoint.get("global_step", trainer.global_step)))
+        if not common.is_sharded(trainer):
+            check_loaded_checkpoint(checkpoint, int(checkpoint.get("global_step", trainer.global_step)))
 
 
 LIGHTNING_ADVICE = (  # the replay's advice for unreplayable steps, in Lightning's terms

@@ -73,7 +73,7 @@ def _fit(steps: int, checks: bool, fault: Any = None, ckpt_path: str | None = No
     from lightning.pytorch.strategies import DDPStrategy
     from torch.utils.data import DataLoader, TensorDataset
 
-    from lightning_sdc import SDCError
+    from lightning_sdc import NonFiniteGradientCheck, RingReplayAudit, SDCError
     from sdc_core.faults.campaign import BATCH, WORLD, base_data, training_data
 
     L.seed_everything(0, verbose=False)
@@ -97,17 +97,11 @@ def _fit(steps: int, checks: bool, fault: Any = None, ckpt_path: str | None = No
     with torch.no_grad():
         weights = torch.cat([p.detach().reshape(-1) for p in module.parameters()])
         loss = float(torch.nn.functional.mse_loss(module(x[:512]), y[:512]))
-    return {"error": error, "crash": crash, "weights": weights, "loss": loss, "counters": _counters(callbacks)}
-
-
-def _counters(callbacks: list[Any]) -> dict[str, float]:
-    """What the screen and the replay counted in a run (``campaign_runner.counters``)."""
-    from lightning_sdc import NonFiniteGradientCheck, RingReplayAudit
-
+    # what the screen and the replay counted (``campaign_runner.counters``)
     replay = next((cb._core.stats for cb in callbacks if isinstance(cb, RingReplayAudit)), None)
     screen = next((cb._screen.stats for cb in callbacks if isinstance(cb, NonFiniteGradientCheck)
                    and cb._screen is not None), None)  # fmt: skip
-    return counters(replay, screen)
+    return {"error": error, "crash": crash, "weights": weights, "loss": loss, "counters": counters(replay, screen)}
 
 
 RUNNER = CampaignRunner(name="lightning", worker_module="lightning_sdc.campaign", fit=_fit, target_prefix="model.")

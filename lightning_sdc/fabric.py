@@ -203,25 +203,22 @@ class SDCHooks(_HookSet):
         super().attach(model, optimizer, loss_fn)
         self.fabric._sdc_hooks = weakref.ref(self)  # the hook set clip_gradients consults
         if "clip_gradients" not in vars(self.fabric):  # once per Fabric
-            self._wrap_clip_gradients()
+            # fabric.clip_gradients raises a plain RuntimeError on NaN/Inf gradients before optimizer.step reads the
+            # verdict: then the verdict is read at once, so the NonFiniteGradientError naming the rank leaves
+            # instead, on every process (all see the same reduced gradients, so all raise)
+            fabric, original = self.fabric, self.fabric.clip_gradients
+
+            def clip_gradients(*args: Any, **kwargs: Any) -> Any:
+                try:
+                    return original(*args, **kwargs)
+                except RuntimeError:
+                    hooks = fabric._sdc_hooks()  # the hook set attached last (one Fabric may serve several runs)
+                    if hooks is not None and hooks.module is not None:
+                        hooks.check_gradients_now()  # raises the SDC verdict when the gradients are non-finite
+                    raise
+
+            fabric.clip_gradients = clip_gradients  # type: ignore[method-assign]
         return self
-
-    def _wrap_clip_gradients(self) -> None:
-        """``fabric.clip_gradients`` raises a plain ``RuntimeError`` on NaN/Inf gradients before ``optimizer.step``
-        reads the verdict: then the verdict is read at once, so the ``NonFiniteGradientError`` naming the rank leaves
-        instead, on every process (all see the same reduced gradients, so all raise)."""
-        fabric, original = self.fabric, self.fabric.clip_gradients
-
-        def clip_gradients(*args: Any, **kwargs: Any) -> Any:
-            try:
-                return original(*args, **kwargs)
-            except RuntimeError:
-                hooks = fabric._sdc_hooks()  # the hook set attached last (one Fabric may serve several runs)
-                if hooks is not None and hooks.module is not None:
-                    hooks.check_gradients_now()  # raises the SDC verdict when the gradients are non-finite
-                raise
-
-        fabric.clip_gradients = clip_gradients  # type: ignore[method-assign]
 
     def _verify_loaded(self) -> None:
         """Inside ``fabric.load`` the model or optimizer may not be restored yet: verified by ``_after_load``."""

@@ -19,8 +19,7 @@ def lazy_exports(
         module = home.get(name)
         if module is None:
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
-        value = getattr(importlib.import_module(module), name)
-        namespace[name] = value
+        value = namespace[name] = getattr(importlib.import_module(module), name)
         return value
 
     def dir_() -> list[str]:

@@ -118,10 +118,8 @@ def _jsonable(value: Any) -> Any:
         return {str(k): _jsonable(v) for k, v in value.items()}
     if isinstance(value, list | tuple | set | frozenset):
         return [_jsonable(v) for v in value]
-    if isinstance(value, bool | int | str) or value is None:
-        return value
-    if isinstance(value, float):
-        return value if value == value and abs(value) != float("inf") else repr(value)
+    if isinstance(value, bool | int | str) or value is None or (isinstance(value, float) and abs(value) < float("inf")):
+        return value  # a finite float; NaN and infinities as their repr
     return repr(value)
 
 

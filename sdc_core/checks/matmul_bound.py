@@ -60,15 +60,13 @@ def _fp32_input_rounding(device_type: str) -> float:
     """Rounding of fp32 operands inside an fp32 matmul on this backend (TF32 or bf16 where allowed)."""
     precision = torch.get_float32_matmul_precision()
     unit = {"high": 2.0**-11, "medium": 2.0**-8}.get(precision, 0.0)
-    try:
+    with contextlib.suppress(AttributeError, RuntimeError):  # older torch: the generic setting above decides
         if device_type == "cuda":
             if torch.backends.cuda.matmul.allow_tf32 or torch.backends.cuda.matmul.fp32_precision == "tf32":
                 unit = max(unit, 2.0**-11)
         elif device_type == "cpu":
             mode = torch.backends.mkldnn.matmul.fp32_precision
             unit = max(unit, {"tf32": 2.0**-11, "bf16": 2.0**-8}.get(mode, 0.0))
-    except (AttributeError, RuntimeError):  # older torch: the generic setting above decides
-        pass
     return unit
 
 
@@ -274,8 +272,7 @@ class LinearBound:
         """Check of ``dx2 = dy2 W``: per row and backward block (n x nx), as ``forward_ratio``."""
         dx3 = dx2.reshape(dx2.shape[0], self.nx, self.bx)
         residual = torch.addmm(dx3.sum(-1, dtype=self.rnd.acc_dtype).t(), self.dx, dy2.t(), alpha=-1).t().abs_()
-        if dy_norms is None:
-            dy_norms = torch.linalg.vector_norm(dy2, dim=-1)
+        dy_norms = torch.linalg.vector_norm(dy2, dim=-1) if dy_norms is None else dy_norms
         ratio = residual.div_(self._row_bound(dy_norms, dx3, forward=False))
         return torch.where(torch.lt(dy_norms.unsqueeze(-1), self.d_ymax), ratio, self.consts[9])
 
@@ -320,8 +317,7 @@ class LinearBound:
         dw3 = dwt.t().reshape(self.m, self.nx, self.bx)
         sums = dw3.sum(-1, dtype=self.rnd.acc_dtype).t()  # nx x m
         residual = torch.addmm(sums, x_block_sums.t(), dy2, alpha=-1).t().abs_()  # BLAS reads the transposed view
-        if dy_norms is None:
-            dy_norms = torch.linalg.vector_norm(dy2, dim=-1)
+        dy_norms = torch.linalg.vector_norm(dy2, dim=-1) if dy_norms is None else dy_norms
         bound, judged = self.weight_grad_bound(x_block_norms, dy_norms, dw3)
         return torch.where(judged, residual.div_(bound), self.consts[9])
 

@@ -50,10 +50,9 @@ def _scoped_linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     """``F.linear`` that also hands its call to the checked attention module running on this thread
     (``_SCOPE``); elsewhere ``F.linear`` plus one context-variable read."""
     out = _LINEAR(input, weight, bias)
-    if not torch.compiler.is_compiling():
-        scope = _SCOPE.get()
-        if scope is not None:
-            scope(input, weight, bias, out)
+    scope = None if torch.compiler.is_compiling() else _SCOPE.get()
+    if scope is not None:
+        scope(input, weight, bias, out)
     return out
 
 

@@ -120,8 +120,7 @@ class GradientScreen:
     def attach(self, nonfinite: NonFiniteGradient) -> int:
         """Opt ``nonfinite`` in to its magnitudes and agree on the row's width (one blocking
         all_reduce; ``ValueError`` on every rank when the widths differ). Returns the width."""
-        if self.topology is None:
-            self.topology = Topology.gather()
+        self.topology = self.topology or Topology.gather()
         k = nonfinite.want_magnitudes(self.config.groups)
         tap = nonfinite.tap
         names = [tap.names.get(id(p), "?") for p in tap.params] if tap is not None else []
@@ -199,7 +198,6 @@ class GradientScreen:
             self._pending[step] = _Neighbourhood(row, HostRead(window, _AllOf(dist.batch_isend_irecv(ops))))
 
     def _gather(self, row: torch.Tensor, device: torch.device) -> HostRead:
-        """Start the all_gather of every rank's ``row`` (async)."""
         out = torch.empty(self.world_size, row.numel(), dtype=torch.float64, device=device)
         work = dist.all_gather(list(out.unbind(0)), row, async_op=True)
         return HostRead(out, work)

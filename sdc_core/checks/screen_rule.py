@@ -211,11 +211,8 @@ def classify(
         if _isfinite(sum(excess)):
             worst = max(excess)
             at = excess.index(worst)  # the first on ties
-        else:  # NaN never wins
-            worst, at = -inf, -1
-            for j, e in enumerate(excess):
-                if e > worst:
-                    worst, at = e, j
+        else:  # NaN never wins; the first on ties
+            worst, at = max(((e, j) for j, e in enumerate(excess) if e == e), key=lambda p: p[0], default=(-inf, -1))
         margin = max(margin, worst)
         if malformed[r]:
             details[r] = {"reason": "malformed"}
@@ -293,9 +290,7 @@ def predicted_hits_per_day(history: torch.Tensor, band: torch.Tensor, world: int
     u, scale, p_u = fit if fit is not None else tail_fit(history)
     rate = p_u * torch.exp(-(torch.fmax(band, u) - u) / scale)
     fitted = ~torch.isnan(rate)
-    if not bool(fitted.any()):
-        return math.nan
-    return float(rate[fitted].sum()) * STEPS_PER_DAY * world
+    return float(rate[fitted].sum()) * STEPS_PER_DAY * world if bool(fitted.any()) else math.nan
 
 
 def history_tensor(state: dict[str, Any]) -> torch.Tensor | None:

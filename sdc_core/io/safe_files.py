@@ -7,6 +7,7 @@ nothing (``check_output``). ``UnreadableError`` and ``OutputError`` name the fil
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 import tempfile
@@ -101,13 +102,10 @@ _UMASK_LOCK = threading.Lock()
 
 def current_umask() -> int:
     """This process's umask, from ``/proc/self/status`` where Linux shows it, else set and restored under a lock."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError, IndexError):
-        pass
+    with contextlib.suppress(OSError, ValueError, IndexError), open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
     with _UMASK_LOCK:
         mask = os.umask(0o022)
         os.umask(mask)

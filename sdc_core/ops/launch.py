@@ -16,6 +16,7 @@ Multi-node: run ``sdc run`` on every node.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -62,10 +63,8 @@ def _in_foreground() -> bool:
     """Whether this process group is a terminal's foreground group (the terminal then sends
     SIGINT/SIGQUIT to the command as well, so forwarding them would deliver them twice)."""
     for stream in (sys.stdin, sys.stdout, sys.stderr):
-        try:
+        with contextlib.suppress(OSError, ValueError, AttributeError):
             return os.tcgetpgrp(stream.fileno()) == os.getpgrp()
-        except (OSError, ValueError, AttributeError):
-            continue
     return False
 
 

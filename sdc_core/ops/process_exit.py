@@ -212,13 +212,11 @@ def capture() -> None:
     global _captured
     if _captured is not None or "torch.distributed" not in sys.modules:
         return
-    try:
+    with contextlib.suppress(Exception):  # an exit path must not fail
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             _captured = (dist.distributed_c10d._get_default_store(), dist.get_rank())
-    except Exception:  # an exit path must not fail
-        return
 
 
 def leave(wait_s: float = WAIT_S) -> bool:

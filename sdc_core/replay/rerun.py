@@ -8,7 +8,7 @@ bit-identical with the audit on and off. Cost: one forward and backward per micr
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext, suppress
 from functools import partial
 from typing import Any
 
@@ -101,13 +101,11 @@ class _BucketCopies(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         if func is torch.ops.aten.copy_.default and len(args) >= 2:
-            try:
+            with suppress(Exception):  # a record missed is a gradient kept where it is
                 dst, src = args[0], args[1]
                 hit = self.grads.get(dst.data_ptr()) if isinstance(src, torch.Tensor) else None
                 if hit is not None and hit[1] is dst:
                     self.found.append((hit[0], dst, src))
-            except Exception:  # a record missed is a gradient kept where it is
-                pass
         return out
 
 

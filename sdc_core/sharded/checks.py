@@ -213,19 +213,15 @@ class ShardedFingerprint(FingerprintCommon):
     _groups: list[ReplicaGroup] | None = None
     _pending: _Pending | None = None
 
-    def _plan(self, module: nn.Module, optimizers: list[torch.optim.Optimizer]) -> list[ReplicaGroup]:
-        if self._groups is None:
-            world = dist.get_world_size() if is_distributed() else 1
-            self._groups = settle_groups(plan_groups(fingerprinted_tensors(module, optimizers, self.config), world),
-                                         world)  # fmt: skip
-        return self._groups
-
     def start(self, step: int, module: nn.Module, optimizers: Iterable[torch.optim.Optimizer]) -> None:
         """Digest the local shards after optimizer step ``step`` and start the comparisons."""
         self.resolve()
         t0 = time.perf_counter()
-        optimizers = list(optimizers)
-        groups = self._plan(module, optimizers)
+        if self._groups is None:  # planned once
+            world = dist.get_world_size() if is_distributed() else 1
+            self._groups = settle_groups(plan_groups(fingerprinted_tensors(module, list(optimizers), self.config),
+                                                     world), world)  # fmt: skip
+        groups = self._groups
         device = collective_device(home_device(local(t) for g in groups for t in g.tensors))
         replicated, per_tensor, reduced, works = [], [], [], []
         baseline = None
@@ -301,11 +297,15 @@ class ShardedFingerprint(FingerprintCommon):
     def _fail(self, pending: _Pending, replica_bad: bool, rest_bad: bool, t0: float) -> None:
         """Rare path: gather per-tensor digests and at-rest names, vote per replica group."""
         rank = dist.get_rank() if is_distributed() else 0
+        changed: list[str] = []  # the tensors whose digest changed between the two reads of the window at rest
+        if rest_bad and pending.at_rest is not None:
+            before, after, held = pending.at_rest
+            changed = [n for n, a, b in zip(held.names, before.tolist(), after.tolist(), strict=True) if a != b]
         mine = {
             "rows": {g.ranks: rows.tolist() for g, rows in zip(pending.groups, pending.per_tensor, strict=True)}
             if replica_bad else {},
             "names": {g.ranks: g.names for g in pending.groups} if replica_bad else {},
-            "at_rest": _changed(pending.at_rest) if rest_bad else [],
+            "at_rest": changed,
         }  # fmt: skip
         gathered = all_gather_objects(mine)
         suspects: set[int] = set()
@@ -375,14 +375,6 @@ class ShardedFingerprint(FingerprintCommon):
                 if g is not None and rank in ranks:
                     for t in g.tensors:
                         dist.broadcast(local(t), src=src, group=g.group)
-
-
-def _changed(held: Any) -> list[str]:
-    """Names of the tensors whose digest changed between the two reads of a window at rest."""
-    if held is None:
-        return []
-    rows, now_rows, g = held
-    return [n for n, a, b in zip(g.names, rows.tolist(), now_rows.tolist(), strict=True) if a != b]
 
 
 __all__ = ["ShardedFingerprint", "ShardedNonFinite", "is_sharded", "local"]

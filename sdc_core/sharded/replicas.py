@@ -43,9 +43,7 @@ class Witnesses:
     @property
     def kind(self) -> tuple:
         """Identical on every rank for the same tensor (SPMD): orders the collectives."""
-        if self.mesh is None:
-            return ("world",)
-        return ("mesh", tuple(self.mesh.shape), self.dims)
+        return ("world",) if self.mesh is None else ("mesh", tuple(self.mesh.shape), self.dims)
 
 
 def witnesses(t: torch.Tensor, world_size: int) -> Witnesses:
