@@ -29,7 +29,7 @@ from sdc_core.sharded.update_audit import update_audit
 class NonFiniteGradientCheck(common.SDCCallback):
     """Flag every rank whose LOCAL gradients hold NaN/Inf, before the all-reduce spreads them.
 
-    Under DDP: a read of the local gradients at the end of backward and no collective of its own;
+    Under DDP: a read of the local gradients at the end of backward and a 4-byte all-reduce of its flag;
     the ``screen`` compares the ranks' gradient peaks from the same read every step. ``"raise"`` and
     ``"warn"`` are read one step later (also before a checkpoint and at the end of training), the
     other policies, an fp16 GradScaler and audited steps before the update. Without DDP, ``.grad``
