@@ -297,15 +297,11 @@ class ShardedFingerprint(FingerprintCommon):
     def _fail(self, pending: _Pending, replica_bad: bool, rest_bad: bool, t0: float) -> None:
         """Rare path: gather per-tensor digests and at-rest names, vote per replica group."""
         rank = dist.get_rank() if is_distributed() else 0
-        changed: list[str] = []  # the tensors whose digest changed between the two reads of the window at rest
-        if rest_bad and pending.at_rest is not None:
-            before, after, held = pending.at_rest
-            changed = [n for n, a, b in zip(held.names, before.tolist(), after.tolist(), strict=True) if a != b]
         mine = {
             "rows": {g.ranks: rows.tolist() for g, rows in zip(pending.groups, pending.per_tensor, strict=True)}
             if replica_bad else {},
             "names": {g.ranks: g.names for g in pending.groups} if replica_bad else {},
-            "at_rest": changed,
+            "at_rest": _changed(pending.at_rest) if rest_bad else [],
         }  # fmt: skip
         gathered = all_gather_objects(mine)
         suspects: set[int] = set()
@@ -375,6 +371,14 @@ class ShardedFingerprint(FingerprintCommon):
                 if g is not None and rank in ranks:
                     for t in g.tensors:
                         dist.broadcast(local(t), src=src, group=g.group)
+
+
+def _changed(held: Any) -> list[str]:
+    """Names of the tensors whose digest changed between the two reads of a window at rest."""
+    if held is None:
+        return []
+    rows, now_rows, g = held
+    return [n for n, a, b in zip(g.names, rows.tolist(), now_rows.tolist(), strict=True) if a != b]
 
 
 __all__ = ["ShardedFingerprint", "ShardedNonFinite", "is_sharded", "local"]
