@@ -171,8 +171,9 @@ def _with_role(role: Role) -> Any:
 
 
 def _phase(method: Callable[..., Any]) -> Callable[..., Any]:
-    """A phase of ``StepDriver``: the checks in use are looked up once on entry, and every role list read inside
-    it (nested phases included) comes from that look. The checks change only between phases (attach, fit start)."""
+    """A phase of ``StepDriver``: the checks in use are looked up once (at the first role list read in it), and
+    every role list read inside it, nested phases included, comes from that look. The checks change only between
+    phases (attach, fit start)."""
 
     @functools.wraps(method)
     def run(self: StepDriver, *args: Any, **kwargs: Any) -> Any:
