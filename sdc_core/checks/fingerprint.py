@@ -10,12 +10,10 @@ that make replicas differ, not a faulty gradient the all-reduce spreads (the rin
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any, ClassVar, Literal
 
 import torch
@@ -342,9 +340,8 @@ class WeightFingerprint(FingerprintCommon):
         """Finish the pending all-reduce without reading it, on a path out (no collective left in
         flight). Waits at most ``timeout_s``; never raises."""
         pending, self._pending = self._pending, None
-        if pending is not None and pending.reduced.work is not None:
-            with contextlib.suppress(Exception):
-                pending.reduced.work.wait(timeout=timedelta(seconds=timeout_s))  # type: ignore[attr-defined]
+        if pending is not None:
+            pending.reduced.finish(timeout_s)
 
     def check_now(self, step: int, module: nn.Module, optimizers: Iterable[torch.optim.Optimizer]) -> None:
         """Digest every tensor, compare and resolve at once (raises on a mismatch)."""

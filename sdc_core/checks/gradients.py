@@ -20,12 +20,10 @@ contaminated.
 
 from __future__ import annotations
 
-import contextlib
 import time
 import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any, ClassVar, Literal
 
 import torch
@@ -206,7 +204,6 @@ class NonFiniteGradient(NonFiniteVerdicts):
     _group_index: dict[tuple[Any, ...], torch.Tensor | list[int]] = field(default_factory=dict)  # cached indices
     _peaked: list[tuple[torch.Tensor, list[nn.Parameter]]] = field(default_factory=list)  # per-parameter peaks
     _magnitudes: torch.Tensor | None = None  # the last read backward's, until ``take_magnitudes``
-    _flag_devices: dict[torch.device | None, torch.device] = field(default_factory=dict)  # ``collective_device``
 
     def attach(self, tap: GradientTap) -> None:
         """Read each local gradient in its hook on the first two synchronised backwards, then, where DDP
@@ -337,10 +334,7 @@ class NonFiniteGradient(NonFiniteVerdicts):
     def _any_rank(self, local: list[tuple[torch.Tensor, list[nn.Parameter]]]) -> HostRead:
         """Start the MAX all-reduce of this rank's flag (1.0: some local value non-finite or unreadable);
         every rank alike, asynchronous, 4 bytes."""
-        source = local[0][0].device if local else None
-        device = self._flag_devices.get(source)
-        if device is None:
-            device = self._flag_devices[source] = collective_device(source)
+        device = collective_device(local[0][0].device if local else None)
         values = torch.cat([v.reshape(-1).to(device) for v, _ in local]) if local else torch.zeros(0, device=device)
         flag = (~torch.isfinite(values)).any().to(torch.float32).reshape(1)
         return HostRead(flag, dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True) if is_distributed() else None)
@@ -357,9 +351,8 @@ class NonFiniteGradient(NonFiniteVerdicts):
         gradients of that step were non-finite. Returns that step, or None."""
         flags, self._pending = self._pending, None
         self._local, self._seen, self._peaked, self._magnitudes = [], [], [], None
-        if flags is not None and flags.any_rank.work is not None:
-            with contextlib.suppress(Exception):
-                flags.any_rank.work.wait(timeout=timedelta(seconds=timeout_s))
+        if flags is not None:
+            flags.any_rank.finish(timeout_s)
         if flags is None or all(bool(torch.isfinite(values).all()) for values, _ in flags.local):  # this rank's own
             return None
         warnings.warn(

@@ -14,6 +14,7 @@ import os
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -102,6 +103,13 @@ class HostRead:
 
     def tolist(self) -> list[Any]:
         return self.get().tolist()
+
+    def finish(self, timeout_s: float = 30.0) -> None:
+        """Wait for ``work`` (if any) without reading the value, on a path out (no collective left in flight):
+        at most ``timeout_s``, never raises."""
+        if self.work is not None:
+            with contextlib.suppress(Exception):
+                self.work.wait(timeout=timedelta(seconds=timeout_s))
 
 
 _side_streams: dict[torch.device, Any] = {}

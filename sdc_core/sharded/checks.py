@@ -5,11 +5,9 @@ same exception in the same step.
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from datetime import timedelta
 from types import SimpleNamespace
 from typing import Any
 
@@ -281,9 +279,8 @@ class ShardedFingerprint(FingerprintCommon):
     def discard(self, timeout_s: float = 30.0) -> None:
         """Finish the pending all-reduce unread, on a path out; waits at most ``timeout_s``, never raises."""
         pending, self._pending = self._pending, None
-        if pending is not None and pending.flags is not None and pending.flags.work is not None:
-            with contextlib.suppress(Exception):
-                pending.flags.work.wait(timeout=timedelta(seconds=timeout_s))
+        if pending is not None and pending.flags is not None:
+            pending.flags.finish(timeout_s)
 
     def check_now(self, step: int, module: nn.Module, optimizers: Iterable[torch.optim.Optimizer]) -> None:
         """Compare the pending comparison, then the current shards, at once (every rank, same place)."""
