@@ -160,9 +160,25 @@ def step_table(runs: dict[str, list[dict[str, float]]], per_round: dict[str, lis
             c: sum(s["work_cpu_seconds"] for s in steps) / sum(s["cpu_seconds"] for s in steps)
             for c, steps in runs.items()
         }
+    if all("main_cpu_seconds" in s and "work_cpu_seconds" in s for steps in runs.values() for s in steps):
+        out.update(thread_cpu(runs))
     if "defaults" in runs:
         out["defaults_overhead"] = out["overhead"]["defaults"]
     return out
+
+
+def thread_cpu(runs: dict[str, list[dict[str, float]]]) -> dict[str, Any]:
+    """This rank's CPU per step split into the training thread and the others (gloo's communication threads,
+    mostly), and the checks' share of the process's CPU counting the other threads' CPU they add over ``none``
+    (their collectives are processed there: ``work_cpu_share`` misses it). Means: CPU time adds up."""
+    mean = statistics.fmean
+    split = {c: {"main_ms": 1e3 * mean(s["main_cpu_seconds"] for s in steps),
+                 "other_ms": 1e3 * mean(s["cpu_seconds"] - s["main_cpu_seconds"] for s in steps)}
+             for c, steps in runs.items()}  # fmt: skip
+    base = split["none"]["other_ms"]
+    share = {c: (1e3 * mean(s["work_cpu_seconds"] for s in steps) + split[c]["other_ms"] - base)
+             / (1e3 * mean(s["cpu_seconds"] for s in steps)) for c, steps in runs.items()}  # fmt: skip
+    return {"thread_cpu_per_step": split, "checks_cpu_share_with_threads": share}
 
 
 def audited_split(steps: list[dict[str, float]], steps_per_fit: int, skip: int,

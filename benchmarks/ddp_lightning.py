@@ -80,14 +80,16 @@ class Probe(L.Callback):
                 core.begin = self.work.wrap(core.begin)
 
     def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
-        self.t0, self.cpu0 = time.perf_counter(), time.process_time()
+        self.t0, self.cpu0, self.main0 = time.perf_counter(), time.process_time(), time.thread_time()
         self.c0, self.b0 = self.traffic.snapshot()
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         calls, sent = self.traffic.snapshot()
         cpu = time.process_time() - self.cpu0  # this process, every thread: less sensitive to scheduling
+        main = time.thread_time() - self.main0  # the training thread alone (the rest: gloo's threads, mostly)
         # work: the checks' own seconds since the last step's end (this step's hooks, all of them)
-        self.steps.append({"seconds": time.perf_counter() - self.t0, "cpu_seconds": cpu, "calls": calls - self.c0,
+        self.steps.append({"seconds": time.perf_counter() - self.t0, "cpu_seconds": cpu, "main_cpu_seconds": main,
+                           "calls": calls - self.c0,
                            "bytes": sent - self.b0, "work_seconds": self.work.take(),
                            "work_cpu_seconds": self.work.take_thread()})  # fmt: skip
 
