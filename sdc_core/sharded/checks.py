@@ -151,9 +151,13 @@ class ShardedNonFinite(NonFiniteVerdicts):
         if self._pending is not None:
             self._decide([])
 
-    def discard(self) -> int | None:
-        """Drop the pending verdict without a collective (training stops on another error)."""
-        self._pending, self._seen, self._outputs, self._peaks_seen = None, [], [], []  # its all-reduce completes
+    def discard(self, timeout_s: float = 30.0) -> int | None:
+        """Drop the pending verdict without reading it (training stops on another error): its all-reduce is
+        finished (at most ``timeout_s``, never raises: no collective left in flight on a path out)."""
+        pending = self._pending
+        self._pending, self._seen, self._outputs, self._peaks_seen = None, [], [], []
+        if pending is not None:
+            pending.count.finish(timeout_s)
         return None
 
     def _decide(self, params: list[tuple[str, nn.Parameter]]) -> bool:
