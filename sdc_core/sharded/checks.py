@@ -289,7 +289,7 @@ class ShardedFingerprint(FingerprintCommon):
     def check_now(self, step: int, module: nn.Module, optimizers: Iterable[torch.optim.Optimizer]) -> None:
         """Compare the pending comparison, then the current shards, at once (every rank, same place)."""
         self.start(step, module, optimizers)
-        self.finish()
+        self.resolve()
 
     def finish(self) -> None:
         """At the end of training: the pending comparison, its window at rest closed now."""
