@@ -180,6 +180,19 @@ def fp16_plugin() -> MixedPrecision:
     return MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
 
 
+def flip_after(step: int = 3, target: str = "body.weight") -> FaultInjector:
+    """Rank 1's ``target`` gets one mantissa bit flipped right after optimizer step ``step``."""
+    return FaultInjector([Fault("weight_bit_flip", rank=1, step=step, target=target, index=7, bit=20)])
+
+
+def causal_checks(fingerprint_every: int | None = 1) -> list[Any]:
+    """Replay every step, the non-finite check and (unless None) the weight fingerprint."""
+    out: list[Any] = [RingReplayAudit(every_n_steps=1, exact=True), NonFiniteGradientCheck()]
+    if fingerprint_every is not None:
+        out.append(WeightFingerprintCheck(every_n_steps=fingerprint_every))
+    return out
+
+
 SCENARIOS: dict[str, Any] = {
     # clean runs: no alarm in any configuration users rely on
     "clean": lambda o: fit(o, "clean", all_checks(), accumulate_grad_batches=2),
@@ -405,6 +418,31 @@ SCENARIOS: dict[str, Any] = {
     # checkpoint and resume keep the counters
     "save": lambda o: fit(o, "save", all_checks(), steps=4, save_ckpt=True),
     "resume": lambda o: fit(o, "resume", all_checks(), steps=8, ckpt_path=str(o / "save.ckpt")),
+    # verdicts in causal order (tests/test_causal_order.py): the pending comparison of step 3 is read before the
+    # replay of step 4, in either callback order
+    "flip": lambda o: fit(o, "flip", [*causal_checks(), flip_after()], steps=6),
+    "flip_reversed": lambda o: fit(o, "flip_reversed", [flip_after(), *reversed(causal_checks())], steps=6),
+    # no comparison pending (cadence 5): the replay's disagreement at step 3 has the weights compared first
+    "flip_cadence": lambda o: fit(
+        o, "flip_cadence", [*causal_checks(fingerprint_every=5), flip_after(2, "head.weight")], steps=6
+    ),
+    # no WeightFingerprintCheck: a one-off comparison names the tensors all the same
+    "flip_no_fingerprint": lambda o: fit(
+        o, "flip_no_fingerprint", [*causal_checks(None), flip_after(2, "head.weight")], steps=6
+    ),
+    # heal: the replay's disagreement is explained by the healed replica; the step is dropped, training goes on
+    "flip_heal": lambda o: fit(
+        o, "flip_heal",
+        [RingReplayAudit(every_n_steps=1, exact=True), WeightFingerprintCheck(every_n_steps=5, on_failure="heal"),
+         flip_after(2, "head.weight")],
+        steps=6,
+    ),
+    # a wrong product with equal weights stays a compute fault
+    "compute": lambda o: fit(
+        o, "compute",
+        [*causal_checks(), FaultInjector([Fault("module_output", rank=1, step=3, target="head", factor=1.5)])],
+        steps=6,
+    ),
 }
 
 

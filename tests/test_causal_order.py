@@ -3,7 +3,8 @@
 A weight flipped on one rank after step ``s`` makes the ring replay of step ``s + 1`` disagree;
 every rank must raise the weight fault (``FingerprintMismatchError`` at step ``s`` naming the
 rank and the tensor), whatever the order of the callbacks. Real ``torchrun`` launches of
-``tests/causal_order_scenarios.py``; the default run holds one launch, the rest is marked slow.
+``tests/ddp_scenarios.py``: the default run reads the launch it shares with test_lightning_ddp
+(``conftest.lightning_ddp``), the rest is marked slow.
 """
 
 from __future__ import annotations
@@ -13,15 +14,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import results, torchrun
+from conftest import SCENARIOS, results, torchrun
 
-SCRIPT = Path(__file__).with_name("causal_order_scenarios.py")
 WORLD = 3
-
-
-def launch(out: Path, scenarios: list[str]) -> Path:
-    torchrun(SCRIPT, out, scenarios, WORLD, timeout=420)
-    return out
 
 
 def same_error(out: Path, scenario: str) -> dict[str, Any]:
@@ -39,8 +34,8 @@ def assert_weight_fault(err: dict[str, Any], step: int, tensor: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def flips(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return launch(tmp_path_factory.mktemp("causal"), ["flip", "flip_reversed"])
+def flips(lightning_ddp: Path) -> Path:
+    return lightning_ddp  # "flip" and "flip_reversed" are among conftest.LIGHTNING_DDP_DEFAULT
 
 
 @pytest.mark.parametrize("scenario", ["flip", "flip_reversed"])
@@ -57,7 +52,9 @@ def test_weight_flip_is_reported_as_a_weight_fault_at_its_step_in_either_callbac
 @pytest.fixture(scope="module")
 def more(tmp_path_factory: pytest.TempPathFactory) -> Path:
     scenarios = ["flip_cadence", "flip_no_fingerprint", "flip_heal", "compute"]
-    return launch(tmp_path_factory.mktemp("causal_more"), scenarios)
+    out = tmp_path_factory.mktemp("causal_more")
+    torchrun(SCENARIOS, out, scenarios, WORLD)
+    return out
 
 
 @pytest.mark.slow

@@ -1,7 +1,7 @@
 """Real multi-process runs: ``torchrun`` with 3 gloo CPU ranks and ``Trainer(strategy="ddp")``.
 
-All scenarios of one world size run in one torchrun launch (start-up is paid once); each test
-then checks what every rank reported.
+All scenarios of one world size run in one torchrun launch (start-up is paid once; shared with
+test_causal_order, ``conftest.lightning_ddp``); each test then checks what every rank reported.
 """
 
 from __future__ import annotations
@@ -11,25 +11,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import SCENARIOS, results, torchrun
+from conftest import results
 
 WORLD = 3
-THREE_RANK = [
-    "clean", "clean_exact", "clean_bf16", "clean_fp16", "clean_adam_buffers",
-    "audit_off", "tap_only", "audit_on",
-    "nonfinite", "nonfinite_all", "nonfinite_skip", "fingerprint", "optimizer_state",
-    "replay_persistent", "replay_intermittent", "comm_hook",
-    "fp16_one_overflow", "fp16_sole_overflow", "replay_step_hook", "replay_crash",
-    "heal", "heal_limit", "replay_transient_skip", "replay_persistent_skip", "rollback", "rollback_none",
-    "save", "resume",
-]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
-def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("ddp3")
-    torchrun(SCENARIOS, path, THREE_RANK, WORLD)
-    return path
+def out(lightning_ddp: Path) -> Path:
+    """The shared launch of the scenarios (``conftest.LIGHTNING_DDP_DEFAULT``)."""
+    return lightning_ddp
 
 
 def error_on_every_rank(out: Path, scenario: str, error_type: str) -> dict[str, Any]:

@@ -14,19 +14,21 @@ from pathlib import Path
 from tests.conftest import ROOT, worker_env
 
 
-def _simulate(tmp_path: Path, world: int) -> dict:
-    out = tmp_path / f"scale-{world}.json"
-    cmd = [sys.executable, "-m", "benchmarks.scale", "--world", str(world), "--steps", "6", "--audit-every", "3",
-           "--configs", "defaults,fingerprint", "--out", str(out)]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=ROOT, env=worker_env(), capture_output=True, text=True, timeout=600)
+def _simulate(tmp_path: Path, worlds: tuple[int, ...]) -> list[dict]:
+    """``benchmarks.scale`` at each world size, one after another in one process (one start-up)."""
+    args = ["--steps", "6", "--audit-every", "3", "--configs", "defaults,fingerprint"]
+    runs = [["--world", str(w), *args, "--out", str(tmp_path / f"scale-{w}.json")] for w in worlds]
+    code = f"from benchmarks.scale import main\nfor argv in {runs!r}:\n    assert main(argv) == 0"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=worker_env(), capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(out.read_text())
+    return [json.loads((tmp_path / f"scale-{w}.json").read_text()) for w in worlds]
 
 
 def test_a_clean_step_costs_a_rank_the_same_at_any_world_size_and_an_audited_one_stays_within_target(
     tmp_path: Path,
 ) -> None:
-    small, mid, large = (_simulate(tmp_path, w) for w in (8, 64, 4096))
+    small, mid, large = _simulate(tmp_path, (8, 64, 4096))
     clean = [w["total"] for w in (small, mid, large)]
     assert clean[1]["calls_per_step"] == clean[2]["calls_per_step"]  # neighbourhoods: the same collectives
     assert clean[1]["bytes_per_rank_per_step"] == clean[2]["bytes_per_rank_per_step"] > 0  # and bytes
