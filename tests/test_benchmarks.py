@@ -179,6 +179,24 @@ def test_calls_per_step_do_not_grow_with_the_parameter_tensors(tmp_path: Path) -
     assert count(8, 3)["calls_per_step"] == small  # deterministic
 
 
+@pytest.mark.slow  # two 2-rank launches per route, Lightning's start-up in each
+@pytest.mark.parametrize("route", ["lightning", "accelerate"])
+def test_calls_per_step_on_the_framework_routes_do_not_grow_with_the_parameter_tensors(tmp_path: Path, route: str
+                                                                                         ) -> None:  # fmt: skip
+    """``benchmarks.calls --route``: the three Lightning callbacks and Accelerate's hook set, their adapter's
+    calls counted with the core's, keep the targets of the plain hook set."""
+    out = tmp_path / "calls.json"
+    cmd = [sys.executable, "-m", "benchmarks.calls", "--out", str(out), "--tensors", "8", "80", "--steps", "3",
+           "--route", route]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, env=worker_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    small, large = result["calls_per_step"]
+    assert result["route"] == route and result["packages"] == ["sdc_core", f"{route}_sdc"]
+    assert small > 50 and result["adapter_calls_per_step"][0] > 0  # the steps went through the adapter
+    assert large / small == result["ratio"] <= 1.25 and large <= 400
+
+
 def test_screen_budget_checks_the_tail_fit_on_held_out_steps_and_predicts_one_hit_a_day_at_the_tail_band() -> None:
     """``benchmarks.screen_budget`` on healthy deviations with an exponential tail: the exceedances
     the fit predicts on held-out steps match those counted (within 30%), and where the bulk band
