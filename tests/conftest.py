@@ -69,7 +69,8 @@ def results(out: Path, scenario: str, world: int) -> list[dict[str, Any]]:
     return [json.loads((out / f"{scenario}.rank{r}.json").read_text()) for r in range(world)]
 
 
-# The scenarios of ``ddp_scenarios.py`` that the default runs of test_lightning_ddp and test_causal_order read
+# The scenarios of ``lightning_ddp_shared.py`` that the default runs of test_lightning_ddp, test_causal_order and
+# test_nonfinite_deferred read
 LIGHTNING_DDP_DEFAULT = [
     "clean", "clean_exact", "clean_bf16", "clean_fp16", "clean_adam_buffers",
     "audit_off", "tap_only", "audit_on",
@@ -78,13 +79,14 @@ LIGHTNING_DDP_DEFAULT = [
     "fp16_one_overflow", "fp16_sole_overflow", "replay_step_hook", "replay_crash",
     "heal", "heal_limit", "replay_transient_skip", "replay_persistent_skip", "rollback", "rollback_none",
     "save", "resume", "flip", "flip_reversed",
+    "probe_raise", "probe_skip", "clip_nan", "nan_last_step", "nan_checkpoint", "nan_warn",
 ]  # fmt: skip
 
 
 @pytest.fixture(scope="session")
 def lightning_ddp(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One ``torchrun`` of ``ddp_scenarios.py`` on 3 ranks with ``LIGHTNING_DDP_DEFAULT``: the test files that read
-    them share one launch (each launch pays about 10 s of Lightning start-up on 2 cores)."""
+    """One ``torchrun`` of ``lightning_ddp_shared.py`` on 3 ranks with ``LIGHTNING_DDP_DEFAULT``, in the output folder:
+    the test files that read them share one launch (each launch pays about 10 s of Lightning start-up on 2 cores)."""
     path = tmp_path_factory.mktemp("ddp3")
-    torchrun(SCENARIOS, path, LIGHTNING_DDP_DEFAULT, 3)
+    torchrun(Path(__file__).with_name("lightning_ddp_shared.py"), path, LIGHTNING_DDP_DEFAULT, 3, cwd=path)
     return path

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import must_run, results, torchrun, worker_env
+from conftest import must_run, results, worker_env
 
 HERE = Path(__file__).parent
 BIN = Path(sys.executable).parent
@@ -24,10 +24,9 @@ WORLD = 3
 
 
 @pytest.fixture(scope="module")
-def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("nonfinite3")
-    torchrun(HERE / "nonfinite_scenarios.py", path, None, WORLD, cwd=path)
-    return path
+def out(lightning_ddp: Path) -> Path:
+    """The scenarios of ``nonfinite_scenarios.py``, run in the launch shared with test_lightning_ddp."""
+    return lightning_ddp
 
 
 def same_error(out: Path, scenario: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
