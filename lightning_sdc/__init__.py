@@ -14,7 +14,7 @@ from sdc_core._lazy import lazy_exports, require
 require("lightning", "lightning", "lightning_sdc")  # found, not imported: `sdc campaign --help` stays quick
 _EXPORTS = {
     "lightning_sdc.callbacks": ("FaultInjector", "MatmulChecksumCheck", "NonFiniteGradientCheck", "RingReplayAudit",
-                                "WeightFingerprintCheck"),
+                                "StepCheckCallback", "WeightFingerprintCheck"),
     "sdc_core.faults.inject": ("Fault",),
     "sdc_core.errors": ("ChecksumMismatchError", "FingerprintMismatchError", "NonFiniteGradientError",
                         "ReplayMismatchError", "ReplayUnavailableError", "SDCError"),

@@ -9,7 +9,7 @@ import inspect
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
 import lightning.pytorch as pl
 import torch
@@ -202,9 +202,7 @@ def trainer_driver(trainer: pl.Trainer) -> StepDriver:
 
 
 def trainer_seam(trainer: pl.Trainer) -> TrainerSeam:
-    seam = trainer_driver(trainer).seam
-    assert isinstance(seam, TrainerSeam)
-    return seam
+    return cast(TrainerSeam, trainer_driver(trainer).seam)  # trainer_driver makes the driver with a TrainerSeam
 
 
 def step_context(trainer: pl.Trainer, pl_module: pl.LightningModule, index: int | None = None) -> StepContext:
@@ -256,9 +254,10 @@ class SDCCallback(Callback):
 
     @functools.cached_property
     def state_key(self) -> str:
-        """Unique per configuration, so two instances of one check can coexist; computed once."""
-        config = {k: v for k, v in dataclasses.asdict(self._core.config).items() if (k, v) != ("rolling", 1)}
-        return self._generate_state_key(**config)  # rolling=1: the key as before
+        """Unique per configuration (a check of one's own: per name), so two instances of one check can coexist."""
+        config = self._core.config
+        config = dataclasses.asdict(config) if dataclasses.is_dataclass(config) else {"check": self._core.stats.check}
+        return self._generate_state_key(**{k: v for k, v in config.items() if (k, v) != ("rolling", 1)})  # as before
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":

@@ -11,6 +11,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from lightning_sdc import _common as common
+from sdc_core.checks.contract import require_check
 from sdc_core.checks.fingerprint import FingerprintConfig, FingerprintFailurePolicy, WeightFingerprint
 from sdc_core.checks.gradients import NonFiniteConfig, NonFiniteFailurePolicy, NonFiniteGradient
 from sdc_core.checks.matmul import MatmulChecksum, MatmulChecksumConfig, MatmulFailurePolicy
@@ -346,3 +347,13 @@ class MatmulChecksumCheck(common.SDCCallback):
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         super().on_exception(trainer, pl_module, exception)  # discards the pending verdict: no collective
         self._core.detach()
+
+
+class StepCheckCallback(common.SDCCallback):
+    """Run a check of your own (a ``sdc_core.checks.contract.StepCheck``) in every step of the fit, in the phases and
+    order the built-in checks use; what it raises is delivered like their verdicts (incident, exit code), its counters
+    logged as ``sdc/<name>/...``. Cost: what the check does, a method call per phase."""
+
+    def __init__(self, check: Any) -> None:
+        super().__init__()
+        self._core = require_check(check)

@@ -32,8 +32,10 @@ from lightning_sdc import (
     ReplayUnavailableError,
     RingReplayAudit,
     SDCError,
+    StepCheckCallback,
     WeightFingerprintCheck,
 )
+from sdc_core.checks.contract import StepCheck
 from sdc_core.checks.digest import combine, tensor_digests
 
 
@@ -183,6 +185,41 @@ def fp16_plugin() -> MixedPrecision:
 def flip_after(step: int = 3, target: str = "body.weight") -> FaultInjector:
     """Rank 1's ``target`` gets one mantissa bit flipped right after optimizer step ``step``."""
     return FaultInjector([Fault("weight_bit_flip", rank=1, step=step, target=target, index=7, bit=20)])
+
+
+class PhaseRecorder(StepCheck):
+    """A check of one's own: records each phase with its step and whether the ranks agree on the norm of the reduced
+    gradients (one all-reduce after backward); raises a verdict naming rank 1 before the update of ``fail_at``."""
+
+    def __init__(self, fail_at: int) -> None:
+        super().__init__("phase_recorder")
+        self.fail_at, self.seen = fail_at, []
+
+    def after_backward(self, step: Any) -> None:
+        norm = torch.stack([p.grad.norm() for p in step.module.parameters() if p.grad is not None]).norm()
+        spread = torch.stack([norm, -norm])
+        torch.distributed.all_reduce(spread, op=torch.distributed.ReduceOp.MAX)  # max and -min of the ranks' norms
+        self.seen.append(["after_backward", step.index, bool(spread[0] == -spread[1])])  # DDP: reduced, equal
+
+    def before_update(self, step: Any) -> bool:
+        self.seen.append(["before_update", step.index])
+        self.stats.runs += 1
+        if step.index == self.fail_at:
+            self.stats.failures += 1
+            raise SDCError(step=step.index, rank=1, suspects=[1], reason="the phase recorder's verdict")
+        return False
+
+    def after_update(self, step: Any, updated: bool) -> None:
+        self.seen.append(["after_update", step.index, updated])
+
+    def at_end(self, step: Any) -> None:
+        self.seen.append(["at_end", step.index])
+
+
+def own_check(o: Path) -> dict[str, Any]:
+    recorder = PhaseRecorder(fail_at=3)
+    return fit(o, "own_check", [StepCheckCallback(recorder), NonFiniteGradientCheck()], steps=6) | {
+        "seen": recorder.seen}
 
 
 def causal_checks(fingerprint_every: int | None = 1) -> list[Any]:
@@ -418,6 +455,8 @@ SCENARIOS: dict[str, Any] = {
     # checkpoint and resume keep the counters
     "save": lambda o: fit(o, "save", all_checks(), steps=4, save_ckpt=True),
     "resume": lambda o: fit(o, "resume", all_checks(), steps=8, ckpt_path=str(o / "save.ckpt")),
+    # a check of one's own through StepCheckCallback: its phases on every rank, its verdict delivered alike
+    "own_check": own_check,
     # verdicts in causal order (tests/test_causal_order.py): the pending comparison of step 3 is read before the
     # replay of step 4, in either callback order
     "flip": lambda o: fit(o, "flip", [*causal_checks(), flip_after()], steps=6),

@@ -7,6 +7,7 @@ test_causal_order, ``conftest.lightning_ddp``); each test then checks what every
 from __future__ import annotations
 
 import csv
+import json
 from pathlib import Path
 from typing import Any
 
@@ -276,3 +277,19 @@ def test_rollback_reloads_the_newest_verified_checkpoint(out: Path) -> None:
 def test_rollback_without_a_checkpoint_fails_clearly(out: Path) -> None:
     err = error_on_every_rank(out, "rollback_none", "NonFiniteGradientError")
     assert err["details"]["action"].startswith("rollback failed: no checkpoint verified clean at or before step 2")
+
+
+def test_a_check_of_ones_own_runs_in_every_phase_on_every_rank_and_its_verdict_reaches_all(out: Path) -> None:
+    """``StepCheckCallback(PhaseRecorder)``: one class and one registration; the driver runs it through the phases
+    in the step's order on every rank, and what it raises is delivered like a built-in verdict."""
+    err = error_on_every_rank(out, "own_check", "SDCError")
+    assert (err["step"], err["rank"], err["suspects"]) == (3, 1, [1]) and "phase recorder" in err["message"]
+    for r in results(out, "own_check", WORLD):
+        steps = [[name, step] for name, step, *_ in r["seen"]]
+        assert steps[:3] == [["after_backward", 0], ["before_update", 0], ["after_update", 0]], steps
+        assert [s for s in steps if s[0] == "before_update"] == [["before_update", i] for i in range(4)]
+        assert all(e[2] is True for e in r["seen"] if e[0] in ("after_backward", "after_update"))  # agreed; updated
+        assert r["global_step"] == 3  # stopped before the update of step 3
+        assert r["states"]["StepCheckCallback"]["runs"] == 4 and r["states"]["StepCheckCallback"]["failures"] == 1
+    incidents = list((out / "logs" / "own_check" / "version_0" / "sdc" / "incidents").glob("*.json"))
+    assert len(incidents) == 1 and json.loads(incidents[0].read_text())["step"] == 3

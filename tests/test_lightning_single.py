@@ -22,6 +22,7 @@ from lightning_sdc import (
     NonFiniteGradientError,
     RingReplayAudit,
     SDCError,
+    StepCheckCallback,
     WeightFingerprintCheck,
 )
 from sdc_core.driver.settings import SDCSettings
@@ -184,3 +185,8 @@ def test_lightning_cli_help_shows_each_argument_doc_from_the_schema(
     for name in params:
         assert f"--trainer.callbacks.{name}" in text, name
         assert "".join(describe(docs[name]).split()) in text, name
+
+
+def test_step_check_callback_refuses_what_is_not_a_check_in_one_line() -> None:
+    with pytest.raises(TypeError, match=r"^not a check \(dict\): subclass sdc_core.checks.contract.StepCheck$"):
+        StepCheckCallback({"check": "mine"})

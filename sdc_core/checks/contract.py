@@ -83,6 +83,13 @@ class StepCheck:
         """Training stops on an error: drop what is in flight, with no collective."""
 
 
+def require_check(check: Any) -> Any:
+    """``check`` when it meets the contract (``Check``: a role, stats, ``discard``), else a one-line ``TypeError``."""
+    if not isinstance(check, Check):
+        raise TypeError(f"not a check ({type(check).__name__}): subclass sdc_core.checks.contract.StepCheck")
+    return check
+
+
 def check_settings(config: Any, ints: tuple[str, ...] = (), flags: tuple[str, ...] = ()) -> None:
     """Raise ``ValueError`` unless each setting in ``ints`` is an integer >= 1 and each in ``flags`` True or False."""
     for name in ints:
@@ -99,4 +106,4 @@ def role_of(check: Any) -> Role:
     return getattr(check, "role", Role.STEP_CHECK)
 
 
-__all__ = ["Check", "Phase", "Role", "StepCheck", "role_of"]
+__all__ = ["Check", "Phase", "Role", "StepCheck", "require_check", "role_of"]

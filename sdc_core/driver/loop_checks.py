@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from sdc_core.checks.contract import Check
+from sdc_core.checks.contract import require_check
 from sdc_core.checks.fingerprint import WeightFingerprint
 from sdc_core.checks.gradient_tap import GradientTap
 from sdc_core.checks.gradients import NonFiniteGradient
@@ -53,10 +53,7 @@ class LoopChecks:
 
     def add(self, check: Any) -> None:
         """Register a check the driver runs through the phases (``sdc_core.checks.contract.StepCheck``)."""
-        if not isinstance(check, Check):
-            raise TypeError(f"a check needs a role, stats and discard() (sdc_core.checks.contract.StepCheck), "
-                            f"got {type(check).__name__}")  # fmt: skip
-        self.step_checks.append(check)
+        self.step_checks.append(require_check(check))
 
     @property
     def checks(self) -> list[Any]:
