@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 import warnings
+from collections.abc import Sequence
 from contextlib import nullcontext
 from typing import Any
 
@@ -27,6 +28,7 @@ import torch
 from accelerate_sdc import config
 from accelerate_sdc.hooks import AccelerateFramework, SDCHooks
 from sdc_core._lazy import missing
+from sdc_core.checks.contract import require_check
 
 try:
     from transformers import Trainer, TrainerCallback
@@ -74,6 +76,7 @@ class SDCTrainerCallback(TrainerCallback, ExportableState):
     """Turn the three SDC checks on for a ``transformers.Trainer`` run.
 
     Args:
+        checks: checks of your own (``sdc_core.checks.contract.StepCheck``), run with the built-in ones.
         **settings: any field of ``SDCSettings``, over ``ACCELERATE_SDC_*`` and the
             ``accelerate-sdc config`` file; a bad value raises ``SDCConfigError`` here.
 
@@ -84,9 +87,9 @@ class SDCTrainerCallback(TrainerCallback, ExportableState):
     Cost: that of ``SDCHooks``, plus one Python call per ``compute_loss``.
     """
 
-    def __init__(self, **settings: Any) -> None:
+    def __init__(self, checks: Sequence[Any] = (), **settings: Any) -> None:
         config.resolve(**settings)  # fail at construction, naming the bad key
-        self._settings = settings
+        self._settings, self._own_checks = settings, [require_check(check) for check in checks]
         self.trainer: Trainer | None = None
         self.hooks: SDCHooks | None = None
         self._attached = False
@@ -109,6 +112,8 @@ class SDCTrainerCallback(TrainerCallback, ExportableState):
             )
         self.trainer = trainer
         self.hooks = SDCHooks(trainer.accelerator, _framework=_TrainerFramework(trainer), **self._settings)
+        for check in self._own_checks:
+            self.hooks.add_check(check)
         self._wrap_compute_loss(trainer)
         callbacks = trainer.callback_handler.callbacks
         if self in callbacks:  # moving ourselves backwards keeps the running event loop correct

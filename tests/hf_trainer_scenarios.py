@@ -26,6 +26,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, 
 from accelerate_sdc import SDCConfigError, SDCError
 from accelerate_sdc.transformers import SDCTrainerCallback
 from sdc_core import Fault, FaultInjector
+from sdc_core.checks.contract import StepCheck
 from sdc_core.checks.digest import combine, tensor_digests
 
 STEPS = 4
@@ -58,6 +59,17 @@ class Inject(TrainerCallback):
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.injector.set_step(state.global_step)
+
+
+class CountUpdates(StepCheck):
+    """A check of one's own (``SDCTrainerCallback(checks=[...])``): counts the updates it is asked about."""
+
+    def __init__(self) -> None:
+        super().__init__("count_updates")
+
+    def before_update(self, step: Any) -> bool:
+        self.stats.runs += 1
+        return False
 
 
 def run(out: Path, name: str, sdc: bool = True, faults: list[Fault] = (), report_to: list[str] = (),
@@ -135,7 +147,8 @@ def scenarios(out: Path) -> dict[str, Any]:
     return {
         "bad_settings": bad_settings,
         "plain": lambda: run(out, "plain", sdc=False),
-        "clean": lambda: run(out, "clean", report_to=["mlflow", "tensorboard"], replay_every_n_steps=1),
+        "clean": lambda: run(out, "clean", report_to=["mlflow", "tensorboard"], replay_every_n_steps=1,
+                             checks=[CountUpdates()]),
         "smoothing": lambda: run(out, "smoothing", label_smoothing=0.1, replay_every_n_steps=1),
         "save": lambda: run(out, "save", save=True, replay_every_n_steps=1),
         "resume": lambda: run(out, "resume", resume=str(out / "save" / "checkpoint-2"), replay_every_n_steps=1),

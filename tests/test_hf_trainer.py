@@ -59,6 +59,7 @@ def test_clean_trainer_run_is_bit_identical_to_one_without_the_callback(hf: Path
         assert checks["ring_replay"]["runs"] == STEPS  # every step audited, the loss x3 scaling replayed
         assert checks["nonfinite_gradient"]["runs"] == STEPS
         assert checks["weight_fingerprint"]["runs"] == STEPS + 1  # and the final weights, compared at the end
+        assert checks["count_updates"]["runs"] == STEPS  # a check of one's own, given as checks=[...]
         assert all(c["failures"] == 0 for c in checks.values())
         # runs right after DefaultFlowCallback, before the trackers (they close runs in on_train_end)
         assert r["order"][:3] == ["DefaultFlowCallback", "SDCTrainerCallback", "MLflowCallback"]
@@ -177,3 +178,10 @@ def test_a_save_decided_at_the_epoch_end_compares_the_replicas_first(hf_more: Pa
     err = same_error(hf_more, "epoch_flip")
     assert err["type"] == "FingerprintMismatchError" and err["rank"] == 2
     assert all(r["checkpoints"] == [] for r in results(hf_more, "epoch_flip", 3))  # nothing written from a bad replica
+
+
+def test_a_check_that_is_not_one_is_refused_at_construction() -> None:
+    from accelerate_sdc.transformers import SDCTrainerCallback
+
+    with pytest.raises(TypeError, match=r"^not a check \(object\): subclass sdc_core.checks.contract.StepCheck$"):
+        SDCTrainerCallback(checks=[object()])

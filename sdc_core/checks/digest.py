@@ -419,11 +419,4 @@ def combine(digests: torch.Tensor) -> torch.Tensor:
     return _mix(digests, 2) + _signed(digests.numel() * _COUNT_WEIGHT)
 
 
-__all__ = [
-    "DIGEST_VERSION",
-    "combine",
-    "grouped_digests",
-    "tensor_digest",
-    "tensor_digest_v1",
-    "tensor_digests",
-]
+__all__ = ["DIGEST_VERSION", "combine", "grouped_digests", "tensor_digest", "tensor_digest_v1", "tensor_digests"]
