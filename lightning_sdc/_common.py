@@ -140,6 +140,7 @@ class TrainerSeam(Seam):
         self.resolved_run_dir: str | None = None
         self.seen_step: int | None = None  # the global step at the last after-update work (or fit start)
         self.last_loss: torch.Tensor | None = None  # the step's loss so far (the screen's loss value)
+        self.dropped = False  # the driver dropped the last update (its gradients set aside): the weights did not change
 
     @property
     def run_dir(self) -> str:
@@ -288,7 +289,7 @@ class SDCCallback(Callback):
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         """The verdicts due before the update (the driver runs each step's once, whichever callback comes first)."""
-        trainer_driver(trainer).before_optimizer_step(step_context(trainer, pl_module))
+        trainer_seam(trainer).dropped = trainer_driver(trainer).before_optimizer_step(step_context(trainer, pl_module))
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         """After an update (once per global step): the driver's after-update phase; counters logged."""
@@ -296,7 +297,7 @@ class SDCCallback(Callback):
         if seam.seen_step != trainer.global_step:  # an update since the last batch end
             seam.seen_step = trainer.global_step
             driver.resolve_comparison(step_context(trainer, pl_module))
-            driver.after_update(step_context(trainer, pl_module, trainer.global_step - 1), True)
+            driver.after_update(step_context(trainer, pl_module, trainer.global_step - 1), not seam.dropped)
         for check in self._checks():
             log_stats(trainer, check.stats)
 

@@ -190,3 +190,14 @@ def test_lightning_cli_help_shows_each_argument_doc_from_the_schema(
 def test_step_check_callback_refuses_what_is_not_a_check_in_one_line() -> None:
     with pytest.raises(TypeError, match=r"^not a check \(dict\): subclass sdc_core.checks.contract.StepCheck$"):
         StepCheckCallback({"check": "mine"})
+
+
+def test_a_check_of_ones_own_drops_an_update_and_is_told_the_weights_did_not_change(tmp_path: Path) -> None:
+    from test_check_contract import Recorder  # returns True before the update of step 1: that update is dropped
+
+    recorder, model = Recorder(fail_at=3), Net()
+    with pytest.raises(SDCError, match="the recorder's verdict"):
+        trainer(tmp_path, [StepCheckCallback(recorder)], steps=5).fit(model, loader())
+    updates = [e for e in recorder.seen if e[0] in ("after_update", "not_updated")]
+    assert updates == [("after_update", 0), ("not_updated", 1), ("after_update", 2)], recorder.seen
+    assert recorder.seen[-1] == ("before_update", 3)  # its verdict before the update of step 3 stopped the fit
