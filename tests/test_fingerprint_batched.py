@@ -1,7 +1,14 @@
 """The batched fingerprint paths give exactly the per-tensor version-2 digests, and their kernel
-launches do not grow with the number of tensors (CPU here; the CUDA kernel where a GPU is)."""
+launches do not grow with the number of tensors (CPU here; the CUDA kernel where a GPU is, and in
+Triton's interpreter on the CPU where Triton is installed)."""
 
 from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -74,6 +81,43 @@ def test_cuda_kernel_gives_the_cpu_digests_in_one_launch():  # pragma: no cover 
     few = [torch.randn(1 << 16, device="cuda") for _ in range(10)]
     many = [torch.randn(1 << 16, device="cuda") for _ in range(200)]
     assert _launches(few) == _launches(many)
+
+
+_INTERPRETED = """
+import torch
+from sdc_core.checks import _triton_digest as kernel
+from sdc_core.checks.digest import _SEEDS, class_shape, tensor_digest, words
+assert kernel.triton is not None
+g = torch.Generator().manual_seed(0)
+sizes = (1, 7, 511, 512, 1023, 1024, 1025, 8191, 8192, 16_385, 100_003)  # one row, 2-16 rows, tails
+units = [torch.randint(-(2**62), 2**62, (n,), generator=g) for n in sizes]
+units += [words(torch.randn(300, 7, generator=g)), words(torch.randn(5000, generator=g).bfloat16())]
+expected = [int(tensor_digest(t)) for t in units]
+for block in (kernel.BLOCK, 128):  # the launch shape changes the speed only
+    nwords, rows, cols, owner, starts, ends = kernel._tables(torch.device("cpu"), tuple(t.numel() for t in units),
+                                                             class_shape, block)
+    partial = torch.empty(owner.numel(), dtype=torch.int64)
+    table = kernel._pointers(torch.device("cpu"), tuple(t.data_ptr() for t in units))
+    kernel._digest_blocks[(owner.numel(),)](table, nwords, rows, cols, owner, starts, partial,
+                                            SEED_A=_SEEDS[0], SEED_B=_SEEDS[1], BLOCK=block)
+    running = partial.cumsum(0)[ends]  # as kernel.digests scans the partial sums
+    got = (running - torch.cat([running.new_zeros(1), running[:-1]])).tolist()
+    assert got == expected, (block, got, expected)
+print("kernel digests equal", len(units), "units")
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton (pip install triton)")
+def test_cuda_kernel_in_tritons_interpreter_gives_the_cpu_digests():
+    """The CUDA digest kernel's arithmetic, run by Triton's interpreter on CPU tensors
+    (``TRITON_INTERPRET=1``, read when the kernel is defined: a process of its own), gives
+    ``tensor_digest`` bit for bit: one row and up to 16 rows, tails, several tensors in one launch,
+    two launch shapes. Where no GPU is lent this is the kernel's only run."""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
+    out = subprocess.run([sys.executable, "-c", _INTERPRETED], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "kernel digests equal 13 units" in out.stdout
 
 
 def test_kernel_tables_give_every_class_to_exactly_one_program():

@@ -55,8 +55,8 @@ if triton is not None:  # pragma: no cover - needs a GPU
         j = j0 + tl.arange(0, BLOCK).to(tl.int64)
         in_main = j < m
         acc = tl.load(base + j, mask=in_main, other=0)
-        for k in tl.static_range(1, 16):  # unrolled: all rows' loads in flight at once
-            acc += tl.load(base + (j + k * m), mask=in_main & (k < r), other=0)
+        for k in tl.static_range(1, 16):  # unrolled; a vector mask (TRITON_INTERPRET mistypes a scalar one)
+            acc += tl.load(base + (j + k * m), mask=in_main & (tl.full([BLOCK], k, tl.int64) < r), other=0)
         for k in range(16, r):  # more than 16 rows: tensors over 2**26 words only
             acc += tl.load(base + (j + k * m), mask=in_main, other=0)
         in_tail = (j >= m) & (j < classes)
