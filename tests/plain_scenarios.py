@@ -16,7 +16,8 @@ runs the named scenarios one after the other in one process group; each rank wri
   in rank 1's weights after step 2: the fingerprint names it), ``flip_audited`` (the same after
   step 1, before the audited step 2: reported as the weight fault it is, not as a compute fault;
   ``flip_audited_nofp`` without the fingerprint check, ``flip_audited_heal`` with it healing),
-  ``update`` (FSDP: a wrong update of rank 1's shard at step 4, named by the update audit),
+  ``zero`` (a clean run under torch's ``ZeroRedundancyOptimizer``: the fingerprint warns that it cannot
+  see weight faults there), ``update`` (FSDP: a wrong update of rank 1's shard at step 4, named by the update audit),
   ``matmul``/``matmul_clean``/``matmul_backward`` (``matmul_checksum`` on; a wrong element inside
   rank 2's ``head`` product, forward or weight gradient, at step 3, which the replay does not
   audit), ``save`` (a clean run, then ``before_save``, a checkpoint written and loaded back, verified by a
@@ -215,7 +216,12 @@ def train(name: str, out: Path, device: torch.device) -> dict[str, Any]:
     else:
         wrapped = DistributedDataParallel(net, device_ids=[device.index] if device.type == "cuda" else None,
                                           gradient_as_bucket_view=bucket_view)  # fmt: skip
-    optimizer = torch.optim.AdamW(wrapped.parameters(), lr=1e-2)
+    if kind == "zero":  # torch's ZeRO: each rank updates its shard of the parameters and broadcasts it
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        optimizer: Any = ZeroRedundancyOptimizer(wrapped.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-2)
+    else:
+        optimizer = torch.optim.AdamW(wrapped.parameters(), lr=1e-2)
     scaler = torch.amp.GradScaler(device.type) if model_name == "fp16" else None
     metrics: list[tuple[int, dict[str, float]]] = []
     hooks = None
@@ -247,30 +253,32 @@ def train(name: str, out: Path, device: torch.device) -> dict[str, Any]:
     injector.install(net, rank)
     error = None
     saved: dict[str, Any] | None = None
-    try:
-        for step, (x, y) in enumerate(batches(model_name, device, rank)):
-            injector.set_step(step)
-            with autocast(model_name, device), sdpa_backends(model_name, device):
-                loss = wrapped(x, y)
-            if sharded and kind == "nan" and rank == 1 and step == 2:
-                loss = loss * float("nan")
-            if scaler is not None:
-                scaler.scale(loss).backward()
-                scaler.step(optimizer)
-                scaler.update()
-            else:
-                loss.backward()
-                optimizer.step()
-            optimizer.zero_grad()
-            injector.after_step(step, net, [optimizer])
-            if sharded and kind == "flip" and rank == 1 and step == 2:
-                flip_bit(local(net.body.weight), 5, 22)  # at rest, after the update
-        if hooks is not None:
-            hooks.finish()
-        if kind == "save":
-            saved = save_and_load(net, wrapped, optimizer, hooks, out / "saved.pt")
-    except SDCError as err:
-        error = err.to_dict()
+    with warnings.catch_warnings(record=True) as warned:  # what the checks warn while training
+        warnings.simplefilter("always")
+        try:
+            for step, (x, y) in enumerate(batches(model_name, device, rank)):
+                injector.set_step(step)
+                with autocast(model_name, device), sdpa_backends(model_name, device):
+                    loss = wrapped(x, y)
+                if sharded and kind == "nan" and rank == 1 and step == 2:
+                    loss = loss * float("nan")
+                if scaler is not None:
+                    scaler.scale(loss).backward()
+                    scaler.step(optimizer)
+                    scaler.update()
+                else:
+                    loss.backward()
+                    optimizer.step()
+                optimizer.zero_grad()
+                injector.after_step(step, net, [optimizer])
+                if sharded and kind == "flip" and rank == 1 and step == 2:
+                    flip_bit(local(net.body.weight), 5, 22)  # at rest, after the update
+            if hooks is not None:
+                hooks.finish()
+            if kind == "save":
+                saved = save_and_load(net, wrapped, optimizer, hooks, out / "saved.pt")
+        except SDCError as err:
+            error = err.to_dict()
     params = [local(t).detach() for t in (*net.parameters(), *net.buffers())]
     incidents = sorted(p.name for p in (out / name.replace(":", "-")).glob("sdc/incidents/*.json"))
     result = {
@@ -284,6 +292,7 @@ def train(name: str, out: Path, device: torch.device) -> dict[str, Any]:
         "fired": injector.fired,
         "device": str(device),
         "saved": saved,
+        "warnings": [str(w.message) for w in warned if "SDC" in str(w.message)],
     }
     if hooks is not None:
         hooks.detach()

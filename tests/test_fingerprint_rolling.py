@@ -34,7 +34,7 @@ def test_rolling_must_be_an_integer_of_at_least_one(bad: object) -> None:
 
 
 def test_slices_partition_the_tensors_by_index_balanced_by_bytes() -> None:
-    sizes = [4096, 256, 16384, 256, 1024, 16, 999, 5, 70_000, 12]
+    sizes = (4096, 256, 16384, 256, 1024, 16, 999, 5, 70_000, 12)
     for k in (1, 2, 3, 4, 7, 10, 13):
         slices = rolling_slices(sizes, k)
         assert len(slices) == k
@@ -42,14 +42,14 @@ def test_slices_partition_the_tensors_by_index_balanced_by_bytes() -> None:
         assert all(s == sorted(s) for s in slices)
         loads = [sum(sizes[i] for i in s) for s in slices]
         assert max(loads) - min(loads) <= max(sizes)
-        assert rolling_slices(list(sizes), k) == slices  # the same on every rank: sizes only
+        assert rolling_slices(tuple(int(n) for n in sizes), k) == slices  # another rank's equal sizes: the same
     assert rolling_slices(sizes, 1) == [list(range(len(sizes)))]
     assert sum(1 for s in rolling_slices(sizes, 13) if not s) == 3  # more slices than tensors
     # appending tensors (optimizer state, created by the first step) leaves the earlier ones in place
-    longer = rolling_slices([*sizes, 8, 3000, 40], 3)
+    longer = rolling_slices((*sizes, 8, 3000, 40), 3)
     assert [[i for i in s if i < len(sizes)] for s in longer] == rolling_slices(sizes, 3)
     # a layer of weight, bias, weight, bias, ...: ``i % 2`` would put every weight in one slice
-    layer = [4096, 64] * 6
+    layer = (4096, 64) * 6
     assert [sum(layer[i] for i in s) for s in rolling_slices(layer, 2)] == [12_480, 12_480]
 
 

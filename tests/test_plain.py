@@ -57,8 +57,20 @@ def check_models(out: Path, models: list[str], world: int, exact: set[str]) -> N
 @pytest.fixture(scope="module")
 def ddp(tmp_path_factory: pytest.TempPathFactory) -> Path:
     kinds = (*KINDS, "save", "flip_audited", "flip_audited_nofp", "flip_audited_heal", "matmul_clean", "matmul",
-             "matmul_backward", "nan_deferred", "nan_early_deferred")
+             "matmul_backward", "nan_deferred", "nan_early_deferred", "zero")
     return launch(tmp_path_factory.mktemp("plain_ddp"), [f"mlp:{k}" for k in kinds], 3)
+
+
+def test_zero_redundancy_optimizer_trains_clean_and_the_fingerprint_says_what_it_cannot_see(ddp: Path) -> None:
+    """torch's ZeroRedundancyOptimizer broadcasts each rank's updated shard, so the replicas agree by
+    construction: a clean run raises nothing, and every rank is warned once that the fingerprint cannot see
+    weight or update faults there (the replay still audits)."""
+    rows = results(ddp, "mlp:zero", 3)
+    assert all(r["error"] is None and r["finite"] for r in rows), rows[0]["error"]
+    for r in rows:
+        assert [w for w in r["warnings"] if "ZeroRedundancyOptimizer" in w] == [r["warnings"][0]], r["warnings"]
+    assert rows[0]["state"]["checks"]["ring_replay"]["runs"] >= 2
+    assert all(r["warnings"] == [] for r in results(ddp, "mlp:clean", 3))  # a plain optimizer: no warning
 
 
 @pytest.fixture(scope="module")

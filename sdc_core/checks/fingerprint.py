@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable, Iterable, Sequence
+import warnings
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
@@ -117,14 +118,10 @@ def fingerprinted_tensors(
     return named
 
 
-def rolling_slices(sizes: Sequence[int], k: int) -> list[list[int]]:
+@functools.lru_cache(maxsize=16)
+def rolling_slices(sizes: tuple[int, ...], k: int) -> list[list[int]]:
     """The tensor indices in ``k`` slices, each joining the slice with the fewest bytes so far (the
     lowest on a tie): the same on every replica, and appended tensors move no earlier one. Cached."""
-    return _slices(tuple(sizes), k)
-
-
-@functools.lru_cache(maxsize=16)
-def _slices(sizes: tuple[int, ...], k: int) -> list[list[int]]:
     slices: list[list[int]] = [[] for _ in range(k)]
     load = [0] * k
     for i, n in enumerate(sizes):
@@ -256,11 +253,18 @@ class WeightFingerprint(FingerprintCommon):
         and start its comparison: one asynchronous 16-byte MAX all-reduce. Every rank alike."""
         self.resolve()
         t0 = time.perf_counter()
+        if self.stats.runs == 0:  # the first comparison: torch's ZeroRedundancyOptimizer (a class only once imported)?
+            zero = getattr(getattr(torch.distributed, "optim", None), "ZeroRedundancyOptimizer", ())
+            if any(isinstance(o, zero) for o in optimizers):
+                warnings.warn("SDC weight_fingerprint cannot see a weight or update fault under "
+                              "ZeroRedundancyOptimizer: its step broadcasts each rank's shard of the parameters, so "
+                              "the replicas agree by construction (the non-finite check and the replay still work)",
+                              UserWarning, stacklevel=2)
         tensors, all_names = _compared(module, optimizers, self.config)
         names: Callable[[], list[str]] = all_names
         part = None
         if self.config.rolling > 1 and not every_tensor:
-            slices = [s for s in rolling_slices([t.nbytes for t in tensors], self.config.rolling) if s]
+            slices = [s for s in rolling_slices(tuple(t.nbytes for t in tensors), self.config.rolling) if s]
             if slices:
                 if len(self._clean) != len(slices):
                     self._clean = [-1] * len(slices)
@@ -359,11 +363,5 @@ def healed_by_comparison(check: Any, step: int, module: nn.Module, optimizers: I
     return check.last_error if check.stats.failures != failures else None
 
 
-__all__ = [
-    "FingerprintCommon",
-    "FingerprintConfig",
-    "WeightFingerprint",
-    "fingerprinted_tensors",
-    "healed_by_comparison",
-    "vote",
-]
+__all__ = ["FingerprintCommon", "FingerprintConfig", "WeightFingerprint", "fingerprinted_tensors",
+           "healed_by_comparison", "vote"]
