@@ -107,7 +107,8 @@ print("kernel digests equal", len(units), "units")
 """
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton (pip install triton)")
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None or torch.cuda.is_available(),
+                    reason="needs Triton (pip install triton) and no GPU (on a GPU the kernel itself is tested)")
 def test_cuda_kernel_in_tritons_interpreter_gives_the_cpu_digests():
     """The CUDA digest kernel's arithmetic, run by Triton's interpreter on CPU tensors
     (``TRITON_INTERPRET=1``, read when the kernel is defined: a process of its own), gives
