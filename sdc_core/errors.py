@@ -181,8 +181,7 @@ class ChecksumMismatchError(SDCError):
 
 class ReplayUnavailableError(RuntimeError):
     """The ring replay audit could not run (a transfer failed on some rank); raised on every rank alike.
-    Not evidence of SDC, so not an ``SDCError``: usually the step has a side effect or an input that
-    does not travel."""
+    Not evidence of SDC, so not an ``SDCError``: usually the step has a side effect or an input that does not travel."""
 
 
 def as_sdc_error(exception: BaseException, error: SDCError) -> BaseException:

@@ -4,7 +4,8 @@
 runs the named scenarios one after the other in one process group; each rank writes
 ``DIR/<scenario>.rank<r>.json``. A scenario is ``<model>:<kind>``:
 
-* models (DDP): ``mlp`` (fp32), ``bf16`` (autocast), ``fp16`` (autocast + GradScaler),
+* models (DDP): ``mlp`` (fp32), ``own`` (the MLP with its head left to each rank: DDP's
+  ``parameters_to_ignore``), ``bf16`` (autocast), ``fp16`` (autocast + GradScaler),
   ``attention`` (SDPA; flash and memory-efficient backends on CUDA, under bf16 autocast there),
   ``embedding`` (an embedding pooled with ``index_add_`` and ``scatter_add_``), ``compile``
   (``torch.compile`` of the body), ``conv`` (conv + BatchNorm, channels-last); ``fsdp``
@@ -204,6 +205,10 @@ def train(name: str, out: Path, device: torch.device) -> dict[str, Any]:
     model_name = model_name.removesuffix("_bv")
     rank, world = dist.get_rank(), dist.get_world_size()
     net = build(model_name, device)
+    if model_name == "own":  # the head is each rank's own (DDP ignores it, as it would local experts): it differs
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(net, ["head.weight", "head.bias"])
+        with torch.no_grad():
+            net.head.bias.add_(rank)
     sharded = model_name == "fsdp"
     if sharded:
         from torch.distributed.device_mesh import init_device_mesh
@@ -225,6 +230,7 @@ def train(name: str, out: Path, device: torch.device) -> dict[str, Any]:
     scaler = torch.amp.GradScaler(device.type) if model_name == "fp16" else None
     metrics: list[tuple[int, dict[str, float]]] = []
     hooks = None
+    at_attach: list[warnings.WarningMessage] = []
     step = 0
     if sharded and kind == "update":  # a wrong update of rank 1's shard: a step post-hook that runs first
 
@@ -246,8 +252,8 @@ def train(name: str, out: Path, device: torch.device) -> dict[str, Any]:
         if kind == "flip_audited_heal":  # the weight fault healed: the replay's symptom drops the step
             settings |= {"fingerprint_on_failure": "heal"}
         hooks = SDCHooks(run_dir=out / name.replace(":", "-"), log=lambda m, s: metrics.append((s, m)), **settings)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+        with warnings.catch_warnings(record=True) as at_attach:
+            warnings.simplefilter("always")
             hooks.attach(wrapped, optimizer, scaler=scaler)
     injector = FaultInjector(faults(model_name, kind) if not sharded or kind == "activation" else [])
     injector.install(net, rank)
@@ -292,7 +298,7 @@ def train(name: str, out: Path, device: torch.device) -> dict[str, Any]:
         "fired": injector.fired,
         "device": str(device),
         "saved": saved,
-        "warnings": [str(w.message) for w in warned if "SDC" in str(w.message)],
+        "warnings": [m for m in map(str, [w.message for w in [*at_attach, *warned]]) if "SDC" in m or "inactive" in m],
     }
     if hooks is not None:
         hooks.detach()

@@ -58,7 +58,7 @@ def check_models(out: Path, models: list[str], world: int, exact: set[str]) -> N
 def ddp(tmp_path_factory: pytest.TempPathFactory) -> Path:
     kinds = (*KINDS, "save", "flip_audited", "flip_audited_nofp", "flip_audited_heal", "matmul_clean", "matmul",
              "matmul_backward", "nan_deferred", "nan_early_deferred", "zero")
-    return launch(tmp_path_factory.mktemp("plain_ddp"), [f"mlp:{k}" for k in kinds], 3)
+    return launch(tmp_path_factory.mktemp("plain_ddp"), [f"mlp:{k}" for k in kinds] + ["own:clean", "own:flip"], 3)
 
 
 def test_zero_redundancy_optimizer_trains_clean_and_the_fingerprint_says_what_it_cannot_see(ddp: Path) -> None:
@@ -71,6 +71,20 @@ def test_zero_redundancy_optimizer_trains_clean_and_the_fingerprint_says_what_it
         assert [w for w in r["warnings"] if "ZeroRedundancyOptimizer" in w] == [r["warnings"][0]], r["warnings"]
     assert rows[0]["state"]["checks"]["ring_replay"]["runs"] >= 2
     assert all(r["warnings"] == [] for r in results(ddp, "mlp:clean", 3))  # a plain optimizer: no warning
+
+
+def test_parameters_ddp_leaves_to_each_rank_are_never_compared_and_the_replay_is_off(ddp: Path) -> None:
+    """A head DDP ignores (``parameters_to_ignore``, as for local experts) differs per rank by design: the
+    fingerprint leaves it out and raises nothing, and still names a flip in a replicated weight; the replay,
+    whose partner would recompute with its own head, is off and says so on every rank."""
+    clean = results(ddp, "own:clean", 3)
+    assert all(r["error"] is None for r in clean), clean[0]["error"]
+    for r in clean:
+        assert any("replay audit is inactive" in w and "head.bias" in w for w in r["warnings"]), r["warnings"]
+    checks = clean[0]["state"]["checks"]
+    assert checks["ring_replay"]["runs"] == 0 and checks["weight_fingerprint"]["runs"] >= 6, checks
+    flip = same_error(ddp, "own:flip", 3)
+    assert (flip["type"], flip["rank"], flip["step"]) == ("FingerprintMismatchError", 1, 3), flip["message"]
 
 
 @pytest.fixture(scope="module")

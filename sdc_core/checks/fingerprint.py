@@ -75,13 +75,12 @@ class FingerprintConfig:
         check_settings(self, flags=("include_buffers", "include_optimizer_state"))
 
 
-def _compared(
-    module: nn.Module, optimizers: Iterable[torch.optim.Optimizer], config: FingerprintConfig
-) -> tuple[list[torch.Tensor], Callable[[], list[str]]]:
+def _compared(module: nn.Module, optimizers: Iterable[torch.optim.Optimizer], config: FingerprintConfig,
+              exclude: frozenset[str]) -> tuple[list[torch.Tensor], Callable[[], list[str]]]:  # fmt: skip
     """The tensors ``fingerprinted_tensors`` names, in its order, and a function naming them (on a
     mismatch, a step later: a tensor no longer in its place is named by its index)."""
-    if config.include_buffers or config.include_optimizer_state:
-        named = fingerprinted_tensors(module, optimizers, config)
+    if config.include_buffers or config.include_optimizer_state or exclude:
+        named = fingerprinted_tensors(module, optimizers, config, exclude)
         return [t for _, t in named], lambda: [n for n, _ in named]
     tensors = list(module.parameters())
 
@@ -94,11 +93,11 @@ def _compared(
     return tensors, names
 
 
-def fingerprinted_tensors(
-    module: nn.Module, optimizers: Iterable[torch.optim.Optimizer], config: FingerprintConfig
-) -> list[tuple[str, torch.Tensor]]:
-    """The named tensors the check compares, in an order identical on every replica."""
-    named = [(f"param:{n}", p) for n, p in module.named_parameters()]
+def fingerprinted_tensors(module: nn.Module, optimizers: Iterable[torch.optim.Optimizer], config: FingerprintConfig,
+                          exclude: frozenset[str] = frozenset()) -> list[tuple[str, torch.Tensor]]:  # fmt: skip
+    """The named tensors the check compares, in an order identical on every replica; none ``exclude`` names
+    (each rank's own: DDP's ``parameters_to_ignore``), nor their optimizer state."""
+    named = [(f"param:{n}", p) for n, p in module.named_parameters() if n not in exclude]
     if config.include_buffers:
         skip = set()
         for mname, m in module.named_modules():
@@ -106,13 +105,13 @@ def fingerprinted_tensors(
                 skip.update(
                     f"{mname}.{b}" if mname else b for b in ("running_mean", "running_var", "num_batches_tracked")
                 )
-        named += [(f"buffer:{n}", b) for n, b in module.named_buffers() if n not in skip]
+        named += [(f"buffer:{n}", b) for n, b in module.named_buffers() if n not in skip and n not in exclude]
     if config.include_optimizer_state:
-        names = {id(p): n for n, p in module.named_parameters()}
+        names = {id(p): n for n, p in module.named_parameters() if n not in exclude}
         for i, opt in enumerate(optimizers):
             for group in opt.param_groups:
                 for p in group["params"]:
-                    for key, value in sorted(opt.state.get(p, {}).items()):
+                    for key, value in sorted(opt.state.get(p, {}).items() if id(p) in names else ()):
                         if isinstance(value, torch.Tensor):
                             named.append((f"optimizer{i}:{names.get(id(p), '?')}:{key}", value))
     return named
@@ -131,19 +130,19 @@ def rolling_slices(sizes: tuple[int, ...], k: int) -> list[list[int]]:
     return slices
 
 
-def copy_replica(module: nn.Module, optimizers: Iterable[torch.optim.Optimizer], src: int) -> None:
-    """Make every replica equal to rank ``src`` by broadcast of parameters, buffers and optimizer
-    state (a collective: every rank calls it, with the same ``src``)."""
+def copy_replica(module: nn.Module, optimizers: Iterable[torch.optim.Optimizer], src: int,
+                 exclude: frozenset[str] = frozenset()) -> None:  # fmt: skip
+    """Make every replica equal to rank ``src`` by broadcast of parameters, buffers and optimizer state, those of
+    ``exclude`` (each rank's own) aside (a collective: every rank calls it, with the same ``src``)."""
+    own = {id(t) for n, t in [*module.named_parameters(), *module.named_buffers()] if n in exclude}
     with torch.no_grad():
-        for t in [*module.parameters(), *module.buffers()]:
+        for t in [t for t in [*module.parameters(), *module.buffers()] if id(t) not in own]:
             torch.distributed.broadcast(t.data, src=src)
         for opt in optimizers:
-            for group in opt.param_groups:
-                for p in group["params"]:
-                    state = opt.state.get(p, {})
-                    for key in sorted(state):
-                        if isinstance(state[key], torch.Tensor):
-                            torch.distributed.broadcast(state[key], src=src)
+            for p in [p for group in opt.param_groups for p in group["params"] if id(p) not in own]:
+                for _, value in sorted(opt.state.get(p, {}).items()):
+                    if isinstance(value, torch.Tensor):
+                        torch.distributed.broadcast(value, src=src)
 
 
 NAMED_REPLICAS = 8  # replicas whose differing tensors a mismatch names (their per-tensor digests are fetched)
@@ -238,6 +237,7 @@ class WeightFingerprint(FingerprintCommon):
     ``rolling = k > 1`` each ``start`` digests the next of k slices; ``stats.last_verified_step`` is
     then the oldest of the slices' last clean comparisons."""
 
+    exclude: frozenset[str] = frozenset()  # each rank's own parameters and buffers (DDP's parameters_to_ignore)
     _pending: _Pending | None = None
     _turn: int = 0  # rolling comparisons started: the next slice is _turn % slices
     _clean: list[int] = field(default_factory=list)  # per slice, the step of its last clean comparison
@@ -260,7 +260,7 @@ class WeightFingerprint(FingerprintCommon):
                               "ZeroRedundancyOptimizer: its step broadcasts each rank's shard of the parameters, so "
                               "the replicas agree by construction (the non-finite check and the replay still work)",
                               UserWarning, stacklevel=2)
-        tensors, all_names = _compared(module, optimizers, self.config)
+        tensors, all_names = _compared(module, optimizers, self.config, self.exclude)
         names: Callable[[], list[str]] = all_names
         part = None
         if self.config.rolling > 1 and not every_tensor:
@@ -338,7 +338,7 @@ class WeightFingerprint(FingerprintCommon):
         if not heal:
             raise self.last_error
         self._count_heal(suspects)
-        copy_replica(pending.module, pending.optimizers, src=reference)
+        copy_replica(pending.module, pending.optimizers, reference, self.exclude)
 
     def discard(self, timeout_s: float = 30.0) -> None:
         """Finish the pending all-reduce without reading it, on a path out (no collective left in

@@ -28,8 +28,8 @@ class GradientTap:
     def __init__(self, ddp_model: nn.parallel.DistributedDataParallel, names: dict[int, str]) -> None:
         self.ddp = ddp_model
         self.names = names
-        ignored = set(getattr(ddp_model, "parameters_to_ignore", ()))  # not reduced: no shared flag
-        self.params = [p for n, p in ddp_model.module.named_parameters() if p.requires_grad and n not in ignored]
+        self.rank_own = frozenset(getattr(ddp_model, "parameters_to_ignore", ()))  # DDP reduces none: each rank's own
+        self.params = [p for n, p in ddp_model.module.named_parameters() if p.requires_grad and n not in self.rank_own]
         self.inner_hook: Callable[..., Any] | None = None
         self.consumers: list[GradConsumer] = []
         self.writers: list[GradConsumer] = []

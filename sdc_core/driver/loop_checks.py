@@ -76,6 +76,8 @@ class LoopChecks:
                    screen: Callable[[], ScreenConfig | None], topo: Topology) -> list[Any]:  # fmt: skip
         """A DDP model: the gradient tap feeds the non-finite check (and the screen, when ``screen()``
         gives its config) and the replay; returns the handles of the replay's forward hooks."""
+        if self.fingerprint:
+            self.fingerprint.exclude = frozenset(getattr(ddp, "parameters_to_ignore", ()))  # each rank's own
         if not (self.nonfinite or self.replay):
             return []
         names = {id(p): n for n, p in module.named_parameters()}

@@ -143,8 +143,7 @@ def worker(runner: CampaignRunner, specs_file: Path, out: Path, steps: int, opti
 
 def run_specs(specs: list[dict[str, Any]], out: Path, workers: int, steps: int,
               runner: CampaignRunner | None = None, optimizer: str = "adam") -> list[dict[str, Any]]:  # fmt: skip
-    """Run ``specs`` in ``workers`` launches of ``runner`` (the installed one by default); every
-    spec's row, by id."""
+    """Run ``specs`` in ``workers`` launches of ``runner`` (the installed one by default); every spec's row, by id."""
     runner = runner or find_runner()
     atomic_write_text(out / "plan.json", json.dumps(specs, indent=1))
     chunks = [specs[i::workers] for i in range(workers)]

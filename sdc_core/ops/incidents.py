@@ -211,8 +211,7 @@ def exclude_reason(incidents: list[dict[str, Any]]) -> str:
 
 def record_verdict(check: Any, run_dir: str | Path | None, is_main: bool, policy: str) -> Path | None:
     """Write the incident of ``check.last_error`` (once) on the main process and return its file.
-    Never raises and runs no collective: a failed write only warns, so the verdict still reaches
-    every rank."""
+    Never raises and runs no collective: a failed write only warns, so the verdict still reaches every rank."""
     error = getattr(check, "last_error", None)
     if error is None:
         return None

@@ -189,6 +189,10 @@ class RingReplay:
 
     def attach(self, tap: GradientTap, names: Sequence[str]) -> None:
         """Digest local gradients from the tap on audited steps; ``names``: trainable params."""
+        if own := sorted(tap.rank_own & {n for n, _ in tap.ddp.module.named_parameters()}):  # off: warned
+            self.disabled = True
+            warnings.warn(f"{self.label} is inactive: DDP leaves parameters {own[:3]} to each rank "
+                          "(parameters_to_ignore), so a partner cannot recompute a rank's micro-batch", stacklevel=3)
         self._tap = tap
         self.names = list(names)
         tap.consumers.append(self._consume)
