@@ -6,7 +6,8 @@ runs the named scenarios one after the other in one process group; each rank wri
 
 * models (DDP): ``mlp`` (fp32), ``own`` (the MLP with its head left to each rank: DDP's
   ``parameters_to_ignore``), ``bf16`` (autocast), ``fp16`` (autocast + GradScaler),
-  ``attention`` (SDPA; flash and memory-efficient backends on CUDA, under bf16 autocast there),
+  ``sparse`` (``embedding`` with a sparse gradient), ``attention`` (SDPA; flash and memory-efficient backends
+  on CUDA, under bf16 autocast there),
   ``embedding`` (an embedding pooled with ``index_add_`` and ``scatter_add_``), ``compile``
   (``torch.compile`` of the body), ``conv`` (conv + BatchNorm, channels-last); ``fsdp``
   (``fully_shard`` of each layer and the root, 4 ranks or more);
@@ -32,6 +33,7 @@ digest, the counters and the incidents written.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import warnings
@@ -86,11 +88,12 @@ class Attention(nn.Module):
 
 
 class Embedding(nn.Module):
-    """Token embeddings pooled per sequence with ``index_add_`` and ``scatter_add_`` (atomic adds on GPUs)."""
+    """Token embeddings pooled per sequence with ``index_add_`` and ``scatter_add_`` (atomic adds on GPUs); ``sparse``:
+    the embedding's gradient is a sparse tensor (which the checks do not read)."""
 
-    def __init__(self) -> None:
+    def __init__(self, sparse: bool = False) -> None:
         super().__init__()
-        self.emb = nn.Embedding(100, 32)
+        self.emb = nn.Embedding(100, 32, sparse=sparse)
         self.head = nn.Linear(64, 4)
 
     def forward(self, tokens: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -131,7 +134,7 @@ def batches(model: str, device: torch.device, rank: int) -> list[tuple[torch.Ten
     g = torch.Generator().manual_seed(1000 + rank)
     out = []
     for _ in range(STEPS):
-        if model == "embedding":
+        if model in ("embedding", "sparse"):
             x = torch.randint(0, 100, (8, 12), generator=g)
         elif model == "attention":
             x = torch.randn(8, 16, 32, generator=g)
@@ -145,7 +148,9 @@ def batches(model: str, device: torch.device, rank: int) -> list[tuple[torch.Ten
 
 def build(model: str, device: torch.device) -> nn.Module:
     torch.manual_seed(7)  # every rank starts from the same weights (FSDP2 does not broadcast them)
-    net: nn.Module = {"embedding": Embedding, "attention": Attention, "conv": Conv, "fsdp": Sharded}.get(model, MLP)()
+    sparse = functools.partial(Embedding, sparse=True)
+    net: nn.Module = {"embedding": Embedding, "sparse": sparse, "attention": Attention, "conv": Conv, "fsdp": Sharded
+                      }.get(model, MLP)()  # fmt: skip
     net = net.to(device)
     if model == "conv":
         net = net.to(memory_format=torch.channels_last)
@@ -172,6 +177,7 @@ def sdpa_backends(model: str, device: torch.device) -> AbstractContextManager[An
 
 FAULT_TARGETS = {  # (gradient parameter, module whose output goes wrong, weight to flip)
     "embedding": ("head.weight", "head", "emb.weight"),
+    "sparse": ("head.weight", "head", "emb.weight"),
     "attention": ("qkv.weight", "proj", "qkv.weight"),
     "conv": ("conv.weight", "head", "head.weight"),  # a channels-last conv weight is not contiguous
 }
@@ -225,8 +231,8 @@ def train(name: str, out: Path, device: torch.device) -> dict[str, Any]:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         optimizer: Any = ZeroRedundancyOptimizer(wrapped.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-2)
-    else:
-        optimizer = torch.optim.AdamW(wrapped.parameters(), lr=1e-2)
+    else:  # Adam takes no sparse gradient
+        optimizer = (torch.optim.SGD if model_name == "sparse" else torch.optim.AdamW)(wrapped.parameters(), lr=1e-2)
     scaler = torch.amp.GradScaler(device.type) if model_name == "fp16" else None
     metrics: list[tuple[int, dict[str, float]]] = []
     hooks = None

@@ -58,7 +58,8 @@ def check_models(out: Path, models: list[str], world: int, exact: set[str]) -> N
 def ddp(tmp_path_factory: pytest.TempPathFactory) -> Path:
     kinds = (*KINDS, "save", "flip_audited", "flip_audited_nofp", "flip_audited_heal", "matmul_clean", "matmul",
              "matmul_backward", "nan_deferred", "nan_early_deferred", "zero")
-    return launch(tmp_path_factory.mktemp("plain_ddp"), [f"mlp:{k}" for k in kinds] + ["own:clean", "own:flip"], 3)
+    more = ["own:clean", "own:flip", "sparse:clean", "sparse:activation"]  # other models
+    return launch(tmp_path_factory.mktemp("plain_ddp"), [f"mlp:{k}" for k in kinds] + more, 3)
 
 
 def test_zero_redundancy_optimizer_trains_clean_and_the_fingerprint_says_what_it_cannot_see(ddp: Path) -> None:
@@ -85,6 +86,16 @@ def test_parameters_ddp_leaves_to_each_rank_are_never_compared_and_the_replay_is
     assert checks["ring_replay"]["runs"] == 0 and checks["weight_fingerprint"]["runs"] >= 6, checks
     flip = same_error(ddp, "own:flip", 3)
     assert (flip["type"], flip["rank"], flip["step"]) == ("FingerprintMismatchError", 1, 3), flip["message"]
+
+
+def test_a_sparse_embedding_gradient_is_left_out_and_the_replay_still_names_a_compute_fault(ddp: Path) -> None:
+    """``nn.Embedding(sparse=True)``: the tap reads no sparse gradient, and the replay leaves it out on both sides
+    (it raised ``ReplayUnavailableError`` at its first audit before); a wrong head output is still named."""
+    clean = results(ddp, "sparse:clean", 3)
+    assert all(r["error"] is None for r in clean), clean[0]["error"]
+    assert clean[0]["state"]["checks"]["ring_replay"]["runs"] >= 3
+    err = same_error(ddp, "sparse:activation", 3)
+    assert (err["type"], err["rank"], err["step"]) == ("ReplayMismatchError", 2, 2), err["message"]
 
 
 @pytest.fixture(scope="module")
@@ -249,7 +260,7 @@ except NonFiniteGradientError as err:
 @pytest.mark.slow
 def test_plain_model_matrix_on_cpu(tmp_path: Path) -> None:
     """Every model of the GPU suite through the plain route on 3 CPU ranks (what ``-m gpu`` runs on CUDA)."""
-    models = ["bf16", "fp16", "attention", "embedding", "compile", "conv"]
+    models = ["bf16", "fp16", "attention", "embedding", "sparse", "compile", "conv"]
     out = launch(tmp_path, [f"{m}:{k}" for m in models for k in KINDS], 3, timeout=900)
     check_models(out, models, 3, exact=set(models))
 

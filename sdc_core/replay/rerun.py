@@ -17,6 +17,7 @@ from torch import nn
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from sdc_core.checks.gradient_tap import dense
 from sdc_core.replay.guard import forbid_collectives
 from sdc_core.replay.rng import all_rng, set_rng
 from sdc_core.replay.state import MicroBatch, StateCapture, StepFn
@@ -61,7 +62,8 @@ def replay_each_gradient(
 
     def hand_on(name: str, alias: torch.Tensor, now: bool = False) -> None:
         if (now or last[0]) and alias.grad is not None:
-            consume(name, alias.grad)
+            if dense(alias.grad):  # as the tap reads the owner's: a sparse gradient is left out on both sides
+                consume(name, alias.grad)
             alias.grad = None
 
     handles = [a.register_post_accumulate_grad_hook(partial(hand_on, n)) for n, a in aliases.items()]
