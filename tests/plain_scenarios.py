@@ -18,6 +18,7 @@ runs the named scenarios one after the other in one process group; each rank wri
   in rank 1's weights after step 2: the fingerprint names it), ``flip_audited`` (the same after
   step 1, before the audited step 2: reported as the weight fault it is, not as a compute fault;
   ``flip_audited_nofp`` without the fingerprint check, ``flip_audited_heal`` with it healing),
+  ``compiled`` and ``compiled_<kind>`` (``clean`` or that kind with the DDP model compiled after attach),
   ``zero`` (a clean run under torch's ``ZeroRedundancyOptimizer``: the fingerprint warns that it cannot
   see weight faults there), ``update`` (FSDP: a wrong update of rank 1's shard at step 4, named by the update audit),
   ``matmul``/``matmul_clean``/``matmul_backward`` (``matmul_checksum`` on; a wrong element inside
@@ -209,6 +210,8 @@ def train(name: str, out: Path, device: torch.device) -> dict[str, Any]:
     model_name, kind = name.split(":")
     bucket_view = model_name.endswith("_bv")  # the gradients live in DDP's buckets (what a memory-tight audit uses)
     model_name = model_name.removesuffix("_bv")
+    compiled = kind.startswith("compiled")  # torch.compile of the DDP model after attach (what the refusal advises)
+    kind = {"compiled": "clean"}.get(kind, kind.removeprefix("compiled_"))
     rank, world = dist.get_rank(), dist.get_world_size()
     net = build(model_name, device)
     if model_name == "own":  # the head is each rank's own (DDP ignores it, as it would local experts): it differs
@@ -261,6 +264,8 @@ def train(name: str, out: Path, device: torch.device) -> dict[str, Any]:
         with warnings.catch_warnings(record=True) as at_attach:
             warnings.simplefilter("always")
             hooks.attach(wrapped, optimizer, scaler=scaler)
+    if compiled:
+        wrapped = torch.compile(wrapped, backend="aot_eager" if device.type == "cpu" else "inductor")
     injector = FaultInjector(faults(model_name, kind) if not sharded or kind == "activation" else [])
     injector.install(net, rank)
     error = None

@@ -16,6 +16,8 @@ import pytest
 import torch
 from conftest import ROOT, results, torchrun, worker_env
 
+from sdc_core.driver.framework import Framework
+
 SCRIPT = Path(__file__).with_name("plain_scenarios.py")
 KINDS = ("off", "clean", "nan", "activation", "flip")
 EXPECTED = {"nan": ("NonFiniteGradientError", 1), "activation": ("ReplayMismatchError", 2),
@@ -58,7 +60,7 @@ def check_models(out: Path, models: list[str], world: int, exact: set[str]) -> N
 def ddp(tmp_path_factory: pytest.TempPathFactory) -> Path:
     kinds = (*KINDS, "save", "flip_audited", "flip_audited_nofp", "flip_audited_heal", "matmul_clean", "matmul",
              "matmul_backward", "nan_deferred", "nan_early_deferred", "zero")
-    more = ["own:clean", "own:flip", "sparse:clean", "sparse:activation"]  # other models
+    more = ["own:clean", "own:flip", "sparse:clean", "sparse:activation", "mlp:compiled", "mlp:compiled_activation"]
     return launch(tmp_path_factory.mktemp("plain_ddp"), [f"mlp:{k}" for k in kinds] + more, 3)
 
 
@@ -96,6 +98,19 @@ def test_a_sparse_embedding_gradient_is_left_out_and_the_replay_still_names_a_co
     assert clean[0]["state"]["checks"]["ring_replay"]["runs"] >= 3
     err = same_error(ddp, "sparse:activation", 3)
     assert (err["type"], err["rank"], err["step"]) == ("ReplayMismatchError", 2, 2), err["message"]
+
+
+def test_a_ddp_model_compiled_after_attach_is_checked(ddp: Path) -> None:
+    """``torch.compile(ddp_model)`` after ``attach`` (a compiled model passed to ``attach`` is refused, saying so):
+    a clean run raises nothing with every check running, and a wrong output of rank 2 is named by the replay."""
+    clean = results(ddp, "mlp:compiled", 3)
+    assert all(r["error"] is None for r in clean), clean[0]["error"]
+    checks = clean[0]["state"]["checks"]
+    assert checks["ring_replay"]["runs"] >= 3 and checks["nonfinite_gradient"]["runs"] == 6, checks
+    err = same_error(ddp, "mlp:compiled_activation", 3)
+    assert (err["type"], err["rank"], err["step"]) == ("ReplayMismatchError", 2, 2), err["message"]
+    refusal = Framework(None, None, 1).describe(torch.compile(torch.nn.Linear(2, 2)))
+    assert "OptimizedModule" in refusal and "torch.compile after it" in refusal
 
 
 @pytest.fixture(scope="module")
