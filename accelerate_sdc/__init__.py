@@ -11,8 +11,7 @@ Hugging Face Trainer: ``accelerate_sdc.transformers.SDCTrainerCallback`` (needs 
 
 from sdc_core._lazy import lazy_exports
 
-# Imported on first use: ``accelerate-sdc --help`` imports neither torch nor Accelerate.
-_EXPORTS = {
+_EXPORTS = {  # imported on first use: ``accelerate-sdc --help`` imports neither torch nor Accelerate
     "accelerate_sdc.config": ("SDCConfigError", "SDCSettings"),
     "accelerate_sdc.hooks": ("SDCHooks",),
     "sdc_core.errors": ("FingerprintMismatchError", "NonFiniteGradientError", "ReplayMismatchError",

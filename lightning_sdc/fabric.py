@@ -43,8 +43,7 @@ def _settings_file() -> Path | None:
     return Path(default_yaml_config_file).with_name("sdc_config.yaml")
 
 
-# the same sources as the Accelerate seam, without importing it
-SOURCES = Sources("ACCELERATE_SDC_", _settings_file)
+SOURCES = Sources("ACCELERATE_SDC_", _settings_file)  # the same sources as the Accelerate seam, without importing it
 
 
 class FabricFramework(Framework):

@@ -10,8 +10,7 @@ allows. ``SDCHooks`` drives the checks in a plain loop; the framework adapters a
 from sdc_core._lazy import lazy_exports
 from sdc_core.ops import process_exit  # first: its exit handler runs after those registered later
 
-# Imported on first use (PEP 562), so ``import sdc_core`` (and ``sdc --help``) does not import torch.
-_EXPORTS = {
+_EXPORTS = {  # imported on first use (PEP 562): ``import sdc_core`` (and ``sdc --help``) does not import torch
     "sdc_core.errors": ("FingerprintMismatchError", "NonFiniteGradientError", "ReplayMismatchError",
                         "ReplayUnavailableError", "SDCError"),
     "sdc_core.faults.inject": ("Fault", "FaultInjector", "flip_bit"),

@@ -19,7 +19,9 @@ runs the named scenarios one after the other in one process group; each rank wri
   step 1, before the audited step 2: reported as the weight fault it is, not as a compute fault;
   ``flip_audited_nofp`` without the fingerprint check, ``flip_audited_heal`` with it healing),
   ``compiled`` and ``compiled_<kind>`` (``clean`` or that kind with the DDP model compiled after attach),
-  ``zero`` (a clean run under torch's ``ZeroRedundancyOptimizer``: the fingerprint warns that it cannot
+  ``accumulate`` (two micro-batches a step, the first under ``no_sync``; ``accumulate_synced``: both
+  all-reduced, which the replay cannot read and says so), ``zero`` (a clean run under torch's
+  ``ZeroRedundancyOptimizer``: the fingerprint warns that it cannot
   see weight faults there), ``update`` (FSDP: a wrong update of rank 1's shard at step 4, named by the update audit),
   ``matmul``/``matmul_clean``/``matmul_backward`` (``matmul_checksum`` on; a wrong element inside
   rank 2's ``head`` product, forward or weight gradient, at step 3, which the replay does not
@@ -55,6 +57,7 @@ from scenario_runner import run_each
 
 from sdc_core import Fault, FaultInjector, SDCError, SDCHooks, flip_bit
 from sdc_core.checks.digest import combine, tensor_digests
+from sdc_core.errors import ReplayUnavailableError
 from sdc_core.sharded.checks import local
 
 STEPS = 6
@@ -260,6 +263,8 @@ def train(name: str, out: Path, device: torch.device) -> dict[str, Any]:
             settings |= {"fingerprint_every_n_steps": 0}
         if kind == "flip_audited_heal":  # the weight fault healed: the replay's symptom drops the step
             settings |= {"fingerprint_on_failure": "heal"}
+        if kind.startswith("accumulate"):  # two micro-batches a step, each loss divided by 2
+            settings |= {"accumulation_steps": 2}
         hooks = SDCHooks(run_dir=out / name.replace(":", "-"), log=lambda m, s: metrics.append((s, m)), **settings)
         with warnings.catch_warnings(record=True) as at_attach:
             warnings.simplefilter("always")
@@ -275,8 +280,12 @@ def train(name: str, out: Path, device: torch.device) -> dict[str, Any]:
         try:
             for step, (x, y) in enumerate(batches(model_name, device, rank)):
                 injector.set_step(step)
+                if kind.startswith("accumulate"):  # the first half under no_sync (``accumulate_synced``: not)
+                    with wrapped.no_sync() if kind == "accumulate" else nullcontext():
+                        (wrapped(x[:4], y[:4]) / 2).backward()
+                    x, y = x[4:], y[4:]
                 with autocast(model_name, device), sdpa_backends(model_name, device):
-                    loss = wrapped(x, y)
+                    loss = wrapped(x, y) / (2 if kind.startswith("accumulate") else 1)
                 if sharded and kind == "nan" and rank == 1 and step == 2:
                     loss = loss * float("nan")
                 if scaler is not None:
@@ -296,6 +305,9 @@ def train(name: str, out: Path, device: torch.device) -> dict[str, Any]:
                 saved = save_and_load(net, wrapped, optimizer, hooks, out / "saved.pt")
         except SDCError as err:
             error = err.to_dict()
+        except ReplayUnavailableError as err:  # not a verdict: the replay could not run (said on every rank)
+            error = {"type": type(err).__name__, "step": hooks.step if hooks is not None else None, "rank": None,
+                     "message": str(err)}  # fmt: skip
     params = [local(t).detach() for t in (*net.parameters(), *net.buffers())]
     incidents = sorted(p.name for p in (out / name.replace(":", "-")).glob("sdc/incidents/*.json"))
     result = {

@@ -59,7 +59,7 @@ def check_models(out: Path, models: list[str], world: int, exact: set[str]) -> N
 @pytest.fixture(scope="module")
 def ddp(tmp_path_factory: pytest.TempPathFactory) -> Path:
     kinds = (*KINDS, "save", "flip_audited", "flip_audited_nofp", "flip_audited_heal", "matmul_clean", "matmul",
-             "matmul_backward", "nan_deferred", "nan_early_deferred", "zero")
+             "matmul_backward", "nan_deferred", "nan_early_deferred", "zero", "accumulate", "accumulate_synced")
     more = ["own:clean", "own:flip", "sparse:clean", "sparse:activation", "mlp:compiled", "mlp:compiled_activation"]
     return launch(tmp_path_factory.mktemp("plain_ddp"), [f"mlp:{k}" for k in kinds] + more, 3)
 
@@ -111,6 +111,17 @@ def test_a_ddp_model_compiled_after_attach_is_checked(ddp: Path) -> None:
     assert (err["type"], err["rank"], err["step"]) == ("ReplayMismatchError", 2, 2), err["message"]
     refusal = Framework(None, None, 1).describe(torch.compile(torch.nn.Linear(2, 2)))
     assert "OptimizedModule" in refusal and "torch.compile after it" in refusal
+
+
+def test_gradient_accumulation_under_no_sync_is_audited_and_without_it_the_replay_says_why_not(ddp: Path) -> None:
+    """Two micro-batches a step: under ``no_sync`` (as docs/integrations.md asks) every audit runs clean; with
+    both all-reduced the local gradients cannot be read, and the replay says so (not a generic difference)."""
+    clean = results(ddp, "mlp:accumulate", 3)
+    assert all(r["error"] is None for r in clean), clean[0]["error"]
+    assert clean[0]["state"]["checks"]["ring_replay"]["runs"] >= 3
+    err = same_error(ddp, "mlp:accumulate_synced", 3)
+    assert err["type"] == "ReplayUnavailableError" and err["step"] == 0, err
+    assert "DDP all-reduced more than one backward" in err["message"] and "no_sync()" in err["message"], err["message"]
 
 
 @pytest.fixture(scope="module")

@@ -182,8 +182,7 @@ class LinearBound:
         self.nx, self.bx = nx, bx = blocks(k, block)  # backward blocks (of the k inputs)
         self.rnd, self.safety, acc = rnd, float(safety), rnd.acc_dtype
         self.consts = k_ = _constants(weight.device, k, m, bf, bx, rnd, float(safety))
-        # detached operands: nothing here is recorded by autograd (no grad-mode switch needed)
-        wt = weight.detach()
+        wt = weight.detach()  # detached operands: nothing here is recorded by autograd (no grad-mode switch needed)
         wt = wt if wt.dtype == dtype else wt.to(dtype)
         if bias is None:
             bias_sum = bias_abs = k_[9].expand(nf)

@@ -300,8 +300,7 @@ class Sources:
 
 PLAIN = Sources()  # keywords only
 
-# the failure policies the hook set offers, per setting ('rollback' is the Lightning callbacks' only)
-POLICIES = {
+POLICIES = {  # the failure policies the hook set offers, per setting ('rollback' is the Lightning callbacks' only)
     "on_failure": ("raise", "skip_step", "warn"),
     "replay_on_failure": ("raise", "skip_step"),
     "fingerprint_on_failure": ("raise", "heal"),

@@ -178,6 +178,7 @@ class RingReplay:
     _window: DeterministicWindow = field(default_factory=DeterministicWindow)
     _aside: GradientsAside = field(default_factory=GradientsAside)  # the step's own .grad during its re-runs
     _capture_error: str = ""
+    _synced: int = 0  # the armed step's backward passes DDP all-reduced
     keep_every_step: bool = False  # the screen's escalation: record every step's micro-batches (``kept``)
     kept: KeptSteps = field(default_factory=KeptSteps)
     screen_strikes: dict[int, int] = field(default_factory=dict)  # confirmed screen hits per rank
@@ -215,7 +216,7 @@ class RingReplay:
         if self._armed_step != step:
             self._armed_step, self._micro, self._loss, self._local = step, [], None, {}
             self._aside.clear()
-            self._capture_error = ""
+            self._capture_error, self._synced = "", 0
         return True
 
     def disarm(self) -> None:
@@ -282,6 +283,10 @@ class RingReplay:
         """The tap's finisher: find where DDP keeps a copy of an audited step's gradients (``GradientsAside``)."""
         if self._armed_step is not None and not self.replaying and self._tap is not None:
             self._aside.watch(self._tap.ddp, self._tap.params)
+            self._synced += bool(self._tap.ddp.require_backward_grad_sync)  # a second one mixes reduced and local
+            if self._synced > 1 and not self._capture_error:
+                self._capture_error = ("reading its local gradients: DDP all-reduced more than one backward of the "
+                                       "step (gradient accumulation: run all but the last micro-batch under no_sync())")
 
     def _consume(self, p: nn.Parameter, grad: torch.Tensor) -> None:
         if self._armed_step is not None and self._tap is not None:
