@@ -51,8 +51,10 @@ def loader() -> DataLoader:
 
 
 def train(acc: Accelerator, name: str, steps: int = 6, faults: list[Fault] = (), save: Path | None = None,
-          load: Path | None = None, late: bool = False, **settings: Any) -> dict[str, Any]:  # fmt: skip
-    """``late``: ``SDCHooks`` created after ``prepare`` (which then registers a comm hook itself)."""
+          load: Path | None = None, late: bool = False, compiled: bool = False,
+          **settings: Any) -> dict[str, Any]:  # fmt: skip
+    """``late``: ``SDCHooks`` created after ``prepare`` (which then registers a comm hook itself); ``compiled``: the
+    prepared model compiled, as ``Accelerator(dynamo_backend=...)`` compiles it."""
     fresh(acc, 5)
     model = Regressor()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -66,12 +68,14 @@ def train(acc: Accelerator, name: str, steps: int = 6, faults: list[Fault] = (),
         else:
             sdc = SDCHooks(acc, **settings)
             model, opt, data = acc.prepare(model, opt, loader())
+        if compiled:
+            model = torch.compile(model, backend="aot_eager")
         sdc.attach(model, opt)
     injector = FaultInjector(list(faults))
-    injector.install(acc.unwrap_model(model), acc.process_index)
-    opt.optimizer.register_step_post_hook(
-        lambda *_: injector.after_step(injector.step, acc.unwrap_model(model), [opt.optimizer])
-    )
+    # keep_torch_compile=False: with True, Accelerate 1.16 points a compiled model past DDP (it sets its _orig_mod)
+    net = acc.unwrap_model(model, keep_torch_compile=False)
+    injector.install(net, acc.process_index)
+    opt.optimizer.register_step_post_hook(lambda *_: injector.after_step(injector.step, net, [opt.optimizer]))
     if load is not None:
         acc.load_state(str(load))
     error = None
@@ -94,7 +98,7 @@ def train(acc: Accelerator, name: str, steps: int = 6, faults: list[Fault] = (),
     return {
         "error": error,
         "step": sdc.step,
-        "weights": int(combine(tensor_digests(list(acc.unwrap_model(model).parameters())))),
+        "weights": int(combine(tensor_digests(list(net.parameters())))),
         "state": sdc.state_dict(),
         "settings": sdc.settings.to_dict(),
         "sources": sdc.sources,
@@ -127,6 +131,9 @@ def scenarios(out: Path) -> dict[str, Any]:
             Fault("weight_bit_flip", rank=1, step=2, target="stem.weight", index=9, bit=21)]),
         "screen": lambda acc: train(acc, "screen", faults=[  # step 4: not audited (the config's replay: every 3)
             Fault("gradient_bit_flip", rank=2, step=4, target="head.bias", index=0, bit=30)]),
+        "compiled": lambda acc: train(acc, "compiled", replay_every_n_steps=1, compiled=True),
+        "compiled_replay": lambda acc: train(acc, "compiled_replay", replay_every_n_steps=1, compiled=True, faults=[
+            Fault("module_output", rank=0, step=2, target="head", factor=1.3)]),
         "save": lambda acc: train(acc, "save", steps=3, replay_every_n_steps=1, save=out / "state"),
         "resume": lambda acc: train(acc, "resume", steps=6, replay_every_n_steps=1, load=out / "state"),
     }  # fmt: skip

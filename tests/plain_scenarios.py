@@ -18,7 +18,7 @@ runs the named scenarios one after the other in one process group; each rank wri
   in rank 1's weights after step 2: the fingerprint names it), ``flip_audited`` (the same after
   step 1, before the audited step 2: reported as the weight fault it is, not as a compute fault;
   ``flip_audited_nofp`` without the fingerprint check, ``flip_audited_heal`` with it healing),
-  ``compiled`` and ``compiled_<kind>`` (``clean`` or that kind with the DDP model compiled after attach),
+  ``compiled`` and ``compiled_<kind>`` (``clean`` or that kind with the DDP model compiled before attach),
   ``accumulate`` (two micro-batches a step, the first under ``no_sync``; ``accumulate_synced``: both
   all-reduced, which the replay cannot read and says so), ``zero`` (a clean run under torch's
   ``ZeroRedundancyOptimizer``: the fingerprint warns that it cannot
@@ -213,7 +213,7 @@ def train(name: str, out: Path, device: torch.device) -> dict[str, Any]:
     model_name, kind = name.split(":")
     bucket_view = model_name.endswith("_bv")  # the gradients live in DDP's buckets (what a memory-tight audit uses)
     model_name = model_name.removesuffix("_bv")
-    compiled = kind.startswith("compiled")  # torch.compile of the DDP model after attach (what the refusal advises)
+    compiled = kind.startswith("compiled")  # torch.compile of the DDP model, before attach
     kind = {"compiled": "clean"}.get(kind, kind.removeprefix("compiled_"))
     rank, world = dist.get_rank(), dist.get_world_size()
     net = build(model_name, device)
@@ -233,6 +233,8 @@ def train(name: str, out: Path, device: torch.device) -> dict[str, Any]:
     else:
         wrapped = DistributedDataParallel(net, device_ids=[device.index] if device.type == "cuda" else None,
                                           gradient_as_bucket_view=bucket_view)  # fmt: skip
+    if compiled:  # the compiled wrapper is what the loop calls and attach is given
+        wrapped = torch.compile(wrapped, backend="aot_eager" if device.type == "cpu" else "inductor")
     if kind == "zero":  # torch's ZeRO: each rank updates its shard of the parameters and broadcasts it
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
@@ -269,8 +271,6 @@ def train(name: str, out: Path, device: torch.device) -> dict[str, Any]:
         with warnings.catch_warnings(record=True) as at_attach:
             warnings.simplefilter("always")
             hooks.attach(wrapped, optimizer, scaler=scaler)
-    if compiled:
-        wrapped = torch.compile(wrapped, backend="aot_eager" if device.type == "cpu" else "inductor")
     injector = FaultInjector(faults(model_name, kind) if not sharded or kind == "activation" else [])
     injector.install(net, rank)
     error = None

@@ -27,6 +27,8 @@ LAUNCH_A = [
     "replay",
     "heal",
     "screen",
+    "compiled",
+    "compiled_replay",
     "save",
     "resume",
 ]
@@ -115,6 +117,16 @@ def test_each_check_names_the_faulty_rank(launch_a: Path) -> None:
     assert (err["rank"], err["step"]) == (2, 3)
     err = same_error(launch_a, "replay", "ReplayMismatchError")
     assert (err["rank"], err["step"]) == (0, 2)
+
+
+def test_a_compiled_model_is_checked(launch_a: Path) -> None:
+    """The prepared model compiled (what ``Accelerator(dynamo_backend=...)`` does; it was refused): every check runs
+    on a clean run, and a wrong output of rank 0 is named by the replay."""
+    clean = results(launch_a, "compiled", 3)
+    assert all(r["error"] is None for r in clean), clean[0]["error"]
+    assert clean[0]["state"]["checks"]["ring_replay"]["runs"] >= 5, clean[0]["state"]["checks"]
+    err = same_error(launch_a, "compiled_replay", "ReplayMismatchError")
+    assert (err["rank"], err["step"]) == (0, 2), err["message"]
 
 
 def test_state_survives_save_and_load_state(launch_a: Path) -> None:

@@ -67,7 +67,7 @@ class Framework(Seam):
     def describe(self, model: nn.Module) -> str:
         """Why ``model`` is not a DDP model (for the error ``attach`` raises)."""
         return (f"a {type(model).__name__} in a run of {self.world_size} processes: wrap the model in "
-                "DistributedDataParallel or apply fully_shard before attach, and torch.compile after it")  # fmt: skip
+                "DistributedDataParallel or apply fully_shard before attach")  # fmt: skip
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model.module if isinstance(model, DistributedDataParallel) else model

@@ -195,7 +195,7 @@ class SDCHooks:
         the ``torch.amp.GradScaler`` of a plain loop (then call ``scaler.step(optimizer)`` as usual)."""
         if self._module is not None:
             raise RuntimeError("SDCHooks.attach was already called")
-        fw = self._fw
+        fw, model = self._fw, getattr(model, "_orig_mod", model)  # torch.compile's wrapper: its module is hooked
         _refuse(fw.unsupported(model))
         if scaler is not None:
             fw.use_scaler(scaler)
