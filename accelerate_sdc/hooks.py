@@ -80,8 +80,8 @@ class AccelerateFramework(Framework):
         return (f"distributed_type={self.accelerator.distributed_type} with a {type(model).__name__} model "
                 "(sharded strategies such as FSDP and DeepSpeed are not supported)")  # fmt: skip
 
-    def unwrap(self, model: nn.Module) -> nn.Module:
-        return self.accelerator.unwrap_model(model)
+    def unwrap(self, model: nn.Module) -> nn.Module:  # not a compiled one: Accelerate 1.16 would re-point it past DDP
+        return self.accelerator.unwrap_model(getattr(model, "_orig_mod", model))
 
     @property
     def sync_gradients(self) -> bool:
