@@ -74,7 +74,7 @@ class CountUpdates(StepCheck):
 
 def run(out: Path, name: str, sdc: bool = True, faults: list[Fault] = (), report_to: list[str] = (),
         label_smoothing: float = 0.0, save: bool | str = False, resume: str | None = None, catch: bool = True,
-        **settings: Any) -> dict[str, Any]:  # fmt: skip
+        compile: bool = False, **settings: Any) -> dict[str, Any]:  # fmt: skip
     set_seed(3)
     model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=1000, n_positions=64))
     args = TrainingArguments(
@@ -93,6 +93,8 @@ def run(out: Path, name: str, sdc: bool = True, faults: list[Fault] = (), report
         seed=3,
         bf16=BF16,
         label_smoothing_factor=label_smoothing,  # compute_loss then pops "labels" from its inputs
+        torch_compile=compile,  # the Trainer compiles the model it wraps
+        torch_compile_backend="aot_eager" if compile else None,
     )
     inject = Inject(list(faults))
     callbacks: list[Any] = [inject] if faults else []
@@ -150,6 +152,7 @@ def scenarios(out: Path) -> dict[str, Any]:
         "clean": lambda: run(out, "clean", report_to=["mlflow", "tensorboard"], replay_every_n_steps=1,
                              checks=[CountUpdates()]),
         "smoothing": lambda: run(out, "smoothing", label_smoothing=0.1, replay_every_n_steps=1),
+        "compiled": lambda: run(out, "compiled", compile=True, replay_every_n_steps=1),
         "save": lambda: run(out, "save", save=True, replay_every_n_steps=1),
         "resume": lambda: run(out, "resume", resume=str(out / "save" / "checkpoint-2"), replay_every_n_steps=1),
         "resume_corrupted": lambda: resume_corrupted(out),

@@ -19,7 +19,7 @@ pytest.importorskip("transformers")
 
 SCRIPT = Path(__file__).with_name("hf_trainer_scenarios.py")
 SCENARIOS = ["bad_settings", "plain", "clean", "weights", "nan", "activation"]
-MORE = ["smoothing", "save", "resume", "resume_corrupted", "epoch_flip"]  # a second launch, under -m slow
+MORE = ["smoothing", "save", "resume", "resume_corrupted", "epoch_flip", "compiled"]  # a second launch, -m slow
 STEPS = 4
 
 
@@ -72,6 +72,17 @@ def test_label_smoothing_replays_the_labels_compute_loss_pops(hf_more: Path) -> 
         assert r["error"] is None
         assert r["state"]["checks"]["ring_replay"]["runs"] == STEPS
         assert r["state"]["checks"]["ring_replay"]["max_diff"] == 0.0  # bit-exact on CPU
+
+
+@pytest.mark.slow  # a second launch: the default run stays under 10 minutes
+def test_a_compiled_trainer_model_is_checked(hf_more: Path) -> None:
+    """``TrainingArguments(torch_compile=True)``: the callback attaches to the compiled DDP model (it was refused)
+    and every check runs, bit-exact on CPU."""
+    for r in results(hf_more, "compiled", 3):
+        assert r["error"] is None and r["global_step"] == STEPS
+        checks = r["state"]["checks"]
+        assert checks["ring_replay"]["runs"] == STEPS and checks["ring_replay"]["max_diff"] == 0.0, checks
+        assert checks["weight_fingerprint"]["failures"] == 0 and checks["nonfinite_gradient"]["runs"] == STEPS
 
 
 @pytest.mark.slow  # a second launch: the default run stays under 10 minutes
