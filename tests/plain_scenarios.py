@@ -20,7 +20,8 @@ runs the named scenarios one after the other in one process group; each rank wri
   ``flip_audited_nofp`` without the fingerprint check, ``flip_audited_heal`` with it healing),
   ``compiled`` and ``compiled_<kind>`` (``clean`` or that kind with the DDP model compiled before attach),
   ``accumulate`` (two micro-batches a step, the first under ``no_sync``; ``accumulate_synced``: both
-  all-reduced, which the replay cannot read and says so), ``zero`` (a clean run under torch's
+  all-reduced, which the replay cannot read and says so; FSDP2: the other way round, gradient sync off
+  on the first micro-batch is what its replay cannot read), ``zero`` (a clean run under torch's
   ``ZeroRedundancyOptimizer``: the fingerprint warns that it cannot
   see weight faults there), ``update`` (FSDP: a wrong update of rank 1's shard at step 4, named by the update audit),
   ``matmul``/``matmul_clean``/``matmul_backward`` (``matmul_checksum`` on; a wrong element inside
@@ -280,9 +281,14 @@ def train(name: str, out: Path, device: torch.device) -> dict[str, Any]:
         try:
             for step, (x, y) in enumerate(batches(model_name, device, rank)):
                 injector.set_step(step)
-                if kind.startswith("accumulate"):  # the first half under no_sync (``accumulate_synced``: not)
-                    with wrapped.no_sync() if kind == "accumulate" else nullcontext():
+                if kind.startswith("accumulate"):  # the first half unsynchronised (``accumulate_synced``: not)
+                    quiet = kind == "accumulate"
+                    if sharded:
+                        wrapped.set_requires_gradient_sync(not quiet)
+                    with wrapped.no_sync() if quiet and not sharded else nullcontext():
                         (wrapped(x[:4], y[:4]) / 2).backward()
+                    if sharded:
+                        wrapped.set_requires_gradient_sync(True)
                     x, y = x[4:], y[4:]
                 with autocast(model_name, device), sdpa_backends(model_name, device):
                     loss = wrapped(x, y) / (2 if kind.startswith("accumulate") else 1)

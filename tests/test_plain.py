@@ -227,7 +227,8 @@ def test_plain_before_save_fingerprints_the_checkpoint_and_load_verifies_it(ddp:
 
 @pytest.fixture(scope="module")
 def fsdp(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return launch(tmp_path_factory.mktemp("plain_fsdp"), [f"fsdp:{k}" for k in (*KINDS, "update")], 4)
+    kinds = (*KINDS, "update", "accumulate", "accumulate_synced")
+    return launch(tmp_path_factory.mktemp("plain_fsdp"), [f"fsdp:{k}" for k in kinds], 4)
 
 
 def test_plain_torchrun_fsdp2_loop_names_the_faulty_rank_with_every_check(fsdp: Path) -> None:
@@ -244,6 +245,17 @@ def test_plain_torchrun_fsdp2_loop_names_the_faulty_rank_with_every_check(fsdp: 
     assert flip["details"]["changed_at_rest"] == {"1": ["param:body.weight"]}
     update = same_error(fsdp, "fsdp:update", 4)
     assert (update["type"], update["rank"], update["step"]) == ("FingerprintMismatchError", 1, 4)
+
+
+def test_fsdp2_gradient_accumulation_is_audited_with_sync_on_and_the_replay_says_why_not_with_it_off(
+        fsdp: Path) -> None:  # fmt: skip
+    """FSDP2, two micro-batches a step: each reduce-scattered, every audit runs clean; gradient sync off on the first
+    (``set_requires_gradient_sync(False)``), the sharded replay cannot read its local gradients and says so."""
+    clean = results(fsdp, "fsdp:accumulate_synced", 4)
+    assert all(r["error"] is None for r in clean), clean[0]["error"]
+    assert clean[0]["state"]["checks"]["ring_replay"]["runs"] >= 3
+    err = same_error(fsdp, "fsdp:accumulate", 4)
+    assert err["type"] == "ReplayUnavailableError" and "gradient sync off" in err["message"], err["message"]
 
 
 def test_plain_single_process_names_a_nan_and_rejects_bad_arguments(tmp_path: Path) -> None:

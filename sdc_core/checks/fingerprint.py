@@ -95,8 +95,7 @@ def _compared(module: nn.Module, optimizers: Iterable[torch.optim.Optimizer], co
 
 def fingerprinted_tensors(module: nn.Module, optimizers: Iterable[torch.optim.Optimizer], config: FingerprintConfig,
                           exclude: frozenset[str] = frozenset()) -> list[tuple[str, torch.Tensor]]:  # fmt: skip
-    """The named tensors the check compares, in an order identical on every replica; none ``exclude`` names
-    (each rank's own: DDP's ``parameters_to_ignore``), nor their optimizer state."""
+    """The named tensors the check compares, in an order identical on every replica; none that ``exclude`` names."""
     named = [(f"param:{n}", p) for n, p in module.named_parameters() if n not in exclude]
     if config.include_buffers:
         skip = set()
@@ -256,10 +255,9 @@ class WeightFingerprint(FingerprintCommon):
         if self.stats.runs == 0:  # the first comparison: torch's ZeroRedundancyOptimizer (a class only once imported)?
             zero = getattr(getattr(torch.distributed, "optim", None), "ZeroRedundancyOptimizer", ())
             if any(isinstance(o, zero) for o in optimizers):
-                warnings.warn("SDC weight_fingerprint cannot see a weight or update fault under "
-                              "ZeroRedundancyOptimizer: its step broadcasts each rank's shard of the parameters, so "
-                              "the replicas agree by construction (the non-finite check and the replay still work)",
-                              UserWarning, stacklevel=2)
+                warnings.warn("SDC weight_fingerprint cannot see weight or update faults with ZeroRedundancyOptimizer: "
+                              "its step broadcasts each rank's shard, so the replicas agree by construction "
+                              "(the non-finite check and the replay still work)", UserWarning, stacklevel=2)
         tensors, all_names = _compared(module, optimizers, self.config, self.exclude)
         names: Callable[[], list[str]] = all_names
         part = None

@@ -193,6 +193,8 @@ class ShardedReplay(RingReplay):
 
     def _own_digest(self) -> Digest:
         self._named(self._labels)
+        if self.taps and max(self._calls, default=0) != len(self._micro):  # a micro-batch's gradients not read
+            self._capture_error = self._capture_error or f"reading its gradients: {self.screen_ready(self._micro)}"
         return assemble(list(self._local), self._local, self._loss if self._loss is not None else 0.0)
 
     def _replay_digest(self, rerun: Rerun, batches: list[MicroBatch]) -> Digest:
