@@ -170,3 +170,22 @@ def test_three_ranks_name_a_flip_outside_the_slice_within_k_comparisons(tmp_path
     assert errors["flip"]["details"]["rolling_slice"] == {"slice": 0, "slices": 3, "tensors": 1}
     # (step 3: 3 comparisons after the flip, the bound k; without rolling, step 1)
     assert all("rolling_slice" not in errors[name]["details"] for name in ("flip_every", "flip_end"))
+
+
+def test_fingerprinted_tensors_leave_out_each_ranks_own_and_keep_other_optimizer_state() -> None:
+    """``exclude`` (DDP's ``parameters_to_ignore``) drops those parameters, buffers and their optimizer state; the
+    state of a parameter outside the module is still compared (named ``?``)."""
+    net = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2), nn.Linear(2, 1))
+    net[0].register_buffer("scale", torch.ones(2))
+    extra = nn.Parameter(torch.ones(3))
+    opt = torch.optim.Adam([*net.parameters(), extra])
+    (net(torch.randn(4, 2)).sum() + extra.sum()).backward()
+    opt.step()
+    config = FingerprintConfig(include_buffers=True, include_optimizer_state=True)
+    every = [n for n, _ in fingerprinted_tensors(net, [opt], config)]
+    own = frozenset({"2.weight", "2.bias", "0.scale"})
+    kept = [n for n, _ in fingerprinted_tensors(net, [opt], config, own)]
+    assert [n for n in every if n not in kept] == [
+        "param:2.weight", "param:2.bias", "buffer:0.scale", *(f"optimizer0:2.{p}:{k}" for p in ("weight", "bias")
+                                           for k in ("exp_avg", "exp_avg_sq", "step"))]  # fmt: skip
+    assert "optimizer0:?:exp_avg" in kept and "param:0.weight" in kept

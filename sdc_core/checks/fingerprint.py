@@ -106,11 +106,11 @@ def fingerprinted_tensors(module: nn.Module, optimizers: Iterable[torch.optim.Op
                 )
         named += [(f"buffer:{n}", b) for n, b in module.named_buffers() if n not in skip and n not in exclude]
     if config.include_optimizer_state:
-        names = {id(p): n for n, p in module.named_parameters() if n not in exclude}
+        names = {id(p): n for n, p in module.named_parameters()}
         for i, opt in enumerate(optimizers):
             for group in opt.param_groups:
                 for p in group["params"]:
-                    for key, value in sorted(opt.state.get(p, {}).items() if id(p) in names else ()):
+                    for key, value in sorted(opt.state.get(p, {}).items() if names.get(id(p)) not in exclude else ()):
                         if isinstance(value, torch.Tensor):
                             named.append((f"optimizer{i}:{names.get(id(p), '?')}:{key}", value))
     return named
