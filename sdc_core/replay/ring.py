@@ -283,7 +283,7 @@ class RingReplay:
         """The tap's finisher: find where DDP keeps a copy of an audited step's gradients (``GradientsAside``)."""
         if self._armed_step is not None and not self.replaying and self._tap is not None:
             self._aside.watch(self._tap.ddp, self._tap.params)
-            self._synced += bool(self._tap.ddp.require_backward_grad_sync)  # a second one mixes reduced and local
+            self._synced += 1  # finishers follow synchronised backwards only; a second mixes reduced and local
             if self._synced > 1 and not self._capture_error:
                 self._capture_error = ("reading its local gradients: DDP all-reduced more than one backward of the "
                                        "step (gradient accumulation: run all but the last micro-batch under no_sync())")
