@@ -79,8 +79,7 @@ def _check_owned(path: Path) -> None:
     if path.expanduser().resolve() in {Path(f).expanduser().resolve() for f in accelerate_files}:
         raise config.SDCConfigError(
             f"{path} is accelerate's own config file, which `accelerate launch` reads and which must not hold SDC "
-            f"settings; left unchanged. Leave out --config_file (the settings go to {config.default_file()})"
-        )
+            f"settings; left unchanged. Leave out --config_file (the settings go to {config.default_file()})")
     if not path.exists():
         return
     try:
@@ -94,8 +93,7 @@ def _check_owned(path: Path) -> None:
             else "it is not a YAML mapping of SDC settings")  # fmt: skip
     raise config.SDCConfigError(
         f"{path} is not an SDC settings file ({what}); left unchanged. Write the SDC settings to another "
-        "--config_file, or add them by hand to an `sdc:` section of an accelerate config (for accelerate-sdc launch)"
-    )
+        "--config_file, or add them by hand to an `sdc:` section of an accelerate config (for accelerate-sdc launch)")
 
 
 def _validated(values: dict[str, object], source: str) -> dict[str, object]:

@@ -1,7 +1,6 @@
 """``SDCHooks`` for hand-written Accelerate training loops (usage: the ``accelerate_sdc`` package): the core hook set
-(``sdc_core.SDCHooks``) through an Accelerate seam (``AccelerateFramework``). ``save_state`` compares the replicas
-and fingerprints the saved state before anything is written; ``load_state`` verifies the loaded tensors.
-"""
+(``sdc_core.SDCHooks``) through an Accelerate seam (``AccelerateFramework``). ``save_state`` compares the replicas and
+fingerprints the saved state before anything is written; ``load_state`` verifies the loaded tensors."""
 
 from __future__ import annotations
 

@@ -108,8 +108,7 @@ class SDCTrainerCallback(TrainerCallback, ExportableState):
         if trainer is None:
             raise RuntimeError(
                 "SDCTrainerCallback must be called by a transformers.Trainer: pass it in "
-                "Trainer(callbacks=[SDCTrainerCallback()]) or trainer.add_callback(...)"
-            )
+                "Trainer(callbacks=[SDCTrainerCallback()]) or trainer.add_callback(...)")
         self.trainer = trainer
         self.hooks = SDCHooks(trainer.accelerator, _framework=_TrainerFramework(trainer), **self._settings)
         for check in self._own_checks:

@@ -41,8 +41,7 @@ def require_supported_strategy(trainer: pl.Trainer, check: str) -> None:
         raise ValueError(
             f"{check} supports strategy='ddp' (and its variants), ModelParallelStrategy (FSDP2 via "
             f"fully_shard, HSDP, tensor parallel) or a single device; got {type(strategy).__name__}. "
-            "FSDPStrategy (FSDP1) and DeepSpeed are not supported: use ModelParallelStrategy with fully_shard."
-        )
+            "FSDPStrategy (FSDP1) and DeepSpeed are not supported: use ModelParallelStrategy with fully_shard.")
     if isinstance(strategy, DDPStrategy) and not hasattr(strategy, _STASH):
         # the user's DDP comm hook (Lightning registers it on CUDA only): the tap registers it, on every device
         setattr(strategy, _STASH, (strategy._ddp_comm_hook, strategy._ddp_comm_state, strategy._ddp_comm_wrapper))

@@ -1,8 +1,7 @@
 """Zero-code enable for Lightning: ``SDC_CHECKS=1`` adds the SDC checks to every ``Trainer`` (through the
-``lightning.pytorch.callbacks_factory`` entry point). ``SDC_CHECKS``: ``1``/``true``/``all`` (any case) for all
-three, a comma-separated list for some, unset/empty/``0``/``false`` for none; anything else raises ``ValueError`` when
-the Trainer is created. One process: only ``NonFiniteGradientCheck``.
-"""
+``lightning.pytorch.callbacks_factory`` entry point). ``SDC_CHECKS``: ``1``/``true``/``all`` (any case) for all three, a
+comma-separated list for some, unset/empty/``0``/``false`` for none; anything else raises ``ValueError`` when the
+Trainer is created. One process: only ``NonFiniteGradientCheck``."""
 
 from __future__ import annotations
 
@@ -37,8 +36,7 @@ def requested(value: str | None = None) -> list[str]:
     if unknown:
         raise ValueError(
             f"{ENV}={raw!r}: unknown check(s) {', '.join(unknown)}; use 1 for all, 0 for none, "
-            f"or a comma-separated list of {', '.join(CHECKS)}"
-        )
+            f"or a comma-separated list of {', '.join(CHECKS)}")
     return list(dict.fromkeys(names))
 
 

@@ -156,8 +156,7 @@ class WeightFingerprintCheck(common.SDCCallback):
 
 LIGHTNING_ADVICE = (  # the replay's advice for unreplayable steps, in Lightning's terms
     "Expose state the capture cannot see with sdc_replay_state()/sdc_load_replay_state(state) on the "
-    "LightningModule, or define a side-effect free sdc_replay_step(batch, batch_idx)"
-)
+    "LightningModule, or define a side-effect free sdc_replay_step(batch, batch_idx)")
 
 
 @common.documented_by(ReplayConfig)
@@ -200,8 +199,7 @@ class RingReplayAudit(common.SDCCallback):
                 "`sdc_replay_step(batch, batch_idx)` on the LightningModule that returns the loss the batch's "
                 "first optimizer step back-propagates (with several optimizers, e.g. a GAN, only that first "
                 "step is replayed; NonFiniteGradientCheck and WeightFingerprintCheck cover every step), "
-                "or leave RingReplayAudit out"
-            )
+                "or leave RingReplayAudit out")
         if stage == "fit" and hasattr(pl_module, "sdc_replay_state") != hasattr(pl_module, "sdc_load_replay_state"):
             raise ValueError("define both sdc_replay_state() and sdc_load_replay_state(state) on the LightningModule")
 

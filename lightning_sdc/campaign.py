@@ -1,8 +1,7 @@
 """The Lightning runner of fault-injection campaigns (``sdc campaign``, entry point ``lightning``): each training is a
 Lightning DDP Trainer on 3 CPU ranks with the SDC callbacks a run asks for. Importing it imports neither torch nor
-Lightning. Run as a module it is the campaign's worker (``--worker``) and the matrix-product checksum campaign's
-driver: ``python -m lightning_sdc.campaign matmul [--per-class N] [--doc FILE] ...``.
-"""
+Lightning. Run as a module it is the campaign's worker (``--worker``) and the matrix-product checksum campaign's driver:
+``python -m lightning_sdc.campaign matmul [--per-class N] [--doc FILE] ...``."""
 
 from __future__ import annotations
 

@@ -197,8 +197,7 @@ class SDCHooks(_HookSet):
         if not isinstance(strategy, DDPStrategy | SingleDeviceStrategy) or isinstance(strategy, DeepSpeedStrategy):
             raise ValueError(
                 f"lightning_sdc.fabric.SDCHooks supports strategy 'ddp' (and its variants) or a single device; got "
-                f"{type(strategy).__name__} (FSDP, DeepSpeed and model-parallel strategies are not supported)"
-            )
+                f"{type(strategy).__name__} (FSDP, DeepSpeed and model-parallel strategies are not supported)")
         super().attach(model, optimizer, loss_fn)
         self.fabric._sdc_hooks = weakref.ref(self)  # the hook set clip_gradients consults
         if "clip_gradients" not in vars(self.fabric):  # once per Fabric

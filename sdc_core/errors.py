@@ -71,8 +71,7 @@ class SDCError(RuntimeError):
         if world == 1:
             return (
                 "a single process has no replica to compare with, so this may be the model, the data or the "
-                "numerics rather than the device; run with 2 or more replicas to tell them apart"
-            )
+                "numerics rather than the device; run with 2 or more replicas to tell them apart")
         if world == 2:
             return "run with 3 or more replicas to localize, or test these hosts"
         if self.details.get("several_ranks"):  # same-device re-runs held: devices disagree, not a common cause

@@ -1,7 +1,6 @@
-"""A check's settings, declared once: the fields of its config dataclass made by ``setting(default,
-doc, more)``; ``SDCSettings`` and ``accelerate-sdc config`` take their defaults and docs from them,
-``documented`` writes them into the class docstring. No torch: every config module imports this one.
-"""
+"""A check's settings, declared once: the fields of its config dataclass made by ``setting(default, doc, more)``;
+``SDCSettings`` and ``accelerate-sdc config`` take their defaults and docs from them, ``documented`` writes them into
+the class docstring. No torch: every config module imports this one."""
 
 from __future__ import annotations
 

@@ -19,10 +19,10 @@ runs the named scenarios one after the other in one process group; each rank wri
   step 1, before the audited step 2: reported as the weight fault it is, not as a compute fault;
   ``flip_audited_nofp`` without the fingerprint check, ``flip_audited_heal`` with it healing),
   ``compiled`` and ``compiled_<kind>`` (``clean`` or that kind with the DDP model compiled before attach),
-  ``accumulate`` (two micro-batches a step, the first under ``no_sync``; ``accumulate_synced``: both
-  all-reduced, which the replay cannot read and says so; FSDP2: the other way round, gradient sync off
-  on the first micro-batch is what its replay cannot read), ``zero`` (a clean run under torch's
-  ``ZeroRedundancyOptimizer``: the fingerprint warns that it cannot
+  ``accumulate`` (two micro-batches a step, the first under ``no_sync``, FSDP2: with gradient sync off as
+  Accelerate does; ``accumulate_synced``: both all-reduced, which DDP's replay cannot read and says so;
+  ``accumulate_activation``: ``accumulate`` with the ``activation`` fault; ``accumulate_off``: without checks),
+  ``zero`` (a clean run under torch's ``ZeroRedundancyOptimizer``: the fingerprint warns that it cannot
   see weight faults there), ``update`` (FSDP: a wrong update of rank 1's shard at step 4, named by the update audit),
   ``matmul``/``matmul_clean``/``matmul_backward`` (``matmul_checksum`` on; a wrong element inside
   rank 2's ``head`` product, forward or weight gradient, at step 3, which the replay does not
@@ -195,7 +195,7 @@ def faults(model: str, kind: str) -> list[Fault]:
         return [Fault("nonfinite_gradient", rank=1, step=s, target=grad) for s in steps]
     if kind in ("nan_deferred", "nan_early_deferred"):  # no replay: every verdict read one step later
         return [Fault("nonfinite_gradient", rank=1, step=3 if kind == "nan_deferred" else 1, target=grad)]
-    if kind == "activation":
+    if kind in ("activation", "accumulate_activation"):
         return [Fault("module_output", rank=2, step=2, target=module, factor=1.5, index=3)]
     if kind == "flip":
         return [Fault("weight_bit_flip", rank=1, step=2, target=weight, index=5, bit=27)]
@@ -254,7 +254,7 @@ def train(name: str, out: Path, device: torch.device) -> dict[str, Any]:
                 flip_bit(local(net.body.weight), 0, 22)
 
         optimizer.register_step_post_hook(wrong)
-    if kind != "off":
+    if not kind.endswith("off"):
         settings: dict[str, Any] = {"replay_every_n_steps": 2, "fingerprint_every_n_steps": 1, "log_every_n_steps": 1}
         if kind == "update":
             settings |= {"replay_every_n_steps": 0, "fingerprint_every_n_steps": 0, "update_audit_every_n_steps": 2}
@@ -272,7 +272,7 @@ def train(name: str, out: Path, device: torch.device) -> dict[str, Any]:
         with warnings.catch_warnings(record=True) as at_attach:
             warnings.simplefilter("always")
             hooks.attach(wrapped, optimizer, scaler=scaler)
-    injector = FaultInjector(faults(model_name, kind) if not sharded or kind == "activation" else [])
+    injector = FaultInjector(faults(model_name, kind) if not sharded or kind.endswith("activation") else [])
     injector.install(net, rank)
     error = None
     saved: dict[str, Any] | None = None
@@ -282,7 +282,7 @@ def train(name: str, out: Path, device: torch.device) -> dict[str, Any]:
             for step, (x, y) in enumerate(batches(model_name, device, rank)):
                 injector.set_step(step)
                 if kind.startswith("accumulate"):  # the first half unsynchronised (``accumulate_synced``: not)
-                    quiet = kind == "accumulate"
+                    quiet = kind != "accumulate_synced"
                     if sharded:
                         wrapped.set_requires_gradient_sync(not quiet)
                     with wrapped.no_sync() if quiet and not sharded else nullcontext():

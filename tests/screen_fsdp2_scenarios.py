@@ -16,6 +16,8 @@ Scenarios:
   at their default arguments: the same verdict; ``lightning_clean``: no fault, no verdict.
 * ``fault_same``, ``spike_same``: read before the step's own update (``read="same_step"``): the
   fault named in step ``AT``, the spike reproduced by the partner on the same weights and cleared.
+* ``fault_accumulate``, ``clean_accumulate``: two micro-batches a step, the first with gradient sync off (as
+  Accelerate's ``accumulate`` does on FSDP2), the fault in that first one: the same verdict; clean: none.
 """
 
 from __future__ import annotations
@@ -87,7 +89,8 @@ def train(out: Path, name: str) -> dict[str, Any]:
     opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        hooks = SDCHooks(run_dir=out / name).attach(net, opt)
+        accumulate = name.endswith("_accumulate")
+        hooks = SDCHooks(run_dir=out / name, accumulation_steps=2 if accumulate else 1).attach(net, opt)
     if name.endswith("_same"):  # the verdict read before the step's own update (``auto`` with ``skip_step``)
         hooks.screen.config = dataclasses.replace(hooks.screen.config, read="same_step")
     result: dict[str, Any] = {"steps": 0, "groups": hooks.screen.names if hooks.screen is not None else None}
@@ -97,7 +100,12 @@ def train(out: Path, name: str) -> dict[str, Any]:
             net.scale = 1e4 if spiky else 1.0
             FAULT["armed"] = name.startswith("fault") and rank == 1 and step == AT
             x, y = batch(rank, step, spiky)
-            net(x, y).backward()
+            if accumulate:  # the first half with gradient sync off: its gradients are summed into the second's
+                net.set_requires_gradient_sync(False)
+                (net(x[:4], y[:4]) / 2).backward()
+                net.set_requires_gradient_sync(True)
+                x, y = x[4:], y[4:]
+            (net(x, y) / (2 if accumulate else 1)).backward()
             opt.step()
             opt.zero_grad()
             result["steps"] = step + 1
@@ -164,7 +172,7 @@ def lightning(out: Path, name: str) -> dict[str, Any]:
 
 
 def main() -> None:
-    args = parse("fault,clean,spike,lightning,lightning_clean,fault_same,spike_same")
+    args = parse("fault,clean,spike,lightning,lightning_clean,fault_same,spike_same,fault_accumulate,clean_accumulate")
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
 

@@ -227,7 +227,7 @@ def test_plain_before_save_fingerprints_the_checkpoint_and_load_verifies_it(ddp:
 
 @pytest.fixture(scope="module")
 def fsdp(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    kinds = (*KINDS, "update", "accumulate", "accumulate_synced")
+    kinds = (*KINDS, "update", "accumulate", "accumulate_synced", "accumulate_activation", "accumulate_off")
     return launch(tmp_path_factory.mktemp("plain_fsdp"), [f"fsdp:{k}" for k in kinds], 4)
 
 
@@ -247,15 +247,18 @@ def test_plain_torchrun_fsdp2_loop_names_the_faulty_rank_with_every_check(fsdp: 
     assert (update["type"], update["rank"], update["step"]) == ("FingerprintMismatchError", 1, 4)
 
 
-def test_fsdp2_gradient_accumulation_is_audited_with_sync_on_and_the_replay_says_why_not_with_it_off(
-        fsdp: Path) -> None:  # fmt: skip
-    """FSDP2, two micro-batches a step: each reduce-scattered, every audit runs clean; gradient sync off on the first
-    (``set_requires_gradient_sync(False)``), the sharded replay cannot read its local gradients and says so."""
-    clean = results(fsdp, "fsdp:accumulate_synced", 4)
-    assert all(r["error"] is None for r in clean), clean[0]["error"]
-    assert clean[0]["state"]["checks"]["ring_replay"]["runs"] >= 3
-    err = same_error(fsdp, "fsdp:accumulate", 4)
-    assert err["type"] == "ReplayUnavailableError" and "gradient sync off" in err["message"], err["message"]
+def test_fsdp2_gradient_accumulation_is_audited_with_gradient_sync_on_and_off(fsdp: Path) -> None:
+    """FSDP2, two micro-batches a step, each reduce-scattered or the first with gradient sync off
+    (``set_requires_gradient_sync(False)``, what Accelerate's ``accumulate`` does): every audit runs clean, training
+    is unchanged by them, and a wrong activation on a rank is named by the replay, which mirrors the owner's sync."""
+    for kind in ("accumulate_synced", "accumulate"):
+        clean = results(fsdp, f"fsdp:{kind}", 4)
+        assert all(r["error"] is None for r in clean), clean[0]["error"]
+        assert clean[0]["state"]["checks"]["ring_replay"]["runs"] >= 3
+    off = results(fsdp, "fsdp:accumulate_off", 4)  # the replays left no gradient behind: every shard bit for bit
+    assert [r["weights"] for r in results(fsdp, "fsdp:accumulate", 4)] == [r["weights"] for r in off]
+    act = same_error(fsdp, "fsdp:accumulate_activation", 4)
+    assert (act["type"], act["rank"], act["step"]) == ("ReplayMismatchError", 2, 2), act
 
 
 def test_plain_single_process_names_a_nan_and_rejects_bad_arguments(tmp_path: Path) -> None:

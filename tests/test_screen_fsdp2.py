@@ -13,13 +13,13 @@ import pytest
 from conftest import ROOT, results, torchrun
 
 WORLD = 3
-pytestmark = pytest.mark.slow  # one torchrun of five FSDP2 runs: about 25 s on 2 cores
+pytestmark = pytest.mark.slow  # one torchrun of nine FSDP2 runs: about 35 s on 2 cores
 
 
 @pytest.fixture(scope="module")
 def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("screen_fsdp2")
-    scenarios = "fault,clean,spike,lightning,lightning_clean,fault_same,spike_same"
+    scenarios = "fault,clean,spike,lightning,lightning_clean,fault_same,spike_same,fault_accumulate,clean_accumulate"
     torchrun(ROOT / "tests" / "screen_fsdp2_scenarios.py", path, scenarios, WORLD)
     return path
 
@@ -89,3 +89,16 @@ def test_lightning_model_parallel_callbacks_at_their_defaults_name_the_rank_one_
     clean = results(out, "lightning_clean", WORLD)
     assert all("error" not in r and r["steps"] == 16 and r["screen"]["runs"] == 16 for r in clean), clean[0]
     assert all(r["replay"]["extra"].get("screen_confirmed", 0) == 0 for r in clean)
+
+
+def test_with_gradient_sync_off_on_accumulation_micro_batches_the_same_verdict(out: Path) -> None:
+    """Accelerate's accumulation on FSDP2: the first micro-batch of each step with gradient sync off, the fault in it.
+    The audit at step 0 and the partner's recomputation mirror the owner's sync: rank 1 named at step 12; clean: no
+    verdict, every step screened."""
+    runs = results(out, "fault_accumulate", WORLD)
+    error = runs[0]["error"]
+    assert all(r["error"] == error for r in runs)
+    assert error["type"] == "ReplayMismatchError" and (error["step"], error["rank"]) == (12, 1), error
+    assert all(r["steps"] == 13 and r["replay"]["runs"] == 1 for r in runs)
+    clean = results(out, "clean_accumulate", WORLD)
+    assert all("error" not in r and r["steps"] == 16 and r["screen"]["runs"] == 16 for r in clean), clean[0]

@@ -36,8 +36,7 @@ class FingerprintConfig:
     """Settings of the weight fingerprint check (keyword-only, validated on construction)."""
 
     every_n_steps: int = setting(
-        1, "weight fingerprint cadence in optimizer steps", "Compare after every n-th optimizer step (>= 1)."
-    )
+        1, "weight fingerprint cadence in optimizer steps", "Compare after every n-th optimizer step (>= 1).")
     include_buffers: bool = setting(
         False,
         "fingerprint buffers too (BatchNorm statistics excluded)",
@@ -45,8 +44,7 @@ class FingerprintConfig:
         "each rank differ legitimately too: leave this off for such models.",
     )
     include_optimizer_state: bool = setting(
-        False, "fingerprint the optimizer state too", "The optimizer state tensors (Adam moments, ...)."
-    )
+        False, "fingerprint the optimizer state too", "The optimizer state tensors (Adam moments, ...).")
     on_failure: FingerprintFailurePolicy = setting(
         "raise",
         "what a fingerprint mismatch does: raise, or heal from the majority",
@@ -328,8 +326,7 @@ class WeightFingerprint(FingerprintCommon):
             reason += f"; healed from majority rank {reference}"
         elif self.config.on_failure == "heal":
             details["action"] = "not healed: " + (
-                "no strict majority" if reference is None else f"more than max_heals={self.config.max_heals} heals"
-            )
+                "no strict majority" if reference is None else f"more than max_heals={self.config.max_heals} heals")
         self.last_error = FingerprintMismatchError(
             step=pending.step, rank=rank, suspects=suspects, hosts=topo.hosts(suspects), details=details, reason=reason
         )

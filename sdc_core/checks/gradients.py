@@ -230,9 +230,8 @@ class NonFiniteGradient(NonFiniteVerdicts):
         return k
 
     def take_magnitudes(self) -> torch.Tensor | None:
-        """The last read backward's magnitudes, then forgotten: 1-d float32 on the gradients' device,
-        NaN for a group with nothing or all zero, +Inf for one holding NaN or Inf;
-        None when nothing was read since the last call."""
+        """The last read backward's magnitudes, then forgotten: 1-d float32 on the gradients' device, NaN for a group
+        with nothing or all zero, +Inf for one holding NaN or Inf; None when nothing was read since the last call."""
         if self._seen and self.magnitude_groups:
             self._end_of_backward()
         out, self._magnitudes = self._magnitudes, None

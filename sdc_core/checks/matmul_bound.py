@@ -120,9 +120,8 @@ def blocks(total: int, target: int) -> tuple[int, int]:
 @functools.lru_cache(maxsize=4096)
 def _constants(device: torch.device, k: int, m: int, bf: int, bx: int, rnd: Rounding,
                safety: float) -> tuple[torch.Tensor, ...]:  # fmt: skip
-    """The host-side factors of one product's bounds as 0-d device tensors, made once per shape,
-    block sizes (``bf`` forward, ``bx`` backward), rounding model and device (a Python float in an
-    op costs a conversion each time)."""
+    """The host-side factors of one product's bounds as 0-d device tensors, made once per shape, block sizes (``bf``
+    forward, ``bx`` backward), rounding model and device (a Python float in an op costs a conversion each time)."""
     g = _slack(rnd, max(k, m))
     inp = 2 * rnd.inp * (1 + rnd.inp) + rnd.split
     # forward: the product (k + 1 terms), the block sum of Y (bf), c_b (bf), X c_b (k), the bias block sum (bf),

@@ -110,10 +110,9 @@ LinearCheck = Callable[[int, Any, torch.Tensor, torch.Tensor | None, torch.Tenso
 
 @dataclass
 class ProductSites:
-    """The checked products of one model, by site, and the hooks that hand them to the check:
-    ``on_linear(site, module, args, output)`` is each covered ``nn.Linear``'s forward hook (run
-    first); a covered attention module's projections go to ``on_product(site, x, weight, bias,
-    y)`` while ``armed()`` (read once per attention forward)."""
+    """The checked products of one model, by site, and the hooks that hand them to the check: ``on_linear(site, module,
+    args, output)`` is each covered ``nn.Linear``'s forward hook (run first); a covered attention module's projections
+    go to ``on_product(site, x, weight, bias, y)`` while ``armed()`` (read once per attention forward)."""
 
     on_linear: Callable[[int, nn.Module, tuple[Any, ...], Any], None]
     on_product: LinearCheck

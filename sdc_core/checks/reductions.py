@@ -16,10 +16,9 @@ _AMINMAX_FROM = 1 << 11  # elements: on the CPU, tensors this large or larger ar
 
 
 def peaks(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Per tensor (all of one dtype and device) its largest magnitude, 1-d on their device: non-finite
-    exactly when the tensor holds NaN or Inf. Off the CPU a few multi-tensor kernels; on the CPU
-    (whose inf-norm is a scalar loop) one ``aminmax`` per tensor from ``_AMINMAX_FROM`` elements, and
-    three ops for all of them together."""
+    """Per tensor (all of one dtype and device) its largest magnitude, 1-d on their device: non-finite exactly when the
+    tensor holds NaN or Inf. Off the CPU a few multi-tensor kernels; on the CPU (whose inf-norm is a scalar loop) one
+    ``aminmax`` per tensor from ``_AMINMAX_FROM`` elements, and three ops for all of them together."""
     if tensors[0].device.type != "cpu":
         return torch.stack(torch._foreach_norm(tensors, float("inf")))
     small = [t for t in tensors if t.numel() < _AMINMAX_FROM]

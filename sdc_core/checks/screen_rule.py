@@ -63,11 +63,9 @@ class ScreenConfig:
         "band never goes below this.",
     )
     max_band: float = setting(
-        12.0, "largest band, in log2 units (12: 4096x the median); a faulty rank cannot widen it further"
-    )
+        12.0, "largest band, in log2 units (12: 4096x the median); a faulty rank cannot widen it further")
     initial_band: float = setting(
-        10.0, "band of a value until it is calibrated, in log2 units (between min_band and max_band)"
-    )
+        10.0, "band of a value until it is calibrated, in log2 units (between min_band and max_band)")
     z: float = setting(
         10.0,
         "band width in robust standard deviations of the healthy cross-rank spread (> 0)",
@@ -75,8 +73,7 @@ class ScreenConfig:
     )
     window: int = setting(200, "steps of healthy spread the band is calibrated on (>= 1)")
     calibration_samples: int = setting(
-        20, "healthy deviations a value needs before its band is calibrated (>= 1; before: initial_band)"
-    )
+        20, "healthy deviations a value needs before its band is calibrated (>= 1; before: initial_band)")
     read: str = setting(
         "auto",
         "when a step's verdict is read: before its update (same_step) or the next one's (next_step), or auto",
@@ -95,8 +92,7 @@ class ScreenConfig:
             raise ValueError(f"read must be 'auto', 'same_step' or 'next_step', got {self.read!r}")
         if not self.min_band <= self.initial_band <= self.max_band:
             raise ValueError(
-                f"need min_band <= initial_band <= max_band, got {self.min_band}, {self.initial_band}, {self.max_band}"
-            )
+                f"need min_band <= initial_band <= max_band, got {self.min_band}, {self.initial_band}, {self.max_band}")
 
 
 @dataclass(frozen=True)
@@ -244,10 +240,9 @@ def bulk_bands(history: torch.Tensor, config: ScreenConfig) -> torch.Tensor:
 
 
 def tail_fit(history: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per value an exponential tail in log2 units, ``(u, scale, p_u)``: the ``1 - _TAIL_SHARE``
-    quantile of its deviations, the mean excess above it and the share of rank-steps above it, so
-    ``P(deviation > b) = p_u * exp(-(b - u) / scale)`` for ``b >= u``; NaN where fewer than
-    ``_TAIL_MIN`` lie above ``u``. One sort per value."""
+    """Per value an exponential tail in log2 units, ``(u, scale, p_u)``: the ``1 - _TAIL_SHARE`` quantile of its
+    deviations, the mean excess above it and the share of rank-steps above it, so ``P(deviation > b) = p_u * exp(-(b -
+    u) / scale)`` for ``b >= u``; NaN where fewer than ``_TAIL_MIN`` lie above ``u``. One sort per value."""
     flat = history.reshape(-1, history.shape[-1])
     fit = torch.full((3, flat.shape[1]), math.nan, dtype=torch.float64)
     for j in range(flat.shape[1]):
@@ -309,11 +304,10 @@ def history_tensor(state: dict[str, Any]) -> torch.Tensor | None:
 
 
 class Band:
-    """Each value's band (the level's last) and its history: ``window`` steps of ``min(world, 16) x
-    (width + 1)`` healthy deviations (16 ranks a step in rotation), the positive ones capped at
-    ``max_band`` (NaN: none). ``current()`` recalibrates at every step of the first ``_REFRESH``,
-    then every ``_REFRESH`` steps (``_REFRESH_CALIBRATED`` once all are calibrated). Identical on
-    every rank when fed the same steps."""
+    """Each value's band (the level's last) and its history: ``window`` steps of ``min(world, 16) x (width + 1)``
+    healthy deviations (16 ranks a step in rotation), the positive ones capped at ``max_band`` (NaN: none).
+    ``current()`` recalibrates at every step of the first ``_REFRESH``, then every ``_REFRESH`` steps
+    (``_REFRESH_CALIBRATED`` once all are calibrated). Identical on every rank when fed the same steps."""
 
     def __init__(self, config: ScreenConfig, world: int, width: int) -> None:
         self.config, self.width, self.world = config, width, world

@@ -416,8 +416,7 @@ class _Decoder:
         if not self.allow_pickle:
             raise PayloadError(
                 "it holds a pickled object, which could run code when read, and this rank does not accept pickled "
-                f"batches (allow_pickled_batches, {ALLOW_PICKLE_ENV}=1 on every rank, only if you trust every rank)"
-            )
+                f"batches (allow_pickled_batches, {ALLOW_PICKLE_ENV}=1 on every rank, only if you trust every rank)")
         _, raw = self.blob(node, "pickle")
         try:
             return pickle.loads(_bytes_of(raw))

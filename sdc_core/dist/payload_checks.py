@@ -1,6 +1,5 @@
-"""The shapes a peer's payload must have: ``validate`` functions for ``topology.exchange``, which turns
-their ``ValueError`` into ``PayloadError`` on every rank. Cost: a walk over the containers, no data read.
-"""
+"""The shapes a peer's payload must have: ``validate`` functions for ``topology.exchange``, which turns their
+``ValueError`` into ``PayloadError`` on every rank. Cost: a walk over the containers, no data read."""
 
 from __future__ import annotations
 

@@ -29,8 +29,7 @@ _CONSUMER_LISTS = ("consumers", "writers")  # the gradient tap's consumer lists
 LOOP_ADVICE = (
     "If the loss you back-propagate is not the model's own output (labels outside the model, extra loss "
     "terms, a loss scaled by the number of processes), wrap its computation with SDCHooks.replayable(fn); "
-    "expose state the capture cannot see with SDCHooks(replay_state=..., load_replay_state=...)"
-)
+    "expose state the capture cannot see with SDCHooks(replay_state=..., load_replay_state=...)")
 
 
 class LoopChecks:

@@ -135,8 +135,7 @@ class LoopCapture:
             raise ValueError(
                 "the ring replay audit cannot find the loss: the model returns neither `.loss` nor a scalar; "
                 "wrap your loss computation with SDCHooks.replayable(fn), or pass "
-                "loss_fn=(outputs, *args, **kwargs) -> loss to SDCHooks or attach()"
-            )
+                "loss_fn=(outputs, *args, **kwargs) -> loss to SDCHooks or attach()")
         return self.normalize(loss)
 
     def normalize(self, loss: torch.Tensor) -> torch.Tensor:

@@ -75,8 +75,7 @@ class SDCSettings:
     overflow_patience: int = _from(NonFiniteConfig, "overflow_patience")
     max_names: int = _from(NonFiniteConfig, "max_names")
     replay_every_n_steps: int = _from(
-        ReplayConfig, "every_n_steps", doc="ring replay audit cadence in optimizer steps (0: off)"
-    )
+        ReplayConfig, "every_n_steps", doc="ring replay audit cadence in optimizer steps (0: off)")
     replay_exact: ReplayExact = _from(ReplayConfig, "exact")
     replay_rtol: float = _from(ReplayConfig, "rtol")
     replay_atol: float = _from(ReplayConfig, "atol")
@@ -86,8 +85,7 @@ class SDCSettings:
     replay_deterministic: bool = _from(ReplayConfig, "deterministic")
     replay_allow_pickled_batches: bool = _from(ReplayConfig, "allow_pickled_batches", default=False)  # False: None
     fingerprint_every_n_steps: int = _from(
-        FingerprintConfig, "every_n_steps", doc="weight fingerprint cadence in optimizer steps (0: off)"
-    )
+        FingerprintConfig, "every_n_steps", doc="weight fingerprint cadence in optimizer steps (0: off)")
     include_buffers: bool = _from(FingerprintConfig, "include_buffers")
     include_optimizer_state: bool = _from(FingerprintConfig, "include_optimizer_state")
     fingerprint_on_failure: FingerprintFailurePolicy = _from(FingerprintConfig, "on_failure")
@@ -149,8 +147,7 @@ def help_table_source() -> str:
         '"""Generated from ``sdc_core.driver.settings.SDCSettings`` by ``help_table_source()`` (do not edit): each\n'
         "setting's ``(name, default, one-line doc)``, so ``accelerate-sdc --help`` imports no torch.\n"
         '``tests/test_cli_startup.py`` fails when this differs from the schema."""\n\n'
-        f"SETTINGS: tuple[tuple[str, object, str], ...] = (\n{rows})\n"
-    )
+        f"SETTINGS: tuple[tuple[str, object, str], ...] = (\n{rows})\n")
 
 
 def settings_for(config: type) -> dict[str, str]:
@@ -190,8 +187,7 @@ def checked_keywords(init: Callable[..., None]) -> Callable[..., None]:
             one_line_when_uncaught(SDCConfigError)
             raise UnknownArgumentError(
                 f"unknown argument {unknown!r} of {type(self).__name__} (value {kwargs[unknown]!r})"
-                f"{suggest(unknown, names)}; its arguments: {', '.join(names)}"
-            )
+                f"{suggest(unknown, names)}; its arguments: {', '.join(names)}")
         init(self, *args, **kwargs)
 
     checked._sdc_checked = True  # type: ignore[attr-defined]

@@ -276,9 +276,8 @@ class StepDriver:
 
     @_phase
     def gradients(self, step: StepContext, now: bool = False) -> bool:
-        """Hand this step's gradients to the non-finite checks (once per step): the verdict is read now when the
-        policy needs it, when ``now`` or when a replay audits this step, else one step later. True: the update is
-        dropped."""
+        """Hand this step's gradients to the non-finite checks (once per step): the verdict is read now when the policy
+        needs it, when ``now`` or when a replay audits this step, else one step later. True: the update is dropped."""
         audited = now or any(r.armed for r in self.replays)
         dropped = False
         for nf in self.nonfinite:

@@ -1,6 +1,5 @@
-"""A campaign's outputs: ``results.csv``, ``results.json`` and the plot in the campaign folder
-(``report``), and its part of the coverage page (``write_doc``; the rest of the page kept).
-Numbers are computed, never typed."""
+"""A campaign's outputs: ``results.csv``, ``results.json`` and the plot in the campaign folder (``report``), and its
+part of the coverage page (``write_doc``; the rest of the page kept). Numbers are computed, never typed."""
 
 from __future__ import annotations
 
@@ -135,9 +134,8 @@ def with_section(text: str, part: str) -> str:
 
 
 def with_campaign(text: str, part: str) -> str:
-    """The coverage page ``text`` with the campaign's part replaced by ``part``: between its
-    markers, else (a page from before them) from the top to the first section it does not write.
-    Every other section stays where it is."""
+    """The coverage page ``text`` with the campaign's part replaced by ``part``: between its markers, else (a page from
+    before them) from the top to the first section it does not write. Every other section stays where it is."""
     start, end = text.find(CAMPAIGN_SECTION[0]), text.find(CAMPAIGN_SECTION[1])
     if 0 <= start < end:
         return text[:start] + part + text[end + len(CAMPAIGN_SECTION[1]) :]
@@ -409,6 +407,5 @@ def _why_defaults(summ: dict[str, Any], runs: list[dict[str, Any]]) -> list[str]
             "in their step): the screen named the rank `nonfinite` (`sdc/gradient_screen/nonfinite_suspects`), "
             "but no check raised: the partner's recomputation did not confirm the hit "
             "(`sdc/ring_replay/screen_unconfirmed`), or the non-finite check's verdict was not read before the run "
-            "ended."
-        )
+            "ended.")
     return lines

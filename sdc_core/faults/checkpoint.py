@@ -1,7 +1,6 @@
-"""Checkpoint alteration (as in the SBAC-PAD 2022 study of DDP and Horovod training): flip seeded
-bits in a saved checkpoint's tensors and log every flip, for ``sdc corrupt-checkpoint`` and the
-campaign. The input is never written unless asked; outputs are written atomically.
-"""
+"""Checkpoint alteration (as in the SBAC-PAD 2022 study of DDP and Horovod training): flip seeded bits in a saved
+checkpoint's tensors and log every flip, for ``sdc corrupt-checkpoint`` and the campaign. The input is never written
+unless asked; outputs are written atomically."""
 
 from __future__ import annotations
 
@@ -123,11 +122,10 @@ def corrupt(ckpt: Checkpoint, spec: Corruption) -> list[dict[str, Any]]:
 
 def corrupt_file(src: str | Path, out: str | Path | None, spec: Corruption, in_place: bool = False,
                  trust_pickle: bool = False) -> dict[str, Any]:  # fmt: skip
-    """Load ``src``, flip as ``spec`` says, write ``out`` (or ``src`` with ``in_place``) and the log
-    beside it (``<out>.flips.json``), both atomically; return the log. The input is never written
-    unless ``in_place``, not even through another name for it (a hard link). Raises ``ValueError``
-    for a bad request, ``UnreadableError`` for an unreadable input, ``OutputError`` for an output
-    that cannot be written."""
+    """Load ``src``, flip as ``spec`` says, write ``out`` (or ``src`` with ``in_place``) and the log beside it
+    (``<out>.flips.json``), both atomically; return the log. The input is never written unless ``in_place``, not even
+    through another name for it (a hard link). Raises ``ValueError`` for a bad request, ``UnreadableError`` for an
+    unreadable input, ``OutputError`` for an output that cannot be written."""
     src = Path(src)
     if in_place and out is not None and Path(out) != src:
         raise ValueError("give an output path or in_place=True (--in-place), not both")

@@ -1,9 +1,8 @@
-"""Checkpoint reading, writing and verification (torch only). Reads Lightning ``.ckpt`` files,
-``torch.save`` state dicts, Accelerate ``save_state`` and Hugging Face Trainer folders (``Checkpoint``)
-with ``weights_only=True`` (``trust_pickle=True`` opts in, loudly, for a legacy file you wrote), and
-writes them back atomically, only to a regular file. ``fingerprint_checkpoint(obj)`` is what
-``WeightFingerprintCheck`` stores in the checkpoints it sees written; ``verify(path)`` recomputes it.
-"""
+"""Checkpoint reading, writing and verification (torch only). Reads Lightning ``.ckpt`` files, ``torch.save`` state
+dicts, Accelerate ``save_state`` and Hugging Face Trainer folders (``Checkpoint``) with ``weights_only=True``
+(``trust_pickle=True`` opts in, loudly, for a legacy file you wrote), and writes them back atomically, only to a regular
+file. ``fingerprint_checkpoint(obj)`` is what ``WeightFingerprintCheck`` stores in the checkpoints it sees written;
+``verify(path)`` recomputes it."""
 
 from __future__ import annotations
 
@@ -124,8 +123,7 @@ class Checkpoint:
             raise UnreadableError(
                 f"{path} is a torch.distributed.checkpoint (DCP) folder: sdc reads Lightning .ckpt files, torch.save "
                 "files and Accelerate / Trainer folders, not DCP shards (the hook set compares the replicas before "
-                "dcp.save; sharded state carries no fingerprint)"
-            )
+                "dcp.save; sharded state carries no fingerprint)")
         for f in files:
             if f.suffix == ".safetensors":
                 objects[f.name], metadata[f.name] = _safetensors_load(f)

@@ -1,8 +1,7 @@
-"""After detection (docs/incidents-and-exit-codes.md): ``write_incident`` (rank 0, on every verdict)
-writes one JSON file, atomically and under a name of its own, to ``<run dir>/sdc/incidents/``;
-``read_incident_dicts`` reads them back as checked dicts (``sdc report``, ``sdc exclude-list``), and
-``load_incidents`` as typed ``Incident`` records for a user's own tooling.
-"""
+"""After detection (docs/incidents-and-exit-codes.md): ``write_incident`` (rank 0, on every verdict) writes one JSON
+file, atomically and under a name of its own, to ``<run dir>/sdc/incidents/``; ``read_incident_dicts`` reads them back
+as checked dicts (``sdc report``, ``sdc exclude-list``), and ``load_incidents`` as typed ``Incident`` records for a
+user's own tooling."""
 
 from __future__ import annotations
 

@@ -1,12 +1,10 @@
-"""How a process ends on an SDC verdict (docs/incidents-and-exit-codes.md): the one line, the exit
-code (86) and the marker ``sdc run`` reads (``install_exit_code``); ranks other than 0 waiting at
-exit, at most ``WAIT_S``, for rank 0, which owns the trackers (``capture``, ``leave``); and a clean
-interpreter exit under a Python DDP communication hook (``arm``, ``settle_threads``): gloo runs the
-hook on a worker thread that aborts the process if teardown starts first, so the GIL is released for
-0.2 s before it. This module is imported first by ``sdc_core`` so that its exit handler runs after
-those registered later. Below public APIs, for want of public ones: ``atexit._run_exitfuncs`` and
-torch's ``_get_default_store``. Cost: nothing during training; one store round trip at a verdict's exit.
-"""
+"""How a process ends on an SDC verdict (docs/incidents-and-exit-codes.md): the one line, the exit code (86) and the
+marker ``sdc run`` reads (``install_exit_code``); ranks other than 0 waiting at exit, at most ``WAIT_S``, for rank 0,
+which owns the trackers (``capture``, ``leave``); and a clean interpreter exit under a Python DDP communication hook
+(``arm``, ``settle_threads``): gloo runs the hook on a worker thread that aborts the process if teardown starts first,
+so the GIL is released for 0.2 s before it. This module is imported first by ``sdc_core`` so that its exit handler runs
+after those registered later. Below public APIs, for want of public ones: ``atexit._run_exitfuncs`` and torch's
+``_get_default_store``. Cost: nothing during training; one store round trip at a verdict's exit."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
-"""The run's closing line (docs/incidents-and-exit-codes.md, "At the end of a run"): what the checks
-checked and whether they found anything, logged once by rank 0 (logger ``sdc_checks``, INFO) and sent
-to the trackers; ``SDC_RUN_SUMMARY=0`` turns it off. Cost: once per run, no collective.
-"""
+"""The run's closing line (docs/incidents-and-exit-codes.md, "At the end of a run"): what the checks checked and whether
+they found anything, logged once by rank 0 (logger ``sdc_checks``, INFO) and sent to the trackers; ``SDC_RUN_SUMMARY=0``
+turns it off. Cost: once per run, no collective."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
-"""An SDC verdict, and the run's closing line, in the trackers: TensorBoard text, an MLflow tag (and
-the incident file as an artifact), a W&B alert and summary entry. Main process only; never raises
-and runs no collective: a tracker that fails only warns, so the verdict still reaches every rank.
-"""
+"""An SDC verdict, and the run's closing line, in the trackers: TensorBoard text, an MLflow tag (and the incident file
+as an artifact), a W&B alert and summary entry. Main process only; never raises and runs no collective: a tracker that
+fails only warns, so the verdict still reaches every rank."""
 
 from __future__ import annotations
 

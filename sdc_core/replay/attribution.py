@@ -1,7 +1,6 @@
-"""What the ranks of a ring replay exchange, and who is faulty: a rank is named only when it is the
-one smallest explanation of every comparison; the ``*_message`` functions word the verdicts. Cost:
-pure functions on world-size lists; no communication here.
-"""
+"""What the ranks of a ring replay exchange, and who is faulty: a rank is named only when it is the one smallest
+explanation of every comparison; the ``*_message`` functions word the verdicts. Cost: pure functions on world-size
+lists; no communication here."""
 
 from __future__ import annotations
 
@@ -263,8 +262,7 @@ def _cause(failures: Sequence[str], advice: str) -> str:
         return (
             "activation checkpointing with use_reentrant=True does not support torch.autograd.grad, which the "
             "replay uses: pass use_reentrant=False to torch.utils.checkpoint.checkpoint (it is also torch's "
-            "recommended setting)"
-        )
+            "recommended setting)")
     if "differs between the owner and the replayer" in text or "in place, which the capture" in text:
         return "the step's state is too large to capture. " + advice
     return advice
@@ -361,8 +359,7 @@ def failed_message(step: int, failures: Sequence[str], inverse: Sequence[int], a
     listed = "; ".join(f"rank {r} replaying rank {inverse[r]}: {f}" for r, f in enumerate(failures) if f)
     return (
         f"could not replay at step {step}: {listed}. Likely cause and fix: "
-        f"{_cause([f for f in failures if f], advice)}."
-    )
+        f"{_cause([f for f in failures if f], advice)}.")
 
 
 def unreproducible_message(
@@ -374,14 +371,12 @@ def unreproducible_message(
         "deterministic (torch.use_deterministic_algorithms(True))"
         if exact is True
         else "is nondeterministic (e.g. GPU atomics beyond rtol) or reads state the replay does not capture "
-        "(an object that is neither a tensor nor a plain Python value, a global, an iterator)"
-    )
+        "(an object that is neither a tensor nor a plain Python value, a global, an iterator)")
     return (
         f"cannot trust its replay at step {step}: ranks {list(ranks)} could not reproduce "
         f"their own result on their own device (largest difference {worst:.3g} in "
         f"{', '.join(sorted({wheres[q] or 'loss' for q in ranks}))}; tolerance "
-        f"{tolerance:.3g}). This is not evidence of a faulty device: the step {how}. {advice}."
-    )
+        f"{tolerance:.3g}). This is not evidence of a faulty device: the step {how}. {advice}.")
 
 
 def every_pair_message(step: int, topo: Topology, first: bool, advice: str) -> str:
@@ -411,29 +406,23 @@ def mismatch_reason(
         caveat = (
             "; with three replicas, the two others sharing one persistent fault would look the same"
             if rings == 3 and classification == "persistent"
-            else ""
-        )
+            else "")
         return (
             f"its results disagree with its partners' replays "
-            f"(largest difference {worst:.3g} in {where}; the fault is {classification}{caveat})"
-        )
+            f"(largest difference {worst:.3g} in {where}; the fault is {classification}{caveat})")
     if world == 2:
         return (
             f"the two replicas disagree on a replayed batch{note}; "
-            "with two replicas no third opinion can tell which is wrong"
-        )
+            "with two replicas no third opinion can tell which is wrong")
     if rings == 2:
         return (
             f"the two data-parallel groups disagree on a replayed batch{note}; with two groups no third "
-            "opinion can tell which of each disagreeing pair (same tensor-parallel coordinate) is wrong"
-        )
+            "opinion can tell which of each disagreeing pair (same tensor-parallel coordinate) is wrong")
     reason = (
         f"several ranks disagree: {len(mismatching)} of {world} replay pairs disagree{note}, and no single rank "
-        "explains them all"
-    )
+        "explains them all")
     if one_group and len(suspects) > 1:
         reason += (
             "; the suspects are one tensor-parallel group: a fault before one of its collectives reaches "
-            "every peer, so the group is named"
-        )
+            "every peer, so the group is named")
     return reason

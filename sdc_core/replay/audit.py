@@ -104,7 +104,11 @@ class StepAudit:
             return self.recompute(batches)
 
     def prepare(self, payload: dict[str, Any]) -> list[MicroBatch]:
-        return received_batches(payload, [mb.state for mb in self.micro])
+        """The owner's micro-batches; collective re-runs reduce at the owner's backwards, which must be this rank's."""
+        batches = received_batches(payload, [mb.state for mb in self.micro])
+        if self.collective_reruns and [b.reduced for b in batches] != [b.reduced for b in self.micro]:
+            raise RuntimeError("its owner's gradients were reduce-scattered at other micro-batches than its own")
+        return batches
 
     def replay_payload(self, payload: dict[str, Any]) -> Digest:
         return self.replay(self.prepare(payload))

@@ -1,7 +1,6 @@
-"""What the ring replay's audits have learnt: the tolerance ``exact="auto"`` measured (never lowered,
-never above ``rtol``) and whether the step runs under strict determinism. Every update is computed
-from all-gathered values, so every rank holds the same. Cost: host arithmetic on a few numbers.
-"""
+"""What the ring replay's audits have learnt: the tolerance ``exact="auto"`` measured (never lowered, never above
+``rtol``) and whether the step runs under strict determinism. Every update is computed from all-gathered values, so
+every rank holds the same. Cost: host arithmetic on a few numbers."""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
-"""Digests of a step's loss and gradients (per parameter: sum, L2 norm, exact fingerprint, count),
-and their comparison: bit-identical when loss and every fingerprint are equal, else the largest
-relative norm, sum or loss difference. Cost: per parameter three reductions on the gradient's
-device, read with one device-to-host copy per digest. Limits: gradients with equal sum and norm
-differ only by fingerprint, which bit equality sees and a tolerance does not.
-"""
+"""Digests of a step's loss and gradients (per parameter: sum, L2 norm, exact fingerprint, count), and their comparison:
+bit-identical when loss and every fingerprint are equal, else the largest relative norm, sum or loss difference. Cost:
+per parameter three reductions on the gradient's device, read with one device-to-host copy per digest. Limits: gradients
+with equal sum and norm differ only by fingerprint, which bit equality sees and a tolerance does not."""
 
 from __future__ import annotations
 

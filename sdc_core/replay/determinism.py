@@ -1,7 +1,6 @@
-"""Deterministic kernels around the audited micro-batches and their replays (five flags, restored
-after). Limits: custom CUDA or Triton kernels outside torch's switch are not covered; compiled
-graphs keep the kernels they were compiled with.
-"""
+"""Deterministic kernels around the audited micro-batches and their replays (five flags, restored after). Limits: custom
+CUDA or Triton kernels outside torch's switch are not covered; compiled graphs keep the kernels they were compiled
+with."""
 
 from __future__ import annotations
 

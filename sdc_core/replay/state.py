@@ -286,8 +286,7 @@ class StateCapture:
             if match is None:
                 raise RuntimeError(
                     f"{key} ({ref.nbytes / 2**20:.1f} MiB) differs between the owner and the replayer at the start "
-                    "of the step; the replay sends tensors this large by digest only"
-                )
+                    "of the step; the replay sends tensors this large by digest only")
             tensors[key] = match
         return replace(state, tensors=tensors)
 
@@ -352,8 +351,7 @@ class StateCapture:
             raise RuntimeError(
                 f"the replay changed {', '.join(changed)} in place, which the capture could not copy "
                 f"(over max_state_mb={self.max_bytes / 2**20:g}): raise max_state_mb or expose it with "
-                "sdc_replay_state()/sdc_load_replay_state(state)"
-            )
+                "sdc_replay_state()/sdc_load_replay_state(state)")
 
 
 @dataclass
@@ -367,6 +365,7 @@ class MicroBatch:
     py_rng: Any = None
     np_rng: Any = None
     state: StepState | None = None
+    reduced: bool = True  # FSDP2: reduce-scattered at its backward (False: sync off, summed into a later one's)
 
 
 StepFn = Callable[[Any, int], torch.Tensor]

@@ -1,7 +1,6 @@
 """The checks on sharded models: FSDP2 (``fully_shard``), HSDP and tensor parallelism, with the witnesses of
-``sdc_core.sharded.replicas``. Every verdict is reached from data every rank holds, so every rank raises the
-same exception in the same step.
-"""
+``sdc_core.sharded.replicas``. Every verdict is reached from data every rank holds, so every rank raises the same
+exception in the same step."""
 
 from __future__ import annotations
 

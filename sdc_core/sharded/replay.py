@@ -6,8 +6,9 @@ tensor parallelism the ring runs over the data-parallel groups; a referee is a w
 Cost on an audited step: one forward and backward per micro-batch (twice at the first audit), the
 transfer, a digest per FSDP parameter group, the state clones, two small all-gathers. Limits: an
 exception inside one rank's replay after its first collective leaves the others in FSDP's
-all-gather until the process-group timeout; the owner's reduce-scatter must run on every
-micro-batch.
+all-gather until the process-group timeout. Gradient sync off on accumulation micro-batches
+(``set_requires_gradient_sync(False)``, as Accelerate does) is replayed the same way: a later micro-batch's
+reduce-scatter digests their sum.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from sdc_core.replay.ring import RingReplay
 from sdc_core.replay.rng import all_rng, set_rng
 from sdc_core.replay.state import MicroBatch, Rerun, StateCapture
 from sdc_core.sharded.checks import group_label, local
-from sdc_core.sharded.tap import GradientTapComm, fsdp_taps
+from sdc_core.sharded.tap import GradientTapComm, drop_unreduced_grads, fsdp_taps, set_gradient_sync
 
 
 def _other_parallel_meshes(module: nn.Module) -> list[tuple[Any, tuple[str, ...], list[int]]]:
@@ -60,15 +61,13 @@ def tensor_parallel_groups(module: nn.Module, world: int) -> list[tuple[int, ...
     if len(meshes) > 1:
         raise ValueError(
             "The ring replay audit on a sharded model supports one tensor-parallel device mesh; the parameters use "
-            f"{len(meshes)} ({[names for _, names, _ in meshes]})"
-        )
+            f"{len(meshes)} ({[names for _, names, _ in meshes]})")
     root, names, dims = meshes[0]
     ranks = root.mesh.detach().cpu()
     if sorted(ranks.flatten().tolist()) != list(range(world)):
         raise ValueError(
             f"The ring replay audit on a sharded model needs the tensor-parallel device mesh {names} to hold every "
-            f"one of the {world} ranks once (its ranks: {ranks.flatten().tolist()})"
-        )
+            f"one of the {world} ranks once (its ranks: {ranks.flatten().tolist()})")
     rest = [i for i in range(ranks.ndim) if i not in dims]
     table = ranks.permute(*rest, *dims).reshape(-1, math.prod(ranks.shape[i] for i in dims))
     return [tuple(int(r) for r in row) for row in table.tolist()]
@@ -128,6 +127,9 @@ class ShardedReplay(RingReplay):
         """As ``RingReplay.begin``; also copies this rank's shards of frozen sharded parameters (they cannot
         travel) within ``max_state_mb``; past it they are read live and guarded against change."""
         super().begin(device, rng)
+        micro = self.kept.batches if self.keeping else self._micro
+        if micro and (self.armed or self.keeping) and not self.replaying:
+            micro[-1].reduced = not self.taps  # until its backward's reduce-scatter (``_count``)
         if self.keeping and len(self.kept.batches) == 1 and not self.replaying:  # a kept step's first micro-batch
             self._kept_versions = [local(p)._version for p in self._frozen]
         if self._armed_step is None or not self._micro or self.replaying or not self._frozen:
@@ -158,6 +160,9 @@ class ShardedReplay(RingReplay):
 
     def _count(self, i: int) -> None:
         self._calls[i] += 1
+        micro = self.kept.batches if self.keeping else self._micro
+        if micro and (self.armed or self.keeping):
+            micro[-1].reduced = True
 
     def _consume_replay(self, flat: torch.Tensor, names: list[str]) -> None:
         if self._on_replay is not None:
@@ -170,9 +175,8 @@ class ShardedReplay(RingReplay):
         Host state only; the caller agrees on the answer with every rank before anyone replays."""
         if not batches:
             return "no micro-batches kept"
-        if self.taps and max(self._calls, default=0) != len(batches):
-            return (f"the reduce-scatters ran {max(self._calls, default=0)} times for {len(batches)} micro-batches "
-                    "(gradient sync off on accumulation micro-batches)")  # fmt: skip
+        if why := self._unread(batches):
+            return why
         if self._frozen and self._kept_versions != [local(p)._version for p in self._frozen]:
             return "frozen sharded parameters changed in place during the step"
         return ""
@@ -191,10 +195,19 @@ class ShardedReplay(RingReplay):
         if len(labels) > len(self.names):  # the labels "where" reports (the same on every rank: SPMD)
             self.names = list(labels)
 
+    def _unread(self, batches: list[MicroBatch]) -> str:
+        """Why the tapped reduce-scatters do not hold ``batches``' gradients (each group once per micro-batch with
+        gradient sync on, the last one's included), or ``""``."""
+        ran, synced = max(self._calls, default=0), sum(mb.reduced for mb in batches)
+        if self.taps and (ran != synced or not batches[-1].reduced):
+            return (f"the reduce-scatters ran {ran} times for {len(batches)} micro-batches, {synced} with gradient "
+                    "sync on" + ("" if batches[-1].reduced else ", but not the last (gradient sync off at the update)"))
+        return ""
+
     def _own_digest(self) -> Digest:
         self._named(self._labels)
-        if self.taps and max(self._calls, default=0) != len(self._micro):  # a micro-batch's gradients not read
-            self._capture_error = self._capture_error or f"reading its gradients: {self.screen_ready(self._micro)}"
+        if why := self._micro and self._unread(self._micro):
+            self._capture_error = self._capture_error or f"reading its gradients: {why}"
         return assemble(list(self._local), self._local, self._loss if self._loss is not None else 0.0)
 
     def _replay_digest(self, rerun: Rerun, batches: list[MicroBatch]) -> Digest:
@@ -221,6 +234,7 @@ class ShardedReplay(RingReplay):
         copies = copies if all(c is not None for c in copies) else []  # past the budget: read live, guarded
         versions = [t._version for t in frozen]
         saved = [t.detach().clone() for t in frozen] if copies else []
+        mirror = not all(mb.reduced for mb in batches)  # the owner's gradient sync, micro-batch by micro-batch
         self.replaying = True
         for tap in self.taps:
             tap.replaying = True
@@ -228,6 +242,8 @@ class ShardedReplay(RingReplay):
             for p in params:
                 p.grad = None
             for i, mb in enumerate(batches):
+                if mirror:
+                    set_gradient_sync(module, mb.reduced)
                 with torch.no_grad():
                     for t, copy in zip(frozen, copies[i] if copies else [], strict=True):
                         t.copy_(copy)
@@ -239,6 +255,9 @@ class ShardedReplay(RingReplay):
                     loss.backward()
                 loss_total = loss_total + loss.detach().to(device, torch.float64)
         finally:
+            if mirror:  # the sum of micro-batches whose last did not run stays with FSDP: dropped
+                set_gradient_sync(module, True)
+                drop_unreduced_grads(module)
             for tap in self.taps:
                 tap.replaying = False
             self.replaying = False
@@ -254,8 +273,7 @@ class ShardedReplay(RingReplay):
             raise RuntimeError(
                 f"the replay changed the frozen sharded parameters {[names.get(id(self._frozen[i])) for i in guarded]} "
                 f"in place, which the capture could not copy (over max_state_mb={self.config.max_state_mb:g}): "
-                "raise max_state_mb"
-            )
+                "raise max_state_mb")
         return loss_total
 
 

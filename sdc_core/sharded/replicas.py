@@ -1,8 +1,7 @@
-"""The witness rule of the sharded checks: the ranks that hold the same bytes of a tensor are its
-replicas, read from a DTensor's placements and device mesh (a plain tensor is replicated over the
-whole world). ``plan_groups`` partitions tensors by their replicas, in an order identical on every
-rank; ``settle_groups`` confirms the groups with their members and gives each a process group.
-"""
+"""The witness rule of the sharded checks: the ranks that hold the same bytes of a tensor are its replicas, read from a
+DTensor's placements and device mesh (a plain tensor is replicated over the whole world). ``plan_groups`` partitions
+tensors by their replicas, in an order identical on every rank; ``settle_groups`` confirms the groups with their members
+and gives each a process group."""
 
 from __future__ import annotations
 

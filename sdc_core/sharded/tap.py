@@ -1,7 +1,6 @@
-"""The gradient tap of FSDP2: ``fsdp_taps`` wraps every FSDP2 parameter group's reduce-scatter comm
-in place (FSDP's default, or one the user set) with a ``GradientTapComm``, whose consumers read the
-group's LOCAL unsharded gradients before the reduce-scatter and the HSDP all-reduce mix them.
-"""
+"""The gradient tap of FSDP2: ``fsdp_taps`` wraps every FSDP2 parameter group's reduce-scatter comm in place (FSDP's
+default, or one the user set) with a ``GradientTapComm``, whose consumers read the group's LOCAL unsharded gradients
+before the reduce-scatter and the HSDP all-reduce mix them."""
 
 from __future__ import annotations
 
@@ -82,13 +81,9 @@ class _OutputHook:
 def fsdp_taps(module: nn.Module) -> list[GradientTapComm]:
     """The gradient taps of every FSDP2 parameter group in ``module``, installed once; a group whose
     reduce-scatter spans one rank never calls the comm: it is left out, with a warning."""
-    if FSDPModule is None:
-        return []
     names = {id(p): n for n, p in module.named_parameters()}
     taps: list[GradientTapComm] = []
-    for m in module.modules():
-        if not isinstance(m, FSDPModule):
-            continue
+    for m in _fsdp_modules(module):
         for pg in m._get_fsdp_state()._fsdp_param_groups:
             comm = pg._reduce_scatter_comm
             if not isinstance(comm, GradientTapComm):
@@ -103,4 +98,23 @@ def fsdp_taps(module: nn.Module) -> list[GradientTapComm]:
     return taps
 
 
-__all__ = ["GradientTapComm", "fsdp_taps"]
+def _fsdp_modules(module: nn.Module) -> list[Any]:
+    return [m for m in module.modules() if FSDPModule is not None and isinstance(m, FSDPModule)]
+
+
+def set_gradient_sync(module: nn.Module, on: bool) -> None:
+    """Turn FSDP2's gradient sync (reduce-scatter at each backward) on or off in every FSDP module of ``module``."""
+    for m in _fsdp_modules(module):
+        m.set_requires_gradient_sync(on, recurse=False)
+
+
+def drop_unreduced_grads(module: nn.Module) -> None:
+    """Drop the unsharded gradients FSDP2 accumulates while gradient sync is off (no public API does)."""
+    for m in _fsdp_modules(module):
+        for fp in (fp for pg in m._get_fsdp_state()._fsdp_param_groups for fp in pg.fsdp_params):
+            fp.unsharded_accumulated_grad = None
+            if getattr(fp, "_unsharded_param", None) is not None:
+                fp._unsharded_param.grad = None
+
+
+__all__ = ["GradientTapComm", "drop_unreduced_grads", "fsdp_taps", "set_gradient_sync"]
