@@ -10,7 +10,8 @@ runs the named scenarios one after the other in one process group; each rank wri
   on CUDA, under bf16 autocast there),
   ``embedding`` (an embedding pooled with ``index_add_`` and ``scatter_add_``), ``compile``
   (``torch.compile`` of the body), ``conv`` (conv + BatchNorm, channels-last); ``fsdp``
-  (``fully_shard`` of each layer and the root, 4 ranks or more);
+  (``fully_shard`` of each layer and the root, 4 ranks or more); ``outside`` (the MLP returning its outputs, a tuple
+  with a dict, and the loop computing the loss from them with no ``loss_fn``: the replay recomputes by their gradients);
 * kinds: ``off`` (no checks: the reference weights), ``clean`` (every check, the replay at every
   second step), ``nan`` (a NaN in rank 1's local gradient at step 2; at steps 2-4 with the fp16
   GradScaler, which skips a lone overflow itself), ``activation`` (a wrong
@@ -70,8 +71,17 @@ class MLP(nn.Module):
         self.body = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Dropout(0.1), nn.Linear(64, 64), nn.ReLU())
         self.head = nn.Linear(64, 4)
 
-    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return F.mse_loss(self.head(self.body(x)).float(), y)
+    def forward(self, x: torch.Tensor, y: torch.Tensor | None = None) -> Any:
+        h = self.body(x)
+        out = self.head(h).float()
+        return (out, {"features": h}) if y is None else F.mse_loss(out, y)  # no labels: the outputs (``outside``)
+
+
+def outside_loss(outputs: Any, y: torch.Tensor, world: int) -> torch.Tensor:
+    """A loss computed in the loop, as most hand-written loops do: scaled by the world size, with a term on the
+    features (both outputs carry gradients)."""
+    out, more = outputs
+    return F.mse_loss(out, y) * world + 1e-3 * more["features"].pow(2).mean()
 
 
 class Attention(nn.Module):
@@ -276,6 +286,9 @@ def train(name: str, out: Path, device: torch.device) -> dict[str, Any]:
     injector.install(net, rank)
     error = None
     saved: dict[str, Any] | None = None
+
+    def forward(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:  # ``outside``: the loss computed here
+        return outside_loss(wrapped(x), y, world) if model_name == "outside" else wrapped(x, y)
     with warnings.catch_warnings(record=True) as warned:  # what the checks warn while training
         warnings.simplefilter("always")
         try:
@@ -286,12 +299,12 @@ def train(name: str, out: Path, device: torch.device) -> dict[str, Any]:
                     if sharded:
                         wrapped.set_requires_gradient_sync(not quiet)
                     with wrapped.no_sync() if quiet and not sharded else nullcontext():
-                        (wrapped(x[:4], y[:4]) / 2).backward()
+                        (forward(x[:4], y[:4]) / 2).backward()
                     if sharded:
                         wrapped.set_requires_gradient_sync(True)
                     x, y = x[4:], y[4:]
                 with autocast(model_name, device), sdpa_backends(model_name, device):
-                    loss = wrapped(x, y) / (2 if kind.startswith("accumulate") else 1)
+                    loss = forward(x, y) / (2 if kind.startswith("accumulate") else 1)
                 if sharded and kind == "nan" and rank == 1 and step == 2:
                     loss = loss * float("nan")
                 if scaler is not None:

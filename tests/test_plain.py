@@ -58,7 +58,8 @@ def check_models(out: Path, models: list[str], world: int, exact: set[str]) -> N
 def ddp(tmp_path_factory: pytest.TempPathFactory) -> Path:
     kinds = (*KINDS, "save", "flip_audited", "flip_audited_nofp", "flip_audited_heal", "matmul_clean", "matmul",
              "matmul_backward", "nan_deferred", "nan_early_deferred", "zero", "accumulate", "accumulate_synced")
-    more = ["own:clean", "own:flip", "sparse:clean", "sparse:activation", "mlp:compiled", "mlp:compiled_activation"]
+    more = ["own:clean", "own:flip", "sparse:clean", "sparse:activation", "mlp:compiled", "mlp:compiled_activation",
+            "outside:off", "outside:clean", "outside:activation", "outside:accumulate"]
     return launch(tmp_path_factory.mktemp("plain_ddp"), [f"mlp:{k}" for k in kinds] + more, 3)
 
 
@@ -95,6 +96,22 @@ def test_a_sparse_embedding_gradient_is_left_out_and_the_replay_still_names_a_co
     assert all(r["error"] is None for r in clean), clean[0]["error"]
     assert clean[0]["state"]["checks"]["ring_replay"]["runs"] >= 3
     err = same_error(ddp, "sparse:activation", 3)
+    assert (err["type"], err["rank"], err["step"]) == ("ReplayMismatchError", 2, 2), err["message"]
+
+
+def test_a_loss_computed_in_the_loop_from_the_outputs_is_replayed_without_being_told(ddp: Path) -> None:
+    """``loss = F.mse_loss(model(x)[0], y) * world + 1e-3 * features ** 2`` in the loop, no ``loss_fn`` or
+    ``replayable`` (it raised ``ValueError`` at the first audit before): the replay recomputes through the gradients
+    the loss sent into the two outputs, one computed from the other; clean runs are exact and bit-identical to the
+    run without checks, with accumulation too, and a wrong output on rank 2 is named."""
+    clean, off = results(ddp, "outside:clean", 3), results(ddp, "outside:off", 3)
+    assert all(r["error"] is None for r in clean), clean[0]["error"]
+    assert [r["weights"] for r in clean] == [r["weights"] for r in off]
+    replay = clean[0]["state"]["checks"]["ring_replay"]
+    assert replay["runs"] == 3 and replay["extra"]["tolerance"] == 0.0, replay
+    accumulate = results(ddp, "outside:accumulate", 3)
+    assert all(r["error"] is None for r in accumulate) and accumulate[0]["state"]["checks"]["ring_replay"]["runs"] == 3
+    err = same_error(ddp, "outside:activation", 3)
     assert (err["type"], err["rank"], err["step"]) == ("ReplayMismatchError", 2, 2), err["message"]
 
 

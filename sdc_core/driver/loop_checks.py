@@ -27,8 +27,8 @@ from sdc_core.sharded.replay import ShardedReplay, screenable
 _CONSUMER_LISTS = ("consumers", "writers")  # the gradient tap's consumer lists
 
 LOOP_ADVICE = (
-    "If the loss you back-propagate is not the model's own output (labels outside the model, extra loss "
-    "terms, a loss scaled by the number of processes), wrap its computation with SDCHooks.replayable(fn); "
+    "If the loss you back-propagate has terms that do not go through the model's outputs (a penalty on the "
+    "parameters), wrap its computation with SDCHooks.replayable(fn); "
     "expose state the capture cannot see with SDCHooks(replay_state=..., load_replay_state=...)")
 
 

@@ -1,11 +1,12 @@
 """``LoopCapture``: what the ring replay and the screen take from a plain loop's forwards.
 
-On an audited step each micro-batch is recorded (by ``replayable(fn)`` wrappers, else by forward hooks on the
-unwrapped model) with its autocast state and attention backends and the loss as back-propagated (divided by the
-accumulation steps, scaled by the GradScaler), so that a partner recomputes it the same way (``replay_step``). Nothing
-is recorded in a replay, outside training or without gradients. No communication; cost: a few Python calls per
-forward.
-"""
+On an audited step each micro-batch is recorded (by ``replayable(fn)`` wrappers, else by forward hooks on the unwrapped
+model) with its autocast state and attention backends and the loss as back-propagated (divided by the accumulation
+steps, scaled by the GradScaler), so that a partner recomputes it the same way (``replay_step``). A loss computed
+outside the model, without ``loss_fn``: the gradient that reached each output is recorded instead (up to
+``max_state_mb``), and a partner back-propagates it from its own outputs, whose product with it is the loss compared.
+Nothing is recorded in a replay, outside training or without gradients. No communication; cost: a few Python calls per
+forward."""
 
 from __future__ import annotations
 
@@ -46,6 +47,7 @@ class LoopCapture:
         self._in_replayable = 0
         self._replaying = False
         self._loss: torch.Tensor | None = None  # the loss of the step's forwards so far (the screen's value)
+        self._grads: list[Any] | None = None  # the recorded forward's output gradients, filled in its backward
 
     def state_hooks(self, module: nn.Module) -> tuple[Any, Any]:
         """``(get, load)`` for the replay's state capture: the explicit hooks, else the model's own methods."""
@@ -100,14 +102,21 @@ class LoopCapture:
     def _before_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         replay = self._loop.replay
         assert replay is not None
+        self._grads = None
         if self._recording_forward(module) and replay.arm(self._loop.step):
-            _record(replay, module, ("forward", 0, args, kwargs))
+            self._grads = []
+            _record(replay, module, ("forward", 0, args, kwargs), self._grads)
 
-    def _after_forward(self, module: nn.Module, args: tuple, kwargs: dict, outputs: Any) -> None:
+    def _after_forward(self, module: nn.Module, args: tuple, kwargs: dict, outputs: Any) -> Any:
         replay = self._loop.replay
         assert replay is not None
         if not self._recording_forward(module):
-            return
+            return None
+        grads, self._grads = self._grads, None
+        if grads is not None and self._loop.loss_fn is None and _own_loss(outputs) is None:  # a loss outside
+            aliased = self._through_outputs(outputs, grads, replay)
+            if aliased is not None:
+                return aliased
         loss = self.backward_loss(outputs, args, kwargs).detach() if replay.armed else None
         if loss is not None:
             replay.record_loss(loss)
@@ -117,6 +126,25 @@ class LoopCapture:
                 loss = self.normalize(own.detach())
             if loss is not None:
                 self._add_loss(loss)
+        return None
+
+    def _through_outputs(self, outputs: Any, grads: list[Any], replay: Any) -> Any:
+        """``outputs`` aliased (``_aliased``), the gradient the loss sends into them recorded in ``grads`` (and the
+        owner's loss as a partner computes it, ``_unit_loss``); None when none has a gradient or over the budget."""
+        tensors: list[torch.Tensor] = []
+        outputs = _aliased(outputs, tensors)
+        budget = replay.capture.max_bytes if replay.capture is not None else 256 * 2**20
+        if not tensors or sum(t.numel() * t.element_size() for t in tensors) > budget:
+            return None
+        values = [t.detach() for t in tensors]
+
+        def landed(gs: Any) -> None:
+            grads[:] = [None if g is None else g.detach() for g in gs]
+            if any(g is not None for g in grads):
+                replay.record_loss(_unit_loss(values, grads))
+
+        torch.autograd.graph.register_multi_grad_hook(tensors, landed)
+        return outputs
 
     def _add_loss(self, loss: torch.Tensor) -> None:
         """Add a micro-batch's loss as back-propagated to the step's loss for the screen (what a replay returns)."""
@@ -133,7 +161,8 @@ class LoopCapture:
         loss = loss_fn(outputs, *args, **kwargs) if loss_fn is not None else _own_loss(outputs)
         if loss is None:
             raise ValueError(
-                "the ring replay audit cannot find the loss: the model returns neither `.loss` nor a scalar; "
+                "the ring replay audit cannot find the loss: the model returns neither `.loss` nor a scalar, nor "
+                "outputs with gradients within max_state_mb; "
                 "wrap your loss computation with SDCHooks.replayable(fn), or pass "
                 "loss_fn=(outputs, *args, **kwargs) -> loss to SDCHooks or attach()")
         return self.normalize(loss)
@@ -150,7 +179,7 @@ class LoopCapture:
         module = self._loop.module
         assert module is not None
         kind, index, args, kwargs, *rest = batch
-        amp, sdpa = (*rest, None, None)[:2]  # validated where they are entered (a peer sent them)
+        amp, sdpa, grads = (*rest, None, None, None)[:3]  # validated where they are used (a peer sent them)
         self._replaying = True
         try:
             with _autocast(amp), _sdpa_backends(sdpa):
@@ -159,7 +188,11 @@ class LoopCapture:
                     return self.normalize(_loss_of(self._replayables[index](model, *args, **kwargs)))
                 with self._fw.replay_context():
                     outputs = module(*args, **kwargs)
-                return self.backward_loss(outputs, args, kwargs)
+                if not grads:
+                    return self.backward_loss(outputs, args, kwargs)
+                tensors: list[torch.Tensor] = []
+                _aliased(outputs, tensors)
+                return _unit_loss(tensors, grads)
         finally:
             self._replaying = False
 
@@ -179,6 +212,35 @@ def _own_loss(outputs: Any) -> Any:
     return None
 
 
+def _aliased(outputs: Any, found: list[torch.Tensor]) -> Any:
+    """``outputs`` (nested tuples, lists, dicts, ``ModelOutput``) with each tensor that requires grad replaced by a view
+    of itself, added to ``found`` (dicts and lists changed in place): the gradient a loss sends into an alias is that
+    loss's alone, not also that of another output computed from it."""
+    if isinstance(outputs, torch.Tensor) and outputs.requires_grad:
+        found.append(outputs.view_as(outputs))
+        return found[-1]
+    if isinstance(outputs, dict | list):
+        for key in list(outputs.keys() if isinstance(outputs, dict) else range(len(outputs))):
+            outputs[key] = _aliased(outputs[key], found)
+    elif isinstance(outputs, tuple):
+        items = [_aliased(item, found) for item in outputs]
+        return type(outputs)(*items) if hasattr(outputs, "_fields") else type(outputs)(items)
+    return outputs
+
+
+def _unit_loss(outputs: list[torch.Tensor], grads: Any) -> torch.Tensor:
+    """sum_i <outputs_i, grads_i> in float64: its gradient at each output is exactly ``grads_i``, so back-propagating
+    it gives the owner's gradients. ``ValueError`` for recorded gradients that do not fit the outputs."""
+    fits = isinstance(grads, list) and len(grads) == len(outputs)
+    if not fits or any(g is not None and (not isinstance(g, torch.Tensor) or g.shape != t.shape)
+                       for t, g in zip(outputs, grads, strict=True)):  # fmt: skip
+        raise ValueError("the recorded output gradients do not match the model's outputs")
+    terms = [(t * g.to(t.device, t.dtype)).sum().double() for t, g in zip(outputs, grads, strict=True) if g is not None]
+    if not terms:
+        raise ValueError("no gradient reached the model's outputs")
+    return sum(terms[1:], terms[0])
+
+
 def _loss_of(result: Any) -> torch.Tensor:
     """The loss in what a ``replayable`` function returned: the tensor, or the first item of ``(loss, outputs)``."""
     if isinstance(result, tuple | list) and result and isinstance(result[0], torch.Tensor):
@@ -188,10 +250,10 @@ def _loss_of(result: Any) -> torch.Tensor:
     return result
 
 
-def _record(replay: Any, module: nn.Module, call: tuple) -> None:
-    """Record a micro-batch's call with the autocast state and attention backends it runs under."""
+def _record(replay: Any, module: nn.Module, call: tuple, *more: Any) -> None:
+    """Record a micro-batch's call with the autocast state and attention backends it runs under (then ``more``)."""
     device = _device(module)
-    replay.record((*call, _autocast_state(device), _sdpa_state()), replay.recorded, device)
+    replay.record((*call, _autocast_state(device), _sdpa_state(), *more), len(replay.recording), device)
 
 
 def _device(module: nn.Module | None) -> torch.device | None:

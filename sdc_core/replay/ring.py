@@ -1,13 +1,11 @@
 """Ring replay audit: replicas recompute each other's micro-batches and compare.
 
-Contract: on every ``every_n_steps``-th step rank ``r`` sends its micro-batches (inputs, captured
-state, loss and a digest of its LOCAL gradients) to ``partners[r]``, which recomputes them
-side-effect free and compares; every rank reaches the same verdict (``StepAudit``, ``referee``).
-Cost, on audited steps only: deterministic kernels for the owner's micro-batches (+9 to 11% on an
-H200), one extra forward and backward (three at the first audit), the transfer, a state clone (at
-most ``max_state_mb``) and one all-gather of seven float64 per rank. docs/replay-contract.md has
-the user's side of the contract.
-"""
+Contract: on every ``every_n_steps``-th step rank ``r`` sends its micro-batches (inputs, captured state, loss and a
+digest of its LOCAL gradients) to ``partners[r]``, which recomputes them side-effect free and compares; every rank
+reaches the same verdict (``StepAudit``, ``referee``). Cost, on audited steps only: deterministic kernels for the
+owner's micro-batches (+9 to 11% on an H200), one extra forward and backward (three at the first audit), the transfer, a
+state clone (at most ``max_state_mb``) and one all-gather of seven float64 per rank. docs/replay-contract.md has the
+user's side of the contract."""
 
 from __future__ import annotations
 
@@ -240,9 +238,9 @@ class RingReplay:
         return self._armed_step is not None
 
     @property
-    def recorded(self) -> int:
-        """Micro-batches recorded for the armed (or kept) step so far."""
-        return len(self.kept.batches if self.keeping else self._micro)
+    def recording(self) -> list[MicroBatch]:
+        """The micro-batches recorded so far for the armed (or kept) step; [] when none is."""
+        return self.kept.batches if self.keeping else self._micro if self.armed else []
 
     @property
     def tolerance(self) -> float:

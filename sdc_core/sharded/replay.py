@@ -1,15 +1,13 @@
-"""Ring replay audit on sharded models (FSDP2, HSDP, + tensor parallel): as ``RingReplay``, with the
-owner's digests taken of its LOCAL unsharded gradients in the reduce-scatter tap, and all ranks
-replaying together in every round (the replay's reduce-scatter is suppressed by the tap). Under
-tensor parallelism the ring runs over the data-parallel groups; a referee is a whole third group.
+"""Ring replay audit on sharded models (FSDP2, HSDP, + tensor parallel): as ``RingReplay``, with the owner's digests
+taken of its LOCAL unsharded gradients in the reduce-scatter tap, and all ranks replaying together in every round (the
+replay's reduce-scatter is suppressed by the tap). Under tensor parallelism the ring runs over the data-parallel groups;
+a referee is a whole third group.
 
-Cost on an audited step: one forward and backward per micro-batch (twice at the first audit), the
-transfer, a digest per FSDP parameter group, the state clones, two small all-gathers. Limits: an
-exception inside one rank's replay after its first collective leaves the others in FSDP's
-all-gather until the process-group timeout. Gradient sync off on accumulation micro-batches
-(``set_requires_gradient_sync(False)``, as Accelerate does) is replayed the same way: a later micro-batch's
-reduce-scatter digests their sum.
-"""
+Cost on an audited step: one forward and backward per micro-batch (twice at the first audit), the transfer, a digest per
+FSDP parameter group, the state clones, two small all-gathers. Limits: an exception inside one rank's replay after its
+first collective leaves the others in FSDP's all-gather until the process-group timeout. Gradient sync off on
+accumulation micro-batches (``set_requires_gradient_sync(False)``, as Accelerate does) is replayed the same way: a later
+micro-batch's reduce-scatter digests their sum."""
 
 from __future__ import annotations
 
@@ -127,8 +125,7 @@ class ShardedReplay(RingReplay):
         """As ``RingReplay.begin``; also copies this rank's shards of frozen sharded parameters (they cannot
         travel) within ``max_state_mb``; past it they are read live and guarded against change."""
         super().begin(device, rng)
-        micro = self.kept.batches if self.keeping else self._micro
-        if micro and (self.armed or self.keeping) and not self.replaying:
+        if (micro := self.recording) and not self.replaying:
             micro[-1].reduced = not self.taps  # until its backward's reduce-scatter (``_count``)
         if self.keeping and len(self.kept.batches) == 1 and not self.replaying:  # a kept step's first micro-batch
             self._kept_versions = [local(p)._version for p in self._frozen]
@@ -160,8 +157,7 @@ class ShardedReplay(RingReplay):
 
     def _count(self, i: int) -> None:
         self._calls[i] += 1
-        micro = self.kept.batches if self.keeping else self._micro
-        if micro and (self.armed or self.keeping):
+        if micro := self.recording:
             micro[-1].reduced = True
 
     def _consume_replay(self, flat: torch.Tensor, names: list[str]) -> None:
