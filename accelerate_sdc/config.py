@@ -1,8 +1,7 @@
 """SDC settings for Accelerate users: defaults < settings file < ``ACCELERATE_SDC_<NAME>`` < keywords.
 
 The settings file is ``sdc_config.yaml`` in accelerate's config directory (written by ``accelerate-sdc config``);
-``ACCELERATE_SDC_CONFIG_FILE`` names another. Every source follows the rules of ``sdc_core.driver.settings``.
-"""
+``ACCELERATE_SDC_CONFIG_FILE`` names another. Every source follows the rules of ``sdc_core.driver.settings``."""
 
 from __future__ import annotations
 

@@ -210,9 +210,8 @@ class SDCHooks(_CoreHooks):
         **settings: any field of ``SDCSettings``, over ``ACCELERATE_SDC_*`` over the
             ``accelerate-sdc config`` file; 0 turns a cadence off.
 
-    Call ``attach(model, optimizer)`` on every process after ``accelerator.prepare``, ``finish()``
-    after the loop, and ``save_state`` / ``load_state`` on every process, as Accelerate expects.
-    """
+    Call ``attach(model, optimizer)`` on every process after ``accelerator.prepare``, ``finish()`` after the loop, and
+    ``save_state`` / ``load_state`` on every process, as Accelerate expects."""
 
     def __init__(
         self,

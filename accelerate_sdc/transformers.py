@@ -80,12 +80,10 @@ class SDCTrainerCallback(TrainerCallback, ExportableState):
         **settings: any field of ``SDCSettings``, over ``ACCELERATE_SDC_*`` and the
             ``accelerate-sdc config`` file; a bad value raises ``SDCConfigError`` here.
 
-    Raises ``SDCError`` subclasses out of ``trainer.train()`` on every rank in the same step
-    (``err.step`` is the Trainer's ``global_step``). The counters and the saved state's
-    fingerprint travel in the Trainer's checkpoints (``trainer_state.json``), verified on
-    ``train(resume_from_checkpoint=...)``. ``self.hooks`` is the underlying ``SDCHooks``.
-    Cost: that of ``SDCHooks``, plus one Python call per ``compute_loss``.
-    """
+    Raises ``SDCError`` subclasses out of ``trainer.train()`` on every rank in the same step (``err.step`` is the
+    Trainer's ``global_step``). The counters and the saved state's fingerprint travel in the Trainer's checkpoints
+    (``trainer_state.json``), verified on ``train(resume_from_checkpoint=...)``. ``self.hooks`` is the underlying
+    ``SDCHooks``. Cost: that of ``SDCHooks``, plus one Python call per ``compute_loss``."""
 
     def __init__(self, checks: Sequence[Any] = (), **settings: Any) -> None:
         config.resolve(**settings)  # fail at construction, naming the bad key

@@ -51,8 +51,7 @@ def pytorch_lightning_callbacks() -> list[Any]:
     if requested():
         raise ValueError(
             f"{ENV} is set, but sdc-checks supports the `lightning` package (import lightning.pytorch as L), "
-            "not the standalone `pytorch_lightning` Trainer; switch the import or unset " + ENV
-        )
+            "not the standalone `pytorch_lightning` Trainer; switch the import or unset " + ENV)
     return []
 
 

@@ -30,12 +30,11 @@ from sdc_core.sharded.update_audit import update_audit
 class NonFiniteGradientCheck(common.SDCCallback):
     """Flag every rank whose LOCAL gradients hold NaN/Inf, before the all-reduce spreads them.
 
-    Under DDP: a read of the local gradients at the end of backward and a 4-byte all-reduce of its flag;
-    the ``screen`` compares the ranks' gradient peaks from the same read every step. ``"raise"`` and
-    ``"warn"`` are read one step later (also before a checkpoint and at the end of training), the
-    other policies, an fp16 GradScaler and audited steps before the update. Without DDP, ``.grad``
-    is checked before the optimizer step. Details: docs/checks-and-settings.md.
-    """
+    Under DDP: a read of the local gradients at the end of backward and a 4-byte all-reduce of its flag; the ``screen``
+    compares the ranks' gradient peaks from the same read every step. ``"raise"`` and ``"warn"`` are read one step later
+    (also before a checkpoint and at the end of training), the other policies, an fp16 GradScaler and audited steps
+    before the update. Without DDP, ``.grad`` is checked before the optimizer step. Details:
+    docs/checks-and-settings.md."""
 
     def __init__(
         self,
@@ -103,8 +102,7 @@ class WeightFingerprintCheck(common.SDCCallback):
     are compared at once, whatever the cadence. Raises ``FingerprintMismatchError`` on every rank;
     with 3+ replicas the minority rank is named. Checkpoints (weights-only ones too) carry a
     fingerprint of their weights and optimizer state, verified on resume. Sharded models (FSDP2):
-    docs/sharded.md. Details: docs/checks-and-settings.md.
-    """
+    docs/sharded.md. Details: docs/checks-and-settings.md."""
 
     def __init__(
         self,
@@ -163,16 +161,14 @@ LIGHTNING_ADVICE = (  # the replay's advice for unreplayable steps, in Lightning
 class RingReplayAudit(common.SDCCallback):
     """Every ``every_n_steps`` steps, a partner rank replays each rank's micro-batches.
 
-    The replay runs ``pl_module.sdc_replay_step(batch, batch_idx)`` when defined (it returns the
-    loss, or a dict with ``"loss"``), else ``training_step`` with logging muted, with the owner's
-    RNG and module state (define ``sdc_replay_state()`` / ``sdc_load_replay_state(state)`` for
-    state the capture cannot see), without side effects. Raises ``ReplayMismatchError`` (a fault)
-    or ``ReplayUnavailableError`` on every rank; a disagreement is first checked against the
-    replicas' weights. Manual optimization needs ``sdc_replay_step``, returning the loss of the
-    backward passes before the batch's first ``optimizer.step()``: only that first step is audited
-    (a GAN's later steps are covered by ``NonFiniteGradientCheck`` and ``WeightFingerprintCheck``).
-    Details: docs/checks-and-settings.md, docs/replay-contract.md.
-    """
+    The replay runs ``pl_module.sdc_replay_step(batch, batch_idx)`` when defined (it returns the loss, or a dict with
+    ``"loss"``), else ``training_step`` with logging muted, with the owner's RNG and module state (define
+    ``sdc_replay_state()`` / ``sdc_load_replay_state(state)`` for state the capture cannot see), without side effects.
+    Raises ``ReplayMismatchError`` (a fault) or ``ReplayUnavailableError`` on every rank; a disagreement is first
+    checked against the replicas' weights. Manual optimization needs ``sdc_replay_step``, returning the loss of the
+    backward passes before the batch's first ``optimizer.step()``: only that first step is audited (a GAN's later steps
+    are covered by ``NonFiniteGradientCheck`` and ``WeightFingerprintCheck``). Details: docs/checks-and-settings.md,
+    docs/replay-contract.md."""
 
     def __init__(
         self,
@@ -281,8 +277,7 @@ class FaultInjector(Callback):
     """Fire drills: simulate a faulty rank (see ``sdc_core.faults.inject``). Never use in production.
 
     Args:
-        faults: ``sdc_core.Fault`` objects or dicts of their fields (for YAML configs).
-    """
+        faults: ``sdc_core.Fault`` objects or dicts of their fields (for YAML configs)."""
 
     def __init__(self, faults: list[Fault] | list[dict[str, Any]]) -> None:
         self.injector = _CoreInjector([f if isinstance(f, Fault) else Fault(**f) for f in faults])
@@ -308,15 +303,14 @@ class FaultInjector(Callback):
 
 @common.documented_by(MatmulChecksumConfig)
 class MatmulChecksumCheck(common.SDCCallback):
-    """Verify every matrix product of each rank against a checksum, forward and backward, and
-    raise ``ChecksumMismatchError`` on every rank naming the rank, host, module and phase of a
-    product that came out wrong, in the step it happened.
+    """Verify every matrix product of each rank against a checksum, forward and backward, and raise
+    ``ChecksumMismatchError`` on every rank naming the rank, host, module and phase of a product that came out wrong, in
+    the step it happened.
 
     Covers ``nn.Linear`` layers and ``nn.MultiheadAttention`` projections (docs/coverage.md). Cost:
     memory-bound reads and thin products per product (``every_n_steps`` divides it) and one
     asynchronous 4-byte all-reduce per step; the verdict of step s is read when step s + 1 starts,
-    before a checkpoint and at the end of training. Training stays bit-identical.
-    """
+    before a checkpoint and at the end of training. Training stays bit-identical."""
 
     def __init__(
         self,

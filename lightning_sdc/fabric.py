@@ -178,9 +178,8 @@ class SDCHooks(_HookSet):
             ``log_dir``, else the working directory.
         **settings: any field of ``sdc_core.SDCSettings``.
 
-    Call ``attach(model, optimizer)`` on every process after ``fabric.setup`` and ``finish()``
-    after the loop. Cost: that of the core hook set.
-    """
+    Call ``attach(model, optimizer)`` on every process after ``fabric.setup`` and ``finish()`` after the loop. Cost:
+    that of the core hook set."""
 
     def __init__(self, fabric: Fabric, loss_fn: LossFn | None = None, run_dir: str | None = None,
                  **settings: Any) -> None:  # fmt: skip

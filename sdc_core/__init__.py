@@ -1,11 +1,10 @@
 """sdc_core: the framework-neutral silent-data-corruption checks (torch and torch.distributed only).
 
-The data-parallel replicas witness each other: ``NonFiniteGradient`` (NaN/Inf in a rank's local
-gradients, before the all-reduce), ``RingReplay`` (a partner recomputes a rank's micro-batches) and
-``WeightFingerprint`` (exact weight fingerprints compared after a step). A failure raises an
-``SDCError`` on every rank in the same step, naming the faulty rank and host when the evidence
-allows. ``SDCHooks`` drives the checks in a plain loop; the framework adapters are seams over it.
-"""
+The data-parallel replicas witness each other: ``NonFiniteGradient`` (NaN/Inf in a rank's local gradients, before the
+all-reduce), ``RingReplay`` (a partner recomputes a rank's micro-batches) and ``WeightFingerprint`` (exact weight
+fingerprints compared after a step). A failure raises an ``SDCError`` on every rank in the same step, naming the faulty
+rank and host when the evidence allows. ``SDCHooks`` drives the checks in a plain loop; the framework adapters are seams
+over it."""
 
 from sdc_core._lazy import lazy_exports
 from sdc_core.ops import process_exit  # first: its exit handler runs after those registered later

@@ -1,5 +1,5 @@
-"""sdc: checkpoint verification and alteration, incident reports, and fault-injection campaigns
-(sdc campaign trains with the runner a framework adapter installs: sdc_core.faults.campaign_runner).
+"""sdc: checkpoint verification and alteration, incident reports, and fault-injection campaigns (sdc campaign trains
+with the runner a framework adapter installs: sdc_core.faults.campaign_runner).
 
 sdc verify-checkpoint CKPT [--json] [--trust-pickle]
 sdc corrupt-checkpoint CKPT (-o OUT | --in-place) [--target weights|optimizer|all] [--pattern REGEX]
@@ -25,8 +25,7 @@ Exit codes (every command):
 
 Files are read with torch.load(weights_only=True): a checkpoint cannot run code while it is read.
 --trust-pickle unpickles in full, for a legacy file you wrote yourself. Outputs are written
-atomically and never over an input unless --in-place says so.
-"""
+atomically and never over an input unless --in-place says so."""
 
 from __future__ import annotations
 

@@ -19,8 +19,7 @@ class SDCError(RuntimeError):
         rank: the faulty global rank, or ``None`` when it cannot be localized.
         suspects: sorted tuple of the ranks that may be faulty.
         hosts: ``{rank: hostname}`` for every suspect.
-        details: JSON-ready evidence (tensor names, values, the pattern seen, node ranks).
-    """
+        details: JSON-ready evidence (tensor names, values, the pattern seen, node ranks)."""
 
     check: str = "sdc"
 

@@ -31,8 +31,7 @@ def documented(cls: T, settings: dict[str, dataclasses.Field[Any]] | None = None
     """Append an ``Args:`` section of ``cls``'s settings' docs (or of ``settings``) to ``cls.__doc__``."""
     lines = [
         textwrap.fill(f"{name}: {describe(f)}", width=96, initial_indent=" " * 8, subsequent_indent=" " * 12)
-        for name, f in (settings_of(cls) if settings is None else settings).items()
-    ]
+        for name, f in (settings_of(cls) if settings is None else settings).items()]
     cls.__doc__ = (cls.__doc__ or "").rstrip() + "\n\n    Args:\n" + "\n".join(lines) + "\n"
     return cls
 

@@ -1,11 +1,10 @@
 """The version-2 tensor digest of many CUDA tensors in ONE kernel launch (Triton).
 
-Same value as ``digest.tensor_digest`` for every tensor, bit for bit (wrapping 64-bit integer
-arithmetic; the weights are computed in registers). Each program sums ``BLOCK`` classes of one
-tensor, weights them and writes one partial sum; one exact integer scan adds each tensor's up.
-Launches per call: the kernel and four small ones, whatever the number of tensors; every byte read
-once. ``triton`` is None where Triton is missing or ``SDC_TRITON=0`` (the caller takes the torch path).
-"""
+Same value as ``digest.tensor_digest`` for every tensor, bit for bit (wrapping 64-bit integer arithmetic; the weights
+are computed in registers). Each program sums ``BLOCK`` classes of one tensor, weights them and writes one partial sum;
+one exact integer scan adds each tensor's up. Launches per call: the kernel and four small ones, whatever the number of
+tensors; every byte read once. ``triton`` is None where Triton is missing or ``SDC_TRITON=0`` (the caller takes the
+torch path)."""
 
 from __future__ import annotations
 

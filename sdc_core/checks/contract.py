@@ -1,12 +1,10 @@
 """The check contract: the phases of an optimizer step, and what the step driver asks of a check.
 
-``sdc_core.driver.step.StepDriver`` runs every check through the same phases (each seam translates
-its framework's events; what each phase is for: ``StepCheck``'s methods, docs/architecture.md).
-Earlier steps' verdicts are read first: an earlier fault is never reported as a later one's symptom.
-A check without a built-in ``Role`` is a ``StepCheck`` (``SDCHooks.add_check``). Every rank calls the
-same phases in the same order; a check runs the same collectives on every rank, on its error paths
-too. Cost: a method call per check and phase.
-"""
+``sdc_core.driver.step.StepDriver`` runs every check through the same phases (each seam translates its framework's
+events; what each phase is for: ``StepCheck``'s methods, docs/architecture.md). Earlier steps' verdicts are read first:
+an earlier fault is never reported as a later one's symptom. A check without a built-in ``Role`` is a ``StepCheck``
+(``SDCHooks.add_check``). Every rank calls the same phases in the same order; a check runs the same collectives on every
+rank, on its error paths too. Cost: a method call per check and phase."""
 
 from __future__ import annotations
 

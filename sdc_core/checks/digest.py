@@ -1,35 +1,31 @@
-"""Exact, linear integer digests of a tensor's bytes, computed on its own device without a host
-synchronisation: what the weight fingerprint compares.
+"""Exact, linear integer digests of a tensor's bytes, computed on its own device without a host synchronisation: what
+the weight fingerprint compares.
 
-The digest (version 2). The bytes, zero-padded to a multiple of 8, are n signed 64-bit words. With
-r = min(16, n // 512) rows (at least 1; more past 2**26 words: at most 2**22 classes) and m = n // r
-columns, odd when r > 1, class j < m is the r words x_j, x_{j+m}, ..., x_{j+(r-1)m}, and each of
-the fewer than 2r words past r*m is a class of its own. With c_j the class sums (wrapping mod
-2**64) and h_j = c_j >> 32 (arithmetic shift), d = sum_j (A_j * c_j + B_j * h_j) mod 2**64, with
-A_j, B_j odd splitmix64 weights of fixed seeds (identical on every rank, device and run). The
-fingerprint combines the d_t the same way with two more weight streams, plus the tensor count times
-an odd constant. Integer arithmetic only: independent of the reduction order, CPU and CUDA agree.
+The digest (version 2). The bytes, zero-padded to a multiple of 8, are n signed 64-bit words. With r = min(16, n // 512)
+rows (at least 1; more past 2**26 words: at most 2**22 classes) and m = n // r columns, odd when r > 1, class j < m is
+the r words x_j, x_{j+m}, ..., x_{j+(r-1)m}, and each of the fewer than 2r words past r*m is a class of its own. With
+c_j the class sums (wrapping mod 2**64) and h_j = c_j >> 32 (arithmetic shift), d = sum_j (A_j * c_j + B_j * h_j) mod
+2**64, with A_j, B_j odd splitmix64 weights of fixed seeds (identical on every rank, device and run). The fingerprint
+combines the d_t the same way with two more weight streams, plus the tensor count times an odd constant. Integer
+arithmetic only: independent of the reduction order, CPU and CUDA agree.
 
-Why it holds (a fault does not know the weights: treat them as uniform random odd numbers). (1) If
-a class sum changes by D = 2**v * u != 0 (u odd): if its low 32 bits changed (v <= 31), A_j * D is
-uniform over 2**(63-v) values and cancels the rest with probability <= 2**-32; if only its high
-half changed, h_j changed by a nonzero integer below 2**32 in magnitude and B_j does the same. One
-level up likewise: a miss has probability <= 2**-31. (2) A class sum stays unchanged only if two or
-more of its words changed and cancel mod 2**64. A class's words lie a multiple of m apart, m odd,
-m >= 511 words (4 KiB) and m >= n/16 - 1. So every difference within fewer than m consecutive
-words, every difference in a tensor under 1024 words, and every pattern with a power-of-two period
-of at least 16 words (a bad lane or column: its hits lie a multiple of m * 2**k apart, more than a
-class spans) falls under (1): missed with probability <= 2**-31, whatever the flips and carries.
-Two flips at random places share a class with probability < r/n <= 2**-9 (2**-16 from 8 MiB on);
-a fault over more than m words touches most classes, each of which must cancel on its own.
+Why it holds (a fault does not know the weights: treat them as uniform random odd numbers). (1) If a class sum changes
+by D = 2**v * u != 0 (u odd): if its low 32 bits changed (v <= 31), A_j * D is uniform over 2**(63-v) values and cancels
+the rest with probability <= 2**-32; if only its high half changed, h_j changed by a nonzero integer below 2**32 in
+magnitude and B_j does the same. One level up likewise: a miss has probability <= 2**-31. (2) A class sum stays
+unchanged only if two or more of its words changed and cancel mod 2**64. A class's words lie a multiple of m apart, m
+odd, m >= 511 words (4 KiB) and m >= n/16 - 1. So every difference within fewer than m consecutive words, every
+difference in a tensor under 1024 words, and every pattern with a power-of-two period of at least 16 words (a bad lane
+or column: its hits lie a multiple of m * 2**k apart, more than a class spans) falls under (1): missed with probability
+<= 2**-31, whatever the flips and carries. Two flips at random places share a class with probability < r/n <= 2**-9
+(2**-16 from 8 MiB on); a fault over more than m words touches most classes, each of which must cancel on its own.
 
-Version 1 (``tensor_digest_v1``, a wrap-around sum kept to verify old checkpoints) misses two
-opposite flips of one bit, an even number of sign flips and a bad lane.
+Version 1 (``tensor_digest_v1``, a wrap-around sum kept to verify old checkpoints) misses two opposite flips of one bit,
+an even number of sign flips and a bad lane.
 
-Cost: one read of every compared tensor (0.63-0.69x of a plain ``sum`` on a 2-core CPU; small
-tensors batched; docs/performance.md), then O(n/r) work; on CUDA one Triton launch per device;
-weights cached per device (16 bytes per class of the largest tensor, at most 128 MiB).
-"""
+Cost: one read of every compared tensor (0.63-0.69x of a plain ``sum`` on a 2-core CPU; small tensors batched;
+docs/performance.md), then O(n/r) work; on CUDA one Triton launch per device; weights cached per device (16 bytes per
+class of the largest tensor, at most 128 MiB)."""
 
 from __future__ import annotations
 

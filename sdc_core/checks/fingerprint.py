@@ -5,8 +5,7 @@ state; with ``rolling=k`` a fixed 1/k of them in turn) on its own device and the
 any single bit flip changes the fingerprint, any other difference is missed with probability at
 most 2**-31 (``digest``). The common case is one 16-byte MAX all-reduce per rank, read a batch
 later; only on a mismatch are per-tensor digests gathered to name tensors and vote. It sees faults
-that make replicas differ, not a faulty gradient the all-reduce spreads (the ring replay's job).
-"""
+that make replicas differ, not a faulty gradient the all-reduce spreads (the ring replay's job)."""
 
 from __future__ import annotations
 
@@ -100,8 +99,7 @@ def fingerprinted_tensors(module: nn.Module, optimizers: Iterable[torch.optim.Op
         for mname, m in module.named_modules():
             if isinstance(m, nn.modules.batchnorm._NormBase) and not isinstance(m, nn.SyncBatchNorm):
                 skip.update(
-                    f"{mname}.{b}" if mname else b for b in ("running_mean", "running_var", "num_batches_tracked")
-                )
+                    f"{mname}.{b}" if mname else b for b in ("running_mean", "running_var", "num_batches_tracked"))
         named += [(f"buffer:{n}", b) for n, b in module.named_buffers() if n not in skip and n not in exclude]
     if config.include_optimizer_state:
         names = {id(p): n for n, p in module.named_parameters()}
@@ -328,8 +326,7 @@ class WeightFingerprint(FingerprintCommon):
             details["action"] = "not healed: " + (
                 "no strict majority" if reference is None else f"more than max_heals={self.config.max_heals} heals")
         self.last_error = FingerprintMismatchError(
-            step=pending.step, rank=rank, suspects=suspects, hosts=topo.hosts(suspects), details=details, reason=reason
-        )
+            step=pending.step, rank=rank, suspects=suspects, hosts=topo.hosts(suspects), details=details, reason=reason)
         if not heal:
             raise self.last_error
         self._count_heal(suspects)

@@ -1,6 +1,6 @@
-"""The non-finite gradient check: each rank's LOCAL gradients (before the all-reduce) are checked
-for NaN and Inf on the step's sync micro-batch; when some rank's were non-finite, every rank names
-the same ranks and parameters and acts alike (raise, skip the step, or warn).
+"""The non-finite gradient check: each rank's LOCAL gradients (before the all-reduce) are checked for NaN and Inf on the
+step's sync micro-batch; when some rank's were non-finite, every rank names the same ranks and parameters and acts alike
+(raise, skip the step, or warn).
 
 DDP: the ``GradientTap`` keeps each local gradient's largest magnitude on the device (``peaks``:
 exact, a finite value never flags). Each step every rank starts one asynchronous MAX all-reduce of
@@ -11,12 +11,10 @@ all-reduce. ``"raise"`` and ``"warn"`` read step ``s``'s verdict one step later 
 ``"skip_step"``, ``"rollback"``, a GradScaler, replay-audited steps and a single process read it
 before the update (a host wait for the all-reduce).
 
-Limits: finite faults are invisible here (the replay's job); a NaN or Inf formed inside the
-reduction from finite local gradients (summed values overflowing, a fault on the wire) is not
-seen at its step (the optimizer writes it into every replica; the next step's local gradients
-show it on every rank); single process, a clipping before the verdict names every parameter it
-contaminated.
-"""
+Limits: finite faults are invisible here (the replay's job); a NaN or Inf formed inside the reduction from finite local
+gradients (summed values overflowing, a fault on the wire) is not seen at its step (the optimizer writes it into every
+replica; the next step's local gradients show it on every rank); single process, a clipping before the verdict names
+every parameter it contaminated."""
 
 from __future__ import annotations
 
@@ -172,8 +170,7 @@ class NonFiniteVerdicts:
         }[details["pattern"]]
         reason += f" in {', '.join(first)}" if first else ""
         error = NonFiniteGradientError(
-            step=step, rank=sole, suspects=offenders, hosts=topo.hosts(offenders), details=details, reason=reason
-        )
+            step=step, rank=sole, suspects=offenders, hosts=topo.hosts(offenders), details=details, reason=reason)
         self.stats.add_time(time.perf_counter() - t0)
         self.last_error = error
         if self.config.on_failure in ("raise", "rollback"):  # rollback: the adapter acts on the error

@@ -1,17 +1,16 @@
-"""Checksum-verified matrix products: a wrong multiply is caught on the rank and in the step where it
-happens (algorithm-based fault tolerance; the bound: ``matmul_bound``, the hooks: ``matmul_sites``).
-The all-reduce spreads a finite compute fault into every replica, where the fingerprint cannot see it.
+"""Checksum-verified matrix products: a wrong multiply is caught on the rank and in the step where it happens
+(algorithm-based fault tolerance; the bound: ``matmul_bound``, the hooks: ``matmul_sites``). The all-reduce spreads a
+finite compute fault into every replica, where the fingerprint cannot see it.
 
 Covered: each ``nn.Linear`` using ``nn.Linear.forward`` (forward, dX, dW) and, with ``attention``,
-``nn.MultiheadAttention``'s projections; not SDPA, other products (``matmul``, ``bmm``, ``Conv1D``,
-convolutions, embeddings), DTensor weights, the bias gradient, ``torch.compile`` (``coverage()``).
+``nn.MultiheadAttention``'s projections; not SDPA, other products (``matmul``, ``bmm``, ``Conv1D``, convolutions,
+embeddings), DTensor weights, the bias gradient, ``torch.compile`` (``coverage()``).
 
-``verdict(step)`` starts one asynchronous 4-byte MAX all-reduce of the step's worst normalised
-residual, read at the next ``arm`` or ``resolve()`` (``now=True``: before the update); only on a
-failure do the ranks gather who saw what, and every rank raises the same ``ChecksumMismatchError``.
-Cost (docs/performance.md): per product about thirty-five small kernels, thin block products of
-``1/block`` of its multiply-adds (3% at 32). The check only reads: training is bit-identical.
-"""
+``verdict(step)`` starts one asynchronous 4-byte MAX all-reduce of the step's worst normalised residual, read at the
+next ``arm`` or ``resolve()`` (``now=True``: before the update); only on a failure do the ranks gather who saw what, and
+every rank raises the same ``ChecksumMismatchError``. Cost (docs/performance.md): per product about thirty-five small
+kernels, thin block products of ``1/block`` of its multiply-adds (3% at 32). The check only reads: training is
+bit-identical."""
 
 from __future__ import annotations
 
@@ -340,8 +339,7 @@ def mismatch_error(step: int, per_rank: list[list[dict[str, Any]]], topo: Topolo
     rank = offenders[0] if len(offenders) == 1 else None
     ratio = first["ratio"]
     size = {"inf": "more than the float range (a huge error)", "non-finite result": "a non-finite result"}.get(
-        ratio, f"{ratio:.3g} times its rounding bound" if isinstance(ratio, float) else str(ratio)
-    )
+        ratio, f"{ratio:.3g} times its rounding bound" if isinstance(ratio, float) else str(ratio))
     where = "this rank's" if rank is not None else f"rank {offenders[0]}'s"
     reason = (f"{where} {first['product'].replace('_', ' ')} of {first['module']} ({first['phase']}) "
               f"missed its checksum by {size}: the product was computed wrongly")  # fmt: skip

@@ -1,27 +1,25 @@
 """The rounding bound of one matrix product's checksums, what ``matmul`` judges a product by.
 
-For ``Y = X W^T + b`` (``X``: n x k, ``W``: m x k), over blocks B of ``block`` consecutive
-outputs (forward) or inputs (backward) (``block=0``: whole rows), in the accumulation dtype from
-the operands as the product used them (the check itself runs with autocast off):
+For ``Y = X W^T + b`` (``X``: n x k, ``W``: m x k), over blocks B of ``block`` consecutive outputs (forward) or inputs
+(backward) (``block=0``: whole rows), in the accumulation dtype from the operands as the product used them (the check
+itself runs with autocast off):
 
 * forward: ``sum_{j in B} Y_ij = X_i . c_B + sum_{j in B} b_j`` with ``c_B = sum_{j in B} W_j``;
 * input gradient ``dX = dY W``: ``sum_{l in B} dX_il = dY_i . w_B`` with ``w_B = W_:,B 1``;
 * weight gradient ``dW = dY^T X``: ``sum_{l in B} dW_jl = dY_:,j . s_B`` with ``s_B = X_:,B 1``.
 
-A residual beyond the bound means the product was computed wrongly. A deterministic worst-case
-bound for reduction length ``K``, blocks of ``L``, unit roundoff ``u``:
+A residual beyond the bound means the product was computed wrongly. A deterministic worst-case bound for reduction
+length ``K``, blocks of ``L``, unit roundoff ``u``:
 
     |residual| <= safety * [ (2 u_in + (2K + 3L + 8) u + S u_out) * T + u_out * N + underflow ]
 
-``T`` bounds the block's sum of absolute products (``||x_i||_2 sqrt(L) ||W_B||_F + ||b_B||_1``),
-``u_in`` the TF32 (2^-11) or bf16 (2^-8) rounding of fp32 operands where allowed, ``u_out`` the
-rounding to a narrower output (twice in the forward), ``N`` the block's absolute output sum (capped
-by ``T``: a huge wrong element cannot hide behind the bound it inflates), ``S`` split-K partial sums
-reduced in the output precision (``REDUCED_PRECISION_SPLITS``). Blocks that could overflow the
-output legitimately (``T`` over a quarter of its maximum) are not judged. What a verdict sees
-(``visible_error_sizes``, docs/coverage.md): with blocks of 32, a wrong element of a few percent of
-its row's largest at width 256 in fp32, about that largest at 4096.
-"""
+``T`` bounds the block's sum of absolute products (``||x_i||_2 sqrt(L) ||W_B||_F + ||b_B||_1``), ``u_in`` the TF32
+(2^-11) or bf16 (2^-8) rounding of fp32 operands where allowed, ``u_out`` the rounding to a narrower output (twice in
+the forward), ``N`` the block's absolute output sum (capped by ``T``: a huge wrong element cannot hide behind the bound
+it inflates), ``S`` split-K partial sums reduced in the output precision (``REDUCED_PRECISION_SPLITS``). Blocks that
+could overflow the output legitimately (``T`` over a quarter of its maximum) are not judged. What a verdict sees
+(``visible_error_sizes``, docs/coverage.md): with blocks of 32, a wrong element of a few percent of its row's largest at
+width 256 in fp32, about that largest at 4096."""
 
 from __future__ import annotations
 
@@ -84,8 +82,7 @@ def rounding(dtype: torch.dtype, device_type: str) -> Rounding:
         reduced = (
             m.allow_fp16_reduced_precision_reduction
             if dtype == torch.float16
-            else m.allow_bf16_reduced_precision_reduction
-        )
+            else m.allow_bf16_reduced_precision_reduction)
         split = REDUCED_PRECISION_SPLITS * out if reduced else 0.0
     # fp32 operands rounded to TF32/bf16 where the backend allows it: the product's own (fp32 products)
     # and the check's thin products, which run in fp32 whatever the product's dtype (bf16/fp16 too)
@@ -226,8 +223,7 @@ class LinearBound:
         icpt, slope, t_icpt, t_slope, allowance, root = (
             (self.f_icpt, self.f_slope, self.t_icpt, self.t_slope, k_[11], k_[0])
             if forward
-            else (self.d_icpt, self.d_slope, self.dt_icpt, self.dt_slope, k_[13], k_[5])
-        )
+            else (self.d_icpt, self.d_slope, self.dt_icpt, self.dt_slope, k_[13], k_[5]))
         col = norms.unsqueeze(-1)
         bound = torch.addcmul(icpt, col, slope)
         if self.rnd.out:
@@ -287,8 +283,7 @@ class LinearBound:
         """``(bound, judged)`` per row of ``dW`` and backward block (m x nx; the same for every row
         unless the output is narrow), judged where far enough from the output's overflow."""
         slope, const, g_sqrt_b, dot_max = _weight_grad_constants(
-            dy_norms.device, self.bx, dy_norms.shape[0], self.rnd, self.safety
-        )
+            dy_norms.device, self.bx, dy_norms.shape[0], self.rnd, self.safety)
         # g sqrt(bx) dots_b >= sum_{l in b} sum_i |dy_ij x_il| for every row j; both norms may have lost
         # their underflow allowance: dots_b = sum_i (||dy_i|| + da)(||x_i,b|| + db), one thin product
         da, db = self.consts[12], self.consts[13]

@@ -1,17 +1,16 @@
 """Every-step screen: each rank's local-gradient magnitudes compared across the ranks.
 
-Each step each rank sends a row: the log2 of the largest LOCAL gradient magnitude in each of ``k``
-groups of parameters and of its loss. ``observe`` starts the exchange, ``suspects`` names the ranks
-that stand out (the rule: ``screen_rule``); every rank judges the same rows with the same history,
-so every rank returns the same suspects. Up to ``ALL_ROWS_UP_TO`` (16) ranks: one asynchronous
-``all_gather`` of every row. Larger worlds: each rank sends its row to the ``NEIGHBOURS`` (8) ranks
-after it on the replay's ring and judges the 9-row window it receives; one all_reduce (SUM) carries
-how many windows stood out and a rotating sample of 16 rows (the band's calibration); only then
-are all rows gathered and judged, so the verdict is identical on every rank.
+Each step each rank sends a row: the log2 of the largest LOCAL gradient magnitude in each of ``k`` groups of parameters
+and of its loss. ``observe`` starts the exchange, ``suspects`` names the ranks that stand out (the rule:
+``screen_rule``); every rank judges the same rows with the same history, so every rank returns the same suspects. Up to
+``ALL_ROWS_UP_TO`` (16) ranks: one asynchronous ``all_gather`` of every row. Larger worlds: each rank sends its row to
+the ``NEIGHBOURS`` (8) ranks after it on the replay's ring and judges the 9-row window it receives; one all_reduce (SUM)
+carries how many windows stood out and a rotating sample of 16 rows (the band's calibration); only then are all rows
+gathered and judged, so the verdict is identical on every rank.
 
-Cost per step: a handful of tiny kernels, no host synchronisation until ``suspects``; Python on
-``world x (k + 3)`` numbers, or in larger worlds 8 sends, 8 receives and one all_reduce of
-``1 + 16 x (k + 3)`` values, whatever the world."""
+Cost per step: a handful of tiny kernels, no host synchronisation until ``suspects``; Python on ``world x (k + 3)``
+numbers, or in larger worlds 8 sends, 8 receives and one all_reduce of ``1 + 16 x (k + 3)`` values, whatever the
+world."""
 
 from __future__ import annotations
 

@@ -1,22 +1,19 @@
-"""The every-step screen's rule, on the host: its settings, its verdict, the comparison of the ranks'
-rows and the band they are compared with (``Band``); ``screen`` gathers the rows.
+"""The every-step screen's rule, on the host: its settings, its verdict, the comparison of the ranks' rows and the band
+they are compared with (``Band``); ``screen`` gathers the rows.
 
-In log2 units: each value's deviation from the ranks' (lower) median; a rank's ``level``, the
-median of its deviations (a harder batch raises EVERY gradient of a rank); each deviation less the
-level (a faulty multiply-accumulate or exponent flip changes a few values, not all). A rank is a
-suspect when a corrected deviation, or its level, exceeds its band; only values that GREW count.
+In log2 units: each value's deviation from the ranks' (lower) median; a rank's ``level``, the median of its deviations
+(a harder batch raises EVERY gradient of a rank); each deviation less the level (a faulty multiply-accumulate or
+exponent flip changes a few values, not all). A rank is a suspect when a corrected deviation, or its level, exceeds its
+band; only values that GREW count.
 
-The band, per value and for the level: ``median + z * 1.4826 * MAD`` of the healthy ranks' positive
-deviations over the last ``window`` steps or, when higher, a fitted exponential tail's quantile
-that keeps the world's hits under one a day at one step a second, clamped to ``[min_band,
-max_band]``. Until calibrated (``calibration_samples``) the groups use the pooled ``early_band``
-(``initial_band`` before), the loss and level their own bulk rule plus ``_EARLY_MARGIN``.
+The band, per value and for the level: ``median + z * 1.4826 * MAD`` of the healthy ranks' positive deviations over the
+last ``window`` steps or, when higher, a fitted exponential tail's quantile that keeps the world's hits under one a day
+at one step a second, clamped to ``[min_band, max_band]``. Until calibrated (``calibration_samples``) the groups use the
+pooled ``early_band`` (``initial_band`` before), the loss and level their own bulk rule plus ``_EARLY_MARGIN``.
 
-Peers are hostile: a row's step and width must equal the ranks' median (else ``malformed``);
-values must be NaN (no opinion), +Inf (``nonfinite``) or finite within the range of log2
-magnitudes. A rank can only accuse itself: the reference is a median, suspects' rows never enter
-the history, the band is capped at ``max_band``.
-"""
+Peers are hostile: a row's step and width must equal the ranks' median (else ``malformed``); values must be NaN (no
+opinion), +Inf (``nonfinite``) or finite within the range of log2 magnitudes. A rank can only accuse itself: the
+reference is a median, suspects' rows never enter the history, the band is capped at ``max_band``."""
 
 from __future__ import annotations
 
@@ -99,13 +96,12 @@ class ScreenConfig:
 class ScreenResult:
     """The screen's verdict on one step, identical on every rank.
 
-    ``ranks``: the suspects, ascending. ``details[rank]``: ``reason`` (``"band"``, ``"nonfinite"``
-    or ``"malformed"``) and for ``"band"`` the ``value`` furthest out (group name, ``"loss"`` or
-    ``"level"``), its ``excess`` over the rank's level and its ``band`` (log2).
+    ``ranks``: the suspects, ascending. ``details[rank]``: ``reason`` (``"band"``, ``"nonfinite"`` or ``"malformed"``)
+    and for ``"band"`` the ``value`` furthest out (group name, ``"loss"`` or ``"level"``), its ``excess`` over the
+    rank's level and its ``band`` (log2).
 
-    Evidence, left out of ``==`` and ``repr``: ``values[rank]``, the rank's row as judged (the
-    groups, then the loss; NaN: no opinion or malformed; +Inf: NaN/Inf gradients), and ``bands``,
-    each value's band then the level's."""
+    Evidence, left out of ``==`` and ``repr``: ``values[rank]``, the rank's row as judged (the groups, then the loss;
+    NaN: no opinion or malformed; +Inf: NaN/Inf gradients), and ``bands``, each value's band then the level's."""
 
     step: int
     ranks: tuple[int, ...] = ()

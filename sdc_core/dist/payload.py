@@ -1,18 +1,15 @@
-"""Objects sent between ranks in a form that cannot run code when read: one ``uint8`` buffer of a
-magic line, a JSON header describing the object tree, and the raw bytes of its tensors and arrays.
-Reading it parses JSON and copies bytes into tensors of listed dtypes; it never unpickles and never
-imports. What travels: ``None``, numbers, ``str``, ``bytes``,
-``bytearray``; the builtin containers, ``deque``, ``OrderedDict``, a ``defaultdict`` of a builtin
-factory, Hugging Face's ``BatchEncoding``; strided tensors of a plain dtype (``requires_grad`` and
-``nn.Parameter`` kept; they arrive on the CPU), ``torch.Size``/``dtype``/``device``, numeric NumPy
-arrays and scalars; named tuples and enums of classes the receiver has already imported, and
-``sdc_core``'s dataclasses (fields checked against their annotations).
+"""Objects sent between ranks in a form that cannot run code when read: one ``uint8`` buffer of a magic line, a JSON
+header describing the object tree, and the raw bytes of its tensors and arrays. Reading it parses JSON and copies bytes
+into tensors of listed dtypes; it never unpickles and never imports. What travels: ``None``, numbers, ``str``,
+``bytes``, ``bytearray``; the builtin containers, ``deque``, ``OrderedDict``, a ``defaultdict`` of a builtin factory,
+Hugging Face's ``BatchEncoding``; strided tensors of a plain dtype (``requires_grad`` and ``nn.Parameter`` kept; they
+arrive on the CPU), ``torch.Size``/``dtype``/``device``, numeric NumPy arrays and scalars; named tuples and enums of
+classes the receiver has already imported, and ``sdc_core``'s dataclasses (fields checked against their annotations).
 
-Anything else raises ``NotEncodable`` naming where it sits, unless the SENDER passes
-``allow_pickle``: then that object alone is pickled, and the RECEIVER unpickles it only when its own
-``allow_pickle`` is set. A sender cannot make a receiver unpickle. ``decode`` raises
-``PayloadError`` for any payload that is not well formed. Cost: one copy of every tensor in and out.
-"""
+Anything else raises ``NotEncodable`` naming where it sits, unless the SENDER passes ``allow_pickle``: then that object
+alone is pickled, and the RECEIVER unpickles it only when its own ``allow_pickle`` is set. A sender cannot make a
+receiver unpickle. ``decode`` raises ``PayloadError`` for any payload that is not well formed. Cost: one copy of every
+tensor in and out."""
 
 from __future__ import annotations
 
@@ -49,8 +46,7 @@ _DTYPES: dict[str, torch.dtype] = {
         "int16", "int8", "uint64", "uint32", "uint16", "uint8", "bool", "float8_e4m3fn", "float8_e5m2",
         "float8_e4m3fnuz", "float8_e5m2fnuz",
     )
-    if isinstance(getattr(torch, name, None), torch.dtype)
-}
+    if isinstance(getattr(torch, name, None), torch.dtype)}
 _NUMPY_DTYPE = re.compile(r"[<>|=]?(b1|[iu][1248]|f[248]|c(8|16))")
 _FACTORIES: dict[str, Any] = {t.__name__: t for t in (list, dict, set, int, float, str, tuple, bytes)}
 _CONTAINERS: dict[str, Any] = {t.__name__: t for t in (list, tuple, set, frozenset)}  # rebuilt from their items
@@ -209,8 +205,7 @@ class _Encoder:
             fields = {
                 f.name: self.encode(getattr(obj, f.name), f"{where}.{f.name}", depth + 1)
                 for f in dataclasses.fields(obj)
-                if f.init
-            }
+                if f.init}
             return {"t": "dataclass", "cls": _qualname(kind), "f": fields}
         raise NotEncodable(f"{where}: a {kind.__module__}.{kind.__qualname__} does not travel without pickling")
 

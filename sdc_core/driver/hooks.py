@@ -132,10 +132,9 @@ class SDCHooks:
         **settings: any field of ``SDCSettings``; 0 turns a cadence off. A bad value raises
             ``SDCConfigError`` naming it.
 
-    Call ``attach(model, optimizer)`` on every process once the model is wrapped, ``finish()`` after
-    the loop, and ``before_save()`` on every process before writing a checkpoint (the framework seams
-    do it for you), saving ``state_dict()`` with it.
-    """
+    Call ``attach(model, optimizer)`` on every process once the model is wrapped, ``finish()`` after the loop, and
+    ``before_save()`` on every process before writing a checkpoint (the framework seams do it for you), saving
+    ``state_dict()`` with it."""
 
     def __init__(
         self,

@@ -10,8 +10,7 @@ faulty step's own update); on a 3-rank CPU Lightning run, waiting in the step co
 A hit is escalated to a partner's recomputation (``replay.confirm.confirm_hits``) of the micro-batches the replay kept;
 only a confirmed hit is a verdict, checked against the replicas' weights first. Without such a replay, or for a step
 dropped or audited anyway, hits are only counted. Every rank reads the same verdicts at the same calls, so the
-confirmation's collectives match on every rank.
-"""
+confirmation's collectives match on every rank."""
 
 from __future__ import annotations
 

@@ -6,9 +6,8 @@ file and prefix it reads (the plain-PyTorch route: keywords only; the Accelerate
 
 One rule for every source: a bool is ``true``/``false`` or ``1``/``0`` (as a bool, a number or a string, any case; not
 ``yes``/``on``), an integer a whole number or a string of one, a number a finite number or a string of one, a policy a
-string. An unknown name anywhere is an error suggesting the closest known name; so is a bad value, also of a check
-that is turned off. ``SDCConfigError`` names the key and where it came from. Cost: paid once, at construction.
-"""
+string. An unknown name anywhere is an error suggesting the closest known name; so is a bad value, also of a check that
+is turned off. ``SDCConfigError`` names the key and where it came from. Cost: paid once, at construction."""
 
 from __future__ import annotations
 
@@ -67,8 +66,7 @@ class SDCSettings:
 
     A cadence of 0, or ``nonfinite_gradient=False``, turns that check off. ``replay_allow_pickled_batches=False``
     refuses a partner's micro-batch that needs unpickling unless the launcher sets ``SDC_ALLOW_PICKLED_BATCHES=1`` on
-    every rank (the receiver decides).
-    """
+    every rank (the receiver decides)."""
 
     nonfinite_gradient: bool = _own(True, "check local gradients for NaN/Inf before the all-reduce")
     on_failure: NonFiniteFailurePolicy = _from(NonFiniteConfig, "on_failure")
@@ -239,11 +237,9 @@ def read_file(path: Path) -> dict[str, Any]:
 
     _Loader.yaml_implicit_resolvers = {
         first: [(tag, rx) for tag, rx in resolvers if tag != "tag:yaml.org,2002:bool"]
-        for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
-    }
+        for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
     _Loader.add_implicit_resolver(
-        "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
-    )
+        "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
     source = f"config file {path}"
     try:
         data = yaml.load(Path(path).read_text(), Loader=_Loader) or {}

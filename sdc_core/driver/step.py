@@ -1,12 +1,11 @@
 """``StepDriver``: the one loop driver of the SDC checks, called by every seam (``SDCHooks`` from its wrapper of
-``optimizer.step``, the Lightning callbacks from the trainer's events). It owns the phases of an optimizer step and
-the order of the verdicts in them (an earlier step's fault is always read before a later step can show it as a
-symptom), what one check's verdict means for the others, and the delivery of a verdict (``Delivery``).
-docs/architecture.md ("One step's journey") walks through a step; the ``Seam`` answers what only the framework knows.
+``optimizer.step``, the Lightning callbacks from the trainer's events). It owns the phases of an optimizer step and the
+order of the verdicts in them (an earlier step's fault is always read before a later step can show it as a symptom),
+what one check's verdict means for the others, and the delivery of a verdict (``Delivery``). docs/architecture.md ("One
+step's journey") walks through a step; the ``Seam`` answers what only the framework knows.
 
 Every rank calls the same methods in the same order; each runs the same collectives on every rank, on its error paths
-too. Cost: a few Python calls per step beyond the checks' own.
-"""
+too. Cost: a few Python calls per step beyond the checks' own."""
 
 from __future__ import annotations
 
@@ -109,8 +108,7 @@ class StepContext:
             coming one before the update, the one just done after it.
         module: the unwrapped (or ``fully_shard``) model.
         optimizers: the inner torch optimizers of the step.
-        scaler_active: an fp16 GradScaler scales this step.
-    """
+        scaler_active: an fp16 GradScaler scales this step."""
 
     index: int
     update: int

@@ -1,11 +1,9 @@
 """Fault-injection campaigns: how much each check catches, and how often it cries wolf.
 
-Plans (seeded bit flips per site and bit class plus clean runs: ``plan``; faults inside matrix
-products: ``plan_matmul``; errors of known size: ``plan_sizes``), the model, data and faults of
-every run, the classification of runs and the summaries. Outcome per injection: detected
-(attributed: it named the injected rank), masked (not detected, final weights within 1e-6
-relative of the clean run's) or silent (not detected, and they differ). Knows no framework.
-"""
+Plans (seeded bit flips per site and bit class plus clean runs: ``plan``; faults inside matrix products:
+``plan_matmul``; errors of known size: ``plan_sizes``), the model, data and faults of every run, the classification of
+runs and the summaries. Outcome per injection: detected (attributed: it named the injected rank), masked (not detected,
+final weights within 1e-6 relative of the clean run's) or silent (not detected, and they differ). Knows no framework."""
 
 from __future__ import annotations
 

@@ -1,14 +1,12 @@
-"""Fault injection: simulate a faulty rank without touching the checks' code (tests, demos, fire
-drills). Each fault fires on one global rank only; nothing here runs unless a fault is installed.
+"""Fault injection: simulate a faulty rank without touching the checks' code (tests, demos, fire drills). Each fault
+fires on one global rank only; nothing here runs unless a fault is installed.
 
-``Fault`` kinds: ``module_output`` (one element of a named module's output, from ``step`` on);
-``matmul_output`` (one element of a named ``nn.Linear``'s product, inside the layer: its output,
-or the input or weight gradient its autograd node returns, per ``phase``); ``nonfinite_gradient``,
-``gradient_bit_flip``, ``gradient_scale`` (one element of a parameter's local gradient at ``step``,
-before the all-reduce); ``weight_bit_flip``, ``optimizer_state`` (right after optimizer step
-``step``). Modes of the first two: ``persistent`` (every forward, replays included),
-``intermittent`` (the first forward of each step), ``once`` (the first forward of ``step``).
-"""
+``Fault`` kinds: ``module_output`` (one element of a named module's output, from ``step`` on); ``matmul_output`` (one
+element of a named ``nn.Linear``'s product, inside the layer: its output, or the input or weight gradient its autograd
+node returns, per ``phase``); ``nonfinite_gradient``, ``gradient_bit_flip``, ``gradient_scale`` (one element of a
+parameter's local gradient at ``step``, before the all-reduce); ``weight_bit_flip``, ``optimizer_state`` (right after
+optimizer step ``step``). Modes of the first two: ``persistent`` (every forward, replays included), ``intermittent``
+(the first forward of each step), ``once`` (the first forward of ``step``)."""
 
 from __future__ import annotations
 

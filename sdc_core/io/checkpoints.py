@@ -49,8 +49,7 @@ def fingerprint_checkpoint(obj: dict[str, Any], version: int = FINGERPRINT_VERSI
     tensors = {
         key: int(digest(t))
         for key, t in _walk(obj, "")
-        if not lightning or key.startswith(("state_dict/", "optimizer_states/"))
-    }
+        if not lightning or key.startswith(("state_dict/", "optimizer_states/"))}
     return {"version": version, "tensors": tensors}
 
 
@@ -236,10 +235,9 @@ def _group(kind: str, key: str) -> str:
 def verify(path: str | Path, trust_pickle: bool = False) -> dict[str, Any]:
     """Recompute a checkpoint's fingerprint, found wherever the routes store it, and compare.
 
-    Returns ``{"status": "clean" | "corrupted" | "no_fingerprint", "changed": [...], "path": ...,
-    "where": ...}`` with ``"reason"`` when not clean; ``UnreadableError`` for a file it cannot read.
-    A damaged stored fingerprint counts as corrupted; one of another version, or one covering state
-    the file does not hold, as no fingerprint."""
+    Returns ``{"status": "clean" | "corrupted" | "no_fingerprint", "changed": [...], "path": ..., "where": ...}`` with
+    ``"reason"`` when not clean; ``UnreadableError`` for a file it cannot read. A damaged stored fingerprint counts as
+    corrupted; one of another version, or one covering state the file does not hold, as no fingerprint."""
     ckpt = Checkpoint.load(path, trust_pickle)
     out: dict[str, Any] = {"status": "no_fingerprint", "changed": [], "path": str(path)}
     found = _find_fingerprint(ckpt)

@@ -1,9 +1,8 @@
 """Reading files that may be hostile and writing files that must not be half written (torch only).
 
-``load_torch`` reads with ``weights_only=True`` (``trust_pickle=True`` unpickles, warning each time).
-``atomic_write`` writes beside the destination and renames into place, only onto a regular file or
-nothing (``check_output``). ``UnreadableError`` and ``OutputError`` name the file; both are ``ValueError``.
-"""
+``load_torch`` reads with ``weights_only=True`` (``trust_pickle=True`` unpickles, warning each time). ``atomic_write``
+writes beside the destination and renames into place, only onto a regular file or nothing (``check_output``).
+``UnreadableError`` and ``OutputError`` name the file; both are ``ValueError``."""
 
 from __future__ import annotations
 

@@ -1,18 +1,16 @@
 """``sdc run -- <launch command>``: the job's exit code tells an SDC verdict from a crash.
 
-torchrun, ``accelerate launch`` and most launchers turn any failed worker into their own exit code 1.
-``sdc run`` starts the command with ``SDC_VERDICT_DIR`` naming a fresh private folder, where every
-process that raises an SDC verdict (uncaught, or through the adapters) leaves a marker. Then:
+torchrun, ``accelerate launch`` and most launchers turn any failed worker into their own exit code 1. ``sdc run`` starts
+the command with ``SDC_VERDICT_DIR`` naming a fresh private folder, where every process that raises an SDC verdict
+(uncaught, or through the adapters) leaves a marker. Then:
 
 * exit 0 stays 0 (the job finished, or handled the verdict itself);
 * a failure with a marker exits ``SDC_EXIT_CODE`` (default 86; 0 keeps the command's code);
 * any other failure keeps the command's own code (a command killed by a signal: 128 + its number).
 
-SIGTERM, SIGHUP, SIGUSR1, SIGUSR2 (and SIGINT/SIGQUIT not from the terminal, which sends them to the
-command itself) are forwarded. Under ``torchrun --max-restarts N`` a worker group restarted after an
-SDC verdict ends at once with the SDC code instead of training again on the host just named.
-Multi-node: run ``sdc run`` on every node.
-"""
+SIGTERM, SIGHUP, SIGUSR1, SIGUSR2 (and SIGINT/SIGQUIT not from the terminal, which sends them to the command itself) are
+forwarded. Under ``torchrun --max-restarts N`` a worker group restarted after an SDC verdict ends at once with the SDC
+code instead of training again on the host just named. Multi-node: run ``sdc run`` on every node."""
 
 from __future__ import annotations
 

@@ -256,8 +256,7 @@ def _cause(failures: Sequence[str], advice: str) -> str:
         return (
             "the training step communicates (a torch.distributed collective inside it, e.g. self.all_gather, "
             "accelerator.gather, a metric synced on step): a replay runs on one rank only and cannot take part in "
-            "a collective. Replay a step without communication, or turn the audit off. " + advice
-        )
+            "a collective. Replay a step without communication, or turn the audit off. " + advice)
     if "use_reentrant" in text:
         return (
             "activation checkpointing with use_reentrant=True does not support torch.autograd.grad, which the "

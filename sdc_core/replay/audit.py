@@ -1,10 +1,8 @@
 """One audited step of the ring replay: the exchange, the replays, the comparison and the trust rounds.
 
-Every rank runs the step's ``StepAudit`` together, entering the same collectives in the same order
-on every path (a failed replay is caught and decided after the next gather). Before any rank is
-named, both sides of every disagreeing pair re-run what they computed: a difference within that
-noise accuses no one.
-"""
+Every rank runs the step's ``StepAudit`` together, entering the same collectives in the same order on every path (a
+failed replay is caught and decided after the next gather). Before any rank is named, both sides of every disagreeing
+pair re-run what they computed: a difference within that noise accuses no one."""
 
 from __future__ import annotations
 

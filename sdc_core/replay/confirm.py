@@ -1,10 +1,9 @@
-"""Confirming a screen hit: a partner recomputes the suspect's kept micro-batches, in the same step,
-before anyone is named. Per flagged rank: reproduced within ``REPRODUCED``: cleared; differing and
-within the band: confirmed (``ReplayMismatchError``); anything else: unconfirmed, no verdict.
+"""Confirming a screen hit: a partner recomputes the suspect's kept micro-batches, in the same step, before anyone is
+named. Per flagged rank: reproduced within ``REPRODUCED``: cleared; differing and within the band: confirmed
+(``ReplayMismatchError``); anything else: unconfirmed, no verdict.
 
-Cost: nothing on a step without a flag; on a flagged step, the transfer, one forward and backward
-per suspect on its partner and two small collectives (collective re-runs: three).
-"""
+Cost: nothing on a step without a flag; on a flagged step, the transfer, one forward and backward per suspect on its
+partner and two small collectives (collective re-runs: three)."""
 
 from __future__ import annotations
 

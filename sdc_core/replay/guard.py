@@ -1,13 +1,11 @@
-"""Collectives refused inside a replay: a replay runs on one rank only, so a collective in it
-would leave the ranks in different collectives.
+"""Collectives refused inside a replay: a replay runs on one rank only, so a collective in it would leave the ranks in
+different collectives.
 
-Contract: inside ``forbid_collectives()`` the ``torch.distributed`` collectives, as looked up at
-call time, raise ``CollectiveInReplay`` on the thread that entered it, before they reach the
-transport; other threads' collectives and those of a Python signal handler interrupting the
-replay go through. An entry or exit cut short never leaves collectives refused. Cost: a wrapped
-collective outside a guard pays one thread-local look-up. Limits: functions imported by name
-before the replay and functional collectives are not refused.
-"""
+Contract: inside ``forbid_collectives()`` the ``torch.distributed`` collectives, as looked up at call time, raise
+``CollectiveInReplay`` on the thread that entered it, before they reach the transport; other threads' collectives and
+those of a Python signal handler interrupting the replay go through. An entry or exit cut short never leaves collectives
+refused. Cost: a wrapped collective outside a guard pays one thread-local look-up. Limits: functions imported by name
+before the replay and functional collectives are not refused."""
 
 from __future__ import annotations
 

@@ -1,10 +1,8 @@
 """The rare path of a ring replay audit: referees for the pairs that still disagree, and the verdict.
 
-Collectives: one gather of the "where" texts, one exchange of the disputed batches (when there are
-referees), one gather of the rulings and, with a rank named, one of its re-run's outcome; every
-rank enters each, in this order, on every path. Cost: one referee replay per disagreeing pair and
-one re-run by a named rank.
-"""
+Collectives: one gather of the "where" texts, one exchange of the disputed batches (when there are referees), one gather
+of the rulings and, with a rank named, one of its re-run's outcome; every rank enters each, in this order, on every
+path. Cost: one referee replay per disagreeing pair and one re-run by a named rank."""
 
 from __future__ import annotations
 
@@ -171,8 +169,7 @@ def _verdict(
     if skip:
         details["action"] = "step skipped on every rank"
     run.error = ReplayMismatchError(
-        step=run.step, rank=rank, suspects=suspects, hosts=topo.hosts(suspects), details=details, reason=reason
-    )
+        step=run.step, rank=rank, suspects=suspects, hosts=topo.hosts(suspects), details=details, reason=reason)
     if not skip:
         raise run.error
     run.stats.bump("skipped_steps")

@@ -1,9 +1,8 @@
 """The side-effect free re-run of micro-batches, and the step's own gradients kept out of its way.
 
-Contract: a re-run puts the owner's RNG and state in place, runs on detached aliases of the
-trainable parameters with collectives refused, and restores everything afterwards, so training is
-bit-identical with the audit on and off. Cost: one forward and backward per micro-batch.
-"""
+Contract: a re-run puts the owner's RNG and state in place, runs on detached aliases of the trainable parameters with
+collectives refused, and restores everything afterwards, so training is bit-identical with the audit on and off. Cost:
+one forward and backward per micro-batch."""
 
 from __future__ import annotations
 
@@ -130,8 +129,7 @@ class GradientsAside:
         second_copy = (  # DDP's buckets are a second copy of ``.grad`` that nothing else reads
             ddp is not None and getattr(ddp, "gradient_as_bucket_view", True) is False
             and not getattr(ddp, "_comm_hooks", None) and getattr(ddp, "mixed_precision", None) is None
-            and not getattr(ddp, "_delay_all_reduce_all_params", False)
-        )
+            and not getattr(ddp, "_delay_all_reduce_all_params", False))
         if not second_copy:
             return
         grads = {g.data_ptr(): (p, g) for p in params

@@ -1,8 +1,7 @@
 """The RNG states a re-run needs: torch (CPU and the CUDA device), Python's ``random`` and NumPy's.
 
-Cost: with a screen they are taken at the start of EVERY step: host work only, about 50 us for
-NumPy's and 13 us for Python's on a CPU core; no device work and no host wait.
-"""
+Cost: with a screen they are taken at the start of EVERY step: host work only, about 50 us for NumPy's and 13 us for
+Python's on a CPU core; no device work and no host wait."""
 
 from __future__ import annotations
 

@@ -1,10 +1,9 @@
-"""What a training step reads besides its batch (frozen tensors, buffers, module attributes, the
-user's ``sdc_replay_state()``): its capture, transfer and restoration for one re-run.
+"""What a training step reads besides its batch (frozen tensors, buffers, module attributes, the user's
+``sdc_replay_state()``): its capture, transfer and restoration for one re-run.
 
-Cost: clones on the state's device (no host sync) within ``max_state_mb`` per audited step (larger
-tensors are read live and guarded against in-place change); frozen tensors above
-``SEND_BY_DIGEST_BYTES`` travel by digest (one host read per transfer).
-"""
+Cost: clones on the state's device (no host sync) within ``max_state_mb`` per audited step (larger tensors are read live
+and guarded against in-place change); frozen tensors above ``SEND_BY_DIGEST_BYTES`` travel by digest (one host read per
+transfer)."""
 
 from __future__ import annotations
 

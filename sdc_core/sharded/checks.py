@@ -358,8 +358,7 @@ class ShardedFingerprint(FingerprintCommon):
             details["action"] = "not healed: " + ("a shard without replica changed at rest" if at_rest else
                                                   "no strict majority" if no_majority else "past max_heals")
         self.last_error = FingerprintMismatchError(
-            step=pending.step, rank=named, suspects=ordered, hosts=topo.hosts(ordered), details=details, reason=reason
-        )
+            step=pending.step, rank=named, suspects=ordered, hosts=topo.hosts(ordered), details=details, reason=reason)
         self.stats.add_time(time.perf_counter() - t0)
         if not heal:
             raise self.last_error

@@ -1,12 +1,11 @@
-"""Update audit for shards without replicas (pure FSDP): a partner recomputes a rank's update from
-its snapshot (shards, reduced gradients, optimizer state) and compares the digests bit for bit;
-attribution as in the ring replay. Every received payload is checked (``check_update_payload``).
+"""Update audit for shards without replicas (pure FSDP): a partner recomputes a rank's update from its snapshot (shards,
+reduced gradients, optimizer state) and compares the digests bit for bit; attribution as in the ring replay. Every
+received payload is checked (``check_update_payload``).
 
-Cost on an audited step (S: a rank's shard bytes, k: optimizer state tensors per parameter): a
-copy of (2 + k) * S bytes, as many sent and received, one extra optimizer step on a shard, two
-digests. Limits: the partner must compute like the owner (same device type and torch build);
-optimizers with a closure or cross-parameter state (LBFGS) are not recomputed faithfully.
-"""
+Cost on an audited step (S: a rank's shard bytes, k: optimizer state tensors per parameter): a copy of (2 + k) * S
+bytes, as many sent and received, one extra optimizer step on a shard, two digests. Limits: the partner must compute
+like the owner (same device type and torch build); optimizers with a closure or cross-parameter state (LBFGS) are not
+recomputed faithfully."""
 
 from __future__ import annotations
 
