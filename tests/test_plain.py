@@ -59,7 +59,7 @@ def ddp(tmp_path_factory: pytest.TempPathFactory) -> Path:
     kinds = (*KINDS, "save", "flip_audited", "flip_audited_nofp", "flip_audited_heal", "matmul_clean", "matmul",
              "matmul_backward", "nan_deferred", "nan_early_deferred", "zero", "accumulate", "accumulate_synced")
     more = ["own:clean", "own:flip", "sparse:clean", "sparse:activation", "mlp:compiled", "mlp:compiled_activation",
-            "outside:off", "outside:clean", "outside:activation", "outside:accumulate"]
+            "outside:off", "outside:clean", "outside:activation", "outside:accumulate", "outside:small"]
     return launch(tmp_path_factory.mktemp("plain_ddp"), [f"mlp:{k}" for k in kinds] + more, 3)
 
 
@@ -113,6 +113,8 @@ def test_a_loss_computed_in_the_loop_from_the_outputs_is_replayed_without_being_
     assert all(r["error"] is None for r in accumulate) and accumulate[0]["state"]["checks"]["ring_replay"]["runs"] == 3
     err = same_error(ddp, "outside:activation", 3)
     assert (err["type"], err["rank"], err["step"]) == ("ReplayMismatchError", 2, 2), err["message"]
+    small = same_error(ddp, "outside:small", 3)  # outputs over the step's budget: the fix, at the first audit
+    assert (small["type"], small["step"]) == ("ValueError", 0) and "raise replay_max_state_mb" in small["message"], small
 
 
 def test_a_compiled_ddp_model_is_checked(ddp: Path) -> None:

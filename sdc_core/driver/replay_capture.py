@@ -133,8 +133,9 @@ class LoopCapture:
         owner's loss as a partner computes it, ``_unit_loss``); None when none has a gradient or over the budget."""
         tensors: list[torch.Tensor] = []
         outputs = _aliased(outputs, tensors)
-        budget = replay.capture.max_bytes if replay.capture is not None else 256 * 2**20
-        if not tensors or sum(t.numel() * t.element_size() for t in tensors) > budget:
+        budget = replay.capture.max_bytes if replay.capture is not None else 256 * 2**20  # the step's, as the state's
+        kept = [g for mb in replay.recording[:-1] for g in (mb.batch[6] if len(mb.batch) > 6 else []) if g is not None]
+        if not tensors or sum(t.numel() * t.element_size() for t in [*kept, *tensors]) > budget:
             return None
         values = [t.detach() for t in tensors]
 
@@ -161,8 +162,8 @@ class LoopCapture:
         loss = loss_fn(outputs, *args, **kwargs) if loss_fn is not None else _own_loss(outputs)
         if loss is None:
             raise ValueError(
-                "the ring replay audit cannot find the loss: the model returns neither `.loss` nor a scalar, nor "
-                "outputs with gradients within max_state_mb; "
+                "the ring replay audit cannot find the loss: the model returns neither `.loss` nor a scalar, and its "
+                "outputs are over replay_max_state_mb (or carry no gradient); raise replay_max_state_mb, "
                 "wrap your loss computation with SDCHooks.replayable(fn), or pass "
                 "loss_fn=(outputs, *args, **kwargs) -> loss to SDCHooks or attach()")
         return self.normalize(loss)
