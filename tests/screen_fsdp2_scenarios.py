@@ -16,6 +16,8 @@ Scenarios:
   at their default arguments: the same verdict; ``lightning_clean``: no fault, no verdict.
 * ``fault_same``, ``spike_same``: read before the step's own update (``read="same_step"``): the
   fault named in step ``AT``, the spike reproduced by the partner on the same weights and cleared.
+* ``fault_outside``: the ``fault`` with the loss computed in the loop from the model's output (no ``loss_fn``): the
+  partner recomputes through the gradient the loss sent into the output; the same verdict.
 * ``fault_accumulate``, ``clean_accumulate``: two micro-batches a step, the first with gradient sync off (as
   Accelerate's ``accumulate`` does on FSDP2), the fault in that first one: the same verdict; clean: none.
 """
@@ -49,13 +51,14 @@ class Net(nn.Module):
         self.scale = 1.0  # a genuine spike: the features before the head scaled on the spiky batch (the
         # replay's state capture carries it to the partner: the batch really gives such gradients)
 
-    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
         z = self.l1(torch.relu(self.l0(x)))
         if FAULT["armed"]:  # a module-level flag, not state of the model: the partner's re-run does not see it
             FAULT["armed"] = False  # transient: this rank's own re-run of its owner's batch computes right
             z.register_hook(_wrong)
         h = torch.relu(z)
-        return nn.functional.mse_loss(self.head(h * self.scale).squeeze(-1), y)
+        out = self.head(h * self.scale).squeeze(-1)
+        return out if y is None else nn.functional.mse_loss(out, y)  # no labels: the loop computes the loss
 
 
 def _wrong(g: torch.Tensor) -> torch.Tensor:
@@ -105,7 +108,8 @@ def train(out: Path, name: str) -> dict[str, Any]:
                 (net(x[:4], y[:4]) / 2).backward()
                 net.set_requires_gradient_sync(True)
                 x, y = x[4:], y[4:]
-            (net(x, y) / (2 if accumulate else 1)).backward()
+            loss = nn.functional.mse_loss(net(x), y) if name.endswith("_outside") else net(x, y)
+            (loss / (2 if accumulate else 1)).backward()
             opt.step()
             opt.zero_grad()
             result["steps"] = step + 1
@@ -172,7 +176,8 @@ def lightning(out: Path, name: str) -> dict[str, Any]:
 
 
 def main() -> None:
-    args = parse("fault,clean,spike,lightning,lightning_clean,fault_same,spike_same,fault_accumulate,clean_accumulate")
+    args = parse("fault,clean,spike,lightning,lightning_clean,fault_same,spike_same,fault_accumulate,clean_accumulate,"
+                 "fault_outside")
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
 

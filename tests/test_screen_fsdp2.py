@@ -13,13 +13,14 @@ import pytest
 from conftest import ROOT, results, torchrun
 
 WORLD = 3
-pytestmark = pytest.mark.slow  # one torchrun of nine FSDP2 runs: about 35 s on 2 cores
+pytestmark = pytest.mark.slow  # one torchrun of ten FSDP2 runs: about 40 s on 2 cores
 
 
 @pytest.fixture(scope="module")
 def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("screen_fsdp2")
-    scenarios = "fault,clean,spike,lightning,lightning_clean,fault_same,spike_same,fault_accumulate,clean_accumulate"
+    scenarios = ("fault,clean,spike,lightning,lightning_clean,fault_same,spike_same,fault_accumulate,clean_accumulate,"
+                 "fault_outside")
     torchrun(ROOT / "tests" / "screen_fsdp2_scenarios.py", path, scenarios, WORLD)
     return path
 
@@ -96,6 +97,10 @@ def test_with_gradient_sync_off_on_accumulation_micro_batches_the_same_verdict(o
     The audit at step 0 and the partner's recomputation mirror the owner's sync: rank 1 named at step 12; clean: no
     verdict, every step screened."""
     runs = results(out, "fault_accumulate", WORLD)
+    for r in results(out, "fault_outside", WORLD):  # the loss computed in the loop: rank 1 named the same way
+        e = r["error"]
+        assert (e["type"], e["step"], e["suspects"], e["details"]["source"]) == ("ReplayMismatchError", 12, [1],
+                                                                                "gradient_screen"), e  # fmt: skip
     error = runs[0]["error"]
     assert all(r["error"] == error for r in runs)
     assert error["type"] == "ReplayMismatchError" and (error["step"], error["rank"]) == (12, 1), error
