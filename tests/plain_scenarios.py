@@ -12,7 +12,7 @@ runs the named scenarios one after the other in one process group; each rank wri
   (``torch.compile`` of the body), ``conv`` (conv + BatchNorm, channels-last); ``fsdp``
   (``fully_shard`` of each layer and the root, 4 ranks or more); ``outside`` (the MLP returning its outputs, a tuple
   with a dict, and the loop computing the loss from them with no ``loss_fn``: the replay recomputes by their gradients;
-  ``small``: over ``replay_max_state_mb``, refused with the fix);
+  ``small``: over ``replay_max_state_mb``, refused with the fix; ``twice``: two forwards before one backward, refused);
 * kinds: ``off`` (no checks: the reference weights), ``clean`` (every check, the replay at every
   second step), ``nan`` (a NaN in rank 1's local gradient at step 2; at steps 2-4 with the fp16
   GradScaler, which skips a lone overflow itself), ``activation`` (a wrong
@@ -291,6 +291,8 @@ def train(name: str, out: Path, device: torch.device) -> dict[str, Any]:
     saved: dict[str, Any] | None = None
 
     def forward(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:  # ``outside``: the loss computed here
+        if kind == "twice":  # two views of the batch through the model before one backward
+            return outside_loss(wrapped(x), y, world) + outside_loss(wrapped(x * 0.5), y, world)
         return outside_loss(wrapped(x), y, world) if model_name == "outside" else wrapped(x, y)
     with warnings.catch_warnings(record=True) as warned:  # what the checks warn while training
         warnings.simplefilter("always")

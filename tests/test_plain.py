@@ -59,7 +59,8 @@ def ddp(tmp_path_factory: pytest.TempPathFactory) -> Path:
     kinds = (*KINDS, "save", "flip_audited", "flip_audited_nofp", "flip_audited_heal", "matmul_clean", "matmul",
              "matmul_backward", "nan_deferred", "nan_early_deferred", "zero", "accumulate", "accumulate_synced")
     more = ["own:clean", "own:flip", "sparse:clean", "sparse:activation", "mlp:compiled", "mlp:compiled_activation",
-            "outside:off", "outside:clean", "outside:activation", "outside:accumulate", "outside:small"]
+            "outside:off", "outside:clean", "outside:activation", "outside:accumulate", "outside:small",
+            "outside:twice"]
     return launch(tmp_path_factory.mktemp("plain_ddp"), [f"mlp:{k}" for k in kinds] + more, 3)
 
 
@@ -116,6 +117,11 @@ def test_a_loss_computed_in_the_loop_from_the_outputs_is_replayed_without_being_
     small = same_error(ddp, "outside:small", 3)  # outputs over the step's budget: the fix, at the first audit
     assert (small["type"], small["step"]) == ("ValueError", 0), small
     assert "raise replay_max_state_mb" in small["message"], small["message"]
+    # two forwards before one backward: a partner's backward per forward rounds differently (under autocast it
+    # named a healthy rank): refused on every rank, each text once
+    twice = same_error(ddp, "outside:twice", 3)
+    assert (twice["type"], twice["step"]) == ("ReplayUnavailableError", 0), twice
+    assert "ranks 0, 1, 2, each replaying its owner: the model ran again before the backward" in twice["message"]
 
 
 def test_a_compiled_ddp_model_is_checked(ddp: Path) -> None:

@@ -48,6 +48,7 @@ class LoopCapture:
         self._replaying = False
         self._loss: torch.Tensor | None = None  # the loss of the step's forwards so far (the screen's value)
         self._grads: list[Any] | None = None  # the recorded forward's output gradients, filled in its backward
+        self._awaiting_backward: int | None = None  # the step of a recorded forward whose backward has not run yet
 
     def state_hooks(self, module: nn.Module) -> tuple[Any, Any]:
         """``(get, load)`` for the replay's state capture: the explicit hooks, else the model's own methods."""
@@ -104,6 +105,10 @@ class LoopCapture:
         assert replay is not None
         self._grads = None
         if self._recording_forward(module) and replay.arm(self._loop.step):
+            if self._awaiting_backward == self._loop.step:  # two forwards feed one backward: each replays alone
+                replay.refuse("the model ran again before the backward of its previous forward (two views of a "
+                              "batch?), which a partner re-runs with a backward each, rounding differently; compute "
+                              "the step's loss in one SDCHooks.replayable(fn)")
             self._grads = []
             _record(replay, module, ("forward", 0, args, kwargs), self._grads)
 
@@ -113,6 +118,10 @@ class LoopCapture:
         if not self._recording_forward(module):
             return None
         grads, self._grads = self._grads, None
+        watched: list[torch.Tensor] = []
+        if grads is not None and _aliased(outputs, watched, alias=False) is not None and watched:
+            self._awaiting_backward = self._loop.step  # until a gradient reaches one of its outputs
+            torch.autograd.graph.register_multi_grad_hook(watched, self._backward_ran, mode="any")
         if grads is not None and self._loop.loss_fn is None and _own_loss(outputs) is None:  # a loss outside
             aliased = self._through_outputs(outputs, grads, replay)
             if aliased is not None:
@@ -127,6 +136,9 @@ class LoopCapture:
             if loss is not None:
                 self._add_loss(loss)
         return None
+
+    def _backward_ran(self, grad: torch.Tensor) -> None:
+        self._awaiting_backward = None
 
     def _through_outputs(self, outputs: Any, grads: list[Any], replay: Any) -> Any:
         """``outputs`` aliased (``_aliased``), the gradient the loss sends into them recorded in ``grads`` (and the
@@ -213,18 +225,18 @@ def _own_loss(outputs: Any) -> Any:
     return None
 
 
-def _aliased(outputs: Any, found: list[torch.Tensor]) -> Any:
+def _aliased(outputs: Any, found: list[torch.Tensor], alias: bool = True) -> Any:
     """``outputs`` (nested tuples, lists, dicts, ``ModelOutput``) with each tensor that requires grad replaced by a view
-    of itself, added to ``found`` (dicts and lists changed in place): the gradient a loss sends into an alias is that
-    loss's alone, not also that of another output computed from it."""
+    of itself, added to ``found`` (dicts and lists changed in place; ``alias=False``: found, not replaced): the gradient
+    a loss sends into an alias is that loss's alone, not also that of another output computed from it."""
     if isinstance(outputs, torch.Tensor) and outputs.requires_grad:
-        found.append(outputs.view_as(outputs))
+        found.append(outputs.view_as(outputs) if alias else outputs)
         return found[-1]
     if isinstance(outputs, dict | list):
         for key in list(outputs.keys() if isinstance(outputs, dict) else range(len(outputs))):
-            outputs[key] = _aliased(outputs[key], found)
+            outputs[key] = _aliased(outputs[key], found, alias)
     elif isinstance(outputs, tuple):
-        items = [_aliased(item, found) for item in outputs]
+        items = [_aliased(item, found, alias) for item in outputs]
         return type(outputs)(*items) if hasattr(outputs, "_fields") else type(outputs)(items)
     return outputs
 

@@ -355,7 +355,12 @@ def referee_sends(
 
 def failed_message(step: int, failures: Sequence[str], inverse: Sequence[int], advice: str) -> str:
     """The ``ReplayUnavailableError`` text for replays that raised (after ``RingReplay.label``)."""
-    listed = "; ".join(f"rank {r} replaying rank {inverse[r]}: {f}" for r, f in enumerate(failures) if f)
+    ranks: dict[str, list[int]] = {}  # each text once, with the ranks that reported it
+    for r, f in enumerate(failures):
+        if f:
+            ranks.setdefault(f, []).append(r)
+    listed = "; ".join(f"rank {rs[0]} replaying rank {inverse[rs[0]]}: {f}" if len(rs) == 1 else
+                       f"ranks {', '.join(map(str, rs))}, each replaying its owner: {f}" for f, rs in ranks.items())
     return (
         f"could not replay at step {step}: {listed}. Likely cause and fix: "
         f"{_cause([f for f in failures if f], advice)}.")

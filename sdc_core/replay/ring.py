@@ -271,6 +271,11 @@ class RingReplay:
                 mb.state = None
                 self._capture_error = self._capture_error or f"capturing its state: {describe(err)}"
 
+    def refuse(self, why: str) -> None:
+        """The armed step cannot be replayed faithfully (``why``): its audit raises ``ReplayUnavailableError``."""
+        if self._armed_step is not None and not self.replaying:
+            self._capture_error = self._capture_error or why
+
     def record_loss(self, loss: torch.Tensor) -> None:
         """The loss the owner back-propagates for the current audited micro-batch (no host sync)."""
         if self._armed_step is not None and not self.replaying:
