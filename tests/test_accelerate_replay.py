@@ -14,8 +14,9 @@ from conftest import ROOT, must_run, results, worker_env
 SCRIPT = Path(__file__).with_name("accelerate_replay_scenarios.py")
 # hook: labels outside the model, an extra loss term and state through the explicit hook;
 # by_world: a loss scaled by the number of processes (the HF Trainer's default); forward: the
-# forward hooks record, the model keeps a counter and a tensor it changes in place
-STYLES = ("hook", "by_world", "forward")
+# forward hooks record, the model keeps a counter and a tensor it changes in place; bare: a loss computed from the
+# outputs in the loop, scaled by the number of processes, with no loss_fn or replayable
+STYLES = ("hook", "by_world", "forward", "bare")
 MORE = ("outside", "z_loss")  # the same, one thing at a time (slow)
 SCENARIOS = [*(f"{s}_{a}" for s in STYLES for a in ("on", "off")), "closure", "outside_fault"]
 
