@@ -13,6 +13,7 @@ runs the named scenarios one after the other in one process group; each rank wri
   (``fully_shard`` of each layer and the root, 4 ranks or more); ``outside`` (the MLP returning its outputs, a tuple
   with a dict, and the loop computing the loss from them with no ``loss_fn``: the replay recomputes by their gradients;
   ``small``: over ``replay_max_state_mb``, refused with the fix; ``twice``: two forwards before one backward, refused);
+  ``outside_bf16`` (``outside`` under bf16 autocast: a wrong head output changes no gradient the partner recomputes);
 * kinds: ``off`` (no checks: the reference weights), ``clean`` (every check, the replay at every
   second step), ``nan`` (a NaN in rank 1's local gradient at step 2; at steps 2-4 with the fp16
   GradScaler, which skips a lone overflow itself), ``activation`` (a wrong
@@ -74,15 +75,15 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, y: torch.Tensor | None = None) -> Any:
         h = self.body(x)
-        out = self.head(h).float()
-        return (out, {"features": h}) if y is None else F.mse_loss(out, y)  # no labels: the outputs (``outside``)
+        out = self.head(h)
+        return (out, {"features": h}) if y is None else F.mse_loss(out.float(), y)  # no labels: ``outside``
 
 
 def outside_loss(outputs: Any, y: torch.Tensor, world: int) -> torch.Tensor:
     """A loss computed in the loop, as most hand-written loops do: scaled by the world size, with a term on the
     features (both outputs carry gradients)."""
     out, more = outputs
-    return F.mse_loss(out, y) * world + 1e-3 * more["features"].pow(2).mean()
+    return F.mse_loss(out.float(), y) * world + 1e-3 * more["features"].float().pow(2).mean()
 
 
 class Attention(nn.Module):
@@ -176,7 +177,7 @@ def build(model: str, device: torch.device) -> nn.Module:
 
 
 def autocast(model: str, device: torch.device) -> AbstractContextManager[Any]:
-    if model == "bf16" or (model == "attention" and device.type == "cuda"):
+    if model in ("bf16", "outside_bf16") or (model == "attention" and device.type == "cuda"):
         return torch.autocast(device.type, dtype=torch.bfloat16)
     if model == "fp16":
         return torch.autocast(device.type, dtype=torch.float16)
@@ -293,7 +294,7 @@ def train(name: str, out: Path, device: torch.device) -> dict[str, Any]:
     def forward(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:  # ``outside``: the loss computed here
         if kind == "twice":  # two views of the batch through the model before one backward
             return outside_loss(wrapped(x), y, world) + outside_loss(wrapped(x * 0.5), y, world)
-        return outside_loss(wrapped(x), y, world) if model_name == "outside" else wrapped(x, y)
+        return outside_loss(wrapped(x), y, world) if model_name.startswith("outside") else wrapped(x, y)
     with warnings.catch_warnings(record=True) as warned:  # what the checks warn while training
         warnings.simplefilter("always")
         try:

@@ -720,3 +720,21 @@ def test_nonfinite_flags_are_exact_across_dtypes():
         torch.full((1000,), 3e38),  # finite values whose sum overflows: not flagged
     ]
     assert nonfinite_flags(tensors).tolist() == [False, False, True, True, False]
+
+
+def test_the_replay_unit_of_a_loss_outside_the_model_shows_a_changed_output_value() -> None:
+    """A loss computed outside the model is replayed by back-propagating the owner's gradient of its outputs, so the
+    gradients cannot show a wrong value of the last layer's output; ``sum <output, gradient>`` in float64 does, down
+    to one bf16 rounding step in one of 4096 outputs (summed in bf16 it would not), and its gradient is exactly the
+    recorded one."""
+    from sdc_core.driver.replay_capture import _unit_loss
+
+    g = torch.Generator().manual_seed(0)
+    out = torch.randn(64, 64, generator=g).bfloat16().requires_grad_()
+    grad = torch.randn(64, 64, generator=g).bfloat16()
+    wrong = out.detach().clone()
+    wrong.view(torch.int16)[5, 7] += 1  # the next bf16 value (one rounding step)
+    assert wrong[5, 7] != out[5, 7]
+    assert _unit_loss([wrong], [grad]) != _unit_loss([out.detach()], [grad])
+    _unit_loss([out], [grad]).backward()
+    assert torch.equal(out.grad, grad)

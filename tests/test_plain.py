@@ -60,7 +60,7 @@ def ddp(tmp_path_factory: pytest.TempPathFactory) -> Path:
              "matmul_backward", "nan_deferred", "nan_early_deferred", "zero", "accumulate", "accumulate_synced")
     more = ["own:clean", "own:flip", "sparse:clean", "sparse:activation", "mlp:compiled", "mlp:compiled_activation",
             "outside:off", "outside:clean", "outside:activation", "outside:accumulate", "outside:small",
-            "outside:twice"]
+            "outside:twice", "outside_bf16:clean", "outside_bf16:activation"]
     return launch(tmp_path_factory.mktemp("plain_ddp"), [f"mlp:{k}" for k in kinds] + more, 3)
 
 
@@ -113,6 +113,11 @@ def test_a_loss_computed_in_the_loop_from_the_outputs_is_replayed_without_being_
     accumulate = results(ddp, "outside:accumulate", 3)
     assert all(r["error"] is None for r in accumulate) and accumulate[0]["state"]["checks"]["ring_replay"]["runs"] == 3
     err = same_error(ddp, "outside:activation", 3)
+    assert (err["type"], err["rank"], err["step"]) == ("ReplayMismatchError", 2, 2), err["message"]
+    bf16 = results(ddp, "outside_bf16:clean", 3)  # under bf16 autocast: still exact
+    assert all(r["error"] is None for r in bf16), bf16[0]["error"]
+    assert bf16[0]["state"]["checks"]["ring_replay"]["extra"]["tolerance"] == 0
+    err = same_error(ddp, "outside_bf16:activation", 3)
     assert (err["type"], err["rank"], err["step"]) == ("ReplayMismatchError", 2, 2), err["message"]
     small = same_error(ddp, "outside:small", 3)  # outputs over the step's budget: the fix, at the first audit
     assert (small["type"], small["step"]) == ("ValueError", 0), small

@@ -147,7 +147,7 @@ class LoopCapture:
         outputs = _aliased(outputs, tensors)
         budget = replay.capture.max_bytes if replay.capture is not None else 256 * 2**20  # the step's, as the state's
         kept = [g for mb in replay.recording[:-1] for g in (mb.batch[6] if len(mb.batch) > 6 else []) if g is not None]
-        if not tensors or sum(t.numel() * t.element_size() for t in [*kept, *tensors]) > budget:
+        if not tensors or sum(t.numel() * 8 for t in [*kept, *tensors]) > budget:  # as float64 (``_unit_loss``)
             return None
         values = [t.detach() for t in tensors]
 
@@ -243,12 +243,16 @@ def _aliased(outputs: Any, found: list[torch.Tensor], alias: bool = True) -> Any
 
 def _unit_loss(outputs: list[torch.Tensor], grads: Any) -> torch.Tensor:
     """sum_i <outputs_i, grads_i> in float64: its gradient at each output is exactly ``grads_i``, so back-propagating
-    it gives the owner's gradients. ``ValueError`` for recorded gradients that do not fit the outputs."""
+    it gives the owner's gradients, and a changed output value changes it (the gradients alone would not show a wrong
+    value of the last layer's output: the owner's gradient of the loss is taken as given). ``ValueError`` for recorded
+    gradients that do not fit the outputs. Cost: the outputs and gradients in float64, once."""
     fits = isinstance(grads, list) and len(grads) == len(outputs)
     if not fits or any(g is not None and (not isinstance(g, torch.Tensor) or g.shape != t.shape)
                        for t, g in zip(outputs, grads, strict=True)):  # fmt: skip
         raise ValueError("the recorded output gradients do not match the model's outputs")
-    terms = [(t * g.to(t.device, t.dtype)).sum().double() for t, g in zip(outputs, grads, strict=True) if g is not None]
+    with torch.autocast(outputs[0].device.type if outputs else "cpu", enabled=False):  # alike in forward and backward
+        terms = [(t.double() * g.to(t.device, torch.float64)).sum() for t, g in zip(outputs, grads, strict=True)
+                 if g is not None]  # fmt: skip
     if not terms:
         raise ValueError("no gradient reached the model's outputs")
     return sum(terms[1:], terms[0])
