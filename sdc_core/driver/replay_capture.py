@@ -235,9 +235,11 @@ def _aliased(outputs: Any, found: list[torch.Tensor], alias: bool = True) -> Any
     if isinstance(outputs, dict | list):
         for key in list(outputs.keys() if isinstance(outputs, dict) else range(len(outputs))):
             outputs[key] = _aliased(outputs[key], found, alias)
-    elif isinstance(outputs, tuple):
+    elif isinstance(outputs, tuple):  # rebuilt when a plain or named tuple (another kind is found, not aliased)
+        alias = alias and (type(outputs) is tuple or hasattr(outputs, "_fields"))
         items = [_aliased(item, found, alias) for item in outputs]
-        return type(outputs)(*items) if hasattr(outputs, "_fields") else type(outputs)(items)
+        if alias:
+            return type(outputs)(*items) if hasattr(outputs, "_fields") else tuple(items)
     return outputs
 
 
