@@ -254,14 +254,13 @@ class RingReplay:
 
     def begin(self, device: torch.device | None = None, rng: bool = True) -> None:
         """The step of the last recorded micro-batch starts now: (re)capture its RNG (``rng``) and state."""
-        kept = self.keeping
-        micro = self.kept.batches if kept else self._micro
-        if (self._armed_step is None and not kept) or not micro or self.replaying:
+        micro = self.recording
+        if not micro or self.replaying:
             return
         mb = micro[-1]
         if rng:
             mb.cpu_rng, mb.cuda_rng, mb.py_rng, mb.np_rng = all_rng(device)
-        if self.config.deterministic and not kept:  # the owner's forward and backward: in the replays' mode
+        if self.config.deterministic and not self.keeping:  # the owner's forward and backward: in the replays' mode
             self._window.enter(self.calibration.strict(self.config))
         if self.capture is not None:  # one budget for all micro-batches of the step (held until the audit)
             used = sum(m.state.nbytes for m in micro[:-1] if m.state is not None)

@@ -25,15 +25,12 @@ from sdc_core.replay.ring import RingReplay
 from sdc_core.replay.rng import all_rng, set_rng
 from sdc_core.replay.state import MicroBatch, Rerun, StateCapture
 from sdc_core.sharded.checks import group_label, local
-from sdc_core.sharded.tap import GradientTapComm, drop_unreduced_grads, fsdp_taps, set_gradient_sync
+from sdc_core.sharded.tap import GradientTapComm, drop_unreduced_grads, fsdp_param_groups, fsdp_taps, set_gradient_sync
 
 
 def _other_parallel_meshes(module: nn.Module) -> list[tuple[Any, tuple[str, ...], list[int]]]:
     """``(root mesh, dimension names, dimensions of size > 1 FSDP does not use)`` per distinct root mesh with any."""
-    from sdc_core.sharded.tap import FSDPModule
-
-    fsdp_meshes = [pg.mesh_info.mesh for m in module.modules() if FSDPModule is not None and isinstance(m, FSDPModule)
-                   for pg in m._get_fsdp_state()._fsdp_param_groups]
+    fsdp_meshes = [pg.mesh_info.mesh for pg in fsdp_param_groups(module)]
     fsdp_dims = {n for mesh in fsdp_meshes for n in (mesh.mesh_dim_names or ())}
     found: list[tuple[Any, tuple[str, ...], list[int]]] = []
     for p in module.parameters():

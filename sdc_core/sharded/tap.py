@@ -83,23 +83,27 @@ def fsdp_taps(module: nn.Module) -> list[GradientTapComm]:
     reduce-scatter spans one rank never calls the comm: it is left out, with a warning."""
     names = {id(p): n for n, p in module.named_parameters()}
     taps: list[GradientTapComm] = []
-    for m in _fsdp_modules(module):
-        for pg in m._get_fsdp_state()._fsdp_param_groups:
-            comm = pg._reduce_scatter_comm
-            if not isinstance(comm, GradientTapComm):
-                group = pg.mesh_info.shard_process_group if hasattr(pg.mesh_info, "shard_process_group") else None
-                if group is not None and group.size() == 1:
-                    warnings.warn("a parameter group is not sharded (shard size 1): its local gradients are "
-                                  "not visible to the non-finite check", UserWarning, stacklevel=2)  # fmt: skip
-                    continue
-                comm = GradientTapComm(comm, [names.get(id(fp.sharded_param), "?") for fp in pg.fsdp_params], pg)
-                pg._reduce_scatter_comm = comm
-            taps.append(comm)
+    for pg in fsdp_param_groups(module):
+        comm = pg._reduce_scatter_comm
+        if not isinstance(comm, GradientTapComm):
+            group = pg.mesh_info.shard_process_group if hasattr(pg.mesh_info, "shard_process_group") else None
+            if group is not None and group.size() == 1:
+                warnings.warn("a parameter group is not sharded (shard size 1): its local gradients are "
+                              "not visible to the non-finite check", UserWarning, stacklevel=2)  # fmt: skip
+                continue
+            comm = GradientTapComm(comm, [names.get(id(fp.sharded_param), "?") for fp in pg.fsdp_params], pg)
+            pg._reduce_scatter_comm = comm
+        taps.append(comm)
     return taps
 
 
 def _fsdp_modules(module: nn.Module) -> list[Any]:
     return [m for m in module.modules() if FSDPModule is not None and isinstance(m, FSDPModule)]
+
+
+def fsdp_param_groups(module: nn.Module) -> list[Any]:
+    """Every FSDP2 parameter group in ``module`` (FSDP's own objects: there is no public view of them)."""
+    return [pg for m in _fsdp_modules(module) for pg in m._get_fsdp_state()._fsdp_param_groups]
 
 
 def set_gradient_sync(module: nn.Module, on: bool) -> None:
@@ -110,11 +114,10 @@ def set_gradient_sync(module: nn.Module, on: bool) -> None:
 
 def drop_unreduced_grads(module: nn.Module) -> None:
     """Drop the unsharded gradients FSDP2 accumulates while gradient sync is off (no public API does)."""
-    for m in _fsdp_modules(module):
-        for fp in (fp for pg in m._get_fsdp_state()._fsdp_param_groups for fp in pg.fsdp_params):
-            fp.unsharded_accumulated_grad = None
-            if getattr(fp, "_unsharded_param", None) is not None:
-                fp._unsharded_param.grad = None
+    for fp in (fp for pg in fsdp_param_groups(module) for fp in pg.fsdp_params):
+        fp.unsharded_accumulated_grad = None
+        if getattr(fp, "_unsharded_param", None) is not None:
+            fp._unsharded_param.grad = None
 
 
-__all__ = ["GradientTapComm", "drop_unreduced_grads", "fsdp_taps", "set_gradient_sync"]
+__all__ = ["GradientTapComm", "drop_unreduced_grads", "fsdp_param_groups", "fsdp_taps", "set_gradient_sync"]
