@@ -118,14 +118,12 @@ class LoopCapture:
         if not self._recording_forward(module):
             return None
         grads, self._grads = self._grads, None
-        watched: list[torch.Tensor] = []
-        if grads is not None and _aliased(outputs, watched, alias=False) is not None and watched:
-            self._awaiting_backward = self._loop.step  # until a gradient reaches one of its outputs
-            torch.autograd.graph.register_multi_grad_hook(watched, self._backward_ran, mode="any")
         if grads is not None and self._loop.loss_fn is None and _own_loss(outputs) is None:  # a loss outside
-            aliased = self._through_outputs(outputs, grads, replay)
+            aliased = self._through_outputs(outputs, grads, replay)  # watches for the backward itself
             if aliased is not None:
                 return aliased
+        if grads is not None:
+            self._watch_backward(outputs)
         loss = self.backward_loss(outputs, args, kwargs).detach() if replay.armed else None
         if loss is not None:
             replay.record_loss(loss)
@@ -137,7 +135,16 @@ class LoopCapture:
                 self._add_loss(loss)
         return None
 
-    def _backward_ran(self, grad: torch.Tensor) -> None:
+    def _watch_backward(self, outputs: Any) -> None:
+        """Until a gradient reaches one of a recorded forward's ``outputs``, another forward of the step shares its
+        backward (``_before_forward`` refuses the step)."""
+        watched: list[torch.Tensor] = []
+        _aliased(outputs, watched, alias=False)
+        if watched:
+            self._awaiting_backward = self._loop.step
+            torch.autograd.graph.register_multi_grad_hook(watched, self._backward_ran, mode="any")
+
+    def _backward_ran(self, grad: Any) -> None:
         self._awaiting_backward = None
 
     def _through_outputs(self, outputs: Any, grads: list[Any], replay: Any) -> Any:
@@ -145,17 +152,19 @@ class LoopCapture:
         owner's loss as a partner computes it, ``_unit_loss``); None when none has a gradient or over the budget."""
         tensors: list[torch.Tensor] = []
         outputs = _aliased(outputs, tensors)
-        budget = replay.capture.max_bytes if replay.capture is not None else 256 * 2**20  # the step's, as the state's
+        budget = replay.config.max_state_mb * 2**20  # the step's, as the state capture's
         kept = [g for mb in replay.recording[:-1] for g in (mb.batch[6] if len(mb.batch) > 6 else []) if g is not None]
         if not tensors or sum(t.numel() * 8 for t in [*kept, *tensors]) > budget:  # as float64 (``_unit_loss``)
             return None
         values = [t.detach() for t in tensors]
 
         def landed(gs: Any) -> None:
+            self._backward_ran(gs)
             grads[:] = [None if g is None else g.detach() for g in gs]
             if any(g is not None for g in grads):
                 replay.record_loss(_unit_loss(values, grads))
 
+        self._awaiting_backward = self._loop.step
         torch.autograd.graph.register_multi_grad_hook(tensors, landed)
         return outputs
 
