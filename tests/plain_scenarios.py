@@ -14,6 +14,8 @@ runs the named scenarios one after the other in one process group; each rank wri
   with a dict, and the loop computing the loss from them with no ``loss_fn``: the replay recomputes by their gradients;
   ``small``: over ``replay_max_state_mb``, refused with the fix; ``twice``: two forwards before one backward, refused);
   ``outside_bf16`` (``outside`` under bf16 autocast: a wrong head output changes no gradient the partner recomputes);
+  ``screened``: a head output 10^6 times too large on rank 2 at step 3, which the replay (every 100 steps) does not
+  audit: the screen flags the outputs' projection and the partner's recomputation confirms it;
 * kinds: ``off`` (no checks: the reference weights), ``clean`` (every check, the replay at every
   second step), ``nan`` (a NaN in rank 1's local gradient at step 2; at steps 2-4 with the fp16
   GradScaler, which skips a lone overflow itself), ``activation`` (a wrong
@@ -209,6 +211,8 @@ def faults(model: str, kind: str) -> list[Fault]:
         return [Fault("nonfinite_gradient", rank=1, step=3 if kind == "nan_deferred" else 1, target=grad)]
     if kind in ("activation", "accumulate_activation"):
         return [Fault("module_output", rank=2, step=2, target=module, factor=1.5, index=3)]
+    if kind == "screened":  # a wrong output far out of band at a step the replay does not audit
+        return [Fault("module_output", rank=2, step=3, target=module, factor=1e6, index=3)]
     if kind == "flip":
         return [Fault("weight_bit_flip", rank=1, step=2, target=weight, index=5, bit=27)]
     if kind in ("matmul", "matmul_backward"):  # a wrong element inside a product, once, at a step not audited
@@ -274,6 +278,8 @@ def train(name: str, out: Path, device: torch.device) -> dict[str, Any]:
             settings |= {"matmul_checksum": True}
         if kind.endswith("_deferred"):
             settings |= {"replay_every_n_steps": 0}
+        if kind == "screened":  # the replay at its default cadence: step 0 audited, the screen on every step
+            settings |= {"replay_every_n_steps": 100}
         if kind == "flip_audited_nofp":  # no fingerprint check: a one-off comparison names the weight fault
             settings |= {"fingerprint_every_n_steps": 0}
         if kind == "flip_audited_heal":  # the weight fault healed: the replay's symptom drops the step

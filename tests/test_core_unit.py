@@ -736,5 +736,10 @@ def test_the_replay_unit_of_a_loss_outside_the_model_shows_a_changed_output_valu
     wrong.view(torch.int16)[5, 7] += 1  # the next bf16 value (one rounding step)
     assert wrong[5, 7] != out[5, 7]
     assert _unit_loss([wrong], [grad]) != _unit_loss([out.detach()], [grad])
+    flipped = out.detach().clone()
+    flipped[5, 7] *= -1  # a sign flip changes the value too
+    assert _unit_loss([flipped], [grad]) != _unit_loss([out.detach()], [grad])
+    products = out.detach().double() * grad.double()  # no sum that cancels: at least half of sum |p|, at most 1.5x
+    assert 0.5 <= float(_unit_loss([out.detach()], [grad]) / products.abs().sum()) <= 1.5
     _unit_loss([out], [grad]).backward()
     assert torch.equal(out.grad, grad)

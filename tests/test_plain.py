@@ -60,7 +60,8 @@ def ddp(tmp_path_factory: pytest.TempPathFactory) -> Path:
              "matmul_backward", "nan_deferred", "nan_early_deferred", "zero", "accumulate", "accumulate_synced")
     more = ["own:clean", "own:flip", "sparse:clean", "sparse:activation", "mlp:compiled", "mlp:compiled_activation",
             "outside:off", "outside:clean", "outside:activation", "outside:accumulate", "outside:small",
-            "outside:twice", "outside_bf16:clean", "outside_bf16:activation"]
+            "outside:twice", "outside_bf16:clean", "outside_bf16:activation", "outside:screened",
+            "outside_bf16:screened"]
     return launch(tmp_path_factory.mktemp("plain_ddp"), [f"mlp:{k}" for k in kinds] + more, 3)
 
 
@@ -127,6 +128,12 @@ def test_a_loss_computed_in_the_loop_from_the_outputs_is_replayed_without_being_
     twice = same_error(ddp, "outside:twice", 3)
     assert (twice["type"], twice["step"]) == ("ReplayUnavailableError", 0), twice
     assert "ranks 0, 1, 2, each replaying its owner: the model ran again before the backward" in twice["message"]
+    # a head output 10^6 too large at step 3, which the replay does not audit: the screen's row holds the outputs'
+    # projection on the loss's gradients, and the partner's smaller one confirms it (it was cleared as a genuine spike)
+    for name in ("outside:screened", "outside_bf16:screened"):
+        err = same_error(ddp, name, 3)
+        assert (err["type"], err["rank"], err["step"]) == ("ReplayMismatchError", 2, 3), err["message"]
+        assert err["details"]["source"] == "gradient_screen" and "rank 2's loss out of band" in err["message"]
 
 
 def test_a_compiled_ddp_model_is_checked(ddp: Path) -> None:

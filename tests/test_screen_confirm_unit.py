@@ -31,6 +31,19 @@ def test_a_recomputation_inside_the_band_confirms() -> None:
     assert _judge(result((0.0, 1.0, 20.0)), 1, [0.1, 1.0, -1.0]) == "confirmed"  # a wrong loss
 
 
+def test_a_loss_outside_the_model_confirms_by_the_outputs_projection() -> None:
+    """The partner back-propagates the owner's gradients of the outputs, so its gradients share a spike the loss sent;
+    the outputs' projection larger on the owner by more than the loss's band is a wrong forward. Only with
+    ``projected``, only larger on the owner, and never from a non-finite value."""
+    flagged = result((12.0, 12.0, 30.0))
+    assert _judge(flagged, 1, [12.1, 12.0, 20.0], projected=True) == "confirmed"
+    assert _judge(flagged, 1, [12.1, 12.0, 20.0]) == "unconfirmed"  # a loss of its own: out of band, proves nothing
+    assert _judge(flagged, 1, [12.1, 12.0, 26.0], projected=True) == "unconfirmed"  # within the band of the owner's
+    assert _judge(result((12.0, 12.0, 20.0)), 1, [12.1, 12.0, 30.0], projected=True) == "unconfirmed"  # larger
+    assert _judge(result((12.0, 12.0, INF)), 1, [12.1, 12.0, 20.0], projected=True) == "unconfirmed"
+    assert _judge(result((12.0, 12.0, 30.1)), 1, [12.1, 12.0, 30.0], projected=True) == "cleared"
+
+
 def test_nothing_recomputed_or_a_partner_out_of_band_accuses_no_one() -> None:
     flagged = result((12.0, 1.0, -1.0))
     assert _judge(flagged, 1, [NAN, NAN, NAN]) == "unconfirmed"

@@ -162,7 +162,9 @@ class LoopCapture:
             self._backward_ran(gs)
             grads[:] = [None if g is None else g.detach() for g in gs]
             if any(g is not None for g in grads):
-                replay.record_loss(_unit_loss(values, grads))
+                replay.record_loss(loss := _unit_loss(values, grads).detach())
+                if self._loop.screen is not None:
+                    self._add_loss(loss)
 
         self._awaiting_backward = self._loop.step
         torch.autograd.graph.register_multi_grad_hook(tensors, landed)
@@ -214,6 +216,7 @@ class LoopCapture:
                     return self.backward_loss(outputs, args, kwargs)
                 tensors: list[torch.Tensor] = []
                 _aliased(outputs, tensors)
+                self._loop.replay.projected = True  # the outputs' projection: what the owner's screen row holds
                 return _unit_loss(tensors, grads)
         finally:
             self._replaying = False
@@ -253,20 +256,22 @@ def _aliased(outputs: Any, found: list[torch.Tensor], alias: bool = True) -> Any
 
 
 def _unit_loss(outputs: list[torch.Tensor], grads: Any) -> torch.Tensor:
-    """sum_i <outputs_i, grads_i> in float64: its gradient at each output is exactly ``grads_i``, so back-propagating
-    it gives the owner's gradients, and a changed output value changes it (the gradients alone would not show a wrong
-    value of the last layer's output: the owner's gradient of the loss is taken as given). ``ValueError`` for recorded
-    gradients that do not fit the outputs. Cost: the outputs and gradients in float64, once."""
+    """A float64 scalar whose gradient at each output is exactly ``grads_i`` (that of sum_i <outputs_i, grads_i>), so
+    back-propagating it gives the owner's gradients, and whose value, sum of |p| + p / 2 over the products p of outputs
+    and gradients, changes with a changed output value (the gradients alone would not show a wrong value of the last
+    layer's output: the owner's gradient of the loss is taken as given) and is at least half of sum |p|: no sum that
+    cancels, a magnitude the screen can compare. ``ValueError`` for recorded gradients that do not fit the outputs.
+    Cost: the outputs and gradients in float64, once."""
     fits = isinstance(grads, list) and len(grads) == len(outputs)
     if not fits or any(g is not None and (not isinstance(g, torch.Tensor) or g.shape != t.shape)
                        for t, g in zip(outputs, grads, strict=True)):  # fmt: skip
         raise ValueError("the recorded output gradients do not match the model's outputs")
     with torch.autocast(outputs[0].device.type if outputs else "cpu", enabled=False):  # alike in forward and backward
-        terms = [(t.double() * g.to(t.device, torch.float64)).sum() for t, g in zip(outputs, grads, strict=True)
-                 if g is not None]  # fmt: skip
+        terms = [t.double() * g.to(t.device).double() for t, g in zip(outputs, grads, strict=True) if g is not None]
     if not terms:
         raise ValueError("no gradient reached the model's outputs")
-    return sum(terms[1:], terms[0])
+    unit = sum((p.sum() for p in terms[1:]), terms[0].sum())
+    return unit + (sum(p.detach().abs().sum() + p.detach().sum() / 2 for p in terms) - unit).detach()
 
 
 def _loss_of(result: Any) -> torch.Tensor:

@@ -58,14 +58,16 @@ def confirm_hits(
         replay.stats.bump("screen_unconfirmed", len(hits))
         return None
     width = len(result.values[0]) - 1  # the groups, then the loss
-    mine = torch.full((width + 1,), float("nan"), dtype=torch.float64)  # the groups' peaks, the loss (log2)
+    mine = torch.full((width + 2,), float("nan"), dtype=torch.float64)  # the groups' peaks, the loss (log2), projected
     note = ""
     batches = received.get(owner)
     if collective:
         batches, note = _agree(replay, batches)
     if isinstance(batches, list) and batches:
         try:
-            mine = _recomputed_peaks(replay, Rerun(module, step_fn, to_device, context), batches, group_of, width)
+            replay.projected = False
+            mine[:-1] = _recomputed_peaks(replay, Rerun(module, step_fn, to_device, context), batches, group_of, width)
+            mine[-1] = float(replay.projected)
         except Exception as err:  # every rank still meets at the gather below
             note = describe(err)
     elif isinstance(batches, str):
@@ -73,7 +75,8 @@ def confirm_hits(
     rows = all_gather_tensor(mine.to(collective_device())).cpu()  # world x width, float64
     confirmed, cleared = [], []
     for r in hits:
-        verdict = _judge(result, r, rows[partners[r]].tolist())
+        *row, projected = rows[partners[r]].tolist()
+        verdict = _judge(result, r, row, projected == 1.0)
         (confirmed if verdict == "confirmed" else cleared if verdict == "cleared" else []).append(r)
     replay.stats.bump("screen_cleared", len(cleared))
     replay.stats.bump("screen_unconfirmed", len(hits) - len(confirmed) - len(cleared))
@@ -140,15 +143,20 @@ def _escalated(result: Any, rank: int) -> bool:
     return reason == "nonfinite" and row[-1] == math.inf and all(v != math.inf for v in row[:-1])
 
 
-def _judge(result: Any, rank: int, recomputed: Sequence[float]) -> str:
+def _judge(result: Any, rank: int, recomputed: Sequence[float], projected: bool = False) -> str:
     """``"cleared"``, ``"confirmed"`` or ``"unconfirmed"`` for one flagged rank; ``recomputed``: the partner's
-    row, in ``result.values``' layout."""
+    row, in ``result.values``' layout. ``projected``: the loss is the outputs' projection on the owner's gradients of a
+    loss computed outside the model, which the partner's gradients share: its own gradients cannot fall back in band,
+    but the owner's outputs larger than the partner's by more than the loss's band are a wrong forward."""
     owner = result.values[rank]
     pairs = [(a, b) for a, b in zip(owner, recomputed, strict=True) if not (math.isnan(a) or math.isnan(b))]
     if not pairs:
         return "unconfirmed"  # nothing recomputed (or nothing to compare)
     if all(a == b if math.isinf(a) or math.isinf(b) else abs(a - b) <= REPRODUCED for a, b in pairs):
         return "cleared"  # the partner reproduced the flagged values: the batch gives them
+    gap = owner[-1] - recomputed[-1]  # NaN or Inf: no evidence
+    if projected and result.bands[len(owner) - 1] < gap < math.inf:
+        return "confirmed"
     return "confirmed" if in_band(list(recomputed), reference(result.values, rank), result.bands) else "unconfirmed"
 
 
@@ -164,7 +172,7 @@ def _error(result: Any, ranks: list[int], partners: Sequence[int], topo: Topolog
     else:
         saw = (f"{first.get('value')} out of band at step {result.step} (2^{first.get('excess', 0.0):.1f} above the "
                f"ranks' median, band 2^{first.get('band', 0.0):.1f})")
-        outcome = "stayed within the band"
+        outcome = "did not reproduce them (within the band of the other ranks, or outputs smaller by more than it)"
     reason = (f"the every-step gradient screen saw {who}'s {saw}; rank {first['recomputed_by']} recomputed the same "
               f"micro-batches on {weights} and {outcome}: {who} computed that step wrongly")
     details: dict[str, Any] = {"source": "gradient_screen", "screen": hits,

@@ -165,6 +165,7 @@ class RingReplay:
     label: str = "The ring replay audit"  # how failure texts name the audit (adapters: their class name)
     disabled: bool = False
     replaying: bool = False
+    projected: bool = False  # a re-run's loss was its outputs' projection on the owner's gradients (a loss outside)
     collective_reruns: bool = False  # a re-run runs collectives (sharded models): every rank replays in every round
     groups: list[tuple[int, ...]] | None = None  # ranks computing one batch together (tensor parallel), or None
     _armed_step: int | None = None
