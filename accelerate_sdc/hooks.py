@@ -76,8 +76,8 @@ class AccelerateFramework(Framework):
         if self.unwrap(model) is model:
             return (f"a plain {type(model).__name__} (not the DDP model `accelerator.prepare` returns: attach the "
                     f"prepared model; distributed_type={self.accelerator.distributed_type})")  # fmt: skip
-        return (f"distributed_type={self.accelerator.distributed_type} with a {type(model).__name__} model "
-                "(sharded strategies such as FSDP and DeepSpeed are not supported)")  # fmt: skip
+        return (f"distributed_type={self.accelerator.distributed_type} with a {type(model).__name__} model (FSDP1 "
+                "and DeepSpeed are not supported; FSDP2 is: fsdp_version: 2 in the Accelerate config)")  # fmt: skip
 
     def unwrap(self, model: nn.Module) -> nn.Module:  # not a compiled one: Accelerate 1.16 would re-point it past DDP
         return self.accelerator.unwrap_model(getattr(model, "_orig_mod", model))
