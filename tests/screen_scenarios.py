@@ -34,6 +34,7 @@ from sdc_core.checks.screen import GradientScreen, ScreenConfig
 from sdc_core.dist.topology import Topology
 from sdc_core.faults.checkpoint import bits_of_class
 from sdc_core.faults.inject import Fault, FaultInjector
+from sdc_core.ops import process_exit
 
 VOCAB, CLASSES, WIDTH = 256, 5, 32
 PRIORS = torch.tensor([0.6, 0.2, 0.1, 0.07, 0.03])
@@ -266,6 +267,7 @@ def main() -> None:
     if args.neighbours:
         screen_module.ALL_ROWS_UP_TO, screen_module.NEIGHBOURS = 1, args.neighbours
     dist.init_process_group("gloo")
+    process_exit.arm()  # as every adapter does on attach: no gloo thread may still need Python at exit (an abort)
     torch.set_num_threads(1)
     scenarios = {"clean": clean, "faults": faults, "early": early,
                  "rates": lambda out: rates(out, args.steps, args.every, args.seed),
