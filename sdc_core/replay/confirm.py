@@ -1,5 +1,6 @@
-"""Confirming a screen hit: a partner recomputes the suspect's kept micro-batches, in the same step, before anyone is
-named. Per flagged rank: reproduced within ``REPRODUCED``: cleared; differing and within the band: confirmed
+"""Confirming a screen hit: a partner recomputes the suspect's kept micro-batches (when the verdict is read: in the step
+or one step later) before anyone is named. Per flagged rank: reproduced within ``REPRODUCED``: cleared; differing and
+within the band, or, for a loss outside the model, outputs smaller than the owner's by more than the band: confirmed
 (``ReplayMismatchError``); anything else: unconfirmed, no verdict.
 
 Cost: nothing on a step without a flag; on a flagged step, the transfer, one forward and backward per suspect on its
