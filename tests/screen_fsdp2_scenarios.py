@@ -17,7 +17,8 @@ Scenarios:
 * ``fault_same``, ``spike_same``: read before the step's own update (``read="same_step"``): the
   fault named in step ``AT``, the spike reproduced by the partner on the same weights and cleared.
 * ``fault_outside``: the ``fault`` with the loss computed in the loop from the model's output (no ``loss_fn``): the
-  partner recomputes through the gradient the loss sent into the output; the same verdict.
+  partner recomputes through the gradient the loss sent into the output; the same verdict. ``spike_outside``: the
+  ``spike`` so: the partner's outputs give the owner's projection, nobody is named.
 * ``fault_accumulate``, ``clean_accumulate``: two micro-batches a step, the first with gradient sync off (as
   Accelerate's ``accumulate`` does on FSDP2), the fault in that first one: the same verdict; clean: none.
 """
@@ -177,7 +178,7 @@ def lightning(out: Path, name: str) -> dict[str, Any]:
 
 def main() -> None:
     args = parse("fault,clean,spike,lightning,lightning_clean,fault_same,spike_same,fault_accumulate,clean_accumulate,"
-                 "fault_outside")
+                 "fault_outside,spike_outside")
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
 
