@@ -155,8 +155,7 @@ def _judge(result: Any, rank: int, recomputed: Sequence[float], projected: bool 
         return "unconfirmed"  # nothing recomputed (or nothing to compare)
     if all(a == b if math.isinf(a) or math.isinf(b) else abs(a - b) <= REPRODUCED for a, b in pairs):
         return "cleared"  # the partner reproduced the flagged values: the batch gives them
-    gap = owner[-1] - recomputed[-1]  # NaN or Inf: no evidence
-    if projected and result.bands[len(owner) - 1] < gap < math.inf:
+    if projected and result.bands[len(owner) - 1] < owner[-1] - recomputed[-1] < math.inf:  # NaN, Inf: no evidence
         return "confirmed"
     return "confirmed" if in_band(list(recomputed), reference(result.values, rank), result.bands) else "unconfirmed"
 
