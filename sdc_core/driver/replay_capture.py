@@ -271,7 +271,7 @@ def _unit_loss(outputs: list[torch.Tensor], grads: Any) -> torch.Tensor:
     if not terms:
         raise ValueError("no gradient reached the model's outputs")
     unit = sum((p.sum() for p in terms[1:]), terms[0].sum())
-    return unit + (sum(p.detach().abs().sum() + p.detach().sum() / 2 for p in terms) - unit).detach()
+    return unit + (sum(p.detach().abs().sum() for p in terms) - unit.detach() / 2).detach()  # value: sum |p| + unit/2
 
 
 def _loss_of(result: Any) -> torch.Tensor:
