@@ -32,7 +32,9 @@ runs the named scenarios one after the other in one process group; each rank wri
   ``matmul``/``matmul_clean``/``matmul_backward`` (``matmul_checksum`` on; a wrong element inside
   rank 2's ``head`` product, forward or weight gradient, at step 3, which the replay does not
   audit), ``save`` (a clean run, then ``before_save``, a checkpoint written and loaded back, verified by a
-  fresh hook set; a changed weight refused).
+  fresh hook set; a changed weight refused), ``evaluated`` (``clean`` with an evaluation forward in eval mode after each
+  update, under ``no_grad`` or with autograd on and no backward, as validation loops run), ``discarded`` (a forward in
+  training mode, never back-propagated, before each step's: refused at the first audit with the fix).
 
 With several ranks on one GPU the process group is gloo (NCCL refuses two ranks on a device);
 ``--backend`` overrides. Each result holds the error (``SDCError.to_dict()``), the weights'
@@ -226,6 +228,18 @@ def faults(model: str, kind: str) -> list[Fault]:
     return []
 
 
+def evaluate(forward: Callable[..., torch.Tensor], model: nn.Module, x: torch.Tensor, y: torch.Tensor,
+             step: int) -> float:
+    """An evaluation forward between two steps, in eval mode and with no backward: under ``no_grad`` after even steps,
+    with autograd on (a metric read with ``float``, as loops that forget ``no_grad`` do) after odd ones."""
+    model.eval()
+    try:
+        with torch.no_grad() if step % 2 == 0 else nullcontext():
+            return float(forward(x, y))
+    finally:
+        model.train()
+
+
 def train(name: str, out: Path, device: torch.device) -> dict[str, Any]:
     model_name, kind = name.split(":")
     bucket_view = model_name.endswith("_bv")  # the gradients live in DDP's buckets (what a memory-tight audit uses)
@@ -315,6 +329,8 @@ def train(name: str, out: Path, device: torch.device) -> dict[str, Any]:
                     if sharded:
                         wrapped.set_requires_gradient_sync(True)
                     x, y = x[4:], y[4:]
+                if kind == "discarded":  # a forward in training mode whose result is never back-propagated
+                    float(forward(x, y))
                 with autocast(model_name, device), sdpa_backends(model_name, device):
                     loss = forward(x, y) / (2 if kind.startswith("accumulate") else 1)
                 if sharded and kind == "nan" and rank == 1 and step == 2:
@@ -328,6 +344,8 @@ def train(name: str, out: Path, device: torch.device) -> dict[str, Any]:
                     optimizer.step()
                 optimizer.zero_grad()
                 injector.after_step(step, net, [optimizer])
+                if kind == "evaluated":
+                    evaluate(forward, wrapped, x, y, step)
                 if sharded and kind == "flip" and rank == 1 and step == 2:
                     flip_bit(local(net.body.weight), 5, 22)  # at rest, after the update
             if hooks is not None:

@@ -61,7 +61,7 @@ def ddp(tmp_path_factory: pytest.TempPathFactory) -> Path:
     more = ["own:clean", "own:flip", "sparse:clean", "sparse:activation", "mlp:compiled", "mlp:compiled_activation",
             "outside:off", "outside:clean", "outside:activation", "outside:accumulate", "outside:small",
             "outside:twice", "outside_bf16:clean", "outside_bf16:activation", "outside:screened",
-            "outside_bf16:screened"]
+            "outside_bf16:screened", "mlp:evaluated", "outside:evaluated", "mlp:discarded"]
     return launch(tmp_path_factory.mktemp("plain_ddp"), [f"mlp:{k}" for k in kinds] + more, 3)
 
 
@@ -75,6 +75,24 @@ def test_zero_redundancy_optimizer_trains_clean_and_the_fingerprint_says_what_it
         assert [w for w in r["warnings"] if "ZeroRedundancyOptimizer" in w] == [r["warnings"][0]], r["warnings"]
     assert rows[0]["state"]["checks"]["ring_replay"]["runs"] >= 2
     assert all(r["warnings"] == [] for r in results(ddp, "mlp:clean", 3))  # a plain optimizer: no warning
+
+
+def test_evaluation_forwards_between_steps_change_nothing_the_checks_see(ddp: Path) -> None:
+    """A forward in eval mode after each update, with no backward (under ``no_grad``, or with autograd on as a loop
+    that forgets it runs): no alarm, the same audits and the same weights as the run without it, for a loss computed
+    in the model and one computed in the loop from the outputs. One in training mode is refused with the fix."""
+    for model in ("mlp", "outside"):
+        clean, evaluated = results(ddp, f"{model}:clean", 3), results(ddp, f"{model}:evaluated", 3)
+        assert all(r["error"] is None for r in evaluated), evaluated[0]["error"]
+        assert [r["weights"] for r in evaluated] == [r["weights"] for r in clean], model
+        runs = [r["state"]["checks"][c]["runs"] for r in (clean[0], evaluated[0])
+                for c in ("ring_replay", "weight_fingerprint")]
+        assert runs[:2] == runs[2:] and runs[0] >= 3, runs
+    # in training mode with autograd on, a forward never back-propagated looks like one view of two: refused with
+    # the fix at the first audit, not replayed
+    discarded = same_error(ddp, "mlp:discarded", 3)
+    assert (discarded["type"], discarded["step"]) == ("ReplayUnavailableError", 0), discarded
+    assert "or a training-mode forward never back-propagated (run that one in eval mode" in discarded["message"]
 
 
 def test_parameters_ddp_leaves_to_each_rank_are_never_compared_and_the_replay_is_off(ddp: Path) -> None:

@@ -106,9 +106,7 @@ class LoopCapture:
         self._grads = None
         if self._recording_forward(module) and replay.arm(self._loop.step):
             if self._awaiting_backward == self._loop.step:  # two forwards feed one backward: each replays alone
-                replay.refuse("the model ran again before the backward of its previous forward (two views of a "
-                              "batch?), which a partner re-runs with a backward each, rounding differently; compute "
-                              "the step's loss in one SDCHooks.replayable(fn)")
+                replay.refuse("the model ran again before the backward of its previous forward")
             self._grads = []
             _record(replay, module, ("forward", 0, args, kwargs), self._grads)
 
