@@ -72,10 +72,10 @@ def results(out: Path, scenario: str, world: int) -> list[dict[str, Any]]:
 # The scenarios of ``lightning_ddp_shared.py`` that the default runs of test_lightning_ddp, test_causal_order and
 # test_nonfinite_deferred read
 LIGHTNING_DDP_DEFAULT = [
-    "clean", "clean_exact", "clean_bf16", "clean_fp16", "clean_adam_buffers",
+    "clean", "clean_exact", "clean_bf16", "clean_fp16", "clean_validation", "clean_adam_buffers",
     "audit_off", "tap_only", "audit_on",
     "nonfinite", "nonfinite_all", "nonfinite_skip", "fingerprint", "optimizer_state",
-    "replay_persistent", "replay_intermittent", "comm_hook",
+    "replay_persistent", "replay_persistent_validated", "replay_intermittent", "comm_hook",
     "fp16_one_overflow", "fp16_sole_overflow", "replay_step_hook", "replay_crash",
     "heal", "heal_limit", "replay_transient_skip", "replay_persistent_skip", "rollback", "rollback_none",
     "save", "resume", "own_check", "flip", "flip_reversed",

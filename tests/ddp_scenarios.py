@@ -77,6 +77,14 @@ class Net(L.LightningModule):
         return torch.optim.SGD(groups, lr=0.05, momentum=0.9)
 
 
+class NetWithValidation(Net):
+    """Validates every second step (``val_check_interval=2``), logging a loss synced across the ranks."""
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", nn.functional.mse_loss(self(x).float(), y), sync_dist=True)
+
+
 class BrokenReplayOnRank1(Net):
     """A replay step that fails on rank 1 only: the audit must not leave the others waiting."""
 
@@ -139,8 +147,9 @@ def fit(
         **trainer_kwargs,
     )
     error = None
+    val = loader(48) if isinstance(model, NetWithValidation) else None
     try:
-        trainer.fit(model, loader(), ckpt_path=ckpt_path)
+        trainer.fit(model, loader(), val, ckpt_path=ckpt_path)
     except SDCError as err:
         error = err.to_dict()
     except ReplayUnavailableError as err:
@@ -236,6 +245,8 @@ SCENARIOS: dict[str, Any] = {
     "clean_exact": lambda o: fit(o, "clean_exact", all_checks(replay_every=1, exact=True)),
     "clean_bf16": lambda o: fit(o, "clean_bf16", all_checks(replay_every=1), precision="bf16-mixed"),
     "clean_fp16": lambda o: fit(o, "clean_fp16", all_checks(replay_every=1), plugins=[fp16_plugin()]),
+    "clean_validation": lambda o: fit(o, "clean_validation", all_checks(), model=NetWithValidation(),
+                                      val_check_interval=2, check_val_every_n_epoch=None),
     "clean_adam_buffers": lambda o: fit(
         o,
         "clean_adam_buffers",
@@ -305,6 +316,17 @@ SCENARIOS: dict[str, Any] = {
             RingReplayAudit(every_n_steps=2),
             FaultInjector([Fault("module_output", rank=1, step=3, target="head", index=4, factor=1.5)]),
         ],
+    ),
+    "replay_persistent_validated": lambda o: fit(
+        o,
+        "replay_persistent_validated",
+        [
+            RingReplayAudit(every_n_steps=2),
+            FaultInjector([Fault("module_output", rank=1, step=3, target="head", index=4, factor=1.5)]),
+        ],
+        model=NetWithValidation(),
+        val_check_interval=2,
+        check_val_every_n_epoch=None,
     ),
     "replay_intermittent": lambda o: fit(
         o,

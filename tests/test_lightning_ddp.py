@@ -44,7 +44,8 @@ def last_value(rows: list[dict[str, str]], key: str) -> float:
     return values[-1]
 
 
-@pytest.mark.parametrize("scenario", ["clean", "clean_exact", "clean_bf16", "clean_fp16", "clean_adam_buffers"])
+@pytest.mark.parametrize("scenario", ["clean", "clean_exact", "clean_bf16", "clean_fp16", "clean_validation",
+                                      "clean_adam_buffers"])
 def test_clean_runs_raise_nothing(out: Path, scenario: str) -> None:
     per_rank = results(out, scenario, WORLD)
     for r in per_rank:
@@ -113,6 +114,10 @@ def test_optimizer_state_flip_is_caught(out: Path) -> None:
 
 
 def test_persistent_compute_fault_is_attributed_by_two_pairs(out: Path) -> None:
+    # with a validation loop between the steps (Lightning's val_check_interval=2) as without
+    validated = error_on_every_rank(out, "replay_persistent_validated", "ReplayMismatchError")
+    assert (validated["step"], validated["rank"], validated["suspects"]) == (4, 1, [1])
+    assert last_value(metrics_rows(out, "clean_validation"), "val_loss") > 0  # the clean run validated too
     err = error_on_every_rank(out, "replay_persistent", "ReplayMismatchError")
     assert (err["step"], err["rank"], err["suspects"]) == (4, 1, [1])  # fault from step 3, audits every 2
     pairs = {tuple(p) for p in err["details"]["mismatching_pairs"]}
