@@ -5,9 +5,8 @@ sdc = SDCHooks(accelerator)          # settings from `accelerate-sdc config`, AC
 sdc.attach(model, optimizer)         # after accelerator.prepare(...)
 ```
 
-Hugging Face Trainer: ``accelerate_sdc.transformers.SDCTrainerCallback`` (needs the
-``transformers`` extra; importing this package does not).
-"""
+Hugging Face Trainer: ``accelerate_sdc.transformers.SDCTrainerCallback`` (needs the ``transformers`` extra; importing
+this package does not)."""
 
 from sdc_core._lazy import lazy_exports
 

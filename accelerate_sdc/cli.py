@@ -11,8 +11,7 @@ accelerate-sdc launch [--config_file F] [accelerate launch arguments] script.py 
     ``accelerate launch`` for an accelerate config YAML with an ``sdc:`` section: hands
     accelerate a copy without that section and passes the settings to every process as
     ``ACCELERATE_SDC_*`` variables (variables you set yourself still win). Exits 86
-    (``SDC_EXIT_CODE``) when the job ended on an SDC verdict, like ``sdc run``; accelerate's own
-    code otherwise."""
+    (``SDC_EXIT_CODE``) when the job ended on an SDC verdict, like ``sdc run``; accelerate's own code otherwise."""
 
 from __future__ import annotations
 

@@ -11,8 +11,7 @@ The callback drives the Accelerate hook set (``SDCHooks``) through a Trainer sea
 own ``compute_loss`` (an override included), post-processed as ``training_step`` does before ``accelerator.backward``,
 so loss scaling, accumulation and a custom ``compute_loss_func`` replay faithfully. Metrics go through ``trainer.log``
 every ``logging_steps`` (unless ``log_every_n_steps`` is set), incidents to ``<output_dir>/sdc/incidents``. Needs
-``transformers`` (importing ``accelerate_sdc`` does not import this module).
-"""
+``transformers`` (importing ``accelerate_sdc`` does not import this module)."""
 
 from __future__ import annotations
 

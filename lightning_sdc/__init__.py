@@ -6,8 +6,7 @@ trainer = L.Trainer(strategy="ddp", callbacks=[NonFiniteGradientCheck(),
 ```
 
 Opt-in: ``MatmulChecksumCheck()`` verifies every matrix product against a checksum. Lightning Fabric:
-``lightning_sdc.fabric.SDCHooks``. Without code changes: ``SDC_CHECKS=1`` (``lightning_sdc.auto``).
-"""
+``lightning_sdc.fabric.SDCHooks``. Without code changes: ``SDC_CHECKS=1`` (``lightning_sdc.auto``)."""
 
 from sdc_core._lazy import lazy_exports, require
 

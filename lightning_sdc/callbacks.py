@@ -96,12 +96,11 @@ class NonFiniteGradientCheck(common.SDCCallback):
 class WeightFingerprintCheck(common.SDCCallback):
     """Compare exact fingerprints of the replicas' weights after every ``every_n_steps`` steps.
 
-    The comparison of step ``s`` is read in the next step, before its update and before the replay's
-    verdict, so the host never waits in the step that computed it and a weight fault is never
-    reported as a compute fault. Before a checkpoint is written and when training ends the weights
-    are compared at once, whatever the cadence. Raises ``FingerprintMismatchError`` on every rank;
-    with 3+ replicas the minority rank is named. Checkpoints (weights-only ones too) carry a
-    fingerprint of their weights and optimizer state, verified on resume. Sharded models (FSDP2):
+    The comparison of step ``s`` is read in the next step, before its update and before the replay's verdict, so the
+    host never waits in the step that computed it and a weight fault is never reported as a compute fault. Before a
+    checkpoint is written and when training ends the weights are compared at once, whatever the cadence. Raises
+    ``FingerprintMismatchError`` on every rank; with 3+ replicas the minority rank is named. Checkpoints (weights-only
+    ones too) carry a fingerprint of their weights and optimizer state, verified on resume. Sharded models (FSDP2):
     docs/sharded.md. Details: docs/checks-and-settings.md."""
 
     def __init__(

@@ -9,8 +9,7 @@ fabric.save(path, {"model": model, "optimizer": optimizer, "sdc": hooks})  # cou
 
 Settings as for Accelerate users (keywords over ``ACCELERATE_SDC_*`` over the ``accelerate-sdc config`` file);
 Accelerate is not needed. ``fabric.save`` compares the replicas and fingerprints the saved state first; ``fabric.load``
-verifies the restored tensors. Details: docs/integrations.md (Lightning Fabric).
-"""
+verifies the restored tensors. Details: docs/integrations.md (Lightning Fabric)."""
 
 from __future__ import annotations
 

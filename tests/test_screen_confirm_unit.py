@@ -1,7 +1,8 @@
 """The rule that turns a screen hit and a partner's recomputation into a verdict
 (``sdc_core.replay.confirm._judge``), on hand-made evidence: pure host arithmetic, identical on every
-rank. A reproduced value clears (a genuine spike), a recomputation inside the band confirms, and
-anything that proves nothing (no recomputation, a partner out of band or non-finite) accuses no one."""
+rank. A reproduced value clears (a genuine spike); a value the partner recomputed smaller than the owner's by more
+than its band, and itself inside the band, confirms; anything that proves nothing (no recomputation, a partner out of
+band or non-finite, a gap within the band) accuses no one."""
 
 from __future__ import annotations
 
@@ -26,21 +27,51 @@ def test_a_reproduced_spike_is_cleared() -> None:
     assert _judge(result((12.0, 1.0, -1.0)), 1, [12.3, 1.0, -1.0]) == "cleared"
 
 
-def test_a_recomputation_inside_the_band_confirms() -> None:
+def test_a_recomputation_inside_the_band_and_smaller_by_more_than_it_confirms() -> None:
     assert _judge(result((12.0, 1.0, -1.0)), 1, [0.1, 1.0, -1.0]) == "confirmed"
     assert _judge(result((0.0, 1.0, 20.0)), 1, [0.1, 1.0, -1.0]) == "confirmed"  # a wrong loss
+    assert _judge(result((6.0, 1.0, -1.0)), 1, [3.5, 1.0, -1.0]) == "unconfirmed"  # in band, but apart by less
+
+
+def test_a_genuine_hard_batch_seen_again_after_its_update_is_not_confirmed() -> None:
+    """Measured on a clean run (SGD, lr 0.1, momentum 0.9; one rank's inputs x5-x50 with random labels, a loss outside
+    the model): the owner's level 2^6 above the ranks', the partner's recomputation on the weights after the update
+    that batch drove 2^1-2^3 lower, inside the band. It named the healthy owner when the rule asked only whether the
+    recomputation fell inside the band."""
+    ref = (-5.22, -6.34, -5.02, -5.84, -4.45, -3.94, -1.76)
+    owner = (1.14, -3.48, 2.1, -1.79, 3.37, -0.65, 5.8)
+    flagged = ScreenResult(step=15, ranks=(0,), details={0: {"reason": "band"}}, values=(owner, ref, ref),
+                           bands=(5.0,) * 8)  # fmt: skip
+    assert _judge(flagged, 0, [0.07, -4.77, 1.29, -2.52, 2.73, -0.65, 2.89]) == "unconfirmed"
+
+
+def test_on_the_weights_after_the_update_only_a_gap_no_batch_gives_confirms() -> None:
+    """Read one step later, the partner recomputes on weights that the flagged batch's own update moved, which can fit
+    that batch (its values back in band). Measured on a clean run (SGD, lr 0.3, momentum 0.9, one rank's inputs x5-x50
+    with random labels): the first layer's peak 2^5.7 over the band, the partner's 2^5.7 lower. On equal weights that
+    is a fault; after the update only a gap of ``AFTER_UPDATE_GAP`` (2^24) or more confirms, an exponent flip's."""
+    ref = (-8.35, -8.83, -3.87, -7.22, -6.18, -3.93, -1.0)
+    owner = (0.14, -0.7, 1.55, -1.06, -3.02, -3.59, 1.87)
+    flagged = ScreenResult(step=31, ranks=(0,), details={0: {"reason": "band"}}, values=(owner, ref, ref),
+                           bands=(5.0,) * 8)  # fmt: skip
+    recomputed = [-5.56, -6.31, -2.52, -6.08, -4.31, -3.59, -0.88]
+    assert _judge(flagged, 0, recomputed) == "confirmed"
+    assert _judge(flagged, 0, recomputed, after_update=True) == "unconfirmed"
+    assert _judge(result((100.0, 1.0, -1.0)), 1, [0.1, 1.0, -1.0], after_update=True) == "confirmed"
+    assert _judge(result((12.0, 12.0, 30.0)), 1, [12.1, 12.0, 10.0], projected=True, after_update=True) == "unconfirmed"
+    assert _judge(result((12.0, 12.0, 40.0)), 1, [12.1, 12.0, 10.0], projected=True, after_update=True) == "confirmed"
 
 
 def test_a_loss_outside_the_model_confirms_by_the_outputs_projection() -> None:
-    """The partner back-propagates the owner's gradients of the outputs, so its gradients share a spike the loss sent;
-    the outputs' projection larger on the owner by more than the loss's band is a wrong forward. Only with
-    ``projected``, only larger on the owner, and never from a non-finite value."""
+    """The partner back-propagates the owner's gradients of the outputs, so its gradients and its projection share a
+    spike the loss sent; the outputs' projection larger on the owner by more than the loss's band is a wrong forward,
+    whatever the partner's band. Only with ``projected``, only larger on the owner, never from a non-finite value."""
     flagged = result((12.0, 12.0, 30.0))
     assert _judge(flagged, 1, [12.1, 12.0, 20.0], projected=True) == "confirmed"
     assert _judge(flagged, 1, [12.1, 12.0, 20.0]) == "unconfirmed"  # a loss of its own: out of band, proves nothing
     assert _judge(flagged, 1, [12.1, 12.0, 26.0], projected=True) == "unconfirmed"  # within the band of the owner's
     assert _judge(result((12.0, 12.0, 20.0)), 1, [12.1, 12.0, 30.0], projected=True) == "unconfirmed"  # larger
-    assert _judge(result((12.0, 12.0, INF)), 1, [12.1, 12.0, 20.0], projected=True) == "unconfirmed"
+    assert _judge(result((12.0, 12.0, 30.0)), 1, [12.1, 12.0, INF], projected=True) == "unconfirmed"
     assert _judge(result((12.0, 12.0, 30.1)), 1, [12.1, 12.0, 30.0], projected=True) == "cleared"
 
 

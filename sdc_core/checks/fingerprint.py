@@ -1,11 +1,10 @@
 """Exact weight fingerprints and the replica vote.
 
-Every ``every_n_steps`` steps each replica digests its parameters (optionally buffers and optimizer
-state; with ``rolling=k`` a fixed 1/k of them in turn) on its own device and the replicas compare:
-any single bit flip changes the fingerprint, any other difference is missed with probability at
-most 2**-31 (``digest``). The common case is one 16-byte MAX all-reduce per rank, read a batch
-later; only on a mismatch are per-tensor digests gathered to name tensors and vote. It sees faults
-that make replicas differ, not a faulty gradient the all-reduce spreads (the ring replay's job)."""
+Every ``every_n_steps`` steps each replica digests its parameters (optionally buffers and optimizer state; with
+``rolling=k`` a fixed 1/k of them in turn) on its own device and the replicas compare: any single bit flip changes the
+fingerprint, any other difference is missed with probability at most 2**-31 (``digest``). The common case is one 16-byte
+MAX all-reduce per rank, read a batch later; only on a mismatch are per-tensor digests gathered to name tensors and
+vote. It sees faults that make replicas differ, not a faulty gradient the all-reduce spreads (the ring replay's job)."""
 
 from __future__ import annotations
 

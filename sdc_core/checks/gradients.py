@@ -2,14 +2,13 @@
 step's sync micro-batch; when some rank's were non-finite, every rank names the same ranks and parameters and acts alike
 (raise, skip the step, or warn).
 
-DDP: the ``GradientTap`` keeps each local gradient's largest magnitude on the device (``peaks``:
-exact, a finite value never flags). Each step every rank starts one asynchronous MAX all-reduce of
-a one-element flag (this rank's local gradients held NaN or Inf), so every rank learns whether any
-rank's did, and only then gathers the local flags to name ranks and parameters. Cost of a clean
-step: a constant number of Python calls, one batched read of the local gradients, a 4-byte
-all-reduce. ``"raise"`` and ``"warn"`` read step ``s``'s verdict one step later (``resolve()``);
-``"skip_step"``, ``"rollback"``, a GradScaler, replay-audited steps and a single process read it
-before the update (a host wait for the all-reduce).
+DDP: the ``GradientTap`` keeps each local gradient's largest magnitude on the device (``peaks``: exact, a finite value
+never flags). Each step every rank starts one asynchronous MAX all-reduce of a one-element flag (this rank's local
+gradients held NaN or Inf), so every rank learns whether any rank's did, and only then gathers the local flags to name
+ranks and parameters. Cost of a clean step: a constant number of Python calls, one batched read of the local gradients,
+a 4-byte all-reduce. ``"raise"`` and ``"warn"`` read step ``s``'s verdict one step later (``resolve()``);
+``"skip_step"``, ``"rollback"``, a GradScaler, replay-audited steps and a single process read it before the update (a
+host wait for the all-reduce).
 
 Limits: finite faults are invisible here (the replay's job); a NaN or Inf formed inside the reduction from finite local
 gradients (summed values overflowing, a fault on the wire) is not seen at its step (the optimizer writes it into every

@@ -3,8 +3,7 @@
 Each rank's facts are gathered once, at set-up. Nothing a peer sends is unpickled:
 ``all_gather_objects`` and ``exchange`` carry ``sdc_core.dist.payload`` buffers, agree on sizes
 before any buffer is allocated, and raise ``PayloadError`` on every rank together for anything
-malformed, oversized or refused: one bad rank can neither run code on its partners nor leave them
-waiting."""
+malformed, oversized or refused: one bad rank can neither run code on its partners nor leave them waiting."""
 
 from __future__ import annotations
 

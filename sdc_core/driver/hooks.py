@@ -6,8 +6,7 @@
 
 ``optimizer.step`` is wrapped on the instance: the non-finite check and the replay audit run before the update, the
 fingerprint after each real one. A failure raises the ``SDCError`` on every rank in the same step and writes an
-incident under ``<run_dir>/sdc/incidents`` (rank 0). Cost: the checks' own, plus a few Python calls per step.
-"""
+incident under ``<run_dir>/sdc/incidents`` (rank 0). Cost: the checks' own, plus a few Python calls per step."""
 
 from __future__ import annotations
 

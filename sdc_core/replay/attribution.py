@@ -264,8 +264,7 @@ def _cause(failures: Sequence[str], advice: str) -> str:
             "recommended setting)")
     if "before the backward of its previous forward" in text:  # a partner's backward per forward rounds differently
         return ("two views of a batch through the model before one backward, or a training-mode forward never "
-                "back-propagated (run that one in eval mode or under torch.no_grad()): compute the step's loss in one "
-                "SDCHooks.replayable(fn)")
+                "back-propagated (run it in eval mode or under no_grad): compute the loss in SDCHooks.replayable(fn)")
     if "differs between the owner and the replayer" in text or "in place, which the capture" in text:
         return "the step's state is too large to capture. " + advice
     return advice

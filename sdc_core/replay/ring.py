@@ -181,6 +181,7 @@ class RingReplay:
     keep_every_step: bool = False  # the screen's escalation: record every step's micro-batches (``kept``)
     kept: KeptSteps = field(default_factory=KeptSteps)
     screen_strikes: dict[int, int] = field(default_factory=dict)  # confirmed screen hits per rank
+    audit_at: int | None = None  # a step audited out of cadence: the first after an unconfirmed screen hit
     last_error: ReplayMismatchError | None = None
 
     @property
@@ -201,7 +202,7 @@ class RingReplay:
 
     def arm(self, step: int) -> bool:
         """Called at each micro-batch start; True when this step's micro-batches are audited."""
-        due = self.active and not self.replaying and step % self.config.every_n_steps == 0
+        due = self.active and not self.replaying and (step % self.config.every_n_steps == 0 or step == self.audit_at)
         if not due:
             self._armed_step = None
             self._window.exit()
