@@ -21,6 +21,10 @@ defaults (the replay audits one step in 100: steps 0 and 100 only). Scenarios:
 * ``lightning``: the ``fault`` in a ``Trainer(strategy="ddp")`` fit with the three callbacks at
   their default arguments: the same verdict, from the callbacks' one driver.
 * ``last``: the fault at the last step, named by the end of training.
+* ``hard``: no fault; an MLP trained by SGD (lr 0.1, momentum 0.9) with the loss computed in the loop, and at
+  random steps one rank's batch made hard (inputs x5-x50, random labels, or both). The update such a batch drives can
+  fit it, so the partner's recomputation on the weights after it comes back into the band (it named the healthy rank
+  at step 15 before 2026-12-07): no verdict; the hits stay unconfirmed and the replay audits the step after.
 * ``fault_same``, ``spike_same``, ``lightning_same``: the screen's verdict read before the
   step's own update (``ScreenConfig(read="same_step")``): the fault named in step 30 before its
   update, the spike cleared, and under Lightning.
@@ -141,17 +145,51 @@ def lightning(out: Path, name: str = "lightning", read_same: bool = False) -> di
     return result
 
 
+def hard(out: Path, steps: int = 24) -> dict[str, Any]:
+    """SGD on a small MLP, the loss computed in the loop, one rank's batch made hard at a quarter of the steps."""
+    torch.manual_seed(0)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    nn = torch.nn
+    net = nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Dropout(0.1), nn.Linear(128, 128), nn.GELU(),
+                        nn.Linear(128, 10))
+    ddp = DDP(net)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+    hooks = SDCHooks(run_dir=out / "hard").attach(ddp, opt)
+    mine, shared = torch.Generator().manual_seed(100 + rank), torch.Generator().manual_seed(5)
+    w = torch.randn(32, 10, generator=torch.Generator().manual_seed(1))
+    result: dict[str, Any] = {}
+    try:
+        for _ in range(steps):
+            x = torch.randn(32, 32, generator=mine)
+            y = (x @ w).argmax(1)
+            if int(torch.randint(0, world * 4, (1,), generator=shared)) == rank:  # this rank's batch is hard
+                how = int(torch.randint(0, 3, (1,), generator=mine))
+                x = x * float(torch.empty(1).uniform_(5, 50, generator=mine)) if how != 1 else x
+                y = torch.randint(0, 10, (32,), generator=mine) if how != 0 else y
+            torch.nn.functional.cross_entropy(ddp(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        hooks.finish()
+    except SDCError as err:
+        result["error"] = err.to_dict()
+    result["replay"] = hooks.replay.stats.state_dict() if hooks.replay is not None else None
+    result["screen"] = hooks.screen.stats.state_dict() if hooks.screen is not None else None
+    hooks.detach()
+    return result
+
+
 def fault(step: int = AT) -> list[Fault]:
     return [Fault(kind="gradient_bit_flip", rank=1, step=step, target="enc.linear2.weight", index=11, bit=30)]
 
 
 def main() -> None:
-    args = parse("fault,spike,skip,lightning,logit,fault_same,last")
+    args = parse("fault,spike,skip,lightning,logit,fault_same,last,hard")
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     scenarios = {
         "fault": lambda: train(args.out, "fault", fault()),
         "spike": lambda: train(args.out, "spike", [], spike=True),
+        "hard": lambda: hard(args.out),
         "skip": lambda: train(args.out, "skip", fault(), replay_on_failure="skip_step"),
         "lightning": lambda: lightning(args.out),
         "last": lambda: train(args.out, "last", fault(STEPS - 1)),

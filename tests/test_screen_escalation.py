@@ -19,7 +19,7 @@ WORLD = 3
 @pytest.fixture(scope="module")
 def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("screen_escalation")
-    scenarios = "fault,spike,skip,lightning,logit,fault_same,last"
+    scenarios = "fault,spike,skip,lightning,logit,fault_same,last,hard"
     torchrun(ROOT / "tests" / "screen_escalation_scenarios.py", path, scenarios, WORLD)
     return path
 
@@ -47,6 +47,18 @@ def test_a_wrong_gradient_on_an_unaudited_step_is_named_one_step_later_after_con
     assert all(r["replay"]["runs"] == 1 for r in runs)  # the replay audited step 0 only: the screen found it
     (incident,) = incidents(out / "fault")
     assert incident["policy"] == "raise" and incident["error"]["details"]["source"] == "gradient_screen"
+
+
+def test_hard_batches_under_sgd_name_nobody(out: Path) -> None:
+    """No fault, SGD at lr 0.1 and one rank's batch made hard at random steps: the screen flags some, the partner's
+    recomputation on the weights that batch's own update moved does not reproduce them (it fit them back into the
+    band, which named the healthy rank at step 15 before 2026-12-07), so they stay unconfirmed; the replay audits
+    the step after each, on equal weights, and finds every rank agreeing."""
+    runs = results(out, "hard", WORLD)
+    assert all(r.get("error") is None for r in runs), runs[0].get("error")
+    extra = runs[0]["replay"]["extra"]
+    assert extra["screen_unconfirmed"] >= 1 and extra.get("screen_confirmed", 0) == 0, extra
+    assert runs[0]["replay"]["runs"] >= 1 + extra["screen_unconfirmed"], runs[0]["replay"]  # step 0 and the audits
 
 
 def test_read_in_the_same_step_the_fault_is_named_before_its_update(out: Path) -> None:
