@@ -2,10 +2,10 @@
 
 The verdict on step ``s`` is read (``ScreenConfig.read``) before step ``s``'s update (``"same_step"``: the host waits
 for that step's backward; a confirmed hit can drop the update) or before step ``s + 1``'s (``"next_step"``: waits for
-nothing; a confirmed hit stops the run one step later, before any checkpoint and the end; one optimizer step changes a
-group's largest gradient by far less than the band, at least 2^5, so the recomputation on the updated weights still
-judges). ``"auto"``: ``"next_step"`` on every device unless some replay's policy is ``skip_step`` (which must drop the
-faulty step's own update); on a 3-rank CPU Lightning run, waiting in the step cost about 8% of a 0.1 s step.
+nothing; a confirmed hit stops the run one step later, before any checkpoint and the end; the recomputation is on the
+updated weights, so it confirms less: ``confirm._judge``). ``"auto"``: ``"next_step"`` on every device unless some
+replay's policy is ``skip_step`` (which must drop the faulty step's own update); on a 3-rank CPU Lightning run, waiting
+in the step cost about 8% of a 0.1 s step.
 
 A hit is escalated to a partner's recomputation (``replay.confirm.confirm_hits``) of the micro-batches the replay kept;
 only a confirmed hit is a verdict, checked against the replicas' weights first. Without such a replay, or for a step
