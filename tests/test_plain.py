@@ -61,7 +61,8 @@ def ddp(tmp_path_factory: pytest.TempPathFactory) -> Path:
     more = ["own:clean", "own:flip", "sparse:clean", "sparse:activation", "mlp:compiled", "mlp:compiled_activation",
             "outside:off", "outside:clean", "outside:activation", "outside:accumulate", "outside:small",
             "outside:twice", "outside_bf16:clean", "outside_bf16:activation", "outside:screened",
-            "outside_bf16:screened", "mlp:evaluated", "outside:evaluated", "mlp:discarded"]
+            "outside_bf16:screened", "mlp:evaluated", "outside:evaluated", "mlp:discarded", "mlp:nan_skip",
+            "mlp:bad_data"]
     return launch(tmp_path_factory.mktemp("plain_ddp"), [f"mlp:{k}" for k in kinds] + more, 3)
 
 
@@ -75,6 +76,21 @@ def test_zero_redundancy_optimizer_trains_clean_and_the_fingerprint_says_what_it
         assert [w for w in r["warnings"] if "ZeroRedundancyOptimizer" in w] == [r["warnings"][0]], r["warnings"]
     assert rows[0]["state"]["checks"]["ring_replay"]["runs"] >= 2
     assert all(r["warnings"] == [] for r in results(ddp, "mlp:clean", 3))  # a plain optimizer: no warning
+
+
+def test_a_non_finite_batch_its_partner_reproduces_names_no_rank(ddp: Path) -> None:
+    """With the non-finite verdict read before the update (``on_failure="skip_step"``), the offending rank's partner
+    recomputes its micro-batch on the same weights: a NaN in one input sample comes back there too (the data, not the
+    device: no rank named), a NaN in the rank's own gradient does not (named). Both steps are dropped."""
+    for kind, named in (("bad_data", False), ("nan_skip", True)):
+        rows = results(ddp, f"mlp:{kind}", 3)
+        assert all(r["error"] is None and r["finite"] for r in rows), rows[0]["error"]
+        assert rows[0]["state"]["checks"]["nonfinite_gradient"]["extra"]["skipped_steps"] == 1
+        (said,) = [w for w in rows[0]["warnings"] if "nonfinite_gradient" in w]
+        if named:
+            assert "rank 1 (host" in said and "(the SDC signature)" in said, said
+        else:
+            assert "no rank could be named: the data or the model's numerics, not a faulty device" in said, said
 
 
 def test_evaluation_forwards_between_steps_change_nothing_the_checks_see(ddp: Path) -> None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
@@ -99,6 +99,7 @@ class NonFiniteVerdicts:
     _pending: Any = None  # the verdict still to be read, with its ``step``
     magnitude_groups: int = 0  # opt-in (``want_magnitudes``): groups of the local magnitudes read
     _group_names: dict[str, int] = field(default_factory=dict)  # name -> group (``magnitude_group``)
+    witness: Callable[[int, tuple[int, ...]], bool] | None = None  # (step, ranks): do their batches reproduce it?
 
     @property
     def pending_step(self) -> int | None:
@@ -115,15 +116,8 @@ class NonFiniteVerdicts:
         self.stats.add_time(time.perf_counter() - t0)
         return False
 
-    def _failure(
-        self,
-        step: int,
-        per_rank: list[list[str] | None],
-        scaler_active: bool,
-        t0: float,
-        params: list[tuple[str, nn.Parameter]] | None,
-        extra: dict[str, Any] | None = None,
-    ) -> bool:
+    def _failure(self, step: int, per_rank: list[list[str] | None], scaler_active: bool, t0: float,
+                 params: list[tuple[str, nn.Parameter]] | None, extra: dict[str, Any] | None = None) -> bool:
         """The verdict from every rank's offending names (``None``: finite), acted on under the policy."""
         offenders = tuple(r for r, names in enumerate(per_rank) if names is not None)
         world = len(per_rank)
@@ -132,6 +126,8 @@ class NonFiniteVerdicts:
             pattern = "single_process"
         elif not offenders:  # every rank's local gradients were finite: the NaN/Inf formed in the reduction
             pattern = "formed_in_reduction"
+        elif len(offenders) < world and not scaler_active and self.witness and self.witness(step, offenders):
+            pattern, sole = "reproduced", None
         elif len(offenders) == 1:
             pattern = "one_rank"
         elif len(offenders) == world:
@@ -163,13 +159,16 @@ class NonFiniteVerdicts:
             "all_ranks": "every rank produced NaN/Inf gradients: ordinary divergence (learning rate, data, "
             "numerics) is likelier than a faulty device",
             "some_ranks": "several ranks produced NaN/Inf local gradients",
+            "reproduced": "the data or the model's numerics, not a faulty device: the partners' recomputation of the "
+            "micro-batches gave NaN/Inf local gradients too",
             "formed_in_reduction": "every rank's local gradients were finite; the NaN/Inf formed inside the "
             "reduction (summed values overflowing, or a fault on the wire)",
             "single_process": "NaN/Inf gradients (single process: no replica to compare with)",
         }[details["pattern"]]
         reason += f" in {', '.join(first)}" if first else ""
+        suspects = () if pattern == "reproduced" else offenders
         error = NonFiniteGradientError(
-            step=step, rank=sole, suspects=offenders, hosts=topo.hosts(offenders), details=details, reason=reason)
+            step=step, rank=sole, suspects=suspects, hosts=topo.hosts(suspects), details=details, reason=reason)
         self.stats.add_time(time.perf_counter() - t0)
         self.last_error = error
         if self.config.on_failure in ("raise", "rollback"):  # rollback: the adapter acts on the error

@@ -24,15 +24,7 @@ import torch
 import torch.distributed as dist
 
 from sdc_core.checks.contract import Role
-from sdc_core.checks.screen_rule import (
-    HEADER,
-    Band,
-    ScreenConfig,
-    ScreenResult,
-    in_band,
-    judge_rows,
-    reference,
-)
+from sdc_core.checks.screen_rule import HEADER, Band, ScreenConfig, ScreenResult, in_band, judge_rows, reference
 from sdc_core.dist.topology import HostRead, Topology, collective_device, is_distributed, owners_of
 from sdc_core.stats import CheckStats
 

@@ -24,6 +24,7 @@ from sdc_core.errors import ReplayMismatchError, SDCError
 from sdc_core.ops.incidents import record_verdict
 from sdc_core.ops.process_exit import mark_verdict
 from sdc_core.ops.trackers import log_incident
+from sdc_core.replay.confirm import reproduces
 from sdc_core.sharded.checks import is_sharded
 
 
@@ -251,7 +252,7 @@ class StepDriver:
     def resolve_gradients(self, step: StepContext, before: int | None = None) -> None:
         """Read the pending non-finite verdicts (of steps before ``before``, when given)."""
         for nf in self.nonfinite:
-            pending = nf.pending_step
+            pending, nf.witness = nf.pending_step, None  # read after its update: no partner can recompute it
             if pending is not None and (before is None or pending < before):
                 self._gradients(nf, nf.resolve, step)
 
@@ -277,8 +278,10 @@ class StepDriver:
         """Hand this step's gradients to the non-finite checks (once per step): the verdict is read now when the policy
         needs it, when ``now`` or when a replay audits this step, else one step later. True: the update is dropped."""
         audited = now or any(r.armed for r in self.replays)
-        dropped = False
-        for nf in self.nonfinite:
+        dropped, keep = False, next((r for r in self.replays if r.keep_every_step and r.active), None)
+        for nf in self.nonfinite:  # a verdict read now, on these weights: the partners may recompute (``reproduces``)
+            nf.witness = (lambda index, ranks: index == step.index and reproduces(
+                keep, index, ranks, step.module, *self.seam.replay_functions(keep, step))) if keep else None
             if self._decided.get(id(nf), (None,))[0] != step.index:  # a second call of the step reads the first's
 
                 def verdict(nf: Any = nf) -> bool:

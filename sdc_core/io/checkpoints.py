@@ -21,13 +21,7 @@ import torch
 
 from sdc_core.checks.digest import tensor_digest, tensor_digest_v1
 from sdc_core.errors import FingerprintMismatchError
-from sdc_core.io.safe_files import (
-    OutputError,
-    UnreadableError,
-    atomic_write,
-    load_torch,
-    output_mode,
-)
+from sdc_core.io.safe_files import OutputError, UnreadableError, atomic_write, load_torch, output_mode
 
 FINGERPRINT_KEY = "sdc_fingerprint"
 ACCELERATE_STATE = "sdc_state.json"  # the hook set's state in an Accelerate save_state folder

@@ -29,54 +29,24 @@ REPRODUCED = 1.0  # log2 units: a recomputed peak within a factor 2 of the owner
 AFTER_UPDATE_GAP = 24.0  # log2: on the weights after the update, the least gap that confirms (see ``_judge``)
 
 
-def confirm_hits(
-    replay: Any,
-    result: Any,
-    module: nn.Module,
-    group_of: Callable[[str], int | None],
-    step_fn: Callable[[Any, int], torch.Tensor],
-    to_device: Callable[[Any], Any],
-    context: Callable[[], AbstractContextManager[Any]],
-    after_update: bool = False,
-) -> ReplayMismatchError | None:
+def confirm_hits(replay: Any, result: Any, module: nn.Module, group_of: Callable[[str], int | None],
+                 step_fn: Callable[[Any, int], torch.Tensor], to_device: Callable[[Any], Any],
+                 context: Callable[[], AbstractContextManager[Any]], after_update: bool = False,
+                 ) -> ReplayMismatchError | None:  # fmt: skip
     """Confirm the band hits of ``result`` by partner recomputation (every rank alike; ``after_update``: on the
     weights after the update): the verdict naming the confirmed ranks, or None."""
     step = result.step
-    kept = replay.kept.take(step)
     topo: Topology = replay.topology or Topology.gather()
     partners = replay_partners(topo, replay.groups)
-    inverse = owners_of(partners)
     hits = [r for r in result.ranks if _escalated(result, r) and partners[r] != r]
     if not hits or not is_distributed():
+        replay.kept.take(step)
         return None
-    me = topo.rank
     replay.stats.bump("screen_escalations")
-    owner = inverse[me]
-    collective = bool(getattr(replay, "collective_reruns", False))  # sharded: every rank re-runs
-    sends = {partners[me]: kept} if me in hits or collective else {}
-    try:
-        received = replay.exchange_batches(sends, [owner] if owner in hits or collective else [])
-    except PayloadError:  # raised on every rank together: a peer sent what is refused; no witness, no verdict
-        replay.stats.bump("screen_unconfirmed", len(hits))
-        return None
-    width = len(result.values[0]) - 1  # the groups, then the loss
-    mine = torch.full((width + 2,), float("nan"), dtype=torch.float64)  # the groups' peaks, the loss (log2), projected
-    note = ""
-    batches = received.get(owner)
-    if collective:
-        batches, note = _agree(replay, batches)
-    if isinstance(batches, list) and batches:
-        try:
-            replay.projected = False
-            mine[:-1] = _recomputed_peaks(replay, Rerun(module, step_fn, to_device, context), batches, group_of, width)
-            mine[-1] = float(replay.projected)
-        except Exception as err:  # every rank still meets at the gather below
-            note = describe(err)
-    elif isinstance(batches, str):
-        note = batches
-    rows = all_gather_tensor(mine.to(collective_device())).cpu()  # world x width, float64
+    rows, note = _recompute(replay, step, hits, module, group_of, len(result.values[0]) - 1, step_fn, to_device,
+                            context)  # fmt: skip
     confirmed, cleared = [], []
-    for r in hits:
+    for r in hits if rows is not None else ():  # None: a peer sent what is refused; no witness, no verdict
         *row, projected = rows[partners[r]].tolist()
         verdict = _judge(result, r, row, projected == 1.0, after_update)
         (confirmed if verdict == "confirmed" else cleared if verdict == "cleared" else []).append(r)
@@ -89,6 +59,48 @@ def confirm_hits(
     replay.stats.bump("screen_confirmed", len(confirmed))
     return _error(result, confirmed, partners, topo, note, "the weights after its update" if after_update else
                   "the same weights")  # fmt: skip
+
+
+def reproduces(replay: Any, step: int, ranks: Sequence[int], module: nn.Module, *functions: Any) -> bool:
+    """Whether the partners of ``ranks`` get non-finite gradients from those ranks' kept micro-batches of ``step`` too,
+    on the weights the step computed with (every rank alike; ``functions``: ``step_fn, to_device, context``): then the
+    batches give them (the data or the model's numerics), not the devices. False where nothing was kept or re-run."""
+    partners = replay_partners(replay.topology or Topology.gather(), replay.groups)
+    if getattr(replay, "collective_reruns", False) or any(partners[r] == r for r in ranks):
+        return False  # sharded models: not asked
+    rows, _ = _recompute(replay, step, ranks, module, lambda name: 0, 1, *functions)
+    return rows is not None and all(rows[partners[r], 0].item() == math.inf for r in ranks)
+
+
+def _recompute(replay: Any, step: int, ranks: Sequence[int], module: nn.Module, group_of: Callable[[str], int | None],
+               width: int, *functions: Any) -> tuple[torch.Tensor | None, str]:  # fmt: skip
+    """Every rank alike: the partners of ``ranks`` re-run their kept micro-batches of ``step``. The gathered rows (world
+    x (width + 2), float64: the groups' log2 peaks, the loss's, 1.0 where the loss was the outputs' projection; NaN
+    where nothing was re-run), or None when a peer sent what is refused; and a note on a re-run that failed."""
+    kept = replay.kept.take(step)
+    topo: Topology = replay.topology or Topology.gather()
+    partners = replay_partners(topo, replay.groups)
+    me, owner = topo.rank, owners_of(partners)[topo.rank]
+    collective = bool(getattr(replay, "collective_reruns", False))  # sharded: every rank re-runs
+    try:
+        received = replay.exchange_batches({partners[me]: kept} if me in ranks or collective else {},
+                                           [owner] if owner in ranks or collective else [])  # fmt: skip
+    except PayloadError:  # raised on every rank together
+        return None, ""
+    mine = torch.full((width + 2,), float("nan"), dtype=torch.float64)
+    note, batches = "", received.get(owner)
+    if collective:
+        batches, note = _agree(replay, batches)
+    if isinstance(batches, list) and batches:
+        try:
+            replay.projected = False
+            mine[:-1] = _recomputed_peaks(replay, Rerun(module, *functions), batches, group_of, width)
+            mine[-1] = float(replay.projected)
+        except Exception as err:  # every rank still meets at the gather below
+            note = describe(err)
+    elif isinstance(batches, str):
+        note = batches
+    return all_gather_tensor(mine.to(collective_device())).cpu(), note
 
 
 def skips(replay: Any, error: ReplayMismatchError, can_skip: bool = True) -> bool:
