@@ -7,9 +7,9 @@ trainer = Trainer(model=model, args=args, train_dataset=ds, callbacks=[SDCTraine
 trainer.train()  # under torchrun or accelerate launch; an SDCError names the faulty rank and host
 ```
 
-The callback drives the Accelerate hook set (``SDCHooks``) through a Trainer seam. The replay unit is the Trainer's
-own ``compute_loss`` (an override included), post-processed as ``training_step`` does before ``accelerator.backward``,
-so loss scaling, accumulation and a custom ``compute_loss_func`` replay faithfully. Metrics go through ``trainer.log``
+The callback drives the Accelerate hook set (``SDCHooks``) through a Trainer seam. The replay unit is the Trainer's own
+``compute_loss`` (an override included), post-processed as ``training_step`` does before ``accelerator.backward``, so
+loss scaling, accumulation and a custom ``compute_loss_func`` replay faithfully. Metrics go through ``trainer.log``
 every ``logging_steps`` (unless ``log_every_n_steps`` is set), incidents to ``<output_dir>/sdc/incidents``. Needs
 ``transformers`` (importing ``accelerate_sdc`` does not import this module)."""
 
