@@ -236,13 +236,8 @@ class WeightFingerprint(FingerprintCommon):
     _turn: int = 0  # rolling comparisons started: the next slice is _turn % slices
     _clean: list[int] = field(default_factory=list)  # per slice, the step of its last clean comparison
 
-    def start(
-        self,
-        step: int,
-        module: nn.Module,
-        optimizers: Iterable[torch.optim.Optimizer],
-        every_tensor: bool = False,
-    ) -> None:
+    def start(self, step: int, module: nn.Module, optimizers: Iterable[torch.optim.Optimizer],
+              every_tensor: bool = False) -> None:
         """Resolve any earlier comparison (may raise), digest the next rolling slice (or every tensor)
         and start its comparison: one asynchronous 16-byte MAX all-reduce. Every rank alike."""
         self.resolve()

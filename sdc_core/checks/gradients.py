@@ -300,13 +300,8 @@ class NonFiniteGradient(NonFiniteVerdicts):
         if self.magnitude_groups:
             self._magnitudes = self._group_magnitudes(read)
 
-    def verdict(
-        self,
-        step: int,
-        params: Iterable[tuple[str, nn.Parameter]],
-        scaler_active: bool = False,
-        now: bool = False,
-    ) -> bool:
+    def verdict(self, step: int, params: Iterable[tuple[str, nn.Parameter]], scaler_active: bool = False,
+                now: bool = False) -> bool:
         """Take step ``step``'s evidence (after resolving the previous step's); under DDP with ``"raise"``
         or ``"warn"``, no GradScaler and not ``now`` the decision waits for ``resolve()``. True: skip
         the optimizer step; raises ``NonFiniteGradientError`` under ``"raise"`` and ``"rollback"``."""

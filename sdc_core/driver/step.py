@@ -207,6 +207,7 @@ class StepDriver:
         self.delivery = Delivery(seam)  # runs a check's call and delivers its verdict
         self.screen_verdicts = ScreenVerdicts(self)  # when each screen's verdict is read, and its confirmation
         self._phase_roles: dict[Role, list[Any]] | None = None  # in a phase: the checks by role (empty: not looked up)
+        self._before_update: StepContext | None = None  # the step whose non-finite verdicts are read before its update
 
     def _roles(self) -> dict[Role, list[Any]]:
         """The checks in use by role, in order: the current phase's look (made at its first use), or a new one."""
@@ -241,6 +242,13 @@ class StepDriver:
         """The gradient check whose read gives the screen its magnitudes."""
         return next((nf for nf in self.nonfinite if nf.magnitude_groups), None)
 
+    def _witness(self, index: int, ranks: tuple[int, ...]) -> bool:
+        """``NonFiniteVerdicts.witness``: do the partners of ``ranks`` get NaN/Inf from their batches of step ``index``
+        too, on its weights (``confirm.reproduces``; only before its update, the batches kept)?"""
+        step, keep = self._before_update, next((r for r in self.replays if r.keep_every_step and r.active), None)
+        return bool(step and step.index == index and keep and reproduces(keep, index, ranks, step.module,
+                                                                          *self.seam.replay_functions(keep, step)))
+
     def _gradients(self, check: Any, run: Callable[[], Any], step: StepContext) -> Any:
         """A non-finite verdict; a rollback drops the coming update (its gradients are stale)."""
         out = self.delivery.deliver(check, run)
@@ -252,7 +260,7 @@ class StepDriver:
     def resolve_gradients(self, step: StepContext, before: int | None = None) -> None:
         """Read the pending non-finite verdicts (of steps before ``before``, when given)."""
         for nf in self.nonfinite:
-            pending, nf.witness = nf.pending_step, None  # read after its update: no partner can recompute it
+            pending = nf.pending_step
             if pending is not None and (before is None or pending < before):
                 self._gradients(nf, nf.resolve, step)
 
@@ -278,10 +286,9 @@ class StepDriver:
         """Hand this step's gradients to the non-finite checks (once per step): the verdict is read now when the policy
         needs it, when ``now`` or when a replay audits this step, else one step later. True: the update is dropped."""
         audited = now or any(r.armed for r in self.replays)
-        dropped, keep = False, next((r for r in self.replays if r.keep_every_step and r.active), None)
-        for nf in self.nonfinite:  # a verdict read now, on these weights: the partners may recompute (``reproduces``)
-            nf.witness = (lambda index, ranks: index == step.index and reproduces(
-                keep, index, ranks, step.module, *self.seam.replay_functions(keep, step))) if keep else None
+        dropped, self._before_update = False, step  # a verdict of this step read now: on its weights (``_witness``)
+        for nf in self.nonfinite:
+            nf.witness = self._witness
             if self._decided.get(id(nf), (None,))[0] != step.index:  # a second call of the step reads the first's
 
                 def verdict(nf: Any = nf) -> bool:
@@ -291,6 +298,7 @@ class StepDriver:
                 out = self._gradients(nf, verdict, step)
                 self._decided[id(nf)] = (step.index, out is True or out is ROLLED_BACK)
             dropped = self._decided[id(nf)][1] or dropped
+        self._before_update = None  # verdicts read later are read after their update: nothing to recompute them on
         return dropped
 
     def observe(self, step: StepContext) -> None:
