@@ -26,7 +26,7 @@ from sdc_core.replay.attribution import describe, replay_partners
 from sdc_core.replay.state import Rerun
 
 REPRODUCED = 1.0  # log2 units: a recomputed peak within a factor 2 of the owner's reproduces it
-AFTER_UPDATE_GAP = 24.0  # log2: after the update, the least gap that confirms when the loss moved (``_judge``)
+AFTER_UPDATE_GAP = 24.0  # log2: on the weights after the update, the least gap that confirms (see ``_judge``)
 
 
 def confirm_hits(replay: Any, result: Any, module: nn.Module, group_of: Callable[[str], int | None],
@@ -164,8 +164,8 @@ def _judge(
     """``"cleared"``, ``"confirmed"`` or ``"unconfirmed"`` for one flagged rank from its partner's row (``recomputed``,
     in ``result.values``' layout): confirmed only by a value the owner had larger by more than its band, the partner's
     within the band of the other ranks (``projected``, a loss outside the model whose output gradients the partner
-    shares: any). ``after_update`` and the batch's loss not reproduced: by ``AFTER_UPDATE_GAP`` at least, as the update
-    a hard batch drove can fit it, its values and loss back in band (SGD at lr 0.1-0.3); no batch stands 2^24 out."""
+    shares: any). ``after_update``: by ``AFTER_UPDATE_GAP`` at least, as the update a hard batch drove can fit it, its
+    values back in band, its loss moved or not (SGD at lr 0.1-0.5); no genuine batch stands 2^24 above the others."""
     owner = result.values[rank]
     pairs = [(a, b) for a, b in zip(owner, recomputed, strict=True) if not (math.isnan(a) or math.isnan(b))]
     if not pairs:
@@ -176,8 +176,7 @@ def _judge(
         return "unconfirmed"  # the partner's own values overflowed: no witness
     ref, bands = reference(result.values, rank), result.bands[: len(owner)]
     ref = [*ref[:-1], math.inf] if projected else ref  # a projected loss: any value of the partner's is a witness
-    fitted = after_update and not abs(owner[-1] - recomputed[-1]) <= REPRODUCED  # its loss moved with the update
-    apart = (math.isfinite(b) and a - b > (max(w, AFTER_UPDATE_GAP) if fitted else w) and w >= b - m
+    apart = (math.isfinite(b) and a - b > (max(w, AFTER_UPDATE_GAP) if after_update else w) and w >= b - m
              for a, b, m, w in zip(owner, recomputed, ref, bands, strict=True))
     return "confirmed" if any(apart) else "unconfirmed"
 
