@@ -51,7 +51,7 @@ class ScreenVerdicts:
         """Each screen's verdict due now (this step's or the previous step's). True: drop this step's update."""
         drop = False
         for screen in self.driver.screens:
-            recording = self._recording()
+            recording = self.recording()
             seen = _Observed(skipped, any(r.armed for r in recording))
             if not self.reads_next_step(screen):
                 drop = self._judge(screen.suspects(step.index), step, seen, recording, same_step=True) or drop
@@ -68,7 +68,7 @@ class ScreenVerdicts:
             waiting = self._waiting.get(id(s), {})
             for index in sorted(waiting):
                 if before is None or index < before:
-                    drop = self._judge(s.suspects(index), step, waiting.pop(index), self._recording(),
+                    drop = self._judge(s.suspects(index), step, waiting.pop(index), self.recording(),
                                        same_step=False) or drop  # fmt: skip
         return drop
 
@@ -76,7 +76,7 @@ class ScreenVerdicts:
         """Forget the verdicts waiting (an exception left the loop; the screens forget their rows)."""
         self._waiting.clear()
 
-    def _recording(self) -> list[Any]:
+    def recording(self) -> list[Any]:
         """The replays keeping every step's micro-batches for a confirmation."""
         return [r for r in self.driver.replays if r.keep_every_step and r.active]
 

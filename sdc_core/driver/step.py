@@ -245,7 +245,7 @@ class StepDriver:
     def _witness(self, index: int, ranks: tuple[int, ...]) -> bool:
         """``NonFiniteVerdicts.witness``: do the partners of ``ranks`` get NaN/Inf from their batches of step ``index``
         too, on its weights (``confirm.reproduces``; only before its update, the batches kept)?"""
-        step, keep = self._before_update, next((r for r in self.replays if r.keep_every_step and r.active), None)
+        step, keep = self._before_update, next(iter(self.screen_verdicts.recording()), None)
         return bool(step and step.index == index and keep and reproduces(keep, index, ranks, step.module,
                                                                           *self.seam.replay_functions(keep, step)))
 

@@ -43,8 +43,8 @@ def confirm_hits(replay: Any, result: Any, module: nn.Module, group_of: Callable
         replay.kept.take(step)
         return None
     replay.stats.bump("screen_escalations")
-    rows, note = _recompute(replay, step, hits, module, group_of, len(result.values[0]) - 1, step_fn, to_device,
-                            context)  # fmt: skip
+    rows, note = _recompute(replay, topo, partners, step, hits, module, group_of, len(result.values[0]) - 1, step_fn,
+                            to_device, context)  # fmt: skip
     confirmed, cleared = [], []
     for r in hits if rows is not None else ():  # None: a peer sent what is refused; no witness, no verdict
         *row, projected = rows[partners[r]].tolist()
@@ -65,20 +65,20 @@ def reproduces(replay: Any, step: int, ranks: Sequence[int], module: nn.Module, 
     """Whether the partners of ``ranks`` get non-finite gradients from those ranks' kept micro-batches of ``step`` too,
     on the weights the step computed with (every rank alike; ``functions``: ``step_fn, to_device, context``): then the
     batches give them (the data or the model's numerics), not the devices. False where nothing was kept or re-run."""
-    partners = replay_partners(replay.topology or Topology.gather(), replay.groups)
+    topo: Topology = replay.topology or Topology.gather()
+    partners = replay_partners(topo, replay.groups)
     if getattr(replay, "collective_reruns", False) or any(partners[r] == r for r in ranks):
         return False  # sharded models: not asked
-    rows, _ = _recompute(replay, step, ranks, module, lambda name: 0, 1, *functions)
+    rows, _ = _recompute(replay, topo, partners, step, ranks, module, lambda name: 0, 1, *functions)
     return rows is not None and all(rows[partners[r], 0].item() == math.inf for r in ranks)
 
 
-def _recompute(replay: Any, step: int, ranks: Sequence[int], module: nn.Module, group_of: Callable[[str], int | None],
-               width: int, *functions: Any) -> tuple[torch.Tensor | None, str]:  # fmt: skip
-    """Every rank alike: the partners of ``ranks`` re-run their kept micro-batches of ``step``. The gathered rows (world
-    x (width + 2): groups' log2 peaks, loss's, 1.0 if projected; NaN: none), or None (a payload refused); a note."""
+def _recompute(replay: Any, topo: Topology, partners: Sequence[int], step: int, ranks: Sequence[int], module: nn.Module,
+               group_of: Callable[[str], int | None], width: int, *functions: Any,
+               ) -> tuple[torch.Tensor | None, str]:  # fmt: skip
+    """Every rank alike: the ``partners`` of ``ranks`` re-run their kept micro-batches of ``step``. The gathered rows
+    (world x (width + 2): groups' log2 peaks, loss's, 1.0 if projected; NaN: none), or None (refused payload); note."""
     kept = replay.kept.take(step)
-    topo: Topology = replay.topology or Topology.gather()
-    partners = replay_partners(topo, replay.groups)
     me, owner = topo.rank, owners_of(partners)[topo.rank]
     collective = bool(getattr(replay, "collective_reruns", False))  # sharded: every rank re-runs
     try:
