@@ -78,7 +78,7 @@ def test_read_in_the_same_step_the_fault_is_named_before_its_update(out: Path) -
 def test_a_genuine_spike_is_flagged_reproduced_by_the_partner_and_cleared(out: Path) -> None:
     runs = results(out, "spike", WORLD)
     assert all("error" not in r and r["steps"] == 44 for r in runs), runs[0]
-    assert all(r["screen"]["extra"]["hits"] == 1 for r in runs)  # the spike stood out ...
+    assert all(r["screen"]["extra"]["hits"] == 1 and r["screen"]["failures"] == 0 for r in runs)  # stood out ...
     assert all(r["replay"]["extra"]["screen_cleared"] == 1 and r["replay"]["failures"] == 0 for r in runs)
     assert len({r["digest"] for r in runs}) == 1  # ... and every replica applied it
     assert incidents(out / "spike") == []

@@ -105,7 +105,7 @@ def test_a_grown_value_names_that_rank_only(world: int) -> None:
         assert res.details[bad_rank]["value"] == s.names[value]
         assert res.details[bad_rank]["excess"] > res.details[bad_rank]["band"]
     counted = {k: v for k, v in (s.stats.extra or {}).items() if k != "predicted_hits_per_day"}  # a gauge
-    assert s.stats.failures == 2 and counted == {"hits": 2.0, "suspect_ranks": 2.0, "band_suspects": 2.0}
+    assert s.stats.failures == 0 and counted == {"hits": 2.0, "suspect_ranks": 2.0, "band_suspects": 2.0}
 
 
 def test_shrunk_values_and_small_changes_pass() -> None:

@@ -292,8 +292,7 @@ class GradientScreen:
             assert self.band is not None
             self.band.add(healthy)
         ranks = tuple(details)
-        if ranks:
-            self.stats.failures += 1
+        if ranks:  # a hit is no verdict (a partner confirms it or not): counted apart from failures
             self.stats.bump("hits")
             self.stats.bump("suspect_ranks", len(ranks))
             for info in details.values():

@@ -11,7 +11,6 @@ import weakref
 from collections.abc import Iterable
 from typing import Any
 
-from sdc_core.checks.contract import Role
 from sdc_core.ops.trackers import log_summary
 from sdc_core.schema import env_flag
 
@@ -27,7 +26,7 @@ def run_summary(steps: int, checks: Iterable[Any], run_dir: str | None = None) -
         stats = check.stats
         unit = " audits" if stats.check == "ring_replay" else ""
         parts.append(f"{stats.check} ({stats.runs}{unit}{_observed(check)})")
-        if stats.failures and getattr(check, "role", None) is not Role.SCREEN:
+        if stats.failures:
             verdicts[stats.check] = stats.failures
     line = f"sdc-checks: {steps} steps checked by {', '.join(parts) or 'no check'}"
     if not verdicts:
@@ -40,9 +39,9 @@ def run_summary(steps: int, checks: Iterable[Any], run_dir: str | None = None) -
 
 def _observed(check: Any) -> str:
     """What a check saw that is no verdict: the screen's hits, the replay's unexplained differences."""
-    stats, extra = check.stats, check.stats.extra or {}
-    if getattr(check, "role", None) is Role.SCREEN and stats.failures:
-        return f"; {stats.failures} hit{'s' if stats.failures != 1 else ''}"
+    extra = check.stats.extra or {}
+    if hits := int(extra.get("hits", 0)):  # the screen's
+        return f"; {hits} hit{'s' if hits != 1 else ''}"
     n = int(extra.get("unexplained_differences", 0))
     if not n:
         return ""
