@@ -17,7 +17,14 @@ from hypothesis import strategies as st
 from torch import nn
 
 from sdc_core.checks.matmul import MatmulChecksum, MatmulChecksumConfig
-from sdc_core.checks.matmul_bound import LinearBound, check_linear, operand, rounding, visible_error_sizes
+from sdc_core.checks.matmul_bound import (
+    LinearBound,
+    operand,
+    plain_arithmetic,
+    rounding,
+    visible_error_sizes,
+    worst_ratio,
+)
 from sdc_core.checks.matmul_sites import product_node
 from sdc_core.errors import ChecksumMismatchError, SDCError
 from sdc_core.faults.inject import Fault, FaultInjector
@@ -271,6 +278,15 @@ def test_what_is_not_covered_is_listed():
     assert check.attach(model) == ["0"]
     assert set(check.coverage()["not_checked"]) == {"1", "2"}
     assert F.linear is torch._C._nn.linear  # attention off: nothing patched
+
+
+def check_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor) -> torch.Tensor:
+    """Worst forward ratio of one ``y = F.linear(x, weight, bias)`` (0-d; > 1: wrong), as the check bounds it."""
+    rnd = rounding(y.dtype, y.device.type)
+    with torch.no_grad(), plain_arithmetic(y.device.type):
+        lb = LinearBound.of(weight, bias, y.dtype, rnd, 2.0, 32)
+        x2 = operand(x.detach(), y.dtype, rnd.acc_dtype, weight.shape[1])
+        return worst_ratio(lb.forward_ratio(x2, y.detach().reshape(-1, weight.shape[0]))[0])
 
 
 def test_check_linear_and_a_non_finite_result_of_finite_operands():

@@ -38,7 +38,7 @@ class TorchScreen(GradientScreen):
     writing the history of its ``band`` directly (``_cached``: its band and age, as the old screen
     kept them)."""
 
-    last_deviations: Any = None  # a plain attribute here (a property of the new screen)
+    last_deviations: Any = None  # the new screen's ``_last_dev``
     _cached: Any = None
     _age = 0
 
@@ -194,7 +194,7 @@ def test_the_plain_python_judge_gives_the_torch_judges_verdicts(world: int, conf
         reasons |= {d["reason"] for d in a.details.values()}
         assert (a.step, a.ranks, a.details, a.calibrated) == (b.step, b.ranks, b.details, b.calibrated), (step, rows)
         assert a.margin == b.margin or (math.isnan(a.margin) and math.isnan(b.margin)), (step, a.margin, b.margin)
-        assert same(new.last_deviations, old.last_deviations), step  # type: ignore[arg-type]
+        assert same(torch.tensor(new._last_dev, dtype=torch.float64), old.last_deviations), step  # type: ignore[arg-type]
         assert list(a.bands) == old._cached[0].tolist()
         vals = rows[:, HEADER:].clone()  # what was judged: malformed rows blanked
         for r in range(world):

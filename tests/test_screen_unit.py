@@ -246,14 +246,14 @@ def test_observe_and_suspects_one_process() -> None:
     s.observe(0, torch.zeros(K), torch.tensor(1.0))
     s.observe(1, None, None)
     s.observe(2, torch.zeros(K), torch.tensor(2.0))  # a third pending step judges the first
-    assert s.pending_steps == [0, 1, 2]
+    assert sorted(set(s._pending) | set(s._judged)) == [0, 1, 2]  # observed, verdict not taken
     assert s.suspects(1) == ScreenResult(step=1) and s.suspects(0).ranks == ()
     with pytest.raises(LookupError):
         s.suspects(0)
     with pytest.raises(ValueError):
         s.observe(2, None)
     s.discard()
-    assert s.pending_steps == []
+    assert not s._pending and not s._judged
 
 
 def test_the_row_carries_the_magnitudes_and_the_loss_or_no_opinion() -> None:
@@ -327,7 +327,7 @@ def test_a_result_carries_the_judged_values_and_bands() -> None:
     assert list(res.values[0]) == v[0].tolist() and all(math.isnan(a) for a in res.values[1])
     assert res.values[2][1] == math.inf and res.bands == (10.0,) * (K + 2)
     assert res == ScreenResult(step=0, ranks=res.ranks, details=res.details, margin=res.margin)
-    assert s.last_deviations is not None and s.last_deviations.shape == (3, K + 2)
+    assert s._last_dev is not None and torch.tensor(s._last_dev).shape == (3, K + 2)
 
 
 def test_rows_as_lists_judge_as_the_tensor_does() -> None:

@@ -350,23 +350,6 @@ def operand(x: torch.Tensor, dtype: torch.dtype, acc: torch.dtype, width: int) -
     return x2 if x2.dtype == acc else x2.to(acc)
 
 
-def check_linear(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    y: torch.Tensor,
-    safety: float = 2.0,
-    block: int = 32,
-) -> torch.Tensor:
-    """Worst forward ratio of one ``y = F.linear(x, weight, bias)`` (0-d; > 1: wrong), for one-off checks."""
-    dtype = y.dtype
-    rnd = rounding(dtype, y.device.type)
-    with torch.no_grad(), plain_arithmetic(y.device.type):
-        lb = LinearBound.of(weight, bias, dtype, rnd, safety, block)
-        x2 = operand(x.detach(), dtype, rnd.acc_dtype, weight.shape[1])
-        return worst_ratio(lb.forward_ratio(x2, y.detach().reshape(-1, weight.shape[0]))[0])
-
-
 def visible_error_sizes(width: int, dtype: torch.dtype = torch.float32, rows: int = 1024, seed: int = 0,
                         safety: float = 2.0, block: int = 32) -> dict[str, float]:  # fmt: skip
     """The error of one element always caught, relative to the row's largest element (``*_vs_max``) and

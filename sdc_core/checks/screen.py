@@ -202,11 +202,6 @@ class GradientScreen:
             raise LookupError(f"step {step} was not observed (or its verdict was already taken)")
         return self._judged.pop(step)
 
-    @property
-    def pending_steps(self) -> list[int]:
-        """Observed steps whose verdict is not taken yet, oldest first."""
-        return sorted(set(self._pending) | set(self._judged))
-
     def discard(self) -> None:
         """Forget every pending step without waiting for a peer (no collective)."""
         self._pending.clear()
@@ -257,11 +252,6 @@ class GradientScreen:
         """Per value its band now (log2 units, float64) and whether it is calibrated."""
         assert self.band is not None, "GradientScreen.bands before attach"
         return self.band.bands()
-
-    @property
-    def last_deviations(self) -> torch.Tensor | None:
-        """The last judged step's deviations (world x (width + 1), log2; the level last), or None."""
-        return None if self._last_dev is None else torch.tensor(self._last_dev, dtype=torch.float64)
 
     def judge(self, step: int, rows: torch.Tensor | list[list[float]]) -> ScreenResult:
         """The verdict on every rank's rows (``world x (2 + width)``, a tensor or lists), the history

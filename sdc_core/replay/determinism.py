@@ -59,9 +59,3 @@ def deterministic(enabled: bool = True, strict: bool = False) -> Iterator[None]:
         yield
     finally:
         window.exit()
-
-
-def is_determinism_error(err: BaseException) -> bool:
-    """Whether ``err`` is torch refusing a kernel without a deterministic implementation."""
-    text = str(err)
-    return isinstance(err, RuntimeError) and ("deterministic" in text or "CUBLAS_WORKSPACE_CONFIG" in text)
