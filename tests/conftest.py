@@ -79,7 +79,7 @@ LIGHTNING_DDP_DEFAULT = [
     "fp16_one_overflow", "fp16_sole_overflow", "replay_step_hook", "replay_crash",
     "heal", "heal_limit", "replay_transient_skip", "replay_persistent_skip", "rollback", "rollback_none",
     "save", "resume", "own_check", "flip", "flip_reversed",
-    "probe_raise", "probe_skip", "clip_nan", "nan_last_step", "nan_checkpoint", "nan_warn",
+    "probe_raise", "probe_skip", "clip_nan", "nan_last_step", "nan_checkpoint", "nan_warn", "nan_sample",
 ]  # fmt: skip
 
 

@@ -108,10 +108,12 @@ class NetWithReplayStep(Net):
         return nn.functional.mse_loss(self(x).float(), y)
 
 
-def loader(n: int = 256, batch_size: int = 8) -> DataLoader:
+def loader(n: int = 256, batch_size: int = 8, nan_at: int | None = None) -> DataLoader:
     g = torch.Generator().manual_seed(1234)
     x = torch.randn(n, 8, generator=g)
     y = x[:, :1] * 0.5 - x[:, 1:2] + 0.1 * torch.randn(n, 1, generator=g)
+    if nan_at is not None:  # one bad sample
+        x[nan_at, 0] = float("nan")
     return DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=False)
 
 
@@ -128,6 +130,7 @@ def fit(
     ckpt_path: str | None = None,
     save_ckpt: bool = False,
     strategy_kwargs: dict[str, Any] | None = None,
+    train: DataLoader | None = None,
     **trainer_kwargs: Any,
 ) -> dict[str, Any]:
     """One ``trainer.fit``; returns what this rank saw."""
@@ -149,7 +152,7 @@ def fit(
     error = None
     val = loader(48) if isinstance(model, NetWithValidation) else None
     try:
-        trainer.fit(model, loader(), val, ckpt_path=ckpt_path)
+        trainer.fit(model, train or loader(), val, ckpt_path=ckpt_path)
     except SDCError as err:
         error = err.to_dict()
     except ReplayUnavailableError as err:

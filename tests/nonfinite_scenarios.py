@@ -20,10 +20,10 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ddp_scenarios import fit
+from ddp_scenarios import fit, loader
 from scenario_runner import main_for
 
-from lightning_sdc import Fault, FaultInjector, NonFiniteGradientCheck
+from lightning_sdc import Fault, FaultInjector, NonFiniteGradientCheck, RingReplayAudit
 
 HOST_READS = ("item", "tolist", "__bool__", "__float__", "__int__")
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_object", "broadcast", "barrier", "isend", "irecv")
@@ -119,6 +119,9 @@ SCENARIOS: dict[str, Any] = {
     ),
     # warn: read one step later, training goes on, the incident names the step and the rank
     "nan_warn": lambda o: fit(o, "nan_warn", [NonFiniteGradientCheck(on_failure="warn"), nan(1, 5)]),
+    # the README's defaults, a NaN in one sample: rank 1's at step 3 (Lightning's DistributedSampler shuffles, seed 7)
+    "nan_sample": lambda o: fit(o, "nan_sample", [NonFiniteGradientCheck(), RingReplayAudit(every_n_steps=100)],
+                                train=loader(nan_at=38)),
 }  # fmt: skip
 
 

@@ -34,9 +34,10 @@ runs the named scenarios one after the other in one process group; each rank wri
   audit), ``save`` (a clean run, then ``before_save``, a checkpoint written and loaded back, verified by a
   fresh hook set; a changed weight refused), ``evaluated`` (``clean`` with an evaluation forward in eval mode after each
   update, under ``no_grad`` or with autograd on and no backward, as validation loops run), ``discarded`` (a forward in
-  training mode, never back-propagated, before each step's: refused at the first audit with the fix), ``nan_skip`` and
-  ``bad_data`` (``on_failure="skip_step"``: a NaN in rank 1's local gradient at step 3, or in one of its input samples,
-  which its partner's recomputation reproduces: no rank named).
+  training mode, never back-propagated, before each step's: refused at the first audit with the fix), ``nan_skip``,
+  ``bad_data`` and ``overflow_skip`` (``on_failure="skip_step"``: a NaN in rank 1's local gradient at step 3, a NaN in
+  one of its input samples, a finite input of 1e38 its partner's recomputation overflows on too: the last two name no
+  rank), ``bad_data_raise`` (the NaN input sample at the default ``"raise"``: no rank named either).
 
 With several ranks on one GPU the process group is gloo (NCCL refuses two ranks on a device);
 ``--backend`` overrides. Each result holds the error (``SDCError.to_dict()``), the weights'
@@ -304,7 +305,7 @@ def train(name: str, out: Path, device: torch.device) -> dict[str, Any]:
             settings |= {"fingerprint_on_failure": "heal"}
         if kind.startswith("accumulate"):  # two micro-batches a step, each loss divided by 2
             settings |= {"accumulation_steps": 2}
-        if kind in ("nan_skip", "bad_data"):  # the non-finite verdict read before the update, the step dropped
+        if kind in ("nan_skip", "bad_data", "overflow_skip"):  # the non-finite verdict read before the update
             settings |= {"on_failure": "skip_step"}
         if kind == "small":  # outputs over the replay's state budget
             settings |= {"replay_max_state_mb": 0.001}
@@ -335,9 +336,9 @@ def train(name: str, out: Path, device: torch.device) -> dict[str, Any]:
                     if sharded:
                         wrapped.set_requires_gradient_sync(True)
                     x, y = x[4:], y[4:]
-                if kind == "bad_data" and rank == 1 and step == 3:  # one NaN in one sample of rank 1's batch
+                if kind.startswith(("bad_data", "overflow")) and rank == 1 and step == 3:  # one sample of rank 1's
                     x = x.clone()
-                    x[0, 0] = float("nan")
+                    x[0, 0] = 1e38 if kind.startswith("overflow") else float("nan")
                 if kind == "discarded":  # a forward in training mode whose result is never back-propagated
                     float(forward(x, y))
                 with autocast(model_name, device), sdpa_backends(model_name, device):

@@ -59,6 +59,15 @@ def test_verdict_read_one_step_later_names_its_step_and_only_the_local_offender(
     assert all(r["global_step"] == 4 for r in per_rank)  # read before the next step's backward
 
 
+def test_a_nan_sample_is_the_data_not_the_rank(out: Path) -> None:
+    """At the README's defaults the verdict is read after the update, where nothing can be recomputed; the batch rank 1
+    ran is still kept (the screen's) and held the NaN: no rank named, no host to take out."""
+    err, _ = same_error(out, "nan_sample")
+    assert (err["step"], err["rank"], err["suspects"], err["hosts"]) == (3, None, [], {})
+    assert err["details"]["pattern"] == "bad_inputs" and list(err["details"]["parameters"]) == ["1"]
+    assert "the micro-batches of rank 1 held NaN/Inf values" in err["message"]
+
+
 def test_non_finite_last_step_is_read_at_the_end_of_training(out: Path) -> None:
     err, per_rank = same_error(out, "nan_last_step")
     assert (err["step"], err["rank"], err["details"]["parameters"]) == (7, 1, {"1": ["head.weight"]})

@@ -62,7 +62,7 @@ def ddp(tmp_path_factory: pytest.TempPathFactory) -> Path:
             "outside:off", "outside:clean", "outside:activation", "outside:accumulate", "outside:small",
             "outside:twice", "outside_bf16:clean", "outside_bf16:activation", "outside:screened",
             "outside_bf16:screened", "mlp:evaluated", "outside:evaluated", "mlp:discarded", "mlp:nan_skip",
-            "mlp:bad_data"]
+            "mlp:bad_data", "mlp:bad_data_raise", "mlp:overflow_skip"]
     return launch(tmp_path_factory.mktemp("plain_ddp"), [f"mlp:{k}" for k in kinds] + more, 3)
 
 
@@ -79,18 +79,29 @@ def test_zero_redundancy_optimizer_trains_clean_and_the_fingerprint_says_what_it
 
 
 def test_a_non_finite_batch_its_partner_reproduces_names_no_rank(ddp: Path) -> None:
-    """With the non-finite verdict read before the update (``on_failure="skip_step"``), the offending rank's partner
-    recomputes its micro-batch on the same weights: a NaN in one input sample comes back there too (the data, not the
-    device: no rank named), a NaN in the rank's own gradient does not (named). Both steps are dropped."""
-    for kind, named in (("bad_data", False), ("nan_skip", True)):
+    """With the non-finite verdict read before the update (``on_failure="skip_step"``), a NaN in one input sample is
+    the data (no rank named), and the offending rank's partner recomputes its micro-batch on the same weights: a finite
+    input that overflows comes back there too (no rank named), a NaN in the rank's own gradient does not (named). Each
+    step is dropped."""
+    for kind, said_here in (("bad_data", "the data, not a faulty device: the micro-batches of rank 1 held NaN/Inf"),
+                            ("overflow_skip", "the data or the model's numerics, not a faulty device: the partners'"),
+                            ("nan_skip", "rank 1 (host")):  # fmt: skip
         rows = results(ddp, f"mlp:{kind}", 3)
         assert all(r["error"] is None and r["finite"] for r in rows), rows[0]["error"]
         assert rows[0]["state"]["checks"]["nonfinite_gradient"]["extra"]["skipped_steps"] == 1
         (said,) = [w for w in rows[0]["warnings"] if "nonfinite_gradient" in w]
-        if named:
-            assert "rank 1 (host" in said and "(the SDC signature)" in said, said
-        else:
-            assert "no rank could be named: the data or the model's numerics, not a faulty device" in said, said
+        assert said_here in said and ("no rank could be named" in said) != (kind == "nan_skip"), said
+
+
+def test_a_nan_input_sample_names_no_rank_at_the_defaults(ddp: Path) -> None:
+    """At the default ``"raise"`` the verdict is read one step later, after the update spread the NaN to every replica,
+    so nothing can be recomputed; the batch the rank ran is still kept and held the NaN itself: the data, no rank
+    named, no host to take out. Raised on every rank alike."""
+    rows = results(ddp, "mlp:bad_data_raise", 3)
+    for r in rows:
+        error = r["error"]
+        assert error["type"] == "NonFiniteGradientError" and error["step"] == 3, error
+        assert error["rank"] is None and error["suspects"] == [] and error["details"]["pattern"] == "bad_inputs", error
 
 
 def test_evaluation_forwards_between_steps_change_nothing_the_checks_see(ddp: Path) -> None:

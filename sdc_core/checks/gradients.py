@@ -99,7 +99,7 @@ class NonFiniteVerdicts:
     _pending: Any = None  # the verdict still to be read, with its ``step``
     magnitude_groups: int = 0  # opt-in (``want_magnitudes``): groups of the local magnitudes read
     _group_names: dict[str, int] = field(default_factory=dict)  # name -> group (``magnitude_group``)
-    witness: Callable[[int, tuple[int, ...]], bool] | None = None  # (step, ranks): do their batches reproduce it?
+    witness: Callable[[int, tuple[int, ...]], str | None] | None = None  # (step, ranks): do their batches explain it?
 
     @property
     def pending_step(self) -> int | None:
@@ -126,8 +126,8 @@ class NonFiniteVerdicts:
             pattern = "single_process"
         elif not offenders:  # every rank's local gradients were finite: the NaN/Inf formed in the reduction
             pattern = "formed_in_reduction"
-        elif len(offenders) < world and not scaler_active and self.witness and self.witness(step, offenders):
-            pattern, sole = "reproduced", None
+        elif len(offenders) < world and not scaler_active and self.witness and (seen := self.witness(step, offenders)):
+            pattern, sole = seen, None  # "bad_inputs" or "reproduced"
         elif len(offenders) == 1:
             pattern = "one_rank"
         elif len(offenders) == world:
@@ -161,12 +161,14 @@ class NonFiniteVerdicts:
             "some_ranks": "several ranks produced NaN/Inf local gradients",
             "reproduced": "the data or the model's numerics, not a faulty device: the partners' recomputation of the "
             "micro-batches gave NaN/Inf local gradients too",
+            "bad_inputs": f"the data, not a faulty device: the micro-batches of rank {', '.join(map(str, offenders))} "
+            "held NaN/Inf values and gave NaN/Inf local gradients",
             "formed_in_reduction": "every rank's local gradients were finite; the NaN/Inf formed inside the "
             "reduction (summed values overflowing, or a fault on the wire)",
             "single_process": "NaN/Inf gradients (single process: no replica to compare with)",
         }[details["pattern"]]
         reason += f" in {', '.join(first)}" if first else ""
-        suspects = () if pattern == "reproduced" else offenders
+        suspects = () if pattern in ("reproduced", "bad_inputs") else offenders
         error = NonFiniteGradientError(
             step=step, rank=sole, suspects=suspects, hosts=topo.hosts(suspects), details=details, reason=reason)
         self.stats.add_time(time.perf_counter() - t0)

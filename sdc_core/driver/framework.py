@@ -128,6 +128,9 @@ class Framework(Seam):
     def replay_functions(self, replay: Any, step: StepContext) -> tuple[Any, Any, Any]:
         return self.capture.replay_step, self.capture.to_device, nullcontext
 
+    def replay_inputs(self, batch: Any) -> Any:
+        return batch[2:4]  # a capture's record: the call's arguments (``replay_capture._record``)
+
     def loss(self) -> torch.Tensor | None:
         return self.capture.take_loss() if self.capture is not None else None
 

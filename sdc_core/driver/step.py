@@ -24,7 +24,7 @@ from sdc_core.errors import ReplayMismatchError, SDCError
 from sdc_core.ops.incidents import record_verdict
 from sdc_core.ops.process_exit import mark_verdict
 from sdc_core.ops.trackers import log_incident
-from sdc_core.replay.confirm import reproduces
+from sdc_core.replay.confirm import held_nonfinite, reproduces
 from sdc_core.sharded.checks import is_sharded
 
 
@@ -159,6 +159,10 @@ class Seam:
         """``(step_fn, to_device, context)``: how a replay recomputes a recorded micro-batch here."""
         raise NotImplementedError
 
+    def replay_inputs(self, batch: Any) -> Any:
+        """What the model read of a recorded micro-batch (here, all of it)."""
+        return batch
+
     def loss(self) -> Any:
         """This rank's loss of the step (a tensor, no host read), or None: the screen's loss value."""
         return None
@@ -242,12 +246,16 @@ class StepDriver:
         """The gradient check whose read gives the screen its magnitudes."""
         return next((nf for nf in self.nonfinite if nf.magnitude_groups), None)
 
-    def _witness(self, index: int, ranks: tuple[int, ...]) -> bool:
-        """``NonFiniteVerdicts.witness``: do the partners of ``ranks`` get NaN/Inf from their batches of step ``index``
-        too, on its weights (``confirm.reproduces``; only before its update, the batches kept)?"""
-        step, keep = self._before_update, next(iter(self.screen_verdicts.recording()), None)
-        return bool(step and step.index == index and keep and reproduces(keep, index, ranks, step.module,
-                                                                          *self.seam.replay_functions(keep, step)))
+    def _witness(self, index: int, ranks: tuple[int, ...]) -> str | None:
+        """``NonFiniteVerdicts.witness``, from the batches ``ranks`` ran at step ``index`` (a replay's, audited, kept):
+        "bad_inputs" when they held NaN/Inf themselves (``confirm.held_nonfinite``), "reproduced" when, read before
+        its update, their partners get NaN/Inf from them too on its weights (``confirm.reproduces``), else None."""
+        step, replay = self._before_update, next((r for r in self.replays if r.active), None)
+        if replay is not None and held_nonfinite(replay, index, ranks, self.seam.replay_inputs):
+            return "bad_inputs"
+        keep = next(iter(self.screen_verdicts.recording()), None)
+        functions = self.seam.replay_functions(keep, step) if keep and step and step.index == index else None
+        return "reproduced" if functions and reproduces(keep, index, ranks, step.module, *functions) else None
 
     def _gradients(self, check: Any, run: Callable[[], Any], step: StepContext) -> Any:
         """A non-finite verdict; a rollback drops the coming update (its gradients are stale)."""

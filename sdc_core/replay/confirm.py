@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from sdc_core.checks.reductions import log2_peaks_by_group, peaks
 from sdc_core.checks.screen_rule import reference
@@ -71,6 +72,18 @@ def reproduces(replay: Any, step: int, ranks: Sequence[int], module: nn.Module, 
         return False  # sharded models: not asked
     rows, _ = _recompute(replay, topo, partners, step, ranks, module, lambda name: 0, 1, *functions)
     return rows is not None and all(rows[partners[r], 0].item() == math.inf for r in ranks)
+
+
+def held_nonfinite(replay: Any, step: int, ranks: Sequence[int], inputs: Callable[[Any], Any]) -> bool:
+    """Every rank alike (one 4-byte all-reduce): whether each of ``ranks`` recorded micro-batches of ``step`` whose
+    inputs (``inputs(batch)``) held NaN/Inf themselves, whatever the weights: bad data. Cost: a read of those inputs."""
+    held = True
+    if dist.get_rank() in ranks:
+        leaves = [t for mb in replay.batches_of(step) for t in tree_leaves(inputs(mb.batch))]
+        held = any(isinstance(t, torch.Tensor) and t.is_floating_point() and not t.isfinite().all() for t in leaves)
+    flag = torch.tensor([float(held)], device=collective_device())
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
 
 
 def _recompute(replay: Any, topo: Topology, partners: Sequence[int], step: int, ranks: Sequence[int], module: nn.Module,

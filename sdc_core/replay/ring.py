@@ -135,15 +135,20 @@ class KeptSteps:
     def clear(self) -> None:
         self.step, self.batches, self.previous = None, [], None
 
+    def peek(self, step: int) -> list[MicroBatch]:
+        """The micro-batches kept for ``step`` (empty when none were), kept on."""
+        if step == self.step:
+            return self.batches
+        return self.previous[1] if self.previous is not None and self.previous[0] == step else []
+
     def take(self, step: int) -> list[MicroBatch]:
         """The micro-batches kept for ``step``, then forgotten; empty when none were kept for it."""
+        kept = self.peek(step)
         if step == self.step:
-            kept, self.step, self.batches = self.batches, None, []
-            return kept
-        if self.previous is not None and self.previous[0] == step:
-            kept, self.previous = self.previous[1], None
-            return kept
-        return []
+            self.step, self.batches = None, []
+        elif kept:
+            self.previous = None
+        return kept
 
 
 @dataclass
@@ -243,6 +248,10 @@ class RingReplay:
     def recording(self) -> list[MicroBatch]:
         """The micro-batches recorded so far for the armed (or kept) step; [] when none is."""
         return self.kept.batches if self.keeping else self._micro if self.armed else []
+
+    def batches_of(self, step: int) -> list[MicroBatch]:
+        """The micro-batches recorded for ``step``, audited or kept ([] when none are), left in place."""
+        return self._micro if step == self._armed_step else self.kept.peek(step)
 
     @property
     def tolerance(self) -> float:
