@@ -16,8 +16,9 @@ defaults (the replay audits one step in 100: steps 0 and 100 only). Scenarios:
   equal (the final comparison passes).
 * ``logit``: the top exponent bit of one logit of rank 1's head flipped from step 30 on (a wrong
   activation that mostly moves the loss; it blows up only on steps whose logit lies below 2 in
-  magnitude): named on rank 1 (by the screen when it blows the loss up, by the non-finite check
-  when its gradients overflow).
+  magnitude): named on rank 1 (by the non-finite check when its gradients overflow; where they stay
+  finite, its loss stands out, which on the weights after the update confirms nothing, and the
+  replay's audit of the step after names it).
 * ``lightning``: the ``fault`` in a ``Trainer(strategy="ddp")`` fit with the three callbacks at
   their default arguments: the same verdict, from the callbacks' one driver.
 * ``last``: the fault at the last step, named by the end of training.

@@ -27,7 +27,7 @@ from sdc_core.replay.attribution import describe, replay_partners
 from sdc_core.replay.state import Rerun
 
 REPRODUCED = 1.0  # log2 units: a recomputed peak within a factor 2 of the owner's reproduces it
-AFTER_UPDATE_GAP = 24.0  # log2: on the weights after the update, the least gap that confirms (see ``_judge``)
+AFTER_UPDATE_GAP = 24.0  # log2: on the weights after the update, the least gradient gap that confirms (``_judge``)
 
 
 def confirm_hits(replay: Any, result: Any, module: nn.Module, group_of: Callable[[str], int | None],
@@ -177,20 +177,22 @@ def _judge(
     """``"cleared"``, ``"confirmed"`` or ``"unconfirmed"`` for one flagged rank from its partner's row (``recomputed``,
     in ``result.values``' layout): confirmed only by a value the owner had larger by more than its band, the partner's
     within the band of the other ranks (``projected``, a loss outside the model whose output gradients the partner
-    shares: any). ``after_update``: by ``AFTER_UPDATE_GAP`` at least, as the update a hard batch drove can fit it, its
-    values back in band, its loss moved or not (SGD at lr 0.1-0.5); no genuine batch stands 2^24 above the others."""
+    shares: any). On the weights after the update (``after_update``), which a hard batch's own update can fit (its
+    values back in band and lower by any amount: 2^5.7 at SGD lr 0.3; a loss 2^28 once weights had grown to 1e9), only
+    a backward no ordinary forward explains: a group ``AFTER_UPDATE_GAP`` above, the owner's loss in its band."""
     owner = result.values[rank]
     pairs = [(a, b) for a, b in zip(owner, recomputed, strict=True) if not (math.isnan(a) or math.isnan(b))]
     if not pairs:
         return "unconfirmed"  # nothing recomputed (or nothing to compare)
     if all(a == b if math.isinf(a) or math.isinf(b) else abs(a - b) <= REPRODUCED for a, b in pairs):
         return "cleared"  # the partner reproduced the flagged values: the batch gives them
-    if any(math.isinf(b) for b in recomputed):
-        return "unconfirmed"  # the partner's own values overflowed: no witness
     ref, bands = reference(result.values, rank), result.bands[: len(owner)]
+    if any(math.isinf(b) for b in recomputed) or (after_update and not owner[-1] - ref[-1] <= bands[-1]):
+        return "unconfirmed"  # the partner's own values overflowed, or the owner's forward stood out too: no witness
+    if after_update:  # the loss cannot confirm there, a gradient group by the gap
+        bands = [*(max(w, AFTER_UPDATE_GAP) for w in bands[:-1]), math.inf]
     ref = [*ref[:-1], math.inf] if projected else ref  # a projected loss: any value of the partner's is a witness
-    apart = (math.isfinite(b) and a - b > (max(w, AFTER_UPDATE_GAP) if after_update else w) and w >= b - m
-             for a, b, m, w in zip(owner, recomputed, ref, bands, strict=True))
+    apart = (math.isfinite(b) and a - b > w >= b - m for a, b, m, w in zip(owner, recomputed, ref, bands, strict=True))
     return "confirmed" if any(apart) else "unconfirmed"
 
 
