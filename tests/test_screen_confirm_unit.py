@@ -52,8 +52,8 @@ def test_on_the_weights_after_the_update_only_a_backward_no_forward_explains_con
     lower); at lr 0.5 the last bias 2^5.4 over and lower by more than the band with the loss within 2x (the update
     cancels the bias's own gradient); at lr 0.5 through Accelerate, the weights grown to 1e9 in all, an ordinary batch's
     loss 2^28.2 above the others' and back in band after its update. On equal weights the first two are faults; after
-    the update only a gradient group ``AFTER_UPDATE_GAP`` (2^24) above with the owner's loss in its band confirms (an
-    exponent flip in the backward), never the loss."""
+    the update only a gradient group ``AFTER_UPDATE_GAP`` (2^24) above with the owner's loss in its band and the
+    partner's value back within the band on both sides confirms (an exponent flip in the backward), never the loss."""
     ref = (-8.35, -8.83, -3.87, -7.22, -6.18, -3.93, -1.0)
     owner = (0.14, -0.7, 1.55, -1.06, -3.02, -3.59, 1.87)
     flagged = ScreenResult(step=31, ranks=(0,), details={0: {"reason": "band"}}, values=(owner, ref, ref),
@@ -62,6 +62,8 @@ def test_on_the_weights_after_the_update_only_a_backward_no_forward_explains_con
     assert _judge(flagged, 0, recomputed) == "confirmed"
     assert _judge(flagged, 0, recomputed, after_update=True) == "unconfirmed"
     assert _judge(result((100.0, 1.0, -1.0)), 1, [0.1, 1.0, -1.0], after_update=True) == "confirmed"  # a backward
+    assert _judge(result((100.0, 1.0, -1.0)), 1, [-40.0, 1.0, -1.0], after_update=True) == "unconfirmed"  # far below
+    assert _judge(result((100.0, 1.0, -1.0)), 1, [20.0, 1.0, -1.0], after_update=True) == "unconfirmed"  # above band
     assert _judge(result((100.0, 1.0, 8.0)), 1, [0.1, 1.0, -1.0], after_update=True) == "unconfirmed"  # its loss too
     assert _judge(result((-2.0, 1.0, 27.2)), 1, [-2.0, 1.0, -1.0], after_update=True) == "unconfirmed"  # the loss
     assert _judge(result((-2.0, 1.0, 27.2)), 1, [-2.0, 1.0, -1.0], projected=True, after_update=True) == "unconfirmed"

@@ -177,9 +177,10 @@ def _judge(
     """``"cleared"``, ``"confirmed"`` or ``"unconfirmed"`` for one flagged rank from its partner's row (``recomputed``,
     in ``result.values``' layout): confirmed only by a value the owner had larger by more than its band, the partner's
     within the band of the other ranks (``projected``, a loss outside the model whose output gradients the partner
-    shares: any). On the weights after the update (``after_update``), which a hard batch's own update can fit (its
-    values back in band and lower by any amount: 2^5.7 at SGD lr 0.3; a loss 2^28 once weights had grown to 1e9), only
-    a backward no ordinary forward explains: a group ``AFTER_UPDATE_GAP`` above, the owner's loss in its band."""
+    shares: any). After the update (``after_update``), which a hard batch's own update can fit (lower by any amount:
+    2^5.7 at SGD lr 0.3, a loss 2^28 with weights grown to 1e9), only a backward no forward explains: a group
+    ``AFTER_UPDATE_GAP`` above, the owner's loss in band, the partner's value in band on both sides (a huge input a
+    normalisation kept from the loss: its own update makes its recomputed gradient fall far below the others')."""
     owner = result.values[rank]
     pairs = [(a, b) for a, b in zip(owner, recomputed, strict=True) if not (math.isnan(a) or math.isnan(b))]
     if not pairs:
@@ -189,10 +190,10 @@ def _judge(
     ref, bands = reference(result.values, rank), result.bands[: len(owner)]
     if any(math.isinf(b) for b in recomputed) or (after_update and not owner[-1] - ref[-1] <= bands[-1]):
         return "unconfirmed"  # the partner's own values overflowed, or the owner's forward stood out too: no witness
-    if after_update:  # the loss cannot confirm there, a gradient group by the gap
-        bands = [*(max(w, AFTER_UPDATE_GAP) for w in bands[:-1]), math.inf]
+    gaps = [*(max(w, AFTER_UPDATE_GAP) for w in bands[:-1]), math.inf] if after_update else bands  # no loss after it
     ref = [*ref[:-1], math.inf] if projected else ref  # a projected loss: any value of the partner's is a witness
-    apart = (math.isfinite(b) and a - b > w >= b - m for a, b, m, w in zip(owner, recomputed, ref, bands, strict=True))
+    apart = (math.isfinite(b) and a - b > g and w >= (abs(b - m) if after_update else b - m)
+             for a, b, m, w, g in zip(owner, recomputed, ref, bands, gaps, strict=True))
     return "confirmed" if any(apart) else "unconfirmed"
 
 
