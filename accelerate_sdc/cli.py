@@ -35,7 +35,6 @@ from sdc_core.ops.launch import run_command
 def _config(args: argparse.Namespace) -> int:
     from accelerate_sdc import config
     from sdc_core.driver.settings import coerce, field_doc  # prompts: the settings' own docs
-
     path = Path(args.config_file) if args.config_file else config.default_file()
     _check_owned(path)
     given = {f.name: getattr(args, f.name) for f in fields(config.SDCSettings) if getattr(args, f.name) is not None}
@@ -54,7 +53,6 @@ def _config(args: argparse.Namespace) -> int:
             values[f.name] = f.default
     settings = _validated(values, f"accelerate-sdc config ({path})")
     from sdc_core.io.safe_files import atomic_write_text
-
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as err:
@@ -70,7 +68,6 @@ def _check_owned(path: Path) -> None:
     from accelerate.commands.config.config_args import default_json_config_file, default_yaml_config_file
 
     from accelerate_sdc import config
-
     if path.is_dir():
         raise config.SDCConfigError(f"--config_file {path} is a folder; give a file name")
     accelerate_files = (default_yaml_config_file, default_json_config_file)  # what `accelerate config` writes
@@ -97,7 +94,6 @@ def _check_owned(path: Path) -> None:
 def _validated(values: dict[str, object], source: str) -> dict[str, object]:
     """Run the same checks ``SDCHooks`` runs, on ``values`` alone (no variable or file), reporting ``source``."""
     from sdc_core.driver.settings import SDCConfigError, resolve
-
     try:
         settings, _ = resolve(**values)  # the plain route's sources: keywords only
     except SDCConfigError as err:
@@ -107,13 +103,11 @@ def _validated(values: dict[str, object], source: str) -> dict[str, object]:
 
 def _launch(rest: list[str]) -> int:
     from accelerate_sdc import config
-
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--config_file", "--config-file", dest="config_file")
     known, passthrough = parser.parse_known_args(rest)
     if not known.config_file:
         from accelerate.commands.config.config_args import default_config_file
-
         known.config_file = default_config_file if os.path.isfile(default_config_file) else None
     cmd = [sys.executable, "-m", "accelerate.commands.launch"]
     env = dict(os.environ)
@@ -146,7 +140,6 @@ def _launch(rest: list[str]) -> int:
 def _without_accelerate(command: str) -> bool:
     """True, with the one-line advice printed, when Accelerate is not installed (``--help`` does not need it)."""
     from sdc_core._lazy import require
-
     try:
         require("accelerate", "accelerate", "accelerate-sdc " + command)
     except ImportError as err:
@@ -177,7 +170,6 @@ def main(argv: list[str] | None = None) -> int:
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # a misspelled setting: named, with the closest one (the hook set's own suggestion)
         from sdc_core.driver.settings import suggest
-
         flags = ["--default", "--config_file", *(f"--{name}" for name, _, _ in SETTINGS)]
         bad = unknown[0].split("=")[0]
         print(f"accelerate-sdc {args.command}: error: unknown option {bad!r}{suggest(bad, flags)} "
@@ -186,7 +178,6 @@ def main(argv: list[str] | None = None) -> int:
     if _without_accelerate("config"):
         return 2
     from sdc_core.cli import run_guarded
-
     return run_guarded("accelerate-sdc config", lambda: _config(args))  # 2: a bad value, 4: cannot write
 
 

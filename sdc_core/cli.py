@@ -167,7 +167,6 @@ def _corrupt_arguments(c: argparse.ArgumentParser) -> None:
 
 def _corrupt(args: argparse.Namespace) -> int:
     from sdc_core.faults.checkpoint import Corruption, corrupt_file
-
     spec = Corruption(
         target=args.target,
         pattern=args.pattern,
@@ -193,7 +192,6 @@ def _verify_arguments(v: argparse.ArgumentParser) -> None:
 
 def _verify(args: argparse.Namespace) -> int:
     from sdc_core.io.checkpoints import verify
-
     try:
         result = verify(args.ckpt, trust_pickle=args.trust_pickle)
     except UnreadableError as err:
@@ -224,7 +222,6 @@ def _incident_arguments(p: argparse.ArgumentParser) -> None:
 
 def _load(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[str]]:
     from sdc_core.ops.incidents import read_incident_dicts
-
     skipped: list[str] = []
     incidents = read_incident_dicts(args.dirs, skipped=skipped)
     for line in skipped:
@@ -239,7 +236,6 @@ def _report_arguments(r: argparse.ArgumentParser) -> None:
 
 def _report(args: argparse.Namespace) -> int:
     from sdc_core.ops.incidents import summarise
-
     incidents, skipped = _load(args)
     rows = summarise(incidents)
     if args.json:
@@ -256,7 +252,6 @@ def _report(args: argparse.Namespace) -> int:
 
 def _node_name(args: argparse.Namespace) -> int:
     from sdc_core.dist.topology import node_name
-
     print(node_name())
     return EXIT_OK
 
@@ -270,7 +265,6 @@ def _exclude_arguments(e: argparse.ArgumentParser) -> None:
 
 def _exclude(args: argparse.Namespace) -> int:
     from sdc_core.ops.incidents import exclude_hosts, exclude_reason
-
     incidents, skipped = _load(args)
     hosts = exclude_hosts(incidents)
     if hosts and args.format == "reason":
@@ -282,7 +276,6 @@ def _exclude(args: argparse.Namespace) -> int:
 
 def _sites(text: str) -> tuple[str, ...]:
     from sdc_core.faults.campaign_runner import SITES
-
     sites = tuple(s.strip() for s in text.split(",") if s.strip())
     if not sites or any(s not in SITES for s in sites):
         raise argparse.ArgumentTypeError(f"expected some of {','.join(SITES)}, got {text!r}")
@@ -291,7 +284,6 @@ def _sites(text: str) -> tuple[str, ...]:
 
 def campaign_parser() -> argparse.ArgumentParser:
     from sdc_core.faults.campaign_runner import OPTIMIZERS
-
     k = _Parser("sdc campaign", description="fault-injection campaign over short multi-process Lightning trainings")
     k.add_argument("--injections", type=_at_least(0), default=None, help="bit-flip injections (default 200)")
     k.add_argument("--clean", type=_at_least(0), default=None,
@@ -325,7 +317,6 @@ def campaign_main(argv: list[str]) -> int:
     """``sdc campaign``: find the installed runner first, so that without one even ``--help`` says
     what to install; then parse and run. Returns the exit code; errors are raised for ``main``."""
     from sdc_core.faults.campaign_runner import RUNNER_GROUP, SITES, find_runner
-
     try:
         runner = find_runner()
     except ImportError as err:
@@ -333,7 +324,6 @@ def campaign_main(argv: list[str]) -> int:
     args = campaign_parser().parse_args(argv)  # its usage errors and --help exit as ``main`` expects
     from sdc_core.faults.campaign import COMPUTE_SITES
     from sdc_core.faults.campaign_run import CampaignFailed, run_campaign, run_sizes_campaign
-
     try:
         if args.sizes is not None:  # errors of known size: it plans its own injections and writes no page
             given = [f"--{name}" for name in ("injections", "clean", "hard", "study", "doc")

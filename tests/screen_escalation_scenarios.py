@@ -22,6 +22,9 @@ defaults (the replay audits one step in 100: steps 0 and 100 only). Scenarios:
 * ``lightning``: the ``fault`` in a ``Trainer(strategy="ddp")`` fit with the three callbacks at
   their default arguments: the same verdict, from the callbacks' one driver.
 * ``last``: the fault at the last step, named by the end of training.
+* ``fault_sgd``: the ``fault`` under SGD (lr 0.05, momentum 0.9): the update spreads the 2^128 gradient to every
+  replica's weights, so the partner's recomputation on them cannot witness it; the next step every rank's gradients
+  are non-finite, and the non-finite verdict names rank 1 as the suspect of the screen's unconfirmed hit.
 * ``hard``: no fault; an MLP trained by SGD (lr 0.1, momentum 0.9) with the loss computed in the loop, and at
   random steps one rank's batch made hard (inputs x5-x50, random labels, or both). The update such a batch drives can
   fit it, so the partner's recomputation on the weights after it comes back into the band (it named the healthy rank
@@ -69,12 +72,13 @@ def same_step(screen: Any) -> None:
 
 
 def train(out: Path, name: str, faults: list[Fault], spike: bool = False, read_same: bool = False,
-          **settings: Any) -> dict[str, Any]:  # fmt: skip
+          sgd: bool = False, **settings: Any) -> dict[str, Any]:  # fmt: skip
     torch.manual_seed(0)
     rank = dist.get_rank()
     net = Spiky()
     ddp = DDP(net)
-    opt = torch.optim.AdamW(ddp.parameters(), lr=3e-3)
+    params = ddp.parameters()
+    opt = torch.optim.SGD(params, lr=0.05, momentum=0.9) if sgd else torch.optim.AdamW(params, lr=3e-3)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / WARMUP))
     hooks = SDCHooks(run_dir=out / name, **settings).attach(ddp, opt)
     if read_same:
@@ -184,11 +188,12 @@ def fault(step: int = AT) -> list[Fault]:
 
 
 def main() -> None:
-    args = parse("fault,spike,skip,lightning,logit,fault_same,last,hard")
+    args = parse("fault,spike,skip,lightning,logit,fault_same,last,hard,fault_sgd")
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     scenarios = {
         "fault": lambda: train(args.out, "fault", fault()),
+        "fault_sgd": lambda: train(args.out, "fault_sgd", fault(), sgd=True),
         "spike": lambda: train(args.out, "spike", [], spike=True),
         "hard": lambda: hard(args.out),
         "skip": lambda: train(args.out, "skip", fault(), replay_on_failure="skip_step"),

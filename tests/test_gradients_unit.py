@@ -143,11 +143,11 @@ def test_batched_reads_need_no_hook_per_parameter_and_still_flag_and_peak_exactl
         dist.destroy_process_group()
 
 
-def test_ranks_whose_batches_reproduce_their_non_finite_values_are_not_named() -> None:
-    """The witness (their kept batches held NaN/Inf, ``confirm.held_nonfinite``; the partners' recomputation,
-    ``confirm.reproduces``) is asked about the offending ranks when some but not all ranks' local gradients were
-    non-finite and no GradScaler owns the overflow: when their batches explain it nobody is named and no host is to be
-    excluded; otherwise the rank is named as before."""
+def test_what_the_witness_says_explains_non_finite_gradients() -> None:
+    """The witness (``StepDriver._witness``: the batches held NaN/Inf, the partners reproduce it, the NaN/Inf on every
+    rank follows a screen hit no partner could confirm) is asked about the offending ranks whenever some rank's local
+    gradients were non-finite and no GradScaler owns the overflow, and what it says is the verdict's pattern, suspects
+    and reason; where it says nothing the ranks are named as before."""
     from sdc_core.checks.gradients import NonFiniteConfig
     from sdc_core.dist.topology import RankFacts, Topology
     from sdc_core.errors import NonFiniteGradientError
@@ -156,21 +156,21 @@ def test_ranks_whose_batches_reproduce_their_non_finite_values_are_not_named() -
     topo = Topology(ranks=tuple(RankFacts(rank=r, host=f"h{r}", node_rank=r, local_rank=0) for r in range(3)), rank=0)
     check = NonFiniteGradient(config=NonFiniteConfig(on_failure="raise"), topology=topo)
 
-    def failure(per_rank: list, reproduced: str | None, scaler: bool = False) -> NonFiniteGradientError:
-        check.witness = lambda step, ranks: asked.append((step, ranks)) or reproduced
+    def failure(per_rank: list, says: tuple | None, scaler: bool = False) -> NonFiniteGradientError:
+        check.witness = lambda step, ranks: asked.append((step, ranks)) or says
         with pytest.raises(NonFiniteGradientError) as raised:
             check._failure(4, per_rank, scaler, 0.0, None)
         return raised.value
 
-    err = failure([None, ["w"], None], reproduced="reproduced")
-    assert (err.rank, err.suspects, err.hosts, err.details["pattern"]) == (None, (), {}, "reproduced")
-    assert "the data or the model's numerics, not a faulty device" in str(err) and asked == [(4, (1,))]
-    err = failure([None, ["w"], ["w"]], reproduced="bad_inputs")
+    err = failure([None, ["w"], ["w"]], ("bad_inputs", (), "the data, not a faulty device"))
     assert (err.rank, err.suspects, err.hosts, err.details["pattern"]) == (None, (), {}, "bad_inputs")
-    assert "the micro-batches of rank 1, 2 held NaN/Inf values" in str(err) and asked[-1] == (4, (1, 2))
-    err = failure([None, ["w"], None], reproduced=None)
+    assert "the data, not a faulty device in w" in str(err) and asked == [(4, (1, 2))]
+    err = failure([["w"], ["w"], ["w"]], ("after_screen_hit", (1,), "after rank 1's hit"))
+    assert (err.rank, err.suspects, err.hosts, err.details["pattern"]) == (None, (1,), {1: "h1"}, "after_screen_hit")
+    assert "suspects: rank 1 (host h1, node 1): after rank 1's hit" in str(err) and asked[-1] == (4, (0, 1, 2))
+    err = failure([None, ["w"], None], None)
     assert (err.rank, err.suspects, err.details["pattern"]) == (1, (1,), "one_rank")
+    assert failure([["w"], ["w"], ["w"]], None).details["pattern"] == "all_ranks"
     asked.clear()
-    assert failure([["w"], ["w"], ["w"]], reproduced="reproduced").details["pattern"] == "all_ranks" and asked == []
     check.config = NonFiniteConfig(on_failure="raise", overflow_patience=1)
-    assert failure([None, ["w"], None], reproduced="reproduced", scaler=True).rank == 1 and asked == []  # the scaler's
+    assert failure([None, ["w"], None], ("reproduced", (), "r"), scaler=True).rank == 1 and asked == []  # the scaler's

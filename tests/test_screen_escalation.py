@@ -19,7 +19,7 @@ WORLD = 3
 @pytest.fixture(scope="module")
 def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("screen_escalation")
-    scenarios = "fault,spike,skip,lightning,logit,fault_same,last,hard"
+    scenarios = "fault,spike,skip,lightning,logit,fault_same,last,hard,fault_sgd"
     torchrun(ROOT / "tests" / "screen_escalation_scenarios.py", path, scenarios, WORLD)
     return path
 
@@ -47,6 +47,20 @@ def test_a_wrong_gradient_on_an_unaudited_step_is_named_one_step_later_after_con
     assert all(r["replay"]["runs"] == 1 for r in runs)  # the replay audited step 0 only: the screen found it
     (incident,) = incidents(out / "fault")
     assert incident["policy"] == "raise" and incident["error"]["details"]["source"] == "gradient_screen"
+
+
+def test_under_sgd_the_divergence_a_wrong_gradient_causes_names_its_rank_as_the_suspect(out: Path) -> None:
+    """Under SGD the update spreads the 2^128 gradient of step 30 into every replica's weights: the partner's
+    recomputation on them witnesses nothing (unconfirmed), and at step 31 every rank's gradients are non-finite. The
+    non-finite verdict says so with rank 1, the screen's unconfirmed hit, as its one suspect, not "ordinary
+    divergence"; no rank is called faulty."""
+    runs = results(out, "fault_sgd", WORLD)
+    error = runs[0]["error"]
+    assert all(r["error"] == error for r in runs)
+    assert error["type"] == "NonFiniteGradientError" and error["step"] == 31 and error["rank"] is None, error
+    assert error["suspects"] == [1] and error["details"]["pattern"] == "after_screen_hit", error
+    assert "after rank 1's group 7 (enc.linear2.weight) 2^1" in error["message"] and "at step 30" in error["message"]
+    assert all(r["replay"]["extra"]["screen_unconfirmed"] == 1 for r in runs)
 
 
 def test_hard_batches_under_sgd_name_nobody(out: Path) -> None:

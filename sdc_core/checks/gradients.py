@@ -99,7 +99,8 @@ class NonFiniteVerdicts:
     _pending: Any = None  # the verdict still to be read, with its ``step``
     magnitude_groups: int = 0  # opt-in (``want_magnitudes``): groups of the local magnitudes read
     _group_names: dict[str, int] = field(default_factory=dict)  # name -> group (``magnitude_group``)
-    witness: Callable[[int, tuple[int, ...]], str | None] | None = None  # (step, ranks): do their batches explain it?
+    witness: Callable[[int, tuple[int, ...]], tuple[str, tuple[int, ...], str] | None] | None = None  # (step, ranks):
+    # what explains their NaN/Inf (pattern, suspects, reason), if anything does
 
     @property
     def pending_step(self) -> int | None:
@@ -122,12 +123,14 @@ class NonFiniteVerdicts:
         offenders = tuple(r for r, names in enumerate(per_rank) if names is not None)
         world = len(per_rank)
         sole = offenders[0] if len(offenders) == 1 and world > 1 else None  # one process: no witness
+        asked = world > 1 and offenders and not scaler_active and self.witness is not None
+        seen = self.witness(step, offenders) if asked else None  # type: ignore[misc]
         if world == 1:
             pattern = "single_process"
         elif not offenders:  # every rank's local gradients were finite: the NaN/Inf formed in the reduction
             pattern = "formed_in_reduction"
-        elif len(offenders) < world and not scaler_active and self.witness and (seen := self.witness(step, offenders)):
-            pattern, sole = seen, None  # "bad_inputs" or "reproduced"
+        elif seen is not None:
+            pattern, sole = seen[0], None  # "bad_inputs", "reproduced", "after_screen_hit"
         elif len(offenders) == 1:
             pattern = "one_rank"
         elif len(offenders) == world:
@@ -159,16 +162,12 @@ class NonFiniteVerdicts:
             "all_ranks": "every rank produced NaN/Inf gradients: ordinary divergence (learning rate, data, "
             "numerics) is likelier than a faulty device",
             "some_ranks": "several ranks produced NaN/Inf local gradients",
-            "reproduced": "the data or the model's numerics, not a faulty device: the partners' recomputation of the "
-            "micro-batches gave NaN/Inf local gradients too",
-            "bad_inputs": f"the data, not a faulty device: the micro-batches of rank {', '.join(map(str, offenders))} "
-            "held NaN/Inf values and gave NaN/Inf local gradients",
             "formed_in_reduction": "every rank's local gradients were finite; the NaN/Inf formed inside the "
             "reduction (summed values overflowing, or a fault on the wire)",
             "single_process": "NaN/Inf gradients (single process: no replica to compare with)",
-        }[details["pattern"]]
+        }[details["pattern"]] if seen is None else seen[2]
         reason += f" in {', '.join(first)}" if first else ""
-        suspects = () if pattern in ("reproduced", "bad_inputs") else offenders
+        suspects = offenders if seen is None else seen[1]
         error = NonFiniteGradientError(
             step=step, rank=sole, suspects=suspects, hosts=topo.hosts(suspects), details=details, reason=reason)
         self.stats.add_time(time.perf_counter() - t0)

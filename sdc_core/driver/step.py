@@ -246,16 +246,29 @@ class StepDriver:
         """The gradient check whose read gives the screen its magnitudes."""
         return next((nf for nf in self.nonfinite if nf.magnitude_groups), None)
 
-    def _witness(self, index: int, ranks: tuple[int, ...]) -> str | None:
-        """``NonFiniteVerdicts.witness``, from the batches ``ranks`` ran at step ``index`` (a replay's, audited, kept):
-        "bad_inputs" when they held NaN/Inf themselves (``confirm.held_nonfinite``), "reproduced" when, read before
-        its update, their partners get NaN/Inf from them too on its weights (``confirm.reproduces``), else None."""
+    def _witness(self, index: int, ranks: tuple[int, ...]) -> tuple[str, tuple[int, ...], str] | None:
+        """``NonFiniteVerdicts.witness`` (pattern, suspects, reason): "bad_inputs" when the batches ``ranks`` ran at
+        step ``index`` held NaN/Inf (``confirm.held_nonfinite``); all ranks: "after_screen_hit" within two steps of a
+        screen hit no partner confirmed; some, read before the update: "reproduced" (``confirm.reproduces``)."""
         step, replay = self._before_update, next((r for r in self.replays if r.active), None)
-        if replay is not None and held_nonfinite(replay, index, ranks, self.seam.replay_inputs):
-            return "bad_inputs"
-        keep = next(iter(self.screen_verdicts.recording()), None)
+        if replay is None:
+            return None
+        if held_nonfinite(replay, index, ranks, self.seam.replay_inputs):
+            who = ", ".join(map(str, ranks))
+            return "bad_inputs", (), (f"the data, not a faulty device: the micro-batches of rank {who} held NaN/Inf "
+                                      "values; the NaN/Inf local gradients")
+        hit, keep = replay.unconfirmed_hit, next(iter(self.screen_verdicts.recording()), None)
+        if len(ranks) == self.seam.world_size and hit and index - 2 <= hit[0] <= index:
+            who = ", ".join(map(str, hit[1]))
+            return "after_screen_hit", hit[1], (
+                f"every rank's gradients went NaN/Inf after rank {who}'s {hit[2]} the others' at step {hit[0]}, a "
+                "screen hit no partner could confirm on the weights after its update: a fault there that the "
+                "all-reduce spread, or a divergence its batch began; the first NaN/Inf local gradients")
         functions = self.seam.replay_functions(keep, step) if keep and step and step.index == index else None
-        return "reproduced" if functions and reproduces(keep, index, ranks, step.module, *functions) else None
+        if len(ranks) < self.seam.world_size and functions and reproduces(keep, index, ranks, step.module, *functions):
+            return "reproduced", (), ("the data or the model's numerics, not a faulty device: the partners' "
+                                      "recomputation of the micro-batches gave NaN/Inf local gradients too")
+        return None
 
     def _gradients(self, check: Any, run: Callable[[], Any], step: StepContext) -> Any:
         """A non-finite verdict; a rollback drops the coming update (its gradients are stale)."""

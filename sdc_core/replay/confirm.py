@@ -52,9 +52,11 @@ def confirm_hits(replay: Any, result: Any, module: nn.Module, group_of: Callable
         verdict = _judge(result, r, row, projected == 1.0, after_update)
         (confirmed if verdict == "confirmed" else cleared if verdict == "cleared" else []).append(r)
     replay.stats.bump("screen_cleared", len(cleared))
-    replay.stats.bump("screen_unconfirmed", len(hits) - len(confirmed) - len(cleared))
-    if len(hits) > len(confirmed) + len(cleared):  # a fault that persists shows there, on equal weights
+    if unconfirmed := [r for r in hits if r not in confirmed and r not in cleared]:  # a persisting fault shows there
+        replay.stats.bump("screen_unconfirmed", len(unconfirmed))
         replay.audit_at = step + 2 if after_update else step + 1
+        what = result.details[unconfirmed[0]]
+        replay.unconfirmed_hit = (step, tuple(unconfirmed), f"{what.get('value')} 2^{what.get('excess', 0):.0f} above")
     if not confirmed:
         return None
     replay.stats.bump("screen_confirmed", len(confirmed))

@@ -187,6 +187,7 @@ class RingReplay:
     kept: KeptSteps = field(default_factory=KeptSteps)
     screen_strikes: dict[int, int] = field(default_factory=dict)  # confirmed screen hits per rank
     audit_at: int | None = None  # a step audited out of cadence: the first after an unconfirmed screen hit
+    unconfirmed_hit: tuple[int, tuple[int, ...], str] | None = None  # its step, ranks, value and gap (the last one)
     last_error: ReplayMismatchError | None = None
 
     @property
