@@ -71,6 +71,8 @@ class SDCError(RuntimeError):
             return (
                 "a single process has no replica to compare with, so this may be the model, the data or the "
                 "numerics rather than the device; run with 2 or more replicas to tell them apart")
+        if self.details.get("pattern") == "after_screen_hit":  # a fault, or a batch that diverged the run
+            return "resume from the last checkpoint: a batch that diverges the run does so again, a transient fault not"
         if world == 2:
             return "run with 3 or more replicas to localize, or test these hosts"
         if self.details.get("several_ranks"):  # same-device re-runs held: devices disagree, not a common cause

@@ -60,6 +60,8 @@ def test_under_sgd_the_divergence_a_wrong_gradient_causes_names_its_rank_as_the_
     assert error["type"] == "NonFiniteGradientError" and error["step"] == 31 and error["rank"] is None, error
     assert error["suspects"] == [1] and error["details"]["pattern"] == "after_screen_hit", error
     assert "after rank 1's group 7 (enc.linear2.weight) 2^1" in error["message"] and "at step 30" in error["message"]
+    assert error["message"].endswith("resume from the last checkpoint: a batch that diverges the run does so again, "
+                                     "a transient fault not.")
     assert all(r["replay"]["extra"]["screen_unconfirmed"] == 1 for r in runs)
 
 
