@@ -123,8 +123,8 @@ class NonFiniteVerdicts:
         offenders = tuple(r for r, names in enumerate(per_rank) if names is not None)
         world = len(per_rank)
         sole = offenders[0] if len(offenders) == 1 and world > 1 else None  # one process: no witness
-        asked = world > 1 and offenders and not scaler_active and self.witness is not None
-        seen = self.witness(step, offenders) if asked else None  # type: ignore[misc]
+        witness = self.witness if world > 1 and offenders and not scaler_active else None  # every rank alike
+        seen = witness(step, offenders) if witness is not None else None
         if world == 1:
             pattern = "single_process"
         elif not offenders:  # every rank's local gradients were finite: the NaN/Inf formed in the reduction

@@ -146,7 +146,7 @@ class KeptSteps:
         kept = self.peek(step)
         if step == self.step:
             self.step, self.batches = None, []
-        elif kept:
+        elif self.previous is not None and self.previous[0] == step:
             self.previous = None
         return kept
 
