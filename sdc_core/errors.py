@@ -60,7 +60,8 @@ class SDCError(RuntimeError):
             action = self._unlocalized_action()
         else:
             who = "no rank could be named"
-            action = "inspect the details"
+            action = ("lower the learning rate, resume from the last checkpoint"  # a diverging run: not a device
+                      if self.details.get("pattern") == "diverging" else "inspect the details")
         reason = f": {self.reason}" if self.reason else ""
         return f"SDC check '{self.check}' failed at step {self.step}: {who}{reason}; {action}."
 

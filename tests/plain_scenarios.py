@@ -37,7 +37,9 @@ runs the named scenarios one after the other in one process group; each rank wri
   training mode, never back-propagated, before each step's: refused at the first audit with the fix), ``nan_skip``,
   ``bad_data`` and ``overflow_skip`` (``on_failure="skip_step"``: a NaN in rank 1's local gradient at step 3, a NaN in
   one of its input samples, a finite input of 1e38 its partner's recomputation overflows on too: the last two name no
-  rank), ``bad_data_raise`` (the NaN input sample at the default ``"raise"``: no rank named either).
+  rank), ``bad_data_raise`` (the NaN input sample at the default ``"raise"``: no rank named either), ``diverging``
+  (SGD at a learning rate that diverges the run, rank 1's inputs x12: its local gradients alone overflow, at step 4;
+  no rank named).
 
 With several ranks on one GPU the process group is gloo (NCCL refuses two ranks on a device);
 ``--backend`` overrides. Each result holds the error (``SDCError.to_dict()``), the weights'
@@ -275,6 +277,8 @@ def train(name: str, out: Path, device: torch.device) -> dict[str, Any]:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         optimizer: Any = ZeroRedundancyOptimizer(wrapped.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-2)
+    elif kind == "diverging":  # a learning rate that diverges the run: every rank's loss grows toward overflow
+        optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.8)
     else:  # Adam takes no sparse gradient
         optimizer = (torch.optim.SGD if model_name == "sparse" else torch.optim.AdamW)(wrapped.parameters(), lr=1e-2)
     scaler = torch.amp.GradScaler(device.type) if model_name == "fp16" else None
@@ -325,7 +329,7 @@ def train(name: str, out: Path, device: torch.device) -> dict[str, Any]:
     with warnings.catch_warnings(record=True) as warned:  # what the checks warn while training
         warnings.simplefilter("always")
         try:
-            for step, (x, y) in enumerate(batches(model_name, device, rank)):
+            for step, (x, y) in enumerate(batches(model_name, device, rank) * (3 if kind == "diverging" else 1)):
                 injector.set_step(step)
                 if kind.startswith("accumulate"):  # the first half unsynchronised (``accumulate_synced``: not)
                     quiet = kind != "accumulate_synced"
@@ -339,6 +343,8 @@ def train(name: str, out: Path, device: torch.device) -> dict[str, Any]:
                 if kind.startswith(("bad_data", "overflow")) and rank == 1 and step == 3:  # one sample of rank 1's
                     x = x.clone()
                     x[0, 0] = 1e38 if kind.startswith("overflow") else float("nan")
+                if kind == "diverging" and rank == 1:  # larger inputs: this rank's values overflow first
+                    x = x * 12
                 if kind == "discarded":  # a forward in training mode whose result is never back-propagated
                     float(forward(x, y))
                 with autocast(model_name, device), sdpa_backends(model_name, device):

@@ -30,7 +30,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from sdc_core.checks import screen as screen_module
 from sdc_core.checks.gradient_tap import GradientTap
 from sdc_core.checks.gradients import NonFiniteConfig, NonFiniteGradient
-from sdc_core.checks.screen import GradientScreen, ScreenConfig
+from sdc_core.checks.screen import GradientScreen, ScreenConfig, ring_neighbours
 from sdc_core.dist.topology import Topology
 from sdc_core.faults.checkpoint import bits_of_class
 from sdc_core.faults.inject import Fault, FaultInjector
@@ -158,7 +158,7 @@ def train(steps: int, seed: int, faults: list[Fault]) -> dict[str, Any]:
     return {"results": results, "losses": run.losses, "bands": bands.tolist(), "calibrated": calibrated.tolist(),
             "names": run.screen.names, "stats": run.screen.stats.metrics(), "seconds": time.perf_counter() - t0,
             "fired": run.injector.fired if run.injector else [], "rows": run.rows, "gathered": run.gathered,
-            "neighbourhoods": run.screen.neighbourhoods}  # fmt: skip
+            "neighbourhoods": bool(ring_neighbours(run.screen.topology)[1])}  # fmt: skip
 
 
 def clean(out: Any) -> dict[str, Any]:

@@ -276,7 +276,7 @@ def test_what_is_not_covered_is_listed():
     model = nn.Sequential(nn.Linear(4, 4), LoRA(4, 4), nn.MultiheadAttention(4, 2))
     check = MatmulChecksum(MatmulChecksumConfig(attention=False))
     assert check.attach(model) == ["0"]
-    assert set(check.coverage()["not_checked"]) == {"1", "2"}
+    assert set(check.uncovered) == {"1", "2"}
     assert F.linear is torch._C._nn.linear  # attention off: nothing patched
 
 

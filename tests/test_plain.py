@@ -62,7 +62,7 @@ def ddp(tmp_path_factory: pytest.TempPathFactory) -> Path:
             "outside:off", "outside:clean", "outside:activation", "outside:accumulate", "outside:small",
             "outside:twice", "outside_bf16:clean", "outside_bf16:activation", "outside:screened",
             "outside_bf16:screened", "mlp:evaluated", "outside:evaluated", "mlp:discarded", "mlp:nan_skip",
-            "mlp:bad_data", "mlp:bad_data_raise", "mlp:overflow_skip"]
+            "mlp:bad_data", "mlp:bad_data_raise", "mlp:overflow_skip", "mlp:diverging"]
     return launch(tmp_path_factory.mktemp("plain_ddp"), [f"mlp:{k}" for k in kinds] + more, 3)
 
 
@@ -102,6 +102,19 @@ def test_a_nan_input_sample_names_no_rank_at_the_defaults(ddp: Path) -> None:
         error = r["error"]
         assert error["type"] == "NonFiniteGradientError" and error["step"] == 3, error
         assert error["rank"] is None and error["suspects"] == [] and error["details"]["pattern"] == "bad_inputs", error
+
+
+def test_a_diverging_run_whose_values_overflow_first_on_one_rank_names_no_rank(ddp: Path) -> None:
+    """A learning rate that diverges the run: every rank's loss grows toward overflow, and rank 1 (larger inputs)
+    overflows first, alone, the SDC signature at the default read. The screen saw the ranks' median loss grow 2^16 and
+    more in the steps before: a diverging run, no rank named, no host to take out (until 2026-12-07 rank 1 was named
+    faulty). Raised on every rank alike."""
+    for r in results(ddp, "mlp:diverging", 3):
+        error = r["error"]
+        assert error["type"] == "NonFiniteGradientError" and error["step"] == 4, error
+        assert list(error["details"]["parameters"]) == ["1"], error  # rank 1's local gradients alone
+        assert error["rank"] is None and error["suspects"] == [] and error["details"]["pattern"] == "diverging", error
+        assert "a diverging run, not a faulty device: the ranks' median loss had grown from 2^" in error["message"]
 
 
 def test_evaluation_forwards_between_steps_change_nothing_the_checks_see(ddp: Path) -> None:

@@ -327,7 +327,6 @@ def test_a_result_carries_the_judged_values_and_bands() -> None:
     assert list(res.values[0]) == v[0].tolist() and all(math.isnan(a) for a in res.values[1])
     assert res.values[2][1] == math.inf and res.bands == (10.0,) * (K + 2)
     assert res == ScreenResult(step=0, ranks=res.ranks, details=res.details, margin=res.margin)
-    assert s._last_dev is not None and torch.tensor(s._last_dev).shape == (3, K + 2)
 
 
 def test_rows_as_lists_judge_as_the_tensor_does() -> None:
@@ -427,3 +426,33 @@ def test_the_screen_reports_the_hits_a_day_its_band_predicts_across_the_world() 
         s.judge(step, rows(step, healthy(g, 16)))
     predicted = s.stats.metrics()["sdc/gradient_screen/predicted_hits_per_day"]
     assert 0.0 <= predicted < 1.0, predicted
+
+
+def test_a_loss_grown_toward_overflow_on_every_rank_is_a_diverging_run_and_one_rank_cannot_fake_it() -> None:
+    """``diverging(step)``: the ranks' median loss over the last 8 steps judged before ``step`` grew by 2^16 or more
+    to 2^16 or more (a run diverging toward overflow). A calm run, a loss spike 2^10 above the run's, a loss that rose
+    2^16 from near zero to 2^4, and one rank's own huge loss (a hostile peer or a faulty rank) are not; a median loss
+    that overflowed (+Inf) is. Only steps before ``step`` count."""
+    g = torch.Generator().manual_seed(11)
+
+    def run(losses: list[float], world: int = 3, only_rank: int | None = None) -> GradientScreen:
+        s = screen(world)
+        for step, loss in enumerate(losses):
+            v = healthy(g, world, level=1.0)
+            v[:, -1] = v[:, -1].clamp(max=1.0) if only_rank is not None else loss  # log2 loss of each rank
+            if only_rank is not None:
+                v[only_rank, -1] = loss
+            s.judge(step, rows(step, v))
+        return s
+
+    assert run([1.0] * 12).diverging(12) is None
+    assert run([1.0] * 8 + [11.0]).diverging(9) is None  # a spike of 2^10
+    assert run([-12.0] * 6 + [4.0, 4.0]).diverging(8) is None  # 2^16 from near zero, but to 2^4 only
+    assert run([1.0] * 6 + [20.0, 40.0, 60.0], only_rank=2).diverging(9) is None  # one rank's loss: not the median
+    grown = run([1.0, 1.0, 8.0, 20.0, 40.0]).diverging(5)
+    assert grown == (1.0, 40.0)
+    assert run([1.0, 1.0, 8.0, 20.0, 40.0]).diverging(4) == (1.0, 20.0)  # the steps before 4 only
+    assert run([1.0, 1.0, 8.0, 20.0, 40.0]).diverging(3) is None
+    assert run([1.0, 1.0, 8.0, math.inf]).diverging(4) == (1.0, math.inf)  # the loss overflowed on most ranks
+    assert run([40.0] * 4 + [1.0] * 9 + [40.0]).diverging(14) == (1.0, 40.0)  # the last 8 steps: 1.0 is in them
+    assert run([1.0] + [40.0] * 9).diverging(10) is None  # ... but not a low loss 9 steps back: a steady high loss

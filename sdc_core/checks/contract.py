@@ -14,16 +14,6 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 from sdc_core.stats import CheckStats
 
 
-class Phase(Enum):
-    """Where in an optimizer step a check may act (``StepCheck``'s methods)."""
-
-    AFTER_BACKWARD = "after_backward"
-    BEFORE_UPDATE = "before_update"
-    AFTER_UPDATE = "after_update"
-    BEFORE_SAVE = "before_save"
-    AT_END = "at_end"
-
-
 class Role(Enum):
     """A built-in role whose verdicts the driver relates to the others', or ``STEP_CHECK``."""
 
@@ -104,4 +94,4 @@ def role_of(check: Any) -> Role:
     return getattr(check, "role", Role.STEP_CHECK)
 
 
-__all__ = ["Check", "Phase", "Role", "StepCheck", "require_check", "role_of"]
+__all__ = ["Check", "Role", "StepCheck", "require_check", "role_of"]

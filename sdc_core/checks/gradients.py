@@ -130,7 +130,7 @@ class NonFiniteVerdicts:
         elif not offenders:  # every rank's local gradients were finite: the NaN/Inf formed in the reduction
             pattern = "formed_in_reduction"
         elif seen is not None:
-            pattern, sole = seen[0], None  # "bad_inputs", "reproduced", "after_screen_hit"
+            pattern, sole = seen[0], None  # "bad_inputs", "diverging", "reproduced", "after_screen_hit"
         elif len(offenders) == 1:
             pattern = "one_rank"
         elif len(offenders) == world:

@@ -143,10 +143,6 @@ class MatmulChecksum:
         self._products.detach()
         self._armed, self._records, self._bounds = False, [], {}
 
-    def coverage(self) -> dict[str, Any]:
-        """Checked sites (``<mha>.in_proj``, ``.in_proj[q]`` etc.) and modules left out, with the reason."""
-        return {"checked": list(self.sites), "not_checked": dict(self.uncovered)}
-
     def arm(self, step: int) -> bool:
         """Start checking step ``step`` if it is due (before each of its forwards, every rank alike).
         The first call of a step reads the previous step's verdict (may raise, naming that step)."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from sdc_core.checks.contract import Role
-from sdc_core.checks.screen_rule import HEADER, Band, ScreenConfig, ScreenResult, in_band, judge_rows, reference
+from sdc_core.checks.screen_rule import HEADER, Band, ScreenConfig, ScreenResult, in_band, judge_rows, median, reference
 from sdc_core.dist.topology import HostRead, Topology, collective_device, is_distributed, owners_of
 from sdc_core.stats import CheckStats
 
@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 _MAX_PENDING = 2  # observed steps whose verdict may wait (the driver reads one step later at most)
 ALL_ROWS_UP_TO = 16  # worlds up to this size gather every row every step; larger ones compare neighbourhoods
 NEIGHBOURS = 8  # in a larger world, the ranks before this one on the ring whose rows it judges with its own
+DIVERGING, DIVERGING_STEPS = 16.0, 8  # log2: a median loss this far above its lowest of the last 8 steps, this high
 __all__ = ["GradientScreen", "ScreenConfig", "ScreenResult", "in_band", "loss_magnitude", "reference"]
 
 
@@ -102,7 +103,7 @@ class GradientScreen:
         self._judged: dict[int, ScreenResult] = {}
         self.band: Band | None = None  # the bands and their history (made by ``attach``)
         self._restored: dict[str, Any] | None = None  # a band's state loaded before ``attach`` (a resume)
-        self._last_dev: list[list[float]] | None = None
+        self._losses: deque[tuple[int, float]] = deque(maxlen=DIVERGING_STEPS)  # (step, the ranks' median log2 loss)
 
     @property
     def world_size(self) -> int:
@@ -135,11 +136,6 @@ class GradientScreen:
             restored, self._restored = self._restored, None
             self.band.load_state_dict(restored)
         self._targets = {}
-
-    @property
-    def neighbourhoods(self) -> bool:
-        """Whether rows are compared in neighbourhoods (a world above ``ALL_ROWS_UP_TO``)."""
-        return bool(self._receives_from)
 
     def observe(self, step: int, magnitudes: torch.Tensor | None, loss: torch.Tensor | None = None) -> None:
         """Start step ``step``'s exchange of this rank's row (``magnitudes``: ``take_magnitudes``'
@@ -244,9 +240,21 @@ class GradientScreen:
         else:
             self.stats.last_verified_step = step
             result = ScreenResult(step=step, calibrated=calibrated, bands=tuple(band))
+            self._losses.append((step, median([row[-1] for row in sample])))  # ``_verdict``'s, from the sample
         self.band.add(judge_rows(sample, band, self.names)[1])
         self.stats.add_time(time.perf_counter() - t0)
         return result
+
+    def diverging(self, step: int) -> tuple[float, float] | None:
+        """``(lowest, last)`` log2 of the ranks' median loss over the last ``DIVERGING_STEPS`` steps judged before
+        ``step`` when the last is ``DIVERGING`` or more above the lowest and at least ``2^DIVERGING``: every rank's loss
+        growing toward overflow (a diverging run), which no healthy step does. Waits for the rows of the steps before
+        ``step`` still in flight (every rank alike: a verdict's path only)."""
+        while self._pending and next(iter(self._pending)) < step:  # every rank alike: the rows before ``step``
+            self._judge_oldest()
+        seen = [v for s, v in self._losses if s < step and v == v]  # +Inf: the loss overflowed on most ranks
+        low, last = min(seen, default=math.nan), seen[-1] if seen else math.nan
+        return (low, last) if last - low >= DIVERGING and last >= DIVERGING else None
 
     def bands(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Per value its band now (log2 units, float64) and whether it is calibrated."""
@@ -276,8 +284,8 @@ class GradientScreen:
     def _verdict(self, step: int, table: list[list[float]], band: list[float], calibrated: bool,
                  learn: bool = False) -> ScreenResult:  # fmt: skip
         """Every rank's rows judged against ``band`` (``learn``: into the history); counters updated."""
-        details, healthy, margin, values, devs = judge_rows(table, band, self.names)
-        self._last_dev = devs
+        details, healthy, margin, values, _ = judge_rows(table, band, self.names)
+        self._losses.append((step, median([v[-1] for v in values])))  # the ranks' loss (``diverging``)
         if learn:
             assert self.band is not None
             self.band.add(healthy)

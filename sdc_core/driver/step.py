@@ -10,6 +10,7 @@ too. Cost: a few Python calls per step beyond the checks' own."""
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -192,10 +193,10 @@ def _phase(method: Callable[..., Any]) -> Callable[..., Any]:
 
 
 class StepDriver:
-    """The verdicts of the SDC checks in the order of cause and effect, for any seam. The phases
-    (``sdc_core.checks.contract.Phase``) are ``before_optimizer_step`` (``observe``, the earlier steps' verdicts,
-    ``before_update``), ``after_update``, ``before_save`` and the end; a ``StepCheck`` runs in each phase after the
-    built-in checks (found by ``Role``). Each phase looks the checks up once.
+    """The verdicts of the SDC checks in the order of cause and effect, for any seam. The phases (``StepCheck``'s
+    methods) are ``before_optimizer_step`` (``observe``, the earlier steps' verdicts, ``before_update``),
+    ``after_update``, ``before_save`` and the end; a ``StepCheck`` runs in each phase after the built-in checks (found
+    by ``Role``). Each phase looks the checks up once.
 
     Args:
         seam: the framework's answers (``Seam``).
@@ -248,22 +249,28 @@ class StepDriver:
 
     def _witness(self, index: int, ranks: tuple[int, ...]) -> tuple[str, tuple[int, ...], str] | None:
         """``NonFiniteVerdicts.witness`` (pattern, suspects, reason): "bad_inputs" when the batches ``ranks`` ran at
-        step ``index`` held NaN/Inf (``confirm.held_nonfinite``); all ranks: "after_screen_hit" within two steps of a
+        step ``index`` held NaN/Inf (``confirm.held_nonfinite``); "diverging" when the screen saw the ranks' loss grow
+        toward overflow before (``GradientScreen.diverging``); all ranks: "after_screen_hit" within two steps of a
         screen hit no partner confirmed; some, read before the update: "reproduced" (``confirm.reproduces``)."""
         step, replay = self._before_update, next((r for r in self.replays if r.active), None)
-        if replay is None:
-            return None
-        if held_nonfinite(replay, index, ranks, self.seam.replay_inputs):
+        if replay is not None and held_nonfinite(replay, index, ranks, self.seam.replay_inputs):
             who = ", ".join(map(str, ranks))
             return "bad_inputs", (), (f"the data, not a faulty device: the micro-batches of rank {who} held NaN/Inf "
                                       "values; the NaN/Inf local gradients")
-        hit, keep = replay.unconfirmed_hit, next(iter(self.screen_verdicts.recording()), None)
-        if len(ranks) == self.seam.world_size and hit and index - 2 <= hit[0] <= index:
+        hit = replay.unconfirmed_hit if replay is not None else None
+        hit = hit if len(ranks) == self.seam.world_size and hit and index - 2 <= hit[0] <= index else None
+        grown = next(filter(None, (s.diverging(hit[0] if hit else index) for s in self.screens)), None)  # before it
+        if grown is not None:
+            to = f"2^{grown[1]:.0f}" if math.isfinite(grown[1]) else "overflow"
+            return "diverging", (), (f"a diverging run, not a faulty device: the ranks' median loss had grown from 2^"
+                                     f"{grown[0]:.0f} to {to} over the steps before; the NaN/Inf local gradients")
+        if hit is not None:
             who = ", ".join(map(str, hit[1]))
             return "after_screen_hit", hit[1], (
                 f"every rank's gradients went NaN/Inf after rank {who}'s {hit[2]} the others' at step {hit[0]}, a "
                 "screen hit no partner could confirm on the weights after its update: a fault there that the "
                 "all-reduce spread, or a divergence its batch began; the first NaN/Inf local gradients")
+        keep = next(iter(self.screen_verdicts.recording()), None)
         functions = self.seam.replay_functions(keep, step) if keep and step and step.index == index else None
         if len(ranks) < self.seam.world_size and functions and reproduces(keep, index, ranks, step.module, *functions):
             return "reproduced", (), ("the data or the model's numerics, not a faulty device: the partners' "
