@@ -246,15 +246,15 @@ class GradientScreen:
         return result
 
     def diverging(self, step: int) -> tuple[float, float] | None:
-        """``(lowest, last)`` log2 of the ranks' median loss over the last ``DIVERGING_STEPS`` steps judged before
-        ``step`` when the last is ``DIVERGING`` or more above the lowest and at least ``2^DIVERGING``: every rank's loss
-        growing toward overflow (a diverging run), which no healthy step does. Waits for the rows of the steps before
-        ``step`` still in flight (every rank alike: a verdict's path only)."""
+        """``(low, high)`` log2 of the ranks' median loss when, in the last ``DIVERGING_STEPS`` steps judged before
+        ``step``, it rose from ``low`` to ``high`` >= 2^DIVERGING, ``DIVERGING`` or more (the highest such): every
+        rank's loss growing toward overflow (a diverging run, even one whose loss fell again), which no healthy run
+        does. Waits for the rows of the steps before ``step`` still in flight (every rank alike; a verdict's path)."""
         while self._pending and next(iter(self._pending)) < step:  # every rank alike: the rows before ``step``
             self._judge_oldest()
         seen = [v for s, v in self._losses if s < step and v == v]  # +Inf: the loss overflowed on most ranks
-        low, last = min(seen, default=math.nan), seen[-1] if seen else math.nan
-        return (low, last) if last - low >= DIVERGING and last >= DIVERGING else None
+        rises = [(min(seen[: i + 1]), v) for i, v in enumerate(seen) if v >= DIVERGING]  # a value, the lowest before it
+        return max((r for r in rises if r[1] - r[0] >= DIVERGING), key=lambda r: r[1], default=None)
 
     def bands(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Per value its band now (log2 units, float64) and whether it is calibrated."""
