@@ -287,9 +287,9 @@ def _defaults_table(summ: dict[str, Any]) -> list[str]:
         "`NonFiniteGradientCheck()` (with its every-step gradient screen, `screen=True`), `RingReplayAudit()` "
         f"(every 100 steps: of these {summ['steps']} steps only step 0 is audited; every fault here is injected "
         "later) and `WeightFingerprintCheck()` (every step). A screen hit is escalated to the flagged rank's "
-        "ring partner, which recomputes its micro-batches in the same step; only a hit the partner confirms "
-        'raises (`ReplayMismatchError`, `details["source"] == "gradient_screen"`, column `by`: '
-        "`gradient_screen`).",
+        "ring partner, which recomputes its micro-batches one step later, on the weights after the update; only a "
+        'hit the partner confirms raises (`ReplayMismatchError`, `details["source"] == "gradient_screen"`, column '
+        "`by`: `gradient_screen`).",
         "",
         f"**Harmful** = the run without checks crashed, or its weights or final loss are non-finite, or its "
         f"final loss is worse than the clean run's ({spread['clean_loss']:.4g}) by more than the spread of the "
