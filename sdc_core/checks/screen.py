@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from sdc_core.checks.contract import Role
-from sdc_core.checks.screen_rule import HEADER, Band, ScreenConfig, ScreenResult, in_band, judge_rows, median, reference
+from sdc_core.checks.screen_rule import HEADER, Band, ScreenConfig, ScreenResult, in_band, judge_rows, reference
 from sdc_core.dist.topology import HostRead, Topology, collective_device, is_distributed, owners_of
 from sdc_core.stats import CheckStats
 
@@ -231,6 +231,7 @@ class GradientScreen:
         totals = HostRead(summed).tolist()
         t0 = time.perf_counter()
         sample = [totals[1 + j * n : 1 + (j + 1) * n] for j in range(sampled)]
+        judged = judge_rows(sample, band, self.names)  # the band's calibration; the ranks' median loss
         if not totals[0] <= 0:  # some window stood out (NaN from a hostile peer too): judge every row
             self.stats.bump("neighbourhood_flags")
             self.stats.add_time(time.perf_counter() - t0)
@@ -240,8 +241,8 @@ class GradientScreen:
         else:
             self.stats.last_verified_step = step
             result = ScreenResult(step=step, calibrated=calibrated, bands=tuple(band))
-            self._losses.append((step, median([row[-1] for row in sample])))  # ``_verdict``'s, from the sample
-        self.band.add(judge_rows(sample, band, self.names)[1])
+            self._losses.append((step, judged[5][-1]))  # as ``_verdict`` does, from the sample
+        self.band.add(judged[1])
         self.stats.add_time(time.perf_counter() - t0)
         return result
 
@@ -252,7 +253,7 @@ class GradientScreen:
         does. Waits for the rows of the steps before ``step`` still in flight (every rank alike; a verdict's path)."""
         while self._pending and next(iter(self._pending)) < step:  # every rank alike: the rows before ``step``
             self._judge_oldest()
-        seen = [v for s, v in self._losses if s < step and v == v]  # +Inf: the loss overflowed on most ranks
+        seen = [v for s, v in self._losses if s < step and v == v]  # NaN: fewer than two ranks' loss finite
         rises = [(min(seen[: i + 1]), v) for i, v in enumerate(seen) if v >= DIVERGING]  # a value, the lowest before it
         return max((r for r in rises if r[1] - r[0] >= DIVERGING), key=lambda r: r[1], default=None)
 
@@ -284,8 +285,8 @@ class GradientScreen:
     def _verdict(self, step: int, table: list[list[float]], band: list[float], calibrated: bool,
                  learn: bool = False) -> ScreenResult:  # fmt: skip
         """Every rank's rows judged against ``band`` (``learn``: into the history); counters updated."""
-        details, healthy, margin, values, _ = judge_rows(table, band, self.names)
-        self._losses.append((step, median([v[-1] for v in values])))  # the ranks' loss (``diverging``)
+        details, healthy, margin, values, _, ref = judge_rows(table, band, self.names)
+        self._losses.append((step, ref[-1]))  # the ranks' median loss (``diverging``; no call: a step's host work)
         if learn:
             assert self.band is not None
             self.band.add(healthy)

@@ -115,7 +115,7 @@ class ScreenResult:
         return bool(self.ranks)
 
 
-def median(values: Sequence[float]) -> float:
+def _median(values: Sequence[float]) -> float:
     """The lower median of the values that are not NaN (``torch.nanmedian``'s), NaN when none."""
     v = sorted(values) if _isfinite(sum(values)) else sorted(a for a in values if a == a)  # a finite sum: no NaN
     return v[(len(v) - 1) // 2] if v else math.nan
@@ -142,7 +142,7 @@ def read_rows(
     malformed, nonfinite)``: the values as reported (all NaN when malformed), as compared (+Inf is
     no opinion too), whether the row was malformed and whether it held +Inf."""
     nan, inf, limit = math.nan, math.inf, LOG2_LIMIT
-    expect = median([r[0] for r in table])  # the step most ranks sent
+    expect = _median([r[0] for r in table])  # the step most ranks sent
     values: list[tuple[float, ...]] = []
     judged: list[list[float]] = []
     malformed: list[bool] = []
@@ -171,7 +171,7 @@ def deviations(row: Sequence[float], ref: Sequence[float]) -> list[float]:
     if len(row) != len(ref):
         raise ValueError(f"{len(row)} values, {len(ref)} references")
     raw = list(map(_sub, row, ref))
-    level, loss = median(raw), raw[-1]
+    level, loss = _median(raw), raw[-1]
     shift = loss if level != level or loss < level else level
     return [a - shift for a in raw] + [level]
 
@@ -216,15 +216,14 @@ def classify(
     return details, healthy, margin
 
 
-def judge_rows(
-    table: list[list[float]], band: Sequence[float], names: Sequence[str]
-) -> tuple[dict[int, dict[str, Any]], list[list[float]], float, list[tuple[float, ...]], list[list[float]]]:
+def judge_rows(table: list[list[float]], band: Sequence[float], names: Sequence[str]) -> tuple[
+        dict[int, dict[str, Any]], list[list[float]], float, list[tuple[float, ...]], list[list[float]], list[float]]:
     """``classify``'s ``(details, healthy, margin)`` on some ranks' rows, then each rank's values as
-    reported (``read_rows``) and its deviations. ``names``: the values', the level's last."""
+    reported (``read_rows``), its deviations, and the ``reference``. ``names``: the values', the level's last."""
     values, judged, malformed, nonfinite = read_rows(table, len(names) - 1)
     ref = reference(judged)
     devs = [deviations(x, ref) for x in judged]
-    return (*classify(devs, band, malformed, nonfinite, names), values, devs)
+    return (*classify(devs, band, malformed, nonfinite, names), values, devs, ref)
 
 
 def bulk_bands(history: torch.Tensor, config: ScreenConfig) -> torch.Tensor:

@@ -10,7 +10,6 @@ too. Cost: a few Python calls per step beyond the checks' own."""
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -261,9 +260,9 @@ class StepDriver:
         hit = hit if len(ranks) == self.seam.world_size and hit and index - 2 <= hit[0] <= index else None
         grown = next(filter(None, (s.diverging(hit[0] if hit else index) for s in self.screens)), None)  # before it
         if grown is not None:
-            to = f"2^{grown[1]:.0f}" if math.isfinite(grown[1]) else "overflow"
             return "diverging", (), (f"a diverging run, not a faulty device: the ranks' median loss had grown from 2^"
-                                     f"{grown[0]:.0f} to {to} over the steps before; the NaN/Inf local gradients")
+                                     f"{grown[0]:.0f} to 2^{grown[1]:.0f} over the steps before; the NaN/Inf local "
+                                     "gradients")
         if hit is not None:
             who = ", ".join(map(str, hit[1]))
             return "after_screen_hit", hit[1], (
