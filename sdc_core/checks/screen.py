@@ -231,7 +231,7 @@ class GradientScreen:
         totals = HostRead(summed).tolist()
         t0 = time.perf_counter()
         sample = [totals[1 + j * n : 1 + (j + 1) * n] for j in range(sampled)]
-        judged = judge_rows(sample, band, self.names)  # the band's calibration; the ranks' median loss
+        _, healthy, _, _, _, ref = judge_rows(sample, band, self.names)  # the band's calibration, the median loss
         if not totals[0] <= 0:  # some window stood out (NaN from a hostile peer too): judge every row
             self.stats.bump("neighbourhood_flags")
             self.stats.add_time(time.perf_counter() - t0)
@@ -241,8 +241,8 @@ class GradientScreen:
         else:
             self.stats.last_verified_step = step
             result = ScreenResult(step=step, calibrated=calibrated, bands=tuple(band))
-            self._losses.append((step, judged[5][-1]))  # as ``_verdict`` does, from the sample
-        self.band.add(judged[1])
+            self._losses.append((step, ref[-1]))  # as ``_verdict`` does, from the sample
+        self.band.add(healthy)
         self.stats.add_time(time.perf_counter() - t0)
         return result
 
@@ -286,7 +286,7 @@ class GradientScreen:
                  learn: bool = False) -> ScreenResult:  # fmt: skip
         """Every rank's rows judged against ``band`` (``learn``: into the history); counters updated."""
         details, healthy, margin, values, _, ref = judge_rows(table, band, self.names)
-        self._losses.append((step, ref[-1]))  # the ranks' median loss (``diverging``; no call: a step's host work)
+        self._losses.append((step, ref[-1]))  # the ranks' median loss (``diverging``), as the judge computed it
         if learn:
             assert self.band is not None
             self.band.add(healthy)
