@@ -122,16 +122,17 @@ def cpu_over_ranks(cpu_seconds: list[float]) -> float:
 
 def alternate(fit: Callable[[str], list[dict[str, float]]], configs: list[str], rounds: int,
               skip: int) -> dict[str, Any]:  # fmt: skip
-    """Run ``fit(config)`` for every configuration, ``rounds`` times in alternation (A B C A B C:
-    drifts of a shared machine hit every configuration alike), dropping the first ``skip`` steps
-    of each fit. Every rank calls it. Returns the kept steps per configuration (``runs``), each
+    """Run ``fit(config)`` for every configuration, ``rounds`` times in alternation, the order rotated each round
+    (A B C, B C A, C A B: drifts of a shared machine and the place in a round hit every configuration alike; a
+    configuration ``control`` with nothing in it measures the run's own resolution against ``none``), dropping the
+    first ``skip`` steps of each fit. Every rank calls it. Returns the kept steps per configuration (``runs``), each
     round's median wall time (``per_round``) and each round's CPU time per step summed over the
     ranks (``cpu_round``); ``fit`` returns per-step ``seconds`` and ``cpu_seconds``."""
     runs: dict[str, list[dict[str, float]]] = {c: [] for c in configs}
     per_round: dict[str, list[float]] = {c: [] for c in configs}
     cpu_round: dict[str, list[float]] = {c: [] for c in configs}
-    for _ in range(rounds):
-        for config in configs:
+    for r in range(rounds):
+        for config in configs[r % len(configs):] + configs[: r % len(configs)]:
             kept = fit(config)[skip:]
             runs[config] += kept
             per_round[config].append(summary([s["seconds"] for s in kept])["median"])
