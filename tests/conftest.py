@@ -80,6 +80,7 @@ LIGHTNING_DDP_DEFAULT = [
     "heal", "heal_limit", "replay_transient_skip", "replay_persistent_skip", "rollback", "rollback_none",
     "save", "resume", "own_check", "flip", "flip_reversed",
     "probe_raise", "probe_skip", "clip_nan", "nan_last_step", "nan_checkpoint", "nan_warn", "nan_sample",
+    "diverging",
 ]  # fmt: skip
 
 

@@ -16,6 +16,7 @@ import lightning.pytorch as L
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -23,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ddp_scenarios import fit, loader
 from scenario_runner import main_for
 
-from lightning_sdc import Fault, FaultInjector, NonFiniteGradientCheck, RingReplayAudit
+from lightning_sdc import Fault, FaultInjector, NonFiniteGradientCheck, RingReplayAudit, WeightFingerprintCheck
 
 HOST_READS = ("item", "tolist", "__bool__", "__float__", "__int__")
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_object", "broadcast", "barrier", "isend", "irecv")
@@ -96,6 +97,34 @@ def probed(o: Path, name: str, on_failure: str) -> dict[str, Any]:
     return result | {"probe": probe.steps}
 
 
+class DivergingNet(L.LightningModule):
+    """An MLP without normalisation whose inputs (x 8) and SGD learning rate (0.8) diverge it; rank 1 computes its
+    outputs through a 2^78 larger intermediate (the same values and gradients, a range 2^78 narrower), so its values
+    overflow first, alone, the SDC signature (the plain route's ``mlp:diverging`` does it with larger inputs)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(7)  # made before ``fit`` seeds: the same weights whatever ran before in the process
+        self.body = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Dropout(0.1),
+                                        torch.nn.Linear(64, 64), torch.nn.ReLU())
+        self.head = torch.nn.Linear(64, 4)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        out = self.head(self.body(x * 8))
+        if self.global_rank == 1:
+            out = (out * 2.0**78) / 2.0**78
+        return torch.nn.functional.mse_loss(out, y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.8)
+
+
+def wide_loader(n: int = 384) -> DataLoader:
+    g = torch.Generator().manual_seed(1000)
+    return DataLoader(TensorDataset(torch.randn(n, 16, generator=g), torch.randn(n, 4, generator=g)), batch_size=8)
+
+
 def nan(rank: int, step: int, target: str = "body.weight") -> FaultInjector:
     return FaultInjector([Fault("nonfinite_gradient", rank=rank, step=step, target=target, index=5)])
 
@@ -122,6 +151,10 @@ SCENARIOS: dict[str, Any] = {
     # the README's defaults, a NaN in one sample: rank 1's at step 3 (Lightning's DistributedSampler shuffles, seed 7)
     "nan_sample": lambda o: fit(o, "nan_sample", [NonFiniteGradientCheck(), RingReplayAudit(every_n_steps=100)],
                                 train=loader(nan_at=38)),
+    # a diverging run whose values overflow on rank 1 first, alone: no rank named (the screen saw the median loss grow)
+    "diverging": lambda o: fit(o, "diverging", [NonFiniteGradientCheck(), RingReplayAudit(), WeightFingerprintCheck()],
+                               model=DivergingNet(), steps=24,
+                               train=wide_loader()),
 }  # fmt: skip
 
 

@@ -68,6 +68,17 @@ def test_a_nan_sample_is_the_data_not_the_rank(out: Path) -> None:
     assert "the micro-batches of rank 1 held NaN/Inf values" in err["message"]
 
 
+def test_a_diverging_run_whose_values_overflow_first_on_one_rank_names_no_rank(out: Path) -> None:
+    """The README's defaults, a learning rate that diverges the run, rank 1's values overflowing first, alone (the SDC
+    signature after the update): the screen saw the ranks' median loss grow 2^16 and more before, so no rank is named
+    and no host taken out (ad1935a named rank 1 faulty here)."""
+    err, per_rank = same_error(out, "diverging")
+    assert (err["rank"], err["suspects"], err["hosts"], err["details"]["pattern"]) == (None, [], {}, "diverging"), err
+    assert list(err["details"]["parameters"]) == ["1"], err  # rank 1's local gradients alone
+    assert "a diverging run, not a faulty device: the ranks' median loss had grown from 2^" in err["message"]
+    assert "lower the learning rate" in err["message"] and all(r["global_step"] == err["step"] + 1 for r in per_rank)
+
+
 def test_non_finite_last_step_is_read_at_the_end_of_training(out: Path) -> None:
     err, per_rank = same_error(out, "nan_last_step")
     assert (err["step"], err["rank"], err["details"]["parameters"]) == (7, 1, {"1": ["head.weight"]})
