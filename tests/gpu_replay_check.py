@@ -11,6 +11,7 @@ deterministic window on one rank. Writes ``$OUT/gpu_replay.json`` when ``OUT`` i
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -28,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from sdc_core.checks.gradient_tap import GradientTap
 from sdc_core.errors import ReplayMismatchError, ReplayUnavailableError
 from sdc_core.faults.inject import Fault, FaultInjector
+from sdc_core.ops import process_exit
 from sdc_core.replay.compare import assemble, digest_row
 from sdc_core.replay.determinism import deterministic
 from sdc_core.replay.ring import ReplayConfig, RingReplay
@@ -94,9 +96,11 @@ def train(deterministic_: bool, steps: int, faults: list[Fault] = (), **kw: Any)
             opt.step()
             opt.zero_grad()
     except ReplayMismatchError as err:
+        err.__traceback__ = None  # the replay keeps its error: its frames would keep this DDP model until exit
         error = {"type": "ReplayMismatchError", "rank": err.rank, "step": err.step, "suspects": list(err.suspects),
                  "reason": err.reason}  # fmt: skip
     except ReplayUnavailableError as err:
+        err.__traceback__ = None
         error = {"type": "ReplayUnavailableError", "message": str(err)[:400]}
     tap.remove()
     return {"error": error, "steps": step + 1, "mode": core.mode, "tolerance": core.tolerance,
@@ -172,6 +176,10 @@ def main() -> None:
         report[name]["seconds"] = round(time.perf_counter() - t0, 1)
         if rank == 0:
             print(name, json.dumps(report[name]), flush=True)
+    # the scenarios' DDP models (held in reference cycles) are freed now, while the group lives: a reducer freed at
+    # interpreter exit, with gloo's threads still finishing, can abort the process (as ``SDCHooks``'s exit handler)
+    process_exit.settle_threads()
+    gc.collect()
     dist.barrier()
     if rank == 0:
         report["stale_read"] = stale_read_check()
