@@ -169,8 +169,8 @@ class Seam:
 
 
 def _with_role(role: Role) -> Any:
-    """A property of ``StepDriver``: the checks now in use that declare ``role``, in order."""
-    return property(lambda self: self._roles().get(role, []))
+    """A property of ``StepDriver``: the checks in use that declare ``role``, in order (a phase's look, once made)."""
+    return property(lambda self: (self._phase_roles or self._roles()).get(role, []))
 
 
 def _phase(method: Callable[..., Any]) -> Callable[..., Any]:
