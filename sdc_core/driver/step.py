@@ -214,15 +214,13 @@ class StepDriver:
         self._before_update: StepContext | None = None  # the step whose non-finite verdicts are read before its update
 
     def _roles(self) -> dict[Role, list[Any]]:
-        """The checks in use by role, in order: the current phase's look (made at its first use), or a new one."""
-        roles = self._phase_roles
-        if roles:  # this phase's look
-            return roles
+        """A new look at the checks in use, by role, in order; in a phase it is kept for the rest of the phase (the role
+        properties read it there without this call)."""
         looked: dict[Role, list[Any]] = {}
         for check in self._checks():  # role_of's test inline: no Python call per check (benchmarks/calls.py)
             looked.setdefault(getattr(check, "role", Role.STEP_CHECK), []).append(check)
-        if roles is not None:  # in a phase: kept for the rest of it
-            roles.update(looked)
+        if self._phase_roles is not None:  # in a phase: kept for the rest of it
+            self._phase_roles.update(looked)
         return looked
 
     @_phase
